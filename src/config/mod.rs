@@ -1,0 +1,132 @@
+//! Configuration, in two stages: [`file`] is the TOML as written (serde,
+//! unknown keys rejected); [`Config`] is the validated, typed result. Every
+//! error names the file and the TOML path it is about, and validation reports
+//! all of them at once.
+
+mod error;
+mod file;
+mod validate;
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+pub use error::{ConfigError, ConfigIssue};
+
+use crate::identity::IdentitySource;
+use crate::route::{Route, UpstreamId};
+
+/// Where configuration is read from when `--config` and `IDEMGATE_CONFIG` are absent.
+pub const DEFAULT_CONFIG_PATH: &str = "config/idemgate.toml";
+/// The embedded store's file when `[store]` is absent.
+pub const DEFAULT_SQLITE_PATH: &str = "data/idemgate.db";
+
+/// A secret value (database URL with password, admin token). Never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(s: String) -> Secret {
+        Secret(s)
+    }
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(..)")
+    }
+}
+
+/// The validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub store: StoreConfig,
+    pub admin: Option<AdminConfig>,
+    pub upstreams: Vec<UpstreamConfig>,
+    pub identity: Vec<IdentitySource>,
+    pub routes: Vec<Route>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    /// Larger request bodies on idempotent routes get 413 before any claim.
+    pub max_request_body: u64,
+    /// How long SIGTERM waits for in-flight requests to finish and be recorded.
+    pub shutdown_grace: Duration,
+    /// Where unmatched paths go; absent: 404.
+    pub default_upstream: Option<UpstreamId>,
+    /// A client must send its request headers within this time (slowloris guard).
+    pub request_header_timeout: Duration,
+    /// ... and its body within this time, before any key is claimed.
+    pub request_body_timeout: Duration,
+    /// This replica's name in the `owner` column; default: hostname and pid.
+    pub replica_id: String,
+}
+
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    pub backend: StoreBackend,
+    /// Whether `serve` applies pending migrations at start.
+    pub migrate: bool,
+    /// Bound on any single store operation; past it the operation counts as
+    /// failed (and, for a claim or result write, ambiguous).
+    pub operation_timeout: Duration,
+    /// How often the sweeper and the lease reaper run.
+    pub sweep_interval: Duration,
+    /// Records deleted (or reaped) per statement.
+    pub sweep_batch: u32,
+}
+
+#[derive(Debug, Clone)]
+pub enum StoreBackend {
+    Postgres { url: Secret, pool_size: usize },
+    Sqlite { path: PathBuf },
+}
+
+#[derive(Debug, Clone)]
+pub struct AdminConfig {
+    pub listen: SocketAddr,
+    /// Bearer token for the admin API; health and metrics need none.
+    pub token: Option<Secret>,
+}
+
+#[derive(Debug, Clone)]
+pub struct UpstreamConfig {
+    pub name: String,
+    /// `http://host:port` plus an optional path prefix prepended to request paths.
+    pub url: http::Uri,
+    pub connect_timeout: Duration,
+    /// Whole-response timeout; expiry after the request was sent means the
+    /// outcome is unknown.
+    pub timeout: Duration,
+    pub pool_idle_timeout: Duration,
+    pub pool_max_idle: usize,
+}
+
+impl Config {
+    /// Reads and validates a file. Relative paths inside it (SQLite path,
+    /// secret files) are relative to the working directory.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError::single(&file, "", format!("cannot read the file: {e}")))?;
+        Config::from_toml(&text, &file, &|name| std::env::var(name).ok())
+    }
+
+    /// Validates TOML text. `origin` names it in errors; `env` looks up
+    /// environment variables (so tests need neither files nor a real env).
+    pub fn from_toml(text: &str, origin: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
+        let raw = validate::parse(text, origin)?;
+        validate::validate(raw, origin, env)
+    }
+
+    pub fn upstream(&self, id: UpstreamId) -> &UpstreamConfig {
+        &self.upstreams[id]
+    }
+}

@@ -1,0 +1,629 @@
+//! Stage two: from [`FileConfig`] to [`Config`], collecting every issue.
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use http::{HeaderName, Method, StatusCode};
+use ipnet::IpNet;
+
+use super::error::{ConfigError, Issues};
+use super::file::{FileConfig, IdentitySourceSection, RouteSection, StoreSection, UpstreamSection};
+use super::{AdminConfig, Config, Secret, ServerConfig, StoreBackend, StoreConfig, UpstreamConfig, DEFAULT_SQLITE_PATH};
+use crate::fingerprint::{FingerprintSpec, JsonPointer};
+use crate::identity::{Identity, IdentitySource};
+use crate::route::{ForwardKey, InFlightPolicy, PathTemplate, Route};
+
+/// Margin added to the upstream timeout for the default lease.
+const LEASE_MARGIN: Duration = Duration::from_secs(5);
+
+pub(super) fn parse(text: &str, origin: &str) -> Result<FileConfig, ConfigError> {
+    let de = toml::Deserializer::parse(text).map_err(|e| toml_error(origin, text, "", &e))?;
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let path = if path == "." { String::new() } else { path };
+        toml_error(origin, text, &path, e.inner())
+    })
+}
+
+fn toml_error(origin: &str, text: &str, path: &str, e: &toml::de::Error) -> ConfigError {
+    let mut msg = e.message().trim().to_owned();
+    if let Some(span) = e.span() {
+        let before = &text[..span.start.min(text.len())];
+        let line = before.matches('\n').count() + 1;
+        let col = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+        msg = format!("{msg} (line {line}, column {col})");
+    }
+    ConfigError::single(origin, path, msg)
+}
+
+pub(super) fn validate(raw: FileConfig, origin: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
+    let mut v = Validator { issues: Issues::default(), env };
+    let upstreams = v.upstreams(&raw.upstreams);
+    let names: HashMap<&str, usize> = upstreams.iter().enumerate().map(|(i, u)| (u.name.as_str(), i)).collect();
+    let server = v.server(&raw.server, &names);
+    let store = v.store(raw.store.as_ref());
+    let admin = match raw.admin.as_ref() {
+        None => Some(None),
+        Some(a) => v.admin(a).map(Some),
+    };
+    let identity: Vec<IdentitySource> =
+        raw.identity.sources.iter().enumerate().filter_map(|(i, s)| v.identity_source(i, s)).collect();
+    let routes: Vec<Route> = raw
+        .routes
+        .iter()
+        .enumerate()
+        .filter_map(|(i, r)| v.route(i, r, &names, &upstreams))
+        .collect();
+    let mut seen = HashSet::new();
+    for r in &routes {
+        if !seen.insert((r.method.clone(), r.path.as_str().to_owned())) {
+            v.issues.push(format!("routes[{}]", r.index), format!("another route already has {} {}", r.method, r.path.as_str()));
+        }
+    }
+    if !raw.routes.is_empty() && raw.identity.sources.is_empty() {
+        v.issues.push("identity.sources", "at least one identity source is required when [[routes]] are configured; without one every idempotent request is refused with 401");
+    }
+    if !v.issues.list.is_empty() {
+        return Err(ConfigError { file: origin.to_owned(), issues: v.issues.list });
+    }
+    match (server, store, admin) {
+        (Some(server), Some(store), Some(admin)) => {
+            Ok(Config { server, store, admin, upstreams: upstreams.into_iter().filter_map(|u| u.config).collect(), identity, routes })
+        }
+        _ => Err(ConfigError::single(origin, "", "invalid configuration")),
+    }
+}
+
+/// An upstream entry; `config` is `None` when the entry is invalid, so indices
+/// stay aligned with the file while validation goes on.
+struct Upstream {
+    name: String,
+    config: Option<UpstreamConfig>,
+}
+
+struct Validator<'e> {
+    issues: Issues,
+    env: &'e dyn Fn(&str) -> Option<String>,
+}
+
+impl Validator<'_> {
+    fn duration(&mut self, path: &str, value: Option<&str>, default: &str) -> Option<Duration> {
+        let s = value.unwrap_or(default);
+        match humantime::parse_duration(s) {
+            Ok(d) => Some(d),
+            Err(e) => {
+                self.issues.push(path, format!("invalid duration {s:?}: {e} (write e.g. \"250ms\", \"30s\", \"24h\")"));
+                None
+            }
+        }
+    }
+
+    fn size(&mut self, path: &str, value: Option<&str>, default: &str) -> Option<u64> {
+        let s = value.unwrap_or(default);
+        let ok = s.trim().bytes().next().is_some_and(|b| b.is_ascii_digit());
+        match s.trim().parse::<bytesize::ByteSize>() {
+            Ok(b) if ok => Some(b.as_u64()),
+            Ok(_) => {
+                self.issues.push(path, format!("invalid size {s:?} (write e.g. \"64KiB\", \"1MiB\")"));
+                None
+            }
+            Err(e) => {
+                self.issues.push(path, format!("invalid size {s:?}: {e} (write e.g. \"64KiB\", \"1MiB\")"));
+                None
+            }
+        }
+    }
+
+    fn addr(&mut self, path: &str, value: Option<&str>, default: Option<&str>) -> Option<SocketAddr> {
+        let Some(s) = value.or(default) else {
+            self.issues.push(path, "required");
+            return None;
+        };
+        match s.parse() {
+            Ok(a) => Some(a),
+            Err(_) => {
+                self.issues.push(path, format!("invalid socket address {s:?} (write e.g. \"127.0.0.1:8080\")"));
+                None
+            }
+        }
+    }
+
+    fn header_name(&mut self, path: &str, value: Option<&str>, default: &'static str) -> Option<HeaderName> {
+        let s = value.unwrap_or(default);
+        match HeaderName::from_bytes(s.as_bytes()) {
+            Ok(h) => Some(h),
+            Err(_) => {
+                self.issues.push(path, format!("invalid header name {s:?}"));
+                None
+            }
+        }
+    }
+
+    fn required<'a>(&mut self, path: &str, value: Option<&'a str>) -> Option<&'a str> {
+        match value {
+            Some(s) if !s.trim().is_empty() => Some(s),
+            Some(_) => {
+                self.issues.push(path, "must not be empty");
+                None
+            }
+            None => {
+                self.issues.push(path, "required");
+                None
+            }
+        }
+    }
+
+    /// A secret given inline, by environment variable, or by file — exactly one.
+    fn secret(&mut self, path: &str, inline: Option<&str>, env_name: Option<&str>, file: Option<&str>) -> Option<Option<Secret>> {
+        let given = [inline.is_some(), env_name.is_some(), file.is_some()].iter().filter(|b| **b).count();
+        if given > 1 {
+            self.issues.push(path, "give only one way to read the secret");
+            return None;
+        }
+        if let Some(s) = inline {
+            return Some(Some(Secret::new(s.to_owned())));
+        }
+        if let Some(name) = env_name {
+            return match (self.env)(name) {
+                Some(v) if !v.trim().is_empty() => Some(Some(Secret::new(v.trim().to_owned()))),
+                _ => {
+                    self.issues.push(format!("{path}_env"), format!("environment variable {name} is not set"));
+                    None
+                }
+            };
+        }
+        if let Some(f) = file {
+            return match std::fs::read_to_string(f) {
+                Ok(v) if !v.trim().is_empty() => Some(Some(Secret::new(v.trim().to_owned()))),
+                Ok(_) => {
+                    self.issues.push(format!("{path}_file"), format!("file {f} is empty"));
+                    None
+                }
+                Err(e) => {
+                    self.issues.push(format!("{path}_file"), format!("cannot read {f}: {e}"));
+                    None
+                }
+            };
+        }
+        Some(None)
+    }
+
+    fn server(&mut self, s: &super::file::ServerSection, names: &HashMap<&str, usize>) -> Option<ServerConfig> {
+        let listen = self.addr("server.listen", s.listen.as_deref(), Some("127.0.0.1:8080"));
+        let max_request_body = self.size("server.max_request_body", s.max_request_body.as_deref(), "1MiB");
+        let shutdown_grace = self.duration("server.shutdown_grace", s.shutdown_grace.as_deref(), "30s");
+        let request_header_timeout = self.duration("server.request_header_timeout", s.request_header_timeout.as_deref(), "10s");
+        let request_body_timeout = self.duration("server.request_body_timeout", s.request_body_timeout.as_deref(), "30s");
+        let default_upstream = match s.default_upstream.as_deref() {
+            None => Some(None),
+            Some(name) => match names.get(name) {
+                Some(&i) => Some(Some(i)),
+                None => {
+                    self.issues.push("server.default_upstream", format!("no [[upstreams]] entry is named {name:?}"));
+                    None
+                }
+            },
+        };
+        let replica_id = match s.replica_id.as_deref() {
+            Some(id) if id.trim().is_empty() || id.len() > 128 => {
+                self.issues.push("server.replica_id", "must be 1-128 characters");
+                None
+            }
+            Some(id) => Some(id.to_owned()),
+            None => Some(default_replica_id()),
+        };
+        Some(ServerConfig {
+            listen: listen?,
+            max_request_body: max_request_body?,
+            shutdown_grace: shutdown_grace?,
+            default_upstream: default_upstream?,
+            request_header_timeout: request_header_timeout?,
+            request_body_timeout: request_body_timeout?,
+            replica_id: replica_id?,
+        })
+    }
+
+    fn store(&mut self, s: Option<&StoreSection>) -> Option<StoreConfig> {
+        let default = StoreSection::default();
+        let s = s.unwrap_or(&default);
+        let migrate = s.migrate.unwrap_or(true);
+        let operation_timeout = self.duration("store.operation_timeout", s.operation_timeout.as_deref(), "5s");
+        let sweep_interval = self.duration("store.sweep_interval", s.sweep_interval.as_deref(), "30s");
+        let sweep_batch = match s.sweep_batch.unwrap_or(500) {
+            n @ 1..=100_000 => Some(n as u32),
+            n => {
+                self.issues.push("store.sweep_batch", format!("must be between 1 and 100000, not {n}"));
+                None
+            }
+        };
+        let backend = match s.kind.as_deref().unwrap_or("sqlite") {
+            "postgres" => {
+                if s.path.is_some() {
+                    self.issues.push("store.path", "only for kind = \"sqlite\"");
+                }
+                let pool_size = match s.pool_size.unwrap_or(16) {
+                    n @ 1..=1024 => Some(n as usize),
+                    n => {
+                        self.issues.push("store.pool_size", format!("must be between 1 and 1024, not {n}"));
+                        None
+                    }
+                };
+                let url = match self.secret("store.url", s.url.as_deref(), s.url_env.as_deref(), s.url_file.as_deref()) {
+                    Some(Some(url)) => Some(url),
+                    Some(None) => {
+                        self.issues.push("store.url_env", "kind = \"postgres\" needs url_env, url_file or url");
+                        None
+                    }
+                    None => None,
+                };
+                match (url, pool_size) {
+                    (Some(url), Some(pool_size)) => Some(StoreBackend::Postgres { url, pool_size }),
+                    _ => None,
+                }
+            }
+            "sqlite" => {
+                for (field, set) in [
+                    ("store.url", s.url.is_some()),
+                    ("store.url_env", s.url_env.is_some()),
+                    ("store.url_file", s.url_file.is_some()),
+                    ("store.pool_size", s.pool_size.is_some()),
+                ] {
+                    if set {
+                        self.issues.push(field, "only for kind = \"postgres\"");
+                    }
+                }
+                let path = s.path.as_deref().unwrap_or(DEFAULT_SQLITE_PATH);
+                if path.trim().is_empty() {
+                    self.issues.push("store.path", "must not be empty");
+                    None
+                } else {
+                    Some(StoreBackend::Sqlite { path: PathBuf::from(path) })
+                }
+            }
+            other => {
+                self.issues.push("store.kind", format!("unknown store kind {other:?}: use \"postgres\" or \"sqlite\""));
+                None
+            }
+        };
+        Some(StoreConfig {
+            backend: backend?,
+            migrate,
+            operation_timeout: operation_timeout?,
+            sweep_interval: sweep_interval?,
+            sweep_batch: sweep_batch?,
+        })
+    }
+
+    fn admin(&mut self, a: &super::file::AdminSection) -> Option<AdminConfig> {
+        let listen = self.addr("admin.listen", a.listen.as_deref(), None);
+        let token = self.secret("admin.token", None, a.token_env.as_deref(), a.token_file.as_deref());
+        Some(AdminConfig { listen: listen?, token: token? })
+    }
+
+    fn upstreams(&mut self, list: &[UpstreamSection]) -> Vec<Upstream> {
+        let mut seen = HashSet::new();
+        list.iter()
+            .enumerate()
+            .map(|(i, u)| {
+                let p = format!("upstreams[{i}]");
+                let name = self.required(&format!("{p}.name"), u.name.as_deref()).map(str::to_owned);
+                if let Some(n) = &name {
+                    if !seen.insert(n.clone()) {
+                        self.issues.push(format!("{p}.name"), format!("another upstream is already named {n:?}"));
+                    }
+                }
+                let url = self.required(&format!("{p}.url"), u.url.as_deref()).and_then(|s| self.upstream_url(&format!("{p}.url"), s));
+                let connect_timeout = self.duration(&format!("{p}.connect_timeout"), u.connect_timeout.as_deref(), "1s");
+                let timeout = self.duration(&format!("{p}.timeout"), u.timeout.as_deref(), "10s");
+                let pool_idle_timeout = self.duration(&format!("{p}.pool_idle_timeout"), u.pool_idle_timeout.as_deref(), "90s");
+                let pool_max_idle = match u.pool_max_idle.unwrap_or(256) {
+                    n @ 0..=65_536 => Some(n as usize),
+                    n => {
+                        self.issues.push(format!("{p}.pool_max_idle"), format!("must be between 0 and 65536, not {n}"));
+                        None
+                    }
+                };
+                let config = (|| {
+                    Some(UpstreamConfig {
+                        name: name.clone()?,
+                        url: url?,
+                        connect_timeout: connect_timeout?,
+                        timeout: timeout?,
+                        pool_idle_timeout: pool_idle_timeout?,
+                        pool_max_idle: pool_max_idle?,
+                    })
+                })();
+                Upstream { name: name.unwrap_or_default(), config }
+            })
+            .collect()
+    }
+
+    fn upstream_url(&mut self, path: &str, s: &str) -> Option<http::Uri> {
+        let uri: http::Uri = match s.parse() {
+            Ok(u) => u,
+            Err(e) => {
+                self.issues.push(path, format!("invalid URL {s:?}: {e}"));
+                return None;
+            }
+        };
+        match uri.scheme_str() {
+            Some("http") => {}
+            Some("https") => {
+                self.issues.push(path, "https upstreams are not supported yet; use http:// (TLS to upstreams is planned)");
+                return None;
+            }
+            _ => {
+                self.issues.push(path, format!("URL {s:?} must start with http://"));
+                return None;
+            }
+        }
+        if uri.authority().is_none() {
+            self.issues.push(path, format!("URL {s:?} has no host"));
+            return None;
+        }
+        if uri.query().is_some() {
+            self.issues.push(path, "must not have a query string");
+            return None;
+        }
+        Some(uri)
+    }
+
+    fn identity_source(&mut self, i: usize, s: &IdentitySourceSection) -> Option<IdentitySource> {
+        let p = format!("identity.sources[{i}]");
+        match s.kind.as_deref() {
+            Some("api_key") => {
+                for (field, set) in [
+                    ("tenant_header", s.tenant_header.is_some()),
+                    ("principal_header", s.principal_header.is_some()),
+                    ("trusted_peers", s.trusted_peers.is_some()),
+                ] {
+                    if set {
+                        self.issues.push(format!("{p}.{field}"), "only for kind = \"trusted_header\"");
+                    }
+                }
+                let header = self.header_name(&format!("{p}.header"), s.header.as_deref(), "authorization");
+                let mut keys = HashMap::new();
+                let list = s.keys.as_deref().unwrap_or_default();
+                if list.is_empty() {
+                    self.issues.push(format!("{p}.keys"), "list at least one key: { sha256 = \"<hex>\", tenant = \"..\", principal = \"..\" }");
+                }
+                for (k, entry) in list.iter().enumerate() {
+                    let kp = format!("{p}.keys[{k}]");
+                    let digest = self.required(&format!("{kp}.sha256"), entry.sha256.as_deref()).and_then(|h| {
+                        let mut out = [0u8; 32];
+                        match hex::decode_to_slice(h.trim(), &mut out) {
+                            Ok(()) => Some(out),
+                            Err(_) => {
+                                self.issues.push(format!("{kp}.sha256"), "must be 64 hex digits (the SHA-256 of the key, e.g. `printf %s KEY | sha256sum`)");
+                                None
+                            }
+                        }
+                    });
+                    let tenant = self.scope_part(&format!("{kp}.tenant"), entry.tenant.as_deref());
+                    let principal = self.scope_part(&format!("{kp}.principal"), entry.principal.as_deref());
+                    if let (Some(d), Some(t), Some(pr)) = (digest, tenant, principal) {
+                        if keys.insert(d, Identity { tenant: t.into(), principal: pr.into() }).is_some() {
+                            self.issues.push(format!("{kp}.sha256"), "the same key is listed twice");
+                        }
+                    }
+                }
+                Some(IdentitySource::ApiKey { header: header?, keys })
+            }
+            Some("trusted_header") => {
+                for (field, set) in [("header", s.header.is_some()), ("keys", s.keys.is_some())] {
+                    if set {
+                        self.issues.push(format!("{p}.{field}"), "only for kind = \"api_key\"");
+                    }
+                }
+                let tenant_header = self
+                    .required(&format!("{p}.tenant_header"), s.tenant_header.as_deref())
+                    .and_then(|h| self.header_name(&format!("{p}.tenant_header"), Some(h), ""));
+                let principal_header = self
+                    .required(&format!("{p}.principal_header"), s.principal_header.as_deref())
+                    .and_then(|h| self.header_name(&format!("{p}.principal_header"), Some(h), ""));
+                let peers = s.trusted_peers.as_deref().unwrap_or_default();
+                if peers.is_empty() {
+                    self.issues.push(format!("{p}.trusted_peers"), "list the peers (CIDRs) allowed to assert identity headers");
+                }
+                let mut trusted_peers = Vec::new();
+                for (k, cidr) in peers.iter().enumerate() {
+                    let parsed = cidr.parse::<IpNet>().or_else(|_| cidr.parse::<std::net::IpAddr>().map(IpNet::from));
+                    match parsed {
+                        Ok(net) => trusted_peers.push(net),
+                        Err(_) => self.issues.push(format!("{p}.trusted_peers[{k}]"), format!("invalid CIDR {cidr:?} (write e.g. \"10.0.0.0/8\")")),
+                    }
+                }
+                Some(IdentitySource::TrustedHeader { tenant_header: tenant_header?, principal_header: principal_header?, trusted_peers })
+            }
+            Some(other) => {
+                self.issues.push(format!("{p}.kind"), format!("unknown identity source {other:?}: use \"api_key\" or \"trusted_header\""));
+                None
+            }
+            None => {
+                self.issues.push(format!("{p}.kind"), "required: \"api_key\" or \"trusted_header\"");
+                None
+            }
+        }
+    }
+
+    fn scope_part<'a>(&mut self, path: &str, value: Option<&'a str>) -> Option<&'a str> {
+        let v = self.required(path, value)?;
+        if v.len() > 255 || v.chars().any(char::is_control) {
+            self.issues.push(path, "must be at most 255 bytes without control characters");
+            return None;
+        }
+        Some(v)
+    }
+
+    fn route(&mut self, i: usize, r: &RouteSection, names: &HashMap<&str, usize>, upstreams: &[Upstream]) -> Option<Route> {
+        let p = format!("routes[{i}]");
+        let operation = self.scope_part(&format!("{p}.operation"), r.operation.as_deref());
+        let method = self.required(&format!("{p}.method"), r.method.as_deref()).and_then(|m| {
+            match Method::from_bytes(m.to_ascii_uppercase().as_bytes()) {
+                Ok(method) => Some(method),
+                Err(_) => {
+                    self.issues.push(format!("{p}.method"), format!("invalid method {m:?}"));
+                    None
+                }
+            }
+        });
+        let path = self.required(&format!("{p}.path"), r.path.as_deref()).and_then(|s| match PathTemplate::parse(s) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                self.issues.push(format!("{p}.path"), format!("invalid path {s:?}: {e}"));
+                None
+            }
+        });
+        let upstream = self.required(&format!("{p}.upstream"), r.upstream.as_deref()).and_then(|n| match names.get(n) {
+            Some(&id) => Some(id),
+            None => {
+                self.issues.push(format!("{p}.upstream"), format!("no [[upstreams]] entry is named {n:?}"));
+                None
+            }
+        });
+        match r.mode.as_deref() {
+            None | Some("sync") => {}
+            Some("async") => self.issues.push(format!("{p}.mode"), "async mode is not available in this version; use \"sync\""),
+            Some(other) => self.issues.push(format!("{p}.mode"), format!("unknown mode {other:?}: use \"sync\"")),
+        }
+        let key_header = self.header_name(&format!("{p}.key_header"), r.key_header.as_deref(), "idempotency-key");
+        let retention = self.duration(&format!("{p}.retention"), r.retention.as_deref(), "24h");
+        let wait = self.duration(&format!("{p}.in_flight_wait"), r.in_flight_wait.as_deref(), "5s");
+        let in_flight = match r.in_flight.as_deref().unwrap_or("reject") {
+            "reject" => Some(InFlightPolicy::Reject),
+            "wait" => wait.map(InFlightPolicy::Wait),
+            other => {
+                self.issues.push(format!("{p}.in_flight"), format!("unknown policy {other:?}: use \"reject\" or \"wait\""));
+                None
+            }
+        };
+        let mut release_on_status = Vec::new();
+        for (k, code) in r.release_on_status.as_deref().unwrap_or_default().iter().enumerate() {
+            match u16::try_from(*code).ok().and_then(|c| StatusCode::from_u16(c).ok()) {
+                Some(s) if s.as_u16() >= 200 => release_on_status.push(s),
+                _ => self.issues.push(format!("{p}.release_on_status[{k}]"), format!("{code} is not a final HTTP status (200-999)")),
+            }
+        }
+        let max_stored_response = self.size(&format!("{p}.max_stored_response"), r.max_stored_response.as_deref(), "1MiB");
+        let upstream_timeout = upstream.and_then(|u| upstreams.get(u)).and_then(|u| u.config.as_ref()).map(|c| c.timeout);
+        let lease = match (r.lease.as_deref(), upstream_timeout) {
+            (Some(l), timeout) => {
+                let lease = self.duration(&format!("{p}.lease"), Some(l), "");
+                if let (Some(lease), Some(timeout)) = (lease, timeout) {
+                    if lease <= timeout {
+                        self.issues.push(
+                            format!("{p}.lease"),
+                            format!(
+                                "must be longer than the upstream's timeout ({}), or a request still running would be declared unknown",
+                                humantime::format_duration(timeout)
+                            ),
+                        );
+                    }
+                }
+                lease
+            }
+            (None, Some(timeout)) => Some(timeout + LEASE_MARGIN),
+            (None, None) => None,
+        };
+        let mismatch_status = match r.mismatch_status.unwrap_or(409) {
+            409 => Some(StatusCode::CONFLICT),
+            422 => Some(StatusCode::UNPROCESSABLE_ENTITY),
+            n => {
+                self.issues.push(format!("{p}.mismatch_status"), format!("must be 409 or 422, not {n}"));
+                None
+            }
+        };
+        let forward_key = match r.forward_key.as_deref().unwrap_or("derived") {
+            "derived" => Some(ForwardKey::Derived),
+            "client" => Some(ForwardKey::Client),
+            other => {
+                self.issues.push(format!("{p}.forward_key"), format!("unknown value {other:?}: use \"derived\" or \"client\""));
+                None
+            }
+        };
+        let fingerprint = self.fingerprint(&p, &r.fingerprint);
+        Some(Route {
+            index: i,
+            operation: operation?.into(),
+            method: method?,
+            path: path?,
+            upstream: upstream?,
+            key_header: key_header?,
+            key_required: r.key_required.unwrap_or(true),
+            retention: retention?,
+            in_flight: in_flight?,
+            release_on_status,
+            max_stored_response: max_stored_response?,
+            upstream_idempotent: r.upstream_idempotent.unwrap_or(false),
+            lease: lease?,
+            mismatch_status: mismatch_status?,
+            forward_key: forward_key?,
+            fingerprint: fingerprint?,
+        })
+    }
+
+    fn fingerprint(&mut self, p: &str, f: &super::file::FingerprintSection) -> Option<FingerprintSpec> {
+        let mut ok = true;
+        let mut spec = FingerprintSpec::default();
+        for (k, ptr) in f.exclude.iter().enumerate() {
+            match JsonPointer::parse(ptr) {
+                Ok(jp) => spec.exclude.push(jp),
+                Err(e) => {
+                    ok = false;
+                    self.issues.push(format!("{p}.fingerprint.exclude[{k}]"), format!("invalid JSON Pointer {ptr:?}: {e}"));
+                }
+            }
+        }
+        for (ptr, value) in &f.defaults {
+            let path = format!("{p}.fingerprint.defaults.\"{ptr}\"");
+            let jp = match JsonPointer::parse(ptr) {
+                Ok(jp) => jp,
+                Err(e) => {
+                    ok = false;
+                    self.issues.push(path, format!("invalid JSON Pointer {ptr:?}: {e}"));
+                    continue;
+                }
+            };
+            spec.defaults.push((jp, toml_to_json(value)));
+        }
+        for (k, h) in f.headers.iter().enumerate() {
+            match HeaderName::from_bytes(h.as_bytes()) {
+                Ok(name) => spec.headers.push(name),
+                Err(_) => {
+                    ok = false;
+                    self.issues.push(format!("{p}.fingerprint.headers[{k}]"), format!("invalid header name {h:?}"));
+                }
+            }
+        }
+        if let Err(e) = spec.validate() {
+            ok = false;
+            self.issues.push(format!("{p}.fingerprint.defaults"), e.to_string());
+        }
+        ok.then_some(spec)
+    }
+}
+
+fn toml_to_json(v: &toml::Value) -> serde_json::Value {
+    use serde_json::Value as J;
+    match v {
+        toml::Value::String(s) => J::String(s.clone()),
+        toml::Value::Integer(i) => J::from(*i),
+        toml::Value::Float(f) => serde_json::Number::from_f64(*f).map_or(J::Null, J::Number),
+        toml::Value::Boolean(b) => J::Bool(*b),
+        toml::Value::Datetime(d) => J::String(d.to_string()),
+        toml::Value::Array(a) => J::Array(a.iter().map(toml_to_json).collect()),
+        toml::Value::Table(t) => J::Object(t.iter().map(|(k, v)| (k.clone(), toml_to_json(v))).collect()),
+    }
+}
+
+fn default_replica_id() -> String {
+    let host = std::fs::read_to_string("/etc/hostname")
+        .ok()
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "idemgate".to_owned());
+    format!("{host}-{}", std::process::id())
+}

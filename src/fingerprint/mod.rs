@@ -1,0 +1,375 @@
+//! The request fingerprint: the SHA-256 that decides whether a retried request with the
+//! same idempotency key is "the same request" (replay) or not (`idempotency-key-reused`).
+//!
+//! # What enters the hash
+//!
+//! The hash input is a self-delimiting byte stream; every variable-length field is
+//! written as an 8-byte big-endian length followed by its bytes, every list as an 8-byte
+//! count followed by its items. In order:
+//!
+//! 1. the version tag `idemgate-fp-v1`;
+//! 2. the method (`POST`);
+//! 3. the operation (`create_order`);
+//! 4. the path parameters, in template order: count, then name and value of each;
+//! 5. the query string as urlencoded pairs, decoded and sorted by (name, value):
+//!    count, then name and value of each. An absent and an empty query are the same;
+//! 6. for each header in `spec.headers`, in spec order: its lowercase name, then `0` if
+//!    the request lacks it, or `1` and all its values joined with `", "` in order (so two
+//!    `X: a` / `X: b` lines equal one `X: a, b` line, as HTTP says they do, while an
+//!    absent header differs from an empty one);
+//! 7. a body-kind tag (`raw`, `json` or `form`) and the body:
+//!    - `json` (`application/json` or any `*/*+json`, parameters ignored): the
+//!      RFC 8785 canonical form after `defaults` and `exclude` are applied, streamed
+//!      into the hasher. It is the last field, so it needs no length prefix;
+//!    - `form` (`application/x-www-form-urlencoded`): pairs as for the query;
+//!    - `raw` (any other or no content type): the bytes, length-prefixed.
+//!
+//!    An empty body is `raw` with no bytes whatever the content type, so a bodiless
+//!    `POST` with `Content-Type: application/json` is accepted and equals one without.
+//!
+//! # JSON bodies
+//!
+//! See [`canonical_json`]. Malformed JSON, invalid UTF-8, duplicate member names and
+//! nesting deeper than [`MAX_DEPTH`] are errors (the gateway answers 400 `invalid-body`
+//! and claims nothing); nothing here panics or recurses deeper than 64 levels on input.
+//!
+//! Floats are the correctly rounded doubles of their literals even though serde_json's
+//! default float parser is not always correctly rounded: the parser re-reads each float
+//! literal with `str::parse::<f64>` (see `tree::NumberCursor`), so enabling serde_json's
+//! `float_roundtrip` feature is not needed, and would do no harm.
+
+mod canonical;
+mod form;
+mod pointer;
+mod tree;
+
+use std::fmt;
+use std::str::FromStr;
+
+use http::{HeaderMap, HeaderName, Method, header::CONTENT_TYPE};
+use serde_json::Value;
+
+use canonical::{HashSink, Sink};
+pub use pointer::{JsonPointer, PointerError};
+
+/// Deepest accepted nesting of arrays/objects in a JSON body, counted in containers:
+/// `[]` is depth 1, and a document of 64 nested arrays is accepted while 65 is
+/// [`FingerprintError::TooDeep`].
+pub const MAX_DEPTH: usize = 64;
+
+/// Tag that starts every hash input; bump it whenever the encoding changes, since stored
+/// `request_hash` values would otherwise silently stop matching.
+const VERSION_TAG: &[u8] = b"idemgate-fp-v1";
+
+/// Per-route fingerprint configuration (`fingerprint.*` in a `[[routes]]` entry).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct FingerprintSpec {
+    /// Members or array elements removed from a JSON body before hashing (e.g. a client
+    /// trace id that differs between retries). A pointer to something absent is a no-op.
+    /// Pointers are resolved against the document after `defaults`, independently of
+    /// each other: `/items/0` and `/items/1` remove the first two elements.
+    pub exclude: Vec<JsonPointer>,
+    /// Values inserted where a JSON body lacks them, so omitting a field that has a
+    /// server-side default equals sending that default. Applied in order, *before*
+    /// `exclude` (an excluded path never enters the hash, default or not). Only inserts
+    /// into an object that exists: a missing parent, or an array or scalar parent, is a
+    /// no-op. A value already present, even `null`, is kept.
+    pub defaults: Vec<(JsonPointer, Value)>,
+    /// Request headers that enter the fingerprint (e.g. `api-version`), in this order.
+    pub headers: Vec<HeaderName>,
+}
+
+/// A spec that could never fingerprint successfully.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SpecError {
+    #[error(
+        "fingerprint default at {pointer} would nest {depth} levels deep, more than the {limit} a request body may have"
+    )]
+    DefaultTooDeep {
+        pointer: String,
+        depth: usize,
+        limit: usize,
+    },
+}
+
+impl FingerprintSpec {
+    /// Checks what can be checked at config load: a default whose pointer depth plus
+    /// value nesting exceeds [`MAX_DEPTH`] would make every request on the route fail.
+    pub fn validate(&self) -> Result<(), SpecError> {
+        for (pointer, value) in &self.defaults {
+            let depth = pointer.tokens().len() + value_depth(value);
+            if depth > MAX_DEPTH {
+                return Err(SpecError::DefaultTooDeep {
+                    pointer: pointer.as_str().to_owned(),
+                    depth,
+                    limit: MAX_DEPTH,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Container nesting of a value (scalar 0, `[]` 1), without recursion.
+fn value_depth(value: &Value) -> usize {
+    let mut deepest = 0;
+    let mut stack = vec![(value, 0usize)];
+    while let Some((value, depth)) = stack.pop() {
+        let children: Box<dyn Iterator<Item = &Value>> = match value {
+            Value::Array(items) => Box::new(items.iter()),
+            Value::Object(map) => Box::new(map.values()),
+            _ => continue,
+        };
+        let inner = depth + 1;
+        deepest = deepest.max(inner);
+        stack.extend(children.map(|child| (child, inner)));
+    }
+    deepest
+}
+
+/// SHA-256 of a request's canonical form; stored as the record's `request_hash`.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct Fingerprint(pub [u8; 32]);
+
+impl Fingerprint {
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// Lowercase hex, as `Display` writes it.
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.0)
+    }
+}
+
+impl fmt::Display for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for byte in self.0 {
+            write!(f, "{byte:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Parses 64 hex digits (either case), e.g. a `request_hash` read back from the store.
+impl FromStr for Fingerprint {
+    type Err = hex::FromHexError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let mut bytes = [0u8; 32];
+        hex::decode_to_slice(s, &mut bytes)?;
+        Ok(Fingerprint(bytes))
+    }
+}
+
+/// Why a request body cannot be fingerprinted. All variants are the client's fault
+/// (400 `invalid-body`); messages describe the body's shape, never its content beyond
+/// the pointer of a duplicate member.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FingerprintError {
+    #[error("request body is not valid JSON: {reason} at line {line} column {column}")]
+    InvalidJson {
+        line: usize,
+        column: usize,
+        reason: String,
+    },
+    #[error("request body has a duplicate member name at JSON Pointer {pointer:?}")]
+    DuplicateMember { pointer: String },
+    #[error("request body nests arrays/objects deeper than {limit} levels")]
+    TooDeep { limit: usize },
+    #[error("request body is not valid UTF-8 (invalid byte at offset {valid_up_to})")]
+    InvalidUtf8 { valid_up_to: usize },
+}
+
+/// The parts of a request that identify it.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestParts<'a> {
+    pub method: &'a Method,
+    /// The route's `operation`.
+    pub operation: &'a str,
+    /// `{param}` captures, in template order.
+    pub path_params: &'a [(String, String)],
+    /// The raw query string, without `?`.
+    pub query: Option<&'a str>,
+    pub headers: &'a HeaderMap,
+    pub body: &'a [u8],
+}
+
+/// How a body is read, from its `Content-Type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyKind {
+    /// `application/json` or `<type>/<subtype>+json`: canonical JSON.
+    Json,
+    /// `application/x-www-form-urlencoded`: sorted decoded pairs.
+    Form,
+    /// Anything else, no or unreadable `Content-Type`: the bytes as they are.
+    Raw,
+}
+
+/// Classifies the (first) `Content-Type` header: media type compared case-insensitively,
+/// parameters such as `charset` ignored.
+pub fn body_kind(headers: &HeaderMap) -> BodyKind {
+    let Some(value) = headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok()) else {
+        return BodyKind::Raw;
+    };
+    let media = value
+        .split(';')
+        .next()
+        .unwrap_or_default()
+        .trim_matches([' ', '\t']);
+    let Some((kind, subtype)) = media.split_once('/') else {
+        return BodyKind::Raw;
+    };
+    if kind.is_empty() || subtype.contains('/') {
+        return BodyKind::Raw;
+    }
+    let json_suffix = subtype.len() > 5
+        && subtype
+            .get(subtype.len() - 5..)
+            .is_some_and(|suffix| suffix.eq_ignore_ascii_case("+json"));
+    if media.eq_ignore_ascii_case("application/json") || json_suffix {
+        BodyKind::Json
+    } else if media.eq_ignore_ascii_case("application/x-www-form-urlencoded") {
+        BodyKind::Form
+    } else {
+        BodyKind::Raw
+    }
+}
+
+/// Computes the fingerprint of a request (see the module docs for what enters it).
+///
+/// The body is validated before anything is hashed, so an invalid body costs no hashing.
+pub fn fingerprint(
+    spec: &FingerprintSpec,
+    parts: &RequestParts<'_>,
+) -> Result<Fingerprint, FingerprintError> {
+    let mut body = prepare_body(spec, parts.headers, parts.body)?;
+    let mut out = HashSink::new();
+    put_field(&mut out, VERSION_TAG);
+    put_field(&mut out, parts.method.as_str().as_bytes());
+    put_field(&mut out, parts.operation.as_bytes());
+    put_len(&mut out, parts.path_params.len());
+    for (name, value) in parts.path_params {
+        put_field(&mut out, name.as_bytes());
+        put_field(&mut out, value.as_bytes());
+    }
+    let query = form::sorted_pairs(parts.query.unwrap_or_default().as_bytes());
+    form::write_pairs(&mut out, &query);
+    put_len(&mut out, spec.headers.len());
+    for name in &spec.headers {
+        put_header(&mut out, parts.headers, name);
+    }
+    match &mut body {
+        Body::Raw(bytes) => {
+            put_field(&mut out, b"raw");
+            put_field(&mut out, bytes);
+        }
+        Body::Form(pairs) => {
+            put_field(&mut out, b"form");
+            form::write_pairs(&mut out, pairs);
+        }
+        Body::Json(root) => {
+            put_field(&mut out, b"json");
+            canonical::write_node(&mut out, root, 0)?;
+        }
+    }
+    Ok(Fingerprint(out.finish()))
+}
+
+/// The RFC 8785 (JCS) canonical form of a JSON body after `spec.defaults` and then
+/// `spec.exclude` are applied, exactly as [`fingerprint`] hashes it for JSON bodies.
+///
+/// - members sorted by name as UTF-16 code units; no insignificant whitespace;
+/// - strings with only `\" \\ \b \f \n \r \t` and `\u00xx` (controls) escaped, so
+///   `"\u0041"` and `"A"` are equal;
+/// - floats as ECMAScript `Number.prototype.toString` (`1.0`, `1e0`, `10e-1` -> `1`;
+///   `-0` -> `0`; `1E+2` -> `100`; `1e30` -> `1e+30`);
+/// - integers that serde_json reads as `u64`/`i64` as their exact decimal value. This
+///   equals JCS up to 2^53; beyond it JCS would round through a double and make
+///   distinct ids such as `9007199254740993` and `9007199254740992` collide, so we
+///   deliberately keep them apart.
+///
+/// An empty body yields empty bytes (no error); anything else must be one JSON value.
+pub fn canonical_json(body: &[u8], spec: &FingerprintSpec) -> Result<Vec<u8>, FingerprintError> {
+    if body.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut root = json_tree(body, spec)?;
+    let mut out = Vec::with_capacity(body.len());
+    canonical::write_node(&mut out, &mut root, 0)?;
+    Ok(out)
+}
+
+/// A body ready to hash.
+enum Body<'a> {
+    Raw(&'a [u8]),
+    Form(Vec<form::Pair<'a>>),
+    Json(tree::Node<'a>),
+}
+
+fn prepare_body<'a>(
+    spec: &'a FingerprintSpec,
+    headers: &HeaderMap,
+    body: &'a [u8],
+) -> Result<Body<'a>, FingerprintError> {
+    if body.is_empty() {
+        return Ok(Body::Raw(body));
+    }
+    Ok(match body_kind(headers) {
+        BodyKind::Raw => Body::Raw(body),
+        BodyKind::Form => Body::Form(form::sorted_pairs(body)),
+        BodyKind::Json => Body::Json(json_tree(body, spec)?),
+    })
+}
+
+/// Parses a JSON body and applies defaults, then exclusions.
+fn json_tree<'a>(
+    body: &'a [u8],
+    spec: &'a FingerprintSpec,
+) -> Result<tree::Node<'a>, FingerprintError> {
+    let mut root = tree::parse(body)?;
+    for (pointer, value) in &spec.defaults {
+        tree::apply_default(&mut root, pointer, value);
+    }
+    for pointer in &spec.exclude {
+        tree::apply_exclusion(&mut root, pointer);
+    }
+    Ok(root)
+}
+
+/// Writes a length or count as 8 bytes, big-endian.
+pub(crate) fn put_len(out: &mut impl Sink, len: usize) {
+    out.put(&(len as u64).to_be_bytes());
+}
+
+/// Writes a length-prefixed field.
+pub(crate) fn put_field(out: &mut impl Sink, bytes: &[u8]) {
+    put_len(out, bytes.len());
+    out.put(bytes);
+}
+
+/// Name, then `0` (absent) or `1` and the values joined with `", "`.
+fn put_header(out: &mut impl Sink, headers: &HeaderMap, name: &HeaderName) {
+    put_field(out, name.as_str().as_bytes());
+    let values = headers.get_all(name);
+    let mut count = 0usize;
+    let mut total = 0usize;
+    for value in values.iter() {
+        count += 1;
+        total += value.len();
+    }
+    if count == 0 {
+        out.put(&[0]);
+        return;
+    }
+    out.put(&[1]);
+    put_len(out, total + 2 * (count - 1));
+    for (i, value) in values.iter().enumerate() {
+        if i > 0 {
+            out.put(b", ");
+        }
+        out.put(value.as_bytes());
+    }
+}
+
+#[cfg(test)]
+mod tests;

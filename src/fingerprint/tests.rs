@@ -1,0 +1,717 @@
+//! Tests of the public API: canonical JSON, the hash's inputs, and its encoding.
+
+use super::*;
+use http::HeaderValue;
+use sha2::{Digest, Sha256};
+
+const JSON: &str = "application/json";
+const FORM: &str = "application/x-www-form-urlencoded";
+
+/// An owned request to fingerprint.
+#[derive(Clone)]
+struct Req {
+    method: Method,
+    operation: String,
+    params: Vec<(String, String)>,
+    query: Option<String>,
+    headers: HeaderMap,
+    body: Vec<u8>,
+}
+
+impl Req {
+    fn new(content_type: Option<&str>, body: &[u8]) -> Req {
+        let mut req = Req {
+            method: Method::POST,
+            operation: "create_order".into(),
+            params: Vec::new(),
+            query: None,
+            headers: HeaderMap::new(),
+            body: body.to_vec(),
+        };
+        if let Some(ct) = content_type {
+            req = req.header("content-type", ct);
+        }
+        req
+    }
+
+    fn json(body: &str) -> Req {
+        Req::new(Some(JSON), body.as_bytes())
+    }
+
+    fn header(mut self, name: &str, value: &str) -> Req {
+        let name = HeaderName::from_bytes(name.as_bytes()).expect("test header name");
+        let value = HeaderValue::from_str(value).expect("test header value");
+        self.headers.append(name, value);
+        self
+    }
+
+    fn query(mut self, q: Option<&str>) -> Req {
+        self.query = q.map(str::to_owned);
+        self
+    }
+
+    fn params(mut self, params: &[(&str, &str)]) -> Req {
+        self.params = params
+            .iter()
+            .map(|(n, v)| ((*n).to_owned(), (*v).to_owned()))
+            .collect();
+        self
+    }
+
+    fn try_fp(&self, spec: &FingerprintSpec) -> Result<Fingerprint, FingerprintError> {
+        fingerprint(
+            spec,
+            &RequestParts {
+                method: &self.method,
+                operation: &self.operation,
+                path_params: &self.params,
+                query: self.query.as_deref(),
+                headers: &self.headers,
+                body: &self.body,
+            },
+        )
+    }
+
+    fn fp(&self, spec: &FingerprintSpec) -> Fingerprint {
+        match self.try_fp(spec) {
+            Ok(fp) => fp,
+            Err(e) => panic!("fingerprint failed: {e}"),
+        }
+    }
+}
+
+fn none() -> FingerprintSpec {
+    FingerprintSpec::default()
+}
+
+fn ptr(s: &str) -> JsonPointer {
+    JsonPointer::parse(s).expect("test pointer")
+}
+
+fn spec(exclude: &[&str], defaults: &[(&str, Value)], headers: &[&str]) -> FingerprintSpec {
+    FingerprintSpec {
+        exclude: exclude.iter().map(|p| ptr(p)).collect(),
+        defaults: defaults.iter().map(|(p, v)| (ptr(p), v.clone())).collect(),
+        headers: headers
+            .iter()
+            .map(|h| HeaderName::from_bytes(h.as_bytes()).expect("test header name"))
+            .collect(),
+    }
+}
+
+fn canon_with(body: &str, spec: &FingerprintSpec) -> String {
+    match canonical_json(body.as_bytes(), spec) {
+        Ok(bytes) => String::from_utf8(bytes).expect("canonical JSON is UTF-8"),
+        Err(e) => panic!("canonical_json({body:?}) failed: {e}"),
+    }
+}
+
+fn canon(body: &str) -> String {
+    canon_with(body, &none())
+}
+
+// ---- canonical JSON -------------------------------------------------------------
+
+#[test]
+fn member_order_and_whitespace_do_not_matter() {
+    let a = r#"{"b": 2, "a": {"y": [1, 2], "x": null}}"#;
+    let b = "{ \"a\" :{\"x\":null ,\n\t\"y\":[ 1,2 ]} ,\r\n \"b\":2 }";
+    assert_eq!(canon(a), r#"{"a":{"x":null,"y":[1,2]},"b":2}"#);
+    assert_eq!(canon(b), canon(a));
+    assert_eq!(Req::json(a).fp(&none()), Req::json(b).fp(&none()));
+    // Array order does matter.
+    assert_ne!(
+        Req::json("[1,2]").fp(&none()),
+        Req::json("[2,1]").fp(&none())
+    );
+}
+
+#[test]
+fn number_spellings_canonicalize_like_jcs() {
+    assert_eq!(
+        canon("[1.0, 1, 1e0, 10e-1, 0.1e1, -0, -0.0, 0, 1E+2, 100, 1e2]"),
+        "[1,1,1,1,1,0,0,0,100,100,100]"
+    );
+    assert_eq!(canon("[0.1, 0.10, 1e-1]"), "[0.1,0.1,0.1]");
+    assert_eq!(
+        canon("[1e21, 1e20, 1.5e-7, -2.5E-3, 123e-20]"),
+        "[1e+21,100000000000000000000,1.5e-7,-0.0025,1.23e-18]"
+    );
+    let one = Req::json(r#"{"n": 1}"#).fp(&none());
+    for spelling in ["1.0", "1e0", "10e-1", "0.01e2"] {
+        assert_eq!(
+            Req::json(&format!(r#"{{"n": {spelling}}}"#)).fp(&none()),
+            one,
+            "{spelling}"
+        );
+    }
+    assert_ne!(Req::json(r#"{"n": 1.000001}"#).fp(&none()), one);
+    assert_eq!(
+        Req::json(r#"{"n": -0}"#).fp(&none()),
+        Req::json(r#"{"n": 0}"#).fp(&none())
+    );
+}
+
+#[test]
+fn large_integers_stay_exact_and_distinct() {
+    assert_eq!(
+        canon(
+            "[9007199254740993, 9007199254740992, -9007199254740993, 18446744073709551615, -9223372036854775808]"
+        ),
+        "[9007199254740993,9007199254740992,-9007199254740993,18446744073709551615,-9223372036854775808]"
+    );
+    assert_ne!(
+        Req::json(r#"{"id": 9007199254740993}"#).fp(&none()),
+        Req::json(r#"{"id": 9007199254740992}"#).fp(&none())
+    );
+    // Beyond u64 the literal is a double and follows JCS.
+    assert_eq!(canon("18446744073709551616"), "18446744073709552000");
+}
+
+#[test]
+fn rfc8785_section_3_2_2_example() {
+    let input = r#"{
+        "numbers": [333333333.33333329, 1E30, 4.50, 2e-3, 0.000000000000000000000000001],
+        "string": "\u20ac$\u000F\u000aA'\u0042\u0022\u005c\\\"\/",
+        "literals": [null, true, false]
+    }"#;
+    assert_eq!(
+        canon(input),
+        r#"{"literals":[null,true,false],"numbers":[333333333.3333333,1e+30,4.5,0.002,1e-27],"string":"€$\u000f\nA'B\"\\\\\"/"}"#
+    );
+}
+
+#[test]
+fn string_escapes_are_normalized() {
+    assert_eq!(
+        canon(
+            r#"["\u0041", "\/", "\ud83d\ude00", "😀", "\u00e9", "\u001F", "\u007f", "\u2028", "\b\f\n\r\t"]"#
+        ),
+        "[\"A\",\"/\",\"😀\",\"😀\",\"é\",\"\\u001f\",\"\u{7f}\",\"\u{2028}\",\"\\b\\f\\n\\r\\t\"]"
+    );
+    let fp = |s: &str| Req::json(s).fp(&none());
+    assert_eq!(fp(r#"{"s": "\u0041"}"#), fp(r#"{"s": "A"}"#));
+    assert_eq!(fp(r#"{"s": "a\/b"}"#), fp(r#"{"s": "a/b"}"#));
+    assert_eq!(fp(r#"{"s": "\ud83d\ude00"}"#), fp(r#"{"s": "😀"}"#));
+    assert_eq!(fp(r#"{"\u0073": 1}"#), fp(r#"{"s": 1}"#));
+    assert_ne!(fp(r#"{"s": "a"}"#), fp(r#"{"s": "A"}"#));
+}
+
+#[test]
+fn rfc8785_section_3_2_3_utf16_sort_example() {
+    let input = r#"{
+        "\u20ac": "Euro Sign",
+        "\r": "Carriage Return",
+        "\ufb33": "Hebrew Letter Dalet With Dagesh",
+        "1": "One",
+        "\ud83d\ude00": "Emoji: Grinning Face",
+        "\u0080": "Control",
+        "\u00f6": "Latin Small Letter O With Diaeresis"
+    }"#;
+    let expected = concat!(
+        "{\"\\r\":\"Carriage Return\",",
+        "\"1\":\"One\",",
+        "\"\u{80}\":\"Control\",",
+        "\"\u{f6}\":\"Latin Small Letter O With Diaeresis\",",
+        "\"\u{20ac}\":\"Euro Sign\",",
+        "\"\u{1f600}\":\"Emoji: Grinning Face\",",
+        "\"\u{fb33}\":\"Hebrew Letter Dalet With Dagesh\"}"
+    );
+    assert_eq!(canon(input), expected);
+}
+
+#[test]
+fn top_level_scalars_are_documents_too() {
+    assert_eq!(canon(" \"x\" "), "\"x\"");
+    assert_eq!(canon("true"), "true");
+    assert_eq!(canon("null"), "null");
+    assert_eq!(canon("4.50"), "4.5");
+}
+
+// ---- exclude / defaults ---------------------------------------------------------
+
+#[test]
+fn exclusions_remove_members_and_elements() {
+    let spec = spec(
+        &[
+            "/trace_id",
+            "/meta/sent_at",
+            "/items/0",
+            "/absent",
+            "/absent/deeper",
+            "/items/7",
+        ],
+        &[],
+        &[],
+    );
+    assert_eq!(
+        canon_with(
+            r#"{"trace_id": "t1", "amount": 5, "meta": {"sent_at": 1, "k": 2}, "items": ["debug", "a", "b"]}"#,
+            &spec
+        ),
+        r#"{"amount":5,"items":["a","b"],"meta":{"k":2}}"#
+    );
+    let a =
+        Req::json(r#"{"trace_id": "t1", "amount": 5, "meta": {"sent_at": 1}, "items": [1, 2]}"#);
+    let b =
+        Req::json(r#"{"amount": 5, "trace_id": "t2", "meta": {"sent_at": 99}, "items": [7, 2]}"#);
+    let c =
+        Req::json(r#"{"amount": 6, "trace_id": "t1", "meta": {"sent_at": 1}, "items": [1, 2]}"#);
+    assert_eq!(a.fp(&spec), b.fp(&spec));
+    assert_ne!(a.fp(&spec), c.fp(&spec));
+    // Without the spec they differ.
+    assert_ne!(a.fp(&none()), b.fp(&none()));
+}
+
+#[test]
+fn excluding_an_absent_member_equals_not_sending_it() {
+    let spec = spec(&["/trace_id"], &[], &[]);
+    assert_eq!(
+        Req::json(r#"{"a": 1, "trace_id": "x"}"#).fp(&spec),
+        Req::json(r#"{"a": 1}"#).fp(&spec)
+    );
+}
+
+#[test]
+fn defaults_apply_when_absent_and_equal_explicit_value() {
+    let spec = spec(&[], &[("/currency", Value::from("USD"))], &[]);
+    let implicit = Req::json(r#"{"amount": 5}"#);
+    let explicit = Req::json(r#"{"amount": 5, "currency": "USD"}"#);
+    let other = Req::json(r#"{"amount": 5, "currency": "EUR"}"#);
+    let null = Req::json(r#"{"amount": 5, "currency": null}"#);
+    assert_eq!(
+        canon_with(r#"{"amount": 5}"#, &spec),
+        r#"{"amount":5,"currency":"USD"}"#
+    );
+    assert_eq!(
+        canon_with(r#"{"amount": 5, "currency": "EUR"}"#, &spec),
+        r#"{"amount":5,"currency":"EUR"}"#
+    );
+    assert_eq!(implicit.fp(&spec), explicit.fp(&spec));
+    assert_ne!(implicit.fp(&spec), other.fp(&spec));
+    assert_ne!(implicit.fp(&spec), null.fp(&spec));
+    assert_ne!(implicit.fp(&none()), explicit.fp(&none()));
+}
+
+#[test]
+fn structured_defaults_are_canonicalized_too() {
+    let spec = spec(
+        &[],
+        &[("/opts", serde_json::json!({"z": 1.0, "a": [true]}))],
+        &[],
+    );
+    assert_eq!(canon_with("{}", &spec), r#"{"opts":{"a":[true],"z":1}}"#);
+    assert_eq!(
+        Req::json("{}").fp(&spec),
+        Req::json(r#"{"opts": {"a": [true], "z": 1}}"#).fp(&spec)
+    );
+}
+
+#[test]
+fn defaults_are_applied_before_exclusions() {
+    let spec = spec(
+        &["/sent_at"],
+        &[
+            ("/sent_at", Value::from("now")),
+            ("/currency", Value::from("USD")),
+        ],
+        &[],
+    );
+    assert_eq!(
+        canon_with(r#"{"a": 1}"#, &spec),
+        r#"{"a":1,"currency":"USD"}"#
+    );
+    assert_eq!(
+        canon_with(r#"{"a": 1, "sent_at": 5}"#, &spec),
+        r#"{"a":1,"currency":"USD"}"#
+    );
+}
+
+#[test]
+fn spec_validation_bounds_default_depth() {
+    let deep = |n: usize| -> Value {
+        let mut v = Value::from(1);
+        for _ in 0..n {
+            v = Value::Array(vec![v]);
+        }
+        v
+    };
+    assert_eq!(
+        spec(&[], &[("/a", deep(MAX_DEPTH - 1))], &[]).validate(),
+        Ok(())
+    );
+    assert_eq!(
+        spec(&[], &[("/a/b", deep(MAX_DEPTH - 1))], &[]).validate(),
+        Err(SpecError::DefaultTooDeep {
+            pointer: "/a/b".into(),
+            depth: MAX_DEPTH + 1,
+            limit: MAX_DEPTH
+        })
+    );
+    // Such a default would otherwise fail requests at hashing time, not panic.
+    let bad = spec(&[], &[("/a", deep(MAX_DEPTH))], &[]);
+    assert_eq!(
+        Req::json("{}").try_fp(&bad),
+        Err(FingerprintError::TooDeep { limit: MAX_DEPTH })
+    );
+}
+
+// ---- rejected bodies --------------------------------------------------------------
+
+#[test]
+fn duplicates_are_rejected_with_pointer() {
+    assert_eq!(
+        Req::json(r#"{"a": 1, "a": 1}"#).try_fp(&none()),
+        Err(FingerprintError::DuplicateMember {
+            pointer: "/a".into()
+        })
+    );
+    assert_eq!(
+        Req::json(r#"{"x": [{"y": 1}, {"y": 2, "z": 0, "y": 3}]}"#).try_fp(&none()),
+        Err(FingerprintError::DuplicateMember {
+            pointer: "/x/1/y".into()
+        })
+    );
+    // Even inside an excluded subtree: the body itself is malformed.
+    let spec = spec(&["/x"], &[], &[]);
+    assert!(matches!(
+        canonical_json(br#"{"x": {"d": 1, "d": 2}}"#, &spec),
+        Err(FingerprintError::DuplicateMember { .. })
+    ));
+}
+
+fn nested_arrays(n: usize) -> String {
+    format!("{}{}", "[".repeat(n), "]".repeat(n))
+}
+
+#[test]
+fn depth_boundary_is_64_containers() {
+    assert_eq!(canon(&nested_arrays(64)), nested_arrays(64));
+    assert!(Req::json(&nested_arrays(64)).try_fp(&none()).is_ok());
+    assert_eq!(
+        Req::json(&nested_arrays(65)).try_fp(&none()),
+        Err(FingerprintError::TooDeep { limit: 64 })
+    );
+    assert_eq!(
+        canonical_json(nested_arrays(65).as_bytes(), &none()),
+        Err(FingerprintError::TooDeep { limit: 64 })
+    );
+}
+
+#[test]
+fn ten_thousand_levels_fail_cleanly_on_the_test_thread() {
+    assert_eq!(
+        Req::json(&nested_arrays(10_000)).try_fp(&none()),
+        Err(FingerprintError::TooDeep { limit: 64 })
+    );
+}
+
+#[test]
+fn invalid_json_bodies_are_errors_but_same_bytes_as_raw_are_fine() {
+    for bad in [
+        "{\"a\":",
+        "{\"a\":1} trailing",
+        "[1,,2]",
+        "'single'",
+        "{a:1}",
+        "\"\\ud800\"",
+    ] {
+        let err = Req::json(bad).try_fp(&none());
+        assert!(
+            matches!(err, Err(FingerprintError::InvalidJson { .. })),
+            "{bad}: {err:?}"
+        );
+        assert!(
+            Req::new(Some("text/plain"), bad.as_bytes())
+                .try_fp(&none())
+                .is_ok()
+        );
+    }
+    assert_eq!(
+        Req::new(Some(JSON), b"{\"a\":\"\xff\"}").try_fp(&none()),
+        Err(FingerprintError::InvalidUtf8 { valid_up_to: 6 })
+    );
+    let Err(FingerprintError::InvalidJson { line, column, .. }) =
+        canonical_json(b"[1,\n2,\n}", &none())
+    else {
+        panic!("expected InvalidJson");
+    };
+    assert_eq!((line, column), (3, 1));
+}
+
+// ---- body kinds -------------------------------------------------------------------
+
+#[test]
+fn content_type_selects_body_kind() {
+    let kind = |ct: &str| body_kind(&Req::new(Some(ct), b"").headers);
+    assert_eq!(kind("application/json"), BodyKind::Json);
+    assert_eq!(kind("Application/JSON; charset=UTF-8"), BodyKind::Json);
+    assert_eq!(kind("application/problem+json"), BodyKind::Json);
+    assert_eq!(
+        kind("application/vnd.acme.order+JSON ; v=2"),
+        BodyKind::Json
+    );
+    assert_eq!(
+        kind("application/x-www-form-urlencoded; charset=utf-8"),
+        BodyKind::Form
+    );
+    assert_eq!(kind("text/plain"), BodyKind::Raw);
+    assert_eq!(kind("text/json"), BodyKind::Raw);
+    assert_eq!(kind("application/jsonl"), BodyKind::Raw);
+    assert_eq!(kind("application/+json"), BodyKind::Raw);
+    assert_eq!(kind("json"), BodyKind::Raw);
+    assert_eq!(kind("multipart/form-data; boundary=x"), BodyKind::Raw);
+    assert_eq!(body_kind(&HeaderMap::new()), BodyKind::Raw);
+}
+
+#[test]
+fn form_bodies_are_decoded_and_sorted() {
+    let f = |body: &str| Req::new(Some(FORM), body.as_bytes()).fp(&none());
+    assert_eq!(f("b=2&a=1"), f("a=1&b=2"));
+    assert_eq!(f("q=a+b&x=%41"), f("x=A&q=a%20b"));
+    assert_eq!(f("a=1&&b=2&"), f("b=2&a=1"));
+    assert_ne!(f("a=1&b=2"), f("a=1&b=3"));
+    assert_ne!(f("a=1&a=2"), f("a=1"));
+    // The same bytes as raw keep their order.
+    let raw = |body: &str| Req::new(Some("text/plain"), body.as_bytes()).fp(&none());
+    assert_ne!(raw("b=2&a=1"), raw("a=1&b=2"));
+    // Exclusions and defaults are JSON-only.
+    let s = spec(&["/a"], &[], &[]);
+    assert_ne!(
+        Req::new(Some(FORM), b"a=1").fp(&s),
+        Req::new(Some(FORM), b"a=2").fp(&s)
+    );
+}
+
+#[test]
+fn other_content_types_hash_raw_bytes() {
+    let r = |ct: Option<&str>, body: &str| Req::new(ct, body.as_bytes()).fp(&none());
+    assert_ne!(
+        r(Some("text/plain"), r#"{"a":1,"b":2}"#),
+        r(Some("text/plain"), r#"{"b":2,"a":1}"#)
+    );
+    assert_ne!(r(None, "{\"a\":1}"), r(None, "{\"a\": 1}"));
+    assert_eq!(r(None, "abc"), r(Some("application/octet-stream"), "abc"));
+    assert_ne!(r(None, "abc"), r(None, "abd"));
+    // Canonical JSON and raw bytes never collide, thanks to the body-kind tag.
+    assert_ne!(r(Some(JSON), "{\"a\":1}"), r(None, "{\"a\":1}"));
+    // Media type parameters alone do not change the hash.
+    assert_eq!(
+        r(Some(JSON), "{\"a\":1}"),
+        r(Some("application/json; charset=utf-8"), "{ \"a\" : 1 }")
+    );
+}
+
+#[test]
+fn empty_body_is_empty_bytes_for_every_content_type() {
+    assert_eq!(canonical_json(b"", &none()), Ok(Vec::new()));
+    let e = |ct: Option<&str>| Req::new(ct, b"").fp(&none());
+    let empty = e(None);
+    assert_eq!(e(Some(JSON)), empty);
+    assert_eq!(e(Some(FORM)), empty);
+    assert_eq!(e(Some("text/plain")), empty);
+    assert_ne!(Req::json("{}").fp(&none()), empty);
+    assert_ne!(Req::new(Some(FORM), b"&").fp(&none()), empty);
+    // Defaults do not turn an absent body into an object.
+    let s = spec(&[], &[("/currency", Value::from("USD"))], &[]);
+    assert_eq!(Req::json("").fp(&s), empty);
+}
+
+// ---- request line, query, headers -------------------------------------------------
+
+#[test]
+fn method_operation_and_path_params_enter_the_hash() {
+    let base = Req::json("{}").params(&[("account", "7"), ("order", "9")]);
+    let fp = base.fp(&none());
+    let mut put = base.clone();
+    put.method = Method::PUT;
+    assert_ne!(put.fp(&none()), fp);
+    let mut op = base.clone();
+    op.operation = "cancel_order".into();
+    assert_ne!(op.fp(&none()), fp);
+    assert_ne!(
+        base.clone()
+            .params(&[("account", "7"), ("order", "8")])
+            .fp(&none()),
+        fp
+    );
+    assert_ne!(
+        base.clone()
+            .params(&[("order", "9"), ("account", "7")])
+            .fp(&none()),
+        fp
+    );
+    assert_ne!(base.clone().params(&[("account", "7")]).fp(&none()), fp);
+    assert_eq!(base.clone().fp(&none()), fp);
+    // Length prefixes keep field boundaries: ("ab","c") is not ("a","bc").
+    assert_ne!(
+        Req::json("{}").params(&[("ab", "c")]).fp(&none()),
+        Req::json("{}").params(&[("a", "bc")]).fp(&none())
+    );
+    let mut shifted = Req::json("{}");
+    shifted.operation = "create_orderx".into();
+    assert_ne!(
+        shifted.fp(&none()),
+        Req::json("{}").params(&[("x", "")]).fp(&none())
+    );
+}
+
+#[test]
+fn query_is_canonicalized() {
+    let q = |query: Option<&str>| Req::json("{}").query(query).fp(&none());
+    assert_eq!(q(None), q(Some("")));
+    assert_eq!(q(Some("b=2&a=1")), q(Some("a=1&b=2")));
+    assert_eq!(q(Some("a=A+B")), q(Some("a=%41%20%42")));
+    assert_eq!(q(Some("a")), q(Some("a=")));
+    assert_ne!(q(Some("a=1")), q(Some("a=2")));
+    assert_ne!(q(Some("a=1")), q(None));
+    assert_ne!(q(Some("a=1&a=2")), q(Some("a=1")));
+    assert_ne!(q(Some("a%3D1=")), q(Some("a=1")));
+}
+
+#[test]
+fn only_listed_headers_enter_the_hash() {
+    let s = spec(&[], &[], &["api-version"]);
+    let base = Req::json("{}")
+        .header("api-version", "2024-01-01")
+        .header("x-request-id", "r1");
+    let fp = base.fp(&s);
+    assert_ne!(
+        Req::json("{}")
+            .header("api-version", "2025-01-01")
+            .header("x-request-id", "r1")
+            .fp(&s),
+        fp
+    );
+    assert_eq!(
+        Req::json("{}")
+            .header("api-version", "2024-01-01")
+            .header("x-request-id", "r2")
+            .fp(&s),
+        fp
+    );
+    // Unlisted, it does not matter.
+    assert_eq!(
+        Req::json("{}")
+            .header("api-version", "2025-01-01")
+            .fp(&none()),
+        Req::json("{}")
+            .header("api-version", "2024-01-01")
+            .fp(&none())
+    );
+    // Header names are case-insensitive.
+    assert_eq!(
+        Req::json("{}").header("API-Version", "2024-01-01").fp(&s),
+        fp
+    );
+}
+
+#[test]
+fn absent_header_differs_from_empty_and_values_join_in_order() {
+    let s = spec(&[], &[], &["api-version"]);
+    let absent = Req::json("{}").fp(&s);
+    let empty = Req::json("{}").header("api-version", "").fp(&s);
+    assert_ne!(absent, empty);
+    let two_lines = Req::json("{}")
+        .header("api-version", "a")
+        .header("api-version", "b")
+        .fp(&s);
+    let one_line = Req::json("{}").header("api-version", "a, b").fp(&s);
+    let reversed = Req::json("{}")
+        .header("api-version", "b")
+        .header("api-version", "a")
+        .fp(&s);
+    assert_eq!(two_lines, one_line);
+    assert_ne!(two_lines, reversed);
+    // A spec listing a header the request lacks still differs from one that lists none.
+    assert_ne!(absent, Req::json("{}").fp(&none()));
+}
+
+// ---- the Fingerprint value and the exact encoding ---------------------------------
+
+#[test]
+fn encoding_matches_the_documented_layout() {
+    fn field(s: &mut Vec<u8>, bytes: &[u8]) {
+        s.extend_from_slice(&(bytes.len() as u64).to_be_bytes());
+        s.extend_from_slice(bytes);
+    }
+    fn count(s: &mut Vec<u8>, n: u64) {
+        s.extend_from_slice(&n.to_be_bytes());
+    }
+    let mut s = Vec::new();
+    field(&mut s, b"idemgate-fp-v1");
+    field(&mut s, b"POST");
+    field(&mut s, b"create_order");
+    count(&mut s, 1);
+    field(&mut s, b"id");
+    field(&mut s, b"42");
+    count(&mut s, 2);
+    for f in [&b"a"[..], b"1 x", b"b", b"2"] {
+        field(&mut s, f);
+    }
+    count(&mut s, 2);
+    field(&mut s, b"api-version");
+    s.push(1);
+    field(&mut s, b"v1, v2");
+    field(&mut s, b"x-absent");
+    s.push(0);
+    field(&mut s, b"json");
+    s.extend_from_slice(br#"{"a":[true,1.5],"b":"\u0001"}"#);
+    let expected: [u8; 32] = Sha256::digest(&s).into();
+
+    let req = Req::json("{\"b\": \"\\u0001\", \"a\": [true, 15e-1], \"t\": 0}")
+        .params(&[("id", "42")])
+        .query(Some("b=2&a=1+x"))
+        .header("api-version", "v1")
+        .header("api-version", "v2");
+    let spec = spec(&["/t"], &[], &["api-version", "x-absent"]);
+    assert_eq!(req.fp(&spec), Fingerprint(expected));
+
+    // Raw bodies are length-prefixed.
+    let mut s = Vec::new();
+    field(&mut s, b"idemgate-fp-v1");
+    field(&mut s, b"GET");
+    field(&mut s, b"op");
+    count(&mut s, 0);
+    count(&mut s, 0);
+    count(&mut s, 0);
+    field(&mut s, b"raw");
+    field(&mut s, b"hello");
+    let expected: [u8; 32] = Sha256::digest(&s).into();
+    let mut req = Req::new(None, b"hello");
+    req.method = Method::GET;
+    req.operation = "op".into();
+    assert_eq!(req.fp(&none()), Fingerprint(expected));
+}
+
+#[test]
+fn fingerprint_displays_and_parses_as_lowercase_hex() {
+    let fp = Req::json("{}").fp(&none());
+    let text = fp.to_string();
+    assert_eq!(text.len(), 64);
+    assert!(
+        text.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')),
+        "{text}"
+    );
+    assert_eq!(text, hex::encode(fp.as_bytes()));
+    assert_eq!(text, fp.to_hex());
+    assert_eq!(text.parse::<Fingerprint>(), Ok(fp));
+    assert_eq!(text.to_uppercase().parse::<Fingerprint>(), Ok(fp));
+    assert!("abc".parse::<Fingerprint>().is_err());
+    assert!("zz".repeat(32).parse::<Fingerprint>().is_err());
+    let known = Fingerprint([0xab; 32]);
+    assert_eq!(known.to_string(), "ab".repeat(32));
+    assert_eq!(known.as_bytes(), &[0xab; 32]);
+}
+
+#[test]
+fn fingerprint_is_deterministic_and_matches_canonical_json() {
+    let body = r#"{"z": [1.0, {"b": null, "a": "\u00e9"}], "a": 1}"#;
+    let a = Req::json(body).fp(&none());
+    let b = Req::json(body).fp(&none());
+    assert_eq!(a, b);
+    // The hashed JSON is exactly canonical_json's output.
+    let canonical = canon(body);
+    assert_eq!(Req::json(&canonical).fp(&none()), a);
+    assert_eq!(canonical, r#"{"a":1,"z":[1,{"a":"é","b":null}]}"#);
+}

@@ -1,0 +1,43 @@
+//! idemgate: a reverse proxy that makes retried HTTP writes safe.
+//!
+//! A write carrying an `Idempotency-Key` is claimed in the store (one atomic,
+//! committed statement) before it is forwarded; its response is recorded and
+//! replayed to retries. The modules, from the outside in:
+//!
+//! - [`config`]: the TOML file, validated into typed values (two stages).
+//! - [`server`]: listeners, connections, the drain on shutdown.
+//! - [`gateway`]: the request path — route, identify, fingerprint, claim,
+//!   forward-and-record, or answer from the record.
+//! - [`route`], [`identity`], [`scope`], [`fingerprint`]: what a request is
+//!   (operation, tenant and principal, key, fingerprint).
+//! - [`record`]: records and their state machine (pure code).
+//! - [`store`]: one interface over PostgreSQL and embedded SQLite.
+//! - [`upstream`]: the HTTP client, whose errors say whether the upstream may
+//!   have executed the request.
+//! - [`problem`]: every error as an RFC 9457 problem, in one place.
+//! - [`replay`], [`headers`], [`body`]: responses out of records.
+//! - [`admin`], [`metrics`], [`background`]: health, Prometheus, sweeper and
+//!   lease reaper.
+//! - [`keys`], [`demo`]: operator commands and the built-in demo.
+
+#![forbid(unsafe_code)]
+
+pub mod admin;
+pub mod background;
+pub mod body;
+pub mod config;
+pub mod demo;
+pub mod fingerprint;
+pub mod gateway;
+pub mod headers;
+pub mod identity;
+pub mod keys;
+pub mod metrics;
+pub mod problem;
+pub mod record;
+pub mod replay;
+pub mod route;
+pub mod scope;
+pub mod server;
+pub mod store;
+pub mod upstream;

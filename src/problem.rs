@@ -1,0 +1,216 @@
+//! Every way a request can end other than with an upstream's (or a stored)
+//! response, and the one function that turns it into an RFC 9457 problem.
+//!
+//! `detail` texts are written here, for clients: they never carry internal
+//! error text, secrets, or another scope's data. Internal causes go to logs.
+
+use std::time::Duration;
+
+use http::{header, HeaderValue, Response, StatusCode};
+
+use crate::body::Body;
+use crate::metrics::Outcome;
+use crate::scope::KeyError;
+
+/// Why idempotent handling ended without an upstream or stored response.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    #[error("no identity source matched")]
+    Unauthenticated,
+    #[error("missing idempotency key header {header}")]
+    MissingKey { header: String },
+    #[error("invalid idempotency key: {0}")]
+    InvalidKey(KeyError),
+    #[error("request body larger than {limit} bytes")]
+    BodyTooLarge { limit: u64 },
+    #[error("request body not received within {0:?}")]
+    BodyTimeout(Duration),
+    #[error("request body could not be read")]
+    BodyRead,
+    #[error("invalid request body: {0}")]
+    InvalidBody(String),
+    #[error("store unavailable")]
+    StoreUnavailable,
+    /// The upstream was not reached; the key was released.
+    #[error("upstream unavailable (request not sent)")]
+    UpstreamUnavailable,
+    /// First request: timed out or broke after it was sent.
+    #[error("upstream outcome unknown")]
+    OutcomeUnknown,
+    /// Retry of a request whose record is `unknown` (or whose lease expired).
+    #[error("record outcome unknown")]
+    RecordUnknown,
+    #[error("idempotency key reused with a different request")]
+    KeyReused { status: StatusCode },
+    #[error("request with this key in progress")]
+    InProgress { retry_after: Duration },
+    /// Completed, but the body exceeded `max_stored_response`.
+    #[error("stored response has no body")]
+    ResponseNotStored { original_status: u16 },
+    #[error("no route")]
+    NotFound,
+    /// Pass-through only: the upstream failed (no record is involved).
+    #[error("bad gateway")]
+    BadGateway,
+    #[error("gateway timeout")]
+    GatewayTimeout,
+    #[error("internal error")]
+    Internal,
+}
+
+/// The fixed parts of one problem type.
+struct Kind {
+    name: &'static str,
+    title: &'static str,
+    status: StatusCode,
+    retryable: bool,
+}
+
+impl GatewayError {
+    fn kind(&self) -> Kind {
+        use GatewayError as E;
+        let k = |name, title, status, retryable| Kind { name, title, status, retryable };
+        match self {
+            E::Unauthenticated => k("unauthenticated", "Unauthenticated", StatusCode::UNAUTHORIZED, false),
+            E::MissingKey { .. } => k("missing-idempotency-key", "Missing idempotency key", StatusCode::BAD_REQUEST, false),
+            E::InvalidKey(_) => k("invalid-idempotency-key", "Invalid idempotency key", StatusCode::BAD_REQUEST, false),
+            E::BodyTooLarge { .. } => k("request-too-large", "Request body too large", StatusCode::PAYLOAD_TOO_LARGE, false),
+            E::BodyTimeout(_) => k("request-timeout", "Request body not received in time", StatusCode::REQUEST_TIMEOUT, true),
+            E::BodyRead => k("invalid-body", "Request body could not be read", StatusCode::BAD_REQUEST, false),
+            E::InvalidBody(_) => k("invalid-body", "Invalid request body", StatusCode::BAD_REQUEST, false),
+            E::StoreUnavailable => k("store-unavailable", "Idempotency store unavailable", StatusCode::SERVICE_UNAVAILABLE, true),
+            E::UpstreamUnavailable => k("upstream-unavailable", "Upstream unavailable", StatusCode::SERVICE_UNAVAILABLE, true),
+            E::OutcomeUnknown => k("outcome-unknown", "Outcome unknown", StatusCode::GATEWAY_TIMEOUT, false),
+            E::RecordUnknown => k("outcome-unknown", "Outcome unknown", StatusCode::CONFLICT, false),
+            E::KeyReused { status } => k("idempotency-key-reused", "Idempotency key reused", *status, false),
+            E::InProgress { .. } => k("request-in-progress", "Request in progress", StatusCode::CONFLICT, true),
+            E::ResponseNotStored { .. } => k("response-not-stored", "Response not stored", StatusCode::CONFLICT, false),
+            E::NotFound => k("not-found", "Not found", StatusCode::NOT_FOUND, false),
+            E::BadGateway => k("bad-gateway", "Bad gateway", StatusCode::BAD_GATEWAY, true),
+            E::GatewayTimeout => k("gateway-timeout", "Gateway timeout", StatusCode::GATEWAY_TIMEOUT, true),
+            E::Internal => k("internal", "Internal error", StatusCode::INTERNAL_SERVER_ERROR, false),
+        }
+    }
+
+    fn detail(&self) -> String {
+        use GatewayError as E;
+        match self {
+            E::Unauthenticated => "No identity source recognised this request; idempotent routes need a known API key or trusted identity headers.".into(),
+            E::MissingKey { header } => format!("This operation requires an idempotency key in the {header} header."),
+            E::InvalidKey(e) => format!("{e}; a key is 1-255 bytes of visible ASCII, optionally as a quoted structured-field string."),
+            E::BodyTooLarge { limit } => format!("The request body exceeds the limit of {limit} bytes; the key was not used."),
+            E::BodyTimeout(d) => format!("The request body was not received within {}; the key was not used.", humantime::format_duration(*d)),
+            E::BodyRead => "The request body could not be read; the key was not used.".into(),
+            E::InvalidBody(why) => format!("{why}; the key was not used."),
+            E::StoreUnavailable => "The idempotency store could not be reached, so the request was not forwarded. Retry with the same key.".into(),
+            E::UpstreamUnavailable => "The upstream could not be reached and did not receive the request. The key was released; retry with the same key.".into(),
+            E::OutcomeUnknown => "The request was sent to the upstream but no complete response arrived in time. It may have been executed; the key is held as unknown until an operator reconciles it.".into(),
+            E::RecordUnknown => "An earlier request with this key may have been executed but its outcome is unknown. The key is held until an operator reconciles it.".into(),
+            E::KeyReused { .. } => "This idempotency key was already used with a different request. Use a new key for a new request.".into(),
+            E::InProgress { .. } => "A request with this idempotency key is still being processed. Retry after the indicated time.".into(),
+            E::ResponseNotStored { original_status } => format!("The request with this key completed with status {original_status}, but its response was too large to store, so it cannot be replayed."),
+            E::NotFound => "No route matches this request.".into(),
+            E::BadGateway => "The upstream could not be reached or failed.".into(),
+            E::GatewayTimeout => "The upstream did not answer in time.".into(),
+            E::Internal => "The gateway failed unexpectedly.".into(),
+        }
+    }
+
+    fn retry_after(&self) -> Option<Duration> {
+        match self {
+            GatewayError::InProgress { retry_after } => Some(*retry_after),
+            GatewayError::StoreUnavailable | GatewayError::UpstreamUnavailable => Some(Duration::from_secs(1)),
+            _ => None,
+        }
+    }
+
+    /// How the request counts in `idemgate_requests_total`.
+    pub fn outcome(&self) -> Outcome {
+        use GatewayError as E;
+        match self {
+            E::Unauthenticated | E::MissingKey { .. } | E::InvalidKey(_) | E::BodyTooLarge { .. } | E::BodyTimeout(_) | E::BodyRead | E::InvalidBody(_) | E::NotFound => Outcome::Rejected,
+            E::StoreUnavailable | E::Internal => Outcome::StoreUnavailable,
+            E::UpstreamUnavailable => Outcome::Released,
+            E::OutcomeUnknown | E::RecordUnknown => Outcome::Unknown,
+            E::KeyReused { .. } => Outcome::Mismatch,
+            E::InProgress { .. } => Outcome::InFlight,
+            E::ResponseNotStored { .. } => Outcome::Replayed,
+            E::BadGateway | E::GatewayTimeout => Outcome::PassThrough,
+        }
+    }
+
+    /// The problem type URI's last part, e.g. `request-in-progress`.
+    pub fn type_name(&self) -> &'static str {
+        self.kind().name
+    }
+}
+
+/// The one place an error becomes a response.
+pub fn response(err: &GatewayError) -> Response<Body> {
+    let kind = err.kind();
+    let mut body = serde_json::json!({
+        "type": format!("urn:idemgate:problem:{}", kind.name),
+        "title": kind.title,
+        "status": kind.status.as_u16(),
+        "detail": err.detail(),
+        "retryable": kind.retryable,
+    });
+    if let GatewayError::ResponseNotStored { original_status } = err {
+        body["original_status"] = serde_json::json!(original_status);
+    }
+    let bytes = serde_json::to_vec(&body).unwrap_or_default();
+    let mut resp = Response::new(Body::full(bytes));
+    *resp.status_mut() = kind.status;
+    let h = resp.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    if let Some(after) = err.retry_after() {
+        let secs = after.as_secs_f64().ceil().max(1.0) as u64;
+        h.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    }
+    if matches!(err, GatewayError::ResponseNotStored { .. }) {
+        h.insert(crate::headers::IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    }
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+
+    async fn json(resp: Response<Body>) -> serde_json::Value {
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        serde_json::from_slice(&bytes).unwrap()
+    }
+
+    #[tokio::test]
+    async fn problems_are_rfc9457_with_retryable_and_retry_after() {
+        let r = response(&GatewayError::InProgress { retry_after: Duration::from_millis(300) });
+        assert_eq!(r.status(), StatusCode::CONFLICT);
+        assert_eq!(r.headers()[header::CONTENT_TYPE], "application/problem+json");
+        assert_eq!(r.headers()[header::RETRY_AFTER], "1");
+        let v = json(r).await;
+        assert_eq!(v["type"], "urn:idemgate:problem:request-in-progress");
+        assert_eq!(v["status"], 409);
+        assert_eq!(v["retryable"], true);
+        assert!(v["title"].is_string() && v["detail"].is_string());
+
+        let r = response(&GatewayError::KeyReused { status: StatusCode::UNPROCESSABLE_ENTITY });
+        assert_eq!(r.status(), StatusCode::UNPROCESSABLE_ENTITY);
+        assert!(r.headers().get(header::RETRY_AFTER).is_none());
+        assert_eq!(json(r).await["retryable"], false);
+
+        let r = response(&GatewayError::StoreUnavailable);
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert!(r.headers().contains_key(header::RETRY_AFTER));
+        assert_eq!(json(r).await["retryable"], true);
+
+        // The three 409s are told apart by type alone.
+        let types: Vec<&str> = [GatewayError::InProgress { retry_after: Duration::ZERO }, GatewayError::RecordUnknown, GatewayError::KeyReused { status: StatusCode::CONFLICT }]
+            .iter()
+            .map(|e| e.type_name())
+            .collect();
+        assert_eq!(types, vec!["request-in-progress", "outcome-unknown", "idempotency-key-reused"]);
+    }
+}

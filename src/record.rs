@@ -1,0 +1,375 @@
+//! Records and their state machine — pure code, no I/O.
+//!
+//! A record is the store's memory of one scope: the request's fingerprint, where
+//! its attempt stands, and (once known) the response to replay. Both stores and
+//! the proxy path ask this module what a record means for an incoming request
+//! ([`decide`]), whether an expired record may be claimed again
+//! ([`may_take_over`]), and which state an event leads to ([`transition`]).
+//!
+//! ```text
+//!            claim                complete(gen)
+//!   (none) ─────────▶ in_flight ─────────────────▶ completed ──(retention)──▶ swept
+//!      ▲                 │  │                          │
+//!      │  release(gen)   │  │ mark_unknown(gen):       │ expired: treated as absent,
+//!      └─────────────────┘  │ timeout after send,      │ a new claim takes it over
+//!                           ▼ or lease expired         ▼
+//!                        unknown ──resolve──▶ completed | (none)
+//! ```
+//! Async mode will add `queued` and `failed_retryable` on the same table; the
+//! match arms below are written so adding a state is a compile error everywhere
+//! it matters.
+
+use std::fmt;
+use std::time::Duration;
+
+use bytes::Bytes;
+use uuid::Uuid;
+
+use crate::fingerprint::Fingerprint;
+use crate::scope::Scope;
+
+/// A point in time on the store's clock: microseconds since the Unix epoch.
+/// Deciding times (lease expiry, retention) always come from the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Timestamp(pub i64);
+
+impl Timestamp {
+    pub fn plus(self, d: Duration) -> Timestamp {
+        Timestamp(self.0.saturating_add(i64::try_from(d.as_micros()).unwrap_or(i64::MAX)))
+    }
+
+    /// Time from `self` until `later`, zero if `later` is not later.
+    pub fn until(self, later: Timestamp) -> Duration {
+        Duration::from_micros(u64::try_from(later.0.saturating_sub(self.0)).unwrap_or(0))
+    }
+}
+
+impl fmt::Display for Timestamp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let secs = self.0.div_euclid(1_000_000);
+        let micros = self.0.rem_euclid(1_000_000);
+        match u64::try_from(secs) {
+            Ok(s) => {
+                let t = std::time::UNIX_EPOCH + Duration::new(s, (micros * 1000) as u32);
+                write!(f, "{}", humantime::format_rfc3339_micros(t))
+            }
+            Err(_) => write!(f, "{}us", self.0),
+        }
+    }
+}
+
+/// The fencing token of one attempt: it grows with every claim or take-over of
+/// a scope, and a result is recorded only under the generation that claimed it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Generation(pub i64);
+
+impl fmt::Display for Generation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// Where a record stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum State {
+    /// Claimed; the request is (about to be) with the upstream.
+    InFlight,
+    /// The upstream's response is recorded and replayed until `expires_at`.
+    Completed,
+    /// The request may have reached the upstream but its result is not known.
+    /// Never swept; waits for reconciliation.
+    Unknown,
+}
+
+impl State {
+    pub const ALL: [State; 3] = [State::InFlight, State::Completed, State::Unknown];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            State::InFlight => "in_flight",
+            State::Completed => "completed",
+            State::Unknown => "unknown",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<State> {
+        State::ALL.into_iter().find(|st| st.as_str() == s)
+    }
+}
+
+impl fmt::Display for State {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A response as recorded for replay. Hop-by-hop headers, `Set-Cookie` and
+/// `Date` are never stored (see `crate::replay`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredResponse {
+    pub status: u16,
+    /// Header name (lowercase) and raw value, in the order received.
+    pub headers: Vec<(String, Vec<u8>)>,
+    /// `None` when the body was larger than the route's `max_stored_response`:
+    /// the outcome is known (status and headers) but the body cannot be replayed.
+    pub body: Option<Bytes>,
+}
+
+/// One row of the store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    pub scope: Scope,
+    pub request_hash: Fingerprint,
+    pub state: State,
+    pub generation: Generation,
+    /// Fresh for every claim; read back after an ambiguous commit to learn
+    /// whether the claim was written.
+    pub claim_token: Uuid,
+    /// Replica id of the claimant.
+    pub owner: String,
+    pub lease_expires_at: Option<Timestamp>,
+    pub response: Option<StoredResponse>,
+    pub created_at: Timestamp,
+    pub updated_at: Timestamp,
+    /// For `completed` records: replayed until then, swept afterwards.
+    pub expires_at: Timestamp,
+}
+
+/// What an existing record means for an incoming request with the same scope.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    /// Completed, same fingerprint: answer from the record.
+    Replay,
+    /// Another request was made under this key: 409 (or 422).
+    Mismatch,
+    /// The first attempt is still running; retry after about this long.
+    InProgress { lease_left: Duration },
+    /// In flight, but its lease ran out: nobody is going to record a result.
+    /// Becomes `unknown` (a store write) unless the route may re-forward.
+    LeaseExpired,
+    /// The outcome is unknown until an operator (or a probe) reconciles it.
+    Unknown,
+    /// Completed but past retention: treated as if absent.
+    Expired,
+}
+
+/// The heart of the protocol's read side. `now` is the store's clock.
+pub fn decide(record: &Record, request_hash: &Fingerprint, now: Timestamp) -> Decision {
+    if record.state == State::Completed && record.expires_at <= now {
+        return Decision::Expired;
+    }
+    if record.request_hash != *request_hash {
+        return Decision::Mismatch;
+    }
+    match record.state {
+        State::Completed => Decision::Replay,
+        State::Unknown => Decision::Unknown,
+        State::InFlight => match record.lease_expires_at {
+            Some(lease) if lease > now => Decision::InProgress { lease_left: now.until(lease) },
+            _ => Decision::LeaseExpired,
+        },
+    }
+}
+
+/// Whether a new claim may atomically replace `record`. The PostgreSQL claim's
+/// `ON CONFLICT ... DO UPDATE ... WHERE` clause is this function in SQL; the
+/// conformance suite holds the two to the same answers.
+pub fn may_take_over(record: &Record, request_hash: &Fingerprint, now: Timestamp, upstream_idempotent: bool) -> bool {
+    match record.state {
+        State::Completed => record.expires_at <= now,
+        State::InFlight => {
+            upstream_idempotent
+                && record.request_hash == *request_hash
+                && record.lease_expires_at.is_none_or(|lease| lease <= now)
+        }
+        State::Unknown => upstream_idempotent && record.request_hash == *request_hash,
+    }
+}
+
+/// Something that changes a record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    /// The attempt holding `generation` recorded the upstream's response.
+    Complete { generation: Generation },
+    /// The attempt holding `generation` proved the upstream never acted (or
+    /// the response asked not to be stored): the key is freed.
+    Release { generation: Generation },
+    /// The attempt holding `generation` lost track of the outcome.
+    MarkUnknown { generation: Generation },
+    /// The lease reaper found the lease expired.
+    LeaseExpired,
+    /// An operator recorded a final response.
+    ResolveComplete,
+    /// An operator freed the key.
+    ResolveRelease,
+    /// The sweeper found the record past retention.
+    Sweep,
+}
+
+/// The outcome of an event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Next {
+    /// The record moves to this state; `bump` says the generation increases
+    /// (fencing off whoever held the old one).
+    State { state: State, bump: bool },
+    /// The record is deleted.
+    Deleted,
+}
+
+/// Why an event does not apply to a record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Refused {
+    /// The record moved on since this attempt claimed it (another generation,
+    /// or no longer in flight): the write is fenced off.
+    #[error("fenced: the record belongs to another attempt")]
+    Fenced,
+    /// The event is not meaningful in the record's state.
+    #[error("not allowed while the record is {0}")]
+    NotAllowed(State),
+    /// Operators may not resolve a claim whose lease is still running: the
+    /// attempt may yet record its result.
+    #[error("the record is in flight and its lease has not expired")]
+    LeaseLive,
+}
+
+/// The write side of the state machine. `now` is the store's clock.
+pub fn transition(record: &Record, event: Event, now: Timestamp) -> Result<Next, Refused> {
+    let own = |g: Generation| record.generation == g && record.state == State::InFlight;
+    let lease_live = record.lease_expires_at.is_some_and(|l| l > now);
+    match event {
+        Event::Complete { generation } if own(generation) => Ok(Next::State { state: State::Completed, bump: false }),
+        Event::Release { generation } if own(generation) => Ok(Next::Deleted),
+        Event::MarkUnknown { generation } if own(generation) => Ok(Next::State { state: State::Unknown, bump: false }),
+        Event::Complete { .. } | Event::Release { .. } | Event::MarkUnknown { .. } => Err(Refused::Fenced),
+        Event::LeaseExpired => match record.state {
+            State::InFlight if !lease_live => Ok(Next::State { state: State::Unknown, bump: false }),
+            State::InFlight => Err(Refused::LeaseLive),
+            other => Err(Refused::NotAllowed(other)),
+        },
+        Event::ResolveComplete | Event::ResolveRelease => {
+            if record.state == State::InFlight && lease_live {
+                return Err(Refused::LeaseLive);
+            }
+            if event == Event::ResolveRelease {
+                Ok(Next::Deleted)
+            } else {
+                Ok(Next::State { state: State::Completed, bump: true })
+            }
+        }
+        Event::Sweep => match record.state {
+            State::Completed if record.expires_at <= now => Ok(Next::Deleted),
+            other => Err(Refused::NotAllowed(other)),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scope::IdempotencyKey;
+
+    const NOW: Timestamp = Timestamp(1_000_000_000);
+
+    fn fp(b: u8) -> Fingerprint {
+        Fingerprint([b; 32])
+    }
+
+    fn record(state: State, lease: Option<i64>, expires: i64) -> Record {
+        Record {
+            scope: Scope {
+                tenant: "t".into(),
+                principal: "p".into(),
+                operation: "o".into(),
+                key: IdempotencyKey::new("k").unwrap(),
+            },
+            request_hash: fp(1),
+            state,
+            generation: Generation(3),
+            claim_token: Uuid::nil(),
+            owner: "r1".into(),
+            lease_expires_at: lease.map(|d| Timestamp(NOW.0 + d)),
+            response: None,
+            created_at: NOW,
+            updated_at: NOW,
+            expires_at: Timestamp(NOW.0 + expires),
+        }
+    }
+
+    #[test]
+    fn decide_covers_every_state() {
+        let live = record(State::InFlight, Some(2_000_000), 0);
+        assert_eq!(decide(&live, &fp(1), NOW), Decision::InProgress { lease_left: Duration::from_secs(2) });
+        assert_eq!(decide(&live, &fp(2), NOW), Decision::Mismatch);
+        assert_eq!(decide(&record(State::InFlight, Some(0), 0), &fp(1), NOW), Decision::LeaseExpired);
+        assert_eq!(decide(&record(State::InFlight, None, 0), &fp(1), NOW), Decision::LeaseExpired);
+        let done = record(State::Completed, None, 10);
+        assert_eq!(decide(&done, &fp(1), NOW), Decision::Replay);
+        assert_eq!(decide(&done, &fp(2), NOW), Decision::Mismatch);
+        // Past retention: absent, whatever the fingerprint.
+        let old = record(State::Completed, None, 0);
+        assert_eq!(decide(&old, &fp(1), NOW), Decision::Expired);
+        assert_eq!(decide(&old, &fp(2), NOW), Decision::Expired);
+        let unknown = record(State::Unknown, None, -10);
+        assert_eq!(decide(&unknown, &fp(1), NOW), Decision::Unknown);
+        assert_eq!(decide(&unknown, &fp(2), NOW), Decision::Mismatch);
+    }
+
+    #[test]
+    fn take_over_rules() {
+        // Completed records are taken over only past retention.
+        assert!(!may_take_over(&record(State::Completed, None, 1), &fp(1), NOW, true));
+        assert!(may_take_over(&record(State::Completed, None, 0), &fp(2), NOW, false));
+        // In flight: never while the lease runs; after it only for idempotent upstreams and the same request.
+        assert!(!may_take_over(&record(State::InFlight, Some(1), 0), &fp(1), NOW, true));
+        assert!(!may_take_over(&record(State::InFlight, Some(0), 0), &fp(1), NOW, false));
+        assert!(may_take_over(&record(State::InFlight, Some(0), 0), &fp(1), NOW, true));
+        assert!(!may_take_over(&record(State::InFlight, Some(0), 0), &fp(2), NOW, true));
+        // Unknown: only for idempotent upstreams and the same request.
+        assert!(!may_take_over(&record(State::Unknown, None, -5), &fp(1), NOW, false));
+        assert!(may_take_over(&record(State::Unknown, None, -5), &fp(1), NOW, true));
+        assert!(!may_take_over(&record(State::Unknown, None, -5), &fp(2), NOW, true));
+    }
+
+    #[test]
+    fn results_are_fenced_by_generation() {
+        let r = record(State::InFlight, Some(5), 0);
+        let mine = Generation(3);
+        let stale = Generation(2);
+        assert_eq!(transition(&r, Event::Complete { generation: mine }, NOW), Ok(Next::State { state: State::Completed, bump: false }));
+        assert_eq!(transition(&r, Event::Complete { generation: stale }, NOW), Err(Refused::Fenced));
+        assert_eq!(transition(&r, Event::Release { generation: mine }, NOW), Ok(Next::Deleted));
+        assert_eq!(transition(&r, Event::Release { generation: stale }, NOW), Err(Refused::Fenced));
+        assert_eq!(transition(&r, Event::MarkUnknown { generation: mine }, NOW), Ok(Next::State { state: State::Unknown, bump: false }));
+        // Once resolved or completed, the original attempt can no longer write.
+        let done = record(State::Completed, None, 5);
+        assert_eq!(transition(&done, Event::Complete { generation: mine }, NOW), Err(Refused::Fenced));
+        assert_eq!(transition(&done, Event::MarkUnknown { generation: mine }, NOW), Err(Refused::Fenced));
+    }
+
+    #[test]
+    fn reaper_sweeper_and_operator_events() {
+        let live = record(State::InFlight, Some(5), 0);
+        let expired = record(State::InFlight, Some(-5), 0);
+        assert_eq!(transition(&live, Event::LeaseExpired, NOW), Err(Refused::LeaseLive));
+        assert_eq!(transition(&expired, Event::LeaseExpired, NOW), Ok(Next::State { state: State::Unknown, bump: false }));
+        assert_eq!(transition(&live, Event::ResolveRelease, NOW), Err(Refused::LeaseLive));
+        assert_eq!(transition(&live, Event::ResolveComplete, NOW), Err(Refused::LeaseLive));
+        let unknown = record(State::Unknown, None, 0);
+        assert_eq!(transition(&unknown, Event::ResolveRelease, NOW), Ok(Next::Deleted));
+        assert_eq!(transition(&unknown, Event::ResolveComplete, NOW), Ok(Next::State { state: State::Completed, bump: true }));
+        assert_eq!(transition(&unknown, Event::LeaseExpired, NOW), Err(Refused::NotAllowed(State::Unknown)));
+        assert_eq!(transition(&unknown, Event::Sweep, NOW), Err(Refused::NotAllowed(State::Unknown)));
+        assert_eq!(transition(&expired, Event::Sweep, NOW), Err(Refused::NotAllowed(State::InFlight)));
+        assert_eq!(transition(&record(State::Completed, None, 1), Event::Sweep, NOW), Err(Refused::NotAllowed(State::Completed)));
+        assert_eq!(transition(&record(State::Completed, None, 0), Event::Sweep, NOW), Ok(Next::Deleted));
+    }
+
+    #[test]
+    fn timestamps() {
+        assert_eq!(Timestamp(10).plus(Duration::from_micros(5)), Timestamp(15));
+        assert_eq!(Timestamp(10).until(Timestamp(4)), Duration::ZERO);
+        assert_eq!(Timestamp(0).to_string(), "1970-01-01T00:00:00.000000Z");
+        assert_eq!(State::parse("unknown"), Some(State::Unknown));
+        assert_eq!(State::parse("bogus"), None);
+    }
+}

@@ -1,0 +1,275 @@
+//! Routes: which requests are idempotent operations, and where they go.
+//!
+//! A [`Route`] binds a method and a path template to an operation name (the
+//! `operation` of the key's scope) and its policy. The [`Router`] answers, for
+//! any request, one of: an idempotent operation (with its path parameters), a
+//! pass-through to some upstream, or no match.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{HeaderName, Method, StatusCode};
+
+use crate::fingerprint::FingerprintSpec;
+
+/// Index into `Config::upstreams`.
+pub type UpstreamId = usize;
+
+/// One segment of a path template.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Segment {
+    Literal(String),
+    Param(String),
+}
+
+/// A path such as `/v1/accounts/{id}/orders`: literal segments and `{param}`
+/// segments, each parameter matching exactly one non-empty path segment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PathTemplate {
+    source: String,
+    segments: Vec<Segment>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PathTemplateError {
+    #[error("must start with '/'")]
+    NotAbsolute,
+    #[error("segment {0:?} mixes literal text and a {{param}}; a parameter must be a whole segment")]
+    PartialParam(String),
+    #[error("parameter name {0:?} must be non-empty ASCII letters, digits or '_'")]
+    BadParamName(String),
+    #[error("parameter {0:?} appears twice")]
+    DuplicateParam(String),
+    #[error("must not contain a query string or fragment")]
+    QueryOrFragment,
+}
+
+impl PathTemplate {
+    pub fn parse(source: &str) -> Result<PathTemplate, PathTemplateError> {
+        if !source.starts_with('/') {
+            return Err(PathTemplateError::NotAbsolute);
+        }
+        if source.contains('?') || source.contains('#') {
+            return Err(PathTemplateError::QueryOrFragment);
+        }
+        let mut segments = Vec::new();
+        let mut names: Vec<&str> = Vec::new();
+        for raw in source[1..].split('/') {
+            if let Some(inner) = raw.strip_prefix('{').and_then(|r| r.strip_suffix('}')) {
+                if inner.is_empty() || !inner.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
+                    return Err(PathTemplateError::BadParamName(inner.to_owned()));
+                }
+                if names.contains(&inner) {
+                    return Err(PathTemplateError::DuplicateParam(inner.to_owned()));
+                }
+                names.push(inner);
+                segments.push(Segment::Param(inner.to_owned()));
+            } else if raw.contains('{') || raw.contains('}') {
+                return Err(PathTemplateError::PartialParam(raw.to_owned()));
+            } else {
+                segments.push(Segment::Literal(raw.to_owned()));
+            }
+        }
+        Ok(PathTemplate { source: source.to_owned(), segments })
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.source
+    }
+
+    /// Matches a request path (without query); on success returns the
+    /// parameters in template order. Parameter values are the raw segments.
+    pub fn matches(&self, path: &str) -> Option<Vec<(String, String)>> {
+        let rest = path.strip_prefix('/')?;
+        let mut params = Vec::new();
+        let mut parts = rest.split('/');
+        for seg in &self.segments {
+            let part = parts.next()?;
+            match seg {
+                Segment::Literal(lit) => {
+                    if lit != part {
+                        return None;
+                    }
+                }
+                Segment::Param(name) => {
+                    if part.is_empty() {
+                        return None;
+                    }
+                    params.push((name.clone(), part.to_owned()));
+                }
+            }
+        }
+        if parts.next().is_some() {
+            return None;
+        }
+        Some(params)
+    }
+}
+
+/// What to do with a duplicate that arrives while the first is in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InFlightPolicy {
+    /// Answer 409 `request-in-progress` with `Retry-After` at once.
+    Reject,
+    /// Wait up to the duration for the first request's result, then reject.
+    Wait(Duration),
+}
+
+/// Which `Idempotency-Key` value the upstream receives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ForwardKey {
+    /// A key derived from the whole scope: stable across retries and replicas,
+    /// distinct between scopes (the default).
+    Derived,
+    /// The client's own header value, unchanged.
+    Client,
+}
+
+/// One `[[routes]]` entry after validation.
+#[derive(Debug, Clone)]
+pub struct Route {
+    /// Position in the file, for log and error messages.
+    pub index: usize,
+    /// The operation in the key's scope; also the `route` label in metrics.
+    pub operation: Arc<str>,
+    pub method: Method,
+    pub path: PathTemplate,
+    pub upstream: UpstreamId,
+    pub key_header: HeaderName,
+    pub key_required: bool,
+    /// How long a completed record is replayed.
+    pub retention: Duration,
+    pub in_flight: InFlightPolicy,
+    /// Upstream statuses that free the key instead of being replayed.
+    pub release_on_status: Vec<StatusCode>,
+    /// Responses up to this size are stored (and replayed) in full.
+    pub max_stored_response: u64,
+    /// The upstream honours `Idempotency-Key` itself, so an expired in-flight
+    /// or unknown record may be forwarded again (with the same derived key).
+    pub upstream_idempotent: bool,
+    /// How long a claim is considered alive without a result.
+    pub lease: Duration,
+    /// Status for "same key, different request": 409 (default) or 422.
+    pub mismatch_status: StatusCode,
+    pub forward_key: ForwardKey,
+    pub fingerprint: FingerprintSpec,
+}
+
+/// The routing decision for one request.
+#[derive(Debug)]
+pub enum RouteMatch<'a> {
+    /// An idempotent operation: method and path matched a route.
+    Operation { route: &'a Arc<Route>, params: Vec<(String, String)> },
+    /// Proxied without idempotency: another method on a route's path, or the
+    /// default upstream.
+    PassThrough { upstream: UpstreamId },
+    /// No route and no default upstream: 404.
+    NotFound,
+}
+
+/// All routes, in file order; the first route whose method and path match wins.
+#[derive(Debug, Clone, Default)]
+pub struct Router {
+    routes: Vec<Arc<Route>>,
+    default_upstream: Option<UpstreamId>,
+}
+
+impl Router {
+    pub fn new(routes: Vec<Route>, default_upstream: Option<UpstreamId>) -> Router {
+        Router { routes: routes.into_iter().map(Arc::new).collect(), default_upstream }
+    }
+
+    pub fn routes(&self) -> &[Arc<Route>] {
+        &self.routes
+    }
+
+    pub fn route(&self, method: &Method, path: &str) -> RouteMatch<'_> {
+        let mut path_match: Option<UpstreamId> = None;
+        for route in &self.routes {
+            if let Some(params) = route.path.matches(path) {
+                if route.method == *method {
+                    return RouteMatch::Operation { route, params };
+                }
+                path_match.get_or_insert(route.upstream);
+            }
+        }
+        match path_match.or(self.default_upstream) {
+            Some(upstream) => RouteMatch::PassThrough { upstream },
+            None => RouteMatch::NotFound,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn literal_and_param_segments() {
+        let t = PathTemplate::parse("/v1/accounts/{id}/orders").unwrap();
+        assert_eq!(t.matches("/v1/accounts/42/orders"), Some(vec![("id".into(), "42".into())]));
+        assert_eq!(t.matches("/v1/accounts//orders"), None);
+        assert_eq!(t.matches("/v1/accounts/42/orders/7"), None);
+        assert_eq!(t.matches("/v1/accounts/42"), None);
+        assert_eq!(t.matches("v1/accounts/42/orders"), None);
+        let lit = PathTemplate::parse("/v1/orders").unwrap();
+        assert_eq!(lit.matches("/v1/orders"), Some(vec![]));
+        assert_eq!(lit.matches("/v1/orders/"), None);
+    }
+
+    #[test]
+    fn template_errors() {
+        assert_eq!(PathTemplate::parse("v1"), Err(PathTemplateError::NotAbsolute));
+        assert_eq!(PathTemplate::parse("/a/x{id}"), Err(PathTemplateError::PartialParam("x{id}".into())));
+        assert_eq!(PathTemplate::parse("/a/{}"), Err(PathTemplateError::BadParamName("".into())));
+        assert_eq!(PathTemplate::parse("/{a}/{a}"), Err(PathTemplateError::DuplicateParam("a".into())));
+        assert_eq!(PathTemplate::parse("/a?b"), Err(PathTemplateError::QueryOrFragment));
+    }
+
+    fn route(op: &str, method: Method, path: &str, upstream: UpstreamId) -> Route {
+        Route {
+            index: 0,
+            operation: op.into(),
+            method,
+            path: PathTemplate::parse(path).unwrap(),
+            upstream,
+            key_header: HeaderName::from_static("idempotency-key"),
+            key_required: true,
+            retention: Duration::from_secs(60),
+            in_flight: InFlightPolicy::Reject,
+            release_on_status: vec![],
+            max_stored_response: 1024,
+            upstream_idempotent: false,
+            lease: Duration::from_secs(5),
+            mismatch_status: StatusCode::CONFLICT,
+            forward_key: ForwardKey::Derived,
+            fingerprint: FingerprintSpec::default(),
+        }
+    }
+
+    #[test]
+    fn router_decisions() {
+        let r = Router::new(
+            vec![route("create", Method::POST, "/v1/orders", 0), route("cancel", Method::POST, "/v1/orders/{id}/cancel", 1)],
+            None,
+        );
+        match r.route(&Method::POST, "/v1/orders") {
+            RouteMatch::Operation { route, params } => {
+                assert_eq!(&*route.operation, "create");
+                assert!(params.is_empty());
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        match r.route(&Method::POST, "/v1/orders/9/cancel") {
+            RouteMatch::Operation { route, params } => {
+                assert_eq!(&*route.operation, "cancel");
+                assert_eq!(params, vec![("id".to_owned(), "9".to_owned())]);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        assert!(matches!(r.route(&Method::GET, "/v1/orders/9/cancel"), RouteMatch::PassThrough { upstream: 1 }));
+        assert!(matches!(r.route(&Method::GET, "/elsewhere"), RouteMatch::NotFound));
+        let with_default = Router::new(vec![], Some(3));
+        assert!(matches!(with_default.route(&Method::POST, "/x"), RouteMatch::PassThrough { upstream: 3 }));
+    }
+}

@@ -1,0 +1,217 @@
+//! The idempotency key and its scope.
+//!
+//! A record is found by its whole [`Scope`] — `(tenant, principal, operation,
+//! key)` — never by the key alone, so a guessed or reused key in another scope
+//! reaches nothing.
+
+use std::fmt;
+use std::sync::Arc;
+
+use http::HeaderValue;
+use sha2::{Digest, Sha256};
+
+use crate::identity::Identity;
+
+/// Longest accepted key, in bytes (after unquoting).
+pub const MAX_KEY_LEN: usize = 255;
+
+/// Why a presented key was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    #[error("the idempotency key is empty")]
+    Empty,
+    #[error("the idempotency key is longer than {MAX_KEY_LEN} bytes")]
+    TooLong,
+    #[error("the idempotency key must be visible ASCII (0x21-0x7e)")]
+    NotVisibleAscii,
+    #[error("the idempotency key is a malformed structured-field string")]
+    BadQuoting,
+    #[error("the idempotency key header appears more than once")]
+    Repeated,
+}
+
+/// A validated client key: 1-255 bytes of visible ASCII.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct IdempotencyKey(Arc<str>);
+
+impl IdempotencyKey {
+    /// Validates a header value. A structured-field string (`"abc"`, with `\"`
+    /// and `\\` escapes) is unquoted; a bare value is taken as it is.
+    pub fn parse(value: &HeaderValue) -> Result<IdempotencyKey, KeyError> {
+        let raw = value.as_bytes();
+        let raw = trim_ows(raw);
+        if raw.len() > MAX_KEY_LEN + 2 + MAX_KEY_LEN {
+            return Err(KeyError::TooLong);
+        }
+        if raw.first() == Some(&b'"') {
+            IdempotencyKey::from_bytes(unquote_sf_string(raw)?)
+        } else {
+            IdempotencyKey::from_bytes(raw.to_vec())
+        }
+    }
+
+    /// A key as stored or typed by an operator: validated, never unquoted.
+    pub fn new(s: &str) -> Result<IdempotencyKey, KeyError> {
+        IdempotencyKey::from_bytes(s.as_bytes().to_vec())
+    }
+
+    fn from_bytes(key: Vec<u8>) -> Result<IdempotencyKey, KeyError> {
+        if key.is_empty() {
+            return Err(KeyError::Empty);
+        }
+        if key.len() > MAX_KEY_LEN {
+            return Err(KeyError::TooLong);
+        }
+        if !key.iter().all(|b| (0x21..=0x7e).contains(b)) {
+            return Err(KeyError::NotVisibleAscii);
+        }
+        // All bytes are ASCII, so this cannot fail; map rather than unwrap.
+        let s = String::from_utf8(key).map_err(|_| KeyError::NotVisibleAscii)?;
+        Ok(IdempotencyKey(s.into()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+}
+
+/// Keys are secrets of a sort (a guessable key is a capability), so Debug never
+/// shows them; logs use [`Scope::log_id`].
+impl fmt::Debug for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "IdempotencyKey(..{} bytes)", self.0.len())
+    }
+}
+
+fn trim_ows(mut b: &[u8]) -> &[u8] {
+    while let [b' ' | b'\t', rest @ ..] = b {
+        b = rest;
+    }
+    while let [rest @ .., b' ' | b'\t'] = b {
+        b = rest;
+    }
+    b
+}
+
+/// RFC 8941 sf-string: `"` *( unescaped / `\"` / `\\` ) `"`.
+fn unquote_sf_string(raw: &[u8]) -> Result<Vec<u8>, KeyError> {
+    let inner = raw
+        .strip_prefix(b"\"")
+        .and_then(|r| r.strip_suffix(b"\""))
+        .ok_or(KeyError::BadQuoting)?;
+    let mut out = Vec::with_capacity(inner.len());
+    let mut it = inner.iter();
+    while let Some(&b) = it.next() {
+        match b {
+            b'\\' => match it.next() {
+                Some(&e @ (b'"' | b'\\')) => out.push(e),
+                _ => return Err(KeyError::BadQuoting),
+            },
+            b'"' => return Err(KeyError::BadQuoting),
+            _ => out.push(b),
+        }
+    }
+    Ok(out)
+}
+
+/// The primary key of a record.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Scope {
+    pub tenant: Arc<str>,
+    pub principal: Arc<str>,
+    pub operation: Arc<str>,
+    pub key: IdempotencyKey,
+}
+
+impl Scope {
+    pub fn new(identity: &Identity, operation: &Arc<str>, key: IdempotencyKey) -> Scope {
+        Scope {
+            tenant: identity.tenant.clone(),
+            principal: identity.principal.clone(),
+            operation: operation.clone(),
+            key,
+        }
+    }
+
+    fn digest(&self, domain: &[u8]) -> [u8; 32] {
+        let mut h = Sha256::new();
+        h.update(domain);
+        for part in [self.tenant.as_bytes(), self.principal.as_bytes(), self.operation.as_bytes(), self.key.as_str().as_bytes()] {
+            h.update((part.len() as u64).to_be_bytes());
+            h.update(part);
+        }
+        h.finalize().into()
+    }
+
+    /// The key forwarded upstream: derived from the whole scope, so it is
+    /// stable across retries and replicas and distinct between scopes.
+    pub fn derived_key(&self) -> String {
+        hex::encode(self.digest(b"idemgate/derived-key/v1"))
+    }
+
+    /// A short, non-reversible id for logs (the raw key is never logged).
+    pub fn log_id(&self) -> String {
+        hex::encode(&self.digest(b"idemgate/log-id/v1")[..8])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &[u8]) -> Result<String, KeyError> {
+        IdempotencyKey::parse(&HeaderValue::from_bytes(s).unwrap()).map(|k| k.as_str().to_owned())
+    }
+
+    #[test]
+    fn accepts_visible_ascii_and_unquotes_sf_strings() {
+        assert_eq!(parse(b"abc-123").unwrap(), "abc-123");
+        assert_eq!(parse(b"\"8e03978e-40d5\"").unwrap(), "8e03978e-40d5");
+        assert_eq!(parse(b"\"a\\\"b\\\\c\"").unwrap(), "a\"b\\c");
+        assert_eq!(parse(b"  spaced  ").unwrap(), "spaced");
+        assert_eq!(parse(&[b'k'; 255]).unwrap().len(), 255);
+    }
+
+    #[test]
+    fn rejects_bad_keys() {
+        assert_eq!(parse(b""), Err(KeyError::Empty));
+        assert_eq!(parse(b"\"\""), Err(KeyError::Empty));
+        assert_eq!(parse(&[b'k'; 256]), Err(KeyError::TooLong));
+        assert_eq!(parse(&[b'k'; 10_000]), Err(KeyError::TooLong));
+        assert_eq!(parse(b"has space"), Err(KeyError::NotVisibleAscii));
+        assert_eq!(parse(b"\"has space\""), Err(KeyError::NotVisibleAscii));
+        assert_eq!(parse(b"caf\xc3\xa9"), Err(KeyError::NotVisibleAscii));
+        assert_eq!(parse(b"\"open"), Err(KeyError::BadQuoting));
+        assert_eq!(parse(b"\"a\"b\""), Err(KeyError::BadQuoting));
+        assert_eq!(parse(b"\"bad\\escape\""), Err(KeyError::BadQuoting));
+    }
+
+    fn scope(t: &str, p: &str, o: &str, k: &str) -> Scope {
+        Scope {
+            tenant: t.into(),
+            principal: p.into(),
+            operation: o.into(),
+            key: IdempotencyKey::new(k).unwrap(),
+        }
+    }
+
+    #[test]
+    fn derived_key_is_stable_and_scope_distinct() {
+        let a = scope("acme", "billing", "create_order", "k1");
+        assert_eq!(a.derived_key(), scope("acme", "billing", "create_order", "k1").derived_key());
+        assert_eq!(a.derived_key().len(), 64);
+        for other in [
+            scope("acme2", "billing", "create_order", "k1"),
+            scope("acme", "billing2", "create_order", "k1"),
+            scope("acme", "billing", "create_order2", "k1"),
+            scope("acme", "billing", "create_order", "k2"),
+            // Length prefixes keep field boundaries: ("ab","c") != ("a","bc").
+            scope("acmeb", "illing", "create_order", "k1"),
+        ] {
+            assert_ne!(a.derived_key(), other.derived_key());
+        }
+        assert_ne!(a.derived_key(), a.log_id());
+        assert!(!format!("{:?}", a).contains("k1"));
+    }
+}

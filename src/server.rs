@@ -1,0 +1,178 @@
+//! Listeners, connections and the drain: one cancellation root, every
+//! connection and forward on one `TaskTracker`, background tasks supervised
+//! beside them, and a bounded drain on shutdown.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::pin::pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::admin::Admin;
+use crate::background;
+use crate::config::Config;
+use crate::gateway::Gateway;
+use crate::metrics::Metrics;
+use crate::store::{Store, StoreError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind { addr: SocketAddr, source: std::io::Error },
+}
+
+/// A bound, ready gateway; [`Server::run`] serves until shutdown.
+pub struct Server {
+    config: Config,
+    gateway: Arc<Gateway>,
+    metrics: Arc<Metrics>,
+    proxy: TcpListener,
+    admin: Option<TcpListener>,
+    tracker: TaskTracker,
+}
+
+impl Server {
+    /// Opens the store (taking the embedded store's lock), applies migrations
+    /// unless `store.migrate = false`, and binds the listeners.
+    pub async fn bind(config: Config) -> Result<Server, ServeError> {
+        let metrics = Arc::new(Metrics::new());
+        let store = Store::open(&config.store, true).await?.with_metrics(metrics.clone());
+        if config.store.migrate {
+            let applied = store.migrate().await?;
+            if !applied.is_empty() {
+                tracing::info!(?applied, store = store.kind(), "applied migrations");
+            }
+        }
+        let proxy = bind(config.server.listen).await?;
+        let admin = match &config.admin {
+            Some(a) => Some(bind(a.listen).await?),
+            None => None,
+        };
+        let tracker = TaskTracker::new();
+        let gateway = Arc::new(Gateway::new(&config, store, metrics.clone(), tracker.clone()));
+        Ok(Server { config, gateway, metrics, proxy, admin, tracker })
+    }
+
+    pub fn proxy_addr(&self) -> Option<SocketAddr> {
+        self.proxy.local_addr().ok()
+    }
+
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        self.admin.as_ref().and_then(|l| l.local_addr().ok())
+    }
+
+    pub fn store(&self) -> &Store {
+        self.gateway.store()
+    }
+
+    /// Serves until `shutdown` fires, then stops accepting, lets connections
+    /// finish their current request, and waits up to `shutdown_grace` for
+    /// forwards to be recorded.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<(), ServeError> {
+        let Server { config, gateway, metrics, proxy, admin, tracker } = self;
+        tracing::info!(
+            addr = %proxy.local_addr().map(|a| a.to_string()).unwrap_or_default(),
+            admin = %admin.as_ref().and_then(|a| a.local_addr().ok()).map(|a| a.to_string()).unwrap_or_default(),
+            store = gateway.store().kind(),
+            replica = %config.server.replica_id,
+            "listening"
+        );
+        let background = TaskTracker::new();
+        background::spawn_all(&background, gateway.store().clone(), metrics.clone(), &config.store, shutdown.clone());
+        let http = http_builder(config.server.request_header_timeout);
+        if let Some(admin) = admin {
+            let admin_state = Arc::new(Admin::new(gateway.store().clone(), metrics.clone(), config.admin.as_ref().and_then(|a| a.token.clone())));
+            let http = http.clone();
+            let shutdown = shutdown.clone();
+            let conns = tracker.clone();
+            tracker.spawn(async move {
+                accept_loop(admin, shutdown, conns, http, move |req, _peer| {
+                    let admin = admin_state.clone();
+                    async move { admin.handle(req).await }
+                })
+                .await
+            });
+        }
+        let gw = gateway.clone();
+        accept_loop(proxy, shutdown.clone(), tracker.clone(), http, move |req, peer| gw.clone().handle(req, peer)).await;
+
+        // Drain: no new connections; open ones finish their request; forwards
+        // already running are recorded.
+        tracker.close();
+        background.close();
+        let grace = config.server.shutdown_grace;
+        tracing::info!(grace = ?grace, open = tracker.len(), "shutting down: draining connections and in-flight forwards");
+        if tokio::time::timeout(grace, tracker.wait()).await.is_err() {
+            tracing::warn!(left = tracker.len(), "shutdown grace expired; unfinished claims will expire to unknown");
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(5), background.wait()).await;
+        tracing::info!("stopped");
+        Ok(())
+    }
+}
+
+async fn bind(addr: SocketAddr) -> Result<TcpListener, ServeError> {
+    TcpListener::bind(addr).await.map_err(|source| ServeError::Bind { addr, source })
+}
+
+fn http_builder(header_timeout: Duration) -> http1::Builder {
+    let mut b = http1::Builder::new();
+    b.timer(TokioTimer::new()).header_read_timeout(header_timeout).keep_alive(true);
+    b
+}
+
+/// Accepts until `shutdown`; each connection runs on `tracker` and is asked to
+/// shut down gracefully (finish its current request) when `shutdown` fires.
+async fn accept_loop<H, F>(listener: TcpListener, shutdown: CancellationToken, tracker: TaskTracker, http: http1::Builder, handler: H)
+where
+    H: Fn(http::Request<hyper::body::Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
+    F: std::future::Future<Output = http::Response<crate::body::Body>> + Send + 'static,
+{
+    loop {
+        let (sock, peer) = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        tracker.spawn(serve_connection(sock, peer, http.clone(), handler.clone(), shutdown.clone()));
+    }
+}
+
+async fn serve_connection<H, F>(sock: TcpStream, peer: SocketAddr, http: http1::Builder, handler: H, shutdown: CancellationToken)
+where
+    H: Fn(http::Request<hyper::body::Incoming>, SocketAddr) -> F + Send + Sync + 'static,
+    F: std::future::Future<Output = http::Response<crate::body::Body>> + Send + 'static,
+{
+    let _ = sock.set_nodelay(true);
+    let service = service_fn(move |req| {
+        let fut = handler(req, peer);
+        async move { Ok::<_, Infallible>(fut.await) }
+    });
+    let mut conn = pin!(http.serve_connection(TokioIo::new(sock), service));
+    let result = tokio::select! {
+        r = conn.as_mut() => r,
+        _ = shutdown.cancelled() => {
+            conn.as_mut().graceful_shutdown();
+            conn.await
+        }
+    };
+    if let Err(e) = result {
+        tracing::debug!(%peer, error = %e, "connection ended with an error");
+    }
+}

@@ -1,0 +1,342 @@
+//! The store: one interface, two backends (PostgreSQL for several replicas,
+//! embedded SQLite for one), one protocol.
+//!
+//! Each backend implements single statements ([`postgres::PgStore`],
+//! [`sqlite::SqliteStore`]). [`Store`] adds what must not differ between
+//! them: bounded operation time, reading a row back after an ambiguous write
+//! (the `claim_token` protocol), and metrics. The conformance suite in
+//! `tests/store_conformance.rs` runs the same cases against both backends.
+
+pub mod codec;
+mod migrations;
+pub mod postgres;
+pub mod sqlite;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use uuid::Uuid;
+
+use crate::config::{StoreBackend, StoreConfig};
+use crate::fingerprint::Fingerprint;
+use crate::metrics::Metrics;
+use crate::record::{Generation, Record, Refused, State, StoredResponse, Timestamp};
+use crate::scope::Scope;
+
+/// A store failure, classified by what the caller may conclude.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// Nothing was sent to the store (no connection, pool exhausted,
+    /// database refused the statement): the write certainly did not happen.
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    /// The statement may or may not have taken effect (connection lost or
+    /// timed out after it was sent). Read the row back to find out.
+    #[error("store write outcome unknown: {0}")]
+    Ambiguous(String),
+    /// The database holds something this version cannot read.
+    #[error("corrupt record: {0}")]
+    Corrupt(String),
+    /// Another process holds the embedded store.
+    #[error("{0}")]
+    Locked(String),
+    /// Schema or migration problem.
+    #[error("migration failed: {0}")]
+    Migration(String),
+}
+
+impl StoreError {
+    pub fn is_ambiguous(&self) -> bool {
+        matches!(self, StoreError::Ambiguous(_))
+    }
+}
+
+/// Everything a claim needs.
+#[derive(Debug, Clone)]
+pub struct ClaimRequest {
+    pub scope: Scope,
+    pub request_hash: Fingerprint,
+    /// Replica id, for the `owner` column.
+    pub owner: Arc<str>,
+    pub lease: Duration,
+    /// May an expired in-flight or unknown record with the same fingerprint be
+    /// taken over (the upstream deduplicates by the derived key)?
+    pub upstream_idempotent: bool,
+}
+
+/// A claim this attempt holds: the right to forward and record a result under
+/// `generation`.
+#[derive(Debug, Clone)]
+pub struct Claim {
+    pub scope: Scope,
+    pub generation: Generation,
+    pub claim_token: Uuid,
+    pub lease_expires_at: Timestamp,
+    /// The claim replaced an expired record rather than inserting a new one.
+    pub took_over: bool,
+}
+
+/// What a claim found.
+#[derive(Debug, Clone)]
+pub enum ClaimOutcome {
+    Claimed(Claim),
+    /// Another record holds the scope; `now` is the store's clock when read.
+    Existing { record: Record, now: Timestamp },
+}
+
+/// Whether a fenced write (result, release, unknown) took effect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteOutcome {
+    Written,
+    /// The record belongs to another attempt now (or was resolved): nothing
+    /// was overwritten.
+    Fenced,
+}
+
+/// A manual reconciliation.
+#[derive(Debug, Clone)]
+pub enum Resolution {
+    /// Delete the record; the client may retry the key.
+    Release,
+    /// Record this response; it is replayed for `retention`.
+    Complete { response: StoredResponse, retention: Duration },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ResolveOutcome {
+    Resolved,
+    NotFound,
+    Refused(Refused),
+}
+
+/// Filters for `keys list`.
+#[derive(Debug, Clone, Default)]
+pub struct ListFilter {
+    pub state: Option<State>,
+    pub tenant: Option<String>,
+    pub operation: Option<String>,
+    pub limit: u32,
+}
+
+#[derive(Debug)]
+enum Backend {
+    Postgres(postgres::PgStore),
+    Sqlite(sqlite::SqliteStore),
+}
+
+/// Calls the same method on whichever backend is configured.
+macro_rules! dispatch {
+    ($self:expr, $b:ident => $call:expr) => {
+        match &*$self.backend {
+            Backend::Postgres($b) => $call.await,
+            Backend::Sqlite($b) => $call.await,
+        }
+    };
+}
+
+/// The store as the rest of the gateway sees it. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Store {
+    backend: Arc<Backend>,
+    /// Bound on any single operation.
+    timeout: Duration,
+    metrics: Option<Arc<Metrics>>,
+}
+
+/// How many times an ambiguous write is read back and retried before giving up.
+const AMBIGUITY_ATTEMPTS: usize = 3;
+
+impl Store {
+    /// Connects (PostgreSQL: builds the pool; SQLite: opens the file). For
+    /// SQLite, `exclusive` takes the one-replica lock (serve and demo do; the
+    /// CLI does not, so `keys` works beside a running gateway).
+    pub async fn open(config: &StoreConfig, exclusive: bool) -> Result<Store, StoreError> {
+        let backend = match &config.backend {
+            StoreBackend::Postgres { url, pool_size } => {
+                Backend::Postgres(postgres::PgStore::connect(url.expose(), *pool_size, config.operation_timeout)?)
+            }
+            StoreBackend::Sqlite { path } => Backend::Sqlite(sqlite::SqliteStore::open(path, exclusive).await?),
+        };
+        Ok(Store { backend: Arc::new(backend), timeout: config.operation_timeout, metrics: None })
+    }
+
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Store {
+        self.metrics = Some(metrics);
+        self
+    }
+
+    pub fn kind(&self) -> &'static str {
+        match &*self.backend {
+            Backend::Postgres(_) => "postgres",
+            Backend::Sqlite(_) => "sqlite",
+        }
+    }
+
+    /// Runs one backend operation under the timeout; a timed-out write is
+    /// ambiguous, a timed-out read is unavailable.
+    async fn bounded<T>(&self, op: &'static str, write: bool, fut: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
+        let start = Instant::now();
+        let out = match tokio::time::timeout(self.timeout, fut).await {
+            Ok(r) => r,
+            Err(_) if write => Err(StoreError::Ambiguous(format!("{op} timed out after {:?}", self.timeout))),
+            Err(_) => Err(StoreError::Unavailable(format!("{op} timed out after {:?}", self.timeout))),
+        };
+        if let Some(m) = &self.metrics {
+            m.observe_store(op, start.elapsed(), out.is_ok());
+        }
+        out
+    }
+
+    pub async fn migrate(&self) -> Result<Vec<String>, StoreError> {
+        dispatch!(self, b => b.migrate())
+    }
+
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        self.bounded("ping", false, async { dispatch!(self, b => b.ping()) }).await
+    }
+
+    pub async fn now(&self) -> Result<Timestamp, StoreError> {
+        self.bounded("now", false, async { dispatch!(self, b => b.now()) }).await
+    }
+
+    pub async fn get(&self, scope: &Scope) -> Result<Option<(Record, Timestamp)>, StoreError> {
+        self.bounded("get", false, async { dispatch!(self, b => b.get(scope)) }).await
+    }
+
+    /// Claims the scope with one atomic statement, committed before this
+    /// returns. After an ambiguous failure the row is read back: our token
+    /// means the claim happened.
+    pub async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        let mut last = StoreError::Unavailable("claim not attempted".into());
+        for _ in 0..AMBIGUITY_ATTEMPTS {
+            let token = Uuid::new_v4();
+            match self.bounded("claim", true, async { dispatch!(self, b => b.claim(req, token)) }).await {
+                Ok(Some(claim)) => return Ok(ClaimOutcome::Claimed(claim)),
+                Ok(None) => {
+                    // Lost the insert: read the winner in a new statement.
+                    match self.get(&req.scope).await? {
+                        Some((record, now)) => return Ok(ClaimOutcome::Existing { record, now }),
+                        // Deleted in between (released, swept): claim again.
+                        None => continue,
+                    }
+                }
+                Err(e) if e.is_ambiguous() => {
+                    tracing::warn!(scope = %req.scope.log_id(), error = %e, "claim outcome ambiguous; reading the row back");
+                    match self.get(&req.scope).await {
+                        Ok(Some((record, _))) if record.claim_token == token => {
+                            return Ok(ClaimOutcome::Claimed(Claim {
+                                scope: req.scope.clone(),
+                                generation: record.generation,
+                                claim_token: token,
+                                lease_expires_at: record.lease_expires_at.unwrap_or(record.updated_at),
+                                took_over: record.generation.0 > 1,
+                            }));
+                        }
+                        Ok(Some((record, now))) => return Ok(ClaimOutcome::Existing { record, now }),
+                        Ok(None) => last = e,
+                        // Cannot tell: the caller answers 503 and forwards nothing.
+                        Err(read) => {
+                            return Err(StoreError::Ambiguous(format!("{e}; read-back failed: {read}")));
+                        }
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last)
+    }
+
+    /// Records the upstream's response under the claim's generation.
+    pub async fn complete(&self, claim: &Claim, response: &StoredResponse, retention: Duration) -> Result<WriteOutcome, StoreError> {
+        self.fenced_write("complete", claim, Some(State::Completed), || async {
+            dispatch!(self, b => b.complete(&claim.scope, claim.generation, response, retention))
+        })
+        .await
+    }
+
+    /// Frees the key: the request provably never reached the upstream, or the
+    /// response must not be stored.
+    pub async fn release(&self, claim: &Claim) -> Result<WriteOutcome, StoreError> {
+        self.fenced_write("release", claim, None, || async {
+            dispatch!(self, b => b.release(&claim.scope, claim.generation))
+        })
+        .await
+    }
+
+    /// The request may have reached the upstream but its outcome is lost.
+    pub async fn mark_unknown(&self, claim: &Claim) -> Result<WriteOutcome, StoreError> {
+        self.fenced_write("mark_unknown", claim, Some(State::Unknown), || async {
+            dispatch!(self, b => b.mark_unknown(&claim.scope, claim.generation, false))
+        })
+        .await
+    }
+
+    /// A reader found an in-flight record whose lease expired: it becomes
+    /// `unknown` (unless someone moved it on meanwhile).
+    pub async fn expire_lease(&self, record: &Record) -> Result<WriteOutcome, StoreError> {
+        let written = self
+            .bounded("expire_lease", true, async {
+                dispatch!(self, b => b.mark_unknown(&record.scope, record.generation, true))
+            })
+            .await?;
+        Ok(if written { WriteOutcome::Written } else { WriteOutcome::Fenced })
+    }
+
+    /// Shared shape of the three fenced writes: on an ambiguous failure, read
+    /// the row back; if it still shows our generation in flight the write did
+    /// not happen and is retried; if it shows `goal` under our generation (for
+    /// a release, `goal` is `None`: the row is gone) it did.
+    async fn fenced_write<F, Fut>(&self, op: &'static str, claim: &Claim, goal: Option<State>, attempt: F) -> Result<WriteOutcome, StoreError>
+    where
+        F: Fn() -> Fut,
+        Fut: Future<Output = Result<bool, StoreError>>,
+    {
+        let mut last = StoreError::Unavailable(format!("{op} not attempted"));
+        for _ in 0..AMBIGUITY_ATTEMPTS {
+            match self.bounded(op, true, attempt()).await {
+                Ok(true) => return Ok(WriteOutcome::Written),
+                Ok(false) => return Ok(self.fenced(op, claim)),
+                Err(e) if e.is_ambiguous() || matches!(e, StoreError::Unavailable(_)) => {
+                    tracing::warn!(scope = %claim.scope.log_id(), error = %e, op, "write failed; reading the row back");
+                    match self.get(&claim.scope).await {
+                        Ok(Some((r, _))) if r.generation == claim.generation && r.state == State::InFlight => last = e,
+                        Ok(Some((r, _))) if r.generation == claim.generation && Some(r.state) == goal => return Ok(WriteOutcome::Written),
+                        Ok(None) if goal.is_none() => return Ok(WriteOutcome::Written),
+                        Ok(_) => return Ok(self.fenced(op, claim)),
+                        Err(read) => last = StoreError::Ambiguous(format!("{e}; read-back failed: {read}")),
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last)
+    }
+
+    fn fenced(&self, op: &'static str, claim: &Claim) -> WriteOutcome {
+        tracing::warn!(scope = %claim.scope.log_id(), generation = %claim.generation, op, "write fenced off: the record belongs to another attempt");
+        if let Some(m) = &self.metrics {
+            m.fenced_write(op);
+        }
+        WriteOutcome::Fenced
+    }
+
+    pub async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>, StoreError> {
+        self.bounded("list", false, async { dispatch!(self, b => b.list(filter)) }).await
+    }
+
+    pub async fn resolve(&self, scope: &Scope, resolution: &Resolution) -> Result<ResolveOutcome, StoreError> {
+        self.bounded("resolve", true, async { dispatch!(self, b => b.resolve(scope, resolution)) }).await
+    }
+
+    /// Deletes up to `batch` completed records past retention; returns how many.
+    pub async fn sweep(&self, batch: u32) -> Result<u64, StoreError> {
+        self.bounded("sweep", true, async { dispatch!(self, b => b.sweep(batch)) }).await
+    }
+
+    /// Marks up to `batch` in-flight records whose lease expired as unknown.
+    pub async fn reap_leases(&self, batch: u32) -> Result<u64, StoreError> {
+        self.bounded("reap_leases", true, async { dispatch!(self, b => b.reap_leases(batch)) }).await
+    }
+}

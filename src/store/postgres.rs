@@ -1,0 +1,402 @@
+//! The PostgreSQL backend: every protocol step is one short autocommit
+//! statement; no transaction is ever held across an upstream call.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
+use tokio_postgres::types::{FromSql, Type};
+use tokio_postgres::{NoTls, Row};
+use uuid::Uuid;
+
+use super::codec::{decode_headers, encode_headers};
+use super::migrations::{PG_LOCK_KEY, POSTGRES};
+use super::{Claim, ClaimRequest, ListFilter, Resolution, ResolveOutcome, StoreError};
+use crate::fingerprint::Fingerprint;
+use crate::record::{transition, Event, Generation, Next, Record, State, StoredResponse, Timestamp};
+use crate::scope::{IdempotencyKey, Scope};
+
+/// Microseconds between the Unix epoch and PostgreSQL's (2000-01-01).
+const PG_EPOCH_OFFSET_MICROS: i64 = 946_684_800_000_000;
+
+impl<'a> FromSql<'a> for Timestamp {
+    fn from_sql(_: &Type, raw: &'a [u8]) -> Result<Self, Box<dyn std::error::Error + Sync + Send>> {
+        let bytes: [u8; 8] = raw.try_into().map_err(|_| "timestamptz must be 8 bytes")?;
+        Ok(Timestamp(i64::from_be_bytes(bytes).saturating_add(PG_EPOCH_OFFSET_MICROS)))
+    }
+
+    fn accepts(ty: &Type) -> bool {
+        *ty == Type::TIMESTAMPTZ
+    }
+}
+
+const COLUMNS: &str = "tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner, \
+     lease_expires_at, response_status, response_headers, response_body, created_at, updated_at, expires_at";
+
+const CLAIM: &str = "\
+INSERT INTO idemgate_records AS r
+    (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
+     lease_expires_at, created_at, updated_at, expires_at)
+VALUES ($1, $2, $3, $4, $5, 'in_flight', 1, $6, $7,
+     now() + $8::int8 * interval '1 microsecond', now(), now(), now() + $8::int8 * interval '1 microsecond')
+ON CONFLICT (tenant, principal, operation, idempotency_key) DO UPDATE SET
+    request_hash = EXCLUDED.request_hash, state = 'in_flight', generation = r.generation + 1,
+    claim_token = EXCLUDED.claim_token, owner = EXCLUDED.owner, lease_expires_at = EXCLUDED.lease_expires_at,
+    response_status = NULL, response_headers = NULL, response_body = NULL,
+    created_at = now(), updated_at = now(), expires_at = EXCLUDED.expires_at
+WHERE (r.state = 'completed' AND r.expires_at <= now())
+   OR ($9::bool AND r.request_hash = EXCLUDED.request_hash
+       AND (r.state = 'unknown' OR (r.state = 'in_flight' AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now()))))
+RETURNING generation, lease_expires_at, (xmax = 0) AS inserted";
+
+const PK: &str = "tenant = $1 AND principal = $2 AND operation = $3 AND idempotency_key = $4";
+
+#[derive(Debug)]
+pub struct PgStore {
+    pool: Pool,
+}
+
+/// A pooled connection that is discarded, not returned to the pool, unless the
+/// operation using it finished cleanly: after a timeout or I/O error the
+/// connection may be blackholed or mid-protocol.
+struct Conn(Option<Object>);
+
+impl Conn {
+    fn client(&self) -> &Object {
+        // Always Some until `Drop`.
+        self.0.as_ref().unwrap_or_else(|| unreachable!("connection used after drop"))
+    }
+
+    fn client_mut(&mut self) -> &mut Object {
+        self.0.as_mut().unwrap_or_else(|| unreachable!("connection used after drop"))
+    }
+
+    fn done(mut self) {
+        drop(self.0.take());
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        if let Some(obj) = self.0.take() {
+            drop(Object::take(obj));
+        }
+    }
+}
+
+fn classify(e: tokio_postgres::Error, write: bool) -> StoreError {
+    if let Some(db) = e.as_db_error() {
+        // The server answered with an error: the statement did not take effect.
+        return StoreError::Unavailable(format!("database error {}: {}", db.code().code(), db.message()));
+    }
+    if write {
+        StoreError::Ambiguous(e.to_string())
+    } else {
+        StoreError::Unavailable(e.to_string())
+    }
+}
+
+fn micros(d: Duration) -> i64 {
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
+}
+
+impl PgStore {
+    pub fn connect(url: &str, pool_size: usize, timeout: Duration) -> Result<PgStore, StoreError> {
+        let pg: tokio_postgres::Config =
+            url.parse().map_err(|e: tokio_postgres::Error| StoreError::Unavailable(format!("invalid database URL: {e}")))?;
+        let mut pg = pg;
+        if pg.get_application_name().is_none() {
+            pg.application_name("idemgate");
+        }
+        pg.connect_timeout(timeout);
+        let manager = Manager::from_config(pg, NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+        let pool = Pool::builder(manager)
+            .max_size(pool_size)
+            .runtime(Runtime::Tokio1)
+            .wait_timeout(Some(timeout))
+            .create_timeout(Some(timeout))
+            .recycle_timeout(Some(timeout))
+            .build()
+            .map_err(|e| StoreError::Unavailable(format!("cannot build the connection pool: {e}")))?;
+        Ok(PgStore { pool })
+    }
+
+    async fn conn(&self) -> Result<Conn, StoreError> {
+        match self.pool.get().await {
+            Ok(c) => Ok(Conn(Some(c))),
+            Err(e) => Err(StoreError::Unavailable(format!("no database connection: {e}"))),
+        }
+    }
+
+    /// Runs one statement on a pooled connection and returns its rows.
+    async fn query(&self, sql: &str, params: &[&(dyn tokio_postgres::types::ToSql + Sync)], write: bool) -> Result<Vec<Row>, StoreError> {
+        let conn = self.conn().await?;
+        let stmt = conn.client().prepare_cached(sql).await.map_err(|e| classify(e, false))?;
+        match conn.client().query(&stmt, params).await {
+            Ok(rows) => {
+                conn.done();
+                Ok(rows)
+            }
+            Err(e) => {
+                let definite = e.as_db_error().is_some();
+                let err = classify(e, write);
+                if definite {
+                    conn.done();
+                }
+                Err(err)
+            }
+        }
+    }
+
+    pub async fn migrate(&self) -> Result<Vec<String>, StoreError> {
+        let mut conn = self.conn().await?;
+        let tx = conn.client_mut().transaction().await.map_err(|e| StoreError::Migration(e.to_string()))?;
+        let m = |e: tokio_postgres::Error| StoreError::Migration(e.to_string());
+        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&PG_LOCK_KEY]).await.map_err(m)?;
+        tx.batch_execute(
+            "CREATE TABLE IF NOT EXISTS idemgate_schema_migrations (
+                version bigint PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())",
+        )
+        .await
+        .map_err(m)?;
+        let done: Vec<i64> =
+            tx.query("SELECT version FROM idemgate_schema_migrations", &[]).await.map_err(m)?.iter().map(|r| r.get(0)).collect();
+        let mut applied = Vec::new();
+        for mig in POSTGRES.iter().filter(|mig| !done.contains(&mig.version)) {
+            tx.batch_execute(mig.sql).await.map_err(|e| StoreError::Migration(format!("{}: {e}", mig.name)))?;
+            tx.execute("INSERT INTO idemgate_schema_migrations (version, name) VALUES ($1, $2)", &[&mig.version, &mig.name])
+                .await
+                .map_err(m)?;
+            applied.push(mig.name.to_owned());
+        }
+        tx.commit().await.map_err(m)?;
+        conn.done();
+        Ok(applied)
+    }
+
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        self.query("SELECT 1", &[], false).await.map(drop)
+    }
+
+    pub async fn now(&self) -> Result<Timestamp, StoreError> {
+        let rows = self.query("SELECT now()", &[], false).await?;
+        let row = rows.first().ok_or_else(|| StoreError::Corrupt("SELECT now() returned no row".into()))?;
+        row.try_get(0).map_err(|e| StoreError::Corrupt(e.to_string()))
+    }
+
+    pub async fn claim(&self, req: &ClaimRequest, token: Uuid) -> Result<Option<Claim>, StoreError> {
+        let s = &req.scope;
+        let rows = self
+            .query(
+                CLAIM,
+                &[
+                    &&*s.tenant,
+                    &&*s.principal,
+                    &&*s.operation,
+                    &s.key.as_str(),
+                    &&req.request_hash.0[..],
+                    &token,
+                    &&*req.owner,
+                    &micros(req.lease),
+                    &req.upstream_idempotent,
+                ],
+                true,
+            )
+            .await?;
+        let Some(row) = rows.first() else { return Ok(None) };
+        let corrupt = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+        let generation: i64 = row.try_get(0).map_err(corrupt)?;
+        let lease: Timestamp = row.try_get(1).map_err(corrupt)?;
+        let inserted: bool = row.try_get(2).map_err(corrupt)?;
+        Ok(Some(Claim { scope: s.clone(), generation: Generation(generation), claim_token: token, lease_expires_at: lease, took_over: !inserted }))
+    }
+
+    pub async fn get(&self, scope: &Scope) -> Result<Option<(Record, Timestamp)>, StoreError> {
+        let sql = format!("SELECT {COLUMNS}, now() FROM idemgate_records WHERE {PK}");
+        let rows = self.query(&sql, &[&&*scope.tenant, &&*scope.principal, &&*scope.operation, &scope.key.as_str()], false).await?;
+        match rows.first() {
+            None => Ok(None),
+            Some(row) => {
+                let now: Timestamp = row.try_get(16).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+                Ok(Some((decode(row)?, now)))
+            }
+        }
+    }
+
+    pub async fn complete(&self, scope: &Scope, generation: Generation, response: &StoredResponse, retention: Duration) -> Result<bool, StoreError> {
+        let sql = format!(
+            "UPDATE idemgate_records SET state = 'completed', response_status = $6, response_headers = $7, response_body = $8, \
+             lease_expires_at = NULL, updated_at = now(), expires_at = now() + $9::int8 * interval '1 microsecond' \
+             WHERE {PK} AND generation = $5 AND state = 'in_flight' RETURNING 1"
+        );
+        let headers = encode_headers(&response.headers);
+        let body: Option<&[u8]> = response.body.as_deref();
+        let rows = self
+            .query(
+                &sql,
+                &[
+                    &&*scope.tenant,
+                    &&*scope.principal,
+                    &&*scope.operation,
+                    &scope.key.as_str(),
+                    &generation.0,
+                    &i32::from(response.status),
+                    &headers,
+                    &body,
+                    &micros(retention),
+                ],
+                true,
+            )
+            .await?;
+        Ok(!rows.is_empty())
+    }
+
+    pub async fn release(&self, scope: &Scope, generation: Generation) -> Result<bool, StoreError> {
+        let sql = format!("DELETE FROM idemgate_records WHERE {PK} AND generation = $5 AND state = 'in_flight' RETURNING 1");
+        let rows = self
+            .query(&sql, &[&&*scope.tenant, &&*scope.principal, &&*scope.operation, &scope.key.as_str(), &generation.0], true)
+            .await?;
+        Ok(!rows.is_empty())
+    }
+
+    pub async fn mark_unknown(&self, scope: &Scope, generation: Generation, only_if_lease_expired: bool) -> Result<bool, StoreError> {
+        let sql = format!(
+            "UPDATE idemgate_records SET state = 'unknown', updated_at = now() \
+             WHERE {PK} AND generation = $5 AND state = 'in_flight' \
+             AND (NOT $6::bool OR lease_expires_at IS NULL OR lease_expires_at <= now()) RETURNING 1"
+        );
+        let rows = self
+            .query(
+                &sql,
+                &[&&*scope.tenant, &&*scope.principal, &&*scope.operation, &scope.key.as_str(), &generation.0, &only_if_lease_expired],
+                true,
+            )
+            .await?;
+        Ok(!rows.is_empty())
+    }
+
+    pub async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>, StoreError> {
+        let sql = format!(
+            "SELECT {COLUMNS} FROM idemgate_records \
+             WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR tenant = $2) AND ($3::text IS NULL OR operation = $3) \
+             ORDER BY updated_at DESC, tenant, principal, operation, idempotency_key LIMIT $4"
+        );
+        let state = filter.state.map(State::as_str);
+        let limit = i64::from(filter.limit);
+        let rows = self.query(&sql, &[&state, &filter.tenant, &filter.operation, &limit], false).await?;
+        rows.iter().map(decode).collect()
+    }
+
+    pub async fn resolve(&self, scope: &Scope, resolution: &Resolution) -> Result<ResolveOutcome, StoreError> {
+        let mut conn = self.conn().await?;
+        let w = |e| classify(e, true);
+        let tx = conn.client_mut().transaction().await.map_err(w)?;
+        let sql = format!("SELECT {COLUMNS}, now() FROM idemgate_records WHERE {PK} FOR UPDATE");
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
+            [&&*scope.tenant, &&*scope.principal, &&*scope.operation, &scope.key.as_str()];
+        let rows = tx.query(&sql, &params).await.map_err(w)?;
+        let Some(row) = rows.first() else {
+            tx.rollback().await.map_err(w)?;
+            conn.done();
+            return Ok(ResolveOutcome::NotFound);
+        };
+        let record = decode(row)?;
+        let now: Timestamp = row.try_get(16).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        let event = match resolution {
+            Resolution::Release => Event::ResolveRelease,
+            Resolution::Complete { .. } => Event::ResolveComplete,
+        };
+        match transition(&record, event, now) {
+            Err(refused) => {
+                tx.rollback().await.map_err(w)?;
+                conn.done();
+                return Ok(ResolveOutcome::Refused(refused));
+            }
+            Ok(Next::Deleted) => {
+                tx.execute(&format!("DELETE FROM idemgate_records WHERE {PK}"), &params).await.map_err(w)?;
+            }
+            Ok(Next::State { .. }) => {
+                let Resolution::Complete { response, retention } = resolution else {
+                    return Err(StoreError::Corrupt("resolve: state machine and resolution disagree".into()));
+                };
+                let headers = encode_headers(&response.headers);
+                let body: Option<&[u8]> = response.body.as_deref();
+                let update = format!(
+                    "UPDATE idemgate_records SET state = 'completed', generation = generation + 1, response_status = $5, \
+                     response_headers = $6, response_body = $7, lease_expires_at = NULL, updated_at = now(), \
+                     expires_at = now() + $8::int8 * interval '1 microsecond' WHERE {PK}"
+                );
+                tx.execute(
+                    &update,
+                    &[params[0], params[1], params[2], params[3], &i32::from(response.status), &headers, &body, &micros(*retention)],
+                )
+                .await
+                .map_err(w)?;
+            }
+        }
+        tx.commit().await.map_err(w)?;
+        conn.done();
+        Ok(ResolveOutcome::Resolved)
+    }
+
+    pub async fn sweep(&self, batch: u32) -> Result<u64, StoreError> {
+        let sql = "WITH doomed AS (
+                SELECT tenant, principal, operation, idempotency_key FROM idemgate_records
+                WHERE state = 'completed' AND expires_at <= now()
+                ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED)
+            DELETE FROM idemgate_records r USING doomed d
+            WHERE r.tenant = d.tenant AND r.principal = d.principal AND r.operation = d.operation
+              AND r.idempotency_key = d.idempotency_key AND r.state = 'completed' AND r.expires_at <= now()
+            RETURNING 1";
+        Ok(self.query(sql, &[&i64::from(batch)], true).await?.len() as u64)
+    }
+
+    pub async fn reap_leases(&self, batch: u32) -> Result<u64, StoreError> {
+        let sql = "WITH stale AS (
+                SELECT tenant, principal, operation, idempotency_key FROM idemgate_records
+                WHERE state = 'in_flight' AND lease_expires_at <= now()
+                ORDER BY lease_expires_at LIMIT $1 FOR UPDATE SKIP LOCKED)
+            UPDATE idemgate_records r SET state = 'unknown', updated_at = now() FROM stale s
+            WHERE r.tenant = s.tenant AND r.principal = s.principal AND r.operation = s.operation
+              AND r.idempotency_key = s.idempotency_key AND r.state = 'in_flight' AND r.lease_expires_at <= now()
+            RETURNING 1";
+        Ok(self.query(sql, &[&i64::from(batch)], true).await?.len() as u64)
+    }
+}
+
+fn decode(row: &Row) -> Result<Record, StoreError> {
+    let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+    let key: &str = row.try_get(3).map_err(c)?;
+    let key = IdempotencyKey::new(key).map_err(|e| StoreError::Corrupt(format!("idempotency_key: {e}")))?;
+    let hash: &[u8] = row.try_get(4).map_err(c)?;
+    let hash: [u8; 32] = hash.try_into().map_err(|_| StoreError::Corrupt("request_hash is not 32 bytes".into()))?;
+    let state: &str = row.try_get(5).map_err(c)?;
+    let state = State::parse(state).ok_or_else(|| StoreError::Corrupt(format!("unknown state {state:?}")))?;
+    let status: Option<i32> = row.try_get(10).map_err(c)?;
+    let headers: Option<&[u8]> = row.try_get(11).map_err(c)?;
+    let body: Option<&[u8]> = row.try_get(12).map_err(c)?;
+    let response = match status {
+        None => None,
+        Some(s) => Some(StoredResponse {
+            status: u16::try_from(s).map_err(|_| StoreError::Corrupt(format!("response_status {s}")))?,
+            headers: headers.map(decode_headers).transpose()?.unwrap_or_default(),
+            body: body.map(Bytes::copy_from_slice),
+        }),
+    };
+    let tenant: &str = row.try_get(0).map_err(c)?;
+    let principal: &str = row.try_get(1).map_err(c)?;
+    let operation: &str = row.try_get(2).map_err(c)?;
+    Ok(Record {
+        scope: Scope { tenant: tenant.into(), principal: principal.into(), operation: operation.into(), key },
+        request_hash: Fingerprint(hash),
+        state,
+        generation: Generation(row.try_get(6).map_err(c)?),
+        claim_token: row.try_get(7).map_err(c)?,
+        owner: row.try_get(8).map_err(c)?,
+        lease_expires_at: row.try_get(9).map_err(c)?,
+        response,
+        created_at: row.try_get(13).map_err(c)?,
+        updated_at: row.try_get(14).map_err(c)?,
+        expires_at: row.try_get(15).map_err(c)?,
+    })
+}

@@ -1,0 +1,450 @@
+//! The embedded backend: SQLite in WAL mode with `synchronous = FULL`, for a
+//! single replica. Each protocol step is one `BEGIN IMMEDIATE` transaction
+//! whose decisions are made by the pure functions in `crate::record` — the
+//! same rules PostgreSQL's statements encode — so both backends pass the same
+//! conformance suite. Blocking SQLite calls run on tokio's blocking pool,
+//! never on the async workers. The clock is this process's system clock: with
+//! one replica it is the only clock there is.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use rusqlite::{params, Connection, TransactionBehavior};
+use uuid::Uuid;
+
+use super::codec::{decode_headers, encode_headers};
+use super::migrations::SQLITE;
+use super::{Claim, ClaimRequest, ListFilter, Resolution, ResolveOutcome, StoreError};
+use crate::fingerprint::Fingerprint;
+use crate::record::{may_take_over, transition, Event, Generation, Next, Record, Refused, State, StoredResponse, Timestamp};
+use crate::scope::{IdempotencyKey, Scope};
+
+const COLUMNS: &str = "tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner, \
+     lease_expires_at, response_status, response_headers, response_body, created_at, updated_at, expires_at";
+const PK: &str = "tenant = ?1 AND principal = ?2 AND operation = ?3 AND idempotency_key = ?4";
+
+#[derive(Debug)]
+pub struct SqliteStore {
+    conn: Arc<Mutex<Connection>>,
+    path: PathBuf,
+    /// Held for the process's life by `serve`/`demo`: one replica per file.
+    _lock: Option<File>,
+}
+
+fn now() -> Timestamp {
+    let d = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO);
+    Timestamp(i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+}
+
+fn err(e: rusqlite::Error) -> StoreError {
+    StoreError::Unavailable(format!("sqlite: {e}"))
+}
+
+fn pk(scope: &Scope) -> [&str; 4] {
+    [&scope.tenant, &scope.principal, &scope.operation, scope.key.as_str()]
+}
+
+impl SqliteStore {
+    pub async fn open(path: &Path, exclusive: bool) -> Result<SqliteStore, StoreError> {
+        let path = path.to_owned();
+        tokio::task::spawn_blocking(move || SqliteStore::open_blocking(&path, exclusive))
+            .await
+            .map_err(|e| StoreError::Unavailable(format!("sqlite open task failed: {e}")))?
+    }
+
+    fn open_blocking(path: &Path, exclusive: bool) -> Result<SqliteStore, StoreError> {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| StoreError::Unavailable(format!("cannot create directory {}: {e}", dir.display())))?;
+        }
+        let lock = if exclusive {
+            let lock_path = lock_path(path);
+            let file = File::options()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(&lock_path)
+                .map_err(|e| StoreError::Unavailable(format!("cannot open {}: {e}", lock_path.display())))?;
+            if file.try_lock().is_err() {
+                return Err(StoreError::Locked(format!(
+                    "the embedded store {} is in use by another idemgate process (lock file {}); \
+                     SQLite serves one replica — run several replicas on PostgreSQL",
+                    path.display(),
+                    lock_path.display()
+                )));
+            }
+            Some(file)
+        } else {
+            None
+        };
+        let conn = Connection::open(path).map_err(|e| StoreError::Unavailable(format!("cannot open {}: {e}", path.display())))?;
+        conn.busy_timeout(Duration::from_secs(5)).map_err(err)?;
+        conn.pragma_update(None, "journal_mode", "WAL").map_err(err)?;
+        // FULL: a commit is on disk before it is acknowledged, so a claim
+        // survives a process kill and a power loss.
+        conn.pragma_update(None, "synchronous", "FULL").map_err(err)?;
+        conn.pragma_update(None, "foreign_keys", "ON").map_err(err)?;
+        Ok(SqliteStore { conn: Arc::new(Mutex::new(conn)), path: path.to_owned(), _lock: lock })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Runs `f` with the connection on the blocking pool.
+    async fn with<T, F>(&self, f: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut Connection) -> Result<T, StoreError> + Send + 'static,
+    {
+        let conn = self.conn.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut guard = conn.lock().map_err(|_| StoreError::Unavailable("sqlite connection lock poisoned".into()))?;
+            f(&mut guard)
+        })
+        .await
+        .map_err(|e| StoreError::Unavailable(format!("sqlite task failed: {e}")))?
+    }
+
+    /// Runs `f` in a `BEGIN IMMEDIATE` transaction; a failed COMMIT is ambiguous.
+    async fn write<T, F>(&self, f: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&rusqlite::Transaction<'_>, Timestamp) -> Result<T, StoreError> + Send + 'static,
+    {
+        self.with(move |conn| {
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(err)?;
+            let out = f(&tx, now())?;
+            tx.commit().map_err(|e| StoreError::Ambiguous(format!("sqlite commit: {e}")))?;
+            Ok(out)
+        })
+        .await
+    }
+
+    pub async fn migrate(&self) -> Result<Vec<String>, StoreError> {
+        self.with(|conn| {
+            let m = |e: rusqlite::Error| StoreError::Migration(e.to_string());
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(m)?;
+            tx.execute_batch(
+                "CREATE TABLE IF NOT EXISTS idemgate_schema_migrations (
+                    version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at INTEGER NOT NULL)",
+            )
+            .map_err(m)?;
+            let done: Vec<i64> = {
+                let mut st = tx.prepare("SELECT version FROM idemgate_schema_migrations").map_err(m)?;
+                st.query_map([], |r| r.get(0)).map_err(m)?.collect::<Result<_, _>>().map_err(m)?
+            };
+            let mut applied = Vec::new();
+            for mig in SQLITE.iter().filter(|mig| !done.contains(&mig.version)) {
+                tx.execute_batch(mig.sql).map_err(|e| StoreError::Migration(format!("{}: {e}", mig.name)))?;
+                tx.execute(
+                    "INSERT INTO idemgate_schema_migrations (version, name, applied_at) VALUES (?1, ?2, ?3)",
+                    params![mig.version, mig.name, now().0],
+                )
+                .map_err(m)?;
+                applied.push(mig.name.to_owned());
+            }
+            tx.commit().map_err(m)?;
+            Ok(applied)
+        })
+        .await
+    }
+
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        self.with(|conn| conn.query_row("SELECT count(*) FROM idemgate_schema_migrations", [], |_| Ok(())).map_err(err)).await
+    }
+
+    pub async fn now(&self) -> Result<Timestamp, StoreError> {
+        Ok(now())
+    }
+
+    pub async fn claim(&self, req: &ClaimRequest, token: Uuid) -> Result<Option<Claim>, StoreError> {
+        let req = req.clone();
+        self.write(move |tx, now| {
+            let lease = now.plus(req.lease);
+            let existing = get_tx(tx, &req.scope)?;
+            let generation = match existing {
+                None => {
+                    let sql = format!(
+                        "INSERT INTO idemgate_records ({COLUMNS}) VALUES \
+                         (?1, ?2, ?3, ?4, ?5, 'in_flight', 1, ?6, ?7, ?8, NULL, NULL, NULL, ?9, ?9, ?8)"
+                    );
+                    let [t, p, o, k] = pk(&req.scope);
+                    tx.prepare_cached(&sql)
+                        .and_then(|mut st| {
+                            st.execute(params![t, p, o, k, &req.request_hash.0[..], token.as_bytes(), &*req.owner, lease.0, now.0])
+                        })
+                        .map_err(err)?;
+                    Generation(1)
+                }
+                Some(record) if may_take_over(&record, &req.request_hash, now, req.upstream_idempotent) => {
+                    let next = Generation(record.generation.0 + 1);
+                    let sql = format!(
+                        "UPDATE idemgate_records SET request_hash = ?5, state = 'in_flight', generation = ?6, claim_token = ?7, \
+                         owner = ?8, lease_expires_at = ?9, response_status = NULL, response_headers = NULL, response_body = NULL, \
+                         created_at = ?10, updated_at = ?10, expires_at = ?9 WHERE {PK}"
+                    );
+                    let [t, p, o, k] = pk(&req.scope);
+                    tx.prepare_cached(&sql)
+                        .and_then(|mut st| {
+                            st.execute(params![t, p, o, k, &req.request_hash.0[..], next.0, token.as_bytes(), &*req.owner, lease.0, now.0])
+                        })
+                        .map_err(err)?;
+                    next
+                }
+                Some(_) => return Ok(None),
+            };
+            Ok(Some(Claim {
+                scope: req.scope.clone(),
+                generation,
+                claim_token: token,
+                lease_expires_at: lease,
+                took_over: generation.0 > 1,
+            }))
+        })
+        .await
+    }
+
+    pub async fn get(&self, scope: &Scope) -> Result<Option<(Record, Timestamp)>, StoreError> {
+        let scope = scope.clone();
+        self.with(move |conn| Ok(get_conn(conn, &scope)?.map(|r| (r, now())))).await
+    }
+
+    /// Applies a fenced event to the row under a write lock.
+    async fn fenced(&self, scope: &Scope, event: Event, apply: impl FnOnce(&rusqlite::Transaction<'_>, Timestamp, Next) -> Result<(), StoreError> + Send + 'static) -> Result<bool, StoreError> {
+        let scope = scope.clone();
+        self.write(move |tx, now| {
+            let Some(record) = get_tx(tx, &scope)? else { return Ok(false) };
+            match transition(&record, event, now) {
+                Ok(next) => {
+                    apply(tx, now, next)?;
+                    Ok(true)
+                }
+                Err(_) => Ok(false),
+            }
+        })
+        .await
+    }
+
+    pub async fn complete(&self, scope: &Scope, generation: Generation, response: &StoredResponse, retention: Duration) -> Result<bool, StoreError> {
+        let s = scope.clone();
+        let response = response.clone();
+        self.fenced(scope, Event::Complete { generation }, move |tx, now, _| write_response(tx, &s, &response, now, retention, None))
+            .await
+    }
+
+    pub async fn release(&self, scope: &Scope, generation: Generation) -> Result<bool, StoreError> {
+        let s = scope.clone();
+        self.fenced(scope, Event::Release { generation }, move |tx, _, _| delete(tx, &s)).await
+    }
+
+    pub async fn mark_unknown(&self, scope: &Scope, generation: Generation, only_if_lease_expired: bool) -> Result<bool, StoreError> {
+        let s = scope.clone();
+        let scope2 = scope.clone();
+        // Both conditions (our generation, and for a reader the lease expiry)
+        // are checked against the same row under the write lock.
+        self.write(move |tx, now| {
+            let Some(record) = get_tx(tx, &scope2)? else { return Ok(false) };
+            let mine = transition(&record, Event::MarkUnknown { generation }, now).is_ok();
+            let expired = !only_if_lease_expired || transition(&record, Event::LeaseExpired, now).is_ok();
+            if mine && expired {
+                set_unknown(tx, &s, now)?;
+                Ok(true)
+            } else {
+                Ok(false)
+            }
+        })
+        .await
+    }
+
+    pub async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>, StoreError> {
+        let filter = filter.clone();
+        self.with(move |conn| {
+            let sql = format!(
+                "SELECT {COLUMNS} FROM idemgate_records \
+                 WHERE (?1 IS NULL OR state = ?1) AND (?2 IS NULL OR tenant = ?2) AND (?3 IS NULL OR operation = ?3) \
+                 ORDER BY updated_at DESC, tenant, principal, operation, idempotency_key LIMIT ?4"
+            );
+            let mut st = conn.prepare_cached(&sql).map_err(err)?;
+            let mut rows = st
+                .query(params![filter.state.map(State::as_str), filter.tenant, filter.operation, i64::from(filter.limit)])
+                .map_err(err)?;
+            let mut out = Vec::new();
+            while let Some(row) = rows.next().map_err(err)? {
+                out.push(decode(row)?);
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    pub async fn resolve(&self, scope: &Scope, resolution: &Resolution) -> Result<ResolveOutcome, StoreError> {
+        let scope = scope.clone();
+        let resolution = resolution.clone();
+        self.write(move |tx, now| {
+            let Some(record) = get_tx(tx, &scope)? else { return Ok(ResolveOutcome::NotFound) };
+            let event = match resolution {
+                Resolution::Release => Event::ResolveRelease,
+                Resolution::Complete { .. } => Event::ResolveComplete,
+            };
+            match (transition(&record, event, now), &resolution) {
+                (Err(refused), _) => Ok(ResolveOutcome::Refused(refused)),
+                (Ok(Next::Deleted), _) => {
+                    delete(tx, &scope)?;
+                    Ok(ResolveOutcome::Resolved)
+                }
+                (Ok(Next::State { .. }), Resolution::Complete { response, retention }) => {
+                    write_response(tx, &scope, response, now, *retention, Some(Generation(record.generation.0 + 1)))?;
+                    Ok(ResolveOutcome::Resolved)
+                }
+                (Ok(Next::State { .. }), Resolution::Release) => Ok(ResolveOutcome::Refused(Refused::NotAllowed(record.state))),
+            }
+        })
+        .await
+    }
+
+    pub async fn sweep(&self, batch: u32) -> Result<u64, StoreError> {
+        self.write(move |tx, now| {
+            let n = tx
+                .execute(
+                    "DELETE FROM idemgate_records WHERE (tenant, principal, operation, idempotency_key) IN (
+                        SELECT tenant, principal, operation, idempotency_key FROM idemgate_records
+                        WHERE state = 'completed' AND expires_at <= ?1 ORDER BY expires_at LIMIT ?2)",
+                    params![now.0, i64::from(batch)],
+                )
+                .map_err(err)?;
+            Ok(n as u64)
+        })
+        .await
+    }
+
+    pub async fn reap_leases(&self, batch: u32) -> Result<u64, StoreError> {
+        self.write(move |tx, now| {
+            let n = tx
+                .execute(
+                    "UPDATE idemgate_records SET state = 'unknown', updated_at = ?1
+                     WHERE (tenant, principal, operation, idempotency_key) IN (
+                        SELECT tenant, principal, operation, idempotency_key FROM idemgate_records
+                        WHERE state = 'in_flight' AND (lease_expires_at IS NULL OR lease_expires_at <= ?1)
+                        ORDER BY lease_expires_at LIMIT ?2)",
+                    params![now.0, i64::from(batch)],
+                )
+                .map_err(err)?;
+            Ok(n as u64)
+        })
+        .await
+    }
+}
+
+/// `<db path>.lock`, the file `serve` locks for the process's life.
+pub fn lock_path(path: &Path) -> PathBuf {
+    let mut p = path.as_os_str().to_owned();
+    p.push(".lock");
+    PathBuf::from(p)
+}
+
+fn get_conn(conn: &Connection, scope: &Scope) -> Result<Option<Record>, StoreError> {
+    let sql = format!("SELECT {COLUMNS} FROM idemgate_records WHERE {PK}");
+    let mut st = conn.prepare_cached(&sql).map_err(err)?;
+    let mut rows = st.query(pk(scope)).map_err(err)?;
+    match rows.next().map_err(err)? {
+        Some(row) => Ok(Some(decode(row)?)),
+        None => Ok(None),
+    }
+}
+
+fn get_tx(tx: &rusqlite::Transaction<'_>, scope: &Scope) -> Result<Option<Record>, StoreError> {
+    get_conn(tx, scope)
+}
+
+fn delete(tx: &rusqlite::Transaction<'_>, scope: &Scope) -> Result<(), StoreError> {
+    tx.prepare_cached(&format!("DELETE FROM idemgate_records WHERE {PK}"))
+        .and_then(|mut st| st.execute(pk(scope)))
+        .map_err(err)
+        .map(drop)
+}
+
+fn set_unknown(tx: &rusqlite::Transaction<'_>, scope: &Scope, now: Timestamp) -> Result<(), StoreError> {
+    let [t, p, o, k] = pk(scope);
+    tx.prepare_cached(&format!("UPDATE idemgate_records SET state = 'unknown', updated_at = ?5 WHERE {PK}"))
+        .and_then(|mut st| st.execute(params![t, p, o, k, now.0]))
+        .map_err(err)
+        .map(drop)
+}
+
+/// Writes a completed response; `generation` is set when an operator's
+/// resolution fences off the original attempt.
+fn write_response(
+    tx: &rusqlite::Transaction<'_>,
+    scope: &Scope,
+    response: &StoredResponse,
+    now: Timestamp,
+    retention: Duration,
+    generation: Option<Generation>,
+) -> Result<(), StoreError> {
+    let [t, p, o, k] = pk(scope);
+    let sql = format!(
+        "UPDATE idemgate_records SET state = 'completed', response_status = ?5, response_headers = ?6, response_body = ?7, \
+         lease_expires_at = NULL, updated_at = ?8, expires_at = ?9, generation = coalesce(?10, generation) WHERE {PK}"
+    );
+    let body: Option<&[u8]> = response.body.as_deref();
+    tx.prepare_cached(&sql)
+        .and_then(|mut st| {
+            st.execute(params![
+                t,
+                p,
+                o,
+                k,
+                i64::from(response.status),
+                encode_headers(&response.headers),
+                body,
+                now.0,
+                now.plus(retention).0,
+                generation.map(|g| g.0)
+            ])
+        })
+        .map_err(err)
+        .map(drop)
+}
+
+fn decode(row: &rusqlite::Row<'_>) -> Result<Record, StoreError> {
+    let c = |e: rusqlite::Error| StoreError::Corrupt(e.to_string());
+    let key: String = row.get(3).map_err(c)?;
+    let key = IdempotencyKey::new(&key).map_err(|e| StoreError::Corrupt(format!("idempotency_key: {e}")))?;
+    let hash: Vec<u8> = row.get(4).map_err(c)?;
+    let hash: [u8; 32] = hash.try_into().map_err(|_| StoreError::Corrupt("request_hash is not 32 bytes".into()))?;
+    let state: String = row.get(5).map_err(c)?;
+    let state = State::parse(&state).ok_or_else(|| StoreError::Corrupt(format!("unknown state {state:?}")))?;
+    let token: Vec<u8> = row.get(7).map_err(c)?;
+    let token = Uuid::from_slice(&token).map_err(|_| StoreError::Corrupt("claim_token is not 16 bytes".into()))?;
+    let status: Option<i64> = row.get(10).map_err(c)?;
+    let headers: Option<Vec<u8>> = row.get(11).map_err(c)?;
+    let body: Option<Vec<u8>> = row.get(12).map_err(c)?;
+    let response = match status {
+        None => None,
+        Some(s) => Some(StoredResponse {
+            status: u16::try_from(s).map_err(|_| StoreError::Corrupt(format!("response_status {s}")))?,
+            headers: headers.as_deref().map(decode_headers).transpose()?.unwrap_or_default(),
+            body: body.map(Bytes::from),
+        }),
+    };
+    let tenant: String = row.get(0).map_err(c)?;
+    let principal: String = row.get(1).map_err(c)?;
+    let operation: String = row.get(2).map_err(c)?;
+    Ok(Record {
+        scope: Scope { tenant: tenant.into(), principal: principal.into(), operation: operation.into(), key },
+        request_hash: Fingerprint(hash),
+        state,
+        generation: Generation(row.get(6).map_err(c)?),
+        claim_token: token,
+        owner: row.get(8).map_err(c)?,
+        lease_expires_at: row.get::<_, Option<i64>>(9).map_err(c)?.map(Timestamp),
+        response,
+        created_at: Timestamp(row.get(13).map_err(c)?),
+        updated_at: Timestamp(row.get(14).map_err(c)?),
+        expires_at: Timestamp(row.get(15).map_err(c)?),
+    })
+}

@@ -1,0 +1,165 @@
+//! Talking to upstreams: a pooled HTTP/1 client per upstream, and an error
+//! that says, as a typed fact, whether the upstream may have acted on the
+//! request. That fact alone decides between releasing a key and recording
+//! `unknown`.
+
+use std::time::Duration;
+
+use http::uri::{PathAndQuery, Uri};
+use http::{Request, Response};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+
+use crate::body::Body;
+use crate::config::UpstreamConfig;
+
+/// Whether the upstream may have executed the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Executed {
+    /// The request never left idemgate (connection refused, DNS, connect
+    /// timeout): releasing the key is safe.
+    No,
+    /// The request was handed to a connection: the upstream may have acted.
+    Maybe,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    #[error("cannot connect to upstream {upstream}: {detail}")]
+    Connect { upstream: String, detail: String },
+    #[error("upstream {upstream} did not answer within {timeout:?}")]
+    Timeout { upstream: String, timeout: Duration },
+    #[error("exchange with upstream {upstream} failed: {detail}")]
+    Broken { upstream: String, detail: String },
+    #[error("invalid upstream request: {0}")]
+    InvalidRequest(String),
+}
+
+impl UpstreamError {
+    pub fn executed(&self) -> Executed {
+        match self {
+            UpstreamError::Connect { .. } | UpstreamError::InvalidRequest(_) => Executed::No,
+            UpstreamError::Timeout { .. } | UpstreamError::Broken { .. } => Executed::Maybe,
+        }
+    }
+
+    pub fn may_have_executed(&self) -> bool {
+        self.executed() == Executed::Maybe
+    }
+}
+
+/// One configured upstream and its connection pool.
+#[derive(Debug, Clone)]
+pub struct Upstream {
+    pub config: UpstreamConfig,
+    client: Client<HttpConnector, Body>,
+}
+
+impl Upstream {
+    pub fn new(config: UpstreamConfig) -> Upstream {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(config.connect_timeout));
+        connector.set_nodelay(true);
+        connector.enforce_http(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_timer(TokioTimer::new())
+            .timer(TokioTimer::new())
+            .pool_idle_timeout(config.pool_idle_timeout)
+            .pool_max_idle_per_host(config.pool_max_idle)
+            .build(connector);
+        Upstream { config, client }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.config.name
+    }
+
+    /// The upstream URI for a request's path and query: the upstream's base
+    /// URL with its path prefix prepended.
+    pub fn uri_for(&self, path_and_query: Option<&PathAndQuery>) -> Result<Uri, UpstreamError> {
+        let base = &self.config.url;
+        let prefix = base.path().trim_end_matches('/');
+        let pq = path_and_query.map_or("/", |pq| pq.as_str());
+        let mut parts = base.clone().into_parts();
+        let joined = format!("{prefix}{pq}");
+        parts.path_and_query = Some(joined.parse().map_err(|e| UpstreamError::InvalidRequest(format!("{e}")))?);
+        Uri::from_parts(parts).map_err(|e| UpstreamError::InvalidRequest(format!("{e}")))
+    }
+
+    /// Sends the request and waits for the response head, bounded by `deadline`.
+    pub async fn send(&self, req: Request<Body>, deadline: tokio::time::Instant) -> Result<Response<Incoming>, UpstreamError> {
+        match tokio::time::timeout_at(deadline, self.client.request(req)).await {
+            Ok(Ok(resp)) => Ok(resp),
+            Ok(Err(e)) if e.is_connect() => Err(UpstreamError::Connect { upstream: self.config.name.clone(), detail: error_chain(&e) }),
+            Ok(Err(e)) => Err(UpstreamError::Broken { upstream: self.config.name.clone(), detail: error_chain(&e) }),
+            Err(_) => Err(UpstreamError::Timeout { upstream: self.config.name.clone(), timeout: self.config.timeout }),
+        }
+    }
+}
+
+/// "outer: inner: innermost", for logs.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(inner) = src {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        src = inner.source();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn upstream(url: &str) -> Upstream {
+        Upstream::new(UpstreamConfig {
+            name: "u".into(),
+            url: url.parse().unwrap(),
+            connect_timeout: Duration::from_millis(200),
+            timeout: Duration::from_secs(1),
+            pool_idle_timeout: Duration::from_secs(1),
+            pool_max_idle: 1,
+        })
+    }
+
+    #[tokio::test]
+    async fn uri_joins_prefix_and_path() {
+        let u = upstream("http://127.0.0.1:9000/api/");
+        let pq: PathAndQuery = "/v1/orders?x=1".parse().unwrap();
+        assert_eq!(u.uri_for(Some(&pq)).unwrap().to_string(), "http://127.0.0.1:9000/api/v1/orders?x=1");
+        let bare = upstream("http://127.0.0.1:9000");
+        assert_eq!(bare.uri_for(Some(&pq)).unwrap().to_string(), "http://127.0.0.1:9000/v1/orders?x=1");
+    }
+
+    #[tokio::test]
+    async fn refused_connection_is_never_executed() {
+        // Bind then drop to find a port nobody listens on.
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let u = upstream(&format!("http://127.0.0.1:{port}"));
+        let req = Request::post(u.uri_for(None).unwrap()).body(Body::empty()).unwrap();
+        let err = u.send(req, tokio::time::Instant::now() + Duration::from_secs(2)).await.unwrap_err();
+        assert_eq!(err.executed(), Executed::No, "{err}");
+    }
+
+    #[tokio::test]
+    async fn timeout_after_send_may_have_executed() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        // Accept and read, never answer.
+        let hold = tokio::spawn(async move {
+            let (sock, _) = listener.accept().await.unwrap();
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            drop(sock);
+        });
+        let u = upstream(&format!("http://{addr}"));
+        let req = Request::post(u.uri_for(None).unwrap()).body(Body::full("x")).unwrap();
+        let err = u.send(req, tokio::time::Instant::now() + Duration::from_millis(300)).await.unwrap_err();
+        assert!(matches!(err, UpstreamError::Timeout { .. }));
+        assert_eq!(err.executed(), Executed::Maybe);
+        hold.abort();
+    }
+}
