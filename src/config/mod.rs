@@ -130,3 +130,6 @@ impl Config {
         &self.upstreams[id]
     }
 }
+
+#[cfg(test)]
+mod tests;
