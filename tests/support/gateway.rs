@@ -1,0 +1,313 @@
+//! The real `idemgate` binary as a child process: start, kill -9, SIGSTOP,
+//! SIGCONT, SIGTERM, restart on the same port; plus the config it runs with.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use idemgate::config::{Config, StoreBackend, StoreConfig};
+use idemgate::store::Store;
+use sha2::{Digest, Sha256};
+
+/// The API key every test client presents (`Bearer test-key`).
+pub const API_KEY: &str = "test-key";
+pub const TENANT: &str = "acme";
+pub const PRINCIPAL: &str = "billing";
+
+/// Which store a gateway runs on.
+#[derive(Debug, Clone)]
+pub enum Backend {
+    Postgres { url: String },
+    Sqlite { path: PathBuf },
+}
+
+impl Backend {
+    pub fn store_toml(&self) -> String {
+        match self {
+            Backend::Postgres { url } => format!("[store]\nkind = \"postgres\"\nurl = \"{url}\"\npool_size = 8\noperation_timeout = \"2s\"\nsweep_interval = \"200ms\"\n"),
+            Backend::Sqlite { path } => format!("[store]\nkind = \"sqlite\"\npath = \"{}\"\noperation_timeout = \"2s\"\nsweep_interval = \"200ms\"\n", path.display()),
+        }
+    }
+
+    /// Opens the same store from the test process, to inspect records.
+    pub async fn open(&self) -> Store {
+        let backend = match self {
+            Backend::Postgres { url } => StoreBackend::Postgres { url: idemgate::config::Secret::new(url.clone()), pool_size: 4 },
+            Backend::Sqlite { path } => StoreBackend::Sqlite { path: path.clone() },
+        };
+        let config = StoreConfig {
+            backend,
+            migrate: true,
+            operation_timeout: Duration::from_secs(5),
+            sweep_interval: Duration::from_secs(1),
+            sweep_batch: 100,
+        };
+        let store = Store::open(&config, false).await.expect("open store for inspection");
+        store.migrate().await.expect("migrate");
+        store
+    }
+}
+
+/// Builds a gateway config around one upstream and an `orders` route.
+#[derive(Debug, Clone)]
+pub struct GatewayConfig {
+    pub backend: Backend,
+    pub upstream_url: String,
+    pub upstream_timeout: &'static str,
+    /// Extra lines inside the `create_order` route table.
+    pub route_extra: String,
+    /// Extra TOML appended at the end (more routes, ...).
+    pub tail: String,
+    /// Extra lines in `[server]`.
+    pub server_extra: String,
+    pub listen: SocketAddr,
+}
+
+impl GatewayConfig {
+    pub fn new(backend: Backend, upstream_url: String) -> GatewayConfig {
+        GatewayConfig {
+            backend,
+            upstream_url,
+            upstream_timeout: "2s",
+            route_extra: String::new(),
+            tail: String::new(),
+            server_extra: String::new(),
+            listen: "127.0.0.1:0".parse().unwrap(),
+        }
+    }
+
+    pub fn route(mut self, extra: &str) -> Self {
+        self.route_extra.push_str(extra);
+        self.route_extra.push('\n');
+        self
+    }
+
+    pub fn server(mut self, extra: &str) -> Self {
+        self.server_extra.push_str(extra);
+        self.server_extra.push('\n');
+        self
+    }
+
+    pub fn tail(mut self, extra: &str) -> Self {
+        self.tail.push_str(extra);
+        self.tail.push('\n');
+        self
+    }
+
+    pub fn timeout(mut self, t: &'static str) -> Self {
+        self.upstream_timeout = t;
+        self
+    }
+
+    pub fn toml(&self) -> String {
+        let key_hash = hex::encode(Sha256::digest(API_KEY.as_bytes()));
+        format!(
+            r#"[server]
+listen = "{listen}"
+shutdown_grace = "10s"
+{server_extra}
+{store}
+[admin]
+listen = "127.0.0.1:0"
+
+[[upstreams]]
+name = "orders"
+url = "{upstream}"
+connect_timeout = "500ms"
+timeout = "{timeout}"
+
+[[identity.sources]]
+kind = "api_key"
+keys = [ {{ sha256 = "{key_hash}", tenant = "{TENANT}", principal = "{PRINCIPAL}" }},
+         {{ sha256 = "{other_hash}", tenant = "{TENANT}", principal = "other" }} ]
+
+[[identity.sources]]
+kind = "trusted_header"
+tenant_header = "x-tenant-id"
+principal_header = "x-principal-id"
+trusted_peers = ["127.0.0.1/32"]
+
+[[routes]]
+operation = "create_order"
+method = "POST"
+path = "/v1/orders"
+upstream = "orders"
+{route_extra}
+{tail}
+"#,
+            listen = self.listen,
+            server_extra = self.server_extra,
+            store = self.backend.store_toml(),
+            upstream = self.upstream_url,
+            timeout = self.upstream_timeout,
+            other_hash = hex::encode(Sha256::digest(b"other-key")),
+            route_extra = self.route_extra,
+            tail = self.tail,
+        )
+    }
+
+    /// The validated config (for tests that use the library directly).
+    pub fn parsed(&self) -> Config {
+        Config::from_toml(&self.toml(), "test", &|_| None).expect("test config is valid")
+    }
+}
+
+#[derive(Default)]
+struct Logs {
+    lines: Vec<String>,
+    listening: Option<(SocketAddr, Option<SocketAddr>)>,
+    exited: bool,
+}
+
+/// A running gateway process.
+pub struct Gateway {
+    pub config: GatewayConfig,
+    pub addr: SocketAddr,
+    pub admin: Option<SocketAddr>,
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+    logs: Arc<(Mutex<Logs>, Condvar)>,
+}
+
+impl Gateway {
+    pub fn start(config: GatewayConfig) -> Gateway {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut g = Gateway { config, addr: "0.0.0.0:0".parse().unwrap(), admin: None, child: None, dir, logs: Arc::default() };
+        g.spawn();
+        g
+    }
+
+    pub fn config_path(&self) -> PathBuf {
+        self.dir.path().join("idemgate.toml")
+    }
+
+    fn spawn(&mut self) {
+        std::fs::write(self.config_path(), self.config.toml()).expect("write config");
+        *self.logs.0.lock().unwrap() = Logs::default();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_idemgate"))
+            .args(["serve", "--config"])
+            .arg(self.config_path())
+            .env("IDEMGATE_LOG_FORMAT", "json")
+            .env("IDEMGATE_LOG", "info,idemgate=debug")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn idemgate");
+        let stderr = child.stderr.take().expect("stderr");
+        let logs = self.logs.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                let (lock, cv) = &*logs;
+                let mut l = lock.lock().unwrap();
+                if l.listening.is_none() {
+                    if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
+                        if v["message"] == "listening" {
+                            let addr = v["addr"].as_str().and_then(|a| a.parse().ok());
+                            let admin = v["admin"].as_str().and_then(|a| a.parse().ok());
+                            if let Some(addr) = addr {
+                                l.listening = Some((addr, admin));
+                            }
+                        }
+                    }
+                }
+                l.lines.push(line);
+                cv.notify_all();
+            }
+            let (lock, cv) = &*logs;
+            lock.lock().unwrap().exited = true;
+            cv.notify_all();
+        });
+        self.child = Some(child);
+        let (lock, cv) = &*self.logs;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut l = lock.lock().unwrap();
+        loop {
+            if let Some((addr, admin)) = l.listening {
+                self.addr = addr;
+                self.admin = admin;
+                // Restarts reuse the same port, so clients keep their URL.
+                self.config.listen = addr;
+                return;
+            }
+            if l.exited || Instant::now() > deadline {
+                panic!("gateway did not start:\n{}", l.lines.join("\n"));
+            }
+            l = cv.wait_timeout(l, Duration::from_millis(100)).unwrap().0;
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://{}{}", self.admin.expect("admin listener"), path)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let ok = Command::new("kill").arg(format!("-{sig}")).arg(self.pid().to_string()).status().expect("kill").success();
+        assert!(ok, "kill -{sig} failed");
+    }
+
+    /// SIGKILL and reap.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Waits for the process to exit by itself (after SIGTERM).
+    pub fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
+        let mut c = self.child.take().expect("running");
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = c.try_wait().expect("try_wait") {
+                return s;
+            }
+            if Instant::now() > deadline {
+                let _ = c.kill();
+                panic!("gateway did not exit within {timeout:?}:\n{}", self.logs());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Starts again with the same config and port (after kill9 or exit).
+    pub fn restart(&mut self) {
+        self.kill9();
+        self.spawn();
+    }
+
+    pub fn logs(&self) -> String {
+        self.logs.0.lock().unwrap().lines.join("\n")
+    }
+
+    /// Log lines whose message contains `needle`.
+    pub fn log_count(&self, needle: &str) -> usize {
+        self.logs.0.lock().unwrap().lines.iter().filter(|l| l.contains(needle)).count()
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        if let Some(c) = &self.child {
+            // A stopped process ignores SIGKILL until continued on some kernels' views; continue first.
+            let _ = Command::new("kill").arg("-CONT").arg(c.id().to_string()).status();
+        }
+        self.kill9();
+    }
+}

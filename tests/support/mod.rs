@@ -1,0 +1,84 @@
+//! Shared test harness: a private PostgreSQL, a side-effect-counting
+//! upstream, the real gateway binary, and a small client.
+#![allow(dead_code, unused_imports)]
+
+pub mod client;
+pub mod gateway;
+pub mod postgres;
+pub mod upstream;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use std::time::{Duration, Instant};
+
+use idemgate::record::Record;
+use idemgate::scope::{IdempotencyKey, Scope};
+use idemgate::store::Store;
+
+pub use client::{post, send, Resp};
+pub use gateway::{Backend, Gateway, GatewayConfig, PRINCIPAL, TENANT};
+pub use upstream::TestUpstream;
+
+/// A fresh database on this test binary's private PostgreSQL cluster.
+pub fn postgres_backend() -> Backend {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let name = format!("t{}_{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst));
+    let url = postgres::shared().create_database(&name).expect("create test database");
+    Backend::Postgres { url }
+}
+
+/// A fresh SQLite file in a directory that lives as long as the process
+/// (tests are short; the OS temp dir is cleaned by the harness at the end).
+pub fn sqlite_backend() -> Backend {
+    let dir: PathBuf = tempfile::Builder::new().prefix("idemgate-sqlite-").tempdir().expect("tempdir").keep();
+    Backend::Sqlite { path: dir.join("idemgate.db") }
+}
+
+/// The scope a test client's key lands in.
+pub fn scope(key: &str) -> Scope {
+    scope_for(PRINCIPAL, "create_order", key)
+}
+
+pub fn scope_for(principal: &str, operation: &str, key: &str) -> Scope {
+    Scope { tenant: TENANT.into(), principal: principal.into(), operation: operation.into(), key: IdempotencyKey::new(key).unwrap() }
+}
+
+/// The key the upstream sees for a client key.
+pub fn derived(key: &str) -> String {
+    scope(key).derived_key()
+}
+
+pub async fn record(store: &Store, key: &str) -> Option<Record> {
+    store.get(&scope(key)).await.expect("store get").map(|(r, _)| r)
+}
+
+/// Polls until `f` is true or the timeout passes; returns whether it became true.
+pub async fn eventually<F, Fut>(timeout: Duration, mut f: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if f().await {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Runs an `idemgate` CLI command against a gateway's config; returns (exit code, stdout, stderr).
+pub fn cli(gateway: &Gateway, args: &[&str]) -> (i32, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .args(args)
+        .arg("--config")
+        .arg(gateway.config_path())
+        .output()
+        .expect("run idemgate cli");
+    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+

@@ -1,0 +1,185 @@
+//! A real HTTP upstream for tests that keeps a ledger of side effects.
+//!
+//! Every POST/PUT/PATCH/DELETE is one side effect, counted under the
+//! `Idempotency-Key` it arrived with *before* anything can lose the response.
+//! Request headers steer the answer (they reach the upstream unchanged):
+//! - `x-test-status: N`      answer with status N
+//! - `x-test-sleep-ms: N`    wait N ms after the side effect, then answer
+//! - `x-test-abort: 1`       after the side effect, close the connection with no answer
+//! - `x-test-no-store: 1`    answer with `Idempotency-Policy: no-store`
+//! - `x-test-body-bytes: N`  answer with an N-byte body
+//! With `dedupe` on, the upstream honours `Idempotency-Key` itself: a key it
+//! has seen is answered again without a new side effect.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use tokio::sync::broadcast;
+use tokio_util::sync::CancellationToken;
+
+/// What the upstream saw of one request.
+#[derive(Debug, Clone)]
+pub struct Received {
+    pub key: String,
+    pub generation: Option<String>,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+#[derive(Default)]
+struct State {
+    ledger: Mutex<HashMap<String, u64>>,
+    total: AtomicU64,
+    requests: Mutex<Vec<Received>>,
+    dedupe: AtomicBool,
+}
+
+pub struct TestUpstream {
+    pub addr: SocketAddr,
+    state: Arc<State>,
+    received: broadcast::Sender<Received>,
+    stop: CancellationToken,
+}
+
+impl Drop for TestUpstream {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+impl TestUpstream {
+    pub async fn start() -> TestUpstream {
+        TestUpstream::start_on("127.0.0.1:0".parse().unwrap()).await
+    }
+
+    pub async fn start_on(addr: SocketAddr) -> TestUpstream {
+        let listener = tokio::net::TcpListener::bind(addr).await.expect("bind test upstream");
+        let addr = listener.local_addr().unwrap();
+        let state = Arc::new(State::default());
+        let (received, _) = broadcast::channel(1024);
+        let stop = CancellationToken::new();
+        let (st, tx, stop2) = (state.clone(), received.clone(), stop.clone());
+        tokio::spawn(async move {
+            loop {
+                let (sock, _) = tokio::select! {
+                    _ = stop2.cancelled() => return,
+                    a = listener.accept() => match a { Ok(a) => a, Err(_) => continue },
+                };
+                let (st, tx, stop3) = (st.clone(), tx.clone(), stop2.clone());
+                tokio::spawn(async move {
+                    let svc = service_fn(move |req| handle(st.clone(), tx.clone(), req));
+                    let conn = http1::Builder::new().serve_connection(TokioIo::new(sock), svc);
+                    tokio::select! { _ = conn => {}, _ = stop3.cancelled() => {} }
+                });
+            }
+        });
+        TestUpstream { addr, state, received, stop }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// The upstream honours Idempotency-Key itself from now on.
+    pub fn set_dedupe(&self, on: bool) {
+        self.state.dedupe.store(on, Ordering::SeqCst);
+    }
+
+    /// Side effects recorded under this forwarded key.
+    pub fn side_effects(&self, forwarded_key: &str) -> u64 {
+        self.state.ledger.lock().unwrap().get(forwarded_key).copied().unwrap_or(0)
+    }
+
+    /// All side effects.
+    pub fn total(&self) -> u64 {
+        self.state.total.load(Ordering::SeqCst)
+    }
+
+    pub fn ledger(&self) -> HashMap<String, u64> {
+        self.state.ledger.lock().unwrap().clone()
+    }
+
+    /// Every write request received, in order.
+    pub fn requests(&self) -> Vec<Received> {
+        self.state.requests.lock().unwrap().clone()
+    }
+
+    /// Signals each write request the moment it is received (before answering).
+    pub fn subscribe(&self) -> broadcast::Receiver<Received> {
+        self.received.subscribe()
+    }
+
+    pub fn stop(&self) {
+        self.stop.cancel();
+    }
+}
+
+fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    h.get(name).and_then(|v| v.to_str().ok())
+}
+
+async fn handle(state: Arc<State>, tx: broadcast::Sender<Received>, req: Request<Incoming>) -> Result<Response<Full<Bytes>>, std::io::Error> {
+    let (parts, body) = req.into_parts();
+    let body = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+    let h = &parts.headers;
+    let write = matches!(parts.method.as_str(), "POST" | "PUT" | "PATCH" | "DELETE");
+    if !write {
+        let mut r = Response::new(Full::new(Bytes::from_static(b"{\"ok\":true,\"passthrough\":true}")));
+        r.headers_mut().insert("content-type", "application/json".parse().unwrap());
+        r.headers_mut().insert("x-method", parts.method.as_str().parse().unwrap());
+        return Ok(r);
+    }
+    let key = header(h, "idempotency-key").unwrap_or("<none>").to_owned();
+    let received = Received { key: key.clone(), generation: header(h, "x-idempotency-generation").map(str::to_owned), headers: h.clone(), body: body.clone() };
+    let order = {
+        let mut ledger = state.ledger.lock().unwrap();
+        let seen = ledger.get(&key).copied().unwrap_or(0);
+        if state.dedupe.load(Ordering::SeqCst) && seen > 0 && key != "<none>" {
+            None
+        } else {
+            *ledger.entry(key.clone()).or_insert(0) += 1;
+            Some(state.total.fetch_add(1, Ordering::SeqCst) + 1)
+        }
+    };
+    state.requests.lock().unwrap().push(received.clone());
+    let _ = tx.send(received);
+    if let Some(ms) = header(h, "x-test-sleep-ms").and_then(|v| v.parse().ok()) {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    if header(h, "x-test-abort") == Some("1") {
+        return Err(std::io::Error::other("aborting on purpose"));
+    }
+    let status = header(h, "x-test-status").and_then(|v| v.parse().ok()).and_then(|s| StatusCode::from_u16(s).ok()).unwrap_or(StatusCode::CREATED);
+    let body = match header(h, "x-test-body-bytes").and_then(|v| v.parse::<usize>().ok()) {
+        Some(n) => Bytes::from(vec![b'x'; n]),
+        None => Bytes::from(
+            serde_json::json!({
+                "order": order,
+                "key": key,
+                "echo": String::from_utf8_lossy(&body),
+            })
+            .to_string(),
+        ),
+    };
+    let mut r = Response::new(Full::new(body));
+    *r.status_mut() = status;
+    let rh = r.headers_mut();
+    rh.insert("content-type", "application/json".parse().unwrap());
+    rh.insert("location", format!("/v1/orders/{}", order.unwrap_or(0)).parse().unwrap());
+    rh.insert("set-cookie", "session=upstream-secret".parse().unwrap());
+    rh.insert("x-upstream", "test".parse().unwrap());
+    if header(h, "x-test-no-store") == Some("1") {
+        rh.insert("idempotency-policy", "no-store".parse().unwrap());
+    }
+    Ok(r)
+}
