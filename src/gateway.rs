@@ -13,6 +13,7 @@ use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use tokio::sync::{oneshot, Notify};
 use tokio_util::task::TaskTracker;
+use uuid::Uuid;
 
 use crate::body::Body;
 use crate::config::Config;
@@ -130,6 +131,7 @@ impl Gateway {
             owner: self.replica_id.clone(),
             lease: route.lease,
             upstream_idempotent: route.upstream_idempotent,
+            claim_token: Uuid::new_v4(),
         };
         let wait_until = match route.in_flight {
             InFlightPolicy::Wait(d) => Some(tokio::time::Instant::now() + d),
@@ -137,10 +139,16 @@ impl Gateway {
         };
         let (mut expired_rounds, mut wait_rounds) = (0, 0);
         loop {
-            let outcome = self.store.claim(&claim).await.map_err(|e| {
-                tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "claim failed; nothing forwarded");
-                GatewayError::StoreUnavailable
-            })?;
+            let outcome = match self.store.claim(&claim).await {
+                Ok(outcome) => outcome,
+                Err(e) => {
+                    tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "claim failed; nothing forwarded");
+                    if e.is_ambiguous() {
+                        self.abandon_later(&claim, route.lease);
+                    }
+                    return Err(GatewayError::StoreUnavailable);
+                }
+            };
             let (record, now) = match outcome {
                 ClaimOutcome::Claimed(c) => return self.forward(route, c, parts, body).await,
                 ClaimOutcome::Existing { record, now } => (record, now),
@@ -178,6 +186,28 @@ impl Gateway {
                 }
             }
         }
+    }
+
+    /// A claim whose commit could not be confirmed may exist although nothing
+    /// was forwarded: delete it by its token once the store answers again, so
+    /// the client's retry is not refused. Gives up when the lease would have
+    /// expired (the record then shows as `unknown`, and the logs say why).
+    fn abandon_later(&self, claim: &ClaimRequest, lease: Duration) {
+        let store = self.store.clone();
+        let (scope, token) = (claim.scope.clone(), claim.claim_token);
+        self.tracker.spawn(async move {
+            let deadline = tokio::time::Instant::now() + lease;
+            while tokio::time::Instant::now() < deadline {
+                match store.abandon(&scope, token).await {
+                    Ok(deleted) => {
+                        tracing::info!(scope = %scope.log_id(), deleted, "unconfirmed claim abandoned");
+                        return;
+                    }
+                    Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
+                }
+            }
+            tracing::warn!(scope = %scope.log_id(), "could not abandon an unconfirmed claim; it will expire to unknown");
+        });
     }
 
     /// Runs the forward on the tracker and waits for its answer.

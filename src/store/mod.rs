@@ -63,6 +63,9 @@ pub struct ClaimRequest {
     /// May an expired in-flight or unknown record with the same fingerprint be
     /// taken over (the upstream deduplicates by the derived key)?
     pub upstream_idempotent: bool,
+    /// Identifies this request's claim; read back after an ambiguous commit,
+    /// and used to abandon a claim whose fate could not be learned.
+    pub claim_token: Uuid,
 }
 
 /// A claim this attempt holds: the right to forward and record a result under
@@ -209,8 +212,8 @@ impl Store {
     /// means the claim happened.
     pub async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let mut last = StoreError::Unavailable("claim not attempted".into());
+        let token = req.claim_token;
         for _ in 0..AMBIGUITY_ATTEMPTS {
-            let token = Uuid::new_v4();
             match self.bounded("claim", true, async { dispatch!(self, b => b.claim(req, token)) }).await {
                 Ok(Some(claim)) => return Ok(ClaimOutcome::Claimed(claim)),
                 Ok(None) => {
@@ -245,6 +248,13 @@ impl Store {
             }
         }
         Err(last)
+    }
+
+    /// Deletes a claim this request made but never forwarded, identified by its
+    /// token (after a claim whose commit could not be confirmed). Returns
+    /// whether a row was deleted; `Ok(false)` also means there was none.
+    pub async fn abandon(&self, scope: &Scope, claim_token: Uuid) -> Result<bool, StoreError> {
+        self.bounded("abandon", true, async { dispatch!(self, b => b.abandon(scope, claim_token)) }).await
     }
 
     /// Records the upstream's response under the claim's generation.

@@ -259,6 +259,12 @@ impl PgStore {
         Ok(!rows.is_empty())
     }
 
+    pub async fn abandon(&self, scope: &Scope, token: Uuid) -> Result<bool, StoreError> {
+        let sql = format!("DELETE FROM idemgate_records WHERE {PK} AND claim_token = $5 AND state = 'in_flight' RETURNING 1");
+        let rows = self.query(&sql, &[&&*scope.tenant, &&*scope.principal, &&*scope.operation, &scope.key.as_str(), &token], true).await?;
+        Ok(!rows.is_empty())
+    }
+
     pub async fn mark_unknown(&self, scope: &Scope, generation: Generation, only_if_lease_expired: bool) -> Result<bool, StoreError> {
         let sql = format!(
             "UPDATE idemgate_records SET state = 'unknown', updated_at = now() \

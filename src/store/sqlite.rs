@@ -241,6 +241,19 @@ impl SqliteStore {
         self.fenced(scope, Event::Release { generation }, move |tx, _, _| delete(tx, &s)).await
     }
 
+    pub async fn abandon(&self, scope: &Scope, token: Uuid) -> Result<bool, StoreError> {
+        let scope = scope.clone();
+        self.write(move |tx, _| {
+            let Some(record) = get_tx(tx, &scope)? else { return Ok(false) };
+            if record.claim_token != token || record.state != State::InFlight {
+                return Ok(false);
+            }
+            delete(tx, &scope)?;
+            Ok(true)
+        })
+        .await
+    }
+
     pub async fn mark_unknown(&self, scope: &Scope, generation: Generation, only_if_lease_expired: bool) -> Result<bool, StoreError> {
         let s = scope.clone();
         let scope2 = scope.clone();
