@@ -151,6 +151,7 @@ async fn handle(state: Arc<State>, tx: broadcast::Sender<Received>, req: Request
             Some(state.total.fetch_add(1, Ordering::SeqCst) + 1)
         }
     };
+    let generation = received.generation.clone();
     state.requests.lock().unwrap().push(received.clone());
     let _ = tx.send(received);
     if let Some(ms) = header(h, "x-test-sleep-ms").and_then(|v| v.parse().ok()) {
@@ -166,6 +167,7 @@ async fn handle(state: Arc<State>, tx: broadcast::Sender<Received>, req: Request
             serde_json::json!({
                 "order": order,
                 "key": key,
+                "generation": generation,
                 "echo": String::from_utf8_lossy(&body),
             })
             .to_string(),

@@ -1,0 +1,281 @@
+//! Faults, injected for real: kill -9, SIGSTOP/SIGCONT, PostgreSQL stopped and
+//! restarted, two replicas racing, the sweeper during a request, abusive
+//! clients. Each test checks the record's final state, what the client got,
+//! and the upstream's side-effect ledger. docs/faults.md is the matrix.
+
+mod support;
+
+use std::time::Duration;
+
+use idemgate::record::State;
+use support::postgres::PgServer;
+use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const ORDER: &str = r#"{"item":"book","qty":1}"#;
+
+fn private_pg() -> (PgServer, Backend) {
+    let pg = PgServer::start().expect("start private PostgreSQL");
+    let url = pg.create_database("faults").expect("create database");
+    (pg, Backend::Postgres { url })
+}
+
+async fn metric(gw: &Gateway, name: &str) -> f64 {
+    let m = send("GET", &gw.admin_url("/metrics"), &[], "").await.expect("metrics");
+    let text = String::from_utf8_lossy(&m.body).into_owned();
+    text.lines()
+        .filter(|l| l.starts_with(name))
+        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+        .sum()
+}
+
+/// Killed after forwarding, before recording: the upstream acted once; the
+/// claim's lease expires and the record becomes `unknown`, never re-executed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_killed_after_forward_before_record_ends_unknown() {
+    let backend = postgres_backend();
+    let up = TestUpstream::start().await;
+    let mut gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).timeout("500ms").route("lease = \"1s\""));
+    let store = backend.open().await;
+    let mut received = up.subscribe();
+    let url = gw.url("/v1/orders");
+    let u = url.clone();
+    let client = tokio::spawn(async move { send("POST", &u, &[("authorization", "Bearer test-key"), ("content-type", "application/json"), ("idempotency-key", "k"), ("x-test-sleep-ms", "300")], ORDER).await });
+    received.recv().await.unwrap();
+    gw.kill9();
+    assert!(client.await.unwrap().is_err(), "the client lost its answer");
+    assert_eq!(record(&store, "k").await.unwrap().state, State::InFlight, "killed mid-forward: the claim stays");
+    gw.restart();
+    // Within the lease a retry is told to wait; after it, the outcome is unknown.
+    let early = post(&url, "k", ORDER, &[]).await;
+    assert_eq!(early.problem(), "request-in-progress");
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let late = post(&url, "k", ORDER, &[]).await;
+    assert_eq!((late.status, late.problem().as_str()), (409, "outcome-unknown"));
+    assert_eq!(record(&store, "k").await.unwrap().state, State::Unknown);
+    assert_eq!(up.total(), 1, "never forwarded twice");
+}
+
+/// Same crash on a route whose upstream honours Idempotency-Key: the retry
+/// after the lease re-forwards with the same derived key and completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_killed_on_idempotent_upstream_is_reforwarded_with_same_key() {
+    let backend = postgres_backend();
+    let up = TestUpstream::start().await;
+    up.set_dedupe(true);
+    let mut gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).timeout("500ms").route("lease = \"1s\"\nupstream_idempotent = true"));
+    let store = backend.open().await;
+    let mut received = up.subscribe();
+    let url = gw.url("/v1/orders");
+    let u = url.clone();
+    let client = tokio::spawn(async move { send("POST", &u, &[("authorization", "Bearer test-key"), ("content-type", "application/json"), ("idempotency-key", "k"), ("x-test-sleep-ms", "300")], ORDER).await });
+    received.recv().await.unwrap();
+    gw.kill9();
+    let _ = client.await;
+    gw.restart();
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let retry = post(&url, "k", ORDER, &[]).await;
+    assert_eq!((retry.status, retry.replayed()), (201, false), "{retry:?}");
+    let reqs = up.requests();
+    assert_eq!(reqs.len(), 2, "forwarded again");
+    assert_eq!(reqs[0].key, reqs[1].key, "with the same derived key");
+    assert_eq!((reqs[0].generation.as_deref(), reqs[1].generation.as_deref()), (Some("1"), Some("2")));
+    assert_eq!(up.side_effects(&derived("k")), 1, "the upstream deduplicated: one side effect");
+    let rec = record(&store, "k").await.unwrap();
+    assert_eq!((rec.state, rec.generation.0), (State::Completed, 2));
+}
+
+/// The store down when claiming: 503 store-unavailable, nothing forwarded,
+/// nothing left behind; the gateway recovers when PostgreSQL is back, and a
+/// restart of PostgreSQL mid-run needs no gateway restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_down_at_claim_then_restarted() {
+    let (mut pg, backend) = private_pg();
+    let up = TestUpstream::start().await;
+    let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()));
+    let url = gw.url("/v1/orders");
+    assert_eq!(post(&url, "before", ORDER, &[]).await.status, 201);
+
+    pg.stop_immediate().unwrap();
+    let r = post(&url, "k", ORDER, &[]).await;
+    assert_eq!((r.status, r.problem().as_str()), (503, "store-unavailable"));
+    assert!(r.header("retry-after").is_some());
+    assert_eq!(r.json()["retryable"], true);
+    assert_eq!(send("GET", &gw.admin_url("/readyz"), &[], "").await.unwrap().status, 503);
+    assert_eq!(up.total(), 1, "nothing forwarded without a committed claim");
+
+    pg.start_again().unwrap();
+    let store = backend.open().await;
+    assert!(record(&store, "k").await.is_none(), "the failed claim left nothing behind");
+    let ok = eventually(Duration::from_secs(10), || {
+        let u = url.clone();
+        async move { post(&u, "k", ORDER, &[]).await.status == 201 }
+    })
+    .await;
+    assert!(ok, "the gateway recovered without a restart:\n{}", gw.logs());
+    assert_eq!(send("GET", &gw.admin_url("/readyz"), &[], "").await.unwrap().status, 200);
+    assert_eq!(up.side_effects(&derived("k")), 1);
+    assert!(post(&url, "before", ORDER, &[]).await.replayed(), "records survived the restart");
+
+    // An immediate restart between requests: the pool replaces dead connections.
+    pg.restart_immediate().unwrap();
+    let ok = eventually(Duration::from_secs(10), || {
+        let u = url.clone();
+        async move { post(&u, "after-restart", ORDER, &[]).await.status == 201 }
+    })
+    .await;
+    assert!(ok);
+    assert_eq!(up.side_effects(&derived("after-restart")), 1);
+}
+
+/// Two replicas on one PostgreSQL, 20 concurrent requests with one key split
+/// between them: exactly one forward.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_race_on_one_key() {
+    let backend = postgres_backend();
+    let up = TestUpstream::start().await;
+    let a = Gateway::start(GatewayConfig::new(backend.clone(), up.url()));
+    let b = Gateway::start(GatewayConfig::new(backend.clone(), up.url()));
+    let store = backend.open().await;
+    let mut tasks = Vec::new();
+    for i in 0..20 {
+        let u = if i % 2 == 0 { a.url("/v1/orders") } else { b.url("/v1/orders") };
+        tasks.push(tokio::spawn(async move { post(&u, "race", ORDER, &[("x-test-sleep-ms", "300")]).await }));
+    }
+    let mut forwarded = 0;
+    for t in tasks {
+        let r = t.await.unwrap();
+        match (r.status, r.replayed()) {
+            (201, false) => forwarded += 1,
+            (201, true) => {}
+            (409, _) => assert_eq!(r.problem(), "request-in-progress"),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(forwarded, 1);
+    assert_eq!(up.total(), 1);
+    let rec = record(&store, "race").await.unwrap();
+    assert_eq!((rec.state, rec.generation.0), (State::Completed, 1));
+    // Both replicas replay it afterwards.
+    assert!(post(&a.url("/v1/orders"), "race", ORDER, &[]).await.replayed());
+    assert!(post(&b.url("/v1/orders"), "race", ORDER, &[]).await.replayed());
+}
+
+/// A replica paused (SIGSTOP) past its lease while another takes the key over:
+/// when it resumes, its stale result write is fenced off and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paused_replica_is_fenced_after_takeover() {
+    let backend = postgres_backend();
+    let up = TestUpstream::start().await;
+    up.set_dedupe(true);
+    let cfg = |b: &Backend| GatewayConfig::new(b.clone(), up.url()).timeout("800ms").route("lease = \"1s\"\nupstream_idempotent = true");
+    let a = Gateway::start(cfg(&backend));
+    let b = Gateway::start(cfg(&backend));
+    let store = backend.open().await;
+    let mut received = up.subscribe();
+    let ua = a.url("/v1/orders");
+    let first = tokio::spawn(async move { post(&ua, "k", ORDER, &[("x-test-sleep-ms", "100")]).await });
+    received.recv().await.unwrap();
+    a.signal("STOP");
+    tokio::time::sleep(Duration::from_millis(1300)).await; // A's lease runs out while it is frozen
+    let taken = post(&b.url("/v1/orders"), "k", ORDER, &[]).await;
+    assert_eq!((taken.status, taken.replayed()), (201, false), "{taken:?}");
+    assert_eq!(taken.json()["generation"], "2");
+    a.signal("CONT");
+    let _ = first.await.unwrap(); // A answers its client whatever it is
+    let fenced = eventually(Duration::from_secs(5), || {
+        let a = &a;
+        async move { metric(a, "idemgate_fenced_writes_total").await >= 1.0 }
+    })
+    .await;
+    assert!(fenced, "A's stale write was fenced and counted:\n{}", a.logs());
+    let rec = record(&store, "k").await.unwrap();
+    assert_eq!((rec.state, rec.generation.0), (State::Completed, 2));
+    let body: serde_json::Value = serde_json::from_slice(rec.response.unwrap().body.as_deref().unwrap()).unwrap();
+    assert_eq!(body["generation"], "2", "B's result survives; A did not overwrite it");
+    assert_eq!(up.side_effects(&derived("k")), 1);
+}
+
+/// The sweeper never deletes an in-flight record, even with retention 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sweeper_spares_in_flight_records() {
+    for backend in [postgres_backend(), sqlite_backend()] {
+        let up = TestUpstream::start().await;
+        let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).route("retention = \"0s\""));
+        let store = backend.open().await;
+        let mut received = up.subscribe();
+        let u = gw.url("/v1/orders");
+        let client = tokio::spawn(async move { post(&u, "k", ORDER, &[("x-test-sleep-ms", "900")]).await });
+        received.recv().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(700)).await; // several sweeps (every 200ms in tests)
+        assert_eq!(record(&store, "k").await.map(|r| r.state), Some(State::InFlight), "{backend:?}");
+        assert_eq!(client.await.unwrap().status, 201);
+        let gone = eventually(Duration::from_secs(5), || {
+            let s = store.clone();
+            async move { record(&s, "k").await.is_none() }
+        })
+        .await;
+        assert!(gone, "once completed with retention 0 it is swept");
+        assert_eq!(up.total(), 1);
+    }
+}
+
+/// Abusive clients are refused before any claim and the gateway stays healthy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abusive_clients_are_refused_before_claiming() {
+    let backend = postgres_backend();
+    let up = TestUpstream::start().await;
+    let gw = Gateway::start(
+        GatewayConfig::new(backend.clone(), up.url())
+            .server("max_request_body = \"4KiB\"\nrequest_header_timeout = \"500ms\"\nrequest_body_timeout = \"500ms\"")
+            .route("max_stored_response = \"1KiB\""),
+    );
+    let store = backend.open().await;
+    let url = gw.url("/v1/orders");
+
+    // Slowloris: headers trickle in and never finish.
+    let mut slow = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    slow.write_all(b"POST /v1/orders HTTP/1.1\r\nhost: x\r\n").await.unwrap();
+    let mut buf = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), slow.read_to_end(&mut buf)).await;
+    assert!(read.is_ok(), "the server cut the slow client off");
+
+    // A body that stalls after the headers: 408, nothing claimed.
+    let mut stall = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    stall
+        .write_all(b"POST /v1/orders HTTP/1.1\r\nhost: x\r\nauthorization: Bearer test-key\r\nidempotency-key: stall\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"a\":")
+        .await
+        .unwrap();
+    let mut resp = vec![0u8; 1024];
+    let n = tokio::time::timeout(Duration::from_secs(5), stall.read(&mut resp)).await.unwrap().unwrap();
+    let head = String::from_utf8_lossy(&resp[..n]);
+    assert!(head.starts_with("HTTP/1.1 408"), "{head}");
+
+    let deep = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
+    let r = send("POST", &url, &[("authorization", "Bearer test-key"), ("idempotency-key", "deep"), ("content-type", "application/json")], deep)
+        .await
+        .unwrap();
+    assert_eq!((r.status, r.problem().as_str()), (413, "request-too-large"), "20 KB of brackets is over the 4 KiB limit");
+    let deep_small = format!("{}{}", "[".repeat(2_000), "]".repeat(2_000));
+    let r = post(&url, "deep2", &deep_small, &[]).await;
+    assert_eq!((r.status, r.problem().as_str()), (400, "invalid-body"));
+    let key = "k".repeat(10 * 1024);
+    let r = post(&url, &key, ORDER, &[]).await;
+    assert_eq!((r.status, r.problem().as_str()), (400, "invalid-idempotency-key"));
+    let big = format!("{{\"pad\":\"{}\"}}", "x".repeat(8 * 1024));
+    let r = post(&url, "big", &big, &[]).await;
+    assert_eq!((r.status, r.problem().as_str()), (413, "request-too-large"));
+
+    let all = store.list(&idemgate::store::ListFilter { limit: 10, ..Default::default() }).await.unwrap();
+    assert!(all.is_empty(), "nothing was claimed: {all:?}");
+    assert_eq!(up.total(), 0);
+
+    // Oversized response: delivered, recorded without body, never re-executed.
+    let r = post(&url, "resp", ORDER, &[("x-test-body-bytes", "100000")]).await;
+    assert_eq!((r.status, r.body.len()), (201, 100_000));
+    assert_eq!(post(&url, "resp", ORDER, &[]).await.problem(), "response-not-stored");
+    // Still healthy.
+    assert_eq!(send("GET", &gw.admin_url("/healthz"), &[], "").await.unwrap().status, 200);
+    assert_eq!(post(&url, "fine", ORDER, &[]).await.status, 201);
+    assert_eq!(up.total(), 2);
+}
