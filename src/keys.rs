@@ -32,6 +32,7 @@ pub fn record_json(r: &Record, with_body: bool) -> serde_json::Value {
         "principal": &*r.scope.principal,
         "operation": &*r.scope.operation,
         "key": r.scope.key.as_str(),
+        "derived_key": r.scope.derived_key(),
         "state": r.state.as_str(),
         "generation": r.generation.0,
         "owner": r.owner,
@@ -69,6 +70,7 @@ pub fn list_table(records: &[Record]) -> String {
 pub fn show_text(r: &Record) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "scope:       tenant={} principal={} operation={} key={}", r.scope.tenant, r.scope.principal, r.scope.operation, r.scope.key.as_str());
+    let _ = writeln!(out, "derived key: {} (the Idempotency-Key the upstream saw, unless forward_key = \"client\")", r.scope.derived_key());
     let _ = writeln!(out, "state:       {}", r.state);
     let _ = writeln!(out, "generation:  {}", r.generation);
     let _ = writeln!(out, "owner:       {}", r.owner);
