@@ -150,6 +150,23 @@ pub struct Store {
 /// How many times an ambiguous write is read back and retried before giving up.
 const AMBIGUITY_ATTEMPTS: usize = 3;
 
+/// Whether `record` is the claim made with `token` and still waiting for its
+/// result (an operator's resolution keeps the token but not the state).
+fn own_claim(record: &Record, token: Uuid) -> bool {
+    record.claim_token == token && record.state == State::InFlight
+}
+
+/// The claim `req` holds, learned by reading its row back.
+fn claim_of(req: &ClaimRequest, record: Record) -> Claim {
+    Claim {
+        scope: req.scope.clone(),
+        generation: record.generation,
+        claim_token: record.claim_token,
+        lease_expires_at: record.lease_expires_at.unwrap_or(record.updated_at),
+        took_over: record.generation.0 > 1,
+    }
+}
+
 impl Store {
     /// Connects (PostgreSQL: builds the pool; SQLite: opens the file). For
     /// SQLite, `exclusive` takes the one-replica lock (serve and demo do; the
@@ -217,8 +234,11 @@ impl Store {
             match self.bounded("claim", true, async { dispatch!(self, b => b.claim(req, token)) }).await {
                 Ok(Some(claim)) => return Ok(ClaimOutcome::Claimed(claim)),
                 Ok(None) => {
-                    // Lost the insert: read the winner in a new statement.
+                    // Lost the insert: read the winner in a new statement. The
+                    // winner may be this very request: an earlier attempt whose
+                    // commit landed after its read-back found no row.
                     match self.get(&req.scope).await? {
+                        Some((record, _)) if own_claim(&record, token) => return Ok(ClaimOutcome::Claimed(claim_of(req, record))),
                         Some((record, now)) => return Ok(ClaimOutcome::Existing { record, now }),
                         // Deleted in between (released, swept): claim again.
                         None => continue,
@@ -227,14 +247,8 @@ impl Store {
                 Err(e) if e.is_ambiguous() => {
                     tracing::warn!(scope = %req.scope.log_id(), error = %e, "claim outcome ambiguous; reading the row back");
                     match self.get(&req.scope).await {
-                        Ok(Some((record, _))) if record.claim_token == token => {
-                            return Ok(ClaimOutcome::Claimed(Claim {
-                                scope: req.scope.clone(),
-                                generation: record.generation,
-                                claim_token: token,
-                                lease_expires_at: record.lease_expires_at.unwrap_or(record.updated_at),
-                                took_over: record.generation.0 > 1,
-                            }));
+                        Ok(Some((record, _))) if own_claim(&record, token) => {
+                            return Ok(ClaimOutcome::Claimed(claim_of(req, record)));
                         }
                         Ok(Some((record, now))) => return Ok(ClaimOutcome::Existing { record, now }),
                         Ok(None) => last = e,

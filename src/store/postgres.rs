@@ -360,11 +360,11 @@ impl PgStore {
     pub async fn reap_leases(&self, batch: u32) -> Result<u64, StoreError> {
         let sql = "WITH stale AS (
                 SELECT tenant, principal, operation, idempotency_key FROM idemgate_records
-                WHERE state = 'in_flight' AND lease_expires_at <= now()
+                WHERE state = 'in_flight' AND (lease_expires_at IS NULL OR lease_expires_at <= now())
                 ORDER BY lease_expires_at LIMIT $1 FOR UPDATE SKIP LOCKED)
             UPDATE idemgate_records r SET state = 'unknown', updated_at = now() FROM stale s
             WHERE r.tenant = s.tenant AND r.principal = s.principal AND r.operation = s.operation
-              AND r.idempotency_key = s.idempotency_key AND r.state = 'in_flight' AND r.lease_expires_at <= now()
+              AND r.idempotency_key = s.idempotency_key AND r.state = 'in_flight' AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())
             RETURNING 1";
         Ok(self.query(sql, &[&i64::from(batch)], true).await?.len() as u64)
     }

@@ -3,6 +3,7 @@
 #![allow(dead_code, unused_imports)]
 
 pub mod client;
+pub mod faultproxy;
 pub mod gateway;
 pub mod postgres;
 pub mod upstream;

@@ -1,0 +1,1093 @@
+//! Store conformance (CONTRACT.md section 4): one suite of store-level cases,
+//! written once against the library `Store` API and run against PostgreSQL
+//! and the embedded SQLite store. Then PostgreSQL-only cases with a TCP fault
+//! proxy between the `Store` and the server (ambiguous commits, an
+//! unreachable or hung store, a server restart), and tests of the proxy.
+//!
+//! Leases and retention are 150 ms with sleeps just past them; "live" ones
+//! are a minute, so no case depends on how fast this machine is.
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use idemgate::config::{Secret, StoreBackend, StoreConfig};
+use idemgate::fingerprint::Fingerprint;
+use idemgate::metrics::Metrics;
+use idemgate::record::{self, Generation, Record, Refused, State, StoredResponse, Timestamp};
+use idemgate::scope::{IdempotencyKey, Scope};
+use idemgate::store::{
+    Claim, ClaimOutcome, ClaimRequest, ListFilter, Resolution, ResolveOutcome, Store, StoreError, WriteOutcome,
+};
+use support::faultproxy::{Fault, FaultProxy};
+use support::postgres::{self as pg, PgServer};
+use support::Backend;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use uuid::Uuid;
+
+/// Generates one test per store for each case.
+macro_rules! on_both_stores {
+    ($($name:ident),* $(,)?) => {
+        mod on_postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::support::postgres_backend()).await
+                }
+            )*
+        }
+        mod on_sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::support::sqlite_backend()).await
+                }
+            )*
+        }
+    };
+}
+
+on_both_stores!(
+    claim_inserts_generation_one_and_second_claim_sees_the_winner,
+    concurrent_claims_have_exactly_one_winner,
+    scopes_never_see_each_other,
+    complete_round_trips_the_response_exactly,
+    writes_under_another_generation_are_fenced,
+    take_over_fences_the_previous_generation,
+    take_over_follows_may_take_over,
+    expire_lease_only_turns_expired_in_flight_into_unknown,
+    sweep_deletes_only_expired_completed_records_in_batches,
+    reap_leases_turns_only_expired_in_flight_into_unknown,
+    list_filters_orders_and_limits,
+    resolve_releases_completes_and_refuses_live_claims,
+    times_come_from_the_store_clock,
+    claim_resent_with_the_same_token_is_recognised_as_ours,
+    abandon_deletes_only_an_in_flight_claim_with_its_token,
+);
+
+// ---------------------------------------------------------------------------
+// Helpers
+
+/// A lease or retention that ends within the test.
+const SHORT: Duration = Duration::from_millis(150);
+/// Sleep this long to be past `SHORT` (sleeps last at least this long, and
+/// both stores' clocks are this machine's).
+const PAST_SHORT: Duration = Duration::from_millis(250);
+/// A lease or retention that does not end within the test.
+const LONG: Duration = Duration::from_secs(60);
+
+fn store_config(backend: &Backend, timeout: Duration, pool_size: usize) -> StoreConfig {
+    let backend = match backend {
+        Backend::Postgres { url } => StoreBackend::Postgres { url: Secret::new(url.clone()), pool_size },
+        Backend::Sqlite { path } => StoreBackend::Sqlite { path: path.clone() },
+    };
+    StoreConfig { backend, migrate: true, operation_timeout: timeout, sweep_interval: Duration::from_secs(1), sweep_batch: 100 }
+}
+
+async fn open_with(backend: &Backend, timeout: Duration, pool_size: usize) -> Store {
+    let store = Store::open(&store_config(backend, timeout, pool_size), false).await.expect("open store");
+    store.migrate().await.expect("migrate");
+    store
+}
+
+async fn open(backend: &Backend) -> Store {
+    open_with(backend, Duration::from_secs(5), 8).await
+}
+
+fn scope(tenant: &str, principal: &str, operation: &str, key: &str) -> Scope {
+    Scope { tenant: tenant.into(), principal: principal.into(), operation: operation.into(), key: IdempotencyKey::new(key).unwrap() }
+}
+
+fn key(k: &str) -> Scope {
+    scope("acme", "billing", "create_order", k)
+}
+
+fn fp(b: u8) -> Fingerprint {
+    Fingerprint([b; 32])
+}
+
+fn req(scope: &Scope, hash: u8, lease: Duration, upstream_idempotent: bool) -> ClaimRequest {
+    ClaimRequest {
+        scope: scope.clone(),
+        request_hash: fp(hash),
+        owner: "replica-a".into(),
+        lease,
+        upstream_idempotent,
+        claim_token: Uuid::new_v4(),
+    }
+}
+
+fn response(status: u16, body: &'static [u8]) -> StoredResponse {
+    StoredResponse {
+        status,
+        headers: vec![("content-type".into(), b"application/json".to_vec())],
+        body: Some(Bytes::from_static(body)),
+    }
+}
+
+async fn claim(store: &Store, r: &ClaimRequest) -> Claim {
+    match store.claim(r).await.expect("claim") {
+        ClaimOutcome::Claimed(c) => c,
+        ClaimOutcome::Existing { record, .. } => panic!("expected to claim {:?}, found {record:?}", r.scope),
+    }
+}
+
+async fn existing(store: &Store, r: &ClaimRequest) -> (Record, Timestamp) {
+    match store.claim(r).await.expect("claim") {
+        ClaimOutcome::Existing { record, now } => (record, now),
+        ClaimOutcome::Claimed(c) => panic!("expected an existing record for {:?}, claimed {c:?}", r.scope),
+    }
+}
+
+async fn get(store: &Store, s: &Scope) -> Option<Record> {
+    store.get(s).await.expect("get").map(|(r, _)| r)
+}
+
+async fn row(store: &Store, s: &Scope) -> Record {
+    get(store, s).await.unwrap_or_else(|| panic!("no row for {s:?}"))
+}
+
+async fn all(store: &Store) -> Vec<Record> {
+    store.list(&ListFilter { limit: 1000, ..ListFilter::default() }).await.expect("list")
+}
+
+fn keys_of(records: &[Record]) -> Vec<String> {
+    records.iter().map(|r| r.scope.key.as_str().to_owned()).collect()
+}
+
+fn key_set(records: &[Record]) -> BTreeSet<String> {
+    keys_of(records).into_iter().collect()
+}
+
+fn set(keys: &[&str]) -> BTreeSet<String> {
+    keys.iter().map(|k| (*k).to_owned()).collect()
+}
+
+fn micros(d: Duration) -> i64 {
+    i64::try_from(d.as_micros()).unwrap()
+}
+
+/// The store clock at which a claim was made (a claim's lease is "now + lease").
+fn claimed_at(c: &Claim, lease: Duration) -> Timestamp {
+    Timestamp(c.lease_expires_at.0 - micros(lease))
+}
+
+// ---------------------------------------------------------------------------
+// The suite, run on both stores
+
+async fn claim_inserts_generation_one_and_second_claim_sees_the_winner(backend: Backend) {
+    let store = open(&backend).await;
+    let s = key("first");
+    let winner = claim(&store, &req(&s, 1, LONG, false)).await;
+    assert_eq!(winner.scope, s);
+    assert_eq!(winner.generation, Generation(1));
+    assert!(!winner.took_over);
+
+    let rec = row(&store, &s).await;
+    assert_eq!(rec.scope, s);
+    assert_eq!(rec.state, State::InFlight);
+    assert_eq!(rec.generation, Generation(1));
+    assert_eq!(rec.claim_token, winner.claim_token);
+    assert_eq!(rec.owner, "replica-a");
+    assert_eq!(rec.request_hash, fp(1));
+    assert_eq!(rec.response, None);
+    assert_eq!(rec.lease_expires_at, Some(winner.lease_expires_at));
+    assert_eq!(winner.lease_expires_at, rec.created_at.plus(LONG), "the lease is the claim's time plus the lease");
+    assert_eq!(rec.updated_at, rec.created_at);
+
+    // A second claim, from another replica, same or different request, may
+    // take nothing over: it sees the winner's record, unchanged.
+    for (hash, idempotent) in [(1, false), (1, true), (2, false), (2, true)] {
+        let mut second = req(&s, hash, LONG, idempotent);
+        second.owner = "replica-b".into();
+        let (seen, now) = existing(&store, &second).await;
+        assert_eq!(seen, rec, "hash {hash}, idempotent {idempotent}");
+        assert_eq!(seen.claim_token, winner.claim_token);
+        assert!(now >= rec.created_at);
+    }
+    assert_eq!(keys_of(&all(&store).await), vec!["first"]);
+}
+
+async fn concurrent_claims_have_exactly_one_winner(backend: Backend) {
+    const N: usize = 32;
+    let store = open(&backend).await;
+    let s = key("race");
+    let barrier = Arc::new(tokio::sync::Barrier::new(N));
+    let mut tasks = Vec::new();
+    for i in 0..N {
+        let (store, barrier) = (store.clone(), barrier.clone());
+        let mut r = req(&s, 1, LONG, false);
+        r.owner = format!("replica-{i}").into();
+        tasks.push(tokio::spawn(async move {
+            barrier.wait().await;
+            store.claim(&r).await
+        }));
+    }
+    let mut claimed = Vec::new();
+    let mut seen = Vec::new();
+    for t in tasks {
+        match t.await.expect("task").expect("claim") {
+            ClaimOutcome::Claimed(c) => claimed.push(c),
+            ClaimOutcome::Existing { record, .. } => seen.push(record),
+        }
+    }
+    assert_eq!(claimed.len(), 1, "exactly one winner");
+    assert_eq!(seen.len(), N - 1);
+    let winner = &claimed[0];
+    assert_eq!(winner.generation, Generation(1));
+    for r in &seen {
+        assert_eq!(r.claim_token, winner.claim_token, "every loser sees the winner's claim");
+        assert_eq!((r.state, r.generation), (State::InFlight, Generation(1)));
+    }
+    let rows = all(&store).await;
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].claim_token, winner.claim_token);
+}
+
+async fn scopes_never_see_each_other(backend: Backend) {
+    let store = open(&backend).await;
+    let base = scope("t1", "p1", "o1", "k1");
+    let others = [
+        scope("t2", "p1", "o1", "k1"),
+        scope("t1", "p2", "o1", "k1"),
+        scope("t1", "p1", "o2", "k1"),
+        scope("t1", "p1", "o1", "k2"),
+        // Components are not concatenated: these differ from base and each other.
+        scope("t1p", "1", "o1", "k1"),
+        scope("t1", "p1o", "1", "k1"),
+    ];
+    let c = claim(&store, &req(&base, 1, LONG, false)).await;
+    let mut claims = Vec::new();
+    for s in &others {
+        // Same fingerprint, same key text: still a first claim in its own scope.
+        let o = claim(&store, &req(s, 1, LONG, false)).await;
+        assert_eq!((o.generation, o.took_over), (Generation(1), false), "{s:?}");
+        assert_ne!(o.claim_token, c.claim_token);
+        claims.push(o);
+    }
+    assert_eq!(store.complete(&c, &response(201, b"base"), LONG).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(store.release(&claims[0]).await.unwrap(), WriteOutcome::Written);
+
+    assert_eq!(row(&store, &base).await.state, State::Completed);
+    assert_eq!(get(&store, &others[0]).await, None);
+    for (s, o) in others.iter().zip(&claims).skip(1) {
+        let r = row(&store, s).await;
+        assert_eq!(&r.scope, s);
+        assert_eq!((r.state, r.claim_token, r.response.as_ref()), (State::InFlight, o.claim_token, None), "{s:?}");
+    }
+    // Another request in base's scope replays base; in a neighbour's scope it sees the neighbour.
+    let (seen, _) = existing(&store, &req(&base, 1, LONG, false)).await;
+    assert_eq!(seen.response, Some(response(201, b"base")));
+    let (seen, _) = existing(&store, &req(&others[1], 2, LONG, false)).await;
+    assert_eq!((seen.scope.clone(), seen.claim_token), (others[1].clone(), claims[1].claim_token));
+    // The released neighbour can be claimed afresh; base is untouched by it.
+    let again = claim(&store, &req(&others[0], 1, LONG, false)).await;
+    assert_eq!(again.generation, Generation(1));
+    assert_eq!(row(&store, &base).await.generation, Generation(1));
+    assert_eq!(all(&store).await.len(), 7);
+    let t2 = store.list(&ListFilter { tenant: Some("t2".into()), limit: 100, ..ListFilter::default() }).await.unwrap();
+    assert_eq!(t2.iter().map(|r| r.scope.clone()).collect::<Vec<_>>(), vec![others[0].clone()]);
+}
+
+async fn complete_round_trips_the_response_exactly(backend: Backend) {
+    let store = open(&backend).await;
+    let full = StoredResponse {
+        status: 201,
+        headers: vec![
+            ("content-type".into(), b"application/json".to_vec()),
+            // Not UTF-8, with a NUL: must come back byte for byte.
+            ("x-bin".into(), vec![0xff, 0x00, 0x80, b'\t', b'a', 0xfe]),
+            // Repeated names keep their order; empty values survive.
+            ("x-dup".into(), b"2".to_vec()),
+            ("x-dup".into(), b"1".to_vec()),
+            ("x-empty".into(), Vec::new()),
+        ],
+        body: Some(Bytes::from_static(b"{\"id\":1}\x00\xff\xfe binary tail")),
+    };
+    // The body exceeded max_stored_response: status and headers only.
+    let no_body = StoredResponse { status: 200, headers: vec![("etag".into(), b"\"v1\"".to_vec())], body: None };
+    // An empty body is not an absent one.
+    let empty_body = StoredResponse { status: 204, headers: Vec::new(), body: Some(Bytes::new()) };
+    let server_error = StoredResponse { status: 599, headers: Vec::new(), body: Some(Bytes::from_static(b"oops")) };
+
+    for (i, resp) in [full, no_body, empty_body, server_error].into_iter().enumerate() {
+        let s = key(&format!("resp-{i}"));
+        let c = claim(&store, &req(&s, 1, LONG, false)).await;
+        let claimed = row(&store, &s).await;
+        assert_eq!(store.complete(&c, &resp, LONG).await.unwrap(), WriteOutcome::Written);
+        let done = row(&store, &s).await;
+        assert_eq!(done.state, State::Completed);
+        assert_eq!(done.response.as_ref(), Some(&resp), "response {i} round-trips exactly");
+        assert_eq!((done.generation, done.claim_token), (Generation(1), c.claim_token));
+        assert_eq!(done.lease_expires_at, None, "a completed record holds no lease");
+        assert_eq!(done.created_at, claimed.created_at);
+        assert_eq!(done.expires_at, done.updated_at.plus(LONG), "replayed for the retention from completion");
+        // What a later request reads through claim is the same response.
+        let (seen, _) = existing(&store, &req(&s, 1, LONG, false)).await;
+        assert_eq!(seen, done);
+    }
+}
+
+async fn writes_under_another_generation_are_fenced(backend: Backend) {
+    let metrics = Arc::new(Metrics::new());
+    let store = open(&backend).await.with_metrics(metrics.clone());
+    let s = key("fenced");
+    let c = claim(&store, &req(&s, 1, LONG, false)).await;
+    let before = row(&store, &s).await;
+    let others = [Claim { generation: Generation(0), ..c.clone() }, Claim { generation: Generation(2), ..c.clone() }];
+    for other in &others {
+        assert_eq!(store.complete(other, &response(500, b"wrong"), LONG).await.unwrap(), WriteOutcome::Fenced);
+        assert_eq!(store.release(other).await.unwrap(), WriteOutcome::Fenced);
+        assert_eq!(store.mark_unknown(other).await.unwrap(), WriteOutcome::Fenced);
+        assert_eq!(row(&store, &s).await, before, "nothing written under generation {}", other.generation);
+    }
+
+    // The owner completes; afterwards even the owner cannot overwrite, release
+    // or mark the record: it is no longer in flight.
+    assert_eq!(store.complete(&c, &response(201, b"right"), LONG).await.unwrap(), WriteOutcome::Written);
+    let done = row(&store, &s).await;
+    assert_eq!(done.response, Some(response(201, b"right")));
+    assert_eq!(store.complete(&c, &response(500, b"second"), LONG).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(store.release(&c).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(store.mark_unknown(&c).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(row(&store, &s).await, done);
+
+    // Own release deletes; own mark_unknown keeps the generation and then fences completion.
+    let r = key("released");
+    let rc = claim(&store, &req(&r, 1, LONG, false)).await;
+    assert_eq!(store.release(&rc).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(get(&store, &r).await, None);
+    assert_eq!(store.release(&rc).await.unwrap(), WriteOutcome::Fenced, "a second release finds nothing of its own");
+    let u = key("unknown");
+    let uc = claim(&store, &req(&u, 1, LONG, false)).await;
+    assert_eq!(store.mark_unknown(&uc).await.unwrap(), WriteOutcome::Written);
+    let unknown = row(&store, &u).await;
+    assert_eq!((unknown.state, unknown.generation, unknown.claim_token), (State::Unknown, Generation(1), uc.claim_token));
+    assert_eq!(store.complete(&uc, &response(201, b"late"), LONG).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(store.release(&uc).await.unwrap(), WriteOutcome::Fenced);
+    let still = row(&store, &u).await;
+    assert_eq!((still.state, still.response), (State::Unknown, None));
+
+    // Every refusal above was counted: 2 + 1 + 1 completes, 2 + 1 + 1 + 1 releases, 2 + 1 marks.
+    let text = metrics.encode();
+    for (op, n) in [("complete", 4), ("release", 5), ("mark_unknown", 3)] {
+        let line = format!("idemgate_fenced_writes_total{{op=\"{op}\"}} {n}");
+        assert!(text.contains(&line), "missing {line:?} in\n{text}");
+    }
+}
+
+async fn take_over_fences_the_previous_generation(backend: Backend) {
+    let store = open(&backend).await;
+    let s = key("takeover");
+    let g1 = claim(&store, &req(&s, 1, SHORT, true)).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    let g2 = claim(&store, &req(&s, 1, LONG, true)).await;
+    assert_eq!((g2.generation, g2.took_over), (Generation(2), true));
+    assert_ne!(g2.claim_token, g1.claim_token);
+    let taken = row(&store, &s).await;
+    assert_eq!((taken.state, taken.generation, taken.claim_token), (State::InFlight, Generation(2), g2.claim_token));
+
+    // The first attempt comes back late: every write it tries is fenced off.
+    assert_eq!(store.complete(&g1, &response(201, b"g1"), LONG).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(store.mark_unknown(&g1).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(store.release(&g1).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(row(&store, &s).await, taken);
+
+    assert_eq!(store.complete(&g2, &response(201, b"g2"), LONG).await.unwrap(), WriteOutcome::Written);
+    let done = row(&store, &s).await;
+    assert_eq!((done.state, done.generation), (State::Completed, Generation(2)));
+    assert_eq!(done.response, Some(response(201, b"g2")));
+    assert_eq!(store.complete(&g1, &response(201, b"g1"), LONG).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(row(&store, &s).await, done);
+}
+
+/// Claims `r.scope` again and holds the store's answer to
+/// `record::may_take_over` evaluated on the record as it was, at the store's
+/// clock. Returns whether the claim took the record over.
+async fn try_take_over(store: &Store, r: &ClaimRequest) -> bool {
+    let before = row(store, &r.scope).await;
+    match store.claim(r).await.expect("claim") {
+        ClaimOutcome::Claimed(c) => {
+            let at = claimed_at(&c, r.lease);
+            assert!(
+                record::may_take_over(&before, &r.request_hash, at, r.upstream_idempotent),
+                "the store took over {before:?} at {at} although may_take_over says no"
+            );
+            assert_eq!((c.generation, c.took_over), (Generation(before.generation.0 + 1), true));
+            let after = row(store, &r.scope).await;
+            assert_eq!((after.state, after.generation, after.claim_token), (State::InFlight, c.generation, c.claim_token));
+            assert_eq!((after.request_hash, after.response), (r.request_hash, None));
+            assert_eq!(after.lease_expires_at, Some(c.lease_expires_at));
+            true
+        }
+        ClaimOutcome::Existing { record, now } => {
+            assert_eq!(record, before, "a refused take-over changes nothing");
+            assert!(
+                !record::may_take_over(&record, &r.request_hash, now, r.upstream_idempotent),
+                "the store refused to take over {record:?} at {now} although may_take_over says yes"
+            );
+            false
+        }
+    }
+}
+
+async fn take_over_follows_may_take_over(backend: Backend) {
+    let store = open(&backend).await;
+    let (done_old, done_live) = (key("completed-expired"), key("completed-live"));
+    let (flight_old, flight_live) = (key("in-flight-expired"), key("in-flight-live"));
+    let unknown = key("unknown");
+    let c = claim(&store, &req(&done_old, 1, LONG, false)).await;
+    store.complete(&c, &response(201, b"old"), SHORT).await.unwrap();
+    let c = claim(&store, &req(&done_live, 1, LONG, false)).await;
+    store.complete(&c, &response(201, b"live"), LONG).await.unwrap();
+    claim(&store, &req(&flight_old, 1, SHORT, false)).await;
+    claim(&store, &req(&flight_live, 1, LONG, false)).await;
+    let c = claim(&store, &req(&unknown, 1, LONG, false)).await;
+    store.mark_unknown(&c).await.unwrap();
+    tokio::time::sleep(PAST_SHORT).await;
+
+    // Completed past retention: anyone may take it over, whatever the request.
+    assert!(try_take_over(&store, &req(&done_old, 2, LONG, false)).await);
+    // Completed within retention: never.
+    assert!(!try_take_over(&store, &req(&done_live, 1, LONG, true)).await);
+    assert!(!try_take_over(&store, &req(&done_live, 2, LONG, true)).await);
+    // In flight, lease expired: only for an idempotent upstream and the same request.
+    assert!(!try_take_over(&store, &req(&flight_old, 1, LONG, false)).await);
+    assert!(!try_take_over(&store, &req(&flight_old, 2, LONG, true)).await);
+    assert!(try_take_over(&store, &req(&flight_old, 1, LONG, true)).await);
+    // In flight, lease running: never.
+    assert!(!try_take_over(&store, &req(&flight_live, 1, LONG, true)).await);
+    // Unknown: like an expired in-flight record.
+    assert!(!try_take_over(&store, &req(&unknown, 1, LONG, false)).await);
+    assert!(!try_take_over(&store, &req(&unknown, 2, LONG, true)).await);
+    assert!(try_take_over(&store, &req(&unknown, 1, LONG, true)).await);
+
+    let generations: Vec<(String, i64)> =
+        all(&store).await.into_iter().map(|r| (r.scope.key.as_str().to_owned(), r.generation.0)).collect::<BTreeSet<_>>().into_iter().collect();
+    assert_eq!(
+        generations,
+        vec![
+            ("completed-expired".into(), 2),
+            ("completed-live".into(), 1),
+            ("in-flight-expired".into(), 2),
+            ("in-flight-live".into(), 1),
+            ("unknown".into(), 2)
+        ]
+    );
+}
+
+async fn expire_lease_only_turns_expired_in_flight_into_unknown(backend: Backend) {
+    let store = open(&backend).await;
+    let (live, expired, moved, done, late) = (key("live"), key("expired"), key("moved"), key("done"), key("late"));
+    claim(&store, &req(&live, 1, LONG, false)).await;
+    let e = claim(&store, &req(&expired, 1, SHORT, false)).await;
+    claim(&store, &req(&moved, 1, SHORT, true)).await;
+    let d = claim(&store, &req(&done, 1, SHORT, false)).await;
+    store.complete(&d, &response(201, b"done"), LONG).await.unwrap();
+    let l = claim(&store, &req(&late, 1, SHORT, false)).await;
+    tokio::time::sleep(PAST_SHORT).await;
+
+    let rec = row(&store, &live).await;
+    assert_eq!(store.expire_lease(&rec).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(row(&store, &live).await, rec, "a live lease is left alone");
+
+    let rec = row(&store, &expired).await;
+    assert_eq!(store.expire_lease(&rec).await.unwrap(), WriteOutcome::Written);
+    let unknown = row(&store, &expired).await;
+    assert_eq!((unknown.state, unknown.generation, unknown.claim_token), (State::Unknown, Generation(1), e.claim_token));
+    assert!(unknown.updated_at >= rec.updated_at);
+    assert_eq!(store.expire_lease(&rec).await.unwrap(), WriteOutcome::Fenced, "already unknown");
+    assert_eq!(row(&store, &expired).await, unknown);
+
+    // A reader holding a stale copy cannot expire the generation that replaced it.
+    let stale = row(&store, &moved).await;
+    let g2 = claim(&store, &req(&moved, 1, LONG, true)).await;
+    assert_eq!(store.expire_lease(&stale).await.unwrap(), WriteOutcome::Fenced);
+    let now_moved = row(&store, &moved).await;
+    assert_eq!((now_moved.state, now_moved.generation, now_moved.claim_token), (State::InFlight, Generation(2), g2.claim_token));
+
+    let rec = row(&store, &done).await;
+    assert_eq!(store.expire_lease(&rec).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(row(&store, &done).await, rec);
+
+    // Until someone expires it, the owner of an expired lease may still record its result.
+    assert_eq!(store.complete(&l, &response(201, b"late"), LONG).await.unwrap(), WriteOutcome::Written);
+    let rec = row(&store, &late).await;
+    assert_eq!(rec.state, State::Completed);
+    assert_eq!(store.expire_lease(&rec).await.unwrap(), WriteOutcome::Fenced);
+}
+
+async fn sweep_deletes_only_expired_completed_records_in_batches(backend: Backend) {
+    let store = open(&backend).await;
+    for i in 0..5 {
+        let c = claim(&store, &req(&key(&format!("old-{i}")), 1, LONG, false)).await;
+        store.complete(&c, &response(201, b"old"), SHORT).await.unwrap();
+    }
+    let c = claim(&store, &req(&key("live-completed"), 1, LONG, false)).await;
+    store.complete(&c, &response(201, b"live"), LONG).await.unwrap();
+    // Expired leases and unknown outcomes have an expires_at in the past too:
+    // they must survive the sweeper.
+    claim(&store, &req(&key("expired-in-flight"), 1, SHORT, false)).await;
+    let c = claim(&store, &req(&key("unknown"), 1, SHORT, false)).await;
+    store.mark_unknown(&c).await.unwrap();
+    claim(&store, &req(&key("live-in-flight"), 1, LONG, false)).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    let survivors = set(&["live-completed", "expired-in-flight", "unknown", "live-in-flight"]);
+    let before: Vec<Record> = all(&store).await.into_iter().filter(|r| survivors.contains(r.scope.key.as_str())).collect();
+    assert_eq!(before.len(), 4);
+
+    assert_eq!(store.sweep(2).await.unwrap(), 2, "the batch size bounds each sweep");
+    assert_eq!(all(&store).await.len(), 7);
+    assert_eq!(store.sweep(2).await.unwrap(), 2);
+    assert_eq!(store.sweep(2).await.unwrap(), 1);
+    assert_eq!(store.sweep(2).await.unwrap(), 0);
+    let after = all(&store).await;
+    assert_eq!(key_set(&after), survivors);
+    for r in &before {
+        assert_eq!(row(&store, &r.scope).await, *r, "survivors are untouched");
+    }
+}
+
+async fn reap_leases_turns_only_expired_in_flight_into_unknown(backend: Backend) {
+    let store = open(&backend).await;
+    let mut stale = Vec::new();
+    for i in 0..3 {
+        let s = key(&format!("stale-{i}"));
+        stale.push((s.clone(), claim(&store, &req(&s, 1, SHORT, false)).await));
+    }
+    claim(&store, &req(&key("live"), 1, LONG, false)).await;
+    let c = claim(&store, &req(&key("completed"), 1, SHORT, false)).await;
+    store.complete(&c, &response(201, b"done"), SHORT).await.unwrap();
+    let c = claim(&store, &req(&key("unknown"), 1, SHORT, false)).await;
+    store.mark_unknown(&c).await.unwrap();
+    tokio::time::sleep(PAST_SHORT).await;
+    let untouched: Vec<Record> =
+        all(&store).await.into_iter().filter(|r| !r.scope.key.as_str().starts_with("stale-")).collect();
+    assert_eq!(untouched.len(), 3);
+
+    assert_eq!(store.reap_leases(2).await.unwrap(), 2, "the batch size bounds each pass");
+    assert_eq!(store.reap_leases(2).await.unwrap(), 1);
+    assert_eq!(store.reap_leases(2).await.unwrap(), 0);
+    for (s, c) in &stale {
+        let r = row(&store, s).await;
+        assert_eq!((r.state, r.generation, r.claim_token), (State::Unknown, Generation(1), c.claim_token), "{s:?}");
+        // The reaped attempt is fenced off from recording a result now.
+        assert_eq!(store.complete(c, &response(201, b"late"), LONG).await.unwrap(), WriteOutcome::Fenced);
+    }
+    for r in &untouched {
+        assert_eq!(row(&store, &r.scope).await, *r, "only expired in-flight records are reaped");
+    }
+    assert_eq!(all(&store).await.len(), 6, "reaping deletes nothing");
+}
+
+async fn list_filters_orders_and_limits(backend: Backend) {
+    let store = open(&backend).await;
+    let pause = || tokio::time::sleep(Duration::from_millis(3));
+    // Created in this order, so most recently updated first is e, d, c, b, a.
+    let a = claim(&store, &req(&scope("t1", "p", "o1", "a"), 1, LONG, false)).await;
+    store.complete(&a, &response(201, b"a"), LONG).await.unwrap();
+    pause().await;
+    claim(&store, &req(&scope("t1", "p", "o2", "b"), 1, LONG, false)).await;
+    pause().await;
+    let c = claim(&store, &req(&scope("t2", "p", "o1", "c"), 1, LONG, false)).await;
+    store.mark_unknown(&c).await.unwrap();
+    pause().await;
+    let d = claim(&store, &req(&scope("t2", "p", "o2", "d"), 1, LONG, false)).await;
+    store.complete(&d, &response(201, b"d"), LONG).await.unwrap();
+    pause().await;
+    claim(&store, &req(&scope("t1", "q", "o1", "e"), 1, LONG, false)).await;
+
+    let list = |state: Option<State>, tenant: Option<&str>, operation: Option<&str>, limit: u32| {
+        let store = store.clone();
+        let filter = ListFilter { state, tenant: tenant.map(Into::into), operation: operation.map(Into::into), limit };
+        async move { keys_of(&store.list(&filter).await.expect("list")) }
+    };
+    assert_eq!(list(None, None, None, 100).await, ["e", "d", "c", "b", "a"]);
+    assert_eq!(list(Some(State::Completed), None, None, 100).await, ["d", "a"]);
+    assert_eq!(list(Some(State::InFlight), None, None, 100).await, ["e", "b"]);
+    assert_eq!(list(Some(State::Unknown), None, None, 100).await, ["c"]);
+    assert_eq!(list(None, Some("t1"), None, 100).await, ["e", "b", "a"]);
+    assert_eq!(list(None, None, Some("o1"), 100).await, ["e", "c", "a"]);
+    assert_eq!(list(None, Some("t2"), Some("o2"), 100).await, ["d"]);
+    assert_eq!(list(Some(State::Completed), Some("t1"), None, 100).await, ["a"]);
+    assert_eq!(list(Some(State::Unknown), Some("t1"), None, 100).await, Vec::<String>::new());
+    assert_eq!(list(None, Some("nobody"), None, 100).await, Vec::<String>::new());
+    assert_eq!(list(None, None, None, 2).await, ["e", "d"]);
+    assert_eq!(list(Some(State::InFlight), None, None, 1).await, ["e"]);
+    // The rows listed are whole records.
+    let full = store.list(&ListFilter { state: Some(State::Completed), limit: 1, ..ListFilter::default() }).await.unwrap();
+    assert_eq!(full, vec![row(&store, &scope("t2", "p", "o2", "d")).await]);
+}
+
+async fn resolve_releases_completes_and_refuses_live_claims(backend: Backend) {
+    let store = open(&backend).await;
+    let complete = |status| Resolution::Complete { response: response(status, b"by hand"), retention: LONG };
+
+    // No row: nothing to resolve, and nothing is created.
+    let absent = key("absent");
+    assert_eq!(store.resolve(&absent, &Resolution::Release).await.unwrap(), ResolveOutcome::NotFound);
+    assert_eq!(store.resolve(&absent, &complete(200)).await.unwrap(), ResolveOutcome::NotFound);
+    assert_eq!(get(&store, &absent).await, None);
+
+    // A live claim may still record its result: operators are refused.
+    let live = key("live");
+    let lc = claim(&store, &req(&live, 1, LONG, false)).await;
+    let before = row(&store, &live).await;
+    assert_eq!(store.resolve(&live, &Resolution::Release).await.unwrap(), ResolveOutcome::Refused(Refused::LeaseLive));
+    assert_eq!(store.resolve(&live, &complete(200)).await.unwrap(), ResolveOutcome::Refused(Refused::LeaseLive));
+    assert_eq!(row(&store, &live).await, before);
+    assert_eq!(store.complete(&lc, &response(201, b"own"), LONG).await.unwrap(), WriteOutcome::Written);
+
+    // Unknown, completed by hand: the response is recorded under generation + 1,
+    // which fences off the original attempt.
+    let unknown = key("unknown");
+    let uc = claim(&store, &req(&unknown, 1, LONG, false)).await;
+    store.mark_unknown(&uc).await.unwrap();
+    assert_eq!(store.resolve(&unknown, &complete(202)).await.unwrap(), ResolveOutcome::Resolved);
+    let resolved = row(&store, &unknown).await;
+    assert_eq!((resolved.state, resolved.generation), (State::Completed, Generation(2)));
+    assert_eq!(resolved.response, Some(response(202, b"by hand")));
+    assert_eq!(resolved.lease_expires_at, None);
+    assert_eq!(resolved.expires_at, resolved.updated_at.plus(LONG));
+    assert_eq!(store.complete(&uc, &response(500, b"late"), LONG).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(row(&store, &unknown).await, resolved);
+    // A later request with the same fingerprint replays the operator's response.
+    let (seen, now) = existing(&store, &req(&unknown, 1, LONG, false)).await;
+    assert_eq!(record::decide(&seen, &fp(1), now), record::Decision::Replay);
+
+    // Expired in flight, released: the key is free again, from generation 1.
+    let expired = key("expired");
+    let ec = claim(&store, &req(&expired, 1, SHORT, false)).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    assert_eq!(store.resolve(&expired, &Resolution::Release).await.unwrap(), ResolveOutcome::Resolved);
+    assert_eq!(get(&store, &expired).await, None);
+    assert_eq!(store.complete(&ec, &response(201, b"late"), LONG).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(get(&store, &expired).await, None, "a fenced write never recreates a row");
+    let again = claim(&store, &req(&expired, 1, LONG, false)).await;
+    assert_eq!((again.generation, again.took_over), (Generation(1), false));
+
+    // A completed record can be released (an operator proved it wrong).
+    assert_eq!(store.resolve(&live, &Resolution::Release).await.unwrap(), ResolveOutcome::Resolved);
+    assert_eq!(get(&store, &live).await, None);
+    assert_eq!(key_set(&all(&store).await), set(&["unknown", "expired"]));
+}
+
+async fn times_come_from_the_store_clock(backend: Backend) {
+    let store = open(&backend).await;
+    let t0 = store.now().await.unwrap();
+    let system = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+    let skew = (t0.0 - micros(system)).abs();
+    assert!(skew < 5_000_000, "store clock {t0} is {skew} us from this machine's: wrong epoch or unit?");
+
+    let s = key("clock");
+    let c = claim(&store, &req(&s, 1, LONG, false)).await;
+    let t1 = store.now().await.unwrap();
+    let rec = row(&store, &s).await;
+    assert!(t0 <= rec.created_at && rec.created_at <= t1, "{t0} <= {} <= {t1}", rec.created_at);
+    assert_eq!(rec.updated_at, rec.created_at);
+    assert_eq!(c.lease_expires_at, rec.created_at.plus(LONG));
+    assert_eq!(claimed_at(&c, LONG), rec.created_at);
+
+    // Readers get the store's clock with the record.
+    let (_, seen_at) = existing(&store, &req(&s, 1, LONG, false)).await;
+    let (_, got_at) = store.get(&s).await.unwrap().unwrap();
+    let t2 = store.now().await.unwrap();
+    assert!(t1 <= seen_at && seen_at <= got_at && got_at <= t2, "{t1} <= {seen_at} <= {got_at} <= {t2}");
+    assert_eq!(
+        record::decide(&rec, &fp(1), seen_at),
+        record::Decision::InProgress { lease_left: seen_at.until(c.lease_expires_at) }
+    );
+
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let t3 = store.now().await.unwrap();
+    assert!(t3.0 - t2.0 >= 20_000, "the store clock advanced by {} us over a 20 ms sleep", t3.0 - t2.0);
+    store.complete(&c, &response(201, b"t"), SHORT).await.unwrap();
+    let t4 = store.now().await.unwrap();
+    let done = row(&store, &s).await;
+    assert!(t3 <= done.updated_at && done.updated_at <= t4, "{t3} <= {} <= {t4}", done.updated_at);
+    assert_eq!(done.created_at, rec.created_at, "completion keeps the claim's creation time");
+    assert_eq!(done.expires_at, done.updated_at.plus(SHORT));
+    // Retention runs on the store's clock: replayed now, expired just after.
+    let (seen, now) = existing(&store, &req(&s, 1, LONG, false)).await;
+    assert_eq!(record::decide(&seen, &fp(1), now), record::Decision::Replay);
+    tokio::time::sleep(PAST_SHORT).await;
+    let (seen, now) = store.get(&s).await.unwrap().unwrap();
+    assert!(now >= seen.expires_at);
+    assert_eq!(record::decide(&seen, &fp(1), now), record::Decision::Expired);
+}
+
+async fn claim_resent_with_the_same_token_is_recognised_as_ours(backend: Backend) {
+    // What an ambiguous claim's retry meets when the earlier attempt committed
+    // after the read-back found nothing: a row holding its own token. "My
+    // token means the write happened": it is this request's claim.
+    let store = open(&backend).await;
+    let s = key("resent");
+    let r = req(&s, 1, LONG, false);
+    let c = claim(&store, &r).await;
+    match store.claim(&r).await.unwrap() {
+        ClaimOutcome::Claimed(again) => {
+            assert_eq!((again.generation, again.claim_token, again.took_over), (Generation(1), c.claim_token, false));
+            assert_eq!(again.lease_expires_at, c.lease_expires_at);
+        }
+        ClaimOutcome::Existing { record, .. } => panic!("our own claim reported as another's: {record:?}"),
+    }
+    // Another request (another token) sees it as the first request's.
+    let (seen, _) = existing(&store, &req(&s, 1, LONG, false)).await;
+    assert_eq!((seen.generation, seen.claim_token), (Generation(1), c.claim_token));
+
+    // Likewise after a take-over: the taker re-sending its claim holds generation 2.
+    let t = key("resent-take-over");
+    claim(&store, &req(&t, 1, SHORT, true)).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    let taker = req(&t, 1, LONG, true);
+    let g2 = claim(&store, &taker).await;
+    match store.claim(&taker).await.unwrap() {
+        ClaimOutcome::Claimed(again) => assert_eq!((again.generation, again.claim_token), (Generation(2), g2.claim_token)),
+        ClaimOutcome::Existing { record, .. } => panic!("our own take-over reported as another's: {record:?}"),
+    }
+    // Once our claim is completed, re-sending it claims nothing.
+    store.complete(&g2, &response(201, b"done"), LONG).await.unwrap();
+    let (seen, _) = existing(&store, &taker).await;
+    assert_eq!((seen.state, seen.generation), (State::Completed, Generation(2)));
+    assert_eq!(key_set(&all(&store).await), set(&["resent", "resent-take-over"]));
+}
+
+async fn abandon_deletes_only_an_in_flight_claim_with_its_token(backend: Backend) {
+    let store = open(&backend).await;
+    let (mine, done, unknown, taken, absent) = (key("mine"), key("done"), key("unknown"), key("taken"), key("absent"));
+    let m = claim(&store, &req(&mine, 1, LONG, false)).await;
+    let d = claim(&store, &req(&done, 1, LONG, false)).await;
+    store.complete(&d, &response(201, b"done"), LONG).await.unwrap();
+    let u = claim(&store, &req(&unknown, 1, LONG, false)).await;
+    store.mark_unknown(&u).await.unwrap();
+    let first = claim(&store, &req(&taken, 1, SHORT, true)).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    let second = claim(&store, &req(&taken, 1, LONG, true)).await;
+
+    let before = row(&store, &mine).await;
+    assert!(!store.abandon(&mine, Uuid::new_v4()).await.unwrap(), "another token abandons nothing");
+    assert_eq!(row(&store, &mine).await, before);
+    assert!(store.abandon(&mine, m.claim_token).await.unwrap());
+    assert_eq!(get(&store, &mine).await, None);
+    assert!(!store.abandon(&mine, m.claim_token).await.unwrap(), "nothing left to abandon");
+
+    // A claim that got as far as a result, or an unknown outcome, is not abandoned.
+    let (done_before, unknown_before) = (row(&store, &done).await, row(&store, &unknown).await);
+    assert!(!store.abandon(&done, d.claim_token).await.unwrap());
+    assert!(!store.abandon(&unknown, u.claim_token).await.unwrap());
+    assert_eq!(row(&store, &done).await, done_before);
+    assert_eq!(row(&store, &unknown).await, unknown_before);
+    // Nor one that another attempt has taken over since.
+    assert!(!store.abandon(&taken, first.claim_token).await.unwrap());
+    let t = row(&store, &taken).await;
+    assert_eq!((t.state, t.generation, t.claim_token), (State::InFlight, Generation(2), second.claim_token));
+    assert!(!store.abandon(&absent, Uuid::new_v4()).await.unwrap());
+    assert_eq!(key_set(&all(&store).await), set(&["done", "unknown", "taken"]));
+}
+
+// ---------------------------------------------------------------------------
+// PostgreSQL only: a fault proxy between the Store and the server
+
+/// Store operation timeout for the fault cases: long enough that nothing
+/// times out by accident on a busy 2-core machine, short enough to wait for.
+const FAULT_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// A fresh database on the shared cluster, and a `Store` (pool of
+/// `pool_size`) that reaches it only through a fault proxy.
+async fn pg_behind_proxy(pool_size: usize) -> (FaultProxy, Store) {
+    let server = pg::shared();
+    let direct = server.create_unique_database("conformance").expect("create database");
+    let proxy = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], server.port()))).await;
+    let url = direct.replace(&format!("127.0.0.1:{}/", server.port()), &format!("127.0.0.1:{}/", proxy.port()));
+    assert_ne!(url, direct);
+    let store = open_with(&Backend::Postgres { url }, FAULT_TIMEOUT, pool_size).await;
+    (proxy, store)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_claim_whose_reply_is_lost_is_read_back_as_claimed() {
+    let (proxy, store) = pg_behind_proxy(1).await;
+    // One pooled connection, with the claim statement already prepared on it,
+    // so the next claim's first bytes on the wire are the statement itself.
+    claim(&store, &req(&key("warm-up"), 1, LONG, false)).await;
+    assert_eq!(proxy.connections(), 1);
+    let s = key("ambiguous");
+    let before = store.now().await.unwrap();
+
+    assert_eq!(proxy.blackhole_existing_downstream(), 1);
+    let started = Instant::now();
+    let r = req(&s, 1, LONG, false);
+    let out = store.claim(&r).await.expect("the read-back resolves the ambiguity");
+    let took = started.elapsed();
+    let ClaimOutcome::Claimed(c) = out else { panic!("expected Claimed, got {out:?}") };
+    assert!(took >= FAULT_TIMEOUT, "the first reply was lost, so the claim waited for its timeout ({took:?})");
+    assert_eq!((c.generation, c.took_over, c.claim_token), (Generation(1), false, r.claim_token));
+
+    let rec = row(&store, &s).await;
+    assert_eq!((rec.state, rec.generation, rec.claim_token), (State::InFlight, Generation(1), c.claim_token));
+    assert!(
+        rec.created_at < before.plus(FAULT_TIMEOUT / 2),
+        "the row was written by the attempt whose reply was lost ({} vs {before}), not by a retry",
+        rec.created_at
+    );
+    assert_eq!(key_set(&all(&store).await), set(&["warm-up", "ambiguous"]));
+    // The broken connection was discarded, not returned to the pool.
+    assert!(proxy.wait_connections(1, Duration::from_secs(5)).await, "{} connections", proxy.connections());
+    assert_eq!(store.complete(&c, &response(201, b"ok"), LONG).await.unwrap(), WriteOutcome::Written);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_claim_that_never_arrived_is_retried() {
+    let (proxy, store) = pg_behind_proxy(1).await;
+    claim(&store, &req(&key("warm-up"), 1, LONG, false)).await;
+    let s = key("lost");
+    let before = store.now().await.unwrap();
+
+    assert_eq!(proxy.blackhole_existing_upstream(), 1);
+    let started = Instant::now();
+    let r = req(&s, 1, LONG, false);
+    let out = store.claim(&r).await.expect("no row on read-back: the claim is retried");
+    let took = started.elapsed();
+    let ClaimOutcome::Claimed(c) = out else { panic!("expected Claimed, got {out:?}") };
+    assert!(took >= FAULT_TIMEOUT, "{took:?}");
+    assert_eq!((c.generation, c.claim_token), (Generation(1), r.claim_token));
+    let rec = row(&store, &s).await;
+    assert_eq!((rec.state, rec.generation, rec.claim_token), (State::InFlight, Generation(1), c.claim_token));
+    assert!(
+        rec.created_at >= before.plus(FAULT_TIMEOUT * 9 / 10),
+        "the row was written by the retry ({} vs {before})",
+        rec.created_at
+    );
+    assert_eq!(key_set(&all(&store).await), set(&["warm-up", "lost"]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_complete_whose_reply_is_lost_is_read_back_as_written() {
+    let (proxy, store) = pg_behind_proxy(1).await;
+    // Prepare the complete statement on the one pooled connection.
+    let warm = claim(&store, &req(&key("warm-up"), 1, LONG, false)).await;
+    store.complete(&warm, &response(200, b"warm"), LONG).await.unwrap();
+    let s = key("ambiguous-complete");
+    let c = claim(&store, &req(&s, 1, LONG, false)).await;
+    let before = store.now().await.unwrap();
+
+    assert_eq!(proxy.blackhole_existing_downstream(), 1);
+    let started = Instant::now();
+    let written = store.complete(&c, &response(201, b"kept"), LONG).await.expect("the read-back resolves the ambiguity");
+    let took = started.elapsed();
+    assert_eq!(written, WriteOutcome::Written);
+    assert!(took >= FAULT_TIMEOUT, "{took:?}");
+    let rec = row(&store, &s).await;
+    assert_eq!((rec.state, rec.generation), (State::Completed, Generation(1)));
+    assert_eq!(rec.response, Some(response(201, b"kept")));
+    assert!(rec.updated_at < before.plus(FAULT_TIMEOUT / 2), "written by the attempt whose reply was lost");
+    // The write happened once: a repeat is fenced, the response is unchanged.
+    assert_eq!(store.complete(&c, &response(500, b"again"), LONG).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(row(&store, &s).await, rec);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_unreachable_store_fails_the_claim_and_writes_nothing() {
+    let (proxy, store) = pg_behind_proxy(2).await;
+    let s = key("unreachable");
+    proxy.set(Fault::Refuse);
+    proxy.reset_all();
+    assert!(proxy.wait_connections(0, Duration::from_secs(5)).await);
+
+    let started = Instant::now();
+    let out = store.claim(&req(&s, 1, LONG, false)).await;
+    assert!(matches!(out, Err(StoreError::Unavailable(_) | StoreError::Ambiguous(_))), "{out:?}");
+    assert!(started.elapsed() < FAULT_TIMEOUT * 4, "failing is bounded: {:?}", started.elapsed());
+    assert!(store.get(&s).await.is_err());
+    assert!(store.ping().await.is_err());
+
+    proxy.set(Fault::None);
+    assert_eq!(get(&store, &s).await, None, "nothing was committed");
+    assert_eq!(all(&store).await.len(), 0);
+    let c = claim(&store, &req(&s, 1, LONG, false)).await;
+    assert_eq!((c.generation, c.took_over), (Generation(1), false), "the same Store works once the store is back");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_hung_store_fails_the_claim_within_its_timeout_and_writes_nothing() {
+    let (proxy, store) = pg_behind_proxy(2).await;
+    let s = key("hung");
+    proxy.set(Fault::BlackholeUpstream);
+    let started = Instant::now();
+    let out = store.claim(&req(&s, 1, LONG, false)).await;
+    let took = started.elapsed();
+    // The claim timed out and so did its read-back: the outcome cannot be known.
+    assert!(matches!(out, Err(StoreError::Ambiguous(_))), "{out:?}");
+    assert!(took >= FAULT_TIMEOUT && took < FAULT_TIMEOUT * 4, "{took:?}");
+
+    proxy.set(Fault::None);
+    assert_eq!(get(&store, &s).await, None, "no statement reached the server");
+    let c = claim(&store, &req(&s, 1, LONG, false)).await;
+    assert_eq!(c.generation, Generation(1));
+    assert_eq!(key_set(&all(&store).await), set(&["hung"]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_restart_is_survived_by_the_same_store() {
+    let mut server = tokio::task::spawn_blocking(PgServer::start).await.unwrap().expect("start private cluster");
+    let url = server.create_database("conformance").expect("create database");
+    let store = open_with(&Backend::Postgres { url }, Duration::from_secs(2), 4).await;
+    let first = key("before-crash");
+    let c1 = claim(&store, &req(&first, 1, LONG, false)).await;
+
+    let mut server = tokio::task::spawn_blocking(move || server.stop_immediate().map(|()| server))
+        .await
+        .unwrap()
+        .expect("stop_immediate");
+    let down = store.claim(&req(&key("while-down"), 1, LONG, false)).await;
+    assert!(matches!(down, Err(StoreError::Unavailable(_) | StoreError::Ambiguous(_))), "{down:?}");
+    assert!(store.ping().await.is_err());
+
+    let server = tokio::task::spawn_blocking(move || server.start_again().map(|()| server))
+        .await
+        .unwrap()
+        .expect("start_again");
+    // The same Store, not recreated: dead pooled connections are dropped and
+    // the first operation after the restart succeeds.
+    let second = key("after-restart");
+    let c2 = claim(&store, &req(&second, 1, LONG, false)).await;
+    assert_eq!(c2.generation, Generation(1));
+    let rec = row(&store, &first).await;
+    assert_eq!((rec.state, rec.generation, rec.claim_token), (State::InFlight, Generation(1), c1.claim_token), "the committed claim survived");
+    assert_eq!(get(&store, &key("while-down")).await, None);
+    assert_eq!(store.complete(&c1, &response(201, b"after"), LONG).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(key_set(&all(&store).await), set(&["before-crash", "after-restart"]));
+    drop(server);
+}
+
+// ---------------------------------------------------------------------------
+// The fault proxy itself, in front of an echo server
+
+async fn echo_server() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let (mut r, mut w) = s.split();
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+            });
+        }
+    });
+    addr
+}
+
+async fn roundtrip(c: &mut TcpStream, msg: &[u8]) -> Vec<u8> {
+    c.write_all(msg).await.unwrap();
+    let mut buf = vec![0; msg.len()];
+    tokio::time::timeout(Duration::from_secs(5), c.read_exact(&mut buf)).await.expect("echo within 5s").unwrap();
+    buf
+}
+
+/// Nothing arrives on `c` within a little while.
+async fn silent(c: &mut TcpStream) -> bool {
+    let mut buf = [0u8; 64];
+    tokio::time::timeout(Duration::from_millis(200), c.read(&mut buf)).await.is_err()
+}
+
+fn is_reset<T: std::fmt::Debug>(r: &std::io::Result<T>) -> bool {
+    matches!(r, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset)
+}
+
+/// A connection to `addr` is reset: either while connecting (the RST came
+/// before the handshake was seen complete) or on the first read.
+async fn refused(addr: SocketAddr) -> bool {
+    match TcpStream::connect(addr).await {
+        Ok(mut s) => {
+            let mut buf = [0u8; 8];
+            is_reset(&tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await.expect("reset within 5s"))
+        }
+        Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fault_proxy_forwards_delays_and_blackholes() {
+    let proxy = FaultProxy::start(echo_server().await).await;
+    let mut c = TcpStream::connect(proxy.addr()).await.unwrap();
+    assert_eq!(roundtrip(&mut c, b"hello").await, b"hello");
+    assert_eq!(proxy.connections(), 1);
+
+    proxy.set(Fault::Delay(Duration::from_millis(150)));
+    let t = Instant::now();
+    assert_eq!(roundtrip(&mut c, b"slow").await, b"slow");
+    assert!(t.elapsed() >= Duration::from_millis(300), "delayed each way: {:?}", t.elapsed());
+
+    proxy.set(Fault::BlackholeDownstream);
+    c.write_all(b"dropped-down").await.unwrap();
+    assert!(silent(&mut c).await);
+    proxy.set(Fault::None);
+    assert_eq!(roundtrip(&mut c, b"after").await, b"after", "the dropped reply never shows up later");
+
+    proxy.set(Fault::BlackholeUpstream);
+    c.write_all(b"dropped-up").await.unwrap();
+    assert!(silent(&mut c).await);
+    // A connection opened under the fault is affected too.
+    let mut fresh = TcpStream::connect(proxy.addr()).await.unwrap();
+    fresh.write_all(b"x").await.unwrap();
+    assert!(silent(&mut fresh).await);
+    proxy.set(Fault::None);
+    assert_eq!(roundtrip(&mut c, b"again").await, b"again");
+    assert_eq!(roundtrip(&mut fresh, b"y").await, b"y");
+    assert_eq!(proxy.connections(), 2);
+
+    // Blackholing only the existing connections lets new ones through.
+    assert_eq!(proxy.blackhole_existing_downstream(), 2);
+    let mut later = TcpStream::connect(proxy.addr()).await.unwrap();
+    assert_eq!(roundtrip(&mut later, b"new").await, b"new");
+    c.write_all(b"old").await.unwrap();
+    assert!(silent(&mut c).await);
+    assert_eq!(proxy.fault(), Fault::None);
+
+    drop((c, fresh, later));
+    assert!(proxy.wait_connections(0, Duration::from_secs(5)).await, "closed connections leave the registry");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fault_proxy_resets_refuses_and_closes() {
+    let proxy = FaultProxy::start(echo_server().await).await;
+    let mut a = TcpStream::connect(proxy.addr()).await.unwrap();
+    let mut b = TcpStream::connect(proxy.addr()).await.unwrap();
+    assert_eq!(roundtrip(&mut a, b"a").await, b"a");
+    assert_eq!(roundtrip(&mut b, b"b").await, b"b");
+    assert_eq!(proxy.reset_all(), 2);
+    let mut buf = [0u8; 8];
+    assert!(is_reset(&a.read(&mut buf).await), "reset, not closed");
+    assert!(is_reset(&b.read(&mut buf).await));
+    assert!(proxy.wait_connections(0, Duration::from_secs(5)).await);
+
+    proxy.set(Fault::Refuse);
+    let accepted = proxy.accepted();
+    assert!(refused(proxy.addr()).await, "a new connection is reset");
+    assert_eq!(proxy.accepted(), accepted + 1);
+    assert_eq!(proxy.connections(), 0);
+
+    // CloseAfter counts from when it is set.
+    proxy.set(Fault::None);
+    let mut c = TcpStream::connect(proxy.addr()).await.unwrap();
+    assert_eq!(roundtrip(&mut c, b"12345678").await, b"12345678");
+    proxy.set(Fault::CloseAfter { bytes_down: 4 });
+    c.write_all(b"abcdefgh").await.unwrap();
+    let mut got = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), c.read_to_end(&mut got)).await.unwrap().unwrap();
+    assert_eq!(got, b"abcd");
+
+    // A proxy whose target is down resets its clients.
+    let dead = {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        l.local_addr().unwrap()
+    };
+    let to_dead = FaultProxy::start(dead).await;
+    assert!(refused(to_dead.addr()).await);
+    assert_eq!(to_dead.accepted(), 1);
+}
