@@ -88,6 +88,17 @@ pub enum ClaimOutcome {
     Existing { record: Record, now: Timestamp },
 }
 
+/// What one claim statement found, before the protocol's read-back logic.
+#[derive(Debug, Clone)]
+pub enum RawClaim {
+    /// Inserted, or took over an expired record.
+    Claimed(Claim),
+    /// The statement saw this record and left it alone.
+    Existing(Record, Timestamp),
+    /// A concurrent insert won after the statement's snapshot: read it in a new statement.
+    Conflict,
+}
+
 /// Whether a fenced write (result, release, unknown) took effect.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WriteOutcome {
@@ -232,8 +243,11 @@ impl Store {
         let token = req.claim_token;
         for _ in 0..AMBIGUITY_ATTEMPTS {
             match self.bounded("claim", true, async { dispatch!(self, b => b.claim(req, token)) }).await {
-                Ok(Some(claim)) => return Ok(ClaimOutcome::Claimed(claim)),
-                Ok(None) => {
+                Ok(RawClaim::Claimed(claim)) => return Ok(ClaimOutcome::Claimed(claim)),
+                // Our own claim, re-sent: an earlier attempt committed late.
+                Ok(RawClaim::Existing(record, _)) if own_claim(&record, token) => return Ok(ClaimOutcome::Claimed(claim_of(req, record))),
+                Ok(RawClaim::Existing(record, now)) => return Ok(ClaimOutcome::Existing { record, now }),
+                Ok(RawClaim::Conflict) => {
                     // Lost the insert: read the winner in a new statement. The
                     // winner may be this very request: an earlier attempt whose
                     // commit landed after its read-back found no row.

@@ -11,7 +11,7 @@ use uuid::Uuid;
 
 use super::codec::{decode_headers, encode_headers};
 use super::migrations::{PG_LOCK_KEY, POSTGRES};
-use super::{Claim, ClaimRequest, ListFilter, Resolution, ResolveOutcome, StoreError};
+use super::{Claim, ClaimRequest, ListFilter, RawClaim, Resolution, ResolveOutcome, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::record::{transition, Event, Generation, Next, Record, State, StoredResponse, Timestamp};
 use crate::scope::{IdempotencyKey, Scope};
@@ -33,21 +33,43 @@ impl<'a> FromSql<'a> for Timestamp {
 const COLUMNS: &str = "tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner, \
      lease_expires_at, response_status, response_headers, response_body, created_at, updated_at, expires_at";
 
+/// The claim: one statement, autocommitted. It reads the scope's row, takes it
+/// over if `record::may_take_over` allows (an UPDATE that re-checks the
+/// condition on the latest row version), or inserts when there is none
+/// (`ON CONFLICT DO NOTHING`). At most one of the two writes acts. When neither
+/// does, nothing is written or locked, so a replay or a duplicate costs no
+/// commit; the row seen is returned with the database clock.
 const CLAIM: &str = "\
-INSERT INTO idemgate_records AS r
-    (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
-     lease_expires_at, created_at, updated_at, expires_at)
-VALUES ($1, $2, $3, $4, $5, 'in_flight', 1, $6, $7,
-     now() + $8::int8 * interval '1 microsecond', now(), now(), now() + $8::int8 * interval '1 microsecond')
-ON CONFLICT (tenant, principal, operation, idempotency_key) DO UPDATE SET
-    request_hash = EXCLUDED.request_hash, state = 'in_flight', generation = r.generation + 1,
-    claim_token = EXCLUDED.claim_token, owner = EXCLUDED.owner, lease_expires_at = EXCLUDED.lease_expires_at,
-    response_status = NULL, response_headers = NULL, response_body = NULL,
-    created_at = now(), updated_at = now(), expires_at = EXCLUDED.expires_at
-WHERE (r.state = 'completed' AND r.expires_at <= now())
-   OR ($9::bool AND r.request_hash = EXCLUDED.request_hash
-       AND (r.state = 'unknown' OR (r.state = 'in_flight' AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now()))))
-RETURNING generation, lease_expires_at, (xmax = 0) AS inserted";
+WITH cur AS (
+    SELECT tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
+           lease_expires_at, response_status, response_headers, response_body, created_at, updated_at, expires_at
+    FROM idemgate_records
+    WHERE tenant = $1 AND principal = $2 AND operation = $3 AND idempotency_key = $4
+), taken AS (
+    UPDATE idemgate_records r SET
+        request_hash = $5, state = 'in_flight', generation = r.generation + 1, claim_token = $6, owner = $7,
+        lease_expires_at = now() + $8::int8 * interval '1 microsecond',
+        response_status = NULL, response_headers = NULL, response_body = NULL,
+        created_at = now(), updated_at = now(), expires_at = now() + $8::int8 * interval '1 microsecond'
+    WHERE r.tenant = $1 AND r.principal = $2 AND r.operation = $3 AND r.idempotency_key = $4
+      AND ((r.state = 'completed' AND r.expires_at <= now())
+           OR ($9::bool AND r.request_hash = $5
+               AND (r.state = 'unknown' OR (r.state = 'in_flight' AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())))))
+    RETURNING r.generation, r.lease_expires_at
+), inserted AS (
+    INSERT INTO idemgate_records
+        (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
+         lease_expires_at, created_at, updated_at, expires_at)
+    SELECT $1, $2, $3, $4, $5, 'in_flight', 1, $6, $7,
+           now() + $8::int8 * interval '1 microsecond', now(), now(), now() + $8::int8 * interval '1 microsecond'
+    WHERE NOT EXISTS (SELECT 1 FROM cur)
+    ON CONFLICT (tenant, principal, operation, idempotency_key) DO NOTHING
+    RETURNING generation, lease_expires_at
+)
+SELECT cur.*, now(),
+       (SELECT generation FROM inserted), (SELECT lease_expires_at FROM inserted),
+       (SELECT generation FROM taken), (SELECT lease_expires_at FROM taken)
+FROM (SELECT 1) AS one LEFT JOIN cur ON true";
 
 const PK: &str = "tenant = $1 AND principal = $2 AND operation = $3 AND idempotency_key = $4";
 
@@ -184,7 +206,7 @@ impl PgStore {
         row.try_get(0).map_err(|e| StoreError::Corrupt(e.to_string()))
     }
 
-    pub async fn claim(&self, req: &ClaimRequest, token: Uuid) -> Result<Option<Claim>, StoreError> {
+    pub async fn claim(&self, req: &ClaimRequest, token: Uuid) -> Result<RawClaim, StoreError> {
         let s = &req.scope;
         let rows = self
             .query(
@@ -203,12 +225,22 @@ impl PgStore {
                 true,
             )
             .await?;
-        let Some(row) = rows.first() else { return Ok(None) };
-        let corrupt = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
-        let generation: i64 = row.try_get(0).map_err(corrupt)?;
-        let lease: Timestamp = row.try_get(1).map_err(corrupt)?;
-        let inserted: bool = row.try_get(2).map_err(corrupt)?;
-        Ok(Some(Claim { scope: s.clone(), generation: Generation(generation), claim_token: token, lease_expires_at: lease, took_over: !inserted }))
+        let row = rows.first().ok_or_else(|| StoreError::Corrupt("claim returned no row".into()))?;
+        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+        let claimed = |generation: i64, lease: Timestamp, took_over: bool| {
+            RawClaim::Claimed(Claim { scope: s.clone(), generation: Generation(generation), claim_token: token, lease_expires_at: lease, took_over })
+        };
+        if let (Some(g), Some(lease)) = (row.try_get::<_, Option<i64>>(17).map_err(c)?, row.try_get::<_, Option<Timestamp>>(18).map_err(c)?) {
+            return Ok(claimed(g, lease, false));
+        }
+        if let (Some(g), Some(lease)) = (row.try_get::<_, Option<i64>>(19).map_err(c)?, row.try_get::<_, Option<Timestamp>>(20).map_err(c)?) {
+            return Ok(claimed(g, lease, true));
+        }
+        if row.try_get::<_, Option<&str>>(0).map_err(c)?.is_none() {
+            return Ok(RawClaim::Conflict);
+        }
+        let now: Timestamp = row.try_get(16).map_err(c)?;
+        Ok(RawClaim::Existing(decode(row)?, now))
     }
 
     pub async fn get(&self, scope: &Scope) -> Result<Option<(Record, Timestamp)>, StoreError> {

@@ -17,7 +17,7 @@ use uuid::Uuid;
 
 use super::codec::{decode_headers, encode_headers};
 use super::migrations::SQLITE;
-use super::{Claim, ClaimRequest, ListFilter, Resolution, ResolveOutcome, StoreError};
+use super::{Claim, ClaimRequest, ListFilter, RawClaim, Resolution, ResolveOutcome, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::record::{may_take_over, transition, Event, Generation, Next, Record, Refused, State, StoredResponse, Timestamp};
 use crate::scope::{IdempotencyKey, Scope};
@@ -161,7 +161,7 @@ impl SqliteStore {
         Ok(now())
     }
 
-    pub async fn claim(&self, req: &ClaimRequest, token: Uuid) -> Result<Option<Claim>, StoreError> {
+    pub async fn claim(&self, req: &ClaimRequest, token: Uuid) -> Result<RawClaim, StoreError> {
         let req = req.clone();
         self.write(move |tx, now| {
             let lease = now.plus(req.lease);
@@ -195,9 +195,9 @@ impl SqliteStore {
                         .map_err(err)?;
                     next
                 }
-                Some(_) => return Ok(None),
+                Some(record) => return Ok(RawClaim::Existing(record, now)),
             };
-            Ok(Some(Claim {
+            Ok(RawClaim::Claimed(Claim {
                 scope: req.scope.clone(),
                 generation,
                 claim_token: token,

@@ -170,12 +170,14 @@ pub struct Gateway {
     child: Option<Child>,
     dir: tempfile::TempDir,
     logs: Arc<(Mutex<Logs>, Condvar)>,
+    /// Log lines of earlier processes (before restarts).
+    history: Vec<String>,
 }
 
 impl Gateway {
     pub fn start(config: GatewayConfig) -> Gateway {
         let dir = tempfile::tempdir().expect("tempdir");
-        let mut g = Gateway { config, addr: "0.0.0.0:0".parse().unwrap(), admin: None, child: None, dir, logs: Arc::default() };
+        let mut g = Gateway { config, addr: "0.0.0.0:0".parse().unwrap(), admin: None, child: None, dir, logs: Arc::default(), history: Vec::new() };
         g.spawn();
         g
     }
@@ -186,7 +188,11 @@ impl Gateway {
 
     fn spawn(&mut self) {
         std::fs::write(self.config_path(), self.config.toml()).expect("write config");
-        *self.logs.0.lock().unwrap() = Logs::default();
+        // A fresh log buffer per process: the previous process's reader thread
+        // may still be draining its pipe and must not touch this one.
+        let previous = std::mem::take(&mut self.logs.0.lock().unwrap_or_else(|p| p.into_inner()).lines);
+        self.history.extend(previous);
+        self.logs = Arc::default();
         let mut child = Command::new(env!("CARGO_BIN_EXE_idemgate"))
             .args(["serve", "--config"])
             .arg(self.config_path())
@@ -289,12 +295,14 @@ impl Gateway {
     }
 
     pub fn logs(&self) -> String {
-        self.logs.0.lock().unwrap().lines.join("\n")
+        let current = self.logs.0.lock().unwrap_or_else(|p| p.into_inner()).lines.clone();
+        self.history.iter().chain(current.iter()).cloned().collect::<Vec<_>>().join("\n")
     }
 
     /// Log lines whose message contains `needle`.
     pub fn log_count(&self, needle: &str) -> usize {
-        self.logs.0.lock().unwrap().lines.iter().filter(|l| l.contains(needle)).count()
+        let current = self.logs.0.lock().unwrap_or_else(|p| p.into_inner()).lines.clone();
+        self.history.iter().chain(current.iter()).filter(|l| l.contains(needle)).count()
     }
 
     pub fn dir(&self) -> &Path {
