@@ -279,3 +279,111 @@ async fn abusive_clients_are_refused_before_claiming() {
     assert_eq!(post(&url, "fine", ORDER, &[]).await.status, 201);
     assert_eq!(up.total(), 2);
 }
+
+/// The PostgreSQL reply to the claim is lost (the statement committed): the
+/// gateway reads the row back on a new connection, finds its claim_token, and
+/// goes on — one forward, one record, no 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claim_reply_lost_is_resolved_by_claim_token() {
+    use support::faultproxy::FaultProxy;
+    let (pg, _) = private_pg();
+    let url = pg.create_database("claimlost").unwrap();
+    let proxy = FaultProxy::start(format!("127.0.0.1:{}", pg.port()).parse().unwrap()).await;
+    let proxied = url.replace(&format!(":{}/", pg.port()), &format!(":{}/", proxy.port()));
+    let up = TestUpstream::start().await;
+    let gw = Gateway::start(GatewayConfig::new(Backend::Postgres { url: proxied }, up.url()).sweep_interval("1h"));
+    let store = Backend::Postgres { url }.open().await;
+    let target = gw.url("/v1/orders");
+    assert_eq!(post(&target, "warm", ORDER, &[]).await.status, 201);
+    let broken = proxy.blackhole_existing_downstream();
+    assert!(broken > 0, "the pool had open connections to break");
+    let r = post(&target, "k", ORDER, &[]).await;
+    assert_eq!((r.status, r.replayed()), (201, false), "{r:?}\n{}", gw.logs());
+    let rec = record(&store, "k").await.unwrap();
+    assert_eq!((rec.state, rec.generation.0), (State::Completed, 1));
+    assert_eq!(up.side_effects(&derived("k")), 1);
+    assert!(gw.log_count("reading the row back") >= 1, "the read-back path ran:\n{}", gw.logs());
+    assert!(post(&target, "k", ORDER, &[]).await.replayed());
+    assert_eq!(up.total(), 2);
+}
+
+/// The PostgreSQL reply to the result write is lost: the read-back sees the
+/// write under our generation; the retry replays it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn result_reply_lost_is_resolved_by_read_back() {
+    use support::faultproxy::FaultProxy;
+    let (pg, _) = private_pg();
+    let url = pg.create_database("resultlost").unwrap();
+    let proxy = FaultProxy::start(format!("127.0.0.1:{}", pg.port()).parse().unwrap()).await;
+    let proxied = url.replace(&format!(":{}/", pg.port()), &format!(":{}/", proxy.port()));
+    let up = TestUpstream::start().await;
+    // No background tasks during the test: they would take the broken connections first.
+    let gw = Gateway::start(GatewayConfig::new(Backend::Postgres { url: proxied }, up.url()).sweep_interval("1h"));
+    let store = Backend::Postgres { url }.open().await;
+    let target = gw.url("/v1/orders");
+    let mut received = up.subscribe();
+    let t = target.clone();
+    let client = tokio::spawn(async move { post(&t, "k", ORDER, &[("x-test-sleep-ms", "300")]).await });
+    received.recv().await.unwrap();
+    // The claim is committed and the upstream is working: break the replies
+    // on every open connection, so the result's commit reply is lost.
+    proxy.blackhole_existing_downstream();
+    let r = client.await.unwrap();
+    assert_eq!((r.status, r.replayed()), (201, false), "{r:?}");
+    let rec = record(&store, "k").await.unwrap();
+    assert_eq!((rec.state, rec.generation.0), (State::Completed, 1), "{}", gw.logs());
+    assert!(gw.log_count("write failed; reading the row back") >= 1, "the read-back path ran:\n{}", gw.logs());
+    let again = post(&target, "k", ORDER, &[]).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, r.body);
+    assert_eq!(up.total(), 1);
+}
+
+/// Network faults between the gateway and the upstream: a refused connection
+/// releases the key; a response cut off mid-body or delayed past the timeout
+/// is an unknown outcome with one side effect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_network_faults() {
+    use support::faultproxy::{Fault, FaultProxy};
+    let backend = postgres_backend();
+    let up = TestUpstream::start().await;
+    let proxy = FaultProxy::start(up.addr).await;
+    let gw = Gateway::start(GatewayConfig::new(backend.clone(), format!("http://{}", proxy.addr())).timeout("500ms"));
+    let store = backend.open().await;
+    let target = gw.url("/v1/orders");
+
+    proxy.set(Fault::Refuse);
+    proxy.reset_all();
+    let r = post(&target, "refused", ORDER, &[]).await;
+    // A reset right after connecting can also look like a broken exchange to
+    // the client library; either way nothing reached the upstream.
+    assert_eq!(up.total(), 0);
+    match r.problem().as_str() {
+        "upstream-unavailable" => assert!(record(&store, "refused").await.is_none()),
+        "outcome-unknown" => assert_eq!(record(&store, "refused").await.unwrap().state, State::Unknown),
+        other => panic!("unexpected {other}"),
+    }
+
+    proxy.set(Fault::CloseAfter { bytes_down: 40 });
+    let r = post(&target, "cut", ORDER, &[("x-test-body-bytes", "5000")]).await;
+    assert_eq!((r.status, r.problem().as_str()), (504, "outcome-unknown"));
+    assert_eq!(record(&store, "cut").await.unwrap().state, State::Unknown);
+    assert_eq!(up.side_effects(&derived("cut")), 1, "ledger {:?} requests {:?}", up.ledger(), up.requests().iter().map(|r| r.key.clone()).collect::<Vec<_>>());
+
+    proxy.set(Fault::Delay(Duration::from_millis(800)));
+    let r = post(&target, "late", ORDER, &[]).await;
+    assert_eq!((r.status, r.problem().as_str()), (504, "outcome-unknown"));
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert_eq!(record(&store, "late").await.unwrap().state, State::Unknown);
+    // The delayed request reaches the upstream after the gateway gave up and
+    // closed; whether the upstream still acts on it is its business: at most once.
+    assert!(up.side_effects(&derived("late")) <= 1);
+
+    proxy.set(Fault::None);
+    assert_eq!(post(&target, "fine", ORDER, &[]).await.status, 201);
+    for key in ["cut", "late"] {
+        assert_eq!(post(&target, key, ORDER, &[]).await.problem(), "outcome-unknown");
+    }
+    assert!(up.total() <= 3, "no retry re-executed anything");
+    assert!(up.ledger().values().all(|n| *n == 1));
+}

@@ -84,7 +84,7 @@ const LONG: Duration = Duration::from_secs(60);
 fn store_config(backend: &Backend, timeout: Duration, pool_size: usize) -> StoreConfig {
     let backend = match backend {
         Backend::Postgres { url } => StoreBackend::Postgres { url: Secret::new(url.clone()), pool_size },
-        Backend::Sqlite { path } => StoreBackend::Sqlite { path: path.clone() },
+        Backend::Sqlite { path, .. } => StoreBackend::Sqlite { path: path.clone() },
     };
     StoreConfig { backend, migrate: true, operation_timeout: timeout, sweep_interval: Duration::from_secs(1), sweep_batch: 100 }
 }

@@ -21,14 +21,18 @@ pub const PRINCIPAL: &str = "billing";
 #[derive(Debug, Clone)]
 pub enum Backend {
     Postgres { url: String },
-    Sqlite { path: PathBuf },
+    Sqlite {
+        path: PathBuf,
+        /// Deleted when the last clone of the backend is dropped.
+        dir: Option<std::sync::Arc<tempfile::TempDir>>,
+    },
 }
 
 impl Backend {
-    pub fn store_toml(&self) -> String {
+    pub fn store_toml(&self, sweep_interval: &str) -> String {
         match self {
-            Backend::Postgres { url } => format!("[store]\nkind = \"postgres\"\nurl = \"{url}\"\npool_size = 8\noperation_timeout = \"2s\"\nsweep_interval = \"200ms\"\n"),
-            Backend::Sqlite { path } => format!("[store]\nkind = \"sqlite\"\npath = \"{}\"\noperation_timeout = \"2s\"\nsweep_interval = \"200ms\"\n", path.display()),
+            Backend::Postgres { url } => format!("[store]\nkind = \"postgres\"\nurl = \"{url}\"\npool_size = 8\noperation_timeout = \"2s\"\nsweep_interval = \"{sweep_interval}\"\n"),
+            Backend::Sqlite { path, .. } => format!("[store]\nkind = \"sqlite\"\npath = \"{}\"\noperation_timeout = \"2s\"\nsweep_interval = \"{sweep_interval}\"\n", path.display()),
         }
     }
 
@@ -36,7 +40,7 @@ impl Backend {
     pub async fn open(&self) -> Store {
         let backend = match self {
             Backend::Postgres { url } => StoreBackend::Postgres { url: idemgate::config::Secret::new(url.clone()), pool_size: 4 },
-            Backend::Sqlite { path } => StoreBackend::Sqlite { path: path.clone() },
+            Backend::Sqlite { path, .. } => StoreBackend::Sqlite { path: path.clone() },
         };
         let config = StoreConfig {
             backend,
@@ -64,6 +68,8 @@ pub struct GatewayConfig {
     /// Extra lines in `[server]`.
     pub server_extra: String,
     pub listen: SocketAddr,
+    /// Sweeper and lease reaper cadence (fast in tests).
+    pub sweep_interval: &'static str,
 }
 
 impl GatewayConfig {
@@ -76,6 +82,7 @@ impl GatewayConfig {
             tail: String::new(),
             server_extra: String::new(),
             listen: "127.0.0.1:0".parse().unwrap(),
+            sweep_interval: "200ms",
         }
     }
 
@@ -94,6 +101,11 @@ impl GatewayConfig {
     pub fn tail(mut self, extra: &str) -> Self {
         self.tail.push_str(extra);
         self.tail.push('\n');
+        self
+    }
+
+    pub fn sweep_interval(mut self, every: &'static str) -> Self {
+        self.sweep_interval = every;
         self
     }
 
@@ -140,7 +152,7 @@ upstream = "orders"
 "#,
             listen = self.listen,
             server_extra = self.server_extra,
-            store = self.backend.store_toml(),
+            store = self.backend.store_toml(self.sweep_interval),
             upstream = self.upstream_url,
             timeout = self.upstream_timeout,
             other_hash = hex::encode(Sha256::digest(b"other-key")),

@@ -8,7 +8,6 @@ pub mod gateway;
 pub mod postgres;
 pub mod upstream;
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use std::time::{Duration, Instant};
@@ -29,11 +28,11 @@ pub fn postgres_backend() -> Backend {
     Backend::Postgres { url }
 }
 
-/// A fresh SQLite file in a directory that lives as long as the process
-/// (tests are short; the OS temp dir is cleaned by the harness at the end).
+/// A fresh SQLite file in a temp directory that is deleted when the last
+/// clone of the backend (held by the test and its gateway configs) is dropped.
 pub fn sqlite_backend() -> Backend {
-    let dir: PathBuf = tempfile::Builder::new().prefix("idemgate-sqlite-").tempdir().expect("tempdir").keep();
-    Backend::Sqlite { path: dir.join("idemgate.db") }
+    let dir = tempfile::Builder::new().prefix("idemgate-sqlite-").tempdir().expect("tempdir");
+    Backend::Sqlite { path: dir.path().join("idemgate.db"), dir: Some(std::sync::Arc::new(dir)) }
 }
 
 /// The scope a test client's key lands in.
