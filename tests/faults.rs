@@ -387,3 +387,50 @@ async fn upstream_network_faults() {
     assert!(up.total() <= 3, "no retry re-executed anything");
     assert!(up.ledger().values().all(|n| *n == 1));
 }
+
+/// A result write that reaches PostgreSQL only after the lease expired and
+/// another replica took the key over and recorded its own result: the
+/// generation fence drops it, the read-back counts it as fenced, and the
+/// newer result stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn late_result_write_after_takeover_is_fenced() {
+    use support::faultproxy::{Fault, FaultProxy};
+    let (pg, _) = private_pg();
+    let url = pg.create_database("late").unwrap();
+    let slow_path = FaultProxy::start(format!("127.0.0.1:{}", pg.port()).parse().unwrap()).await;
+    let proxied = url.replace(&format!(":{}/", pg.port()), &format!(":{}/", slow_path.port()));
+    let up = TestUpstream::start().await;
+    up.set_dedupe(true);
+    let route = "lease = \"1s\"\nupstream_idempotent = true";
+    // A reaches PostgreSQL through the fault proxy; B directly.
+    let a = Gateway::start(GatewayConfig::new(Backend::Postgres { url: proxied }, up.url()).timeout("500ms").sweep_interval("1h").route(route));
+    let b = Gateway::start(GatewayConfig::new(Backend::Postgres { url: url.clone() }, up.url()).timeout("500ms").sweep_interval("1h").route(route));
+    let store = Backend::Postgres { url }.open().await;
+    let mut received = up.subscribe();
+    let ua = a.url("/v1/orders");
+    let first = tokio::spawn(async move { post(&ua, "k", ORDER, &[("x-test-sleep-ms", "50")]).await });
+    received.recv().await.unwrap();
+    // A's result write will sit in the network for 2.5 s: past its lease
+    // (1 s) and past B's take-over and completion.
+    slow_path.set(Fault::Delay(Duration::from_millis(2500)));
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let taken = post(&b.url("/v1/orders"), "k", ORDER, &[]).await;
+    assert_eq!((taken.status, taken.replayed()), (201, false), "{taken:?}");
+    assert_eq!(taken.json()["generation"], "2");
+    // Let the delayed statement arrive and be judged, then heal the path so
+    // A's read-back can learn what happened (A answers its client after that).
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    slow_path.set(Fault::None);
+    let _ = first.await.unwrap();
+    let rec = record(&store, "k").await.unwrap();
+    assert_eq!((rec.state, rec.generation.0), (State::Completed, 2));
+    let body: serde_json::Value = serde_json::from_slice(rec.response.unwrap().body.as_deref().unwrap()).unwrap();
+    assert_eq!(body["generation"], "2", "the late write of generation 1 did not overwrite generation 2's result");
+    let fenced = eventually(Duration::from_secs(10), || {
+        let a = &a;
+        async move { metric(a, "idemgate_fenced_writes_total").await >= 1.0 }
+    })
+    .await;
+    assert!(fenced, "A counted its fenced write:\n{}", a.logs());
+    assert_eq!(up.side_effects(&derived("k")), 1);
+}
