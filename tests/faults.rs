@@ -434,3 +434,70 @@ async fn late_result_write_after_takeover_is_fenced() {
     assert!(fenced, "A counted its fenced write:\n{}", a.logs());
     assert_eq!(up.side_effects(&derived("k")), 1);
 }
+
+/// Killed while the claim is on its way to PostgreSQL (it never arrives):
+/// nothing is left behind and the retry is processed once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_killed_before_the_claim_commits_leaves_nothing() {
+    use support::faultproxy::{Fault, FaultProxy};
+    let (pg, _) = private_pg();
+    let url = pg.create_database("precommit").unwrap();
+    let proxy = FaultProxy::start(format!("127.0.0.1:{}", pg.port()).parse().unwrap()).await;
+    let proxied = url.replace(&format!(":{}/", pg.port()), &format!(":{}/", proxy.port()));
+    let up = TestUpstream::start().await;
+    let mut gw = Gateway::start(GatewayConfig::new(Backend::Postgres { url: proxied }, up.url()).sweep_interval("1h"));
+    let store = Backend::Postgres { url }.open().await;
+    let target = gw.url("/v1/orders");
+    proxy.set(Fault::BlackholeUpstream);
+    let t = target.clone();
+    let client = tokio::spawn(async move { send("POST", &t, &[("authorization", "Bearer test-key"), ("content-type", "application/json"), ("idempotency-key", "k")], ORDER).await });
+    tokio::time::sleep(Duration::from_millis(300)).await; // the claim is stuck in the network
+    gw.kill9();
+    assert!(client.await.unwrap().is_err());
+    proxy.set(Fault::None);
+    proxy.reset_all();
+    assert!(record(&store, "k").await.is_none(), "nothing was claimed");
+    gw.restart();
+    let r = post(&target, "k", ORDER, &[]).await;
+    assert_eq!((r.status, r.replayed()), (201, false));
+    assert_eq!(up.total(), 1);
+    let rec = record(&store, "k").await.unwrap();
+    assert_eq!((rec.state, rec.generation.0), (State::Completed, 1));
+}
+
+/// Killed after the claim committed but before the request reached the
+/// upstream (it is stuck in the network): the gateway cannot know that, so
+/// the lease expires into `unknown` — never a blind second forward. The
+/// upstream acted zero times; an operator may release the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_killed_after_claim_before_forward_ends_unknown() {
+    use support::faultproxy::{Fault, FaultProxy};
+    let backend = postgres_backend();
+    let up = TestUpstream::start().await;
+    let proxy = FaultProxy::start(up.addr).await;
+    let mut gw = Gateway::start(GatewayConfig::new(backend.clone(), format!("http://{}", proxy.addr())).timeout("500ms").route("lease = \"1s\""));
+    let store = backend.open().await;
+    let target = gw.url("/v1/orders");
+    proxy.set(Fault::BlackholeUpstream);
+    let t = target.clone();
+    let client = tokio::spawn(async move { send("POST", &t, &[("authorization", "Bearer test-key"), ("content-type", "application/json"), ("idempotency-key", "k")], ORDER).await });
+    let claimed = eventually(Duration::from_secs(5), || {
+        let s = store.clone();
+        async move { record(&s, "k").await.is_some() }
+    })
+    .await;
+    assert!(claimed);
+    gw.kill9();
+    let _ = client.await;
+    proxy.set(Fault::None);
+    proxy.reset_all();
+    gw.restart();
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert_eq!(post(&target, "k", ORDER, &[]).await.problem(), "outcome-unknown");
+    assert_eq!(record(&store, "k").await.unwrap().state, State::Unknown);
+    assert_eq!(up.total(), 0, "the request never reached the upstream");
+    let (code, _, err) = cli(&gw, &["keys", "resolve", "--tenant", TENANT, "--principal", PRINCIPAL, "--operation", "create_order", "--key", "k", "--release"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(post(&target, "k", ORDER, &[]).await.status, 201);
+    assert_eq!(up.total(), 1);
+}

@@ -70,6 +70,10 @@ pub struct GatewayConfig {
     pub listen: SocketAddr,
     /// Sweeper and lease reaper cadence (fast in tests).
     pub sweep_interval: &'static str,
+    /// Replaces the generated `[store]` section (an empty string: no section).
+    pub store_section: Option<String>,
+    /// The process's working directory (default: the test's).
+    pub workdir: Option<PathBuf>,
 }
 
 impl GatewayConfig {
@@ -83,6 +87,8 @@ impl GatewayConfig {
             server_extra: String::new(),
             listen: "127.0.0.1:0".parse().unwrap(),
             sweep_interval: "200ms",
+            store_section: None,
+            workdir: None,
         }
     }
 
@@ -152,7 +158,7 @@ upstream = "orders"
 "#,
             listen = self.listen,
             server_extra = self.server_extra,
-            store = self.backend.store_toml(self.sweep_interval),
+            store = self.store_section.clone().unwrap_or_else(|| self.backend.store_toml(self.sweep_interval)),
             upstream = self.upstream_url,
             timeout = self.upstream_timeout,
             other_hash = hex::encode(Sha256::digest(b"other-key")),
@@ -205,7 +211,11 @@ impl Gateway {
         let previous = std::mem::take(&mut self.logs.0.lock().unwrap_or_else(|p| p.into_inner()).lines);
         self.history.extend(previous);
         self.logs = Arc::default();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        let mut command = Command::new(env!("CARGO_BIN_EXE_idemgate"));
+        if let Some(dir) = &self.config.workdir {
+            command.current_dir(dir);
+        }
+        let mut child = command
             .args(["serve", "--config"])
             .arg(self.config_path())
             .env("IDEMGATE_LOG_FORMAT", "json")
