@@ -17,14 +17,13 @@ pub fn record_json(r: &Record, with_body: bool) -> serde_json::Value {
             "body_stored": resp.body.is_some(),
             "body_bytes": resp.body.as_ref().map(|b| b.len()),
         });
-        if with_body {
-            if let Some(b) = &resp.body {
+        if with_body
+            && let Some(b) = &resp.body {
                 o["body"] = match std::str::from_utf8(b) {
                     Ok(s) => json!(s),
                     Err(_) => json!({ "hex": hex::encode(b) }),
                 };
             }
-        }
         o
     });
     json!({

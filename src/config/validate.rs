@@ -309,11 +309,10 @@ impl Validator<'_> {
             .map(|(i, u)| {
                 let p = format!("upstreams[{i}]");
                 let name = self.required(&format!("{p}.name"), u.name.as_deref()).map(str::to_owned);
-                if let Some(n) = &name {
-                    if !seen.insert(n.clone()) {
+                if let Some(n) = &name
+                    && !seen.insert(n.clone()) {
                         self.issues.push(format!("{p}.name"), format!("another upstream is already named {n:?}"));
                     }
-                }
                 let url = self.required(&format!("{p}.url"), u.url.as_deref()).and_then(|s| self.upstream_url(&format!("{p}.url"), s));
                 let connect_timeout = self.duration(&format!("{p}.connect_timeout"), u.connect_timeout.as_deref(), "1s");
                 let timeout = self.duration(&format!("{p}.timeout"), u.timeout.as_deref(), "10s");
@@ -403,11 +402,10 @@ impl Validator<'_> {
                     });
                     let tenant = self.scope_part(&format!("{kp}.tenant"), entry.tenant.as_deref());
                     let principal = self.scope_part(&format!("{kp}.principal"), entry.principal.as_deref());
-                    if let (Some(d), Some(t), Some(pr)) = (digest, tenant, principal) {
-                        if keys.insert(d, Identity { tenant: t.into(), principal: pr.into() }).is_some() {
+                    if let (Some(d), Some(t), Some(pr)) = (digest, tenant, principal)
+                        && keys.insert(d, Identity { tenant: t.into(), principal: pr.into() }).is_some() {
                             self.issues.push(format!("{kp}.sha256"), "the same key is listed twice");
                         }
-                    }
                 }
                 Some(IdentitySource::ApiKey { header: header?, keys })
             }
@@ -511,8 +509,8 @@ impl Validator<'_> {
         let lease = match (r.lease.as_deref(), upstream_timeout) {
             (Some(l), timeout) => {
                 let lease = self.duration(&format!("{p}.lease"), Some(l), "");
-                if let (Some(lease), Some(timeout)) = (lease, timeout) {
-                    if lease <= timeout {
+                if let (Some(lease), Some(timeout)) = (lease, timeout)
+                    && lease <= timeout {
                         self.issues.push(
                             format!("{p}.lease"),
                             format!(
@@ -521,7 +519,6 @@ impl Validator<'_> {
                             ),
                         );
                     }
-                }
                 lease
             }
             (None, Some(timeout)) => Some(timeout + LEASE_MARGIN),

@@ -232,17 +232,15 @@ impl Gateway {
                 let Ok(line) = line else { break };
                 let (lock, cv) = &*logs;
                 let mut l = lock.lock().unwrap();
-                if l.listening.is_none() {
-                    if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
-                        if v["message"] == "listening" {
+                if l.listening.is_none()
+                    && let Ok(v) = serde_json::from_str::<serde_json::Value>(&line)
+                        && v["message"] == "listening" {
                             let addr = v["addr"].as_str().and_then(|a| a.parse().ok());
                             let admin = v["admin"].as_str().and_then(|a| a.parse().ok());
                             if let Some(addr) = addr {
                                 l.listening = Some((addr, admin));
                             }
                         }
-                    }
-                }
                 l.lines.push(line);
                 cv.notify_all();
             }

@@ -8,6 +8,7 @@
 //! - `x-test-abort: 1`       after the side effect, close the connection with no answer
 //! - `x-test-no-store: 1`    answer with `Idempotency-Policy: no-store`
 //! - `x-test-body-bytes: N`  answer with an N-byte body
+//!
 //! With `dedupe` on, the upstream honours `Idempotency-Key` itself: a key it
 //! has seen is answered again without a new side effect.
 
