@@ -25,7 +25,7 @@ use crate::record::{Generation, Record, Refused, State, StoredResponse, Timestam
 use crate::scope::Scope;
 
 /// A store failure, classified by what the caller may conclude.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     /// Nothing was sent to the store (no connection, pool exhausted,
     /// database refused the statement): the write certainly did not happen.

@@ -13,8 +13,9 @@ use super::codec::{decode_headers, encode_headers};
 use super::migrations::{PG_LOCK_KEY, POSTGRES};
 use super::{Claim, ClaimRequest, ListFilter, RawClaim, Resolution, ResolveOutcome, StoreError};
 use crate::fingerprint::Fingerprint;
-use crate::record::{transition, Event, Generation, Next, Record, State, StoredResponse, Timestamp};
+use crate::record::{may_take_over, transition, Event, Generation, Next, Record, State, StoredResponse, Timestamp};
 use crate::scope::{IdempotencyKey, Scope};
+use std::sync::Arc;
 
 /// Microseconds between the Unix epoch and PostgreSQL's (2000-01-01).
 const PG_EPOCH_OFFSET_MICROS: i64 = 946_684_800_000_000;
@@ -73,10 +74,63 @@ FROM (SELECT 1) AS one LEFT JOIN cur ON true";
 
 const PK: &str = "tenant = $1 AND principal = $2 AND operation = $3 AND idempotency_key = $4";
 
+mod batch;
+
+use batch::Batcher;
+
+/// The pool, shared by the store and its batchers.
+#[derive(Debug, Clone)]
+struct Db {
+    pool: Pool,
+    /// Bound on a batched statement. (Single statements are bounded by the
+    /// `Store` facade; a batch outlives any one caller, so it bounds itself:
+    /// past this its connection is discarded, never returned to the pool.)
+    timeout: Duration,
+}
+
+impl Db {
+    async fn conn(&self) -> Result<Conn, StoreError> {
+        match self.pool.get().await {
+            Ok(c) => Ok(Conn(Some(c))),
+            Err(e) => Err(StoreError::Unavailable(format!("no database connection: {e}"))),
+        }
+    }
+
+    /// Runs one statement on a pooled connection and returns its rows.
+    async fn query(&self, sql: &str, params: &[&(dyn tokio_postgres::types::ToSql + Sync)], write: bool) -> Result<Vec<Row>, StoreError> {
+        let conn = self.conn().await?;
+        let stmt = conn.client().prepare_cached(sql).await.map_err(|e| classify(e, false))?;
+        match conn.client().query(&stmt, params).await {
+            Ok(rows) => {
+                conn.done();
+                Ok(rows)
+            }
+            Err(e) => {
+                let definite = e.as_db_error().is_some();
+                let err = classify(e, write);
+                if definite {
+                    conn.done();
+                }
+                Err(err)
+            }
+        }
+    }
+
+}
+
 #[derive(Debug)]
 pub struct PgStore {
-    pool: Pool,
+    db: Db,
+    /// Concurrent claims share one INSERT (see `batch`).
+    claims: Batcher<ClaimItem, BatchClaim>,
+    /// Concurrent result writes share one UPDATE.
+    completes: Batcher<CompleteItem, BatchWrite>,
 }
+
+/// Most requests one batched statement carries.
+const MAX_BATCH: usize = 128;
+/// Batched statements of one kind running at once.
+const BATCH_CONCURRENCY: usize = 4;
 
 /// A pooled connection that is discarded, not returned to the pool, unless the
 /// operation using it finished cleanly: after a timeout or I/O error the
@@ -140,34 +194,30 @@ impl PgStore {
             .recycle_timeout(Some(timeout))
             .build()
             .map_err(|e| StoreError::Unavailable(format!("cannot build the connection pool: {e}")))?;
-        Ok(PgStore { pool })
+        let db = Db { pool, timeout };
+        let claims = {
+            let db = db.clone();
+            Batcher::start("claims", MAX_BATCH, BATCH_CONCURRENCY, move |items| {
+                let db = db.clone();
+                async move { db.claim_batch(items).await }
+            })
+        };
+        let completes = {
+            let db = db.clone();
+            Batcher::start("completes", MAX_BATCH, BATCH_CONCURRENCY, move |items| {
+                let db = db.clone();
+                async move { db.complete_batch(items).await }
+            })
+        };
+        Ok(PgStore { db, claims, completes })
     }
 
     async fn conn(&self) -> Result<Conn, StoreError> {
-        match self.pool.get().await {
-            Ok(c) => Ok(Conn(Some(c))),
-            Err(e) => Err(StoreError::Unavailable(format!("no database connection: {e}"))),
-        }
+        self.db.conn().await
     }
 
-    /// Runs one statement on a pooled connection and returns its rows.
     async fn query(&self, sql: &str, params: &[&(dyn tokio_postgres::types::ToSql + Sync)], write: bool) -> Result<Vec<Row>, StoreError> {
-        let conn = self.conn().await?;
-        let stmt = conn.client().prepare_cached(sql).await.map_err(|e| classify(e, false))?;
-        match conn.client().query(&stmt, params).await {
-            Ok(rows) => {
-                conn.done();
-                Ok(rows)
-            }
-            Err(e) => {
-                let definite = e.as_db_error().is_some();
-                let err = classify(e, write);
-                if definite {
-                    conn.done();
-                }
-                Err(err)
-            }
-        }
+        self.db.query(sql, params, write).await
     }
 
     pub async fn migrate(&self) -> Result<Vec<String>, StoreError> {
@@ -206,7 +256,40 @@ impl PgStore {
         row.try_get(0).map_err(|e| StoreError::Corrupt(e.to_string()))
     }
 
+    /// Claims through the batcher: one INSERT for all concurrent claims. A
+    /// record that the batch found and that may be taken over goes through the
+    /// single-row statement, which re-checks and takes it over atomically.
     pub async fn claim(&self, req: &ClaimRequest, token: Uuid) -> Result<RawClaim, StoreError> {
+        let s = &req.scope;
+        let item = ClaimItem {
+            tenant: s.tenant.clone(),
+            principal: s.principal.clone(),
+            operation: s.operation.clone(),
+            key: s.key.clone(),
+            request_hash: req.request_hash,
+            token,
+            owner: req.owner.clone(),
+            lease_us: micros(req.lease),
+        };
+        match self.claims.submit(item).await? {
+            BatchClaim::Inserted { generation, lease_expires_at } => Ok(RawClaim::Claimed(Claim {
+                scope: s.clone(),
+                generation,
+                claim_token: token,
+                lease_expires_at,
+                took_over: false,
+            })),
+            BatchClaim::Existing(record, now) if may_take_over(&record, &req.request_hash, now, req.upstream_idempotent) => {
+                self.claim_one(req, token).await
+            }
+            BatchClaim::Existing(record, now) => Ok(RawClaim::Existing(record, now)),
+            BatchClaim::Conflict => Ok(RawClaim::Conflict),
+            BatchClaim::Retry => self.claim_one(req, token).await,
+        }
+    }
+
+    /// The single-row claim: used when a batch found a record that may be taken over.
+    async fn claim_one(&self, req: &ClaimRequest, token: Uuid) -> Result<RawClaim, StoreError> {
         let s = &req.scope;
         let rows = self
             .query(
@@ -255,7 +338,29 @@ impl PgStore {
         }
     }
 
+    /// Records a result through the batcher: one UPDATE for all concurrent
+    /// result writes, each fenced by its own generation.
     pub async fn complete(&self, scope: &Scope, generation: Generation, response: &StoredResponse, retention: Duration) -> Result<bool, StoreError> {
+        let item = CompleteItem {
+            tenant: scope.tenant.clone(),
+            principal: scope.principal.clone(),
+            operation: scope.operation.clone(),
+            key: scope.key.clone(),
+            generation,
+            status: i32::from(response.status),
+            headers: encode_headers(&response.headers),
+            body: response.body.clone(),
+            retention_us: micros(retention),
+        };
+        match self.completes.submit(item).await? {
+            BatchWrite::Written => Ok(true),
+            BatchWrite::Fenced => Ok(false),
+            BatchWrite::Retry => self.complete_one(scope, generation, response, retention).await,
+        }
+    }
+
+    /// The single-row result write: used when a batched statement deadlocked.
+    async fn complete_one(&self, scope: &Scope, generation: Generation, response: &StoredResponse, retention: Duration) -> Result<bool, StoreError> {
         let sql = format!(
             "UPDATE idemgate_records SET state = 'completed', response_status = $6, response_headers = $7, response_body = $8, \
              lease_expires_at = NULL, updated_at = now(), expires_at = now() + $9::int8 * interval '1 microsecond' \
@@ -399,6 +504,167 @@ impl PgStore {
               AND r.idempotency_key = s.idempotency_key AND r.state = 'in_flight' AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())
             RETURNING 1";
         Ok(self.query(sql, &[&i64::from(batch)], true).await?.len() as u64)
+    }
+}
+
+/// One claim waiting for its batch.
+struct ClaimItem {
+    tenant: Arc<str>,
+    principal: Arc<str>,
+    operation: Arc<str>,
+    key: IdempotencyKey,
+    request_hash: Fingerprint,
+    token: Uuid,
+    owner: Arc<str>,
+    lease_us: i64,
+}
+
+/// What the batched claim found for one item.
+enum BatchClaim {
+    Inserted { generation: Generation, lease_expires_at: Timestamp },
+    Existing(Record, Timestamp),
+    /// Inserted concurrently by another statement, after this one's snapshot.
+    Conflict,
+    /// The batch statement deadlocked with another: use the single-row path.
+    Retry,
+}
+
+/// One result write waiting for its batch.
+struct CompleteItem {
+    tenant: Arc<str>,
+    principal: Arc<str>,
+    operation: Arc<str>,
+    key: IdempotencyKey,
+    generation: Generation,
+    status: i32,
+    headers: Vec<u8>,
+    body: Option<Bytes>,
+    retention_us: i64,
+}
+
+enum BatchWrite {
+    Written,
+    Fenced,
+    Retry,
+}
+
+/// The batched claim: like `CLAIM` for many scopes at once, but without the
+/// take-over branch (the single-row statement does that). Rows are inserted
+/// in primary-key order so that two batches never wait on each other in a
+/// cycle; the answer comes back in input order.
+const CLAIM_BATCH: &str = "\
+WITH input AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::uuid[], $7::text[], $8::int8[])
+        WITH ORDINALITY AS i(tenant, principal, operation, idempotency_key, request_hash, claim_token, owner, lease_us, ord)
+), cur AS (
+    SELECT i.ord, r.tenant, r.principal, r.operation, r.idempotency_key, r.request_hash, r.state, r.generation, r.claim_token,
+           r.owner, r.lease_expires_at, r.response_status, r.response_headers, r.response_body, r.created_at, r.updated_at, r.expires_at
+    FROM input i JOIN idemgate_records r
+      ON r.tenant = i.tenant AND r.principal = i.principal AND r.operation = i.operation AND r.idempotency_key = i.idempotency_key
+), inserted AS (
+    INSERT INTO idemgate_records
+        (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
+         lease_expires_at, created_at, updated_at, expires_at)
+    SELECT i.tenant, i.principal, i.operation, i.idempotency_key, i.request_hash, 'in_flight', 1, i.claim_token, i.owner,
+           now() + i.lease_us * interval '1 microsecond', now(), now(), now() + i.lease_us * interval '1 microsecond'
+    FROM input i
+    WHERE NOT EXISTS (SELECT 1 FROM cur c WHERE c.ord = i.ord)
+    ORDER BY i.tenant, i.principal, i.operation, i.idempotency_key
+    ON CONFLICT (tenant, principal, operation, idempotency_key) DO NOTHING
+    RETURNING claim_token, generation, lease_expires_at
+)
+SELECT c.tenant, c.principal, c.operation, c.idempotency_key, c.request_hash, c.state, c.generation, c.claim_token,
+       c.owner, c.lease_expires_at, c.response_status, c.response_headers, c.response_body, c.created_at, c.updated_at,
+       c.expires_at, now(), ins.generation, ins.lease_expires_at
+FROM input i
+LEFT JOIN cur c ON c.ord = i.ord
+LEFT JOIN inserted ins ON ins.claim_token = i.claim_token
+ORDER BY i.ord";
+
+/// The batched result write, each row fenced by its own generation.
+const COMPLETE_BATCH: &str = "\
+UPDATE idemgate_records r SET
+    state = 'completed', response_status = v.status, response_headers = v.headers, response_body = v.body,
+    lease_expires_at = NULL, updated_at = now(), expires_at = now() + v.retention_us * interval '1 microsecond'
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int8[], $6::int4[], $7::bytea[], $8::bytea[], $9::int8[])
+    WITH ORDINALITY AS v(tenant, principal, operation, idempotency_key, generation, status, headers, body, retention_us, ord)
+WHERE r.tenant = v.tenant AND r.principal = v.principal AND r.operation = v.operation
+  AND r.idempotency_key = v.idempotency_key AND r.generation = v.generation AND r.state = 'in_flight'
+RETURNING v.ord";
+
+/// PostgreSQL's "deadlock detected": the statement was rolled back.
+fn is_deadlock(e: &StoreError) -> bool {
+    matches!(e, StoreError::Unavailable(m) if m.contains("40P01"))
+}
+
+impl Db {
+    /// A write statement under the batch timeout; a timeout is ambiguous.
+    async fn bounded_query(&self, sql: &str, params: &[&(dyn tokio_postgres::types::ToSql + Sync)]) -> Result<Vec<Row>, StoreError> {
+        match tokio::time::timeout(self.timeout, self.query(sql, params, true)).await {
+            Ok(r) => r,
+            Err(_) => Err(StoreError::Ambiguous(format!("batched statement timed out after {:?}", self.timeout))),
+        }
+    }
+
+    async fn claim_batch(&self, items: Vec<ClaimItem>) -> Result<Vec<BatchClaim>, StoreError> {
+        let n = items.len();
+        let tenants: Vec<&str> = items.iter().map(|i| &*i.tenant).collect();
+        let principals: Vec<&str> = items.iter().map(|i| &*i.principal).collect();
+        let operations: Vec<&str> = items.iter().map(|i| &*i.operation).collect();
+        let keys: Vec<&str> = items.iter().map(|i| i.key.as_str()).collect();
+        let hashes: Vec<&[u8]> = items.iter().map(|i| &i.request_hash.0[..]).collect();
+        let tokens: Vec<Uuid> = items.iter().map(|i| i.token).collect();
+        let leases: Vec<i64> = items.iter().map(|i| i.lease_us).collect();
+        let owners: Vec<&str> = items.iter().map(|i| &*i.owner).collect();
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 8] = [&tenants, &principals, &operations, &keys, &hashes, &tokens, &owners, &leases];
+        let rows = match self.bounded_query(CLAIM_BATCH, &params).await {
+            Ok(rows) => rows,
+            Err(e) if is_deadlock(&e) => return Ok((0..n).map(|_| BatchClaim::Retry).collect()),
+            Err(e) => return Err(e),
+        };
+        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+        rows.iter()
+            .map(|row| {
+                let generation: Option<i64> = row.try_get(17).map_err(c)?;
+                let lease: Option<Timestamp> = row.try_get(18).map_err(c)?;
+                if let (Some(g), Some(lease)) = (generation, lease) {
+                    return Ok(BatchClaim::Inserted { generation: Generation(g), lease_expires_at: lease });
+                }
+                if row.try_get::<_, Option<&str>>(0).map_err(c)?.is_none() {
+                    return Ok(BatchClaim::Conflict);
+                }
+                let now: Timestamp = row.try_get(16).map_err(c)?;
+                Ok(BatchClaim::Existing(decode(row)?, now))
+            })
+            .collect()
+    }
+
+    async fn complete_batch(&self, items: Vec<CompleteItem>) -> Result<Vec<BatchWrite>, StoreError> {
+        let n = items.len();
+        let tenants: Vec<&str> = items.iter().map(|i| &*i.tenant).collect();
+        let principals: Vec<&str> = items.iter().map(|i| &*i.principal).collect();
+        let operations: Vec<&str> = items.iter().map(|i| &*i.operation).collect();
+        let keys: Vec<&str> = items.iter().map(|i| i.key.as_str()).collect();
+        let generations: Vec<i64> = items.iter().map(|i| i.generation.0).collect();
+        let statuses: Vec<i32> = items.iter().map(|i| i.status).collect();
+        let headers: Vec<&[u8]> = items.iter().map(|i| &i.headers[..]).collect();
+        let bodies: Vec<Option<&[u8]>> = items.iter().map(|i| i.body.as_deref()).collect();
+        let retentions: Vec<i64> = items.iter().map(|i| i.retention_us).collect();
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 9] =
+            [&tenants, &principals, &operations, &keys, &generations, &statuses, &headers, &bodies, &retentions];
+        let rows = match self.bounded_query(COMPLETE_BATCH, &params).await {
+            Ok(rows) => rows,
+            Err(e) if is_deadlock(&e) => return Ok((0..n).map(|_| BatchWrite::Retry).collect()),
+            Err(e) => return Err(e),
+        };
+        let mut out: Vec<BatchWrite> = (0..n).map(|_| BatchWrite::Fenced).collect();
+        for row in &rows {
+            let ord: i64 = row.try_get(0).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+            if let Some(slot) = usize::try_from(ord).ok().and_then(|o| o.checked_sub(1)).and_then(|o| out.get_mut(o)) {
+                *slot = BatchWrite::Written;
+            }
+        }
+        Ok(out)
     }
 }
 
