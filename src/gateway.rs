@@ -133,6 +133,29 @@ impl Gateway {
             upstream_idempotent: route.upstream_idempotent,
             claim_token: Uuid::new_v4(),
         };
+        // From the claim on, the work runs on the tracker: a client that goes
+        // away can no longer cancel it between a committed claim and its
+        // forward, nor between the forward and the recording of its result.
+        let (tx, rx) = oneshot::channel();
+        let gw = self.clone();
+        let route = route.clone();
+        self.tracker.spawn(async move {
+            let out = gw.claim_and_forward(&route, claim, parts, body).await;
+            // The client may be gone; the record is written either way.
+            let _ = tx.send(out);
+        });
+        rx.await.unwrap_or(Err(GatewayError::Internal))
+    }
+
+    /// Claims the scope and forwards, or answers from the record it found.
+    async fn claim_and_forward(
+        &self,
+        route: &Route,
+        claim: ClaimRequest,
+        parts: request::Parts,
+        body: Bytes,
+    ) -> Result<(Response<Body>, Outcome), GatewayError> {
+        let request_hash = claim.request_hash;
         let wait_until = match route.in_flight {
             InFlightPolicy::Wait(d) => Some(tokio::time::Instant::now() + d),
             InFlightPolicy::Reject => None,
@@ -150,7 +173,7 @@ impl Gateway {
                 }
             };
             let (record, now) = match outcome {
-                ClaimOutcome::Claimed(c) => return self.forward(route, c, parts, body).await,
+                ClaimOutcome::Claimed(c) => return self.forward_and_record(route, c, parts, body).await,
                 ClaimOutcome::Existing { record, now } => (record, now),
             };
             match decide(&record, &request_hash, now) {
@@ -208,25 +231,6 @@ impl Gateway {
             }
             tracing::warn!(scope = %scope.log_id(), "could not abandon an unconfirmed claim; it will expire to unknown");
         });
-    }
-
-    /// Runs the forward on the tracker and waits for its answer.
-    async fn forward(
-        self: &Arc<Self>,
-        route: &Arc<Route>,
-        claim: Claim,
-        parts: request::Parts,
-        body: Bytes,
-    ) -> Result<(Response<Body>, Outcome), GatewayError> {
-        let (tx, rx) = oneshot::channel();
-        let gw = self.clone();
-        let route = route.clone();
-        self.tracker.spawn(async move {
-            let out = gw.forward_and_record(&route, claim, parts, body).await;
-            // The client may be gone; the record is written either way.
-            let _ = tx.send(out);
-        });
-        rx.await.unwrap_or(Err(GatewayError::Internal))
     }
 
     async fn forward_and_record(

@@ -501,3 +501,39 @@ async fn gateway_killed_after_claim_before_forward_ends_unknown() {
     assert_eq!(post(&target, "k", ORDER, &[]).await.status, 201);
     assert_eq!(up.total(), 1);
 }
+
+/// The client goes away while its claim is being committed (the database is
+/// slow): the claim, the forward and the recording still happen, so the
+/// retry is a replay rather than a stuck claim that would turn `unknown`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_disconnect_during_claim_still_forwards_and_records() {
+    use support::faultproxy::{Fault, FaultProxy};
+    use tokio::io::AsyncWriteExt;
+    let (pg, _) = private_pg();
+    let url = pg.create_database("gone").unwrap();
+    let proxy = FaultProxy::start(format!("127.0.0.1:{}", pg.port()).parse().unwrap()).await;
+    let proxied = url.replace(&format!(":{}/", pg.port()), &format!(":{}/", proxy.port()));
+    let up = TestUpstream::start().await;
+    let gw = Gateway::start(GatewayConfig::new(Backend::Postgres { url: proxied }, up.url()).sweep_interval("1h"));
+    let store = Backend::Postgres { url }.open().await;
+    assert_eq!(post(&gw.url("/v1/orders"), "warm", ORDER, &[]).await.status, 201);
+    proxy.set(Fault::Delay(Duration::from_millis(400)));
+    let mut sock = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let req = format!(
+        "POST /v1/orders HTTP/1.1\r\nhost: x\r\nauthorization: Bearer test-key\r\nidempotency-key: gone\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n\r\n{ORDER}",
+        ORDER.len()
+    );
+    sock.write_all(req.as_bytes()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await; // the claim is on its way
+    drop(sock);
+    proxy.set(Fault::None);
+    let done = eventually(Duration::from_secs(10), || {
+        let s = store.clone();
+        async move { record(&s, "gone").await.is_some_and(|r| r.state == State::Completed) }
+    })
+    .await;
+    assert!(done, "the request was forwarded and recorded after the client left:\n{}", gw.logs());
+    assert_eq!(up.side_effects(&derived("gone")), 1);
+    assert!(post(&gw.url("/v1/orders"), "gone", ORDER, &[]).await.replayed());
+}
