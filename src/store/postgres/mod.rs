@@ -184,6 +184,15 @@ impl PgStore {
         if pg.get_application_name().is_none() {
             pg.application_name("idemgate");
         }
+        // The batched statements take arrays; left to itself PostgreSQL keeps
+        // re-planning them per execution (custom plans), which doubled their
+        // cost in the benchmark. Every statement idemgate sends is a prepared
+        // primary-key or index access, so the generic plan is always right.
+        let options = match pg.get_options() {
+            Some(o) if !o.is_empty() => format!("{o} -c plan_cache_mode=force_generic_plan"),
+            _ => "-c plan_cache_mode=force_generic_plan".to_owned(),
+        };
+        pg.options(&options);
         pg.connect_timeout(timeout);
         let manager = Manager::from_config(pg, NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
         let pool = Pool::builder(manager)

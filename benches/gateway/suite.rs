@@ -1,0 +1,315 @@
+//! The default run (about 3 minutes): upstream direct, nginx, idemgate on
+//! PostgreSQL and on SQLite, and pgbench with the gateway's statements.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+
+use crate::cpu::Cpu;
+use crate::gateway::{self, Gateway, Metrics, Spec, Store};
+use crate::nginx::Nginx;
+use crate::pg::Pg;
+use crate::pgbench::{self, Captured, Length};
+use crate::report::{mib, LoadResult, Report, Row};
+use crate::upstream::Upstream;
+use crate::wrk::{Load, Scenario, Wrk};
+use crate::{procs, Options};
+
+/// Replay keys are decimal strings from here on, so pgbench can draw them
+/// with `random()`.
+pub const REPLAY_BASE: u64 = 100_000_000;
+/// Keys pgbench draws for first writes (far from the replay keys).
+const PGBENCH_NEW_KEYS: &str = "random(1000000000000, 9000000000000000000)";
+
+/// Shared by every step of a run.
+pub struct Ctx<'a> {
+    pub opts: &'a Options,
+    pub dir: &'a Path,
+    pub wrk: Wrk,
+    pub report: Report,
+    started: Instant,
+}
+
+impl<'a> Ctx<'a> {
+    pub fn new(opts: &'a Options, dir: &'a Path) -> Result<Ctx<'a>> {
+        let wrk = Wrk::new(opts.wrk.clone(), dir, opts.wrk_threads)?;
+        Ok(Ctx { opts, dir, wrk, report: Report::default(), started: Instant::now() })
+    }
+
+    /// A progress line on stderr, with the time since the start.
+    pub fn progress(&self, what: &str) {
+        eprintln!("bench [{:>4.0}s]: {what}", self.started.elapsed().as_secs_f64());
+    }
+
+    /// One wrk run of `secs` seconds.
+    pub fn wrk(&self, scenario: Scenario, url: &str, conns: u32, secs: u32, env: &[(&'static str, String)]) -> Result<LoadResult> {
+        self.wrk.run(&Load { scenario, url: url.to_owned(), conns, secs, env })
+    }
+}
+
+/// What to watch around a measured run.
+#[derive(Default)]
+pub struct Watch<'a> {
+    /// Its metrics (outcomes) and peak RSS.
+    pub gateway: Option<&'a Gateway>,
+    /// The server under test, for CPU per request.
+    pub server: Option<Cpu>,
+    /// The database's processes, for CPU per request.
+    pub db: Option<Cpu>,
+    /// Vacuumed and checkpointed before each run, so that background work
+    /// left by the previous run does not land in this one.
+    pub pg: Option<&'a Pg>,
+}
+
+/// A measured run and the gateway's metrics around it (warm-up excluded).
+pub struct Measured {
+    pub result: LoadResult,
+    pub before: Metrics,
+    pub after: Metrics,
+}
+
+/// Warms up (if configured), runs `run` measured, and adds a table row with
+/// what `watch` saw. `run` gets the duration in seconds.
+pub fn measure(
+    ctx: &mut Ctx,
+    (target, scenario, conns): (&str, &str, u32),
+    watch: &Watch,
+    note: &str,
+    run: impl Fn(&Ctx, u32) -> Result<LoadResult>,
+) -> Result<Measured> {
+    if let Some(pg) = watch.pg {
+        pg.settle("bench")?;
+    }
+    if ctx.opts.warmup > 0 {
+        run(ctx, ctx.opts.warmup)?;
+    }
+    let before = watch.gateway.map(Gateway::metrics).transpose()?.unwrap_or_default();
+    let reset = watch.gateway.is_some_and(Gateway::reset_peak_rss);
+    let cpu_before = (watch.server.map(|c| c.seconds()), watch.db.map(|c| c.seconds()));
+    let result = run(ctx, ctx.opts.secs)?;
+    let per_request = |before: Option<f64>, now: Option<f64>| match (before, now) {
+        (Some(b), Some(a)) if result.requests > 0 => Some((a - b) * 1e6 / result.requests as f64),
+        _ => None,
+    };
+    let server_cpu_us = per_request(cpu_before.0, watch.server.map(|c| c.seconds()));
+    let db_cpu_us = per_request(cpu_before.1, watch.db.map(|c| c.seconds()));
+    let after = watch.gateway.map(Gateway::metrics).transpose()?.unwrap_or_default();
+    let mut notes = vec![note.to_owned()];
+    notes.extend(outcome_shares(&after.outcomes_since(&before)));
+    if watch.gateway.is_some() && !reset {
+        notes.push("(peak RSS since start)".into());
+    }
+    ctx.report.add(Row {
+        target: target.into(),
+        scenario: scenario.into(),
+        conns,
+        result: result.clone(),
+        peak_rss_kib: watch.gateway.and_then(|g| g.peak_rss_kib().ok()),
+        server_cpu_us,
+        db_cpu_us,
+        note: notes.iter().filter(|n| !n.is_empty()).cloned().collect::<Vec<_>>().join(" "),
+    });
+    Ok(Measured { result, before, after })
+}
+
+fn outcome_shares(outcomes: &[(String, u64)]) -> Vec<String> {
+    let total: u64 = outcomes.iter().map(|(_, n)| n).sum();
+    outcomes.iter().map(|(o, n)| format!("{o} {:.0}%", 100.0 * *n as f64 / total.max(1) as f64)).collect()
+}
+
+pub fn run(opts: &Options, dir: &Path) -> Result<()> {
+    let mut ctx = Ctx::new(opts, dir)?;
+    ctx.progress(&format!(
+        "{} s per run (+{} s warm-up), connections {:?}, gateway {}; numbers from a shared machine are noisy",
+        opts.secs,
+        opts.warmup,
+        opts.conns,
+        gateway::binary().display()
+    ));
+    let upstream = Upstream::start(dir)?;
+    if opts.wants("upstream") {
+        plain_get(&mut ctx, "upstream", upstream.addr, upstream.cpu())?;
+    }
+    if opts.wants("nginx") {
+        let nginx = Nginx::start(&opts.nginx, dir, upstream.addr)?;
+        plain_get(&mut ctx, "nginx", nginx.addr, nginx.cpu())?;
+    }
+    if opts.wants("pg") || opts.wants("pgbench") {
+        postgres(&mut ctx, upstream.addr)?;
+    }
+    if opts.wants("sqlite") {
+        std::fs::create_dir_all(dir.join("sqlite"))?;
+        let store = Store::Sqlite { path: dir.join("sqlite").join("idemgate.db") };
+        let spec = Spec::new("gateway-sqlite", store, upstream.addr);
+        let gw = prepared_gateway(&ctx, &spec)?;
+        gateway_scenarios(&mut ctx, "idemgate-sqlite", &gw, None)?;
+        leftovers(&mut ctx, "idemgate-sqlite", &spec)?;
+        memory(&mut ctx, "idemgate-sqlite", &gw)?;
+        gw.stop()?;
+    }
+    ctx.progress("done");
+    println!("\n{}", ctx.report.table());
+    println!("(srv CPU: CPU time of the process under test per request; db CPU: of all PostgreSQL processes, vacuumed and checkpointed before each run)");
+    println!("(errors: answers other than 2xx/3xx, e.g. the mix's expected 409s for same-key concurrency, plus socket errors)");
+    println!("(ratios: best req/s over the connection counts; p99 at the highest connection count)");
+    println!("{}", ctx.report.ratio_line());
+    Ok(())
+}
+
+/// The same GET straight to a server (upstream, nginx).
+fn plain_get(ctx: &mut Ctx, target: &str, addr: SocketAddr, cpu: Cpu) -> Result<()> {
+    ctx.progress(target);
+    let url = format!("http://{addr}{}", gateway::ROUTE_PATH);
+    let watch = Watch { server: Some(cpu), ..Watch::default() };
+    for conns in ctx.opts.conns.clone() {
+        measure(ctx, (target, "GET", conns), &watch, "", |ctx, secs| ctx.wrk(Scenario::Get, &url, conns, secs, &[]))?;
+    }
+    Ok(())
+}
+
+fn postgres(ctx: &mut Ctx, upstream: SocketAddr) -> Result<()> {
+    ctx.progress("PostgreSQL: start, capture the gateway's statements, populate");
+    let pg = Pg::start()?;
+    let captured = pgbench::capture(&pg, ctx.dir, upstream)?;
+    ctx.report.line(format!("gateway SQL, captured from the PostgreSQL log: {}", captured.describe()));
+    let url = pg.create_database("bench")?;
+    pg.set_database_settings("bench", &ctx.opts.pg_settings)?;
+    if !ctx.opts.pg_settings.is_empty() {
+        ctx.report.line(format!("PostgreSQL settings for the bench database: {:?}", ctx.opts.pg_settings));
+    }
+    let spec = Spec::new("gateway-pg", Store::Postgres { url }, upstream);
+    let gw = prepared_gateway(ctx, &spec)?;
+    if ctx.opts.wants("pg") {
+        gateway_scenarios(ctx, "idemgate-pg", &gw, Some(&pg))?;
+        leftovers(ctx, "idemgate-pg", &spec)?;
+        memory(ctx, "idemgate-pg", &gw)?;
+    }
+    gw.stop()?;
+    if ctx.opts.wants("pgbench") {
+        pgbench_ceiling(ctx, &pg, &captured)?;
+    }
+    Ok(())
+}
+
+/// Migrated, started, and holding the completed keys replays use.
+fn prepared_gateway(ctx: &Ctx, spec: &Spec) -> Result<Gateway> {
+    spec.migrate(ctx.dir)?;
+    let gw = Gateway::start(spec, ctx.dir)?;
+    let keys: Vec<String> = (0..ctx.opts.replay_keys).map(|i| (REPLAY_BASE + i).to_string()).collect();
+    gw.populate(&keys, 16)?;
+    Ok(gw)
+}
+
+/// Pass-through, first writes, replays and the mix, at each connection count.
+fn gateway_scenarios(ctx: &mut Ctx, target: &str, gw: &Gateway, pg: Option<&Pg>) -> Result<()> {
+    ctx.progress(target);
+    let url = format!("http://{}{}", gw.addr, gateway::ROUTE_PATH);
+    let watch = Watch { gateway: Some(gw), server: Some(gw.cpu()), db: pg.and_then(Pg::cpu), pg };
+    let replay_count = ctx.opts.replay_keys.to_string();
+    for (name, scenario) in [
+        ("passthrough", Scenario::Get),
+        ("first write", Scenario::FirstWrite),
+        ("replay", Scenario::Replay),
+        ("mix", Scenario::Mix),
+    ] {
+        for conns in ctx.opts.conns.clone() {
+            let env = || {
+                let mut env = request_env(ctx.opts);
+                env.push(("BENCH_KEY_PREFIX", key_prefix()));
+                env.push(("BENCH_KEY_FORMAT", "%d".into()));
+                env.push(("BENCH_KEY_FIRST", REPLAY_BASE.to_string()));
+                env.push(("BENCH_KEY_COUNT", replay_count.clone()));
+                env
+            };
+            measure(ctx, (target, name, conns), &watch, "", |ctx, secs| ctx.wrk(scenario, &url, conns, secs, &env()))?;
+        }
+    }
+    Ok(())
+}
+
+/// A short prefix that makes one wrk run's new keys unique: `r1`, `r2`, ...
+pub fn key_prefix() -> String {
+    static RUNS: AtomicU64 = AtomicU64::new(1);
+    format!("r{}", RUNS.fetch_add(1, Ordering::Relaxed))
+}
+
+/// What every idempotent wrk scenario sends.
+pub fn request_env(opts: &Options) -> Vec<(&'static str, String)> {
+    vec![
+        ("BENCH_KEY_ORDER", opts.key_order.clone()),
+        ("BENCH_API_KEY", gateway::API_KEY.into()),
+        ("BENCH_BODY", gateway::POST_BODY.into()),
+        ("BENCH_PATH", gateway::ROUTE_PATH.into()),
+    ]
+}
+
+/// Records still `in_flight` or `unknown` once the load has stopped: claims
+/// whose request was never recorded (wrk closes its connections with
+/// requests in flight at the end of every run).
+fn leftovers(ctx: &mut Ctx, target: &str, spec: &Spec) -> Result<()> {
+    procs::sleep(Duration::from_secs(1))?;
+    let in_flight = spec.count_state(ctx.dir, "in_flight")?;
+    let unknown = spec.count_state(ctx.dir, "unknown")?;
+    ctx.report.line(format!(
+        "{target} records left after the runs: in_flight={in_flight} unknown={unknown} \
+         (each is a claim whose client went away before it was forwarded or recorded; they expire to unknown)"
+    ));
+    Ok(())
+}
+
+/// VmRSS idle and with many open idle client connections.
+fn memory(ctx: &mut Ctx, target: &str, gw: &Gateway) -> Result<()> {
+    let n = ctx.opts.idle_conns;
+    if n == 0 {
+        return Ok(());
+    }
+    ctx.progress(&format!("{target}: RSS with {n} idle connections"));
+    let (idle, with) = gw.rss_with_idle_connections(n)?;
+    let per_conn = with.saturating_sub(idle) as f64 / n as f64;
+    ctx.report.line(format!(
+        "{target} memory: VmRSS {} idle after the runs, {} with {n} open idle client connections ({per_conn:.1} KiB per connection)",
+        mib(idle),
+        mib(with)
+    ));
+    Ok(())
+}
+
+/// pgbench with the captured statements at the same client counts.
+fn pgbench_ceiling(ctx: &mut Ctx, pg: &Pg, captured: &Captured) -> Result<()> {
+    ctx.progress("pgbench with the gateway's statements");
+    let replay_keys = format!("random({REPLAY_BASE}, {})", REPLAY_BASE + ctx.opts.replay_keys.max(1) - 1);
+    // The ceiling for first writes is the design the issue names: one claim
+    // and one result statement per request, each committed on its own. The
+    // gateway's own (batched) statements, run one request at a time, are
+    // shown beside it for reference.
+    let single_row = pgbench::single_row_first_write(ctx.dir, PGBENCH_NEW_KEYS)?;
+    let mut workloads = vec![
+        ("first write", None, single_row),
+        ("pk lookup", Some(&captured.lookup), pgbench::workload(ctx.dir, "pk_lookup", &captured.lookup, &replay_keys)?),
+        (
+            "gateway first write",
+            Some(&captured.first_write),
+            pgbench::workload(ctx.dir, "first_write", &captured.first_write, PGBENCH_NEW_KEYS)?,
+        ),
+    ];
+    if captured.replay_differs_from_lookup() {
+        workloads.push(("gateway replay", Some(&captured.replay), pgbench::workload(ctx.dir, "replay_path", &captured.replay, &replay_keys)?));
+    }
+    let watch = Watch { db: pg.cpu(), pg: Some(pg), ..Watch::default() };
+    for (name, stmts, workload) in &workloads {
+        let note = match stmts {
+            Some(stmts) => format!("{} autocommit: {}, one request per statement", stmts.len(), pgbench::summarize_all(stmts)),
+            None => "2 autocommit: INSERT ON CONFLICT DO NOTHING + fenced UPDATE, one row each".to_owned(),
+        };
+        for conns in ctx.opts.conns.clone() {
+            measure(ctx, ("pgbench", name, conns), &watch, &note, |ctx, secs| {
+                pgbench::run(pg, "bench", ctx.dir, workload, conns, Length::Secs(secs))
+            })?;
+        }
+        procs::check_interrupted()?;
+    }
+    Ok(())
+}
