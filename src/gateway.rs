@@ -82,7 +82,9 @@ impl Gateway {
         match self.router.route(req.method(), req.uri().path()) {
             RouteMatch::Operation { route, params } => {
                 let route = route.clone();
-                let (resp, outcome) = match self.operation(&route, params, req, peer).await {
+                // Boxed: the idempotent path's future is large; pass-through requests
+                // should not carry (and move) it.
+                let (resp, outcome) = match Box::pin(self.operation(&route, params, req, peer)).await {
                     Ok(answer) => answer,
                     Err(e) => (problem::response(&e), e.outcome()),
                 };

@@ -81,10 +81,19 @@ impl Upstream {
     pub fn uri_for(&self, path_and_query: Option<&PathAndQuery>) -> Result<Uri, UpstreamError> {
         let base = &self.config.url;
         let prefix = base.path().trim_end_matches('/');
-        let pq = path_and_query.map_or("/", |pq| pq.as_str());
-        let mut parts = base.clone().into_parts();
-        let joined = format!("{prefix}{pq}");
-        parts.path_and_query = Some(joined.parse().map_err(|e| UpstreamError::InvalidRequest(format!("{e}")))?);
+        let pq = match (prefix.is_empty(), path_and_query) {
+            // No prefix: the request's own path and query, shared, not copied.
+            (true, Some(pq)) => pq.clone(),
+            (true, None) => PathAndQuery::from_static("/"),
+            (false, pq) => {
+                let joined = format!("{prefix}{}", pq.map_or("/", |pq| pq.as_str()));
+                joined.parse().map_err(|e| UpstreamError::InvalidRequest(format!("{e}")))?
+            }
+        };
+        let mut parts = http::uri::Parts::default();
+        parts.scheme = base.scheme().cloned();
+        parts.authority = base.authority().cloned();
+        parts.path_and_query = Some(pq);
         Uri::from_parts(parts).map_err(|e| UpstreamError::InvalidRequest(format!("{e}")))
     }
 
