@@ -8,7 +8,9 @@
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::mpsc;
+
+use tokio::sync::oneshot;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -28,11 +30,28 @@ const PK: &str = "tenant = ?1 AND principal = ?2 AND operation = ?3 AND idempote
 
 #[derive(Debug)]
 pub struct SqliteStore {
-    conn: Arc<Mutex<Connection>>,
+    /// The writer thread's queue: it owns the connection.
+    jobs: mpsc::Sender<Job>,
     path: PathBuf,
     /// Held for the process's life by `serve`/`demo`: one replica per file.
     _lock: Option<File>,
 }
+
+/// Delivers a job's result once its batch has committed (or failed to).
+type Completion = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
+
+/// Work for the writer thread.
+enum Job {
+    /// Runs inside the current batch's transaction, under its own savepoint;
+    /// says whether it succeeded (else its savepoint is rolled back) and how
+    /// to deliver its result after the commit.
+    InBatch(Box<dyn FnOnce(&Connection, Timestamp) -> (bool, Completion) + Send>),
+    /// Runs alone, with the connection to itself (migrations).
+    Alone(Box<dyn FnOnce(&mut Connection) + Send>),
+}
+
+/// Most jobs one transaction carries.
+const MAX_BATCH: usize = 256;
 
 fn now() -> Timestamp {
     let d = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO);
@@ -87,41 +106,52 @@ impl SqliteStore {
         // survives a process kill and a power loss.
         conn.pragma_update(None, "synchronous", "FULL").map_err(err)?;
         conn.pragma_update(None, "foreign_keys", "ON").map_err(err)?;
-        Ok(SqliteStore { conn: Arc::new(Mutex::new(conn)), path: path.to_owned(), _lock: lock })
+        let (jobs, queue) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("idemgate-sqlite".into())
+            .spawn(move || writer(conn, queue))
+            .map_err(|e| StoreError::Unavailable(format!("cannot start the sqlite writer thread: {e}")))?;
+        Ok(SqliteStore { jobs, path: path.to_owned(), _lock: lock })
     }
 
     pub fn path(&self) -> &Path {
         &self.path
     }
 
-    /// Runs `f` with the connection on the blocking pool.
+    /// Runs `f` alone on the writer thread (for migrations).
     async fn with<T, F>(&self, f: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
         F: FnOnce(&mut Connection) -> Result<T, StoreError> + Send + 'static,
     {
-        let conn = self.conn.clone();
-        tokio::task::spawn_blocking(move || {
-            let mut guard = conn.lock().map_err(|_| StoreError::Unavailable("sqlite connection lock poisoned".into()))?;
-            f(&mut guard)
-        })
-        .await
-        .map_err(|e| StoreError::Unavailable(format!("sqlite task failed: {e}")))?
+        let (reply, rx) = oneshot::channel();
+        let job = Job::Alone(Box::new(move |conn| {
+            let _ = reply.send(f(conn));
+        }));
+        self.jobs.send(job).map_err(|_| StoreError::Unavailable("the sqlite writer thread is gone".into()))?;
+        rx.await.unwrap_or_else(|_| Err(StoreError::Ambiguous("the sqlite writer thread ended without an answer".into())))
     }
 
-    /// Runs `f` in a `BEGIN IMMEDIATE` transaction; a failed COMMIT is ambiguous.
+    /// Runs `f` in the writer thread's next transaction, together with every
+    /// other job queued meanwhile (group commit: one fsync for the batch).
+    /// The result is delivered only after the COMMIT; a failed COMMIT is
+    /// ambiguous for every job in the batch.
     async fn write<T, F>(&self, f: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
-        F: FnOnce(&rusqlite::Transaction<'_>, Timestamp) -> Result<T, StoreError> + Send + 'static,
+        F: FnOnce(&Connection, Timestamp) -> Result<T, StoreError> + Send + 'static,
     {
-        self.with(move |conn| {
-            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(err)?;
-            let out = f(&tx, now())?;
-            tx.commit().map_err(|e| StoreError::Ambiguous(format!("sqlite commit: {e}")))?;
-            Ok(out)
-        })
-        .await
+        let (reply, rx) = oneshot::channel();
+        let job = Job::InBatch(Box::new(move |conn, now| {
+            let result = f(conn, now);
+            let ok = result.is_ok();
+            let completion: Completion = Box::new(move |committed| {
+                let _ = reply.send(committed.and(result));
+            });
+            (ok, completion)
+        }));
+        self.jobs.send(job).map_err(|_| StoreError::Unavailable("the sqlite writer thread is gone".into()))?;
+        rx.await.unwrap_or_else(|_| Err(StoreError::Ambiguous("the sqlite writer thread ended without an answer".into())))
     }
 
     pub async fn migrate(&self) -> Result<Vec<String>, StoreError> {
@@ -154,7 +184,7 @@ impl SqliteStore {
     }
 
     pub async fn ping(&self) -> Result<(), StoreError> {
-        self.with(|conn| conn.query_row("SELECT count(*) FROM idemgate_schema_migrations", [], |_| Ok(())).map_err(err)).await
+        self.write(|conn, _| conn.query_row("SELECT count(*) FROM idemgate_schema_migrations", [], |_| Ok(())).map_err(err)).await
     }
 
     pub async fn now(&self) -> Result<Timestamp, StoreError> {
@@ -210,11 +240,11 @@ impl SqliteStore {
 
     pub async fn get(&self, scope: &Scope) -> Result<Option<(Record, Timestamp)>, StoreError> {
         let scope = scope.clone();
-        self.with(move |conn| Ok(get_conn(conn, &scope)?.map(|r| (r, now())))).await
+        self.write(move |conn, now| Ok(get_conn(conn, &scope)?.map(|r| (r, now)))).await
     }
 
     /// Applies a fenced event to the row under a write lock.
-    async fn fenced(&self, scope: &Scope, event: Event, apply: impl FnOnce(&rusqlite::Transaction<'_>, Timestamp, Next) -> Result<(), StoreError> + Send + 'static) -> Result<bool, StoreError> {
+    async fn fenced(&self, scope: &Scope, event: Event, apply: impl FnOnce(&Connection, Timestamp, Next) -> Result<(), StoreError> + Send + 'static) -> Result<bool, StoreError> {
         let scope = scope.clone();
         self.write(move |tx, now| {
             let Some(record) = get_tx(tx, &scope)? else { return Ok(false) };
@@ -275,7 +305,7 @@ impl SqliteStore {
 
     pub async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>, StoreError> {
         let filter = filter.clone();
-        self.with(move |conn| {
+        self.write(move |conn, _| {
             let sql = format!(
                 "SELECT {COLUMNS} FROM idemgate_records \
                  WHERE (?1 IS NULL OR state = ?1) AND (?2 IS NULL OR tenant = ?2) AND (?3 IS NULL OR operation = ?3) \
@@ -352,6 +382,72 @@ impl SqliteStore {
     }
 }
 
+/// The writer thread: takes every job queued, runs them in one `BEGIN
+/// IMMEDIATE` transaction (each under a savepoint, so one failing job does not
+/// undo the others), commits once, then delivers each result. Ends when the
+/// store is dropped.
+fn writer(mut conn: Connection, queue: mpsc::Receiver<Job>) {
+    while let Ok(first) = queue.recv() {
+        let mut batch = Vec::new();
+        let mut next = Some(first);
+        while let Some(job) = next.take() {
+            match job {
+                Job::Alone(f) => {
+                    run_batch(&mut conn, std::mem::take(&mut batch));
+                    f(&mut conn);
+                }
+                Job::InBatch(f) => batch.push(f),
+            }
+            if batch.len() < MAX_BATCH {
+                next = queue.try_recv().ok();
+            }
+        }
+        run_batch(&mut conn, batch);
+    }
+}
+
+fn run_batch(conn: &mut Connection, batch: Vec<Box<dyn FnOnce(&Connection, Timestamp) -> (bool, Completion) + Send>>) {
+    if batch.is_empty() {
+        return;
+    }
+    let mut tx = match conn.transaction_with_behavior(TransactionBehavior::Immediate) {
+        Ok(tx) => tx,
+        Err(e) => {
+            // Nothing ran. Dropping a job drops its reply channel, which its
+            // caller reads as ambiguous: always safe (it reads the row back).
+            tracing::warn!(error = %e, jobs = batch.len(), "sqlite: cannot begin a transaction");
+            return;
+        }
+    };
+    let now = now();
+    let mut completions = Vec::with_capacity(batch.len());
+    for f in batch {
+        match tx.savepoint() {
+            Ok(sp) => {
+                let (ok, done) = f(&sp, now);
+                let kept = if ok {
+                    sp.commit().map_err(err)
+                } else {
+                    drop(sp); // rolls this job back
+                    Ok(())
+                };
+                match kept {
+                    Ok(()) => completions.push(done),
+                    Err(e) => done(Err(e)),
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "sqlite: cannot open a savepoint; the job is dropped");
+                drop(f);
+            }
+        }
+    }
+    let committed = tx.commit().map_err(|e| StoreError::Ambiguous(format!("sqlite commit: {e}")));
+    for done in completions {
+        done(committed.clone());
+    }
+}
+
 /// `<db path>.lock`, the file `serve` locks for the process's life.
 pub fn lock_path(path: &Path) -> PathBuf {
     let mut p = path.as_os_str().to_owned();
@@ -369,18 +465,18 @@ fn get_conn(conn: &Connection, scope: &Scope) -> Result<Option<Record>, StoreErr
     }
 }
 
-fn get_tx(tx: &rusqlite::Transaction<'_>, scope: &Scope) -> Result<Option<Record>, StoreError> {
-    get_conn(tx, scope)
+fn get_tx(conn: &Connection, scope: &Scope) -> Result<Option<Record>, StoreError> {
+    get_conn(conn, scope)
 }
 
-fn delete(tx: &rusqlite::Transaction<'_>, scope: &Scope) -> Result<(), StoreError> {
+fn delete(tx: &Connection, scope: &Scope) -> Result<(), StoreError> {
     tx.prepare_cached(&format!("DELETE FROM idemgate_records WHERE {PK}"))
         .and_then(|mut st| st.execute(pk(scope)))
         .map_err(err)
         .map(drop)
 }
 
-fn set_unknown(tx: &rusqlite::Transaction<'_>, scope: &Scope, now: Timestamp) -> Result<(), StoreError> {
+fn set_unknown(tx: &Connection, scope: &Scope, now: Timestamp) -> Result<(), StoreError> {
     let [t, p, o, k] = pk(scope);
     tx.prepare_cached(&format!("UPDATE idemgate_records SET state = 'unknown', updated_at = ?5 WHERE {PK}"))
         .and_then(|mut st| st.execute(params![t, p, o, k, now.0]))
@@ -391,7 +487,7 @@ fn set_unknown(tx: &rusqlite::Transaction<'_>, scope: &Scope, now: Timestamp) ->
 /// Writes a completed response; `generation` is set when an operator's
 /// resolution fences off the original attempt.
 fn write_response(
-    tx: &rusqlite::Transaction<'_>,
+    tx: &Connection,
     scope: &Scope,
     response: &StoredResponse,
     now: Timestamp,
