@@ -392,6 +392,13 @@ impl PgServer {
         ] {
             cmd.arg("-c").arg(setting);
         }
+        // Extra server settings (later ones win), e.g. the benchmark's
+        // `shared_buffers=512MB max_wal_size=4GB`: whitespace-separated name=value.
+        if let Ok(extra) = std::env::var("IDEMGATE_TEST_PG_SETTINGS") {
+            for setting in extra.split_whitespace().filter(|s| s.contains('=')) {
+                cmd.arg("-c").arg(setting);
+            }
+        }
         self.prepare(&mut cmd);
         // Own process group: a terminal's Ctrl-C reaches only the test process; the
         // watchdog then sees EOF and cleans up instead of dying half-way.
