@@ -54,7 +54,7 @@ pub struct Gateway {
     request_body_timeout: Duration,
     /// Wakes local waiters (`in_flight = "wait"`) when a result is recorded;
     /// waiters also poll, which covers results recorded by other replicas.
-    waiters: Waiters,
+    waiters: Arc<Waiters>,
 }
 
 impl Gateway {
@@ -69,7 +69,25 @@ impl Gateway {
             replica_id: config.server.replica_id.as_str().into(),
             max_request_body: config.server.max_request_body,
             request_body_timeout: config.server.request_body_timeout,
-            waiters: Waiters::new(),
+            waiters: Arc::new(Waiters::new()),
+        }
+    }
+
+    /// A copy for another worker thread: the same store, metrics, tracker and
+    /// waiters, but its own upstream connection pools (so each worker's
+    /// connections are driven by its own event loop).
+    pub fn for_worker(&self) -> Gateway {
+        Gateway {
+            router: self.router.clone(),
+            identifier: self.identifier.clone(),
+            upstreams: self.upstreams.iter().map(|u| Upstream::new(u.config.clone())).collect(),
+            store: self.store.clone(),
+            metrics: self.metrics.clone(),
+            tracker: self.tracker.clone(),
+            replica_id: self.replica_id.clone(),
+            max_request_body: self.max_request_body,
+            request_body_timeout: self.request_body_timeout,
+            waiters: self.waiters.clone(),
         }
     }
 

@@ -11,7 +11,7 @@ use std::time::Duration;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -35,7 +35,9 @@ pub struct Server {
     config: Config,
     gateway: Arc<Gateway>,
     metrics: Arc<Metrics>,
-    proxy: TcpListener,
+    /// One listener per worker, all on the same address (SO_REUSEPORT): the
+    /// kernel spreads connections over the workers.
+    proxy: Vec<TcpListener>,
     admin: Option<TcpListener>,
     tracker: TaskTracker,
 }
@@ -52,7 +54,7 @@ impl Server {
                 tracing::info!(?applied, store = store.kind(), "applied migrations");
             }
         }
-        let proxy = bind(config.server.listen).await?;
+        let proxy = bind_workers(config.server.listen, config.server.workers)?;
         let admin = match &config.admin {
             Some(a) => Some(bind(a.listen).await?),
             None => None,
@@ -63,7 +65,7 @@ impl Server {
     }
 
     pub fn proxy_addr(&self) -> Option<SocketAddr> {
-        self.proxy.local_addr().ok()
+        self.proxy.first().and_then(|l| l.local_addr().ok())
     }
 
     pub fn admin_addr(&self) -> Option<SocketAddr> {
@@ -77,13 +79,21 @@ impl Server {
     /// Serves until `shutdown` fires, then stops accepting, lets connections
     /// finish their current request, and waits up to `shutdown_grace` for
     /// forwards to be recorded.
+    ///
+    /// Proxy connections are served by `server.workers` threads, each with
+    /// its own single-threaded event loop, listener and upstream pools: a
+    /// request, its upstream exchange and its response stay on one thread, as
+    /// in nginx's worker model, instead of being handed between threads. The
+    /// admin listener, the background tasks and the store's batchers run on
+    /// the main runtime.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), ServeError> {
         let Server { config, gateway, metrics, proxy, admin, tracker } = self;
         tracing::info!(
-            addr = %proxy.local_addr().map(|a| a.to_string()).unwrap_or_default(),
+            addr = %proxy.first().and_then(|l| l.local_addr().ok()).map(|a| a.to_string()).unwrap_or_default(),
             admin = %admin.as_ref().and_then(|a| a.local_addr().ok()).map(|a| a.to_string()).unwrap_or_default(),
             store = gateway.store().kind(),
             replica = %config.server.replica_id,
+            workers = proxy.len(),
             "listening"
         );
         let background = TaskTracker::new();
@@ -102,22 +112,93 @@ impl Server {
                 .await
             });
         }
-        let gw = gateway.clone();
-        accept_loop(proxy, shutdown.clone(), tracker.clone(), http, move |req, peer| gw.clone().handle(req, peer)).await;
+        let grace = config.server.shutdown_grace;
+        let mut workers = Vec::new();
+        for (i, listener) in proxy.into_iter().enumerate() {
+            let worker = Worker { gateway: Arc::new(gateway.for_worker()), http: http.clone(), shutdown: shutdown.clone(), tracker: tracker.clone(), grace };
+            let listener = listener.into_std().map_err(|source| ServeError::Bind { addr: config.server.listen, source })?;
+            let handle = std::thread::Builder::new()
+                .name(format!("idemgate-worker-{i}"))
+                .spawn(move || worker.run(listener))
+                .map_err(|source| ServeError::Bind { addr: config.server.listen, source })?;
+            workers.push(handle);
+        }
 
+        shutdown.cancelled().await;
         // Drain: no new connections; open ones finish their request; forwards
         // already running are recorded.
         tracker.close();
         background.close();
-        let grace = config.server.shutdown_grace;
         tracing::info!(grace = ?grace, open = tracker.len(), "shutting down: draining connections and in-flight forwards");
         if tokio::time::timeout(grace, tracker.wait()).await.is_err() {
             tracing::warn!(left = tracker.len(), "shutdown grace expired; unfinished claims will expire to unknown");
         }
+        let _ = tokio::task::spawn_blocking(move || {
+            for w in workers {
+                let _ = w.join();
+            }
+        })
+        .await;
         let _ = tokio::time::timeout(Duration::from_secs(5), background.wait()).await;
         tracing::info!("stopped");
         Ok(())
     }
+}
+
+/// One proxy worker thread.
+struct Worker {
+    gateway: Arc<Gateway>,
+    http: http1::Builder,
+    shutdown: CancellationToken,
+    tracker: TaskTracker,
+    grace: Duration,
+}
+
+impl Worker {
+    fn run(self, listener: std::net::TcpListener) {
+        let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+            Ok(rt) => rt,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start a worker's event loop");
+                self.shutdown.cancel();
+                return;
+            }
+        };
+        runtime.block_on(async move {
+            let listener = match TcpListener::from_std(listener) {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot register a worker's listener");
+                    self.shutdown.cancel();
+                    return;
+                }
+            };
+            let gw = self.gateway.clone();
+            accept_loop(listener, self.shutdown.clone(), self.tracker.clone(), self.http, move |req, peer| gw.clone().handle(req, peer)).await;
+            // This thread's event loop drives its connections and forwards:
+            // keep it running until they are done (the main task closes the
+            // tracker and bounds the wait by the grace period).
+            let _ = tokio::time::timeout(self.grace + Duration::from_secs(1), self.tracker.wait()).await;
+        });
+    }
+}
+
+/// Binds `workers` listeners to one address with SO_REUSEPORT (port 0: the
+/// first picks the port, the others join it).
+fn bind_workers(addr: SocketAddr, workers: usize) -> Result<Vec<TcpListener>, ServeError> {
+    let mut listeners = Vec::with_capacity(workers);
+    let mut addr = addr;
+    for _ in 0..workers.max(1) {
+        let err = |source| ServeError::Bind { addr, source };
+        let socket = if addr.is_ipv4() { TcpSocket::new_v4() } else { TcpSocket::new_v6() }.map_err(err)?;
+        socket.set_reuseaddr(true).map_err(err)?;
+        socket.set_reuseport(true).map_err(err)?;
+        socket.bind(addr).map_err(err)?;
+        let listener = socket.listen(1024).map_err(err)?;
+        addr = listener.local_addr().map_err(err)?;
+        listeners.push(listener);
+    }
+    Ok(listeners)
 }
 
 async fn bind(addr: SocketAddr) -> Result<TcpListener, ServeError> {

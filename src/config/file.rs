@@ -37,6 +37,7 @@ pub struct ServerSection {
     pub request_header_timeout: Option<String>,
     pub request_body_timeout: Option<String>,
     pub replica_id: Option<String>,
+    pub workers: Option<i64>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -67,6 +67,10 @@ pub struct ServerConfig {
     pub request_body_timeout: Duration,
     /// This replica's name in the `owner` column; default: hostname and pid.
     pub replica_id: String,
+    /// Threads serving the proxy listener, each with its own event loop and
+    /// upstream connection pool (SO_REUSEPORT spreads connections over them);
+    /// default: one per CPU.
+    pub workers: usize,
 }
 
 #[derive(Debug, Clone)]

@@ -214,7 +214,16 @@ impl Validator<'_> {
             Some(id) => Some(id.to_owned()),
             None => Some(default_replica_id()),
         };
+        let workers = match s.workers {
+            None => Some(std::thread::available_parallelism().map_or(1, |n| n.get())),
+            Some(n @ 1..=256) => Some(n as usize),
+            Some(n) => {
+                self.issues.push("server.workers", format!("must be between 1 and 256, not {n}"));
+                None
+            }
+        };
         Some(ServerConfig {
+            workers: workers?,
             listen: listen?,
             max_request_body: max_request_body?,
             shutdown_grace: shutdown_grace?,
