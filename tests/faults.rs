@@ -35,7 +35,9 @@ async fn metric(gw: &Gateway, name: &str) -> f64 {
 async fn gateway_killed_after_forward_before_record_ends_unknown() {
     let backend = postgres_backend();
     let up = TestUpstream::start().await;
-    let mut gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).timeout("500ms").route("lease = \"1s\""));
+    // No lease reaper: the retry itself must find the expired claim and refuse
+    // to forward it again (the reaper would otherwise turn it unknown first).
+    let mut gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).timeout("500ms").route("lease = \"1s\"").sweep_interval("1h"));
     let store = backend.open().await;
     let mut received = up.subscribe();
     let url = gw.url("/v1/orders");
