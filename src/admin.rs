@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use hyper::body::Incoming;
 
 use crate::body::Body;
@@ -39,10 +39,8 @@ impl Admin {
             },
             "/metrics" => {
                 let mut r = Response::new(Body::full(self.metrics.encode()));
-                r.headers_mut().insert(
-                    header::CONTENT_TYPE,
-                    HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
-                );
+                r.headers_mut()
+                    .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"));
                 r
             }
             _ => text(StatusCode::NOT_FOUND, "not found\n"),

@@ -13,7 +13,6 @@ use crate::config::StoreConfig;
 use crate::metrics::Metrics;
 use crate::store::{Store, StoreError};
 
-
 pub fn spawn_all(tracker: &TaskTracker, store: Store, metrics: Arc<Metrics>, config: &StoreConfig, shutdown: CancellationToken) {
     let (interval, batch) = (config.sweep_interval, config.sweep_batch);
     {

@@ -101,8 +101,7 @@ pub async fn run(args: DemoArgs, shutdown: CancellationToken) -> anyhow::Result<
         upstream,
     };
     // The file says what really runs: the bound ports, not port 0.
-    std::fs::write(&config_path, config_toml(&bound, &db_path)?)
-        .with_context(|| format!("writing {}", config_path.display()))?;
+    std::fs::write(&config_path, config_toml(&bound, &db_path)?).with_context(|| format!("writing {}", config_path.display()))?;
 
     print_stdout(&script(&bound, &db_path, &config_path));
     tracing::info!(gateway = %bound.gateway, upstream = %bound.upstream, admin = %bound.admin, data = %data.display(), "demo running; Ctrl-C to stop");
@@ -119,10 +118,7 @@ pub async fn run(args: DemoArgs, shutdown: CancellationToken) -> anyhow::Result<
     gateway.context("gateway")?;
 
     tracing::info!("demo stopped");
-    print_stdout(&format!(
-        "\nDemo stopped. Its store and config stay in {} until the next `idemgate demo`.\n",
-        data.display()
-    ));
+    print_stdout(&format!("\nDemo stopped. Its store and config stay in {} until the next `idemgate demo`.\n", data.display()));
     Ok(())
 }
 
@@ -235,7 +231,9 @@ fn script(addrs: &Addrs, db_path: &Path, config_path: &Path) -> String {
     let changed = post("/v1/orders", "order-1", r#"{"item":"book","qty":2}"#);
     let slow_order = post("/v1/orders/slow", "order-2", r#"{"item":"lamp","qty":1}"#);
     let config = shell_quote(&config_path.display().to_string()).into_owned();
-    let exe = std::env::current_exe().map(|p| shell_quote(&p.display().to_string()).into_owned()).unwrap_or_else(|_| "the idemgate binary".into());
+    let exe = std::env::current_exe()
+        .map(|p| shell_quote(&p.display().to_string()).into_owned())
+        .unwrap_or_else(|_| "the idemgate binary".into());
 
     let mut s = String::new();
     let _ = writeln!(s, "idemgate demo: an order service (the upstream) and the gateway in front of it.");
@@ -284,11 +282,7 @@ fn script(addrs: &Addrs, db_path: &Path, config_path: &Path) -> String {
 /// Quotes `s` for bash when it holds anything but plainly safe characters.
 fn shell_quote(s: &str) -> Cow<'_, str> {
     let safe = |b: u8| b.is_ascii_alphanumeric() || b"/._-+:=@,%".contains(&b);
-    if !s.is_empty() && s.bytes().all(safe) {
-        Cow::Borrowed(s)
-    } else {
-        Cow::Owned(format!("'{}'", s.replace('\'', r"'\''")))
-    }
+    if !s.is_empty() && s.bytes().all(safe) { Cow::Borrowed(s) } else { Cow::Owned(format!("'{}'", s.replace('\'', r"'\''"))) }
 }
 
 /// The script goes to stdout (logs go to stderr); a closed stdout is not
@@ -409,11 +403,8 @@ async fn handle(orders: Arc<Orders>, req: Request<Incoming>) -> Response<Full<By
 /// Creates an order from a JSON body, after `delay`.
 async fn create(orders: Arc<Orders>, req: Request<Incoming>, delay: Duration) -> Response<Full<Bytes>> {
     let (parts, body) = req.into_parts();
-    let idempotency_key = parts
-        .headers
-        .get("idempotency-key")
-        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
-        .unwrap_or_default();
+    let idempotency_key =
+        parts.headers.get("idempotency-key").map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned()).unwrap_or_default();
     let body = match Limited::new(body, MAX_ORDER_BYTES).collect().await {
         Ok(b) => b.to_bytes(),
         Err(_) => return reply(StatusCode::BAD_REQUEST, &json!({ "error": "unreadable or oversized order" })),
@@ -456,7 +447,11 @@ mod tests {
 
     #[test]
     fn generated_config_is_valid() {
-        let addrs = Addrs { gateway: "127.0.0.1:0".parse().unwrap(), admin: "127.0.0.1:0".parse().unwrap(), upstream: "127.0.0.1:9000".parse().unwrap() };
+        let addrs = Addrs {
+            gateway: "127.0.0.1:0".parse().unwrap(),
+            admin: "127.0.0.1:0".parse().unwrap(),
+            upstream: "127.0.0.1:9000".parse().unwrap(),
+        };
         let toml = config_toml(&addrs, Path::new("/tmp/a \"quoted\" dir/demo.db")).unwrap();
         let config = Config::from_toml(&toml, "demo", &|_| None).unwrap_or_else(|e| panic!("{e}\n{toml}"));
         assert_eq!(config.routes.len(), 2);

@@ -8,10 +8,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::{request, HeaderMap, HeaderValue, Request, Response, Version};
+use http::{HeaderMap, HeaderValue, Request, Response, Version, request};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
-use tokio::sync::{oneshot, Notify};
+use tokio::sync::{Notify, oneshot};
 use tokio_util::task::TaskTracker;
 use uuid::Uuid;
 
@@ -22,12 +22,12 @@ use crate::headers::{self, strip_hop_by_hop};
 use crate::identity::Identifier;
 use crate::metrics::{Metrics, Outcome};
 use crate::problem::{self, GatewayError};
-use crate::record::{decide, Decision, StoredResponse};
+use crate::record::{Decision, StoredResponse, decide};
 use crate::replay::replay;
 use crate::route::{ForwardKey, InFlightPolicy, Route, RouteMatch, Router, UpstreamId};
 use crate::scope::{IdempotencyKey, KeyError, Scope};
 use crate::store::{Claim, ClaimOutcome, ClaimRequest, Store, WriteOutcome};
-use crate::upstream::{error_chain, Upstream, UpstreamError};
+use crate::upstream::{Upstream, UpstreamError, error_chain};
 
 /// Retry-After for a duplicate of an in-flight request.
 const IN_PROGRESS_RETRY_AFTER: Duration = Duration::from_secs(1);
@@ -406,7 +406,10 @@ async fn read_body(body: Incoming, headers: &HeaderMap, limit: u64, timeout: Dur
 enum UpstreamBody {
     Complete(Bytes),
     /// Over the storage limit: what was read so far and the rest of the stream.
-    TooLarge { prefix: Bytes, rest: Incoming },
+    TooLarge {
+        prefix: Bytes,
+        rest: Incoming,
+    },
 }
 
 /// Reads an upstream response body up to `limit` bytes, within `deadline`.

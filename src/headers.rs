@@ -60,11 +60,7 @@ pub fn is_unreplayable(name: &HeaderName, connection_listed: &[HeaderName]) -> b
 /// The headers of an upstream response as they are stored for replay.
 pub fn storable(headers: &HeaderMap) -> Vec<(String, Vec<u8>)> {
     let listed = connection_listed(headers);
-    headers
-        .iter()
-        .filter(|(n, _)| !is_unreplayable(n, &listed))
-        .map(|(n, v)| (n.as_str().to_owned(), v.as_bytes().to_vec()))
-        .collect()
+    headers.iter().filter(|(n, _)| !is_unreplayable(n, &listed)).map(|(n, v)| (n.as_str().to_owned(), v.as_bytes().to_vec())).collect()
 }
 
 #[cfg(test)]

@@ -9,21 +9,19 @@ use crate::record::{Record, State};
 /// One record as JSON (bodies as UTF-8 text when they are, else base16).
 pub fn record_json(r: &Record, with_body: bool) -> serde_json::Value {
     let response = r.response.as_ref().map(|resp| {
-        let headers: Vec<serde_json::Value> =
-            resp.headers.iter().map(|(n, v)| json!([n, String::from_utf8_lossy(v)])).collect();
+        let headers: Vec<serde_json::Value> = resp.headers.iter().map(|(n, v)| json!([n, String::from_utf8_lossy(v)])).collect();
         let mut o = json!({
             "status": resp.status,
             "headers": headers,
             "body_stored": resp.body.is_some(),
             "body_bytes": resp.body.as_ref().map(|b| b.len()),
         });
-        if with_body
-            && let Some(b) = &resp.body {
-                o["body"] = match std::str::from_utf8(b) {
-                    Ok(s) => json!(s),
-                    Err(_) => json!({ "hex": hex::encode(b) }),
-                };
-            }
+        if with_body && let Some(b) = &resp.body {
+            o["body"] = match std::str::from_utf8(b) {
+                Ok(s) => json!(s),
+                Err(_) => json!({ "hex": hex::encode(b) }),
+            };
+        }
         o
     });
     json!({
@@ -47,7 +45,11 @@ pub fn record_json(r: &Record, with_body: bool) -> serde_json::Value {
 /// A table for `keys list`.
 pub fn list_table(records: &[Record]) -> String {
     let mut out = String::new();
-    let _ = writeln!(out, "{:<10} {:<16} {:<16} {:<20} {:<24} {:>4} {:<27}", "STATE", "TENANT", "PRINCIPAL", "OPERATION", "KEY", "GEN", "UPDATED");
+    let _ = writeln!(
+        out,
+        "{:<10} {:<16} {:<16} {:<20} {:<24} {:>4} {:<27}",
+        "STATE", "TENANT", "PRINCIPAL", "OPERATION", "KEY", "GEN", "UPDATED"
+    );
     for r in records {
         let _ = writeln!(
             out,
@@ -68,7 +70,14 @@ pub fn list_table(records: &[Record]) -> String {
 /// Human-readable `keys show`.
 pub fn show_text(r: &Record) -> String {
     let mut out = String::new();
-    let _ = writeln!(out, "scope:       tenant={} principal={} operation={} key={}", r.scope.tenant, r.scope.principal, r.scope.operation, r.scope.key.as_str());
+    let _ = writeln!(
+        out,
+        "scope:       tenant={} principal={} operation={} key={}",
+        r.scope.tenant,
+        r.scope.principal,
+        r.scope.operation,
+        r.scope.key.as_str()
+    );
     let _ = writeln!(out, "derived key: {} (the Idempotency-Key the upstream saw, unless forward_key = \"client\")", r.scope.derived_key());
     let _ = writeln!(out, "state:       {}", r.state);
     let _ = writeln!(out, "generation:  {}", r.generation);
@@ -83,15 +92,23 @@ pub fn show_text(r: &Record) -> String {
     }
     match &r.response {
         Some(resp) => {
-            let _ = writeln!(out, "response:    {} ({} header(s), body: {})", resp.status, resp.headers.len(),
-                resp.body.as_ref().map_or("not stored (over max_stored_response)".to_owned(), |b| format!("{} bytes", b.len())));
+            let _ = writeln!(
+                out,
+                "response:    {} ({} header(s), body: {})",
+                resp.status,
+                resp.headers.len(),
+                resp.body.as_ref().map_or("not stored (over max_stored_response)".to_owned(), |b| format!("{} bytes", b.len()))
+            );
         }
         None => {
             let _ = writeln!(out, "response:    none");
         }
     }
     if r.state == State::Unknown {
-        let _ = writeln!(out, "\nThe upstream may have executed this request. Find out, then either\n  idemgate keys resolve ... --release             (it did not happen: the client may retry)\n  idemgate keys resolve ... --complete --status N (it happened: record what to replay)");
+        let _ = writeln!(
+            out,
+            "\nThe upstream may have executed this request. Find out, then either\n  idemgate keys resolve ... --release             (it did not happen: the client may retry)\n  idemgate keys resolve ... --complete --status N (it happened: record what to replay)"
+        );
     }
     out
 }

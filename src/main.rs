@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::{anyhow, bail, Context};
+use anyhow::{Context, anyhow, bail};
 use clap::{Args, Parser, Subcommand};
 use idemgate::config::{Config, DEFAULT_CONFIG_PATH};
 use idemgate::record::{State, StoredResponse};

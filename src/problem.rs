@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use http::{header, HeaderValue, Response, StatusCode};
+use http::{HeaderValue, Response, StatusCode, header};
 
 use crate::body::Body;
 use crate::metrics::Outcome;
@@ -128,7 +128,14 @@ impl GatewayError {
     pub fn outcome(&self) -> Outcome {
         use GatewayError as E;
         match self {
-            E::Unauthenticated | E::MissingKey { .. } | E::InvalidKey(_) | E::BodyTooLarge { .. } | E::BodyTimeout(_) | E::BodyRead | E::InvalidBody(_) | E::NotFound => Outcome::Rejected,
+            E::Unauthenticated
+            | E::MissingKey { .. }
+            | E::InvalidKey(_)
+            | E::BodyTooLarge { .. }
+            | E::BodyTimeout(_)
+            | E::BodyRead
+            | E::InvalidBody(_)
+            | E::NotFound => Outcome::Rejected,
             E::StoreUnavailable | E::Internal => Outcome::StoreUnavailable,
             E::UpstreamUnavailable => Outcome::Released,
             E::OutcomeUnknown | E::RecordUnknown => Outcome::Unknown,
@@ -207,10 +214,14 @@ mod tests {
         assert_eq!(json(r).await["retryable"], true);
 
         // The three 409s are told apart by type alone.
-        let types: Vec<&str> = [GatewayError::InProgress { retry_after: Duration::ZERO }, GatewayError::RecordUnknown, GatewayError::KeyReused { status: StatusCode::CONFLICT }]
-            .iter()
-            .map(|e| e.type_name())
-            .collect();
+        let types: Vec<&str> = [
+            GatewayError::InProgress { retry_after: Duration::ZERO },
+            GatewayError::RecordUnknown,
+            GatewayError::KeyReused { status: StatusCode::CONFLICT },
+        ]
+        .iter()
+        .map(|e| e.type_name())
+        .collect();
         assert_eq!(types, vec!["request-in-progress", "outcome-unknown", "idempotency-key-reused"]);
     }
 }

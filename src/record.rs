@@ -178,9 +178,7 @@ pub fn may_take_over(record: &Record, request_hash: &Fingerprint, now: Timestamp
     match record.state {
         State::Completed => record.expires_at <= now,
         State::InFlight => {
-            upstream_idempotent
-                && record.request_hash == *request_hash
-                && record.lease_expires_at.is_none_or(|lease| lease <= now)
+            upstream_idempotent && record.request_hash == *request_hash && record.lease_expires_at.is_none_or(|lease| lease <= now)
         }
         State::Unknown => upstream_idempotent && record.request_hash == *request_hash,
     }
@@ -250,11 +248,7 @@ pub fn transition(record: &Record, event: Event, now: Timestamp) -> Result<Next,
             if record.state == State::InFlight && lease_live {
                 return Err(Refused::LeaseLive);
             }
-            if event == Event::ResolveRelease {
-                Ok(Next::Deleted)
-            } else {
-                Ok(Next::State { state: State::Completed, bump: true })
-            }
+            if event == Event::ResolveRelease { Ok(Next::Deleted) } else { Ok(Next::State { state: State::Completed, bump: true }) }
         }
         Event::Sweep => match record.state {
             State::Completed if record.expires_at <= now => Ok(Next::Deleted),
@@ -276,12 +270,7 @@ mod tests {
 
     fn record(state: State, lease: Option<i64>, expires: i64) -> Record {
         Record {
-            scope: Scope {
-                tenant: "t".into(),
-                principal: "p".into(),
-                operation: "o".into(),
-                key: IdempotencyKey::new("k").unwrap(),
-            },
+            scope: Scope { tenant: "t".into(), principal: "p".into(), operation: "o".into(), key: IdempotencyKey::new("k").unwrap() },
             request_hash: fp(1),
             state,
             generation: Generation(3),

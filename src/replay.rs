@@ -4,7 +4,7 @@
 use http::{HeaderName, HeaderValue, Response, StatusCode};
 
 use crate::body::Body;
-use crate::headers::{is_unreplayable, IDEMPOTENT_REPLAYED};
+use crate::headers::{IDEMPOTENT_REPLAYED, is_unreplayable};
 use crate::problem::GatewayError;
 use crate::record::StoredResponse;
 

@@ -73,7 +73,6 @@ impl IdempotencyKey {
     pub fn as_str(&self) -> &str {
         &self.0
     }
-
 }
 
 /// Keys are secrets of a sort (a guessable key is a capability), so Debug never
@@ -96,10 +95,7 @@ fn trim_ows(mut b: &[u8]) -> &[u8] {
 
 /// RFC 8941 sf-string: `"` *( unescaped / `\"` / `\\` ) `"`.
 fn unquote_sf_string(raw: &[u8]) -> Result<Vec<u8>, KeyError> {
-    let inner = raw
-        .strip_prefix(b"\"")
-        .and_then(|r| r.strip_suffix(b"\""))
-        .ok_or(KeyError::BadQuoting)?;
+    let inner = raw.strip_prefix(b"\"").and_then(|r| r.strip_suffix(b"\"")).ok_or(KeyError::BadQuoting)?;
     let mut out = Vec::with_capacity(inner.len());
     let mut it = inner.iter();
     while let Some(&b) = it.next() {
@@ -126,12 +122,7 @@ pub struct Scope {
 
 impl Scope {
     pub fn new(identity: &Identity, operation: &Arc<str>, key: IdempotencyKey) -> Scope {
-        Scope {
-            tenant: identity.tenant.clone(),
-            principal: identity.principal.clone(),
-            operation: operation.clone(),
-            key,
-        }
+        Scope { tenant: identity.tenant.clone(), principal: identity.principal.clone(), operation: operation.clone(), key }
     }
 
     fn digest(&self, domain: &[u8]) -> [u8; 32] {
@@ -188,12 +179,7 @@ mod tests {
     }
 
     fn scope(t: &str, p: &str, o: &str, k: &str) -> Scope {
-        Scope {
-            tenant: t.into(),
-            principal: p.into(),
-            operation: o.into(),
-            key: IdempotencyKey::new(k).unwrap(),
-        }
+        Scope { tenant: t.into(), principal: p.into(), operation: o.into(), key: IdempotencyKey::new(k).unwrap() }
     }
 
     #[test]

@@ -100,7 +100,8 @@ impl Server {
         background::spawn_all(&background, gateway.store().clone(), metrics.clone(), &config.store, shutdown.clone());
         let http = http_builder(config.server.request_header_timeout);
         if let Some(admin) = admin {
-            let admin_state = Arc::new(Admin::new(gateway.store().clone(), metrics.clone(), config.admin.as_ref().and_then(|a| a.token.clone())));
+            let admin_state =
+                Arc::new(Admin::new(gateway.store().clone(), metrics.clone(), config.admin.as_ref().and_then(|a| a.token.clone())));
             let http = http.clone();
             let shutdown = shutdown.clone();
             let conns = tracker.clone();
@@ -115,7 +116,13 @@ impl Server {
         let grace = config.server.shutdown_grace;
         let mut workers = Vec::new();
         for (i, listener) in proxy.into_iter().enumerate() {
-            let worker = Worker { gateway: Arc::new(gateway.for_worker()), http: http.clone(), shutdown: shutdown.clone(), tracker: tracker.clone(), grace };
+            let worker = Worker {
+                gateway: Arc::new(gateway.for_worker()),
+                http: http.clone(),
+                shutdown: shutdown.clone(),
+                tracker: tracker.clone(),
+                grace,
+            };
             let listener = listener.into_std().map_err(|source| ServeError::Bind { addr: config.server.listen, source })?;
             let handle = std::thread::Builder::new()
                 .name(format!("idemgate-worker-{i}"))
@@ -174,7 +181,8 @@ impl Worker {
                 }
             };
             let gw = self.gateway.clone();
-            accept_loop(listener, self.shutdown.clone(), self.tracker.clone(), self.http, move |req, peer| gw.clone().handle(req, peer)).await;
+            accept_loop(listener, self.shutdown.clone(), self.tracker.clone(), self.http, move |req, peer| gw.clone().handle(req, peer))
+                .await;
             // This thread's event loop drives its connections and forwards:
             // keep it running until they are done (the main task closes the
             // tracker and bounds the wait by the grace period).

@@ -8,8 +8,8 @@ use std::time::Duration;
 use http::uri::{PathAndQuery, Uri};
 use http::{Request, Response};
 use hyper::body::Incoming;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::body::Body;

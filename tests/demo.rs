@@ -159,7 +159,13 @@ fn bash(line: &str, home: &Path) -> String {
         .env_remove("IDEMGATE_CONFIG")
         .output()
         .expect("run bash");
-    assert!(out.status.success(), "`{line}` failed ({}):\n{}{}", out.status, String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "`{line}` failed ({}):\n{}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8(out.stdout).expect("UTF-8 output")
 }
 

@@ -20,13 +20,20 @@ fn private_pg() -> (PgServer, Backend) {
     (pg, Backend::Postgres { url })
 }
 
+/// A private PostgreSQL with a fresh database, and a fault proxy in front of
+/// it: (server, proxy, direct URL, URL through the proxy).
+async fn pg_behind_proxy(db: &str) -> (PgServer, support::faultproxy::FaultProxy, String, String) {
+    let pg = PgServer::start().expect("start private PostgreSQL");
+    let url = pg.create_database(db).expect("create database");
+    let proxy = support::faultproxy::FaultProxy::start(format!("127.0.0.1:{}", pg.port()).parse().unwrap()).await;
+    let proxied = url.replace(&format!(":{}/", pg.port()), &format!(":{}/", proxy.port()));
+    (pg, proxy, url, proxied)
+}
+
 async fn metric(gw: &Gateway, name: &str) -> f64 {
     let m = send("GET", &gw.admin_url("/metrics"), &[], "").await.expect("metrics");
     let text = String::from_utf8_lossy(&m.body).into_owned();
-    text.lines()
-        .filter(|l| l.starts_with(name))
-        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
-        .sum()
+    text.lines().filter(|l| l.starts_with(name)).filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok())).sum()
 }
 
 /// Killed after forwarding, before recording: the upstream acted once; the
@@ -37,12 +44,26 @@ async fn gateway_killed_after_forward_before_record_ends_unknown() {
     let up = TestUpstream::start().await;
     // No lease reaper: the retry itself must find the expired claim and refuse
     // to forward it again (the reaper would otherwise turn it unknown first).
-    let mut gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).timeout("500ms").route("lease = \"1s\"").sweep_interval("1h"));
+    let mut gw =
+        Gateway::start(GatewayConfig::new(backend.clone(), up.url()).timeout("500ms").route("lease = \"1s\"").sweep_interval("1h"));
     let store = backend.open().await;
     let mut received = up.subscribe();
     let url = gw.url("/v1/orders");
     let u = url.clone();
-    let client = tokio::spawn(async move { send("POST", &u, &[("authorization", "Bearer test-key"), ("content-type", "application/json"), ("idempotency-key", "k"), ("x-test-sleep-ms", "300")], ORDER).await });
+    let client = tokio::spawn(async move {
+        send(
+            "POST",
+            &u,
+            &[
+                ("authorization", "Bearer test-key"),
+                ("content-type", "application/json"),
+                ("idempotency-key", "k"),
+                ("x-test-sleep-ms", "300"),
+            ],
+            ORDER,
+        )
+        .await
+    });
     received.recv().await.unwrap();
     gw.kill9();
     assert!(client.await.unwrap().is_err(), "the client lost its answer");
@@ -65,12 +86,26 @@ async fn gateway_killed_on_idempotent_upstream_is_reforwarded_with_same_key() {
     let backend = postgres_backend();
     let up = TestUpstream::start().await;
     up.set_dedupe(true);
-    let mut gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).timeout("500ms").route("lease = \"1s\"\nupstream_idempotent = true"));
+    let mut gw =
+        Gateway::start(GatewayConfig::new(backend.clone(), up.url()).timeout("500ms").route("lease = \"1s\"\nupstream_idempotent = true"));
     let store = backend.open().await;
     let mut received = up.subscribe();
     let url = gw.url("/v1/orders");
     let u = url.clone();
-    let client = tokio::spawn(async move { send("POST", &u, &[("authorization", "Bearer test-key"), ("content-type", "application/json"), ("idempotency-key", "k"), ("x-test-sleep-ms", "300")], ORDER).await });
+    let client = tokio::spawn(async move {
+        send(
+            "POST",
+            &u,
+            &[
+                ("authorization", "Bearer test-key"),
+                ("content-type", "application/json"),
+                ("idempotency-key", "k"),
+                ("x-test-sleep-ms", "300"),
+            ],
+            ORDER,
+        )
+        .await
+    });
     received.recv().await.unwrap();
     gw.kill9();
     let _ = client.await;
@@ -254,9 +289,14 @@ async fn abusive_clients_are_refused_before_claiming() {
     assert!(head.starts_with("HTTP/1.1 408"), "{head}");
 
     let deep = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
-    let r = send("POST", &url, &[("authorization", "Bearer test-key"), ("idempotency-key", "deep"), ("content-type", "application/json")], deep)
-        .await
-        .unwrap();
+    let r = send(
+        "POST",
+        &url,
+        &[("authorization", "Bearer test-key"), ("idempotency-key", "deep"), ("content-type", "application/json")],
+        deep,
+    )
+    .await
+    .unwrap();
     assert_eq!((r.status, r.problem().as_str()), (413, "request-too-large"), "20 KB of brackets is over the 4 KiB limit");
     let deep_small = format!("{}{}", "[".repeat(2_000), "]".repeat(2_000));
     let r = post(&url, "deep2", &deep_small, &[]).await;
@@ -287,11 +327,7 @@ async fn abusive_clients_are_refused_before_claiming() {
 /// goes on — one forward, one record, no 503.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claim_reply_lost_is_resolved_by_claim_token() {
-    use support::faultproxy::FaultProxy;
-    let (pg, _) = private_pg();
-    let url = pg.create_database("claimlost").unwrap();
-    let proxy = FaultProxy::start(format!("127.0.0.1:{}", pg.port()).parse().unwrap()).await;
-    let proxied = url.replace(&format!(":{}/", pg.port()), &format!(":{}/", proxy.port()));
+    let (_pg, proxy, url, proxied) = pg_behind_proxy("claimlost").await;
     let up = TestUpstream::start().await;
     let gw = Gateway::start(GatewayConfig::new(Backend::Postgres { url: proxied }, up.url()).sweep_interval("1h"));
     let store = Backend::Postgres { url }.open().await;
@@ -313,11 +349,7 @@ async fn claim_reply_lost_is_resolved_by_claim_token() {
 /// write under our generation; the retry replays it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn result_reply_lost_is_resolved_by_read_back() {
-    use support::faultproxy::FaultProxy;
-    let (pg, _) = private_pg();
-    let url = pg.create_database("resultlost").unwrap();
-    let proxy = FaultProxy::start(format!("127.0.0.1:{}", pg.port()).parse().unwrap()).await;
-    let proxied = url.replace(&format!(":{}/", pg.port()), &format!(":{}/", proxy.port()));
+    let (_pg, proxy, url, proxied) = pg_behind_proxy("resultlost").await;
     let up = TestUpstream::start().await;
     // No background tasks during the test: they would take the broken connections first.
     let gw = Gateway::start(GatewayConfig::new(Backend::Postgres { url: proxied }, up.url()).sweep_interval("1h"));
@@ -370,7 +402,13 @@ async fn upstream_network_faults() {
     let r = post(&target, "cut", ORDER, &[("x-test-body-bytes", "5000")]).await;
     assert_eq!((r.status, r.problem().as_str()), (504, "outcome-unknown"));
     assert_eq!(record(&store, "cut").await.unwrap().state, State::Unknown);
-    assert_eq!(up.side_effects(&derived("cut")), 1, "ledger {:?} requests {:?}", up.ledger(), up.requests().iter().map(|r| r.key.clone()).collect::<Vec<_>>());
+    assert_eq!(
+        up.side_effects(&derived("cut")),
+        1,
+        "ledger {:?} requests {:?}",
+        up.ledger(),
+        up.requests().iter().map(|r| r.key.clone()).collect::<Vec<_>>()
+    );
 
     proxy.set(Fault::Delay(Duration::from_millis(800)));
     let r = post(&target, "late", ORDER, &[]).await;
@@ -396,17 +434,17 @@ async fn upstream_network_faults() {
 /// newer result stays.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn late_result_write_after_takeover_is_fenced() {
-    use support::faultproxy::{Fault, FaultProxy};
-    let (pg, _) = private_pg();
-    let url = pg.create_database("late").unwrap();
-    let slow_path = FaultProxy::start(format!("127.0.0.1:{}", pg.port()).parse().unwrap()).await;
-    let proxied = url.replace(&format!(":{}/", pg.port()), &format!(":{}/", slow_path.port()));
+    use support::faultproxy::Fault;
+    let (_pg, slow_path, url, proxied) = pg_behind_proxy("late").await;
     let up = TestUpstream::start().await;
     up.set_dedupe(true);
     let route = "lease = \"1s\"\nupstream_idempotent = true";
     // A reaches PostgreSQL through the fault proxy; B directly.
-    let a = Gateway::start(GatewayConfig::new(Backend::Postgres { url: proxied }, up.url()).timeout("500ms").sweep_interval("1h").route(route));
-    let b = Gateway::start(GatewayConfig::new(Backend::Postgres { url: url.clone() }, up.url()).timeout("500ms").sweep_interval("1h").route(route));
+    let a =
+        Gateway::start(GatewayConfig::new(Backend::Postgres { url: proxied }, up.url()).timeout("500ms").sweep_interval("1h").route(route));
+    let b = Gateway::start(
+        GatewayConfig::new(Backend::Postgres { url: url.clone() }, up.url()).timeout("500ms").sweep_interval("1h").route(route),
+    );
     let store = Backend::Postgres { url }.open().await;
     let mut received = up.subscribe();
     let ua = a.url("/v1/orders");
@@ -441,18 +479,18 @@ async fn late_result_write_after_takeover_is_fenced() {
 /// nothing is left behind and the retry is processed once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gateway_killed_before_the_claim_commits_leaves_nothing() {
-    use support::faultproxy::{Fault, FaultProxy};
-    let (pg, _) = private_pg();
-    let url = pg.create_database("precommit").unwrap();
-    let proxy = FaultProxy::start(format!("127.0.0.1:{}", pg.port()).parse().unwrap()).await;
-    let proxied = url.replace(&format!(":{}/", pg.port()), &format!(":{}/", proxy.port()));
+    use support::faultproxy::Fault;
+    let (_pg, proxy, url, proxied) = pg_behind_proxy("precommit").await;
     let up = TestUpstream::start().await;
     let mut gw = Gateway::start(GatewayConfig::new(Backend::Postgres { url: proxied }, up.url()).sweep_interval("1h"));
     let store = Backend::Postgres { url }.open().await;
     let target = gw.url("/v1/orders");
     proxy.set(Fault::BlackholeUpstream);
     let t = target.clone();
-    let client = tokio::spawn(async move { send("POST", &t, &[("authorization", "Bearer test-key"), ("content-type", "application/json"), ("idempotency-key", "k")], ORDER).await });
+    let client = tokio::spawn(async move {
+        send("POST", &t, &[("authorization", "Bearer test-key"), ("content-type", "application/json"), ("idempotency-key", "k")], ORDER)
+            .await
+    });
     tokio::time::sleep(Duration::from_millis(300)).await; // the claim is stuck in the network
     gw.kill9();
     assert!(client.await.unwrap().is_err());
@@ -477,12 +515,16 @@ async fn gateway_killed_after_claim_before_forward_ends_unknown() {
     let backend = postgres_backend();
     let up = TestUpstream::start().await;
     let proxy = FaultProxy::start(up.addr).await;
-    let mut gw = Gateway::start(GatewayConfig::new(backend.clone(), format!("http://{}", proxy.addr())).timeout("500ms").route("lease = \"1s\""));
+    let mut gw =
+        Gateway::start(GatewayConfig::new(backend.clone(), format!("http://{}", proxy.addr())).timeout("500ms").route("lease = \"1s\""));
     let store = backend.open().await;
     let target = gw.url("/v1/orders");
     proxy.set(Fault::BlackholeUpstream);
     let t = target.clone();
-    let client = tokio::spawn(async move { send("POST", &t, &[("authorization", "Bearer test-key"), ("content-type", "application/json"), ("idempotency-key", "k")], ORDER).await });
+    let client = tokio::spawn(async move {
+        send("POST", &t, &[("authorization", "Bearer test-key"), ("content-type", "application/json"), ("idempotency-key", "k")], ORDER)
+            .await
+    });
     let claimed = eventually(Duration::from_secs(5), || {
         let s = store.clone();
         async move { record(&s, "k").await.is_some() }
@@ -498,7 +540,10 @@ async fn gateway_killed_after_claim_before_forward_ends_unknown() {
     assert_eq!(post(&target, "k", ORDER, &[]).await.problem(), "outcome-unknown");
     assert_eq!(record(&store, "k").await.unwrap().state, State::Unknown);
     assert_eq!(up.total(), 0, "the request never reached the upstream");
-    let (code, _, err) = cli(&gw, &["keys", "resolve", "--tenant", TENANT, "--principal", PRINCIPAL, "--operation", "create_order", "--key", "k", "--release"]);
+    let (code, _, err) = cli(
+        &gw,
+        &["keys", "resolve", "--tenant", TENANT, "--principal", PRINCIPAL, "--operation", "create_order", "--key", "k", "--release"],
+    );
     assert_eq!(code, 0, "{err}");
     assert_eq!(post(&target, "k", ORDER, &[]).await.status, 201);
     assert_eq!(up.total(), 1);
@@ -509,12 +554,9 @@ async fn gateway_killed_after_claim_before_forward_ends_unknown() {
 /// retry is a replay rather than a stuck claim that would turn `unknown`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_disconnect_during_claim_still_forwards_and_records() {
-    use support::faultproxy::{Fault, FaultProxy};
+    use support::faultproxy::Fault;
     use tokio::io::AsyncWriteExt;
-    let (pg, _) = private_pg();
-    let url = pg.create_database("gone").unwrap();
-    let proxy = FaultProxy::start(format!("127.0.0.1:{}", pg.port()).parse().unwrap()).await;
-    let proxied = url.replace(&format!(":{}/", pg.port()), &format!(":{}/", proxy.port()));
+    let (_pg, proxy, url, proxied) = pg_behind_proxy("gone").await;
     let up = TestUpstream::start().await;
     let gw = Gateway::start(GatewayConfig::new(Backend::Postgres { url: proxied }, up.url()).sweep_interval("1h"));
     let store = Backend::Postgres { url }.open().await;

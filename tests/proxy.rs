@@ -2,34 +2,13 @@
 //! binary, a real upstream that counts side effects, and each store. Every
 //! scenario runs against PostgreSQL and against the embedded SQLite store.
 
+#[macro_use]
 mod support;
 
 use std::time::Duration;
 
 use idemgate::record::State;
 use support::*;
-
-/// Generates one test per store for each scenario function.
-macro_rules! on_both_stores {
-    ($($name:ident),* $(,)?) => {
-        mod on_postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::support::postgres_backend()).await
-                }
-            )*
-        }
-        mod on_sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::support::sqlite_backend()).await
-                }
-            )*
-        }
-    };
-}
 
 on_both_stores!(
     first_request_is_forwarded_recorded_and_replayed,
@@ -311,8 +290,25 @@ async fn upstream_timeout_is_unknown_until_resolved(backend: Backend) {
     std::fs::write(&body_file, r#"{"order":1,"resolved":true}"#).unwrap();
     let (code, out, err) = cli(
         &gw,
-        &["keys", "resolve", "--tenant", TENANT, "--principal", PRINCIPAL, "--operation", "create_order", "--key", "slow",
-          "--complete", "--status", "201", "--body-file", body_file.to_str().unwrap(), "--header", "content-type: application/json"],
+        &[
+            "keys",
+            "resolve",
+            "--tenant",
+            TENANT,
+            "--principal",
+            PRINCIPAL,
+            "--operation",
+            "create_order",
+            "--key",
+            "slow",
+            "--complete",
+            "--status",
+            "201",
+            "--body-file",
+            body_file.to_str().unwrap(),
+            "--header",
+            "content-type: application/json",
+        ],
     );
     assert_eq!(code, 0, "{out}{err}");
     let rec = record(&store, "slow").await.unwrap();
@@ -330,9 +326,13 @@ async fn unknown_record_released_by_operator_can_be_retried(backend: Backend) {
     let url = gw.url("/v1/orders");
     assert_eq!(post(&url, "k", ORDER, &[("x-test-abort", "1")]).await.problem(), "outcome-unknown");
     assert_eq!(record(&store, "k").await.unwrap().state, State::Unknown);
-    let (code, _, err) = cli(&gw, &["keys", "show", "--tenant", TENANT, "--principal", PRINCIPAL, "--operation", "create_order", "--key", "k"]);
+    let (code, _, err) =
+        cli(&gw, &["keys", "show", "--tenant", TENANT, "--principal", PRINCIPAL, "--operation", "create_order", "--key", "k"]);
     assert_eq!(code, 0, "{err}");
-    let (code, _, err) = cli(&gw, &["keys", "resolve", "--tenant", TENANT, "--principal", PRINCIPAL, "--operation", "create_order", "--key", "k", "--release"]);
+    let (code, _, err) = cli(
+        &gw,
+        &["keys", "resolve", "--tenant", TENANT, "--principal", PRINCIPAL, "--operation", "create_order", "--key", "k", "--release"],
+    );
     assert_eq!(code, 0, "{err}");
     assert!(record(&store, "k").await.is_none());
     let r = post(&url, "k", ORDER, &[]).await;
@@ -340,7 +340,10 @@ async fn unknown_record_released_by_operator_can_be_retried(backend: Backend) {
     assert!(!r.replayed());
     assert_eq!(up.side_effects(&derived("k")), 2, "the operator decided the first did not count");
     // Resolving a record that does not exist is an error.
-    let (code, _, _) = cli(&gw, &["keys", "resolve", "--tenant", TENANT, "--principal", PRINCIPAL, "--operation", "create_order", "--key", "nope", "--release"]);
+    let (code, _, _) = cli(
+        &gw,
+        &["keys", "resolve", "--tenant", TENANT, "--principal", PRINCIPAL, "--operation", "create_order", "--key", "nope", "--release"],
+    );
     assert_eq!(code, 1);
 }
 
@@ -445,9 +448,14 @@ async fn scopes_are_isolated_by_principal(backend: Backend) {
     let (up, gw, store) = setup(backend, |c| c).await;
     let url = gw.url("/v1/orders");
     let a = post(&url, "shared", ORDER, &[]).await;
-    let b = send("POST", &url, &[("authorization", "Bearer other-key"), ("idempotency-key", "shared"), ("content-type", "application/json")], r#"{"different":1}"#)
-        .await
-        .unwrap();
+    let b = send(
+        "POST",
+        &url,
+        &[("authorization", "Bearer other-key"), ("idempotency-key", "shared"), ("content-type", "application/json")],
+        r#"{"different":1}"#,
+    )
+    .await
+    .unwrap();
     assert_eq!((a.status, a.replayed()), (201, false));
     assert_eq!((b.status, b.replayed()), (201, false), "another principal's key is another scope");
     assert_ne!(a.body, b.body);

@@ -87,10 +87,13 @@ async fn soak() {
     }
     let urls: Vec<String> = replicas.iter().map(|g| g.lock().unwrap().url("/v1/orders")).collect();
     let store = Backend::Postgres { url: url.clone() }.open().await;
-    let start_rss: Vec<(u32, u64)> = replicas.iter().map(|g| {
-        let pid = g.lock().unwrap().pid();
-        (pid, rss_kib(pid).unwrap_or(0))
-    }).collect();
+    let start_rss: Vec<(u32, u64)> = replicas
+        .iter()
+        .map(|g| {
+            let pid = g.lock().unwrap().pid();
+            (pid, rss_kib(pid).unwrap_or(0))
+        })
+        .collect();
 
     let deadline = Instant::now() + Duration::from_secs(secs);
     let seen: Arc<Mutex<HashMap<String, Seen>>> = Arc::default();
@@ -123,7 +126,12 @@ async fn soak() {
                     let r = send(
                         "POST",
                         url,
-                        &[("authorization", "Bearer test-key"), ("content-type", "application/json"), ("idempotency-key", &key), ("x-test-sleep-ms", &sleep)],
+                        &[
+                            ("authorization", "Bearer test-key"),
+                            ("content-type", "application/json"),
+                            ("idempotency-key", &key),
+                            ("x-test-sleep-ms", &sleep),
+                        ],
                         body.clone(),
                     )
                     .await;

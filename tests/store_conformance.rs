@@ -7,6 +7,7 @@
 //! Leases and retention are 150 ms with sleeps just past them; "live" ones
 //! are a minute, so no case depends on how fast this machine is.
 
+#[macro_use]
 mod support;
 
 use std::collections::BTreeSet;
@@ -20,37 +21,13 @@ use idemgate::fingerprint::Fingerprint;
 use idemgate::metrics::Metrics;
 use idemgate::record::{self, Generation, Record, Refused, State, StoredResponse, Timestamp};
 use idemgate::scope::{IdempotencyKey, Scope};
-use idemgate::store::{
-    Claim, ClaimOutcome, ClaimRequest, ListFilter, Resolution, ResolveOutcome, Store, StoreError, WriteOutcome,
-};
+use idemgate::store::{Claim, ClaimOutcome, ClaimRequest, ListFilter, Resolution, ResolveOutcome, Store, StoreError, WriteOutcome};
+use support::Backend;
 use support::faultproxy::{Fault, FaultProxy};
 use support::postgres::{self as pg, PgServer};
-use support::Backend;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use uuid::Uuid;
-
-/// Generates one test per store for each case.
-macro_rules! on_both_stores {
-    ($($name:ident),* $(,)?) => {
-        mod on_postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::support::postgres_backend()).await
-                }
-            )*
-        }
-        mod on_sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::support::sqlite_backend()).await
-                }
-            )*
-        }
-    };
-}
 
 on_both_stores!(
     claim_inserts_generation_one_and_second_claim_sees_the_winner,
@@ -123,11 +100,7 @@ fn req(scope: &Scope, hash: u8, lease: Duration, upstream_idempotent: bool) -> C
 }
 
 fn response(status: u16, body: &'static [u8]) -> StoredResponse {
-    StoredResponse {
-        status,
-        headers: vec![("content-type".into(), b"application/json".to_vec())],
-        body: Some(Bytes::from_static(body)),
-    }
+    StoredResponse { status, headers: vec![("content-type".into(), b"application/json".to_vec())], body: Some(Bytes::from_static(body)) }
 }
 
 async fn claim(store: &Store, r: &ClaimRequest) -> Claim {
@@ -467,8 +440,13 @@ async fn take_over_follows_may_take_over(backend: Backend) {
     assert!(!try_take_over(&store, &req(&unknown, 2, LONG, true)).await);
     assert!(try_take_over(&store, &req(&unknown, 1, LONG, true)).await);
 
-    let generations: Vec<(String, i64)> =
-        all(&store).await.into_iter().map(|r| (r.scope.key.as_str().to_owned(), r.generation.0)).collect::<BTreeSet<_>>().into_iter().collect();
+    let generations: Vec<(String, i64)> = all(&store)
+        .await
+        .into_iter()
+        .map(|r| (r.scope.key.as_str().to_owned(), r.generation.0))
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
     assert_eq!(
         generations,
         vec![
@@ -566,8 +544,7 @@ async fn reap_leases_turns_only_expired_in_flight_into_unknown(backend: Backend)
     let c = claim(&store, &req(&key("unknown"), 1, SHORT, false)).await;
     store.mark_unknown(&c).await.unwrap();
     tokio::time::sleep(PAST_SHORT).await;
-    let untouched: Vec<Record> =
-        all(&store).await.into_iter().filter(|r| !r.scope.key.as_str().starts_with("stale-")).collect();
+    let untouched: Vec<Record> = all(&store).await.into_iter().filter(|r| !r.scope.key.as_str().starts_with("stale-")).collect();
     assert_eq!(untouched.len(), 3);
 
     assert_eq!(store.reap_leases(2).await.unwrap(), 2, "the batch size bounds each pass");
@@ -698,10 +675,7 @@ async fn times_come_from_the_store_clock(backend: Backend) {
     let (_, got_at) = store.get(&s).await.unwrap().unwrap();
     let t2 = store.now().await.unwrap();
     assert!(t1 <= seen_at && seen_at <= got_at && got_at <= t2, "{t1} <= {seen_at} <= {got_at} <= {t2}");
-    assert_eq!(
-        record::decide(&rec, &fp(1), seen_at),
-        record::Decision::InProgress { lease_left: seen_at.until(c.lease_expires_at) }
-    );
+    assert_eq!(record::decide(&rec, &fp(1), seen_at), record::Decision::InProgress { lease_left: seen_at.until(c.lease_expires_at) });
 
     tokio::time::sleep(Duration::from_millis(20)).await;
     let t3 = store.now().await.unwrap();
@@ -858,11 +832,7 @@ async fn pg_claim_that_never_arrived_is_retried() {
     assert_eq!((c.generation, c.claim_token), (Generation(1), r.claim_token));
     let rec = row(&store, &s).await;
     assert_eq!((rec.state, rec.generation, rec.claim_token), (State::InFlight, Generation(1), c.claim_token));
-    assert!(
-        rec.created_at >= before.plus(FAULT_TIMEOUT * 9 / 10),
-        "the row was written by the retry ({} vs {before})",
-        rec.created_at
-    );
+    assert!(rec.created_at >= before.plus(FAULT_TIMEOUT * 9 / 10), "the row was written by the retry ({} vs {before})", rec.created_at);
     assert_eq!(key_set(&all(&store).await), set(&["warm-up", "lost"]));
 }
 
@@ -940,25 +910,23 @@ async fn pg_restart_is_survived_by_the_same_store() {
     let first = key("before-crash");
     let c1 = claim(&store, &req(&first, 1, LONG, false)).await;
 
-    let mut server = tokio::task::spawn_blocking(move || server.stop_immediate().map(|()| server))
-        .await
-        .unwrap()
-        .expect("stop_immediate");
+    let mut server = tokio::task::spawn_blocking(move || server.stop_immediate().map(|()| server)).await.unwrap().expect("stop_immediate");
     let down = store.claim(&req(&key("while-down"), 1, LONG, false)).await;
     assert!(matches!(down, Err(StoreError::Unavailable(_) | StoreError::Ambiguous(_))), "{down:?}");
     assert!(store.ping().await.is_err());
 
-    let server = tokio::task::spawn_blocking(move || server.start_again().map(|()| server))
-        .await
-        .unwrap()
-        .expect("start_again");
+    let server = tokio::task::spawn_blocking(move || server.start_again().map(|()| server)).await.unwrap().expect("start_again");
     // The same Store, not recreated: dead pooled connections are dropped and
     // the first operation after the restart succeeds.
     let second = key("after-restart");
     let c2 = claim(&store, &req(&second, 1, LONG, false)).await;
     assert_eq!(c2.generation, Generation(1));
     let rec = row(&store, &first).await;
-    assert_eq!((rec.state, rec.generation, rec.claim_token), (State::InFlight, Generation(1), c1.claim_token), "the committed claim survived");
+    assert_eq!(
+        (rec.state, rec.generation, rec.claim_token),
+        (State::InFlight, Generation(1), c1.claim_token),
+        "the committed claim survived"
+    );
     assert_eq!(get(&store, &key("while-down")).await, None);
     assert_eq!(store.complete(&c1, &response(201, b"after"), LONG).await.unwrap(), WriteOutcome::Written);
     assert_eq!(key_set(&all(&store).await), set(&["before-crash", "after-restart"]));

@@ -68,12 +68,7 @@ fn stat(pid: u32) -> Option<Stat> {
 }
 
 fn all() -> impl Iterator<Item = Stat> {
-    std::fs::read_dir("/proc")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter_map(stat)
+    std::fs::read_dir("/proc").into_iter().flatten().flatten().filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok()).filter_map(stat)
 }
 
 /// `getconf CLK_TCK`, else the usual 100.

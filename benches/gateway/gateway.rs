@@ -8,7 +8,7 @@ use std::process::Command;
 use std::thread;
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result, bail};
 use sha2::{Digest, Sha256};
 
 use crate::client::{self, Conn};
@@ -47,7 +47,10 @@ impl Store {
                 "[store]\nkind = \"postgres\"\nurl_env = \"{DATABASE_URL_ENV}\"\npool_size = 16\nmigrate = false\nsweep_interval = \"{sweep_interval}\"\n"
             ),
             Store::Sqlite { path } => {
-                format!("[store]\nkind = \"sqlite\"\npath = \"{}\"\nmigrate = false\nsweep_interval = \"{sweep_interval}\"\n", path.display())
+                format!(
+                    "[store]\nkind = \"sqlite\"\npath = \"{}\"\nmigrate = false\nsweep_interval = \"{sweep_interval}\"\n",
+                    path.display()
+                )
             }
         }
     }

@@ -31,7 +31,7 @@ mod wrk;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result, bail};
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();

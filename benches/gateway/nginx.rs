@@ -6,7 +6,7 @@ use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result, bail};
 
 use crate::cpu::Cpu;
 use crate::procs::{self, Service};
@@ -46,14 +46,7 @@ fn start_on_free_port(binary: &Path, prefix: &Path, upstream: SocketAddr) -> Res
     let conf = prefix.join("nginx.conf");
     std::fs::write(&conf, config(prefix, addr, upstream)).with_context(|| format!("writing {}", conf.display()))?;
     let error_log = prefix.join("error.log");
-    let args = [
-        "-p".as_ref(),
-        prefix.as_os_str(),
-        "-c".as_ref(),
-        conf.as_os_str(),
-        "-e".as_ref(),
-        error_log.as_os_str(),
-    ];
+    let args = ["-p".as_ref(), prefix.as_os_str(), "-c".as_ref(), conf.as_os_str(), "-e".as_ref(), error_log.as_os_str()];
     let service = Service::spawn("nginx", &prefix.join("nginx.out"), binary, &args, &[])?;
     wait_listening(&service, addr, &error_log)?;
     Ok(Nginx { addr, service })

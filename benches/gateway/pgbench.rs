@@ -14,7 +14,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result, bail};
 
 use crate::client::Conn;
 use crate::gateway::{self, Gateway, Spec, Store};
@@ -403,10 +403,8 @@ fn read_latencies(dir: &Path) -> Result<Vec<f64>> {
 }
 
 fn summarize(stdout: &str, latencies: Vec<f64>) -> Result<LoadResult> {
-    let tps: f64 = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("tps = ")?.split_whitespace().next()?.parse().ok())
-        .context("no `tps = ` line")?;
+    let tps: f64 =
+        stdout.lines().find_map(|l| l.strip_prefix("tps = ")?.split_whitespace().next()?.parse().ok()).context("no `tps = ` line")?;
     let failed: u64 = stdout
         .lines()
         .find_map(|l| l.strip_prefix("number of failed transactions: ")?.split_whitespace().next()?.parse().ok())

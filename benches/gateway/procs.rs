@@ -27,7 +27,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result, bail};
 
 /// `$1` = log file, `$2..` = the service's command line. Prints the service's
 /// pid, then waits for EOF (or a line) on stdin and stops the service.
@@ -147,7 +147,7 @@ pub fn install_signal_handler() -> Result<()> {
 }
 
 fn wait_for_signal(ready: &std::sync::mpsc::Sender<Result<(), String>>) -> Result<(), String> {
-    use tokio::signal::unix::{signal, SignalKind};
+    use tokio::signal::unix::{SignalKind, signal};
     let rt = tokio::runtime::Builder::new_current_thread().enable_io().build().map_err(|e| e.to_string())?;
     rt.block_on(async {
         let mut int = signal(SignalKind::interrupt()).map_err(|e| e.to_string())?;
@@ -185,12 +185,8 @@ fn send_signal(sig: &str, target: &str) {
 pub fn run_tool(cmd: &mut Command) -> Result<Output> {
     check_interrupted()?;
     let program = cmd.get_program().to_string_lossy().into_owned();
-    let child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("starting {program}"))?;
+    let child =
+        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().with_context(|| format!("starting {program}"))?;
     let pid = child.id();
     registry().tools.insert(pid);
     let out = child.wait_with_output();

@@ -11,10 +11,10 @@ use crate::gateway::{self, Gateway, Spec, Store};
 use crate::pg::Pg;
 use crate::pgbench::{self, Length, Statement};
 use crate::report::micros;
-use crate::suite::{key_prefix, measure, request_env, Ctx, Measured, Watch};
+use crate::suite::{Ctx, Measured, Watch, key_prefix, measure, request_env};
 use crate::upstream::Upstream;
 use crate::wrk::Scenario;
-use crate::{procs, Options};
+use crate::{Options, procs};
 
 const TEMPLATE_KEY: &str = "scale-template";
 /// Rows per INSERT ... SELECT generate_series statement.
@@ -230,4 +230,3 @@ fn count_label(n: u64) -> String {
         n.to_string()
     }
 }
-

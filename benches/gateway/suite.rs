@@ -13,10 +13,10 @@ use crate::gateway::{self, Gateway, Metrics, Spec, Store};
 use crate::nginx::Nginx;
 use crate::pg::Pg;
 use crate::pgbench::{self, Captured, Length};
-use crate::report::{mib, LoadResult, Report, Row};
+use crate::report::{LoadResult, Report, Row, mib};
 use crate::upstream::Upstream;
 use crate::wrk::{Load, Scenario, Wrk};
-use crate::{procs, Options};
+use crate::{Options, procs};
 
 /// Replay keys are decimal strings from here on, so pgbench can draw them
 /// with `random()`.
@@ -152,7 +152,9 @@ pub fn run(opts: &Options, dir: &Path) -> Result<()> {
     }
     ctx.progress("done");
     println!("\n{}", ctx.report.table());
-    println!("(srv CPU: CPU time of the process under test per request; db CPU: of all PostgreSQL processes, vacuumed and checkpointed before each run)");
+    println!(
+        "(srv CPU: CPU time of the process under test per request; db CPU: of all PostgreSQL processes, vacuumed and checkpointed before each run)"
+    );
     println!("(errors: answers other than 2xx/3xx, e.g. the mix's expected 409s for same-key concurrency, plus socket errors)");
     println!("(ratios: best req/s over the connection counts; p99 at the highest connection count)");
     println!("{}", ctx.report.ratio_line());
@@ -209,12 +211,9 @@ fn gateway_scenarios(ctx: &mut Ctx, target: &str, gw: &Gateway, pg: Option<&Pg>)
     let url = format!("http://{}{}", gw.addr, gateway::ROUTE_PATH);
     let watch = Watch { gateway: Some(gw), server: Some(gw.cpu()), db: pg.and_then(Pg::cpu), pg };
     let replay_count = ctx.opts.replay_keys.to_string();
-    for (name, scenario) in [
-        ("passthrough", Scenario::Get),
-        ("first write", Scenario::FirstWrite),
-        ("replay", Scenario::Replay),
-        ("mix", Scenario::Mix),
-    ] {
+    for (name, scenario) in
+        [("passthrough", Scenario::Get), ("first write", Scenario::FirstWrite), ("replay", Scenario::Replay), ("mix", Scenario::Mix)]
+    {
         for conns in ctx.opts.conns.clone() {
             let env = || {
                 let mut env = request_env(ctx.opts);
@@ -296,7 +295,11 @@ fn pgbench_ceiling(ctx: &mut Ctx, pg: &Pg, captured: &Captured) -> Result<()> {
         ),
     ];
     if captured.replay_differs_from_lookup() {
-        workloads.push(("gateway replay", Some(&captured.replay), pgbench::workload(ctx.dir, "replay_path", &captured.replay, &replay_keys)?));
+        workloads.push((
+            "gateway replay",
+            Some(&captured.replay),
+            pgbench::workload(ctx.dir, "replay_path", &captured.replay, &replay_keys)?,
+        ));
     }
     let watch = Watch { db: pg.cpu(), pg: Some(pg), ..Watch::default() };
     for (name, stmts, workload) in &workloads {

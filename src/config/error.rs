@@ -21,10 +21,7 @@ pub struct ConfigError {
 
 impl ConfigError {
     pub fn single(file: &str, path: impl Into<String>, message: impl Into<String>) -> Self {
-        ConfigError {
-            file: file.to_owned(),
-            issues: vec![ConfigIssue { path: path.into(), message: message.into() }],
-        }
+        ConfigError { file: file.to_owned(), issues: vec![ConfigIssue { path: path.into(), message: message.into() }] }
     }
 
     /// True when some issue is about `path` (exactly); handy in tests.

@@ -118,8 +118,7 @@ impl Config {
     /// secret files) are relative to the working directory.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let file = path.display().to_string();
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| ConfigError::single(&file, "", format!("cannot read the file: {e}")))?;
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::single(&file, "", format!("cannot read the file: {e}")))?;
         Config::from_toml(&text, &file, &|name| std::env::var(name).ok())
     }
 

@@ -10,7 +10,7 @@ use ipnet::IpNet;
 
 use super::error::{ConfigError, Issues};
 use super::file::{FileConfig, IdentitySourceSection, RouteSection, StoreSection, UpstreamSection};
-use super::{AdminConfig, Config, Secret, ServerConfig, StoreBackend, StoreConfig, UpstreamConfig, DEFAULT_SQLITE_PATH};
+use super::{AdminConfig, Config, DEFAULT_SQLITE_PATH, Secret, ServerConfig, StoreBackend, StoreConfig, UpstreamConfig};
 use crate::fingerprint::{FingerprintSpec, JsonPointer};
 use crate::identity::{Identity, IdentitySource};
 use crate::route::{ForwardKey, InFlightPolicy, PathTemplate, Route};
@@ -48,14 +48,8 @@ pub(super) fn validate(raw: FileConfig, origin: &str, env: &dyn Fn(&str) -> Opti
         None => Some(None),
         Some(a) => v.admin(a).map(Some),
     };
-    let identity: Vec<IdentitySource> =
-        raw.identity.sources.iter().enumerate().filter_map(|(i, s)| v.identity_source(i, s)).collect();
-    let routes: Vec<Route> = raw
-        .routes
-        .iter()
-        .enumerate()
-        .filter_map(|(i, r)| v.route(i, r, &names, &upstreams))
-        .collect();
+    let identity: Vec<IdentitySource> = raw.identity.sources.iter().enumerate().filter_map(|(i, s)| v.identity_source(i, s)).collect();
+    let routes: Vec<Route> = raw.routes.iter().enumerate().filter_map(|(i, r)| v.route(i, r, &names, &upstreams)).collect();
     let mut seen = HashSet::new();
     for r in &routes {
         if !seen.insert((r.method.clone(), r.path.as_str().to_owned())) {
@@ -319,9 +313,10 @@ impl Validator<'_> {
                 let p = format!("upstreams[{i}]");
                 let name = self.required(&format!("{p}.name"), u.name.as_deref()).map(str::to_owned);
                 if let Some(n) = &name
-                    && !seen.insert(n.clone()) {
-                        self.issues.push(format!("{p}.name"), format!("another upstream is already named {n:?}"));
-                    }
+                    && !seen.insert(n.clone())
+                {
+                    self.issues.push(format!("{p}.name"), format!("another upstream is already named {n:?}"));
+                }
                 let url = self.required(&format!("{p}.url"), u.url.as_deref()).and_then(|s| self.upstream_url(&format!("{p}.url"), s));
                 let connect_timeout = self.duration(&format!("{p}.connect_timeout"), u.connect_timeout.as_deref(), "1s");
                 let timeout = self.duration(&format!("{p}.timeout"), u.timeout.as_deref(), "10s");
@@ -395,7 +390,8 @@ impl Validator<'_> {
                 let mut keys = HashMap::new();
                 let list = s.keys.as_deref().unwrap_or_default();
                 if list.is_empty() {
-                    self.issues.push(format!("{p}.keys"), "list at least one key: { sha256 = \"<hex>\", tenant = \"..\", principal = \"..\" }");
+                    self.issues
+                        .push(format!("{p}.keys"), "list at least one key: { sha256 = \"<hex>\", tenant = \"..\", principal = \"..\" }");
                 }
                 for (k, entry) in list.iter().enumerate() {
                     let kp = format!("{p}.keys[{k}]");
@@ -404,7 +400,10 @@ impl Validator<'_> {
                         match hex::decode_to_slice(h.trim(), &mut out) {
                             Ok(()) => Some(out),
                             Err(_) => {
-                                self.issues.push(format!("{kp}.sha256"), "must be 64 hex digits (the SHA-256 of the key, e.g. `printf %s KEY | sha256sum`)");
+                                self.issues.push(
+                                    format!("{kp}.sha256"),
+                                    "must be 64 hex digits (the SHA-256 of the key, e.g. `printf %s KEY | sha256sum`)",
+                                );
                                 None
                             }
                         }
@@ -412,9 +411,10 @@ impl Validator<'_> {
                     let tenant = self.scope_part(&format!("{kp}.tenant"), entry.tenant.as_deref());
                     let principal = self.scope_part(&format!("{kp}.principal"), entry.principal.as_deref());
                     if let (Some(d), Some(t), Some(pr)) = (digest, tenant, principal)
-                        && keys.insert(d, Identity { tenant: t.into(), principal: pr.into() }).is_some() {
-                            self.issues.push(format!("{kp}.sha256"), "the same key is listed twice");
-                        }
+                        && keys.insert(d, Identity { tenant: t.into(), principal: pr.into() }).is_some()
+                    {
+                        self.issues.push(format!("{kp}.sha256"), "the same key is listed twice");
+                    }
                 }
                 Some(IdentitySource::ApiKey { header: header?, keys })
             }
@@ -439,7 +439,9 @@ impl Validator<'_> {
                     let parsed = cidr.parse::<IpNet>().or_else(|_| cidr.parse::<std::net::IpAddr>().map(IpNet::from));
                     match parsed {
                         Ok(net) => trusted_peers.push(net),
-                        Err(_) => self.issues.push(format!("{p}.trusted_peers[{k}]"), format!("invalid CIDR {cidr:?} (write e.g. \"10.0.0.0/8\")")),
+                        Err(_) => self
+                            .issues
+                            .push(format!("{p}.trusted_peers[{k}]"), format!("invalid CIDR {cidr:?} (write e.g. \"10.0.0.0/8\")")),
                     }
                 }
                 Some(IdentitySource::TrustedHeader { tenant_header: tenant_header?, principal_header: principal_header?, trusted_peers })
@@ -519,15 +521,16 @@ impl Validator<'_> {
             (Some(l), timeout) => {
                 let lease = self.duration(&format!("{p}.lease"), Some(l), "");
                 if let (Some(lease), Some(timeout)) = (lease, timeout)
-                    && lease <= timeout {
-                        self.issues.push(
-                            format!("{p}.lease"),
-                            format!(
-                                "must be longer than the upstream's timeout ({}), or a request still running would be declared unknown",
-                                humantime::format_duration(timeout)
-                            ),
-                        );
-                    }
+                    && lease <= timeout
+                {
+                    self.issues.push(
+                        format!("{p}.lease"),
+                        format!(
+                            "must be longer than the upstream's timeout ({}), or a request still running would be declared unknown",
+                            humantime::format_duration(timeout)
+                        ),
+                    );
+                }
                 lease
             }
             (None, Some(timeout)) => Some(timeout + LEASE_MARGIN),

@@ -41,11 +41,7 @@ pub(crate) struct HashSink {
 
 impl HashSink {
     pub(crate) fn new() -> Self {
-        HashSink {
-            hasher: Sha256::new(),
-            buf: [0; HASH_BUF],
-            len: 0,
-        }
+        HashSink { hasher: Sha256::new(), buf: [0; HASH_BUF], len: 0 }
     }
 
     fn flush(&mut self) {
@@ -121,14 +117,7 @@ pub(crate) fn write_str(out: &mut impl Sink, s: &str) {
         };
         out.put(bytes.get(start..i).unwrap_or_default());
         if named.is_empty() {
-            let hex = [
-                b'\\',
-                b'u',
-                b'0',
-                b'0',
-                HEX[usize::from(b >> 4)],
-                HEX[usize::from(b & 0x0f)],
-            ];
+            let hex = [b'\\', b'u', b'0', b'0', HEX[usize::from(b >> 4)], HEX[usize::from(b & 0x0f)]];
             out.put(&hex);
         } else {
             out.put(named);
@@ -182,11 +171,7 @@ fn enter(depth: usize) -> Result<usize, FingerprintError> {
 /// root). Object members are sorted in place here (the parser keeps insertion order);
 /// `Excluded` tombstones are skipped. Depth is re-checked because defaults may graft
 /// values into the tree after parsing.
-pub(crate) fn write_node(
-    out: &mut impl Sink,
-    node: &mut Node<'_>,
-    depth: usize,
-) -> Result<(), FingerprintError> {
+pub(crate) fn write_node(out: &mut impl Sink, node: &mut Node<'_>, depth: usize) -> Result<(), FingerprintError> {
     match node {
         Node::Null => out.put(b"null"),
         Node::Bool(true) => out.put(b"true"),
@@ -238,11 +223,7 @@ pub(crate) fn write_node(
 }
 
 /// Writes a `serde_json::Value` (a configured default) canonically.
-pub(crate) fn write_value(
-    out: &mut impl Sink,
-    value: &Value,
-    depth: usize,
-) -> Result<(), FingerprintError> {
+pub(crate) fn write_value(out: &mut impl Sink, value: &Value, depth: usize) -> Result<(), FingerprintError> {
     match value {
         Value::Null => out.put(b"null"),
         Value::Bool(true) => out.put(b"true"),
@@ -310,10 +291,7 @@ mod tests {
         assert_eq!(str_bytes("plain"), r#""plain""#);
         assert_eq!(str_bytes("a\"b\\c"), r#""a\"b\\c""#);
         assert_eq!(str_bytes("\u{8}\u{c}\n\r\t"), r#""\b\f\n\r\t""#);
-        assert_eq!(
-            str_bytes("\u{0}\u{1}\u{f}\u{1f}"),
-            r#""\u0000\u0001\u000f\u001f""#
-        );
+        assert_eq!(str_bytes("\u{0}\u{1}\u{f}\u{1f}"), r#""\u0000\u0001\u000f\u001f""#);
         // Not escaped: '/', DEL, U+2028, non-ASCII, astral.
         assert_eq!(str_bytes("/\u{7f}\u{2028}é€😀"), "\"/\u{7f}\u{2028}é€😀\"");
     }
@@ -328,10 +306,7 @@ mod tests {
         write_i64(&mut out, i64::MIN);
         out.push(b' ');
         write_i64(&mut out, -7);
-        assert_eq!(
-            String::from_utf8_lossy(&out),
-            "0 18446744073709551615 -9223372036854775808 -7"
-        );
+        assert_eq!(String::from_utf8_lossy(&out), "0 18446744073709551615 -9223372036854775808 -7");
     }
 
     /// ECMAScript `Number.prototype.toString` for edge doubles, many from RFC 8785
@@ -383,9 +358,7 @@ mod tests {
     #[test]
     fn hash_sink_equals_direct_hash_across_buffer_boundaries() {
         // Pieces of many sizes, including ones larger than the staging buffer.
-        let pieces: Vec<Vec<u8>> = (0..40usize)
-            .map(|i| (0..(i * 37) % 1500).map(|j| (i * 31 + j) as u8).collect())
-            .collect();
+        let pieces: Vec<Vec<u8>> = (0..40usize).map(|i| (0..(i * 37) % 1500).map(|j| (i * 31 + j) as u8).collect()).collect();
         let mut sink = HashSink::new();
         let mut all = Vec::new();
         for p in &pieces {
@@ -402,15 +375,9 @@ mod tests {
         let mut out = Vec::new();
         let r = write_value(&mut out, &v, 0);
         assert!(r.is_ok());
-        assert_eq!(
-            String::from_utf8_lossy(&out),
-            "{\"a\":{\"\u{10000}\":true,\"\u{e000}\":null},\"b\":[1,2.5,-3]}"
-        );
+        assert_eq!(String::from_utf8_lossy(&out), "{\"a\":{\"\u{10000}\":true,\"\u{e000}\":null},\"b\":[1,2.5,-3]}");
         let mut out = Vec::new();
         let r = write_value(&mut out, &serde_json::json!([[1]]), MAX_DEPTH - 1);
-        assert!(matches!(
-            r,
-            Err(FingerprintError::TooDeep { limit: MAX_DEPTH })
-        ));
+        assert!(matches!(r, Err(FingerprintError::TooDeep { limit: MAX_DEPTH })));
     }
 }

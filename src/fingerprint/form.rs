@@ -21,10 +21,7 @@ pub(crate) fn sorted_pairs(input: &[u8]) -> Vec<Pair<'_>> {
         .split(|&b| b == b'&')
         .filter(|seq| !seq.is_empty())
         .map(|seq| match seq.iter().position(|&b| b == b'=') {
-            Some(eq) => (
-                decode(seq.get(..eq).unwrap_or_default()),
-                decode(seq.get(eq + 1..).unwrap_or_default()),
-            ),
+            Some(eq) => (decode(seq.get(..eq).unwrap_or_default()), decode(seq.get(eq + 1..).unwrap_or_default())),
             None => (decode(seq), Cow::Borrowed(&[][..])),
         })
         .collect();
@@ -84,12 +81,7 @@ mod tests {
     fn pairs(s: &str) -> Vec<(String, String)> {
         sorted_pairs(s.as_bytes())
             .into_iter()
-            .map(|(n, v)| {
-                (
-                    String::from_utf8_lossy(&n).into_owned(),
-                    String::from_utf8_lossy(&v).into_owned(),
-                )
-            })
+            .map(|(n, v)| (String::from_utf8_lossy(&n).into_owned(), String::from_utf8_lossy(&v).into_owned()))
             .collect()
     }
 
@@ -99,26 +91,17 @@ mod tests {
 
     #[test]
     fn sorts_by_name_then_value() {
-        assert_eq!(
-            pairs("b=2&a=9&a=1&c"),
-            [p("a", "1"), p("a", "9"), p("b", "2"), p("c", "")]
-        );
+        assert_eq!(pairs("b=2&a=9&a=1&c"), [p("a", "1"), p("a", "9"), p("b", "2"), p("c", "")]);
     }
 
     #[test]
     fn decodes_plus_and_percent() {
-        assert_eq!(
-            pairs("q=a+b%20c%2Bd&%C3%A9=%e2%82%ac"),
-            [p("q", "a b c+d"), p("é", "€")]
-        );
+        assert_eq!(pairs("q=a+b%20c%2Bd&%C3%A9=%e2%82%ac"), [p("q", "a b c+d"), p("é", "€")]);
     }
 
     #[test]
     fn malformed_percent_sequences_stay_literal() {
-        assert_eq!(
-            pairs("a=%&b=%4&c=%zz&d=100%"),
-            [p("a", "%"), p("b", "%4"), p("c", "%zz"), p("d", "100%")]
-        );
+        assert_eq!(pairs("a=%&b=%4&c=%zz&d=100%"), [p("a", "%"), p("b", "%4"), p("c", "%zz"), p("d", "100%")]);
     }
 
     #[test]
@@ -142,17 +125,9 @@ mod tests {
 
     #[test]
     fn agrees_with_form_urlencoded_crate_on_utf8_input() {
-        for input in [
-            "a=1&b=2",
-            "x=%41+%42&y",
-            "%E2%82%AC=euro&&z=%",
-            "k=v=w&k=a",
-            "=&=",
-            "a%2Bb=c%26d",
-        ] {
-            let mut theirs: Vec<(String, String)> = form_urlencoded::parse(input.as_bytes())
-                .map(|(n, v)| (n.into_owned(), v.into_owned()))
-                .collect();
+        for input in ["a=1&b=2", "x=%41+%42&y", "%E2%82%AC=euro&&z=%", "k=v=w&k=a", "=&=", "a%2Bb=c%26d"] {
+            let mut theirs: Vec<(String, String)> =
+                form_urlencoded::parse(input.as_bytes()).map(|(n, v)| (n.into_owned(), v.into_owned())).collect();
             theirs.sort();
             assert_eq!(pairs(input), theirs, "{input}");
         }

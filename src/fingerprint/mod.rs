@@ -82,14 +82,8 @@ pub struct FingerprintSpec {
 /// A spec that could never fingerprint successfully.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SpecError {
-    #[error(
-        "fingerprint default at {pointer} would nest {depth} levels deep, more than the {limit} a request body may have"
-    )]
-    DefaultTooDeep {
-        pointer: String,
-        depth: usize,
-        limit: usize,
-    },
+    #[error("fingerprint default at {pointer} would nest {depth} levels deep, more than the {limit} a request body may have")]
+    DefaultTooDeep { pointer: String, depth: usize, limit: usize },
 }
 
 impl FingerprintSpec {
@@ -99,11 +93,7 @@ impl FingerprintSpec {
         for (pointer, value) in &self.defaults {
             let depth = pointer.tokens().len() + value_depth(value);
             if depth > MAX_DEPTH {
-                return Err(SpecError::DefaultTooDeep {
-                    pointer: pointer.as_str().to_owned(),
-                    depth,
-                    limit: MAX_DEPTH,
-                });
+                return Err(SpecError::DefaultTooDeep { pointer: pointer.as_str().to_owned(), depth, limit: MAX_DEPTH });
             }
         }
         Ok(())
@@ -167,11 +157,7 @@ impl FromStr for Fingerprint {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FingerprintError {
     #[error("request body is not valid JSON: {reason} at line {line} column {column}")]
-    InvalidJson {
-        line: usize,
-        column: usize,
-        reason: String,
-    },
+    InvalidJson { line: usize, column: usize, reason: String },
     #[error("request body has a duplicate member name at JSON Pointer {pointer:?}")]
     DuplicateMember { pointer: String },
     #[error("request body nests arrays/objects deeper than {limit} levels")]
@@ -211,21 +197,14 @@ pub fn body_kind(headers: &HeaderMap) -> BodyKind {
     let Some(value) = headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok()) else {
         return BodyKind::Raw;
     };
-    let media = value
-        .split(';')
-        .next()
-        .unwrap_or_default()
-        .trim_matches([' ', '\t']);
+    let media = value.split(';').next().unwrap_or_default().trim_matches([' ', '\t']);
     let Some((kind, subtype)) = media.split_once('/') else {
         return BodyKind::Raw;
     };
     if kind.is_empty() || subtype.contains('/') {
         return BodyKind::Raw;
     }
-    let json_suffix = subtype.len() > 5
-        && subtype
-            .get(subtype.len() - 5..)
-            .is_some_and(|suffix| suffix.eq_ignore_ascii_case("+json"));
+    let json_suffix = subtype.len() > 5 && subtype.get(subtype.len() - 5..).is_some_and(|suffix| suffix.eq_ignore_ascii_case("+json"));
     if media.eq_ignore_ascii_case("application/json") || json_suffix {
         BodyKind::Json
     } else if media.eq_ignore_ascii_case("application/x-www-form-urlencoded") {
@@ -238,10 +217,7 @@ pub fn body_kind(headers: &HeaderMap) -> BodyKind {
 /// Computes the fingerprint of a request (see the module docs for what enters it).
 ///
 /// The body is validated before anything is hashed, so an invalid body costs no hashing.
-pub fn fingerprint(
-    spec: &FingerprintSpec,
-    parts: &RequestParts<'_>,
-) -> Result<Fingerprint, FingerprintError> {
+pub fn fingerprint(spec: &FingerprintSpec, parts: &RequestParts<'_>) -> Result<Fingerprint, FingerprintError> {
     let mut body = prepare_body(spec, parts.headers, parts.body)?;
     let mut out = HashSink::new();
     put_field(&mut out, VERSION_TAG);
@@ -306,11 +282,7 @@ enum Body<'a> {
     Json(tree::Node<'a>),
 }
 
-fn prepare_body<'a>(
-    spec: &'a FingerprintSpec,
-    headers: &HeaderMap,
-    body: &'a [u8],
-) -> Result<Body<'a>, FingerprintError> {
+fn prepare_body<'a>(spec: &'a FingerprintSpec, headers: &HeaderMap, body: &'a [u8]) -> Result<Body<'a>, FingerprintError> {
     if body.is_empty() {
         return Ok(Body::Raw(body));
     }
@@ -322,10 +294,7 @@ fn prepare_body<'a>(
 }
 
 /// Parses a JSON body and applies defaults, then exclusions.
-fn json_tree<'a>(
-    body: &'a [u8],
-    spec: &'a FingerprintSpec,
-) -> Result<tree::Node<'a>, FingerprintError> {
+fn json_tree<'a>(body: &'a [u8], spec: &'a FingerprintSpec) -> Result<tree::Node<'a>, FingerprintError> {
     let mut root = tree::parse(body)?;
     for (pointer, value) in &spec.defaults {
         tree::apply_default(&mut root, pointer, value);

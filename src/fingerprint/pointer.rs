@@ -11,17 +11,13 @@ use std::str::FromStr;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PointerError {
     /// `""` refers to the whole document; excluding or defaulting it is meaningless.
-    #[error(
-        "the empty JSON Pointer refers to the whole document and cannot be excluded or defaulted; name a member such as \"/trace_id\""
-    )]
+    #[error("the empty JSON Pointer refers to the whole document and cannot be excluded or defaulted; name a member such as \"/trace_id\"")]
     Empty,
     /// Every non-empty RFC 6901 pointer starts with `/`.
     #[error("a JSON Pointer must start with '/' (got {pointer:?}); did you mean \"/{pointer}\"?")]
     MissingLeadingSlash { pointer: String },
     /// `~` must be followed by `0` (for `~`) or `1` (for `/`).
-    #[error(
-        "invalid escape at byte {position} of JSON Pointer {pointer:?}: '~' must be followed by '0' or '1'"
-    )]
+    #[error("invalid escape at byte {position} of JSON Pointer {pointer:?}: '~' must be followed by '0' or '1'")]
     InvalidEscape { pointer: String, position: usize },
 }
 
@@ -43,28 +39,16 @@ impl JsonPointer {
     /// `~` not followed by `0` or `1`.
     pub fn parse(s: &str) -> Result<JsonPointer, PointerError> {
         let Some(rest) = s.strip_prefix('/') else {
-            return Err(if s.is_empty() {
-                PointerError::Empty
-            } else {
-                PointerError::MissingLeadingSlash {
-                    pointer: s.to_owned(),
-                }
-            });
+            return Err(if s.is_empty() { PointerError::Empty } else { PointerError::MissingLeadingSlash { pointer: s.to_owned() } });
         };
         let mut tokens = Vec::new();
         // Byte offset of `rest` within `s`, for error positions.
         let mut offset = 1;
         for raw in rest.split('/') {
-            tokens.push(unescape(raw).map_err(|at| PointerError::InvalidEscape {
-                pointer: s.to_owned(),
-                position: offset + at,
-            })?);
+            tokens.push(unescape(raw).map_err(|at| PointerError::InvalidEscape { pointer: s.to_owned(), position: offset + at })?);
             offset += raw.len() + 1;
         }
-        Ok(JsonPointer {
-            text: s.to_owned(),
-            tokens,
-        })
+        Ok(JsonPointer { text: s.to_owned(), tokens })
     }
 
     /// The pointer as it was written.
@@ -121,11 +105,7 @@ pub(crate) fn array_index(token: &str) -> Option<usize> {
         [b'0', ..] => false,
         _ => bytes.iter().all(u8::is_ascii_digit),
     };
-    if well_formed {
-        token.parse().ok()
-    } else {
-        None
-    }
+    if well_formed { token.parse().ok() } else { None }
 }
 
 impl FromStr for JsonPointer {
@@ -207,36 +187,14 @@ mod tests {
 
     #[test]
     fn rejects_missing_leading_slash() {
-        assert_eq!(
-            JsonPointer::parse("trace_id"),
-            Err(PointerError::MissingLeadingSlash {
-                pointer: "trace_id".into()
-            })
-        );
-        assert_eq!(
-            JsonPointer::parse("#/a"),
-            Err(PointerError::MissingLeadingSlash {
-                pointer: "#/a".into()
-            })
-        );
+        assert_eq!(JsonPointer::parse("trace_id"), Err(PointerError::MissingLeadingSlash { pointer: "trace_id".into() }));
+        assert_eq!(JsonPointer::parse("#/a"), Err(PointerError::MissingLeadingSlash { pointer: "#/a".into() }));
     }
 
     #[test]
     fn rejects_bad_escapes_with_position() {
-        assert_eq!(
-            JsonPointer::parse("/a~2"),
-            Err(PointerError::InvalidEscape {
-                pointer: "/a~2".into(),
-                position: 2
-            })
-        );
-        assert_eq!(
-            JsonPointer::parse("/ok/b~"),
-            Err(PointerError::InvalidEscape {
-                pointer: "/ok/b~".into(),
-                position: 5
-            })
-        );
+        assert_eq!(JsonPointer::parse("/a~2"), Err(PointerError::InvalidEscape { pointer: "/a~2".into(), position: 2 }));
+        assert_eq!(JsonPointer::parse("/ok/b~"), Err(PointerError::InvalidEscape { pointer: "/ok/b~".into(), position: 5 }));
         assert!(JsonPointer::parse("/~").is_err());
     }
 
@@ -264,10 +222,7 @@ mod tests {
     fn deserializes_from_config_strings() {
         let ok: Result<Vec<JsonPointer>, _> = serde_json::from_str(r#"["/a", "/b~1c"]"#);
         let ok = ok.map_err(|e| e.to_string());
-        assert_eq!(
-            ok.map(|v| v.iter().map(|p| p.as_str().to_owned()).collect::<Vec<_>>()),
-            Ok(vec!["/a".to_owned(), "/b~1c".to_owned()])
-        );
+        assert_eq!(ok.map(|v| v.iter().map(|p| p.as_str().to_owned()).collect::<Vec<_>>()), Ok(vec!["/a".to_owned(), "/b~1c".to_owned()]));
         let bad: Result<JsonPointer, _> = serde_json::from_str(r#""""#);
         let msg = bad.map(|p| p.to_string()).unwrap_or_else(|e| e.to_string());
         assert!(msg.contains("whole document"), "{msg}");

@@ -51,10 +51,7 @@ impl Req {
     }
 
     fn params(mut self, params: &[(&str, &str)]) -> Req {
-        self.params = params
-            .iter()
-            .map(|(n, v)| ((*n).to_owned(), (*v).to_owned()))
-            .collect();
+        self.params = params.iter().map(|(n, v)| ((*n).to_owned(), (*v).to_owned())).collect();
         self
     }
 
@@ -92,10 +89,7 @@ fn spec(exclude: &[&str], defaults: &[(&str, Value)], headers: &[&str]) -> Finge
     FingerprintSpec {
         exclude: exclude.iter().map(|p| ptr(p)).collect(),
         defaults: defaults.iter().map(|(p, v)| (ptr(p), v.clone())).collect(),
-        headers: headers
-            .iter()
-            .map(|h| HeaderName::from_bytes(h.as_bytes()).expect("test header name"))
-            .collect(),
+        headers: headers.iter().map(|h| HeaderName::from_bytes(h.as_bytes()).expect("test header name")).collect(),
     }
 }
 
@@ -120,50 +114,29 @@ fn member_order_and_whitespace_do_not_matter() {
     assert_eq!(canon(b), canon(a));
     assert_eq!(Req::json(a).fp(&none()), Req::json(b).fp(&none()));
     // Array order does matter.
-    assert_ne!(
-        Req::json("[1,2]").fp(&none()),
-        Req::json("[2,1]").fp(&none())
-    );
+    assert_ne!(Req::json("[1,2]").fp(&none()), Req::json("[2,1]").fp(&none()));
 }
 
 #[test]
 fn number_spellings_canonicalize_like_jcs() {
-    assert_eq!(
-        canon("[1.0, 1, 1e0, 10e-1, 0.1e1, -0, -0.0, 0, 1E+2, 100, 1e2]"),
-        "[1,1,1,1,1,0,0,0,100,100,100]"
-    );
+    assert_eq!(canon("[1.0, 1, 1e0, 10e-1, 0.1e1, -0, -0.0, 0, 1E+2, 100, 1e2]"), "[1,1,1,1,1,0,0,0,100,100,100]");
     assert_eq!(canon("[0.1, 0.10, 1e-1]"), "[0.1,0.1,0.1]");
-    assert_eq!(
-        canon("[1e21, 1e20, 1.5e-7, -2.5E-3, 123e-20]"),
-        "[1e+21,100000000000000000000,1.5e-7,-0.0025,1.23e-18]"
-    );
+    assert_eq!(canon("[1e21, 1e20, 1.5e-7, -2.5E-3, 123e-20]"), "[1e+21,100000000000000000000,1.5e-7,-0.0025,1.23e-18]");
     let one = Req::json(r#"{"n": 1}"#).fp(&none());
     for spelling in ["1.0", "1e0", "10e-1", "0.01e2"] {
-        assert_eq!(
-            Req::json(&format!(r#"{{"n": {spelling}}}"#)).fp(&none()),
-            one,
-            "{spelling}"
-        );
+        assert_eq!(Req::json(&format!(r#"{{"n": {spelling}}}"#)).fp(&none()), one, "{spelling}");
     }
     assert_ne!(Req::json(r#"{"n": 1.000001}"#).fp(&none()), one);
-    assert_eq!(
-        Req::json(r#"{"n": -0}"#).fp(&none()),
-        Req::json(r#"{"n": 0}"#).fp(&none())
-    );
+    assert_eq!(Req::json(r#"{"n": -0}"#).fp(&none()), Req::json(r#"{"n": 0}"#).fp(&none()));
 }
 
 #[test]
 fn large_integers_stay_exact_and_distinct() {
     assert_eq!(
-        canon(
-            "[9007199254740993, 9007199254740992, -9007199254740993, 18446744073709551615, -9223372036854775808]"
-        ),
+        canon("[9007199254740993, 9007199254740992, -9007199254740993, 18446744073709551615, -9223372036854775808]"),
         "[9007199254740993,9007199254740992,-9007199254740993,18446744073709551615,-9223372036854775808]"
     );
-    assert_ne!(
-        Req::json(r#"{"id": 9007199254740993}"#).fp(&none()),
-        Req::json(r#"{"id": 9007199254740992}"#).fp(&none())
-    );
+    assert_ne!(Req::json(r#"{"id": 9007199254740993}"#).fp(&none()), Req::json(r#"{"id": 9007199254740992}"#).fp(&none()));
     // Beyond u64 the literal is a double and follows JCS.
     assert_eq!(canon("18446744073709551616"), "18446744073709552000");
 }
@@ -184,9 +157,7 @@ fn rfc8785_section_3_2_2_example() {
 #[test]
 fn string_escapes_are_normalized() {
     assert_eq!(
-        canon(
-            r#"["\u0041", "\/", "\ud83d\ude00", "😀", "\u00e9", "\u001F", "\u007f", "\u2028", "\b\f\n\r\t"]"#
-        ),
+        canon(r#"["\u0041", "\/", "\ud83d\ude00", "😀", "\u00e9", "\u001F", "\u007f", "\u2028", "\b\f\n\r\t"]"#),
         "[\"A\",\"/\",\"😀\",\"😀\",\"é\",\"\\u001f\",\"\u{7f}\",\"\u{2028}\",\"\\b\\f\\n\\r\\t\"]"
     );
     let fp = |s: &str| Req::json(s).fp(&none());
@@ -232,31 +203,14 @@ fn top_level_scalars_are_documents_too() {
 
 #[test]
 fn exclusions_remove_members_and_elements() {
-    let spec = spec(
-        &[
-            "/trace_id",
-            "/meta/sent_at",
-            "/items/0",
-            "/absent",
-            "/absent/deeper",
-            "/items/7",
-        ],
-        &[],
-        &[],
-    );
+    let spec = spec(&["/trace_id", "/meta/sent_at", "/items/0", "/absent", "/absent/deeper", "/items/7"], &[], &[]);
     assert_eq!(
-        canon_with(
-            r#"{"trace_id": "t1", "amount": 5, "meta": {"sent_at": 1, "k": 2}, "items": ["debug", "a", "b"]}"#,
-            &spec
-        ),
+        canon_with(r#"{"trace_id": "t1", "amount": 5, "meta": {"sent_at": 1, "k": 2}, "items": ["debug", "a", "b"]}"#, &spec),
         r#"{"amount":5,"items":["a","b"],"meta":{"k":2}}"#
     );
-    let a =
-        Req::json(r#"{"trace_id": "t1", "amount": 5, "meta": {"sent_at": 1}, "items": [1, 2]}"#);
-    let b =
-        Req::json(r#"{"amount": 5, "trace_id": "t2", "meta": {"sent_at": 99}, "items": [7, 2]}"#);
-    let c =
-        Req::json(r#"{"amount": 6, "trace_id": "t1", "meta": {"sent_at": 1}, "items": [1, 2]}"#);
+    let a = Req::json(r#"{"trace_id": "t1", "amount": 5, "meta": {"sent_at": 1}, "items": [1, 2]}"#);
+    let b = Req::json(r#"{"amount": 5, "trace_id": "t2", "meta": {"sent_at": 99}, "items": [7, 2]}"#);
+    let c = Req::json(r#"{"amount": 6, "trace_id": "t1", "meta": {"sent_at": 1}, "items": [1, 2]}"#);
     assert_eq!(a.fp(&spec), b.fp(&spec));
     assert_ne!(a.fp(&spec), c.fp(&spec));
     // Without the spec they differ.
@@ -266,10 +220,7 @@ fn exclusions_remove_members_and_elements() {
 #[test]
 fn excluding_an_absent_member_equals_not_sending_it() {
     let spec = spec(&["/trace_id"], &[], &[]);
-    assert_eq!(
-        Req::json(r#"{"a": 1, "trace_id": "x"}"#).fp(&spec),
-        Req::json(r#"{"a": 1}"#).fp(&spec)
-    );
+    assert_eq!(Req::json(r#"{"a": 1, "trace_id": "x"}"#).fp(&spec), Req::json(r#"{"a": 1}"#).fp(&spec));
 }
 
 #[test]
@@ -279,14 +230,8 @@ fn defaults_apply_when_absent_and_equal_explicit_value() {
     let explicit = Req::json(r#"{"amount": 5, "currency": "USD"}"#);
     let other = Req::json(r#"{"amount": 5, "currency": "EUR"}"#);
     let null = Req::json(r#"{"amount": 5, "currency": null}"#);
-    assert_eq!(
-        canon_with(r#"{"amount": 5}"#, &spec),
-        r#"{"amount":5,"currency":"USD"}"#
-    );
-    assert_eq!(
-        canon_with(r#"{"amount": 5, "currency": "EUR"}"#, &spec),
-        r#"{"amount":5,"currency":"EUR"}"#
-    );
+    assert_eq!(canon_with(r#"{"amount": 5}"#, &spec), r#"{"amount":5,"currency":"USD"}"#);
+    assert_eq!(canon_with(r#"{"amount": 5, "currency": "EUR"}"#, &spec), r#"{"amount":5,"currency":"EUR"}"#);
     assert_eq!(implicit.fp(&spec), explicit.fp(&spec));
     assert_ne!(implicit.fp(&spec), other.fp(&spec));
     assert_ne!(implicit.fp(&spec), null.fp(&spec));
@@ -295,36 +240,16 @@ fn defaults_apply_when_absent_and_equal_explicit_value() {
 
 #[test]
 fn structured_defaults_are_canonicalized_too() {
-    let spec = spec(
-        &[],
-        &[("/opts", serde_json::json!({"z": 1.0, "a": [true]}))],
-        &[],
-    );
+    let spec = spec(&[], &[("/opts", serde_json::json!({"z": 1.0, "a": [true]}))], &[]);
     assert_eq!(canon_with("{}", &spec), r#"{"opts":{"a":[true],"z":1}}"#);
-    assert_eq!(
-        Req::json("{}").fp(&spec),
-        Req::json(r#"{"opts": {"a": [true], "z": 1}}"#).fp(&spec)
-    );
+    assert_eq!(Req::json("{}").fp(&spec), Req::json(r#"{"opts": {"a": [true], "z": 1}}"#).fp(&spec));
 }
 
 #[test]
 fn defaults_are_applied_before_exclusions() {
-    let spec = spec(
-        &["/sent_at"],
-        &[
-            ("/sent_at", Value::from("now")),
-            ("/currency", Value::from("USD")),
-        ],
-        &[],
-    );
-    assert_eq!(
-        canon_with(r#"{"a": 1}"#, &spec),
-        r#"{"a":1,"currency":"USD"}"#
-    );
-    assert_eq!(
-        canon_with(r#"{"a": 1, "sent_at": 5}"#, &spec),
-        r#"{"a":1,"currency":"USD"}"#
-    );
+    let spec = spec(&["/sent_at"], &[("/sent_at", Value::from("now")), ("/currency", Value::from("USD"))], &[]);
+    assert_eq!(canon_with(r#"{"a": 1}"#, &spec), r#"{"a":1,"currency":"USD"}"#);
+    assert_eq!(canon_with(r#"{"a": 1, "sent_at": 5}"#, &spec), r#"{"a":1,"currency":"USD"}"#);
 }
 
 #[test]
@@ -336,48 +261,28 @@ fn spec_validation_bounds_default_depth() {
         }
         v
     };
-    assert_eq!(
-        spec(&[], &[("/a", deep(MAX_DEPTH - 1))], &[]).validate(),
-        Ok(())
-    );
+    assert_eq!(spec(&[], &[("/a", deep(MAX_DEPTH - 1))], &[]).validate(), Ok(()));
     assert_eq!(
         spec(&[], &[("/a/b", deep(MAX_DEPTH - 1))], &[]).validate(),
-        Err(SpecError::DefaultTooDeep {
-            pointer: "/a/b".into(),
-            depth: MAX_DEPTH + 1,
-            limit: MAX_DEPTH
-        })
+        Err(SpecError::DefaultTooDeep { pointer: "/a/b".into(), depth: MAX_DEPTH + 1, limit: MAX_DEPTH })
     );
     // Such a default would otherwise fail requests at hashing time, not panic.
     let bad = spec(&[], &[("/a", deep(MAX_DEPTH))], &[]);
-    assert_eq!(
-        Req::json("{}").try_fp(&bad),
-        Err(FingerprintError::TooDeep { limit: MAX_DEPTH })
-    );
+    assert_eq!(Req::json("{}").try_fp(&bad), Err(FingerprintError::TooDeep { limit: MAX_DEPTH }));
 }
 
 // ---- rejected bodies --------------------------------------------------------------
 
 #[test]
 fn duplicates_are_rejected_with_pointer() {
-    assert_eq!(
-        Req::json(r#"{"a": 1, "a": 1}"#).try_fp(&none()),
-        Err(FingerprintError::DuplicateMember {
-            pointer: "/a".into()
-        })
-    );
+    assert_eq!(Req::json(r#"{"a": 1, "a": 1}"#).try_fp(&none()), Err(FingerprintError::DuplicateMember { pointer: "/a".into() }));
     assert_eq!(
         Req::json(r#"{"x": [{"y": 1}, {"y": 2, "z": 0, "y": 3}]}"#).try_fp(&none()),
-        Err(FingerprintError::DuplicateMember {
-            pointer: "/x/1/y".into()
-        })
+        Err(FingerprintError::DuplicateMember { pointer: "/x/1/y".into() })
     );
     // Even inside an excluded subtree: the body itself is malformed.
     let spec = spec(&["/x"], &[], &[]);
-    assert!(matches!(
-        canonical_json(br#"{"x": {"d": 1, "d": 2}}"#, &spec),
-        Err(FingerprintError::DuplicateMember { .. })
-    ));
+    assert!(matches!(canonical_json(br#"{"x": {"d": 1, "d": 2}}"#, &spec), Err(FingerprintError::DuplicateMember { .. })));
 }
 
 fn nested_arrays(n: usize) -> String {
@@ -388,52 +293,24 @@ fn nested_arrays(n: usize) -> String {
 fn depth_boundary_is_64_containers() {
     assert_eq!(canon(&nested_arrays(64)), nested_arrays(64));
     assert!(Req::json(&nested_arrays(64)).try_fp(&none()).is_ok());
-    assert_eq!(
-        Req::json(&nested_arrays(65)).try_fp(&none()),
-        Err(FingerprintError::TooDeep { limit: 64 })
-    );
-    assert_eq!(
-        canonical_json(nested_arrays(65).as_bytes(), &none()),
-        Err(FingerprintError::TooDeep { limit: 64 })
-    );
+    assert_eq!(Req::json(&nested_arrays(65)).try_fp(&none()), Err(FingerprintError::TooDeep { limit: 64 }));
+    assert_eq!(canonical_json(nested_arrays(65).as_bytes(), &none()), Err(FingerprintError::TooDeep { limit: 64 }));
 }
 
 #[test]
 fn ten_thousand_levels_fail_cleanly_on_the_test_thread() {
-    assert_eq!(
-        Req::json(&nested_arrays(10_000)).try_fp(&none()),
-        Err(FingerprintError::TooDeep { limit: 64 })
-    );
+    assert_eq!(Req::json(&nested_arrays(10_000)).try_fp(&none()), Err(FingerprintError::TooDeep { limit: 64 }));
 }
 
 #[test]
 fn invalid_json_bodies_are_errors_but_same_bytes_as_raw_are_fine() {
-    for bad in [
-        "{\"a\":",
-        "{\"a\":1} trailing",
-        "[1,,2]",
-        "'single'",
-        "{a:1}",
-        "\"\\ud800\"",
-    ] {
+    for bad in ["{\"a\":", "{\"a\":1} trailing", "[1,,2]", "'single'", "{a:1}", "\"\\ud800\""] {
         let err = Req::json(bad).try_fp(&none());
-        assert!(
-            matches!(err, Err(FingerprintError::InvalidJson { .. })),
-            "{bad}: {err:?}"
-        );
-        assert!(
-            Req::new(Some("text/plain"), bad.as_bytes())
-                .try_fp(&none())
-                .is_ok()
-        );
+        assert!(matches!(err, Err(FingerprintError::InvalidJson { .. })), "{bad}: {err:?}");
+        assert!(Req::new(Some("text/plain"), bad.as_bytes()).try_fp(&none()).is_ok());
     }
-    assert_eq!(
-        Req::new(Some(JSON), b"{\"a\":\"\xff\"}").try_fp(&none()),
-        Err(FingerprintError::InvalidUtf8 { valid_up_to: 6 })
-    );
-    let Err(FingerprintError::InvalidJson { line, column, .. }) =
-        canonical_json(b"[1,\n2,\n}", &none())
-    else {
+    assert_eq!(Req::new(Some(JSON), b"{\"a\":\"\xff\"}").try_fp(&none()), Err(FingerprintError::InvalidUtf8 { valid_up_to: 6 }));
+    let Err(FingerprintError::InvalidJson { line, column, .. }) = canonical_json(b"[1,\n2,\n}", &none()) else {
         panic!("expected InvalidJson");
     };
     assert_eq!((line, column), (3, 1));
@@ -447,14 +324,8 @@ fn content_type_selects_body_kind() {
     assert_eq!(kind("application/json"), BodyKind::Json);
     assert_eq!(kind("Application/JSON; charset=UTF-8"), BodyKind::Json);
     assert_eq!(kind("application/problem+json"), BodyKind::Json);
-    assert_eq!(
-        kind("application/vnd.acme.order+JSON ; v=2"),
-        BodyKind::Json
-    );
-    assert_eq!(
-        kind("application/x-www-form-urlencoded; charset=utf-8"),
-        BodyKind::Form
-    );
+    assert_eq!(kind("application/vnd.acme.order+JSON ; v=2"), BodyKind::Json);
+    assert_eq!(kind("application/x-www-form-urlencoded; charset=utf-8"), BodyKind::Form);
     assert_eq!(kind("text/plain"), BodyKind::Raw);
     assert_eq!(kind("text/json"), BodyKind::Raw);
     assert_eq!(kind("application/jsonl"), BodyKind::Raw);
@@ -477,29 +348,20 @@ fn form_bodies_are_decoded_and_sorted() {
     assert_ne!(raw("b=2&a=1"), raw("a=1&b=2"));
     // Exclusions and defaults are JSON-only.
     let s = spec(&["/a"], &[], &[]);
-    assert_ne!(
-        Req::new(Some(FORM), b"a=1").fp(&s),
-        Req::new(Some(FORM), b"a=2").fp(&s)
-    );
+    assert_ne!(Req::new(Some(FORM), b"a=1").fp(&s), Req::new(Some(FORM), b"a=2").fp(&s));
 }
 
 #[test]
 fn other_content_types_hash_raw_bytes() {
     let r = |ct: Option<&str>, body: &str| Req::new(ct, body.as_bytes()).fp(&none());
-    assert_ne!(
-        r(Some("text/plain"), r#"{"a":1,"b":2}"#),
-        r(Some("text/plain"), r#"{"b":2,"a":1}"#)
-    );
+    assert_ne!(r(Some("text/plain"), r#"{"a":1,"b":2}"#), r(Some("text/plain"), r#"{"b":2,"a":1}"#));
     assert_ne!(r(None, "{\"a\":1}"), r(None, "{\"a\": 1}"));
     assert_eq!(r(None, "abc"), r(Some("application/octet-stream"), "abc"));
     assert_ne!(r(None, "abc"), r(None, "abd"));
     // Canonical JSON and raw bytes never collide, thanks to the body-kind tag.
     assert_ne!(r(Some(JSON), "{\"a\":1}"), r(None, "{\"a\":1}"));
     // Media type parameters alone do not change the hash.
-    assert_eq!(
-        r(Some(JSON), "{\"a\":1}"),
-        r(Some("application/json; charset=utf-8"), "{ \"a\" : 1 }")
-    );
+    assert_eq!(r(Some(JSON), "{\"a\":1}"), r(Some("application/json; charset=utf-8"), "{ \"a\" : 1 }"));
 }
 
 #[test]
@@ -529,31 +391,15 @@ fn method_operation_and_path_params_enter_the_hash() {
     let mut op = base.clone();
     op.operation = "cancel_order".into();
     assert_ne!(op.fp(&none()), fp);
-    assert_ne!(
-        base.clone()
-            .params(&[("account", "7"), ("order", "8")])
-            .fp(&none()),
-        fp
-    );
-    assert_ne!(
-        base.clone()
-            .params(&[("order", "9"), ("account", "7")])
-            .fp(&none()),
-        fp
-    );
+    assert_ne!(base.clone().params(&[("account", "7"), ("order", "8")]).fp(&none()), fp);
+    assert_ne!(base.clone().params(&[("order", "9"), ("account", "7")]).fp(&none()), fp);
     assert_ne!(base.clone().params(&[("account", "7")]).fp(&none()), fp);
     assert_eq!(base.clone().fp(&none()), fp);
     // Length prefixes keep field boundaries: ("ab","c") is not ("a","bc").
-    assert_ne!(
-        Req::json("{}").params(&[("ab", "c")]).fp(&none()),
-        Req::json("{}").params(&[("a", "bc")]).fp(&none())
-    );
+    assert_ne!(Req::json("{}").params(&[("ab", "c")]).fp(&none()), Req::json("{}").params(&[("a", "bc")]).fp(&none()));
     let mut shifted = Req::json("{}");
     shifted.operation = "create_orderx".into();
-    assert_ne!(
-        shifted.fp(&none()),
-        Req::json("{}").params(&[("x", "")]).fp(&none())
-    );
+    assert_ne!(shifted.fp(&none()), Req::json("{}").params(&[("x", "")]).fp(&none()));
 }
 
 #[test]
@@ -572,38 +418,17 @@ fn query_is_canonicalized() {
 #[test]
 fn only_listed_headers_enter_the_hash() {
     let s = spec(&[], &[], &["api-version"]);
-    let base = Req::json("{}")
-        .header("api-version", "2024-01-01")
-        .header("x-request-id", "r1");
+    let base = Req::json("{}").header("api-version", "2024-01-01").header("x-request-id", "r1");
     let fp = base.fp(&s);
-    assert_ne!(
-        Req::json("{}")
-            .header("api-version", "2025-01-01")
-            .header("x-request-id", "r1")
-            .fp(&s),
-        fp
-    );
-    assert_eq!(
-        Req::json("{}")
-            .header("api-version", "2024-01-01")
-            .header("x-request-id", "r2")
-            .fp(&s),
-        fp
-    );
+    assert_ne!(Req::json("{}").header("api-version", "2025-01-01").header("x-request-id", "r1").fp(&s), fp);
+    assert_eq!(Req::json("{}").header("api-version", "2024-01-01").header("x-request-id", "r2").fp(&s), fp);
     // Unlisted, it does not matter.
     assert_eq!(
-        Req::json("{}")
-            .header("api-version", "2025-01-01")
-            .fp(&none()),
-        Req::json("{}")
-            .header("api-version", "2024-01-01")
-            .fp(&none())
+        Req::json("{}").header("api-version", "2025-01-01").fp(&none()),
+        Req::json("{}").header("api-version", "2024-01-01").fp(&none())
     );
     // Header names are case-insensitive.
-    assert_eq!(
-        Req::json("{}").header("API-Version", "2024-01-01").fp(&s),
-        fp
-    );
+    assert_eq!(Req::json("{}").header("API-Version", "2024-01-01").fp(&s), fp);
 }
 
 #[test]
@@ -612,15 +437,9 @@ fn absent_header_differs_from_empty_and_values_join_in_order() {
     let absent = Req::json("{}").fp(&s);
     let empty = Req::json("{}").header("api-version", "").fp(&s);
     assert_ne!(absent, empty);
-    let two_lines = Req::json("{}")
-        .header("api-version", "a")
-        .header("api-version", "b")
-        .fp(&s);
+    let two_lines = Req::json("{}").header("api-version", "a").header("api-version", "b").fp(&s);
     let one_line = Req::json("{}").header("api-version", "a, b").fp(&s);
-    let reversed = Req::json("{}")
-        .header("api-version", "b")
-        .header("api-version", "a")
-        .fp(&s);
+    let reversed = Req::json("{}").header("api-version", "b").header("api-version", "a").fp(&s);
     assert_eq!(two_lines, one_line);
     assert_ne!(two_lines, reversed);
     // A spec listing a header the request lacks still differs from one that lists none.
@@ -689,10 +508,7 @@ fn fingerprint_displays_and_parses_as_lowercase_hex() {
     let fp = Req::json("{}").fp(&none());
     let text = fp.to_string();
     assert_eq!(text.len(), 64);
-    assert!(
-        text.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')),
-        "{text}"
-    );
+    assert!(text.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')), "{text}");
     assert_eq!(text, hex::encode(fp.as_bytes()));
     assert_eq!(text, fp.to_hex());
     assert_eq!(text.parse::<Fingerprint>(), Ok(fp));

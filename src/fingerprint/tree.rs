@@ -48,21 +48,11 @@ pub(crate) enum Node<'a> {
 
 /// Parses a complete JSON document (UTF-8, no trailing data) into a [`Node`].
 pub(crate) fn parse(body: &[u8]) -> Result<Node<'_>, FingerprintError> {
-    let text = std::str::from_utf8(body).map_err(|e| FingerprintError::InvalidUtf8 {
-        valid_up_to: e.valid_up_to(),
-    })?;
-    let mut state = ParseState {
-        failure: None,
-        numbers: NumberCursor::new(text),
-    };
+    let text = std::str::from_utf8(body).map_err(|e| FingerprintError::InvalidUtf8 { valid_up_to: e.valid_up_to() })?;
+    let mut state = ParseState { failure: None, numbers: NumberCursor::new(text) };
     let mut de = serde_json::Deserializer::from_str(text);
-    let seed = NodeSeed {
-        state: &mut state,
-        depth: 1,
-    };
-    let result = seed
-        .deserialize(&mut de)
-        .and_then(|node| de.end().map(|()| node));
+    let seed = NodeSeed { state: &mut state, depth: 1 };
+    let result = seed.deserialize(&mut de).and_then(|node| de.end().map(|()| node));
     result.map_err(|e| match state.failure {
         Some(f) => f.into_error(),
         None => invalid_json(&e),
@@ -74,11 +64,7 @@ fn invalid_json(e: &serde_json::Error) -> FingerprintError {
     let text = e.to_string();
     let suffix = format!(" at line {line} column {column}");
     let reason = text.strip_suffix(&suffix).unwrap_or(&text).to_owned();
-    FingerprintError::InvalidJson {
-        line,
-        column,
-        reason,
-    }
+    FingerprintError::InvalidJson { line, column, reason }
 }
 
 /// A structural rejection raised inside the visitor. serde only lets us return an opaque
@@ -134,11 +120,7 @@ struct NumberCursor<'t> {
 
 impl<'t> NumberCursor<'t> {
     fn new(text: &'t str) -> Self {
-        NumberCursor {
-            text,
-            pos: 0,
-            pending: 0,
-        }
+        NumberCursor { text, pos: 0, pending: 0 }
     }
 
     fn skip_integer(&mut self) {
@@ -172,17 +154,11 @@ impl<'t> NumberCursor<'t> {
         let bytes = self.text.as_bytes();
         let mut i = self.pos;
         loop {
-            i += bytes
-                .get(i..)?
-                .iter()
-                .position(|&b| b == b'"' || b == b'-' || b.is_ascii_digit())?;
+            i += bytes.get(i..)?.iter().position(|&b| b == b'"' || b == b'-' || b.is_ascii_digit())?;
             if bytes.get(i) == Some(&b'"') {
                 i += 1;
                 loop {
-                    i += bytes
-                        .get(i..)?
-                        .iter()
-                        .position(|&b| b == b'"' || b == b'\\')?;
+                    i += bytes.get(i..)?.iter().position(|&b| b == b'"' || b == b'\\')?;
                     let quote = bytes.get(i) == Some(&b'"');
                     i += if quote { 1 } else { 2 };
                     if quote {
@@ -192,10 +168,7 @@ impl<'t> NumberCursor<'t> {
             } else {
                 let start = i;
                 let token = bytes.get(i..)?;
-                i += token
-                    .iter()
-                    .position(|b| !matches!(b, b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E'))
-                    .unwrap_or(token.len());
+                i += token.iter().position(|b| !matches!(b, b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E')).unwrap_or(token.len());
                 self.pos = i;
                 return self.text.get(start..i);
             }
@@ -224,11 +197,7 @@ impl NodeSeed<'_, '_> {
     }
 
     fn check_depth<E: de::Error>(self) -> Result<Self, E> {
-        if self.depth > MAX_DEPTH {
-            Err(self.fail(FailureKind::TooDeep, Vec::new(), "nesting too deep"))
-        } else {
-            Ok(self)
-        }
+        if self.depth > MAX_DEPTH { Err(self.fail(FailureKind::TooDeep, Vec::new(), "nesting too deep")) } else { Ok(self) }
     }
 }
 
@@ -284,10 +253,7 @@ impl<'de> Visitor<'de> for NodeSeed<'_, 'de> {
         let this = self.check_depth()?;
         let mut items = Vec::new();
         loop {
-            let child = NodeSeed {
-                state: &mut *this.state,
-                depth: this.depth + 1,
-            };
+            let child = NodeSeed { state: &mut *this.state, depth: this.depth + 1 };
             match seq.next_element_seed(child) {
                 Ok(Some(item)) => items.push(item),
                 Ok(None) => break,
@@ -304,10 +270,7 @@ impl<'de> Visitor<'de> for NodeSeed<'_, 'de> {
         let this = self.check_depth()?;
         let mut members: Vec<(Cow<'de, str>, Node<'de>)> = Vec::new();
         while let Some(name) = map.next_key_seed(NameSeed)? {
-            let child = NodeSeed {
-                state: &mut *this.state,
-                depth: this.depth + 1,
-            };
+            let child = NodeSeed { state: &mut *this.state, depth: this.depth + 1 };
             match map.next_value_seed(child) {
                 Ok(value) => members.push((name, value)),
                 Err(e) => {
@@ -348,10 +311,7 @@ struct NameSeed;
 impl<'de> DeserializeSeed<'de> for NameSeed {
     type Value = Cow<'de, str>;
 
-    fn deserialize<D: de::Deserializer<'de>>(
-        self,
-        deserializer: D,
-    ) -> Result<Self::Value, D::Error> {
+    fn deserialize<D: de::Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
         deserializer.deserialize_str(self)
     }
 }
@@ -382,11 +342,7 @@ fn materialize<'a>(node: &mut Node<'a>) {
     if let Node::Borrowed(value) = *node {
         match value {
             Value::Object(map) => {
-                *node = Node::Object(
-                    map.iter()
-                        .map(|(k, v)| (Cow::Borrowed(k.as_str()), Node::Borrowed(v)))
-                        .collect(),
-                );
+                *node = Node::Object(map.iter().map(|(k, v)| (Cow::Borrowed(k.as_str()), Node::Borrowed(v))).collect());
             }
             Value::Array(items) => *node = Node::Array(items.iter().map(Node::Borrowed).collect()),
             _ => {}
@@ -398,10 +354,7 @@ fn materialize<'a>(node: &mut Node<'a>) {
 fn child<'n, 'a>(node: &'n mut Node<'a>, token: &str) -> Option<&'n mut Node<'a>> {
     materialize(node);
     match node {
-        Node::Object(members) => members
-            .iter_mut()
-            .find(|(name, _)| name == token)
-            .map(|(_, v)| v),
+        Node::Object(members) => members.iter_mut().find(|(name, _)| name == token).map(|(_, v)| v),
         Node::Array(items) => array_index(token).and_then(|i| items.get_mut(i)),
         _ => None,
     }
@@ -466,9 +419,7 @@ mod tests {
     #[test]
     fn keeps_insertion_order_and_borrows_plain_strings() {
         let node = ok(r#"{"b": "x", "a": "y\n"}"#);
-        let Node::Object(members) = node else {
-            panic!("not an object: {node:?}")
-        };
+        let Node::Object(members) = node else { panic!("not an object: {node:?}") };
         let names: Vec<&str> = members.iter().map(|(n, _)| n.as_ref()).collect();
         assert_eq!(names, ["b", "a"]);
         assert!(matches!(members[0].0, Cow::Borrowed("b")));
@@ -495,16 +446,7 @@ mod tests {
 
     fn floats(body: &str) -> Vec<u64> {
         match ok(body) {
-            Node::Array(items) => items
-                .iter()
-                .filter_map(|n| {
-                    if let Node::F64(f) = n {
-                        Some(f.to_bits())
-                    } else {
-                        None
-                    }
-                })
-                .collect(),
+            Node::Array(items) => items.iter().filter_map(|n| if let Node::F64(f) = n { Some(f.to_bits()) } else { None }).collect(),
             other => panic!("not an array: {other:?}"),
         }
     }
@@ -513,22 +455,12 @@ mod tests {
     fn floats_are_correctly_rounded() {
         // serde_json's default parser reads this one ulp low (333333333.33333325);
         // the nearest double prints as 333333333.3333333.
-        assert_eq!(
-            floats("[333333333.33333329]"),
-            [333333333.3333333f64.to_bits()]
-        );
+        assert_eq!(floats("[333333333.33333329]"), [333333333.3333333f64.to_bits()]);
         // Tokens inside strings (with escaped quotes) and integers keep the cursor in step.
         let body = r#"[1, "2.5", {"k\"3.5": "\\", "x": -4}, 0.30000000000000004, 7, 2.2250738585072014e-308, 5e-324, "9e9", 1.7976931348623157e308]"#;
         let got = floats(body);
-        let want: Vec<u64> = [
-            0.30000000000000004f64,
-            2.2250738585072014e-308,
-            5e-324,
-            1.7976931348623157e308,
-        ]
-        .iter()
-        .map(|f| f.to_bits())
-        .collect();
+        let want: Vec<u64> =
+            [0.30000000000000004f64, 2.2250738585072014e-308, 5e-324, 1.7976931348623157e308].iter().map(|f| f.to_bits()).collect();
         assert_eq!(got, want);
     }
 
@@ -548,42 +480,24 @@ mod tests {
             literals.push(format!("{sign}{}.{}e{exp}", &mantissa[..1], &mantissa[1..]));
         }
         let body = format!("[{}]", literals.join(","));
-        let want: Vec<u64> = literals
-            .iter()
-            .map(|l| l.parse::<f64>().map(f64::to_bits).unwrap_or_default())
-            .collect();
+        let want: Vec<u64> = literals.iter().map(|l| l.parse::<f64>().map(f64::to_bits).unwrap_or_default()).collect();
         assert_eq!(floats(&body), want);
     }
 
     #[test]
     fn duplicate_at_top_level_names_pointer() {
-        assert_eq!(
-            err(br#"{"a": 1, "b": 2, "a": 3}"#),
-            FingerprintError::DuplicateMember {
-                pointer: "/a".into()
-            }
-        );
+        assert_eq!(err(br#"{"a": 1, "b": 2, "a": 3}"#), FingerprintError::DuplicateMember { pointer: "/a".into() });
     }
 
     #[test]
     fn duplicate_detected_after_unescaping() {
-        assert_eq!(
-            err(br#"{"A": 1, "\u0041": 2}"#),
-            FingerprintError::DuplicateMember {
-                pointer: "/A".into()
-            }
-        );
+        assert_eq!(err(br#"{"A": 1, "\u0041": 2}"#), FingerprintError::DuplicateMember { pointer: "/A".into() });
     }
 
     #[test]
     fn duplicate_nested_names_full_escaped_pointer() {
         let body = br#"{"ok": 1, "a/b": [0, {"x": {"m~n": true, "m~n": false}}]}"#;
-        assert_eq!(
-            err(body),
-            FingerprintError::DuplicateMember {
-                pointer: "/a~1b/1/x/m~0n".into()
-            }
-        );
+        assert_eq!(err(body), FingerprintError::DuplicateMember { pointer: "/a~1b/1/x/m~0n".into() });
     }
 
     #[test]
@@ -593,12 +507,7 @@ mod tests {
             body.push_str(&format!("\"k{i}\": {i},"));
         }
         body.push_str("\"k42\": 0}");
-        assert_eq!(
-            err(body.as_bytes()),
-            FingerprintError::DuplicateMember {
-                pointer: "/k42".into()
-            }
-        );
+        assert_eq!(err(body.as_bytes()), FingerprintError::DuplicateMember { pointer: "/k42".into() });
         // And the same object without the duplicate is fine.
         let clean = body.replace("\"k42\": 0}", "\"k100\": 0}");
         assert!(parse(clean.as_bytes()).is_ok());
@@ -611,19 +520,9 @@ mod tests {
     #[test]
     fn depth_64_is_accepted_65_rejected() {
         assert!(parse(nested("[", "]", MAX_DEPTH).as_bytes()).is_ok());
-        assert_eq!(
-            err(nested("[", "]", MAX_DEPTH + 1).as_bytes()),
-            FingerprintError::TooDeep { limit: 64 }
-        );
-        let objects = format!(
-            "{}1{}",
-            "{\"a\":".repeat(MAX_DEPTH + 1),
-            "}".repeat(MAX_DEPTH + 1)
-        );
-        assert_eq!(
-            err(objects.as_bytes()),
-            FingerprintError::TooDeep { limit: 64 }
-        );
+        assert_eq!(err(nested("[", "]", MAX_DEPTH + 1).as_bytes()), FingerprintError::TooDeep { limit: 64 });
+        let objects = format!("{}1{}", "{\"a\":".repeat(MAX_DEPTH + 1), "}".repeat(MAX_DEPTH + 1));
+        assert_eq!(err(objects.as_bytes()), FingerprintError::TooDeep { limit: 64 });
         let objects = format!("{}1{}", "{\"a\":".repeat(MAX_DEPTH), "}".repeat(MAX_DEPTH));
         assert!(parse(objects.as_bytes()).is_ok());
     }
@@ -631,121 +530,56 @@ mod tests {
     #[test]
     fn depth_counts_mixed_containers() {
         // 32 objects around 32 arrays = 64: ok; one more array: too deep.
-        let ok_doc = format!(
-            "{}{}{}{}",
-            "{\"a\":".repeat(32),
-            "[".repeat(32),
-            "]".repeat(32),
-            "}".repeat(32)
-        );
+        let ok_doc = format!("{}{}{}{}", "{\"a\":".repeat(32), "[".repeat(32), "]".repeat(32), "}".repeat(32));
         assert!(parse(ok_doc.as_bytes()).is_ok());
-        let deep = format!(
-            "{}{}{}{}",
-            "{\"a\":".repeat(32),
-            "[".repeat(33),
-            "]".repeat(33),
-            "}".repeat(32)
-        );
-        assert_eq!(
-            err(deep.as_bytes()),
-            FingerprintError::TooDeep { limit: 64 }
-        );
+        let deep = format!("{}{}{}{}", "{\"a\":".repeat(32), "[".repeat(33), "]".repeat(33), "}".repeat(32));
+        assert_eq!(err(deep.as_bytes()), FingerprintError::TooDeep { limit: 64 });
     }
 
     #[test]
     fn ten_thousand_deep_is_rejected_without_overflow() {
         // Runs on the default (2 MiB) test thread on purpose.
-        assert_eq!(
-            err(nested("[", "]", 10_000).as_bytes()),
-            FingerprintError::TooDeep { limit: 64 }
-        );
+        assert_eq!(err(nested("[", "]", 10_000).as_bytes()), FingerprintError::TooDeep { limit: 64 });
         // Unterminated, too: the depth check fires before the syntax error.
-        assert_eq!(
-            err("[".repeat(10_000).as_bytes()),
-            FingerprintError::TooDeep { limit: 64 }
-        );
+        assert_eq!(err("[".repeat(10_000).as_bytes()), FingerprintError::TooDeep { limit: 64 });
         let objects = "{\"a\":".repeat(10_000);
-        assert_eq!(
-            err(objects.as_bytes()),
-            FingerprintError::TooDeep { limit: 64 }
-        );
+        assert_eq!(err(objects.as_bytes()), FingerprintError::TooDeep { limit: 64 });
     }
 
     #[test]
     fn invalid_json_reports_position() {
-        let FingerprintError::InvalidJson {
-            line,
-            column,
-            reason,
-        } = err(b"{\n  \"a\": tru }")
-        else {
+        let FingerprintError::InvalidJson { line, column, reason } = err(b"{\n  \"a\": tru }") else {
             panic!("expected InvalidJson");
         };
         assert_eq!((line, column), (2, 11));
         assert!(!reason.contains("line"), "{reason}");
-        assert!(matches!(
-            err(b"{\"a\":1} x"),
-            FingerprintError::InvalidJson { .. }
-        ));
+        assert!(matches!(err(b"{\"a\":1} x"), FingerprintError::InvalidJson { .. }));
         assert!(matches!(err(b"[1,]"), FingerprintError::InvalidJson { .. }));
-        assert!(matches!(
-            err(b"{\"a\" 1}"),
-            FingerprintError::InvalidJson { .. }
-        ));
+        assert!(matches!(err(b"{\"a\" 1}"), FingerprintError::InvalidJson { .. }));
         assert!(matches!(err(b"   "), FingerprintError::InvalidJson { .. }));
-        assert!(matches!(
-            err(b"1e400"),
-            FingerprintError::InvalidJson { .. }
-        ));
+        assert!(matches!(err(b"1e400"), FingerprintError::InvalidJson { .. }));
         assert!(matches!(err(b"NaN"), FingerprintError::InvalidJson { .. }));
-        assert!(matches!(
-            err(b"\"\\x\""),
-            FingerprintError::InvalidJson { .. }
-        ));
-        assert!(matches!(
-            err(b"\"a\tb\""),
-            FingerprintError::InvalidJson { .. }
-        ));
+        assert!(matches!(err(b"\"\\x\""), FingerprintError::InvalidJson { .. }));
+        assert!(matches!(err(b"\"a\tb\""), FingerprintError::InvalidJson { .. }));
     }
 
     #[test]
     fn lone_surrogates_are_rejected() {
-        for body in [
-            r#"["\ud800"]"#,
-            r#""\udc00""#,
-            r#""\ud800x""#,
-            r#""\ud800\u0041""#,
-            r#""\udbff\udbff""#,
-        ] {
+        for body in [r#"["\ud800"]"#, r#""\udc00""#, r#""\ud800x""#, r#""\ud800\u0041""#, r#""\udbff\udbff""#] {
             let e = err(body.as_bytes());
-            assert!(
-                matches!(e, FingerprintError::InvalidJson { .. }),
-                "{body}: {e:?}"
-            );
+            assert!(matches!(e, FingerprintError::InvalidJson { .. }), "{body}: {e:?}");
         }
         // A proper pair is fine.
-        assert_eq!(
-            ok(r#""\ud83d\ude00""#),
-            Node::Str(Cow::Owned("\u{1f600}".to_owned()))
-        );
+        assert_eq!(ok(r#""\ud83d\ude00""#), Node::Str(Cow::Owned("\u{1f600}".to_owned())));
     }
 
     #[test]
     fn invalid_utf8_is_rejected_with_offset() {
-        assert_eq!(
-            err(b"[\"ab\xff\"]"),
-            FingerprintError::InvalidUtf8 { valid_up_to: 4 }
-        );
+        assert_eq!(err(b"[\"ab\xff\"]"), FingerprintError::InvalidUtf8 { valid_up_to: 4 });
         // A UTF-8 byte order mark is valid UTF-8 but not JSON.
-        assert!(matches!(
-            err(b"\xef\xbb\xbf{}"),
-            FingerprintError::InvalidJson { .. }
-        ));
+        assert!(matches!(err(b"\xef\xbb\xbf{}"), FingerprintError::InvalidJson { .. }));
         // Overlong encoding of '/'.
-        assert_eq!(
-            err(b"\"\xc0\xaf\""),
-            FingerprintError::InvalidUtf8 { valid_up_to: 1 }
-        );
+        assert_eq!(err(b"\"\xc0\xaf\""), FingerprintError::InvalidUtf8 { valid_up_to: 1 });
     }
 
     fn ptr(s: &str) -> JsonPointer {
@@ -764,17 +598,7 @@ mod tests {
     #[test]
     fn exclusions_use_original_indices_and_ignore_missing() {
         let mut node = ok(r#"{"a": [10, 11, 12, 13], "b": {"c": 1, "d": 2}, "e": 3}"#);
-        for p in [
-            "/a/1",
-            "/a/2",
-            "/b/c",
-            "/missing",
-            "/b/c/deeper",
-            "/e/x",
-            "/a/9",
-            "/a/-",
-            "/a/01",
-        ] {
+        for p in ["/a/1", "/a/2", "/b/c", "/missing", "/b/c/deeper", "/e/x", "/a/9", "/a/-", "/a/01"] {
             apply_exclusion(&mut node, &ptr(p));
         }
         assert_eq!(render(&mut node), r#"{"a":[10,13],"b":{"d":2},"e":3}"#);
@@ -793,10 +617,7 @@ mod tests {
         apply_default(&mut node, &p_nested, &std_);
         apply_default(&mut node, &p_missing_parent, &usd);
         apply_default(&mut node, &p_array_parent, &usd);
-        assert_eq!(
-            render(&mut node),
-            r#"{"currency":"USD","items":[1],"shipping":{"method":"standard"}}"#
-        );
+        assert_eq!(render(&mut node), r#"{"currency":"USD","items":[1],"shipping":{"method":"standard"}}"#);
         // Present values are kept.
         let mut node = ok(r#"{"currency": "EUR"}"#);
         apply_default(&mut node, &p_cur, &usd);

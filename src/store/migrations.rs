@@ -11,17 +11,11 @@ pub struct Migration {
     pub sql: &'static str,
 }
 
-pub const POSTGRES: &[Migration] = &[Migration {
-    version: 1,
-    name: "0001_records",
-    sql: include_str!("../../migrations/postgres/0001_records.sql"),
-}];
+pub const POSTGRES: &[Migration] =
+    &[Migration { version: 1, name: "0001_records", sql: include_str!("../../migrations/postgres/0001_records.sql") }];
 
-pub const SQLITE: &[Migration] = &[Migration {
-    version: 1,
-    name: "0001_records",
-    sql: include_str!("../../migrations/sqlite/0001_records.sql"),
-}];
+pub const SQLITE: &[Migration] =
+    &[Migration { version: 1, name: "0001_records", sql: include_str!("../../migrations/sqlite/0001_records.sql") }];
 
 /// Key for `pg_advisory_xact_lock` while migrating ("idemgate" in ASCII).
 pub const PG_LOCK_KEY: i64 = 0x6964_656d_6761_7465;

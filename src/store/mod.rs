@@ -85,7 +85,10 @@ pub struct Claim {
 pub enum ClaimOutcome {
     Claimed(Claim),
     /// Another record holds the scope; `now` is the store's clock when read.
-    Existing { record: Record, now: Timestamp },
+    Existing {
+        record: Record,
+        now: Timestamp,
+    },
 }
 
 /// What one claim statement found, before the protocol's read-back logic.
@@ -296,10 +299,7 @@ impl Store {
     /// Frees the key: the request provably never reached the upstream, or the
     /// response must not be stored.
     pub async fn release(&self, claim: &Claim) -> Result<WriteOutcome, StoreError> {
-        self.fenced_write("release", claim, None, || async {
-            dispatch!(self, b => b.release(&claim.scope, claim.generation))
-        })
-        .await
+        self.fenced_write("release", claim, None, || async { dispatch!(self, b => b.release(&claim.scope, claim.generation)) }).await
     }
 
     /// The request may have reached the upstream but its outcome is lost.
@@ -314,9 +314,7 @@ impl Store {
     /// `unknown` (unless someone moved it on meanwhile).
     pub async fn expire_lease(&self, record: &Record) -> Result<WriteOutcome, StoreError> {
         let written = self
-            .bounded("expire_lease", true, async {
-                dispatch!(self, b => b.mark_unknown(&record.scope, record.generation, true))
-            })
+            .bounded("expire_lease", true, async { dispatch!(self, b => b.mark_unknown(&record.scope, record.generation, true)) })
             .await?;
         Ok(if written { WriteOutcome::Written } else { WriteOutcome::Fenced })
     }
@@ -325,7 +323,13 @@ impl Store {
     /// the row back; if it still shows our generation in flight the write did
     /// not happen and is retried; if it shows `goal` under our generation (for
     /// a release, `goal` is `None`: the row is gone) it did.
-    async fn fenced_write<F, Fut>(&self, op: &'static str, claim: &Claim, goal: Option<State>, attempt: F) -> Result<WriteOutcome, StoreError>
+    async fn fenced_write<F, Fut>(
+        &self,
+        op: &'static str,
+        claim: &Claim,
+        goal: Option<State>,
+        attempt: F,
+    ) -> Result<WriteOutcome, StoreError>
     where
         F: Fn() -> Fut,
         Fut: Future<Output = Result<bool, StoreError>>,

@@ -10,18 +10,18 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 
-use tokio::sync::oneshot;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::sync::oneshot;
 
 use bytes::Bytes;
-use rusqlite::{params, Connection, TransactionBehavior};
+use rusqlite::{Connection, TransactionBehavior, params};
 use uuid::Uuid;
 
 use super::codec::{decode_headers, encode_headers};
 use super::migrations::SQLITE;
 use super::{Claim, ClaimRequest, ListFilter, RawClaim, Resolution, ResolveOutcome, StoreError};
 use crate::fingerprint::Fingerprint;
-use crate::record::{may_take_over, transition, Event, Generation, Next, Record, Refused, State, StoredResponse, Timestamp};
+use crate::record::{Event, Generation, Next, Record, Refused, State, StoredResponse, Timestamp, may_take_over, transition};
 use crate::scope::{IdempotencyKey, Scope};
 
 const COLUMNS: &str = "tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner, \
@@ -40,12 +40,17 @@ pub struct SqliteStore {
 /// Delivers a job's result once its batch has committed (or failed to).
 type Completion = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
 
+/// A job for the current batch: runs under its own savepoint, says whether it
+/// succeeded (else its savepoint is rolled back) and how to deliver its result
+/// after the commit.
+type BatchJob = Box<dyn FnOnce(&Connection, Timestamp) -> (bool, Completion) + Send>;
+
 /// Work for the writer thread.
 enum Job {
     /// Runs inside the current batch's transaction, under its own savepoint;
     /// says whether it succeeded (else its savepoint is rolled back) and how
     /// to deliver its result after the commit.
-    InBatch(Box<dyn FnOnce(&Connection, Timestamp) -> (bool, Completion) + Send>),
+    InBatch(BatchJob),
     /// Runs alone, with the connection to itself (migrations).
     Alone(Box<dyn FnOnce(&mut Connection) + Send>),
 }
@@ -76,8 +81,7 @@ impl SqliteStore {
 
     fn open_blocking(path: &Path, exclusive: bool) -> Result<SqliteStore, StoreError> {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir)
-                .map_err(|e| StoreError::Unavailable(format!("cannot create directory {}: {e}", dir.display())))?;
+            std::fs::create_dir_all(dir).map_err(|e| StoreError::Unavailable(format!("cannot create directory {}: {e}", dir.display())))?;
         }
         let lock = if exclusive {
             let lock_path = lock_path(path);
@@ -244,7 +248,12 @@ impl SqliteStore {
     }
 
     /// Applies a fenced event to the row under a write lock.
-    async fn fenced(&self, scope: &Scope, event: Event, apply: impl FnOnce(&Connection, Timestamp, Next) -> Result<(), StoreError> + Send + 'static) -> Result<bool, StoreError> {
+    async fn fenced(
+        &self,
+        scope: &Scope,
+        event: Event,
+        apply: impl FnOnce(&Connection, Timestamp, Next) -> Result<(), StoreError> + Send + 'static,
+    ) -> Result<bool, StoreError> {
         let scope = scope.clone();
         self.write(move |tx, now| {
             let Some(record) = get_tx(tx, &scope)? else { return Ok(false) };
@@ -259,11 +268,16 @@ impl SqliteStore {
         .await
     }
 
-    pub async fn complete(&self, scope: &Scope, generation: Generation, response: &StoredResponse, retention: Duration) -> Result<bool, StoreError> {
+    pub async fn complete(
+        &self,
+        scope: &Scope,
+        generation: Generation,
+        response: &StoredResponse,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
         let s = scope.clone();
         let response = response.clone();
-        self.fenced(scope, Event::Complete { generation }, move |tx, now, _| write_response(tx, &s, &response, now, retention, None))
-            .await
+        self.fenced(scope, Event::Complete { generation }, move |tx, now, _| write_response(tx, &s, &response, now, retention, None)).await
     }
 
     pub async fn release(&self, scope: &Scope, generation: Generation) -> Result<bool, StoreError> {
@@ -406,7 +420,7 @@ fn writer(mut conn: Connection, queue: mpsc::Receiver<Job>) {
     }
 }
 
-fn run_batch(conn: &mut Connection, batch: Vec<Box<dyn FnOnce(&Connection, Timestamp) -> (bool, Completion) + Send>>) {
+fn run_batch(conn: &mut Connection, batch: Vec<BatchJob>) {
     if batch.is_empty() {
         return;
     }
@@ -470,10 +484,7 @@ fn get_tx(conn: &Connection, scope: &Scope) -> Result<Option<Record>, StoreError
 }
 
 fn delete(tx: &Connection, scope: &Scope) -> Result<(), StoreError> {
-    tx.prepare_cached(&format!("DELETE FROM idemgate_records WHERE {PK}"))
-        .and_then(|mut st| st.execute(pk(scope)))
-        .map_err(err)
-        .map(drop)
+    tx.prepare_cached(&format!("DELETE FROM idemgate_records WHERE {PK}")).and_then(|mut st| st.execute(pk(scope))).map_err(err).map(drop)
 }
 
 fn set_unknown(tx: &Connection, scope: &Scope, now: Timestamp) -> Result<(), StoreError> {

@@ -20,7 +20,9 @@ pub const PRINCIPAL: &str = "billing";
 /// Which store a gateway runs on.
 #[derive(Debug, Clone)]
 pub enum Backend {
-    Postgres { url: String },
+    Postgres {
+        url: String,
+    },
     Sqlite {
         path: PathBuf,
         /// Deleted when the last clone of the backend is dropped.
@@ -31,8 +33,13 @@ pub enum Backend {
 impl Backend {
     pub fn store_toml(&self, sweep_interval: &str) -> String {
         match self {
-            Backend::Postgres { url } => format!("[store]\nkind = \"postgres\"\nurl = \"{url}\"\npool_size = 8\noperation_timeout = \"2s\"\nsweep_interval = \"{sweep_interval}\"\n"),
-            Backend::Sqlite { path, .. } => format!("[store]\nkind = \"sqlite\"\npath = \"{}\"\noperation_timeout = \"2s\"\nsweep_interval = \"{sweep_interval}\"\n", path.display()),
+            Backend::Postgres { url } => format!(
+                "[store]\nkind = \"postgres\"\nurl = \"{url}\"\npool_size = 8\noperation_timeout = \"2s\"\nsweep_interval = \"{sweep_interval}\"\n"
+            ),
+            Backend::Sqlite { path, .. } => format!(
+                "[store]\nkind = \"sqlite\"\npath = \"{}\"\noperation_timeout = \"2s\"\nsweep_interval = \"{sweep_interval}\"\n",
+                path.display()
+            ),
         }
     }
 
@@ -195,7 +202,15 @@ pub struct Gateway {
 impl Gateway {
     pub fn start(config: GatewayConfig) -> Gateway {
         let dir = tempfile::tempdir().expect("tempdir");
-        let mut g = Gateway { config, addr: "0.0.0.0:0".parse().unwrap(), admin: None, child: None, dir, logs: Arc::default(), history: Vec::new() };
+        let mut g = Gateway {
+            config,
+            addr: "0.0.0.0:0".parse().unwrap(),
+            admin: None,
+            child: None,
+            dir,
+            logs: Arc::default(),
+            history: Vec::new(),
+        };
         g.spawn();
         g
     }
@@ -234,13 +249,14 @@ impl Gateway {
                 let mut l = lock.lock().unwrap();
                 if l.listening.is_none()
                     && let Ok(v) = serde_json::from_str::<serde_json::Value>(&line)
-                        && v["message"] == "listening" {
-                            let addr = v["addr"].as_str().and_then(|a| a.parse().ok());
-                            let admin = v["admin"].as_str().and_then(|a| a.parse().ok());
-                            if let Some(addr) = addr {
-                                l.listening = Some((addr, admin));
-                            }
-                        }
+                    && v["message"] == "listening"
+                {
+                    let addr = v["addr"].as_str().and_then(|a| a.parse().ok());
+                    let admin = v["admin"].as_str().and_then(|a| a.parse().ok());
+                    if let Some(addr) = addr {
+                        l.listening = Some((addr, admin));
+                    }
+                }
                 l.lines.push(line);
                 cv.notify_all();
             }

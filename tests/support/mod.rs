@@ -2,6 +2,31 @@
 //! upstream, the real gateway binary, and a small client.
 #![allow(dead_code, unused_imports)]
 
+/// Generates, for each named `async fn(Backend)`, one test on PostgreSQL (a
+/// fresh database on the shared private cluster) and one on SQLite: the same
+/// scenario, never a copy. Use with `#[macro_use] mod support;`.
+#[allow(unused_macros)]
+macro_rules! on_both_stores {
+    ($($name:ident),* $(,)?) => {
+        mod on_postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::support::postgres_backend()).await
+                }
+            )*
+        }
+        mod on_sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::support::sqlite_backend()).await
+                }
+            )*
+        }
+    };
+}
+
 pub mod client;
 pub mod faultproxy;
 pub mod gateway;
@@ -16,7 +41,7 @@ use idemgate::record::Record;
 use idemgate::scope::{IdempotencyKey, Scope};
 use idemgate::store::Store;
 
-pub use client::{post, send, Resp};
+pub use client::{Resp, post, send};
 pub use gateway::{Backend, Gateway, GatewayConfig, PRINCIPAL, TENANT};
 pub use upstream::TestUpstream;
 
@@ -81,4 +106,3 @@ pub fn cli(gateway: &Gateway, args: &[&str]) -> (i32, String, String) {
         .expect("run idemgate cli");
     (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
-

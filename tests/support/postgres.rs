@@ -173,8 +173,7 @@ impl PgServer {
         fs::File::create(&log_path)?;
         if let Some(acct) = &run_as {
             for p in [&base, &socket_dir, &log_path] {
-                chown(p, Some(acct.uid), Some(acct.gid))
-                    .map_err(|e| annotate(e, &format!("chown {} to {}", p.display(), acct.name)))?;
+                chown(p, Some(acct.uid), Some(acct.gid)).map_err(|e| annotate(e, &format!("chown {} to {}", p.display(), acct.name)))?;
             }
         }
 
@@ -255,19 +254,12 @@ impl PgServer {
     /// Creates database `name` and returns its URL. Names are limited to
     /// `[A-Za-z0-9_]{1,63}` so the URL needs no escaping.
     pub fn create_database(&self, name: &str) -> io::Result<String> {
-        let valid = !name.is_empty()
-            && name.len() <= 63
-            && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+        let valid = !name.is_empty() && name.len() <= 63 && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
         if !valid {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("database name {name:?} must match [A-Za-z0-9_]{{1,63}}"),
-            ));
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("database name {name:?} must match [A-Za-z0-9_]{{1,63}}")));
         }
-        let mut conn =
-            MiniConn::connect(self.port, "postgres", Duration::from_secs(5), QUERY_TIMEOUT)?;
-        conn.simple_query(&format!("CREATE DATABASE \"{name}\""))
-            .map_err(|e| annotate(e, &format!("CREATE DATABASE {name}")))?;
+        let mut conn = MiniConn::connect(self.port, "postgres", Duration::from_secs(5), QUERY_TIMEOUT)?;
+        conn.simple_query(&format!("CREATE DATABASE \"{name}\"")).map_err(|e| annotate(e, &format!("CREATE DATABASE {name}")))?;
         Ok(self.url(name))
     }
 
@@ -301,9 +293,7 @@ impl PgServer {
     /// Starts the stopped cluster again on the same port and waits until it answers.
     pub fn start_again(&mut self) -> io::Result<()> {
         if self.running.is_some() {
-            return Err(io::Error::other(
-                "start_again: the server is already running",
-            ));
+            return Err(io::Error::other("start_again: the server is already running"));
         }
         match self.spawn_and_wait() {
             Ok(()) => Ok(()),
@@ -330,10 +320,7 @@ impl PgServer {
             .args(["-U", SUPERUSER, "--auth=trust", "-E", "UTF8", "--locale=C"])
             .args(["--no-sync", "--no-instructions"]);
         self.prepare(&mut cmd);
-        let out = cmd
-            .stdin(Stdio::null())
-            .output()
-            .map_err(|e| annotate(e, &format!("running {}", initdb.display())))?;
+        let out = cmd.stdin(Stdio::null()).output().map_err(|e| annotate(e, &format!("running {}", initdb.display())))?;
         if !out.status.success() {
             return Err(io::Error::other(format!(
                 "{} failed ({}):\n{}{}",
@@ -349,14 +336,7 @@ impl PgServer {
     /// Common settings of every child: unprivileged account, neutral cwd, no PG* env.
     fn prepare(&self, cmd: &mut Command) {
         cmd.current_dir(&self.base);
-        for var in [
-            "PGDATA",
-            "PGPORT",
-            "PGHOST",
-            "PGUSER",
-            "PGDATABASE",
-            "PGOPTIONS",
-        ] {
+        for var in ["PGDATA", "PGPORT", "PGHOST", "PGUSER", "PGDATABASE", "PGOPTIONS"] {
             cmd.env_remove(var);
         }
         if let Some(acct) = &self.run_as {
@@ -402,13 +382,8 @@ impl PgServer {
         self.prepare(&mut cmd);
         // Own process group: a terminal's Ctrl-C reaches only the test process; the
         // watchdog then sees EOF and cleans up instead of dying half-way.
-        cmd.process_group(0)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null());
-        let mut watchdog = cmd.spawn().map_err(|e| {
-            SpawnError::Other(annotate(e, "spawning the postgres watchdog (/bin/sh)"))
-        })?;
+        cmd.process_group(0).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::null());
+        let mut watchdog = cmd.spawn().map_err(|e| SpawnError::Other(annotate(e, "spawning the postgres watchdog (/bin/sh)")))?;
         let control = watchdog.stdin.take();
         let pid_line = watchdog.stdout.take().map(|out| {
             let mut line = String::new();
@@ -418,15 +393,9 @@ impl PgServer {
         let Some(postmaster_pid) = pid_line.and_then(|l| l.trim().parse::<u32>().ok()) else {
             drop(control);
             let _ = watchdog.wait();
-            return Err(SpawnError::Other(io::Error::other(
-                "the postgres watchdog did not report a pid",
-            )));
+            return Err(SpawnError::Other(io::Error::other("the postgres watchdog did not report a pid")));
         };
-        let running = Running {
-            watchdog,
-            control,
-            postmaster_pid,
-        };
+        let running = Running { watchdog, control, postmaster_pid };
 
         let deadline = Instant::now() + READY_TIMEOUT;
         let data_dir = self.data_dir.to_string_lossy().into_owned();
@@ -435,11 +404,7 @@ impl PgServer {
             if !process_alive(postmaster_pid) {
                 let _ = self.stop_running(running, false);
                 let new_log = log_since(&self.log_path, log_offset);
-                let msg = format!(
-                    "postgres exited during start-up on port {}; log:\n{}",
-                    self.port,
-                    tail_lines(&new_log, 40)
-                );
+                let msg = format!("postgres exited during start-up on port {}; log:\n{}", self.port, tail_lines(&new_log, 40));
                 return Err(if new_log.contains("Address already in use") {
                     SpawnError::PortTaken(io::Error::new(io::ErrorKind::AddrInUse, msg))
                 } else {
@@ -448,30 +413,14 @@ impl PgServer {
             }
             // A real query, and a check that the server answering is ours (not some
             // other process that grabbed the port).
-            let probe = MiniConn::connect(
-                self.port,
-                "postgres",
-                Duration::from_secs(2),
-                Duration::from_secs(2),
-            )
-            .and_then(|mut c| c.simple_query("SELECT current_setting('data_directory')"));
+            let probe = MiniConn::connect(self.port, "postgres", Duration::from_secs(2), Duration::from_secs(2))
+                .and_then(|mut c| c.simple_query("SELECT current_setting('data_directory')"));
             match probe {
-                Ok(rows)
-                    if rows
-                        .first()
-                        .and_then(|r| r.first())
-                        .and_then(|v| v.as_deref())
-                        == Some(data_dir.as_str()) =>
-                {
+                Ok(rows) if rows.first().and_then(|r| r.first()).and_then(|v| v.as_deref()) == Some(data_dir.as_str()) => {
                     self.running = Some(running);
                     return Ok(());
                 }
-                Ok(rows) => {
-                    last_err = format!(
-                        "port {} answered with another data_directory: {rows:?}",
-                        self.port
-                    )
-                }
+                Ok(rows) => last_err = format!("port {} answered with another data_directory: {rows:?}", self.port),
                 Err(e) => last_err = e.to_string(),
             }
             if Instant::now() >= deadline {
@@ -510,10 +459,7 @@ impl PgServer {
                     let _ = running.watchdog.wait();
                     return Err(self.with_log(io::Error::new(
                         io::ErrorKind::TimedOut,
-                        format!(
-                            "postmaster {} did not exit within {STOP_TIMEOUT:?}",
-                            running.postmaster_pid
-                        ),
+                        format!("postmaster {} did not exit within {STOP_TIMEOUT:?}", running.postmaster_pid),
                     )));
                 }
                 Err(e) => return Err(e),
@@ -521,10 +467,9 @@ impl PgServer {
         }
         // The watchdog waited for the postmaster; this is a cheap double check.
         if process_alive(running.postmaster_pid) {
-            return Err(self.with_log(io::Error::other(format!(
-                "postmaster {} still alive after its watchdog exited",
-                running.postmaster_pid
-            ))));
+            return Err(
+                self.with_log(io::Error::other(format!("postmaster {} still alive after its watchdog exited", running.postmaster_pid)))
+            );
         }
         Ok(())
     }
@@ -611,11 +556,7 @@ fn stop_stale_postmaster(data_dir: &Path) {
     let Ok(pidfile) = fs::read_to_string(data_dir.join("postmaster.pid")) else {
         return;
     };
-    let Some(pid) = pidfile
-        .lines()
-        .next()
-        .and_then(|l| l.trim().parse::<u32>().ok())
-    else {
+    let Some(pid) = pidfile.lines().next().and_then(|l| l.trim().parse::<u32>().ok()) else {
         return;
     };
     let Ok(cmdline) = fs::read(format!("/proc/{pid}/cmdline")) else {
@@ -626,10 +567,7 @@ fn stop_stale_postmaster(data_dir: &Path) {
         return;
     }
     for signal in ["-QUIT", "-KILL"] {
-        let _ = Command::new("/bin/sh")
-            .args(["-c", "kill \"$1\" \"$2\"", "sh", signal, &pid.to_string()])
-            .stderr(Stdio::null())
-            .status();
+        let _ = Command::new("/bin/sh").args(["-c", "kill \"$1\" \"$2\"", "sh", signal, &pid.to_string()]).stderr(Stdio::null()).status();
         let deadline = Instant::now() + Duration::from_secs(10);
         while process_alive(pid) && Instant::now() < deadline {
             thread::sleep(Duration::from_millis(20));
@@ -643,16 +581,13 @@ fn stop_stale_postmaster(data_dir: &Path) {
 /// Where cluster directories go: `$IDEMGATE_TEST_PG_TMPDIR`, else the std temp dir.
 /// Its ancestors must be traversable by the server account (e.g. `/tmp`).
 fn cluster_parent_dir() -> PathBuf {
-    std::env::var_os("IDEMGATE_TEST_PG_TMPDIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(std::env::temp_dir)
+    std::env::var_os("IDEMGATE_TEST_PG_TMPDIR").map(PathBuf::from).unwrap_or_else(std::env::temp_dir)
 }
 
 /// Records who owns the cluster so a later sweep can tell live clusters from orphans.
 fn write_owner_file(base: &Path) -> io::Result<()> {
     let pid = std::process::id();
-    let start =
-        process_start_time(pid).ok_or_else(|| io::Error::other("cannot read /proc/self/stat"))?;
+    let start = process_start_time(pid).ok_or_else(|| io::Error::other("cannot read /proc/self/stat"))?;
     fs::write(base.join("owner"), format!("{pid} {start}\n"))
 }
 
@@ -665,13 +600,7 @@ fn find_bin_dir() -> io::Result<PathBuf> {
         if has_both(&dir) {
             return Ok(dir);
         }
-        return Err(io::Error::new(
-            io::ErrorKind::NotFound,
-            format!(
-                "IDEMGATE_TEST_PG_BINDIR={} has no postgres/initdb",
-                dir.display()
-            ),
-        ));
+        return Err(io::Error::new(io::ErrorKind::NotFound, format!("IDEMGATE_TEST_PG_BINDIR={} has no postgres/initdb", dir.display())));
     }
     if let Some(path) = std::env::var_os("PATH") {
         for dir in std::env::split_paths(&path) {
@@ -679,9 +608,7 @@ fn find_bin_dir() -> io::Result<PathBuf> {
             if !candidate.is_file() {
                 continue;
             }
-            if let Some(real_dir) = fs::canonicalize(&candidate)
-                .ok()
-                .and_then(|p| p.parent().map(Path::to_path_buf))
+            if let Some(real_dir) = fs::canonicalize(&candidate).ok().and_then(|p| p.parent().map(Path::to_path_buf))
                 && has_both(&real_dir)
             {
                 return Ok(real_dir);
@@ -723,34 +650,20 @@ fn server_account() -> io::Result<Option<Account>> {
             if f.len() < 4 || f[0] != name {
                 return None;
             }
-            Some(Account {
-                name: name.to_string(),
-                uid: f[2].parse().ok()?,
-                gid: f[3].parse().ok()?,
-            })
+            Some(Account { name: name.to_string(), uid: f[2].parse().ok()?, gid: f[3].parse().ok()? })
         })
     };
     if let Ok(name) = std::env::var("IDEMGATE_TEST_PG_USER") {
         return match lookup(&name) {
             Some(acct) if acct.uid != 0 => Ok(Some(acct)),
-            Some(_) => Err(io::Error::other(format!(
-                "IDEMGATE_TEST_PG_USER={name} is root"
-            ))),
-            None => Err(io::Error::new(
-                io::ErrorKind::NotFound,
-                format!("IDEMGATE_TEST_PG_USER={name} is not in /etc/passwd"),
-            )),
+            Some(_) => Err(io::Error::other(format!("IDEMGATE_TEST_PG_USER={name} is root"))),
+            None => Err(io::Error::new(io::ErrorKind::NotFound, format!("IDEMGATE_TEST_PG_USER={name} is not in /etc/passwd"))),
         };
     }
     lookup("postgres")
         .or_else(|| lookup("nobody"))
         .map(Some)
-        .ok_or_else(|| {
-            io::Error::new(
-                io::ErrorKind::NotFound,
-                "running as root, but /etc/passwd has neither postgres nor nobody",
-            )
-        })
+        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "running as root, but /etc/passwd has neither postgres nor nobody"))
 }
 
 fn effective_uid() -> io::Result<u32> {
@@ -787,9 +700,7 @@ fn process_start_time(pid: u32) -> Option<u64> {
 
 /// Bind 127.0.0.1:0, read the port, release it. Racy by nature; start() retries.
 fn free_port() -> io::Result<u16> {
-    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?
-        .local_addr()?
-        .port())
+    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?.local_addr()?.port())
 }
 
 fn wait_port_closed(port: u16, timeout: Duration) -> io::Result<()> {
@@ -839,12 +750,7 @@ struct MiniConn {
 
 impl MiniConn {
     /// `io_timeout` bounds every read and write (a query may take that long).
-    fn connect(
-        port: u16,
-        db: &str,
-        connect_timeout: Duration,
-        io_timeout: Duration,
-    ) -> io::Result<MiniConn> {
+    fn connect(port: u16, db: &str, connect_timeout: Duration, io_timeout: Duration) -> io::Result<MiniConn> {
         let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
         let stream = TcpStream::connect_timeout(&addr, connect_timeout)?;
         stream.set_read_timeout(Some(io_timeout))?;
@@ -869,9 +775,7 @@ impl MiniConn {
             let (tag, body) = conn.read_message()?;
             match tag {
                 b'R' => {
-                    let code = body
-                        .get(..4)
-                        .map(|b| i32::from_be_bytes([b[0], b[1], b[2], b[3]]));
+                    let code = body.get(..4).map(|b| i32::from_be_bytes([b[0], b[1], b[2], b[3]]));
                     if code != Some(0) {
                         return Err(io::Error::other(format!(
                             "server asked for authentication (code {code:?}); the test cluster should use trust"
@@ -887,10 +791,7 @@ impl MiniConn {
 
     fn simple_query(&mut self, sql: &str) -> io::Result<Vec<Vec<Option<String>>>> {
         if sql.contains('\0') {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "SQL contains NUL",
-            ));
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "SQL contains NUL"));
         }
         let mut msg = vec![b'Q'];
         msg.extend_from_slice(&((sql.len() + 5) as i32).to_be_bytes());
@@ -917,10 +818,7 @@ impl MiniConn {
         self.stream.read_exact(&mut header)?;
         let len = i32::from_be_bytes([header[1], header[2], header[3], header[4]]);
         if !(4..=(1 << 28)).contains(&len) {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("bad message length {len}"),
-            ));
+            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("bad message length {len}")));
         }
         let mut body = vec![0u8; len as usize - 4];
         self.stream.read_exact(&mut body)?;
@@ -936,21 +834,11 @@ impl Drop for MiniConn {
 
 fn parse_data_row(body: &[u8]) -> io::Result<Vec<Option<String>>> {
     let bad = || io::Error::new(io::ErrorKind::InvalidData, "malformed DataRow");
-    let count = i16::from_be_bytes(
-        body.get(..2)
-            .ok_or_else(bad)?
-            .try_into()
-            .map_err(|_| bad())?,
-    );
+    let count = i16::from_be_bytes(body.get(..2).ok_or_else(bad)?.try_into().map_err(|_| bad())?);
     let mut pos = 2;
     let mut row = Vec::with_capacity(count.max(0) as usize);
     for _ in 0..count {
-        let len = i32::from_be_bytes(
-            body.get(pos..pos + 4)
-                .ok_or_else(bad)?
-                .try_into()
-                .map_err(|_| bad())?,
-        );
+        let len = i32::from_be_bytes(body.get(pos..pos + 4).ok_or_else(bad)?.try_into().map_err(|_| bad())?);
         pos += 4;
         if len < 0 {
             row.push(None);

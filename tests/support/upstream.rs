@@ -129,7 +129,11 @@ fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
     h.get(name).and_then(|v| v.to_str().ok())
 }
 
-async fn handle(state: Arc<State>, tx: broadcast::Sender<Received>, req: Request<Incoming>) -> Result<Response<Full<Bytes>>, std::io::Error> {
+async fn handle(
+    state: Arc<State>,
+    tx: broadcast::Sender<Received>,
+    req: Request<Incoming>,
+) -> Result<Response<Full<Bytes>>, std::io::Error> {
     let (parts, body) = req.into_parts();
     let body = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
     let h = &parts.headers;
@@ -141,7 +145,12 @@ async fn handle(state: Arc<State>, tx: broadcast::Sender<Received>, req: Request
         return Ok(r);
     }
     let key = header(h, "idempotency-key").unwrap_or("<none>").to_owned();
-    let received = Received { key: key.clone(), generation: header(h, "x-idempotency-generation").map(str::to_owned), headers: h.clone(), body: body.clone() };
+    let received = Received {
+        key: key.clone(),
+        generation: header(h, "x-idempotency-generation").map(str::to_owned),
+        headers: h.clone(),
+        body: body.clone(),
+    };
     let order = {
         let mut ledger = state.ledger.lock().unwrap();
         let seen = ledger.get(&key).copied().unwrap_or(0);
@@ -161,7 +170,8 @@ async fn handle(state: Arc<State>, tx: broadcast::Sender<Received>, req: Request
     if header(h, "x-test-abort") == Some("1") {
         return Err(std::io::Error::other("aborting on purpose"));
     }
-    let status = header(h, "x-test-status").and_then(|v| v.parse().ok()).and_then(|s| StatusCode::from_u16(s).ok()).unwrap_or(StatusCode::CREATED);
+    let status =
+        header(h, "x-test-status").and_then(|v| v.parse().ok()).and_then(|s| StatusCode::from_u16(s).ok()).unwrap_or(StatusCode::CREATED);
     let body = match header(h, "x-test-body-bytes").and_then(|v| v.parse::<usize>().ok()) {
         Some(n) => Bytes::from(vec![b'x'; n]),
         None => Bytes::from(

@@ -11,7 +11,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use crate::store::StoreError;
 
@@ -123,7 +123,7 @@ mod tests {
             assert_eq!(r.unwrap(), i * 10);
         }
         let n = calls.load(Ordering::SeqCst);
-        assert!(n < 100 && n >= 2, "100 items took {n} statements");
+        assert!((2..100).contains(&n), "100 items took {n} statements");
     }
 
     #[tokio::test]

@@ -13,7 +13,7 @@ use super::codec::{decode_headers, encode_headers};
 use super::migrations::{PG_LOCK_KEY, POSTGRES};
 use super::{Claim, ClaimRequest, ListFilter, RawClaim, Resolution, ResolveOutcome, StoreError};
 use crate::fingerprint::Fingerprint;
-use crate::record::{may_take_over, transition, Event, Generation, Next, Record, State, StoredResponse, Timestamp};
+use crate::record::{Event, Generation, Next, Record, State, StoredResponse, Timestamp, may_take_over, transition};
 use crate::scope::{IdempotencyKey, Scope};
 use std::sync::Arc;
 
@@ -115,7 +115,6 @@ impl Db {
             }
         }
     }
-
 }
 
 #[derive(Debug)]
@@ -165,11 +164,7 @@ fn classify(e: tokio_postgres::Error, write: bool) -> StoreError {
         // The server answered with an error: the statement did not take effect.
         return StoreError::Unavailable(format!("database error {}: {}", db.code().code(), db.message()));
     }
-    if write {
-        StoreError::Ambiguous(e.to_string())
-    } else {
-        StoreError::Unavailable(e.to_string())
-    }
+    if write { StoreError::Ambiguous(e.to_string()) } else { StoreError::Unavailable(e.to_string()) }
 }
 
 fn micros(d: Duration) -> i64 {
@@ -270,28 +265,16 @@ impl PgStore {
     /// single-row statement, which re-checks and takes it over atomically.
     pub async fn claim(&self, req: &ClaimRequest, token: Uuid) -> Result<RawClaim, StoreError> {
         let s = &req.scope;
-        let item = ClaimItem {
-            tenant: s.tenant.clone(),
-            principal: s.principal.clone(),
-            operation: s.operation.clone(),
-            key: s.key.clone(),
-            request_hash: req.request_hash,
-            token,
-            owner: req.owner.clone(),
-            lease_us: micros(req.lease),
-        };
+        let item =
+            ClaimItem { scope: s.clone(), request_hash: req.request_hash, token, owner: req.owner.clone(), lease_us: micros(req.lease) };
         match self.claims.submit(item).await? {
-            BatchClaim::Inserted { generation, lease_expires_at } => Ok(RawClaim::Claimed(Claim {
-                scope: s.clone(),
-                generation,
-                claim_token: token,
-                lease_expires_at,
-                took_over: false,
-            })),
+            BatchClaim::Inserted { generation, lease_expires_at } => {
+                Ok(RawClaim::Claimed(Claim { scope: s.clone(), generation, claim_token: token, lease_expires_at, took_over: false }))
+            }
             BatchClaim::Existing(record, now) if may_take_over(&record, &req.request_hash, now, req.upstream_idempotent) => {
                 self.claim_one(req, token).await
             }
-            BatchClaim::Existing(record, now) => Ok(RawClaim::Existing(record, now)),
+            BatchClaim::Existing(record, now) => Ok(RawClaim::Existing(*record, now)),
             BatchClaim::Conflict => Ok(RawClaim::Conflict),
             BatchClaim::Retry => self.claim_one(req, token).await,
         }
@@ -320,12 +303,20 @@ impl PgStore {
         let row = rows.first().ok_or_else(|| StoreError::Corrupt("claim returned no row".into()))?;
         let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
         let claimed = |generation: i64, lease: Timestamp, took_over: bool| {
-            RawClaim::Claimed(Claim { scope: s.clone(), generation: Generation(generation), claim_token: token, lease_expires_at: lease, took_over })
+            RawClaim::Claimed(Claim {
+                scope: s.clone(),
+                generation: Generation(generation),
+                claim_token: token,
+                lease_expires_at: lease,
+                took_over,
+            })
         };
-        if let (Some(g), Some(lease)) = (row.try_get::<_, Option<i64>>(17).map_err(c)?, row.try_get::<_, Option<Timestamp>>(18).map_err(c)?) {
+        if let (Some(g), Some(lease)) = (row.try_get::<_, Option<i64>>(17).map_err(c)?, row.try_get::<_, Option<Timestamp>>(18).map_err(c)?)
+        {
             return Ok(claimed(g, lease, false));
         }
-        if let (Some(g), Some(lease)) = (row.try_get::<_, Option<i64>>(19).map_err(c)?, row.try_get::<_, Option<Timestamp>>(20).map_err(c)?) {
+        if let (Some(g), Some(lease)) = (row.try_get::<_, Option<i64>>(19).map_err(c)?, row.try_get::<_, Option<Timestamp>>(20).map_err(c)?)
+        {
             return Ok(claimed(g, lease, true));
         }
         if row.try_get::<_, Option<&str>>(0).map_err(c)?.is_none() {
@@ -349,12 +340,15 @@ impl PgStore {
 
     /// Records a result through the batcher: one UPDATE for all concurrent
     /// result writes, each fenced by its own generation.
-    pub async fn complete(&self, scope: &Scope, generation: Generation, response: &StoredResponse, retention: Duration) -> Result<bool, StoreError> {
+    pub async fn complete(
+        &self,
+        scope: &Scope,
+        generation: Generation,
+        response: &StoredResponse,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
         let item = CompleteItem {
-            tenant: scope.tenant.clone(),
-            principal: scope.principal.clone(),
-            operation: scope.operation.clone(),
-            key: scope.key.clone(),
+            scope: scope.clone(),
             generation,
             status: i32::from(response.status),
             headers: encode_headers(&response.headers),
@@ -369,7 +363,13 @@ impl PgStore {
     }
 
     /// The single-row result write: used when a batched statement deadlocked.
-    async fn complete_one(&self, scope: &Scope, generation: Generation, response: &StoredResponse, retention: Duration) -> Result<bool, StoreError> {
+    async fn complete_one(
+        &self,
+        scope: &Scope,
+        generation: Generation,
+        response: &StoredResponse,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
         let sql = format!(
             "UPDATE idemgate_records SET state = 'completed', response_status = $6, response_headers = $7, response_body = $8, \
              lease_expires_at = NULL, updated_at = now(), expires_at = now() + $9::int8 * interval '1 microsecond' \
@@ -399,9 +399,8 @@ impl PgStore {
 
     pub async fn release(&self, scope: &Scope, generation: Generation) -> Result<bool, StoreError> {
         let sql = format!("DELETE FROM idemgate_records WHERE {PK} AND generation = $5 AND state = 'in_flight' RETURNING 1");
-        let rows = self
-            .query(&sql, &[&&*scope.tenant, &&*scope.principal, &&*scope.operation, &scope.key.as_str(), &generation.0], true)
-            .await?;
+        let rows =
+            self.query(&sql, &[&&*scope.tenant, &&*scope.principal, &&*scope.operation, &scope.key.as_str(), &generation.0], true).await?;
         Ok(!rows.is_empty())
     }
 
@@ -518,10 +517,7 @@ impl PgStore {
 
 /// One claim waiting for its batch.
 struct ClaimItem {
-    tenant: Arc<str>,
-    principal: Arc<str>,
-    operation: Arc<str>,
-    key: IdempotencyKey,
+    scope: Scope,
     request_hash: Fingerprint,
     token: Uuid,
     owner: Arc<str>,
@@ -530,8 +526,11 @@ struct ClaimItem {
 
 /// What the batched claim found for one item.
 enum BatchClaim {
-    Inserted { generation: Generation, lease_expires_at: Timestamp },
-    Existing(Record, Timestamp),
+    Inserted {
+        generation: Generation,
+        lease_expires_at: Timestamp,
+    },
+    Existing(Box<Record>, Timestamp),
     /// Inserted concurrently by another statement, after this one's snapshot.
     Conflict,
     /// The batch statement deadlocked with another: use the single-row path.
@@ -540,10 +539,7 @@ enum BatchClaim {
 
 /// One result write waiting for its batch.
 struct CompleteItem {
-    tenant: Arc<str>,
-    principal: Arc<str>,
-    operation: Arc<str>,
-    key: IdempotencyKey,
+    scope: Scope,
     generation: Generation,
     status: i32,
     headers: Vec<u8>,
@@ -601,6 +597,32 @@ WHERE r.tenant = v.tenant AND r.principal = v.principal AND r.operation = v.oper
   AND r.idempotency_key = v.idempotency_key AND r.generation = v.generation AND r.state = 'in_flight'
 RETURNING v.ord";
 
+/// The primary-key columns of a batch, as the arrays its statement unnests.
+struct PkColumns<'a> {
+    tenants: Vec<&'a str>,
+    principals: Vec<&'a str>,
+    operations: Vec<&'a str>,
+    keys: Vec<&'a str>,
+}
+
+impl<'a> PkColumns<'a> {
+    fn of(scopes: impl ExactSizeIterator<Item = &'a Scope>) -> PkColumns<'a> {
+        let mut c = PkColumns {
+            tenants: Vec::with_capacity(scopes.len()),
+            principals: Vec::with_capacity(scopes.len()),
+            operations: Vec::with_capacity(scopes.len()),
+            keys: Vec::with_capacity(scopes.len()),
+        };
+        for s in scopes {
+            c.tenants.push(&s.tenant);
+            c.principals.push(&s.principal);
+            c.operations.push(&s.operation);
+            c.keys.push(s.key.as_str());
+        }
+        c
+    }
+}
+
 /// PostgreSQL's "deadlock detected": the statement was rolled back.
 fn is_deadlock(e: &StoreError) -> bool {
     matches!(e, StoreError::Unavailable(m) if m.contains("40P01"))
@@ -617,15 +639,13 @@ impl Db {
 
     async fn claim_batch(&self, items: Vec<ClaimItem>) -> Result<Vec<BatchClaim>, StoreError> {
         let n = items.len();
-        let tenants: Vec<&str> = items.iter().map(|i| &*i.tenant).collect();
-        let principals: Vec<&str> = items.iter().map(|i| &*i.principal).collect();
-        let operations: Vec<&str> = items.iter().map(|i| &*i.operation).collect();
-        let keys: Vec<&str> = items.iter().map(|i| i.key.as_str()).collect();
+        let PkColumns { tenants, principals, operations, keys } = PkColumns::of(items.iter().map(|i| &i.scope));
         let hashes: Vec<&[u8]> = items.iter().map(|i| &i.request_hash.0[..]).collect();
         let tokens: Vec<Uuid> = items.iter().map(|i| i.token).collect();
         let leases: Vec<i64> = items.iter().map(|i| i.lease_us).collect();
         let owners: Vec<&str> = items.iter().map(|i| &*i.owner).collect();
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 8] = [&tenants, &principals, &operations, &keys, &hashes, &tokens, &owners, &leases];
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 8] =
+            [&tenants, &principals, &operations, &keys, &hashes, &tokens, &owners, &leases];
         let rows = match self.bounded_query(CLAIM_BATCH, &params).await {
             Ok(rows) => rows,
             Err(e) if is_deadlock(&e) => return Ok((0..n).map(|_| BatchClaim::Retry).collect()),
@@ -643,17 +663,14 @@ impl Db {
                     return Ok(BatchClaim::Conflict);
                 }
                 let now: Timestamp = row.try_get(16).map_err(c)?;
-                Ok(BatchClaim::Existing(decode(row)?, now))
+                Ok(BatchClaim::Existing(Box::new(decode(row)?), now))
             })
             .collect()
     }
 
     async fn complete_batch(&self, items: Vec<CompleteItem>) -> Result<Vec<BatchWrite>, StoreError> {
         let n = items.len();
-        let tenants: Vec<&str> = items.iter().map(|i| &*i.tenant).collect();
-        let principals: Vec<&str> = items.iter().map(|i| &*i.principal).collect();
-        let operations: Vec<&str> = items.iter().map(|i| &*i.operation).collect();
-        let keys: Vec<&str> = items.iter().map(|i| i.key.as_str()).collect();
+        let PkColumns { tenants, principals, operations, keys } = PkColumns::of(items.iter().map(|i| &i.scope));
         let generations: Vec<i64> = items.iter().map(|i| i.generation.0).collect();
         let statuses: Vec<i32> = items.iter().map(|i| i.status).collect();
         let headers: Vec<&[u8]> = items.iter().map(|i| &i.headers[..]).collect();
