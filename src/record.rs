@@ -69,6 +69,17 @@ impl fmt::Display for Generation {
     }
 }
 
+/// One attempt's identity: the generation it claimed and its claim token.
+/// A result, release or unknown-marking applies only to the attempt that
+/// holds the record: the generation orders attempts within a record's life,
+/// and the token tells apart attempts of different lives (after a record is
+/// released or swept, a new claim starts at generation 1 again).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Attempt {
+    pub generation: Generation,
+    pub claim_token: Uuid,
+}
+
 /// Where a record stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum State {
@@ -187,13 +198,13 @@ pub fn may_take_over(record: &Record, request_hash: &Fingerprint, now: Timestamp
 /// Something that changes a record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Event {
-    /// The attempt holding `generation` recorded the upstream's response.
-    Complete { generation: Generation },
+    /// The attempt holding the record recorded the upstream's response.
+    Complete { attempt: Attempt },
     /// The attempt holding `generation` proved the upstream never acted (or
     /// the response asked not to be stored): the key is freed.
-    Release { generation: Generation },
+    Release { attempt: Attempt },
     /// The attempt holding `generation` lost track of the outcome.
-    MarkUnknown { generation: Generation },
+    MarkUnknown { attempt: Attempt },
     /// The lease reaper found the lease expired.
     LeaseExpired,
     /// An operator recorded a final response.
@@ -232,12 +243,12 @@ pub enum Refused {
 
 /// The write side of the state machine. `now` is the store's clock.
 pub fn transition(record: &Record, event: Event, now: Timestamp) -> Result<Next, Refused> {
-    let own = |g: Generation| record.generation == g && record.state == State::InFlight;
+    let own = |a: Attempt| record.generation == a.generation && record.claim_token == a.claim_token && record.state == State::InFlight;
     let lease_live = record.lease_expires_at.is_some_and(|l| l > now);
     match event {
-        Event::Complete { generation } if own(generation) => Ok(Next::State { state: State::Completed, bump: false }),
-        Event::Release { generation } if own(generation) => Ok(Next::Deleted),
-        Event::MarkUnknown { generation } if own(generation) => Ok(Next::State { state: State::Unknown, bump: false }),
+        Event::Complete { attempt } if own(attempt) => Ok(Next::State { state: State::Completed, bump: false }),
+        Event::Release { attempt } if own(attempt) => Ok(Next::Deleted),
+        Event::MarkUnknown { attempt } if own(attempt) => Ok(Next::State { state: State::Unknown, bump: false }),
         Event::Complete { .. } | Event::Release { .. } | Event::MarkUnknown { .. } => Err(Refused::Fenced),
         Event::LeaseExpired => match record.state {
             State::InFlight if !lease_live => Ok(Next::State { state: State::Unknown, bump: false }),
@@ -322,17 +333,22 @@ mod tests {
     #[test]
     fn results_are_fenced_by_generation() {
         let r = record(State::InFlight, Some(5), 0);
-        let mine = Generation(3);
-        let stale = Generation(2);
-        assert_eq!(transition(&r, Event::Complete { generation: mine }, NOW), Ok(Next::State { state: State::Completed, bump: false }));
-        assert_eq!(transition(&r, Event::Complete { generation: stale }, NOW), Err(Refused::Fenced));
-        assert_eq!(transition(&r, Event::Release { generation: mine }, NOW), Ok(Next::Deleted));
-        assert_eq!(transition(&r, Event::Release { generation: stale }, NOW), Err(Refused::Fenced));
-        assert_eq!(transition(&r, Event::MarkUnknown { generation: mine }, NOW), Ok(Next::State { state: State::Unknown, bump: false }));
+        let mine = Attempt { generation: Generation(3), claim_token: Uuid::nil() };
+        let stale = Attempt { generation: Generation(2), claim_token: Uuid::nil() };
+        // Same generation, another life of the record (released and claimed again).
+        let other_life = Attempt { generation: Generation(3), claim_token: Uuid::from_u128(7) };
+        assert_eq!(transition(&r, Event::Complete { attempt: other_life }, NOW), Err(Refused::Fenced));
+        assert_eq!(transition(&r, Event::Release { attempt: other_life }, NOW), Err(Refused::Fenced));
+        assert_eq!(transition(&r, Event::MarkUnknown { attempt: other_life }, NOW), Err(Refused::Fenced));
+        assert_eq!(transition(&r, Event::Complete { attempt: mine }, NOW), Ok(Next::State { state: State::Completed, bump: false }));
+        assert_eq!(transition(&r, Event::Complete { attempt: stale }, NOW), Err(Refused::Fenced));
+        assert_eq!(transition(&r, Event::Release { attempt: mine }, NOW), Ok(Next::Deleted));
+        assert_eq!(transition(&r, Event::Release { attempt: stale }, NOW), Err(Refused::Fenced));
+        assert_eq!(transition(&r, Event::MarkUnknown { attempt: mine }, NOW), Ok(Next::State { state: State::Unknown, bump: false }));
         // Once resolved or completed, the original attempt can no longer write.
         let done = record(State::Completed, None, 5);
-        assert_eq!(transition(&done, Event::Complete { generation: mine }, NOW), Err(Refused::Fenced));
-        assert_eq!(transition(&done, Event::MarkUnknown { generation: mine }, NOW), Err(Refused::Fenced));
+        assert_eq!(transition(&done, Event::Complete { attempt: mine }, NOW), Err(Refused::Fenced));
+        assert_eq!(transition(&done, Event::MarkUnknown { attempt: mine }, NOW), Err(Refused::Fenced));
     }
 
     #[test]

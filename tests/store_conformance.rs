@@ -30,6 +30,7 @@ use tokio::net::{TcpListener, TcpStream};
 use uuid::Uuid;
 
 on_both_stores!(
+    attempts_from_an_earlier_life_of_a_record_are_fenced,
     claim_inserts_generation_one_and_second_claim_sees_the_winner,
     concurrent_claims_have_exactly_one_winner,
     scopes_never_see_each_other,
@@ -1058,4 +1059,29 @@ async fn fault_proxy_resets_refuses_and_closes() {
     let to_dead = FaultProxy::start(dead).await;
     assert!(refused(to_dead.addr()).await);
     assert_eq!(to_dead.accepted(), 1);
+}
+
+/// A record released by an operator and claimed again starts at generation 1
+/// once more: the old attempt, waking up late with the same generation, must
+/// still be fenced off (by its claim token), and must not delete the new claim.
+async fn attempts_from_an_earlier_life_of_a_record_are_fenced(backend: Backend) {
+    let store = open(&backend).await;
+    let k = key("relived");
+    let lease = Duration::from_millis(150);
+    let old = claim(&store, &req(&k, 1, lease, false)).await;
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    assert_eq!(store.resolve(&k, &Resolution::Release).await.unwrap(), ResolveOutcome::Resolved);
+    let new = claim(&store, &req(&k, 1, Duration::from_secs(60), false)).await;
+    assert_eq!((old.generation, new.generation), (new.generation, old.generation), "both lives start at the same generation");
+    assert_ne!(old.claim_token, new.claim_token);
+
+    assert_eq!(store.complete(&old, &response(201, b"stale"), Duration::from_secs(60)).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(store.release(&old).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(store.mark_unknown(&old).await.unwrap(), WriteOutcome::Fenced);
+    let live = row(&store, &k).await;
+    assert_eq!((live.state, live.claim_token), (State::InFlight, new.claim_token), "the new claim is untouched");
+
+    assert_eq!(store.complete(&new, &response(201, b"fresh"), Duration::from_secs(60)).await.unwrap(), WriteOutcome::Written);
+    let done = row(&store, &k).await;
+    assert_eq!(done.response.and_then(|r| r.body), Some(Bytes::from_static(b"fresh")));
 }

@@ -21,7 +21,7 @@ use uuid::Uuid;
 use crate::config::{StoreBackend, StoreConfig};
 use crate::fingerprint::Fingerprint;
 use crate::metrics::Metrics;
-use crate::record::{Generation, Record, Refused, State, StoredResponse, Timestamp};
+use crate::record::{Attempt, Generation, Record, Refused, State, StoredResponse, Timestamp};
 use crate::scope::Scope;
 
 /// A store failure, classified by what the caller may conclude.
@@ -78,6 +78,13 @@ pub struct Claim {
     pub lease_expires_at: Timestamp,
     /// The claim replaced an expired record rather than inserting a new one.
     pub took_over: bool,
+}
+
+impl Claim {
+    /// The attempt this claim identifies: its generation and token.
+    pub fn attempt(&self) -> Attempt {
+        Attempt { generation: self.generation, claim_token: self.claim_token }
+    }
 }
 
 /// What a claim found.
@@ -291,7 +298,7 @@ impl Store {
     /// Records the upstream's response under the claim's generation.
     pub async fn complete(&self, claim: &Claim, response: &StoredResponse, retention: Duration) -> Result<WriteOutcome, StoreError> {
         self.fenced_write("complete", claim, Some(State::Completed), || async {
-            dispatch!(self, b => b.complete(&claim.scope, claim.generation, response, retention))
+            dispatch!(self, b => b.complete(&claim.scope, claim.attempt(), response, retention))
         })
         .await
     }
@@ -299,13 +306,13 @@ impl Store {
     /// Frees the key: the request provably never reached the upstream, or the
     /// response must not be stored.
     pub async fn release(&self, claim: &Claim) -> Result<WriteOutcome, StoreError> {
-        self.fenced_write("release", claim, None, || async { dispatch!(self, b => b.release(&claim.scope, claim.generation)) }).await
+        self.fenced_write("release", claim, None, || async { dispatch!(self, b => b.release(&claim.scope, claim.attempt())) }).await
     }
 
     /// The request may have reached the upstream but its outcome is lost.
     pub async fn mark_unknown(&self, claim: &Claim) -> Result<WriteOutcome, StoreError> {
         self.fenced_write("mark_unknown", claim, Some(State::Unknown), || async {
-            dispatch!(self, b => b.mark_unknown(&claim.scope, claim.generation, false))
+            dispatch!(self, b => b.mark_unknown(&claim.scope, claim.attempt(), false))
         })
         .await
     }
@@ -314,7 +321,7 @@ impl Store {
     /// `unknown` (unless someone moved it on meanwhile).
     pub async fn expire_lease(&self, record: &Record) -> Result<WriteOutcome, StoreError> {
         let written = self
-            .bounded("expire_lease", true, async { dispatch!(self, b => b.mark_unknown(&record.scope, record.generation, true)) })
+            .bounded("expire_lease", true, async { dispatch!(self, b => b.mark_unknown(&record.scope, Attempt { generation: record.generation, claim_token: record.claim_token }, true)) })
             .await?;
         Ok(if written { WriteOutcome::Written } else { WriteOutcome::Fenced })
     }
@@ -342,8 +349,16 @@ impl Store {
                 Err(e) if e.is_ambiguous() || matches!(e, StoreError::Unavailable(_)) => {
                     tracing::warn!(scope = %claim.scope.log_id(), error = %e, op, "write failed; reading the row back");
                     match self.get(&claim.scope).await {
-                        Ok(Some((r, _))) if r.generation == claim.generation && r.state == State::InFlight => last = e,
-                        Ok(Some((r, _))) if r.generation == claim.generation && Some(r.state) == goal => return Ok(WriteOutcome::Written),
+                        Ok(Some((r, _)))
+                            if r.generation == claim.generation && r.claim_token == claim.claim_token && r.state == State::InFlight =>
+                        {
+                            last = e
+                        }
+                        Ok(Some((r, _)))
+                            if r.generation == claim.generation && r.claim_token == claim.claim_token && Some(r.state) == goal =>
+                        {
+                            return Ok(WriteOutcome::Written);
+                        }
                         Ok(None) if goal.is_none() => return Ok(WriteOutcome::Written),
                         Ok(_) => return Ok(self.fenced(op, claim)),
                         Err(read) => last = StoreError::Ambiguous(format!("{e}; read-back failed: {read}")),

@@ -21,7 +21,7 @@ use super::codec::{decode_headers, encode_headers};
 use super::migrations::SQLITE;
 use super::{Claim, ClaimRequest, ListFilter, RawClaim, Resolution, ResolveOutcome, StoreError};
 use crate::fingerprint::Fingerprint;
-use crate::record::{Event, Generation, Next, Record, Refused, State, StoredResponse, Timestamp, may_take_over, transition};
+use crate::record::{Attempt, Event, Generation, Next, Record, Refused, State, StoredResponse, Timestamp, may_take_over, transition};
 use crate::scope::{IdempotencyKey, Scope};
 
 const COLUMNS: &str = "tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner, \
@@ -271,18 +271,18 @@ impl SqliteStore {
     pub async fn complete(
         &self,
         scope: &Scope,
-        generation: Generation,
+        attempt: Attempt,
         response: &StoredResponse,
         retention: Duration,
     ) -> Result<bool, StoreError> {
         let s = scope.clone();
         let response = response.clone();
-        self.fenced(scope, Event::Complete { generation }, move |tx, now, _| write_response(tx, &s, &response, now, retention, None)).await
+        self.fenced(scope, Event::Complete { attempt }, move |tx, now, _| write_response(tx, &s, &response, now, retention, None)).await
     }
 
-    pub async fn release(&self, scope: &Scope, generation: Generation) -> Result<bool, StoreError> {
+    pub async fn release(&self, scope: &Scope, attempt: Attempt) -> Result<bool, StoreError> {
         let s = scope.clone();
-        self.fenced(scope, Event::Release { generation }, move |tx, _, _| delete(tx, &s)).await
+        self.fenced(scope, Event::Release { attempt }, move |tx, _, _| delete(tx, &s)).await
     }
 
     pub async fn abandon(&self, scope: &Scope, token: Uuid) -> Result<bool, StoreError> {
@@ -298,14 +298,14 @@ impl SqliteStore {
         .await
     }
 
-    pub async fn mark_unknown(&self, scope: &Scope, generation: Generation, only_if_lease_expired: bool) -> Result<bool, StoreError> {
+    pub async fn mark_unknown(&self, scope: &Scope, attempt: Attempt, only_if_lease_expired: bool) -> Result<bool, StoreError> {
         let s = scope.clone();
         let scope2 = scope.clone();
         // Both conditions (our generation, and for a reader the lease expiry)
         // are checked against the same row under the write lock.
         self.write(move |tx, now| {
             let Some(record) = get_tx(tx, &scope2)? else { return Ok(false) };
-            let mine = transition(&record, Event::MarkUnknown { generation }, now).is_ok();
+            let mine = transition(&record, Event::MarkUnknown { attempt }, now).is_ok();
             let expired = !only_if_lease_expired || transition(&record, Event::LeaseExpired, now).is_ok();
             if mine && expired {
                 set_unknown(tx, &s, now)?;

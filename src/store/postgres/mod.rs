@@ -13,7 +13,7 @@ use super::codec::{decode_headers, encode_headers};
 use super::migrations::{PG_LOCK_KEY, POSTGRES};
 use super::{Claim, ClaimRequest, ListFilter, RawClaim, Resolution, ResolveOutcome, StoreError};
 use crate::fingerprint::Fingerprint;
-use crate::record::{Event, Generation, Next, Record, State, StoredResponse, Timestamp, may_take_over, transition};
+use crate::record::{Attempt, Event, Generation, Next, Record, State, StoredResponse, Timestamp, may_take_over, transition};
 use crate::scope::{IdempotencyKey, Scope};
 use std::sync::Arc;
 
@@ -339,17 +339,17 @@ impl PgStore {
     }
 
     /// Records a result through the batcher: one UPDATE for all concurrent
-    /// result writes, each fenced by its own generation.
+    /// result writes, each fenced by its own attempt (generation and token).
     pub async fn complete(
         &self,
         scope: &Scope,
-        generation: Generation,
+        attempt: Attempt,
         response: &StoredResponse,
         retention: Duration,
     ) -> Result<bool, StoreError> {
         let item = CompleteItem {
             scope: scope.clone(),
-            generation,
+            attempt,
             status: i32::from(response.status),
             headers: encode_headers(&response.headers),
             body: response.body.clone(),
@@ -358,7 +358,7 @@ impl PgStore {
         match self.completes.submit(item).await? {
             BatchWrite::Written => Ok(true),
             BatchWrite::Fenced => Ok(false),
-            BatchWrite::Retry => self.complete_one(scope, generation, response, retention).await,
+            BatchWrite::Retry => self.complete_one(scope, attempt, response, retention).await,
         }
     }
 
@@ -366,14 +366,14 @@ impl PgStore {
     async fn complete_one(
         &self,
         scope: &Scope,
-        generation: Generation,
+        attempt: Attempt,
         response: &StoredResponse,
         retention: Duration,
     ) -> Result<bool, StoreError> {
         let sql = format!(
             "UPDATE idemgate_records SET state = 'completed', response_status = $6, response_headers = $7, response_body = $8, \
              lease_expires_at = NULL, updated_at = now(), expires_at = now() + $9::int8 * interval '1 microsecond' \
-             WHERE {PK} AND generation = $5 AND state = 'in_flight' RETURNING 1"
+             WHERE {PK} AND generation = $5 AND claim_token = $10 AND state = 'in_flight' RETURNING 1"
         );
         let headers = encode_headers(&response.headers);
         let body: Option<&[u8]> = response.body.as_deref();
@@ -385,11 +385,12 @@ impl PgStore {
                     &&*scope.principal,
                     &&*scope.operation,
                     &scope.key.as_str(),
-                    &generation.0,
+                    &attempt.generation.0,
                     &i32::from(response.status),
                     &headers,
                     &body,
                     &micros(retention),
+                    &attempt.claim_token,
                 ],
                 true,
             )
@@ -397,10 +398,23 @@ impl PgStore {
         Ok(!rows.is_empty())
     }
 
-    pub async fn release(&self, scope: &Scope, generation: Generation) -> Result<bool, StoreError> {
-        let sql = format!("DELETE FROM idemgate_records WHERE {PK} AND generation = $5 AND state = 'in_flight' RETURNING 1");
-        let rows =
-            self.query(&sql, &[&&*scope.tenant, &&*scope.principal, &&*scope.operation, &scope.key.as_str(), &generation.0], true).await?;
+    pub async fn release(&self, scope: &Scope, attempt: Attempt) -> Result<bool, StoreError> {
+        let sql =
+            format!("DELETE FROM idemgate_records WHERE {PK} AND generation = $5 AND claim_token = $6 AND state = 'in_flight' RETURNING 1");
+        let rows = self
+            .query(
+                &sql,
+                &[
+                    &&*scope.tenant,
+                    &&*scope.principal,
+                    &&*scope.operation,
+                    &scope.key.as_str(),
+                    &attempt.generation.0,
+                    &attempt.claim_token,
+                ],
+                true,
+            )
+            .await?;
         Ok(!rows.is_empty())
     }
 
@@ -410,16 +424,24 @@ impl PgStore {
         Ok(!rows.is_empty())
     }
 
-    pub async fn mark_unknown(&self, scope: &Scope, generation: Generation, only_if_lease_expired: bool) -> Result<bool, StoreError> {
+    pub async fn mark_unknown(&self, scope: &Scope, attempt: Attempt, only_if_lease_expired: bool) -> Result<bool, StoreError> {
         let sql = format!(
             "UPDATE idemgate_records SET state = 'unknown', updated_at = now() \
-             WHERE {PK} AND generation = $5 AND state = 'in_flight' \
+             WHERE {PK} AND generation = $5 AND claim_token = $7 AND state = 'in_flight' \
              AND (NOT $6::bool OR lease_expires_at IS NULL OR lease_expires_at <= now()) RETURNING 1"
         );
         let rows = self
             .query(
                 &sql,
-                &[&&*scope.tenant, &&*scope.principal, &&*scope.operation, &scope.key.as_str(), &generation.0, &only_if_lease_expired],
+                &[
+                    &&*scope.tenant,
+                    &&*scope.principal,
+                    &&*scope.operation,
+                    &scope.key.as_str(),
+                    &attempt.generation.0,
+                    &only_if_lease_expired,
+                    &attempt.claim_token,
+                ],
                 true,
             )
             .await?;
@@ -540,7 +562,7 @@ enum BatchClaim {
 /// One result write waiting for its batch.
 struct CompleteItem {
     scope: Scope,
-    generation: Generation,
+    attempt: Attempt,
     status: i32,
     headers: Vec<u8>,
     body: Option<Bytes>,
@@ -586,15 +608,16 @@ LEFT JOIN cur c ON c.ord = i.ord
 LEFT JOIN inserted ins ON ins.claim_token = i.claim_token
 ORDER BY i.ord";
 
-/// The batched result write, each row fenced by its own generation.
+/// The batched result write, each row fenced by its own attempt.
 const COMPLETE_BATCH: &str = "\
 UPDATE idemgate_records r SET
     state = 'completed', response_status = v.status, response_headers = v.headers, response_body = v.body,
     lease_expires_at = NULL, updated_at = now(), expires_at = now() + v.retention_us * interval '1 microsecond'
-FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int8[], $6::int4[], $7::bytea[], $8::bytea[], $9::int8[])
-    WITH ORDINALITY AS v(tenant, principal, operation, idempotency_key, generation, status, headers, body, retention_us, ord)
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int8[], $6::int4[], $7::bytea[], $8::bytea[], $9::int8[], $10::uuid[])
+    WITH ORDINALITY AS v(tenant, principal, operation, idempotency_key, generation, status, headers, body, retention_us, claim_token, ord)
 WHERE r.tenant = v.tenant AND r.principal = v.principal AND r.operation = v.operation
-  AND r.idempotency_key = v.idempotency_key AND r.generation = v.generation AND r.state = 'in_flight'
+  AND r.idempotency_key = v.idempotency_key AND r.generation = v.generation AND r.claim_token = v.claim_token
+  AND r.state = 'in_flight'
 RETURNING v.ord";
 
 /// The primary-key columns of a batch, as the arrays its statement unnests.
@@ -671,13 +694,14 @@ impl Db {
     async fn complete_batch(&self, items: Vec<CompleteItem>) -> Result<Vec<BatchWrite>, StoreError> {
         let n = items.len();
         let PkColumns { tenants, principals, operations, keys } = PkColumns::of(items.iter().map(|i| &i.scope));
-        let generations: Vec<i64> = items.iter().map(|i| i.generation.0).collect();
+        let generations: Vec<i64> = items.iter().map(|i| i.attempt.generation.0).collect();
+        let tokens: Vec<Uuid> = items.iter().map(|i| i.attempt.claim_token).collect();
         let statuses: Vec<i32> = items.iter().map(|i| i.status).collect();
         let headers: Vec<&[u8]> = items.iter().map(|i| &i.headers[..]).collect();
         let bodies: Vec<Option<&[u8]>> = items.iter().map(|i| i.body.as_deref()).collect();
         let retentions: Vec<i64> = items.iter().map(|i| i.retention_us).collect();
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 9] =
-            [&tenants, &principals, &operations, &keys, &generations, &statuses, &headers, &bodies, &retentions];
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 10] =
+            [&tenants, &principals, &operations, &keys, &generations, &statuses, &headers, &bodies, &retentions, &tokens];
         let rows = match self.bounded_query(COMPLETE_BATCH, &params).await {
             Ok(rows) => rows,
             Err(e) if is_deadlock(&e) => return Ok((0..n).map(|_| BatchWrite::Retry).collect()),
