@@ -55,6 +55,8 @@ pub struct Gateway {
     /// Wakes local waiters (`in_flight = "wait"`) when a result is recorded;
     /// waiters also poll, which covers results recorded by other replicas.
     waiters: Arc<Waiters>,
+    /// HMAC key for the derived `Idempotency-Key`, if configured.
+    derived_key_secret: Option<Arc<[u8]>>,
 }
 
 impl Gateway {
@@ -70,6 +72,7 @@ impl Gateway {
             max_request_body: config.server.max_request_body,
             request_body_timeout: config.server.request_body_timeout,
             waiters: Arc::new(Waiters::new()),
+            derived_key_secret: config.server.derived_key_secret.as_ref().map(|s| Arc::from(s.expose().as_bytes())),
         }
     }
 
@@ -88,6 +91,7 @@ impl Gateway {
             max_request_body: self.max_request_body,
             request_body_timeout: self.request_body_timeout,
             waiters: self.waiters.clone(),
+            derived_key_secret: self.derived_key_secret.clone(),
         }
     }
 
@@ -182,6 +186,7 @@ impl Gateway {
         };
         let (mut expired_rounds, mut wait_rounds) = (0, 0);
         loop {
+            let claim_started = Instant::now();
             let outcome = match self.store.claim(&claim).await {
                 Ok(outcome) => outcome,
                 Err(e) => {
@@ -193,7 +198,20 @@ impl Gateway {
                 }
             };
             let (record, now) = match outcome {
-                ClaimOutcome::Claimed(c) => return self.forward_and_record(route, c, parts, body).await,
+                ClaimOutcome::Claimed(c) => {
+                    // The lease began when the claim committed, at most this
+                    // long ago. If what is left cannot cover the upstream's
+                    // timeout (the claim took long: retries, read-backs), the
+                    // result could not be recorded in time: give the key back
+                    // instead of forwarding.
+                    let upstream_timeout = self.upstreams[route.upstream].config.timeout;
+                    if claim_started.elapsed() + upstream_timeout >= route.lease {
+                        tracing::warn!(route = %route.operation, scope = %c.scope.log_id(), "claim took too long to leave room for the upstream; released, nothing forwarded");
+                        self.release(route, &c).await;
+                        return Err(GatewayError::StoreUnavailable);
+                    }
+                    return self.forward_and_record(route, c, parts, body).await;
+                }
                 ClaimOutcome::Existing { record, now } => (record, now),
             };
             match decide(&record, &request_hash, now) {
@@ -208,6 +226,12 @@ impl Gateway {
                         Ok(WriteOutcome::Written) => {
                             self.metrics.reaped(1);
                             tracing::warn!(route = %route.operation, scope = %record.scope.log_id(), owner = %record.owner, "lease expired without a result; record is now unknown");
+                        }
+                        // The record moved on since it was read (its attempt
+                        // recorded a result or released it): read it again.
+                        Ok(WriteOutcome::Fenced) if expired_rounds < MAX_CLAIM_ROUNDS => {
+                            expired_rounds += 1;
+                            continue;
                         }
                         Ok(WriteOutcome::Fenced) => {}
                         Err(e) => tracing::warn!(scope = %record.scope.log_id(), error = %e, "could not mark an expired lease unknown"),
@@ -239,17 +263,18 @@ impl Gateway {
         let store = self.store.clone();
         let (scope, token) = (claim.scope.clone(), claim.claim_token);
         self.tracker.spawn(async move {
+            // Until the lease would run out: a statement still on its way to
+            // the database may yet commit the claim after a first look finds
+            // nothing (the server also cancels it at the statement timeout).
             let deadline = tokio::time::Instant::now() + lease;
             while tokio::time::Instant::now() < deadline {
-                match store.abandon(&scope, token).await {
-                    Ok(deleted) => {
-                        tracing::info!(scope = %scope.log_id(), deleted, "unconfirmed claim abandoned");
-                        return;
-                    }
-                    Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
+                if let Ok(true) = store.abandon(&scope, token).await {
+                    tracing::info!(scope = %scope.log_id(), "unconfirmed claim abandoned");
+                    return;
                 }
+                tokio::time::sleep(Duration::from_millis(250)).await;
             }
-            tracing::warn!(scope = %scope.log_id(), "could not abandon an unconfirmed claim; it will expire to unknown");
+            tracing::debug!(scope = %scope.log_id(), "no unconfirmed claim appeared before its lease would have run out");
         });
     }
 
@@ -278,7 +303,7 @@ impl Gateway {
         let started = Instant::now();
         let deadline = tokio::time::Instant::now() + upstream.config.timeout;
         let key_value = match route.forward_key {
-            ForwardKey::Derived => HeaderValue::from_str(&claim.scope.derived_key()).ok(),
+            ForwardKey::Derived => HeaderValue::from_str(&claim.scope.derived_key(self.derived_key_secret.as_deref())).ok(),
             ForwardKey::Client => parts.headers.get(&route.key_header).cloned(),
         };
         let stamp = key_value.map(|k| (k, HeaderValue::from(claim.generation.0)));
@@ -301,9 +326,7 @@ impl Gateway {
             .is_some_and(|v| v.to_str().is_ok_and(|s| s.split(',').any(|t| t.trim().eq_ignore_ascii_case("no-store"))));
         if no_store || route.release_on_status.contains(&head.status) {
             self.metrics.observe_upstream(upstream.name(), started.elapsed());
-            if let Err(e) = self.store.release(claim).await {
-                tracing::error!(scope = %claim.scope.log_id(), error = %e, "could not release the key; it will expire to unknown");
-            }
+            self.release(route, claim).await;
             tracing::debug!(scope = %claim.scope.log_id(), status = head.status.as_u16(), no_store, "key released");
             return Ok((Response::from_parts(head, Body::Stream(body)), Outcome::Released));
         }
@@ -332,6 +355,27 @@ impl Gateway {
         Ok((Response::from_parts(head, client_body), outcome))
     }
 
+    /// Frees the key. If the store cannot be reached now, keeps trying on the
+    /// tracker until the lease would run out, so a request the upstream never
+    /// acted on (or asked not to store) does not end up `unknown`.
+    async fn release(&self, route: &Route, claim: &Claim) {
+        if self.store.release(claim).await.is_ok() {
+            return;
+        }
+        let (store, claim, lease) = (self.store.clone(), claim.clone(), route.lease);
+        self.tracker.spawn(async move {
+            let deadline = tokio::time::Instant::now() + lease;
+            while tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+                if store.release(&claim).await.is_ok() {
+                    tracing::info!(scope = %claim.scope.log_id(), "key released after the store came back");
+                    return;
+                }
+            }
+            tracing::error!(scope = %claim.scope.log_id(), "could not release the key; its lease will turn it unknown");
+        });
+    }
+
     /// Decides the record's fate from the typed "may have executed" fact.
     async fn upstream_failed(&self, route: &Route, claim: &Claim, e: &UpstreamError) -> GatewayError {
         if e.may_have_executed() {
@@ -342,9 +386,7 @@ impl Gateway {
             GatewayError::OutcomeUnknown
         } else {
             tracing::info!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "upstream not reached; key released");
-            if let Err(se) = self.store.release(claim).await {
-                tracing::error!(scope = %claim.scope.log_id(), error = %se, "could not release the key; it will expire to unknown");
-            }
+            self.release(route, claim).await;
             GatewayError::UpstreamUnavailable
         }
     }

@@ -7,7 +7,7 @@ use serde_json::json;
 use crate::record::{Record, State};
 
 /// One record as JSON (bodies as UTF-8 text when they are, else base16).
-pub fn record_json(r: &Record, with_body: bool) -> serde_json::Value {
+pub fn record_json(r: &Record, with_body: bool, secret: Option<&[u8]>) -> serde_json::Value {
     let response = r.response.as_ref().map(|resp| {
         let headers: Vec<serde_json::Value> = resp.headers.iter().map(|(n, v)| json!([n, String::from_utf8_lossy(v)])).collect();
         let mut o = json!({
@@ -29,7 +29,7 @@ pub fn record_json(r: &Record, with_body: bool) -> serde_json::Value {
         "principal": &*r.scope.principal,
         "operation": &*r.scope.operation,
         "key": r.scope.key.as_str(),
-        "derived_key": r.scope.derived_key(),
+        "derived_key": r.scope.derived_key(secret),
         "state": r.state.as_str(),
         "generation": r.generation.0,
         "owner": r.owner,
@@ -68,7 +68,7 @@ pub fn list_table(records: &[Record]) -> String {
 }
 
 /// Human-readable `keys show`.
-pub fn show_text(r: &Record) -> String {
+pub fn show_text(r: &Record, secret: Option<&[u8]>) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -78,7 +78,11 @@ pub fn show_text(r: &Record) -> String {
         r.scope.operation,
         r.scope.key.as_str()
     );
-    let _ = writeln!(out, "derived key: {} (the Idempotency-Key the upstream saw, unless forward_key = \"client\")", r.scope.derived_key());
+    let _ = writeln!(
+        out,
+        "derived key: {} (the Idempotency-Key the upstream saw, unless forward_key = \"client\")",
+        r.scope.derived_key(secret)
+    );
     let _ = writeln!(out, "state:       {}", r.state);
     let _ = writeln!(out, "generation:  {}", r.generation);
     let _ = writeln!(out, "owner:       {}", r.owner);

@@ -209,11 +209,12 @@ fn scope(args: &ScopeArgs) -> anyhow::Result<Scope> {
 
 async fn keys(config: &Config, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
     let store = Store::open(&config.store, false).await.context("opening the store")?;
+    let secret = config.server.derived_key_secret.as_ref().map(|s| s.expose().as_bytes());
     match cmd {
         KeysCommand::List { state, tenant, operation, limit, json } => {
             let records = store.list(&ListFilter { state, tenant, operation, limit }).await?;
             if json {
-                let list: Vec<_> = records.iter().map(|r| idemgate::keys::record_json(r, false)).collect();
+                let list: Vec<_> = records.iter().map(|r| idemgate::keys::record_json(r, false, secret)).collect();
                 println!("{}", serde_json::to_string_pretty(&list)?);
             } else {
                 print!("{}", idemgate::keys::list_table(&records));
@@ -225,9 +226,9 @@ async fn keys(config: &Config, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
                 return Ok(ExitCode::from(1));
             };
             if json {
-                println!("{}", serde_json::to_string_pretty(&idemgate::keys::record_json(&record, true))?);
+                println!("{}", serde_json::to_string_pretty(&idemgate::keys::record_json(&record, true, secret))?);
             } else {
-                print!("{}", idemgate::keys::show_text(&record));
+                print!("{}", idemgate::keys::show_text(&record, secret));
             }
         }
         KeysCommand::Resolve(args) => {

@@ -48,12 +48,14 @@ impl fmt::Display for Timestamp {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let secs = self.0.div_euclid(1_000_000);
         let micros = self.0.rem_euclid(1_000_000);
-        match u64::try_from(secs) {
-            Ok(s) => {
+        // RFC 3339 formatting covers years 1970-9999; print anything else raw
+        // rather than panic on a value read from the database.
+        match u64::try_from(secs).ok().filter(|s| *s <= 253_402_300_799) {
+            Some(s) => {
                 let t = std::time::UNIX_EPOCH + Duration::new(s, (micros * 1000) as u32);
                 write!(f, "{}", humantime::format_rfc3339_micros(t))
             }
-            Err(_) => write!(f, "{}us", self.0),
+            None => write!(f, "{}us", self.0),
         }
     }
 }
@@ -374,6 +376,8 @@ mod tests {
         assert_eq!(Timestamp(10).plus(Duration::from_micros(5)), Timestamp(15));
         assert_eq!(Timestamp(10).until(Timestamp(4)), Duration::ZERO);
         assert_eq!(Timestamp(0).to_string(), "1970-01-01T00:00:00.000000Z");
+        assert_eq!(Timestamp(i64::MAX).to_string(), format!("{}us", i64::MAX));
+        assert_eq!(Timestamp(-5).to_string(), "-5us");
         assert_eq!(State::parse("unknown"), Some(State::Unknown));
         assert_eq!(State::parse("bogus"), None);
     }

@@ -7,6 +7,7 @@
 use std::fmt;
 use std::sync::Arc;
 
+use hmac::{Hmac, Mac};
 use http::HeaderValue;
 use sha2::{Digest, Sha256};
 
@@ -125,20 +126,38 @@ impl Scope {
         Scope { tenant: identity.tenant.clone(), principal: identity.principal.clone(), operation: operation.clone(), key }
     }
 
+    /// Feeds the domain tag and the four fields, each length-prefixed (so
+    /// ("ab", "c") and ("a", "bc") differ), to `update`.
+    fn feed(&self, domain: &[u8], mut update: impl FnMut(&[u8])) {
+        update(domain);
+        for part in [self.tenant.as_bytes(), self.principal.as_bytes(), self.operation.as_bytes(), self.key.as_str().as_bytes()] {
+            update(&(part.len() as u64).to_be_bytes());
+            update(part);
+        }
+    }
+
     fn digest(&self, domain: &[u8]) -> [u8; 32] {
         let mut h = Sha256::new();
-        h.update(domain);
-        for part in [self.tenant.as_bytes(), self.principal.as_bytes(), self.operation.as_bytes(), self.key.as_str().as_bytes()] {
-            h.update((part.len() as u64).to_be_bytes());
-            h.update(part);
-        }
+        self.feed(domain, |b| h.update(b));
         h.finalize().into()
     }
 
     /// The key forwarded upstream: derived from the whole scope, so it is
-    /// stable across retries and replicas and distinct between scopes.
-    pub fn derived_key(&self) -> String {
-        hex::encode(self.digest(b"idemgate/derived-key/v1"))
+    /// stable across retries and replicas and distinct between scopes. With a
+    /// secret (shared by all replicas) it is an HMAC, so nobody who knows a
+    /// scope's parts can compute it and present it to the upstream directly.
+    pub fn derived_key(&self, secret: Option<&[u8]>) -> String {
+        let Some(secret) = secret else {
+            return hex::encode(self.digest(b"idemgate/derived-key/v1"));
+        };
+        match <Hmac<Sha256> as Mac>::new_from_slice(secret) {
+            Ok(mut mac) => {
+                self.feed(b"idemgate/derived-key/v2-hmac", |b| mac.update(b));
+                hex::encode(mac.finalize().into_bytes())
+            }
+            // HMAC takes keys of any length; kept total rather than unwrap.
+            Err(_) => hex::encode(self.digest(b"idemgate/derived-key/v1")),
+        }
     }
 
     /// A short, non-reversible id for logs (the raw key is never logged).
@@ -183,10 +202,21 @@ mod tests {
     }
 
     #[test]
+    fn keyed_derived_key_depends_on_the_secret() {
+        let a = scope("acme", "billing", "create_order", "k1");
+        let k1 = a.derived_key(Some(b"secret-one"));
+        assert_eq!(k1, a.derived_key(Some(b"secret-one")), "stable for one secret");
+        assert_ne!(k1, a.derived_key(Some(b"secret-two")));
+        assert_ne!(k1, a.derived_key(None));
+        assert_ne!(k1, scope("acme", "billing", "create_order", "k2").derived_key(Some(b"secret-one")));
+        assert_eq!(k1.len(), 64);
+    }
+
+    #[test]
     fn derived_key_is_stable_and_scope_distinct() {
         let a = scope("acme", "billing", "create_order", "k1");
-        assert_eq!(a.derived_key(), scope("acme", "billing", "create_order", "k1").derived_key());
-        assert_eq!(a.derived_key().len(), 64);
+        assert_eq!(a.derived_key(None), scope("acme", "billing", "create_order", "k1").derived_key(None));
+        assert_eq!(a.derived_key(None).len(), 64);
         for other in [
             scope("acme2", "billing", "create_order", "k1"),
             scope("acme", "billing2", "create_order", "k1"),
@@ -195,9 +225,9 @@ mod tests {
             // Length prefixes keep field boundaries: ("ab","c") != ("a","bc").
             scope("acmeb", "illing", "create_order", "k1"),
         ] {
-            assert_ne!(a.derived_key(), other.derived_key());
+            assert_ne!(a.derived_key(None), other.derived_key(None));
         }
-        assert_ne!(a.derived_key(), a.log_id());
+        assert_ne!(a.derived_key(None), a.log_id());
         assert!(!format!("{:?}", a).contains("k1"));
     }
 }

@@ -146,9 +146,10 @@ mod tests {
 
     #[tokio::test]
     async fn refused_connection_is_never_executed() {
-        // Bind then drop to find a port nobody listens on.
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let u = upstream(&format!("http://127.0.0.1:{port}"));
+        // A bound but not listening socket: the port is ours, connections are refused.
+        let reserved = tokio::net::TcpSocket::new_v4().unwrap();
+        reserved.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let u = upstream(&format!("http://{}", reserved.local_addr().unwrap()));
         let req = Request::post(u.uri_for(None).unwrap()).body(Body::empty()).unwrap();
         let err = u.send(req, tokio::time::Instant::now() + Duration::from_secs(2)).await.unwrap_err();
         assert_eq!(err.executed(), Executed::No, "{err}");

@@ -33,6 +33,7 @@ on_both_stores!(
     pass_through_and_not_found,
     sigterm_drains_in_flight_requests,
     metrics_and_health,
+    derived_key_secret_keys_the_forwarded_key,
 );
 
 async fn setup(backend: Backend, f: impl FnOnce(GatewayConfig) -> GatewayConfig) -> (TestUpstream, Gateway, idemgate::store::Store) {
@@ -348,9 +349,11 @@ async fn unknown_record_released_by_operator_can_be_retried(backend: Backend) {
 }
 
 async fn refused_upstream_releases_the_key(backend: Backend) {
-    // An address nobody listens on yet.
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    // An address reserved (bound, so no other test can take it) but not
+    // listening: connections to it are refused.
+    let reserved = tokio::net::TcpSocket::new_v4().unwrap();
+    reserved.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = reserved.local_addr().unwrap();
     let gw = Gateway::start(GatewayConfig::new(backend.clone(), format!("http://{addr}")));
     let store = backend.open().await;
     let url = gw.url("/v1/orders");
@@ -360,6 +363,7 @@ async fn refused_upstream_releases_the_key(backend: Backend) {
     assert_eq!(r.json()["retryable"], true);
     assert!(r.header("retry-after").is_some());
     assert!(record(&store, "k").await.is_none(), "the key was released");
+    drop(reserved);
     let up = TestUpstream::start_on(addr).await;
     let r = post(&url, "k", ORDER, &[]).await;
     assert_eq!(r.status, 201);
@@ -461,7 +465,7 @@ async fn scopes_are_isolated_by_principal(backend: Backend) {
     assert_ne!(a.body, b.body);
     assert_eq!(up.total(), 2);
     assert_eq!(up.side_effects(&derived("shared")), 1);
-    assert_eq!(up.side_effects(&scope_for("other", "create_order", "shared").derived_key()), 1);
+    assert_eq!(up.side_effects(&scope_for("other", "create_order", "shared").derived_key(None)), 1);
     assert!(store.get(&scope_for("other", "create_order", "shared")).await.unwrap().is_some());
 }
 
@@ -556,4 +560,20 @@ async fn metrics_and_health(backend: Backend) {
     // Logs never carry the raw key or bodies.
     assert_eq!(gw.log_count("\"m\""), 0);
     assert_eq!(gw.log_count("book"), 0);
+}
+
+async fn derived_key_secret_keys_the_forwarded_key(backend: Backend) {
+    let dir = tempfile::tempdir().unwrap();
+    let secret_file = dir.path().join("derived-key-secret");
+    std::fs::write(&secret_file, "s3cret-shared-by-replicas\n").unwrap();
+    let server = format!("derived_key_secret_file = \"{}\"", secret_file.display());
+    let (up, gw, _store) = setup(backend, |c| c.server(&server)).await;
+    assert_eq!(post(&gw.url("/v1/orders"), "k", ORDER, &[]).await.status, 201);
+    let seen = &up.requests()[0].key;
+    assert_eq!(*seen, scope("k").derived_key(Some(b"s3cret-shared-by-replicas")), "an HMAC under the configured secret");
+    assert_ne!(*seen, derived("k"), "not the unkeyed hash anyone could compute");
+    let (code, out, err) =
+        cli(&gw, &["keys", "show", "--tenant", TENANT, "--principal", PRINCIPAL, "--operation", "create_order", "--key", "k"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains(seen.as_str()), "keys show prints the key the upstream saw:\n{out}");
 }

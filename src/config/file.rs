@@ -37,6 +37,8 @@ pub struct ServerSection {
     pub request_header_timeout: Option<String>,
     pub request_body_timeout: Option<String>,
     pub replica_id: Option<String>,
+    pub derived_key_secret_env: Option<String>,
+    pub derived_key_secret_file: Option<String>,
     pub workers: Option<i64>,
 }
 

@@ -67,6 +67,9 @@ pub struct ServerConfig {
     pub request_body_timeout: Duration,
     /// This replica's name in the `owner` column; default: hostname and pid.
     pub replica_id: String,
+    /// Key for the HMAC that derives the `Idempotency-Key` sent upstream
+    /// (shared by all replicas); without it the derived key is a plain hash.
+    pub derived_key_secret: Option<Secret>,
     /// Threads serving the proxy listener, each with its own event loop and
     /// upstream connection pool (SO_REUSEPORT spreads connections over them);
     /// default: one per CPU.

@@ -199,6 +199,16 @@ fn duplicate_routes_and_missing_identity() {
 }
 
 #[test]
+fn durations_have_bounds() {
+    let e = parse(&minimal("retention = \"100000years\"")).unwrap_err();
+    assert!(e.mentions("routes[0].retention"), "{e}");
+    let e = parse(&minimal("").replace("timeout = \"2s\"", "timeout = \"0s\"")).unwrap_err();
+    assert!(e.mentions("upstreams[0].timeout"), "{e}");
+    let e = parse("[store]\nsweep_interval = \"0s\"\n").unwrap_err();
+    assert!(e.mentions("store.sweep_interval"), "{e}");
+}
+
+#[test]
 fn sqlite_rejects_postgres_only_keys() {
     let e = parse("[store]\nkind = \"sqlite\"\npool_size = 3\n").unwrap_err();
     assert!(e.mentions("store.pool_size"), "{e}");

@@ -15,6 +15,10 @@ use crate::fingerprint::{FingerprintSpec, JsonPointer};
 use crate::identity::{Identity, IdentitySource};
 use crate::route::{ForwardKey, InFlightPolicy, PathTemplate, Route};
 
+/// Longest accepted duration: beyond it, database interval arithmetic and
+/// timestamps overflow (PostgreSQL refuses the claim; SQLite would not).
+const MAX_DURATION: Duration = Duration::from_secs(10 * 366 * 24 * 3600);
+
 /// Margin added to the upstream timeout for the default lease.
 const LEASE_MARGIN: Duration = Duration::from_secs(5);
 
@@ -86,11 +90,27 @@ impl Validator<'_> {
     fn duration(&mut self, path: &str, value: Option<&str>, default: &str) -> Option<Duration> {
         let s = value.unwrap_or(default);
         match humantime::parse_duration(s) {
+            Ok(d) if d > MAX_DURATION => {
+                self.issues.push(path, format!("{s:?} is too long (at most {})", humantime::format_duration(MAX_DURATION)));
+                None
+            }
             Ok(d) => Some(d),
             Err(e) => {
                 self.issues.push(path, format!("invalid duration {s:?}: {e} (write e.g. \"250ms\", \"30s\", \"24h\")"));
                 None
             }
+        }
+    }
+
+    /// A duration that must not be shorter than `min` (zero timeouts would make
+    /// every request fail, a zero interval would spin).
+    fn at_least(&mut self, path: &str, d: Option<Duration>, min: Duration) -> Option<Duration> {
+        match d {
+            Some(d) if d < min => {
+                self.issues.push(path, format!("must be at least {}", humantime::format_duration(min)));
+                None
+            }
+            other => other,
         }
     }
 
@@ -216,7 +236,10 @@ impl Validator<'_> {
                 None
             }
         };
+        let derived_key_secret =
+            self.secret("server.derived_key_secret", None, s.derived_key_secret_env.as_deref(), s.derived_key_secret_file.as_deref());
         Some(ServerConfig {
+            derived_key_secret: derived_key_secret?,
             workers: workers?,
             listen: listen?,
             max_request_body: max_request_body?,
@@ -233,7 +256,9 @@ impl Validator<'_> {
         let s = s.unwrap_or(&default);
         let migrate = s.migrate.unwrap_or(true);
         let operation_timeout = self.duration("store.operation_timeout", s.operation_timeout.as_deref(), "5s");
+        let operation_timeout = self.at_least("store.operation_timeout", operation_timeout, Duration::from_millis(10));
         let sweep_interval = self.duration("store.sweep_interval", s.sweep_interval.as_deref(), "30s");
+        let sweep_interval = self.at_least("store.sweep_interval", sweep_interval, Duration::from_millis(10));
         let sweep_batch = match s.sweep_batch.unwrap_or(500) {
             n @ 1..=100_000 => Some(n as u32),
             n => {
@@ -319,7 +344,9 @@ impl Validator<'_> {
                 }
                 let url = self.required(&format!("{p}.url"), u.url.as_deref()).and_then(|s| self.upstream_url(&format!("{p}.url"), s));
                 let connect_timeout = self.duration(&format!("{p}.connect_timeout"), u.connect_timeout.as_deref(), "1s");
+                let connect_timeout = self.at_least(&format!("{p}.connect_timeout"), connect_timeout, Duration::from_millis(1));
                 let timeout = self.duration(&format!("{p}.timeout"), u.timeout.as_deref(), "10s");
+                let timeout = self.at_least(&format!("{p}.timeout"), timeout, Duration::from_millis(1));
                 let pool_idle_timeout = self.duration(&format!("{p}.pool_idle_timeout"), u.pool_idle_timeout.as_deref(), "90s");
                 let pool_max_idle = match u.pool_max_idle.unwrap_or(256) {
                     n @ 0..=65_536 => Some(n as usize),

@@ -71,7 +71,7 @@ pub fn scope_for(principal: &str, operation: &str, key: &str) -> Scope {
 
 /// The key the upstream sees for a client key.
 pub fn derived(key: &str) -> String {
-    scope(key).derived_key()
+    scope(key).derived_key(None)
 }
 
 pub async fn record(store: &Store, key: &str) -> Option<Record> {

@@ -55,6 +55,13 @@ impl<I: Send + 'static, O: Send + 'static> Batcher<I, O> {
                         Err(_) => break,
                     }
                 }
+                // A caller that stopped waiting (its operation timed out and it
+                // answered, or it is reading the row back) must not have its
+                // statement run behind its back: skip it.
+                jobs.retain(|job| !job.reply.is_closed());
+                if jobs.is_empty() {
+                    continue;
+                }
                 let exec = exec.clone();
                 tokio::spawn(async move {
                     let (items, replies): (Vec<I>, Vec<_>) = jobs.into_iter().map(|j| (j.item, j.reply)).unzip();

@@ -183,9 +183,14 @@ impl PgStore {
         // re-planning them per execution (custom plans), which doubled their
         // cost in the benchmark. Every statement idemgate sends is a prepared
         // primary-key or index access, so the generic plan is always right.
+        //
+        // statement_timeout: a statement the gateway gave up on (its operation
+        // timed out, so it answered and may have abandoned a claim) must not
+        // go on and commit later; the server cancels it at the same bound.
+        let ours = format!("-c plan_cache_mode=force_generic_plan -c statement_timeout={}", timeout.as_millis().max(1));
         let options = match pg.get_options() {
-            Some(o) if !o.is_empty() => format!("{o} -c plan_cache_mode=force_generic_plan"),
-            _ => "-c plan_cache_mode=force_generic_plan".to_owned(),
+            Some(o) if !o.is_empty() => format!("{o} {ours}"),
+            _ => ours,
         };
         pg.options(&options);
         pg.connect_timeout(timeout);
@@ -228,6 +233,8 @@ impl PgStore {
         let mut conn = self.conn().await?;
         let tx = conn.client_mut().transaction().await.map_err(|e| StoreError::Migration(e.to_string()))?;
         let m = |e: tokio_postgres::Error| StoreError::Migration(e.to_string());
+        // Migrations may take longer than one protocol statement.
+        tx.batch_execute("SET LOCAL statement_timeout = 0").await.map_err(m)?;
         tx.execute("SELECT pg_advisory_xact_lock($1)", &[&PG_LOCK_KEY]).await.map_err(m)?;
         tx.batch_execute(
             "CREATE TABLE IF NOT EXISTS idemgate_schema_migrations (
