@@ -1,18 +1,63 @@
 //! The one body type idemgate sends, in both directions: a buffered body, a
 //! streamed one (pass-through), or a buffered prefix followed by the rest of a
-//! stream (a response larger than `max_stored_response`).
+//! stream (a response larger than `max_stored_response`). A streamed body that
+//! makes no progress for its idle timeout ends with an error, so a stalled
+//! peer cannot hold a connection forever.
 
+use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
-use hyper::body::{Frame, Incoming, SizeHint};
+use hyper::body::{Body as _, Frame, Incoming, SizeHint};
+use tokio::time::{Instant, Sleep};
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 #[derive(Debug)]
 pub enum Body {
     Full(Option<Bytes>),
-    Stream(Incoming),
-    Prefixed { prefix: Option<Bytes>, rest: Incoming },
+    Stream(Streamed),
+    Prefixed { prefix: Option<Bytes>, rest: Streamed },
+}
+
+/// A body read from a peer, cut off after `idle` without a frame.
+#[derive(Debug)]
+pub struct Streamed {
+    inner: Incoming,
+    idle: Duration,
+    timer: Option<Pin<Box<Sleep>>>,
+}
+
+/// The error a stalled stream ends with.
+#[derive(Debug, thiserror::Error)]
+#[error("no data for {0:?}: stream cut off")]
+pub struct IdleTimeout(pub Duration);
+
+impl Streamed {
+    pub fn new(inner: Incoming, idle: Duration) -> Streamed {
+        Streamed { inner, idle, timer: None }
+    }
+
+    fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match Pin::new(&mut self.inner).poll_frame(cx) {
+            Poll::Ready(frame) => {
+                if let Some(timer) = self.timer.as_mut() {
+                    timer.as_mut().reset(Instant::now() + self.idle);
+                }
+                Poll::Ready(frame.map(|f| f.map_err(BoxError::from)))
+            }
+            Poll::Pending => {
+                let idle = self.idle;
+                let timer = self.timer.get_or_insert_with(|| Box::pin(tokio::time::sleep(idle)));
+                match timer.as_mut().poll(cx) {
+                    Poll::Ready(()) => Poll::Ready(Some(Err(Box::new(IdleTimeout(idle))))),
+                    Poll::Pending => Poll::Pending,
+                }
+            }
+        }
+    }
 }
 
 impl Body {
@@ -24,19 +69,24 @@ impl Body {
     pub fn empty() -> Body {
         Body::Full(None)
     }
+
+    /// A body streamed from a peer, cut off after `idle` without progress.
+    pub fn stream(inner: Incoming, idle: Duration) -> Body {
+        Body::Stream(Streamed::new(inner, idle))
+    }
 }
 
 impl hyper::body::Body for Body {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BoxError;
 
-    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.get_mut() {
             Body::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
-            Body::Stream(s) => Pin::new(s).poll_frame(cx),
+            Body::Stream(s) => s.poll_frame(cx),
             Body::Prefixed { prefix, rest } => match prefix.take() {
                 Some(p) => Poll::Ready(Some(Ok(Frame::data(p)))),
-                None => Pin::new(rest).poll_frame(cx),
+                None => rest.poll_frame(cx),
             },
         }
     }
@@ -44,18 +94,18 @@ impl hyper::body::Body for Body {
     fn is_end_stream(&self) -> bool {
         match self {
             Body::Full(b) => b.is_none(),
-            Body::Stream(s) => s.is_end_stream(),
-            Body::Prefixed { prefix, rest } => prefix.is_none() && rest.is_end_stream(),
+            Body::Stream(s) => s.inner.is_end_stream(),
+            Body::Prefixed { prefix, rest } => prefix.is_none() && rest.inner.is_end_stream(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match self {
             Body::Full(b) => SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64)),
-            Body::Stream(s) => s.size_hint(),
+            Body::Stream(s) => s.inner.size_hint(),
             Body::Prefixed { prefix, rest } => {
                 let p = prefix.as_ref().map_or(0, |b| b.len() as u64);
-                let r = rest.size_hint();
+                let r = rest.inner.size_hint();
                 let mut h = SizeHint::new();
                 h.set_lower(r.lower() + p);
                 if let Some(u) = r.upper() {

@@ -15,7 +15,7 @@ use tokio::sync::{Notify, oneshot};
 use tokio_util::task::TaskTracker;
 use uuid::Uuid;
 
-use crate::body::Body;
+use crate::body::{Body, Streamed};
 use crate::config::Config;
 use crate::fingerprint::{self, RequestParts};
 use crate::headers::{self, strip_hop_by_hop};
@@ -328,7 +328,7 @@ impl Gateway {
             self.metrics.observe_upstream(upstream.name(), started.elapsed());
             self.release(route, claim).await;
             tracing::debug!(scope = %claim.scope.log_id(), status = head.status.as_u16(), no_store, "key released");
-            return Ok((Response::from_parts(head, Body::Stream(body)), Outcome::Released));
+            return Ok((Response::from_parts(head, Body::stream(body, upstream.config.timeout)), Outcome::Released));
         }
         let read = read_upstream_body(body, route.max_stored_response, deadline).await;
         self.metrics.observe_upstream(upstream.name(), started.elapsed());
@@ -337,7 +337,7 @@ impl Gateway {
             Ok(UpstreamBody::TooLarge { prefix, rest }) => {
                 tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), limit = route.max_stored_response,
                     "response larger than max_stored_response: recording status and headers only");
-                (None, Body::Prefixed { prefix: Some(prefix), rest })
+                (None, Body::Prefixed { prefix: Some(prefix), rest: Streamed::new(rest, upstream.config.timeout) })
             }
             Err(e) => return Err(self.upstream_failed(route, claim, &e).await),
         };
@@ -396,7 +396,7 @@ impl Gateway {
         let upstream = &self.upstreams[upstream];
         let (parts, body) = req.into_parts();
         let deadline = tokio::time::Instant::now() + upstream.config.timeout;
-        let sent = match upstream_request(upstream, parts, Body::Stream(body), None) {
+        let sent = match upstream_request(upstream, parts, Body::stream(body, self.request_body_timeout), None) {
             Ok(req) => upstream.send(req, deadline).await,
             Err(e) => Err(e),
         };
@@ -405,7 +405,7 @@ impl Gateway {
                 let (mut head, body) = resp.into_parts();
                 strip_hop_by_hop(&mut head.headers);
                 head.headers.remove(headers::IDEMPOTENCY_POLICY);
-                Response::from_parts(head, Body::Stream(body))
+                Response::from_parts(head, Body::stream(body, upstream.config.timeout))
             }
             Err(e) => {
                 tracing::warn!(upstream = upstream.name(), error = %error_chain(&e), "pass-through failed");

@@ -575,3 +575,28 @@ async fn client_disconnect_during_claim_still_forwards_and_records() {
     assert_eq!(up.side_effects(&derived("gone")), 1);
     assert!(post(&gw.url("/v1/orders"), "gone", ORDER, &[]).await.replayed());
 }
+
+/// An upstream that sends its headers and part of a body, then stalls: the
+/// pass-through response is cut off after the upstream's timeout without
+/// progress instead of holding the client's connection forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_upstream_body_is_cut_off() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stall = tokio::spawn(async move {
+        let (mut sock, _) = listener.accept().await.unwrap();
+        let mut buf = vec![0u8; 4096];
+        let _ = sock.read(&mut buf).await;
+        sock.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n0123456789").await.unwrap();
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        drop(sock);
+    });
+    let gw = Gateway::start(GatewayConfig::new(sqlite_backend(), format!("http://{addr}")).timeout("500ms"));
+    let started = std::time::Instant::now();
+    let r = tokio::time::timeout(Duration::from_secs(10), send("GET", &gw.url("/v1/orders"), &[], "")).await;
+    let r = r.expect("the client was not left hanging");
+    assert!(r.is_err(), "the truncated body ends in an error, not a short success: {r:?}");
+    assert!(started.elapsed() < Duration::from_secs(5), "cut off after the idle timeout, took {:?}", started.elapsed());
+    assert_eq!(send("GET", &gw.admin_url("/healthz"), &[], "").await.unwrap().status, 200);
+    stall.abort();
+}
