@@ -208,7 +208,11 @@ fn scope(args: &ScopeArgs) -> anyhow::Result<Scope> {
 }
 
 async fn keys(config: &Config, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
-    let store = Store::open(&config.store, false).await.context("opening the store")?;
+    // Operator commands may scan many records (`keys list` on a large table):
+    // give them more than the request path's per-statement bound.
+    let mut store_config = config.store.clone();
+    store_config.operation_timeout = store_config.operation_timeout.max(Duration::from_secs(60));
+    let store = Store::open(&store_config, false).await.context("opening the store")?;
     let secret = config.server.derived_key_secret.as_ref().map(|s| s.expose().as_bytes());
     match cmd {
         KeysCommand::List { state, tenant, operation, limit, json } => {
