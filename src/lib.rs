@@ -7,7 +7,11 @@
 //! - [`config`]: the TOML file, validated into typed values (two stages).
 //! - [`server`]: listeners, connections, the drain on shutdown.
 //! - [`gateway`]: the request path — route, identify, fingerprint, claim,
-//!   forward-and-record, or answer from the record.
+//!   then hand the attempt to the executor, or answer from the record.
+//! - [`executor`]: forwards one claimed attempt, classifies the outcome by
+//!   whether the upstream may have executed it, records it fenced.
+//! - [`passthrough`]: requests without idempotency, streamed both ways.
+//! - [`waiters`]: local wake-ups for duplicates waiting on a result.
 //! - [`route`], [`identity`], [`scope`], [`fingerprint`]: what a request is
 //!   (operation, tenant and principal, key, fingerprint).
 //! - [`record`]: records and their state machine (pure code).
@@ -27,12 +31,14 @@ pub mod background;
 pub mod body;
 pub mod config;
 pub mod demo;
+pub mod executor;
 pub mod fingerprint;
 pub mod gateway;
 pub mod headers;
 pub mod identity;
 pub mod keys;
 pub mod metrics;
+pub mod passthrough;
 pub mod problem;
 pub mod record;
 pub mod replay;
@@ -41,3 +47,4 @@ pub mod scope;
 pub mod server;
 pub mod store;
 pub mod upstream;
+pub mod waiters;

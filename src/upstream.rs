@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use http::uri::{PathAndQuery, Uri};
-use http::{Request, Response};
+use http::{HeaderValue, Request, Response, Version, request};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -14,6 +14,7 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::body::Body;
 use crate::config::UpstreamConfig;
+use crate::headers::{self, strip_hop_by_hop};
 
 /// Whether the upstream may have executed the request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -95,6 +96,34 @@ impl Upstream {
         parts.authority = base.authority().cloned();
         parts.path_and_query = Some(pq);
         Uri::from_parts(parts).map_err(|e| UpstreamError::InvalidRequest(format!("{e}")))
+    }
+
+    /// The request as the upstream receives it: unchanged but for hop-by-hop
+    /// headers, the absolute upstream URI, and idemgate's own headers. The
+    /// client's `Idempotency-Key` and `X-Idempotency-Generation` never reach
+    /// the upstream: on idempotent routes `stamp` replaces them with the
+    /// forwarded key and the attempt's generation; elsewhere they are removed,
+    /// so a client cannot pose as an attempt of some scope.
+    pub fn request(
+        &self,
+        mut parts: request::Parts,
+        body: Body,
+        stamp: Option<(HeaderValue, HeaderValue)>,
+    ) -> Result<Request<Body>, UpstreamError> {
+        parts.uri = self.uri_for(parts.uri.path_and_query())?;
+        parts.version = Version::HTTP_11;
+        strip_hop_by_hop(&mut parts.headers);
+        match stamp {
+            Some((key, generation)) => {
+                parts.headers.insert(headers::IDEMPOTENCY_KEY, key);
+                parts.headers.insert(headers::IDEMPOTENCY_GENERATION, generation);
+            }
+            None => {
+                parts.headers.remove(headers::IDEMPOTENCY_KEY);
+                parts.headers.remove(headers::IDEMPOTENCY_GENERATION);
+            }
+        }
+        Ok(Request::from_parts(parts, body))
     }
 
     /// Sends the request and waits for the response head, bounded by `deadline`.

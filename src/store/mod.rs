@@ -1,13 +1,19 @@
-//! The store: one interface, two backends (PostgreSQL for several replicas,
+//! The store: one contract, two backends (PostgreSQL for several replicas,
 //! embedded SQLite for one), one protocol.
 //!
-//! Each backend implements single statements ([`postgres::PgStore`],
-//! [`sqlite::SqliteStore`]). [`Store`] adds what must not differ between
-//! them: bounded operation time, reading a row back after an ambiguous write
-//! (the `claim_token` protocol), and metrics. The conformance suite in
-//! `tests/store_conformance.rs` runs the same cases against both backends.
+//! - [`contract`]: the [`RecordStore`] trait each backend implements (single
+//!   protocol steps) and the types it speaks.
+//! - [`postgres::PgStore`] and [`sqlite::SqliteStore`]: the two backends.
+//! - [`Store`] (here): what must not differ between them — bounded operation
+//!   time, reading a row back after an ambiguous write (the `claim_token`
+//!   protocol), and metrics. The rest of the gateway only sees `Store`.
+//!
+//! The conformance suite in `tests/store_conformance.rs` runs the same cases
+//! against both backends.
 
 pub mod codec;
+pub mod contract;
+mod error;
 mod migrations;
 pub mod postgres;
 pub mod sqlite;
@@ -18,151 +24,18 @@ use std::time::{Duration, Instant};
 
 use uuid::Uuid;
 
+pub use contract::{Claim, ClaimOutcome, ClaimRequest, ListFilter, RawClaim, RecordStore, Resolution, ResolveOutcome, WriteOutcome};
+pub use error::StoreError;
+
 use crate::config::{StoreBackend, StoreConfig};
-use crate::fingerprint::Fingerprint;
 use crate::metrics::Metrics;
-use crate::record::{Attempt, Generation, Record, Refused, State, StoredResponse, Timestamp};
+use crate::record::{Attempt, Record, State, StoredResponse, Timestamp};
 use crate::scope::Scope;
-
-/// A store failure, classified by what the caller may conclude.
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum StoreError {
-    /// Nothing was sent to the store (no connection, pool exhausted,
-    /// database refused the statement): the write certainly did not happen.
-    #[error("store unavailable: {0}")]
-    Unavailable(String),
-    /// The statement may or may not have taken effect (connection lost or
-    /// timed out after it was sent). Read the row back to find out.
-    #[error("store write outcome unknown: {0}")]
-    Ambiguous(String),
-    /// The database holds something this version cannot read.
-    #[error("corrupt record: {0}")]
-    Corrupt(String),
-    /// Another process holds the embedded store.
-    #[error("{0}")]
-    Locked(String),
-    /// Schema or migration problem.
-    #[error("migration failed: {0}")]
-    Migration(String),
-}
-
-impl StoreError {
-    pub fn is_ambiguous(&self) -> bool {
-        matches!(self, StoreError::Ambiguous(_))
-    }
-}
-
-/// Everything a claim needs.
-#[derive(Debug, Clone)]
-pub struct ClaimRequest {
-    pub scope: Scope,
-    pub request_hash: Fingerprint,
-    /// Replica id, for the `owner` column.
-    pub owner: Arc<str>,
-    pub lease: Duration,
-    /// May an expired in-flight or unknown record with the same fingerprint be
-    /// taken over (the upstream deduplicates by the derived key)?
-    pub upstream_idempotent: bool,
-    /// Identifies this request's claim; read back after an ambiguous commit,
-    /// and used to abandon a claim whose fate could not be learned.
-    pub claim_token: Uuid,
-}
-
-/// A claim this attempt holds: the right to forward and record a result under
-/// `generation`.
-#[derive(Debug, Clone)]
-pub struct Claim {
-    pub scope: Scope,
-    pub generation: Generation,
-    pub claim_token: Uuid,
-    pub lease_expires_at: Timestamp,
-    /// The claim replaced an expired record rather than inserting a new one.
-    pub took_over: bool,
-}
-
-impl Claim {
-    /// The attempt this claim identifies: its generation and token.
-    pub fn attempt(&self) -> Attempt {
-        Attempt { generation: self.generation, claim_token: self.claim_token }
-    }
-}
-
-/// What a claim found.
-#[derive(Debug, Clone)]
-pub enum ClaimOutcome {
-    Claimed(Claim),
-    /// Another record holds the scope; `now` is the store's clock when read.
-    Existing {
-        record: Record,
-        now: Timestamp,
-    },
-}
-
-/// What one claim statement found, before the protocol's read-back logic.
-#[derive(Debug, Clone)]
-pub enum RawClaim {
-    /// Inserted, or took over an expired record.
-    Claimed(Claim),
-    /// The statement saw this record and left it alone.
-    Existing(Record, Timestamp),
-    /// A concurrent insert won after the statement's snapshot: read it in a new statement.
-    Conflict,
-}
-
-/// Whether a fenced write (result, release, unknown) took effect.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WriteOutcome {
-    Written,
-    /// The record belongs to another attempt now (or was resolved): nothing
-    /// was overwritten.
-    Fenced,
-}
-
-/// A manual reconciliation.
-#[derive(Debug, Clone)]
-pub enum Resolution {
-    /// Delete the record; the client may retry the key.
-    Release,
-    /// Record this response; it is replayed for `retention`.
-    Complete { response: StoredResponse, retention: Duration },
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ResolveOutcome {
-    Resolved,
-    NotFound,
-    Refused(Refused),
-}
-
-/// Filters for `keys list`.
-#[derive(Debug, Clone, Default)]
-pub struct ListFilter {
-    pub state: Option<State>,
-    pub tenant: Option<String>,
-    pub operation: Option<String>,
-    pub limit: u32,
-}
-
-#[derive(Debug)]
-enum Backend {
-    Postgres(postgres::PgStore),
-    Sqlite(sqlite::SqliteStore),
-}
-
-/// Calls the same method on whichever backend is configured.
-macro_rules! dispatch {
-    ($self:expr, $b:ident => $call:expr) => {
-        match &*$self.backend {
-            Backend::Postgres($b) => $call.await,
-            Backend::Sqlite($b) => $call.await,
-        }
-    };
-}
 
 /// The store as the rest of the gateway sees it. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Store {
-    backend: Arc<Backend>,
+    backend: Arc<dyn RecordStore>,
     /// Bound on any single operation.
     timeout: Duration,
     metrics: Option<Arc<Metrics>>,
@@ -193,13 +66,13 @@ impl Store {
     /// SQLite, `exclusive` takes the one-replica lock (serve and demo do; the
     /// CLI does not, so `keys` works beside a running gateway).
     pub async fn open(config: &StoreConfig, exclusive: bool) -> Result<Store, StoreError> {
-        let backend = match &config.backend {
+        let backend: Arc<dyn RecordStore> = match &config.backend {
             StoreBackend::Postgres { url, pool_size } => {
-                Backend::Postgres(postgres::PgStore::connect(url.expose(), *pool_size, config.operation_timeout)?)
+                Arc::new(postgres::PgStore::connect(url.expose(), *pool_size, config.operation_timeout)?)
             }
-            StoreBackend::Sqlite { path } => Backend::Sqlite(sqlite::SqliteStore::open(path, exclusive).await?),
+            StoreBackend::Sqlite { path } => Arc::new(sqlite::SqliteStore::open(path, exclusive).await?),
         };
-        Ok(Store { backend: Arc::new(backend), timeout: config.operation_timeout, metrics: None })
+        Ok(Store { backend, timeout: config.operation_timeout, metrics: None })
     }
 
     pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Store {
@@ -208,10 +81,7 @@ impl Store {
     }
 
     pub fn kind(&self) -> &'static str {
-        match &*self.backend {
-            Backend::Postgres(_) => "postgres",
-            Backend::Sqlite(_) => "sqlite",
-        }
+        self.backend.kind()
     }
 
     /// Runs one backend operation under the timeout; a timed-out write is
@@ -230,19 +100,19 @@ impl Store {
     }
 
     pub async fn migrate(&self) -> Result<Vec<String>, StoreError> {
-        dispatch!(self, b => b.migrate())
+        self.backend.migrate().await
     }
 
     pub async fn ping(&self) -> Result<(), StoreError> {
-        self.bounded("ping", false, async { dispatch!(self, b => b.ping()) }).await
+        self.bounded("ping", false, self.backend.ping()).await
     }
 
     pub async fn now(&self) -> Result<Timestamp, StoreError> {
-        self.bounded("now", false, async { dispatch!(self, b => b.now()) }).await
+        self.bounded("now", false, self.backend.now()).await
     }
 
     pub async fn get(&self, scope: &Scope) -> Result<Option<(Record, Timestamp)>, StoreError> {
-        self.bounded("get", false, async { dispatch!(self, b => b.get(scope)) }).await
+        self.bounded("get", false, self.backend.get(scope)).await
     }
 
     /// Claims the scope with one atomic statement, committed before this
@@ -252,7 +122,7 @@ impl Store {
         let mut last = StoreError::Unavailable("claim not attempted".into());
         let token = req.claim_token;
         for _ in 0..AMBIGUITY_ATTEMPTS {
-            match self.bounded("claim", true, async { dispatch!(self, b => b.claim(req, token)) }).await {
+            match self.bounded("claim", true, self.backend.claim(req)).await {
                 Ok(RawClaim::Claimed(claim)) => return Ok(ClaimOutcome::Claimed(claim)),
                 // Our own claim, re-sent: an earlier attempt committed late.
                 Ok(RawClaim::Existing(record, _)) if own_claim(&record, token) => return Ok(ClaimOutcome::Claimed(claim_of(req, record))),
@@ -292,13 +162,13 @@ impl Store {
     /// token (after a claim whose commit could not be confirmed). Returns
     /// whether a row was deleted; `Ok(false)` also means there was none.
     pub async fn abandon(&self, scope: &Scope, claim_token: Uuid) -> Result<bool, StoreError> {
-        self.bounded("abandon", true, async { dispatch!(self, b => b.abandon(scope, claim_token)) }).await
+        self.bounded("abandon", true, self.backend.abandon(scope, claim_token)).await
     }
 
     /// Records the upstream's response under the claim's generation.
     pub async fn complete(&self, claim: &Claim, response: &StoredResponse, retention: Duration) -> Result<WriteOutcome, StoreError> {
-        self.fenced_write("complete", claim, Some(State::Completed), || async {
-            dispatch!(self, b => b.complete(&claim.scope, claim.attempt(), response, retention))
+        self.fenced_write("complete", claim, Some(State::Completed), || {
+            self.backend.complete(&claim.scope, claim.attempt(), response, retention)
         })
         .await
     }
@@ -306,22 +176,24 @@ impl Store {
     /// Frees the key: the request provably never reached the upstream, or the
     /// response must not be stored.
     pub async fn release(&self, claim: &Claim) -> Result<WriteOutcome, StoreError> {
-        self.fenced_write("release", claim, None, || async { dispatch!(self, b => b.release(&claim.scope, claim.attempt())) }).await
+        self.fenced_write("release", claim, None, || self.backend.release(&claim.scope, claim.attempt())).await
     }
 
     /// The request may have reached the upstream but its outcome is lost.
     pub async fn mark_unknown(&self, claim: &Claim) -> Result<WriteOutcome, StoreError> {
-        self.fenced_write("mark_unknown", claim, Some(State::Unknown), || async {
-            dispatch!(self, b => b.mark_unknown(&claim.scope, claim.attempt(), false))
-        })
-        .await
+        self.fenced_write("mark_unknown", claim, Some(State::Unknown), || self.backend.mark_unknown(&claim.scope, claim.attempt(), false))
+            .await
     }
 
     /// A reader found an in-flight record whose lease expired: it becomes
     /// `unknown` (unless someone moved it on meanwhile).
     pub async fn expire_lease(&self, record: &Record) -> Result<WriteOutcome, StoreError> {
         let written = self
-            .bounded("expire_lease", true, async { dispatch!(self, b => b.mark_unknown(&record.scope, Attempt { generation: record.generation, claim_token: record.claim_token }, true)) })
+            .bounded(
+                "expire_lease",
+                true,
+                self.backend.mark_unknown(&record.scope, Attempt { generation: record.generation, claim_token: record.claim_token }, true),
+            )
             .await?;
         Ok(if written { WriteOutcome::Written } else { WriteOutcome::Fenced })
     }
@@ -380,20 +252,20 @@ impl Store {
     }
 
     pub async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>, StoreError> {
-        self.bounded("list", false, async { dispatch!(self, b => b.list(filter)) }).await
+        self.bounded("list", false, self.backend.list(filter)).await
     }
 
     pub async fn resolve(&self, scope: &Scope, resolution: &Resolution) -> Result<ResolveOutcome, StoreError> {
-        self.bounded("resolve", true, async { dispatch!(self, b => b.resolve(scope, resolution)) }).await
+        self.bounded("resolve", true, self.backend.resolve(scope, resolution)).await
     }
 
     /// Deletes up to `batch` completed records past retention; returns how many.
     pub async fn sweep(&self, batch: u32) -> Result<u64, StoreError> {
-        self.bounded("sweep", true, async { dispatch!(self, b => b.sweep(batch)) }).await
+        self.bounded("sweep", true, self.backend.sweep(batch)).await
     }
 
     /// Marks up to `batch` in-flight records whose lease expired as unknown.
     pub async fn reap_leases(&self, batch: u32) -> Result<u64, StoreError> {
-        self.bounded("reap_leases", true, async { dispatch!(self, b => b.reap_leases(batch)) }).await
+        self.bounded("reap_leases", true, self.backend.reap_leases(batch)).await
     }
 }

@@ -19,13 +19,16 @@ use uuid::Uuid;
 
 use super::codec::{decode_headers, encode_headers};
 use super::migrations::SQLITE;
-use super::{Claim, ClaimRequest, ListFilter, RawClaim, Resolution, ResolveOutcome, StoreError};
+use super::{Claim, ClaimRequest, ListFilter, RawClaim, RecordStore, Resolution, ResolveOutcome, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::record::{Attempt, Event, Generation, Next, Record, Refused, State, StoredResponse, Timestamp, may_take_over, transition};
 use crate::scope::{IdempotencyKey, Scope};
+use async_trait::async_trait;
 
 const COLUMNS: &str = "tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner, \
      lease_expires_at, response_status, response_headers, response_body, created_at, updated_at, expires_at";
+const KIND: &str = "sqlite";
+
 const PK: &str = "tenant = ?1 AND principal = ?2 AND operation = ?3 AND idempotency_key = ?4";
 
 #[derive(Debug)]
@@ -158,7 +161,35 @@ impl SqliteStore {
         rx.await.unwrap_or_else(|_| Err(StoreError::Ambiguous("the sqlite writer thread ended without an answer".into())))
     }
 
-    pub async fn migrate(&self) -> Result<Vec<String>, StoreError> {
+    /// Applies a fenced event to the row under a write lock.
+    async fn fenced(
+        &self,
+        scope: &Scope,
+        event: Event,
+        apply: impl FnOnce(&Connection, Timestamp, Next) -> Result<(), StoreError> + Send + 'static,
+    ) -> Result<bool, StoreError> {
+        let scope = scope.clone();
+        self.write(move |tx, now| {
+            let Some(record) = get_tx(tx, &scope)? else { return Ok(false) };
+            match transition(&record, event, now) {
+                Ok(next) => {
+                    apply(tx, now, next)?;
+                    Ok(true)
+                }
+                Err(_) => Ok(false),
+            }
+        })
+        .await
+    }
+}
+
+#[async_trait]
+impl RecordStore for SqliteStore {
+    fn kind(&self) -> &'static str {
+        KIND
+    }
+
+    async fn migrate(&self) -> Result<Vec<String>, StoreError> {
         self.with(|conn| {
             let m = |e: rusqlite::Error| StoreError::Migration(e.to_string());
             let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(m)?;
@@ -187,16 +218,17 @@ impl SqliteStore {
         .await
     }
 
-    pub async fn ping(&self) -> Result<(), StoreError> {
+    async fn ping(&self) -> Result<(), StoreError> {
         self.write(|conn, _| conn.query_row("SELECT count(*) FROM idemgate_schema_migrations", [], |_| Ok(())).map_err(err)).await
     }
 
-    pub async fn now(&self) -> Result<Timestamp, StoreError> {
+    async fn now(&self) -> Result<Timestamp, StoreError> {
         Ok(now())
     }
 
-    pub async fn claim(&self, req: &ClaimRequest, token: Uuid) -> Result<RawClaim, StoreError> {
+    async fn claim(&self, req: &ClaimRequest) -> Result<RawClaim, StoreError> {
         let req = req.clone();
+        let token = req.claim_token;
         self.write(move |tx, now| {
             let lease = now.plus(req.lease);
             let existing = get_tx(tx, &req.scope)?;
@@ -242,50 +274,23 @@ impl SqliteStore {
         .await
     }
 
-    pub async fn get(&self, scope: &Scope) -> Result<Option<(Record, Timestamp)>, StoreError> {
+    async fn get(&self, scope: &Scope) -> Result<Option<(Record, Timestamp)>, StoreError> {
         let scope = scope.clone();
         self.write(move |conn, now| Ok(get_conn(conn, &scope)?.map(|r| (r, now)))).await
     }
 
-    /// Applies a fenced event to the row under a write lock.
-    async fn fenced(
-        &self,
-        scope: &Scope,
-        event: Event,
-        apply: impl FnOnce(&Connection, Timestamp, Next) -> Result<(), StoreError> + Send + 'static,
-    ) -> Result<bool, StoreError> {
-        let scope = scope.clone();
-        self.write(move |tx, now| {
-            let Some(record) = get_tx(tx, &scope)? else { return Ok(false) };
-            match transition(&record, event, now) {
-                Ok(next) => {
-                    apply(tx, now, next)?;
-                    Ok(true)
-                }
-                Err(_) => Ok(false),
-            }
-        })
-        .await
-    }
-
-    pub async fn complete(
-        &self,
-        scope: &Scope,
-        attempt: Attempt,
-        response: &StoredResponse,
-        retention: Duration,
-    ) -> Result<bool, StoreError> {
+    async fn complete(&self, scope: &Scope, attempt: Attempt, response: &StoredResponse, retention: Duration) -> Result<bool, StoreError> {
         let s = scope.clone();
         let response = response.clone();
         self.fenced(scope, Event::Complete { attempt }, move |tx, now, _| write_response(tx, &s, &response, now, retention, None)).await
     }
 
-    pub async fn release(&self, scope: &Scope, attempt: Attempt) -> Result<bool, StoreError> {
+    async fn release(&self, scope: &Scope, attempt: Attempt) -> Result<bool, StoreError> {
         let s = scope.clone();
         self.fenced(scope, Event::Release { attempt }, move |tx, _, _| delete(tx, &s)).await
     }
 
-    pub async fn abandon(&self, scope: &Scope, token: Uuid) -> Result<bool, StoreError> {
+    async fn abandon(&self, scope: &Scope, token: Uuid) -> Result<bool, StoreError> {
         let scope = scope.clone();
         self.write(move |tx, _| {
             let Some(record) = get_tx(tx, &scope)? else { return Ok(false) };
@@ -298,7 +303,7 @@ impl SqliteStore {
         .await
     }
 
-    pub async fn mark_unknown(&self, scope: &Scope, attempt: Attempt, only_if_lease_expired: bool) -> Result<bool, StoreError> {
+    async fn mark_unknown(&self, scope: &Scope, attempt: Attempt, only_if_lease_expired: bool) -> Result<bool, StoreError> {
         let s = scope.clone();
         let scope2 = scope.clone();
         // Both conditions (our generation, and for a reader the lease expiry)
@@ -317,7 +322,7 @@ impl SqliteStore {
         .await
     }
 
-    pub async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>, StoreError> {
+    async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>, StoreError> {
         let filter = filter.clone();
         self.write(move |conn, _| {
             let sql = format!(
@@ -338,7 +343,7 @@ impl SqliteStore {
         .await
     }
 
-    pub async fn resolve(&self, scope: &Scope, resolution: &Resolution) -> Result<ResolveOutcome, StoreError> {
+    async fn resolve(&self, scope: &Scope, resolution: &Resolution) -> Result<ResolveOutcome, StoreError> {
         let scope = scope.clone();
         let resolution = resolution.clone();
         self.write(move |tx, now| {
@@ -363,7 +368,7 @@ impl SqliteStore {
         .await
     }
 
-    pub async fn sweep(&self, batch: u32) -> Result<u64, StoreError> {
+    async fn sweep(&self, batch: u32) -> Result<u64, StoreError> {
         self.write(move |tx, now| {
             let n = tx
                 .execute(
@@ -378,7 +383,7 @@ impl SqliteStore {
         .await
     }
 
-    pub async fn reap_leases(&self, batch: u32) -> Result<u64, StoreError> {
+    async fn reap_leases(&self, batch: u32) -> Result<u64, StoreError> {
         self.write(move |tx, now| {
             let n = tx
                 .execute(

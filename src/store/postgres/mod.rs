@@ -11,10 +11,11 @@ use uuid::Uuid;
 
 use super::codec::{decode_headers, encode_headers};
 use super::migrations::{PG_LOCK_KEY, POSTGRES};
-use super::{Claim, ClaimRequest, ListFilter, RawClaim, Resolution, ResolveOutcome, StoreError};
+use super::{Claim, ClaimRequest, ListFilter, RawClaim, RecordStore, Resolution, ResolveOutcome, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::record::{Attempt, Event, Generation, Next, Record, State, StoredResponse, Timestamp, may_take_over, transition};
 use crate::scope::{IdempotencyKey, Scope};
+use async_trait::async_trait;
 use std::sync::Arc;
 
 /// Microseconds between the Unix epoch and PostgreSQL's (2000-01-01).
@@ -71,6 +72,8 @@ SELECT cur.*, now(),
        (SELECT generation FROM inserted), (SELECT lease_expires_at FROM inserted),
        (SELECT generation FROM taken), (SELECT lease_expires_at FROM taken)
 FROM (SELECT 1) AS one LEFT JOIN cur ON true";
+
+const KIND: &str = "postgres";
 
 const PK: &str = "tenant = $1 AND principal = $2 AND operation = $3 AND idempotency_key = $4";
 
@@ -229,64 +232,6 @@ impl PgStore {
         self.db.query(sql, params, write).await
     }
 
-    pub async fn migrate(&self) -> Result<Vec<String>, StoreError> {
-        let mut conn = self.conn().await?;
-        let tx = conn.client_mut().transaction().await.map_err(|e| StoreError::Migration(e.to_string()))?;
-        let m = |e: tokio_postgres::Error| StoreError::Migration(e.to_string());
-        // Migrations may take longer than one protocol statement.
-        tx.batch_execute("SET LOCAL statement_timeout = 0").await.map_err(m)?;
-        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&PG_LOCK_KEY]).await.map_err(m)?;
-        tx.batch_execute(
-            "CREATE TABLE IF NOT EXISTS idemgate_schema_migrations (
-                version bigint PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())",
-        )
-        .await
-        .map_err(m)?;
-        let done: Vec<i64> =
-            tx.query("SELECT version FROM idemgate_schema_migrations", &[]).await.map_err(m)?.iter().map(|r| r.get(0)).collect();
-        let mut applied = Vec::new();
-        for mig in POSTGRES.iter().filter(|mig| !done.contains(&mig.version)) {
-            tx.batch_execute(mig.sql).await.map_err(|e| StoreError::Migration(format!("{}: {e}", mig.name)))?;
-            tx.execute("INSERT INTO idemgate_schema_migrations (version, name) VALUES ($1, $2)", &[&mig.version, &mig.name])
-                .await
-                .map_err(m)?;
-            applied.push(mig.name.to_owned());
-        }
-        tx.commit().await.map_err(m)?;
-        conn.done();
-        Ok(applied)
-    }
-
-    pub async fn ping(&self) -> Result<(), StoreError> {
-        self.query("SELECT 1", &[], false).await.map(drop)
-    }
-
-    pub async fn now(&self) -> Result<Timestamp, StoreError> {
-        let rows = self.query("SELECT now()", &[], false).await?;
-        let row = rows.first().ok_or_else(|| StoreError::Corrupt("SELECT now() returned no row".into()))?;
-        row.try_get(0).map_err(|e| StoreError::Corrupt(e.to_string()))
-    }
-
-    /// Claims through the batcher: one INSERT for all concurrent claims. A
-    /// record that the batch found and that may be taken over goes through the
-    /// single-row statement, which re-checks and takes it over atomically.
-    pub async fn claim(&self, req: &ClaimRequest, token: Uuid) -> Result<RawClaim, StoreError> {
-        let s = &req.scope;
-        let item =
-            ClaimItem { scope: s.clone(), request_hash: req.request_hash, token, owner: req.owner.clone(), lease_us: micros(req.lease) };
-        match self.claims.submit(item).await? {
-            BatchClaim::Inserted { generation, lease_expires_at } => {
-                Ok(RawClaim::Claimed(Claim { scope: s.clone(), generation, claim_token: token, lease_expires_at, took_over: false }))
-            }
-            BatchClaim::Existing(record, now) if may_take_over(&record, &req.request_hash, now, req.upstream_idempotent) => {
-                self.claim_one(req, token).await
-            }
-            BatchClaim::Existing(record, now) => Ok(RawClaim::Existing(*record, now)),
-            BatchClaim::Conflict => Ok(RawClaim::Conflict),
-            BatchClaim::Retry => self.claim_one(req, token).await,
-        }
-    }
-
     /// The single-row claim: used when a batch found a record that may be taken over.
     async fn claim_one(&self, req: &ClaimRequest, token: Uuid) -> Result<RawClaim, StoreError> {
         let s = &req.scope;
@@ -333,42 +278,6 @@ impl PgStore {
         Ok(RawClaim::Existing(decode(row)?, now))
     }
 
-    pub async fn get(&self, scope: &Scope) -> Result<Option<(Record, Timestamp)>, StoreError> {
-        let sql = format!("SELECT {COLUMNS}, now() FROM idemgate_records WHERE {PK}");
-        let rows = self.query(&sql, &[&&*scope.tenant, &&*scope.principal, &&*scope.operation, &scope.key.as_str()], false).await?;
-        match rows.first() {
-            None => Ok(None),
-            Some(row) => {
-                let now: Timestamp = row.try_get(16).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-                Ok(Some((decode(row)?, now)))
-            }
-        }
-    }
-
-    /// Records a result through the batcher: one UPDATE for all concurrent
-    /// result writes, each fenced by its own attempt (generation and token).
-    pub async fn complete(
-        &self,
-        scope: &Scope,
-        attempt: Attempt,
-        response: &StoredResponse,
-        retention: Duration,
-    ) -> Result<bool, StoreError> {
-        let item = CompleteItem {
-            scope: scope.clone(),
-            attempt,
-            status: i32::from(response.status),
-            headers: encode_headers(&response.headers),
-            body: response.body.clone(),
-            retention_us: micros(retention),
-        };
-        match self.completes.submit(item).await? {
-            BatchWrite::Written => Ok(true),
-            BatchWrite::Fenced => Ok(false),
-            BatchWrite::Retry => self.complete_one(scope, attempt, response, retention).await,
-        }
-    }
-
     /// The single-row result write: used when a batched statement deadlocked.
     async fn complete_one(
         &self,
@@ -404,8 +313,104 @@ impl PgStore {
             .await?;
         Ok(!rows.is_empty())
     }
+}
 
-    pub async fn release(&self, scope: &Scope, attempt: Attempt) -> Result<bool, StoreError> {
+#[async_trait]
+impl RecordStore for PgStore {
+    fn kind(&self) -> &'static str {
+        KIND
+    }
+
+    async fn migrate(&self) -> Result<Vec<String>, StoreError> {
+        let mut conn = self.conn().await?;
+        let tx = conn.client_mut().transaction().await.map_err(|e| StoreError::Migration(e.to_string()))?;
+        let m = |e: tokio_postgres::Error| StoreError::Migration(e.to_string());
+        // Migrations may take longer than one protocol statement.
+        tx.batch_execute("SET LOCAL statement_timeout = 0").await.map_err(m)?;
+        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&PG_LOCK_KEY]).await.map_err(m)?;
+        tx.batch_execute(
+            "CREATE TABLE IF NOT EXISTS idemgate_schema_migrations (
+                version bigint PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())",
+        )
+        .await
+        .map_err(m)?;
+        let done: Vec<i64> =
+            tx.query("SELECT version FROM idemgate_schema_migrations", &[]).await.map_err(m)?.iter().map(|r| r.get(0)).collect();
+        let mut applied = Vec::new();
+        for mig in POSTGRES.iter().filter(|mig| !done.contains(&mig.version)) {
+            tx.batch_execute(mig.sql).await.map_err(|e| StoreError::Migration(format!("{}: {e}", mig.name)))?;
+            tx.execute("INSERT INTO idemgate_schema_migrations (version, name) VALUES ($1, $2)", &[&mig.version, &mig.name])
+                .await
+                .map_err(m)?;
+            applied.push(mig.name.to_owned());
+        }
+        tx.commit().await.map_err(m)?;
+        conn.done();
+        Ok(applied)
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.query("SELECT 1", &[], false).await.map(drop)
+    }
+
+    async fn now(&self) -> Result<Timestamp, StoreError> {
+        let rows = self.query("SELECT now()", &[], false).await?;
+        let row = rows.first().ok_or_else(|| StoreError::Corrupt("SELECT now() returned no row".into()))?;
+        row.try_get(0).map_err(|e| StoreError::Corrupt(e.to_string()))
+    }
+
+    /// Claims through the batcher: one INSERT for all concurrent claims. A
+    /// record that the batch found and that may be taken over goes through the
+    /// single-row statement, which re-checks and takes it over atomically.
+    async fn claim(&self, req: &ClaimRequest) -> Result<RawClaim, StoreError> {
+        let token = req.claim_token;
+        let s = &req.scope;
+        let item =
+            ClaimItem { scope: s.clone(), request_hash: req.request_hash, token, owner: req.owner.clone(), lease_us: micros(req.lease) };
+        match self.claims.submit(item).await? {
+            BatchClaim::Inserted { generation, lease_expires_at } => {
+                Ok(RawClaim::Claimed(Claim { scope: s.clone(), generation, claim_token: token, lease_expires_at, took_over: false }))
+            }
+            BatchClaim::Existing(record, now) if may_take_over(&record, &req.request_hash, now, req.upstream_idempotent) => {
+                self.claim_one(req, token).await
+            }
+            BatchClaim::Existing(record, now) => Ok(RawClaim::Existing(*record, now)),
+            BatchClaim::Conflict => Ok(RawClaim::Conflict),
+            BatchClaim::Retry => self.claim_one(req, token).await,
+        }
+    }
+
+    async fn get(&self, scope: &Scope) -> Result<Option<(Record, Timestamp)>, StoreError> {
+        let sql = format!("SELECT {COLUMNS}, now() FROM idemgate_records WHERE {PK}");
+        let rows = self.query(&sql, &[&&*scope.tenant, &&*scope.principal, &&*scope.operation, &scope.key.as_str()], false).await?;
+        match rows.first() {
+            None => Ok(None),
+            Some(row) => {
+                let now: Timestamp = row.try_get(16).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+                Ok(Some((decode(row)?, now)))
+            }
+        }
+    }
+
+    /// Records a result through the batcher: one UPDATE for all concurrent
+    /// result writes, each fenced by its own attempt (generation and token).
+    async fn complete(&self, scope: &Scope, attempt: Attempt, response: &StoredResponse, retention: Duration) -> Result<bool, StoreError> {
+        let item = CompleteItem {
+            scope: scope.clone(),
+            attempt,
+            status: i32::from(response.status),
+            headers: encode_headers(&response.headers),
+            body: response.body.clone(),
+            retention_us: micros(retention),
+        };
+        match self.completes.submit(item).await? {
+            BatchWrite::Written => Ok(true),
+            BatchWrite::Fenced => Ok(false),
+            BatchWrite::Retry => self.complete_one(scope, attempt, response, retention).await,
+        }
+    }
+
+    async fn release(&self, scope: &Scope, attempt: Attempt) -> Result<bool, StoreError> {
         let sql =
             format!("DELETE FROM idemgate_records WHERE {PK} AND generation = $5 AND claim_token = $6 AND state = 'in_flight' RETURNING 1");
         let rows = self
@@ -425,13 +430,13 @@ impl PgStore {
         Ok(!rows.is_empty())
     }
 
-    pub async fn abandon(&self, scope: &Scope, token: Uuid) -> Result<bool, StoreError> {
+    async fn abandon(&self, scope: &Scope, token: Uuid) -> Result<bool, StoreError> {
         let sql = format!("DELETE FROM idemgate_records WHERE {PK} AND claim_token = $5 AND state = 'in_flight' RETURNING 1");
         let rows = self.query(&sql, &[&&*scope.tenant, &&*scope.principal, &&*scope.operation, &scope.key.as_str(), &token], true).await?;
         Ok(!rows.is_empty())
     }
 
-    pub async fn mark_unknown(&self, scope: &Scope, attempt: Attempt, only_if_lease_expired: bool) -> Result<bool, StoreError> {
+    async fn mark_unknown(&self, scope: &Scope, attempt: Attempt, only_if_lease_expired: bool) -> Result<bool, StoreError> {
         let sql = format!(
             "UPDATE idemgate_records SET state = 'unknown', updated_at = now() \
              WHERE {PK} AND generation = $5 AND claim_token = $7 AND state = 'in_flight' \
@@ -455,7 +460,7 @@ impl PgStore {
         Ok(!rows.is_empty())
     }
 
-    pub async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>, StoreError> {
+    async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>, StoreError> {
         let sql = format!(
             "SELECT {COLUMNS} FROM idemgate_records \
              WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR tenant = $2) AND ($3::text IS NULL OR operation = $3) \
@@ -467,7 +472,7 @@ impl PgStore {
         rows.iter().map(decode).collect()
     }
 
-    pub async fn resolve(&self, scope: &Scope, resolution: &Resolution) -> Result<ResolveOutcome, StoreError> {
+    async fn resolve(&self, scope: &Scope, resolution: &Resolution) -> Result<ResolveOutcome, StoreError> {
         let mut conn = self.conn().await?;
         let w = |e| classify(e, true);
         let tx = conn.client_mut().transaction().await.map_err(w)?;
@@ -519,7 +524,7 @@ impl PgStore {
         Ok(ResolveOutcome::Resolved)
     }
 
-    pub async fn sweep(&self, batch: u32) -> Result<u64, StoreError> {
+    async fn sweep(&self, batch: u32) -> Result<u64, StoreError> {
         let sql = "WITH doomed AS (
                 SELECT tenant, principal, operation, idempotency_key FROM idemgate_records
                 WHERE state = 'completed' AND expires_at <= now()
@@ -531,7 +536,7 @@ impl PgStore {
         Ok(self.query(sql, &[&i64::from(batch)], true).await?.len() as u64)
     }
 
-    pub async fn reap_leases(&self, batch: u32) -> Result<u64, StoreError> {
+    async fn reap_leases(&self, batch: u32) -> Result<u64, StoreError> {
         let sql = "WITH stale AS (
                 SELECT tenant, principal, operation, idempotency_key FROM idemgate_records
                 WHERE state = 'in_flight' AND (lease_expires_at IS NULL OR lease_expires_at <= now())

@@ -1,0 +1,37 @@
+//! Requests without idempotency: other methods on a route's path, routes
+//! whose key is optional and absent, unmatched paths to the default upstream.
+//! Streamed both ways; nothing is read whole, nothing is recorded.
+
+use http::{Request, Response};
+use hyper::body::Incoming;
+
+use crate::body::Body;
+use crate::headers::{self, strip_hop_by_hop};
+use crate::problem::{self, GatewayError};
+use crate::upstream::{Upstream, UpstreamError, error_chain};
+
+/// Proxies `req` to `upstream`; upstream failures become 502/504 problems.
+pub async fn pass_through(upstream: &Upstream, req: Request<Incoming>, request_body_timeout: std::time::Duration) -> Response<Body> {
+    let (parts, body) = req.into_parts();
+    let deadline = tokio::time::Instant::now() + upstream.config.timeout;
+    let sent = match upstream.request(parts, Body::stream(body, request_body_timeout), None) {
+        Ok(req) => upstream.send(req, deadline).await,
+        Err(e) => Err(e),
+    };
+    match sent {
+        Ok(resp) => {
+            let (mut head, body) = resp.into_parts();
+            strip_hop_by_hop(&mut head.headers);
+            head.headers.remove(headers::IDEMPOTENCY_POLICY);
+            Response::from_parts(head, Body::stream(body, upstream.config.timeout))
+        }
+        Err(e) => {
+            tracing::warn!(upstream = upstream.name(), error = %error_chain(&e), "pass-through failed");
+            let err = match e {
+                UpstreamError::Timeout { .. } => GatewayError::GatewayTimeout,
+                _ => GatewayError::BadGateway,
+            };
+            problem::response(&err)
+        }
+    }
+}

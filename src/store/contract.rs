@@ -1,0 +1,163 @@
+//! The store's contract: the one interface both backends implement
+//! ([`RecordStore`]), and the types it speaks.
+//!
+//! A backend implements single protocol steps, each one atomic statement (or
+//! one short transaction) against its database, deciding with the pure rules
+//! of [`crate::record`]. What must not differ between backends (bounded
+//! operation time, reading a row back after an ambiguous write, metrics)
+//! lives once, in [`super::Store`]. `tests/store_conformance.rs` holds both
+//! implementations to the same answers.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use uuid::Uuid;
+
+use super::StoreError;
+use crate::fingerprint::Fingerprint;
+use crate::record::{Attempt, Generation, Record, Refused, State, StoredResponse, Timestamp};
+use crate::scope::Scope;
+
+/// Everything a claim needs.
+#[derive(Debug, Clone)]
+pub struct ClaimRequest {
+    pub scope: Scope,
+    pub request_hash: Fingerprint,
+    /// Replica id, for the `owner` column.
+    pub owner: Arc<str>,
+    pub lease: Duration,
+    /// May an expired in-flight or unknown record with the same fingerprint be
+    /// taken over (the upstream deduplicates by the derived key)?
+    pub upstream_idempotent: bool,
+    /// Identifies this request's claim; read back after an ambiguous commit,
+    /// and used to abandon a claim whose fate could not be learned.
+    pub claim_token: Uuid,
+}
+
+/// A claim this attempt holds: the right to forward and record a result under
+/// `generation`.
+#[derive(Debug, Clone)]
+pub struct Claim {
+    pub scope: Scope,
+    pub generation: Generation,
+    pub claim_token: Uuid,
+    pub lease_expires_at: Timestamp,
+    /// The claim replaced an expired record rather than inserting a new one.
+    pub took_over: bool,
+}
+
+impl Claim {
+    /// The attempt this claim identifies: its generation and token.
+    pub fn attempt(&self) -> Attempt {
+        Attempt { generation: self.generation, claim_token: self.claim_token }
+    }
+}
+
+/// What a claim found.
+#[derive(Debug, Clone)]
+pub enum ClaimOutcome {
+    Claimed(Claim),
+    /// Another record holds the scope; `now` is the store's clock when read.
+    Existing {
+        record: Record,
+        now: Timestamp,
+    },
+}
+
+/// What one claim statement found, before the protocol's read-back logic.
+#[derive(Debug, Clone)]
+pub enum RawClaim {
+    /// Inserted, or took over an expired record.
+    Claimed(Claim),
+    /// The statement saw this record and left it alone.
+    Existing(Record, Timestamp),
+    /// A concurrent insert won after the statement's snapshot: read it in a new statement.
+    Conflict,
+}
+
+/// Whether a fenced write (result, release, unknown) took effect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteOutcome {
+    Written,
+    /// The record belongs to another attempt now (or was resolved): nothing
+    /// was overwritten.
+    Fenced,
+}
+
+/// A manual reconciliation.
+#[derive(Debug, Clone)]
+pub enum Resolution {
+    /// Delete the record; the client may retry the key.
+    Release,
+    /// Record this response; it is replayed for `retention`.
+    Complete { response: StoredResponse, retention: Duration },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ResolveOutcome {
+    Resolved,
+    NotFound,
+    Refused(Refused),
+}
+
+/// Filters for `keys list`.
+#[derive(Debug, Clone, Default)]
+pub struct ListFilter {
+    pub state: Option<State>,
+    pub tenant: Option<String>,
+    pub operation: Option<String>,
+    pub limit: u32,
+}
+
+/// One protocol step per method. Every write is atomic and committed (or
+/// certainly not) when it returns `Ok`; an `Err(StoreError::Ambiguous)` means
+/// the caller must read the row back. Fenced writes return whether they
+/// applied (`false`: another attempt holds the record).
+#[async_trait]
+pub trait RecordStore: Send + Sync + std::fmt::Debug {
+    /// `"postgres"` or `"sqlite"`, for logs and metrics.
+    fn kind(&self) -> &'static str;
+
+    /// Applies pending migrations; returns the names applied.
+    async fn migrate(&self) -> Result<Vec<String>, StoreError>;
+
+    /// Whether the store answers (readiness).
+    async fn ping(&self) -> Result<(), StoreError>;
+
+    /// The store's clock: the one that decides leases and retention.
+    async fn now(&self) -> Result<Timestamp, StoreError>;
+
+    /// The scope's record and the store's clock when it was read.
+    async fn get(&self, scope: &Scope) -> Result<Option<(Record, Timestamp)>, StoreError>;
+
+    /// The claim: one atomic statement that inserts the scope's record, takes
+    /// over a record that `record::may_take_over` allows, or leaves the record
+    /// it finds untouched and returns it.
+    async fn claim(&self, req: &ClaimRequest) -> Result<RawClaim, StoreError>;
+
+    /// Deletes the in-flight record made with `claim_token`, if it exists.
+    async fn abandon(&self, scope: &Scope, claim_token: Uuid) -> Result<bool, StoreError>;
+
+    /// Records the upstream's response, fenced by `attempt`.
+    async fn complete(&self, scope: &Scope, attempt: Attempt, response: &StoredResponse, retention: Duration) -> Result<bool, StoreError>;
+
+    /// Deletes the record, fenced by `attempt`.
+    async fn release(&self, scope: &Scope, attempt: Attempt) -> Result<bool, StoreError>;
+
+    /// Marks the record `unknown`, fenced by `attempt` (and, for a reader that
+    /// found the lease expired, only if it still is).
+    async fn mark_unknown(&self, scope: &Scope, attempt: Attempt, only_if_lease_expired: bool) -> Result<bool, StoreError>;
+
+    /// Records matching `filter`, newest first.
+    async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>, StoreError>;
+
+    /// An operator's reconciliation, decided by `record::transition`.
+    async fn resolve(&self, scope: &Scope, resolution: &Resolution) -> Result<ResolveOutcome, StoreError>;
+
+    /// Deletes up to `batch` completed records past retention.
+    async fn sweep(&self, batch: u32) -> Result<u64, StoreError>;
+
+    /// Marks up to `batch` in-flight records whose lease expired `unknown`.
+    async fn reap_leases(&self, batch: u32) -> Result<u64, StoreError>;
+}
