@@ -40,8 +40,9 @@ pub struct Executor {
     tracker: TaskTracker,
     /// Woken when a result is recorded (local `in_flight = "wait"` waiters).
     waiters: Arc<Waiters>,
-    /// HMAC key for the derived `Idempotency-Key`.
-    derived_key_secret: Option<Arc<[u8]>>,
+    /// HMAC key for the derived `Idempotency-Key` (configured, or generated
+    /// by `migrate` and shared by every replica through the store).
+    derived_key_secret: Arc<[u8]>,
 }
 
 /// What one exchange with the upstream established, before anything is
@@ -77,7 +78,7 @@ impl Executor {
         metrics: Arc<Metrics>,
         tracker: TaskTracker,
         waiters: Arc<Waiters>,
-        derived_key_secret: Option<Arc<[u8]>>,
+        derived_key_secret: Arc<[u8]>,
     ) -> Executor {
         Executor { upstreams, store, metrics, tracker, waiters, derived_key_secret }
     }
@@ -175,7 +176,7 @@ impl Executor {
         let started = Instant::now();
         let deadline = tokio::time::Instant::now() + upstream.config.timeout;
         let key_value = match route.forward_key {
-            ForwardKey::Derived => HeaderValue::from_str(&claim.scope.derived_key(self.derived_key_secret.as_deref())).ok(),
+            ForwardKey::Derived => HeaderValue::from_str(&claim.scope.derived_key(Some(&self.derived_key_secret))).ok(),
             ForwardKey::Client => parts.headers.get(&route.key_header).cloned(),
         };
         let stamp = key_value.map(|k| (k, HeaderValue::from(claim.generation.0)));

@@ -58,7 +58,8 @@ pub struct Gateway {
 }
 
 impl Gateway {
-    pub fn new(config: &Config, store: Store, metrics: Arc<Metrics>, tracker: TaskTracker) -> Gateway {
+    /// `derived_key_secret` keys the `Idempotency-Key` sent upstream.
+    pub fn new(config: &Config, store: Store, metrics: Arc<Metrics>, tracker: TaskTracker, derived_key_secret: Arc<[u8]>) -> Gateway {
         let waiters = Arc::new(Waiters::new());
         let executor = Executor::new(
             config.upstreams.iter().cloned().map(Upstream::new).collect(),
@@ -66,7 +67,7 @@ impl Gateway {
             metrics.clone(),
             tracker.clone(),
             waiters.clone(),
-            config.server.derived_key_secret.as_ref().map(|s| Arc::from(s.expose().as_bytes())),
+            derived_key_secret,
         );
         Gateway {
             router: Router::new(config.routes.clone(), config.server.default_upstream),

@@ -1,10 +1,16 @@
-//! `idemgate keys`: what operators see of records, and manual reconciliation.
+//! Operator commands over records — what `idemgate keys` and the admin API
+//! show, and the one implementation of manual reconciliation they share.
 
 use std::fmt::Write as _;
+use std::time::Duration;
 
+use bytes::Bytes;
 use serde_json::json;
 
-use crate::record::{Record, State};
+use crate::audit::{Actor, AuditEntry, AuditNote};
+use crate::record::{Record, Refused, State, StoredResponse};
+use crate::scope::Scope;
+use crate::store::{Resolution, ResolveOutcome, Store, StoreError};
 
 /// One record as JSON (bodies as UTF-8 text when they are, else base16).
 pub fn record_json(r: &Record, with_body: bool, secret: Option<&[u8]>) -> serde_json::Value {
@@ -112,6 +118,128 @@ pub fn show_text(r: &Record, secret: Option<&[u8]>) -> String {
         let _ = writeln!(
             out,
             "\nThe upstream may have executed this request. Find out, then either\n  idemgate keys resolve ... --release             (it did not happen: the client may retry)\n  idemgate keys resolve ... --complete --status N (it happened: record what to replay)"
+        );
+    }
+    out
+}
+
+/// A resolution as an operator asks for it (CLI or admin API), before
+/// validation.
+#[derive(Debug, Clone)]
+pub struct ResolveRequest {
+    pub action: ResolveAction,
+    /// Why; stored in the audit trail. Required with `force`.
+    pub reason: Option<String>,
+    /// Also resolve a record that is not `unknown` or an expired claim (a
+    /// completed one): releasing it lets the client's next retry execute again.
+    pub force: bool,
+    pub actor: Actor,
+}
+
+#[derive(Debug, Clone)]
+pub enum ResolveAction {
+    /// It did not happen: delete the record so the client may retry.
+    Release,
+    /// It happened: record this response for replays.
+    Complete { status: u16, headers: Vec<(String, Vec<u8>)>, body: Bytes, retention: Option<Duration> },
+}
+
+/// Why a resolution was not applied.
+#[derive(Debug, thiserror::Error)]
+pub enum ResolveError {
+    /// The request itself is wrong (status out of range, no reason with force).
+    #[error("{0}")]
+    Invalid(String),
+    #[error("no record for that scope")]
+    NotFound,
+    /// The record is not in a state that may be resolved (see `record::transition`).
+    #[error("refused: {0}")]
+    Refused(Refused),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Statuses a hand-made response may carry: a 1xx would break the client's
+/// connection handling, and nothing outside 200-599 is a final HTTP answer.
+pub const RESOLVABLE_STATUSES: std::ops::RangeInclusive<u16> = 200..=599;
+
+/// The one implementation of resolving a record, shared by `idemgate keys
+/// resolve` and the admin API: validates the request, applies it with its
+/// audit row, and returns the state the record was in.
+/// `default_retention` applies to a completion that names none (the route's).
+pub async fn resolve(store: &Store, scope: &Scope, req: ResolveRequest, default_retention: Duration) -> Result<State, ResolveError> {
+    let reason = req.reason.as_deref().map(str::trim).filter(|r| !r.is_empty());
+    if req.force && reason.is_none() {
+        return Err(ResolveError::Invalid("a forced resolution needs a reason".into()));
+    }
+    let resolution = match req.action {
+        ResolveAction::Release => Resolution::Release { force: req.force },
+        ResolveAction::Complete { status, headers, body, retention } => {
+            if !RESOLVABLE_STATUSES.contains(&status) {
+                return Err(ResolveError::Invalid(format!("status {status} is not a final HTTP status (200-599)")));
+            }
+            for (name, value) in &headers {
+                if http::HeaderName::from_bytes(name.as_bytes()).is_err() || http::HeaderValue::from_bytes(value).is_err() {
+                    return Err(ResolveError::Invalid(format!("invalid header {name:?}")));
+                }
+            }
+            Resolution::Complete {
+                response: StoredResponse { status, headers, body: Some(body) },
+                retention: retention.unwrap_or(default_retention),
+                force: req.force,
+            }
+        }
+    };
+    let note = AuditNote { actor: req.actor, reason: reason.unwrap_or("(no reason given)").to_owned(), forced: req.force };
+    match store.resolve(scope, &resolution, &note).await? {
+        ResolveOutcome::Resolved { from } => Ok(from),
+        ResolveOutcome::NotFound => Err(ResolveError::NotFound),
+        ResolveOutcome::Refused(r) => Err(ResolveError::Refused(r)),
+    }
+}
+
+/// The retention a hand-made completion gets when none is given: its route's,
+/// else a day.
+pub fn default_retention(routes: &[crate::route::Route], operation: &str) -> Duration {
+    routes.iter().find(|r| &*r.operation == operation).map_or(Duration::from_secs(24 * 3600), |r| r.retention)
+}
+
+/// One audit row as JSON (`keys audit --json`, `GET /admin/audit`).
+pub fn audit_json(a: &AuditEntry) -> serde_json::Value {
+    json!({
+        "id": a.id,
+        "at": a.at.to_string(),
+        "actor": a.actor,
+        "scope": {
+            "tenant": &*a.scope.tenant,
+            "principal": &*a.scope.principal,
+            "operation": &*a.scope.operation,
+            "key": a.scope.key.as_str(),
+        },
+        "from_state": a.from_state,
+        "to_state": a.to_state,
+        "reason": a.reason,
+        "forced": a.forced,
+        "generation": a.generation.map(|g| g.0),
+    })
+}
+
+/// A table for `keys audit`.
+pub fn audit_table(entries: &[AuditEntry]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "{:<27} {:<10} {:<10} {:<10} {:<40} REASON", "AT", "ACTOR", "FROM", "TO", "SCOPE");
+    for a in entries {
+        let scope = format!("{}/{}/{}/{}", a.scope.tenant, a.scope.principal, a.scope.operation, a.scope.key.as_str());
+        let _ = writeln!(
+            out,
+            "{:<27} {:<10} {:<10} {:<10} {:<40} {}{}",
+            a.at.to_string(),
+            a.actor,
+            a.from_state,
+            a.to_state,
+            scope,
+            if a.forced { "[forced] " } else { "" },
+            a.reason
         );
     }
     out

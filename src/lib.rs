@@ -27,6 +27,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admin;
+pub mod audit;
 pub mod background;
 pub mod body;
 pub mod config;

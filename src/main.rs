@@ -6,13 +6,15 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::{Context, anyhow, bail};
+use anyhow::{Context, anyhow};
 use clap::{Args, Parser, Subcommand};
+use idemgate::audit::Actor;
 use idemgate::config::{Config, DEFAULT_CONFIG_PATH};
-use idemgate::record::{State, StoredResponse};
+use idemgate::keys::{ResolveAction, ResolveError, ResolveRequest};
+use idemgate::record::State;
 use idemgate::scope::{IdempotencyKey, Scope};
 use idemgate::server::Server;
-use idemgate::store::{ListFilter, Resolution, ResolveOutcome, Store};
+use idemgate::store::{Access, ListFilter, Store};
 use tokio_util::sync::CancellationToken;
 
 #[derive(Parser)]
@@ -64,6 +66,13 @@ enum KeysCommand {
     },
     /// Reconcile a record by hand: release it, or record its final response.
     Resolve(ResolveArgs),
+    /// The audit trail of resolutions, newest first.
+    Audit {
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Args)]
@@ -100,6 +109,14 @@ struct ResolveArgs {
     /// How long to replay it; default: the route's retention (or 24h).
     #[arg(long, value_parser = humantime::parse_duration)]
     retention: Option<Duration>,
+    /// Why (kept in the audit trail). Required with --force.
+    #[arg(long)]
+    reason: Option<String>,
+    /// Also resolve a record that is not unknown or an expired claim (a
+    /// completed one). Releasing a completed record lets the client's next
+    /// retry execute again: say why with --reason.
+    #[arg(long, requires = "reason")]
+    force: bool,
 }
 
 fn parse_state(s: &str) -> Result<State, String> {
@@ -160,7 +177,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             server.run(shutdown_signal()).await?;
         }
         Command::Migrate => {
-            let store = Store::open(&config.store, false).await?;
+            let store = Store::open(&config.store, Access::Migrate).await?;
             let applied = store.migrate().await?;
             if applied.is_empty() {
                 println!("schema up to date");
@@ -212,8 +229,12 @@ async fn keys(config: &Config, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
     // give them more than the request path's per-statement bound.
     let mut store_config = config.store.clone();
     store_config.operation_timeout = store_config.operation_timeout.max(Duration::from_secs(60));
-    let store = Store::open(&store_config, false).await.context("opening the store")?;
-    let secret = config.server.derived_key_secret.as_ref().map(|s| s.expose().as_bytes());
+    let store = Store::open(&store_config, Access::Existing).await.context("opening the store")?;
+    let secret = match &config.server.derived_key_secret {
+        Some(s) => Some(s.expose().as_bytes().to_vec()),
+        None => store.derived_key_secret().await.context("reading the derived-key secret")?,
+    };
+    let secret = secret.as_deref();
     match cmd {
         KeysCommand::List { state, tenant, operation, limit, json } => {
             let records = store.list(&ListFilter { state, tenant, operation, limit }).await?;
@@ -237,13 +258,10 @@ async fn keys(config: &Config, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
         }
         KeysCommand::Resolve(args) => {
             let s = scope(&args.scope)?;
-            let resolution = if args.release {
-                Resolution::Release
+            let action = if args.release {
+                ResolveAction::Release
             } else {
                 let status = args.status.context("--complete needs --status")?;
-                if !(100..=999).contains(&status) {
-                    bail!("--status must be an HTTP status (100-999)");
-                }
                 let body = match &args.body_file {
                     Some(f) => std::fs::read(f).with_context(|| format!("reading {}", f.display()))?,
                     None => Vec::new(),
@@ -255,21 +273,30 @@ async fn keys(config: &Config, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
                     let value = http::HeaderValue::from_str(value.trim()).with_context(|| format!("--header {h:?}: bad value"))?;
                     headers.push((name.as_str().to_owned(), value.as_bytes().to_vec()));
                 }
-                let retention = args.retention.unwrap_or_else(|| {
-                    config.routes.iter().find(|r| *r.operation == *s.operation).map_or(Duration::from_secs(24 * 3600), |r| r.retention)
-                });
-                Resolution::Complete { response: StoredResponse { status, headers, body: Some(body.into()) }, retention }
+                ResolveAction::Complete { status, headers, body: body.into(), retention: args.retention }
             };
-            match store.resolve(&s, &resolution).await? {
-                ResolveOutcome::Resolved => println!("resolved"),
-                ResolveOutcome::NotFound => {
-                    eprintln!("no record for that scope");
+            let request = ResolveRequest { action, reason: args.reason, force: args.force, actor: Actor::Cli };
+            let retention = idemgate::keys::default_retention(&config.routes, &s.operation);
+            match idemgate::keys::resolve(&store, &s, request, retention).await {
+                Ok(from) => println!("resolved (was {from})"),
+                Err(ResolveError::Store(e)) => return Err(e.into()),
+                Err(e @ ResolveError::Refused(idemgate::record::Refused::NotAllowed(State::Completed))) => {
+                    eprintln!("{e}: the record is completed and is what retries are replayed; add --force --reason '...' to change it");
                     return Ok(ExitCode::from(1));
                 }
-                ResolveOutcome::Refused(why) => {
-                    eprintln!("refused: {why}");
+                Err(e) => {
+                    eprintln!("{e}");
                     return Ok(ExitCode::from(1));
                 }
+            }
+        }
+        KeysCommand::Audit { limit, json } => {
+            let entries = store.audit(limit).await?;
+            if json {
+                let list: Vec<_> = entries.iter().map(idemgate::keys::audit_json).collect();
+                println!("{}", serde_json::to_string_pretty(&list)?);
+            } else {
+                print!("{}", idemgate::keys::audit_table(&entries));
             }
         }
     }

@@ -60,8 +60,10 @@ impl fmt::Display for Timestamp {
     }
 }
 
-/// The fencing token of one attempt: it grows with every claim or take-over of
-/// a scope, and a result is recorded only under the generation that claimed it.
+/// The fencing token of one attempt: drawn from a store-wide sequence at every
+/// claim, take-over and operator resolution, so it grows across every life of
+/// a scope (a key released or swept and used again gets a larger number), and
+/// a result is recorded only under the generation that claimed it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Generation(pub i64);
 
@@ -73,9 +75,9 @@ impl fmt::Display for Generation {
 
 /// One attempt's identity: the generation it claimed and its claim token.
 /// A result, release or unknown-marking applies only to the attempt that
-/// holds the record: the generation orders attempts within a record's life,
-/// and the token tells apart attempts of different lives (after a record is
-/// released or swept, a new claim starts at generation 1 again).
+/// holds the record. Generations come from one store-wide sequence, so they
+/// grow across every life of a scope; the token is a second, independent
+/// check that the writer is the attempt that claimed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Attempt {
     pub generation: Generation,
@@ -209,10 +211,11 @@ pub enum Event {
     MarkUnknown { attempt: Attempt },
     /// The lease reaper found the lease expired.
     LeaseExpired,
-    /// An operator recorded a final response.
-    ResolveComplete,
-    /// An operator freed the key.
-    ResolveRelease,
+    /// An operator recorded a final response. `force`: also over a record
+    /// that is not `unknown` (a completed one), which the caller must justify.
+    ResolveComplete { force: bool },
+    /// An operator freed the key (`force`: likewise).
+    ResolveRelease { force: bool },
     /// The sweeper found the record past retention.
     Sweep,
 }
@@ -234,7 +237,8 @@ pub enum Refused {
     /// or no longer in flight): the write is fenced off.
     #[error("fenced: the record belongs to another attempt")]
     Fenced,
-    /// The event is not meaningful in the record's state.
+    /// The event is not meaningful in the record's state (or, for an
+    /// operator's resolution of a completed record, needs force).
     #[error("not allowed while the record is {0}")]
     NotAllowed(State),
     /// Operators may not resolve a claim whose lease is still running: the
@@ -257,11 +261,22 @@ pub fn transition(record: &Record, event: Event, now: Timestamp) -> Result<Next,
             State::InFlight => Err(Refused::LeaseLive),
             other => Err(Refused::NotAllowed(other)),
         },
-        Event::ResolveComplete | Event::ResolveRelease => {
+        Event::ResolveComplete { force } | Event::ResolveRelease { force } => {
+            // A live lease is never overridden, not even by force: its attempt
+            // may be with the upstream right now, and freeing the key would let
+            // a retry execute a second time.
             if record.state == State::InFlight && lease_live {
                 return Err(Refused::LeaseLive);
             }
-            if event == Event::ResolveRelease { Ok(Next::Deleted) } else { Ok(Next::State { state: State::Completed, bump: true }) }
+            // A completed record is the answer clients are replayed; changing
+            // it (a release lets the next retry execute again) needs force.
+            if record.state == State::Completed && !force {
+                return Err(Refused::NotAllowed(State::Completed));
+            }
+            match event {
+                Event::ResolveRelease { .. } => Ok(Next::Deleted),
+                _ => Ok(Next::State { state: State::Completed, bump: true }),
+            }
         }
         Event::Sweep => match record.state {
             State::Completed if record.expires_at <= now => Ok(Next::Deleted),
@@ -359,11 +374,23 @@ mod tests {
         let expired = record(State::InFlight, Some(-5), 0);
         assert_eq!(transition(&live, Event::LeaseExpired, NOW), Err(Refused::LeaseLive));
         assert_eq!(transition(&expired, Event::LeaseExpired, NOW), Ok(Next::State { state: State::Unknown, bump: false }));
-        assert_eq!(transition(&live, Event::ResolveRelease, NOW), Err(Refused::LeaseLive));
-        assert_eq!(transition(&live, Event::ResolveComplete, NOW), Err(Refused::LeaseLive));
+        for force in [false, true] {
+            assert_eq!(transition(&live, Event::ResolveRelease { force }, NOW), Err(Refused::LeaseLive));
+            assert_eq!(transition(&live, Event::ResolveComplete { force }, NOW), Err(Refused::LeaseLive));
+        }
         let unknown = record(State::Unknown, None, 0);
-        assert_eq!(transition(&unknown, Event::ResolveRelease, NOW), Ok(Next::Deleted));
-        assert_eq!(transition(&unknown, Event::ResolveComplete, NOW), Ok(Next::State { state: State::Completed, bump: true }));
+        assert_eq!(transition(&unknown, Event::ResolveRelease { force: false }, NOW), Ok(Next::Deleted));
+        assert_eq!(
+            transition(&unknown, Event::ResolveComplete { force: false }, NOW),
+            Ok(Next::State { state: State::Completed, bump: true })
+        );
+        assert_eq!(transition(&expired, Event::ResolveRelease { force: false }, NOW), Ok(Next::Deleted));
+        // A completed record is what retries are replayed: only by force.
+        let done = record(State::Completed, None, 10);
+        assert_eq!(transition(&done, Event::ResolveRelease { force: false }, NOW), Err(Refused::NotAllowed(State::Completed)));
+        assert_eq!(transition(&done, Event::ResolveComplete { force: false }, NOW), Err(Refused::NotAllowed(State::Completed)));
+        assert_eq!(transition(&done, Event::ResolveRelease { force: true }, NOW), Ok(Next::Deleted));
+        assert_eq!(transition(&done, Event::ResolveComplete { force: true }, NOW), Ok(Next::State { state: State::Completed, bump: true }));
         assert_eq!(transition(&unknown, Event::LeaseExpired, NOW), Err(Refused::NotAllowed(State::Unknown)));
         assert_eq!(transition(&unknown, Event::Sweep, NOW), Err(Refused::NotAllowed(State::Unknown)));
         assert_eq!(transition(&expired, Event::Sweep, NOW), Err(Refused::NotAllowed(State::InFlight)));

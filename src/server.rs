@@ -20,7 +20,7 @@ use crate::background;
 use crate::config::Config;
 use crate::gateway::Gateway;
 use crate::metrics::Metrics;
-use crate::store::{Store, StoreError};
+use crate::store::{Access, Store, StoreError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -28,6 +28,10 @@ pub enum ServeError {
     Store(#[from] StoreError),
     #[error("cannot listen on {addr}: {source}")]
     Bind { addr: SocketAddr, source: std::io::Error },
+    #[error(
+        "the store has no derived-key secret (it was never migrated to this version): run `idemgate migrate`, or set server.derived_key_secret_env"
+    )]
+    NoSecret,
 }
 
 /// A bound, ready gateway; [`Server::run`] serves until shutdown.
@@ -47,7 +51,7 @@ impl Server {
     /// unless `store.migrate = false`, and binds the listeners.
     pub async fn bind(config: Config) -> Result<Server, ServeError> {
         let metrics = Arc::new(Metrics::new());
-        let store = Store::open(&config.store, true).await?.with_metrics(metrics.clone());
+        let store = Store::open(&config.store, Access::Serve).await?.with_metrics(metrics.clone());
         if config.store.migrate {
             let applied = store.migrate().await?;
             if !applied.is_empty() {
@@ -59,8 +63,15 @@ impl Server {
             Some(a) => Some(bind(a.listen).await?),
             None => None,
         };
+        // The key derived for the upstream is an HMAC under the configured
+        // secret, else under the one `migrate` generated for this deployment
+        // (the same for every replica).
+        let secret: Arc<[u8]> = match &config.server.derived_key_secret {
+            Some(s) => Arc::from(s.expose().as_bytes()),
+            None => Arc::from(store.derived_key_secret().await?.ok_or(ServeError::NoSecret)?),
+        };
         let tracker = TaskTracker::new();
-        let gateway = Arc::new(Gateway::new(&config, store, metrics.clone(), tracker.clone()));
+        let gateway = Arc::new(Gateway::new(&config, store, metrics.clone(), tracker.clone(), secret));
         Ok(Server { config, gateway, metrics, proxy, admin, tracker })
     }
 

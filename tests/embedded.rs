@@ -52,7 +52,13 @@ async fn second_gateway_on_one_file_is_refused() {
     let config = first.dir().join("second.toml");
     let toml = GatewayConfig::new(backend.clone(), up.url()).toml();
     std::fs::write(&config, toml).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_idemgate")).arg("serve").arg("--config").arg(&config).output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .arg("serve")
+        .arg("--config")
+        .arg(&config)
+        .env(support::gateway::TEST_SECRET_ENV, TEST_SECRET)
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("in use by another idemgate process") && err.contains("PostgreSQL"), "{err}");
@@ -84,4 +90,56 @@ async fn default_store_is_embedded_sqlite() {
     let default = Backend::Sqlite { path: workdir.path().join("data/idemgate.db"), dir: None };
     let store = default.open().await;
     assert_eq!(record(&store, "k").await.unwrap().state, State::Completed);
+}
+
+/// A mistyped store path must not become a new, empty database that `keys`
+/// then reports as holding no records: operator commands refuse a store that
+/// does not exist (or is not an idemgate store), and create nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_commands_refuse_a_missing_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("typo").join("idemgate.db");
+    let not_ours = dir.path().join("other.db");
+    std::fs::write(&not_ours, b"").unwrap();
+    for path in [&missing, &not_ours] {
+        let cfg = GatewayConfig::new(Backend::Sqlite { path: path.clone(), dir: None }, "http://127.0.0.1:9".into());
+        let config = dir.path().join("cfg.toml");
+        std::fs::write(&config, cfg.toml()).unwrap();
+        for args in [
+            vec!["keys", "list"],
+            vec!["keys", "show", "--tenant", "t", "--principal", "p", "--operation", "create_order", "--key", "k"],
+            vec!["keys", "resolve", "--tenant", "t", "--principal", "p", "--operation", "create_order", "--key", "k", "--release"],
+            vec!["keys", "audit"],
+        ] {
+            let out = Command::new(env!("CARGO_BIN_EXE_idemgate"))
+                .args(&args)
+                .arg("--config")
+                .arg(&config)
+                .env(support::gateway::TEST_SECRET_ENV, TEST_SECRET)
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{args:?} on {}: {err}", path.display());
+            assert!(err.contains("no idemgate store at") && err.contains("store.path"), "{err}");
+        }
+    }
+    assert!(!missing.exists() && !missing.parent().unwrap().exists(), "nothing was created");
+    assert_eq!(std::fs::metadata(&not_ours).unwrap().len(), 0, "a foreign file is left alone");
+    // `migrate` does create it, and then the commands work.
+    let cfg = GatewayConfig::new(Backend::Sqlite { path: missing.clone(), dir: None }, "http://127.0.0.1:9".into());
+    let config = dir.path().join("cfg.toml");
+    std::fs::write(&config, cfg.toml()).unwrap();
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_idemgate"))
+            .args(args)
+            .arg("--config")
+            .arg(&config)
+            .env(support::gateway::TEST_SECRET_ENV, TEST_SECRET)
+            .output()
+            .unwrap()
+    };
+    assert_eq!(run(&["migrate"]).status.code(), Some(0));
+    let out = run(&["keys", "list"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("0 record(s)"));
 }

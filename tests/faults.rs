@@ -116,10 +116,11 @@ async fn gateway_killed_on_idempotent_upstream_is_reforwarded_with_same_key() {
     let reqs = up.requests();
     assert_eq!(reqs.len(), 2, "forwarded again");
     assert_eq!(reqs[0].key, reqs[1].key, "with the same derived key");
-    assert_eq!((reqs[0].generation.as_deref(), reqs[1].generation.as_deref()), (Some("1"), Some("2")));
+    let gens: Vec<i64> = reqs.iter().map(|r| r.generation.as_deref().unwrap().parse().unwrap()).collect();
+    assert!(gens[1] > gens[0], "the take-over carries a larger generation: {gens:?}");
     assert_eq!(up.side_effects(&derived("k")), 1, "the upstream deduplicated: one side effect");
     let rec = record(&store, "k").await.unwrap();
-    assert_eq!((rec.state, rec.generation.0), (State::Completed, 2));
+    assert_eq!((rec.state, rec.generation.0), (State::Completed, gens[1]));
 }
 
 /// The store down when claiming: 503 store-unavailable, nothing forwarded,
@@ -192,7 +193,8 @@ async fn two_replicas_race_on_one_key() {
     assert_eq!(forwarded, 1);
     assert_eq!(up.total(), 1);
     let rec = record(&store, "race").await.unwrap();
-    assert_eq!((rec.state, rec.generation.0), (State::Completed, 1));
+    assert_eq!(rec.state, State::Completed);
+    assert_eq!(up.requests()[0].generation, Some(rec.generation.to_string()), "the one attempt's generation holds the record");
     // Both replicas replay it afterwards.
     assert!(post(&a.url("/v1/orders"), "race", ORDER, &[]).await.replayed());
     assert!(post(&b.url("/v1/orders"), "race", ORDER, &[]).await.replayed());
@@ -217,7 +219,9 @@ async fn paused_replica_is_fenced_after_takeover() {
     tokio::time::sleep(Duration::from_millis(1300)).await; // A's lease runs out while it is frozen
     let taken = post(&b.url("/v1/orders"), "k", ORDER, &[]).await;
     assert_eq!((taken.status, taken.replayed()), (201, false), "{taken:?}");
-    assert_eq!(taken.json()["generation"], "2");
+    let a_gen: i64 = up.requests()[0].generation.as_deref().unwrap().parse().unwrap();
+    let b_gen: i64 = taken.json()["generation"].as_str().unwrap().parse().unwrap();
+    assert!(b_gen > a_gen, "B took over with a larger generation");
     a.signal("CONT");
     let _ = first.await.unwrap(); // A answers its client whatever it is
     let fenced = eventually(Duration::from_secs(5), || {
@@ -227,9 +231,9 @@ async fn paused_replica_is_fenced_after_takeover() {
     .await;
     assert!(fenced, "A's stale write was fenced and counted:\n{}", a.logs());
     let rec = record(&store, "k").await.unwrap();
-    assert_eq!((rec.state, rec.generation.0), (State::Completed, 2));
+    assert_eq!((rec.state, rec.generation.0), (State::Completed, b_gen));
     let body: serde_json::Value = serde_json::from_slice(rec.response.unwrap().body.as_deref().unwrap()).unwrap();
-    assert_eq!(body["generation"], "2", "B's result survives; A did not overwrite it");
+    assert_eq!(body["generation"], b_gen.to_string(), "B's result survives; A did not overwrite it");
     assert_eq!(up.side_effects(&derived("k")), 1);
 }
 
@@ -332,7 +336,8 @@ async fn claim_reply_lost_is_resolved_by_claim_token() {
     let r = post(&target, "k", ORDER, &[]).await;
     assert_eq!((r.status, r.replayed()), (201, false), "{r:?}\n{}", gw.logs());
     let rec = record(&store, "k").await.unwrap();
-    assert_eq!((rec.state, rec.generation.0), (State::Completed, 1));
+    assert_eq!(rec.state, State::Completed);
+    assert_eq!(up.requests()[1].generation, Some(rec.generation.to_string()), "recorded under the claim that was read back");
     assert_eq!(up.side_effects(&derived("k")), 1);
     assert!(gw.log_count("reading the row back") >= 1, "the read-back path ran:\n{}", gw.logs());
     assert!(post(&target, "k", ORDER, &[]).await.replayed());
@@ -359,7 +364,8 @@ async fn result_reply_lost_is_resolved_by_read_back() {
     let r = client.await.unwrap();
     assert_eq!((r.status, r.replayed()), (201, false), "{r:?}");
     let rec = record(&store, "k").await.unwrap();
-    assert_eq!((rec.state, rec.generation.0), (State::Completed, 1), "{}", gw.logs());
+    assert_eq!(rec.state, State::Completed, "{}", gw.logs());
+    assert_eq!(up.requests().last().unwrap().generation, Some(rec.generation.to_string()));
     assert!(gw.log_count("write failed; reading the row back") >= 1, "the read-back path ran:\n{}", gw.logs());
     let again = post(&target, "k", ORDER, &[]).await;
     assert!(again.replayed());
@@ -450,16 +456,18 @@ async fn late_result_write_after_takeover_is_fenced() {
     tokio::time::sleep(Duration::from_millis(1200)).await;
     let taken = post(&b.url("/v1/orders"), "k", ORDER, &[]).await;
     assert_eq!((taken.status, taken.replayed()), (201, false), "{taken:?}");
-    assert_eq!(taken.json()["generation"], "2");
+    let a_gen: i64 = up.requests()[0].generation.as_deref().unwrap().parse().unwrap();
+    let b_gen: i64 = taken.json()["generation"].as_str().unwrap().parse().unwrap();
+    assert!(b_gen > a_gen, "B took over with a larger generation");
     // Let the delayed statement arrive and be judged, then heal the path so
     // A's read-back can learn what happened (A answers its client after that).
     tokio::time::sleep(Duration::from_millis(2000)).await;
     slow_path.set(Fault::None);
     let _ = first.await.unwrap();
     let rec = record(&store, "k").await.unwrap();
-    assert_eq!((rec.state, rec.generation.0), (State::Completed, 2));
+    assert_eq!((rec.state, rec.generation.0), (State::Completed, b_gen));
     let body: serde_json::Value = serde_json::from_slice(rec.response.unwrap().body.as_deref().unwrap()).unwrap();
-    assert_eq!(body["generation"], "2", "the late write of generation 1 did not overwrite generation 2's result");
+    assert_eq!(body["generation"], b_gen.to_string(), "the late write of A's generation did not overwrite B's result");
     let fenced = eventually(Duration::from_secs(10), || {
         let a = &a;
         async move { metric(a, "idemgate_fenced_writes_total").await >= 1.0 }
@@ -496,7 +504,8 @@ async fn gateway_killed_before_the_claim_commits_leaves_nothing() {
     assert_eq!((r.status, r.replayed()), (201, false));
     assert_eq!(up.total(), 1);
     let rec = record(&store, "k").await.unwrap();
-    assert_eq!((rec.state, rec.generation.0), (State::Completed, 1));
+    assert_eq!(rec.state, State::Completed);
+    assert_eq!(up.requests()[0].generation, Some(rec.generation.to_string()));
 }
 
 /// Killed after the claim committed but before the request reached the

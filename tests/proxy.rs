@@ -34,6 +34,10 @@ on_both_stores!(
     sigterm_drains_in_flight_requests,
     metrics_and_health,
     derived_key_secret_keys_the_forwarded_key,
+    generated_secret_keys_the_forwarded_key_and_survives_restarts,
+    clients_cannot_forge_idemgate_headers,
+    keys_resolve_refuses_completed_records_without_force,
+    generations_grow_across_lives_at_the_upstream,
 );
 
 async fn setup(backend: Backend, f: impl FnOnce(GatewayConfig) -> GatewayConfig) -> (TestUpstream, Gateway, idemgate::store::Store) {
@@ -58,7 +62,8 @@ async fn first_request_is_forwarded_recorded_and_replayed(backend: Backend) {
     let seen = up.requests();
     assert_eq!(seen.len(), 1);
     assert_eq!(seen[0].key, derived("k1"));
-    assert_eq!(seen[0].generation.as_deref(), Some("1"));
+    let generation = record(&store, "k1").await.expect("record").generation;
+    assert_eq!(seen[0].generation, Some(generation.to_string()), "the attempt's generation");
     assert_eq!(seen[0].body, ORDER.as_bytes());
 
     let rec = record(&store, "k1").await.expect("record");
@@ -313,7 +318,9 @@ async fn upstream_timeout_is_unknown_until_resolved(backend: Backend) {
     );
     assert_eq!(code, 0, "{out}{err}");
     let rec = record(&store, "slow").await.unwrap();
-    assert_eq!((rec.state, rec.generation.0), (State::Completed, 2), "resolution fences off generation 1");
+    assert_eq!(rec.state, State::Completed);
+    let first_attempt: i64 = up.requests()[0].generation.as_deref().unwrap().parse().unwrap();
+    assert!(rec.generation.0 > first_attempt, "the resolution's new generation fences off the first attempt");
     let replay = post(&url, "slow", ORDER, &[]).await;
     assert_eq!(replay.status, 201);
     assert!(replay.replayed());
@@ -465,7 +472,7 @@ async fn scopes_are_isolated_by_principal(backend: Backend) {
     assert_ne!(a.body, b.body);
     assert_eq!(up.total(), 2);
     assert_eq!(up.side_effects(&derived("shared")), 1);
-    assert_eq!(up.side_effects(&scope_for("other", "create_order", "shared").derived_key(None)), 1);
+    assert_eq!(up.side_effects(&scope_for("other", "create_order", "shared").derived_key(Some(TEST_SECRET.as_bytes()))), 1);
     assert!(store.get(&scope_for("other", "create_order", "shared")).await.unwrap().is_some());
 }
 
@@ -567,13 +574,122 @@ async fn derived_key_secret_keys_the_forwarded_key(backend: Backend) {
     let secret_file = dir.path().join("derived-key-secret");
     std::fs::write(&secret_file, "s3cret-shared-by-replicas\n").unwrap();
     let server = format!("derived_key_secret_file = \"{}\"", secret_file.display());
-    let (up, gw, _store) = setup(backend, |c| c.server(&server)).await;
+    let (up, gw, _store) = setup(backend, |c| c.generated_secret().server(&server)).await;
     assert_eq!(post(&gw.url("/v1/orders"), "k", ORDER, &[]).await.status, 201);
     let seen = &up.requests()[0].key;
     assert_eq!(*seen, scope("k").derived_key(Some(b"s3cret-shared-by-replicas")), "an HMAC under the configured secret");
-    assert_ne!(*seen, derived("k"), "not the unkeyed hash anyone could compute");
+    assert_ne!(*seen, scope("k").derived_key(None), "not the unkeyed hash anyone could compute");
     let (code, out, err) =
         cli(&gw, &["keys", "show", "--tenant", TENANT, "--principal", PRINCIPAL, "--operation", "create_order", "--key", "k"]);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains(seen.as_str()), "keys show prints the key the upstream saw:\n{out}");
+}
+
+/// Without a configured secret the derived key is an HMAC under the secret
+/// `migrate` generated and stored: never the unkeyed hash anyone could
+/// compute, and the same after a restart (so a retry after a crash reaches an
+/// idempotent upstream under the same key).
+async fn generated_secret_keys_the_forwarded_key_and_survives_restarts(backend: Backend) {
+    let (up, mut gw, store) = setup(backend, |c| c.generated_secret()).await;
+    let secret = store.derived_key_secret().await.unwrap().expect("migrate generated a secret");
+    assert_eq!(secret.len(), 32);
+    assert_eq!(post(&gw.url("/v1/orders"), "a", ORDER, &[]).await.status, 201);
+    gw.restart();
+    assert_eq!(post(&gw.url("/v1/orders"), "b", ORDER, &[]).await.status, 201);
+    let seen: Vec<String> = up.requests().into_iter().map(|r| r.key).collect();
+    assert_eq!(seen, vec![scope("a").derived_key(Some(&secret)), scope("b").derived_key(Some(&secret))]);
+    assert_ne!(seen[0], scope("a").derived_key(None), "not the unkeyed hash");
+    assert_eq!(store.derived_key_secret().await.unwrap(), Some(secret), "migrate never replaces the secret");
+    let (code, out, err) =
+        cli(&gw, &["keys", "show", "--tenant", TENANT, "--principal", PRINCIPAL, "--operation", "create_order", "--key", "a"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains(seen[0].as_str()), "keys show prints the key the upstream saw:\n{out}");
+}
+
+/// `Idempotency-Key` and `X-Idempotency-Generation` are idemgate's own
+/// headers towards the upstream: what a client sends under those names never
+/// reaches it, on pass-through paths or idempotent routes.
+async fn clients_cannot_forge_idemgate_headers(backend: Backend) {
+    let (up, gw, store) = setup(backend, |c| c).await;
+    let forged_key = derived("victim");
+    // Another method on the route's path is passed through: both headers are removed.
+    let r = send("DELETE", &gw.url("/v1/orders"), &[("idempotency-key", forged_key.as_str()), ("x-idempotency-generation", "999")], "")
+        .await
+        .unwrap();
+    assert_eq!(r.status, 201);
+    // On the idempotent route the upstream sees the derived key and the real generation.
+    let r = post(&gw.url("/v1/orders"), "mine", ORDER, &[("x-idempotency-generation", "999")]).await;
+    assert_eq!(r.status, 201);
+    let seen = up.requests();
+    assert_eq!(seen.len(), 2);
+    assert_eq!((seen[0].key.as_str(), seen[0].generation.as_deref()), ("<none>", None), "pass-through: nothing of ours, nothing forged");
+    assert_eq!(up.side_effects(&forged_key), 0, "the victim's derived key was never presented");
+    let rec = record(&store, "mine").await.unwrap();
+    assert_eq!(seen[1].key, derived("mine"));
+    assert_eq!(seen[1].generation, Some(rec.generation.to_string()));
+    assert_eq!(seen[1].headers.get_all("x-idempotency-generation").iter().count(), 1, "one generation header, ours");
+}
+
+/// Issue: `keys resolve --release` on a completed record deleted it, and the
+/// client's next retry executed a second time. Only unknown records and
+/// expired claims may be resolved, unless --force is given with --reason;
+/// hand-made statuses must be final (200-599); every resolution is audited.
+async fn keys_resolve_refuses_completed_records_without_force(backend: Backend) {
+    let (up, gw, store) = setup(backend, |c| c).await;
+    let url = gw.url("/v1/orders");
+    assert_eq!(post(&url, "k", ORDER, &[]).await.status, 201);
+    let before = record(&store, "k").await.unwrap();
+    let scope_args = ["--tenant", TENANT, "--principal", PRINCIPAL, "--operation", "create_order", "--key", "k"];
+    let resolve = |extra: &[&str]| {
+        let mut args = vec!["keys", "resolve"];
+        args.extend_from_slice(&scope_args);
+        args.extend_from_slice(extra);
+        cli(&gw, &args)
+    };
+    let (code, _, err) = resolve(&["--release"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("completed") && err.contains("--force"), "{err}");
+    assert_eq!(record(&store, "k").await.unwrap(), before, "nothing changed");
+    let again = post(&url, "k", ORDER, &[]).await;
+    assert!(again.replayed(), "the retry is still a replay");
+    assert_eq!(up.side_effects(&derived("k")), 1);
+
+    // --force needs --reason (a usage error), and statuses must be final.
+    assert_eq!(resolve(&["--release", "--force"]).0, 2);
+    for status in ["101", "999", "199", "600"] {
+        let (code, _, err) = resolve(&["--complete", "--status", status, "--force", "--reason", "x"]);
+        assert_eq!(code, 1, "status {status}: {err}");
+    }
+    assert_eq!(record(&store, "k").await.unwrap(), before);
+    assert!(store.audit(10).await.unwrap().is_empty());
+
+    // With force and a reason it is done, and the trail says who, what and why.
+    let (code, out, err) = resolve(&["--release", "--force", "--reason", "order cancelled upstream by support"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("was completed"), "{out}");
+    assert!(record(&store, "k").await.is_none());
+    let trail = store.audit(10).await.unwrap();
+    assert_eq!(trail.len(), 1);
+    assert_eq!((trail[0].actor.as_str(), trail[0].from_state.as_str(), trail[0].to_state.as_str()), ("cli", "completed", "released"));
+    assert_eq!((trail[0].reason.as_str(), trail[0].forced), ("order cancelled upstream by support", true));
+    let (code, out, _) = cli(&gw, &["keys", "audit"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("order cancelled upstream by support") && out.contains("[forced]"), "{out}");
+    // As forced: the retry executes again.
+    assert_eq!(post(&url, "k", ORDER, &[]).await.replayed(), false);
+    assert_eq!(up.side_effects(&derived("k")), 2);
+}
+
+/// An upstream that fences on X-Idempotency-Generation sees a larger number
+/// for every new life of a key (after a release, a take-over, an operator's
+/// release), never the same number twice.
+async fn generations_grow_across_lives_at_the_upstream(backend: Backend) {
+    let (up, gw, _store) = setup(backend, |c| c.route("release_on_status = [503]")).await;
+    let url = gw.url("/v1/orders");
+    assert_eq!(post(&url, "k", ORDER, &[("x-test-status", "503")]).await.status, 503);
+    assert_eq!(post(&url, "k", ORDER, &[("x-test-status", "503")]).await.status, 503);
+    assert_eq!(post(&url, "k", ORDER, &[]).await.status, 201);
+    let generations: Vec<i64> = up.requests().iter().map(|r| r.generation.as_deref().unwrap().parse().unwrap()).collect();
+    assert_eq!(generations.len(), 3);
+    assert!(generations.windows(2).all(|w| w[0] < w[1]), "strictly increasing: {generations:?}");
 }

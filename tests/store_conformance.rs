@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
+use idemgate::audit::{Actor, AuditNote};
 use idemgate::config::{Secret, StoreBackend, StoreConfig};
 use idemgate::fingerprint::Fingerprint;
 use idemgate::metrics::Metrics;
@@ -31,7 +32,9 @@ use uuid::Uuid;
 
 on_both_stores!(
     attempts_from_an_earlier_life_of_a_record_are_fenced,
-    claim_inserts_generation_one_and_second_claim_sees_the_winner,
+    claim_inserts_and_second_claim_sees_the_winner,
+    generations_grow_across_lives_of_a_scope,
+    resolve_of_a_completed_record_needs_force_and_is_audited,
     concurrent_claims_have_exactly_one_winner,
     scopes_never_see_each_other,
     complete_round_trips_the_response_exactly,
@@ -68,7 +71,7 @@ fn store_config(backend: &Backend, timeout: Duration, pool_size: usize) -> Store
 }
 
 async fn open_with(backend: &Backend, timeout: Duration, pool_size: usize) -> Store {
-    let store = Store::open(&store_config(backend, timeout, pool_size), false).await.expect("open store");
+    let store = Store::open(&store_config(backend, timeout, pool_size), idemgate::store::Access::Migrate).await.expect("open store");
     store.migrate().await.expect("migrate");
     store
 }
@@ -154,18 +157,18 @@ fn claimed_at(c: &Claim, lease: Duration) -> Timestamp {
 // ---------------------------------------------------------------------------
 // The suite, run on both stores
 
-async fn claim_inserts_generation_one_and_second_claim_sees_the_winner(backend: Backend) {
+async fn claim_inserts_and_second_claim_sees_the_winner(backend: Backend) {
     let store = open(&backend).await;
     let s = key("first");
     let winner = claim(&store, &req(&s, 1, LONG, false)).await;
     assert_eq!(winner.scope, s);
-    assert_eq!(winner.generation, Generation(1));
+    assert!(winner.generation > Generation(0));
     assert!(!winner.took_over);
 
     let rec = row(&store, &s).await;
     assert_eq!(rec.scope, s);
     assert_eq!(rec.state, State::InFlight);
-    assert_eq!(rec.generation, Generation(1));
+    assert_eq!(rec.generation, winner.generation);
     assert_eq!(rec.claim_token, winner.claim_token);
     assert_eq!(rec.owner, "replica-a");
     assert_eq!(rec.request_hash, fp(1));
@@ -213,10 +216,9 @@ async fn concurrent_claims_have_exactly_one_winner(backend: Backend) {
     assert_eq!(claimed.len(), 1, "exactly one winner");
     assert_eq!(seen.len(), N - 1);
     let winner = &claimed[0];
-    assert_eq!(winner.generation, Generation(1));
     for r in &seen {
         assert_eq!(r.claim_token, winner.claim_token, "every loser sees the winner's claim");
-        assert_eq!((r.state, r.generation), (State::InFlight, Generation(1)));
+        assert_eq!((r.state, r.generation), (State::InFlight, winner.generation));
     }
     let rows = all(&store).await;
     assert_eq!(rows.len(), 1);
@@ -240,7 +242,8 @@ async fn scopes_never_see_each_other(backend: Backend) {
     for s in &others {
         // Same fingerprint, same key text: still a first claim in its own scope.
         let o = claim(&store, &req(s, 1, LONG, false)).await;
-        assert_eq!((o.generation, o.took_over), (Generation(1), false), "{s:?}");
+        assert!(!o.took_over, "{s:?}");
+        assert!(o.generation > c.generation, "{s:?}: generations come from one growing sequence");
         assert_ne!(o.claim_token, c.claim_token);
         claims.push(o);
     }
@@ -261,8 +264,8 @@ async fn scopes_never_see_each_other(backend: Backend) {
     assert_eq!((seen.scope.clone(), seen.claim_token), (others[1].clone(), claims[1].claim_token));
     // The released neighbour can be claimed afresh; base is untouched by it.
     let again = claim(&store, &req(&others[0], 1, LONG, false)).await;
-    assert_eq!(again.generation, Generation(1));
-    assert_eq!(row(&store, &base).await.generation, Generation(1));
+    assert!(again.generation > claims.last().unwrap().generation, "a new life of a scope gets a new, larger generation");
+    assert_eq!(row(&store, &base).await.generation, c.generation);
     assert_eq!(all(&store).await.len(), 7);
     let t2 = store.list(&ListFilter { tenant: Some("t2".into()), limit: 100, ..ListFilter::default() }).await.unwrap();
     assert_eq!(t2.iter().map(|r| r.scope.clone()).collect::<Vec<_>>(), vec![others[0].clone()]);
@@ -297,7 +300,7 @@ async fn complete_round_trips_the_response_exactly(backend: Backend) {
         let done = row(&store, &s).await;
         assert_eq!(done.state, State::Completed);
         assert_eq!(done.response.as_ref(), Some(&resp), "response {i} round-trips exactly");
-        assert_eq!((done.generation, done.claim_token), (Generation(1), c.claim_token));
+        assert_eq!((done.generation, done.claim_token), (c.generation, c.claim_token));
         assert_eq!(done.lease_expires_at, None, "a completed record holds no lease");
         assert_eq!(done.created_at, claimed.created_at);
         assert_eq!(done.expires_at, done.updated_at.plus(LONG), "replayed for the retention from completion");
@@ -313,7 +316,10 @@ async fn writes_under_another_generation_are_fenced(backend: Backend) {
     let s = key("fenced");
     let c = claim(&store, &req(&s, 1, LONG, false)).await;
     let before = row(&store, &s).await;
-    let others = [Claim { generation: Generation(0), ..c.clone() }, Claim { generation: Generation(2), ..c.clone() }];
+    let others = [
+        Claim { generation: Generation(c.generation.0 - 1), ..c.clone() },
+        Claim { generation: Generation(c.generation.0 + 1), ..c.clone() },
+    ];
     for other in &others {
         assert_eq!(store.complete(other, &response(500, b"wrong"), LONG).await.unwrap(), WriteOutcome::Fenced);
         assert_eq!(store.release(other).await.unwrap(), WriteOutcome::Fenced);
@@ -341,7 +347,7 @@ async fn writes_under_another_generation_are_fenced(backend: Backend) {
     let uc = claim(&store, &req(&u, 1, LONG, false)).await;
     assert_eq!(store.mark_unknown(&uc).await.unwrap(), WriteOutcome::Written);
     let unknown = row(&store, &u).await;
-    assert_eq!((unknown.state, unknown.generation, unknown.claim_token), (State::Unknown, Generation(1), uc.claim_token));
+    assert_eq!((unknown.state, unknown.generation, unknown.claim_token), (State::Unknown, uc.generation, uc.claim_token));
     assert_eq!(store.complete(&uc, &response(201, b"late"), LONG).await.unwrap(), WriteOutcome::Fenced);
     assert_eq!(store.release(&uc).await.unwrap(), WriteOutcome::Fenced);
     let still = row(&store, &u).await;
@@ -361,10 +367,11 @@ async fn take_over_fences_the_previous_generation(backend: Backend) {
     let g1 = claim(&store, &req(&s, 1, SHORT, true)).await;
     tokio::time::sleep(PAST_SHORT).await;
     let g2 = claim(&store, &req(&s, 1, LONG, true)).await;
-    assert_eq!((g2.generation, g2.took_over), (Generation(2), true));
+    assert!(g2.took_over);
+    assert!(g2.generation > g1.generation);
     assert_ne!(g2.claim_token, g1.claim_token);
     let taken = row(&store, &s).await;
-    assert_eq!((taken.state, taken.generation, taken.claim_token), (State::InFlight, Generation(2), g2.claim_token));
+    assert_eq!((taken.state, taken.generation, taken.claim_token), (State::InFlight, g2.generation, g2.claim_token));
 
     // The first attempt comes back late: every write it tries is fenced off.
     assert_eq!(store.complete(&g1, &response(201, b"g1"), LONG).await.unwrap(), WriteOutcome::Fenced);
@@ -374,7 +381,7 @@ async fn take_over_fences_the_previous_generation(backend: Backend) {
 
     assert_eq!(store.complete(&g2, &response(201, b"g2"), LONG).await.unwrap(), WriteOutcome::Written);
     let done = row(&store, &s).await;
-    assert_eq!((done.state, done.generation), (State::Completed, Generation(2)));
+    assert_eq!((done.state, done.generation), (State::Completed, g2.generation));
     assert_eq!(done.response, Some(response(201, b"g2")));
     assert_eq!(store.complete(&g1, &response(201, b"g1"), LONG).await.unwrap(), WriteOutcome::Fenced);
     assert_eq!(row(&store, &s).await, done);
@@ -392,7 +399,8 @@ async fn try_take_over(store: &Store, r: &ClaimRequest) -> bool {
                 record::may_take_over(&before, &r.request_hash, at, r.upstream_idempotent),
                 "the store took over {before:?} at {at} although may_take_over says no"
             );
-            assert_eq!((c.generation, c.took_over), (Generation(before.generation.0 + 1), true));
+            assert!(c.took_over);
+            assert!(c.generation > before.generation, "a take-over draws a larger generation");
             let after = row(store, &r.scope).await;
             assert_eq!((after.state, after.generation, after.claim_token), (State::InFlight, c.generation, c.claim_token));
             assert_eq!((after.request_hash, after.response), (r.request_hash, None));
@@ -441,23 +449,13 @@ async fn take_over_follows_may_take_over(backend: Backend) {
     assert!(!try_take_over(&store, &req(&unknown, 2, LONG, true)).await);
     assert!(try_take_over(&store, &req(&unknown, 1, LONG, true)).await);
 
-    let generations: Vec<(String, i64)> = all(&store)
-        .await
-        .into_iter()
-        .map(|r| (r.scope.key.as_str().to_owned(), r.generation.0))
-        .collect::<BTreeSet<_>>()
-        .into_iter()
-        .collect();
-    assert_eq!(
-        generations,
-        vec![
-            ("completed-expired".into(), 2),
-            ("completed-live".into(), 1),
-            ("in-flight-expired".into(), 2),
-            ("in-flight-live".into(), 1),
-            ("unknown".into(), 2)
-        ]
-    );
+    // The three taken over hold generations drawn after every first claim.
+    let rows = all(&store).await;
+    let gen_of = |k: &str| rows.iter().find(|r| r.scope.key.as_str() == k).map(|r| r.generation).unwrap();
+    let first_claims = ["completed-live", "in-flight-live"].map(gen_of);
+    for taken in ["completed-expired", "in-flight-expired", "unknown"] {
+        assert!(first_claims.iter().all(|g| gen_of(taken) > *g), "{taken} was taken over with a new generation");
+    }
 }
 
 async fn expire_lease_only_turns_expired_in_flight_into_unknown(backend: Backend) {
@@ -478,7 +476,7 @@ async fn expire_lease_only_turns_expired_in_flight_into_unknown(backend: Backend
     let rec = row(&store, &expired).await;
     assert_eq!(store.expire_lease(&rec).await.unwrap(), WriteOutcome::Written);
     let unknown = row(&store, &expired).await;
-    assert_eq!((unknown.state, unknown.generation, unknown.claim_token), (State::Unknown, Generation(1), e.claim_token));
+    assert_eq!((unknown.state, unknown.generation, unknown.claim_token), (State::Unknown, e.generation, e.claim_token));
     assert!(unknown.updated_at >= rec.updated_at);
     assert_eq!(store.expire_lease(&rec).await.unwrap(), WriteOutcome::Fenced, "already unknown");
     assert_eq!(row(&store, &expired).await, unknown);
@@ -488,7 +486,8 @@ async fn expire_lease_only_turns_expired_in_flight_into_unknown(backend: Backend
     let g2 = claim(&store, &req(&moved, 1, LONG, true)).await;
     assert_eq!(store.expire_lease(&stale).await.unwrap(), WriteOutcome::Fenced);
     let now_moved = row(&store, &moved).await;
-    assert_eq!((now_moved.state, now_moved.generation, now_moved.claim_token), (State::InFlight, Generation(2), g2.claim_token));
+    assert_eq!((now_moved.state, now_moved.generation, now_moved.claim_token), (State::InFlight, g2.generation, g2.claim_token));
+    assert!(g2.generation > stale.generation);
 
     let rec = row(&store, &done).await;
     assert_eq!(store.expire_lease(&rec).await.unwrap(), WriteOutcome::Fenced);
@@ -553,7 +552,7 @@ async fn reap_leases_turns_only_expired_in_flight_into_unknown(backend: Backend)
     assert_eq!(store.reap_leases(2).await.unwrap(), 0);
     for (s, c) in &stale {
         let r = row(&store, s).await;
-        assert_eq!((r.state, r.generation, r.claim_token), (State::Unknown, Generation(1), c.claim_token), "{s:?}");
+        assert_eq!((r.state, r.generation, r.claim_token), (State::Unknown, c.generation, c.claim_token), "{s:?}");
         // The reaped attempt is fenced off from recording a result now.
         assert_eq!(store.complete(c, &response(201, b"late"), LONG).await.unwrap(), WriteOutcome::Fenced);
     }
@@ -602,33 +601,42 @@ async fn list_filters_orders_and_limits(backend: Backend) {
     assert_eq!(full, vec![row(&store, &scope("t2", "p", "o2", "d")).await]);
 }
 
+fn note(reason: &str) -> AuditNote {
+    AuditNote { actor: Actor::Cli, reason: reason.into(), forced: false }
+}
+
+const RELEASE: Resolution = Resolution::Release { force: false };
+
 async fn resolve_releases_completes_and_refuses_live_claims(backend: Backend) {
     let store = open(&backend).await;
-    let complete = |status| Resolution::Complete { response: response(status, b"by hand"), retention: LONG };
+    let complete = |status| Resolution::Complete { response: response(status, b"by hand"), retention: LONG, force: false };
+    let n = note("checked the upstream's ledger");
 
     // No row: nothing to resolve, and nothing is created.
     let absent = key("absent");
-    assert_eq!(store.resolve(&absent, &Resolution::Release).await.unwrap(), ResolveOutcome::NotFound);
-    assert_eq!(store.resolve(&absent, &complete(200)).await.unwrap(), ResolveOutcome::NotFound);
+    assert_eq!(store.resolve(&absent, &RELEASE, &n).await.unwrap(), ResolveOutcome::NotFound);
+    assert_eq!(store.resolve(&absent, &complete(200), &n).await.unwrap(), ResolveOutcome::NotFound);
     assert_eq!(get(&store, &absent).await, None);
 
-    // A live claim may still record its result: operators are refused.
+    // A live claim may still record its result: operators are refused, even by force.
     let live = key("live");
     let lc = claim(&store, &req(&live, 1, LONG, false)).await;
     let before = row(&store, &live).await;
-    assert_eq!(store.resolve(&live, &Resolution::Release).await.unwrap(), ResolveOutcome::Refused(Refused::LeaseLive));
-    assert_eq!(store.resolve(&live, &complete(200)).await.unwrap(), ResolveOutcome::Refused(Refused::LeaseLive));
+    assert_eq!(store.resolve(&live, &RELEASE, &n).await.unwrap(), ResolveOutcome::Refused(Refused::LeaseLive));
+    assert_eq!(store.resolve(&live, &complete(200), &n).await.unwrap(), ResolveOutcome::Refused(Refused::LeaseLive));
+    assert_eq!(store.resolve(&live, &Resolution::Release { force: true }, &n).await.unwrap(), ResolveOutcome::Refused(Refused::LeaseLive));
     assert_eq!(row(&store, &live).await, before);
     assert_eq!(store.complete(&lc, &response(201, b"own"), LONG).await.unwrap(), WriteOutcome::Written);
 
-    // Unknown, completed by hand: the response is recorded under generation + 1,
-    // which fences off the original attempt.
+    // Unknown, completed by hand: the response is recorded under a new
+    // generation, which fences off the original attempt.
     let unknown = key("unknown");
     let uc = claim(&store, &req(&unknown, 1, LONG, false)).await;
     store.mark_unknown(&uc).await.unwrap();
-    assert_eq!(store.resolve(&unknown, &complete(202)).await.unwrap(), ResolveOutcome::Resolved);
+    assert_eq!(store.resolve(&unknown, &complete(202), &n).await.unwrap(), ResolveOutcome::Resolved { from: State::Unknown });
     let resolved = row(&store, &unknown).await;
-    assert_eq!((resolved.state, resolved.generation), (State::Completed, Generation(2)));
+    assert_eq!(resolved.state, State::Completed);
+    assert!(resolved.generation > uc.generation);
     assert_eq!(resolved.response, Some(response(202, b"by hand")));
     assert_eq!(resolved.lease_expires_at, None);
     assert_eq!(resolved.expires_at, resolved.updated_at.plus(LONG));
@@ -638,21 +646,110 @@ async fn resolve_releases_completes_and_refuses_live_claims(backend: Backend) {
     let (seen, now) = existing(&store, &req(&unknown, 1, LONG, false)).await;
     assert_eq!(record::decide(&seen, &fp(1), now), record::Decision::Replay);
 
-    // Expired in flight, released: the key is free again, from generation 1.
+    // Expired in flight, released: the key is free again, under a new generation.
     let expired = key("expired");
     let ec = claim(&store, &req(&expired, 1, SHORT, false)).await;
     tokio::time::sleep(PAST_SHORT).await;
-    assert_eq!(store.resolve(&expired, &Resolution::Release).await.unwrap(), ResolveOutcome::Resolved);
+    assert_eq!(store.resolve(&expired, &RELEASE, &n).await.unwrap(), ResolveOutcome::Resolved { from: State::InFlight });
     assert_eq!(get(&store, &expired).await, None);
     assert_eq!(store.complete(&ec, &response(201, b"late"), LONG).await.unwrap(), WriteOutcome::Fenced);
     assert_eq!(get(&store, &expired).await, None, "a fenced write never recreates a row");
     let again = claim(&store, &req(&expired, 1, LONG, false)).await;
-    assert_eq!((again.generation, again.took_over), (Generation(1), false));
+    assert!(!again.took_over);
+    assert!(again.generation > ec.generation);
 
-    // A completed record can be released (an operator proved it wrong).
-    assert_eq!(store.resolve(&live, &Resolution::Release).await.unwrap(), ResolveOutcome::Resolved);
-    assert_eq!(get(&store, &live).await, None);
-    assert_eq!(key_set(&all(&store).await), set(&["unknown", "expired"]));
+    // A completed record is refused without force (see the next case).
+    assert_eq!(store.resolve(&live, &RELEASE, &n).await.unwrap(), ResolveOutcome::Refused(Refused::NotAllowed(State::Completed)));
+    assert_eq!(key_set(&all(&store).await), set(&["live", "unknown", "expired"]));
+}
+
+/// A completed record is the answer every retry is replayed: releasing it
+/// lets the next retry execute again. Only `force` (with a reason, which the
+/// CLI and API demand) changes it, and every resolution leaves an audit row
+/// in the same transaction.
+async fn resolve_of_a_completed_record_needs_force_and_is_audited(backend: Backend) {
+    let store = open(&backend).await;
+    let done = key("done");
+    let c = claim(&store, &req(&done, 1, LONG, false)).await;
+    store.complete(&c, &response(201, b"order 1"), LONG).await.unwrap();
+    let before = row(&store, &done).await;
+    let plain = note("looks wrong");
+    assert_eq!(store.resolve(&done, &RELEASE, &plain).await.unwrap(), ResolveOutcome::Refused(Refused::NotAllowed(State::Completed)));
+    let complete = Resolution::Complete { response: response(200, b"other"), retention: LONG, force: false };
+    assert_eq!(store.resolve(&done, &complete, &plain).await.unwrap(), ResolveOutcome::Refused(Refused::NotAllowed(State::Completed)));
+    assert_eq!(row(&store, &done).await, before, "nothing changed");
+    assert!(store.audit(10).await.unwrap().is_empty(), "refusals leave no audit row");
+
+    let forced = AuditNote { actor: Actor::Admin, reason: "customer refunded by hand".into(), forced: true };
+    let fix = Resolution::Complete { response: response(200, b"corrected"), retention: LONG, force: true };
+    assert_eq!(store.resolve(&done, &fix, &forced).await.unwrap(), ResolveOutcome::Resolved { from: State::Completed });
+    let fixed = row(&store, &done).await;
+    assert_eq!(fixed.response, Some(response(200, b"corrected")));
+    assert_eq!(
+        store.resolve(&done, &Resolution::Release { force: true }, &forced).await.unwrap(),
+        ResolveOutcome::Resolved { from: State::Completed }
+    );
+    assert_eq!(get(&store, &done).await, None);
+
+    // An unknown record resolved by the reconciler, for the trail's variety.
+    let u = key("unknown");
+    let uc = claim(&store, &req(&u, 1, LONG, false)).await;
+    store.mark_unknown(&uc).await.unwrap();
+    let by_probe = AuditNote { actor: Actor::Reconciler, reason: "probe: 404".into(), forced: false };
+    assert_eq!(store.resolve(&u, &RELEASE, &by_probe).await.unwrap(), ResolveOutcome::Resolved { from: State::Unknown });
+
+    let trail = store.audit(10).await.unwrap();
+    let summary: Vec<_> =
+        trail.iter().map(|a| (a.actor.as_str(), a.scope.key.as_str(), a.from_state.as_str(), a.to_state.as_str(), a.forced)).collect();
+    assert_eq!(
+        summary,
+        vec![
+            ("reconciler", "unknown", "unknown", "released", false),
+            ("admin", "done", "completed", "released", true),
+            ("admin", "done", "completed", "completed", true),
+        ],
+        "newest first"
+    );
+    assert_eq!(trail[2].generation, Some(fixed.generation));
+    assert_eq!(trail[1].generation, None);
+    assert_eq!(trail[1].reason, "customer refunded by hand");
+    assert_eq!(trail[0].scope, u);
+    assert!(trail[0].at >= trail[2].at);
+    assert_eq!(store.audit(1).await.unwrap().len(), 1, "limit applies");
+}
+
+/// Generations come from one store-wide sequence: every life of a scope
+/// (after a release, a resolution or a take-over) gets a larger one, so an
+/// upstream that fences on X-Idempotency-Generation can tell them apart.
+async fn generations_grow_across_lives_of_a_scope(backend: Backend) {
+    let store = open(&backend).await;
+    let k = key("many-lives");
+    let mut seen = Vec::new();
+    // Released by its own attempt, claimed again.
+    let c1 = claim(&store, &req(&k, 1, LONG, false)).await;
+    seen.push(c1.generation);
+    store.release(&c1).await.unwrap();
+    let c2 = claim(&store, &req(&k, 1, SHORT, true)).await;
+    seen.push(c2.generation);
+    // Taken over after its lease expired.
+    tokio::time::sleep(PAST_SHORT).await;
+    let c3 = claim(&store, &req(&k, 1, LONG, true)).await;
+    seen.push(c3.generation);
+    // Completed, swept past retention, claimed again.
+    store.complete(&c3, &response(201, b"x"), SHORT).await.unwrap();
+    tokio::time::sleep(PAST_SHORT).await;
+    assert_eq!(store.sweep(10).await.unwrap(), 1);
+    let c4 = claim(&store, &req(&k, 2, LONG, false)).await;
+    seen.push(c4.generation);
+    // Unknown, completed by an operator.
+    store.mark_unknown(&c4).await.unwrap();
+    let done = Resolution::Complete { response: response(201, b"y"), retention: LONG, force: false };
+    store.resolve(&k, &done, &note("confirmed")).await.unwrap();
+    seen.push(row(&store, &k).await.generation);
+    assert!(seen.windows(2).all(|w| w[0] < w[1]), "strictly increasing: {seen:?}");
+    // Another scope's claims in between do not break the order either.
+    let other = claim(&store, &req(&key("neighbour"), 1, LONG, false)).await;
+    assert!(other.generation > *seen.last().unwrap());
 }
 
 async fn times_come_from_the_store_clock(backend: Backend) {
@@ -706,29 +803,29 @@ async fn claim_resent_with_the_same_token_is_recognised_as_ours(backend: Backend
     let c = claim(&store, &r).await;
     match store.claim(&r).await.unwrap() {
         ClaimOutcome::Claimed(again) => {
-            assert_eq!((again.generation, again.claim_token, again.took_over), (Generation(1), c.claim_token, false));
+            assert_eq!((again.generation, again.claim_token, again.took_over), (c.generation, c.claim_token, false));
             assert_eq!(again.lease_expires_at, c.lease_expires_at);
         }
         ClaimOutcome::Existing { record, .. } => panic!("our own claim reported as another's: {record:?}"),
     }
     // Another request (another token) sees it as the first request's.
     let (seen, _) = existing(&store, &req(&s, 1, LONG, false)).await;
-    assert_eq!((seen.generation, seen.claim_token), (Generation(1), c.claim_token));
+    assert_eq!((seen.generation, seen.claim_token), (c.generation, c.claim_token));
 
-    // Likewise after a take-over: the taker re-sending its claim holds generation 2.
+    // Likewise after a take-over: the taker re-sending its claim holds the new generation.
     let t = key("resent-take-over");
     claim(&store, &req(&t, 1, SHORT, true)).await;
     tokio::time::sleep(PAST_SHORT).await;
     let taker = req(&t, 1, LONG, true);
     let g2 = claim(&store, &taker).await;
     match store.claim(&taker).await.unwrap() {
-        ClaimOutcome::Claimed(again) => assert_eq!((again.generation, again.claim_token), (Generation(2), g2.claim_token)),
+        ClaimOutcome::Claimed(again) => assert_eq!((again.generation, again.claim_token), (g2.generation, g2.claim_token)),
         ClaimOutcome::Existing { record, .. } => panic!("our own take-over reported as another's: {record:?}"),
     }
     // Once our claim is completed, re-sending it claims nothing.
     store.complete(&g2, &response(201, b"done"), LONG).await.unwrap();
     let (seen, _) = existing(&store, &taker).await;
-    assert_eq!((seen.state, seen.generation), (State::Completed, Generation(2)));
+    assert_eq!((seen.state, seen.generation), (State::Completed, g2.generation));
     assert_eq!(key_set(&all(&store).await), set(&["resent", "resent-take-over"]));
 }
 
@@ -760,7 +857,7 @@ async fn abandon_deletes_only_an_in_flight_claim_with_its_token(backend: Backend
     // Nor one that another attempt has taken over since.
     assert!(!store.abandon(&taken, first.claim_token).await.unwrap());
     let t = row(&store, &taken).await;
-    assert_eq!((t.state, t.generation, t.claim_token), (State::InFlight, Generation(2), second.claim_token));
+    assert_eq!((t.state, t.generation, t.claim_token), (State::InFlight, second.generation, second.claim_token));
     assert!(!store.abandon(&absent, Uuid::new_v4()).await.unwrap());
     assert_eq!(key_set(&all(&store).await), set(&["done", "unknown", "taken"]));
 }
@@ -801,10 +898,10 @@ async fn pg_claim_whose_reply_is_lost_is_read_back_as_claimed() {
     let took = started.elapsed();
     let ClaimOutcome::Claimed(c) = out else { panic!("expected Claimed, got {out:?}") };
     assert!(took >= FAULT_TIMEOUT, "the first reply was lost, so the claim waited for its timeout ({took:?})");
-    assert_eq!((c.generation, c.took_over, c.claim_token), (Generation(1), false, r.claim_token));
+    assert_eq!((c.took_over, c.claim_token), (false, r.claim_token));
 
     let rec = row(&store, &s).await;
-    assert_eq!((rec.state, rec.generation, rec.claim_token), (State::InFlight, Generation(1), c.claim_token));
+    assert_eq!((rec.state, rec.generation, rec.claim_token), (State::InFlight, c.generation, c.claim_token));
     assert!(
         rec.created_at < before.plus(FAULT_TIMEOUT / 2),
         "the row was written by the attempt whose reply was lost ({} vs {before}), not by a retry",
@@ -830,9 +927,9 @@ async fn pg_claim_that_never_arrived_is_retried() {
     let took = started.elapsed();
     let ClaimOutcome::Claimed(c) = out else { panic!("expected Claimed, got {out:?}") };
     assert!(took >= FAULT_TIMEOUT, "{took:?}");
-    assert_eq!((c.generation, c.claim_token), (Generation(1), r.claim_token));
+    assert_eq!(c.claim_token, r.claim_token);
     let rec = row(&store, &s).await;
-    assert_eq!((rec.state, rec.generation, rec.claim_token), (State::InFlight, Generation(1), c.claim_token));
+    assert_eq!((rec.state, rec.generation, rec.claim_token), (State::InFlight, c.generation, c.claim_token));
     assert!(rec.created_at >= before.plus(FAULT_TIMEOUT * 9 / 10), "the row was written by the retry ({} vs {before})", rec.created_at);
     assert_eq!(key_set(&all(&store).await), set(&["warm-up", "lost"]));
 }
@@ -854,7 +951,7 @@ async fn pg_complete_whose_reply_is_lost_is_read_back_as_written() {
     assert_eq!(written, WriteOutcome::Written);
     assert!(took >= FAULT_TIMEOUT, "{took:?}");
     let rec = row(&store, &s).await;
-    assert_eq!((rec.state, rec.generation), (State::Completed, Generation(1)));
+    assert_eq!((rec.state, rec.generation), (State::Completed, c.generation));
     assert_eq!(rec.response, Some(response(201, b"kept")));
     assert!(rec.updated_at < before.plus(FAULT_TIMEOUT / 2), "written by the attempt whose reply was lost");
     // The write happened once: a repeat is fenced, the response is unchanged.
@@ -881,7 +978,7 @@ async fn pg_unreachable_store_fails_the_claim_and_writes_nothing() {
     assert_eq!(get(&store, &s).await, None, "nothing was committed");
     assert_eq!(all(&store).await.len(), 0);
     let c = claim(&store, &req(&s, 1, LONG, false)).await;
-    assert_eq!((c.generation, c.took_over), (Generation(1), false), "the same Store works once the store is back");
+    assert!(!c.took_over, "the same Store works once the store is back");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -899,7 +996,7 @@ async fn pg_hung_store_fails_the_claim_within_its_timeout_and_writes_nothing() {
     proxy.set(Fault::None);
     assert_eq!(get(&store, &s).await, None, "no statement reached the server");
     let c = claim(&store, &req(&s, 1, LONG, false)).await;
-    assert_eq!(c.generation, Generation(1));
+    assert!(!c.took_over, "a first claim: nothing was there to take over");
     assert_eq!(key_set(&all(&store).await), set(&["hung"]));
 }
 
@@ -921,11 +1018,11 @@ async fn pg_restart_is_survived_by_the_same_store() {
     // the first operation after the restart succeeds.
     let second = key("after-restart");
     let c2 = claim(&store, &req(&second, 1, LONG, false)).await;
-    assert_eq!(c2.generation, Generation(1));
+    assert!(c2.generation > c1.generation, "the generation sequence survived the restart");
     let rec = row(&store, &first).await;
     assert_eq!(
         (rec.state, rec.generation, rec.claim_token),
-        (State::InFlight, Generation(1), c1.claim_token),
+        (State::InFlight, c1.generation, c1.claim_token),
         "the committed claim survived"
     );
     assert_eq!(get(&store, &key("while-down")).await, None);
@@ -1061,19 +1158,24 @@ async fn fault_proxy_resets_refuses_and_closes() {
     assert_eq!(to_dead.accepted(), 1);
 }
 
-/// A record released by an operator and claimed again starts at generation 1
-/// once more: the old attempt, waking up late with the same generation, must
-/// still be fenced off (by its claim token), and must not delete the new claim.
+/// A record released by an operator and claimed again: the old attempt,
+/// waking up late, must be fenced off (by its generation, and independently by
+/// its claim token), and must not delete the new claim.
 async fn attempts_from_an_earlier_life_of_a_record_are_fenced(backend: Backend) {
     let store = open(&backend).await;
     let k = key("relived");
     let lease = Duration::from_millis(150);
     let old = claim(&store, &req(&k, 1, lease, false)).await;
     tokio::time::sleep(Duration::from_millis(250)).await;
-    assert_eq!(store.resolve(&k, &Resolution::Release).await.unwrap(), ResolveOutcome::Resolved);
+    assert_eq!(store.resolve(&k, &RELEASE, &note("released")).await.unwrap(), ResolveOutcome::Resolved { from: State::InFlight });
     let new = claim(&store, &req(&k, 1, Duration::from_secs(60), false)).await;
-    assert_eq!((old.generation, new.generation), (new.generation, old.generation), "both lives start at the same generation");
+    assert!(new.generation > old.generation, "the new life has a larger generation");
     assert_ne!(old.claim_token, new.claim_token);
+    // Even an attempt that claimed the old generation's number with the new
+    // token could not exist; one with the new generation but the old token is
+    // still refused.
+    let forged = Claim { generation: new.generation, ..old.clone() };
+    assert_eq!(store.complete(&forged, &response(201, b"forged"), Duration::from_secs(60)).await.unwrap(), WriteOutcome::Fenced);
 
     assert_eq!(store.complete(&old, &response(201, b"stale"), Duration::from_secs(60)).await.unwrap(), WriteOutcome::Fenced);
     assert_eq!(store.release(&old).await.unwrap(), WriteOutcome::Fenced);

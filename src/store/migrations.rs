@@ -11,11 +11,34 @@ pub struct Migration {
     pub sql: &'static str,
 }
 
-pub const POSTGRES: &[Migration] =
-    &[Migration { version: 1, name: "0001_records", sql: include_str!("../../migrations/postgres/0001_records.sql") }];
+pub const POSTGRES: &[Migration] = &[
+    Migration { version: 1, name: "0001_records", sql: include_str!("../../migrations/postgres/0001_records.sql") },
+    Migration {
+        version: 2,
+        name: "0002_generations_settings_audit",
+        sql: include_str!("../../migrations/postgres/0002_generations_settings_audit.sql"),
+    },
+];
 
-pub const SQLITE: &[Migration] =
-    &[Migration { version: 1, name: "0001_records", sql: include_str!("../../migrations/sqlite/0001_records.sql") }];
+pub const SQLITE: &[Migration] = &[
+    Migration { version: 1, name: "0001_records", sql: include_str!("../../migrations/sqlite/0001_records.sql") },
+    Migration {
+        version: 2,
+        name: "0002_generations_settings_audit",
+        sql: include_str!("../../migrations/sqlite/0002_generations_settings_audit.sql"),
+    },
+];
+
+/// The `idemgate_settings` row holding the derived-key secret.
+pub const DERIVED_KEY_SECRET: &str = "derived_key_secret";
+
+/// A fresh 32-byte secret (two v4 UUIDs: 244 random bits from the OS).
+pub fn fresh_secret() -> Vec<u8> {
+    let mut s = Vec::with_capacity(32);
+    s.extend_from_slice(uuid::Uuid::new_v4().as_bytes());
+    s.extend_from_slice(uuid::Uuid::new_v4().as_bytes());
+    s
+}
 
 /// Key for `pg_advisory_xact_lock` while migrating ("idemgate" in ASCII).
 pub const PG_LOCK_KEY: i64 = 0x6964_656d_6761_7465;

@@ -27,10 +27,26 @@ use uuid::Uuid;
 pub use contract::{Claim, ClaimOutcome, ClaimRequest, ListFilter, RawClaim, RecordStore, Resolution, ResolveOutcome, WriteOutcome};
 pub use error::StoreError;
 
+use crate::audit::{AuditEntry, AuditNote};
 use crate::config::{StoreBackend, StoreConfig};
 use crate::metrics::Metrics;
 use crate::record::{Attempt, Record, State, StoredResponse, Timestamp};
 use crate::scope::Scope;
+
+/// How a process uses the store; matters for the embedded store, which is
+/// one file that one gateway owns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// `serve` and `demo`: create the store if needed and take the
+    /// one-replica lock for the process's life.
+    Serve,
+    /// `migrate`: create the store if needed, without the lock.
+    Migrate,
+    /// Operator commands (`keys`, `check-config --connect`): the store must
+    /// already exist; a mistyped path is an error, never a new empty file.
+    /// No lock, so they work beside a running gateway.
+    Existing,
+}
 
 /// The store as the rest of the gateway sees it. Cheap to clone.
 #[derive(Debug, Clone)]
@@ -57,20 +73,21 @@ fn claim_of(req: &ClaimRequest, record: Record) -> Claim {
         generation: record.generation,
         claim_token: record.claim_token,
         lease_expires_at: record.lease_expires_at.unwrap_or(record.updated_at),
-        took_over: record.generation.0 > 1,
+        // Learned by reading the row back: whether the statement inserted or
+        // took over is not recorded.
+        took_over: false,
     }
 }
 
 impl Store {
-    /// Connects (PostgreSQL: builds the pool; SQLite: opens the file). For
-    /// SQLite, `exclusive` takes the one-replica lock (serve and demo do; the
-    /// CLI does not, so `keys` works beside a running gateway).
-    pub async fn open(config: &StoreConfig, exclusive: bool) -> Result<Store, StoreError> {
+    /// Connects (PostgreSQL: builds the pool; SQLite: opens the file, see
+    /// [`Access`]).
+    pub async fn open(config: &StoreConfig, access: Access) -> Result<Store, StoreError> {
         let backend: Arc<dyn RecordStore> = match &config.backend {
             StoreBackend::Postgres { url, pool_size } => {
                 Arc::new(postgres::PgStore::connect(url.expose(), *pool_size, config.operation_timeout)?)
             }
-            StoreBackend::Sqlite { path } => Arc::new(sqlite::SqliteStore::open(path, exclusive).await?),
+            StoreBackend::Sqlite { path } => Arc::new(sqlite::SqliteStore::open(path, access).await?),
         };
         Ok(Store { backend, timeout: config.operation_timeout, metrics: None })
     }
@@ -255,8 +272,19 @@ impl Store {
         self.bounded("list", false, self.backend.list(filter)).await
     }
 
-    pub async fn resolve(&self, scope: &Scope, resolution: &Resolution) -> Result<ResolveOutcome, StoreError> {
-        self.bounded("resolve", true, self.backend.resolve(scope, resolution)).await
+    /// An operator's or the reconciler's resolution, with its audit row.
+    pub async fn resolve(&self, scope: &Scope, resolution: &Resolution, note: &AuditNote) -> Result<ResolveOutcome, StoreError> {
+        self.bounded("resolve", true, self.backend.resolve(scope, resolution, note)).await
+    }
+
+    /// The audit trail, newest first.
+    pub async fn audit(&self, limit: u32) -> Result<Vec<AuditEntry>, StoreError> {
+        self.bounded("audit", false, self.backend.audit(limit)).await
+    }
+
+    /// The derived-key secret `migrate` generated for this deployment.
+    pub async fn derived_key_secret(&self) -> Result<Option<Vec<u8>>, StoreError> {
+        self.bounded("derived_key_secret", false, self.backend.derived_key_secret()).await
     }
 
     /// Deletes up to `batch` completed records past retention; returns how many.

@@ -18,8 +18,9 @@ use rusqlite::{Connection, TransactionBehavior, params};
 use uuid::Uuid;
 
 use super::codec::{decode_headers, encode_headers};
-use super::migrations::SQLITE;
-use super::{Claim, ClaimRequest, ListFilter, RawClaim, RecordStore, Resolution, ResolveOutcome, StoreError};
+use super::migrations::{DERIVED_KEY_SECRET, SQLITE, fresh_secret};
+use super::{Access, Claim, ClaimRequest, ListFilter, RawClaim, RecordStore, Resolution, ResolveOutcome, StoreError};
+use crate::audit::{self, AuditEntry, AuditNote};
 use crate::fingerprint::Fingerprint;
 use crate::record::{Attempt, Event, Generation, Next, Record, Refused, State, StoredResponse, Timestamp, may_take_over, transition};
 use crate::scope::{IdempotencyKey, Scope};
@@ -75,14 +76,18 @@ fn pk(scope: &Scope) -> [&str; 4] {
 }
 
 impl SqliteStore {
-    pub async fn open(path: &Path, exclusive: bool) -> Result<SqliteStore, StoreError> {
+    pub async fn open(path: &Path, access: Access) -> Result<SqliteStore, StoreError> {
         let path = path.to_owned();
-        tokio::task::spawn_blocking(move || SqliteStore::open_blocking(&path, exclusive))
+        tokio::task::spawn_blocking(move || SqliteStore::open_blocking(&path, access))
             .await
             .map_err(|e| StoreError::Unavailable(format!("sqlite open task failed: {e}")))?
     }
 
-    fn open_blocking(path: &Path, exclusive: bool) -> Result<SqliteStore, StoreError> {
+    fn open_blocking(path: &Path, access: Access) -> Result<SqliteStore, StoreError> {
+        if access == Access::Existing {
+            check_existing(path)?;
+        }
+        let exclusive = access == Access::Serve;
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| StoreError::Unavailable(format!("cannot create directory {}: {e}", dir.display())))?;
         }
@@ -212,6 +217,11 @@ impl RecordStore for SqliteStore {
                 .map_err(m)?;
                 applied.push(mig.name.to_owned());
             }
+            tx.execute(
+                "INSERT INTO idemgate_settings (name, value, created_at) VALUES (?1, ?2, ?3) ON CONFLICT (name) DO NOTHING",
+                params![DERIVED_KEY_SECRET, fresh_secret(), now().0],
+            )
+            .map_err(m)?;
             tx.commit().map_err(m)?;
             Ok(applied)
         })
@@ -232,22 +242,23 @@ impl RecordStore for SqliteStore {
         self.write(move |tx, now| {
             let lease = now.plus(req.lease);
             let existing = get_tx(tx, &req.scope)?;
-            let generation = match existing {
+            let (generation, took_over) = match existing {
                 None => {
+                    let next = next_generation(tx)?;
                     let sql = format!(
                         "INSERT INTO idemgate_records ({COLUMNS}) VALUES \
-                         (?1, ?2, ?3, ?4, ?5, 'in_flight', 1, ?6, ?7, ?8, NULL, NULL, NULL, ?9, ?9, ?8)"
+                         (?1, ?2, ?3, ?4, ?5, 'in_flight', ?10, ?6, ?7, ?8, NULL, NULL, NULL, ?9, ?9, ?8)"
                     );
                     let [t, p, o, k] = pk(&req.scope);
                     tx.prepare_cached(&sql)
                         .and_then(|mut st| {
-                            st.execute(params![t, p, o, k, &req.request_hash.0[..], token.as_bytes(), &*req.owner, lease.0, now.0])
+                            st.execute(params![t, p, o, k, &req.request_hash.0[..], token.as_bytes(), &*req.owner, lease.0, now.0, next.0])
                         })
                         .map_err(err)?;
-                    Generation(1)
+                    (next, false)
                 }
                 Some(record) if may_take_over(&record, &req.request_hash, now, req.upstream_idempotent) => {
-                    let next = Generation(record.generation.0 + 1);
+                    let next = next_generation(tx)?;
                     let sql = format!(
                         "UPDATE idemgate_records SET request_hash = ?5, state = 'in_flight', generation = ?6, claim_token = ?7, \
                          owner = ?8, lease_expires_at = ?9, response_status = NULL, response_headers = NULL, response_body = NULL, \
@@ -259,17 +270,11 @@ impl RecordStore for SqliteStore {
                             st.execute(params![t, p, o, k, &req.request_hash.0[..], next.0, token.as_bytes(), &*req.owner, lease.0, now.0])
                         })
                         .map_err(err)?;
-                    next
+                    (next, true)
                 }
                 Some(record) => return Ok(RawClaim::Existing(record, now)),
             };
-            Ok(RawClaim::Claimed(Claim {
-                scope: req.scope.clone(),
-                generation,
-                claim_token: token,
-                lease_expires_at: lease,
-                took_over: generation.0 > 1,
-            }))
+            Ok(RawClaim::Claimed(Claim { scope: req.scope.clone(), generation, claim_token: token, lease_expires_at: lease, took_over }))
         })
         .await
     }
@@ -343,26 +348,84 @@ impl RecordStore for SqliteStore {
         .await
     }
 
-    async fn resolve(&self, scope: &Scope, resolution: &Resolution) -> Result<ResolveOutcome, StoreError> {
+    async fn resolve(&self, scope: &Scope, resolution: &Resolution, note: &AuditNote) -> Result<ResolveOutcome, StoreError> {
         let scope = scope.clone();
         let resolution = resolution.clone();
+        let note = note.clone();
         self.write(move |tx, now| {
             let Some(record) = get_tx(tx, &scope)? else { return Ok(ResolveOutcome::NotFound) };
-            let event = match resolution {
-                Resolution::Release => Event::ResolveRelease,
-                Resolution::Complete { .. } => Event::ResolveComplete,
-            };
-            match (transition(&record, event, now), &resolution) {
-                (Err(refused), _) => Ok(ResolveOutcome::Refused(refused)),
+            let (to, generation) = match (transition(&record, resolution.event(), now), &resolution) {
+                (Err(refused), _) => return Ok(ResolveOutcome::Refused(refused)),
                 (Ok(Next::Deleted), _) => {
                     delete(tx, &scope)?;
-                    Ok(ResolveOutcome::Resolved)
+                    (None, None)
                 }
-                (Ok(Next::State { .. }), Resolution::Complete { response, retention }) => {
-                    write_response(tx, &scope, response, now, *retention, Some(Generation(record.generation.0 + 1)))?;
-                    Ok(ResolveOutcome::Resolved)
+                (Ok(Next::State { state, .. }), Resolution::Complete { response, retention, .. }) => {
+                    let next = next_generation(tx)?;
+                    write_response(tx, &scope, response, now, *retention, Some(next))?;
+                    (Some(state), Some(next))
                 }
-                (Ok(Next::State { .. }), Resolution::Release) => Ok(ResolveOutcome::Refused(Refused::NotAllowed(record.state))),
+                (Ok(Next::State { .. }), Resolution::Release { .. }) => {
+                    return Ok(ResolveOutcome::Refused(Refused::NotAllowed(record.state)));
+                }
+            };
+            let [t, p, o, k] = pk(&scope);
+            tx.prepare_cached(
+                "INSERT INTO idemgate_audit (at, actor, tenant, principal, operation, idempotency_key, from_state, to_state, reason, \
+                 forced, generation) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
+            )
+            .and_then(|mut st| {
+                st.execute(params![
+                    now.0,
+                    note.actor.as_str(),
+                    t,
+                    p,
+                    o,
+                    k,
+                    record.state.as_str(),
+                    audit::to_state(to),
+                    note.reason,
+                    note.forced,
+                    generation.map(|g| g.0)
+                ])
+            })
+            .map_err(err)?;
+            Ok(ResolveOutcome::Resolved { from: record.state })
+        })
+        .await
+    }
+
+    async fn audit(&self, limit: u32) -> Result<Vec<AuditEntry>, StoreError> {
+        self.write(move |conn, _| {
+            let mut st = conn
+                .prepare_cached(
+                    "SELECT id, at, actor, tenant, principal, operation, idempotency_key, from_state, to_state, reason, forced, generation \
+                     FROM idemgate_audit ORDER BY id DESC LIMIT ?1",
+                )
+                .map_err(err)?;
+            let mut rows = st.query(params![i64::from(limit)]).map_err(err)?;
+            let mut out = Vec::new();
+            while let Some(row) = rows.next().map_err(err)? {
+                out.push(decode_audit(row)?);
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn derived_key_secret(&self) -> Result<Option<Vec<u8>>, StoreError> {
+        self.write(move |conn, _| {
+            let exists: bool = conn
+                .query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'idemgate_settings'", [], |r| r.get(0))
+                .map_err(err)?;
+            if !exists {
+                return Ok(None);
+            }
+            let mut st = conn.prepare_cached("SELECT value FROM idemgate_settings WHERE name = ?1").map_err(err)?;
+            let mut rows = st.query(params![DERIVED_KEY_SECRET]).map_err(err)?;
+            match rows.next().map_err(err)? {
+                Some(row) => Ok(Some(row.get(0).map_err(err)?)),
+                None => Ok(None),
             }
         })
         .await
@@ -467,6 +530,27 @@ fn run_batch(conn: &mut Connection, batch: Vec<BatchJob>) {
     }
 }
 
+/// An operator command must find a migrated store at `path`: opening a
+/// mistyped path would otherwise create an empty database and report "no
+/// records" for a store that holds many.
+fn check_existing(path: &Path) -> Result<(), StoreError> {
+    let missing = |why: &str| {
+        StoreError::Missing(format!(
+            "no idemgate store at {}: {why} (check store.path; `idemgate migrate` or `idemgate serve` creates it)",
+            path.display()
+        ))
+    };
+    if !path.is_file() {
+        return Err(missing("the file does not exist"));
+    }
+    let conn = Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX)
+        .map_err(|e| missing(&format!("cannot open it: {e}")))?;
+    let migrated: i64 = conn
+        .query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'idemgate_schema_migrations'", [], |r| r.get(0))
+        .map_err(|e| missing(&format!("not an SQLite database: {e}")))?;
+    if migrated == 0 { Err(missing("the file is not an idemgate store")) } else { Ok(()) }
+}
+
 /// `<db path>.lock`, the file `serve` locks for the process's life.
 pub fn lock_path(path: &Path) -> PathBuf {
     let mut p = path.as_os_str().to_owned();
@@ -533,6 +617,35 @@ fn write_response(
         })
         .map_err(err)
         .map(drop)
+}
+
+/// Draws the next generation (store-wide, strictly increasing) inside the
+/// caller's transaction.
+fn next_generation(tx: &Connection) -> Result<Generation, StoreError> {
+    tx.prepare_cached("UPDATE idemgate_sequences SET value = value + 1 WHERE name = 'generation' RETURNING value")
+        .and_then(|mut st| st.query_row([], |r| r.get(0)))
+        .map(Generation)
+        .map_err(err)
+}
+
+fn decode_audit(row: &rusqlite::Row<'_>) -> Result<AuditEntry, StoreError> {
+    let c = |e: rusqlite::Error| StoreError::Corrupt(e.to_string());
+    let key: String = row.get(6).map_err(c)?;
+    let key = IdempotencyKey::new(&key).map_err(|e| StoreError::Corrupt(format!("audit idempotency_key: {e}")))?;
+    let tenant: String = row.get(3).map_err(c)?;
+    let principal: String = row.get(4).map_err(c)?;
+    let operation: String = row.get(5).map_err(c)?;
+    Ok(AuditEntry {
+        id: row.get(0).map_err(c)?,
+        at: Timestamp(row.get(1).map_err(c)?),
+        actor: row.get(2).map_err(c)?,
+        scope: Scope { tenant: tenant.into(), principal: principal.into(), operation: operation.into(), key },
+        from_state: row.get(7).map_err(c)?,
+        to_state: row.get(8).map_err(c)?,
+        reason: row.get(9).map_err(c)?,
+        forced: row.get(10).map_err(c)?,
+        generation: row.get::<_, Option<i64>>(11).map_err(c)?.map(Generation),
+    })
 }
 
 fn decode(row: &rusqlite::Row<'_>) -> Result<Record, StoreError> {

@@ -16,6 +16,10 @@ use sha2::{Digest, Sha256};
 pub const API_KEY: &str = "test-key";
 pub const TENANT: &str = "acme";
 pub const PRINCIPAL: &str = "billing";
+/// The derived-key secret test gateways are configured with (through this
+/// environment variable), so tests can compute the key the upstream sees.
+pub const TEST_SECRET: &str = "test-derived-key-secret";
+pub const TEST_SECRET_ENV: &str = "IDEMGATE_TEST_DERIVED_KEY_SECRET";
 
 /// Which store a gateway runs on.
 #[derive(Debug, Clone)]
@@ -56,7 +60,7 @@ impl Backend {
             sweep_interval: Duration::from_secs(1),
             sweep_batch: 100,
         };
-        let store = Store::open(&config, false).await.expect("open store for inspection");
+        let store = Store::open(&config, idemgate::store::Access::Migrate).await.expect("open store for inspection");
         store.migrate().await.expect("migrate");
         store
     }
@@ -81,6 +85,9 @@ pub struct GatewayConfig {
     pub store_section: Option<String>,
     /// The process's working directory (default: the test's).
     pub workdir: Option<PathBuf>,
+    /// Configure `TEST_SECRET` as the derived-key secret (default); false: the
+    /// gateway uses the one `migrate` generated in the store.
+    pub configured_secret: bool,
 }
 
 impl GatewayConfig {
@@ -96,7 +103,14 @@ impl GatewayConfig {
             sweep_interval: "200ms",
             store_section: None,
             workdir: None,
+            configured_secret: true,
         }
+    }
+
+    /// Leaves `server.derived_key_secret_*` out: the store's generated secret applies.
+    pub fn generated_secret(mut self) -> Self {
+        self.configured_secret = false;
+        self
     }
 
     pub fn route(mut self, extra: &str) -> Self {
@@ -133,6 +147,7 @@ impl GatewayConfig {
             r#"[server]
 listen = "{listen}"
 shutdown_grace = "10s"
+{secret}
 {server_extra}
 {store}
 [admin]
@@ -164,6 +179,7 @@ upstream = "orders"
 {tail}
 "#,
             listen = self.listen,
+            secret = if self.configured_secret { format!("derived_key_secret_env = \"{TEST_SECRET_ENV}\"") } else { String::new() },
             server_extra = self.server_extra,
             store = self.store_section.clone().unwrap_or_else(|| self.backend.store_toml(self.sweep_interval)),
             upstream = self.upstream_url,
@@ -176,7 +192,8 @@ upstream = "orders"
 
     /// The validated config (for tests that use the library directly).
     pub fn parsed(&self) -> Config {
-        Config::from_toml(&self.toml(), "test", &|_| None).expect("test config is valid")
+        Config::from_toml(&self.toml(), "test", &|name| (name == TEST_SECRET_ENV).then(|| TEST_SECRET.to_owned()))
+            .expect("test config is valid")
     }
 }
 
@@ -234,6 +251,7 @@ impl Gateway {
             .args(["serve", "--config"])
             .arg(self.config_path())
             .env("IDEMGATE_LOG_FORMAT", "json")
+            .env(TEST_SECRET_ENV, TEST_SECRET)
             .env("IDEMGATE_LOG", "info,idemgate=debug")
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -42,7 +42,7 @@ use idemgate::scope::{IdempotencyKey, Scope};
 use idemgate::store::Store;
 
 pub use client::{Resp, post, send};
-pub use gateway::{Backend, Gateway, GatewayConfig, PRINCIPAL, TENANT};
+pub use gateway::{Backend, Gateway, GatewayConfig, PRINCIPAL, TENANT, TEST_SECRET};
 pub use upstream::TestUpstream;
 
 /// A fresh database on this test binary's private PostgreSQL cluster.
@@ -69,9 +69,10 @@ pub fn scope_for(principal: &str, operation: &str, key: &str) -> Scope {
     Scope { tenant: TENANT.into(), principal: principal.into(), operation: operation.into(), key: IdempotencyKey::new(key).unwrap() }
 }
 
-/// The key the upstream sees for a client key.
+/// The key the upstream sees for a client key (test gateways are configured
+/// with `TEST_SECRET`).
 pub fn derived(key: &str) -> String {
-    scope(key).derived_key(None)
+    scope(key).derived_key(Some(TEST_SECRET.as_bytes()))
 }
 
 pub async fn record(store: &Store, key: &str) -> Option<Record> {
@@ -102,6 +103,7 @@ pub fn cli(gateway: &Gateway, args: &[&str]) -> (i32, String, String) {
         .args(args)
         .arg("--config")
         .arg(gateway.config_path())
+        .env(gateway::TEST_SECRET_ENV, TEST_SECRET)
         .output()
         .expect("run idemgate cli");
     (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())

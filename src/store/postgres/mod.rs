@@ -10,10 +10,11 @@ use tokio_postgres::{NoTls, Row};
 use uuid::Uuid;
 
 use super::codec::{decode_headers, encode_headers};
-use super::migrations::{PG_LOCK_KEY, POSTGRES};
+use super::migrations::{DERIVED_KEY_SECRET, PG_LOCK_KEY, POSTGRES, fresh_secret};
 use super::{Claim, ClaimRequest, ListFilter, RawClaim, RecordStore, Resolution, ResolveOutcome, StoreError};
+use crate::audit::{self, AuditEntry, AuditNote};
 use crate::fingerprint::Fingerprint;
-use crate::record::{Attempt, Event, Generation, Next, Record, State, StoredResponse, Timestamp, may_take_over, transition};
+use crate::record::{Attempt, Generation, Next, Record, State, StoredResponse, Timestamp, may_take_over, transition};
 use crate::scope::{IdempotencyKey, Scope};
 use async_trait::async_trait;
 use std::sync::Arc;
@@ -49,7 +50,7 @@ WITH cur AS (
     WHERE tenant = $1 AND principal = $2 AND operation = $3 AND idempotency_key = $4
 ), taken AS (
     UPDATE idemgate_records r SET
-        request_hash = $5, state = 'in_flight', generation = r.generation + 1, claim_token = $6, owner = $7,
+        request_hash = $5, state = 'in_flight', generation = nextval('idemgate_generation'), claim_token = $6, owner = $7,
         lease_expires_at = now() + $8::int8 * interval '1 microsecond',
         response_status = NULL, response_headers = NULL, response_body = NULL,
         created_at = now(), updated_at = now(), expires_at = now() + $8::int8 * interval '1 microsecond'
@@ -62,7 +63,7 @@ WITH cur AS (
     INSERT INTO idemgate_records
         (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
          lease_expires_at, created_at, updated_at, expires_at)
-    SELECT $1, $2, $3, $4, $5, 'in_flight', 1, $6, $7,
+    SELECT $1, $2, $3, $4, $5, 'in_flight', nextval('idemgate_generation'), $6, $7,
            now() + $8::int8 * interval '1 microsecond', now(), now(), now() + $8::int8 * interval '1 microsecond'
     WHERE NOT EXISTS (SELECT 1 FROM cur)
     ON CONFLICT (tenant, principal, operation, idempotency_key) DO NOTHING
@@ -344,6 +345,14 @@ impl RecordStore for PgStore {
                 .map_err(m)?;
             applied.push(mig.name.to_owned());
         }
+        // The derived-key secret, once per deployment: every replica reads
+        // the same row.
+        tx.execute(
+            "INSERT INTO idemgate_settings (name, value) VALUES ($1, $2) ON CONFLICT (name) DO NOTHING",
+            &[&DERIVED_KEY_SECRET, &fresh_secret()],
+        )
+        .await
+        .map_err(m)?;
         tx.commit().await.map_err(m)?;
         conn.done();
         Ok(applied)
@@ -472,7 +481,7 @@ impl RecordStore for PgStore {
         rows.iter().map(decode).collect()
     }
 
-    async fn resolve(&self, scope: &Scope, resolution: &Resolution) -> Result<ResolveOutcome, StoreError> {
+    async fn resolve(&self, scope: &Scope, resolution: &Resolution, note: &AuditNote) -> Result<ResolveOutcome, StoreError> {
         let mut conn = self.conn().await?;
         let w = |e| classify(e, true);
         let tx = conn.client_mut().transaction().await.map_err(w)?;
@@ -487,11 +496,7 @@ impl RecordStore for PgStore {
         };
         let record = decode(row)?;
         let now: Timestamp = row.try_get(16).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-        let event = match resolution {
-            Resolution::Release => Event::ResolveRelease,
-            Resolution::Complete { .. } => Event::ResolveComplete,
-        };
-        match transition(&record, event, now) {
+        let (to, generation): (Option<State>, Option<i64>) = match transition(&record, resolution.event(), now) {
             Err(refused) => {
                 tx.rollback().await.map_err(w)?;
                 conn.done();
@@ -499,29 +504,74 @@ impl RecordStore for PgStore {
             }
             Ok(Next::Deleted) => {
                 tx.execute(&format!("DELETE FROM idemgate_records WHERE {PK}"), &params).await.map_err(w)?;
+                (None, None)
             }
-            Ok(Next::State { .. }) => {
-                let Resolution::Complete { response, retention } = resolution else {
+            Ok(Next::State { state, .. }) => {
+                let Resolution::Complete { response, retention, .. } = resolution else {
                     return Err(StoreError::Corrupt("resolve: state machine and resolution disagree".into()));
                 };
                 let headers = encode_headers(&response.headers);
                 let body: Option<&[u8]> = response.body.as_deref();
                 let update = format!(
-                    "UPDATE idemgate_records SET state = 'completed', generation = generation + 1, response_status = $5, \
+                    "UPDATE idemgate_records SET state = 'completed', generation = nextval('idemgate_generation'), response_status = $5, \
                      response_headers = $6, response_body = $7, lease_expires_at = NULL, updated_at = now(), \
-                     expires_at = now() + $8::int8 * interval '1 microsecond' WHERE {PK}"
+                     expires_at = now() + $8::int8 * interval '1 microsecond' WHERE {PK} RETURNING generation"
                 );
-                tx.execute(
-                    &update,
-                    &[params[0], params[1], params[2], params[3], &i32::from(response.status), &headers, &body, &micros(*retention)],
-                )
-                .await
-                .map_err(w)?;
+                let rows = tx
+                    .query(
+                        &update,
+                        &[params[0], params[1], params[2], params[3], &i32::from(response.status), &headers, &body, &micros(*retention)],
+                    )
+                    .await
+                    .map_err(w)?;
+                let generation: i64 =
+                    rows.first().and_then(|r| r.try_get(0).ok()).ok_or_else(|| StoreError::Corrupt("resolve: no generation".into()))?;
+                (Some(state), Some(generation))
             }
-        }
+        };
+        tx.execute(
+            "INSERT INTO idemgate_audit (actor, tenant, principal, operation, idempotency_key, from_state, to_state, reason, forced, generation) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+            &[
+                &note.actor.as_str(),
+                params[0],
+                params[1],
+                params[2],
+                params[3],
+                &record.state.as_str(),
+                &audit::to_state(to),
+                &note.reason,
+                &note.forced,
+                &generation,
+            ],
+        )
+        .await
+        .map_err(w)?;
         tx.commit().await.map_err(w)?;
         conn.done();
-        Ok(ResolveOutcome::Resolved)
+        Ok(ResolveOutcome::Resolved { from: record.state })
+    }
+
+    async fn audit(&self, limit: u32) -> Result<Vec<AuditEntry>, StoreError> {
+        let rows = self
+            .query(
+                "SELECT id, at, actor, tenant, principal, operation, idempotency_key, from_state, to_state, reason, forced, generation \
+                 FROM idemgate_audit ORDER BY id DESC LIMIT $1",
+                &[&i64::from(limit)],
+                false,
+            )
+            .await?;
+        rows.iter().map(decode_audit).collect()
+    }
+
+    async fn derived_key_secret(&self) -> Result<Option<Vec<u8>>, StoreError> {
+        let rows = self.query("SELECT value FROM idemgate_settings WHERE name = $1", &[&DERIVED_KEY_SECRET], false).await;
+        match rows {
+            Ok(rows) => rows.first().map(|r| r.try_get(0).map_err(|e| StoreError::Corrupt(e.to_string()))).transpose(),
+            // Before migration 2 the table does not exist: no secret yet.
+            Err(StoreError::Unavailable(m)) if m.contains("42P01") => Ok(None),
+            Err(e) => Err(e),
+        }
     }
 
     async fn sweep(&self, batch: u32) -> Result<u64, StoreError> {
@@ -604,7 +654,7 @@ WITH input AS (
     INSERT INTO idemgate_records
         (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
          lease_expires_at, created_at, updated_at, expires_at)
-    SELECT i.tenant, i.principal, i.operation, i.idempotency_key, i.request_hash, 'in_flight', 1, i.claim_token, i.owner,
+    SELECT i.tenant, i.principal, i.operation, i.idempotency_key, i.request_hash, 'in_flight', nextval('idemgate_generation'), i.claim_token, i.owner,
            now() + i.lease_us * interval '1 microsecond', now(), now(), now() + i.lease_us * interval '1 microsecond'
     FROM input i
     WHERE NOT EXISTS (SELECT 1 FROM cur c WHERE c.ord = i.ord)
@@ -728,6 +778,26 @@ impl Db {
         }
         Ok(out)
     }
+}
+
+fn decode_audit(row: &Row) -> Result<AuditEntry, StoreError> {
+    let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+    let key: &str = row.try_get(6).map_err(c)?;
+    let key = IdempotencyKey::new(key).map_err(|e| StoreError::Corrupt(format!("audit idempotency_key: {e}")))?;
+    let tenant: &str = row.try_get(3).map_err(c)?;
+    let principal: &str = row.try_get(4).map_err(c)?;
+    let operation: &str = row.try_get(5).map_err(c)?;
+    Ok(AuditEntry {
+        id: row.try_get(0).map_err(c)?,
+        at: row.try_get(1).map_err(c)?,
+        actor: row.try_get(2).map_err(c)?,
+        scope: Scope { tenant: tenant.into(), principal: principal.into(), operation: operation.into(), key },
+        from_state: row.try_get(7).map_err(c)?,
+        to_state: row.try_get(8).map_err(c)?,
+        reason: row.try_get(9).map_err(c)?,
+        forced: row.try_get(10).map_err(c)?,
+        generation: row.try_get::<_, Option<i64>>(11).map_err(c)?.map(Generation),
+    })
 }
 
 fn decode(row: &Row) -> Result<Record, StoreError> {
