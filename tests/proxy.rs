@@ -676,7 +676,7 @@ async fn keys_resolve_refuses_completed_records_without_force(backend: Backend) 
     assert_eq!(code, 0);
     assert!(out.contains("order cancelled upstream by support") && out.contains("[forced]"), "{out}");
     // As forced: the retry executes again.
-    assert_eq!(post(&url, "k", ORDER, &[]).await.replayed(), false);
+    assert!(!post(&url, "k", ORDER, &[]).await.replayed());
     assert_eq!(up.side_effects(&derived("k")), 2);
 }
 
