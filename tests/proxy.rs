@@ -16,6 +16,7 @@ on_both_stores!(
     bad_keys_and_bodies_claim_nothing,
     changed_request_under_same_key_is_409_and_original_still_replays,
     mismatch_status_can_be_422,
+    integers_beyond_64_bits_are_compared_exactly,
     duplicate_while_in_flight_gets_409_with_retry_after,
     in_flight_wait_returns_the_result,
     twenty_concurrent_duplicates_execute_once,
@@ -164,6 +165,26 @@ async fn changed_request_under_same_key_is_409_and_original_still_replays(backen
     assert_eq!(reordered.body, first.body);
     let rec = record(&store, "k1").await.unwrap();
     assert_eq!((rec.state, rec.generation.0), (State::Completed, 1));
+}
+
+/// Issue 8 item 6: integers outside 64 bits used to go through a double, so these two
+/// amounts had one fingerprint and the second request was replayed the first answer.
+async fn integers_beyond_64_bits_are_compared_exactly(backend: Backend) {
+    let (up, gw, store) = setup(backend, |c| c).await;
+    let url = gw.url("/v1/orders");
+    let first = post(&url, "big", r#"{"amount":18446744073709551616}"#, &[]).await;
+    assert_eq!(first.status, 201, "{first:?}");
+    let hash = record(&store, "big").await.expect("record").request_hash;
+    let other = post(&url, "big", r#"{"amount":18446744073709551617}"#, &[]).await;
+    assert!(!other.replayed(), "the other amount was answered from the first record: {other:?}");
+    assert_eq!((other.status, other.problem().as_str()), (409, "idempotency-key-reused"));
+    // The same amount spelt with other whitespace is the same request.
+    let same = post(&url, "big", r#"{ "amount" : 18446744073709551616 }"#, &[]).await;
+    assert!(same.replayed(), "{same:?}");
+    assert_eq!(up.side_effects(&derived("big")), 1);
+    assert_eq!(up.total(), 1);
+    let rec = record(&store, "big").await.expect("record");
+    assert_eq!((rec.state, rec.generation.0, rec.request_hash), (State::Completed, 1, hash));
 }
 
 async fn mismatch_status_can_be_422(backend: Backend) {

@@ -2,12 +2,13 @@
 //! code fills a `Vec<u8>` (for [`canonical_json`](super::canonical_json)) or streams
 //! straight into the SHA-256 state (for [`fingerprint`](super::fingerprint)).
 //!
-//! Deviation from JCS, on purpose: integers that serde_json delivers as `u64`/`i64` are
-//! written as their exact decimal value. For |n| <= 2^53 that is byte-for-byte what JCS
-//! (ECMAScript `Number.prototype.toString`) produces; beyond 2^53 JCS would first round
-//! to the nearest double, so `9007199254740993` and `9007199254740992` (two distinct
-//! ids) would collide. Floats (any number with a fraction or exponent, or an integer
-//! too large for `u64`/`i64`) follow JCS exactly via `ryu-js`, including `-0` -> `0`.
+//! Deviation from JCS, on purpose: integer literals (no fraction, no exponent) of any
+//! size are written as their exact decimal value (`-0` as `0`). For |n| <= 2^53 that is
+//! byte-for-byte what JCS (ECMAScript `Number.prototype.toString`) produces; beyond 2^53
+//! JCS would first round to the nearest double, so `9007199254740993` and
+//! `9007199254740992`, or `18446744073709551616` and `18446744073709551617` (distinct
+//! ids or amounts) would collide. Floats (any number with a fraction or exponent)
+//! follow JCS exactly via `ryu-js`, including `-0.0` -> `0`.
 
 use std::cmp::Ordering;
 
@@ -178,6 +179,7 @@ pub(crate) fn write_node(out: &mut impl Sink, node: &mut Node<'_>, depth: usize)
         Node::Bool(false) => out.put(b"false"),
         Node::U64(n) => write_u64(out, *n),
         Node::I64(n) => write_i64(out, *n),
+        Node::BigInt(digits) => out.put(digits.as_bytes()),
         Node::F64(f) => write_f64(out, *f),
         Node::Str(s) => write_str(out, s),
         Node::Array(items) => {

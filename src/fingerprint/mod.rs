@@ -259,10 +259,12 @@ pub fn fingerprint(spec: &FingerprintSpec, parts: &RequestParts<'_>) -> Result<F
 ///   `"\u0041"` and `"A"` are equal;
 /// - floats as ECMAScript `Number.prototype.toString` (`1.0`, `1e0`, `10e-1` -> `1`;
 ///   `-0` -> `0`; `1E+2` -> `100`; `1e30` -> `1e+30`);
-/// - integers that serde_json reads as `u64`/`i64` as their exact decimal value. This
-///   equals JCS up to 2^53; beyond it JCS would round through a double and make
-///   distinct ids such as `9007199254740993` and `9007199254740992` collide, so we
-///   deliberately keep them apart.
+/// - integer literals (no fraction, no exponent) of any size as their exact decimal
+///   value, `-0` as `0`. This equals JCS up to 2^53; beyond it JCS would round through
+///   a double and make distinct ids such as `9007199254740993` and `9007199254740992`
+///   (or amounts such as `18446744073709551616` and `18446744073709551617`) collide, so
+///   we deliberately keep them apart. Literals beyond the range of a double (over 309
+///   digits) are refused as invalid JSON by the parser.
 ///
 /// An empty body yields empty bytes (no error); anything else must be one JSON value.
 pub fn canonical_json(body: &[u8], spec: &FingerprintSpec) -> Result<Vec<u8>, FingerprintError> {

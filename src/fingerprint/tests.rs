@@ -137,8 +137,39 @@ fn large_integers_stay_exact_and_distinct() {
         "[9007199254740993,9007199254740992,-9007199254740993,18446744073709551615,-9223372036854775808]"
     );
     assert_ne!(Req::json(r#"{"id": 9007199254740993}"#).fp(&none()), Req::json(r#"{"id": 9007199254740992}"#).fp(&none()));
-    // Beyond u64 the literal is a double and follows JCS.
-    assert_eq!(canon("18446744073709551616"), "18446744073709552000");
+    // Beyond 64 bits an integer literal is still exact (it used to round through a double).
+    assert_eq!(canon("18446744073709551616"), "18446744073709551616");
+}
+
+#[test]
+fn integers_of_any_size_are_exact_and_distinct() {
+    // Issue 8 item 6: these two collided (both became the double 18446744073709552000).
+    let a = Req::json(r#"{"amount":18446744073709551616}"#).fp(&none());
+    let b = Req::json(r#"{"amount":18446744073709551617}"#).fp(&none());
+    assert_ne!(a, b);
+    assert_eq!(a, Req::json(r#"{ "amount" : 18446744073709551616 }"#).fp(&none()));
+    let below = Req::json(r#"{"n":-9223372036854775809}"#).fp(&none());
+    assert_ne!(below, Req::json(r#"{"n":-9223372036854775810}"#).fp(&none()));
+    let huge = format!("1{}", "0".repeat(300));
+    assert_eq!(
+        canon(&format!("[18446744073709551617, -9223372036854775809, 123456789012345678901234567890, {huge}, -{huge}]")),
+        format!("[18446744073709551617,-9223372036854775809,123456789012345678901234567890,{huge},-{huge}]")
+    );
+    assert_ne!(Req::json(&huge).fp(&none()), Req::json(&format!("{}1", &huge[..huge.len() - 1])).fp(&none()));
+    // -0 is 0 whatever its size class; fraction and exponent forms stay doubles (RFC 8785).
+    assert_eq!(
+        canon("[-0, 0, 1e2, 1E+2, 18446744073709551616.0, 1.8446744073709551616e19]"),
+        "[0,0,100,100,18446744073709552000,18446744073709552000]"
+    );
+    // Big integers, floats and numbers inside strings keep the float cursor in step.
+    assert_eq!(
+        canon(
+            r#"[18446744073709551618, "99999999999999999999 0.5", 333333333.33333329, 99999999999999999999, {"k\"1": 0.30000000000000004}]"#
+        ),
+        r#"[18446744073709551618,"99999999999999999999 0.5",333333333.3333333,99999999999999999999,{"k\"1":0.30000000000000004}]"#
+    );
+    // Beyond the range of a double, serde_json refuses the literal before we see it.
+    assert!(matches!(canonical_json(format!("1{}", "0".repeat(400)).as_bytes(), &none()), Err(FingerprintError::InvalidJson { .. })));
 }
 
 #[test]

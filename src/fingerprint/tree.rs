@@ -9,7 +9,9 @@
 //!   of the duplicate,
 //! - rejects nesting deeper than [`MAX_DEPTH`] containers *before* serde_json's own limit
 //!   is reached, so hostile input never recurses deeper than 64 levels,
-//! - re-reads every float literal with `str::parse::<f64>` (see [`NumberCursor`]).
+//! - re-reads every float literal with `str::parse::<f64>` (see [`NumberCursor`]),
+//! - keeps integer literals too large for `u64`/`i64` as their exact digits
+//!   ([`Node::BigInt`]) instead of the double serde_json rounds them to.
 //!
 //! Depth is counted in containers: a top-level scalar has depth 0, `[]` has depth 1, and
 //! `[[...]]` with 64 nested arrays (or objects, or a mix) is the deepest accepted document.
@@ -33,7 +35,11 @@ pub(crate) enum Node<'a> {
     U64(u64),
     /// A negative integer literal that fits in `i64`.
     I64(i64),
-    /// Any other number (fraction, exponent, or too large for the integer types).
+    /// An integer literal outside `u64`/`i64` (no fraction, no exponent), as its exact
+    /// decimal digits with an optional `-`. Never zero (that is `U64(0)`), never with
+    /// leading zeros (JSON has none).
+    BigInt(Cow<'a, str>),
+    /// Any other number: one with a fraction or an exponent.
     F64(f64),
     Str(Cow<'a, str>),
     Array(Vec<Node<'a>>),
@@ -127,25 +133,21 @@ impl<'t> NumberCursor<'t> {
         self.pending += 1;
     }
 
-    /// The correctly rounded value of the float serde_json delivered as `parsed`.
-    /// Falls back to `parsed` if the literal cannot be found or disagrees by more than
-    /// rounding (which would mean the cursor lost step; it cannot for valid input).
-    fn exact_float(&mut self, parsed: f64) -> f64 {
+    /// The literal of the number serde_json delivered as the double `parsed` (a float,
+    /// or an integer too large for `u64`/`i64`), with its correctly rounded value.
+    /// `None` if the literal cannot be found or disagrees by more than rounding (which
+    /// would mean the cursor lost step; it cannot for valid input).
+    fn float_literal(&mut self, parsed: f64) -> Option<(&'t str, f64)> {
         let mut token = None;
         for _ in 0..=self.pending {
             token = self.next_number_token();
         }
         self.pending = 0;
-        match token.and_then(|t| t.parse::<f64>().ok()) {
-            Some(exact)
-                if exact.is_finite()
-                    && exact.is_sign_negative() == parsed.is_sign_negative()
-                    && exact.to_bits().abs_diff(parsed.to_bits()) <= 16 =>
-            {
-                exact
-            }
-            _ => parsed,
-        }
+        let token = token?;
+        let exact = token.parse::<f64>().ok()?;
+        let in_step =
+            exact.is_finite() && exact.is_sign_negative() == parsed.is_sign_negative() && exact.to_bits().abs_diff(parsed.to_bits()) <= 16;
+        in_step.then_some((token, exact))
     }
 
     /// The next number token at or after `pos`, skipping strings (and their escapes),
@@ -234,7 +236,10 @@ impl<'de> Visitor<'de> for NodeSeed<'_, 'de> {
     }
 
     fn visit_f64<E: de::Error>(self, v: f64) -> Result<Node<'de>, E> {
-        Ok(Node::F64(self.state.numbers.exact_float(v)))
+        Ok(match self.state.numbers.float_literal(v) {
+            Some((literal, exact)) => number_node(literal, exact),
+            None => Node::F64(v),
+        })
     }
 
     fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Node<'de>, E> {
@@ -285,6 +290,22 @@ impl<'de> Visitor<'de> for NodeSeed<'_, 'de> {
         }
         Ok(Node::Object(members))
     }
+}
+
+/// The node for a number literal that serde_json delivered as a double: an integer
+/// literal (digits and an optional `-`, no fraction, no exponent) keeps its exact digits,
+/// so integers of any size compare exactly; anything else is the double `exact`.
+fn number_node(literal: &str, exact: f64) -> Node<'_> {
+    let digits = literal.strip_prefix('-').unwrap_or(literal);
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Node::F64(exact);
+    }
+    // JSON allows no leading zeros, so the only zero integer literals are `0` and `-0`
+    // (serde_json delivers `-0` as a double); both are 0.
+    if digits.bytes().all(|b| b == b'0') {
+        return Node::U64(0);
+    }
+    Node::BigInt(Cow::Borrowed(literal))
 }
 
 /// Objects up to this size are checked pairwise; larger ones through a sorted view, so a
@@ -430,16 +451,19 @@ mod tests {
 
     #[test]
     fn numbers_keep_their_serde_json_kind() {
-        let node = ok("[1, -1, 1.0, -0, 18446744073709551615, 18446744073709551616]");
+        let node = ok("[1, -1, 1.0, -0, 18446744073709551615, 18446744073709551616, -9223372036854775809, 1e19, -0.0]");
         assert_eq!(
             node,
             Node::Array(vec![
                 Node::U64(1),
                 Node::I64(-1),
                 Node::F64(1.0),
-                Node::F64(-0.0),
+                Node::U64(0),
                 Node::U64(u64::MAX),
-                Node::F64(18446744073709551616.0),
+                Node::BigInt(Cow::Borrowed("18446744073709551616")),
+                Node::BigInt(Cow::Borrowed("-9223372036854775809")),
+                Node::F64(1e19),
+                Node::F64(-0.0),
             ])
         );
     }
