@@ -77,6 +77,30 @@ impl PathTemplate {
         &self.source
     }
 
+    /// True when both templates match exactly the same paths: the same literals at the
+    /// same places and parameters at the same places (names do not matter), as
+    /// `/a/{x}` and `/a/{y}`. Two such routes with one method could never be told apart.
+    pub fn same_shape(&self, other: &PathTemplate) -> bool {
+        self.segments.len() == other.segments.len()
+            && self.segments.iter().zip(&other.segments).all(|pair| match pair {
+                (Segment::Literal(a), Segment::Literal(b)) => a == b,
+                (Segment::Param(_), Segment::Param(_)) => true,
+                _ => false,
+            })
+    }
+
+    /// Orders templates from most to least specific: compared segment by segment from
+    /// the left, a literal comes before a parameter at the first position where one
+    /// template has a literal and the other a parameter. Of two templates that match
+    /// one path, the one ordered first is the more specific (they differ in kind
+    /// somewhere unless they have the same shape). Templates that can never match the
+    /// same path (other literals, other lengths) are ordered too, arbitrarily but
+    /// consistently, so this is a total order usable for sorting.
+    pub fn cmp_specificity(&self, other: &PathTemplate) -> std::cmp::Ordering {
+        let is_param = |s: &Segment| matches!(s, Segment::Param(_));
+        self.segments.iter().map(is_param).cmp(other.segments.iter().map(is_param))
+    }
+
     /// Matches a request path (without query); on success returns the
     /// parameters in template order. Parameter values are the raw segments.
     pub fn matches(&self, path: &str) -> Option<Vec<(String, String)>> {
@@ -167,25 +191,39 @@ pub enum RouteMatch<'a> {
     NotFound,
 }
 
-/// All routes, in file order; the first route whose method and path match wins.
+/// All routes. Of the routes whose method and path match a request, the most specific
+/// wins ([`PathTemplate::cmp_specificity`]: a literal segment beats a `{param}` at the
+/// first position where they differ), whatever their order in the file. Configuration
+/// refuses two routes of one method with the same shape, so the winner is unique.
 #[derive(Debug, Clone, Default)]
 pub struct Router {
+    /// In file order, as configured.
     routes: Vec<Arc<Route>>,
+    /// The same routes, most specific first (ties in file order), sorted once here so
+    /// that routing a request stays one pass that stops at the first match.
+    by_specificity: Vec<Arc<Route>>,
     default_upstream: Option<UpstreamId>,
 }
 
 impl Router {
     pub fn new(routes: Vec<Route>, default_upstream: Option<UpstreamId>) -> Router {
-        Router { routes: routes.into_iter().map(Arc::new).collect(), default_upstream }
+        let routes: Vec<Arc<Route>> = routes.into_iter().map(Arc::new).collect();
+        let mut by_specificity = routes.clone();
+        by_specificity.sort_by(|a, b| a.path.cmp_specificity(&b.path));
+        Router { routes, by_specificity, default_upstream }
     }
 
+    /// The routes in file order.
     pub fn routes(&self) -> &[Arc<Route>] {
         &self.routes
     }
 
+    /// The operation of the most specific route matching method and path; else a
+    /// pass-through to the upstream of the most specific route matching the path alone
+    /// (another method), else to the default upstream; else not found.
     pub fn route(&self, method: &Method, path: &str) -> RouteMatch<'_> {
         let mut path_match: Option<UpstreamId> = None;
-        for route in &self.routes {
+        for route in &self.by_specificity {
             if let Some(params) = route.path.matches(path) {
                 if route.method == *method {
                     return RouteMatch::Operation { route, params };
@@ -228,7 +266,7 @@ mod tests {
 
     fn route(op: &str, method: Method, path: &str, upstream: UpstreamId) -> Route {
         Route {
-            index: 0,
+            index: upstream,
             operation: op.into(),
             method,
             path: PathTemplate::parse(path).unwrap(),
@@ -271,5 +309,63 @@ mod tests {
         assert!(matches!(r.route(&Method::GET, "/elsewhere"), RouteMatch::NotFound));
         let with_default = Router::new(vec![], Some(3));
         assert!(matches!(with_default.route(&Method::POST, "/x"), RouteMatch::PassThrough { upstream: 3 }));
+    }
+
+    fn operation(r: &Router, method: Method, path: &str) -> Option<String> {
+        match r.route(&method, path) {
+            RouteMatch::Operation { route, .. } => Some(route.operation.to_string()),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn most_specific_route_wins_whatever_the_file_order() {
+        // Issue 8 item 5: with first-match-wins the literal route listed second was unreachable.
+        let routes = vec![
+            route("cancel_any", Method::POST, "/v1/orders/{other}/cancel", 0),
+            route("cancel_all", Method::POST, "/v1/orders/all/cancel", 1),
+            route("x_then_lit", Method::POST, "/{a}/x", 2),
+            route("lit_then_x", Method::POST, "/a/{b}", 3),
+            route("params", Method::POST, "/{p}/{q}", 4),
+        ];
+        for order in [routes.clone(), routes.iter().rev().cloned().collect()] {
+            let r = Router::new(order, None);
+            assert_eq!(operation(&r, Method::POST, "/v1/orders/all/cancel").as_deref(), Some("cancel_all"));
+            assert_eq!(operation(&r, Method::POST, "/v1/orders/7/cancel").as_deref(), Some("cancel_any"));
+            // The first segment where they differ decides: a literal `a` beats `{a}`.
+            assert_eq!(operation(&r, Method::POST, "/a/x").as_deref(), Some("lit_then_x"));
+            assert_eq!(operation(&r, Method::POST, "/b/x").as_deref(), Some("x_then_lit"));
+            assert_eq!(operation(&r, Method::POST, "/a/y").as_deref(), Some("lit_then_x"));
+            assert_eq!(operation(&r, Method::POST, "/b/y").as_deref(), Some("params"));
+            // `routes()` keeps the file order.
+            assert_eq!(r.routes().len(), 5);
+        }
+    }
+
+    #[test]
+    fn method_is_matched_before_specificity_and_pass_through_prefers_the_specific_path() {
+        let r = Router::new(
+            vec![route("any", Method::POST, "/a/{x}", 0), route("get_b", Method::GET, "/a/b", 1), route("put_b", Method::PUT, "/a/b", 2)],
+            Some(9),
+        );
+        // POST /a/b is the POST route's operation, though a GET route has the literal path.
+        assert_eq!(operation(&r, Method::POST, "/a/b").as_deref(), Some("any"));
+        assert_eq!(operation(&r, Method::PUT, "/a/b").as_deref(), Some("put_b"));
+        // Another method: proxied to the upstream of the most specific path match.
+        assert!(matches!(r.route(&Method::DELETE, "/a/b"), RouteMatch::PassThrough { upstream: 1 }));
+        assert!(matches!(r.route(&Method::DELETE, "/a/c"), RouteMatch::PassThrough { upstream: 0 }));
+        assert!(matches!(r.route(&Method::DELETE, "/z"), RouteMatch::PassThrough { upstream: 9 }));
+    }
+
+    #[test]
+    fn shapes_compare_literals_and_parameter_positions() {
+        let t = |s: &str| PathTemplate::parse(s).unwrap();
+        assert!(t("/a/{x}").same_shape(&t("/a/{y}")));
+        assert!(t("/v1/{id}/cancel").same_shape(&t("/v1/{order}/cancel")));
+        assert!(t("/a").same_shape(&t("/a")));
+        assert!(!t("/a/{x}").same_shape(&t("/a/b")));
+        assert!(!t("/a/{x}").same_shape(&t("/b/{x}")));
+        assert!(!t("/a/{x}").same_shape(&t("/a/{x}/c")));
+        assert!(!t("/{x}/a").same_shape(&t("/a/{x}")));
     }
 }
