@@ -452,11 +452,12 @@ async fn oversized_response_reaches_client_but_replays_as_problem(backend: Backe
 }
 
 async fn completed_record_past_retention_is_a_first_request(backend: Backend) {
-    let (up, gw, store) = setup(backend, |c| c.route("retention = \"300ms\"")).await;
+    // 1s is the shortest retention the configuration accepts.
+    let (up, gw, store) = setup(backend, |c| c.route("retention = \"1s\"")).await;
     let url = gw.url("/v1/orders");
     assert_eq!(post(&url, "k", ORDER, &[]).await.status, 201);
     assert!(post(&url, "k", ORDER, &[]).await.replayed());
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
     // Expired records count as absent even if the sweeper has not run yet;
     // either way a changed request is now allowed too.
     let r = post(&url, "k", r#"{"item":"pen"}"#, &[]).await;

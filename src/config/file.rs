@@ -3,28 +3,172 @@
 //! Every struct denies unknown fields, so a misspelt key is an error that names
 //! its TOML path rather than a silently ignored setting. Values stay strings
 //! here (durations, sizes, addresses, CIDRs); `super::validate` turns them into
-//! typed values and reports every problem with its path.
+//! typed values and reports every problem with its path. The text is parsed to a
+//! TOML tree first and each section and entry deserialized from it on its own,
+//! so type errors in several places are all reported (see [`parse`]).
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 
 use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use toml::Spanned;
+use toml::de::{DeTable, DeValue, ValueDeserializer};
 
-/// The whole file. All sections are optional except `[[upstreams]]` and
-/// `[[routes]]`, which a useful gateway needs (validation says so).
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+use super::error::{ConfigError, Issues};
+
+/// The whole file, each part deserialized on its own: `[server]`, `[store]`,
+/// `[admin]`, and every `[[upstreams]]`, `[[identity.sources]]` and `[[routes]]`
+/// entry. A part that does not fit its type (a string where a number belongs, an
+/// unknown key) is reported and marked [`Part::Broken`] without hiding the problems
+/// of the others, so one run reports every error in the file.
+#[derive(Debug, Default)]
 pub struct FileConfig {
-    #[serde(default)]
-    pub server: ServerSection,
-    /// Absent: the embedded SQLite store at its default path.
-    pub store: Option<StoreSection>,
-    pub admin: Option<AdminSection>,
-    #[serde(default)]
-    pub upstreams: Vec<UpstreamSection>,
-    #[serde(default)]
-    pub identity: IdentitySection,
-    #[serde(default)]
-    pub routes: Vec<RouteSection>,
+    /// Absent: all defaults.
+    pub server: Part<ServerSection>,
+    /// Absent (`None`): the embedded SQLite store at its default path.
+    pub store: Part<Option<StoreSection>>,
+    pub admin: Part<Option<AdminSection>>,
+    pub upstreams: Vec<Part<UpstreamSection>>,
+    /// `[[identity.sources]]`, the only key of `[identity]`.
+    pub identity_sources: Vec<Part<IdentitySourceSection>>,
+    pub routes: Vec<Part<RouteSection>>,
+}
+
+/// One section or list entry after stage one.
+#[derive(Debug)]
+pub enum Part<T> {
+    Ok(T),
+    /// It did not deserialize; its issues are recorded and validation skips it.
+    /// `name` is its `name` key when that is a string, so that references to a
+    /// broken `[[upstreams]]` entry are not reported a second time.
+    Broken {
+        name: Option<String>,
+    },
+}
+
+impl<T: Default> Default for Part<T> {
+    fn default() -> Self {
+        Part::Ok(T::default())
+    }
+}
+
+impl<T> Part<T> {
+    pub fn ok(&self) -> Option<&T> {
+        match self {
+            Part::Ok(t) => Some(t),
+            Part::Broken { .. } => None,
+        }
+    }
+}
+
+const TOP_LEVEL: &str = "`server`, `store`, `admin`, `upstreams`, `identity`, `routes`";
+
+/// Stage one. Only a TOML syntax error stops early (nothing after it can be read);
+/// every other problem is recorded in `issues` with its TOML path and position.
+pub(super) fn parse(text: &str, origin: &str, issues: &mut Issues) -> Result<FileConfig, ConfigError> {
+    let root = DeTable::parse(text).map_err(|e| {
+        let at = e.span().map(|span| position(text, span)).unwrap_or_default();
+        ConfigError::single(origin, "", format!("{}{at}", e.message().trim()))
+    })?;
+    let mut found = Found::default();
+    let mut file = FileConfig::default();
+    for (key, value) in root.into_inner() {
+        match key.get_ref().as_ref() {
+            "server" => file.server = part(text, "server", value, &mut found),
+            "store" => file.store = optional(part(text, "store", value, &mut found)),
+            "admin" => file.admin = optional(part(text, "admin", value, &mut found)),
+            "upstreams" => file.upstreams = entries(text, "upstreams", value, &mut found),
+            "routes" => file.routes = entries(text, "routes", value, &mut found),
+            "identity" => file.identity_sources = identity(text, value, &mut found),
+            other => unknown_key(text, "", other, key.span(), TOP_LEVEL, &mut found),
+        }
+    }
+    found.list.sort_by_key(|(offset, _, _)| *offset);
+    for (_, path, message) in found.list {
+        issues.push(path, message);
+    }
+    Ok(file)
+}
+
+/// Issues of stage one with their byte offsets, to report them in file order (the
+/// tree's tables are sorted by key).
+#[derive(Default)]
+struct Found {
+    list: Vec<(usize, String, String)>,
+}
+
+impl Found {
+    fn push(&mut self, text: &str, span: Range<usize>, path: impl Into<String>, message: impl Into<String>) {
+        let at = position(text, span.clone());
+        self.list.push((span.start, path.into(), format!("{}{at}", message.into())));
+    }
+}
+
+fn optional<T>(part: Part<T>) -> Part<Option<T>> {
+    match part {
+        Part::Ok(t) => Part::Ok(Some(t)),
+        Part::Broken { name } => Part::Broken { name },
+    }
+}
+
+/// `[identity]` holds only `sources`.
+fn identity(text: &str, value: Spanned<DeValue<'_>>, issues: &mut Found) -> Vec<Part<IdentitySourceSection>> {
+    let span = value.span();
+    let DeValue::Table(table) = value.into_inner() else {
+        issues.push(text, span, "identity", "must be a table ([identity] or [[identity.sources]])");
+        return Vec::new();
+    };
+    let mut sources = Vec::new();
+    for (key, value) in table {
+        match key.get_ref().as_ref() {
+            "sources" => sources = entries(text, "identity.sources", value, issues),
+            other => unknown_key(text, "identity.", other, key.span(), "`sources`", issues),
+        }
+    }
+    sources
+}
+
+fn unknown_key(text: &str, prefix: &str, key: &str, span: Range<usize>, expected: &str, issues: &mut Found) {
+    issues.push(text, span, format!("{prefix}{key}"), format!("unknown field `{key}`, expected one of {expected}"));
+}
+
+/// An array of tables (`[[name]]`), each entry deserialized on its own.
+fn entries<T: DeserializeOwned>(text: &str, path: &str, value: Spanned<DeValue<'_>>, issues: &mut Found) -> Vec<Part<T>> {
+    let span = value.span();
+    let DeValue::Array(items) = value.into_inner() else {
+        issues.push(text, span, path, format!("must be an array of tables ([[{path}]])"));
+        return Vec::new();
+    };
+    items.into_iter().enumerate().map(|(i, item)| part(text, &format!("{path}[{i}]"), item, issues)).collect()
+}
+
+/// Deserializes one part, recording a failure with its full TOML path and position.
+fn part<T: DeserializeOwned>(text: &str, path: &str, value: Spanned<DeValue<'_>>, issues: &mut Found) -> Part<T> {
+    let name = value.get_ref().get("name").and_then(|n| n.get_ref().as_str()).map(str::to_owned);
+    let whole = value.span();
+    match serde_path_to_error::deserialize(ValueDeserializer::from(value)) {
+        Ok(t) => Part::Ok(t),
+        Err(e) => {
+            let inner = e.path().to_string();
+            let full = match inner.as_str() {
+                "." => path.to_owned(),
+                _ if inner.starts_with('[') => format!("{path}{inner}"),
+                _ => format!("{path}.{inner}"),
+            };
+            issues.push(text, e.inner().span().unwrap_or(whole), full, e.inner().message().trim());
+            Part::Broken { name }
+        }
+    }
+}
+
+/// ` (line L, column C)` of a byte offset, for messages.
+fn position(text: &str, span: Range<usize>) -> String {
+    let before = text.get(..span.start.min(text.len())).unwrap_or_default();
+    let line = before.matches('\n').count() + 1;
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    let col = before.get(line_start..).unwrap_or_default().chars().count() + 1;
+    format!(" (line {line}, column {col})")
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -74,13 +218,6 @@ pub struct UpstreamSection {
     pub timeout: Option<String>,
     pub pool_idle_timeout: Option<String>,
     pub pool_max_idle: Option<i64>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct IdentitySection {
-    #[serde(default)]
-    pub sources: Vec<IdentitySourceSection>,
 }
 
 /// One `[[identity.sources]]` entry; `kind` selects which fields apply.

@@ -128,8 +128,9 @@ impl Config {
     /// Validates TOML text. `origin` names it in errors; `env` looks up
     /// environment variables (so tests need neither files nor a real env).
     pub fn from_toml(text: &str, origin: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
-        let raw = validate::parse(text, origin)?;
-        validate::validate(raw, origin, env)
+        let mut issues = error::Issues::default();
+        let raw = file::parse(text, origin, &mut issues)?;
+        validate::validate(raw, issues, origin, env)
     }
 
     pub fn upstream(&self, id: UpstreamId) -> &UpstreamConfig {

@@ -189,11 +189,22 @@ fingerprint.headers = ["bad header"]
     }
 }
 
+fn route(operation: &str, method: &str, path: &str) -> String {
+    format!("\n[[routes]]\noperation = \"{operation}\"\nmethod = \"{method}\"\npath = \"{path}\"\nupstream = \"orders\"\n")
+}
+
+fn issue<'e>(e: &'e ConfigError, path: &str) -> &'e str {
+    match e.issues.iter().find(|i| i.path == path) {
+        Some(i) => &i.message,
+        None => panic!("no issue at {path} in:\n{e}"),
+    }
+}
+
 #[test]
 fn duplicate_routes_and_missing_identity() {
-    let text = minimal("") + "\n[[routes]]\noperation = \"again\"\nmethod = \"POST\"\npath = \"/v1/orders\"\nupstream = \"orders\"\n";
+    let text = minimal("") + &route("again", "POST", "/v1/orders");
     let e = parse(&text).unwrap_err();
-    assert!(e.mentions("routes[1]"), "{e}");
+    assert!(issue(&e, "routes[1].path").contains("routes[0]"), "{e}");
     let no_identity = minimal("").replace("[[identity.sources]]\nkind = \"api_key\"", "[[unused]]\nkind = \"api_key\"");
     assert!(parse(&no_identity).is_err());
 }
@@ -222,4 +233,213 @@ fn example_config_in_the_repo_is_valid() {
     let c = Config::from_toml(text, "config/idemgate.toml", &|_| None).unwrap();
     assert_eq!(c.routes.len(), 2);
     assert_eq!(c.identity.len(), 2);
+}
+
+// ---- issue 8: what check-config used to accept -------------------------------------
+
+#[test]
+fn one_operation_belongs_to_exactly_one_route() {
+    let text = minimal("") + &route("refund", "POST", "/v1/refunds") + &route("create_order", "POST", "/v1/orders/bulk");
+    let e = parse(&text).unwrap_err();
+    let msg = issue(&e, "routes[2].operation");
+    assert!(msg.contains("routes[0]") && msg.contains("exactly one route"), "{msg}");
+    assert_eq!(e.issues.len(), 1, "{e}");
+    // The same path under other methods is fine with distinct operations.
+    let ok = minimal("") + &route("replace_orders", "PUT", "/v1/orders");
+    assert_eq!(parse(&ok).unwrap().routes.len(), 2);
+}
+
+#[test]
+fn routes_of_one_method_and_shape_are_refused_whatever_their_parameter_names() {
+    let text = minimal("") + &route("cancel", "POST", "/v1/orders/{id}/cancel") + &route("cancel2", "post", "/v1/orders/{order}/cancel");
+    let e = parse(&text).unwrap_err();
+    let msg = issue(&e, "routes[2].path");
+    assert!(msg.contains("routes[1]"), "{msg}");
+    // Another method, or another literal, is another route.
+    let ok = minimal("") + &route("cancel", "POST", "/v1/orders/{id}/cancel") + &route("peek", "GET", "/v1/orders/{order}/cancel");
+    assert!(parse(&ok).is_ok());
+}
+
+#[test]
+fn a_literal_route_listed_after_a_parameter_route_is_reachable() {
+    let text =
+        minimal("") + &route("cancel_one", "POST", "/v1/orders/{other}/cancel") + &route("cancel_all", "POST", "/v1/orders/all/cancel");
+    let c = parse(&text).unwrap();
+    let router = crate::route::Router::new(c.routes, None);
+    let op = |path: &str| match router.route(&http::Method::POST, path) {
+        crate::route::RouteMatch::Operation { route, .. } => route.operation.to_string(),
+        other => panic!("{path}: {other:?}"),
+    };
+    assert_eq!(op("/v1/orders/all/cancel"), "cancel_all");
+    assert_eq!(op("/v1/orders/42/cancel"), "cancel_one");
+}
+
+#[test]
+fn admin_listener_may_not_share_the_proxy_port() {
+    let with =
+        |server: &str, admin: &str| parse(&format!("[server]\nlisten = \"{server}\"\n[admin]\nlisten = \"{admin}\"\n{}", minimal("")));
+    for (server, admin) in [
+        ("127.0.0.1:8080", "127.0.0.1:8080"),
+        ("127.0.0.1:8080", "0.0.0.0:8080"),
+        ("0.0.0.0:8080", "127.0.0.1:8080"),
+        ("[::]:8080", "127.0.0.1:8080"),
+        ("[::1]:8080", "[::1]:8080"),
+    ] {
+        let e = with(server, admin).unwrap_err();
+        assert!(issue(&e, "admin.listen").contains("8080"), "{server} / {admin}: {e}");
+        assert_eq!(e.issues.len(), 1, "{e}");
+    }
+    for (server, admin) in [
+        ("127.0.0.1:8080", "127.0.0.1:9090"),
+        ("127.0.0.1:8080", "127.0.0.2:8080"),
+        ("127.0.0.1:0", "127.0.0.1:0"),
+        ("0.0.0.0:0", "0.0.0.0:0"),
+    ] {
+        assert!(with(server, admin).is_ok(), "{server} / {admin}");
+    }
+}
+
+#[test]
+fn unparsable_postgres_urls_are_refused_without_printing_them() {
+    let env = |name: &str| match name {
+        "BAD_URL" => Some("postgres://u:hunter2@db.example:notaport/x".into()),
+        "NO_HOST" => Some("user=u password=hunter2 dbname=x".into()),
+        _ => None,
+    };
+    let store = |line: &str| format!("[store]\nkind = \"postgres\"\n{line}\n{}", minimal(""));
+    let e = parse(&store("url = \"not a url\"")).unwrap_err();
+    assert!(issue(&e, "store.url").contains("PostgreSQL"), "{e}");
+    let e = Config::from_toml(&store("url_env = \"BAD_URL\""), "test.toml", &env).unwrap_err();
+    assert!(issue(&e, "store.url_env").contains("BAD_URL"), "{e}");
+    assert!(!e.to_string().contains("hunter2") && !e.to_string().contains("db.example"), "{e}");
+    let e = Config::from_toml(&store("url_env = \"NO_HOST\""), "test.toml", &env).unwrap_err();
+    assert!(issue(&e, "store.url_env").contains("host"), "{e}");
+    assert!(!e.to_string().contains("hunter2"), "{e}");
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("url");
+    std::fs::write(&file, "postgres://u:hunter2@[::1/x\n").unwrap();
+    let e = parse(&store(&format!("url_file = \"{}\"", file.display()))).unwrap_err();
+    assert!(issue(&e, "store.url_file").contains("PostgreSQL"), "{e}");
+    assert!(!e.to_string().contains("hunter2"), "{e}");
+    // Both URL and key=value forms that name a host are fine.
+    assert!(parse(&store("url = \"host=127.0.0.1 user=u dbname=x\"")).is_ok());
+    assert!(parse(&store("url = \"postgresql://u@localhost/x?sslmode=disable\"")).is_ok());
+}
+
+#[test]
+fn retention_under_one_second_is_refused() {
+    for bad in ["0s", "500ms", "999ms"] {
+        let e = parse(&minimal(&format!("retention = \"{bad}\""))).unwrap_err();
+        assert!(issue(&e, "routes[0].retention").contains("at least 1s"), "{bad}: {e}");
+    }
+    assert_eq!(parse(&minimal("retention = \"1s\"")).unwrap().routes[0].retention, Duration::from_secs(1));
+}
+
+#[test]
+fn a_file_with_nothing_to_serve_is_refused() {
+    for text in [
+        "",
+        "\n# only a comment\n",
+        "[server]\nlisten = \"127.0.0.1:8080\"\n",
+        "[[upstreams]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\n",
+    ] {
+        let e = parse(text).unwrap_err();
+        assert!(issue(&e, "").contains("nothing to serve"), "{text:?}: {e}");
+        assert!(e.to_string().starts_with("test.toml: nothing to serve"), "{e}");
+    }
+    // A default upstream alone is a (pass-through) gateway.
+    let proxy = "[server]\ndefault_upstream = \"a\"\n[[upstreams]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\n";
+    assert!(parse(proxy).is_ok());
+}
+
+#[test]
+fn errors_of_every_section_are_reported_in_one_pass() {
+    let text = format!(
+        r#"
+[server]
+shutdown_grace = "soon"
+
+[store]
+pool_size = "many"
+
+[[upstreams]]
+name = "billing"
+url = "http://127.0.0.1:9001"
+timeout = 5
+
+{minimal}
+key_required = "yes"
+
+[[routes]]
+operation = "bill"
+method = "POST"
+path = "/v1/bills"
+upstream = "billing"
+
+[[routes]]
+operation = "refund"
+method = "POST"
+path = "/v1/refunds"
+upstream = "orders"
+retention = "a while"
+
+[[routes]]
+operation = "cancel"
+method = "POST"
+path = "/v1/orders/{{id}}/cancel"
+upstream = "orders"
+colour = "blue"
+
+[identity]
+extra = 1
+
+[srever]
+listen = "127.0.0.1:1"
+"#,
+        minimal = minimal("")
+    );
+    let e = parse(&text).unwrap_err();
+    for path in [
+        "server.shutdown_grace",
+        "store.pool_size",
+        "upstreams[0].timeout",
+        "routes[0].key_required",
+        "routes[2].retention",
+        "routes[3].colour",
+        "identity.extra",
+        "srever",
+    ] {
+        assert!(e.mentions(path), "missing {path} in:\n{e}");
+    }
+    // A route on a broken upstream is not reported a second time.
+    assert!(!e.mentions("routes[1].upstream"), "{e}");
+    assert_eq!(e.issues.len(), 8, "{e}");
+    // Type errors carry the file and the position.
+    let s = e.to_string();
+    assert!(s.lines().any(|l| l.starts_with("test.toml: routes[0].key_required: invalid type") && l.contains("line ")), "{s}");
+    assert!(s.lines().any(|l| l.starts_with("test.toml: srever: unknown field") && l.contains("line ")), "{s}");
+}
+
+#[test]
+fn sections_of_the_wrong_type_are_reported_by_path() {
+    let e = parse("routes = 3\nupstreams = [1]\nserver = \"x\"\n").unwrap_err();
+    for path in ["routes", "upstreams[0]", "server"] {
+        assert!(e.mentions(path), "missing {path} in:\n{e}");
+    }
+}
+
+#[test]
+fn checks_across_entries_see_entries_that_have_other_errors() {
+    let text = format!(
+        "[server]\nlisten = \"127.0.0.1:7000\"\nshutdown_grace = \"soon\"\n[admin]\nlisten = \"0.0.0.0:7000\"\n{}{}",
+        minimal("retention = \"0s\""),
+        route("create_order", "POST", "/v1/orders").replace("upstream = \"orders\"", "upstream = \"orders\"\nretention = \"0s\"")
+    );
+    let e = parse(&text).unwrap_err();
+    for path in
+        ["server.shutdown_grace", "admin.listen", "routes[0].retention", "routes[1].retention", "routes[1].operation", "routes[1].path"]
+    {
+        assert!(e.mentions(path), "missing {path} in:\n{e}");
+    }
+    assert_eq!(e.issues.len(), 6, "{e}");
 }

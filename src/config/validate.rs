@@ -9,7 +9,7 @@ use http::{HeaderName, Method, StatusCode};
 use ipnet::IpNet;
 
 use super::error::{ConfigError, Issues};
-use super::file::{FileConfig, IdentitySourceSection, RouteSection, StoreSection, UpstreamSection};
+use super::file::{FileConfig, IdentitySourceSection, Part, RouteSection, StoreSection, UpstreamSection};
 use super::{AdminConfig, Config, DEFAULT_SQLITE_PATH, Secret, ServerConfig, StoreBackend, StoreConfig, UpstreamConfig};
 use crate::fingerprint::{FingerprintSpec, JsonPointer};
 use crate::identity::{Identity, IdentitySource};
@@ -19,49 +19,40 @@ use crate::route::{ForwardKey, InFlightPolicy, PathTemplate, Route};
 /// timestamps overflow (PostgreSQL refuses the claim; SQLite would not).
 const MAX_DURATION: Duration = Duration::from_secs(10 * 366 * 24 * 3600);
 
+/// `server.listen` when absent.
+const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+
 /// Margin added to the upstream timeout for the default lease.
 const LEASE_MARGIN: Duration = Duration::from_secs(5);
 
-pub(super) fn parse(text: &str, origin: &str) -> Result<FileConfig, ConfigError> {
-    let de = toml::Deserializer::parse(text).map_err(|e| toml_error(origin, text, "", &e))?;
-    serde_path_to_error::deserialize(de).map_err(|e| {
-        let path = e.path().to_string();
-        let path = if path == "." { String::new() } else { path };
-        toml_error(origin, text, &path, e.inner())
-    })
-}
-
-fn toml_error(origin: &str, text: &str, path: &str, e: &toml::de::Error) -> ConfigError {
-    let mut msg = e.message().trim().to_owned();
-    if let Some(span) = e.span() {
-        let before = &text[..span.start.min(text.len())];
-        let line = before.matches('\n').count() + 1;
-        let col = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
-        msg = format!("{msg} (line {line}, column {col})");
-    }
-    ConfigError::single(origin, path, msg)
-}
-
-pub(super) fn validate(raw: FileConfig, origin: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
-    let mut v = Validator { issues: Issues::default(), env };
+pub(super) fn validate(raw: FileConfig, issues: Issues, origin: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
+    let mut v = Validator { issues, env };
     let upstreams = v.upstreams(&raw.upstreams);
     let names: HashMap<&str, usize> = upstreams.iter().enumerate().map(|(i, u)| (u.name.as_str(), i)).collect();
-    let server = v.server(&raw.server, &names);
-    let store = v.store(raw.store.as_ref());
-    let admin = match raw.admin.as_ref() {
-        None => Some(None),
-        Some(a) => v.admin(a).map(Some),
+    let server = raw.server.ok().and_then(|s| v.server(s, &names));
+    let store = raw.store.ok().and_then(|s| v.store(s.as_ref()));
+    let admin = match &raw.admin {
+        Part::Ok(None) => Some(None),
+        Part::Ok(Some(a)) => v.admin(a).map(Some),
+        Part::Broken { .. } => None,
     };
-    let identity: Vec<IdentitySource> = raw.identity.sources.iter().enumerate().filter_map(|(i, s)| v.identity_source(i, s)).collect();
-    let routes: Vec<Route> = raw.routes.iter().enumerate().filter_map(|(i, r)| v.route(i, r, &names, &upstreams)).collect();
-    let mut seen = HashSet::new();
-    for r in &routes {
-        if !seen.insert((r.method.clone(), r.path.as_str().to_owned())) {
-            v.issues.push(format!("routes[{}]", r.index), format!("another route already has {} {}", r.method, r.path.as_str()));
-        }
-    }
-    if !raw.routes.is_empty() && raw.identity.sources.is_empty() {
+    let identity: Vec<IdentitySource> =
+        raw.identity_sources.iter().enumerate().filter_map(|(i, s)| s.ok().and_then(|s| v.identity_source(i, s))).collect();
+    let routes: Vec<Route> =
+        raw.routes.iter().enumerate().filter_map(|(i, r)| r.ok().and_then(|r| v.route(i, r, &names, &upstreams))).collect();
+    // Checks across entries look at every entry that reads well enough, even one
+    // that has other problems, so fixing one error does not reveal the next.
+    v.distinct_operations(&raw.routes);
+    v.distinct_route_shapes(&raw.routes);
+    v.admin_port(&raw);
+    if !raw.routes.is_empty() && raw.identity_sources.is_empty() {
         v.issues.push("identity.sources", "at least one identity source is required when [[routes]] are configured; without one every idempotent request is refused with 401");
+    }
+    if raw.routes.is_empty() && raw.server.ok().is_some_and(|s| s.default_upstream.is_none()) {
+        v.issues.push(
+            "",
+            "nothing to serve: the file has no [[routes]] and no server.default_upstream (see config/idemgate.toml for an example)",
+        );
     }
     if !v.issues.list.is_empty() {
         return Err(ConfigError { file: origin.to_owned(), issues: v.issues.list });
@@ -87,6 +78,67 @@ struct Validator<'e> {
 }
 
 impl Validator<'_> {
+    /// An operation is the key's scope: two routes sharing one would replay each
+    /// other's records (and mix idempotent and non-idempotent upstreams).
+    fn distinct_operations(&mut self, routes: &[Part<RouteSection>]) {
+        let mut first: HashMap<&str, usize> = HashMap::new();
+        for (i, r) in routes.iter().enumerate() {
+            let Some(op) = r.ok().and_then(|r| r.operation.as_deref()) else { continue };
+            if let Some(j) = first.get(op) {
+                self.issues.push(
+                    format!("routes[{i}].operation"),
+                    format!(
+                        "operation {op:?} is already the operation of routes[{j}]; each operation belongs to exactly one route \
+                         (records are scoped by operation, so two routes sharing one would replay each other's answers)"
+                    ),
+                );
+            } else {
+                first.insert(op, i);
+            }
+        }
+    }
+
+    /// Two routes of one method whose templates have the same shape match exactly the
+    /// same requests: neither is more specific, so one would never be reached.
+    fn distinct_route_shapes(&mut self, routes: &[Part<RouteSection>]) {
+        let parsed: Vec<(usize, Method, PathTemplate)> = routes
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| {
+                let r = r.ok()?;
+                let method = Method::from_bytes(r.method.as_deref()?.to_ascii_uppercase().as_bytes()).ok()?;
+                Some((i, method, PathTemplate::parse(r.path.as_deref()?).ok()?))
+            })
+            .collect();
+        for (n, (i, method, path)) in parsed.iter().enumerate() {
+            if let Some((j, _, other)) = parsed[..n].iter().find(|(_, m, other)| m == method && other.same_shape(path)) {
+                self.issues.push(
+                    format!("routes[{i}].path"),
+                    format!(
+                        "{method} {} matches exactly the same requests as routes[{j}] ({method} {}), so one of them could never be reached",
+                        path.as_str(),
+                        other.as_str()
+                    ),
+                );
+            }
+        }
+    }
+
+    /// The admin listener cannot bind the proxy's port on an overlapping address
+    /// (port 0 asks the system for a free port, so it never clashes).
+    fn admin_port(&mut self, raw: &FileConfig) {
+        let proxy = raw.server.ok().and_then(|s| s.listen.as_deref().unwrap_or(DEFAULT_LISTEN).parse::<SocketAddr>().ok());
+        let admin = raw.admin.ok().and_then(|a| a.as_ref()?.listen.as_deref()?.parse::<SocketAddr>().ok());
+        let (Some(proxy), Some(admin)) = (proxy, admin) else { return };
+        let overlap = proxy.ip() == admin.ip() || proxy.ip().is_unspecified() || admin.ip().is_unspecified();
+        if admin.port() != 0 && admin.port() == proxy.port() && overlap {
+            self.issues.push(
+                "admin.listen",
+                format!("{admin} clashes with the proxy listener (server.listen = {proxy}): the admin listener needs a port of its own"),
+            );
+        }
+    }
+
     fn duration(&mut self, path: &str, value: Option<&str>, default: &str) -> Option<Duration> {
         let s = value.unwrap_or(default);
         match humantime::parse_duration(s) {
@@ -205,7 +257,7 @@ impl Validator<'_> {
     }
 
     fn server(&mut self, s: &super::file::ServerSection, names: &HashMap<&str, usize>) -> Option<ServerConfig> {
-        let listen = self.addr("server.listen", s.listen.as_deref(), Some("127.0.0.1:8080"));
+        let listen = self.addr("server.listen", s.listen.as_deref(), Some(DEFAULT_LISTEN));
         let max_request_body = self.size("server.max_request_body", s.max_request_body.as_deref(), "1MiB");
         let shutdown_grace = self.duration("server.shutdown_grace", s.shutdown_grace.as_deref(), "30s");
         let request_header_timeout = self.duration("server.request_header_timeout", s.request_header_timeout.as_deref(), "10s");
@@ -279,7 +331,7 @@ impl Validator<'_> {
                     }
                 };
                 let url = match self.secret("store.url", s.url.as_deref(), s.url_env.as_deref(), s.url_file.as_deref()) {
-                    Some(Some(url)) => Some(url),
+                    Some(Some(url)) => self.postgres_url(s, url),
                     Some(None) => {
                         self.issues.push("store.url_env", "kind = \"postgres\" needs url_env, url_file or url");
                         None
@@ -324,17 +376,53 @@ impl Validator<'_> {
         })
     }
 
+    /// Checks that a PostgreSQL connection string parses and names a host, reporting
+    /// at the key it came from. The string itself is never printed: it may hold a
+    /// password.
+    fn postgres_url(&mut self, s: &StoreSection, url: Secret) -> Option<Secret> {
+        let (path, source) = match (&s.url_env, &s.url_file) {
+            (Some(name), _) => ("store.url_env", format!("the value of environment variable {name}")),
+            (None, Some(file)) => ("store.url_file", format!("the content of {file}")),
+            (None, None) => ("store.url", "the URL".to_owned()),
+        };
+        match url.expose().parse::<tokio_postgres::Config>() {
+            Ok(c) if c.get_hosts().is_empty() && c.get_hostaddrs().is_empty() => {
+                self.issues.push(path, format!("{source} is a PostgreSQL connection string without a host"));
+                None
+            }
+            Ok(_) => Some(url),
+            Err(e) => {
+                // The cause ("unexpected EOF", "invalid value for option `port`", ...)
+                // names no secret, except the offending character, which is cut off.
+                let cause = std::error::Error::source(&e).map_or_else(|| e.to_string(), |c| c.to_string());
+                let cause = cause.split(" but got").next().unwrap_or_default();
+                self.issues.push(
+                    path,
+                    format!(
+                        "{source} is not a valid PostgreSQL connection string ({cause}); write postgres://user@host:5432/dbname \
+                         or key=value pairs"
+                    ),
+                );
+                None
+            }
+        }
+    }
+
     fn admin(&mut self, a: &super::file::AdminSection) -> Option<AdminConfig> {
         let listen = self.addr("admin.listen", a.listen.as_deref(), None);
         let token = self.secret("admin.token", None, a.token_env.as_deref(), a.token_file.as_deref());
         Some(AdminConfig { listen: listen?, token: token? })
     }
 
-    fn upstreams(&mut self, list: &[UpstreamSection]) -> Vec<Upstream> {
+    fn upstreams(&mut self, list: &[Part<UpstreamSection>]) -> Vec<Upstream> {
         let mut seen = HashSet::new();
         list.iter()
             .enumerate()
             .map(|(i, u)| {
+                let u = match u {
+                    Part::Ok(u) => u,
+                    Part::Broken { name } => return Upstream { name: name.clone().unwrap_or_default(), config: None },
+                };
                 let p = format!("upstreams[{i}]");
                 let name = self.required(&format!("{p}.name"), u.name.as_deref()).map(str::to_owned);
                 if let Some(n) = &name
@@ -526,6 +614,7 @@ impl Validator<'_> {
         }
         let key_header = self.header_name(&format!("{p}.key_header"), r.key_header.as_deref(), "idempotency-key");
         let retention = self.duration(&format!("{p}.retention"), r.retention.as_deref(), "24h");
+        let retention = self.at_least(&format!("{p}.retention"), retention, Duration::from_secs(1));
         let wait = self.duration(&format!("{p}.in_flight_wait"), r.in_flight_wait.as_deref(), "5s");
         let in_flight = match r.in_flight.as_deref().unwrap_or("reject") {
             "reject" => Some(InFlightPolicy::Reject),
