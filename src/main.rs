@@ -32,7 +32,11 @@ enum Command {
     /// Run the gateway.
     Serve,
     /// Validate the configuration; print every error with its TOML path.
-    CheckConfig,
+    CheckConfig {
+        /// Then reach the store and every upstream (TCP connect), one line each; exit 1 if one fails.
+        #[arg(long)]
+        connect: bool,
+    },
     /// Apply the store's migrations.
     Migrate,
     /// Inspect and reconcile records.
@@ -162,15 +166,22 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Ok(c) => c,
         Err(e) => {
             eprintln!("{e}");
-            if matches!(cli.command, Command::CheckConfig) {
+            if matches!(cli.command, Command::CheckConfig { .. }) {
                 eprintln!("{} error(s)", e.issues.len());
             }
             return Ok(ExitCode::from(1));
         }
     };
     match cli.command {
-        Command::CheckConfig => {
+        Command::CheckConfig { connect } => {
             println!("{}: ok ({} route(s), {} upstream(s))", cli.config.display(), config.routes.len(), config.upstreams.len());
+            if connect {
+                let checks = idemgate::config::check_connections(&config).await;
+                checks.iter().for_each(|c| println!("{c}"));
+                if !checks.iter().all(|c| c.is_ok()) {
+                    return Ok(ExitCode::from(1));
+                }
+            }
         }
         Command::Serve => {
             let server = Server::bind(config).await?;

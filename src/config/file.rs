@@ -40,11 +40,29 @@ pub struct FileConfig {
 pub enum Part<T> {
     Ok(T),
     /// It did not deserialize; its issues are recorded and validation skips it.
-    /// `name` is its `name` key when that is a string, so that references to a
-    /// broken `[[upstreams]]` entry are not reported a second time.
-    Broken {
-        name: Option<String>,
-    },
+    Broken(Keys),
+}
+
+/// The identifying keys of an entry that did not deserialize, when they are strings:
+/// references to a broken upstream are not reported a second time, and checks across
+/// entries (one route per operation and shape, the admin port) still see it.
+#[derive(Debug, Default, Clone)]
+pub struct Keys {
+    pub name: Option<String>,
+    pub operation: Option<String>,
+    pub method: Option<String>,
+    pub path: Option<String>,
+    pub listen: Option<String>,
+}
+
+impl Part<RouteSection> {
+    /// `(operation, method, path)` as written, whether or not the entry deserialized.
+    pub fn route_keys(&self) -> (Option<&str>, Option<&str>, Option<&str>) {
+        match self {
+            Part::Ok(r) => (r.operation.as_deref(), r.method.as_deref(), r.path.as_deref()),
+            Part::Broken(k) => (k.operation.as_deref(), k.method.as_deref(), k.path.as_deref()),
+        }
+    }
 }
 
 impl<T: Default> Default for Part<T> {
@@ -57,7 +75,7 @@ impl<T> Part<T> {
     pub fn ok(&self) -> Option<&T> {
         match self {
             Part::Ok(t) => Some(t),
-            Part::Broken { .. } => None,
+            Part::Broken(_) => None,
         }
     }
 }
@@ -108,7 +126,7 @@ impl Found {
 fn optional<T>(part: Part<T>) -> Part<Option<T>> {
     match part {
         Part::Ok(t) => Part::Ok(Some(t)),
-        Part::Broken { name } => Part::Broken { name },
+        Part::Broken(keys) => Part::Broken(keys),
     }
 }
 
@@ -145,7 +163,8 @@ fn entries<T: DeserializeOwned>(text: &str, path: &str, value: Spanned<DeValue<'
 
 /// Deserializes one part, recording a failure with its full TOML path and position.
 fn part<T: DeserializeOwned>(text: &str, path: &str, value: Spanned<DeValue<'_>>, issues: &mut Found) -> Part<T> {
-    let name = value.get_ref().get("name").and_then(|n| n.get_ref().as_str()).map(str::to_owned);
+    let key = |k: &str| value.get_ref().get(k).and_then(|v| v.get_ref().as_str()).map(str::to_owned);
+    let keys = Keys { name: key("name"), operation: key("operation"), method: key("method"), path: key("path"), listen: key("listen") };
     let whole = value.span();
     match serde_path_to_error::deserialize(ValueDeserializer::from(value)) {
         Ok(t) => Part::Ok(t),
@@ -157,7 +176,7 @@ fn part<T: DeserializeOwned>(text: &str, path: &str, value: Spanned<DeValue<'_>>
                 _ => format!("{path}.{inner}"),
             };
             issues.push(text, e.inner().span().unwrap_or(whole), full, e.inner().message().trim());
-            Part::Broken { name }
+            Part::Broken(keys)
         }
     }
 }

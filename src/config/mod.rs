@@ -1,8 +1,10 @@
 //! Configuration, in two stages: [`file`] is the TOML as written (serde,
 //! unknown keys rejected); [`Config`] is the validated, typed result. Every
 //! error names the file and the TOML path it is about, and validation reports
-//! all of them at once.
+//! all of them at once. [`check_connections`] (`check-config --connect`) then
+//! reaches the store and the upstreams without changing anything.
 
+mod connect;
 mod error;
 mod file;
 mod validate;
@@ -12,6 +14,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+pub use connect::{ConnectCheck, check_connections};
 pub use error::{ConfigError, ConfigIssue};
 
 use crate::identity::IdentitySource;

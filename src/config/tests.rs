@@ -443,3 +443,17 @@ fn checks_across_entries_see_entries_that_have_other_errors() {
     }
     assert_eq!(e.issues.len(), 6, "{e}");
 }
+
+#[test]
+fn an_entry_that_does_not_deserialize_still_takes_part_in_cross_checks() {
+    // routes[0] has an unknown key, yet its operation and path are still compared.
+    let text = minimal("colour = \"blue\"") + &route("create_order", "post", "/v1/orders");
+    let e = parse(&text).unwrap_err();
+    for path in ["routes[0].colour", "routes[1].operation", "routes[1].path"] {
+        assert!(e.mentions(path), "missing {path} in:\n{e}");
+    }
+    // So does a [server] section with a type error, for the admin port.
+    let text = format!("[server]\nlisten = \"127.0.0.1:7000\"\nworkers = \"two\"\n[admin]\nlisten = \"127.0.0.1:7000\"\n{}", minimal(""));
+    let e = parse(&text).unwrap_err();
+    assert!(e.mentions("server.workers") && e.mentions("admin.listen"), "{e}");
+}

@@ -34,7 +34,7 @@ pub(super) fn validate(raw: FileConfig, issues: Issues, origin: &str, env: &dyn 
     let admin = match &raw.admin {
         Part::Ok(None) => Some(None),
         Part::Ok(Some(a)) => v.admin(a).map(Some),
-        Part::Broken { .. } => None,
+        Part::Broken(_) => None,
     };
     let identity: Vec<IdentitySource> =
         raw.identity_sources.iter().enumerate().filter_map(|(i, s)| s.ok().and_then(|s| v.identity_source(i, s))).collect();
@@ -83,7 +83,7 @@ impl Validator<'_> {
     fn distinct_operations(&mut self, routes: &[Part<RouteSection>]) {
         let mut first: HashMap<&str, usize> = HashMap::new();
         for (i, r) in routes.iter().enumerate() {
-            let Some(op) = r.ok().and_then(|r| r.operation.as_deref()) else { continue };
+            let Some(op) = r.route_keys().0 else { continue };
             if let Some(j) = first.get(op) {
                 self.issues.push(
                     format!("routes[{i}].operation"),
@@ -105,9 +105,9 @@ impl Validator<'_> {
             .iter()
             .enumerate()
             .filter_map(|(i, r)| {
-                let r = r.ok()?;
-                let method = Method::from_bytes(r.method.as_deref()?.to_ascii_uppercase().as_bytes()).ok()?;
-                Some((i, method, PathTemplate::parse(r.path.as_deref()?).ok()?))
+                let (_, method, path) = r.route_keys();
+                let method = Method::from_bytes(method?.to_ascii_uppercase().as_bytes()).ok()?;
+                Some((i, method, PathTemplate::parse(path?).ok()?))
             })
             .collect();
         for (n, (i, method, path)) in parsed.iter().enumerate() {
@@ -127,8 +127,16 @@ impl Validator<'_> {
     /// The admin listener cannot bind the proxy's port on an overlapping address
     /// (port 0 asks the system for a free port, so it never clashes).
     fn admin_port(&mut self, raw: &FileConfig) {
-        let proxy = raw.server.ok().and_then(|s| s.listen.as_deref().unwrap_or(DEFAULT_LISTEN).parse::<SocketAddr>().ok());
-        let admin = raw.admin.ok().and_then(|a| a.as_ref()?.listen.as_deref()?.parse::<SocketAddr>().ok());
+        let proxy = match &raw.server {
+            Part::Ok(s) => s.listen.as_deref(),
+            Part::Broken(k) => k.listen.as_deref(),
+        };
+        let admin = match &raw.admin {
+            Part::Ok(a) => a.as_ref().and_then(|a| a.listen.as_deref()),
+            Part::Broken(k) => k.listen.as_deref(),
+        };
+        let proxy = proxy.unwrap_or(DEFAULT_LISTEN).parse::<SocketAddr>().ok();
+        let admin = admin.and_then(|a| a.parse::<SocketAddr>().ok());
         let (Some(proxy), Some(admin)) = (proxy, admin) else { return };
         let overlap = proxy.ip() == admin.ip() || proxy.ip().is_unspecified() || admin.ip().is_unspecified();
         if admin.port() != 0 && admin.port() == proxy.port() && overlap {
@@ -421,7 +429,7 @@ impl Validator<'_> {
             .map(|(i, u)| {
                 let u = match u {
                     Part::Ok(u) => u,
-                    Part::Broken { name } => return Upstream { name: name.clone().unwrap_or_default(), config: None },
+                    Part::Broken(keys) => return Upstream { name: keys.name.clone().unwrap_or_default(), config: None },
                 };
                 let p = format!("upstreams[{i}]");
                 let name = self.required(&format!("{p}.name"), u.name.as_deref()).map(str::to_owned);
