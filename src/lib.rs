@@ -23,6 +23,7 @@
 //! - [`admin`], [`metrics`], [`background`]: health, Prometheus, sweeper and
 //!   lease reaper.
 //! - [`keys`], [`demo`]: operator commands and the built-in demo.
+//! - [`logging`]: log settings and a writer that never fails a request.
 
 #![forbid(unsafe_code)]
 
@@ -38,6 +39,7 @@ pub mod gateway;
 pub mod headers;
 pub mod identity;
 pub mod keys;
+pub mod logging;
 pub mod metrics;
 pub mod passthrough;
 pub mod problem;

@@ -1,7 +1,10 @@
 //! The `idemgate` binary: parses the command line, sets up logging, loads the
 //! configuration and maps results to exit codes (0 ok, 1 error, 2 usage).
-//! Everything else lives in the library.
+//! Everything else lives in the library ([`idemgate::logging`] included).
+//! Nothing here prints with `println!` or `eprintln!`, which panic when the
+//! stream is a closed pipe.
 
+use std::io::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -11,6 +14,7 @@ use clap::{Args, Parser, Subcommand};
 use idemgate::audit::Actor;
 use idemgate::config::{Config, DEFAULT_CONFIG_PATH};
 use idemgate::keys::{ResolveAction, ResolveError, ResolveRequest};
+use idemgate::logging::{self, ErrorChain, LogSettings};
 use idemgate::record::State;
 use idemgate::scope::{IdempotencyKey, Scope};
 use idemgate::server::Server;
@@ -129,31 +133,23 @@ fn parse_state(s: &str) -> Result<State, String> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_tracing();
+    if let Err(e) = LogSettings::from_env().and_then(logging::init) {
+        logging::stderr_best_effort(&format!("idemgate: {e}\n"));
+        return ExitCode::from(1);
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("idemgate: cannot start the runtime: {e}");
+            logging::stderr_best_effort(&format!("idemgate: cannot start the runtime: {e}\n"));
             return ExitCode::from(1);
         }
     };
     match runtime.block_on(run(cli)) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("idemgate: {e:#}");
+            logging::stderr_best_effort(&format!("idemgate: {}\n", ErrorChain(e.as_ref())));
             ExitCode::from(1)
         }
-    }
-}
-
-fn init_tracing() {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_env("IDEMGATE_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    if std::env::var("IDEMGATE_LOG_FORMAT").is_ok_and(|f| f == "json") {
-        builder.json().flatten_event(true).init();
-    } else {
-        builder.init();
     }
 }
 
@@ -165,19 +161,21 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     let config = match Config::load(&cli.config) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("{e}");
+            let mut text = format!("{e}\n");
             if matches!(cli.command, Command::CheckConfig { .. }) {
-                eprintln!("{} error(s)", e.issues.len());
+                text.push_str(&format!("{} error(s)\n", e.issues.len()));
             }
+            logging::stderr_best_effort(&text);
             return Ok(ExitCode::from(1));
         }
     };
     match cli.command {
         Command::CheckConfig { connect } => {
-            println!("{}: ok ({} route(s), {} upstream(s))", cli.config.display(), config.routes.len(), config.upstreams.len());
+            // The exit code is the verdict; the lines are best effort.
+            say(&format!("{}: ok ({} route(s), {} upstream(s))\n", cli.config.display(), config.routes.len(), config.upstreams.len()));
             if connect {
                 let checks = idemgate::config::check_connections(&config).await;
-                checks.iter().for_each(|c| println!("{c}"));
+                checks.iter().for_each(|c| say(&format!("{c}\n")));
                 if !checks.iter().all(|c| c.is_ok()) {
                     return Ok(ExitCode::from(1));
                 }
@@ -191,10 +189,10 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let store = Store::open(&config.store, Access::Migrate).await?;
             let applied = store.migrate().await?;
             if applied.is_empty() {
-                println!("schema up to date");
+                say("schema up to date\n");
             } else {
                 for m in applied {
-                    println!("applied {m}");
+                    say(&format!("applied {m}\n"));
                 }
             }
         }
@@ -226,6 +224,18 @@ fn shutdown_signal() -> CancellationToken {
     token
 }
 
+/// Writes what the command exists to print (`keys list`, `keys show`): a
+/// closed stdout is an error (exit 1), not a panic.
+fn emit(text: &str) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes()).and_then(|()| out.flush()).context("cannot write to stdout")
+}
+
+/// Writes a status line to stdout, best effort: the exit code carries the result.
+fn say(text: &str) {
+    let _ = emit(text);
+}
+
 fn scope(args: &ScopeArgs) -> anyhow::Result<Scope> {
     Ok(Scope {
         tenant: args.tenant.as_str().into(),
@@ -251,20 +261,20 @@ async fn keys(config: &Config, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
             let records = store.list(&ListFilter { state, tenant, operation, limit }).await?;
             if json {
                 let list: Vec<_> = records.iter().map(|r| idemgate::keys::record_json(r, false, secret)).collect();
-                println!("{}", serde_json::to_string_pretty(&list)?);
+                emit(&format!("{}\n", serde_json::to_string_pretty(&list)?))?;
             } else {
-                print!("{}", idemgate::keys::list_table(&records));
+                emit(&idemgate::keys::list_table(&records))?;
             }
         }
         KeysCommand::Show { scope: args, json } => {
             let Some((record, _)) = store.get(&scope(&args)?).await? else {
-                eprintln!("no record for that scope");
+                logging::stderr_best_effort("no record for that scope\n");
                 return Ok(ExitCode::from(1));
             };
             if json {
-                println!("{}", serde_json::to_string_pretty(&idemgate::keys::record_json(&record, true, secret))?);
+                emit(&format!("{}\n", serde_json::to_string_pretty(&idemgate::keys::record_json(&record, true, secret))?))?;
             } else {
-                print!("{}", idemgate::keys::show_text(&record, secret));
+                emit(&idemgate::keys::show_text(&record, secret))?;
             }
         }
         KeysCommand::Resolve(args) => {
@@ -289,14 +299,16 @@ async fn keys(config: &Config, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
             let request = ResolveRequest { action, reason: args.reason, force: args.force, actor: Actor::Cli };
             let retention = idemgate::keys::default_retention(&config.routes, &s.operation);
             match idemgate::keys::resolve(&store, &s, request, retention).await {
-                Ok(from) => println!("resolved (was {from})"),
+                Ok(from) => say(&format!("resolved (was {from})\n")),
                 Err(ResolveError::Store(e)) => return Err(e.into()),
                 Err(e @ ResolveError::Refused(idemgate::record::Refused::NotAllowed(State::Completed))) => {
-                    eprintln!("{e}: the record is completed and is what retries are replayed; add --force --reason '...' to change it");
+                    logging::stderr_best_effort(&format!(
+                        "{e}: the record is completed and is what retries are replayed; add --force --reason '...' to change it\n"
+                    ));
                     return Ok(ExitCode::from(1));
                 }
                 Err(e) => {
-                    eprintln!("{e}");
+                    logging::stderr_best_effort(&format!("{e}\n"));
                     return Ok(ExitCode::from(1));
                 }
             }
@@ -305,9 +317,9 @@ async fn keys(config: &Config, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
             let entries = store.audit(limit).await?;
             if json {
                 let list: Vec<_> = entries.iter().map(idemgate::keys::audit_json).collect();
-                println!("{}", serde_json::to_string_pretty(&list)?);
+                emit(&format!("{}\n", serde_json::to_string_pretty(&list)?))?;
             } else {
-                print!("{}", idemgate::keys::audit_table(&entries));
+                emit(&idemgate::keys::audit_table(&entries))?;
             }
         }
     }
