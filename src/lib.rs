@@ -23,7 +23,9 @@
 //! - [`admin`], [`metrics`], [`background`]: health, Prometheus, sweeper and
 //!   lease reaper.
 //! - [`keys`], [`demo`]: operator commands and the built-in demo.
-//! - [`logging`]: log settings and a writer that never fails a request.
+//! - [`logging`], [`signals`]: the process around the gateway — log settings
+//!   and a writer that never fails a request, and the cancellation root
+//!   (SIGTERM/SIGINT) with SIGHUP as events.
 
 #![forbid(unsafe_code)]
 
@@ -48,6 +50,7 @@ pub mod replay;
 pub mod route;
 pub mod scope;
 pub mod server;
+pub mod signals;
 pub mod store;
 pub mod upstream;
 pub mod waiters;

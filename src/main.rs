@@ -1,8 +1,8 @@
 //! The `idemgate` binary: parses the command line, sets up logging, loads the
 //! configuration and maps results to exit codes (0 ok, 1 error, 2 usage).
-//! Everything else lives in the library ([`idemgate::logging`] included).
-//! Nothing here prints with `println!` or `eprintln!`, which panic when the
-//! stream is a closed pipe.
+//! Everything else lives in the library ([`idemgate::logging`] and
+//! [`idemgate::signals`] included). Nothing here prints with `println!` or
+//! `eprintln!`, which panic when the stream is a closed pipe.
 
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -18,8 +18,8 @@ use idemgate::logging::{self, ErrorChain, LogSettings};
 use idemgate::record::State;
 use idemgate::scope::{IdempotencyKey, Scope};
 use idemgate::server::Server;
+use idemgate::signals::Signals;
 use idemgate::store::{Access, ListFilter, Store};
-use tokio_util::sync::CancellationToken;
 
 #[derive(Parser)]
 #[command(name = "idemgate", version, about = "A reverse proxy that makes retried HTTP writes safe")]
@@ -154,8 +154,12 @@ fn main() -> ExitCode {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    // The long-running commands take over SIGTERM, SIGINT and SIGHUP before
+    // anything slow happens (opening the store, binding): from then on no
+    // signal kills them undrained.
     if let Command::Demo(args) = cli.command {
-        idemgate::demo::run(args, shutdown_signal()).await?;
+        let signals = Signals::install()?;
+        idemgate::demo::run(args, signals.shutdown()).await?;
         return Ok(ExitCode::SUCCESS);
     }
     let config = match Config::load(&cli.config) {
@@ -182,8 +186,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
         }
         Command::Serve => {
+            let signals = Signals::install()?;
             let server = Server::bind(config).await?;
-            server.run(shutdown_signal()).await?;
+            server.run(signals.shutdown()).await?;
         }
         Command::Migrate => {
             let store = Store::open(&config.store, Access::Migrate).await?;
@@ -200,28 +205,6 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Demo(_) => unreachable!("handled above"),
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// A token cancelled on SIGTERM or Ctrl-C: the one cancellation root.
-fn shutdown_signal() -> CancellationToken {
-    let token = CancellationToken::new();
-    let t = token.clone();
-    tokio::spawn(async move {
-        let term = async {
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(mut s) => {
-                    s.recv().await;
-                }
-                Err(_) => std::future::pending::<()>().await,
-            }
-        };
-        tokio::select! {
-            _ = term => tracing::info!("SIGTERM received"),
-            _ = tokio::signal::ctrl_c() => tracing::info!("interrupt received"),
-        }
-        t.cancel();
-    });
-    token
 }
 
 /// Writes what the command exists to print (`keys list`, `keys show`): a
