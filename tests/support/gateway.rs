@@ -373,3 +373,90 @@ impl Drop for Gateway {
         self.kill9();
     }
 }
+
+/// The proxy address in a JSON `listening` log line.
+pub fn listening_addr(line: &str) -> Option<SocketAddr> {
+    let v: serde_json::Value = serde_json::from_str(line).ok()?;
+    if v["message"] != "listening" {
+        return None;
+    }
+    v["addr"].as_str()?.parse().ok()
+}
+
+/// A loopback address with a port that was free a moment ago, for a gateway
+/// whose logs the test cannot read to learn its port.
+pub fn free_local_addr() -> SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    l.local_addr().expect("local addr")
+}
+
+/// `idemgate serve` with the stderr the test provides (a pipe it reads and
+/// closes, or one already closed): the harness reads none of its logs.
+pub struct ServeProcess {
+    child: Option<Child>,
+    /// Holds the config file.
+    _dir: tempfile::TempDir,
+}
+
+impl ServeProcess {
+    /// Starts the binary on `config` with the harness's log settings, then
+    /// `env` on top of them.
+    pub fn spawn(config: &GatewayConfig, stderr: Stdio, env: &[(&str, &str)]) -> ServeProcess {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("idemgate.toml");
+        std::fs::write(&path, config.toml()).expect("write config");
+        let child = Command::new(env!("CARGO_BIN_EXE_idemgate"))
+            .args(["serve", "--config"])
+            .arg(&path)
+            .env("IDEMGATE_LOG_FORMAT", "json")
+            .env("IDEMGATE_LOG", "info,idemgate=debug")
+            .env(TEST_SECRET_ENV, TEST_SECRET)
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .expect("spawn idemgate");
+        ServeProcess { child: Some(child), _dir: dir }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let ok = Command::new("kill").arg(format!("-{sig}")).arg(self.pid().to_string()).status().expect("kill").success();
+        assert!(ok, "kill -{sig} failed");
+    }
+
+    /// The exit status if the process has exited.
+    pub fn exited(&mut self) -> Option<ExitStatus> {
+        self.child.as_mut().expect("running").try_wait().expect("try_wait")
+    }
+
+    /// Waits for the process to exit by itself (after SIGTERM).
+    pub fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
+        let mut c = self.child.take().expect("running");
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = c.try_wait().expect("try_wait") {
+                return s;
+            }
+            if Instant::now() > deadline {
+                let _ = c.kill();
+                let _ = c.wait();
+                panic!("gateway did not exit within {timeout:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for ServeProcess {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
