@@ -11,9 +11,19 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::StoreConfig;
 use crate::metrics::Metrics;
-use crate::store::{Store, StoreError};
+use crate::store::{Reaped, Store, StoreError};
 
-pub fn spawn_all(tracker: &TaskTracker, store: Store, metrics: Arc<Metrics>, config: &StoreConfig, shutdown: CancellationToken) {
+/// Starts the sweeper, the lease reaper and the record counter.
+/// `reforwardable`: operations whose upstream deduplicates by the derived key
+/// (their expired async attempts are re-queued even when they were sent).
+pub fn spawn_all(
+    tracker: &TaskTracker,
+    store: Store,
+    metrics: Arc<Metrics>,
+    config: &StoreConfig,
+    reforwardable: Vec<Arc<str>>,
+    shutdown: CancellationToken,
+) {
     let (interval, batch) = (config.sweep_interval, config.sweep_batch);
     {
         let (store, metrics, shutdown) = (store.clone(), metrics.clone(), shutdown.clone());
@@ -26,18 +36,55 @@ pub fn spawn_all(tracker: &TaskTracker, store: Store, metrics: Arc<Metrics>, con
             }
         }));
     }
-    tracker.spawn(periodic("lease_reaper", interval, shutdown, move || {
+    {
+        let (store, metrics, shutdown) = (store.clone(), metrics.clone(), shutdown.clone());
+        let reforwardable = Arc::new(reforwardable);
+        tracker.spawn(periodic("lease_reaper", interval, shutdown, move || {
+            let (store, metrics, reforwardable) = (store.clone(), metrics.clone(), reforwardable.clone());
+            async move {
+                // Like drain_batches: until a batch comes back short.
+                let mut total = Reaped::default();
+                loop {
+                    let r = store.reap_leases(batch, &reforwardable).await?;
+                    total.unknown += r.unknown;
+                    total.requeued += r.requeued;
+                    if r.unknown + r.requeued < u64::from(batch) {
+                        break;
+                    }
+                    tokio::task::yield_now().await;
+                }
+                if total.unknown > 0 {
+                    tracing::warn!(
+                        records = total.unknown,
+                        "attempts lost their lease and are now unknown; reconcile with `idemgate keys`"
+                    );
+                }
+                if total.requeued > 0 {
+                    tracing::info!(
+                        operations = total.requeued,
+                        "async attempts lost their lease before sending (or may run again); re-queued"
+                    );
+                }
+                metrics.reaped(total.unknown);
+                metrics.requeued(total.requeued);
+                Ok(total.unknown + total.requeued)
+            }
+        }));
+    }
+    // The record gauges (unknown backlog, queue depth, oldest ages): a grouped
+    // count over the records that are not completed (a partial index).
+    tracker.spawn(periodic("record_counter", STATS_INTERVAL.min(interval), shutdown, move || {
         let (store, metrics) = (store.clone(), metrics.clone());
         async move {
-            let n = drain_batches(batch, || store.reap_leases(batch)).await?;
-            if n > 0 {
-                tracing::warn!(records = n, "in-flight records lost their lease and are now unknown; reconcile with `idemgate keys`");
-            }
-            metrics.reaped(n);
-            Ok(n)
+            let (counts, now) = (store.stats().await?, store.now().await?);
+            metrics.set_record_counts(&counts, now);
+            Ok(0)
         }
     }));
 }
+
+/// How often the record gauges are refreshed (at most).
+const STATS_INTERVAL: Duration = Duration::from_secs(5);
 
 /// Runs `op` until a batch comes back short: a tick drains the whole backlog,
 /// in small statements (each holds its row locks only briefly), yielding to

@@ -20,11 +20,12 @@ use tokio_util::task::TaskTracker;
 
 use crate::body::{Body, Streamed};
 use crate::headers::{self, strip_hop_by_hop};
-use crate::metrics::{Metrics, Outcome};
+use crate::metrics::{AttemptOutcome, Metrics, Outcome};
+use crate::operation::StoredRequest;
 use crate::problem::GatewayError;
 use crate::record::StoredResponse;
 use crate::route::{ForwardKey, Route};
-use crate::store::{Claim, Store, WriteOutcome};
+use crate::store::{Claim, RetryNote, Store, Taken, WriteOutcome};
 use crate::upstream::{Upstream, UpstreamError, error_chain};
 use crate::waiters::Waiters;
 
@@ -165,6 +166,146 @@ impl Executor {
                     }
                 };
                 Ok((Response::from_parts(head, client_body), outcome))
+            }
+        }
+    }
+
+    /// The async attempt: a worker took the operation (`processing` under
+    /// `claim`). Heartbeats renew the lease every third of it while the
+    /// attempt runs; if one finds that a newer attempt holds the operation,
+    /// this one stops at once and records nothing. Before the request leaves,
+    /// `sent_at` is written (so an expired lease can tell "never sent" from
+    /// "may have executed"). Then the outcome is recorded fenced: completed;
+    /// re-queued with backoff (refused, declined by `release_on_status`, or
+    /// lost on the way to a deduplicating upstream); `failed_retryable` when
+    /// the retries are used up; or `unknown`.
+    pub async fn run_async(&self, route: &Route, taken: &Taken) -> AttemptOutcome {
+        let claim = &taken.claim;
+        self.metrics.forward_started();
+        let outcome = tokio::select! {
+            outcome = self.async_attempt(route, taken) => outcome,
+            () = self.heartbeats(claim, route.lease) => {
+                tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), generation = %claim.generation,
+                    "lost the lease to a newer attempt; this attempt stops and records nothing");
+                AttemptOutcome::LostLease
+            }
+        };
+        self.metrics.forward_finished();
+        self.metrics.attempt(&route.operation, outcome);
+        outcome
+    }
+
+    /// Renews the lease until a heartbeat is fenced (never returns otherwise).
+    async fn heartbeats(&self, claim: &Claim, lease: Duration) {
+        let every = (lease / 3).max(Duration::from_millis(50));
+        loop {
+            tokio::time::sleep(every).await;
+            match self.store.heartbeat(claim, lease).await {
+                Ok(WriteOutcome::Written) => {}
+                Ok(WriteOutcome::Fenced) => return,
+                // The store is unreachable: keep trying. If the lease runs out
+                // meanwhile, the reaper decides and our later writes are fenced.
+                Err(e) => tracing::warn!(scope = %claim.scope.log_id(), error = %e, "heartbeat failed"),
+            }
+        }
+    }
+
+    async fn async_attempt(&self, route: &Route, taken: &Taken) -> AttemptOutcome {
+        let claim = &taken.claim;
+        let attempts = taken.record.attempts;
+        let request = match StoredRequest::decode(&taken.request).and_then(|r| Ok((r.parts()?, r.body))) {
+            Ok(r) => r,
+            Err(e) => {
+                // Nothing can be sent: the operation fails (it never executed).
+                tracing::error!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "stored request is unreadable");
+                return self.record_async(
+                    route,
+                    claim,
+                    self.store.fail(claim, route.retention, RetryNote::default()).await,
+                    AttemptOutcome::Failed,
+                );
+            }
+        };
+        if attempts > i32::try_from(route.retry.max_attempts).unwrap_or(i32::MAX) {
+            // Lease expiries re-queued it after the last allowed attempt took it.
+            return self.record_async(
+                route,
+                claim,
+                self.store.fail(claim, route.retention, RetryNote::default()).await,
+                AttemptOutcome::Failed,
+            );
+        }
+        match self.store.mark_sent(claim).await {
+            Ok(WriteOutcome::Written) => {}
+            Ok(WriteOutcome::Fenced) => return AttemptOutcome::LostLease,
+            Err(e) => {
+                // Not sent. The lease runs out and the reaper re-queues it: no
+                // sent_at proves it never left.
+                tracing::warn!(scope = %claim.scope.log_id(), error = %e, "could not record the send; not sending");
+                return AttemptOutcome::StoreUnavailable;
+            }
+        }
+        let (parts, body) = request;
+        match self.exchange(route, claim, parts, body).await {
+            Exchange::Answered { head, body } => {
+                let body = match body {
+                    UpstreamBody::Complete(bytes) => Some(bytes),
+                    UpstreamBody::TooLarge { .. } => None,
+                };
+                let stored = StoredResponse { status: head.status.as_u16(), headers: headers::storable(&head.headers), body };
+                self.record_async(route, claim, self.store.complete(claim, &stored, route.retention).await, AttemptOutcome::Completed)
+            }
+            // The upstream executed it but asked not to store the answer: the
+            // outcome is known (completed), the body is not kept.
+            Exchange::Declined { head, no_store: true, .. } => {
+                let stored = StoredResponse { status: head.status.as_u16(), headers: headers::storable(&head.headers), body: None };
+                self.record_async(route, claim, self.store.complete(claim, &stored, route.retention).await, AttemptOutcome::Completed)
+            }
+            Exchange::Declined { head, .. } => {
+                let note = RetryNote { last_status: Some(head.status.as_u16()), maybe_executed: false };
+                self.retry_later(route, claim, attempts, note).await
+            }
+            Exchange::NotSent(e) => {
+                tracing::info!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "upstream not reached; will retry");
+                self.retry_later(route, claim, attempts, RetryNote::default()).await
+            }
+            Exchange::MaybeExecuted(e) if route.upstream_idempotent => {
+                tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), error = %e,
+                    "outcome lost; the upstream deduplicates by the derived key, so the operation runs again");
+                self.retry_later(route, claim, attempts, RetryNote { last_status: None, maybe_executed: true }).await
+            }
+            Exchange::MaybeExecuted(e) => {
+                tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "upstream outcome unknown");
+                self.record_async(route, claim, self.store.mark_unknown(claim).await, AttemptOutcome::Unknown)
+            }
+        }
+    }
+
+    /// Back to the queue after the route's backoff, or ended once the
+    /// attempts are used up (`failed_retryable`, or `unknown` if an attempt
+    /// may have executed).
+    async fn retry_later(&self, route: &Route, claim: &Claim, attempts: i32, note: RetryNote) -> AttemptOutcome {
+        if attempts >= i32::try_from(route.retry.max_attempts).unwrap_or(i32::MAX) {
+            return self.record_async(route, claim, self.store.fail(claim, route.retention, note).await, AttemptOutcome::Failed);
+        }
+        let delay = route.retry.delay(attempts);
+        self.record_async(route, claim, self.store.requeue(claim, delay, note).await, AttemptOutcome::Requeued)
+    }
+
+    fn record_async(
+        &self,
+        route: &Route,
+        claim: &Claim,
+        written: Result<WriteOutcome, crate::store::StoreError>,
+        outcome: AttemptOutcome,
+    ) -> AttemptOutcome {
+        match written {
+            Ok(WriteOutcome::Written) => outcome,
+            Ok(WriteOutcome::Fenced) => AttemptOutcome::LostLease,
+            Err(e) => {
+                tracing::error!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, outcome = outcome.as_str(),
+                    "could not record the attempt; its lease expiry will decide");
+                AttemptOutcome::StoreUnavailable
             }
         }
     }

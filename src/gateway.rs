@@ -8,10 +8,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::{HeaderMap, Request, Response, request};
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, request};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
-use tokio::sync::oneshot;
+use tokio::sync::{Notify, oneshot};
 use tokio_util::task::TaskTracker;
 use uuid::Uuid;
 
@@ -21,13 +21,14 @@ use crate::executor::Executor;
 use crate::fingerprint::{self, RequestParts};
 use crate::identity::Identifier;
 use crate::metrics::{Metrics, Outcome};
+use crate::operation::{OPERATIONS_PATH, StoredRequest, new_operation_id, prefers_async, status_document};
 use crate::passthrough::pass_through;
 use crate::problem::{self, GatewayError};
-use crate::record::{Decision, decide};
+use crate::record::{Decision, Record, State, decide};
 use crate::replay::replay;
-use crate::route::{InFlightPolicy, Route, RouteMatch, Router, UpstreamId};
+use crate::route::{InFlightPolicy, Route, RouteMatch, RouteMode, Router, UpstreamId};
 use crate::scope::{IdempotencyKey, KeyError, Scope};
-use crate::store::{ClaimOutcome, ClaimRequest, Store, WriteOutcome};
+use crate::store::{Acceptance, ClaimOutcome, ClaimRequest, Store, WriteOutcome};
 use crate::upstream::Upstream;
 use crate::waiters::Waiters;
 
@@ -55,6 +56,8 @@ pub struct Gateway {
     /// Where duplicates wait for an in-flight result (`in_flight = "wait"`);
     /// the executor wakes them.
     waiters: Arc<Waiters>,
+    /// Wakes this replica's async workers when an operation is accepted.
+    wake_workers: Arc<Notify>,
 }
 
 impl Gateway {
@@ -80,7 +83,28 @@ impl Gateway {
             max_request_body: config.server.max_request_body,
             request_body_timeout: config.server.request_body_timeout,
             waiters,
+            wake_workers: Arc::new(Notify::new()),
         }
+    }
+
+    /// The executor of this gateway (its upstream pools are this thread's).
+    pub fn executor(&self) -> &Executor {
+        &self.executor
+    }
+
+    /// What async workers are woken with when an operation is accepted.
+    pub fn wake_workers(&self) -> Arc<Notify> {
+        self.wake_workers.clone()
+    }
+
+    /// The routes whose operations may run asynchronously.
+    pub fn async_routes(&self) -> Vec<Arc<Route>> {
+        self.router.routes().iter().filter(|r| r.mode == RouteMode::Async || r.allow_async).cloned().collect()
+    }
+
+    /// The operations whose upstream deduplicates by the derived key.
+    pub fn reforwardable_operations(&self) -> Vec<Arc<str>> {
+        self.router.routes().iter().filter(|r| r.upstream_idempotent).map(|r| r.operation.clone()).collect()
     }
 
     /// A copy for another worker thread: the same store, metrics, tracker and
@@ -98,6 +122,7 @@ impl Gateway {
             max_request_body: self.max_request_body,
             request_body_timeout: self.request_body_timeout,
             waiters: self.waiters.clone(),
+            wake_workers: self.wake_workers.clone(),
         }
     }
 
@@ -107,6 +132,12 @@ impl Gateway {
 
     /// Handles one request; never fails (errors become problem responses).
     pub async fn handle(self: Arc<Self>, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+        if let Some(rest) = req.uri().path().strip_prefix(OPERATIONS_PATH) {
+            return match Box::pin(self.poll_operation(rest, &req, peer)).await {
+                Ok(resp) => resp,
+                Err(e) => problem::response(&e),
+            };
+        }
         match self.router.route(req.method(), req.uri().path()) {
             RouteMatch::Operation { route, params } => {
                 let route = route.clone();
@@ -155,6 +186,11 @@ impl Gateway {
         )
         .map_err(|e| GatewayError::InvalidBody(e.to_string()))?;
         let scope = Scope::new(&identity, &route.operation, key);
+        // Async: the claim accepts the operation and stores the request for
+        // the workers; the client gets 202 and an operation id.
+        let is_async = route.mode == RouteMode::Async || (route.allow_async && prefers_async(&parts.headers));
+        let acceptance = is_async
+            .then(|| Acceptance { operation_id: new_operation_id(), request: StoredRequest::capture(&parts, &body).encode().into() });
         let claim = ClaimRequest {
             scope,
             request_hash,
@@ -162,6 +198,7 @@ impl Gateway {
             lease: route.lease,
             upstream_idempotent: route.upstream_idempotent,
             claim_token: Uuid::new_v4(),
+            acceptance,
         };
         // From the claim on, the work runs on the tracker: a client that goes
         // away can no longer cancel it between a committed claim and its
@@ -204,6 +241,10 @@ impl Gateway {
                 }
             };
             let (record, now) = match outcome {
+                ClaimOutcome::Claimed(c) if claim.acceptance.is_some() => {
+                    self.wake_workers.notify_waiters();
+                    return Ok((self.accepted(route, &accepted_record(&claim, &c)), Outcome::Accepted));
+                }
                 ClaimOutcome::Claimed(c) => {
                     // The lease began when the claim committed, at most this
                     // long ago. If what is left cannot cover the upstream's
@@ -226,6 +267,7 @@ impl Gateway {
                     return replay(stored).map(|r| (r, Outcome::Replayed));
                 }
                 Decision::Mismatch => return Err(GatewayError::KeyReused { status: route.mismatch_status }),
+                Decision::Accepted => return Ok((self.accepted(route, &record), Outcome::Accepted)),
                 Decision::Unknown => return Err(GatewayError::RecordUnknown),
                 Decision::LeaseExpired => {
                     match self.store.expire_lease(&record).await {
@@ -284,10 +326,94 @@ impl Gateway {
         });
     }
 
+    /// The answer to an accepted operation (and to its retries): 202, where to
+    /// poll, when, and the status document.
+    fn accepted(&self, route: &Route, record: &Record) -> Response<Body> {
+        let doc = status_document(record, route.poll_interval, route.retention);
+        let mut resp = json_response(StatusCode::ACCEPTED, &doc);
+        let h = resp.headers_mut();
+        if let Some(id) = &record.operation_id
+            && let Ok(location) = HeaderValue::from_str(&format!("{OPERATIONS_PATH}{id}"))
+        {
+            h.insert(http::header::LOCATION, location);
+        }
+        h.insert(http::header::RETRY_AFTER, HeaderValue::from(route.poll_interval.as_secs().max(1)));
+        resp
+    }
+
+    /// `GET /_idemgate/operations/{id}` and `.../{id}/result`: only the scope
+    /// that made the request may read it (anyone else gets 404, never 403).
+    async fn poll_operation(&self, rest: &str, req: &Request<Incoming>, peer: SocketAddr) -> Result<Response<Body>, GatewayError> {
+        if req.method() != Method::GET && req.method() != Method::HEAD {
+            return Err(GatewayError::NotFound);
+        }
+        let (id, want_result) = match rest.strip_suffix("/result") {
+            Some(id) => (id, true),
+            None => (rest, false),
+        };
+        if id.is_empty() || id.contains('/') || id.len() > 64 {
+            return Err(GatewayError::NotFound);
+        }
+        let identity = self.identifier.identify(req.headers(), peer.ip()).ok_or(GatewayError::Unauthenticated)?;
+        let record = match self.store.operation(&identity.tenant, id).await {
+            Ok(Some((record, _))) if record.scope.principal == identity.principal => record,
+            Ok(_) => return Err(GatewayError::NotFound),
+            Err(e) => {
+                tracing::warn!(error = %e, "operation lookup failed");
+                return Err(GatewayError::StoreUnavailable);
+            }
+        };
+        let route = self.router.route_for(&record.scope.operation);
+        let (poll, retention) = route.map_or((Duration::from_secs(1), Duration::from_secs(24 * 3600)), |r| (r.poll_interval, r.retention));
+        if want_result {
+            return match (&record.state, &record.response) {
+                (State::Completed, Some(stored)) => replay(stored),
+                _ => Err(GatewayError::OperationNotCompleted { state: record.state, retry_after: poll }),
+            };
+        }
+        let mut resp = json_response(StatusCode::OK, &status_document(&record, poll, retention));
+        if crate::operation::is_pending(record.state) {
+            resp.headers_mut().insert(http::header::RETRY_AFTER, HeaderValue::from(poll.as_secs().max(1)));
+        }
+        Ok(resp)
+    }
+
     /// Proxies without idempotency, streaming both ways.
     async fn pass_through(&self, upstream: UpstreamId, req: Request<Incoming>) -> Response<Body> {
         pass_through(self.executor.upstream(upstream), req, self.request_body_timeout).await
     }
+}
+
+/// The record an acceptance just wrote, for its 202 (the same document a
+/// retry reads back from the store).
+fn accepted_record(req: &ClaimRequest, claim: &crate::store::Claim) -> Record {
+    let at = claim.lease_expires_at;
+    Record {
+        scope: req.scope.clone(),
+        request_hash: req.request_hash,
+        state: State::Queued,
+        generation: claim.generation,
+        claim_token: claim.claim_token,
+        owner: req.owner.to_string(),
+        lease_expires_at: None,
+        response: None,
+        created_at: at,
+        updated_at: at,
+        expires_at: at,
+        operation_id: req.acceptance.as_ref().map(|a| a.operation_id.clone()),
+        attempts: 0,
+        next_attempt_at: Some(at),
+        sent_at: None,
+        last_status: None,
+        maybe_executed: false,
+    }
+}
+
+fn json_response(status: StatusCode, doc: &serde_json::Value) -> Response<Body> {
+    let mut resp = Response::new(Body::full(doc.to_string()));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp
 }
 
 /// The key from the route's header: absent, or validated. Several values are

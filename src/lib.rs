@@ -12,6 +12,8 @@
 //!   whether the upstream may have executed it, records it fenced.
 //! - [`passthrough`]: requests without idempotency, streamed both ways.
 //! - [`waiters`]: local wake-ups for duplicates waiting on a result.
+//! - [`operation`], [`worker`]: async mode — accepted operations, their
+//!   stored requests and status documents, and the workers that run them.
 //! - [`route`], [`identity`], [`scope`], [`fingerprint`]: what a request is
 //!   (operation, tenant and principal, key, fingerprint).
 //! - [`record`]: records and their state machine (pure code).
@@ -43,6 +45,7 @@ pub mod identity;
 pub mod keys;
 pub mod logging;
 pub mod metrics;
+pub mod operation;
 pub mod passthrough;
 pub mod problem;
 pub mod record;
@@ -54,3 +57,4 @@ pub mod signals;
 pub mod store;
 pub mod upstream;
 pub mod waiters;
+pub mod worker;

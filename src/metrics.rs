@@ -1,5 +1,7 @@
 //! Prometheus metrics, served in text format on the admin listener.
 
+use std::collections::HashSet;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -33,6 +35,8 @@ pub enum Outcome {
     StoreUnavailable,
     /// No idempotency applied (other method, key not required and absent, default upstream).
     PassThrough,
+    /// Async: accepted (or the acceptance answered again): 202 and an operation id.
+    Accepted,
 }
 
 impl Outcome {
@@ -48,6 +52,7 @@ impl Outcome {
             Outcome::Rejected => "rejected",
             Outcome::StoreUnavailable => "store_unavailable",
             Outcome::PassThrough => "passthrough",
+            Outcome::Accepted => "accepted",
         }
     }
 }
@@ -61,6 +66,56 @@ struct RequestLabels {
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OpLabels {
     op: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabels {
+    operation: String,
+    state: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct AttemptLabels {
+    operation: String,
+    outcome: &'static str,
+}
+
+/// How an async attempt ended, as counted in `idemgate_async_attempts_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttemptOutcome {
+    Completed,
+    /// Refused or declined: back to the queue after a backoff.
+    Requeued,
+    /// Retries used up: `failed_retryable`.
+    Failed,
+    Unknown,
+    /// The worker lost its lease (a newer attempt holds the operation): its
+    /// writes were dropped.
+    LostLease,
+    /// The store could not be written; the lease expiry will decide.
+    StoreUnavailable,
+}
+
+impl AttemptOutcome {
+    pub const ALL: [AttemptOutcome; 6] = [
+        AttemptOutcome::Completed,
+        AttemptOutcome::Requeued,
+        AttemptOutcome::Failed,
+        AttemptOutcome::Unknown,
+        AttemptOutcome::LostLease,
+        AttemptOutcome::StoreUnavailable,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AttemptOutcome::Completed => "completed",
+            AttemptOutcome::Requeued => "requeued",
+            AttemptOutcome::Failed => "failed",
+            AttemptOutcome::Unknown => "unknown",
+            AttemptOutcome::LostLease => "lost_lease",
+            AttemptOutcome::StoreUnavailable => "store_unavailable",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -87,6 +142,12 @@ pub struct Metrics {
     swept: Counter,
     reaped: Counter,
     in_flight: Gauge,
+    records: Family<StateLabels, Gauge>,
+    oldest: Family<StateLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    attempts: Family<AttemptLabels, Counter>,
+    requeued: Counter,
+    /// Every `records`/`oldest` series created so far (to zero emptied ones).
+    record_series: Mutex<HashSet<StateLabels>>,
 }
 
 impl Default for Metrics {
@@ -114,7 +175,86 @@ impl Metrics {
         registry.register("expired_leases", "In-flight records whose lease expired and became unknown", reaped.clone());
         let in_flight = Gauge::default();
         registry.register("forwards_in_flight", "Forwards currently running on this replica", in_flight.clone());
-        Metrics { registry, requests, store_latency, store_errors, upstream_latency, fenced, swept, reaped, in_flight }
+        let records = Family::<StateLabels, Gauge>::default();
+        registry.register(
+            "records",
+            "Records that are not completed, by operation and state (queued, processing, in_flight, unknown, failed_retryable)",
+            records.clone(),
+        );
+        let oldest = Family::<StateLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+        registry.register(
+            "oldest_record_age_seconds",
+            "Age of the oldest record by operation and state (queued: since acceptance; others: since the last change)",
+            oldest.clone(),
+        );
+        let attempts = Family::<AttemptLabels, Counter>::default();
+        registry.register("async_attempts", "Async attempts by operation and how they ended", attempts.clone());
+        let requeued = Counter::default();
+        registry.register("requeued_leases", "Async attempts whose lease expired and that went back to the queue", requeued.clone());
+        Metrics {
+            registry,
+            requests,
+            store_latency,
+            store_errors,
+            upstream_latency,
+            fenced,
+            swept,
+            reaped,
+            in_flight,
+            records,
+            oldest,
+            attempts,
+            requeued,
+            record_series: Mutex::default(),
+        }
+    }
+
+    /// Creates the labelled series of the configured operations at zero, so
+    /// they exist (and alerts can evaluate) before their first event.
+    pub fn declare_operations<'a>(&self, operations: impl IntoIterator<Item = (&'a str, bool)>) {
+        for (operation, is_async) in operations {
+            for state in crate::record::State::ALL {
+                if state == crate::record::State::Completed {
+                    continue;
+                }
+                let l = StateLabels { operation: operation.to_owned(), state: state.as_str() };
+                let _ = self.records.get_or_create(&l);
+                let _ = self.oldest.get_or_create(&l);
+                self.record_series.lock().unwrap_or_else(|p| p.into_inner()).insert(l);
+            }
+            if is_async {
+                for outcome in AttemptOutcome::ALL {
+                    let _ = self.attempts.get_or_create(&AttemptLabels { operation: operation.to_owned(), outcome: outcome.as_str() });
+                }
+            }
+        }
+    }
+
+    /// Sets the record gauges from a store count; every series seen before
+    /// and missing from `counts` goes back to zero (a state that emptied).
+    pub fn set_record_counts(&self, counts: &[crate::store::StateCount], now: crate::record::Timestamp) {
+        let mut seen = self.record_series.lock().unwrap_or_else(|p| p.into_inner());
+        let counted: HashSet<StateLabels> =
+            counts.iter().map(|c| StateLabels { operation: c.operation.clone(), state: c.state.as_str() }).collect();
+        for l in seen.iter().filter(|l| !counted.contains(*l)) {
+            self.records.get_or_create(l).set(0);
+            self.oldest.get_or_create(l).set(0.0);
+        }
+        for c in counts {
+            let l = StateLabels { operation: c.operation.clone(), state: c.state.as_str() };
+            self.records.get_or_create(&l).set(c.count);
+            let since = if c.state == crate::record::State::Queued { c.oldest_created_at } else { c.oldest_updated_at };
+            self.oldest.get_or_create(&l).set(since.until(now).as_secs_f64());
+            seen.insert(l);
+        }
+    }
+
+    pub fn attempt(&self, operation: &str, outcome: AttemptOutcome) {
+        self.attempts.get_or_create(&AttemptLabels { operation: operation.to_owned(), outcome: outcome.as_str() }).inc();
+    }
+
+    pub fn requeued(&self, n: u64) {
+        self.requeued.inc_by(n);
     }
 
     pub fn request(&self, route: &str, outcome: Outcome) {

@@ -49,6 +49,9 @@ pub enum GatewayError {
     ResponseNotStored { original_status: u16 },
     #[error("no route")]
     NotFound,
+    /// Async: the operation's result was asked for before it completed.
+    #[error("operation not completed")]
+    OperationNotCompleted { state: crate::record::State, retry_after: Duration },
     /// Pass-through only: the upstream failed (no record is involved).
     #[error("bad gateway")]
     BadGateway,
@@ -86,6 +89,9 @@ impl GatewayError {
             E::InProgress { .. } => k("request-in-progress", "Request in progress", StatusCode::CONFLICT, true),
             E::ResponseNotStored { .. } => k("response-not-stored", "Response not stored", StatusCode::CONFLICT, false),
             E::NotFound => k("not-found", "Not found", StatusCode::NOT_FOUND, false),
+            E::OperationNotCompleted { state, .. } => {
+                k("operation-not-completed", "Operation not completed", StatusCode::CONFLICT, crate::operation::is_pending(*state))
+            }
             E::BadGateway => k("bad-gateway", "Bad gateway", StatusCode::BAD_GATEWAY, true),
             E::GatewayTimeout => k("gateway-timeout", "Gateway timeout", StatusCode::GATEWAY_TIMEOUT, true),
             E::Internal => k("internal", "Internal error", StatusCode::INTERNAL_SERVER_ERROR, false),
@@ -110,6 +116,10 @@ impl GatewayError {
             E::InProgress { .. } => "A request with this idempotency key is still being processed. Retry after the indicated time.".into(),
             E::ResponseNotStored { original_status } => format!("The request with this key completed with status {original_status}, but its response was too large to store, so it cannot be replayed."),
             E::NotFound => "No route matches this request.".into(),
+            E::OperationNotCompleted { state, .. } => format!(
+                "The operation is {}; its result can be read once it is completed. Poll the operation for its state.",
+                state.as_str()
+            ),
             E::BadGateway => "The upstream could not be reached or failed.".into(),
             E::GatewayTimeout => "The upstream did not answer in time.".into(),
             E::Internal => "The gateway failed unexpectedly.".into(),
@@ -119,6 +129,7 @@ impl GatewayError {
     fn retry_after(&self) -> Option<Duration> {
         match self {
             GatewayError::InProgress { retry_after } => Some(*retry_after),
+            GatewayError::OperationNotCompleted { state, retry_after } if crate::operation::is_pending(*state) => Some(*retry_after),
             GatewayError::StoreUnavailable | GatewayError::UpstreamUnavailable => Some(Duration::from_secs(1)),
             _ => None,
         }
@@ -135,7 +146,8 @@ impl GatewayError {
             | E::BodyTimeout(_)
             | E::BodyRead
             | E::InvalidBody(_)
-            | E::NotFound => Outcome::Rejected,
+            | E::NotFound
+            | E::OperationNotCompleted { .. } => Outcome::Rejected,
             E::StoreUnavailable | E::Internal => Outcome::StoreUnavailable,
             E::UpstreamUnavailable => Outcome::Released,
             E::OutcomeUnknown | E::RecordUnknown => Outcome::Unknown,

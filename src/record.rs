@@ -94,17 +94,40 @@ pub enum State {
     /// The request may have reached the upstream but its result is not known.
     /// Never swept; waits for reconciliation.
     Unknown,
+    /// Async: accepted (the client holds an operation id) and waiting for a
+    /// worker, now or after a retry's backoff.
+    Queued,
+    /// Async: a worker holds it under a lease (renewed by heartbeats).
+    Processing,
+    /// Async: every attempt was refused or answered with a `release_on_status`
+    /// status; the upstream never acted. Final; a retry with the same key
+    /// starts a new operation.
+    FailedRetryable,
 }
 
 impl State {
-    pub const ALL: [State; 3] = [State::InFlight, State::Completed, State::Unknown];
+    pub const ALL: [State; 6] =
+        [State::InFlight, State::Completed, State::Unknown, State::Queued, State::Processing, State::FailedRetryable];
 
     pub fn as_str(self) -> &'static str {
         match self {
             State::InFlight => "in_flight",
             State::Completed => "completed",
             State::Unknown => "unknown",
+            State::Queued => "queued",
+            State::Processing => "processing",
+            State::FailedRetryable => "failed_retryable",
         }
+    }
+
+    /// Held by an attempt that may record a result (sync or async).
+    pub fn is_attempt(self) -> bool {
+        matches!(self, State::InFlight | State::Processing)
+    }
+
+    /// Final and kept for the route's retention, then swept.
+    pub fn is_retained(self) -> bool {
+        matches!(self, State::Completed | State::FailedRetryable)
     }
 
     pub fn parse(s: &str) -> Option<State> {
@@ -146,8 +169,24 @@ pub struct Record {
     pub response: Option<StoredResponse>,
     pub created_at: Timestamp,
     pub updated_at: Timestamp,
-    /// For `completed` records: replayed until then, swept afterwards.
+    /// For `completed` (and `failed_retryable`) records: replayed until
+    /// then, swept afterwards.
     pub expires_at: Timestamp,
+    /// Async operations only: the unguessable id clients poll.
+    pub operation_id: Option<String>,
+    /// Async: attempts taken by workers so far.
+    pub attempts: i32,
+    /// Async, `queued`: when the next attempt is due.
+    pub next_attempt_at: Option<Timestamp>,
+    /// Async, `processing`: set (durably) just before the attempt's request
+    /// leaves; its absence proves the attempt never sent anything.
+    pub sent_at: Option<Timestamp>,
+    /// Async: the upstream status of the last retryable failure, if it answered.
+    pub last_status: Option<u16>,
+    /// Async: an earlier attempt may have executed (its answer was lost and
+    /// the operation was run again on a deduplicating upstream), so used-up
+    /// retries end `unknown`, never `failed_retryable`.
+    pub maybe_executed: bool,
 }
 
 /// What an existing record means for an incoming request with the same scope.
@@ -166,15 +205,21 @@ pub enum Decision {
     Unknown,
     /// Completed but past retention: treated as if absent.
     Expired,
+    /// An async operation with the same fingerprint: the client gets the
+    /// same acceptance (202 and operation id), whatever state it is in now.
+    Accepted,
 }
 
 /// The heart of the protocol's read side. `now` is the store's clock.
 pub fn decide(record: &Record, request_hash: &Fingerprint, now: Timestamp) -> Decision {
-    if record.state == State::Completed && record.expires_at <= now {
+    if record.state.is_retained() && record.expires_at <= now {
         return Decision::Expired;
     }
     if record.request_hash != *request_hash {
         return Decision::Mismatch;
+    }
+    if record.operation_id.is_some() {
+        return Decision::Accepted;
     }
     match record.state {
         State::Completed => Decision::Replay,
@@ -183,6 +228,9 @@ pub fn decide(record: &Record, request_hash: &Fingerprint, now: Timestamp) -> De
             Some(lease) if lease > now => Decision::InProgress { lease_left: now.until(lease) },
             _ => Decision::LeaseExpired,
         },
+        // Async states always carry an operation id; without one the row is
+        // inconsistent, and the safe answer is "in progress".
+        State::Queued | State::Processing | State::FailedRetryable => Decision::InProgress { lease_left: Duration::ZERO },
     }
 }
 
@@ -191,11 +239,13 @@ pub fn decide(record: &Record, request_hash: &Fingerprint, now: Timestamp) -> De
 /// conformance suite holds the two to the same answers.
 pub fn may_take_over(record: &Record, request_hash: &Fingerprint, now: Timestamp, upstream_idempotent: bool) -> bool {
     match record.state {
-        State::Completed => record.expires_at <= now,
+        State::Completed | State::FailedRetryable => record.expires_at <= now,
         State::InFlight => {
             upstream_idempotent && record.request_hash == *request_hash && record.lease_expires_at.is_none_or(|lease| lease <= now)
         }
         State::Unknown => upstream_idempotent && record.request_hash == *request_hash,
+        // A queued or processing operation belongs to the workers.
+        State::Queued | State::Processing => false,
     }
 }
 
@@ -209,8 +259,20 @@ pub enum Event {
     Release { attempt: Attempt },
     /// The attempt holding `generation` lost track of the outcome.
     MarkUnknown { attempt: Attempt },
-    /// The lease reaper found the lease expired.
-    LeaseExpired,
+    /// Async: the worker holding the attempt renews its lease.
+    Heartbeat { attempt: Attempt },
+    /// Async: the worker is about to send the attempt's request (only while
+    /// its lease runs).
+    MarkSent { attempt: Attempt },
+    /// Async: the attempt never reached the upstream (or was answered with a
+    /// `release_on_status` status): back to the queue for a later attempt.
+    Requeue { attempt: Attempt },
+    /// Async: the same, but the retries are used up.
+    Fail { attempt: Attempt },
+    /// The lease reaper found the lease expired. `reforwardable`: the
+    /// route's upstream deduplicates by the derived key, so an async attempt
+    /// that may have been sent can run again.
+    LeaseExpired { reforwardable: bool },
     /// An operator recorded a final response. `force`: also over a record
     /// that is not `unknown` (a completed one), which the caller must justify.
     ResolveComplete { force: bool },
@@ -245,33 +307,60 @@ pub enum Refused {
     /// attempt may yet record its result.
     #[error("the record is in flight and its lease has not expired")]
     LeaseLive,
+    /// Async: the attempt's lease ran out before it could send: it must not.
+    #[error("the attempt's lease has expired")]
+    LeaseExpired,
 }
 
 /// The write side of the state machine. `now` is the store's clock.
 pub fn transition(record: &Record, event: Event, now: Timestamp) -> Result<Next, Refused> {
-    let own = |a: Attempt| record.generation == a.generation && record.claim_token == a.claim_token && record.state == State::InFlight;
+    let own = |a: Attempt| record.generation == a.generation && record.claim_token == a.claim_token && record.state.is_attempt();
+    let processing = |a: Attempt| own(a) && record.state == State::Processing;
     let lease_live = record.lease_expires_at.is_some_and(|l| l > now);
+    let to = |state| Ok(Next::State { state, bump: false });
     match event {
-        Event::Complete { attempt } if own(attempt) => Ok(Next::State { state: State::Completed, bump: false }),
+        Event::Complete { attempt } if own(attempt) => to(State::Completed),
         Event::Release { attempt } if own(attempt) => Ok(Next::Deleted),
-        Event::MarkUnknown { attempt } if own(attempt) => Ok(Next::State { state: State::Unknown, bump: false }),
-        Event::Complete { .. } | Event::Release { .. } | Event::MarkUnknown { .. } => Err(Refused::Fenced),
-        Event::LeaseExpired => match record.state {
-            State::InFlight if !lease_live => Ok(Next::State { state: State::Unknown, bump: false }),
-            State::InFlight => Err(Refused::LeaseLive),
+        Event::MarkUnknown { attempt } if own(attempt) => to(State::Unknown),
+        Event::Heartbeat { attempt } if processing(attempt) => to(State::Processing),
+        Event::MarkSent { attempt } if processing(attempt) && lease_live => to(State::Processing),
+        Event::Requeue { attempt } if processing(attempt) => to(State::Queued),
+        // Retries used up: "never executed" only if no attempt may have.
+        Event::Fail { attempt } if processing(attempt) && record.maybe_executed => to(State::Unknown),
+        Event::Fail { attempt } if processing(attempt) => to(State::FailedRetryable),
+        Event::MarkSent { attempt } if processing(attempt) => Err(Refused::LeaseExpired),
+        Event::Complete { .. }
+        | Event::Release { .. }
+        | Event::MarkUnknown { .. }
+        | Event::Heartbeat { .. }
+        | Event::MarkSent { .. }
+        | Event::Requeue { .. }
+        | Event::Fail { .. } => Err(Refused::Fenced),
+        Event::LeaseExpired { reforwardable } => match record.state {
+            State::InFlight | State::Processing if lease_live => Err(Refused::LeaseLive),
+            State::InFlight => to(State::Unknown),
+            // Never sent (proved by the durable sent_at), or sent to an upstream
+            // that deduplicates: another attempt is safe. Else unknown.
+            State::Processing if record.sent_at.is_none() || reforwardable => to(State::Queued),
+            State::Processing => to(State::Unknown),
             other => Err(Refused::NotAllowed(other)),
         },
         Event::ResolveComplete { force } | Event::ResolveRelease { force } => {
             // A live lease is never overridden, not even by force: its attempt
             // may be with the upstream right now, and freeing the key would let
             // a retry execute a second time.
-            if record.state == State::InFlight && lease_live {
+            if record.state.is_attempt() && lease_live {
                 return Err(Refused::LeaseLive);
             }
-            // A completed record is the answer clients are replayed; changing
-            // it (a release lets the next retry execute again) needs force.
-            if record.state == State::Completed && !force {
-                return Err(Refused::NotAllowed(State::Completed));
+            match record.state {
+                // A completed record is the answer clients are replayed;
+                // changing it (a release lets the next retry execute again)
+                // needs force.
+                State::Completed if !force => return Err(Refused::NotAllowed(State::Completed)),
+                // Queued operations belong to the workers; a failed one is
+                // final and its key already free for a new operation.
+                State::Queued | State::FailedRetryable => return Err(Refused::NotAllowed(record.state)),
+                _ => {}
             }
             match event {
                 Event::ResolveRelease { .. } => Ok(Next::Deleted),
@@ -279,7 +368,7 @@ pub fn transition(record: &Record, event: Event, now: Timestamp) -> Result<Next,
             }
         }
         Event::Sweep => match record.state {
-            State::Completed if record.expires_at <= now => Ok(Next::Deleted),
+            state if state.is_retained() && record.expires_at <= now => Ok(Next::Deleted),
             other => Err(Refused::NotAllowed(other)),
         },
     }
@@ -309,6 +398,12 @@ mod tests {
             created_at: NOW,
             updated_at: NOW,
             expires_at: Timestamp(NOW.0 + expires),
+            operation_id: None,
+            attempts: 0,
+            next_attempt_at: None,
+            sent_at: None,
+            last_status: None,
+            maybe_executed: false,
         }
     }
 
@@ -372,8 +467,11 @@ mod tests {
     fn reaper_sweeper_and_operator_events() {
         let live = record(State::InFlight, Some(5), 0);
         let expired = record(State::InFlight, Some(-5), 0);
-        assert_eq!(transition(&live, Event::LeaseExpired, NOW), Err(Refused::LeaseLive));
-        assert_eq!(transition(&expired, Event::LeaseExpired, NOW), Ok(Next::State { state: State::Unknown, bump: false }));
+        assert_eq!(transition(&live, Event::LeaseExpired { reforwardable: false }, NOW), Err(Refused::LeaseLive));
+        assert_eq!(
+            transition(&expired, Event::LeaseExpired { reforwardable: false }, NOW),
+            Ok(Next::State { state: State::Unknown, bump: false })
+        );
         for force in [false, true] {
             assert_eq!(transition(&live, Event::ResolveRelease { force }, NOW), Err(Refused::LeaseLive));
             assert_eq!(transition(&live, Event::ResolveComplete { force }, NOW), Err(Refused::LeaseLive));
@@ -391,11 +489,89 @@ mod tests {
         assert_eq!(transition(&done, Event::ResolveComplete { force: false }, NOW), Err(Refused::NotAllowed(State::Completed)));
         assert_eq!(transition(&done, Event::ResolveRelease { force: true }, NOW), Ok(Next::Deleted));
         assert_eq!(transition(&done, Event::ResolveComplete { force: true }, NOW), Ok(Next::State { state: State::Completed, bump: true }));
-        assert_eq!(transition(&unknown, Event::LeaseExpired, NOW), Err(Refused::NotAllowed(State::Unknown)));
+        assert_eq!(transition(&unknown, Event::LeaseExpired { reforwardable: false }, NOW), Err(Refused::NotAllowed(State::Unknown)));
         assert_eq!(transition(&unknown, Event::Sweep, NOW), Err(Refused::NotAllowed(State::Unknown)));
         assert_eq!(transition(&expired, Event::Sweep, NOW), Err(Refused::NotAllowed(State::InFlight)));
         assert_eq!(transition(&record(State::Completed, None, 1), Event::Sweep, NOW), Err(Refused::NotAllowed(State::Completed)));
         assert_eq!(transition(&record(State::Completed, None, 0), Event::Sweep, NOW), Ok(Next::Deleted));
+    }
+
+    fn async_op(state: State, lease: Option<i64>, sent: bool) -> Record {
+        Record { operation_id: Some("op".into()), sent_at: sent.then_some(NOW), attempts: 1, ..record(state, lease, 0) }
+    }
+
+    #[test]
+    fn async_attempts_are_fenced_and_end_queued_failed_or_unknown() {
+        let mine = Attempt { generation: Generation(3), claim_token: Uuid::nil() };
+        let stale = Attempt { generation: Generation(2), claim_token: Uuid::nil() };
+        let live = async_op(State::Processing, Some(5), false);
+        let same = |state| Ok(Next::State { state, bump: false });
+        assert_eq!(transition(&live, Event::Heartbeat { attempt: mine }, NOW), same(State::Processing));
+        assert_eq!(transition(&live, Event::MarkSent { attempt: mine }, NOW), same(State::Processing));
+        assert_eq!(transition(&live, Event::Requeue { attempt: mine }, NOW), same(State::Queued));
+        assert_eq!(transition(&live, Event::Fail { attempt: mine }, NOW), same(State::FailedRetryable));
+        let ran_before = Record { maybe_executed: true, ..live.clone() };
+        assert_eq!(
+            transition(&ran_before, Event::Fail { attempt: mine }, NOW),
+            same(State::Unknown),
+            "never failed_retryable once it may have run"
+        );
+        assert_eq!(transition(&live, Event::Complete { attempt: mine }, NOW), same(State::Completed));
+        assert_eq!(transition(&live, Event::MarkUnknown { attempt: mine }, NOW), same(State::Unknown));
+        for event in [
+            Event::Heartbeat { attempt: stale },
+            Event::MarkSent { attempt: stale },
+            Event::Requeue { attempt: stale },
+            Event::Fail { attempt: stale },
+            Event::Complete { attempt: stale },
+        ] {
+            assert_eq!(transition(&live, event, NOW), Err(Refused::Fenced), "{event:?}");
+        }
+        // A worker whose lease ran out must not send (another may take it over).
+        let expired = async_op(State::Processing, Some(-1), false);
+        assert_eq!(transition(&expired, Event::MarkSent { attempt: mine }, NOW), Err(Refused::LeaseExpired));
+        // Queued operations hold no attempt: nothing of a worker applies.
+        let queued = async_op(State::Queued, None, false);
+        assert_eq!(transition(&queued, Event::Heartbeat { attempt: mine }, NOW), Err(Refused::Fenced));
+        assert_eq!(transition(&queued, Event::Complete { attempt: mine }, NOW), Err(Refused::Fenced));
+    }
+
+    #[test]
+    fn async_lease_expiry_requeues_only_what_was_never_sent_or_may_run_again() {
+        let expiry =
+            |sent, reforwardable| transition(&async_op(State::Processing, Some(-1), sent), Event::LeaseExpired { reforwardable }, NOW);
+        let to = |state| Ok(Next::State { state, bump: false });
+        assert_eq!(expiry(false, false), to(State::Queued), "never sent: another attempt is safe");
+        assert_eq!(expiry(true, false), to(State::Unknown), "may have executed, upstream does not deduplicate");
+        assert_eq!(expiry(true, true), to(State::Queued), "the upstream deduplicates by the derived key");
+        let live = async_op(State::Processing, Some(5), true);
+        assert_eq!(transition(&live, Event::LeaseExpired { reforwardable: true }, NOW), Err(Refused::LeaseLive));
+    }
+
+    #[test]
+    fn async_operations_answer_with_their_acceptance_and_are_kept_for_retention() {
+        for state in [State::Queued, State::Processing, State::Completed, State::Unknown] {
+            let op = Record { expires_at: Timestamp(NOW.0 + 10), ..async_op(state, Some(5), false) };
+            assert_eq!(decide(&op, &fp(1), NOW), Decision::Accepted, "{state}");
+            assert_eq!(decide(&op, &fp(2), NOW), Decision::Mismatch, "{state}");
+            assert!(!may_take_over(&op, &fp(1), NOW, false) || state == State::Unknown);
+        }
+        // Failed: kept for retention like a result, then free; a retry starts a new operation after expiry.
+        let failed = Record { expires_at: Timestamp(NOW.0 + 10), ..async_op(State::FailedRetryable, None, false) };
+        assert_eq!(decide(&failed, &fp(1), NOW), Decision::Accepted);
+        let old = Record { expires_at: NOW, ..failed.clone() };
+        assert_eq!(decide(&old, &fp(1), NOW), Decision::Expired);
+        assert!(may_take_over(&old, &fp(2), NOW, false));
+        assert_eq!(transition(&old, Event::Sweep, NOW), Ok(Next::Deleted));
+        // Workers' operations are never taken over by a claim.
+        assert!(!may_take_over(&async_op(State::Queued, None, false), &fp(1), NOW, true));
+        assert!(!may_take_over(&async_op(State::Processing, Some(-1), false), &fp(1), NOW, true));
+        // Operators cannot resolve queued or failed operations.
+        assert_eq!(
+            transition(&async_op(State::Queued, None, false), Event::ResolveRelease { force: true }, NOW),
+            Err(Refused::NotAllowed(State::Queued))
+        );
+        assert_eq!(transition(&failed, Event::ResolveRelease { force: true }, NOW), Err(Refused::NotAllowed(State::FailedRetryable)));
     }
 
     #[test]

@@ -140,6 +140,34 @@ pub enum InFlightPolicy {
 }
 
 /// Which `Idempotency-Key` value the upstream receives.
+/// How a route answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouteMode {
+    /// The client waits for the upstream's answer (or its replay).
+    Sync,
+    /// The request is accepted (202 and an operation id) and run by workers.
+    Async,
+}
+
+/// Retries of an async operation whose attempt was refused or declined.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// Attempts in all, the first included; then `failed_retryable`.
+    pub max_attempts: u32,
+    /// Delay before the second attempt, doubling after each, capped at `MAX_BACKOFF`.
+    pub backoff: Duration,
+}
+
+impl RetryPolicy {
+    pub const MAX_BACKOFF: Duration = Duration::from_secs(60);
+
+    /// The delay after attempt number `attempts` (1-based) failed.
+    pub fn delay(&self, attempts: i32) -> Duration {
+        let doublings = u32::try_from(attempts.saturating_sub(1)).unwrap_or(0).min(20);
+        self.backoff.saturating_mul(1 << doublings).min(Self::MAX_BACKOFF)
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ForwardKey {
     /// A key derived from the whole scope: stable across retries and replicas,
@@ -177,6 +205,12 @@ pub struct Route {
     pub mismatch_status: StatusCode,
     pub forward_key: ForwardKey,
     pub fingerprint: FingerprintSpec,
+    pub mode: RouteMode,
+    /// `Prefer: respond-async` makes a request on this (sync) route async.
+    pub allow_async: bool,
+    /// Async: the 202's `Retry-After` and the status document's poll interval.
+    pub poll_interval: Duration,
+    pub retry: RetryPolicy,
 }
 
 /// The routing decision for one request.
@@ -214,6 +248,11 @@ impl Router {
     }
 
     /// The routes in file order.
+    /// The route of an operation (each operation belongs to one route).
+    pub fn route_for(&self, operation: &str) -> Option<&Arc<Route>> {
+        self.routes.iter().find(|r| &*r.operation == operation)
+    }
+
     pub fn routes(&self) -> &[Arc<Route>] {
         &self.routes
     }
@@ -282,7 +321,20 @@ mod tests {
             mismatch_status: StatusCode::CONFLICT,
             forward_key: ForwardKey::Derived,
             fingerprint: FingerprintSpec::default(),
+            mode: RouteMode::Sync,
+            allow_async: false,
+            poll_interval: Duration::from_secs(1),
+            retry: RetryPolicy { max_attempts: 5, backoff: Duration::from_secs(1) },
         }
+    }
+
+    #[test]
+    fn retry_backoff_doubles_and_is_capped() {
+        let p = RetryPolicy { max_attempts: 10, backoff: Duration::from_secs(1) };
+        let delays: Vec<u64> = (1..=8).map(|a| p.delay(a).as_secs()).collect();
+        assert_eq!(delays, vec![1, 2, 4, 8, 16, 32, 60, 60]);
+        assert_eq!(p.delay(0), Duration::from_secs(1));
+        assert_eq!(p.delay(i32::MAX), RetryPolicy::MAX_BACKOFF);
     }
 
     #[test]

@@ -20,7 +20,9 @@ use crate::background;
 use crate::config::Config;
 use crate::gateway::Gateway;
 use crate::metrics::Metrics;
+use crate::route::RouteMode;
 use crate::store::{Access, Store, StoreError};
+use crate::worker::Workers;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -108,7 +110,24 @@ impl Server {
             "listening"
         );
         let background = TaskTracker::new();
-        background::spawn_all(&background, gateway.store().clone(), metrics.clone(), &config.store, shutdown.clone());
+        metrics.declare_operations(config.routes.iter().map(|r| (&*r.operation, r.mode == RouteMode::Async || r.allow_async)));
+        background::spawn_all(
+            &background,
+            gateway.store().clone(),
+            metrics.clone(),
+            &config.store,
+            gateway.reforwardable_operations(),
+            shutdown.clone(),
+        );
+        // Async workers run on this runtime, on the connections' tracker: the
+        // drain waits for the attempts they hold.
+        let replica: Arc<str> = config.server.replica_id.as_str().into();
+        Workers::new(gateway.async_routes(), gateway.store().clone(), replica, gateway.wake_workers()).spawn(
+            config.workers.count,
+            gateway.executor(),
+            &tracker,
+            shutdown.clone(),
+        );
         let http = http_builder(config.server.request_header_timeout);
         if let Some(admin) = admin {
             let admin_state =

@@ -22,7 +22,10 @@ use idemgate::fingerprint::Fingerprint;
 use idemgate::metrics::Metrics;
 use idemgate::record::{self, Generation, Record, Refused, State, StoredResponse, Timestamp};
 use idemgate::scope::{IdempotencyKey, Scope};
-use idemgate::store::{Claim, ClaimOutcome, ClaimRequest, ListFilter, Resolution, ResolveOutcome, Store, StoreError, WriteOutcome};
+use idemgate::store::{
+    Acceptance, Claim, ClaimOutcome, ClaimRequest, ListFilter, Reaped, Resolution, ResolveOutcome, RetryNote, Store, StoreError, Taken,
+    WorkerRoute, WriteOutcome,
+};
 use support::Backend;
 use support::faultproxy::{Fault, FaultProxy};
 use support::postgres::{self as pg, PgServer};
@@ -49,6 +52,12 @@ on_both_stores!(
     times_come_from_the_store_clock,
     claim_resent_with_the_same_token_is_recognised_as_ours,
     abandon_deletes_only_an_in_flight_claim_with_its_token,
+    acceptance_queues_the_operation_with_its_request,
+    racing_workers_take_one_operation_once_each_under_a_new_generation,
+    a_worker_whose_lease_was_taken_over_cannot_act,
+    lease_expiry_requeues_what_was_never_sent_or_may_run_again,
+    retries_wait_their_backoff_then_fail_and_are_swept_after_retention,
+    stats_count_records_that_are_not_completed,
 );
 
 // ---------------------------------------------------------------------------
@@ -100,7 +109,20 @@ fn req(scope: &Scope, hash: u8, lease: Duration, upstream_idempotent: bool) -> C
         lease,
         upstream_idempotent,
         claim_token: Uuid::new_v4(),
+        acceptance: None,
     }
+}
+
+/// An async acceptance of `scope` (operation id derived from the key).
+fn accept_req(scope: &Scope, hash: u8) -> ClaimRequest {
+    ClaimRequest {
+        acceptance: Some(Acceptance { operation_id: format!("op_{}", scope.key.as_str()), request: Bytes::from_static(b"stored request") }),
+        ..req(scope, hash, LONG, false)
+    }
+}
+
+fn worker_route(operation: &str, lease: Duration) -> WorkerRoute {
+    WorkerRoute { operation: operation.into(), lease }
 }
 
 fn response(status: u16, body: &'static [u8]) -> StoredResponse {
@@ -547,9 +569,10 @@ async fn reap_leases_turns_only_expired_in_flight_into_unknown(backend: Backend)
     let untouched: Vec<Record> = all(&store).await.into_iter().filter(|r| !r.scope.key.as_str().starts_with("stale-")).collect();
     assert_eq!(untouched.len(), 3);
 
-    assert_eq!(store.reap_leases(2).await.unwrap(), 2, "the batch size bounds each pass");
-    assert_eq!(store.reap_leases(2).await.unwrap(), 1);
-    assert_eq!(store.reap_leases(2).await.unwrap(), 0);
+    let unknown = |n| Reaped { unknown: n, requeued: 0 };
+    assert_eq!(store.reap_leases(2, &[]).await.unwrap(), unknown(2), "the batch size bounds each pass");
+    assert_eq!(store.reap_leases(2, &[]).await.unwrap(), unknown(1));
+    assert_eq!(store.reap_leases(2, &[]).await.unwrap(), unknown(0));
     for (s, c) in &stale {
         let r = row(&store, s).await;
         assert_eq!((r.state, r.generation, r.claim_token), (State::Unknown, c.generation, c.claim_token), "{s:?}");
@@ -860,6 +883,217 @@ async fn abandon_deletes_only_an_in_flight_claim_with_its_token(backend: Backend
     assert_eq!((t.state, t.generation, t.claim_token), (State::InFlight, second.generation, second.claim_token));
     assert!(!store.abandon(&absent, Uuid::new_v4()).await.unwrap());
     assert_eq!(key_set(&all(&store).await), set(&["done", "unknown", "taken"]));
+}
+
+// ---------------------------------------------------------------------------
+// Async operations (CONTRACT section 6), on both stores
+
+async fn take(store: &Store, routes: &[WorkerRoute], owner: &str) -> Option<Taken> {
+    store.take(routes, owner).await.expect("take")
+}
+
+async fn acceptance_queues_the_operation_with_its_request(backend: Backend) {
+    let store = open(&backend).await;
+    let s = key("async-1");
+    let r = accept_req(&s, 1);
+    let c = claim(&store, &r).await;
+    let rec = row(&store, &s).await;
+    assert_eq!((rec.state, rec.generation, rec.claim_token), (State::Queued, c.generation, r.claim_token));
+    assert_eq!(rec.operation_id.as_deref(), Some("op_async-1"));
+    assert_eq!((rec.attempts, rec.lease_expires_at, rec.sent_at), (0, None, None));
+    assert!(rec.next_attempt_at.is_some(), "due at once");
+    // The same request again: the record, untouched (the gateway answers the same 202).
+    let (seen, now) = existing(&store, &accept_req(&s, 1)).await;
+    assert_eq!(seen, rec);
+    assert_eq!(record::decide(&seen, &fp(1), now), record::Decision::Accepted);
+    assert_eq!(record::decide(&seen, &fp(2), now), record::Decision::Mismatch);
+    // A synchronous request with the same key gets the acceptance too, never a second execution.
+    let (seen, _) = existing(&store, &req(&s, 1, LONG, true)).await;
+    assert_eq!(seen, rec);
+    // Looked up by id within its tenant only.
+    assert_eq!(store.operation("acme", "op_async-1").await.unwrap().map(|(r, _)| r), Some(rec.clone()));
+    assert_eq!(store.operation("other-tenant", "op_async-1").await.unwrap(), None);
+    assert_eq!(store.operation("acme", "op_nope").await.unwrap(), None);
+    // The stored request comes back byte for byte to the worker that takes it.
+    let t = take(&store, &[worker_route("create_order", LONG)], "w1").await.expect("a due operation");
+    assert_eq!(t.request, Bytes::from_static(b"stored request"));
+    assert_eq!((t.record.state, t.record.attempts, t.record.owner.as_str()), (State::Processing, 1, "w1"));
+    assert!(t.claim.generation > c.generation, "taking draws a new generation");
+    assert_eq!(row(&store, &s).await, t.record);
+    // A worker of another operation takes nothing.
+    let other = key("async-2");
+    claim(&store, &accept_req(&other, 1)).await;
+    assert!(take(&store, &[worker_route("another_op", LONG)], "w2").await.is_none());
+}
+
+async fn racing_workers_take_one_operation_once_each_under_a_new_generation(backend: Backend) {
+    const N: usize = 16;
+    let store = open(&backend).await;
+    let mut accepted = Vec::new();
+    for i in 0..3 {
+        accepted.push(claim(&store, &accept_req(&key(&format!("race-{i}")), 1)).await);
+    }
+    let barrier = Arc::new(tokio::sync::Barrier::new(N));
+    let mut tasks = Vec::new();
+    for i in 0..N {
+        let (store, barrier) = (store.clone(), barrier.clone());
+        tasks.push(tokio::spawn(async move {
+            barrier.wait().await;
+            store.take(&[worker_route("create_order", LONG)], &format!("worker-{i}")).await.expect("take")
+        }));
+    }
+    let mut taken = Vec::new();
+    for t in tasks {
+        taken.extend(t.await.unwrap());
+    }
+    assert_eq!(taken.len(), 3, "each operation taken exactly once");
+    let keys: BTreeSet<String> = taken.iter().map(|t| t.record.scope.key.as_str().to_owned()).collect();
+    assert_eq!(keys.len(), 3);
+    let generations: BTreeSet<Generation> = taken.iter().map(|t| t.claim.generation).collect();
+    assert_eq!(generations.len(), 3, "never two holders of one generation");
+    for t in &taken {
+        let r = row(&store, &t.record.scope).await;
+        assert_eq!((r.state, r.generation, r.claim_token), (State::Processing, t.claim.generation, t.claim.claim_token));
+    }
+}
+
+async fn a_worker_whose_lease_was_taken_over_cannot_act(backend: Backend) {
+    let store = open(&backend).await;
+    let s = key("paused");
+    claim(&store, &accept_req(&s, 1)).await;
+    let routes_short = [worker_route("create_order", SHORT)];
+    let a = take(&store, &routes_short, "worker-a").await.unwrap();
+    // Worker A is paused past its lease before sending; the reaper re-queues
+    // the operation (it never sent), and worker B takes it over.
+    tokio::time::sleep(PAST_SHORT).await;
+    assert_eq!(store.reap_leases(10, &[]).await.unwrap(), Reaped { unknown: 0, requeued: 1 });
+    let b = take(&store, &[worker_route("create_order", LONG)], "worker-b").await.unwrap();
+    assert!(b.claim.generation > a.claim.generation);
+    let held = row(&store, &s).await;
+    // A wakes up: nothing it tries applies.
+    assert_eq!(store.heartbeat(&a.claim, LONG).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(store.mark_sent(&a.claim).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(store.complete(&a.claim, &response(201, b"late"), LONG).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(store.requeue(&a.claim, Duration::ZERO, RetryNote::default()).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(store.fail(&a.claim, LONG, RetryNote::default()).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(store.mark_unknown(&a.claim).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(row(&store, &s).await, held, "B's attempt is untouched");
+    // B heartbeats, sends and completes.
+    assert_eq!(store.heartbeat(&b.claim, LONG).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(store.mark_sent(&b.claim).await.unwrap(), WriteOutcome::Written);
+    assert!(row(&store, &s).await.sent_at.is_some());
+    assert_eq!(store.complete(&b.claim, &response(201, b"done"), LONG).await.unwrap(), WriteOutcome::Written);
+    let done = row(&store, &s).await;
+    assert_eq!((done.state, done.attempts, done.response), (State::Completed, 2, Some(response(201, b"done"))));
+    assert_eq!(done.operation_id.as_deref(), Some("op_paused"), "the id survives every attempt");
+    // A worker whose lease ran out (not yet reaped) must not send.
+    let late = key("late-sender");
+    claim(&store, &accept_req(&late, 1)).await;
+    let l = take(&store, &routes_short, "worker-c").await.unwrap();
+    tokio::time::sleep(PAST_SHORT).await;
+    assert_eq!(store.mark_sent(&l.claim).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(row(&store, &late).await.sent_at, None);
+}
+
+async fn lease_expiry_requeues_what_was_never_sent_or_may_run_again(backend: Backend) {
+    let store = open(&backend).await;
+    let (sent, unsent, dedup) =
+        (key("sent"), scope("acme", "billing", "create_order", "unsent"), scope("acme", "billing", "charge", "dedup"));
+    for s in [&sent, &unsent, &dedup] {
+        claim(&store, &accept_req(s, 1)).await;
+    }
+    let routes = [worker_route("create_order", SHORT), worker_route("charge", SHORT)];
+    let mut held = Vec::new();
+    while let Some(t) = take(&store, &routes, "w").await {
+        if t.record.scope != unsent {
+            assert_eq!(store.mark_sent(&t.claim).await.unwrap(), WriteOutcome::Written);
+        }
+        held.push(t);
+    }
+    assert_eq!(held.len(), 3);
+    // A live lease is left alone.
+    assert_eq!(store.reap_leases(10, &["charge".into()]).await.unwrap(), Reaped::default());
+    tokio::time::sleep(PAST_SHORT).await;
+    // `charge` deduplicates upstream: its sent attempt may run again.
+    assert_eq!(store.reap_leases(10, &["charge".into()]).await.unwrap(), Reaped { unknown: 1, requeued: 2 });
+    assert_eq!(row(&store, &sent).await.state, State::Unknown, "sent to an upstream that does not deduplicate");
+    for s in [&unsent, &dedup] {
+        let r = row(&store, s).await;
+        assert_eq!((r.state, r.lease_expires_at, r.sent_at), (State::Queued, None, None), "{s:?}");
+    }
+    assert!(row(&store, &dedup).await.maybe_executed, "re-queued although sent: it may have executed");
+    assert!(!row(&store, &unsent).await.maybe_executed);
+    // The re-queued ones are due at once and taken again, attempt 2.
+    let again = take(&store, &routes, "w2").await.unwrap();
+    assert_eq!(again.record.attempts, 2);
+    assert_eq!(store.reap_leases(10, &[]).await.unwrap(), Reaped::default(), "nothing else expired");
+    // One that may have executed never ends failed_retryable: used-up retries end unknown.
+    while let Some(t) = take(&store, &routes, "w3").await {
+        let ended = store.fail(&t.claim, LONG, RetryNote::default()).await.unwrap();
+        assert_eq!(ended, WriteOutcome::Written);
+        let expected = if t.record.maybe_executed { State::Unknown } else { State::FailedRetryable };
+        assert_eq!(row(&store, &t.record.scope).await.state, expected, "{:?}", t.record.scope);
+    }
+    let again_sent = row(&store, &again.record.scope).await;
+    store.fail(&again.claim, LONG, RetryNote { last_status: None, maybe_executed: true }).await.unwrap();
+    assert_eq!(row(&store, &again.record.scope).await.state, State::Unknown, "this attempt's answer was lost: unknown ({again_sent:?})");
+}
+
+async fn retries_wait_their_backoff_then_fail_and_are_swept_after_retention(backend: Backend) {
+    let store = open(&backend).await;
+    let s = key("retried");
+    claim(&store, &accept_req(&s, 1)).await;
+    let routes = [worker_route("create_order", LONG)];
+    let t1 = take(&store, &routes, "w").await.unwrap();
+    let busy = RetryNote { last_status: Some(503), maybe_executed: false };
+    assert_eq!(store.requeue(&t1.claim, Duration::from_millis(400), busy).await.unwrap(), WriteOutcome::Written);
+    let queued = row(&store, &s).await;
+    assert_eq!((queued.state, queued.last_status, queued.lease_expires_at), (State::Queued, Some(503), None));
+    assert!(take(&store, &routes, "w").await.is_none(), "not due before its backoff");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let t2 = take(&store, &routes, "w").await.expect("due after the backoff");
+    assert_eq!(t2.record.attempts, 2);
+    // Used up: failed_retryable, kept for the retention, then swept.
+    assert_eq!(
+        store.fail(&t2.claim, SHORT, RetryNote { last_status: Some(429), maybe_executed: false }).await.unwrap(),
+        WriteOutcome::Written
+    );
+    let failed = row(&store, &s).await;
+    assert_eq!((failed.state, failed.last_status), (State::FailedRetryable, Some(429)));
+    let (seen, now) = existing(&store, &accept_req(&s, 1)).await;
+    assert_eq!(record::decide(&seen, &fp(1), now), record::Decision::Accepted, "within retention: the same operation");
+    assert_eq!(store.complete(&t2.claim, &response(201, b"late"), LONG).await.unwrap(), WriteOutcome::Fenced);
+    tokio::time::sleep(PAST_SHORT).await;
+    // Past retention a retry starts a new operation (new id), before or after the sweep.
+    let fresh = key("retried-again");
+    claim(&store, &accept_req(&fresh, 1)).await;
+    let f = take(&store, &routes, "w").await.unwrap();
+    store.fail(&f.claim, SHORT, RetryNote::default()).await.unwrap();
+    tokio::time::sleep(PAST_SHORT).await;
+    let mut renewed = accept_req(&fresh, 1);
+    renewed.acceptance.as_mut().unwrap().operation_id = "op_renewed".into();
+    let c = claim(&store, &renewed).await;
+    assert!(c.took_over);
+    assert_eq!(row(&store, &fresh).await.operation_id.as_deref(), Some("op_renewed"));
+    assert_eq!(store.sweep(10).await.unwrap(), 1, "the expired failed operation is swept");
+    assert_eq!(get(&store, &s).await, None);
+}
+
+async fn stats_count_records_that_are_not_completed(backend: Backend) {
+    let store = open(&backend).await;
+    claim(&store, &accept_req(&key("q1"), 1)).await;
+    claim(&store, &accept_req(&key("q2"), 1)).await;
+    let u = claim(&store, &req(&scope("acme", "billing", "refund", "u"), 1, LONG, false)).await;
+    store.mark_unknown(&u).await.unwrap();
+    let d = claim(&store, &req(&key("done"), 1, LONG, false)).await;
+    store.complete(&d, &response(201, b"x"), LONG).await.unwrap();
+    let before = store.now().await.unwrap();
+    let mut stats: Vec<(String, State, i64)> = store.stats().await.unwrap().into_iter().map(|c| (c.operation, c.state, c.count)).collect();
+    stats.sort_by_key(|(o, s, _)| (o.clone(), s.as_str()));
+    assert_eq!(stats, vec![("create_order".into(), State::Queued, 2), ("refund".into(), State::Unknown, 1)]);
+    for c in store.stats().await.unwrap() {
+        assert!(c.oldest_created_at <= before && c.oldest_updated_at <= before);
+    }
 }
 
 // ---------------------------------------------------------------------------

@@ -33,6 +33,8 @@ pub struct FileConfig {
     /// `[[identity.sources]]`, the only key of `[identity]`.
     pub identity_sources: Vec<Part<IdentitySourceSection>>,
     pub routes: Vec<Part<RouteSection>>,
+    /// `[workers]`: async operation workers on this replica.
+    pub workers: Part<WorkersSection>,
 }
 
 /// One section or list entry after stage one.
@@ -80,7 +82,7 @@ impl<T> Part<T> {
     }
 }
 
-const TOP_LEVEL: &str = "`server`, `store`, `admin`, `upstreams`, `identity`, `routes`";
+const TOP_LEVEL: &str = "`server`, `store`, `admin`, `upstreams`, `identity`, `routes`, `workers`";
 
 /// Stage one. Only a TOML syntax error stops early (nothing after it can be read);
 /// every other problem is recorded in `issues` with its TOML path and position.
@@ -99,6 +101,7 @@ pub(super) fn parse(text: &str, origin: &str, issues: &mut Issues) -> Result<Fil
             "upstreams" => file.upstreams = entries(text, "upstreams", value, &mut found),
             "routes" => file.routes = entries(text, "routes", value, &mut found),
             "identity" => file.identity_sources = identity(text, value, &mut found),
+            "workers" => file.workers = part(text, "workers", value, &mut found),
             other => unknown_key(text, "", other, key.span(), TOP_LEVEL, &mut found),
         }
     }
@@ -280,8 +283,28 @@ pub struct RouteSection {
     pub lease: Option<String>,
     pub mismatch_status: Option<i64>,
     pub forward_key: Option<String>,
+    /// Async mode: `Prefer: respond-async` is honoured on a sync route.
+    pub allow_async: Option<bool>,
+    /// Async mode: how often clients should poll (the 202's `Retry-After`).
+    pub poll_interval: Option<String>,
+    /// Async mode: retries of refused or declined attempts.
+    #[serde(default)]
+    pub retry: RetrySection,
     #[serde(default)]
     pub fingerprint: FingerprintSection,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetrySection {
+    pub max_attempts: Option<i64>,
+    pub backoff: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkersSection {
+    pub count: Option<i64>,
 }
 
 #[derive(Debug, Default, Deserialize)]

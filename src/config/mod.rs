@@ -53,6 +53,15 @@ pub struct Config {
     pub upstreams: Vec<UpstreamConfig>,
     pub identity: Vec<IdentitySource>,
     pub routes: Vec<Route>,
+    pub workers: WorkersConfig,
+}
+
+/// `[workers]`: how many async operations this replica runs at once.
+#[derive(Debug, Clone)]
+pub struct WorkersConfig {
+    /// Worker tasks taking queued operations (default 2; 0: a pure front
+    /// replica that accepts operations but never runs them).
+    pub count: usize,
 }
 
 #[derive(Debug, Clone)]

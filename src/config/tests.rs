@@ -160,7 +160,7 @@ release_on_status = [42]
 mismatch_status = 400
 lease = "5s"
 forward_key = "raw"
-mode = "async"
+mode = "later"
 fingerprint.exclude = ["no-slash"]
 fingerprint.headers = ["bad header"]
 "#;

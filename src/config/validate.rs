@@ -10,10 +10,10 @@ use ipnet::IpNet;
 
 use super::error::{ConfigError, Issues};
 use super::file::{FileConfig, IdentitySourceSection, Part, RouteSection, StoreSection, UpstreamSection};
-use super::{AdminConfig, Config, DEFAULT_SQLITE_PATH, Secret, ServerConfig, StoreBackend, StoreConfig, UpstreamConfig};
+use super::{AdminConfig, Config, DEFAULT_SQLITE_PATH, Secret, ServerConfig, StoreBackend, StoreConfig, UpstreamConfig, WorkersConfig};
 use crate::fingerprint::{FingerprintSpec, JsonPointer};
 use crate::identity::{Identity, IdentitySource};
-use crate::route::{ForwardKey, InFlightPolicy, PathTemplate, Route};
+use crate::route::{ForwardKey, InFlightPolicy, PathTemplate, RetryPolicy, Route, RouteMode};
 
 /// Longest accepted duration: beyond it, database interval arithmetic and
 /// timestamps overflow (PostgreSQL refuses the claim; SQLite would not).
@@ -54,13 +54,26 @@ pub(super) fn validate(raw: FileConfig, issues: Issues, origin: &str, env: &dyn 
             "nothing to serve: the file has no [[routes]] and no server.default_upstream (see config/idemgate.toml for an example)",
         );
     }
+    let workers = raw.workers.ok().and_then(|w| match w.count.unwrap_or(2) {
+        n @ 0..=256 => Some(WorkersConfig { count: n as usize }),
+        n => {
+            v.issues.push("workers.count", format!("must be 0-256, not {n}"));
+            None
+        }
+    });
     if !v.issues.list.is_empty() {
         return Err(ConfigError { file: origin.to_owned(), issues: v.issues.list });
     }
-    match (server, store, admin) {
-        (Some(server), Some(store), Some(admin)) => {
-            Ok(Config { server, store, admin, upstreams: upstreams.into_iter().filter_map(|u| u.config).collect(), identity, routes })
-        }
+    match (server, store, admin, workers) {
+        (Some(server), Some(store), Some(admin), Some(workers)) => Ok(Config {
+            server,
+            store,
+            admin,
+            upstreams: upstreams.into_iter().filter_map(|u| u.config).collect(),
+            identity,
+            routes,
+            workers,
+        }),
         _ => Err(ConfigError::single(origin, "", "invalid configuration")),
     }
 }
@@ -615,10 +628,32 @@ impl Validator<'_> {
                 None
             }
         });
-        match r.mode.as_deref() {
-            None | Some("sync") => {}
-            Some("async") => self.issues.push(format!("{p}.mode"), "async mode is not available in this version; use \"sync\""),
-            Some(other) => self.issues.push(format!("{p}.mode"), format!("unknown mode {other:?}: use \"sync\"")),
+        let mode = match r.mode.as_deref() {
+            None | Some("sync") => Some(RouteMode::Sync),
+            Some("async") => Some(RouteMode::Async),
+            Some(other) => {
+                self.issues.push(format!("{p}.mode"), format!("unknown mode {other:?}: use \"sync\" or \"async\""));
+                None
+            }
+        };
+        let is_async = mode == Some(RouteMode::Async) || r.allow_async == Some(true);
+        if mode == Some(RouteMode::Async) && r.allow_async.is_some() {
+            self.issues.push(format!("{p}.allow_async"), "only for sync routes (mode = \"async\" is always async)");
+        }
+        let poll_interval = self.duration(&format!("{p}.poll_interval"), r.poll_interval.as_deref(), "1s");
+        let poll_interval = self.at_least(&format!("{p}.poll_interval"), poll_interval, Duration::from_secs(1));
+        let max_attempts = match r.retry.max_attempts.unwrap_or(5) {
+            n @ 1..=100 => Some(n as u32),
+            n => {
+                self.issues.push(format!("{p}.retry.max_attempts"), format!("must be 1-100, not {n}"));
+                None
+            }
+        };
+        let backoff = self.duration(&format!("{p}.retry.backoff"), r.retry.backoff.as_deref(), "1s");
+        let backoff = self.at_least(&format!("{p}.retry.backoff"), backoff, Duration::from_millis(10));
+        if !is_async && (r.poll_interval.is_some() || r.retry.max_attempts.is_some() || r.retry.backoff.is_some()) {
+            self.issues
+                .push(format!("{p}.mode"), "poll_interval and retry apply to async routes: set mode = \"async\" or allow_async = true");
         }
         let key_header = self.header_name(&format!("{p}.key_header"), r.key_header.as_deref(), "idempotency-key");
         let retention = self.duration(&format!("{p}.retention"), r.retention.as_deref(), "24h");
@@ -644,7 +679,15 @@ impl Validator<'_> {
         let lease = match (r.lease.as_deref(), upstream_timeout) {
             (Some(l), timeout) => {
                 let lease = self.duration(&format!("{p}.lease"), Some(l), "");
-                if let (Some(lease), Some(timeout)) = (lease, timeout)
+                // Async attempts renew their lease by heartbeats (every third of
+                // it), so there it may be shorter than the upstream's timeout;
+                // a request that is also served synchronously needs the lease to
+                // outlast the whole exchange.
+                if mode == Some(RouteMode::Async) {
+                    if lease.is_some_and(|l| l < Duration::from_millis(300)) {
+                        self.issues.push(format!("{p}.lease"), "must be at least 300ms (heartbeats renew it every third)");
+                    }
+                } else if let (Some(lease), Some(timeout)) = (lease, timeout)
                     && lease <= timeout
                 {
                     self.issues.push(
@@ -694,6 +737,10 @@ impl Validator<'_> {
             mismatch_status: mismatch_status?,
             forward_key: forward_key?,
             fingerprint: fingerprint?,
+            mode: mode?,
+            allow_async: r.allow_async.unwrap_or(false),
+            poll_interval: poll_interval?,
+            retry: RetryPolicy { max_attempts: max_attempts?, backoff: backoff? },
         })
     }
 

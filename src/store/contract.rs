@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use bytes::Bytes;
 use uuid::Uuid;
 
 use super::StoreError;
@@ -34,6 +35,63 @@ pub struct ClaimRequest {
     /// Identifies this request's claim; read back after an ambiguous commit,
     /// and used to abandon a claim whose fate could not be learned.
     pub claim_token: Uuid,
+    /// Async: accept the operation (state `queued`, the request stored for
+    /// the workers) instead of claiming it for this request to forward.
+    pub acceptance: Option<Acceptance>,
+}
+
+/// What an async acceptance stores besides the claim.
+#[derive(Debug, Clone)]
+pub struct Acceptance {
+    /// The id clients poll.
+    pub operation_id: String,
+    /// The request to run, encoded (`operation::StoredRequest::encode`).
+    pub request: Bytes,
+}
+
+/// An async operation route a worker serves, with the lease its attempts get.
+#[derive(Debug, Clone)]
+pub struct WorkerRoute {
+    pub operation: Arc<str>,
+    pub lease: Duration,
+}
+
+/// An operation a worker took: the record (now `processing` under the new
+/// attempt), the stored request to run, and the attempt's claim.
+#[derive(Debug, Clone)]
+pub struct Taken {
+    pub record: Record,
+    pub request: Bytes,
+    pub claim: Claim,
+}
+
+/// How many records of an operation are in a state that is not `completed`,
+/// and since when the oldest is (for gauges and alerts).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StateCount {
+    pub operation: String,
+    pub state: State,
+    pub count: i64,
+    pub oldest_created_at: Timestamp,
+    pub oldest_updated_at: Timestamp,
+}
+
+/// Why an async attempt is retried (or failed).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RetryNote {
+    /// The upstream's status, if it answered (a `release_on_status`).
+    pub last_status: Option<u16>,
+    /// The attempt was sent and its answer lost.
+    pub maybe_executed: bool,
+}
+
+/// What one pass of the lease reaper did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Reaped {
+    /// Attempts whose outcome is now unknown.
+    pub unknown: u64,
+    /// Async attempts put back in the queue (never sent, or re-forwardable).
+    pub requeued: u64,
 }
 
 /// A claim this attempt holds: the right to forward and record a result under
@@ -57,6 +115,9 @@ impl Claim {
 
 /// What a claim found.
 #[derive(Debug, Clone)]
+// A record is a few hundred bytes and is moved once per request: boxing it
+// would cost an allocation on every replay for no gain.
+#[allow(clippy::large_enum_variant)]
 pub enum ClaimOutcome {
     Claimed(Claim),
     /// Another record holds the scope; `now` is the store's clock when read.
@@ -68,6 +129,7 @@ pub enum ClaimOutcome {
 
 /// What one claim statement found, before the protocol's read-back logic.
 #[derive(Debug, Clone)]
+#[allow(clippy::large_enum_variant)]
 pub enum RawClaim {
     /// Inserted, or took over an expired record.
     Claimed(Claim),
@@ -150,7 +212,7 @@ pub trait RecordStore: Send + Sync + std::fmt::Debug {
     /// it finds untouched and returns it.
     async fn claim(&self, req: &ClaimRequest) -> Result<RawClaim, StoreError>;
 
-    /// Deletes the in-flight record made with `claim_token`, if it exists.
+    /// Deletes the in-flight (or queued) record made with `claim_token`, if it exists.
     async fn abandon(&self, scope: &Scope, claim_token: Uuid) -> Result<bool, StoreError>;
 
     /// Records the upstream's response, fenced by `attempt`.
@@ -181,6 +243,37 @@ pub trait RecordStore: Send + Sync + std::fmt::Debug {
     /// Deletes up to `batch` completed records past retention.
     async fn sweep(&self, batch: u32) -> Result<u64, StoreError>;
 
-    /// Marks up to `batch` in-flight records whose lease expired `unknown`.
-    async fn reap_leases(&self, batch: u32) -> Result<u64, StoreError>;
+    /// Ends up to `batch` attempts whose lease expired (`record::transition`'s
+    /// `LeaseExpired`): synchronous ones become `unknown`; async ones are
+    /// re-queued if they were never sent or their operation is in
+    /// `reforwardable`, else `unknown`.
+    async fn reap_leases(&self, batch: u32, reforwardable: &[Arc<str>]) -> Result<Reaped, StoreError>;
+
+    /// Async: takes the oldest due `queued` operation of `routes` (never one
+    /// another worker is taking: `FOR UPDATE SKIP LOCKED` or the single
+    /// writer), draws a new generation for it, and makes it `processing`
+    /// under `claim_token` and the route's lease.
+    async fn take(&self, routes: &[WorkerRoute], owner: &str, claim_token: Uuid) -> Result<Option<Taken>, StoreError>;
+
+    /// Async: renews the attempt's lease; `false` when fenced (lost it).
+    async fn heartbeat(&self, scope: &Scope, attempt: Attempt, lease: Duration) -> Result<bool, StoreError>;
+
+    /// Async: records that the attempt is about to send; `false` when fenced
+    /// or when its lease has run out (then it must not send).
+    async fn mark_sent(&self, scope: &Scope, attempt: Attempt) -> Result<bool, StoreError>;
+
+    /// Async: back to the queue, due after `delay`. `maybe_executed`: this
+    /// attempt's answer was lost (the operation is re-run on a deduplicating
+    /// upstream); the record remembers it.
+    async fn requeue(&self, scope: &Scope, attempt: Attempt, delay: Duration, retry: RetryNote) -> Result<bool, StoreError>;
+
+    /// Async: retries used up: `failed_retryable` (kept for `retention`), or
+    /// `unknown` if this or an earlier attempt may have executed.
+    async fn fail(&self, scope: &Scope, attempt: Attempt, retention: Duration, retry: RetryNote) -> Result<bool, StoreError>;
+
+    /// Async: the operation with this id in this tenant.
+    async fn operation(&self, tenant: &str, operation_id: &str) -> Result<Option<(Record, Timestamp)>, StoreError>;
+
+    /// Records that are not `completed`, counted by operation and state.
+    async fn stats(&self) -> Result<Vec<StateCount>, StoreError>;
 }

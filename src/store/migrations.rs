@@ -18,6 +18,7 @@ pub const POSTGRES: &[Migration] = &[
         name: "0002_generations_settings_audit",
         sql: include_str!("../../migrations/postgres/0002_generations_settings_audit.sql"),
     },
+    Migration { version: 3, name: "0003_async_operations", sql: include_str!("../../migrations/postgres/0003_async_operations.sql") },
 ];
 
 pub const SQLITE: &[Migration] = &[
@@ -27,6 +28,7 @@ pub const SQLITE: &[Migration] = &[
         name: "0002_generations_settings_audit",
         sql: include_str!("../../migrations/sqlite/0002_generations_settings_audit.sql"),
     },
+    Migration { version: 3, name: "0003_async_operations", sql: include_str!("../../migrations/sqlite/0003_async_operations.sql") },
 ];
 
 /// The `idemgate_settings` row holding the derived-key secret.

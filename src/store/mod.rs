@@ -24,7 +24,10 @@ use std::time::{Duration, Instant};
 
 use uuid::Uuid;
 
-pub use contract::{Claim, ClaimOutcome, ClaimRequest, ListFilter, RawClaim, RecordStore, Resolution, ResolveOutcome, WriteOutcome};
+pub use contract::{
+    Acceptance, Claim, ClaimOutcome, ClaimRequest, ListFilter, RawClaim, Reaped, RecordStore, Resolution, ResolveOutcome, RetryNote,
+    StateCount, Taken, WorkerRoute, WriteOutcome,
+};
 pub use error::StoreError;
 
 use crate::audit::{AuditEntry, AuditNote};
@@ -32,6 +35,33 @@ use crate::config::{StoreBackend, StoreConfig};
 use crate::metrics::Metrics;
 use crate::record::{Attempt, Record, State, StoredResponse, Timestamp};
 use crate::scope::Scope;
+
+/// What a fenced write leaves behind, for reading it back after an
+/// ambiguous failure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Goal {
+    /// The record in this state, under our attempt.
+    State(State),
+    /// No record.
+    Deleted,
+    /// Our attempt, `processing`, with `sent_at` set.
+    Sent,
+    /// Cannot be told from the row (a heartbeat): retry while the attempt holds it.
+    Retry,
+    /// `failed_retryable` or `unknown` (a used-up async operation).
+    Ended,
+}
+
+impl Goal {
+    fn reached(self, r: &Record) -> bool {
+        match self {
+            Goal::State(s) => r.state == s,
+            Goal::Sent => r.state == State::Processing && r.sent_at.is_some(),
+            Goal::Ended => matches!(r.state, State::FailedRetryable | State::Unknown),
+            Goal::Deleted | Goal::Retry => false,
+        }
+    }
+}
 
 /// How a process uses the store; matters for the embedded store, which is
 /// one file that one gateway owns.
@@ -63,7 +93,7 @@ const AMBIGUITY_ATTEMPTS: usize = 3;
 /// Whether `record` is the claim made with `token` and still waiting for its
 /// result (an operator's resolution keeps the token but not the state).
 fn own_claim(record: &Record, token: Uuid) -> bool {
-    record.claim_token == token && record.state == State::InFlight
+    record.claim_token == token && matches!(record.state, State::InFlight | State::Queued)
 }
 
 /// The claim `req` holds, learned by reading its row back.
@@ -184,7 +214,7 @@ impl Store {
 
     /// Records the upstream's response under the claim's generation.
     pub async fn complete(&self, claim: &Claim, response: &StoredResponse, retention: Duration) -> Result<WriteOutcome, StoreError> {
-        self.fenced_write("complete", claim, Some(State::Completed), || {
+        self.fenced_write("complete", claim, Goal::State(State::Completed), || {
             self.backend.complete(&claim.scope, claim.attempt(), response, retention)
         })
         .await
@@ -193,13 +223,60 @@ impl Store {
     /// Frees the key: the request provably never reached the upstream, or the
     /// response must not be stored.
     pub async fn release(&self, claim: &Claim) -> Result<WriteOutcome, StoreError> {
-        self.fenced_write("release", claim, None, || self.backend.release(&claim.scope, claim.attempt())).await
+        self.fenced_write("release", claim, Goal::Deleted, || self.backend.release(&claim.scope, claim.attempt())).await
     }
 
     /// The request may have reached the upstream but its outcome is lost.
     pub async fn mark_unknown(&self, claim: &Claim) -> Result<WriteOutcome, StoreError> {
-        self.fenced_write("mark_unknown", claim, Some(State::Unknown), || self.backend.mark_unknown(&claim.scope, claim.attempt(), false))
-            .await
+        self.fenced_write("mark_unknown", claim, Goal::State(State::Unknown), || {
+            self.backend.mark_unknown(&claim.scope, claim.attempt(), false)
+        })
+        .await
+    }
+
+    /// Async: renews the attempt's lease.
+    pub async fn heartbeat(&self, claim: &Claim, lease: Duration) -> Result<WriteOutcome, StoreError> {
+        self.fenced_write("heartbeat", claim, Goal::Retry, || self.backend.heartbeat(&claim.scope, claim.attempt(), lease)).await
+    }
+
+    /// Async: durably notes that the attempt is about to send. `Fenced` also
+    /// when the lease ran out: the attempt must not send.
+    pub async fn mark_sent(&self, claim: &Claim) -> Result<WriteOutcome, StoreError> {
+        self.fenced_write("mark_sent", claim, Goal::Sent, || self.backend.mark_sent(&claim.scope, claim.attempt())).await
+    }
+
+    /// Async: the attempt did not reach the upstream (or was declined, or
+    /// its answer was lost on the way from a deduplicating upstream): the
+    /// operation is due again after `delay`.
+    pub async fn requeue(&self, claim: &Claim, delay: Duration, retry: RetryNote) -> Result<WriteOutcome, StoreError> {
+        self.fenced_write("requeue", claim, Goal::State(State::Queued), || {
+            self.backend.requeue(&claim.scope, claim.attempt(), delay, retry)
+        })
+        .await
+    }
+
+    /// Async: retries used up (`failed_retryable`, or `unknown` if an
+    /// attempt may have executed).
+    pub async fn fail(&self, claim: &Claim, retention: Duration, retry: RetryNote) -> Result<WriteOutcome, StoreError> {
+        self.fenced_write("fail", claim, Goal::Ended, || self.backend.fail(&claim.scope, claim.attempt(), retention, retry)).await
+    }
+
+    /// Async: takes the next due operation of `routes` for a worker.
+    pub async fn take(&self, routes: &[WorkerRoute], owner: &str) -> Result<Option<Taken>, StoreError> {
+        // A take whose answer is lost leaves an operation `processing` under
+        // a token nobody holds: its lease runs out and the reaper re-queues it
+        // (it was never sent). Reading it back is not needed.
+        self.bounded("take", true, self.backend.take(routes, owner, Uuid::new_v4())).await
+    }
+
+    /// Async: the operation with this id in this tenant.
+    pub async fn operation(&self, tenant: &str, operation_id: &str) -> Result<Option<(Record, Timestamp)>, StoreError> {
+        self.bounded("operation", false, self.backend.operation(tenant, operation_id)).await
+    }
+
+    /// Records not yet `completed`, by operation and state.
+    pub async fn stats(&self) -> Result<Vec<StateCount>, StoreError> {
+        self.bounded("stats", false, self.backend.stats()).await
     }
 
     /// A reader found an in-flight record whose lease expired: it becomes
@@ -215,17 +292,12 @@ impl Store {
         Ok(if written { WriteOutcome::Written } else { WriteOutcome::Fenced })
     }
 
-    /// Shared shape of the three fenced writes: on an ambiguous failure, read
-    /// the row back; if it still shows our generation in flight the write did
-    /// not happen and is retried; if it shows `goal` under our generation (for
-    /// a release, `goal` is `None`: the row is gone) it did.
-    async fn fenced_write<F, Fut>(
-        &self,
-        op: &'static str,
-        claim: &Claim,
-        goal: Option<State>,
-        attempt: F,
-    ) -> Result<WriteOutcome, StoreError>
+    /// Shared shape of the fenced writes: on an ambiguous failure, read the
+    /// row back. If it still shows our attempt holding the record (and not
+    /// yet at `goal`) the write did not happen and is retried; if it shows
+    /// the goal under our attempt, it did; anything else means another attempt
+    /// owns the record now.
+    async fn fenced_write<F, Fut>(&self, op: &'static str, claim: &Claim, goal: Goal, attempt: F) -> Result<WriteOutcome, StoreError>
     where
         F: Fn() -> Fut,
         Fut: Future<Output = Result<bool, StoreError>>,
@@ -237,18 +309,11 @@ impl Store {
                 Ok(false) => return Ok(self.fenced(op, claim)),
                 Err(e) if e.is_ambiguous() || matches!(e, StoreError::Unavailable(_)) => {
                     tracing::warn!(scope = %claim.scope.log_id(), error = %e, op, "write failed; reading the row back");
+                    let ours = |r: &Record| r.generation == claim.generation && r.claim_token == claim.claim_token;
                     match self.get(&claim.scope).await {
-                        Ok(Some((r, _)))
-                            if r.generation == claim.generation && r.claim_token == claim.claim_token && r.state == State::InFlight =>
-                        {
-                            last = e
-                        }
-                        Ok(Some((r, _)))
-                            if r.generation == claim.generation && r.claim_token == claim.claim_token && Some(r.state) == goal =>
-                        {
-                            return Ok(WriteOutcome::Written);
-                        }
-                        Ok(None) if goal.is_none() => return Ok(WriteOutcome::Written),
+                        Ok(Some((r, _))) if ours(&r) && goal.reached(&r) => return Ok(WriteOutcome::Written),
+                        Ok(Some((r, _))) if ours(&r) && r.state.is_attempt() => last = e,
+                        Ok(None) if goal == Goal::Deleted => return Ok(WriteOutcome::Written),
                         Ok(_) => return Ok(self.fenced(op, claim)),
                         Err(read) => last = StoreError::Ambiguous(format!("{e}; read-back failed: {read}")),
                     }
@@ -292,8 +357,8 @@ impl Store {
         self.bounded("sweep", true, self.backend.sweep(batch)).await
     }
 
-    /// Marks up to `batch` in-flight records whose lease expired as unknown.
-    pub async fn reap_leases(&self, batch: u32) -> Result<u64, StoreError> {
-        self.bounded("reap_leases", true, self.backend.reap_leases(batch)).await
+    /// Ends up to `batch` attempts whose lease expired (see `RecordStore::reap_leases`).
+    pub async fn reap_leases(&self, batch: u32, reforwardable: &[Arc<str>]) -> Result<Reaped, StoreError> {
+        self.bounded("reap_leases", true, self.backend.reap_leases(batch, reforwardable)).await
     }
 }

@@ -8,6 +8,7 @@
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::mpsc;
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -19,7 +20,10 @@ use uuid::Uuid;
 
 use super::codec::{decode_headers, encode_headers};
 use super::migrations::{DERIVED_KEY_SECRET, SQLITE, fresh_secret};
-use super::{Access, Claim, ClaimRequest, ListFilter, RawClaim, RecordStore, Resolution, ResolveOutcome, StoreError};
+use super::{
+    Access, Claim, ClaimRequest, ListFilter, RawClaim, Reaped, RecordStore, Resolution, ResolveOutcome, RetryNote, StateCount, StoreError,
+    Taken, WorkerRoute,
+};
 use crate::audit::{self, AuditEntry, AuditNote};
 use crate::fingerprint::Fingerprint;
 use crate::record::{Attempt, Event, Generation, Next, Record, Refused, State, StoredResponse, Timestamp, may_take_over, transition};
@@ -27,7 +31,8 @@ use crate::scope::{IdempotencyKey, Scope};
 use async_trait::async_trait;
 
 const COLUMNS: &str = "tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner, \
-     lease_expires_at, response_status, response_headers, response_body, created_at, updated_at, expires_at";
+     lease_expires_at, response_status, response_headers, response_body, created_at, updated_at, expires_at, \
+     operation_id, attempts, next_attempt_at, sent_at, last_status, maybe_executed";
 const KIND: &str = "sqlite";
 
 const PK: &str = "tenant = ?1 AND principal = ?2 AND operation = ?3 AND idempotency_key = ?4";
@@ -241,39 +246,46 @@ impl RecordStore for SqliteStore {
         let token = req.claim_token;
         self.write(move |tx, now| {
             let lease = now.plus(req.lease);
+            // An async acceptance starts queued (due now, no lease) with its request.
+            let (state, lease_col, due, operation_id, request, idempotent) = match &req.acceptance {
+                None => ("in_flight", Some(lease.0), None, None, None, req.upstream_idempotent),
+                Some(a) => ("queued", None, Some(now.0), Some(a.operation_id.as_str()), Some(&a.request[..]), false),
+            };
             let existing = get_tx(tx, &req.scope)?;
-            let (generation, took_over) = match existing {
-                None => {
-                    let next = next_generation(tx)?;
-                    let sql = format!(
-                        "INSERT INTO idemgate_records ({COLUMNS}) VALUES \
-                         (?1, ?2, ?3, ?4, ?5, 'in_flight', ?10, ?6, ?7, ?8, NULL, NULL, NULL, ?9, ?9, ?8)"
-                    );
-                    let [t, p, o, k] = pk(&req.scope);
-                    tx.prepare_cached(&sql)
-                        .and_then(|mut st| {
-                            st.execute(params![t, p, o, k, &req.request_hash.0[..], token.as_bytes(), &*req.owner, lease.0, now.0, next.0])
-                        })
-                        .map_err(err)?;
-                    (next, false)
-                }
-                Some(record) if may_take_over(&record, &req.request_hash, now, req.upstream_idempotent) => {
-                    let next = next_generation(tx)?;
-                    let sql = format!(
-                        "UPDATE idemgate_records SET request_hash = ?5, state = 'in_flight', generation = ?6, claim_token = ?7, \
-                         owner = ?8, lease_expires_at = ?9, response_status = NULL, response_headers = NULL, response_body = NULL, \
-                         created_at = ?10, updated_at = ?10, expires_at = ?9 WHERE {PK}"
-                    );
-                    let [t, p, o, k] = pk(&req.scope);
-                    tx.prepare_cached(&sql)
-                        .and_then(|mut st| {
-                            st.execute(params![t, p, o, k, &req.request_hash.0[..], next.0, token.as_bytes(), &*req.owner, lease.0, now.0])
-                        })
-                        .map_err(err)?;
-                    (next, true)
+            let took_over = match existing {
+                None => false,
+                Some(record) if may_take_over(&record, &req.request_hash, now, idempotent) => {
+                    delete(tx, &req.scope)?;
+                    true
                 }
                 Some(record) => return Ok(RawClaim::Existing(record, now)),
             };
+            let generation = next_generation(tx)?;
+            let sql = "INSERT INTO idemgate_records (tenant, principal, operation, idempotency_key, request_hash, state, generation, \
+                       claim_token, owner, lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at) \
+                       VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11, ?12, ?13, ?14, ?15)";
+            let [t, p, o, k] = pk(&req.scope);
+            tx.prepare_cached(sql)
+                .and_then(|mut st| {
+                    st.execute(params![
+                        t,
+                        p,
+                        o,
+                        k,
+                        &req.request_hash.0[..],
+                        state,
+                        generation.0,
+                        token.as_bytes(),
+                        &*req.owner,
+                        lease_col,
+                        now.0,
+                        lease.0,
+                        operation_id,
+                        request,
+                        due
+                    ])
+                })
+                .map_err(err)?;
             Ok(RawClaim::Claimed(Claim { scope: req.scope.clone(), generation, claim_token: token, lease_expires_at: lease, took_over }))
         })
         .await
@@ -299,7 +311,7 @@ impl RecordStore for SqliteStore {
         let scope = scope.clone();
         self.write(move |tx, _| {
             let Some(record) = get_tx(tx, &scope)? else { return Ok(false) };
-            if record.claim_token != token || record.state != State::InFlight {
+            if record.claim_token != token || !matches!(record.state, State::InFlight | State::Queued) {
                 return Ok(false);
             }
             delete(tx, &scope)?;
@@ -316,7 +328,7 @@ impl RecordStore for SqliteStore {
         self.write(move |tx, now| {
             let Some(record) = get_tx(tx, &scope2)? else { return Ok(false) };
             let mine = transition(&record, Event::MarkUnknown { attempt }, now).is_ok();
-            let expired = !only_if_lease_expired || transition(&record, Event::LeaseExpired, now).is_ok();
+            let expired = !only_if_lease_expired || transition(&record, Event::LeaseExpired { reforwardable: false }, now).is_ok();
             if mine && expired {
                 set_unknown(tx, &s, now)?;
                 Ok(true)
@@ -437,7 +449,7 @@ impl RecordStore for SqliteStore {
                 .execute(
                     "DELETE FROM idemgate_records WHERE (tenant, principal, operation, idempotency_key) IN (
                         SELECT tenant, principal, operation, idempotency_key FROM idemgate_records
-                        WHERE state = 'completed' AND expires_at <= ?1 ORDER BY expires_at LIMIT ?2)",
+                        WHERE state IN ('completed', 'failed_retryable') AND expires_at <= ?1 ORDER BY expires_at LIMIT ?2)",
                     params![now.0, i64::from(batch)],
                 )
                 .map_err(err)?;
@@ -446,19 +458,177 @@ impl RecordStore for SqliteStore {
         .await
     }
 
-    async fn reap_leases(&self, batch: u32) -> Result<u64, StoreError> {
+    async fn reap_leases(&self, batch: u32, reforwardable: &[Arc<str>]) -> Result<Reaped, StoreError> {
+        let reforwardable: Vec<Arc<str>> = reforwardable.to_vec();
         self.write(move |tx, now| {
-            let n = tx
-                .execute(
-                    "UPDATE idemgate_records SET state = 'unknown', updated_at = ?1
-                     WHERE (tenant, principal, operation, idempotency_key) IN (
-                        SELECT tenant, principal, operation, idempotency_key FROM idemgate_records
-                        WHERE state = 'in_flight' AND (lease_expires_at IS NULL OR lease_expires_at <= ?1)
-                        ORDER BY lease_expires_at LIMIT ?2)",
-                    params![now.0, i64::from(batch)],
+            let stale: Vec<Record> = {
+                let sql = format!(
+                    "SELECT {COLUMNS} FROM idemgate_records WHERE state IN ('in_flight', 'processing') \
+                     AND (lease_expires_at IS NULL OR lease_expires_at <= ?1) ORDER BY lease_expires_at LIMIT ?2"
+                );
+                let mut st = tx.prepare_cached(&sql).map_err(err)?;
+                let mut rows = st.query(params![now.0, i64::from(batch)]).map_err(err)?;
+                let mut out = Vec::new();
+                while let Some(row) = rows.next().map_err(err)? {
+                    out.push(decode(row)?);
+                }
+                out
+            };
+            let mut reaped = Reaped::default();
+            for record in stale {
+                let reforward = reforwardable.iter().any(|o| **o == *record.scope.operation);
+                match transition(&record, Event::LeaseExpired { reforwardable: reforward }, now) {
+                    Ok(Next::State { state: State::Queued, .. }) => {
+                        // Re-queued although it was sent: it may have executed.
+                        let assignments = if record.sent_at.is_some() {
+                            "state = 'queued', lease_expires_at = NULL, sent_at = NULL, next_attempt_at = ?5, maybe_executed = 1"
+                        } else {
+                            "state = 'queued', lease_expires_at = NULL, sent_at = NULL, next_attempt_at = ?5"
+                        };
+                        update_state(tx, &record.scope, assignments, now, None)?;
+                        reaped.requeued += 1;
+                    }
+                    Ok(Next::State { state: State::Unknown, .. }) => {
+                        set_unknown(tx, &record.scope, now)?;
+                        reaped.unknown += 1;
+                    }
+                    _ => {}
+                }
+            }
+            Ok(reaped)
+        })
+        .await
+    }
+
+    async fn take(&self, routes: &[WorkerRoute], owner: &str, claim_token: Uuid) -> Result<Option<Taken>, StoreError> {
+        let routes = routes.to_vec();
+        let owner = owner.to_owned();
+        self.write(move |tx, now| {
+            // The one writer thread serializes takes: no two workers can take
+            // one operation.
+            let mut found: Option<(Record, Vec<u8>)> = None;
+            {
+                let sql = format!(
+                    "SELECT {COLUMNS}, request FROM idemgate_records WHERE state = 'queued' AND next_attempt_at <= ?1 \
+                     ORDER BY next_attempt_at"
+                );
+                let mut st = tx.prepare_cached(&sql).map_err(err)?;
+                let mut rows = st.query(params![now.0]).map_err(err)?;
+                while let Some(row) = rows.next().map_err(err)? {
+                    let record = decode(row)?;
+                    if routes.iter().any(|r| *r.operation == *record.scope.operation) {
+                        let request: Vec<u8> = row.get(22).map_err(err)?;
+                        found = Some((record, request));
+                        break;
+                    }
+                }
+            }
+            let Some((record, request)) = found else { return Ok(None) };
+            let lease = routes.iter().find(|r| *r.operation == *record.scope.operation).map_or(Duration::ZERO, |r| r.lease);
+            let generation = next_generation(tx)?;
+            let [t, p, o, k] = pk(&record.scope);
+            tx.prepare_cached(&format!(
+                "UPDATE idemgate_records SET state = 'processing', generation = ?5, claim_token = ?6, owner = ?7, lease_expires_at = ?8, \
+                 attempts = attempts + 1, sent_at = NULL, next_attempt_at = NULL, updated_at = ?9 WHERE {PK}"
+            ))
+            .and_then(|mut st| st.execute(params![t, p, o, k, generation.0, claim_token.as_bytes(), owner, now.plus(lease).0, now.0]))
+            .map_err(err)?;
+            let record = get_tx(tx, &record.scope)?.ok_or_else(|| StoreError::Corrupt("taken operation vanished".into()))?;
+            let claim = Claim { scope: record.scope.clone(), generation, claim_token, lease_expires_at: now.plus(lease), took_over: true };
+            Ok(Some(Taken { record, request: request.into(), claim }))
+        })
+        .await
+    }
+
+    async fn heartbeat(&self, scope: &Scope, attempt: Attempt, lease: Duration) -> Result<bool, StoreError> {
+        let s = scope.clone();
+        self.fenced(scope, Event::Heartbeat { attempt }, move |tx, now, _| {
+            update_state(tx, &s, "lease_expires_at = ?5", now.plus(lease), None)
+        })
+        .await
+    }
+
+    async fn mark_sent(&self, scope: &Scope, attempt: Attempt) -> Result<bool, StoreError> {
+        let s = scope.clone();
+        self.fenced(scope, Event::MarkSent { attempt }, move |tx, now, _| update_state(tx, &s, "sent_at = ?5", now, None)).await
+    }
+
+    async fn requeue(&self, scope: &Scope, attempt: Attempt, delay: Duration, retry: RetryNote) -> Result<bool, StoreError> {
+        let s = scope.clone();
+        self.fenced(scope, Event::Requeue { attempt }, move |tx, now, _| {
+            update_state(
+                tx,
+                &s,
+                "state = 'queued', lease_expires_at = NULL, sent_at = NULL, next_attempt_at = ?5, last_status = ?6",
+                now.plus(delay),
+                retry.last_status,
+            )?;
+            if retry.maybe_executed {
+                update_state(tx, &s, "maybe_executed = 1", now, None)?;
+            }
+            touch(tx, &s, now)
+        })
+        .await
+    }
+
+    async fn fail(&self, scope: &Scope, attempt: Attempt, retention: Duration, retry: RetryNote) -> Result<bool, StoreError> {
+        let s = scope.clone();
+        let (scope, retry_note) = (scope.clone(), retry);
+        self.write(move |tx, now| {
+            let Some(mut record) = get_tx(tx, &scope)? else { return Ok(false) };
+            record.maybe_executed |= retry_note.maybe_executed;
+            let state = match transition(&record, Event::Fail { attempt }, now) {
+                Ok(Next::State { state, .. }) => state,
+                _ => return Ok(false),
+            };
+            let assignments = format!(
+                "state = '{}', maybe_executed = {}, lease_expires_at = NULL, expires_at = ?5, last_status = ?6",
+                state.as_str(),
+                i32::from(record.maybe_executed)
+            );
+            update_state(tx, &s, &assignments, now.plus(retention), retry_note.last_status)?;
+            touch(tx, &s, now)?;
+            Ok(true)
+        })
+        .await
+    }
+
+    async fn operation(&self, tenant: &str, operation_id: &str) -> Result<Option<(Record, Timestamp)>, StoreError> {
+        let (tenant, operation_id) = (tenant.to_owned(), operation_id.to_owned());
+        self.write(move |conn, now| {
+            let sql = format!("SELECT {COLUMNS} FROM idemgate_records WHERE tenant = ?1 AND operation_id = ?2");
+            let mut st = conn.prepare_cached(&sql).map_err(err)?;
+            let mut rows = st.query(params![tenant, operation_id]).map_err(err)?;
+            match rows.next().map_err(err)? {
+                Some(row) => Ok(Some((decode(row)?, now))),
+                None => Ok(None),
+            }
+        })
+        .await
+    }
+
+    async fn stats(&self) -> Result<Vec<StateCount>, StoreError> {
+        self.write(move |conn, _| {
+            let mut st = conn
+                .prepare_cached(
+                    "SELECT operation, state, count(*), min(created_at), min(updated_at) FROM idemgate_records \
+                     WHERE state <> 'completed' GROUP BY operation, state",
                 )
                 .map_err(err)?;
-            Ok(n as u64)
+            let mut rows = st.query([]).map_err(err)?;
+            let mut out = Vec::new();
+            while let Some(row) = rows.next().map_err(err)? {
+                let c = |e: rusqlite::Error| StoreError::Corrupt(e.to_string());
+                let state: String = row.get(1).map_err(c)?;
+                out.push(StateCount {
+                    operation: row.get(0).map_err(c)?,
+                    state: State::parse(&state).ok_or_else(|| StoreError::Corrupt(format!("unknown state {state:?}")))?,
+                    count: row.get(2).map_err(c)?,
+                    oldest_created_at: Timestamp(row.get(3).map_err(c)?),
+                    oldest_updated_at: Timestamp(row.get(4).map_err(c)?),
+                });
+            }
+            Ok(out)
         })
         .await
     }
@@ -576,6 +746,26 @@ fn delete(tx: &Connection, scope: &Scope) -> Result<(), StoreError> {
     tx.prepare_cached(&format!("DELETE FROM idemgate_records WHERE {PK}")).and_then(|mut st| st.execute(pk(scope))).map_err(err).map(drop)
 }
 
+/// `UPDATE ... SET <assignments> WHERE <pk>`, with `?5` = `at` and `?6` =
+/// `status` available to the assignments.
+fn update_state(tx: &Connection, scope: &Scope, assignments: &str, at: Timestamp, status: Option<u16>) -> Result<(), StoreError> {
+    let [t, p, o, k] = pk(scope);
+    let sql = format!("UPDATE idemgate_records SET {assignments} WHERE {PK}");
+    let mut st = tx.prepare_cached(&sql).map_err(err)?;
+    // Unused parameters are fine for SQLite only when they are not numbered
+    // past the statement's last one: bind just what the assignments use.
+    let result = if assignments.contains("?6") {
+        st.execute(params![t, p, o, k, at.0, status.map(i64::from)])
+    } else {
+        st.execute(params![t, p, o, k, at.0])
+    };
+    result.map_err(err).map(drop)
+}
+
+fn touch(tx: &Connection, scope: &Scope, now: Timestamp) -> Result<(), StoreError> {
+    update_state(tx, scope, "updated_at = ?5", now, None)
+}
+
 fn set_unknown(tx: &Connection, scope: &Scope, now: Timestamp) -> Result<(), StoreError> {
     let [t, p, o, k] = pk(scope);
     tx.prepare_cached(&format!("UPDATE idemgate_records SET state = 'unknown', updated_at = ?5 WHERE {PK}"))
@@ -684,5 +874,15 @@ fn decode(row: &rusqlite::Row<'_>) -> Result<Record, StoreError> {
         created_at: Timestamp(row.get(13).map_err(c)?),
         updated_at: Timestamp(row.get(14).map_err(c)?),
         expires_at: Timestamp(row.get(15).map_err(c)?),
+        operation_id: row.get(16).map_err(c)?,
+        attempts: row.get(17).map_err(c)?,
+        next_attempt_at: row.get::<_, Option<i64>>(18).map_err(c)?.map(Timestamp),
+        sent_at: row.get::<_, Option<i64>>(19).map_err(c)?.map(Timestamp),
+        last_status: row
+            .get::<_, Option<i64>>(20)
+            .map_err(c)?
+            .map(|s| u16::try_from(s).map_err(|_| StoreError::Corrupt(format!("last_status {s}"))))
+            .transpose()?,
+        maybe_executed: row.get(21).map_err(c)?,
     })
 }

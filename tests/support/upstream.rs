@@ -10,7 +10,8 @@
 //! - `x-test-body-bytes: N`  answer with an N-byte body
 //!
 //! With `dedupe` on, the upstream honours `Idempotency-Key` itself: a key it
-//! has seen is answered again without a new side effect.
+//! has seen is answered again at once (no sleep, no abort) without a new side
+//! effect.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -164,10 +165,14 @@ async fn handle(
     let generation = received.generation.clone();
     state.requests.lock().unwrap().push(received.clone());
     let _ = tx.send(received);
-    if let Some(ms) = header(h, "x-test-sleep-ms").and_then(|v| v.parse().ok()) {
+    // A deduplicated repeat is answered at once, as a deduplicating upstream
+    // returns its stored answer (the first execution did the slow work).
+    if let Some(ms) = header(h, "x-test-sleep-ms").and_then(|v| v.parse().ok())
+        && order.is_some()
+    {
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
-    if header(h, "x-test-abort") == Some("1") {
+    if header(h, "x-test-abort") == Some("1") && order.is_some() {
         return Err(std::io::Error::other("aborting on purpose"));
     }
     let status =

@@ -11,7 +11,10 @@ use uuid::Uuid;
 
 use super::codec::{decode_headers, encode_headers};
 use super::migrations::{DERIVED_KEY_SECRET, PG_LOCK_KEY, POSTGRES, fresh_secret};
-use super::{Claim, ClaimRequest, ListFilter, RawClaim, RecordStore, Resolution, ResolveOutcome, StoreError};
+use super::{
+    Acceptance, Claim, ClaimRequest, ListFilter, RawClaim, Reaped, RecordStore, Resolution, ResolveOutcome, RetryNote, StateCount,
+    StoreError, Taken, WorkerRoute,
+};
 use crate::audit::{self, AuditEntry, AuditNote};
 use crate::fingerprint::Fingerprint;
 use crate::record::{Attempt, Generation, Next, Record, State, StoredResponse, Timestamp, may_take_over, transition};
@@ -34,7 +37,10 @@ impl<'a> FromSql<'a> for Timestamp {
 }
 
 const COLUMNS: &str = "tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner, \
-     lease_expires_at, response_status, response_headers, response_body, created_at, updated_at, expires_at";
+     lease_expires_at, response_status, response_headers, response_body, created_at, updated_at, expires_at, \
+     operation_id, attempts, next_attempt_at, sent_at, last_status, maybe_executed";
+/// How many columns `COLUMNS` has: the next column of a row is at this index.
+const NCOLS: usize = 22;
 
 /// The claim: one statement, autocommitted. It reads the scope's row, takes it
 /// over if `record::may_take_over` allows (an UPDATE that re-checks the
@@ -42,37 +48,73 @@ const COLUMNS: &str = "tenant, principal, operation, idempotency_key, request_ha
 /// (`ON CONFLICT DO NOTHING`). At most one of the two writes acts. When neither
 /// does, nothing is written or locked, so a replay or a duplicate costs no
 /// commit; the row seen is returned with the database clock.
+///
+/// With an operation id (`$10`) it is an async acceptance: the record starts
+/// `queued` (due now, no lease) and keeps the request (`$11`) for the workers.
 const CLAIM: &str = "\
 WITH cur AS (
     SELECT tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
-           lease_expires_at, response_status, response_headers, response_body, created_at, updated_at, expires_at
+           lease_expires_at, response_status, response_headers, response_body, created_at, updated_at, expires_at,
+           operation_id, attempts, next_attempt_at, sent_at, last_status, maybe_executed
     FROM idemgate_records
     WHERE tenant = $1 AND principal = $2 AND operation = $3 AND idempotency_key = $4
 ), taken AS (
     UPDATE idemgate_records r SET
-        request_hash = $5, state = 'in_flight', generation = nextval('idemgate_generation'), claim_token = $6, owner = $7,
-        lease_expires_at = now() + $8::int8 * interval '1 microsecond',
+        request_hash = $5, state = CASE WHEN $10::text IS NULL THEN 'in_flight' ELSE 'queued' END,
+        generation = nextval('idemgate_generation'), claim_token = $6, owner = $7,
+        lease_expires_at = CASE WHEN $10::text IS NULL THEN now() + $8::int8 * interval '1 microsecond' END,
         response_status = NULL, response_headers = NULL, response_body = NULL,
-        created_at = now(), updated_at = now(), expires_at = now() + $8::int8 * interval '1 microsecond'
+        created_at = now(), updated_at = now(), expires_at = now() + $8::int8 * interval '1 microsecond',
+        operation_id = $10, request = $11, attempts = 0,
+        next_attempt_at = CASE WHEN $10::text IS NOT NULL THEN now() END, sent_at = NULL, last_status = NULL, maybe_executed = false
     WHERE r.tenant = $1 AND r.principal = $2 AND r.operation = $3 AND r.idempotency_key = $4
-      AND ((r.state = 'completed' AND r.expires_at <= now())
+      AND ((r.state IN ('completed', 'failed_retryable') AND r.expires_at <= now())
            OR ($9::bool AND r.request_hash = $5
                AND (r.state = 'unknown' OR (r.state = 'in_flight' AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())))))
-    RETURNING r.generation, r.lease_expires_at
+    RETURNING r.generation, coalesce(r.lease_expires_at, now())
 ), inserted AS (
     INSERT INTO idemgate_records
         (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
-         lease_expires_at, created_at, updated_at, expires_at)
-    SELECT $1, $2, $3, $4, $5, 'in_flight', nextval('idemgate_generation'), $6, $7,
-           now() + $8::int8 * interval '1 microsecond', now(), now(), now() + $8::int8 * interval '1 microsecond'
+         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at)
+    SELECT $1, $2, $3, $4, $5, CASE WHEN $10::text IS NULL THEN 'in_flight' ELSE 'queued' END, nextval('idemgate_generation'), $6, $7,
+           CASE WHEN $10::text IS NULL THEN now() + $8::int8 * interval '1 microsecond' END, now(), now(),
+           now() + $8::int8 * interval '1 microsecond', $10, $11, CASE WHEN $10::text IS NOT NULL THEN now() END
     WHERE NOT EXISTS (SELECT 1 FROM cur)
     ON CONFLICT (tenant, principal, operation, idempotency_key) DO NOTHING
-    RETURNING generation, lease_expires_at
+    RETURNING generation, coalesce(lease_expires_at, now())
 )
 SELECT cur.*, now(),
-       (SELECT generation FROM inserted), (SELECT lease_expires_at FROM inserted),
-       (SELECT generation FROM taken), (SELECT lease_expires_at FROM taken)
+       (SELECT generation FROM inserted), (SELECT coalesce FROM inserted),
+       (SELECT generation FROM taken), (SELECT coalesce FROM taken)
 FROM (SELECT 1) AS one LEFT JOIN cur ON true";
+
+/// A worker takes the oldest due operation of its routes: the row is locked
+/// with `SKIP LOCKED` (a concurrent worker takes the next one), drawn a new
+/// generation and token, and leased for its route's lease.
+const TAKE: &str = "\
+WITH routes AS (
+    SELECT * FROM unnest($1::text[], $2::int8[]) AS ro(operation, lease_us)
+), next AS (
+    SELECT r.tenant, r.principal, r.operation, r.idempotency_key
+    FROM idemgate_records r
+    WHERE r.state = 'queued' AND r.next_attempt_at <= now() AND r.operation = ANY($1::text[])
+    ORDER BY r.next_attempt_at
+    LIMIT 1
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE idemgate_records r SET
+    state = 'processing', generation = nextval('idemgate_generation'), claim_token = $3, owner = $4,
+    lease_expires_at = now() + ro.lease_us * interval '1 microsecond', attempts = r.attempts + 1, sent_at = NULL,
+    next_attempt_at = NULL, updated_at = now()
+FROM next n, routes ro
+WHERE r.tenant = n.tenant AND r.principal = n.principal AND r.operation = n.operation AND r.idempotency_key = n.idempotency_key
+  AND ro.operation = r.operation
+RETURNING r.tenant, r.principal, r.operation, r.idempotency_key, r.request_hash, r.state, r.generation, r.claim_token, r.owner,
+          r.lease_expires_at, r.response_status, r.response_headers, r.response_body, r.created_at, r.updated_at, r.expires_at,
+          r.operation_id, r.attempts, r.next_attempt_at, r.sent_at, r.last_status, r.maybe_executed, now(), r.request";
+
+/// A fenced async write: the attempt's generation and token, `processing`.
+const FENCE: &str = "generation = $5 AND claim_token = $6 AND state = 'processing'";
 
 const KIND: &str = "postgres";
 
@@ -248,7 +290,9 @@ impl PgStore {
                     &token,
                     &&*req.owner,
                     &micros(req.lease),
-                    &req.upstream_idempotent,
+                    &(req.upstream_idempotent && req.acceptance.is_none()),
+                    &req.acceptance.as_ref().map(|a| a.operation_id.as_str()),
+                    &req.acceptance.as_ref().map(|a| &a.request[..]),
                 ],
                 true,
             )
@@ -264,18 +308,19 @@ impl PgStore {
                 took_over,
             })
         };
-        if let (Some(g), Some(lease)) = (row.try_get::<_, Option<i64>>(17).map_err(c)?, row.try_get::<_, Option<Timestamp>>(18).map_err(c)?)
-        {
+        let pair = |i: usize| -> Result<Option<(i64, Timestamp)>, StoreError> {
+            Ok(row.try_get::<_, Option<i64>>(i).map_err(c)?.zip(row.try_get::<_, Option<Timestamp>>(i + 1).map_err(c)?))
+        };
+        if let Some((g, lease)) = pair(NCOLS + 1)? {
             return Ok(claimed(g, lease, false));
         }
-        if let (Some(g), Some(lease)) = (row.try_get::<_, Option<i64>>(19).map_err(c)?, row.try_get::<_, Option<Timestamp>>(20).map_err(c)?)
-        {
+        if let Some((g, lease)) = pair(NCOLS + 3)? {
             return Ok(claimed(g, lease, true));
         }
         if row.try_get::<_, Option<&str>>(0).map_err(c)?.is_none() {
             return Ok(RawClaim::Conflict);
         }
-        let now: Timestamp = row.try_get(16).map_err(c)?;
+        let now: Timestamp = row.try_get(NCOLS).map_err(c)?;
         Ok(RawClaim::Existing(decode(row)?, now))
     }
 
@@ -290,7 +335,7 @@ impl PgStore {
         let sql = format!(
             "UPDATE idemgate_records SET state = 'completed', response_status = $6, response_headers = $7, response_body = $8, \
              lease_expires_at = NULL, updated_at = now(), expires_at = now() + $9::int8 * interval '1 microsecond' \
-             WHERE {PK} AND generation = $5 AND claim_token = $10 AND state = 'in_flight' RETURNING 1"
+             WHERE {PK} AND generation = $5 AND claim_token = $10 AND state IN ('in_flight', 'processing') RETURNING 1"
         );
         let headers = encode_headers(&response.headers);
         let body: Option<&[u8]> = response.body.as_deref();
@@ -374,8 +419,14 @@ impl RecordStore for PgStore {
     async fn claim(&self, req: &ClaimRequest) -> Result<RawClaim, StoreError> {
         let token = req.claim_token;
         let s = &req.scope;
-        let item =
-            ClaimItem { scope: s.clone(), request_hash: req.request_hash, token, owner: req.owner.clone(), lease_us: micros(req.lease) };
+        let item = ClaimItem {
+            scope: s.clone(),
+            request_hash: req.request_hash,
+            token,
+            owner: req.owner.clone(),
+            lease_us: micros(req.lease),
+            acceptance: req.acceptance.clone(),
+        };
         match self.claims.submit(item).await? {
             BatchClaim::Inserted { generation, lease_expires_at } => {
                 Ok(RawClaim::Claimed(Claim { scope: s.clone(), generation, claim_token: token, lease_expires_at, took_over: false }))
@@ -395,7 +446,7 @@ impl RecordStore for PgStore {
         match rows.first() {
             None => Ok(None),
             Some(row) => {
-                let now: Timestamp = row.try_get(16).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+                let now: Timestamp = row.try_get(NCOLS).map_err(|e| StoreError::Corrupt(e.to_string()))?;
                 Ok(Some((decode(row)?, now)))
             }
         }
@@ -440,7 +491,7 @@ impl RecordStore for PgStore {
     }
 
     async fn abandon(&self, scope: &Scope, token: Uuid) -> Result<bool, StoreError> {
-        let sql = format!("DELETE FROM idemgate_records WHERE {PK} AND claim_token = $5 AND state = 'in_flight' RETURNING 1");
+        let sql = format!("DELETE FROM idemgate_records WHERE {PK} AND claim_token = $5 AND state IN ('in_flight', 'queued') RETURNING 1");
         let rows = self.query(&sql, &[&&*scope.tenant, &&*scope.principal, &&*scope.operation, &scope.key.as_str(), &token], true).await?;
         Ok(!rows.is_empty())
     }
@@ -448,7 +499,7 @@ impl RecordStore for PgStore {
     async fn mark_unknown(&self, scope: &Scope, attempt: Attempt, only_if_lease_expired: bool) -> Result<bool, StoreError> {
         let sql = format!(
             "UPDATE idemgate_records SET state = 'unknown', updated_at = now() \
-             WHERE {PK} AND generation = $5 AND claim_token = $7 AND state = 'in_flight' \
+             WHERE {PK} AND generation = $5 AND claim_token = $7 AND state IN ('in_flight', 'processing') \
              AND (NOT $6::bool OR lease_expires_at IS NULL OR lease_expires_at <= now()) RETURNING 1"
         );
         let rows = self
@@ -495,7 +546,7 @@ impl RecordStore for PgStore {
             return Ok(ResolveOutcome::NotFound);
         };
         let record = decode(row)?;
-        let now: Timestamp = row.try_get(16).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        let now: Timestamp = row.try_get(NCOLS).map_err(|e| StoreError::Corrupt(e.to_string()))?;
         let (to, generation): (Option<State>, Option<i64>) = match transition(&record, resolution.event(), now) {
             Err(refused) => {
                 tx.rollback().await.map_err(w)?;
@@ -577,25 +628,154 @@ impl RecordStore for PgStore {
     async fn sweep(&self, batch: u32) -> Result<u64, StoreError> {
         let sql = "WITH doomed AS (
                 SELECT tenant, principal, operation, idempotency_key FROM idemgate_records
-                WHERE state = 'completed' AND expires_at <= now()
+                WHERE state IN ('completed', 'failed_retryable') AND expires_at <= now()
                 ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED)
             DELETE FROM idemgate_records r USING doomed d
             WHERE r.tenant = d.tenant AND r.principal = d.principal AND r.operation = d.operation
-              AND r.idempotency_key = d.idempotency_key AND r.state = 'completed' AND r.expires_at <= now()
+              AND r.idempotency_key = d.idempotency_key AND r.state IN ('completed', 'failed_retryable') AND r.expires_at <= now()
             RETURNING 1";
         Ok(self.query(sql, &[&i64::from(batch)], true).await?.len() as u64)
     }
 
-    async fn reap_leases(&self, batch: u32) -> Result<u64, StoreError> {
+    async fn reap_leases(&self, batch: u32, reforwardable: &[Arc<str>]) -> Result<Reaped, StoreError> {
+        // record::transition's LeaseExpired, in SQL: sync attempts become
+        // unknown; async ones go back to the queue when they never sent (no
+        // sent_at) or their upstream deduplicates, else unknown.
         let sql = "WITH stale AS (
                 SELECT tenant, principal, operation, idempotency_key FROM idemgate_records
-                WHERE state = 'in_flight' AND (lease_expires_at IS NULL OR lease_expires_at <= now())
-                ORDER BY lease_expires_at LIMIT $1 FOR UPDATE SKIP LOCKED)
-            UPDATE idemgate_records r SET state = 'unknown', updated_at = now() FROM stale s
-            WHERE r.tenant = s.tenant AND r.principal = s.principal AND r.operation = s.operation
-              AND r.idempotency_key = s.idempotency_key AND r.state = 'in_flight' AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())
-            RETURNING 1";
-        Ok(self.query(sql, &[&i64::from(batch)], true).await?.len() as u64)
+                WHERE state IN ('in_flight', 'processing') AND (lease_expires_at IS NULL OR lease_expires_at <= now())
+                ORDER BY lease_expires_at LIMIT $1 FOR UPDATE SKIP LOCKED
+            ), decided AS (
+                SELECT s.*, (r.state = 'processing' AND (r.sent_at IS NULL OR r.operation = ANY($2::text[]))) AS requeue
+                FROM stale s JOIN idemgate_records r USING (tenant, principal, operation, idempotency_key)
+            )
+            UPDATE idemgate_records r SET
+                state = CASE WHEN d.requeue THEN 'queued' ELSE 'unknown' END,
+                lease_expires_at = CASE WHEN d.requeue THEN NULL ELSE r.lease_expires_at END,
+                next_attempt_at = CASE WHEN d.requeue THEN now() ELSE r.next_attempt_at END,
+                sent_at = CASE WHEN d.requeue THEN NULL ELSE r.sent_at END,
+                -- Re-queued although it was sent: it may have executed.
+                maybe_executed = r.maybe_executed OR (d.requeue AND r.sent_at IS NOT NULL),
+                updated_at = now()
+            FROM decided d
+            WHERE r.tenant = d.tenant AND r.principal = d.principal AND r.operation = d.operation
+              AND r.idempotency_key = d.idempotency_key AND r.state IN ('in_flight', 'processing')
+              AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())
+            RETURNING d.requeue";
+        let ops: Vec<&str> = reforwardable.iter().map(|o| &**o).collect();
+        let rows = self.query(sql, &[&i64::from(batch), &ops], true).await?;
+        let mut reaped = Reaped::default();
+        for row in &rows {
+            if row.try_get::<_, bool>(0).map_err(|e| StoreError::Corrupt(e.to_string()))? {
+                reaped.requeued += 1;
+            } else {
+                reaped.unknown += 1;
+            }
+        }
+        Ok(reaped)
+    }
+
+    async fn take(&self, routes: &[WorkerRoute], owner: &str, claim_token: Uuid) -> Result<Option<Taken>, StoreError> {
+        let ops: Vec<&str> = routes.iter().map(|r| &*r.operation).collect();
+        let leases: Vec<i64> = routes.iter().map(|r| micros(r.lease)).collect();
+        let rows = self.query(TAKE, &[&ops, &leases, &claim_token, &owner], true).await?;
+        let Some(row) = rows.first() else { return Ok(None) };
+        let record = decode(row)?;
+        let request: Vec<u8> = row.try_get(NCOLS + 1).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        let claim = Claim {
+            scope: record.scope.clone(),
+            generation: record.generation,
+            claim_token: record.claim_token,
+            lease_expires_at: record.lease_expires_at.unwrap_or(record.updated_at),
+            took_over: true,
+        };
+        Ok(Some(Taken { record, request: request.into(), claim }))
+    }
+
+    async fn heartbeat(&self, scope: &Scope, attempt: Attempt, lease: Duration) -> Result<bool, StoreError> {
+        let sql = format!(
+            "UPDATE idemgate_records SET lease_expires_at = now() + $7::int8 * interval '1 microsecond' WHERE {PK} AND {FENCE} RETURNING 1"
+        );
+        self.fenced_update(&sql, scope, attempt, &[&micros(lease)]).await
+    }
+
+    async fn mark_sent(&self, scope: &Scope, attempt: Attempt) -> Result<bool, StoreError> {
+        let sql = format!("UPDATE idemgate_records SET sent_at = now() WHERE {PK} AND {FENCE} AND lease_expires_at > now() RETURNING 1");
+        self.fenced_update(&sql, scope, attempt, &[]).await
+    }
+
+    async fn requeue(&self, scope: &Scope, attempt: Attempt, delay: Duration, retry: RetryNote) -> Result<bool, StoreError> {
+        let sql = format!(
+            "UPDATE idemgate_records SET state = 'queued', lease_expires_at = NULL, sent_at = NULL, \
+             next_attempt_at = now() + $7::int8 * interval '1 microsecond', last_status = $8, \
+             maybe_executed = maybe_executed OR $9, updated_at = now() WHERE {PK} AND {FENCE} RETURNING 1"
+        );
+        self.fenced_update(&sql, scope, attempt, &[&micros(delay), &retry.last_status.map(i32::from), &retry.maybe_executed]).await
+    }
+
+    async fn fail(&self, scope: &Scope, attempt: Attempt, retention: Duration, retry: RetryNote) -> Result<bool, StoreError> {
+        // record::transition's Fail: never "failed_retryable" once an attempt may have run.
+        let sql = format!(
+            "UPDATE idemgate_records SET \
+             state = CASE WHEN maybe_executed OR $9 THEN 'unknown' ELSE 'failed_retryable' END, \
+             maybe_executed = maybe_executed OR $9, lease_expires_at = NULL, \
+             expires_at = now() + $7::int8 * interval '1 microsecond', last_status = $8, updated_at = now() \
+             WHERE {PK} AND {FENCE} RETURNING 1"
+        );
+        self.fenced_update(&sql, scope, attempt, &[&micros(retention), &retry.last_status.map(i32::from), &retry.maybe_executed]).await
+    }
+
+    async fn operation(&self, tenant: &str, operation_id: &str) -> Result<Option<(Record, Timestamp)>, StoreError> {
+        let sql = format!("SELECT {COLUMNS}, now() FROM idemgate_records WHERE tenant = $1 AND operation_id = $2");
+        let rows = self.query(&sql, &[&tenant, &operation_id], false).await?;
+        match rows.first() {
+            None => Ok(None),
+            Some(row) => {
+                let now: Timestamp = row.try_get(NCOLS).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+                Ok(Some((decode(row)?, now)))
+            }
+        }
+    }
+
+    async fn stats(&self) -> Result<Vec<StateCount>, StoreError> {
+        let rows = self
+            .query(
+                "SELECT operation, state, count(*), min(created_at), min(updated_at) FROM idemgate_records \
+                 WHERE state <> 'completed' GROUP BY operation, state",
+                &[],
+                false,
+            )
+            .await?;
+        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+        rows.iter()
+            .map(|row| {
+                let state: &str = row.try_get(1).map_err(c)?;
+                Ok(StateCount {
+                    operation: row.try_get(0).map_err(c)?,
+                    state: State::parse(state).ok_or_else(|| StoreError::Corrupt(format!("unknown state {state:?}")))?,
+                    count: row.try_get(2).map_err(c)?,
+                    oldest_created_at: row.try_get(3).map_err(c)?,
+                    oldest_updated_at: row.try_get(4).map_err(c)?,
+                })
+            })
+            .collect()
+    }
+}
+
+impl PgStore {
+    /// An async write fenced by the attempt (`$5` generation, `$6` token,
+    /// state `processing`); `extra` are `$7...`.
+    async fn fenced_update(
+        &self,
+        sql: &str,
+        scope: &Scope,
+        attempt: Attempt,
+        extra: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<bool, StoreError> {
+        let (t, p, o, k) = (&*scope.tenant, &*scope.principal, &*scope.operation, scope.key.as_str());
+        let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = vec![&t, &p, &o, &k, &attempt.generation.0, &attempt.claim_token];
+        params.extend_from_slice(extra);
+        Ok(!self.query(sql, &params, true).await?.is_empty())
     }
 }
 
@@ -606,6 +786,7 @@ struct ClaimItem {
     token: Uuid,
     owner: Arc<str>,
     lease_us: i64,
+    acceptance: Option<Acceptance>,
 }
 
 /// What the batched claim found for one item.
@@ -643,28 +824,35 @@ enum BatchWrite {
 /// cycle; the answer comes back in input order.
 const CLAIM_BATCH: &str = "\
 WITH input AS (
-    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::uuid[], $7::text[], $8::int8[])
-        WITH ORDINALITY AS i(tenant, principal, operation, idempotency_key, request_hash, claim_token, owner, lease_us, ord)
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::uuid[], $7::text[], $8::int8[],
+                         $9::text[], $10::bytea[])
+        WITH ORDINALITY AS i(tenant, principal, operation, idempotency_key, request_hash, claim_token, owner, lease_us,
+                             operation_id, request, ord)
 ), cur AS (
     SELECT i.ord, r.tenant, r.principal, r.operation, r.idempotency_key, r.request_hash, r.state, r.generation, r.claim_token,
-           r.owner, r.lease_expires_at, r.response_status, r.response_headers, r.response_body, r.created_at, r.updated_at, r.expires_at
+           r.owner, r.lease_expires_at, r.response_status, r.response_headers, r.response_body, r.created_at, r.updated_at, r.expires_at,
+           r.operation_id, r.attempts, r.next_attempt_at, r.sent_at, r.last_status, r.maybe_executed
     FROM input i JOIN idemgate_records r
       ON r.tenant = i.tenant AND r.principal = i.principal AND r.operation = i.operation AND r.idempotency_key = i.idempotency_key
 ), inserted AS (
     INSERT INTO idemgate_records
         (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
-         lease_expires_at, created_at, updated_at, expires_at)
-    SELECT i.tenant, i.principal, i.operation, i.idempotency_key, i.request_hash, 'in_flight', nextval('idemgate_generation'), i.claim_token, i.owner,
-           now() + i.lease_us * interval '1 microsecond', now(), now(), now() + i.lease_us * interval '1 microsecond'
+         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at)
+    SELECT i.tenant, i.principal, i.operation, i.idempotency_key, i.request_hash,
+           CASE WHEN i.operation_id IS NULL THEN 'in_flight' ELSE 'queued' END, nextval('idemgate_generation'), i.claim_token, i.owner,
+           CASE WHEN i.operation_id IS NULL THEN now() + i.lease_us * interval '1 microsecond' END, now(), now(),
+           now() + i.lease_us * interval '1 microsecond', i.operation_id, i.request,
+           CASE WHEN i.operation_id IS NOT NULL THEN now() END
     FROM input i
     WHERE NOT EXISTS (SELECT 1 FROM cur c WHERE c.ord = i.ord)
     ORDER BY i.tenant, i.principal, i.operation, i.idempotency_key
     ON CONFLICT (tenant, principal, operation, idempotency_key) DO NOTHING
-    RETURNING claim_token, generation, lease_expires_at
+    RETURNING claim_token, generation, coalesce(lease_expires_at, now()) AS lease
 )
 SELECT c.tenant, c.principal, c.operation, c.idempotency_key, c.request_hash, c.state, c.generation, c.claim_token,
        c.owner, c.lease_expires_at, c.response_status, c.response_headers, c.response_body, c.created_at, c.updated_at,
-       c.expires_at, now(), ins.generation, ins.lease_expires_at
+       c.expires_at, c.operation_id, c.attempts, c.next_attempt_at, c.sent_at, c.last_status, c.maybe_executed, now(), ins.generation,
+       ins.lease
 FROM input i
 LEFT JOIN cur c ON c.ord = i.ord
 LEFT JOIN inserted ins ON ins.claim_token = i.claim_token
@@ -679,7 +867,7 @@ FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int8[], $6::int4
     WITH ORDINALITY AS v(tenant, principal, operation, idempotency_key, generation, status, headers, body, retention_us, claim_token, ord)
 WHERE r.tenant = v.tenant AND r.principal = v.principal AND r.operation = v.operation
   AND r.idempotency_key = v.idempotency_key AND r.generation = v.generation AND r.claim_token = v.claim_token
-  AND r.state = 'in_flight'
+  AND r.state IN ('in_flight', 'processing')
 RETURNING v.ord";
 
 /// The primary-key columns of a batch, as the arrays its statement unnests.
@@ -729,8 +917,10 @@ impl Db {
         let tokens: Vec<Uuid> = items.iter().map(|i| i.token).collect();
         let leases: Vec<i64> = items.iter().map(|i| i.lease_us).collect();
         let owners: Vec<&str> = items.iter().map(|i| &*i.owner).collect();
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 8] =
-            [&tenants, &principals, &operations, &keys, &hashes, &tokens, &owners, &leases];
+        let operation_ids: Vec<Option<&str>> = items.iter().map(|i| i.acceptance.as_ref().map(|a| a.operation_id.as_str())).collect();
+        let requests: Vec<Option<&[u8]>> = items.iter().map(|i| i.acceptance.as_ref().map(|a| &a.request[..])).collect();
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 10] =
+            [&tenants, &principals, &operations, &keys, &hashes, &tokens, &owners, &leases, &operation_ids, &requests];
         let rows = match self.bounded_query(CLAIM_BATCH, &params).await {
             Ok(rows) => rows,
             Err(e) if is_deadlock(&e) => return Ok((0..n).map(|_| BatchClaim::Retry).collect()),
@@ -739,15 +929,15 @@ impl Db {
         let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
         rows.iter()
             .map(|row| {
-                let generation: Option<i64> = row.try_get(17).map_err(c)?;
-                let lease: Option<Timestamp> = row.try_get(18).map_err(c)?;
+                let generation: Option<i64> = row.try_get(NCOLS + 1).map_err(c)?;
+                let lease: Option<Timestamp> = row.try_get(NCOLS + 2).map_err(c)?;
                 if let (Some(g), Some(lease)) = (generation, lease) {
                     return Ok(BatchClaim::Inserted { generation: Generation(g), lease_expires_at: lease });
                 }
                 if row.try_get::<_, Option<&str>>(0).map_err(c)?.is_none() {
                     return Ok(BatchClaim::Conflict);
                 }
-                let now: Timestamp = row.try_get(16).map_err(c)?;
+                let now: Timestamp = row.try_get(NCOLS).map_err(c)?;
                 Ok(BatchClaim::Existing(Box::new(decode(row)?), now))
             })
             .collect()
@@ -834,5 +1024,15 @@ fn decode(row: &Row) -> Result<Record, StoreError> {
         created_at: row.try_get(13).map_err(c)?,
         updated_at: row.try_get(14).map_err(c)?,
         expires_at: row.try_get(15).map_err(c)?,
+        operation_id: row.try_get(16).map_err(c)?,
+        attempts: row.try_get(17).map_err(c)?,
+        next_attempt_at: row.try_get(18).map_err(c)?,
+        sent_at: row.try_get(19).map_err(c)?,
+        last_status: row
+            .try_get::<_, Option<i32>>(20)
+            .map_err(c)?
+            .map(|s| u16::try_from(s).map_err(|_| StoreError::Corrupt(format!("last_status {s}"))))
+            .transpose()?,
+        maybe_executed: row.try_get(21).map_err(c)?,
     })
 }
