@@ -24,7 +24,7 @@ pub fn spawn_all(
     reforwardable: Vec<Arc<str>>,
     shutdown: CancellationToken,
 ) {
-    let (interval, batch) = (config.sweep_interval, config.sweep_batch);
+    let (interval, batch, events_retention) = (config.sweep_interval, config.sweep_batch, config.events_retention);
     {
         let (store, metrics, shutdown) = (store.clone(), metrics.clone(), shutdown.clone());
         tracker.spawn(periodic("sweeper", interval, shutdown, move || {
@@ -32,7 +32,10 @@ pub fn spawn_all(
             async move {
                 let n = drain_batches(batch, || store.sweep(batch)).await?;
                 metrics.swept(n);
-                Ok(n)
+                // Delivered outbox events past their retention (pending and
+                // parked ones are never deleted).
+                let events = drain_batches(batch, || store.sweep_events(batch, events_retention)).await?;
+                Ok(n + events)
             }
         }));
     }
@@ -76,8 +79,9 @@ pub fn spawn_all(
     tracker.spawn(periodic("record_counter", STATS_INTERVAL.min(interval), shutdown, move || {
         let (store, metrics) = (store.clone(), metrics.clone());
         async move {
-            let (counts, now) = (store.stats().await?, store.now().await?);
+            let (counts, events, now) = (store.stats().await?, store.event_stats().await?, store.now().await?);
             metrics.set_record_counts(&counts, now);
+            metrics.set_event_stats(&events, now);
             Ok(0)
         }
     }));

@@ -97,6 +97,10 @@ impl Gateway {
         self.wake_workers.clone()
     }
 
+    pub fn routes(&self) -> Vec<Arc<Route>> {
+        self.router.routes().to_vec()
+    }
+
     /// The routes whose operations may run asynchronously.
     pub fn async_routes(&self) -> Vec<Arc<Route>> {
         self.router.routes().iter().filter(|r| r.mode == RouteMode::Async || r.allow_async).cloned().collect()

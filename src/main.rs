@@ -15,6 +15,7 @@ use idemgate::audit::Actor;
 use idemgate::config::{Config, DEFAULT_CONFIG_PATH};
 use idemgate::keys::{ResolveAction, ResolveError, ResolveRequest};
 use idemgate::logging::{self, ErrorChain, LogSettings};
+use idemgate::outbox::Delivery;
 use idemgate::record::State;
 use idemgate::scope::{IdempotencyKey, Scope};
 use idemgate::server::Server;
@@ -46,8 +47,31 @@ enum Command {
     /// Inspect and reconcile records.
     #[command(subcommand)]
     Keys(KeysCommand),
+    /// The outbox: completion events and their delivery.
+    #[command(subcommand)]
+    Events(EventsCommand),
     /// Start a demo order service and the gateway in front of it (embedded store).
     Demo(idemgate::demo::DemoArgs),
+}
+
+#[derive(Subcommand)]
+enum EventsCommand {
+    /// List events, oldest first (all, or only pending or parked ones).
+    List {
+        #[arg(long, conflicts_with = "parked")]
+        pending: bool,
+        #[arg(long)]
+        parked: bool,
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Deliver an event again (a parked one, or a sent one), from its first attempt, with the same id.
+    Redeliver {
+        /// The event id (Idemgate-Event-Id).
+        id: uuid::Uuid,
+    },
 }
 
 #[derive(Subcommand)]
@@ -202,6 +226,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
         }
         Command::Keys(cmd) => return keys(&config, cmd).await,
+        Command::Events(cmd) => return events(&config, cmd).await,
         Command::Demo(_) => unreachable!("handled above"),
     }
     Ok(ExitCode::SUCCESS)
@@ -219,6 +244,37 @@ fn say(text: &str) {
     let _ = emit(text);
 }
 
+async fn events(config: &Config, cmd: EventsCommand) -> anyhow::Result<ExitCode> {
+    let store = Store::open(&config.store, Access::Existing).await.context("opening the store")?;
+    match cmd {
+        EventsCommand::List { pending, parked, limit, json } => {
+            let delivery = if pending {
+                Some(Delivery::Pending)
+            } else if parked {
+                Some(Delivery::Parked)
+            } else {
+                None
+            };
+            let events = store.events(delivery, limit).await?;
+            if json {
+                let list: Vec<_> = events.iter().map(idemgate::outbox::event_json).collect();
+                emit(&format!("{}\n", serde_json::to_string_pretty(&list)?))?;
+            } else {
+                emit(&idemgate::outbox::events_table(&events))?;
+            }
+        }
+        EventsCommand::Redeliver { id } => {
+            if store.redeliver(id).await? {
+                say(&format!("event {id} will be delivered again\n"));
+            } else {
+                logging::stderr_best_effort(&format!("no event {id}\n"));
+                return Ok(ExitCode::from(1));
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 fn scope(args: &ScopeArgs) -> anyhow::Result<Scope> {
     Ok(Scope {
         tenant: args.tenant.as_str().into(),
@@ -233,7 +289,11 @@ async fn keys(config: &Config, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
     // give them more than the request path's per-statement bound.
     let mut store_config = config.store.clone();
     store_config.operation_timeout = store_config.operation_timeout.max(Duration::from_secs(60));
-    let store = Store::open(&store_config, Access::Existing).await.context("opening the store")?;
+    // Resolutions write the routes' completion events like the gateway does.
+    let store = Store::open(&store_config, Access::Existing)
+        .await
+        .context("opening the store")?
+        .with_events(idemgate::outbox::EventPolicies::from_routes(&config.routes));
     let secret = match &config.server.derived_key_secret {
         Some(s) => Some(s.expose().as_bytes().to_vec()),
         None => store.derived_key_secret().await.context("reading the derived-key secret")?,

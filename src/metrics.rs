@@ -148,6 +148,15 @@ pub struct Metrics {
     requeued: Counter,
     /// Every `records`/`oldest` series created so far (to zero emptied ones).
     record_series: Mutex<HashSet<StateLabels>>,
+    deliveries: Family<DeliveryLabels, Counter>,
+    events_pending: Gauge,
+    events_parked: Gauge,
+    events_oldest_pending: Gauge<f64, std::sync::atomic::AtomicU64>,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DeliveryLabels {
+    outcome: &'static str,
 }
 
 impl Default for Metrics {
@@ -191,6 +200,17 @@ impl Metrics {
         registry.register("async_attempts", "Async attempts by operation and how they ended", attempts.clone());
         let requeued = Counter::default();
         registry.register("requeued_leases", "Async attempts whose lease expired and that went back to the queue", requeued.clone());
+        let deliveries = Family::<DeliveryLabels, Counter>::default();
+        registry.register("event_deliveries", "Outbox event deliveries by outcome (delivered, failed, parked)", deliveries.clone());
+        for outcome in ["delivered", "failed", "parked"] {
+            let _ = deliveries.get_or_create(&DeliveryLabels { outcome });
+        }
+        let events_pending = Gauge::default();
+        registry.register("events_pending", "Outbox events waiting for delivery", events_pending.clone());
+        let events_parked = Gauge::default();
+        registry.register("events_parked", "Outbox events parked after max_attempts failed deliveries", events_parked.clone());
+        let events_oldest_pending = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        registry.register("events_oldest_pending_age_seconds", "Age of the oldest pending outbox event", events_oldest_pending.clone());
         Metrics {
             registry,
             requests,
@@ -206,6 +226,10 @@ impl Metrics {
             attempts,
             requeued,
             record_series: Mutex::default(),
+            deliveries,
+            events_pending,
+            events_parked,
+            events_oldest_pending,
         }
     }
 
@@ -251,6 +275,16 @@ impl Metrics {
 
     pub fn attempt(&self, operation: &str, outcome: AttemptOutcome) {
         self.attempts.get_or_create(&AttemptLabels { operation: operation.to_owned(), outcome: outcome.as_str() }).inc();
+    }
+
+    pub fn event_delivery(&self, outcome: &'static str) {
+        self.deliveries.get_or_create(&DeliveryLabels { outcome }).inc();
+    }
+
+    pub fn set_event_stats(&self, stats: &crate::store::EventStats, now: crate::record::Timestamp) {
+        self.events_pending.set(stats.pending);
+        self.events_parked.set(stats.parked);
+        self.events_oldest_pending.set(stats.oldest_pending_at.map_or(0.0, |at| at.until(now).as_secs_f64()));
     }
 
     pub fn requeued(&self, n: u64) {

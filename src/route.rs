@@ -211,6 +211,8 @@ pub struct Route {
     /// Async: the 202's `Retry-After` and the status document's poll interval.
     pub poll_interval: Duration,
     pub retry: RetryPolicy,
+    /// Completion events for this route's final state changes (the outbox).
+    pub events: Option<crate::outbox::EventsConfig>,
 }
 
 /// The routing decision for one request.
@@ -325,6 +327,7 @@ mod tests {
             allow_async: false,
             poll_interval: Duration::from_secs(1),
             retry: RetryPolicy { max_attempts: 5, backoff: Duration::from_secs(1) },
+            events: None,
         }
     }
 

@@ -20,6 +20,8 @@ use crate::background;
 use crate::config::Config;
 use crate::gateway::Gateway;
 use crate::metrics::Metrics;
+use crate::outbox::EventPolicies;
+use crate::relay::Relay;
 use crate::route::RouteMode;
 use crate::store::{Access, Store, StoreError};
 use crate::worker::Workers;
@@ -53,7 +55,10 @@ impl Server {
     /// unless `store.migrate = false`, and binds the listeners.
     pub async fn bind(config: Config) -> Result<Server, ServeError> {
         let metrics = Arc::new(Metrics::new());
-        let store = Store::open(&config.store, Access::Serve).await?.with_metrics(metrics.clone());
+        let store = Store::open(&config.store, Access::Serve)
+            .await?
+            .with_metrics(metrics.clone())
+            .with_events(EventPolicies::from_routes(&config.routes));
         if config.store.migrate {
             let applied = store.migrate().await?;
             if !applied.is_empty() {
@@ -119,6 +124,9 @@ impl Server {
             gateway.reforwardable_operations(),
             shutdown.clone(),
         );
+        if let Some(relay) = Relay::new(&gateway.routes(), gateway.store().clone(), metrics.clone()) {
+            background.spawn(relay.run(shutdown.clone()));
+        }
         // Async workers run on this runtime, on the connections' tracker: the
         // drain waits for the attempts they hold.
         let replica: Arc<str> = config.server.replica_id.as_str().into();

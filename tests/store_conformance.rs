@@ -20,6 +20,7 @@ use idemgate::audit::{Actor, AuditNote};
 use idemgate::config::{Secret, StoreBackend, StoreConfig};
 use idemgate::fingerprint::Fingerprint;
 use idemgate::metrics::Metrics;
+use idemgate::outbox::{Delivery, EventPolicies, EventType, EventsConfig, OutboxEvent};
 use idemgate::record::{self, Generation, Record, Refused, State, StoredResponse, Timestamp};
 use idemgate::scope::{IdempotencyKey, Scope};
 use idemgate::store::{
@@ -58,6 +59,9 @@ on_both_stores!(
     lease_expiry_requeues_what_was_never_sent_or_may_run_again,
     retries_wait_their_backoff_then_fail_and_are_swept_after_retention,
     stats_count_records_that_are_not_completed,
+    final_state_changes_write_their_events_and_nothing_else_does,
+    a_change_and_its_event_commit_or_fail_together,
+    relays_hold_each_event_alone_in_order_per_scope,
 );
 
 // ---------------------------------------------------------------------------
@@ -76,7 +80,14 @@ fn store_config(backend: &Backend, timeout: Duration, pool_size: usize) -> Store
         Backend::Postgres { url } => StoreBackend::Postgres { url: Secret::new(url.clone()), pool_size },
         Backend::Sqlite { path, .. } => StoreBackend::Sqlite { path: path.clone() },
     };
-    StoreConfig { backend, migrate: true, operation_timeout: timeout, sweep_interval: Duration::from_secs(1), sweep_batch: 100 }
+    StoreConfig {
+        backend,
+        migrate: true,
+        operation_timeout: timeout,
+        sweep_interval: Duration::from_secs(1),
+        sweep_batch: 100,
+        events_retention: Duration::from_secs(3600),
+    }
 }
 
 async fn open_with(backend: &Backend, timeout: Duration, pool_size: usize) -> Store {
@@ -1094,6 +1105,194 @@ async fn stats_count_records_that_are_not_completed(backend: Backend) {
     for c in store.stats().await.unwrap() {
         assert!(c.oldest_created_at <= before && c.oldest_updated_at <= before);
     }
+}
+
+// ---------------------------------------------------------------------------
+// The outbox (CONTRACT section 9), on both stores
+
+fn events_config(include_body: bool) -> EventsConfig {
+    EventsConfig {
+        url: "http://127.0.0.1:9/hook".parse().unwrap(),
+        secret: None,
+        timeout: Duration::from_secs(1),
+        max_attempts: 3,
+        emit: EventType::ALL.to_vec(),
+        include_key: false,
+        include_body,
+    }
+}
+
+/// A store whose `create_order` and `charge` operations emit events (charge with bodies).
+async fn open_with_events(backend: &Backend) -> Store {
+    let (plain, with_body) = (events_config(false), events_config(true));
+    let (op, charge): (Arc<str>, Arc<str>) = ("create_order".into(), "charge".into());
+    open(backend).await.with_events(EventPolicies::new([(&op, &plain), (&charge, &with_body)]))
+}
+
+async fn all_events(store: &Store) -> Vec<OutboxEvent> {
+    store.events(None, 1000).await.expect("events")
+}
+
+async fn final_state_changes_write_their_events_and_nothing_else_does(backend: Backend) {
+    let store = open_with_events(&backend).await;
+    // Completed by its attempt.
+    let done = key("done");
+    let c = claim(&store, &req(&done, 1, LONG, false)).await;
+    store.complete(&c, &response(201, b"order"), LONG).await.unwrap();
+    // Unknown by its attempt.
+    let lost = key("lost");
+    let c = claim(&store, &req(&lost, 1, LONG, false)).await;
+    store.mark_unknown(&c).await.unwrap();
+    // Released by its attempt (upstream refused): not a final state, no event.
+    let refused = key("refused");
+    let c = claim(&store, &req(&refused, 1, LONG, false)).await;
+    store.release(&c).await.unwrap();
+    // An operation without [routes.events]: nothing.
+    let quiet = scope("acme", "billing", "quiet_op", "q");
+    let c = claim(&store, &req(&quiet, 1, LONG, false)).await;
+    store.complete(&c, &response(201, b"x"), LONG).await.unwrap();
+    // Resolutions by an operator.
+    let n = AuditNote { actor: Actor::Admin, reason: "checked".into(), forced: false };
+    store.resolve(&lost, &Resolution::Release { force: false }, &n).await.unwrap();
+    // Lease expired in flight, reaped.
+    let reaped = key("reaped");
+    claim(&store, &req(&reaped, 1, SHORT, false)).await;
+    // Async: failed, and failed after an attempt that may have run (unknown).
+    let failed = scope("acme", "billing", "charge", "failed");
+    claim(&store, &accept_req(&failed, 1)).await;
+    let t = take(&store, &[worker_route("charge", LONG)], "w").await.unwrap();
+    store.fail(&t.claim, LONG, RetryNote { last_status: Some(503), maybe_executed: false }).await.unwrap();
+    let charged = scope("acme", "billing", "charge", "charged");
+    claim(&store, &accept_req(&charged, 1)).await;
+    let t = take(&store, &[worker_route("charge", LONG)], "w").await.unwrap();
+    store.complete(&t.claim, &response(200, b"receipt"), LONG).await.unwrap();
+    tokio::time::sleep(PAST_SHORT).await;
+    assert_eq!(store.reap_leases(10, &[]).await.unwrap().unknown, 1);
+
+    let events = all_events(&store).await;
+    let summary: Vec<(&str, &str, Option<u16>, Option<&str>)> =
+        events.iter().map(|e| (e.scope.key.as_str(), e.event_type.as_str(), e.status, e.actor.as_deref())).collect();
+    assert_eq!(
+        summary,
+        vec![
+            ("done", "completed", Some(201), None),
+            ("lost", "unknown", None, None),
+            ("lost", "released", None, Some("admin")),
+            ("failed", "failed_retryable", Some(503), None),
+            ("charged", "completed", Some(200), None),
+            ("reaped", "unknown", None, None),
+        ]
+    );
+    assert!(events.iter().all(|e| e.delivery == Delivery::Pending && e.attempts == 0));
+    let ids: BTreeSet<Uuid> = events.iter().map(|e| e.id).collect();
+    assert_eq!(ids.len(), events.len(), "every event has its own id");
+    assert_eq!(events[0].generation, Some(row(&store, &done).await.generation));
+    assert_eq!(events[2].generation, None, "released: no record left");
+    assert_eq!(events[0].body, None, "create_order events carry no body");
+    assert_eq!(events[4].body.as_deref(), Some(&b"receipt"[..]), "charge events carry the body (include_body)");
+    assert_eq!(events[4].operation_id.as_deref(), Some("op_charged"));
+    assert!(events.windows(2).all(|w| w[0].seq < w[1].seq));
+}
+
+async fn a_change_and_its_event_commit_or_fail_together(backend: Backend) {
+    let store = open_with_events(&backend).await;
+    let s = key("atomic");
+    let c = claim(&store, &req(&s, 1, LONG, false)).await;
+    let before = row(&store, &s).await;
+    // Make every event insert fail, from outside the store.
+    let (fail, heal) = match &backend {
+        Backend::Postgres { .. } => (
+            "CREATE FUNCTION idemgate_test_fail() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'injected'; END $$;
+             CREATE TRIGGER idemgate_test_fail BEFORE INSERT ON idemgate_events FOR EACH ROW EXECUTE FUNCTION idemgate_test_fail();",
+            "DROP TRIGGER idemgate_test_fail ON idemgate_events; DROP FUNCTION idemgate_test_fail();",
+        ),
+        Backend::Sqlite { .. } => (
+            "CREATE TRIGGER idemgate_test_fail BEFORE INSERT ON idemgate_events BEGIN SELECT RAISE(ABORT, 'injected'); END;",
+            "DROP TRIGGER idemgate_test_fail;",
+        ),
+    };
+    raw_sql(&backend, fail).await;
+    let out = store.complete(&c, &response(201, b"x"), LONG).await;
+    assert!(out.is_err(), "the change fails with its event: {out:?}");
+    assert_eq!(row(&store, &s).await, before, "no state change without its event");
+    let u = claim(&store, &req(&key("atomic-u"), 1, LONG, false)).await;
+    assert!(store.mark_unknown(&u).await.is_err());
+    assert_eq!(row(&store, &key("atomic-u")).await.state, State::InFlight);
+    raw_sql(&backend, heal).await;
+    assert!(all_events(&store).await.is_empty(), "no event without its change");
+    // Healed: both commit together.
+    assert_eq!(store.complete(&c, &response(201, b"x"), LONG).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(row(&store, &s).await.state, State::Completed);
+    assert_eq!(all_events(&store).await.len(), 1);
+}
+
+/// Runs SQL against the backend's database from outside the store.
+async fn raw_sql(backend: &Backend, sql: &str) {
+    match backend {
+        Backend::Postgres { url } => {
+            let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.expect("connect");
+            let task = tokio::spawn(conn);
+            client.batch_execute(sql).await.expect("raw sql");
+            drop(client);
+            let _ = task.await;
+        }
+        Backend::Sqlite { path, .. } => {
+            let conn = rusqlite::Connection::open(path).expect("open sqlite");
+            conn.busy_timeout(Duration::from_secs(5)).unwrap();
+            conn.execute_batch(sql).expect("raw sql");
+        }
+    }
+}
+
+async fn relays_hold_each_event_alone_in_order_per_scope(backend: Backend) {
+    let store = open_with_events(&backend).await;
+    let (a, b) = (key("a"), key("b"));
+    // Two events of scope a (unknown, then released), one of scope b.
+    let c = claim(&store, &req(&a, 1, LONG, false)).await;
+    store.mark_unknown(&c).await.unwrap();
+    let c = claim(&store, &req(&b, 1, LONG, false)).await;
+    store.complete(&c, &response(201, b"b"), LONG).await.unwrap();
+    let n = AuditNote { actor: Actor::Cli, reason: "r".into(), forced: false };
+    store.resolve(&a, &Resolution::Release { force: false }, &n).await.unwrap();
+    let ops = ["create_order"];
+    let (r1, r2) = (Uuid::new_v4(), Uuid::new_v4());
+    let first = store.take_events(&ops, 10, LONG, r1).await.unwrap();
+    let taken: Vec<(&str, &str)> = first.iter().map(|e| (e.scope.key.as_str(), e.event_type.as_str())).collect();
+    assert_eq!(taken, vec![("a", "unknown"), ("b", "completed")], "a's second event waits for its first");
+    assert!(store.take_events(&ops, 10, LONG, r2).await.unwrap().is_empty(), "leased events are not taken twice");
+    assert!(!store.event_delivered(first[0].seq, r2).await.unwrap(), "only the holder marks it");
+    assert!(store.event_delivered(first[0].seq, r1).await.unwrap());
+    assert!(store.event_delivered(first[1].seq, r1).await.unwrap());
+    let second = store.take_events(&ops, 10, LONG, r2).await.unwrap();
+    assert_eq!(second.iter().map(|e| (e.scope.key.as_str(), e.event_type.as_str())).collect::<Vec<_>>(), vec![("a", "released")]);
+    // A failed delivery backs off; after max attempts the event is parked, not dropped.
+    assert!(store.event_failed(second[0].seq, r2, "answered 500", Duration::from_millis(200), false).await.unwrap());
+    assert!(store.take_events(&ops, 10, LONG, r2).await.unwrap().is_empty(), "not due before its backoff");
+    tokio::time::sleep(PAST_SHORT).await;
+    let again = store.take_events(&ops, 10, LONG, r1).await.unwrap();
+    assert_eq!((again.len(), again[0].id, again[0].attempts), (1, second[0].id, 1), "the same event, the same id");
+    assert!(store.event_failed(again[0].seq, r1, "answered 500", Duration::ZERO, true).await.unwrap());
+    let parked = store.events(Some(Delivery::Parked), 10).await.unwrap();
+    assert_eq!((parked.len(), parked[0].last_error.as_deref()), (1, Some("answered 500")));
+    assert_eq!(store.event_stats().await.unwrap().parked, 1);
+    assert!(store.take_events(&ops, 10, LONG, r1).await.unwrap().is_empty(), "parked events are not delivered");
+    assert!(store.redeliver(parked[0].id).await.unwrap());
+    // A lease that runs out (a relay crashed after delivering) hands the
+    // event to another relay, with the same id; the first relay's late mark
+    // is fenced.
+    let held = store.take_events(&ops, 10, SHORT, r1).await.unwrap();
+    assert_eq!((held.len(), held[0].id, held[0].attempts), (1, parked[0].id, 0), "redelivered from its first attempt");
+    tokio::time::sleep(PAST_SHORT).await;
+    let stolen = store.take_events(&ops, 10, LONG, r2).await.unwrap();
+    assert_eq!(stolen.iter().map(|e| e.id).collect::<Vec<_>>(), vec![held[0].id]);
+    assert!(!store.event_delivered(held[0].seq, r1).await.unwrap(), "the first relay's late mark is fenced");
+    assert!(store.event_delivered(held[0].seq, r2).await.unwrap());
+    let stats = store.event_stats().await.unwrap();
+    assert_eq!((stats.pending, stats.parked, stats.oldest_pending_at), (0, 0, None));
+    // Delivered events are swept after their retention.
+    tokio::time::sleep(PAST_SHORT).await;
+    assert_eq!(store.sweep_events(10, SHORT).await.unwrap(), 3);
+    assert!(store.events(None, 10).await.unwrap().is_empty());
 }
 
 // ---------------------------------------------------------------------------

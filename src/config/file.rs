@@ -221,6 +221,7 @@ pub struct StoreSection {
     pub operation_timeout: Option<String>,
     pub sweep_interval: Option<String>,
     pub sweep_batch: Option<i64>,
+    pub events_retention: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -290,6 +291,8 @@ pub struct RouteSection {
     /// Async mode: retries of refused or declined attempts.
     #[serde(default)]
     pub retry: RetrySection,
+    /// Completion events (the outbox) for this route.
+    pub events: Option<EventsSection>,
     #[serde(default)]
     pub fingerprint: FingerprintSection,
 }
@@ -299,6 +302,19 @@ pub struct RouteSection {
 pub struct RetrySection {
     pub max_attempts: Option<i64>,
     pub backoff: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EventsSection {
+    pub url: Option<String>,
+    pub secret_env: Option<String>,
+    pub secret_file: Option<String>,
+    pub timeout: Option<String>,
+    pub max_attempts: Option<i64>,
+    pub emit: Option<Vec<String>>,
+    pub include_key: Option<bool>,
+    pub include_body: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -100,6 +100,9 @@ pub struct StoreConfig {
     pub sweep_interval: Duration,
     /// Records deleted (or reaped) per statement.
     pub sweep_batch: u32,
+    /// How long delivered events are kept before the sweeper deletes them
+    /// (pending and parked events are never deleted).
+    pub events_retention: Duration,
 }
 
 #[derive(Debug, Clone)]

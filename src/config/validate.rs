@@ -9,10 +9,11 @@ use http::{HeaderName, Method, StatusCode};
 use ipnet::IpNet;
 
 use super::error::{ConfigError, Issues};
-use super::file::{FileConfig, IdentitySourceSection, Part, RouteSection, StoreSection, UpstreamSection};
+use super::file::{EventsSection, FileConfig, IdentitySourceSection, Part, RouteSection, StoreSection, UpstreamSection};
 use super::{AdminConfig, Config, DEFAULT_SQLITE_PATH, Secret, ServerConfig, StoreBackend, StoreConfig, UpstreamConfig, WorkersConfig};
 use crate::fingerprint::{FingerprintSpec, JsonPointer};
 use crate::identity::{Identity, IdentitySource};
+use crate::outbox::{EventType, EventsConfig};
 use crate::route::{ForwardKey, InFlightPolicy, PathTemplate, RetryPolicy, Route, RouteMode};
 
 /// Longest accepted duration: beyond it, database interval arithmetic and
@@ -332,6 +333,8 @@ impl Validator<'_> {
         let operation_timeout = self.at_least("store.operation_timeout", operation_timeout, Duration::from_millis(10));
         let sweep_interval = self.duration("store.sweep_interval", s.sweep_interval.as_deref(), "30s");
         let sweep_interval = self.at_least("store.sweep_interval", sweep_interval, Duration::from_millis(10));
+        let events_retention = self.duration("store.events_retention", s.events_retention.as_deref(), "7d");
+        let events_retention = self.at_least("store.events_retention", events_retention, Duration::from_secs(1));
         let sweep_batch = match s.sweep_batch.unwrap_or(500) {
             n @ 1..=100_000 => Some(n as u32),
             n => {
@@ -394,6 +397,57 @@ impl Validator<'_> {
             operation_timeout: operation_timeout?,
             sweep_interval: sweep_interval?,
             sweep_batch: sweep_batch?,
+            events_retention: events_retention?,
+        })
+    }
+
+    /// `[routes.events]`: where and how completion events are delivered.
+    fn events(&mut self, p: &str, e: &EventsSection) -> Option<EventsConfig> {
+        let url = self.required(&format!("{p}.url"), e.url.as_deref()).and_then(|u| match u.parse::<http::Uri>() {
+            Ok(uri) if uri.scheme_str() == Some("http") && uri.authority().is_some() => Some(uri),
+            Ok(uri) if uri.scheme_str() == Some("https") => {
+                self.issues.push(format!("{p}.url"), "https event destinations need TLS to upstreams, which is not built yet; use http://");
+                None
+            }
+            _ => {
+                self.issues.push(format!("{p}.url"), format!("invalid URL {u:?} (write e.g. \"http://hooks.internal:8080/idemgate\")"));
+                None
+            }
+        });
+        let secret = self.secret(&format!("{p}.secret"), None, e.secret_env.as_deref(), e.secret_file.as_deref());
+        let timeout = self.duration(&format!("{p}.timeout"), e.timeout.as_deref(), "5s");
+        let timeout = self.at_least(&format!("{p}.timeout"), timeout, Duration::from_millis(10));
+        let max_attempts = match e.max_attempts.unwrap_or(20) {
+            n @ 1..=1000 => Some(n as u32),
+            n => {
+                self.issues.push(format!("{p}.max_attempts"), format!("must be 1-1000, not {n}"));
+                None
+            }
+        };
+        let mut emit = Vec::new();
+        match &e.emit {
+            None => emit.extend(EventType::ALL),
+            Some(list) => {
+                for (k, name) in list.iter().enumerate() {
+                    match EventType::parse(name) {
+                        Some(t) if !emit.contains(&t) => emit.push(t),
+                        Some(_) => {}
+                        None => self.issues.push(
+                            format!("{p}.emit[{k}]"),
+                            format!("unknown event {name:?}: use \"completed\", \"unknown\", \"failed_retryable\" or \"released\""),
+                        ),
+                    }
+                }
+            }
+        }
+        Some(EventsConfig {
+            url: url?,
+            secret: secret?,
+            timeout: timeout?,
+            max_attempts: max_attempts?,
+            emit,
+            include_key: e.include_key.unwrap_or(false),
+            include_body: e.include_body.unwrap_or(false),
         })
     }
 
@@ -741,6 +795,10 @@ impl Validator<'_> {
             allow_async: r.allow_async.unwrap_or(false),
             poll_interval: poll_interval?,
             retry: RetryPolicy { max_attempts: max_attempts?, backoff: backoff? },
+            events: match &r.events {
+                None => None,
+                Some(e) => Some(self.events(&format!("{p}.events"), e)?),
+            },
         })
     }
 

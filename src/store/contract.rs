@@ -18,6 +18,7 @@ use uuid::Uuid;
 use super::StoreError;
 use crate::audit::{AuditEntry, AuditNote};
 use crate::fingerprint::Fingerprint;
+use crate::outbox::{Delivery, EventPolicies, OutboxEvent};
 use crate::record::{Attempt, Generation, Record, Refused, State, StoredResponse, Timestamp};
 use crate::scope::Scope;
 
@@ -74,6 +75,14 @@ pub struct StateCount {
     pub count: i64,
     pub oldest_created_at: Timestamp,
     pub oldest_updated_at: Timestamp,
+}
+
+/// The outbox's backlog.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EventStats {
+    pub pending: i64,
+    pub parked: i64,
+    pub oldest_pending_at: Option<Timestamp>,
 }
 
 /// Why an async attempt is retried (or failed).
@@ -216,14 +225,29 @@ pub trait RecordStore: Send + Sync + std::fmt::Debug {
     async fn abandon(&self, scope: &Scope, claim_token: Uuid) -> Result<bool, StoreError>;
 
     /// Records the upstream's response, fenced by `attempt`.
-    async fn complete(&self, scope: &Scope, attempt: Attempt, response: &StoredResponse, retention: Duration) -> Result<bool, StoreError>;
+    /// With its completion event when `events` says the operation emits one
+    /// (here and in every final state change below: same statement).
+    async fn complete(
+        &self,
+        scope: &Scope,
+        attempt: Attempt,
+        response: &StoredResponse,
+        retention: Duration,
+        events: &EventPolicies,
+    ) -> Result<bool, StoreError>;
 
     /// Deletes the record, fenced by `attempt`.
     async fn release(&self, scope: &Scope, attempt: Attempt) -> Result<bool, StoreError>;
 
     /// Marks the record `unknown`, fenced by `attempt` (and, for a reader that
     /// found the lease expired, only if it still is).
-    async fn mark_unknown(&self, scope: &Scope, attempt: Attempt, only_if_lease_expired: bool) -> Result<bool, StoreError>;
+    async fn mark_unknown(
+        &self,
+        scope: &Scope,
+        attempt: Attempt,
+        only_if_lease_expired: bool,
+        events: &EventPolicies,
+    ) -> Result<bool, StoreError>;
 
     /// Records matching `filter`, newest first.
     async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>, StoreError>;
@@ -231,7 +255,13 @@ pub trait RecordStore: Send + Sync + std::fmt::Debug {
     /// An operator's (or the reconciler's) resolution, decided by
     /// `record::transition`, written together with its audit row in one
     /// transaction. The generation of a completed resolution is drawn anew.
-    async fn resolve(&self, scope: &Scope, resolution: &Resolution, note: &AuditNote) -> Result<ResolveOutcome, StoreError>;
+    async fn resolve(
+        &self,
+        scope: &Scope,
+        resolution: &Resolution,
+        note: &AuditNote,
+        events: &EventPolicies,
+    ) -> Result<ResolveOutcome, StoreError>;
 
     /// The audit trail, newest first.
     async fn audit(&self, limit: u32) -> Result<Vec<AuditEntry>, StoreError>;
@@ -247,7 +277,7 @@ pub trait RecordStore: Send + Sync + std::fmt::Debug {
     /// `LeaseExpired`): synchronous ones become `unknown`; async ones are
     /// re-queued if they were never sent or their operation is in
     /// `reforwardable`, else `unknown`.
-    async fn reap_leases(&self, batch: u32, reforwardable: &[Arc<str>]) -> Result<Reaped, StoreError>;
+    async fn reap_leases(&self, batch: u32, reforwardable: &[Arc<str>], events: &EventPolicies) -> Result<Reaped, StoreError>;
 
     /// Async: takes the oldest due `queued` operation of `routes` (never one
     /// another worker is taking: `FOR UPDATE SKIP LOCKED` or the single
@@ -269,7 +299,39 @@ pub trait RecordStore: Send + Sync + std::fmt::Debug {
 
     /// Async: retries used up: `failed_retryable` (kept for `retention`), or
     /// `unknown` if this or an earlier attempt may have executed.
-    async fn fail(&self, scope: &Scope, attempt: Attempt, retention: Duration, retry: RetryNote) -> Result<bool, StoreError>;
+    async fn fail(
+        &self,
+        scope: &Scope,
+        attempt: Attempt,
+        retention: Duration,
+        retry: RetryNote,
+        events: &EventPolicies,
+    ) -> Result<bool, StoreError>;
+
+    /// Outbox: leases up to `limit` deliverable events of `operations` to the
+    /// relay holding `token` for `lease`: pending, due, not leased by another
+    /// relay, and with no earlier pending event of the same scope (order per
+    /// scope). `FOR UPDATE SKIP LOCKED` / the single writer: two relays never
+    /// hold one event.
+    async fn take_events(&self, operations: &[&str], limit: u32, lease: Duration, token: Uuid) -> Result<Vec<OutboxEvent>, StoreError>;
+
+    /// Outbox: a receiver answered 2xx; `false` if this relay no longer held it.
+    async fn event_delivered(&self, seq: i64, token: Uuid) -> Result<bool, StoreError>;
+
+    /// Outbox: a delivery failed; due again after `retry_after`, or parked.
+    async fn event_failed(&self, seq: i64, token: Uuid, error: &str, retry_after: Duration, park: bool) -> Result<bool, StoreError>;
+
+    /// Outbox: events, newest first, optionally only those in one delivery state.
+    async fn events(&self, delivery: Option<Delivery>, limit: u32) -> Result<Vec<OutboxEvent>, StoreError>;
+
+    /// Outbox: a parked (or sent) event delivered again, from its first attempt.
+    async fn redeliver(&self, event_id: Uuid) -> Result<bool, StoreError>;
+
+    /// Outbox: deletes up to `batch` delivered events sent more than `older_than` ago.
+    async fn sweep_events(&self, batch: u32, older_than: Duration) -> Result<u64, StoreError>;
+
+    /// Outbox: pending and parked counts, and when the oldest pending was written.
+    async fn event_stats(&self) -> Result<EventStats, StoreError>;
 
     /// Async: the operation with this id in this tenant.
     async fn operation(&self, tenant: &str, operation_id: &str) -> Result<Option<(Record, Timestamp)>, StoreError>;

@@ -19,6 +19,7 @@ pub const POSTGRES: &[Migration] = &[
         sql: include_str!("../../migrations/postgres/0002_generations_settings_audit.sql"),
     },
     Migration { version: 3, name: "0003_async_operations", sql: include_str!("../../migrations/postgres/0003_async_operations.sql") },
+    Migration { version: 7, name: "0007_outbox", sql: include_str!("../../migrations/postgres/0007_outbox.sql") },
 ];
 
 pub const SQLITE: &[Migration] = &[
@@ -29,6 +30,7 @@ pub const SQLITE: &[Migration] = &[
         sql: include_str!("../../migrations/sqlite/0002_generations_settings_audit.sql"),
     },
     Migration { version: 3, name: "0003_async_operations", sql: include_str!("../../migrations/sqlite/0003_async_operations.sql") },
+    Migration { version: 7, name: "0007_outbox", sql: include_str!("../../migrations/sqlite/0007_outbox.sql") },
 ];
 
 /// The `idemgate_settings` row holding the derived-key secret.

@@ -25,14 +25,15 @@ use std::time::{Duration, Instant};
 use uuid::Uuid;
 
 pub use contract::{
-    Acceptance, Claim, ClaimOutcome, ClaimRequest, ListFilter, RawClaim, Reaped, RecordStore, Resolution, ResolveOutcome, RetryNote,
-    StateCount, Taken, WorkerRoute, WriteOutcome,
+    Acceptance, Claim, ClaimOutcome, ClaimRequest, EventStats, ListFilter, RawClaim, Reaped, RecordStore, Resolution, ResolveOutcome,
+    RetryNote, StateCount, Taken, WorkerRoute, WriteOutcome,
 };
 pub use error::StoreError;
 
 use crate::audit::{AuditEntry, AuditNote};
 use crate::config::{StoreBackend, StoreConfig};
 use crate::metrics::Metrics;
+use crate::outbox::{Delivery, EventPolicies, OutboxEvent};
 use crate::record::{Attempt, Record, State, StoredResponse, Timestamp};
 use crate::scope::Scope;
 
@@ -85,6 +86,8 @@ pub struct Store {
     /// Bound on any single operation.
     timeout: Duration,
     metrics: Option<Arc<Metrics>>,
+    /// Which operations write completion events with their final state changes.
+    events: Arc<EventPolicies>,
 }
 
 /// How many times an ambiguous write is read back and retried before giving up.
@@ -119,7 +122,13 @@ impl Store {
             }
             StoreBackend::Sqlite { path } => Arc::new(sqlite::SqliteStore::open(path, access).await?),
         };
-        Ok(Store { backend, timeout: config.operation_timeout, metrics: None })
+        Ok(Store { backend, timeout: config.operation_timeout, metrics: None, events: Arc::default() })
+    }
+
+    /// The routes' `[routes.events]`: their final state changes write outbox rows.
+    pub fn with_events(mut self, events: EventPolicies) -> Store {
+        self.events = Arc::new(events);
+        self
     }
 
     pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Store {
@@ -215,7 +224,7 @@ impl Store {
     /// Records the upstream's response under the claim's generation.
     pub async fn complete(&self, claim: &Claim, response: &StoredResponse, retention: Duration) -> Result<WriteOutcome, StoreError> {
         self.fenced_write("complete", claim, Goal::State(State::Completed), || {
-            self.backend.complete(&claim.scope, claim.attempt(), response, retention)
+            self.backend.complete(&claim.scope, claim.attempt(), response, retention, &self.events)
         })
         .await
     }
@@ -229,7 +238,7 @@ impl Store {
     /// The request may have reached the upstream but its outcome is lost.
     pub async fn mark_unknown(&self, claim: &Claim) -> Result<WriteOutcome, StoreError> {
         self.fenced_write("mark_unknown", claim, Goal::State(State::Unknown), || {
-            self.backend.mark_unknown(&claim.scope, claim.attempt(), false)
+            self.backend.mark_unknown(&claim.scope, claim.attempt(), false, &self.events)
         })
         .await
     }
@@ -258,7 +267,8 @@ impl Store {
     /// Async: retries used up (`failed_retryable`, or `unknown` if an
     /// attempt may have executed).
     pub async fn fail(&self, claim: &Claim, retention: Duration, retry: RetryNote) -> Result<WriteOutcome, StoreError> {
-        self.fenced_write("fail", claim, Goal::Ended, || self.backend.fail(&claim.scope, claim.attempt(), retention, retry)).await
+        self.fenced_write("fail", claim, Goal::Ended, || self.backend.fail(&claim.scope, claim.attempt(), retention, retry, &self.events))
+            .await
     }
 
     /// Async: takes the next due operation of `routes` for a worker.
@@ -286,7 +296,12 @@ impl Store {
             .bounded(
                 "expire_lease",
                 true,
-                self.backend.mark_unknown(&record.scope, Attempt { generation: record.generation, claim_token: record.claim_token }, true),
+                self.backend.mark_unknown(
+                    &record.scope,
+                    Attempt { generation: record.generation, claim_token: record.claim_token },
+                    true,
+                    &self.events,
+                ),
             )
             .await?;
         Ok(if written { WriteOutcome::Written } else { WriteOutcome::Fenced })
@@ -339,7 +354,7 @@ impl Store {
 
     /// An operator's or the reconciler's resolution, with its audit row.
     pub async fn resolve(&self, scope: &Scope, resolution: &Resolution, note: &AuditNote) -> Result<ResolveOutcome, StoreError> {
-        self.bounded("resolve", true, self.backend.resolve(scope, resolution, note)).await
+        self.bounded("resolve", true, self.backend.resolve(scope, resolution, note, &self.events)).await
     }
 
     /// The audit trail, newest first.
@@ -359,6 +374,35 @@ impl Store {
 
     /// Ends up to `batch` attempts whose lease expired (see `RecordStore::reap_leases`).
     pub async fn reap_leases(&self, batch: u32, reforwardable: &[Arc<str>]) -> Result<Reaped, StoreError> {
-        self.bounded("reap_leases", true, self.backend.reap_leases(batch, reforwardable)).await
+        self.bounded("reap_leases", true, self.backend.reap_leases(batch, reforwardable, &self.events)).await
+    }
+
+    /// Outbox: leases deliverable events to a relay (see `RecordStore::take_events`).
+    pub async fn take_events(&self, operations: &[&str], limit: u32, lease: Duration, token: Uuid) -> Result<Vec<OutboxEvent>, StoreError> {
+        self.bounded("take_events", true, self.backend.take_events(operations, limit, lease, token)).await
+    }
+
+    pub async fn event_delivered(&self, seq: i64, token: Uuid) -> Result<bool, StoreError> {
+        self.bounded("event_delivered", true, self.backend.event_delivered(seq, token)).await
+    }
+
+    pub async fn event_failed(&self, seq: i64, token: Uuid, error: &str, retry_after: Duration, park: bool) -> Result<bool, StoreError> {
+        self.bounded("event_failed", true, self.backend.event_failed(seq, token, error, retry_after, park)).await
+    }
+
+    pub async fn events(&self, delivery: Option<Delivery>, limit: u32) -> Result<Vec<OutboxEvent>, StoreError> {
+        self.bounded("events", false, self.backend.events(delivery, limit)).await
+    }
+
+    pub async fn redeliver(&self, event_id: Uuid) -> Result<bool, StoreError> {
+        self.bounded("redeliver", true, self.backend.redeliver(event_id)).await
+    }
+
+    pub async fn sweep_events(&self, batch: u32, older_than: Duration) -> Result<u64, StoreError> {
+        self.bounded("sweep_events", true, self.backend.sweep_events(batch, older_than)).await
+    }
+
+    pub async fn event_stats(&self) -> Result<EventStats, StoreError> {
+        self.bounded("event_stats", false, self.backend.event_stats()).await
     }
 }

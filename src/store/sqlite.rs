@@ -21,11 +21,12 @@ use uuid::Uuid;
 use super::codec::{decode_headers, encode_headers};
 use super::migrations::{DERIVED_KEY_SECRET, SQLITE, fresh_secret};
 use super::{
-    Access, Claim, ClaimRequest, ListFilter, RawClaim, Reaped, RecordStore, Resolution, ResolveOutcome, RetryNote, StateCount, StoreError,
-    Taken, WorkerRoute,
+    Access, Claim, ClaimRequest, EventStats, ListFilter, RawClaim, Reaped, RecordStore, Resolution, ResolveOutcome, RetryNote, StateCount,
+    StoreError, Taken, WorkerRoute,
 };
 use crate::audit::{self, AuditEntry, AuditNote};
 use crate::fingerprint::Fingerprint;
+use crate::outbox::{Delivery, EventPolicies, EventType, OutboxEvent};
 use crate::record::{Attempt, Event, Generation, Next, Record, Refused, State, StoredResponse, Timestamp, may_take_over, transition};
 use crate::scope::{IdempotencyKey, Scope};
 use async_trait::async_trait;
@@ -176,14 +177,14 @@ impl SqliteStore {
         &self,
         scope: &Scope,
         event: Event,
-        apply: impl FnOnce(&Connection, Timestamp, Next) -> Result<(), StoreError> + Send + 'static,
+        apply: impl FnOnce(&Connection, Timestamp, Next, &Record) -> Result<(), StoreError> + Send + 'static,
     ) -> Result<bool, StoreError> {
         let scope = scope.clone();
         self.write(move |tx, now| {
             let Some(record) = get_tx(tx, &scope)? else { return Ok(false) };
             match transition(&record, event, now) {
                 Ok(next) => {
-                    apply(tx, now, next)?;
+                    apply(tx, now, next, &record)?;
                     Ok(true)
                 }
                 Err(_) => Ok(false),
@@ -296,15 +297,32 @@ impl RecordStore for SqliteStore {
         self.write(move |conn, now| Ok(get_conn(conn, &scope)?.map(|r| (r, now)))).await
     }
 
-    async fn complete(&self, scope: &Scope, attempt: Attempt, response: &StoredResponse, retention: Duration) -> Result<bool, StoreError> {
+    async fn complete(
+        &self,
+        scope: &Scope,
+        attempt: Attempt,
+        response: &StoredResponse,
+        retention: Duration,
+        events: &EventPolicies,
+    ) -> Result<bool, StoreError> {
         let s = scope.clone();
         let response = response.clone();
-        self.fenced(scope, Event::Complete { attempt }, move |tx, now, _| write_response(tx, &s, &response, now, retention, None)).await
+        let (emit, with_body) = (events.emits(&scope.operation, EventType::Completed), events.include_body(&scope.operation));
+        self.fenced(scope, Event::Complete { attempt }, move |tx, now, _, record| {
+            write_response(tx, &s, &response, now, retention, None)?;
+            if emit {
+                let body = response.body.as_deref().filter(|_| with_body);
+                let ev = NewEvent { kind: EventType::Completed, record, status: Some(response.status), actor: None, body };
+                insert_event(tx, &ev, Some(record.generation), now)?;
+            }
+            Ok(())
+        })
+        .await
     }
 
     async fn release(&self, scope: &Scope, attempt: Attempt) -> Result<bool, StoreError> {
         let s = scope.clone();
-        self.fenced(scope, Event::Release { attempt }, move |tx, _, _| delete(tx, &s)).await
+        self.fenced(scope, Event::Release { attempt }, move |tx, _, _, _| delete(tx, &s)).await
     }
 
     async fn abandon(&self, scope: &Scope, token: Uuid) -> Result<bool, StoreError> {
@@ -320,9 +338,16 @@ impl RecordStore for SqliteStore {
         .await
     }
 
-    async fn mark_unknown(&self, scope: &Scope, attempt: Attempt, only_if_lease_expired: bool) -> Result<bool, StoreError> {
+    async fn mark_unknown(
+        &self,
+        scope: &Scope,
+        attempt: Attempt,
+        only_if_lease_expired: bool,
+        events: &EventPolicies,
+    ) -> Result<bool, StoreError> {
         let s = scope.clone();
         let scope2 = scope.clone();
+        let emit = events.emits(&scope.operation, EventType::Unknown);
         // Both conditions (our generation, and for a reader the lease expiry)
         // are checked against the same row under the write lock.
         self.write(move |tx, now| {
@@ -331,6 +356,14 @@ impl RecordStore for SqliteStore {
             let expired = !only_if_lease_expired || transition(&record, Event::LeaseExpired { reforwardable: false }, now).is_ok();
             if mine && expired {
                 set_unknown(tx, &s, now)?;
+                if emit {
+                    insert_event(
+                        tx,
+                        &NewEvent { kind: EventType::Unknown, record: &record, status: None, actor: None, body: None },
+                        Some(record.generation),
+                        now,
+                    )?;
+                }
                 Ok(true)
             } else {
                 Ok(false)
@@ -360,10 +393,17 @@ impl RecordStore for SqliteStore {
         .await
     }
 
-    async fn resolve(&self, scope: &Scope, resolution: &Resolution, note: &AuditNote) -> Result<ResolveOutcome, StoreError> {
+    async fn resolve(
+        &self,
+        scope: &Scope,
+        resolution: &Resolution,
+        note: &AuditNote,
+        events: &EventPolicies,
+    ) -> Result<ResolveOutcome, StoreError> {
         let scope = scope.clone();
         let resolution = resolution.clone();
         let note = note.clone();
+        let events = events.clone();
         self.write(move |tx, now| {
             let Some(record) = get_tx(tx, &scope)? else { return Ok(ResolveOutcome::NotFound) };
             let (to, generation) = match (transition(&record, resolution.event(), now), &resolution) {
@@ -402,6 +442,16 @@ impl RecordStore for SqliteStore {
                 ])
             })
             .map_err(err)?;
+            // The resolution's event, in the same transaction.
+            if let Some(kind) = EventType::of(to).filter(|e| events.emits(&scope.operation, *e)) {
+                let (status, body) = match &resolution {
+                    Resolution::Complete { response, .. } => {
+                        (Some(response.status), response.body.as_deref().filter(|_| events.include_body(&scope.operation)))
+                    }
+                    Resolution::Release { .. } => (None, None),
+                };
+                insert_event(tx, &NewEvent { kind, record: &record, status, actor: Some(note.actor.as_str()), body }, generation, now)?;
+            }
             Ok(ResolveOutcome::Resolved { from: record.state })
         })
         .await
@@ -458,8 +508,9 @@ impl RecordStore for SqliteStore {
         .await
     }
 
-    async fn reap_leases(&self, batch: u32, reforwardable: &[Arc<str>]) -> Result<Reaped, StoreError> {
+    async fn reap_leases(&self, batch: u32, reforwardable: &[Arc<str>], events: &EventPolicies) -> Result<Reaped, StoreError> {
         let reforwardable: Vec<Arc<str>> = reforwardable.to_vec();
+        let events = events.clone();
         self.write(move |tx, now| {
             let stale: Vec<Record> = {
                 let sql = format!(
@@ -490,6 +541,10 @@ impl RecordStore for SqliteStore {
                     }
                     Ok(Next::State { state: State::Unknown, .. }) => {
                         set_unknown(tx, &record.scope, now)?;
+                        if events.emits(&record.scope.operation, EventType::Unknown) {
+                            let ev = NewEvent { kind: EventType::Unknown, record: &record, status: None, actor: None, body: None };
+                            insert_event(tx, &ev, Some(record.generation), now)?;
+                        }
                         reaped.unknown += 1;
                     }
                     _ => {}
@@ -542,7 +597,7 @@ impl RecordStore for SqliteStore {
 
     async fn heartbeat(&self, scope: &Scope, attempt: Attempt, lease: Duration) -> Result<bool, StoreError> {
         let s = scope.clone();
-        self.fenced(scope, Event::Heartbeat { attempt }, move |tx, now, _| {
+        self.fenced(scope, Event::Heartbeat { attempt }, move |tx, now, _, _| {
             update_state(tx, &s, "lease_expires_at = ?5", now.plus(lease), None)
         })
         .await
@@ -550,12 +605,12 @@ impl RecordStore for SqliteStore {
 
     async fn mark_sent(&self, scope: &Scope, attempt: Attempt) -> Result<bool, StoreError> {
         let s = scope.clone();
-        self.fenced(scope, Event::MarkSent { attempt }, move |tx, now, _| update_state(tx, &s, "sent_at = ?5", now, None)).await
+        self.fenced(scope, Event::MarkSent { attempt }, move |tx, now, _, _| update_state(tx, &s, "sent_at = ?5", now, None)).await
     }
 
     async fn requeue(&self, scope: &Scope, attempt: Attempt, delay: Duration, retry: RetryNote) -> Result<bool, StoreError> {
         let s = scope.clone();
-        self.fenced(scope, Event::Requeue { attempt }, move |tx, now, _| {
+        self.fenced(scope, Event::Requeue { attempt }, move |tx, now, _, _| {
             update_state(
                 tx,
                 &s,
@@ -571,9 +626,17 @@ impl RecordStore for SqliteStore {
         .await
     }
 
-    async fn fail(&self, scope: &Scope, attempt: Attempt, retention: Duration, retry: RetryNote) -> Result<bool, StoreError> {
+    async fn fail(
+        &self,
+        scope: &Scope,
+        attempt: Attempt,
+        retention: Duration,
+        retry: RetryNote,
+        events: &EventPolicies,
+    ) -> Result<bool, StoreError> {
         let s = scope.clone();
         let (scope, retry_note) = (scope.clone(), retry);
+        let events = events.clone();
         self.write(move |tx, now| {
             let Some(mut record) = get_tx(tx, &scope)? else { return Ok(false) };
             record.maybe_executed |= retry_note.maybe_executed;
@@ -588,6 +651,10 @@ impl RecordStore for SqliteStore {
             );
             update_state(tx, &s, &assignments, now.plus(retention), retry_note.last_status)?;
             touch(tx, &s, now)?;
+            if let Some(kind) = EventType::of(Some(state)).filter(|e| events.emits(&scope.operation, *e)) {
+                let ev = NewEvent { kind, record: &record, status: retry_note.last_status, actor: None, body: None };
+                insert_event(tx, &ev, Some(record.generation), now)?;
+            }
             Ok(true)
         })
         .await
@@ -603,6 +670,136 @@ impl RecordStore for SqliteStore {
                 Some(row) => Ok(Some((decode(row)?, now))),
                 None => Ok(None),
             }
+        })
+        .await
+    }
+
+    async fn take_events(&self, operations: &[&str], limit: u32, lease: Duration, token: Uuid) -> Result<Vec<OutboxEvent>, StoreError> {
+        let operations: Vec<String> = operations.iter().map(|o| (*o).to_owned()).collect();
+        self.write(move |tx, now| {
+            // The single writer serializes relays: an event is leased to one.
+            let candidates = {
+                let sql = format!(
+                    "SELECT {EVENT_COLUMNS} FROM idemgate_events e WHERE delivery = 'pending' AND next_attempt_at <= ?1 \
+                     AND (lease_until IS NULL OR lease_until <= ?1) \
+                     AND NOT EXISTS (SELECT 1 FROM idemgate_events p WHERE p.delivery = 'pending' AND p.tenant = e.tenant \
+                       AND p.principal = e.principal AND p.operation = e.operation AND p.idempotency_key = e.idempotency_key \
+                       AND p.seq < e.seq) \
+                     ORDER BY seq"
+                );
+                let mut st = tx.prepare_cached(&sql).map_err(err)?;
+                let mut rows = st.query(params![now.0]).map_err(err)?;
+                let mut out = Vec::new();
+                while let Some(row) = rows.next().map_err(err)? {
+                    let e = decode_event(row)?;
+                    if operations.iter().any(|o| **o == *e.scope.operation) {
+                        out.push(e);
+                        if out.len() >= limit as usize {
+                            break;
+                        }
+                    }
+                }
+                out
+            };
+            for e in &candidates {
+                tx.prepare_cached("UPDATE idemgate_events SET lease_token = ?2, lease_until = ?3 WHERE seq = ?1")
+                    .and_then(|mut st| st.execute(params![e.seq, token.as_bytes(), now.plus(lease).0]))
+                    .map_err(err)?;
+            }
+            Ok(candidates)
+        })
+        .await
+    }
+
+    async fn event_delivered(&self, seq: i64, token: Uuid) -> Result<bool, StoreError> {
+        self.write(move |tx, now| {
+            let n = tx
+                .prepare_cached(
+                    "UPDATE idemgate_events SET delivery = 'sent', sent_at = ?3, lease_token = NULL, lease_until = NULL \
+                     WHERE seq = ?1 AND lease_token = ?2 AND delivery = 'pending'",
+                )
+                .and_then(|mut st| st.execute(params![seq, token.as_bytes(), now.0]))
+                .map_err(err)?;
+            Ok(n > 0)
+        })
+        .await
+    }
+
+    async fn event_failed(&self, seq: i64, token: Uuid, error: &str, retry_after: Duration, park: bool) -> Result<bool, StoreError> {
+        let error = error.to_owned();
+        self.write(move |tx, now| {
+            let n = tx
+                .prepare_cached(
+                    "UPDATE idemgate_events SET attempts = attempts + 1, last_error = ?3, next_attempt_at = ?4, \
+                     delivery = CASE WHEN ?5 THEN 'parked' ELSE 'pending' END, lease_token = NULL, lease_until = NULL \
+                     WHERE seq = ?1 AND lease_token = ?2 AND delivery = 'pending'",
+                )
+                .and_then(|mut st| st.execute(params![seq, token.as_bytes(), error, now.plus(retry_after).0, park]))
+                .map_err(err)?;
+            Ok(n > 0)
+        })
+        .await
+    }
+
+    async fn events(&self, delivery: Option<Delivery>, limit: u32) -> Result<Vec<OutboxEvent>, StoreError> {
+        self.write(move |conn, _| {
+            let sql = format!("SELECT {EVENT_COLUMNS} FROM idemgate_events WHERE (?1 IS NULL OR delivery = ?1) ORDER BY seq DESC LIMIT ?2");
+            let mut st = conn.prepare_cached(&sql).map_err(err)?;
+            let mut rows = st.query(params![delivery.map(Delivery::as_str), i64::from(limit)]).map_err(err)?;
+            let mut out = Vec::new();
+            while let Some(row) = rows.next().map_err(err)? {
+                out.push(decode_event(row)?);
+            }
+            out.reverse();
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn redeliver(&self, event_id: Uuid) -> Result<bool, StoreError> {
+        self.write(move |tx, now| {
+            let n = tx
+                .prepare_cached(
+                    "UPDATE idemgate_events SET delivery = 'pending', attempts = 0, next_attempt_at = ?2, lease_token = NULL, \
+                     lease_until = NULL, last_error = NULL, sent_at = NULL WHERE event_id = ?1",
+                )
+                .and_then(|mut st| st.execute(params![event_id.as_bytes(), now.0]))
+                .map_err(err)?;
+            Ok(n > 0)
+        })
+        .await
+    }
+
+    async fn sweep_events(&self, batch: u32, older_than: Duration) -> Result<u64, StoreError> {
+        self.write(move |tx, now| {
+            let cutoff = Timestamp(now.0.saturating_sub(i64::try_from(older_than.as_micros()).unwrap_or(i64::MAX)));
+            let n = tx
+                .execute(
+                    "DELETE FROM idemgate_events WHERE seq IN (SELECT seq FROM idemgate_events WHERE delivery = 'sent' \
+                     AND sent_at <= ?1 ORDER BY sent_at LIMIT ?2)",
+                    params![cutoff.0, i64::from(batch)],
+                )
+                .map_err(err)?;
+            Ok(n as u64)
+        })
+        .await
+    }
+
+    async fn event_stats(&self) -> Result<EventStats, StoreError> {
+        self.write(move |conn, _| {
+            conn.query_row(
+                "SELECT count(*) FILTER (WHERE delivery = 'pending'), count(*) FILTER (WHERE delivery = 'parked'), \
+                 min(at) FILTER (WHERE delivery = 'pending') FROM idemgate_events WHERE delivery <> 'sent'",
+                [],
+                |row| {
+                    Ok(EventStats {
+                        pending: row.get(0)?,
+                        parked: row.get(1)?,
+                        oldest_pending_at: row.get::<_, Option<i64>>(2)?.map(Timestamp),
+                    })
+                },
+            )
+            .map_err(err)
         })
         .await
     }
@@ -807,6 +1004,73 @@ fn write_response(
         })
         .map_err(err)
         .map(drop)
+}
+
+const EVENT_COLUMNS: &str = "seq, event_id, event_type, tenant, principal, operation, idempotency_key, generation, status, operation_id, \
+     actor, at, body, delivery, attempts, next_attempt_at, last_error, sent_at";
+
+/// An event to write with a state change.
+struct NewEvent<'a> {
+    kind: EventType,
+    /// The record as it was before the change (scope and operation id).
+    record: &'a Record,
+    status: Option<u16>,
+    actor: Option<&'a str>,
+    body: Option<&'a [u8]>,
+}
+
+/// Writes an outbox row in the caller's transaction (the one making the change).
+fn insert_event(tx: &Connection, e: &NewEvent<'_>, generation: Option<Generation>, now: Timestamp) -> Result<(), StoreError> {
+    let [t, p, o, k] = pk(&e.record.scope);
+    tx.prepare_cached(
+        "INSERT INTO idemgate_events (event_id, event_type, tenant, principal, operation, idempotency_key, generation, status, \
+         operation_id, actor, at, body, next_attempt_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?11)",
+    )
+    .and_then(|mut st| {
+        st.execute(params![
+            Uuid::new_v4().as_bytes(),
+            e.kind.as_str(),
+            t,
+            p,
+            o,
+            k,
+            generation.map(|g| g.0),
+            e.status.map(i64::from),
+            e.record.operation_id,
+            e.actor,
+            now.0,
+            e.body
+        ])
+    })
+    .map_err(err)
+    .map(drop)
+}
+
+fn decode_event(row: &rusqlite::Row<'_>) -> Result<OutboxEvent, StoreError> {
+    let c = |e: rusqlite::Error| StoreError::Corrupt(e.to_string());
+    let key: String = row.get(6).map_err(c)?;
+    let key = IdempotencyKey::new(&key).map_err(|e| StoreError::Corrupt(format!("event idempotency_key: {e}")))?;
+    let id: Vec<u8> = row.get(1).map_err(c)?;
+    let kind: String = row.get(2).map_err(c)?;
+    let delivery: String = row.get(13).map_err(c)?;
+    let (tenant, principal, operation): (String, String, String) = (row.get(3).map_err(c)?, row.get(4).map_err(c)?, row.get(5).map_err(c)?);
+    Ok(OutboxEvent {
+        seq: row.get(0).map_err(c)?,
+        id: Uuid::from_slice(&id).map_err(|_| StoreError::Corrupt("event_id is not 16 bytes".into()))?,
+        event_type: EventType::parse(&kind).ok_or_else(|| StoreError::Corrupt(format!("event type {kind:?}")))?,
+        scope: Scope { tenant: tenant.into(), principal: principal.into(), operation: operation.into(), key },
+        generation: row.get::<_, Option<i64>>(7).map_err(c)?.map(Generation),
+        status: row.get::<_, Option<i64>>(8).map_err(c)?.and_then(|s| u16::try_from(s).ok()),
+        operation_id: row.get(9).map_err(c)?,
+        actor: row.get(10).map_err(c)?,
+        at: Timestamp(row.get(11).map_err(c)?),
+        body: row.get(12).map_err(c)?,
+        delivery: Delivery::parse(&delivery).ok_or_else(|| StoreError::Corrupt(format!("event delivery {delivery:?}")))?,
+        attempts: row.get(14).map_err(c)?,
+        next_attempt_at: Timestamp(row.get(15).map_err(c)?),
+        last_error: row.get(16).map_err(c)?,
+        sent_at: row.get::<_, Option<i64>>(17).map_err(c)?.map(Timestamp),
+    })
 }
 
 /// Draws the next generation (store-wide, strictly increasing) inside the

@@ -59,6 +59,7 @@ impl Backend {
             operation_timeout: Duration::from_secs(5),
             sweep_interval: Duration::from_secs(1),
             sweep_batch: 100,
+            events_retention: Duration::from_secs(3600),
         };
         let store = Store::open(&config, idemgate::store::Access::Migrate).await.expect("open store for inspection");
         store.migrate().await.expect("migrate");

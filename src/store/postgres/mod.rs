@@ -12,11 +12,12 @@ use uuid::Uuid;
 use super::codec::{decode_headers, encode_headers};
 use super::migrations::{DERIVED_KEY_SECRET, PG_LOCK_KEY, POSTGRES, fresh_secret};
 use super::{
-    Acceptance, Claim, ClaimRequest, ListFilter, RawClaim, Reaped, RecordStore, Resolution, ResolveOutcome, RetryNote, StateCount,
-    StoreError, Taken, WorkerRoute,
+    Acceptance, Claim, ClaimRequest, EventStats, ListFilter, RawClaim, Reaped, RecordStore, Resolution, ResolveOutcome, RetryNote,
+    StateCount, StoreError, Taken, WorkerRoute,
 };
 use crate::audit::{self, AuditEntry, AuditNote};
 use crate::fingerprint::Fingerprint;
+use crate::outbox::{Delivery, EventPolicies, EventType, OutboxEvent};
 use crate::record::{Attempt, Generation, Next, Record, State, StoredResponse, Timestamp, may_take_over, transition};
 use crate::scope::{IdempotencyKey, Scope};
 use async_trait::async_trait;
@@ -331,11 +332,17 @@ impl PgStore {
         attempt: Attempt,
         response: &StoredResponse,
         retention: Duration,
+        emit: Emit,
     ) -> Result<bool, StoreError> {
         let sql = format!(
-            "UPDATE idemgate_records SET state = 'completed', response_status = $6, response_headers = $7, response_body = $8, \
-             lease_expires_at = NULL, updated_at = now(), expires_at = now() + $9::int8 * interval '1 microsecond' \
-             WHERE {PK} AND generation = $5 AND claim_token = $10 AND state IN ('in_flight', 'processing') RETURNING 1"
+            "WITH upd AS (UPDATE idemgate_records SET state = 'completed', response_status = $6, response_headers = $7, \
+             response_body = $8, lease_expires_at = NULL, updated_at = now(), expires_at = now() + $9::int8 * interval '1 microsecond' \
+             WHERE {PK} AND generation = $5 AND claim_token = $10 AND state IN ('in_flight', 'processing') \
+             RETURNING tenant, principal, operation, idempotency_key, generation, response_status, operation_id, response_body), \
+             ev AS (INSERT INTO idemgate_events {EVENT_INSERT} \
+             SELECT 'completed', tenant, principal, operation, idempotency_key, generation, response_status, operation_id, NULL, \
+             CASE WHEN $12 THEN response_body END FROM upd WHERE $11) \
+             SELECT 1 FROM upd"
         );
         let headers = encode_headers(&response.headers);
         let body: Option<&[u8]> = response.body.as_deref();
@@ -353,6 +360,8 @@ impl PgStore {
                     &body,
                     &micros(retention),
                     &attempt.claim_token,
+                    &emit.event,
+                    &emit.body,
                 ],
                 true,
             )
@@ -454,7 +463,15 @@ impl RecordStore for PgStore {
 
     /// Records a result through the batcher: one UPDATE for all concurrent
     /// result writes, each fenced by its own attempt (generation and token).
-    async fn complete(&self, scope: &Scope, attempt: Attempt, response: &StoredResponse, retention: Duration) -> Result<bool, StoreError> {
+    async fn complete(
+        &self,
+        scope: &Scope,
+        attempt: Attempt,
+        response: &StoredResponse,
+        retention: Duration,
+        events: &EventPolicies,
+    ) -> Result<bool, StoreError> {
+        let emit = Emit::of(events, &scope.operation, EventType::Completed);
         let item = CompleteItem {
             scope: scope.clone(),
             attempt,
@@ -462,11 +479,12 @@ impl RecordStore for PgStore {
             headers: encode_headers(&response.headers),
             body: response.body.clone(),
             retention_us: micros(retention),
+            emit,
         };
         match self.completes.submit(item).await? {
             BatchWrite::Written => Ok(true),
             BatchWrite::Fenced => Ok(false),
-            BatchWrite::Retry => self.complete_one(scope, attempt, response, retention).await,
+            BatchWrite::Retry => self.complete_one(scope, attempt, response, retention, emit).await,
         }
     }
 
@@ -496,12 +514,23 @@ impl RecordStore for PgStore {
         Ok(!rows.is_empty())
     }
 
-    async fn mark_unknown(&self, scope: &Scope, attempt: Attempt, only_if_lease_expired: bool) -> Result<bool, StoreError> {
+    async fn mark_unknown(
+        &self,
+        scope: &Scope,
+        attempt: Attempt,
+        only_if_lease_expired: bool,
+        events: &EventPolicies,
+    ) -> Result<bool, StoreError> {
         let sql = format!(
-            "UPDATE idemgate_records SET state = 'unknown', updated_at = now() \
+            "WITH upd AS (UPDATE idemgate_records SET state = 'unknown', updated_at = now() \
              WHERE {PK} AND generation = $5 AND claim_token = $7 AND state IN ('in_flight', 'processing') \
-             AND (NOT $6::bool OR lease_expires_at IS NULL OR lease_expires_at <= now()) RETURNING 1"
+             AND (NOT $6::bool OR lease_expires_at IS NULL OR lease_expires_at <= now()) \
+             RETURNING tenant, principal, operation, idempotency_key, generation, operation_id), \
+             ev AS (INSERT INTO idemgate_events {EVENT_INSERT} \
+             SELECT 'unknown', tenant, principal, operation, idempotency_key, generation, NULL, operation_id, NULL, NULL FROM upd WHERE $8) \
+             SELECT 1 FROM upd"
         );
+        let emit = events.emits(&scope.operation, EventType::Unknown);
         let rows = self
             .query(
                 &sql,
@@ -513,6 +542,7 @@ impl RecordStore for PgStore {
                     &attempt.generation.0,
                     &only_if_lease_expired,
                     &attempt.claim_token,
+                    &emit,
                 ],
                 true,
             )
@@ -532,7 +562,13 @@ impl RecordStore for PgStore {
         rows.iter().map(decode).collect()
     }
 
-    async fn resolve(&self, scope: &Scope, resolution: &Resolution, note: &AuditNote) -> Result<ResolveOutcome, StoreError> {
+    async fn resolve(
+        &self,
+        scope: &Scope,
+        resolution: &Resolution,
+        note: &AuditNote,
+        events: &EventPolicies,
+    ) -> Result<ResolveOutcome, StoreError> {
         let mut conn = self.conn().await?;
         let w = |e| classify(e, true);
         let tx = conn.client_mut().transaction().await.map_err(w)?;
@@ -598,6 +634,32 @@ impl RecordStore for PgStore {
         )
         .await
         .map_err(w)?;
+        // The resolution's event, in the same transaction.
+        if let Some(event) = EventType::of(to).filter(|e| events.emits(&scope.operation, *e)) {
+            let (status, body): (Option<i32>, Option<&[u8]>) = match resolution {
+                Resolution::Complete { response, .. } => {
+                    (Some(i32::from(response.status)), response.body.as_deref().filter(|_| events.include_body(&scope.operation)))
+                }
+                Resolution::Release { .. } => (None, None),
+            };
+            tx.execute(
+                &format!("INSERT INTO idemgate_events {EVENT_INSERT} VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"),
+                &[
+                    &event.as_str(),
+                    params[0],
+                    params[1],
+                    params[2],
+                    params[3],
+                    &generation,
+                    &status,
+                    &record.operation_id,
+                    &note.actor.as_str(),
+                    &body,
+                ],
+            )
+            .await
+            .map_err(w)?;
+        }
         tx.commit().await.map_err(w)?;
         conn.done();
         Ok(ResolveOutcome::Resolved { from: record.state })
@@ -637,7 +699,7 @@ impl RecordStore for PgStore {
         Ok(self.query(sql, &[&i64::from(batch)], true).await?.len() as u64)
     }
 
-    async fn reap_leases(&self, batch: u32, reforwardable: &[Arc<str>]) -> Result<Reaped, StoreError> {
+    async fn reap_leases(&self, batch: u32, reforwardable: &[Arc<str>], events: &EventPolicies) -> Result<Reaped, StoreError> {
         // record::transition's LeaseExpired, in SQL: sync attempts become
         // unknown; async ones go back to the queue when they never sent (no
         // sent_at) or their upstream deduplicates, else unknown.
@@ -648,7 +710,7 @@ impl RecordStore for PgStore {
             ), decided AS (
                 SELECT s.*, (r.state = 'processing' AND (r.sent_at IS NULL OR r.operation = ANY($2::text[]))) AS requeue
                 FROM stale s JOIN idemgate_records r USING (tenant, principal, operation, idempotency_key)
-            )
+            ), upd AS (
             UPDATE idemgate_records r SET
                 state = CASE WHEN d.requeue THEN 'queued' ELSE 'unknown' END,
                 lease_expires_at = CASE WHEN d.requeue THEN NULL ELSE r.lease_expires_at END,
@@ -661,9 +723,16 @@ impl RecordStore for PgStore {
             WHERE r.tenant = d.tenant AND r.principal = d.principal AND r.operation = d.operation
               AND r.idempotency_key = d.idempotency_key AND r.state IN ('in_flight', 'processing')
               AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())
-            RETURNING d.requeue";
+            RETURNING d.requeue, r.tenant, r.principal, r.operation, r.idempotency_key, r.generation, r.operation_id
+            ), ev AS (
+                INSERT INTO idemgate_events (event_type, tenant, principal, operation, idempotency_key, generation, status, operation_id, actor, body)
+                SELECT 'unknown', tenant, principal, operation, idempotency_key, generation, NULL, operation_id, NULL, NULL
+                FROM upd WHERE NOT requeue AND operation = ANY($3::text[])
+            )
+            SELECT requeue FROM upd";
         let ops: Vec<&str> = reforwardable.iter().map(|o| &**o).collect();
-        let rows = self.query(sql, &[&i64::from(batch), &ops], true).await?;
+        let emitting = events.operations_emitting(EventType::Unknown);
+        let rows = self.query(sql, &[&i64::from(batch), &ops, &emitting], true).await?;
         let mut reaped = Reaped::default();
         for row in &rows {
             if row.try_get::<_, bool>(0).map_err(|e| StoreError::Corrupt(e.to_string()))? {
@@ -713,16 +782,36 @@ impl RecordStore for PgStore {
         self.fenced_update(&sql, scope, attempt, &[&micros(delay), &retry.last_status.map(i32::from), &retry.maybe_executed]).await
     }
 
-    async fn fail(&self, scope: &Scope, attempt: Attempt, retention: Duration, retry: RetryNote) -> Result<bool, StoreError> {
+    async fn fail(
+        &self,
+        scope: &Scope,
+        attempt: Attempt,
+        retention: Duration,
+        retry: RetryNote,
+        events: &EventPolicies,
+    ) -> Result<bool, StoreError> {
         // record::transition's Fail: never "failed_retryable" once an attempt may have run.
         let sql = format!(
-            "UPDATE idemgate_records SET \
+            "WITH upd AS (UPDATE idemgate_records SET \
              state = CASE WHEN maybe_executed OR $9 THEN 'unknown' ELSE 'failed_retryable' END, \
              maybe_executed = maybe_executed OR $9, lease_expires_at = NULL, \
              expires_at = now() + $7::int8 * interval '1 microsecond', last_status = $8, updated_at = now() \
-             WHERE {PK} AND {FENCE} RETURNING 1"
+             WHERE {PK} AND {FENCE} \
+             RETURNING tenant, principal, operation, idempotency_key, generation, state, last_status, operation_id), \
+             ev AS (INSERT INTO idemgate_events {EVENT_INSERT} \
+             SELECT state, tenant, principal, operation, idempotency_key, generation, last_status, operation_id, NULL, NULL FROM upd \
+             WHERE (state = 'unknown' AND $10) OR (state = 'failed_retryable' AND $11)) \
+             SELECT 1 FROM upd"
         );
-        self.fenced_update(&sql, scope, attempt, &[&micros(retention), &retry.last_status.map(i32::from), &retry.maybe_executed]).await
+        let (unknown, failed) =
+            (events.emits(&scope.operation, EventType::Unknown), events.emits(&scope.operation, EventType::FailedRetryable));
+        self.fenced_update(
+            &sql,
+            scope,
+            attempt,
+            &[&micros(retention), &retry.last_status.map(i32::from), &retry.maybe_executed, &unknown, &failed],
+        )
+        .await
     }
 
     async fn operation(&self, tenant: &str, operation_id: &str) -> Result<Option<(Record, Timestamp)>, StoreError> {
@@ -735,6 +824,78 @@ impl RecordStore for PgStore {
                 Ok(Some((decode(row)?, now)))
             }
         }
+    }
+
+    async fn take_events(&self, operations: &[&str], limit: u32, lease: Duration, token: Uuid) -> Result<Vec<OutboxEvent>, StoreError> {
+        let sql = format!(
+            "WITH due AS (
+                SELECT e.seq FROM idemgate_events e
+                WHERE e.delivery = 'pending' AND e.next_attempt_at <= now() AND (e.lease_until IS NULL OR e.lease_until <= now())
+                  AND e.operation = ANY($1::text[])
+                  AND NOT EXISTS (SELECT 1 FROM idemgate_events p
+                                  WHERE p.delivery = 'pending' AND p.tenant = e.tenant AND p.principal = e.principal
+                                    AND p.operation = e.operation AND p.idempotency_key = e.idempotency_key AND p.seq < e.seq)
+                ORDER BY e.seq LIMIT $2 FOR UPDATE SKIP LOCKED)
+            UPDATE idemgate_events e SET lease_token = $3, lease_until = now() + $4::int8 * interval '1 microsecond'
+            FROM due WHERE e.seq = due.seq
+            RETURNING {}",
+            EVENT_COLUMNS.split(", ").map(|c| format!("e.{}", c.trim())).collect::<Vec<_>>().join(", ")
+        );
+        self.events_where(&sql, &[&operations, &i64::from(limit), &token, &micros(lease)], true).await
+    }
+
+    async fn event_delivered(&self, seq: i64, token: Uuid) -> Result<bool, StoreError> {
+        let sql = "UPDATE idemgate_events SET delivery = 'sent', sent_at = now(), lease_token = NULL, lease_until = NULL \
+                   WHERE seq = $1 AND lease_token = $2 AND delivery = 'pending' RETURNING 1";
+        Ok(!self.query(sql, &[&seq, &token], true).await?.is_empty())
+    }
+
+    async fn event_failed(&self, seq: i64, token: Uuid, error: &str, retry_after: Duration, park: bool) -> Result<bool, StoreError> {
+        let sql = "UPDATE idemgate_events SET attempts = attempts + 1, last_error = $3, \
+                   next_attempt_at = now() + $4::int8 * interval '1 microsecond', \
+                   delivery = CASE WHEN $5 THEN 'parked' ELSE 'pending' END, lease_token = NULL, lease_until = NULL \
+                   WHERE seq = $1 AND lease_token = $2 AND delivery = 'pending' RETURNING 1";
+        Ok(!self.query(sql, &[&seq, &token, &error, &micros(retry_after), &park], true).await?.is_empty())
+    }
+
+    async fn events(&self, delivery: Option<Delivery>, limit: u32) -> Result<Vec<OutboxEvent>, StoreError> {
+        let sql =
+            format!("SELECT {EVENT_COLUMNS} FROM idemgate_events WHERE ($1::text IS NULL OR delivery = $1) ORDER BY seq DESC LIMIT $2");
+        // The newest `limit`, oldest first (events_where sorts by seq).
+        self.events_where(&sql, &[&delivery.map(Delivery::as_str), &i64::from(limit)], false).await
+    }
+
+    async fn redeliver(&self, event_id: Uuid) -> Result<bool, StoreError> {
+        let sql = "UPDATE idemgate_events SET delivery = 'pending', attempts = 0, next_attempt_at = now(), lease_token = NULL, \
+                   lease_until = NULL, last_error = NULL, sent_at = NULL WHERE event_id = $1 RETURNING 1";
+        Ok(!self.query(sql, &[&event_id], true).await?.is_empty())
+    }
+
+    async fn sweep_events(&self, batch: u32, older_than: Duration) -> Result<u64, StoreError> {
+        let sql = "DELETE FROM idemgate_events WHERE seq IN (
+                       SELECT seq FROM idemgate_events
+                       WHERE delivery = 'sent' AND sent_at <= now() - $2::int8 * interval '1 microsecond'
+                       ORDER BY sent_at LIMIT $1)
+                   RETURNING 1";
+        Ok(self.query(sql, &[&i64::from(batch), &micros(older_than)], true).await?.len() as u64)
+    }
+
+    async fn event_stats(&self) -> Result<EventStats, StoreError> {
+        let rows = self
+            .query(
+                "SELECT count(*) FILTER (WHERE delivery = 'pending'), count(*) FILTER (WHERE delivery = 'parked'), \
+                 min(at) FILTER (WHERE delivery = 'pending') FROM idemgate_events WHERE delivery <> 'sent'",
+                &[],
+                false,
+            )
+            .await?;
+        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+        let row = rows.first().ok_or_else(|| StoreError::Corrupt("event stats returned no row".into()))?;
+        Ok(EventStats {
+            pending: row.try_get(0).map_err(c)?,
+            parked: row.try_get(1).map_err(c)?,
+            oldest_pending_at: row.try_get(2).map_err(c)?,
+        })
     }
 
     async fn stats(&self) -> Result<Vec<StateCount>, StoreError> {
@@ -763,6 +924,18 @@ impl RecordStore for PgStore {
 }
 
 impl PgStore {
+    async fn events_where(
+        &self,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+        write: bool,
+    ) -> Result<Vec<OutboxEvent>, StoreError> {
+        let rows = self.query(sql, params, write).await?;
+        let mut events = rows.iter().map(decode_event).collect::<Result<Vec<_>, _>>()?;
+        events.sort_by_key(|e| e.seq);
+        Ok(events)
+    }
+
     /// An async write fenced by the attempt (`$5` generation, `$6` token,
     /// state `processing`); `extra` are `$7...`.
     async fn fenced_update(
@@ -810,6 +983,7 @@ struct CompleteItem {
     headers: Vec<u8>,
     body: Option<Bytes>,
     retention_us: i64,
+    emit: Emit,
 }
 
 enum BatchWrite {
@@ -860,15 +1034,49 @@ ORDER BY i.ord";
 
 /// The batched result write, each row fenced by its own attempt.
 const COMPLETE_BATCH: &str = "\
-UPDATE idemgate_records r SET
-    state = 'completed', response_status = v.status, response_headers = v.headers, response_body = v.body,
-    lease_expires_at = NULL, updated_at = now(), expires_at = now() + v.retention_us * interval '1 microsecond'
-FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int8[], $6::int4[], $7::bytea[], $8::bytea[], $9::int8[], $10::uuid[])
-    WITH ORDINALITY AS v(tenant, principal, operation, idempotency_key, generation, status, headers, body, retention_us, claim_token, ord)
-WHERE r.tenant = v.tenant AND r.principal = v.principal AND r.operation = v.operation
-  AND r.idempotency_key = v.idempotency_key AND r.generation = v.generation AND r.claim_token = v.claim_token
-  AND r.state IN ('in_flight', 'processing')
-RETURNING v.ord";
+WITH v AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int8[], $6::int4[], $7::bytea[], $8::bytea[], $9::int8[],
+                         $10::uuid[], $11::bool[], $12::bool[])
+        WITH ORDINALITY AS v(tenant, principal, operation, idempotency_key, generation, status, headers, body, retention_us, claim_token,
+                             emit, with_body, ord)
+), upd AS (
+    UPDATE idemgate_records r SET
+        state = 'completed', response_status = v.status, response_headers = v.headers, response_body = v.body,
+        lease_expires_at = NULL, updated_at = now(), expires_at = now() + v.retention_us * interval '1 microsecond'
+    FROM v
+    WHERE r.tenant = v.tenant AND r.principal = v.principal AND r.operation = v.operation
+      AND r.idempotency_key = v.idempotency_key AND r.generation = v.generation AND r.claim_token = v.claim_token
+      AND r.state IN ('in_flight', 'processing')
+    RETURNING v.ord, v.emit, v.with_body, r.tenant, r.principal, r.operation, r.idempotency_key, r.generation, r.response_status,
+              r.operation_id, r.response_body
+), ev AS (
+    INSERT INTO idemgate_events (event_type, tenant, principal, operation, idempotency_key, generation, status, operation_id, actor, body)
+    SELECT 'completed', tenant, principal, operation, idempotency_key, generation, response_status, operation_id, NULL,
+           CASE WHEN with_body THEN response_body END
+    FROM upd WHERE emit ORDER BY ord
+)
+SELECT ord FROM upd";
+
+/// The columns of an event row as written (`INSERT INTO idemgate_events {EVENT_INSERT} ...`).
+const EVENT_INSERT: &str = "(event_type, tenant, principal, operation, idempotency_key, generation, status, operation_id, actor, body)";
+
+/// The columns of an event row as read (`decode_event`).
+const EVENT_COLUMNS: &str = "seq, event_id, event_type, tenant, principal, operation, idempotency_key, generation, status, operation_id, \
+     actor, at, body, delivery, attempts, next_attempt_at, last_error, sent_at";
+
+/// Whether a change writes its event, and with the response body.
+#[derive(Debug, Clone, Copy)]
+struct Emit {
+    event: bool,
+    body: bool,
+}
+
+impl Emit {
+    fn of(events: &EventPolicies, operation: &str, event: EventType) -> Emit {
+        let on = events.emits(operation, event);
+        Emit { event: on, body: on && events.include_body(operation) }
+    }
+}
 
 /// The primary-key columns of a batch, as the arrays its statement unnests.
 struct PkColumns<'a> {
@@ -952,8 +1160,22 @@ impl Db {
         let headers: Vec<&[u8]> = items.iter().map(|i| &i.headers[..]).collect();
         let bodies: Vec<Option<&[u8]>> = items.iter().map(|i| i.body.as_deref()).collect();
         let retentions: Vec<i64> = items.iter().map(|i| i.retention_us).collect();
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 10] =
-            [&tenants, &principals, &operations, &keys, &generations, &statuses, &headers, &bodies, &retentions, &tokens];
+        let emit: Vec<bool> = items.iter().map(|i| i.emit.event).collect();
+        let with_body: Vec<bool> = items.iter().map(|i| i.emit.body).collect();
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 12] = [
+            &tenants,
+            &principals,
+            &operations,
+            &keys,
+            &generations,
+            &statuses,
+            &headers,
+            &bodies,
+            &retentions,
+            &tokens,
+            &emit,
+            &with_body,
+        ];
         let rows = match self.bounded_query(COMPLETE_BATCH, &params).await {
             Ok(rows) => rows,
             Err(e) if is_deadlock(&e) => return Ok((0..n).map(|_| BatchWrite::Retry).collect()),
@@ -968,6 +1190,33 @@ impl Db {
         }
         Ok(out)
     }
+}
+
+fn decode_event(row: &Row) -> Result<OutboxEvent, StoreError> {
+    let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+    let key: &str = row.try_get(6).map_err(c)?;
+    let key = IdempotencyKey::new(key).map_err(|e| StoreError::Corrupt(format!("event idempotency_key: {e}")))?;
+    let (tenant, principal, operation): (&str, &str, &str) =
+        (row.try_get(3).map_err(c)?, row.try_get(4).map_err(c)?, row.try_get(5).map_err(c)?);
+    let kind: &str = row.try_get(2).map_err(c)?;
+    let delivery: &str = row.try_get(13).map_err(c)?;
+    Ok(OutboxEvent {
+        seq: row.try_get(0).map_err(c)?,
+        id: row.try_get(1).map_err(c)?,
+        event_type: EventType::parse(kind).ok_or_else(|| StoreError::Corrupt(format!("event type {kind:?}")))?,
+        scope: Scope { tenant: tenant.into(), principal: principal.into(), operation: operation.into(), key },
+        generation: row.try_get::<_, Option<i64>>(7).map_err(c)?.map(Generation),
+        status: row.try_get::<_, Option<i32>>(8).map_err(c)?.and_then(|s| u16::try_from(s).ok()),
+        operation_id: row.try_get(9).map_err(c)?,
+        actor: row.try_get(10).map_err(c)?,
+        at: row.try_get(11).map_err(c)?,
+        body: row.try_get(12).map_err(c)?,
+        delivery: Delivery::parse(delivery).ok_or_else(|| StoreError::Corrupt(format!("event delivery {delivery:?}")))?,
+        attempts: row.try_get(14).map_err(c)?,
+        next_attempt_at: row.try_get(15).map_err(c)?,
+        last_error: row.try_get(16).map_err(c)?,
+        sent_at: row.try_get(17).map_err(c)?,
+    })
 }
 
 fn decode_audit(row: &Row) -> Result<AuditEntry, StoreError> {
