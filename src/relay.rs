@@ -63,7 +63,10 @@ impl Relay {
     pub async fn run(mut self, shutdown: CancellationToken) {
         tracing::debug!(routes = self.routes.len(), "outbox relay started");
         let token = Uuid::new_v4();
-        let lease = self.routes.values().map(|e| e.timeout).max().unwrap_or(Duration::from_secs(5)) + Duration::from_secs(5);
+        // Long enough for a delivery and its marking; short enough that a
+        // crashed relay's events are soon delivered by another.
+        let timeout = self.routes.values().map(|e| e.timeout).max().unwrap_or(Duration::from_secs(5));
+        let lease = timeout + timeout.max(Duration::from_secs(1));
         let mut idle = IDLE_MIN;
         while !shutdown.is_cancelled() {
             let now = tokio::time::Instant::now();

@@ -32,6 +32,7 @@ pub mod faultproxy;
 pub mod gateway;
 pub mod postgres;
 pub mod upstream;
+pub mod webhook;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

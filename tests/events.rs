@@ -1,0 +1,206 @@
+//! The outbox through the real binary (CONTRACT section 9): a real webhook
+//! receiver that records every delivery. Events of final state changes are
+//! delivered signed, at least once, in order per scope, with a stable id;
+//! a receiver that is down gets everything later; a relay killed between a
+//! delivery and its marking re-delivers the same id; two relays never
+//! deliver one event at the same time; parked events can be redelivered.
+
+#[macro_use]
+mod support;
+
+use std::time::Duration;
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+use support::webhook::Webhook;
+use support::*;
+
+on_both_stores!(
+    final_state_changes_are_delivered_signed_once_each,
+    a_receiver_that_is_down_gets_everything_later_in_order,
+    a_relay_killed_before_marking_redelivers_the_same_id,
+    parked_events_are_kept_listed_and_redelivered,
+);
+
+const ORDER: &str = r#"{"item":"book","qty":1}"#;
+
+fn with_events(c: GatewayConfig, hook: &Webhook, extra: &str) -> GatewayConfig {
+    c.route(&format!(
+        "events.url = \"{}\"\nevents.secret_env = \"{}\"\nevents.timeout = \"300ms\"\n{extra}",
+        hook.url(),
+        support::gateway::TEST_SECRET_ENV
+    ))
+}
+
+async fn setup(backend: Backend, extra: &str) -> (TestUpstream, Webhook, Gateway, idemgate::store::Store) {
+    let up = TestUpstream::start().await;
+    let hook = Webhook::start().await;
+    let gw = Gateway::start(with_events(GatewayConfig::new(backend.clone(), up.url()).timeout("500ms"), &hook, extra));
+    let store = backend.open().await;
+    (up, hook, gw, store)
+}
+
+async fn delivered(hook: &Webhook, n: usize) -> bool {
+    eventually(Duration::from_secs(20), || async { hook.distinct().len() >= n }).await
+}
+
+fn verify_signature(d: &support::webhook::Delivery) {
+    let sig = d.signature.as_deref().expect("a signature");
+    let (t, v1) = sig.split_once(',').expect("t=...,v1=...");
+    let t = t.strip_prefix("t=").expect("t=");
+    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(TEST_SECRET.as_bytes()).unwrap();
+    mac.update(format!("{t}.").as_bytes());
+    mac.update(&d.body);
+    assert_eq!(v1.strip_prefix("v1=").expect("v1="), hex::encode(mac.finalize().into_bytes()), "the HMAC of t.body");
+}
+
+async fn final_state_changes_are_delivered_signed_once_each(backend: Backend) {
+    let (up, hook, gw, store) = setup(backend, "").await;
+    let url = gw.url("/v1/orders");
+    assert_eq!(post(&url, "k1", ORDER, &[]).await.status, 201);
+    assert!(post(&url, "k1", ORDER, &[]).await.replayed(), "a replay changes nothing: no event");
+    assert_eq!(post(&url, "slow", ORDER, &[("x-test-sleep-ms", "1500")]).await.status, 504);
+    assert!(delivered(&hook, 2).await, "{}", gw.logs());
+    let (code, _, err) = cli(
+        &gw,
+        &[
+            "keys",
+            "resolve",
+            "--tenant",
+            TENANT,
+            "--principal",
+            PRINCIPAL,
+            "--operation",
+            "create_order",
+            "--key",
+            "slow",
+            "--release",
+            "--reason",
+            "not in the ledger",
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(delivered(&hook, 3).await, "{}", gw.logs());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let all = hook.deliveries();
+    assert_eq!(all.len(), 3, "each event once: {all:?}");
+    for d in &all {
+        verify_signature(d);
+    }
+    let docs: Vec<serde_json::Value> = all.iter().map(|d| d.json()).collect();
+    let summary: Vec<(&str, &str)> = docs.iter().map(|d| (d["type"].as_str().unwrap(), d["actor"].as_str().unwrap_or("gateway"))).collect();
+    assert_eq!(
+        summary,
+        vec![("idemgate.record.completed", "gateway"), ("idemgate.record.unknown", "gateway"), ("idemgate.record.released", "cli")]
+    );
+    assert_eq!(docs[0]["status"], 201);
+    assert_eq!(docs[0]["scope"]["tenant"], TENANT);
+    assert!(docs[0]["scope"].get("key").is_none(), "no client key unless include_key");
+    assert!(docs[0].get("body_base64").is_none(), "no body unless include_body");
+    assert_eq!(docs[0]["id"], all[0].id.as_str(), "the id in the body is the header's");
+    let rec = record(&store, "k1").await.unwrap();
+    assert_eq!(docs[0]["generation"], rec.generation.0);
+    assert_eq!(up.total(), 2);
+    let pending = store.event_stats().await.unwrap();
+    assert_eq!((pending.pending, pending.parked), (0, 0), "all marked sent");
+    let m = send("GET", &gw.admin_url("/metrics"), &[], "").await.unwrap();
+    let text = String::from_utf8_lossy(&m.body).into_owned();
+    assert!(text.contains("idemgate_event_deliveries_total{outcome=\"delivered\"} 3"), "{text}");
+}
+
+async fn a_receiver_that_is_down_gets_everything_later_in_order(backend: Backend) {
+    let (_up, hook, gw, store) = setup(backend, "").await;
+    hook.answer(503);
+    let url = gw.url("/v1/orders");
+    // Per scope: unknown, then released by an operator; plus other keys.
+    assert_eq!(post(&url, "a", ORDER, &[("x-test-sleep-ms", "1500")]).await.status, 504);
+    let (code, _, err) = cli(
+        &gw,
+        &["keys", "resolve", "--tenant", TENANT, "--principal", PRINCIPAL, "--operation", "create_order", "--key", "a", "--release"],
+    );
+    assert_eq!(code, 0, "{err}");
+    for k in ["b", "c", "d"] {
+        assert_eq!(post(&url, k, ORDER, &[]).await.status, 201);
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(hook.deliveries().iter().all(|d| !d.id.is_empty()));
+    let stats = store.event_stats().await.unwrap();
+    assert_eq!(stats.pending, 5, "nothing is marked sent while the receiver fails");
+    assert!(stats.oldest_pending_at.is_some());
+    hook.answer(200);
+    let healed = eventually(Duration::from_secs(30), || async { store.event_stats().await.unwrap().pending == 0 }).await;
+    assert!(healed, "{}", gw.logs());
+    assert_eq!(hook.distinct().len(), 5);
+    // Order per scope: a's unknown was delivered (2xx) before a's release was ever sent.
+    let all = hook.deliveries();
+    let last_unknown = all
+        .iter()
+        .rposition(|d| d.json()["scope"]["operation"] == "create_order" && d.json()["type"] == "idemgate.record.unknown")
+        .unwrap();
+    let first_release = all.iter().position(|d| d.json()["type"] == "idemgate.record.released").unwrap();
+    assert!(last_unknown < first_release, "in order per scope");
+}
+
+async fn a_relay_killed_before_marking_redelivers_the_same_id(backend: Backend) {
+    let (_up, hook, mut gw, store) = setup(backend, "").await;
+    hook.hold(Duration::from_secs(3));
+    let mut arrivals = hook.subscribe();
+    assert_eq!(post(&gw.url("/v1/orders"), "k", ORDER, &[]).await.status, 201);
+    let first = tokio::time::timeout(Duration::from_secs(10), arrivals.recv()).await.expect("delivered").unwrap();
+    // The receiver has the event; the gateway dies before it can mark it sent.
+    gw.kill9();
+    hook.hold(Duration::ZERO);
+    gw.restart();
+    let again = tokio::time::timeout(Duration::from_secs(15), arrivals.recv()).await.expect("redelivered").unwrap();
+    assert_eq!(again.id, first.id, "the same event id");
+    assert_eq!(again.json()["id"], first.json()["id"]);
+    let sent = eventually(Duration::from_secs(10), || async { store.event_stats().await.unwrap().pending == 0 }).await;
+    assert!(sent);
+    assert_eq!(hook.distinct().len(), 1, "one event, delivered twice because of the crash");
+}
+
+async fn parked_events_are_kept_listed_and_redelivered(backend: Backend) {
+    let (_up, hook, gw, store) = setup(backend, "events.max_attempts = 2").await;
+    hook.answer(500);
+    assert_eq!(post(&gw.url("/v1/orders"), "k", ORDER, &[]).await.status, 201);
+    let parked = eventually(Duration::from_secs(15), || async { store.event_stats().await.unwrap().parked == 1 }).await;
+    assert!(parked, "{}", gw.logs());
+    assert_eq!(hook.deliveries().len(), 2, "max_attempts deliveries, then parked");
+    let (code, out, err) = cli(&gw, &["events", "list", "--parked", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let list: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(list.as_array().unwrap().len(), 1);
+    assert_eq!((list[0]["delivery"].as_str(), list[0]["last_error"].as_str()), (Some("parked"), Some("answered 500")));
+    let id = list[0]["id"].as_str().unwrap().to_owned();
+    hook.answer(200);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(hook.deliveries().len(), 2, "parked events wait for an operator");
+    let (code, _, err) = cli(&gw, &["events", "redeliver", &id]);
+    assert_eq!(code, 0, "{err}");
+    let sent = eventually(Duration::from_secs(10), || async { store.event_stats().await.unwrap() == Default::default() }).await;
+    assert!(sent, "{}", gw.logs());
+    assert_eq!(hook.deliveries().last().unwrap().id, id);
+    assert_eq!(cli(&gw, &["events", "redeliver", "00000000-0000-0000-0000-000000000000"]).0, 1);
+}
+
+/// Two replicas relaying one store: every event is delivered, none by two
+/// relays at once, and (without a crash) none twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_relays_never_deliver_one_event_at_once() {
+    let backend = postgres_backend();
+    let up = TestUpstream::start().await;
+    let hook = Webhook::start().await;
+    hook.hold(Duration::from_millis(100));
+    let cfg = || with_events(GatewayConfig::new(backend.clone(), up.url()), &hook, "");
+    let (a, b) = (Gateway::start(cfg()), Gateway::start(cfg()));
+    let store = backend.open().await;
+    for i in 0..30 {
+        let gw = if i % 2 == 0 { &a } else { &b };
+        assert_eq!(post(&gw.url("/v1/orders"), &format!("k{i}"), ORDER, &[]).await.status, 201);
+    }
+    let all = eventually(Duration::from_secs(30), || async { store.event_stats().await.unwrap().pending == 0 }).await;
+    assert!(all, "{}\n{}", a.logs(), b.logs());
+    assert_eq!(hook.distinct().len(), 30);
+    assert_eq!(hook.overlaps(), 0, "no event delivered by two relays at once");
+    assert!(hook.counts().values().all(|n| *n == 1), "no duplicates without a crash: {:?}", hook.counts());
+}
