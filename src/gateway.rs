@@ -97,6 +97,11 @@ impl Gateway {
         self.wake_workers.clone()
     }
 
+    /// JWT identity sources whose keys are fetched from a URL.
+    pub fn jwks_sources(&self) -> Vec<Arc<crate::jwt::JwtVerifier>> {
+        self.identifier.jwks_urls()
+    }
+
     pub fn routes(&self) -> Vec<Arc<Route>> {
         self.router.routes().to_vec()
     }
@@ -166,7 +171,7 @@ impl Gateway {
         req: Request<Incoming>,
         peer: SocketAddr,
     ) -> Result<(Response<Body>, Outcome), GatewayError> {
-        let identity = self.identifier.identify(req.headers(), peer.ip()).ok_or(GatewayError::Unauthenticated)?;
+        let identity = self.identifier.identify(req.headers(), peer.ip()).await.ok_or(GatewayError::Unauthenticated)?;
         let key = match key_from(req.headers(), route) {
             Ok(Some(key)) => key,
             Ok(None) if !route.key_required => {
@@ -358,7 +363,7 @@ impl Gateway {
         if id.is_empty() || id.contains('/') || id.len() > 64 {
             return Err(GatewayError::NotFound);
         }
-        let identity = self.identifier.identify(req.headers(), peer.ip()).ok_or(GatewayError::Unauthenticated)?;
+        let identity = self.identifier.identify(req.headers(), peer.ip()).await.ok_or(GatewayError::Unauthenticated)?;
         let record = match self.store.operation(&identity.tenant, id).await {
             Ok(Some((record, _))) if record.scope.principal == identity.principal => record,
             Ok(_) => return Err(GatewayError::NotFound),

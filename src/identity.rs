@@ -3,8 +3,9 @@
 //! The tenant and principal of a key's scope come only from here, never from
 //! anything the client can set freely: an API key the operator listed (by its
 //! SHA-256), or headers set by a trusted peer (a sidecar or an edge proxy whose
-//! address is in `trusted_peers`). Sources are tried in order; the first that
-//! matches wins.
+//! address is in `trusted_peers`), or a JWT verified against the issuer's keys
+//! (see [`crate::jwt`]). Sources are tried in order; the first that matches
+//! wins.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -13,6 +14,8 @@ use std::sync::Arc;
 use http::{HeaderMap, HeaderName};
 use ipnet::IpNet;
 use sha2::{Digest, Sha256};
+
+use crate::jwt::JwtVerifier;
 
 /// The trusted half of a key's scope.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -34,10 +37,13 @@ pub enum IdentitySource {
         principal_header: HeaderName,
         trusted_peers: Vec<IpNet>,
     },
+    /// A bearer JWT: signature, expiry, issuer and audience verified; tenant
+    /// and principal from its claims.
+    Jwt(Arc<JwtVerifier>),
 }
 
 impl IdentitySource {
-    fn identify(&self, headers: &HeaderMap, peer: IpAddr) -> Option<Identity> {
+    async fn identify(&self, headers: &HeaderMap, peer: IpAddr) -> Option<Identity> {
         match self {
             IdentitySource::ApiKey { header, keys } => {
                 let value = headers.get(header)?.to_str().ok()?.trim();
@@ -60,6 +66,17 @@ impl IdentitySource {
                 let tenant = single_value(headers, tenant_header)?;
                 let principal = single_value(headers, principal_header)?;
                 Some(Identity { tenant: tenant.into(), principal: principal.into() })
+            }
+            IdentitySource::Jwt(verifier) => {
+                let token = verifier.token(headers)?;
+                match verifier.verify(token).await {
+                    Ok(identity) => Some(identity),
+                    Err(e) => {
+                        // The reason goes to the log, never the token or its claims.
+                        tracing::debug!(error = %e, "JWT refused");
+                        None
+                    }
+                }
             }
         }
     }
@@ -96,8 +113,24 @@ impl Identifier {
         Identifier { sources }
     }
 
-    pub fn identify(&self, headers: &HeaderMap, peer: IpAddr) -> Option<Identity> {
-        self.sources.iter().find_map(|s| s.identify(headers, peer))
+    pub async fn identify(&self, headers: &HeaderMap, peer: IpAddr) -> Option<Identity> {
+        for s in &self.sources {
+            if let Some(identity) = s.identify(headers, peer).await {
+                return Some(identity);
+            }
+        }
+        None
+    }
+
+    /// The JWT sources whose keys come from a URL (refreshed in the background).
+    pub fn jwks_urls(&self) -> Vec<Arc<JwtVerifier>> {
+        self.sources
+            .iter()
+            .filter_map(|s| match s {
+                IdentitySource::Jwt(v) if matches!(v.config.keys, crate::jwt::KeySource::Url(_)) => Some(v.clone()),
+                _ => None,
+            })
+            .collect()
     }
 }
 
@@ -131,35 +164,35 @@ mod tests {
         h
     }
 
-    #[test]
-    fn api_key_bearer_and_bare() {
+    #[tokio::test]
+    async fn api_key_bearer_and_bare() {
         let id = identifier();
         let peer: IpAddr = "192.0.2.1".parse().unwrap();
-        assert_eq!(id.identify(&headers(&[("authorization", "Bearer s3cret")]), peer), Some(ident("acme", "billing")));
-        assert_eq!(id.identify(&headers(&[("authorization", "bearer  s3cret ")]), peer), Some(ident("acme", "billing")));
-        assert_eq!(id.identify(&headers(&[("authorization", "s3cret")]), peer), Some(ident("acme", "billing")));
-        assert_eq!(id.identify(&headers(&[("authorization", "Basic s3cret")]), peer), None);
-        assert_eq!(id.identify(&headers(&[("authorization", "Bearer wrong")]), peer), None);
-        assert_eq!(id.identify(&headers(&[]), peer), None);
+        assert_eq!(id.identify(&headers(&[("authorization", "Bearer s3cret")]), peer).await, Some(ident("acme", "billing")));
+        assert_eq!(id.identify(&headers(&[("authorization", "bearer  s3cret ")]), peer).await, Some(ident("acme", "billing")));
+        assert_eq!(id.identify(&headers(&[("authorization", "s3cret")]), peer).await, Some(ident("acme", "billing")));
+        assert_eq!(id.identify(&headers(&[("authorization", "Basic s3cret")]), peer).await, None);
+        assert_eq!(id.identify(&headers(&[("authorization", "Bearer wrong")]), peer).await, None);
+        assert_eq!(id.identify(&headers(&[]), peer).await, None);
     }
 
-    #[test]
-    fn trusted_header_only_from_trusted_peers() {
+    #[tokio::test]
+    async fn trusted_header_only_from_trusted_peers() {
         let id = identifier();
         let h = headers(&[("x-tenant-id", "t1"), ("x-principal-id", "p1")]);
-        assert_eq!(id.identify(&h, "10.1.2.3".parse().unwrap()), Some(ident("t1", "p1")));
-        assert_eq!(id.identify(&h, "::ffff:10.1.2.3".parse().unwrap()), Some(ident("t1", "p1")));
-        assert_eq!(id.identify(&h, "11.1.2.3".parse().unwrap()), None);
+        assert_eq!(id.identify(&h, "10.1.2.3".parse().unwrap()).await, Some(ident("t1", "p1")));
+        assert_eq!(id.identify(&h, "::ffff:10.1.2.3".parse().unwrap()).await, Some(ident("t1", "p1")));
+        assert_eq!(id.identify(&h, "11.1.2.3".parse().unwrap()).await, None);
         let missing = headers(&[("x-tenant-id", "t1")]);
-        assert_eq!(id.identify(&missing, "10.1.2.3".parse().unwrap()), None);
+        assert_eq!(id.identify(&missing, "10.1.2.3".parse().unwrap()).await, None);
         let doubled = headers(&[("x-tenant-id", "t1"), ("x-tenant-id", "t2"), ("x-principal-id", "p1")]);
-        assert_eq!(id.identify(&doubled, "10.1.2.3".parse().unwrap()), None);
+        assert_eq!(id.identify(&doubled, "10.1.2.3".parse().unwrap()).await, None);
     }
 
-    #[test]
-    fn first_matching_source_wins() {
+    #[tokio::test]
+    async fn first_matching_source_wins() {
         let id = identifier();
         let h = headers(&[("authorization", "s3cret"), ("x-tenant-id", "t1"), ("x-principal-id", "p1")]);
-        assert_eq!(id.identify(&h, "10.1.2.3".parse().unwrap()), Some(ident("acme", "billing")));
+        assert_eq!(id.identify(&h, "10.1.2.3".parse().unwrap()).await, Some(ident("acme", "billing")));
     }
 }

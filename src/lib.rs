@@ -42,6 +42,7 @@ pub mod fingerprint;
 pub mod gateway;
 pub mod headers;
 pub mod identity;
+pub mod jwt;
 pub mod keys;
 pub mod logging;
 pub mod metrics;

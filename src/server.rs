@@ -124,6 +124,20 @@ impl Server {
             gateway.reforwardable_operations(),
             shutdown.clone(),
         );
+        // JWKS URLs: fetched now and then every jwks_refresh; a failed fetch
+        // keeps the last good key set.
+        for verifier in gateway.jwks_sources() {
+            let shutdown = shutdown.clone();
+            background.spawn(async move {
+                loop {
+                    verifier.refresh().await;
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        _ = tokio::time::sleep(verifier.config.refresh) => {}
+                    }
+                }
+            });
+        }
         if let Some(relay) = Relay::new(&gateway.routes(), gateway.store().clone(), metrics.clone()) {
             background.spawn(relay.run(shutdown.clone()));
         }

@@ -255,6 +255,35 @@ pub struct IdentitySourceSection {
     pub tenant_header: Option<String>,
     pub principal_header: Option<String>,
     pub trusted_peers: Option<Vec<String>>,
+    // kind = "jwt" (also `header`)
+    pub jwks_file: Option<String>,
+    pub jwks_url: Option<String>,
+    pub jwks_refresh: Option<String>,
+    pub issuer: Option<OneOrMany>,
+    pub audience: Option<OneOrMany>,
+    pub algorithms: Option<Vec<String>>,
+    pub secret_env: Option<String>,
+    pub secret_file: Option<String>,
+    pub tenant_claim: Option<String>,
+    pub principal_claim: Option<String>,
+    pub leeway: Option<String>,
+}
+
+/// A string or a list of strings (`audience = "api"` or `audience = ["a", "b"]`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl OneOrMany {
+    pub fn to_vec(&self) -> Vec<String> {
+        match self {
+            OneOrMany::One(s) => vec![s.clone()],
+            OneOrMany::Many(v) => v.clone(),
+        }
+    }
 }
 
 #[derive(Debug, Default, Deserialize)]

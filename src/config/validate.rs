@@ -608,6 +608,7 @@ impl Validator<'_> {
                 }
                 Some(IdentitySource::ApiKey { header: header?, keys })
             }
+            Some("jwt") => self.jwt_source(&p, s),
             Some("trusted_header") => {
                 for (field, set) in [("header", s.header.is_some()), ("keys", s.keys.is_some())] {
                     if set {
@@ -637,11 +638,101 @@ impl Validator<'_> {
                 Some(IdentitySource::TrustedHeader { tenant_header: tenant_header?, principal_header: principal_header?, trusted_peers })
             }
             Some(other) => {
-                self.issues.push(format!("{p}.kind"), format!("unknown identity source {other:?}: use \"api_key\" or \"trusted_header\""));
+                self.issues.push(
+                    format!("{p}.kind"),
+                    format!("unknown identity source {other:?}: use \"api_key\", \"trusted_header\" or \"jwt\""),
+                );
                 None
             }
             None => {
-                self.issues.push(format!("{p}.kind"), "required: \"api_key\" or \"trusted_header\"");
+                self.issues.push(format!("{p}.kind"), "required: \"api_key\", \"trusted_header\" or \"jwt\"");
+                None
+            }
+        }
+    }
+
+    /// `kind = "jwt"`: where the keys come from, what is checked, which claims name the scope.
+    fn jwt_source(&mut self, p: &str, s: &IdentitySourceSection) -> Option<IdentitySource> {
+        for (field, set) in [
+            ("keys", s.keys.is_some()),
+            ("tenant_header", s.tenant_header.is_some()),
+            ("principal_header", s.principal_header.is_some()),
+            ("trusted_peers", s.trusted_peers.is_some()),
+        ] {
+            if set {
+                self.issues.push(format!("{p}.{field}"), "not a setting of kind = \"jwt\"");
+            }
+        }
+        let header = self.header_name(&format!("{p}.header"), s.header.as_deref(), "authorization");
+        let mut algorithms = Vec::new();
+        for (k, a) in s.algorithms.as_deref().unwrap_or(&["RS256".to_owned(), "ES256".to_owned(), "EdDSA".to_owned()]).iter().enumerate() {
+            match crate::jwt::parse_algorithm(a) {
+                Some(alg) => algorithms.push(alg),
+                None => {
+                    self.issues.push(format!("{p}.algorithms[{k}]"), format!("unknown algorithm {a:?}: use RS256, ES256, EdDSA or HS256"))
+                }
+            }
+        }
+        let hs256 = algorithms.contains(&jsonwebtoken::Algorithm::HS256);
+        let secret = self.secret(&format!("{p}.secret"), None, s.secret_env.as_deref(), s.secret_file.as_deref());
+        if hs256 && matches!(secret, Some(None)) {
+            self.issues.push(format!("{p}.secret_env"), "HS256 needs secret_env or secret_file");
+        }
+        if !hs256 && matches!(secret, Some(Some(_))) {
+            self.issues.push(format!("{p}.secret_env"), "a secret is only used by HS256: add it to algorithms");
+        }
+        let asymmetric = algorithms.iter().any(|a| *a != jsonwebtoken::Algorithm::HS256);
+        let keys = match (s.jwks_file.as_deref(), s.jwks_url.as_deref()) {
+            (Some(_), Some(_)) => {
+                self.issues.push(format!("{p}.jwks_url"), "give jwks_file or jwks_url, not both");
+                None
+            }
+            (Some(f), None) => Some(crate::jwt::KeySource::File(PathBuf::from(f))),
+            (None, Some(u)) => match u.parse::<http::Uri>() {
+                Ok(uri) if uri.scheme_str() == Some("http") && uri.authority().is_some() => Some(crate::jwt::KeySource::Url(uri)),
+                Ok(uri) if uri.scheme_str() == Some("https") => {
+                    self.issues.push(
+                        format!("{p}.jwks_url"),
+                        "https JWKS URLs need TLS to upstreams, which is not built yet; use http:// or jwks_file",
+                    );
+                    None
+                }
+                _ => {
+                    self.issues.push(format!("{p}.jwks_url"), format!("invalid URL {u:?}"));
+                    None
+                }
+            },
+            (None, None) if asymmetric => {
+                self.issues.push(format!("{p}.jwks_file"), "RS256, ES256 and EdDSA need jwks_file or jwks_url");
+                None
+            }
+            (None, None) => Some(crate::jwt::KeySource::None),
+        };
+        let refresh = self.duration(&format!("{p}.jwks_refresh"), s.jwks_refresh.as_deref(), "5m");
+        let refresh = self.at_least(&format!("{p}.jwks_refresh"), refresh, Duration::from_secs(1));
+        let leeway = self.duration(&format!("{p}.leeway"), s.leeway.as_deref(), "30s");
+        let claim = |c: Option<&str>, default: &str| -> String {
+            let c = c.unwrap_or(default);
+            if c.starts_with('/') { c.to_owned() } else { format!("/{c}") }
+        };
+        let tenant_claim = claim(s.tenant_claim.as_deref(), "tenant");
+        let principal_claim = claim(s.principal_claim.as_deref(), "sub");
+        let config = crate::jwt::JwtConfig {
+            header: header?,
+            keys: keys?,
+            refresh: refresh?,
+            issuer: s.issuer.as_ref().map(|i| i.to_vec()),
+            audience: s.audience.as_ref().map(|a| a.to_vec()),
+            algorithms,
+            secret: secret?,
+            tenant_claim,
+            principal_claim,
+            leeway: leeway?,
+        };
+        match crate::jwt::JwtVerifier::new(config) {
+            Ok(v) => Some(IdentitySource::Jwt(std::sync::Arc::new(v))),
+            Err(e) => {
+                self.issues.push(format!("{p}.jwks_file"), e);
                 None
             }
         }

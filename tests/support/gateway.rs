@@ -89,6 +89,8 @@ pub struct GatewayConfig {
     /// Configure `TEST_SECRET` as the derived-key secret (default); false: the
     /// gateway uses the one `migrate` generated in the store.
     pub configured_secret: bool,
+    /// Replaces the default identity sources (an API key and trusted headers).
+    pub identity: Option<String>,
 }
 
 impl GatewayConfig {
@@ -105,7 +107,14 @@ impl GatewayConfig {
             store_section: None,
             workdir: None,
             configured_secret: true,
+            identity: None,
         }
+    }
+
+    /// Replaces the `[[identity.sources]]` entries.
+    pub fn identity(mut self, sources: &str) -> Self {
+        self.identity = Some(sources.to_owned());
+        self
     }
 
     /// Leaves `server.derived_key_secret_*` out: the store's generated secret applies.
@@ -160,16 +169,7 @@ url = "{upstream}"
 connect_timeout = "500ms"
 timeout = "{timeout}"
 
-[[identity.sources]]
-kind = "api_key"
-keys = [ {{ sha256 = "{key_hash}", tenant = "{TENANT}", principal = "{PRINCIPAL}" }},
-         {{ sha256 = "{other_hash}", tenant = "{TENANT}", principal = "other" }} ]
-
-[[identity.sources]]
-kind = "trusted_header"
-tenant_header = "x-tenant-id"
-principal_header = "x-principal-id"
-trusted_peers = ["127.0.0.1/32"]
+{identity}
 
 [[routes]]
 operation = "create_order"
@@ -185,7 +185,10 @@ upstream = "orders"
             store = self.store_section.clone().unwrap_or_else(|| self.backend.store_toml(self.sweep_interval)),
             upstream = self.upstream_url,
             timeout = self.upstream_timeout,
-            other_hash = hex::encode(Sha256::digest(b"other-key")),
+            identity = self.identity.clone().unwrap_or_else(|| format!(
+                "[[identity.sources]]\nkind = \"api_key\"\nkeys = [ {{ sha256 = \"{key_hash}\", tenant = \"{TENANT}\", principal = \"{PRINCIPAL}\" }},\n         {{ sha256 = \"{}\", tenant = \"{TENANT}\", principal = \"other\" }} ]\n\n[[identity.sources]]\nkind = \"trusted_header\"\ntenant_header = \"x-tenant-id\"\nprincipal_header = \"x-principal-id\"\ntrusted_peers = [\"127.0.0.1/32\"]\n",
+                hex::encode(Sha256::digest(b"other-key"))
+            )),
             route_extra = self.route_extra,
             tail = self.tail,
         )

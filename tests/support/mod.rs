@@ -30,6 +30,7 @@ macro_rules! on_both_stores {
 pub mod client;
 pub mod faultproxy;
 pub mod gateway;
+pub mod jwt;
 pub mod postgres;
 pub mod upstream;
 pub mod webhook;

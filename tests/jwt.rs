@@ -1,0 +1,206 @@
+//! JWT identity (CONTRACT section 8): RS256, ES256, EdDSA and HS256 with
+//! keys generated here; valid, expired, not yet valid, wrong issuer or
+//! audience, tampered, unknown kid (one refresh, rate limited), JWKS
+//! endpoint down (the last good set stays); and through the real binary: a
+//! token's claims are the scope, an invalid one is 401 with nothing claimed
+//! and the token never echoed.
+
+mod support;
+
+use http::{HeaderMap, HeaderValue};
+use idemgate::config::Config;
+use idemgate::identity::{Identifier, Identity};
+use serde_json::json;
+use support::jwt::{self, JwksServer, SigningKey};
+use support::*;
+
+const ISS: &str = "https://issuer.example";
+const AUD: &str = "idemgate";
+
+/// An identifier with one JWT source, built from TOML like the gateway's.
+fn identifier(source: &str, env: &[(&str, &str)]) -> Identifier {
+    let text = format!(
+        "[server]\ndefault_upstream = \"u\"\n[[upstreams]]\nname = \"u\"\nurl = \"http://127.0.0.1:9\"\n[[identity.sources]]\nkind = \"jwt\"\n{source}\n"
+    );
+    let env: Vec<(String, String)> = env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+    let config = Config::from_toml(&text, "test.toml", &|name| env.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone()))
+        .unwrap_or_else(|e| panic!("{e}"));
+    Identifier::new(config.identity)
+}
+
+fn bearer(token: &str) -> HeaderMap {
+    let mut h = HeaderMap::new();
+    h.insert("authorization", HeaderValue::from_str(&format!("Bearer {token}")).unwrap());
+    h
+}
+
+async fn who(id: &Identifier, token: &str) -> Option<Identity> {
+    id.identify(&bearer(token), "192.0.2.1".parse().unwrap()).await
+}
+
+fn acme_alice() -> Option<Identity> {
+    Some(Identity { tenant: "acme".into(), principal: "alice".into() })
+}
+
+fn jwks_file(dir: &tempfile::TempDir, keys: &[&SigningKey]) -> String {
+    let path = dir.path().join("jwks.json");
+    std::fs::write(&path, jwt::jwks(keys).to_string()).unwrap();
+    path.display().to_string()
+}
+
+#[tokio::test]
+async fn every_algorithm_verifies_with_its_key_and_nothing_else() {
+    let dir = tempfile::tempdir().unwrap();
+    let (rs, es, ed) = (jwt::rs256("rs"), jwt::es256("es"), jwt::eddsa("ed"));
+    let file = jwks_file(&dir, &[&rs, &es, &ed]);
+    let id = identifier(
+        &format!(
+            "jwks_file = \"{file}\"\nissuer = \"{ISS}\"\naudience = \"{AUD}\"\nalgorithms = [\"RS256\", \"ES256\", \"EdDSA\", \"HS256\"]\nsecret_env = \"HS\""
+        ),
+        &[("HS", "hs-secret")],
+    );
+    let c = jwt::claims("acme", "alice", ISS, AUD);
+    for key in [&rs, &es, &ed, &jwt::hs256("hs-secret")] {
+        assert_eq!(who(&id, &jwt::token(key, &c)).await, acme_alice(), "{:?}", key.alg);
+    }
+    // A key of another issuer (not in the set), a wrong HMAC secret: refused.
+    assert_eq!(who(&id, &jwt::token(&jwt::es256("es"), &c)).await, None, "same kid, another key");
+    assert_eq!(who(&id, &jwt::token(&jwt::hs256("guess"), &c)).await, None);
+    // Tampered payload.
+    let t = jwt::token(&rs, &c);
+    let mut parts: Vec<&str> = t.split('.').collect();
+    let forged = jwt::token(&jwt::hs256("x"), &jwt::claims("evil", "mallory", ISS, AUD));
+    parts[1] = forged.split('.').nth(1).unwrap();
+    assert_eq!(who(&id, &parts.join(".")).await, None);
+    // An algorithm that is not allowed.
+    let only_rs = identifier(&format!("jwks_file = \"{file}\"\nalgorithms = [\"RS256\"]"), &[]);
+    assert_eq!(who(&only_rs, &jwt::token(&es, &c)).await, None);
+    assert_eq!(who(&only_rs, &jwt::token(&rs, &c)).await, acme_alice());
+}
+
+#[tokio::test]
+async fn time_issuer_audience_and_claims_are_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = jwt::es256("k");
+    let file = jwks_file(&dir, &[&key]);
+    let id = identifier(&format!("jwks_file = \"{file}\"\nissuer = \"{ISS}\"\naudience = [\"{AUD}\", \"other\"]\nleeway = \"5s\""), &[]);
+    let ok = jwt::claims("acme", "alice", ISS, AUD);
+    assert_eq!(who(&id, &jwt::token(&key, &ok)).await, acme_alice());
+    let with = |k: &str, v: serde_json::Value| {
+        let mut c = ok.clone();
+        c[k] = v;
+        jwt::token(&key, &c)
+    };
+    assert_eq!(who(&id, &with("exp", json!(jwt::now() - 60))).await, None, "expired");
+    assert_eq!(who(&id, &with("exp", json!(jwt::now() - 2))).await, acme_alice(), "within the leeway");
+    assert_eq!(who(&id, &with("nbf", json!(jwt::now() + 60))).await, None, "not yet valid");
+    assert_eq!(who(&id, &with("iss", json!("https://evil.example"))).await, None, "wrong issuer");
+    assert_eq!(who(&id, &with("aud", json!("someone-else"))).await, None, "wrong audience");
+    assert_eq!(who(&id, &with("aud", json!("other"))).await, acme_alice(), "any configured audience");
+    assert_eq!(who(&id, &with("tenant", json!(null))).await, None, "no tenant claim: no identity");
+    let mut no_exp = ok.clone();
+    no_exp.as_object_mut().unwrap().remove("exp");
+    assert_eq!(who(&id, &jwt::token(&key, &no_exp)).await, None, "exp is required");
+    // Nested claims by JSON Pointer, numbers as decimal.
+    let nested = identifier(&format!("jwks_file = \"{file}\"\ntenant_claim = \"/org/id\"\nprincipal_claim = \"uid\""), &[]);
+    let c = json!({"org": {"id": 42}, "uid": "u-1", "exp": jwt::now() + 60});
+    assert_eq!(who(&nested, &jwt::token(&key, &c)).await, Some(Identity { tenant: "42".into(), principal: "u-1".into() }));
+    // Not a JWT at all: not this source's business.
+    assert_eq!(who(&id, "not-a-jwt").await, None);
+}
+
+#[tokio::test]
+async fn unknown_kid_refreshes_once_and_a_failed_refresh_keeps_the_last_good_set() {
+    let (old, new) = (jwt::rs256("old"), jwt::es256("new"));
+    let server = JwksServer::start(jwt::jwks(&[&old])).await;
+    let id = identifier(&format!("jwks_url = \"{}\"\njwks_refresh = \"1h\"", server.url()), &[]);
+    let sources = id.jwks_urls();
+    assert_eq!(sources.len(), 1);
+    assert!(sources[0].refresh().await, "the start-up fetch");
+    let c = jwt::claims("acme", "alice", ISS, AUD);
+    assert_eq!(who(&id, &jwt::token(&old, &c)).await, acme_alice());
+    // The issuer rotates: a token with a kid not in the set triggers one refresh.
+    server.set(jwt::jwks(&[&old, &new]));
+    let before = server.fetches();
+    assert_eq!(who(&id, &jwt::token(&new, &c)).await, acme_alice(), "found after the refresh");
+    assert_eq!(server.fetches(), before + 1);
+    // Unknown kids cannot make it fetch again and again.
+    let stranger = jwt::es256("stranger");
+    for _ in 0..5 {
+        assert_eq!(who(&id, &jwt::token(&stranger, &c)).await, None);
+    }
+    assert!(server.fetches() <= before + 2, "rate limited: {} fetches", server.fetches() - before);
+    // The endpoint goes down: the refresh fails and the last good set stays.
+    server.set_down(true);
+    assert!(!sources[0].refresh().await);
+    assert_eq!(who(&id, &jwt::token(&old, &c)).await, acme_alice());
+    assert_eq!(who(&id, &jwt::token(&new, &c)).await, acme_alice());
+    // A key removed from the set stops working at the next refresh (revocation).
+    server.set_down(false);
+    server.set(jwt::jwks(&[&new]));
+    assert!(sources[0].refresh().await);
+    assert_eq!(who(&id, &jwt::token(&old, &c)).await, None);
+}
+
+#[test]
+fn bad_jwt_sources_are_refused_with_their_path() {
+    let bad = |source: &str| {
+        let text = format!(
+            "[server]\ndefault_upstream = \"u\"\n[[upstreams]]\nname = \"u\"\nurl = \"http://h:1\"\n[[identity.sources]]\nkind = \"jwt\"\n{source}\n"
+        );
+        Config::from_toml(&text, "t.toml", &|_| None).unwrap_err().to_string()
+    };
+    assert!(bad("").contains("identity.sources[0].jwks_file"), "{}", bad(""));
+    assert!(bad("jwks_file = \"/nonexistent/jwks.json\"").contains("cannot read /nonexistent/jwks.json"));
+    assert!(bad("jwks_file = \"a\"\njwks_url = \"http://h/\"").contains("identity.sources[0].jwks_url"));
+    assert!(bad("algorithms = [\"none\"]\njwks_url = \"http://h/\"").contains("identity.sources[0].algorithms[0]"));
+    assert!(bad("algorithms = [\"HS256\"]").contains("identity.sources[0].secret_env"));
+}
+
+/// Through the real binary: the token's claims are the key's scope; an
+/// expired or forged token is 401, nothing is claimed, the problem never
+/// echoes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jwt_identity_scopes_records_and_refuses_bad_tokens() {
+    let backend = sqlite_backend();
+    let up = TestUpstream::start().await;
+    let key = jwt::rs256("k1");
+    let server = JwksServer::start(jwt::jwks(&[&key])).await;
+    let mut cfg = GatewayConfig::new(backend.clone(), up.url());
+    cfg = cfg.identity(&format!(
+        "[[identity.sources]]\nkind = \"jwt\"\njwks_url = \"{}\"\nissuer = \"{ISS}\"\naudience = \"{AUD}\"\n",
+        server.url()
+    ));
+    let gw = Gateway::start(cfg);
+    let store = backend.open().await;
+    let url = gw.url("/v1/orders");
+    let good = jwt::token(&key, &jwt::claims("acme", "billing", ISS, AUD));
+    let body = r#"{"item":"book"}"#;
+    let send_with = |token: String, k: &'static str| {
+        let url = url.clone();
+        async move {
+            send(
+                "POST",
+                &url,
+                &[("authorization", &format!("Bearer {token}")), ("idempotency-key", k), ("content-type", "application/json")],
+                body,
+            )
+            .await
+            .unwrap()
+        }
+    };
+    // The first request may race the start-up JWKS fetch: the unknown kid refreshes.
+    let first = send_with(good.clone(), "j1").await;
+    assert_eq!(first.status, 201, "{first:?}\n{}", gw.logs());
+    assert!(send_with(good.clone(), "j1").await.replayed());
+    let rec = record(&store, "j1").await.expect("scoped by the token's tenant and sub");
+    assert_eq!((&*rec.scope.tenant, &*rec.scope.principal), (TENANT, PRINCIPAL));
+    let mut expired = jwt::claims("acme", "billing", ISS, AUD);
+    expired["exp"] = json!(jwt::now() - 3600);
+    let stale = jwt::token(&key, &expired);
+    let r = send_with(stale.clone(), "j2").await;
+    assert_eq!((r.status, r.problem().as_str()), (401, "unauthenticated"));
+    assert!(!String::from_utf8_lossy(&r.body).contains(&stale[..20]), "the token is never echoed");
+    assert!(record(&store, "j2").await.is_none(), "nothing claimed");
+    assert_eq!(up.total(), 1);
+}
