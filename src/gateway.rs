@@ -3,6 +3,7 @@
 //! [`Executor`](crate::executor::Executor) on a tracked task, or answer from
 //! the record the claim found.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -15,11 +16,13 @@ use tokio::sync::{Notify, oneshot};
 use tokio_util::task::TaskTracker;
 use uuid::Uuid;
 
+use crate::authorize::{Authorizer, Decision as AuthzDecision};
 use crate::body::Body;
 use crate::config::Config;
 use crate::executor::Executor;
 use crate::fingerprint::{self, RequestParts};
 use crate::identity::Identifier;
+use crate::identity::Identity;
 use crate::metrics::{Metrics, Outcome};
 use crate::operation::{OPERATIONS_PATH, StoredRequest, new_operation_id, prefers_async, status_document};
 use crate::passthrough::pass_through;
@@ -58,6 +61,8 @@ pub struct Gateway {
     waiters: Arc<Waiters>,
     /// Wakes this replica's async workers when an operation is accepted.
     wake_workers: Arc<Notify>,
+    /// The routes' authorizers, by operation (this worker's clients).
+    authorizers: HashMap<Arc<str>, Authorizer>,
 }
 
 impl Gateway {
@@ -84,6 +89,29 @@ impl Gateway {
             request_body_timeout: config.server.request_body_timeout,
             waiters,
             wake_workers: Arc::new(Notify::new()),
+            authorizers: config
+                .routes
+                .iter()
+                .filter_map(|r| r.authorize.as_ref().map(|a| (r.operation.clone(), Authorizer::new(a.clone()))))
+                .collect(),
+        }
+    }
+
+    /// The route's authorizer, if it has one: `forbidden` or
+    /// `authorizer-unavailable` unless it allows the request.
+    async fn authorized(
+        &self,
+        operation: &str,
+        method: &Method,
+        path: &str,
+        identity: &Identity,
+        headers: &HeaderMap,
+    ) -> Result<(), GatewayError> {
+        let Some(authorizer) = self.authorizers.get(operation) else { return Ok(()) };
+        match authorizer.check(method, path, operation, identity, headers).await {
+            AuthzDecision::Allowed => Ok(()),
+            AuthzDecision::Denied => Err(GatewayError::Forbidden),
+            AuthzDecision::Unavailable => Err(GatewayError::AuthorizerUnavailable),
         }
     }
 
@@ -132,6 +160,7 @@ impl Gateway {
             request_body_timeout: self.request_body_timeout,
             waiters: self.waiters.clone(),
             wake_workers: self.wake_workers.clone(),
+            authorizers: self.authorizers.iter().map(|(op, a)| (op.clone(), a.with_own_pool())).collect(),
         }
     }
 
@@ -172,6 +201,7 @@ impl Gateway {
         peer: SocketAddr,
     ) -> Result<(Response<Body>, Outcome), GatewayError> {
         let identity = self.identifier.identify(req.headers(), peer.ip()).await.ok_or(GatewayError::Unauthenticated)?;
+        self.authorized(&route.operation, req.method(), req.uri().path(), &identity, req.headers()).await?;
         let key = match key_from(req.headers(), route) {
             Ok(Some(key)) => key,
             Ok(None) if !route.key_required => {
@@ -372,6 +402,8 @@ impl Gateway {
                 return Err(GatewayError::StoreUnavailable);
             }
         };
+        // Reading a stored answer is asked again: a revoked principal gets 403.
+        self.authorized(&record.scope.operation, req.method(), req.uri().path(), &identity, req.headers()).await?;
         let route = self.router.route_for(&record.scope.operation);
         let (poll, retention) = route.map_or((Duration::from_secs(1), Duration::from_secs(24 * 3600)), |r| (r.poll_interval, r.retention));
         if want_result {

@@ -33,6 +33,7 @@
 
 pub mod admin;
 pub mod audit;
+pub mod authorize;
 pub mod background;
 pub mod body;
 pub mod config;

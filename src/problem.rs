@@ -49,6 +49,12 @@ pub enum GatewayError {
     ResponseNotStored { original_status: u16 },
     #[error("no route")]
     NotFound,
+    /// The route's authorizer said no (401 or 403).
+    #[error("forbidden")]
+    Forbidden,
+    /// The route's authorizer could not be asked: fail closed.
+    #[error("authorizer unavailable")]
+    AuthorizerUnavailable,
     /// Async: the operation's result was asked for before it completed.
     #[error("operation not completed")]
     OperationNotCompleted { state: crate::record::State, retry_after: Duration },
@@ -89,6 +95,8 @@ impl GatewayError {
             E::InProgress { .. } => k("request-in-progress", "Request in progress", StatusCode::CONFLICT, true),
             E::ResponseNotStored { .. } => k("response-not-stored", "Response not stored", StatusCode::CONFLICT, false),
             E::NotFound => k("not-found", "Not found", StatusCode::NOT_FOUND, false),
+            E::Forbidden => k("forbidden", "Forbidden", StatusCode::FORBIDDEN, false),
+            E::AuthorizerUnavailable => k("authorizer-unavailable", "Authorizer unavailable", StatusCode::SERVICE_UNAVAILABLE, true),
             E::OperationNotCompleted { state, .. } => {
                 k("operation-not-completed", "Operation not completed", StatusCode::CONFLICT, crate::operation::is_pending(*state))
             }
@@ -116,6 +124,8 @@ impl GatewayError {
             E::InProgress { .. } => "A request with this idempotency key is still being processed. Retry after the indicated time.".into(),
             E::ResponseNotStored { original_status } => format!("The request with this key completed with status {original_status}, but its response was too large to store, so it cannot be replayed."),
             E::NotFound => "No route matches this request.".into(),
+            E::Forbidden => "The authorizer does not allow this request for this principal.".into(),
+            E::AuthorizerUnavailable => "The authorizer could not be asked, so the request was refused. Retry later.".into(),
             E::OperationNotCompleted { state, .. } => format!(
                 "The operation is {}; its result can be read once it is completed. Poll the operation for its state.",
                 state.as_str()
@@ -130,7 +140,9 @@ impl GatewayError {
         match self {
             GatewayError::InProgress { retry_after } => Some(*retry_after),
             GatewayError::OperationNotCompleted { state, retry_after } if crate::operation::is_pending(*state) => Some(*retry_after),
-            GatewayError::StoreUnavailable | GatewayError::UpstreamUnavailable => Some(Duration::from_secs(1)),
+            GatewayError::StoreUnavailable | GatewayError::UpstreamUnavailable | GatewayError::AuthorizerUnavailable => {
+                Some(Duration::from_secs(1))
+            }
             _ => None,
         }
     }
@@ -147,6 +159,8 @@ impl GatewayError {
             | E::BodyRead
             | E::InvalidBody(_)
             | E::NotFound
+            | E::Forbidden
+            | E::AuthorizerUnavailable
             | E::OperationNotCompleted { .. } => Outcome::Rejected,
             E::StoreUnavailable | E::Internal => Outcome::StoreUnavailable,
             E::UpstreamUnavailable => Outcome::Released,

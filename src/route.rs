@@ -213,6 +213,8 @@ pub struct Route {
     pub retry: RetryPolicy,
     /// Completion events for this route's final state changes (the outbox).
     pub events: Option<crate::outbox::EventsConfig>,
+    /// Asked before every request on the route (replays included).
+    pub authorize: Option<crate::authorize::AuthorizeConfig>,
 }
 
 /// The routing decision for one request.
@@ -328,6 +330,7 @@ mod tests {
             poll_interval: Duration::from_secs(1),
             retry: RetryPolicy { max_attempts: 5, backoff: Duration::from_secs(1) },
             events: None,
+            authorize: None,
         }
     }
 

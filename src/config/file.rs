@@ -322,6 +322,8 @@ pub struct RouteSection {
     pub retry: RetrySection,
     /// Completion events (the outbox) for this route.
     pub events: Option<EventsSection>,
+    /// An external authorizer asked before every request on the route.
+    pub authorize: Option<AuthorizeSection>,
     #[serde(default)]
     pub fingerprint: FingerprintSection,
 }
@@ -331,6 +333,15 @@ pub struct RouteSection {
 pub struct RetrySection {
     pub max_attempts: Option<i64>,
     pub backoff: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuthorizeSection {
+    pub url: Option<String>,
+    pub timeout: Option<String>,
+    pub headers: Option<Vec<String>>,
+    pub cache: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -9,8 +9,9 @@ use http::{HeaderName, Method, StatusCode};
 use ipnet::IpNet;
 
 use super::error::{ConfigError, Issues};
-use super::file::{EventsSection, FileConfig, IdentitySourceSection, Part, RouteSection, StoreSection, UpstreamSection};
+use super::file::{AuthorizeSection, EventsSection, FileConfig, IdentitySourceSection, Part, RouteSection, StoreSection, UpstreamSection};
 use super::{AdminConfig, Config, DEFAULT_SQLITE_PATH, Secret, ServerConfig, StoreBackend, StoreConfig, UpstreamConfig, WorkersConfig};
+use crate::authorize::AuthorizeConfig;
 use crate::fingerprint::{FingerprintSpec, JsonPointer};
 use crate::identity::{Identity, IdentitySource};
 use crate::outbox::{EventType, EventsConfig};
@@ -399,6 +400,30 @@ impl Validator<'_> {
             sweep_batch: sweep_batch?,
             events_retention: events_retention?,
         })
+    }
+
+    /// `[routes.authorize]`: who is asked, how long, what it is told.
+    fn authorize(&mut self, p: &str, a: &AuthorizeSection) -> Option<AuthorizeConfig> {
+        let url = self.required(&format!("{p}.url"), a.url.as_deref()).and_then(|u| match u.parse::<http::Uri>() {
+            Ok(uri) if uri.scheme_str() == Some("http") && uri.authority().is_some() => Some(uri),
+            _ => {
+                self.issues.push(
+                    format!("{p}.url"),
+                    format!("invalid URL {u:?} (write e.g. \"http://authz:8181/check\"; https needs TLS to upstreams)"),
+                );
+                None
+            }
+        });
+        let timeout = self.duration(&format!("{p}.timeout"), a.timeout.as_deref(), "1s");
+        let timeout = self.at_least(&format!("{p}.timeout"), timeout, Duration::from_millis(10));
+        let cache = self.duration(&format!("{p}.cache"), a.cache.as_deref(), "0s");
+        let mut headers = Vec::new();
+        for (k, h) in a.headers.as_deref().unwrap_or(&["authorization".to_owned()]).iter().enumerate() {
+            if let Some(name) = self.header_name(&format!("{p}.headers[{k}]"), Some(h), "") {
+                headers.push(name);
+            }
+        }
+        Some(AuthorizeConfig { url: url?, timeout: timeout?, headers, cache: cache? })
     }
 
     /// `[routes.events]`: where and how completion events are delivered.
@@ -889,6 +914,10 @@ impl Validator<'_> {
             events: match &r.events {
                 None => None,
                 Some(e) => Some(self.events(&format!("{p}.events"), e)?),
+            },
+            authorize: match &r.authorize {
+                None => None,
+                Some(a) => Some(self.authorize(&format!("{p}.authorize"), a)?),
             },
         })
     }
