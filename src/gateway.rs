@@ -29,7 +29,7 @@ use crate::passthrough::pass_through;
 use crate::problem::{self, GatewayError};
 use crate::record::{Decision, Record, State, decide};
 use crate::replay::replay;
-use crate::route::{InFlightPolicy, Route, RouteMatch, RouteMode, Router, UpstreamId};
+use crate::route::{InFlightPolicy, Route, RouteMatch, RouteMode, Router, ScopeMode, UpstreamId};
 use crate::scope::{IdempotencyKey, KeyError, Scope};
 use crate::store::{Acceptance, ClaimOutcome, ClaimRequest, Store, WriteOutcome};
 use crate::upstream::Upstream;
@@ -224,7 +224,10 @@ impl Gateway {
             },
         )
         .map_err(|e| GatewayError::InvalidBody(e.to_string()))?;
-        let scope = Scope::new(&identity, &route.operation, key);
+        let scope = match route.scope {
+            ScopeMode::Principal => Scope::new(&identity, &route.operation, key),
+            ScopeMode::Tenant => Scope::tenant_wide(&identity, &route.operation, key),
+        };
         // Async: the claim accepts the operation and stores the request for
         // the workers; the client gets 202 and an operation id.
         let is_async = route.mode == RouteMode::Async || (route.allow_async && prefers_async(&parts.headers));
@@ -395,7 +398,7 @@ impl Gateway {
         }
         let identity = self.identifier.identify(req.headers(), peer.ip()).await.ok_or(GatewayError::Unauthenticated)?;
         let record = match self.store.operation(&identity.tenant, id).await {
-            Ok(Some((record, _))) if record.scope.principal == identity.principal => record,
+            Ok(Some((record, _))) if record.scope.admits(&identity) => record,
             Ok(_) => return Err(GatewayError::NotFound),
             Err(e) => {
                 tracing::warn!(error = %e, "operation lookup failed");

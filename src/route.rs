@@ -215,6 +215,20 @@ pub struct Route {
     pub events: Option<crate::outbox::EventsConfig>,
     /// Asked before every request on the route (replays included).
     pub authorize: Option<crate::authorize::AuthorizeConfig>,
+    /// Whose keys are these: one principal's (default), or every principal
+    /// of the tenant's (`scope = "tenant"`).
+    pub scope: ScopeMode,
+}
+
+/// Who shares a key space on a route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScopeMode {
+    /// (tenant, principal, operation, key): the default.
+    Principal,
+    /// (tenant, operation, key): any principal of the tenant replays another's
+    /// answer under the same key. Only for operations whose answers every
+    /// principal of a tenant may see.
+    Tenant,
 }
 
 /// The routing decision for one request.
@@ -331,6 +345,7 @@ mod tests {
             retry: RetryPolicy { max_attempts: 5, backoff: Duration::from_secs(1) },
             events: None,
             authorize: None,
+            scope: ScopeMode::Principal,
         }
     }
 

@@ -113,6 +113,9 @@ fn unquote_sf_string(raw: &[u8]) -> Result<Vec<u8>, KeyError> {
 }
 
 /// The primary key of a record.
+/// The principal part of a tenant-wide scope (`scope = "tenant"`).
+pub const TENANT_WIDE: &str = "";
+
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Scope {
     pub tenant: Arc<str>,
@@ -124,6 +127,18 @@ pub struct Scope {
 impl Scope {
     pub fn new(identity: &Identity, operation: &Arc<str>, key: IdempotencyKey) -> Scope {
         Scope { tenant: identity.tenant.clone(), principal: identity.principal.clone(), operation: operation.clone(), key }
+    }
+
+    /// The scope of a route with `scope = "tenant"`: every principal of the
+    /// tenant shares the key space (the principal part is empty, which no
+    /// identity source ever produces).
+    pub fn tenant_wide(identity: &Identity, operation: &Arc<str>, key: IdempotencyKey) -> Scope {
+        Scope { tenant: identity.tenant.clone(), principal: TENANT_WIDE.into(), operation: operation.clone(), key }
+    }
+
+    /// Whether `identity` may see records of this scope.
+    pub fn admits(&self, identity: &Identity) -> bool {
+        self.tenant == identity.tenant && (self.principal == identity.principal || &*self.principal == TENANT_WIDE)
     }
 
     /// Feeds the domain tag and the four fields, each length-prefixed (so

@@ -39,6 +39,7 @@ on_both_stores!(
     clients_cannot_forge_idemgate_headers,
     keys_resolve_refuses_completed_records_without_force,
     generations_grow_across_lives_at_the_upstream,
+    tenant_scope_is_shared_by_the_tenants_principals,
 );
 
 async fn setup(backend: Backend, f: impl FnOnce(GatewayConfig) -> GatewayConfig) -> (TestUpstream, Gateway, idemgate::store::Store) {
@@ -714,4 +715,28 @@ async fn generations_grow_across_lives_at_the_upstream(backend: Backend) {
     let generations: Vec<i64> = up.requests().iter().map(|r| r.generation.as_deref().unwrap().parse().unwrap()).collect();
     assert_eq!(generations.len(), 3);
     assert!(generations.windows(2).all(|w| w[0] < w[1]), "strictly increasing: {generations:?}");
+}
+
+/// `scope = "tenant"`: every principal of the tenant shares the key space (a
+/// documented risk: one principal replays another's answer). The default keeps
+/// principals apart (see scopes_are_isolated_by_principal).
+async fn tenant_scope_is_shared_by_the_tenants_principals(backend: Backend) {
+    let (up, gw, store) = setup(backend, |c| c.route("scope = \"tenant\"")).await;
+    let url = gw.url("/v1/orders");
+    let a = post(&url, "shared", ORDER, &[]).await;
+    let b = send(
+        "POST",
+        &url,
+        &[("authorization", "Bearer other-key"), ("idempotency-key", "shared"), ("content-type", "application/json")],
+        ORDER,
+    )
+    .await
+    .unwrap();
+    assert_eq!((a.status, a.replayed()), (201, false));
+    assert_eq!((b.status, b.replayed()), (201, true), "the tenant's other principal replays the first answer");
+    assert_eq!(b.body, a.body);
+    assert_eq!(up.total(), 1);
+    let shared = scope_for(idemgate::scope::TENANT_WIDE, "create_order", "shared");
+    assert!(store.get(&shared).await.unwrap().is_some(), "one record for the tenant");
+    assert!(store.get(&scope("shared")).await.unwrap().is_none());
 }

@@ -324,6 +324,8 @@ pub struct RouteSection {
     pub events: Option<EventsSection>,
     /// An external authorizer asked before every request on the route.
     pub authorize: Option<AuthorizeSection>,
+    /// `principal` (default) or `tenant`: who shares the key space.
+    pub scope: Option<String>,
     #[serde(default)]
     pub fingerprint: FingerprintSection,
 }

@@ -15,7 +15,7 @@ use crate::authorize::AuthorizeConfig;
 use crate::fingerprint::{FingerprintSpec, JsonPointer};
 use crate::identity::{Identity, IdentitySource};
 use crate::outbox::{EventType, EventsConfig};
-use crate::route::{ForwardKey, InFlightPolicy, PathTemplate, RetryPolicy, Route, RouteMode};
+use crate::route::{ForwardKey, InFlightPolicy, PathTemplate, RetryPolicy, Route, RouteMode, ScopeMode};
 
 /// Longest accepted duration: beyond it, database interval arithmetic and
 /// timestamps overflow (PostgreSQL refuses the claim; SQLite would not).
@@ -918,6 +918,14 @@ impl Validator<'_> {
             authorize: match &r.authorize {
                 None => None,
                 Some(a) => Some(self.authorize(&format!("{p}.authorize"), a)?),
+            },
+            scope: match r.scope.as_deref().unwrap_or("principal") {
+                "principal" => ScopeMode::Principal,
+                "tenant" => ScopeMode::Tenant,
+                other => {
+                    self.issues.push(format!("{p}.scope"), format!("unknown scope {other:?}: use \"principal\" or \"tenant\""));
+                    return None;
+                }
             },
         })
     }
