@@ -24,7 +24,7 @@ use crate::metrics::{AttemptOutcome, Metrics, Outcome};
 use crate::operation::StoredRequest;
 use crate::problem::GatewayError;
 use crate::record::StoredResponse;
-use crate::route::{ForwardKey, Route};
+use crate::route::{ForwardKey, ReplayMode, Route};
 use crate::store::{Claim, RetryNote, Store, Taken, WriteOutcome};
 use crate::upstream::{Upstream, UpstreamError, error_chain};
 use crate::waiters::Waiters;
@@ -154,7 +154,10 @@ impl Executor {
                         (None, Body::Prefixed { prefix: Some(prefix), rest: Streamed::new(rest, upstream_timeout) })
                     }
                 };
-                let stored = StoredResponse { status: head.status.as_u16(), headers: headers::storable(&head.headers), body: stored_body };
+                let stored = stored_form(
+                    route,
+                    StoredResponse { status: head.status.as_u16(), headers: headers::storable(&head.headers), body: stored_body },
+                );
                 let outcome = match self.store.complete(claim, &stored, route.retention).await {
                     Ok(WriteOutcome::Written) => Outcome::Forwarded,
                     Ok(WriteOutcome::Fenced) => Outcome::Fenced,
@@ -252,7 +255,8 @@ impl Executor {
                     UpstreamBody::Complete(bytes) => Some(bytes),
                     UpstreamBody::TooLarge { .. } => None,
                 };
-                let stored = StoredResponse { status: head.status.as_u16(), headers: headers::storable(&head.headers), body };
+                let stored =
+                    stored_form(route, StoredResponse { status: head.status.as_u16(), headers: headers::storable(&head.headers), body });
                 self.record_async(route, claim, self.store.complete(claim, &stored, route.retention).await, AttemptOutcome::Completed)
             }
             // The upstream executed it but asked not to store the answer: the
@@ -378,6 +382,53 @@ impl Executor {
             tracing::error!(scope = %claim.scope.log_id(), error = %se, "could not record unknown; the lease expiry will");
         }
     }
+}
+
+/// What a route keeps of an answer: all of it, or (`replay = "refetch"`)
+/// only the status and where to read the resource again.
+fn stored_form(route: &Route, full: StoredResponse) -> StoredResponse {
+    match route.replay {
+        ReplayMode::Stored => full,
+        ReplayMode::Refetch => {
+            StoredResponse { status: full.status, headers: full.headers.into_iter().filter(|(n, _)| n == "location").collect(), body: None }
+        }
+    }
+}
+
+/// Re-reads a refetch route's stored `Location` from its upstream with the
+/// caller's own headers (credentials included, hop-by-hop removed): a 2xx is
+/// answered with the stored status, anything else (401, 403, 404: the caller
+/// lost access or the resource is gone) is passed through as the upstream
+/// said it, never replaced by stored data.
+pub async fn refetch(upstream: &Upstream, stored: &StoredResponse, caller: &http::HeaderMap) -> Result<Response<Body>, GatewayError> {
+    let location = stored
+        .headers
+        .iter()
+        .find(|(n, _)| n == "location")
+        .and_then(|(_, v)| std::str::from_utf8(v).ok())
+        .and_then(|l| l.parse::<http::Uri>().ok())
+        .ok_or(GatewayError::ResponseNotStored { original_status: stored.status })?;
+    // Only the path and query: a refetch never leaves the route's upstream.
+    let (mut parts, ()) = http::Request::get("/").body(()).map_err(|_| GatewayError::Internal)?.into_parts();
+    parts.uri = location.path_and_query().map_or_else(|| http::Uri::from_static("/"), |pq| pq.as_str().parse().unwrap_or_default());
+    parts.headers = caller.clone();
+    parts.headers.remove(http::header::CONTENT_LENGTH);
+    parts.headers.remove(http::header::CONTENT_TYPE);
+    let deadline = tokio::time::Instant::now() + upstream.config.timeout;
+    let req = upstream.request(parts, Body::empty(), None).map_err(|_| GatewayError::BadGateway)?;
+    let resp = match upstream.send(req, deadline).await {
+        Ok(resp) => resp,
+        Err(UpstreamError::Timeout { .. }) => return Err(GatewayError::GatewayTimeout),
+        Err(_) => return Err(GatewayError::BadGateway),
+    };
+    let (mut head, body) = resp.into_parts();
+    strip_hop_by_hop(&mut head.headers);
+    head.headers.remove(headers::IDEMPOTENCY_POLICY);
+    if head.status.is_success() {
+        head.status = http::StatusCode::from_u16(stored.status).map_err(|_| GatewayError::Internal)?;
+        head.headers.insert(headers::IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    }
+    Ok(Response::from_parts(head, Body::stream(body, upstream.config.timeout)))
 }
 
 /// The typed fact decides: never sent, or may have executed.

@@ -19,7 +19,7 @@ use uuid::Uuid;
 use crate::authorize::{Authorizer, Decision as AuthzDecision};
 use crate::body::Body;
 use crate::config::Config;
-use crate::executor::Executor;
+use crate::executor::{Executor, refetch};
 use crate::fingerprint::{self, RequestParts};
 use crate::identity::Identifier;
 use crate::identity::Identity;
@@ -27,9 +27,9 @@ use crate::metrics::{Metrics, Outcome};
 use crate::operation::{OPERATIONS_PATH, StoredRequest, new_operation_id, prefers_async, status_document};
 use crate::passthrough::pass_through;
 use crate::problem::{self, GatewayError};
-use crate::record::{Decision, Record, State, decide};
+use crate::record::{Decision, Record, State, StoredResponse, decide};
 use crate::replay::replay;
-use crate::route::{InFlightPolicy, Route, RouteMatch, RouteMode, Router, ScopeMode, UpstreamId};
+use crate::route::{InFlightPolicy, ReplayMode, Route, RouteMatch, RouteMode, Router, ScopeMode, UpstreamId};
 use crate::scope::{IdempotencyKey, KeyError, Scope};
 use crate::store::{Acceptance, ClaimOutcome, ClaimRequest, Store, WriteOutcome};
 use crate::upstream::Upstream;
@@ -306,7 +306,7 @@ impl Gateway {
             match decide(&record, &request_hash, now) {
                 Decision::Replay => {
                     let stored = record.response.as_ref().ok_or(GatewayError::Internal)?;
-                    return replay(stored).map(|r| (r, Outcome::Replayed));
+                    return self.answer_from(route, stored, &parts.headers).await.map(|r| (r, Outcome::Replayed));
                 }
                 Decision::Mismatch => return Err(GatewayError::KeyReused { status: route.mismatch_status }),
                 Decision::Accepted => return Ok((self.accepted(route, &record), Outcome::Accepted)),
@@ -368,6 +368,15 @@ impl Gateway {
         });
     }
 
+    /// A completed record's answer: the stored one, or read again from the
+    /// upstream with the caller's credentials (`replay = "refetch"`).
+    async fn answer_from(&self, route: &Route, stored: &StoredResponse, caller: &HeaderMap) -> Result<Response<Body>, GatewayError> {
+        match route.replay {
+            ReplayMode::Stored => replay(stored),
+            ReplayMode::Refetch => refetch(self.executor.upstream(route.upstream), stored, caller).await,
+        }
+    }
+
     /// The answer to an accepted operation (and to its retries): 202, where to
     /// poll, when, and the status document.
     fn accepted(&self, route: &Route, record: &Record) -> Response<Body> {
@@ -410,8 +419,9 @@ impl Gateway {
         let route = self.router.route_for(&record.scope.operation);
         let (poll, retention) = route.map_or((Duration::from_secs(1), Duration::from_secs(24 * 3600)), |r| (r.poll_interval, r.retention));
         if want_result {
-            return match (&record.state, &record.response) {
-                (State::Completed, Some(stored)) => replay(stored),
+            return match (&record.state, &record.response, route) {
+                (State::Completed, Some(stored), Some(route)) => self.answer_from(route, stored, req.headers()).await,
+                (State::Completed, Some(stored), None) => replay(stored),
                 _ => Err(GatewayError::OperationNotCompleted { state: record.state, retry_after: poll }),
             };
         }

@@ -218,6 +218,18 @@ pub struct Route {
     /// Whose keys are these: one principal's (default), or every principal
     /// of the tenant's (`scope = "tenant"`).
     pub scope: ScopeMode,
+    /// How a completed record is replayed.
+    pub replay: ReplayMode,
+}
+
+/// What a completed record keeps and how it is answered again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplayMode {
+    /// The stored status, headers and body (up to `max_stored_response`).
+    Stored,
+    /// Only the status and the `Location` header are kept; a replay reads
+    /// `Location` from the upstream again with the caller's own credentials.
+    Refetch,
 }
 
 /// Who shares a key space on a route.
@@ -346,6 +358,7 @@ mod tests {
             events: None,
             authorize: None,
             scope: ScopeMode::Principal,
+            replay: ReplayMode::Stored,
         }
     }
 

@@ -40,6 +40,7 @@ on_both_stores!(
     keys_resolve_refuses_completed_records_without_force,
     generations_grow_across_lives_at_the_upstream,
     tenant_scope_is_shared_by_the_tenants_principals,
+    refetch_replays_read_the_resource_again_with_the_callers_credentials,
 );
 
 async fn setup(backend: Backend, f: impl FnOnce(GatewayConfig) -> GatewayConfig) -> (TestUpstream, Gateway, idemgate::store::Store) {
@@ -739,4 +740,30 @@ async fn tenant_scope_is_shared_by_the_tenants_principals(backend: Backend) {
     let shared = scope_for(idemgate::scope::TENANT_WIDE, "create_order", "shared");
     assert!(store.get(&shared).await.unwrap().is_some(), "one record for the tenant");
     assert!(store.get(&scope("shared")).await.unwrap().is_none());
+}
+
+/// `replay = "refetch"`: the record keeps only the status and Location; a
+/// replay reads Location from the upstream with the caller's credentials and
+/// answers with the stored status, so it shows the resource as it is now, and a
+/// caller who lost access gets the upstream's refusal, never stored data.
+async fn refetch_replays_read_the_resource_again_with_the_callers_credentials(backend: Backend) {
+    let (up, gw, store) = setup(backend, |c| c.route("replay = \"refetch\"")).await;
+    let url = gw.url("/v1/orders");
+    let first = post(&url, "k", ORDER, &[]).await;
+    assert_eq!((first.status, first.replayed()), (201, false));
+    assert_eq!(first.json()["order"], 1, "the first answer is the upstream's own, whole");
+    let stored = record(&store, "k").await.unwrap().response.unwrap();
+    assert_eq!((stored.status, stored.body), (201, None), "no body kept");
+    assert_eq!(stored.headers, vec![("location".to_owned(), b"/v1/orders/1".to_vec())], "only where to read it again");
+
+    let again = post(&url, "k", ORDER, &[]).await;
+    assert_eq!((again.status, again.replayed()), (201, true), "the stored status");
+    assert_eq!((again.json()["order"].as_u64(), again.json()["version"].as_u64()), (Some(1), Some(0)));
+    up.bump_resource();
+    assert_eq!(post(&url, "k", ORDER, &[]).await.json()["version"], 1, "the resource as it is now");
+    up.revoke("Bearer test-key");
+    let refused = post(&url, "k", ORDER, &[]).await;
+    assert_eq!((refused.status, refused.replayed()), (403, false), "the upstream's refusal, passed through");
+    assert!(!String::from_utf8_lossy(&refused.body).contains("\"order\""), "never stored data");
+    assert_eq!(up.side_effects(&derived("k")), 1);
 }

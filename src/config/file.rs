@@ -326,6 +326,8 @@ pub struct RouteSection {
     pub authorize: Option<AuthorizeSection>,
     /// `principal` (default) or `tenant`: who shares the key space.
     pub scope: Option<String>,
+    /// `stored` (default) or `refetch`.
+    pub replay: Option<String>,
     #[serde(default)]
     pub fingerprint: FingerprintSection,
 }

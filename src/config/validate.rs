@@ -15,7 +15,7 @@ use crate::authorize::AuthorizeConfig;
 use crate::fingerprint::{FingerprintSpec, JsonPointer};
 use crate::identity::{Identity, IdentitySource};
 use crate::outbox::{EventType, EventsConfig};
-use crate::route::{ForwardKey, InFlightPolicy, PathTemplate, RetryPolicy, Route, RouteMode, ScopeMode};
+use crate::route::{ForwardKey, InFlightPolicy, PathTemplate, ReplayMode, RetryPolicy, Route, RouteMode, ScopeMode};
 
 /// Longest accepted duration: beyond it, database interval arithmetic and
 /// timestamps overflow (PostgreSQL refuses the claim; SQLite would not).
@@ -918,6 +918,14 @@ impl Validator<'_> {
             authorize: match &r.authorize {
                 None => None,
                 Some(a) => Some(self.authorize(&format!("{p}.authorize"), a)?),
+            },
+            replay: match r.replay.as_deref().unwrap_or("stored") {
+                "stored" => ReplayMode::Stored,
+                "refetch" => ReplayMode::Refetch,
+                other => {
+                    self.issues.push(format!("{p}.replay"), format!("unknown replay {other:?}: use \"stored\" or \"refetch\""));
+                    return None;
+                }
             },
             scope: match r.scope.as_deref().unwrap_or("principal") {
                 "principal" => ScopeMode::Principal,

@@ -40,6 +40,10 @@ pub struct Received {
 
 #[derive(Default)]
 struct State {
+    /// `GET /v1/orders/{n}` answers with this version of the order.
+    resource_version: AtomicU64,
+    /// Authorization values refused (403) by `GET /v1/orders/{n}`.
+    revoked: Mutex<Vec<String>>,
     ledger: Mutex<HashMap<String, u64>>,
     total: AtomicU64,
     requests: Mutex<Vec<Received>>,
@@ -97,6 +101,16 @@ impl TestUpstream {
         self.state.dedupe.store(on, Ordering::SeqCst);
     }
 
+    /// The resource `GET /v1/orders/{n}` serves changes (a new version).
+    pub fn bump_resource(&self) {
+        self.state.resource_version.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// `GET /v1/orders/{n}` refuses this Authorization value from now on.
+    pub fn revoke(&self, authorization: &str) {
+        self.state.revoked.lock().unwrap().push(authorization.to_owned());
+    }
+
     /// Side effects recorded under this forwarded key.
     pub fn side_effects(&self, forwarded_key: &str) -> u64 {
         self.state.ledger.lock().unwrap().get(forwarded_key).copied().unwrap_or(0)
@@ -139,6 +153,19 @@ async fn handle(
     let body = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
     let h = &parts.headers;
     let write = matches!(parts.method.as_str(), "POST" | "PUT" | "PATCH" | "DELETE");
+    if !write && let Some(n) = parts.uri.path().strip_prefix("/v1/orders/").and_then(|n| n.parse::<u64>().ok()) {
+        // The resource a Location points to: refused to revoked credentials.
+        let auth = header(h, "authorization").unwrap_or_default().to_owned();
+        let (status, body) = if state.revoked.lock().unwrap().contains(&auth) {
+            (StatusCode::FORBIDDEN, serde_json::json!({"error": "forbidden"}))
+        } else {
+            (StatusCode::OK, serde_json::json!({"order": n, "version": state.resource_version.load(Ordering::SeqCst)}))
+        };
+        let mut r = Response::new(Full::new(Bytes::from(body.to_string())));
+        *r.status_mut() = status;
+        r.headers_mut().insert("content-type", "application/json".parse().unwrap());
+        return Ok(r);
+    }
     if !write {
         let mut r = Response::new(Full::new(Bytes::from_static(b"{\"ok\":true,\"passthrough\":true}")));
         r.headers_mut().insert("content-type", "application/json".parse().unwrap());
