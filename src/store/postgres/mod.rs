@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
+use tokio_postgres::config::TargetSessionAttrs;
 use tokio_postgres::types::{FromSql, Type};
 use tokio_postgres::{NoTls, Row};
 use uuid::Uuid;
@@ -122,8 +123,10 @@ const KIND: &str = "postgres";
 const PK: &str = "tenant = $1 AND principal = $2 AND operation = $3 AND idempotency_key = $4";
 
 mod batch;
+mod failover;
 
 use batch::Batcher;
+use failover::{Flush, HostWalk, Verdict};
 
 /// The pool, shared by the store and its batchers.
 #[derive(Debug, Clone)]
@@ -133,6 +136,9 @@ struct Db {
     /// `Store` facade; a batch outlives any one caller, so it bounds itself:
     /// past this its connection is discarded, never returned to the pool.)
     timeout: Duration,
+    /// Set when a statement shows the server is no longer the writable
+    /// primary: connections opened before are not reused (see `failover`).
+    flush: Arc<Flush>,
 }
 
 impl Db {
@@ -146,21 +152,32 @@ impl Db {
     /// Runs one statement on a pooled connection and returns its rows.
     async fn query(&self, sql: &str, params: &[&(dyn tokio_postgres::types::ToSql + Sync)], write: bool) -> Result<Vec<Row>, StoreError> {
         let conn = self.conn().await?;
-        let stmt = conn.client().prepare_cached(sql).await.map_err(|e| classify(e, false))?;
+        let stmt = match conn.client().prepare_cached(sql).await {
+            Ok(stmt) => stmt,
+            Err(e) => return Err(self.failed(conn, e, false)),
+        };
         match conn.client().query(&stmt, params).await {
             Ok(rows) => {
                 conn.done();
                 Ok(rows)
             }
-            Err(e) => {
-                let definite = e.as_db_error().is_some();
-                let err = classify(e, write);
-                if definite {
-                    conn.done();
-                }
-                Err(err)
+            Err(e) => Err(self.failed(conn, e, write)),
+        }
+    }
+
+    /// What a failed statement means for its connection (kept, discarded, or
+    /// discarded with every connection to a server that may no longer be the
+    /// primary; see `failover`), and for the caller (`classify`).
+    fn failed(&self, conn: Conn, e: tokio_postgres::Error, write: bool) -> StoreError {
+        match failover::verdict(&e) {
+            Verdict::Keep => conn.done(),
+            Verdict::Discard => drop(conn),
+            Verdict::Failover => {
+                drop(conn);
+                self.flush.now(&self.pool, &e.to_string());
             }
         }
+        classify(e, write)
     }
 }
 
@@ -172,6 +189,10 @@ pub struct PgStore {
     /// Concurrent result writes share one UPDATE.
     completes: Batcher<CompleteItem, BatchWrite>,
 }
+
+/// Bound on a readiness ping: `/readyz` must answer within about a second
+/// even when the primary went silent (the operation timeout is longer).
+const PING_BOUND: Duration = Duration::from_millis(800);
 
 /// Most requests one batched statement carries.
 const MAX_BATCH: usize = 128;
@@ -240,17 +261,22 @@ impl PgStore {
             _ => ours,
         };
         pg.options(&options);
-        pg.connect_timeout(timeout);
-        let manager = Manager::from_config(pg, NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+        // Only a primary will do (see `failover`): a standby, or a primary
+        // fenced read-only, refuses the session when it is opened.
+        pg.target_session_attrs(TargetSessionAttrs::ReadWrite);
+        let walk = HostWalk::new(&pg, timeout, NoTls);
+        let manager = Manager::from_connect(pg, walk, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+        let flush = Arc::new(Flush::default());
         let pool = Pool::builder(manager)
             .max_size(pool_size)
             .runtime(Runtime::Tokio1)
             .wait_timeout(Some(timeout))
             .create_timeout(Some(timeout))
             .recycle_timeout(Some(timeout))
+            .pre_recycle(Flush::hook(flush.clone()))
             .build()
             .map_err(|e| StoreError::Unavailable(format!("cannot build the connection pool: {e}")))?;
-        let db = Db { pool, timeout };
+        let db = Db { pool, timeout, flush };
         let claims = {
             let db = db.clone();
             Batcher::start("claims", MAX_BATCH, BATCH_CONCURRENCY, move |items| {
@@ -412,8 +438,22 @@ impl RecordStore for PgStore {
         Ok(applied)
     }
 
+    /// Ready means connected to a primary that takes writes, within
+    /// `PING_BOUND`. A ping that runs out of time, or reaches a read-only
+    /// server, lets go of the pooled connections (see `failover`).
     async fn ping(&self) -> Result<(), StoreError> {
-        self.query("SELECT 1", &[], false).await.map(drop)
+        let probe = self.query("SELECT pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on'", &[], false);
+        let Ok(rows) = tokio::time::timeout(PING_BOUND, probe).await else {
+            self.db.flush.now(&self.db.pool, "the database did not answer a ping in time");
+            return Err(StoreError::Unavailable(format!("the database did not answer a ping within {PING_BOUND:?}")));
+        };
+        let rows = rows?;
+        let read_only: bool = rows.first().and_then(|r| r.try_get(0).ok()).unwrap_or(true);
+        if read_only {
+            self.db.flush.now(&self.db.pool, "the server is read-only");
+            return Err(StoreError::Unavailable("connected to a read-only server (a standby, or a fenced primary)".into()));
+        }
+        Ok(())
     }
 
     async fn now(&self) -> Result<Timestamp, StoreError> {
