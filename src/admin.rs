@@ -3,6 +3,7 @@
 //! reserved for the admin API that mirrors `idemgate keys`.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use hyper::body::Incoming;
@@ -11,6 +12,12 @@ use crate::body::Body;
 use crate::config::Secret;
 use crate::metrics::Metrics;
 use crate::store::Store;
+
+/// How long `/readyz` waits for the store. Shorter than the operation
+/// timeout: a load balancer or orchestrator should learn within about a second
+/// that the primary is gone (PostgreSQL: `/readyz` also answers 503 while the
+/// only server reachable is a standby).
+const READY_BOUND: Duration = Duration::from_secs(1);
 
 pub struct Admin {
     store: Store,
@@ -30,10 +37,14 @@ impl Admin {
         }
         match req.uri().path() {
             "/healthz" => text(StatusCode::OK, "ok\n"),
-            "/readyz" => match self.store.ping().await {
-                Ok(()) => text(StatusCode::OK, "ready\n"),
-                Err(e) => {
+            "/readyz" => match tokio::time::timeout(READY_BOUND, self.store.ping()).await {
+                Ok(Ok(())) => text(StatusCode::OK, "ready\n"),
+                Ok(Err(e)) => {
                     tracing::warn!(error = %e, "readiness check failed");
+                    text(StatusCode::SERVICE_UNAVAILABLE, "store unavailable\n")
+                }
+                Err(_) => {
+                    tracing::warn!(bound = ?READY_BOUND, "readiness check failed: the store did not answer in time");
                     text(StatusCode::SERVICE_UNAVAILABLE, "store unavailable\n")
                 }
             },
