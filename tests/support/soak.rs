@@ -1,0 +1,276 @@
+//! The chaos soak's clients and checker, shared by the soak (`tests/soak.rs`)
+//! and the failover test (`tests/ha.rs`).
+//!
+//! Clients retry their keys with jitter against several replicas and remember
+//! what they were told ([`Seen`]); the checker ([`check`]) then compares that
+//! with the upstream's ledger of side effects and with the store.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use idemgate::record::{Record, State};
+use idemgate::store::{ListFilter, Store};
+use tokio::task::JoinHandle;
+
+use super::{TestUpstream, derived, record, send};
+
+/// What one client saw for one key.
+#[derive(Debug, Default, Clone)]
+pub struct Seen {
+    /// The first successful answer (status, body), replayed or not.
+    pub first: Option<(u16, bytes::Bytes)>,
+    /// The first answer came straight from the upstream (not a replay).
+    pub first_forwarded: bool,
+    /// Replays that differed from the first answer.
+    pub replay_mismatches: u32,
+    pub replays: u32,
+    pub unknown: bool,
+    pub gave_up: bool,
+}
+
+/// Every key the clients tried, with what they saw.
+pub type SeenMap = Arc<Mutex<HashMap<String, Seen>>>;
+
+pub fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+pub fn rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status.lines().find(|l| l.starts_with("VmRSS:"))?.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// A tiny deterministic PRNG (xorshift), so runs need no extra crate.
+pub struct Rng(pub u64);
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+/// Starts `clients` tasks that, until `deadline`, each take a new key, POST
+/// it to a random replica and retry (with jitter, against random replicas)
+/// until a final answer: a 2xx, or `outcome-unknown`. 3% of first attempts ask
+/// the upstream to be slower than its timeout, so honest unknowns occur; 20%
+/// of keys are sent once more after their 2xx to check the replay.
+pub fn spawn_clients(clients: u64, urls: &[String], deadline: Instant, seen: &SeenMap) -> Vec<JoinHandle<()>> {
+    let mut tasks = Vec::new();
+    for c in 0..clients {
+        let urls = urls.to_vec();
+        let seen = seen.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ (c + 1));
+            let mut n = 0u64;
+            while Instant::now() < deadline {
+                n += 1;
+                let key = format!("c{c}-{n}");
+                let body = format!(r#"{{"client":{c},"n":{n},"item":"book"}}"#);
+                let mut s = Seen::default();
+                // 3% of requests are slower than the upstream timeout: honest unknowns.
+                let slow = rng.below(100) < 3;
+                let mut attempts = 0;
+                let mut verify_replay = rng.below(100) < 20;
+                loop {
+                    attempts += 1;
+                    if attempts > 60 {
+                        s.gave_up = true;
+                        break;
+                    }
+                    let url = &urls[rng.below(urls.len() as u64) as usize];
+                    let sleep = if slow && attempts == 1 { "1500".to_owned() } else { rng.below(30).to_string() };
+                    let r = send(
+                        "POST",
+                        url,
+                        &[
+                            ("authorization", "Bearer test-key"),
+                            ("content-type", "application/json"),
+                            ("idempotency-key", &key),
+                            ("x-test-sleep-ms", &sleep),
+                        ],
+                        body.clone(),
+                    )
+                    .await;
+                    let retry_pause = Duration::from_millis(20 + rng.below(200));
+                    let r = match r {
+                        Ok(r) => r,
+                        Err(_) => {
+                            tokio::time::sleep(retry_pause).await;
+                            continue;
+                        }
+                    };
+                    match r.status {
+                        200..=299 => {
+                            match &s.first {
+                                None => {
+                                    s.first = Some((r.status, r.body.clone()));
+                                    s.first_forwarded = !r.replayed();
+                                }
+                                Some((st, b)) => {
+                                    s.replays += 1;
+                                    if !r.replayed() || *st != r.status || *b != r.body {
+                                        s.replay_mismatches += 1;
+                                    }
+                                }
+                            }
+                            if verify_replay {
+                                verify_replay = false;
+                                continue;
+                            }
+                            break;
+                        }
+                        409 | 504 if r.problem() == "outcome-unknown" => {
+                            s.unknown = true;
+                            break;
+                        }
+                        409 if r.problem() == "request-in-progress" => {}
+                        503 | 408 | 502 => {}
+                        other => panic!("unexpected answer {other} for {key}: {:?}", String::from_utf8_lossy(&r.body)),
+                    }
+                    tokio::time::sleep(retry_pause).await;
+                }
+                seen.lock().unwrap().insert(key, s);
+            }
+        }));
+    }
+    tasks
+}
+
+/// What the checker found.
+pub struct Verdict {
+    pub keys: usize,
+    pub side_effects: u64,
+    pub max_per_key: u64,
+    /// Keys a client got a 2xx for.
+    pub answered: usize,
+    /// Completed records in the store.
+    pub completed: usize,
+    pub replays: u32,
+    pub replay_mismatch: u32,
+    pub unknown: Vec<Record>,
+    /// Unknown records whose client had its answer straight from the upstream
+    /// (the result write failed; the client was not misled).
+    pub unknown_after_answer: usize,
+    pub gave_up: u32,
+    pub in_flight: usize,
+    /// In flight past their lease.
+    pub stuck: usize,
+    /// Keys the upstream acted on more than once, with the count.
+    pub duplicates: Vec<(String, u64)>,
+    /// Keys a client got a 2xx for whose record is missing, not completed,
+    /// or holds another answer.
+    pub lost: Vec<String>,
+}
+
+/// Compares what the clients saw with the upstream's ledger and the store.
+pub async fn check(seen: &HashMap<String, Seen>, up: &TestUpstream, store: &Store) -> Verdict {
+    let ledger = up.ledger();
+    let mut duplicates = Vec::new();
+    let mut lost = Vec::new();
+    let mut replay_mismatch = 0;
+    let mut answered = 0;
+    let mut unknown_after_answer = 0;
+    let mut gave_up = 0;
+    for (key, s) in seen {
+        let effects = ledger.get(&derived(key)).copied().unwrap_or(0);
+        if effects > 1 {
+            duplicates.push((key.clone(), effects));
+        }
+        replay_mismatch += s.replay_mismatches;
+        gave_up += u32::from(s.gave_up);
+        if let Some((status, body)) = &s.first {
+            answered += 1;
+            match record(store, key).await {
+                None => lost.push(format!("{key}: answered {status} but no record")),
+                Some(r) if r.state == State::Completed => {
+                    let stored = r.response.as_ref().and_then(|resp| resp.body.clone());
+                    if stored.as_ref() != Some(body) || r.response.as_ref().map(|x| x.status) != Some(*status) {
+                        lost.push(format!("{key}: stored answer differs from what the client got"));
+                    }
+                }
+                Some(r) if r.state == State::Unknown && s.first_forwarded => unknown_after_answer += 1,
+                Some(r) => lost.push(format!("{key}: answered {status} but record is {}", r.state)),
+            }
+        }
+    }
+    let now = store.now().await.unwrap();
+    let in_flight = store.list(&ListFilter { state: Some(State::InFlight), limit: 100_000, ..Default::default() }).await.unwrap();
+    let stuck = in_flight.iter().filter(|r| r.lease_expires_at.is_none_or(|l| l <= now)).count();
+    let unknown = store.list(&ListFilter { state: Some(State::Unknown), limit: 100_000, ..Default::default() }).await.unwrap();
+    let completed = store.list(&ListFilter { state: Some(State::Completed), limit: 1_000_000, ..Default::default() }).await.unwrap();
+    Verdict {
+        keys: seen.len(),
+        side_effects: up.total(),
+        max_per_key: ledger.values().max().copied().unwrap_or(0),
+        answered,
+        completed: completed.len(),
+        replays: seen.values().map(|s| s.replays).sum(),
+        replay_mismatch,
+        unknown,
+        unknown_after_answer,
+        gave_up,
+        in_flight: in_flight.len(),
+        stuck,
+        duplicates,
+        lost,
+    }
+}
+
+impl Verdict {
+    /// The counts, one per line.
+    pub fn print_counts(&self) {
+        println!("  keys attempted:            {}", self.keys);
+        println!("  side effects:              {} (max per key {})", self.side_effects, self.max_per_key);
+        println!("  keys answered 2xx:         {}", self.answered);
+        println!("  keys with a stored answer: {}", self.completed);
+        println!("  replays checked:           {} (differing: {})", self.replays, self.replay_mismatch);
+        println!("  unknown records:           {} (client had the answer for {})", self.unknown.len(), self.unknown_after_answer);
+        for r in self.unknown.iter().take(20) {
+            println!("    unknown: {} (owner {}, generation {})", r.scope.key.as_str(), r.owner, r.generation);
+        }
+        println!("  clients that gave up:      {}", self.gave_up);
+        println!("  in flight at end:          {} (stuck past lease: {})", self.in_flight, self.stuck);
+    }
+
+    /// Every duplicate and every lost answer.
+    pub fn print_findings(&self) {
+        for d in &self.duplicates {
+            println!("  DUPLICATE: {} executed {} times", d.0, d.1);
+        }
+        for l in &self.lost {
+            println!("  LOST: {l}");
+        }
+    }
+
+    /// `lost` as the closing line counts it: missing or differing records
+    /// plus replays that differed from the first answer.
+    pub fn lost_count(&self) -> usize {
+        self.lost.len() + self.replay_mismatch as usize
+    }
+
+    /// `keys=N side_effects=M duplicates=D lost=L stuck=S unknown=U`
+    pub fn line(&self) -> String {
+        format!(
+            "keys={} side_effects={} duplicates={} lost={} stuck={} unknown={}",
+            self.keys,
+            self.side_effects,
+            self.duplicates.len(),
+            self.lost_count(),
+            self.stuck,
+            self.unknown.len()
+        )
+    }
+
+    /// Duplicates, lost answers and stuck records must all be 0.
+    pub fn assert_clean(&self) {
+        assert!(self.duplicates.is_empty(), "duplicates");
+        assert!(self.lost.is_empty() && self.replay_mismatch == 0, "lost or differing answers");
+        assert!(self.stuck == 0, "stuck records");
+    }
+}
