@@ -150,12 +150,21 @@ impl PgServer {
     /// Creates a new cluster (`initdb`: trust auth, superuser `idemgate`, UTF8,
     /// `--no-sync`) and starts it on a free port, waiting until it answers a query.
     pub fn start() -> io::Result<PgServer> {
+        let began = Instant::now();
+        let mut server = PgServer::prepare_dirs()?;
+        server.initdb()?;
+        server.start_on_free_port(began)?;
+        Ok(server)
+    }
+
+    /// A cluster directory (owner file, socket dir, log) without a data
+    /// directory yet, and without a port.
+    fn prepare_dirs() -> io::Result<PgServer> {
         static SWEEP: Once = Once::new();
         SWEEP.call_once(|| {
             let _ = sweep_stale_clusters();
         });
 
-        let began = Instant::now();
         let bin_dir = find_bin_dir()?;
         let run_as = server_account()?;
 
@@ -177,7 +186,7 @@ impl PgServer {
             }
         }
 
-        let mut server = PgServer {
+        Ok(PgServer {
             tmp: Some(tmp),
             base,
             data_dir,
@@ -188,16 +197,17 @@ impl PgServer {
             port: 0,
             running: None,
             startup: Duration::ZERO,
-        };
-        server.initdb()?;
+        })
+    }
 
+    fn start_on_free_port(&mut self, began: Instant) -> io::Result<()> {
         let mut last_err = None;
         for _ in 0..PORT_ATTEMPTS {
-            server.port = free_port()?;
-            match server.spawn_and_wait() {
+            self.port = free_port()?;
+            match self.spawn_and_wait() {
                 Ok(()) => {
-                    server.startup = began.elapsed();
-                    return Ok(server);
+                    self.startup = began.elapsed();
+                    return Ok(());
                 }
                 Err(SpawnError::PortTaken(e)) => last_err = Some(e),
                 Err(SpawnError::Other(e)) => return Err(e),
@@ -305,6 +315,190 @@ impl PgServer {
     pub fn restart_immediate(&mut self) -> io::Result<()> {
         self.stop_immediate()?;
         self.start_again()
+    }
+
+    /// A streaming-replication standby of `primary`, built with `pg_basebackup`
+    /// from the running primary (`--checkpoint=fast -X stream`) and started with
+    /// `standby.signal` and a `primary_conninfo` whose `application_name` is
+    /// `name` (the name `synchronous_standby_names` refers to). On `port` if
+    /// given (a replacement node taking a dead node's address), else a free one.
+    /// Returns once the standby answers read-only queries; whether it streams
+    /// in sync is the primary's to say ([`replication_state`](Self::replication_state)).
+    pub fn start_standby(primary: &PgServer, name: &str, port: Option<u16>) -> io::Result<PgServer> {
+        let valid = !name.is_empty() && name.len() <= 63 && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+        if !valid {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("standby name {name:?} must match [A-Za-z0-9_]{{1,63}}")));
+        }
+        let began = Instant::now();
+        let mut server = PgServer::prepare_dirs()?;
+        let basebackup = server.bin_dir.join("pg_basebackup");
+        let mut cmd = Command::new(&basebackup);
+        cmd.arg("-D").arg(&server.data_dir).args(["-h", "127.0.0.1", "-p", &primary.port.to_string(), "-U", SUPERUSER]).args([
+            "--checkpoint=fast",
+            "-X",
+            "stream",
+            "--no-sync",
+        ]);
+        server.prepare(&mut cmd);
+        let out = cmd.stdin(Stdio::null()).output().map_err(|e| annotate(e, &format!("running {}", basebackup.display())))?;
+        if !out.status.success() {
+            return Err(io::Error::other(format!(
+                "{} failed ({}):\n{}{}",
+                basebackup.display(),
+                out.status,
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            )));
+        }
+        let conninfo = format!("host=127.0.0.1 port={} user={SUPERUSER} application_name={name}", primary.port);
+        let auto_conf = server.data_dir.join("postgresql.auto.conf");
+        let mut conf = fs::read_to_string(&auto_conf).unwrap_or_default();
+        conf.push_str(&format!("primary_conninfo = '{conninfo}'\n"));
+        fs::write(&auto_conf, conf)?;
+        let signal = server.data_dir.join("standby.signal");
+        fs::write(&signal, "")?;
+        if let Some(acct) = &server.run_as {
+            for p in [&auto_conf, &signal] {
+                chown(p, Some(acct.uid), Some(acct.gid)).map_err(|e| annotate(e, &format!("chown {}", p.display())))?;
+            }
+        }
+        match port {
+            Some(port) => {
+                server.port = port;
+                match server.spawn_and_wait() {
+                    Ok(()) => server.startup = began.elapsed(),
+                    Err(SpawnError::PortTaken(e)) | Err(SpawnError::Other(e)) => return Err(e),
+                }
+            }
+            None => server.start_on_free_port(began)?,
+        }
+        Ok(server)
+    }
+
+    /// The machine dies: `SIGKILL` to the postmaster and every process it
+    /// started (backends, WAL sender, checkpointer, ...), nothing flushed, no
+    /// goodbye to clients or standbys. Returns once all are gone and the port
+    /// refuses connections. The data stays (crash recovery on a later
+    /// `start_again`).
+    pub fn kill9(&mut self) -> io::Result<()> {
+        let Some(running) = self.running.take() else {
+            return Ok(());
+        };
+        let pm = running.postmaster_pid;
+        // Stopped first, so it forks nothing new while its children are listed.
+        signal(&["-STOP", &pm.to_string()]);
+        let mut victims = children_of(pm);
+        victims.push(pm);
+        let args: Vec<String> = std::iter::once("-KILL".to_owned()).chain(victims.iter().map(u32::to_string)).collect();
+        signal(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        let deadline = Instant::now() + STOP_TIMEOUT;
+        while victims.iter().any(|&p| process_alive(p)) {
+            if Instant::now() > deadline {
+                return Err(io::Error::other(format!("processes {victims:?} survived SIGKILL")));
+            }
+            thread::sleep(Duration::from_millis(5));
+        }
+        self.stop_running(running, false)?;
+        wait_port_closed(self.port, STOP_TIMEOUT).map_err(|e| self.with_log(e))
+    }
+
+    /// Sends `sig` (e.g. `"-STOP"`) to this primary's WAL sender(s): a stopped
+    /// sender leaves its standby behind, as on a slow network. WAL written
+    /// meanwhile stays on this server (a synchronous standby then holds up
+    /// every commit; an asynchronous one lets them be acknowledged).
+    pub fn signal_wal_senders(&self, sig: &str) -> io::Result<()> {
+        let pm = self.postmaster_pid().ok_or_else(|| io::Error::other("the server is not running"))?;
+        let senders: Vec<String> = children_of(pm)
+            .into_iter()
+            .filter(|p| fs::read(format!("/proc/{p}/cmdline")).is_ok_and(|c| String::from_utf8_lossy(&c).contains("walsender")))
+            .map(|p| p.to_string())
+            .collect();
+        if senders.is_empty() {
+            return Err(io::Error::other("no WAL sender process (no standby connected?)"));
+        }
+        let mut args = vec![sig];
+        args.extend(senders.iter().map(String::as_str));
+        signal(&args);
+        Ok(())
+    }
+
+    /// `pg_ctl promote -w`: the standby leaves recovery and takes writes.
+    /// Returns once `pg_is_in_recovery()` is false.
+    pub fn promote(&self) -> io::Result<()> {
+        let pg_ctl = self.bin_dir.join("pg_ctl");
+        let mut cmd = Command::new(&pg_ctl);
+        cmd.arg("promote").arg("-D").arg(&self.data_dir).args(["-w", "-t", "60"]);
+        self.prepare(&mut cmd);
+        let out = cmd.stdin(Stdio::null()).output().map_err(|e| annotate(e, &format!("running {}", pg_ctl.display())))?;
+        if !out.status.success() {
+            return Err(self.with_log(io::Error::other(format!(
+                "pg_ctl promote failed ({}):\n{}{}",
+                out.status,
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ))));
+        }
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            let rows = self.simple_query("postgres", "SELECT pg_is_in_recovery()::text");
+            if let Ok(rows) = &rows
+                && rows.first().and_then(|r| r.first()).and_then(|v| v.as_deref()) == Some("false")
+            {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(self.with_log(io::Error::other(format!("still in recovery after pg_ctl promote: {rows:?}"))));
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// `ALTER SYSTEM SET name = 'value'` and a configuration reload, e.g.
+    /// `synchronous_standby_names`. (Settings given on the server's command
+    /// line by this harness cannot be changed this way.)
+    pub fn set_and_reload(&self, name: &str, value: &str) -> io::Result<()> {
+        let valid = !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+        if !valid || value.contains('\'') {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("setting {name} = {value:?}")));
+        }
+        // Two round trips: ALTER SYSTEM refuses to run in a multi-statement
+        // query (an implicit transaction block).
+        self.simple_query("postgres", &format!("ALTER SYSTEM SET {name} = '{value}'"))?;
+        self.simple_query("postgres", "SELECT pg_reload_conf()").map(drop)
+    }
+
+    /// `(state, sync_state)` of the standby called `name` as this server's
+    /// `pg_stat_replication` shows it (e.g. `("streaming", "sync")`); `None`
+    /// while it is not connected.
+    pub fn replication_state(&self, name: &str) -> io::Result<Option<(String, String)>> {
+        let rows = self.simple_query(
+            "postgres",
+            &format!("SELECT state, sync_state FROM pg_stat_replication WHERE application_name = '{}'", name.replace('\'', "")),
+        )?;
+        Ok(rows.into_iter().next().and_then(|r| match (r.first().cloned().flatten(), r.get(1).cloned().flatten()) {
+            (Some(state), Some(sync)) => Some((state, sync)),
+            _ => None,
+        }))
+    }
+
+    /// Waits until the standby `name` streams with `sync_state` (`"sync"` or `"async"`).
+    pub fn wait_for_standby(&self, name: &str, sync_state: &str, timeout: Duration) -> io::Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let state = self.replication_state(name);
+            if let Ok(Some((s, sync))) = &state
+                && s == "streaming"
+                && sync == sync_state
+            {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(
+                    self.with_log(io::Error::other(format!("standby {name} not streaming as {sync_state} within {timeout:?}: {state:?}")))
+                );
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// The last 60 lines of the server log (all starts of this cluster).
@@ -550,6 +744,24 @@ pub fn sweep_stale_clusters_in(parent: &Path) -> io::Result<usize> {
     Ok(removed)
 }
 
+/// `kill <args>` through the shell (the server may run as another account; we are
+/// then root).
+fn signal(args: &[&str]) {
+    let _ = Command::new("/bin/sh").arg("-c").arg("kill \"$@\"").arg("sh").args(args).stderr(Stdio::null()).status();
+}
+
+/// Pids whose parent is `pid` (field 2 after the command of `/proc/<p>/stat`).
+fn children_of(pid: u32) -> Vec<u32> {
+    let parent = pid.to_string();
+    fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&p| proc_stat_fields(p).is_some_and(|f| f.get(1) == Some(&parent)))
+        .collect()
+}
+
 /// SIGQUIT (then SIGKILL) to the postmaster recorded in `data/postmaster.pid`, if that
 /// pid really is a postgres serving this data directory.
 fn stop_stale_postmaster(data_dir: &Path) {
@@ -589,6 +801,18 @@ fn write_owner_file(base: &Path) -> io::Result<()> {
     let pid = std::process::id();
     let start = process_start_time(pid).ok_or_else(|| io::Error::other("cannot read /proc/self/stat"))?;
     fs::write(base.join("owner"), format!("{pid} {start}\n"))
+}
+
+/// The directory with the server binaries a replicated cluster needs
+/// (`postgres`, `initdb`, `pg_basebackup`, `pg_ctl`), or why there is none.
+pub fn replication_binaries() -> io::Result<PathBuf> {
+    let dir = find_bin_dir()?;
+    for tool in ["pg_basebackup", "pg_ctl"] {
+        if !dir.join(tool).is_file() {
+            return Err(io::Error::new(io::ErrorKind::NotFound, format!("{} has no {tool}", dir.display())));
+        }
+    }
+    Ok(dir)
 }
 
 /// `$IDEMGATE_TEST_PG_BINDIR`, else the directory of `postgres` on PATH (symlinks
