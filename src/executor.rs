@@ -162,9 +162,11 @@ impl Executor {
                     Ok(WriteOutcome::Written) => Outcome::Forwarded,
                     Ok(WriteOutcome::Fenced) => Outcome::Fenced,
                     Err(e) => {
-                        // The upstream acted and the client gets its answer; the claim
-                        // stays in flight and its lease expiry turns it unknown.
-                        tracing::error!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "could not record the result");
+                        // The upstream acted and the client gets its answer. The store
+                        // may be failing over: keep trying in the background until the
+                        // lease would run out; only then does the expiry turn it unknown.
+                        tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "could not record the result; retrying in the background");
+                        self.record_later(claim, stored, route);
                         Outcome::Forwarded
                     }
                 };
@@ -372,6 +374,30 @@ impl Executor {
                 }
             }
             tracing::error!(scope = %claim.scope.log_id(), "could not release the key; its lease will turn it unknown");
+        });
+    }
+
+    /// Records a result whose write failed, on the tracker, until the claim's
+    /// lease would run out (the write is fenced, so a late success can never
+    /// overwrite another attempt's record).
+    fn record_later(&self, claim: &Claim, stored: StoredResponse, route: &Route) {
+        let (store, claim, retention) = (self.store.clone(), claim.clone(), route.retention);
+        // The lease bounds the retries (its real expiry is on the store's
+        // clock; a retry past it is fenced off, never harmful).
+        let deadline = tokio::time::Instant::now() + route.lease;
+        self.tracker.spawn(async move {
+            while tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+                match store.complete(&claim, &stored, retention).await {
+                    Ok(WriteOutcome::Written) => {
+                        tracing::info!(scope = %claim.scope.log_id(), "result recorded after the store came back");
+                        return;
+                    }
+                    Ok(WriteOutcome::Fenced) => return,
+                    Err(_) => {}
+                }
+            }
+            tracing::error!(scope = %claim.scope.log_id(), "could not record the result; its lease will turn it unknown");
         });
     }
 
