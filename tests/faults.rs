@@ -166,6 +166,32 @@ async fn postgres_down_at_claim_then_restarted() {
     assert_eq!(up.side_effects(&derived("after-restart")), 1);
 }
 
+/// PostgreSQL goes down while the upstream works on a claimed request and
+/// comes back within the lease: the result write is retried in the background
+/// and the record ends completed (not unknown); the retry replays it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_down_during_the_result_write_is_recorded_when_it_returns() {
+    let (mut pg, backend) = private_pg();
+    let up = TestUpstream::start().await;
+    let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).route("lease = \"8s\""));
+    let url = gw.url("/v1/orders");
+    let mut received = up.subscribe();
+    let u = url.clone();
+    let client = tokio::spawn(async move { post(&u, "k", ORDER, &[("x-test-sleep-ms", "400")]).await });
+    received.recv().await.unwrap();
+    pg.stop_immediate().unwrap();
+    let r = client.await.unwrap();
+    assert_eq!((r.status, r.replayed()), (201, false), "the client has the upstream's answer");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    pg.start_again().unwrap();
+    let store = backend.open().await;
+    let recorded =
+        eventually(Duration::from_secs(10), || async { record(&store, "k").await.is_some_and(|r| r.state == State::Completed) }).await;
+    assert!(recorded, "recorded once the store came back: {:?}\n{}", record(&store, "k").await, gw.logs());
+    assert!(post(&url, "k", ORDER, &[]).await.replayed());
+    assert_eq!(up.side_effects(&derived("k")), 1);
+}
+
 /// Two replicas on one PostgreSQL, 20 concurrent requests with one key split
 /// between them: exactly one forward.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
