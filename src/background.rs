@@ -1,6 +1,6 @@
-//! Background tasks: the sweeper (deletes completed records past retention)
-//! and the lease reaper (turns in-flight records whose lease expired into
-//! `unknown`). Each is named, takes the shutdown token, survives store errors
+//! Background tasks: the sweeper (deletes completed records past retention),
+//! the lease reaper (turns in-flight records whose lease expired into
+//! `unknown`) and the record counters. Each is named, takes the shutdown token, survives store errors
 //! (it logs and tries again next tick) and runs on a supervised tracker.
 
 use std::sync::Arc;
@@ -74,6 +74,19 @@ pub fn spawn_all(
             }
         }));
     }
+    // Records kept forever, by operation: a count over their partial index,
+    // less often than the other gauges (it grows with the business, not with
+    // the backlog).
+    {
+        let (store, metrics, shutdown) = (store.clone(), metrics.clone(), shutdown.clone());
+        tracker.spawn(periodic("forever_counter", FOREVER_STATS_INTERVAL.min(interval), shutdown, move || {
+            let (store, metrics) = (store.clone(), metrics.clone());
+            async move {
+                metrics.set_forever_counts(&store.forever_counts().await?);
+                Ok(0)
+            }
+        }));
+    }
     // The record gauges (unknown backlog, queue depth, oldest ages): a grouped
     // count over the records that are not completed (a partial index).
     tracker.spawn(periodic("record_counter", STATS_INTERVAL.min(interval), shutdown, move || {
@@ -89,6 +102,8 @@ pub fn spawn_all(
 
 /// How often the record gauges are refreshed (at most).
 const STATS_INTERVAL: Duration = Duration::from_secs(5);
+/// How often `idemgate_forever_records` is refreshed (at most).
+const FOREVER_STATS_INTERVAL: Duration = Duration::from_secs(60);
 
 /// Runs `op` until a batch comes back short: a tick drains the whole backlog,
 /// in small statements (each holds its row locks only briefly), yielding to

@@ -1,8 +1,9 @@
 //! The one body type idemgate sends, in both directions: a buffered body, a
-//! streamed one (pass-through), or a buffered prefix followed by the rest of a
-//! stream (a response larger than `max_stored_response`). A streamed body that
-//! makes no progress for its idle timeout ends with an error, so a stalled
-//! peer cannot hold a connection forever.
+//! streamed one (pass-through), a buffered prefix followed by the rest of a
+//! stream (a response larger than `max_stored_response`), or any other body
+//! (observe mode's recording tee). A streamed body that makes no progress for
+//! its idle timeout ends with an error, so a stalled peer cannot hold a
+//! connection forever.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -20,6 +21,16 @@ pub enum Body {
     Full(Option<Bytes>),
     Stream(Streamed),
     Prefixed { prefix: Option<Bytes>, rest: Streamed },
+    Boxed(Boxed),
+}
+
+/// A body of another type (it does its own idle timing, if it streams).
+pub struct Boxed(pub Pin<Box<dyn hyper::body::Body<Data = Bytes, Error = BoxError> + Send>>);
+
+impl std::fmt::Debug for Boxed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Boxed(..)")
+    }
 }
 
 /// A body read from a peer, cut off after `idle` without a frame.
@@ -74,6 +85,10 @@ impl Body {
     pub fn stream(inner: Incoming, idle: Duration) -> Body {
         Body::Stream(Streamed::new(inner, idle))
     }
+
+    pub fn boxed(inner: impl hyper::body::Body<Data = Bytes, Error = BoxError> + Send + 'static) -> Body {
+        Body::Boxed(Boxed(Box::pin(inner)))
+    }
 }
 
 impl hyper::body::Body for Body {
@@ -88,6 +103,7 @@ impl hyper::body::Body for Body {
                 Some(p) => Poll::Ready(Some(Ok(Frame::data(p)))),
                 None => rest.poll_frame(cx),
             },
+            Body::Boxed(b) => b.0.as_mut().poll_frame(cx),
         }
     }
 
@@ -96,6 +112,7 @@ impl hyper::body::Body for Body {
             Body::Full(b) => b.is_none(),
             Body::Stream(s) => s.inner.is_end_stream(),
             Body::Prefixed { prefix, rest } => prefix.is_none() && rest.inner.is_end_stream(),
+            Body::Boxed(b) => b.0.is_end_stream(),
         }
     }
 
@@ -113,6 +130,7 @@ impl hyper::body::Body for Body {
                 }
                 h
             }
+            Body::Boxed(b) => b.0.size_hint(),
         }
     }
 }

@@ -412,7 +412,7 @@ impl Executor {
 
 /// What a route keeps of an answer: all of it, or (`replay = "refetch"`)
 /// only the status and where to read the resource again.
-fn stored_form(route: &Route, full: StoredResponse) -> StoredResponse {
+pub(crate) fn stored_form(route: &Route, full: StoredResponse) -> StoredResponse {
     match route.replay {
         ReplayMode::Stored => full,
         ReplayMode::Refetch => {

@@ -23,14 +23,16 @@ use crate::executor::{Executor, refetch};
 use crate::fingerprint::{self, RequestParts};
 use crate::identity::Identifier;
 use crate::identity::Identity;
+use crate::keysource::{FromHeaders, KeySourceError};
 use crate::metrics::{Metrics, Outcome};
+use crate::observe::Observer;
 use crate::operation::{OPERATIONS_PATH, StoredRequest, new_operation_id, prefers_async, status_document};
-use crate::passthrough::pass_through;
+use crate::passthrough::{self, pass_through};
 use crate::problem::{self, GatewayError};
 use crate::record::{Decision, Record, State, StoredResponse, decide};
 use crate::replay::replay;
-use crate::route::{InFlightPolicy, ReplayMode, Route, RouteMatch, RouteMode, Router, ScopeMode, UpstreamId};
-use crate::scope::{IdempotencyKey, KeyError, Scope};
+use crate::route::{InFlightPolicy, ReplayMode, Retention, Route, RouteMatch, RouteMode, Router, ScopeMode, UpstreamId};
+use crate::scope::Scope;
 use crate::store::{Acceptance, ClaimOutcome, ClaimRequest, Store, WriteOutcome};
 use crate::upstream::Upstream;
 use crate::waiters::Waiters;
@@ -63,6 +65,8 @@ pub struct Gateway {
     wake_workers: Arc<Notify>,
     /// The routes' authorizers, by operation (this worker's clients).
     authorizers: HashMap<Arc<str>, Authorizer>,
+    /// Observe-mode routes pass requests through and record what enforcing would do.
+    observer: Observer,
 }
 
 impl Gateway {
@@ -77,6 +81,17 @@ impl Gateway {
             waiters.clone(),
             derived_key_secret,
         );
+        let replica_id: Arc<str> = config.server.replica_id.as_str().into();
+        let observer = Observer::new(
+            store.clone(),
+            metrics.clone(),
+            tracker.clone(),
+            replica_id.clone(),
+            config.server.max_request_body,
+            config.server.request_body_timeout,
+        );
+        metrics.declare_observed(config.routes.iter().filter(|r| r.mode == RouteMode::Observe).map(|r| &*r.operation));
+        metrics.declare_forever(config.routes.iter().filter(|r| r.retention == Retention::Forever).map(|r| &*r.operation));
         Gateway {
             router: Router::new(config.routes.clone(), config.server.default_upstream),
             identifier: Identifier::new(config.identity.clone()),
@@ -84,7 +99,7 @@ impl Gateway {
             store,
             metrics,
             tracker,
-            replica_id: config.server.replica_id.as_str().into(),
+            replica_id,
             max_request_body: config.server.max_request_body,
             request_body_timeout: config.server.request_body_timeout,
             waiters,
@@ -94,6 +109,7 @@ impl Gateway {
                 .iter()
                 .filter_map(|r| r.authorize.as_ref().map(|a| (r.operation.clone(), Authorizer::new(a.clone()))))
                 .collect(),
+            observer,
         }
     }
 
@@ -161,6 +177,7 @@ impl Gateway {
             waiters: self.waiters.clone(),
             wake_workers: self.wake_workers.clone(),
             authorizers: self.authorizers.iter().map(|(op, a)| (op.clone(), a.with_own_pool())).collect(),
+            observer: self.observer.clone(),
         }
     }
 
@@ -200,18 +217,42 @@ impl Gateway {
         req: Request<Incoming>,
         peer: SocketAddr,
     ) -> Result<(Response<Body>, Outcome), GatewayError> {
+        if route.mode == RouteMode::Observe {
+            // Observe mode changes no answer: nothing is refused, so the
+            // route's authorizer is not asked either.
+            let identity = self.identifier.identify(req.headers(), peer.ip()).await;
+            let resp = self.observer.handle(route, params, req, identity, self.executor.upstream(route.upstream)).await;
+            return Ok((resp, Outcome::PassThrough));
+        }
         let identity = self.identifier.identify(req.headers(), peer.ip()).await.ok_or(GatewayError::Unauthenticated)?;
         self.authorized(&route.operation, req.method(), req.uri().path(), &identity, req.headers()).await?;
-        let key = match key_from(req.headers(), route) {
-            Ok(Some(key)) => key,
-            Ok(None) if !route.key_required => {
+        let missing = || GatewayError::MissingKey { header: route.key_from.describe() };
+        // A key in a header is known before the body is read: a request
+        // without one costs no body read.
+        let early = match route.key_from.from_headers(req.headers()) {
+            Ok(FromHeaders::Found(found)) => Some(found),
+            Ok(FromHeaders::NeedBody) => None,
+            Ok(FromHeaders::Absent) if !route.key_required => {
                 return Ok((self.pass_through(route.upstream, req).await, Outcome::PassThrough));
             }
-            Ok(None) => return Err(GatewayError::MissingKey { header: route.key_header.to_string() }),
+            Ok(FromHeaders::Absent) => return Err(missing()),
             Err(e) => return Err(GatewayError::InvalidKey(e)),
         };
         let (parts, body) = req.into_parts();
         let body = read_body(body, &parts.headers, self.max_request_body, self.request_body_timeout).await?;
+        let found = match early {
+            Some(found) => found,
+            None => match route.key_from.from_request(&parts.headers, &body) {
+                Ok(Some(found)) => found,
+                Ok(None) if !route.key_required => {
+                    let resp = passthrough::forward(self.executor.upstream(route.upstream), parts, Body::full(body)).await;
+                    return Ok((resp, Outcome::PassThrough));
+                }
+                Ok(None) => return Err(missing()),
+                Err(KeySourceError::Key(e)) => return Err(GatewayError::InvalidKey(e)),
+                Err(KeySourceError::Body(e)) => return Err(GatewayError::InvalidBody(e.to_string())),
+            },
+        };
         let request_hash = fingerprint::fingerprint(
             &route.fingerprint,
             &RequestParts {
@@ -225,8 +266,8 @@ impl Gateway {
         )
         .map_err(|e| GatewayError::InvalidBody(e.to_string()))?;
         let scope = match route.scope {
-            ScopeMode::Principal => Scope::new(&identity, &route.operation, key),
-            ScopeMode::Tenant => Scope::tenant_wide(&identity, &route.operation, key),
+            ScopeMode::Principal => Scope::new(&identity, &route.operation, found.key),
+            ScopeMode::Tenant => Scope::tenant_wide(&identity, &route.operation, found.key),
         };
         // Async: the claim accepts the operation and stores the request for
         // the workers; the client gets 202 and an operation id.
@@ -241,6 +282,7 @@ impl Gateway {
             upstream_idempotent: route.upstream_idempotent,
             claim_token: Uuid::new_v4(),
             acceptance,
+            key_source: found.source,
         };
         // From the claim on, the work runs on the tracker: a client that goes
         // away can no longer cancel it between a committed claim and its
@@ -350,22 +392,7 @@ impl Gateway {
     /// the client's retry is not refused. Gives up when the lease would have
     /// expired (the record then shows as `unknown`, and the logs say why).
     fn abandon_later(&self, claim: &ClaimRequest, lease: Duration) {
-        let store = self.store.clone();
-        let (scope, token) = (claim.scope.clone(), claim.claim_token);
-        self.tracker.spawn(async move {
-            // Until the lease would run out: a statement still on its way to
-            // the database may yet commit the claim after a first look finds
-            // nothing (the server also cancels it at the statement timeout).
-            let deadline = tokio::time::Instant::now() + lease;
-            while tokio::time::Instant::now() < deadline {
-                if let Ok(true) = store.abandon(&scope, token).await {
-                    tracing::info!(scope = %scope.log_id(), "unconfirmed claim abandoned");
-                    return;
-                }
-                tokio::time::sleep(Duration::from_millis(250)).await;
-            }
-            tracing::debug!(scope = %scope.log_id(), "no unconfirmed claim appeared before its lease would have run out");
-        });
+        abandon_later(&self.store, &self.tracker, claim, lease);
     }
 
     /// A completed record's answer: the stored one, or read again from the
@@ -417,7 +444,8 @@ impl Gateway {
         // Reading a stored answer is asked again: a revoked principal gets 403.
         self.authorized(&record.scope.operation, req.method(), req.uri().path(), &identity, req.headers()).await?;
         let route = self.router.route_for(&record.scope.operation);
-        let (poll, retention) = route.map_or((Duration::from_secs(1), Duration::from_secs(24 * 3600)), |r| (r.poll_interval, r.retention));
+        let (poll, retention) =
+            route.map_or((Duration::from_secs(1), Retention::For(Duration::from_secs(24 * 3600))), |r| (r.poll_interval, r.retention));
         if want_result {
             return match (&record.state, &record.response, route) {
                 (State::Completed, Some(stored), Some(route)) => self.answer_from(route, stored, req.headers()).await,
@@ -436,6 +464,27 @@ impl Gateway {
     async fn pass_through(&self, upstream: UpstreamId, req: Request<Incoming>) -> Response<Body> {
         pass_through(self.executor.upstream(upstream), req, self.request_body_timeout).await
     }
+}
+
+/// Deletes, by its token, a claim whose commit could not be confirmed, once
+/// the store answers again (see `Gateway::abandon_later`).
+pub(crate) fn abandon_later(store: &Store, tracker: &TaskTracker, claim: &ClaimRequest, lease: Duration) {
+    let store = store.clone();
+    let (scope, token) = (claim.scope.clone(), claim.claim_token);
+    tracker.spawn(async move {
+        // Until the lease would run out: a statement still on its way to
+        // the database may yet commit the claim after a first look finds
+        // nothing (the server also cancels it at the statement timeout).
+        let deadline = tokio::time::Instant::now() + lease;
+        while tokio::time::Instant::now() < deadline {
+            if let Ok(true) = store.abandon(&scope, token).await {
+                tracing::info!(scope = %scope.log_id(), "unconfirmed claim abandoned");
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        tracing::debug!(scope = %scope.log_id(), "no unconfirmed claim appeared before its lease would have run out");
+    });
 }
 
 /// The record an acceptance just wrote, for its 202 (the same document a
@@ -460,6 +509,7 @@ fn accepted_record(req: &ClaimRequest, claim: &crate::store::Claim) -> Record {
         sent_at: None,
         last_status: None,
         maybe_executed: false,
+        key_source: Some(req.key_source.to_string()),
     }
 }
 
@@ -468,17 +518,6 @@ fn json_response(status: StatusCode, doc: &serde_json::Value) -> Response<Body> 
     *resp.status_mut() = status;
     resp.headers_mut().insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     resp
-}
-
-/// The key from the route's header: absent, or validated. Several values are
-/// ambiguous and refused.
-fn key_from(headers: &HeaderMap, route: &Route) -> Result<Option<IdempotencyKey>, KeyError> {
-    let mut values = headers.get_all(&route.key_header).iter();
-    let Some(first) = values.next() else { return Ok(None) };
-    if values.next().is_some() {
-        return Err(KeyError::Repeated);
-    }
-    IdempotencyKey::parse(first).map(Some)
 }
 
 /// Reads a request body whole, within the size limit and the read deadline.

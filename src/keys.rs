@@ -8,7 +8,8 @@ use bytes::Bytes;
 use serde_json::json;
 
 use crate::audit::{Actor, AuditEntry, AuditNote};
-use crate::record::{Record, Refused, State, StoredResponse};
+use crate::record::{Record, Refused, State, StoredResponse, Timestamp};
+use crate::route::Retention;
 use crate::scope::Scope;
 use crate::store::{Resolution, ResolveOutcome, Store, StoreError};
 
@@ -43,9 +44,15 @@ pub fn record_json(r: &Record, with_body: bool, secret: Option<&[u8]>) -> serde_
         "lease_expires_at": r.lease_expires_at.map(|t| t.to_string()),
         "created_at": r.created_at.to_string(),
         "updated_at": r.updated_at.to_string(),
-        "expires_at": if r.state == State::Completed { Some(r.expires_at.to_string()) } else { None },
+        "expires_at": if r.state.is_retained() { Some(expires_text(r)) } else { None },
+        "key_source": r.key_source,
         "response": response,
     })
+}
+
+/// When a completed record stops being replayed: a time, or `forever`.
+fn expires_text(r: &Record) -> String {
+    if r.expires_at == Timestamp::FOREVER { "forever".to_owned() } else { r.expires_at.to_string() }
 }
 
 /// A table for `keys list`.
@@ -89,6 +96,7 @@ pub fn show_text(r: &Record, secret: Option<&[u8]>) -> String {
         "derived key: {} (the Idempotency-Key the upstream saw, unless forward_key = \"client\")",
         r.scope.derived_key(secret)
     );
+    let _ = writeln!(out, "key source:  {}", r.key_source.as_deref().unwrap_or("(not recorded: claimed before key sources were)"));
     let _ = writeln!(out, "state:       {}", r.state);
     let _ = writeln!(out, "generation:  {}", r.generation);
     let _ = writeln!(out, "owner:       {}", r.owner);
@@ -97,8 +105,8 @@ pub fn show_text(r: &Record, secret: Option<&[u8]>) -> String {
     if let Some(l) = r.lease_expires_at {
         let _ = writeln!(out, "lease until: {l}");
     }
-    if r.state == State::Completed {
-        let _ = writeln!(out, "expires_at:  {}", r.expires_at);
+    if r.state.is_retained() {
+        let _ = writeln!(out, "expires_at:  {}", expires_text(r));
     }
     match &r.response {
         Some(resp) => {
@@ -167,7 +175,7 @@ pub const RESOLVABLE_STATUSES: std::ops::RangeInclusive<u16> = 200..=599;
 /// resolve` and the admin API: validates the request, applies it with its
 /// audit row, and returns the state the record was in.
 /// `default_retention` applies to a completion that names none (the route's).
-pub async fn resolve(store: &Store, scope: &Scope, req: ResolveRequest, default_retention: Duration) -> Result<State, ResolveError> {
+pub async fn resolve(store: &Store, scope: &Scope, req: ResolveRequest, default_retention: Retention) -> Result<State, ResolveError> {
     let reason = req.reason.as_deref().map(str::trim).filter(|r| !r.is_empty());
     if req.force && reason.is_none() {
         return Err(ResolveError::Invalid("a forced resolution needs a reason".into()));
@@ -185,7 +193,7 @@ pub async fn resolve(store: &Store, scope: &Scope, req: ResolveRequest, default_
             }
             Resolution::Complete {
                 response: StoredResponse { status, headers, body: Some(body) },
-                retention: retention.unwrap_or(default_retention),
+                retention: retention.map_or(default_retention, Retention::For),
                 force: req.force,
             }
         }
@@ -200,8 +208,8 @@ pub async fn resolve(store: &Store, scope: &Scope, req: ResolveRequest, default_
 
 /// The retention a hand-made completion gets when none is given: its route's,
 /// else a day.
-pub fn default_retention(routes: &[crate::route::Route], operation: &str) -> Duration {
-    routes.iter().find(|r| &*r.operation == operation).map_or(Duration::from_secs(24 * 3600), |r| r.retention)
+pub fn default_retention(routes: &[crate::route::Route], operation: &str) -> Retention {
+    routes.iter().find(|r| &*r.operation == operation).map_or(Retention::For(Duration::from_secs(24 * 3600)), |r| r.retention)
 }
 
 /// One audit row as JSON (`keys audit --json`, `GET /admin/audit`).

@@ -11,11 +11,14 @@
 //! - [`executor`]: forwards one claimed attempt, classifies the outcome by
 //!   whether the upstream may have executed it, records it fenced.
 //! - [`passthrough`]: requests without idempotency, streamed both ways.
+//! - [`observe`]: observe mode — pass-through that records what enforcing
+//!   would have done, within a store budget.
 //! - [`waiters`]: local wake-ups for duplicates waiting on a result.
 //! - [`operation`], [`worker`]: async mode — accepted operations, their
 //!   stored requests and status documents, and the workers that run them.
-//! - [`route`], [`identity`], [`scope`], [`fingerprint`]: what a request is
-//!   (operation, tenant and principal, key, fingerprint).
+//! - [`route`], [`identity`], [`scope`], [`keysource`], [`fingerprint`]: what
+//!   a request is (operation, tenant and principal, key and where it came
+//!   from, fingerprint).
 //! - [`record`]: records and their state machine (pure code).
 //! - [`store`]: one interface over PostgreSQL and embedded SQLite.
 //! - [`upstream`]: the HTTP client, whose errors say whether the upstream may
@@ -45,8 +48,10 @@ pub mod headers;
 pub mod identity;
 pub mod jwt;
 pub mod keys;
+pub mod keysource;
 pub mod logging;
 pub mod metrics;
+pub mod observe;
 pub mod operation;
 pub mod outbox;
 pub mod passthrough;

@@ -84,6 +84,9 @@ enum KeysCommand {
         tenant: Option<String>,
         #[arg(long)]
         operation: Option<String>,
+        /// Only records kept forever (routes with retention = "forever"): `--retention forever`.
+        #[arg(long, value_parser = parse_retention_filter)]
+        retention: Option<Forever>,
         #[arg(long, default_value_t = 100)]
         limit: u32,
         #[arg(long)]
@@ -149,6 +152,17 @@ struct ResolveArgs {
     /// retry execute again: say why with --reason.
     #[arg(long, requires = "reason")]
     force: bool,
+}
+
+/// `keys list --retention forever`.
+#[derive(Clone, Copy)]
+struct Forever;
+
+fn parse_retention_filter(s: &str) -> Result<Forever, String> {
+    match s {
+        "forever" => Ok(Forever),
+        other => Err(format!("{other:?}: only \"forever\" is supported (records of routes with retention = \"forever\")")),
+    }
 }
 
 fn parse_state(s: &str) -> Result<State, String> {
@@ -300,8 +314,8 @@ async fn keys(config: &Config, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
     };
     let secret = secret.as_deref();
     match cmd {
-        KeysCommand::List { state, tenant, operation, limit, json } => {
-            let records = store.list(&ListFilter { state, tenant, operation, limit }).await?;
+        KeysCommand::List { state, tenant, operation, retention, limit, json } => {
+            let records = store.list(&ListFilter { state, tenant, operation, forever: retention.is_some(), limit }).await?;
             if json {
                 let list: Vec<_> = records.iter().map(|r| idemgate::keys::record_json(r, false, secret)).collect();
                 emit(&format!("{}\n", serde_json::to_string_pretty(&list)?))?;

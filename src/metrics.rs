@@ -123,6 +123,79 @@ struct UpstreamLabels {
     upstream: String,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OperationLabels {
+    operation: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WouldLabels {
+    operation: String,
+    would: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RefuseLabels {
+    operation: String,
+    reason: &'static str,
+}
+
+/// What enforcing would have answered instead of the upstream, for a request
+/// observe mode passed through (`idemgate_observe_would_total{would}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Would {
+    /// A completed record with the same fingerprint: a replay (or, if its
+    /// body was not stored, 409 `response-not-stored`).
+    Replay,
+    /// The key was used with a different request: 409 (or 422) `idempotency-key-reused`.
+    Conflict,
+    /// The first request with the key is still in flight: 409 `request-in-progress`
+    /// (with `in_flight = "wait"`: first a wait, then maybe a replay).
+    RejectInFlight,
+    /// The record is `unknown` (or its lease expired): 409 `outcome-unknown`.
+    Unknown,
+}
+
+impl Would {
+    pub const ALL: [Would; 4] = [Would::Replay, Would::Conflict, Would::RejectInFlight, Would::Unknown];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Would::Replay => "replay",
+            Would::Conflict => "conflict",
+            Would::RejectInFlight => "reject_in_flight",
+            Would::Unknown => "unknown",
+        }
+    }
+}
+
+/// Why enforcing would have refused an observed request before any claim
+/// (`idemgate_observe_would_refuse_total{reason}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// 401: no identity source matched.
+    Unauthenticated,
+    /// 400 `missing-idempotency-key` (the key is required and no source is present).
+    MissingKey,
+    /// 400 `invalid-idempotency-key`.
+    InvalidKey,
+    /// 400 `invalid-body` (JSON the fingerprint refuses).
+    InvalidBody,
+}
+
+impl Refusal {
+    pub const ALL: [Refusal; 4] = [Refusal::Unauthenticated, Refusal::MissingKey, Refusal::InvalidKey, Refusal::InvalidBody];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Refusal::Unauthenticated => "unauthenticated",
+            Refusal::MissingKey => "missing_key",
+            Refusal::InvalidKey => "invalid_key",
+            Refusal::InvalidBody => "invalid_body",
+        }
+    }
+}
+
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 fn latency_histogram() -> Histogram {
@@ -152,6 +225,12 @@ pub struct Metrics {
     events_pending: Gauge,
     events_parked: Gauge,
     events_oldest_pending: Gauge<f64, std::sync::atomic::AtomicU64>,
+    observe_would: Family<WouldLabels, Counter>,
+    observe_skipped: Family<OperationLabels, Counter>,
+    observe_refused: Family<RefuseLabels, Counter>,
+    forever: Family<OperationLabels, Gauge>,
+    /// Every `forever` series created so far (to zero emptied ones).
+    forever_series: Mutex<HashSet<OperationLabels>>,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -211,6 +290,26 @@ impl Metrics {
         registry.register("events_parked", "Outbox events parked after max_attempts failed deliveries", events_parked.clone());
         let events_oldest_pending = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
         registry.register("events_oldest_pending_age_seconds", "Age of the oldest pending outbox event", events_oldest_pending.clone());
+        let observe_would = Family::<WouldLabels, Counter>::default();
+        registry.register(
+            "observe_would",
+            "Observe mode: requests passed through whose answer enforcing would have changed, by what it would have done",
+            observe_would.clone(),
+        );
+        let observe_skipped = Family::<OperationLabels, Counter>::default();
+        registry.register(
+            "observe_skipped",
+            "Observe mode: requests passed through unobserved (store over budget or down, body over max_request_body, too many observations)",
+            observe_skipped.clone(),
+        );
+        let observe_refused = Family::<RefuseLabels, Counter>::default();
+        registry.register(
+            "observe_would_refuse",
+            "Observe mode: requests passed through that enforcing would have refused before any claim (401/400)",
+            observe_refused.clone(),
+        );
+        let forever = Family::<OperationLabels, Gauge>::default();
+        registry.register("forever_records", "Records kept forever (retention = \"forever\"), by operation", forever.clone());
         Metrics {
             registry,
             requests,
@@ -230,6 +329,61 @@ impl Metrics {
             events_pending,
             events_parked,
             events_oldest_pending,
+            observe_would,
+            observe_skipped,
+            observe_refused,
+            forever,
+            forever_series: Mutex::default(),
+        }
+    }
+
+    /// Creates the observe-mode series of these operations at zero.
+    pub fn declare_observed<'a>(&self, operations: impl IntoIterator<Item = &'a str>) {
+        for operation in operations {
+            for would in Would::ALL {
+                let _ = self.observe_would.get_or_create(&WouldLabels { operation: operation.to_owned(), would: would.as_str() });
+            }
+            for reason in Refusal::ALL {
+                let _ = self.observe_refused.get_or_create(&RefuseLabels { operation: operation.to_owned(), reason: reason.as_str() });
+            }
+            let _ = self.observe_skipped.get_or_create(&OperationLabels { operation: operation.to_owned() });
+        }
+    }
+
+    /// Creates `idemgate_forever_records` of these operations at zero.
+    pub fn declare_forever<'a>(&self, operations: impl IntoIterator<Item = &'a str>) {
+        let mut seen = self.forever_series.lock().unwrap_or_else(|p| p.into_inner());
+        for operation in operations {
+            let l = OperationLabels { operation: operation.to_owned() };
+            let _ = self.forever.get_or_create(&l);
+            seen.insert(l);
+        }
+    }
+
+    pub fn observe_would(&self, operation: &str, would: Would) {
+        self.observe_would.get_or_create(&WouldLabels { operation: operation.to_owned(), would: would.as_str() }).inc();
+    }
+
+    pub fn observe_skipped(&self, operation: &str) {
+        self.observe_skipped.get_or_create(&OperationLabels { operation: operation.to_owned() }).inc();
+    }
+
+    pub fn observe_refused(&self, operation: &str, reason: Refusal) {
+        self.observe_refused.get_or_create(&RefuseLabels { operation: operation.to_owned(), reason: reason.as_str() }).inc();
+    }
+
+    /// Sets `idemgate_forever_records` from a store count; series seen before
+    /// and missing from `counts` go back to zero.
+    pub fn set_forever_counts(&self, counts: &[crate::store::ForeverCount]) {
+        let mut seen = self.forever_series.lock().unwrap_or_else(|p| p.into_inner());
+        let counted: HashSet<&str> = counts.iter().map(|c| c.operation.as_str()).collect();
+        for l in seen.iter().filter(|l| !counted.contains(l.operation.as_str())) {
+            self.forever.get_or_create(l).set(0);
+        }
+        for c in counts {
+            let l = OperationLabels { operation: c.operation.clone() };
+            self.forever.get_or_create(&l).set(c.count);
+            seen.insert(l);
         }
     }
 
@@ -353,5 +507,29 @@ mod tests {
         assert!(text.contains(r#"idemgate_upstream_duration_seconds_count{upstream="orders"} 1"#), "{text}");
         assert!(text.contains(r#"idemgate_fenced_writes_total{op="complete"} 1"#), "{text}");
         assert!(text.ends_with("# EOF\n"));
+    }
+
+    #[test]
+    fn observe_and_forever_series() {
+        let m = Metrics::new();
+        m.declare_observed(["create_order"]);
+        m.declare_forever(["create_order", "pay"]);
+        m.observe_would("create_order", Would::RejectInFlight);
+        m.observe_skipped("create_order");
+        m.observe_refused("create_order", Refusal::MissingKey);
+        m.set_forever_counts(&[crate::store::ForeverCount { operation: "pay".into(), count: 7 }]);
+        let text = m.encode();
+        for line in [
+            r#"idemgate_observe_would_total{operation="create_order",would="reject_in_flight"} 1"#,
+            r#"idemgate_observe_would_total{operation="create_order",would="replay"} 0"#,
+            r#"idemgate_observe_skipped_total{operation="create_order"} 1"#,
+            r#"idemgate_observe_would_refuse_total{operation="create_order",reason="missing_key"} 1"#,
+            r#"idemgate_forever_records{operation="pay"} 7"#,
+            r#"idemgate_forever_records{operation="create_order"} 0"#,
+        ] {
+            assert!(text.contains(line), "{line} missing from\n{text}");
+        }
+        m.set_forever_counts(&[]);
+        assert!(m.encode().contains(r#"idemgate_forever_records{operation="pay"} 0"#));
     }
 }

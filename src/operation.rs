@@ -10,6 +10,7 @@ use serde_json::json;
 
 use crate::headers::is_hop_by_hop;
 use crate::record::{Record, State};
+use crate::route::Retention;
 
 /// Where clients poll an operation (on the proxy listener).
 pub const OPERATIONS_PATH: &str = "/_idemgate/operations/";
@@ -151,7 +152,8 @@ pub fn is_pending(state: State) -> bool {
 }
 
 /// The status document of an operation, as answered to its 202 and to polls.
-pub fn status_document(record: &Record, poll_interval: Duration, retention: Duration) -> serde_json::Value {
+/// `retention_s` is `null` for a route that keeps its records forever.
+pub fn status_document(record: &Record, poll_interval: Duration, retention: Retention) -> serde_json::Value {
     let id = record.operation_id.as_deref().unwrap_or_default();
     let result = match (&record.state, &record.response) {
         (State::Completed, Some(resp)) => json!({ "status": resp.status, "href": format!("{OPERATIONS_PATH}{id}/result") }),
@@ -166,7 +168,7 @@ pub fn status_document(record: &Record, poll_interval: Duration, retention: Dura
         "updated_at": record.updated_at.to_string(),
         "result": result,
         "poll_interval_s": poll_interval.as_secs().max(1),
-        "retention_s": retention.as_secs(),
+        "retention_s": retention.finite().map(|d| d.as_secs()),
     });
     if record.state == State::FailedRetryable {
         doc["last_status"] = json!(record.last_status);

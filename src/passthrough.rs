@@ -2,7 +2,7 @@
 //! whose key is optional and absent, unmatched paths to the default upstream.
 //! Streamed both ways; nothing is read whole, nothing is recorded.
 
-use http::{Request, Response};
+use http::{Request, Response, request};
 use hyper::body::Incoming;
 
 use crate::body::Body;
@@ -13,8 +13,14 @@ use crate::upstream::{Upstream, UpstreamError, error_chain};
 /// Proxies `req` to `upstream`; upstream failures become 502/504 problems.
 pub async fn pass_through(upstream: &Upstream, req: Request<Incoming>, request_body_timeout: std::time::Duration) -> Response<Body> {
     let (parts, body) = req.into_parts();
+    forward(upstream, parts, Body::stream(body, request_body_timeout)).await
+}
+
+/// Proxies a request whose body is already at hand (read to find its key
+/// or fingerprint) or streamed; the answer is streamed back.
+pub async fn forward(upstream: &Upstream, parts: request::Parts, body: Body) -> Response<Body> {
     let deadline = tokio::time::Instant::now() + upstream.config.timeout;
-    let sent = match upstream.request(parts, Body::stream(body, request_body_timeout), None) {
+    let sent = match upstream.request(parts, body, None) {
         Ok(req) => upstream.send(req, deadline).await,
         Err(e) => Err(e),
     };
@@ -25,13 +31,16 @@ pub async fn pass_through(upstream: &Upstream, req: Request<Incoming>, request_b
             head.headers.remove(headers::IDEMPOTENCY_POLICY);
             Response::from_parts(head, Body::stream(body, upstream.config.timeout))
         }
-        Err(e) => {
-            tracing::warn!(upstream = upstream.name(), error = %error_chain(&e), "pass-through failed");
-            let err = match e {
-                UpstreamError::Timeout { .. } => GatewayError::GatewayTimeout,
-                _ => GatewayError::BadGateway,
-            };
-            problem::response(&err)
-        }
+        Err(e) => failed(upstream, &e),
     }
+}
+
+/// The answer to a pass-through whose upstream failed: 504 on a timeout, else 502.
+pub fn failed(upstream: &Upstream, e: &UpstreamError) -> Response<Body> {
+    tracing::warn!(upstream = upstream.name(), error = %error_chain(e), "pass-through failed");
+    let err = match e {
+        UpstreamError::Timeout { .. } => GatewayError::GatewayTimeout,
+        _ => GatewayError::BadGateway,
+    };
+    problem::response(&err)
 }

@@ -17,7 +17,8 @@ use crate::scope::KeyError;
 pub enum GatewayError {
     #[error("no identity source matched")]
     Unauthenticated,
-    #[error("missing idempotency key header {header}")]
+    /// `header` says where the key was looked for ("the idempotency-key header").
+    #[error("missing idempotency key ({header})")]
     MissingKey { header: String },
     #[error("invalid idempotency key: {0}")]
     InvalidKey(KeyError),
@@ -110,7 +111,7 @@ impl GatewayError {
         use GatewayError as E;
         match self {
             E::Unauthenticated => "No identity source recognised this request; idempotent routes need a known API key or trusted identity headers.".into(),
-            E::MissingKey { header } => format!("This operation requires an idempotency key in the {header} header."),
+            E::MissingKey { header } => format!("This operation requires an idempotency key in {header}."),
             E::InvalidKey(e) => format!("{e}; a key is 1-255 bytes of visible ASCII, optionally as a quoted structured-field string."),
             E::BodyTooLarge { limit } => format!("The request body exceeds the limit of {limit} bytes; the key was not used."),
             E::BodyTimeout(d) => format!("The request body was not received within {}; the key was not used.", humantime::format_duration(*d)),

@@ -34,6 +34,12 @@ use crate::scope::Scope;
 pub struct Timestamp(pub i64);
 
 impl Timestamp {
+    /// The `expires_at` of a record kept forever (`retention = "forever"`):
+    /// later than any clock, so no comparison with `now` ever finds it
+    /// expired. PostgreSQL stores it as `'infinity'` (which reads back as
+    /// this value), SQLite as the largest integer.
+    pub const FOREVER: Timestamp = Timestamp(i64::MAX);
+
     pub fn plus(self, d: Duration) -> Timestamp {
         Timestamp(self.0.saturating_add(i64::try_from(d.as_micros()).unwrap_or(i64::MAX)))
     }
@@ -187,6 +193,9 @@ pub struct Record {
     /// the operation was run again on a deduplicating upstream), so used-up
     /// retries end `unknown`, never `failed_retryable`.
     pub maybe_executed: bool,
+    /// Where the key came from (`header:<name>` or `body:<JSON Pointer>`, the
+    /// route's `key_from`); `None` for records made before it was recorded.
+    pub key_source: Option<String>,
 }
 
 /// What an existing record means for an incoming request with the same scope.
@@ -404,7 +413,21 @@ mod tests {
             sent_at: None,
             last_status: None,
             maybe_executed: false,
+            key_source: None,
         }
+    }
+
+    #[test]
+    fn records_kept_forever_never_expire() {
+        let forever = Record { expires_at: Timestamp::FOREVER, ..record(State::Completed, None, 0) };
+        let far_future = Timestamp(i64::MAX - 1);
+        for now in [NOW, far_future] {
+            assert_eq!(decide(&forever, &fp(1), now), Decision::Replay);
+            assert_eq!(decide(&forever, &fp(2), now), Decision::Mismatch);
+            assert!(!may_take_over(&forever, &fp(1), now, true));
+            assert_eq!(transition(&forever, Event::Sweep, now), Err(Refused::NotAllowed(State::Completed)));
+        }
+        assert_eq!(Timestamp(0).plus(Duration::MAX), Timestamp::FOREVER);
     }
 
     #[test]

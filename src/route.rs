@@ -5,12 +5,15 @@
 //! any request, one of: an idempotent operation (with its path parameters), a
 //! pass-through to some upstream, or no match.
 
+use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
 use http::{HeaderName, Method, StatusCode};
 
 use crate::fingerprint::FingerprintSpec;
+use crate::keysource::KeySources;
+use crate::record::Timestamp;
 
 /// Index into `Config::upstreams`.
 pub type UpstreamId = usize;
@@ -139,7 +142,6 @@ pub enum InFlightPolicy {
     Wait(Duration),
 }
 
-/// Which `Idempotency-Key` value the upstream receives.
 /// How a route answers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RouteMode {
@@ -147,6 +149,47 @@ pub enum RouteMode {
     Sync,
     /// The request is accepted (202 and an operation id) and run by workers.
     Async,
+    /// Every request passes through untouched; idemgate claims and records
+    /// as `Sync` would, within `observe_budget`, and counts what enforcing
+    /// would have changed (see `crate::observe`).
+    Observe,
+}
+
+/// How long a completed record is replayed before the sweeper deletes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retention {
+    For(Duration),
+    /// Never swept (`retention = "forever"`): for operations that must never
+    /// run twice whatever the delay between a request and its retry.
+    Forever,
+}
+
+impl Retention {
+    /// When a record completed at `now` stops being replayed.
+    pub fn expires_at(self, now: Timestamp) -> Timestamp {
+        match self {
+            Retention::For(d) => now.plus(d),
+            Retention::Forever => Timestamp::FOREVER,
+        }
+    }
+
+    /// The duration, unless forever.
+    pub fn finite(self) -> Option<Duration> {
+        match self {
+            Retention::For(d) => Some(d),
+            Retention::Forever => None,
+        }
+    }
+}
+
+/// `24h`, or `forever`.
+impl fmt::Display for Retention {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Retention::For(d) => write!(f, "{}", humantime::format_duration(*d)),
+            Retention::Forever => f.write_str("forever"),
+        }
+    }
 }
 
 /// Retries of an async operation whose attempt was refused or declined.
@@ -168,6 +211,7 @@ impl RetryPolicy {
     }
 }
 
+/// Which `Idempotency-Key` value the upstream receives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ForwardKey {
     /// A key derived from the whole scope: stable across retries and replicas,
@@ -187,10 +231,14 @@ pub struct Route {
     pub method: Method,
     pub path: PathTemplate,
     pub upstream: UpstreamId,
+    /// The header `forward_key = "client"` forwards (the one header source).
     pub key_header: HeaderName,
+    /// Where the key is taken from, first present wins (`key_from`; default:
+    /// `key_header`).
+    pub key_from: KeySources,
     pub key_required: bool,
     /// How long a completed record is replayed.
-    pub retention: Duration,
+    pub retention: Retention,
     pub in_flight: InFlightPolicy,
     /// Upstream statuses that free the key instead of being replayed.
     pub release_on_status: Vec<StatusCode>,
@@ -220,6 +268,9 @@ pub struct Route {
     pub scope: ScopeMode,
     /// How a completed record is replayed.
     pub replay: ReplayMode,
+    /// Observe mode: the longest the store may delay a request (the claim);
+    /// past it the request passes unobserved.
+    pub observe_budget: Duration,
 }
 
 /// What a completed record keeps and how it is answered again.
@@ -341,8 +392,9 @@ mod tests {
             path: PathTemplate::parse(path).unwrap(),
             upstream,
             key_header: HeaderName::from_static("idempotency-key"),
+            key_from: KeySources::header(HeaderName::from_static("idempotency-key")),
             key_required: true,
-            retention: Duration::from_secs(60),
+            retention: Retention::For(Duration::from_secs(60)),
             in_flight: InFlightPolicy::Reject,
             release_on_status: vec![],
             max_stored_response: 1024,
@@ -359,7 +411,18 @@ mod tests {
             authorize: None,
             scope: ScopeMode::Principal,
             replay: ReplayMode::Stored,
+            observe_budget: Duration::from_millis(50),
         }
+    }
+
+    #[test]
+    fn retention_forever_never_expires() {
+        let now = Timestamp(1_000_000);
+        assert_eq!(Retention::For(Duration::from_secs(1)).expires_at(now), Timestamp(2_000_000));
+        assert_eq!(Retention::Forever.expires_at(now), Timestamp::FOREVER);
+        assert_eq!(Retention::Forever.to_string(), "forever");
+        assert_eq!(Retention::For(Duration::from_secs(86400)).to_string(), "1day");
+        assert_eq!(Retention::Forever.finite(), None);
     }
 
     #[test]

@@ -22,6 +22,7 @@ use idemgate::fingerprint::Fingerprint;
 use idemgate::metrics::Metrics;
 use idemgate::outbox::{Delivery, EventPolicies, EventType, EventsConfig, OutboxEvent};
 use idemgate::record::{self, Generation, Record, Refused, State, StoredResponse, Timestamp};
+use idemgate::route::Retention;
 use idemgate::scope::{IdempotencyKey, Scope};
 use idemgate::store::{
     Acceptance, Claim, ClaimOutcome, ClaimRequest, ListFilter, Reaped, Resolution, ResolveOutcome, RetryNote, Store, StoreError, Taken,
@@ -62,6 +63,8 @@ on_both_stores!(
     final_state_changes_write_their_events_and_nothing_else_does,
     a_change_and_its_event_commit_or_fail_together,
     relays_hold_each_event_alone_in_order_per_scope,
+    records_kept_forever_are_never_taken_over_swept_or_expired,
+    key_source_is_kept_by_claims_and_take_overs,
 );
 
 // ---------------------------------------------------------------------------
@@ -121,6 +124,7 @@ fn req(scope: &Scope, hash: u8, lease: Duration, upstream_idempotent: bool) -> C
         upstream_idempotent,
         claim_token: Uuid::new_v4(),
         acceptance: None,
+        key_source: "header:idempotency-key".into(),
     }
 }
 
@@ -280,7 +284,7 @@ async fn scopes_never_see_each_other(backend: Backend) {
         assert_ne!(o.claim_token, c.claim_token);
         claims.push(o);
     }
-    assert_eq!(store.complete(&c, &response(201, b"base"), LONG).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(store.complete(&c, &response(201, b"base"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Written);
     assert_eq!(store.release(&claims[0]).await.unwrap(), WriteOutcome::Written);
 
     assert_eq!(row(&store, &base).await.state, State::Completed);
@@ -329,7 +333,7 @@ async fn complete_round_trips_the_response_exactly(backend: Backend) {
         let s = key(&format!("resp-{i}"));
         let c = claim(&store, &req(&s, 1, LONG, false)).await;
         let claimed = row(&store, &s).await;
-        assert_eq!(store.complete(&c, &resp, LONG).await.unwrap(), WriteOutcome::Written);
+        assert_eq!(store.complete(&c, &resp, Retention::For(LONG)).await.unwrap(), WriteOutcome::Written);
         let done = row(&store, &s).await;
         assert_eq!(done.state, State::Completed);
         assert_eq!(done.response.as_ref(), Some(&resp), "response {i} round-trips exactly");
@@ -354,7 +358,7 @@ async fn writes_under_another_generation_are_fenced(backend: Backend) {
         Claim { generation: Generation(c.generation.0 + 1), ..c.clone() },
     ];
     for other in &others {
-        assert_eq!(store.complete(other, &response(500, b"wrong"), LONG).await.unwrap(), WriteOutcome::Fenced);
+        assert_eq!(store.complete(other, &response(500, b"wrong"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Fenced);
         assert_eq!(store.release(other).await.unwrap(), WriteOutcome::Fenced);
         assert_eq!(store.mark_unknown(other).await.unwrap(), WriteOutcome::Fenced);
         assert_eq!(row(&store, &s).await, before, "nothing written under generation {}", other.generation);
@@ -362,10 +366,10 @@ async fn writes_under_another_generation_are_fenced(backend: Backend) {
 
     // The owner completes; afterwards even the owner cannot overwrite, release
     // or mark the record: it is no longer in flight.
-    assert_eq!(store.complete(&c, &response(201, b"right"), LONG).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(store.complete(&c, &response(201, b"right"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Written);
     let done = row(&store, &s).await;
     assert_eq!(done.response, Some(response(201, b"right")));
-    assert_eq!(store.complete(&c, &response(500, b"second"), LONG).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(store.complete(&c, &response(500, b"second"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Fenced);
     assert_eq!(store.release(&c).await.unwrap(), WriteOutcome::Fenced);
     assert_eq!(store.mark_unknown(&c).await.unwrap(), WriteOutcome::Fenced);
     assert_eq!(row(&store, &s).await, done);
@@ -381,7 +385,7 @@ async fn writes_under_another_generation_are_fenced(backend: Backend) {
     assert_eq!(store.mark_unknown(&uc).await.unwrap(), WriteOutcome::Written);
     let unknown = row(&store, &u).await;
     assert_eq!((unknown.state, unknown.generation, unknown.claim_token), (State::Unknown, uc.generation, uc.claim_token));
-    assert_eq!(store.complete(&uc, &response(201, b"late"), LONG).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(store.complete(&uc, &response(201, b"late"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Fenced);
     assert_eq!(store.release(&uc).await.unwrap(), WriteOutcome::Fenced);
     let still = row(&store, &u).await;
     assert_eq!((still.state, still.response), (State::Unknown, None));
@@ -407,16 +411,16 @@ async fn take_over_fences_the_previous_generation(backend: Backend) {
     assert_eq!((taken.state, taken.generation, taken.claim_token), (State::InFlight, g2.generation, g2.claim_token));
 
     // The first attempt comes back late: every write it tries is fenced off.
-    assert_eq!(store.complete(&g1, &response(201, b"g1"), LONG).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(store.complete(&g1, &response(201, b"g1"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Fenced);
     assert_eq!(store.mark_unknown(&g1).await.unwrap(), WriteOutcome::Fenced);
     assert_eq!(store.release(&g1).await.unwrap(), WriteOutcome::Fenced);
     assert_eq!(row(&store, &s).await, taken);
 
-    assert_eq!(store.complete(&g2, &response(201, b"g2"), LONG).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(store.complete(&g2, &response(201, b"g2"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Written);
     let done = row(&store, &s).await;
     assert_eq!((done.state, done.generation), (State::Completed, g2.generation));
     assert_eq!(done.response, Some(response(201, b"g2")));
-    assert_eq!(store.complete(&g1, &response(201, b"g1"), LONG).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(store.complete(&g1, &response(201, b"g1"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Fenced);
     assert_eq!(row(&store, &s).await, done);
 }
 
@@ -457,9 +461,9 @@ async fn take_over_follows_may_take_over(backend: Backend) {
     let (flight_old, flight_live) = (key("in-flight-expired"), key("in-flight-live"));
     let unknown = key("unknown");
     let c = claim(&store, &req(&done_old, 1, LONG, false)).await;
-    store.complete(&c, &response(201, b"old"), SHORT).await.unwrap();
+    store.complete(&c, &response(201, b"old"), Retention::For(SHORT)).await.unwrap();
     let c = claim(&store, &req(&done_live, 1, LONG, false)).await;
-    store.complete(&c, &response(201, b"live"), LONG).await.unwrap();
+    store.complete(&c, &response(201, b"live"), Retention::For(LONG)).await.unwrap();
     claim(&store, &req(&flight_old, 1, SHORT, false)).await;
     claim(&store, &req(&flight_live, 1, LONG, false)).await;
     let c = claim(&store, &req(&unknown, 1, LONG, false)).await;
@@ -498,7 +502,7 @@ async fn expire_lease_only_turns_expired_in_flight_into_unknown(backend: Backend
     let e = claim(&store, &req(&expired, 1, SHORT, false)).await;
     claim(&store, &req(&moved, 1, SHORT, true)).await;
     let d = claim(&store, &req(&done, 1, SHORT, false)).await;
-    store.complete(&d, &response(201, b"done"), LONG).await.unwrap();
+    store.complete(&d, &response(201, b"done"), Retention::For(LONG)).await.unwrap();
     let l = claim(&store, &req(&late, 1, SHORT, false)).await;
     tokio::time::sleep(PAST_SHORT).await;
 
@@ -527,7 +531,7 @@ async fn expire_lease_only_turns_expired_in_flight_into_unknown(backend: Backend
     assert_eq!(row(&store, &done).await, rec);
 
     // Until someone expires it, the owner of an expired lease may still record its result.
-    assert_eq!(store.complete(&l, &response(201, b"late"), LONG).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(store.complete(&l, &response(201, b"late"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Written);
     let rec = row(&store, &late).await;
     assert_eq!(rec.state, State::Completed);
     assert_eq!(store.expire_lease(&rec).await.unwrap(), WriteOutcome::Fenced);
@@ -537,10 +541,10 @@ async fn sweep_deletes_only_expired_completed_records_in_batches(backend: Backen
     let store = open(&backend).await;
     for i in 0..5 {
         let c = claim(&store, &req(&key(&format!("old-{i}")), 1, LONG, false)).await;
-        store.complete(&c, &response(201, b"old"), SHORT).await.unwrap();
+        store.complete(&c, &response(201, b"old"), Retention::For(SHORT)).await.unwrap();
     }
     let c = claim(&store, &req(&key("live-completed"), 1, LONG, false)).await;
-    store.complete(&c, &response(201, b"live"), LONG).await.unwrap();
+    store.complete(&c, &response(201, b"live"), Retention::For(LONG)).await.unwrap();
     // Expired leases and unknown outcomes have an expires_at in the past too:
     // they must survive the sweeper.
     claim(&store, &req(&key("expired-in-flight"), 1, SHORT, false)).await;
@@ -573,7 +577,7 @@ async fn reap_leases_turns_only_expired_in_flight_into_unknown(backend: Backend)
     }
     claim(&store, &req(&key("live"), 1, LONG, false)).await;
     let c = claim(&store, &req(&key("completed"), 1, SHORT, false)).await;
-    store.complete(&c, &response(201, b"done"), SHORT).await.unwrap();
+    store.complete(&c, &response(201, b"done"), Retention::For(SHORT)).await.unwrap();
     let c = claim(&store, &req(&key("unknown"), 1, SHORT, false)).await;
     store.mark_unknown(&c).await.unwrap();
     tokio::time::sleep(PAST_SHORT).await;
@@ -588,7 +592,7 @@ async fn reap_leases_turns_only_expired_in_flight_into_unknown(backend: Backend)
         let r = row(&store, s).await;
         assert_eq!((r.state, r.generation, r.claim_token), (State::Unknown, c.generation, c.claim_token), "{s:?}");
         // The reaped attempt is fenced off from recording a result now.
-        assert_eq!(store.complete(c, &response(201, b"late"), LONG).await.unwrap(), WriteOutcome::Fenced);
+        assert_eq!(store.complete(c, &response(201, b"late"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Fenced);
     }
     for r in &untouched {
         assert_eq!(row(&store, &r.scope).await, *r, "only expired in-flight records are reaped");
@@ -601,7 +605,7 @@ async fn list_filters_orders_and_limits(backend: Backend) {
     let pause = || tokio::time::sleep(Duration::from_millis(3));
     // Created in this order, so most recently updated first is e, d, c, b, a.
     let a = claim(&store, &req(&scope("t1", "p", "o1", "a"), 1, LONG, false)).await;
-    store.complete(&a, &response(201, b"a"), LONG).await.unwrap();
+    store.complete(&a, &response(201, b"a"), Retention::For(LONG)).await.unwrap();
     pause().await;
     claim(&store, &req(&scope("t1", "p", "o2", "b"), 1, LONG, false)).await;
     pause().await;
@@ -609,13 +613,13 @@ async fn list_filters_orders_and_limits(backend: Backend) {
     store.mark_unknown(&c).await.unwrap();
     pause().await;
     let d = claim(&store, &req(&scope("t2", "p", "o2", "d"), 1, LONG, false)).await;
-    store.complete(&d, &response(201, b"d"), LONG).await.unwrap();
+    store.complete(&d, &response(201, b"d"), Retention::For(LONG)).await.unwrap();
     pause().await;
     claim(&store, &req(&scope("t1", "q", "o1", "e"), 1, LONG, false)).await;
 
     let list = |state: Option<State>, tenant: Option<&str>, operation: Option<&str>, limit: u32| {
         let store = store.clone();
-        let filter = ListFilter { state, tenant: tenant.map(Into::into), operation: operation.map(Into::into), limit };
+        let filter = ListFilter { state, tenant: tenant.map(Into::into), operation: operation.map(Into::into), forever: false, limit };
         async move { keys_of(&store.list(&filter).await.expect("list")) }
     };
     assert_eq!(list(None, None, None, 100).await, ["e", "d", "c", "b", "a"]);
@@ -643,7 +647,7 @@ const RELEASE: Resolution = Resolution::Release { force: false };
 
 async fn resolve_releases_completes_and_refuses_live_claims(backend: Backend) {
     let store = open(&backend).await;
-    let complete = |status| Resolution::Complete { response: response(status, b"by hand"), retention: LONG, force: false };
+    let complete = |status| Resolution::Complete { response: response(status, b"by hand"), retention: Retention::For(LONG), force: false };
     let n = note("checked the upstream's ledger");
 
     // No row: nothing to resolve, and nothing is created.
@@ -660,7 +664,7 @@ async fn resolve_releases_completes_and_refuses_live_claims(backend: Backend) {
     assert_eq!(store.resolve(&live, &complete(200), &n).await.unwrap(), ResolveOutcome::Refused(Refused::LeaseLive));
     assert_eq!(store.resolve(&live, &Resolution::Release { force: true }, &n).await.unwrap(), ResolveOutcome::Refused(Refused::LeaseLive));
     assert_eq!(row(&store, &live).await, before);
-    assert_eq!(store.complete(&lc, &response(201, b"own"), LONG).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(store.complete(&lc, &response(201, b"own"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Written);
 
     // Unknown, completed by hand: the response is recorded under a new
     // generation, which fences off the original attempt.
@@ -674,7 +678,7 @@ async fn resolve_releases_completes_and_refuses_live_claims(backend: Backend) {
     assert_eq!(resolved.response, Some(response(202, b"by hand")));
     assert_eq!(resolved.lease_expires_at, None);
     assert_eq!(resolved.expires_at, resolved.updated_at.plus(LONG));
-    assert_eq!(store.complete(&uc, &response(500, b"late"), LONG).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(store.complete(&uc, &response(500, b"late"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Fenced);
     assert_eq!(row(&store, &unknown).await, resolved);
     // A later request with the same fingerprint replays the operator's response.
     let (seen, now) = existing(&store, &req(&unknown, 1, LONG, false)).await;
@@ -686,7 +690,7 @@ async fn resolve_releases_completes_and_refuses_live_claims(backend: Backend) {
     tokio::time::sleep(PAST_SHORT).await;
     assert_eq!(store.resolve(&expired, &RELEASE, &n).await.unwrap(), ResolveOutcome::Resolved { from: State::InFlight });
     assert_eq!(get(&store, &expired).await, None);
-    assert_eq!(store.complete(&ec, &response(201, b"late"), LONG).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(store.complete(&ec, &response(201, b"late"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Fenced);
     assert_eq!(get(&store, &expired).await, None, "a fenced write never recreates a row");
     let again = claim(&store, &req(&expired, 1, LONG, false)).await;
     assert!(!again.took_over);
@@ -705,17 +709,17 @@ async fn resolve_of_a_completed_record_needs_force_and_is_audited(backend: Backe
     let store = open(&backend).await;
     let done = key("done");
     let c = claim(&store, &req(&done, 1, LONG, false)).await;
-    store.complete(&c, &response(201, b"order 1"), LONG).await.unwrap();
+    store.complete(&c, &response(201, b"order 1"), Retention::For(LONG)).await.unwrap();
     let before = row(&store, &done).await;
     let plain = note("looks wrong");
     assert_eq!(store.resolve(&done, &RELEASE, &plain).await.unwrap(), ResolveOutcome::Refused(Refused::NotAllowed(State::Completed)));
-    let complete = Resolution::Complete { response: response(200, b"other"), retention: LONG, force: false };
+    let complete = Resolution::Complete { response: response(200, b"other"), retention: Retention::For(LONG), force: false };
     assert_eq!(store.resolve(&done, &complete, &plain).await.unwrap(), ResolveOutcome::Refused(Refused::NotAllowed(State::Completed)));
     assert_eq!(row(&store, &done).await, before, "nothing changed");
     assert!(store.audit(10).await.unwrap().is_empty(), "refusals leave no audit row");
 
     let forced = AuditNote { actor: Actor::Admin, reason: "customer refunded by hand".into(), forced: true };
-    let fix = Resolution::Complete { response: response(200, b"corrected"), retention: LONG, force: true };
+    let fix = Resolution::Complete { response: response(200, b"corrected"), retention: Retention::For(LONG), force: true };
     assert_eq!(store.resolve(&done, &fix, &forced).await.unwrap(), ResolveOutcome::Resolved { from: State::Completed });
     let fixed = row(&store, &done).await;
     assert_eq!(fixed.response, Some(response(200, b"corrected")));
@@ -770,14 +774,14 @@ async fn generations_grow_across_lives_of_a_scope(backend: Backend) {
     let c3 = claim(&store, &req(&k, 1, LONG, true)).await;
     seen.push(c3.generation);
     // Completed, swept past retention, claimed again.
-    store.complete(&c3, &response(201, b"x"), SHORT).await.unwrap();
+    store.complete(&c3, &response(201, b"x"), Retention::For(SHORT)).await.unwrap();
     tokio::time::sleep(PAST_SHORT).await;
     assert_eq!(store.sweep(10).await.unwrap(), 1);
     let c4 = claim(&store, &req(&k, 2, LONG, false)).await;
     seen.push(c4.generation);
     // Unknown, completed by an operator.
     store.mark_unknown(&c4).await.unwrap();
-    let done = Resolution::Complete { response: response(201, b"y"), retention: LONG, force: false };
+    let done = Resolution::Complete { response: response(201, b"y"), retention: Retention::For(LONG), force: false };
     store.resolve(&k, &done, &note("confirmed")).await.unwrap();
     seen.push(row(&store, &k).await.generation);
     assert!(seen.windows(2).all(|w| w[0] < w[1]), "strictly increasing: {seen:?}");
@@ -812,7 +816,7 @@ async fn times_come_from_the_store_clock(backend: Backend) {
     tokio::time::sleep(Duration::from_millis(20)).await;
     let t3 = store.now().await.unwrap();
     assert!(t3.0 - t2.0 >= 20_000, "the store clock advanced by {} us over a 20 ms sleep", t3.0 - t2.0);
-    store.complete(&c, &response(201, b"t"), SHORT).await.unwrap();
+    store.complete(&c, &response(201, b"t"), Retention::For(SHORT)).await.unwrap();
     let t4 = store.now().await.unwrap();
     let done = row(&store, &s).await;
     assert!(t3 <= done.updated_at && done.updated_at <= t4, "{t3} <= {} <= {t4}", done.updated_at);
@@ -857,7 +861,7 @@ async fn claim_resent_with_the_same_token_is_recognised_as_ours(backend: Backend
         ClaimOutcome::Existing { record, .. } => panic!("our own take-over reported as another's: {record:?}"),
     }
     // Once our claim is completed, re-sending it claims nothing.
-    store.complete(&g2, &response(201, b"done"), LONG).await.unwrap();
+    store.complete(&g2, &response(201, b"done"), Retention::For(LONG)).await.unwrap();
     let (seen, _) = existing(&store, &taker).await;
     assert_eq!((seen.state, seen.generation), (State::Completed, g2.generation));
     assert_eq!(key_set(&all(&store).await), set(&["resent", "resent-take-over"]));
@@ -868,7 +872,7 @@ async fn abandon_deletes_only_an_in_flight_claim_with_its_token(backend: Backend
     let (mine, done, unknown, taken, absent) = (key("mine"), key("done"), key("unknown"), key("taken"), key("absent"));
     let m = claim(&store, &req(&mine, 1, LONG, false)).await;
     let d = claim(&store, &req(&done, 1, LONG, false)).await;
-    store.complete(&d, &response(201, b"done"), LONG).await.unwrap();
+    store.complete(&d, &response(201, b"done"), Retention::For(LONG)).await.unwrap();
     let u = claim(&store, &req(&unknown, 1, LONG, false)).await;
     store.mark_unknown(&u).await.unwrap();
     let first = claim(&store, &req(&taken, 1, SHORT, true)).await;
@@ -984,16 +988,16 @@ async fn a_worker_whose_lease_was_taken_over_cannot_act(backend: Backend) {
     // A wakes up: nothing it tries applies.
     assert_eq!(store.heartbeat(&a.claim, LONG).await.unwrap(), WriteOutcome::Fenced);
     assert_eq!(store.mark_sent(&a.claim).await.unwrap(), WriteOutcome::Fenced);
-    assert_eq!(store.complete(&a.claim, &response(201, b"late"), LONG).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(store.complete(&a.claim, &response(201, b"late"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Fenced);
     assert_eq!(store.requeue(&a.claim, Duration::ZERO, RetryNote::default()).await.unwrap(), WriteOutcome::Fenced);
-    assert_eq!(store.fail(&a.claim, LONG, RetryNote::default()).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(store.fail(&a.claim, Retention::For(LONG), RetryNote::default()).await.unwrap(), WriteOutcome::Fenced);
     assert_eq!(store.mark_unknown(&a.claim).await.unwrap(), WriteOutcome::Fenced);
     assert_eq!(row(&store, &s).await, held, "B's attempt is untouched");
     // B heartbeats, sends and completes.
     assert_eq!(store.heartbeat(&b.claim, LONG).await.unwrap(), WriteOutcome::Written);
     assert_eq!(store.mark_sent(&b.claim).await.unwrap(), WriteOutcome::Written);
     assert!(row(&store, &s).await.sent_at.is_some());
-    assert_eq!(store.complete(&b.claim, &response(201, b"done"), LONG).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(store.complete(&b.claim, &response(201, b"done"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Written);
     let done = row(&store, &s).await;
     assert_eq!((done.state, done.attempts, done.response), (State::Completed, 2, Some(response(201, b"done"))));
     assert_eq!(done.operation_id.as_deref(), Some("op_paused"), "the id survives every attempt");
@@ -1040,13 +1044,13 @@ async fn lease_expiry_requeues_what_was_never_sent_or_may_run_again(backend: Bac
     assert_eq!(store.reap_leases(10, &[]).await.unwrap(), Reaped::default(), "nothing else expired");
     // One that may have executed never ends failed_retryable: used-up retries end unknown.
     while let Some(t) = take(&store, &routes, "w3").await {
-        let ended = store.fail(&t.claim, LONG, RetryNote::default()).await.unwrap();
+        let ended = store.fail(&t.claim, Retention::For(LONG), RetryNote::default()).await.unwrap();
         assert_eq!(ended, WriteOutcome::Written);
         let expected = if t.record.maybe_executed { State::Unknown } else { State::FailedRetryable };
         assert_eq!(row(&store, &t.record.scope).await.state, expected, "{:?}", t.record.scope);
     }
     let again_sent = row(&store, &again.record.scope).await;
-    store.fail(&again.claim, LONG, RetryNote { last_status: None, maybe_executed: true }).await.unwrap();
+    store.fail(&again.claim, Retention::For(LONG), RetryNote { last_status: None, maybe_executed: true }).await.unwrap();
     assert_eq!(row(&store, &again.record.scope).await.state, State::Unknown, "this attempt's answer was lost: unknown ({again_sent:?})");
 }
 
@@ -1066,20 +1070,20 @@ async fn retries_wait_their_backoff_then_fail_and_are_swept_after_retention(back
     assert_eq!(t2.record.attempts, 2);
     // Used up: failed_retryable, kept for the retention, then swept.
     assert_eq!(
-        store.fail(&t2.claim, SHORT, RetryNote { last_status: Some(429), maybe_executed: false }).await.unwrap(),
+        store.fail(&t2.claim, Retention::For(SHORT), RetryNote { last_status: Some(429), maybe_executed: false }).await.unwrap(),
         WriteOutcome::Written
     );
     let failed = row(&store, &s).await;
     assert_eq!((failed.state, failed.last_status), (State::FailedRetryable, Some(429)));
     let (seen, now) = existing(&store, &accept_req(&s, 1)).await;
     assert_eq!(record::decide(&seen, &fp(1), now), record::Decision::Accepted, "within retention: the same operation");
-    assert_eq!(store.complete(&t2.claim, &response(201, b"late"), LONG).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(store.complete(&t2.claim, &response(201, b"late"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Fenced);
     tokio::time::sleep(PAST_SHORT).await;
     // Past retention a retry starts a new operation (new id), before or after the sweep.
     let fresh = key("retried-again");
     claim(&store, &accept_req(&fresh, 1)).await;
     let f = take(&store, &routes, "w").await.unwrap();
-    store.fail(&f.claim, SHORT, RetryNote::default()).await.unwrap();
+    store.fail(&f.claim, Retention::For(SHORT), RetryNote::default()).await.unwrap();
     tokio::time::sleep(PAST_SHORT).await;
     let mut renewed = accept_req(&fresh, 1);
     renewed.acceptance.as_mut().unwrap().operation_id = "op_renewed".into();
@@ -1097,7 +1101,7 @@ async fn stats_count_records_that_are_not_completed(backend: Backend) {
     let u = claim(&store, &req(&scope("acme", "billing", "refund", "u"), 1, LONG, false)).await;
     store.mark_unknown(&u).await.unwrap();
     let d = claim(&store, &req(&key("done"), 1, LONG, false)).await;
-    store.complete(&d, &response(201, b"x"), LONG).await.unwrap();
+    store.complete(&d, &response(201, b"x"), Retention::For(LONG)).await.unwrap();
     let before = store.now().await.unwrap();
     let mut stats: Vec<(String, State, i64)> = store.stats().await.unwrap().into_iter().map(|c| (c.operation, c.state, c.count)).collect();
     stats.sort_by_key(|(o, s, _)| (o.clone(), s.as_str()));
@@ -1105,6 +1109,77 @@ async fn stats_count_records_that_are_not_completed(backend: Backend) {
     for c in store.stats().await.unwrap() {
         assert!(c.oldest_created_at <= before && c.oldest_updated_at <= before);
     }
+}
+
+async fn records_kept_forever_are_never_taken_over_swept_or_expired(backend: Backend) {
+    let store = open(&backend).await;
+    let kept = key("kept");
+    let c = claim(&store, &req(&kept, 1, SHORT, false)).await;
+    assert_eq!(store.complete(&c, &response(201, b"kept"), Retention::Forever).await.unwrap(), WriteOutcome::Written);
+    let rec = row(&store, &kept).await;
+    assert_eq!((rec.state, rec.expires_at), (State::Completed, Timestamp::FOREVER), "'infinity' reads back as FOREVER");
+    let brief = key("brief");
+    let c = claim(&store, &req(&brief, 1, LONG, false)).await;
+    store.complete(&c, &response(201, b"brief"), Retention::For(SHORT)).await.unwrap();
+    // Another operation's forever record, made by an operator's resolution.
+    let refund = scope("acme", "billing", "refund", "r1");
+    let rc = claim(&store, &req(&refund, 1, LONG, false)).await;
+    store.mark_unknown(&rc).await.unwrap();
+    let by_hand = Resolution::Complete { response: response(200, b"by hand"), retention: Retention::Forever, force: false };
+    assert!(matches!(store.resolve(&refund, &by_hand, &note("found it")).await.unwrap(), ResolveOutcome::Resolved { .. }));
+    assert_eq!(row(&store, &refund).await.expires_at, Timestamp::FOREVER);
+    // An async operation that failed, kept forever too.
+    claim(&store, &accept_req(&key("op"), 1)).await;
+    let t = store.take(&[worker_route("create_order", LONG)], "w").await.unwrap().expect("taken");
+    assert_eq!(store.fail(&t.claim, Retention::Forever, RetryNote::default()).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(row(&store, &key("op")).await.expires_at, Timestamp::FOREVER);
+
+    tokio::time::sleep(PAST_SHORT).await;
+    assert_eq!(store.sweep(100).await.unwrap(), 1, "only the brief record is past retention");
+    assert_eq!(get(&store, &brief).await, None);
+    assert_eq!(store.reap_leases(100, &[]).await.unwrap(), Reaped::default());
+    // Retries are replayed or refused, never taken over, even where the
+    // upstream deduplicates; the read side agrees.
+    for (hash, decision) in [(1, record::Decision::Replay), (2, record::Decision::Mismatch)] {
+        let (found, now) = existing(&store, &req(&kept, hash, LONG, true)).await;
+        assert_eq!(found, rec);
+        assert_eq!(record::decide(&found, &fp(hash), now), decision);
+        assert!(!record::may_take_over(&found, &fp(hash), now, true));
+    }
+    let mut counts: Vec<(String, i64)> = store.forever_counts().await.unwrap().into_iter().map(|c| (c.operation, c.count)).collect();
+    counts.sort();
+    assert_eq!(counts, vec![("create_order".into(), 2), ("refund".into(), 1)]);
+    let listed = store.list(&ListFilter { forever: true, limit: 100, ..ListFilter::default() }).await.unwrap();
+    assert_eq!(key_set(&listed), set(&["kept", "op", "r1"]));
+    let one_op = ListFilter { forever: true, operation: Some("refund".into()), limit: 100, ..ListFilter::default() };
+    assert_eq!(keys_of(&store.list(&one_op).await.unwrap()), ["r1"]);
+}
+
+async fn key_source_is_kept_by_claims_and_take_overs(backend: Backend) {
+    let store = open(&backend).await;
+    let from = |source: &str, s: &Scope, lease| ClaimRequest { key_source: source.into(), ..req(s, 1, lease, false) };
+    // Concurrent claims go through the batched statement on PostgreSQL.
+    let scopes: Vec<Scope> = (0..8).map(|i| key(&format!("k{i}"))).collect();
+    let claims = futures_util::future::join_all(scopes.iter().map(|s| {
+        let r = from(&format!("body:/order/{}", s.key.as_str()), s, SHORT);
+        let store = store.clone();
+        async move { store.claim(&r).await.unwrap() }
+    }))
+    .await;
+    assert!(claims.iter().all(|c| matches!(c, ClaimOutcome::Claimed(_))));
+    for s in &scopes {
+        assert_eq!(row(&store, s).await.key_source.as_deref(), Some(format!("body:/order/{}", s.key.as_str()).as_str()));
+    }
+    // A completed record past retention taken over by a claim from another source.
+    let ClaimOutcome::Claimed(c) = &claims[0] else { unreachable!() };
+    store.complete(c, &response(201, b"x"), Retention::For(SHORT)).await.unwrap();
+    tokio::time::sleep(PAST_SHORT).await;
+    let again = claim(&store, &from("header:x-client-order-id", &scopes[0], LONG)).await;
+    assert!(again.took_over);
+    assert_eq!(row(&store, &scopes[0]).await.key_source.as_deref(), Some("header:x-client-order-id"));
+    // Accepted async operations keep it too.
+    claim(&store, &ClaimRequest { key_source: "body:/id".into(), ..accept_req(&key("op"), 1) }).await;
+    assert_eq!(row(&store, &key("op")).await.key_source.as_deref(), Some("body:/id"));
 }
 
 // ---------------------------------------------------------------------------
@@ -1138,7 +1213,7 @@ async fn final_state_changes_write_their_events_and_nothing_else_does(backend: B
     // Completed by its attempt.
     let done = key("done");
     let c = claim(&store, &req(&done, 1, LONG, false)).await;
-    store.complete(&c, &response(201, b"order"), LONG).await.unwrap();
+    store.complete(&c, &response(201, b"order"), Retention::For(LONG)).await.unwrap();
     // Unknown by its attempt.
     let lost = key("lost");
     let c = claim(&store, &req(&lost, 1, LONG, false)).await;
@@ -1150,7 +1225,7 @@ async fn final_state_changes_write_their_events_and_nothing_else_does(backend: B
     // An operation without [routes.events]: nothing.
     let quiet = scope("acme", "billing", "quiet_op", "q");
     let c = claim(&store, &req(&quiet, 1, LONG, false)).await;
-    store.complete(&c, &response(201, b"x"), LONG).await.unwrap();
+    store.complete(&c, &response(201, b"x"), Retention::For(LONG)).await.unwrap();
     // Resolutions by an operator.
     let n = AuditNote { actor: Actor::Admin, reason: "checked".into(), forced: false };
     store.resolve(&lost, &Resolution::Release { force: false }, &n).await.unwrap();
@@ -1161,11 +1236,11 @@ async fn final_state_changes_write_their_events_and_nothing_else_does(backend: B
     let failed = scope("acme", "billing", "charge", "failed");
     claim(&store, &accept_req(&failed, 1)).await;
     let t = take(&store, &[worker_route("charge", LONG)], "w").await.unwrap();
-    store.fail(&t.claim, LONG, RetryNote { last_status: Some(503), maybe_executed: false }).await.unwrap();
+    store.fail(&t.claim, Retention::For(LONG), RetryNote { last_status: Some(503), maybe_executed: false }).await.unwrap();
     let charged = scope("acme", "billing", "charge", "charged");
     claim(&store, &accept_req(&charged, 1)).await;
     let t = take(&store, &[worker_route("charge", LONG)], "w").await.unwrap();
-    store.complete(&t.claim, &response(200, b"receipt"), LONG).await.unwrap();
+    store.complete(&t.claim, &response(200, b"receipt"), Retention::For(LONG)).await.unwrap();
     tokio::time::sleep(PAST_SHORT).await;
     assert_eq!(store.reap_leases(10, &[]).await.unwrap().unknown, 1);
 
@@ -1212,7 +1287,7 @@ async fn a_change_and_its_event_commit_or_fail_together(backend: Backend) {
         ),
     };
     raw_sql(&backend, fail).await;
-    let out = store.complete(&c, &response(201, b"x"), LONG).await;
+    let out = store.complete(&c, &response(201, b"x"), Retention::For(LONG)).await;
     assert!(out.is_err(), "the change fails with its event: {out:?}");
     assert_eq!(row(&store, &s).await, before, "no state change without its event");
     let u = claim(&store, &req(&key("atomic-u"), 1, LONG, false)).await;
@@ -1221,7 +1296,7 @@ async fn a_change_and_its_event_commit_or_fail_together(backend: Backend) {
     raw_sql(&backend, heal).await;
     assert!(all_events(&store).await.is_empty(), "no event without its change");
     // Healed: both commit together.
-    assert_eq!(store.complete(&c, &response(201, b"x"), LONG).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(store.complete(&c, &response(201, b"x"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Written);
     assert_eq!(row(&store, &s).await.state, State::Completed);
     assert_eq!(all_events(&store).await.len(), 1);
 }
@@ -1251,7 +1326,7 @@ async fn relays_hold_each_event_alone_in_order_per_scope(backend: Backend) {
     let c = claim(&store, &req(&a, 1, LONG, false)).await;
     store.mark_unknown(&c).await.unwrap();
     let c = claim(&store, &req(&b, 1, LONG, false)).await;
-    store.complete(&c, &response(201, b"b"), LONG).await.unwrap();
+    store.complete(&c, &response(201, b"b"), Retention::For(LONG)).await.unwrap();
     let n = AuditNote { actor: Actor::Cli, reason: "r".into(), forced: false };
     store.resolve(&a, &Resolution::Release { force: false }, &n).await.unwrap();
     let ops = ["create_order"];
@@ -1343,7 +1418,7 @@ async fn pg_claim_whose_reply_is_lost_is_read_back_as_claimed() {
     assert_eq!(key_set(&all(&store).await), set(&["warm-up", "ambiguous"]));
     // The broken connection was discarded, not returned to the pool.
     assert!(proxy.wait_connections(1, Duration::from_secs(5)).await, "{} connections", proxy.connections());
-    assert_eq!(store.complete(&c, &response(201, b"ok"), LONG).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(store.complete(&c, &response(201, b"ok"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Written);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1372,14 +1447,14 @@ async fn pg_complete_whose_reply_is_lost_is_read_back_as_written() {
     let (proxy, store) = pg_behind_proxy(1).await;
     // Prepare the complete statement on the one pooled connection.
     let warm = claim(&store, &req(&key("warm-up"), 1, LONG, false)).await;
-    store.complete(&warm, &response(200, b"warm"), LONG).await.unwrap();
+    store.complete(&warm, &response(200, b"warm"), Retention::For(LONG)).await.unwrap();
     let s = key("ambiguous-complete");
     let c = claim(&store, &req(&s, 1, LONG, false)).await;
     let before = store.now().await.unwrap();
 
     assert_eq!(proxy.blackhole_existing_downstream(), 1);
     let started = Instant::now();
-    let written = store.complete(&c, &response(201, b"kept"), LONG).await.expect("the read-back resolves the ambiguity");
+    let written = store.complete(&c, &response(201, b"kept"), Retention::For(LONG)).await.expect("the read-back resolves the ambiguity");
     let took = started.elapsed();
     assert_eq!(written, WriteOutcome::Written);
     assert!(took >= FAULT_TIMEOUT, "{took:?}");
@@ -1388,7 +1463,7 @@ async fn pg_complete_whose_reply_is_lost_is_read_back_as_written() {
     assert_eq!(rec.response, Some(response(201, b"kept")));
     assert!(rec.updated_at < before.plus(FAULT_TIMEOUT / 2), "written by the attempt whose reply was lost");
     // The write happened once: a repeat is fenced, the response is unchanged.
-    assert_eq!(store.complete(&c, &response(500, b"again"), LONG).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(store.complete(&c, &response(500, b"again"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Fenced);
     assert_eq!(row(&store, &s).await, rec);
 }
 
@@ -1459,7 +1534,7 @@ async fn pg_restart_is_survived_by_the_same_store() {
         "the committed claim survived"
     );
     assert_eq!(get(&store, &key("while-down")).await, None);
-    assert_eq!(store.complete(&c1, &response(201, b"after"), LONG).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(store.complete(&c1, &response(201, b"after"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Written);
     assert_eq!(key_set(&all(&store).await), set(&["before-crash", "after-restart"]));
     drop(server);
 }
@@ -1608,15 +1683,24 @@ async fn attempts_from_an_earlier_life_of_a_record_are_fenced(backend: Backend) 
     // token could not exist; one with the new generation but the old token is
     // still refused.
     let forged = Claim { generation: new.generation, ..old.clone() };
-    assert_eq!(store.complete(&forged, &response(201, b"forged"), Duration::from_secs(60)).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(
+        store.complete(&forged, &response(201, b"forged"), Retention::For(Duration::from_secs(60))).await.unwrap(),
+        WriteOutcome::Fenced
+    );
 
-    assert_eq!(store.complete(&old, &response(201, b"stale"), Duration::from_secs(60)).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(
+        store.complete(&old, &response(201, b"stale"), Retention::For(Duration::from_secs(60))).await.unwrap(),
+        WriteOutcome::Fenced
+    );
     assert_eq!(store.release(&old).await.unwrap(), WriteOutcome::Fenced);
     assert_eq!(store.mark_unknown(&old).await.unwrap(), WriteOutcome::Fenced);
     let live = row(&store, &k).await;
     assert_eq!((live.state, live.claim_token), (State::InFlight, new.claim_token), "the new claim is untouched");
 
-    assert_eq!(store.complete(&new, &response(201, b"fresh"), Duration::from_secs(60)).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(
+        store.complete(&new, &response(201, b"fresh"), Retention::For(Duration::from_secs(60))).await.unwrap(),
+        WriteOutcome::Written
+    );
     let done = row(&store, &k).await;
     assert_eq!(done.response.and_then(|r| r.body), Some(Bytes::from_static(b"fresh")));
 }

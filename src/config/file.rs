@@ -271,7 +271,7 @@ pub struct IdentitySourceSection {
 
 /// A string or a list of strings (`audience = "api"` or `audience = ["a", "b"]`).
 #[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "a string or a list of strings")]
 pub enum OneOrMany {
     One(String),
     Many(Vec<String>),
@@ -282,6 +282,13 @@ impl OneOrMany {
         match self {
             OneOrMany::One(s) => vec![s.clone()],
             OneOrMany::Many(v) => v.clone(),
+        }
+    }
+
+    pub fn items(&self) -> Vec<&str> {
+        match self {
+            OneOrMany::One(s) => vec![s.as_str()],
+            OneOrMany::Many(v) => v.iter().map(String::as_str).collect(),
         }
     }
 }
@@ -303,12 +310,16 @@ pub struct RouteSection {
     pub upstream: Option<String>,
     pub mode: Option<String>,
     pub key_header: Option<String>,
+    /// Where the key comes from: `"header:<name>"`, `"body:<JSON Pointer>"`,
+    /// or a list of them (first present wins).
+    pub key_from: Option<OneOrMany>,
     pub key_required: Option<bool>,
     pub retention: Option<String>,
     pub in_flight: Option<String>,
     pub in_flight_wait: Option<String>,
     pub release_on_status: Option<Vec<i64>>,
-    pub max_stored_response: Option<String>,
+    /// A size (`"1MiB"`) or a number of bytes (`0`: status and headers only).
+    pub max_stored_response: Option<SizeValue>,
     pub upstream_idempotent: Option<bool>,
     pub lease: Option<String>,
     pub mismatch_status: Option<i64>,
@@ -328,8 +339,18 @@ pub struct RouteSection {
     pub scope: Option<String>,
     /// `stored` (default) or `refetch`.
     pub replay: Option<String>,
+    /// Observe mode: how long the store may delay a request.
+    pub observe_budget: Option<String>,
     #[serde(default)]
     pub fingerprint: FingerprintSection,
+}
+
+/// A size written as a string (`"64KiB"`) or as a number of bytes.
+#[derive(Debug, Deserialize)]
+#[serde(untagged, expecting = "a size such as \"64KiB\" or a number of bytes")]
+pub enum SizeValue {
+    Text(String),
+    Bytes(i64),
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -1,7 +1,7 @@
 use std::time::Duration;
 
 use super::*;
-use crate::route::{ForwardKey, InFlightPolicy};
+use crate::route::{ForwardKey, InFlightPolicy, Retention, RouteMode};
 
 const KEY_HASH: &str = "0000000000000000000000000000000000000000000000000000000000000000";
 
@@ -51,7 +51,7 @@ fn defaults_are_documented_values() {
     assert_eq!(r.method, http::Method::POST);
     assert_eq!(r.key_header.as_str(), "idempotency-key");
     assert!(r.key_required);
-    assert_eq!(r.retention, Duration::from_secs(24 * 3600));
+    assert_eq!(r.retention, Retention::For(Duration::from_secs(24 * 3600)));
     assert_eq!(r.in_flight, InFlightPolicy::Reject);
     // Lease default: upstream timeout plus a margin.
     assert_eq!(r.lease, Duration::from_secs(7));
@@ -332,7 +332,7 @@ fn retention_under_one_second_is_refused() {
         let e = parse(&minimal(&format!("retention = \"{bad}\""))).unwrap_err();
         assert!(issue(&e, "routes[0].retention").contains("at least 1s"), "{bad}: {e}");
     }
-    assert_eq!(parse(&minimal("retention = \"1s\"")).unwrap().routes[0].retention, Duration::from_secs(1));
+    assert_eq!(parse(&minimal("retention = \"1s\"")).unwrap().routes[0].retention, Retention::For(Duration::from_secs(1)));
 }
 
 #[test]
@@ -456,4 +456,68 @@ fn an_entry_that_does_not_deserialize_still_takes_part_in_cross_checks() {
     let text = format!("[server]\nlisten = \"127.0.0.1:7000\"\nworkers = \"two\"\n[admin]\nlisten = \"127.0.0.1:7000\"\n{}", minimal(""));
     let e = parse(&text).unwrap_err();
     assert!(e.mentions("server.workers") && e.mentions("admin.listen"), "{e}");
+}
+
+#[test]
+fn key_from_takes_one_source_or_a_list() {
+    let labels = |c: &Config| c.routes[0].key_from.sources().iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    // Default: key_header.
+    assert_eq!(labels(&parse(&minimal("")).unwrap()), ["header:idempotency-key"]);
+    assert_eq!(labels(&parse(&minimal("key_header = \"x-key\"")).unwrap()), ["header:x-key"]);
+    let one = parse(&minimal("key_from = \"body:/client_order_id\"")).unwrap();
+    assert_eq!(labels(&one), ["body:/client_order_id"]);
+    let list = parse(&minimal("key_from = [\"header:X-Client-Order-Id\", \"body:/order/id\", \"header:idempotency-key\"]")).unwrap();
+    assert_eq!(labels(&list), ["header:x-client-order-id", "body:/order/id", "header:idempotency-key"]);
+    // One header source is the header forward_key = "client" forwards.
+    let client = parse(&minimal("key_from = \"header:x-request-id\"\nforward_key = \"client\"")).unwrap();
+    assert_eq!(client.routes[0].key_header.as_str(), "x-request-id");
+}
+
+#[test]
+fn bad_key_sources_are_reported_with_their_path() {
+    let e = parse(&minimal("key_from = \"/client_order_id\"")).unwrap_err();
+    assert!(issue(&e, "routes[0].key_from").contains("\"header:<name>\" or \"body:<JSON Pointer>\""), "{e}");
+    let e = parse(&minimal("key_from = [\"header:ok\", \"body:no-slash\", \"header:bad name\", \"header:ok\"]")).unwrap_err();
+    assert!(issue(&e, "routes[0].key_from[1]").contains("JSON Pointer"), "{e}");
+    assert!(issue(&e, "routes[0].key_from[2]").contains("invalid header name"), "{e}");
+    assert!(issue(&e, "routes[0].key_from[3]").contains("listed twice"), "{e}");
+    let e = parse(&minimal("key_from = []")).unwrap_err();
+    assert!(issue(&e, "routes[0].key_from").contains("at least one source"), "{e}");
+    let e = parse(&minimal("key_from = 7")).unwrap_err();
+    assert!(issue(&e, "routes[0].key_from").contains("a string or a list of strings"), "{e}");
+    let e = parse(&minimal("key_from = \"body:/id\"\nkey_header = \"x-key\"")).unwrap_err();
+    assert!(issue(&e, "routes[0].key_header").contains("not both"), "{e}");
+    let e = parse(&minimal("key_from = \"body:/id\"\nforward_key = \"client\"")).unwrap_err();
+    assert!(issue(&e, "routes[0].forward_key").contains("single header source"), "{e}");
+}
+
+#[test]
+fn forever_retention_and_a_zero_response_limit() {
+    let c = parse(&minimal("retention = \"forever\"\nmax_stored_response = \"0\"")).unwrap();
+    assert_eq!(c.routes[0].retention, Retention::Forever);
+    assert_eq!(c.routes[0].max_stored_response, 0);
+    // A number of bytes is accepted too.
+    assert_eq!(parse(&minimal("max_stored_response = 0")).unwrap().routes[0].max_stored_response, 0);
+    assert_eq!(parse(&minimal("max_stored_response = 4096")).unwrap().routes[0].max_stored_response, 4096);
+    let e = parse(&minimal("max_stored_response = -1")).unwrap_err();
+    assert!(issue(&e, "routes[0].max_stored_response").contains("negative"), "{e}");
+    let e = parse(&minimal("retention = \"always\"")).unwrap_err();
+    assert!(issue(&e, "routes[0].retention").contains("invalid duration"), "{e}");
+}
+
+#[test]
+fn observe_mode_and_its_budget() {
+    let c = parse(&minimal("mode = \"observe\"")).unwrap();
+    assert_eq!(c.routes[0].mode, RouteMode::Observe);
+    assert_eq!(c.routes[0].observe_budget, Duration::from_millis(50));
+    let c = parse(&minimal("mode = \"observe\"\nobserve_budget = \"20ms\"")).unwrap();
+    assert_eq!(c.routes[0].observe_budget, Duration::from_millis(20));
+    let e = parse(&minimal("observe_budget = \"20ms\"")).unwrap_err();
+    assert!(issue(&e, "routes[0].observe_budget").contains("mode = \"observe\""), "{e}");
+    let e = parse(&minimal("mode = \"observe\"\nobserve_budget = \"0s\"")).unwrap_err();
+    assert!(issue(&e, "routes[0].observe_budget").contains("at least"), "{e}");
+    let e = parse(&minimal("mode = \"observe\"\nallow_async = true")).unwrap_err();
+    assert!(issue(&e, "routes[0].allow_async").contains("observe"), "{e}");
+    let e = parse(&minimal("mode = \"watch\"")).unwrap_err();
+    assert!(issue(&e, "routes[0].mode").contains("\"observe\""), "{e}");
 }

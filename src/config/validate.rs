@@ -9,13 +9,17 @@ use http::{HeaderName, Method, StatusCode};
 use ipnet::IpNet;
 
 use super::error::{ConfigError, Issues};
-use super::file::{AuthorizeSection, EventsSection, FileConfig, IdentitySourceSection, Part, RouteSection, StoreSection, UpstreamSection};
+use super::file::{
+    AuthorizeSection, EventsSection, FileConfig, IdentitySourceSection, OneOrMany, Part, RouteSection, SizeValue, StoreSection,
+    UpstreamSection,
+};
 use super::{AdminConfig, Config, DEFAULT_SQLITE_PATH, Secret, ServerConfig, StoreBackend, StoreConfig, UpstreamConfig, WorkersConfig};
 use crate::authorize::AuthorizeConfig;
 use crate::fingerprint::{FingerprintSpec, JsonPointer};
 use crate::identity::{Identity, IdentitySource};
+use crate::keysource::{KeySource, KeySources};
 use crate::outbox::{EventType, EventsConfig};
-use crate::route::{ForwardKey, InFlightPolicy, PathTemplate, ReplayMode, RetryPolicy, Route, RouteMode, ScopeMode};
+use crate::route::{ForwardKey, InFlightPolicy, PathTemplate, ReplayMode, Retention, RetryPolicy, Route, RouteMode, ScopeMode};
 
 /// Longest accepted duration: beyond it, database interval arithmetic and
 /// timestamps overflow (PostgreSQL refuses the claim; SQLite would not).
@@ -801,11 +805,20 @@ impl Validator<'_> {
         let mode = match r.mode.as_deref() {
             None | Some("sync") => Some(RouteMode::Sync),
             Some("async") => Some(RouteMode::Async),
+            Some("observe") => Some(RouteMode::Observe),
             Some(other) => {
-                self.issues.push(format!("{p}.mode"), format!("unknown mode {other:?}: use \"sync\" or \"async\""));
+                self.issues.push(format!("{p}.mode"), format!("unknown mode {other:?}: use \"sync\", \"async\" or \"observe\""));
                 None
             }
         };
+        if mode == Some(RouteMode::Observe) && r.allow_async == Some(true) {
+            self.issues.push(format!("{p}.allow_async"), "not with mode = \"observe\": observed requests always pass through");
+        }
+        let observe_budget = self.duration(&format!("{p}.observe_budget"), r.observe_budget.as_deref(), "50ms");
+        let observe_budget = self.at_least(&format!("{p}.observe_budget"), observe_budget, Duration::from_millis(1));
+        if mode != Some(RouteMode::Observe) && r.observe_budget.is_some() {
+            self.issues.push(format!("{p}.observe_budget"), "applies to mode = \"observe\" only");
+        }
         let is_async = mode == Some(RouteMode::Async) || r.allow_async == Some(true);
         if mode == Some(RouteMode::Async) && r.allow_async.is_some() {
             self.issues.push(format!("{p}.allow_async"), "only for sync routes (mode = \"async\" is always async)");
@@ -826,8 +839,29 @@ impl Validator<'_> {
                 .push(format!("{p}.mode"), "poll_interval and retry apply to async routes: set mode = \"async\" or allow_async = true");
         }
         let key_header = self.header_name(&format!("{p}.key_header"), r.key_header.as_deref(), "idempotency-key");
-        let retention = self.duration(&format!("{p}.retention"), r.retention.as_deref(), "24h");
-        let retention = self.at_least(&format!("{p}.retention"), retention, Duration::from_secs(1));
+        let key_from = match (&r.key_from, &key_header) {
+            (None, Some(header)) => Some(KeySources::header(header.clone())),
+            (None, None) => None,
+            (Some(list), _) => self.key_from(&p, list, r.key_header.is_some()),
+        };
+        // The header `forward_key = "client"` forwards: the route's one header source.
+        let key_header = match &key_from {
+            Some(sources) if r.key_from.is_some() => sources.single_header().cloned().or(key_header),
+            _ => key_header,
+        };
+        if r.forward_key.as_deref() == Some("client") && key_from.as_ref().is_some_and(|k| k.single_header().is_none()) {
+            self.issues.push(
+                format!("{p}.forward_key"),
+                "\"client\" forwards the client's key header as it is: it needs key_from to be a single header source",
+            );
+        }
+        let retention = match r.retention.as_deref() {
+            Some("forever") => Some(Retention::Forever),
+            other => {
+                let retention = self.duration(&format!("{p}.retention"), other, "24h");
+                self.at_least(&format!("{p}.retention"), retention, Duration::from_secs(1)).map(Retention::For)
+            }
+        };
         let wait = self.duration(&format!("{p}.in_flight_wait"), r.in_flight_wait.as_deref(), "5s");
         let in_flight = match r.in_flight.as_deref().unwrap_or("reject") {
             "reject" => Some(InFlightPolicy::Reject),
@@ -844,7 +878,17 @@ impl Validator<'_> {
                 _ => self.issues.push(format!("{p}.release_on_status[{k}]"), format!("{code} is not a final HTTP status (200-999)")),
             }
         }
-        let max_stored_response = self.size(&format!("{p}.max_stored_response"), r.max_stored_response.as_deref(), "1MiB");
+        let max_stored_response = match &r.max_stored_response {
+            Some(SizeValue::Bytes(n)) => match u64::try_from(*n) {
+                Ok(n) => Some(n),
+                Err(_) => {
+                    self.issues.push(format!("{p}.max_stored_response"), format!("must not be negative, not {n}"));
+                    None
+                }
+            },
+            Some(SizeValue::Text(text)) => self.size(&format!("{p}.max_stored_response"), Some(text), "1MiB"),
+            None => self.size(&format!("{p}.max_stored_response"), None, "1MiB"),
+        };
         let upstream_timeout = upstream.and_then(|u| upstreams.get(u)).and_then(|u| u.config.as_ref()).map(|c| c.timeout);
         let lease = match (r.lease.as_deref(), upstream_timeout) {
             (Some(l), timeout) => {
@@ -897,6 +941,7 @@ impl Validator<'_> {
             path: path?,
             upstream: upstream?,
             key_header: key_header?,
+            key_from: key_from?,
             key_required: r.key_required.unwrap_or(true),
             retention: retention?,
             in_flight: in_flight?,
@@ -935,7 +980,44 @@ impl Validator<'_> {
                     return None;
                 }
             },
+            observe_budget: observe_budget?,
         })
+    }
+
+    /// `key_from`: one source or a list, each `"header:<name>"` or `"body:<JSON Pointer>"`.
+    fn key_from(&mut self, p: &str, list: &OneOrMany, key_header_set: bool) -> Option<KeySources> {
+        let path = format!("{p}.key_from");
+        if key_header_set {
+            self.issues.push(
+                format!("{p}.key_header"),
+                "set key_from or key_header, not both (key_from = \"header:<name>\" names the key header)",
+            );
+        }
+        let items = list.items();
+        if items.is_empty() {
+            self.issues.push(&path, "list at least one source: \"header:<name>\" or \"body:<JSON Pointer>\"");
+            return None;
+        }
+        let mut sources = Vec::new();
+        let mut ok = true;
+        for (k, item) in items.iter().enumerate() {
+            let at = match list {
+                OneOrMany::One(_) => path.clone(),
+                OneOrMany::Many(_) => format!("{path}[{k}]"),
+            };
+            match KeySource::parse(item) {
+                Ok(source) if sources.contains(&source) => {
+                    ok = false;
+                    self.issues.push(at, format!("{item:?} is listed twice"));
+                }
+                Ok(source) => sources.push(source),
+                Err(e) => {
+                    ok = false;
+                    self.issues.push(at, e.to_string());
+                }
+            }
+        }
+        if ok { KeySources::new(sources) } else { None }
     }
 
     fn fingerprint(&mut self, p: &str, f: &super::file::FingerprintSection) -> Option<FingerprintSpec> {

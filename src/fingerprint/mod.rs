@@ -277,6 +277,35 @@ pub fn canonical_json(body: &[u8], spec: &FingerprintSpec) -> Result<Vec<u8>, Fi
     Ok(out)
 }
 
+/// What a JSON body holds at a pointer (for keys taken from the body, a route's
+/// `key_from = "body:<pointer>"`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JsonScalar {
+    /// A string, unescaped.
+    String(String),
+    /// An integer literal (no fraction, no exponent) of any size, as its exact
+    /// decimal digits with an optional `-` (`-0` is `0`), as the fingerprint
+    /// compares them: never rounded through a double.
+    Integer(String),
+    /// `null`, a boolean, a number with a fraction or an exponent, an array or
+    /// an object.
+    Other,
+}
+
+/// The value at `pointer` in a JSON body, if the member or element exists.
+/// The body is parsed as [`fingerprint`] parses it (duplicate member names,
+/// nesting deeper than [`MAX_DEPTH`] and invalid JSON are errors).
+pub fn json_value_at(body: &[u8], pointer: &JsonPointer) -> Result<Option<JsonScalar>, FingerprintError> {
+    let mut root = tree::parse(body)?;
+    Ok(tree::navigate(&mut root, pointer.tokens()).map(|node| match node {
+        tree::Node::Str(s) => JsonScalar::String(s.to_string()),
+        tree::Node::U64(n) => JsonScalar::Integer(n.to_string()),
+        tree::Node::I64(n) => JsonScalar::Integer(n.to_string()),
+        tree::Node::BigInt(digits) => JsonScalar::Integer(digits.to_string()),
+        _ => JsonScalar::Other,
+    }))
+}
+
 /// A body ready to hash.
 enum Body<'a> {
     Raw(&'a [u8]),

@@ -382,7 +382,7 @@ fn child<'n, 'a>(node: &'n mut Node<'a>, token: &str) -> Option<&'n mut Node<'a>
 }
 
 /// The node at `tokens`, if every step exists. Tombstones are not descended into.
-fn navigate<'n, 'a>(root: &'n mut Node<'a>, tokens: &[String]) -> Option<&'n mut Node<'a>> {
+pub(crate) fn navigate<'n, 'a>(root: &'n mut Node<'a>, tokens: &[String]) -> Option<&'n mut Node<'a>> {
     let mut current = root;
     for token in tokens {
         current = child(current, token)?;

@@ -20,6 +20,7 @@ use crate::audit::{AuditEntry, AuditNote};
 use crate::fingerprint::Fingerprint;
 use crate::outbox::{Delivery, EventPolicies, OutboxEvent};
 use crate::record::{Attempt, Generation, Record, Refused, State, StoredResponse, Timestamp};
+use crate::route::Retention;
 use crate::scope::Scope;
 
 /// Everything a claim needs.
@@ -39,6 +40,9 @@ pub struct ClaimRequest {
     /// Async: accept the operation (state `queued`, the request stored for
     /// the workers) instead of claiming it for this request to forward.
     pub acceptance: Option<Acceptance>,
+    /// Which of the route's key sources gave the key (`header:<name>` or
+    /// `body:<JSON Pointer>`), kept in the record.
+    pub key_source: Arc<str>,
 }
 
 /// What an async acceptance stores besides the claim.
@@ -163,7 +167,7 @@ pub enum Resolution {
     /// Delete the record; the client may retry the key.
     Release { force: bool },
     /// Record this response; it is replayed for `retention`.
-    Complete { response: StoredResponse, retention: Duration, force: bool },
+    Complete { response: StoredResponse, retention: Retention, force: bool },
 }
 
 impl Resolution {
@@ -192,7 +196,16 @@ pub struct ListFilter {
     pub state: Option<State>,
     pub tenant: Option<String>,
     pub operation: Option<String>,
+    /// Only records kept forever (`keys list --retention forever`).
+    pub forever: bool,
     pub limit: u32,
+}
+
+/// How many records of an operation are kept forever (`retention = "forever"`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ForeverCount {
+    pub operation: String,
+    pub count: i64,
 }
 
 /// One protocol step per method. Every write is atomic and committed (or
@@ -232,7 +245,7 @@ pub trait RecordStore: Send + Sync + std::fmt::Debug {
         scope: &Scope,
         attempt: Attempt,
         response: &StoredResponse,
-        retention: Duration,
+        retention: Retention,
         events: &EventPolicies,
     ) -> Result<bool, StoreError>;
 
@@ -303,7 +316,7 @@ pub trait RecordStore: Send + Sync + std::fmt::Debug {
         &self,
         scope: &Scope,
         attempt: Attempt,
-        retention: Duration,
+        retention: Retention,
         retry: RetryNote,
         events: &EventPolicies,
     ) -> Result<bool, StoreError>;
@@ -338,4 +351,8 @@ pub trait RecordStore: Send + Sync + std::fmt::Debug {
 
     /// Records that are not `completed`, counted by operation and state.
     async fn stats(&self) -> Result<Vec<StateCount>, StoreError>;
+
+    /// Records kept forever, counted by operation (a partial index holds
+    /// exactly these rows).
+    async fn forever_counts(&self) -> Result<Vec<ForeverCount>, StoreError>;
 }

@@ -1,7 +1,9 @@
 //! Versioned schema migrations, embedded in the binary. Each backend records
 //! applied versions in `idemgate_schema_migrations` and applies the rest in
 //! order, each exactly once (PostgreSQL serialises concurrent migrators with
-//! an advisory lock; SQLite with its write lock).
+//! an advisory lock; SQLite with its write lock). Versions need not be
+//! consecutive (a store that applied 6 before 4 existed applies 4 later);
+//! the lists must stay sorted by version, which a test checks.
 
 /// One migration file.
 #[derive(Debug, Clone, Copy)]
@@ -19,6 +21,8 @@ pub const POSTGRES: &[Migration] = &[
         sql: include_str!("../../migrations/postgres/0002_generations_settings_audit.sql"),
     },
     Migration { version: 3, name: "0003_async_operations", sql: include_str!("../../migrations/postgres/0003_async_operations.sql") },
+    // 0004 and 0005 are reserved for changes made on other branches.
+    Migration { version: 6, name: "0006_key_source_forever", sql: include_str!("../../migrations/postgres/0006_key_source_forever.sql") },
     Migration { version: 7, name: "0007_outbox", sql: include_str!("../../migrations/postgres/0007_outbox.sql") },
 ];
 
@@ -30,6 +34,7 @@ pub const SQLITE: &[Migration] = &[
         sql: include_str!("../../migrations/sqlite/0002_generations_settings_audit.sql"),
     },
     Migration { version: 3, name: "0003_async_operations", sql: include_str!("../../migrations/sqlite/0003_async_operations.sql") },
+    Migration { version: 6, name: "0006_key_source_forever", sql: include_str!("../../migrations/sqlite/0006_key_source_forever.sql") },
     Migration { version: 7, name: "0007_outbox", sql: include_str!("../../migrations/sqlite/0007_outbox.sql") },
 ];
 
@@ -46,3 +51,20 @@ pub fn fresh_secret() -> Vec<u8> {
 
 /// Key for `pg_advisory_xact_lock` while migrating ("idemgate" in ASCII).
 pub const PG_LOCK_KEY: i64 = 0x6964_656d_6761_7465;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lists_are_sorted_unique_and_alike() {
+        for list in [POSTGRES, SQLITE] {
+            assert!(list.windows(2).all(|w| w[0].version < w[1].version), "versions must increase");
+            for m in list {
+                assert!(m.name.starts_with(&format!("{:04}_", m.version)), "{} is not version {}", m.name, m.version);
+            }
+        }
+        let names = |l: &[Migration]| l.iter().map(|m| m.name).collect::<Vec<_>>();
+        assert_eq!(names(POSTGRES), names(SQLITE), "both stores have the same migrations");
+    }
+}

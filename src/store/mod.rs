@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 use uuid::Uuid;
 
 pub use contract::{
-    Acceptance, Claim, ClaimOutcome, ClaimRequest, EventStats, ListFilter, RawClaim, Reaped, RecordStore, Resolution, ResolveOutcome,
-    RetryNote, StateCount, Taken, WorkerRoute, WriteOutcome,
+    Acceptance, Claim, ClaimOutcome, ClaimRequest, EventStats, ForeverCount, ListFilter, RawClaim, Reaped, RecordStore, Resolution,
+    ResolveOutcome, RetryNote, StateCount, Taken, WorkerRoute, WriteOutcome,
 };
 pub use error::StoreError;
 
@@ -35,6 +35,7 @@ use crate::config::{StoreBackend, StoreConfig};
 use crate::metrics::Metrics;
 use crate::outbox::{Delivery, EventPolicies, OutboxEvent};
 use crate::record::{Attempt, Record, State, StoredResponse, Timestamp};
+use crate::route::Retention;
 use crate::scope::Scope;
 
 /// What a fenced write leaves behind, for reading it back after an
@@ -222,7 +223,7 @@ impl Store {
     }
 
     /// Records the upstream's response under the claim's generation.
-    pub async fn complete(&self, claim: &Claim, response: &StoredResponse, retention: Duration) -> Result<WriteOutcome, StoreError> {
+    pub async fn complete(&self, claim: &Claim, response: &StoredResponse, retention: Retention) -> Result<WriteOutcome, StoreError> {
         self.fenced_write("complete", claim, Goal::State(State::Completed), || {
             self.backend.complete(&claim.scope, claim.attempt(), response, retention, &self.events)
         })
@@ -266,7 +267,7 @@ impl Store {
 
     /// Async: retries used up (`failed_retryable`, or `unknown` if an
     /// attempt may have executed).
-    pub async fn fail(&self, claim: &Claim, retention: Duration, retry: RetryNote) -> Result<WriteOutcome, StoreError> {
+    pub async fn fail(&self, claim: &Claim, retention: Retention, retry: RetryNote) -> Result<WriteOutcome, StoreError> {
         self.fenced_write("fail", claim, Goal::Ended, || self.backend.fail(&claim.scope, claim.attempt(), retention, retry, &self.events))
             .await
     }
@@ -287,6 +288,11 @@ impl Store {
     /// Records not yet `completed`, by operation and state.
     pub async fn stats(&self) -> Result<Vec<StateCount>, StoreError> {
         self.bounded("stats", false, self.backend.stats()).await
+    }
+
+    /// Records kept forever, by operation.
+    pub async fn forever_counts(&self) -> Result<Vec<ForeverCount>, StoreError> {
+        self.bounded("forever_counts", false, self.backend.forever_counts()).await
     }
 
     /// A reader found an in-flight record whose lease expired: it becomes

@@ -21,19 +21,20 @@ use uuid::Uuid;
 use super::codec::{decode_headers, encode_headers};
 use super::migrations::{DERIVED_KEY_SECRET, SQLITE, fresh_secret};
 use super::{
-    Access, Claim, ClaimRequest, EventStats, ListFilter, RawClaim, Reaped, RecordStore, Resolution, ResolveOutcome, RetryNote, StateCount,
-    StoreError, Taken, WorkerRoute,
+    Access, Claim, ClaimRequest, EventStats, ForeverCount, ListFilter, RawClaim, Reaped, RecordStore, Resolution, ResolveOutcome,
+    RetryNote, StateCount, StoreError, Taken, WorkerRoute,
 };
 use crate::audit::{self, AuditEntry, AuditNote};
 use crate::fingerprint::Fingerprint;
 use crate::outbox::{Delivery, EventPolicies, EventType, OutboxEvent};
 use crate::record::{Attempt, Event, Generation, Next, Record, Refused, State, StoredResponse, Timestamp, may_take_over, transition};
+use crate::route::Retention;
 use crate::scope::{IdempotencyKey, Scope};
 use async_trait::async_trait;
 
 const COLUMNS: &str = "tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner, \
      lease_expires_at, response_status, response_headers, response_body, created_at, updated_at, expires_at, \
-     operation_id, attempts, next_attempt_at, sent_at, last_status, maybe_executed";
+     operation_id, attempts, next_attempt_at, sent_at, last_status, maybe_executed, key_source";
 const KIND: &str = "sqlite";
 
 const PK: &str = "tenant = ?1 AND principal = ?2 AND operation = ?3 AND idempotency_key = ?4";
@@ -263,8 +264,8 @@ impl RecordStore for SqliteStore {
             };
             let generation = next_generation(tx)?;
             let sql = "INSERT INTO idemgate_records (tenant, principal, operation, idempotency_key, request_hash, state, generation, \
-                       claim_token, owner, lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at) \
-                       VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11, ?12, ?13, ?14, ?15)";
+                       claim_token, owner, lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, \
+                       key_source) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11, ?12, ?13, ?14, ?15, ?16)";
             let [t, p, o, k] = pk(&req.scope);
             tx.prepare_cached(sql)
                 .and_then(|mut st| {
@@ -283,7 +284,8 @@ impl RecordStore for SqliteStore {
                         lease.0,
                         operation_id,
                         request,
-                        due
+                        due,
+                        &*req.key_source
                     ])
                 })
                 .map_err(err)?;
@@ -302,7 +304,7 @@ impl RecordStore for SqliteStore {
         scope: &Scope,
         attempt: Attempt,
         response: &StoredResponse,
-        retention: Duration,
+        retention: Retention,
         events: &EventPolicies,
     ) -> Result<bool, StoreError> {
         let s = scope.clone();
@@ -378,11 +380,12 @@ impl RecordStore for SqliteStore {
             let sql = format!(
                 "SELECT {COLUMNS} FROM idemgate_records \
                  WHERE (?1 IS NULL OR state = ?1) AND (?2 IS NULL OR tenant = ?2) AND (?3 IS NULL OR operation = ?3) \
+                 AND (NOT ?5 OR expires_at = 9223372036854775807) \
                  ORDER BY updated_at DESC, tenant, principal, operation, idempotency_key LIMIT ?4"
             );
             let mut st = conn.prepare_cached(&sql).map_err(err)?;
             let mut rows = st
-                .query(params![filter.state.map(State::as_str), filter.tenant, filter.operation, i64::from(filter.limit)])
+                .query(params![filter.state.map(State::as_str), filter.tenant, filter.operation, i64::from(filter.limit), filter.forever])
                 .map_err(err)?;
             let mut out = Vec::new();
             while let Some(row) = rows.next().map_err(err)? {
@@ -572,7 +575,7 @@ impl RecordStore for SqliteStore {
                 while let Some(row) = rows.next().map_err(err)? {
                     let record = decode(row)?;
                     if routes.iter().any(|r| *r.operation == *record.scope.operation) {
-                        let request: Vec<u8> = row.get(22).map_err(err)?;
+                        let request: Vec<u8> = row.get(23).map_err(err)?;
                         found = Some((record, request));
                         break;
                     }
@@ -630,7 +633,7 @@ impl RecordStore for SqliteStore {
         &self,
         scope: &Scope,
         attempt: Attempt,
-        retention: Duration,
+        retention: Retention,
         retry: RetryNote,
         events: &EventPolicies,
     ) -> Result<bool, StoreError> {
@@ -649,7 +652,7 @@ impl RecordStore for SqliteStore {
                 state.as_str(),
                 i32::from(record.maybe_executed)
             );
-            update_state(tx, &s, &assignments, now.plus(retention), retry_note.last_status)?;
+            update_state(tx, &s, &assignments, retention.expires_at(now), retry_note.last_status)?;
             touch(tx, &s, now)?;
             if let Some(kind) = EventType::of(Some(state)).filter(|e| events.emits(&scope.operation, *e)) {
                 let ev = NewEvent { kind, record: &record, status: retry_note.last_status, actor: None, body: None };
@@ -829,6 +832,25 @@ impl RecordStore for SqliteStore {
         })
         .await
     }
+
+    async fn forever_counts(&self) -> Result<Vec<ForeverCount>, StoreError> {
+        self.write(move |conn, _| {
+            // The literal matches the partial index's predicate.
+            let mut st = conn
+                .prepare_cached(
+                    "SELECT operation, count(*) FROM idemgate_records WHERE expires_at = 9223372036854775807 GROUP BY operation",
+                )
+                .map_err(err)?;
+            let mut rows = st.query([]).map_err(err)?;
+            let mut out = Vec::new();
+            while let Some(row) = rows.next().map_err(err)? {
+                let c = |e: rusqlite::Error| StoreError::Corrupt(e.to_string());
+                out.push(ForeverCount { operation: row.get(0).map_err(c)?, count: row.get(1).map_err(c)? });
+            }
+            Ok(out)
+        })
+        .await
+    }
 }
 
 /// The writer thread: takes every job queued, runs them in one `BEGIN
@@ -978,7 +1000,7 @@ fn write_response(
     scope: &Scope,
     response: &StoredResponse,
     now: Timestamp,
-    retention: Duration,
+    retention: Retention,
     generation: Option<Generation>,
 ) -> Result<(), StoreError> {
     let [t, p, o, k] = pk(scope);
@@ -998,7 +1020,7 @@ fn write_response(
                 encode_headers(&response.headers),
                 body,
                 now.0,
-                now.plus(retention).0,
+                retention.expires_at(now).0,
                 generation.map(|g| g.0)
             ])
         })
@@ -1148,5 +1170,6 @@ fn decode(row: &rusqlite::Row<'_>) -> Result<Record, StoreError> {
             .map(|s| u16::try_from(s).map_err(|_| StoreError::Corrupt(format!("last_status {s}"))))
             .transpose()?,
         maybe_executed: row.get(21).map_err(c)?,
+        key_source: row.get(22).map_err(c)?,
     })
 }

@@ -13,13 +13,14 @@ use uuid::Uuid;
 use super::codec::{decode_headers, encode_headers};
 use super::migrations::{DERIVED_KEY_SECRET, PG_LOCK_KEY, POSTGRES, fresh_secret};
 use super::{
-    Acceptance, Claim, ClaimRequest, EventStats, ListFilter, RawClaim, Reaped, RecordStore, Resolution, ResolveOutcome, RetryNote,
-    StateCount, StoreError, Taken, WorkerRoute,
+    Acceptance, Claim, ClaimRequest, EventStats, ForeverCount, ListFilter, RawClaim, Reaped, RecordStore, Resolution, ResolveOutcome,
+    RetryNote, StateCount, StoreError, Taken, WorkerRoute,
 };
 use crate::audit::{self, AuditEntry, AuditNote};
 use crate::fingerprint::Fingerprint;
 use crate::outbox::{Delivery, EventPolicies, EventType, OutboxEvent};
 use crate::record::{Attempt, Generation, Next, Record, State, StoredResponse, Timestamp, may_take_over, transition};
+use crate::route::Retention;
 use crate::scope::{IdempotencyKey, Scope};
 use async_trait::async_trait;
 use std::sync::Arc;
@@ -40,9 +41,9 @@ impl<'a> FromSql<'a> for Timestamp {
 
 const COLUMNS: &str = "tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner, \
      lease_expires_at, response_status, response_headers, response_body, created_at, updated_at, expires_at, \
-     operation_id, attempts, next_attempt_at, sent_at, last_status, maybe_executed";
+     operation_id, attempts, next_attempt_at, sent_at, last_status, maybe_executed, key_source";
 /// How many columns `COLUMNS` has: the next column of a row is at this index.
-const NCOLS: usize = 22;
+const NCOLS: usize = 23;
 
 /// The claim: one statement, autocommitted. It reads the scope's row, takes it
 /// over if `record::may_take_over` allows (an UPDATE that re-checks the
@@ -57,7 +58,7 @@ const CLAIM: &str = "\
 WITH cur AS (
     SELECT tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
            lease_expires_at, response_status, response_headers, response_body, created_at, updated_at, expires_at,
-           operation_id, attempts, next_attempt_at, sent_at, last_status, maybe_executed
+           operation_id, attempts, next_attempt_at, sent_at, last_status, maybe_executed, key_source
     FROM idemgate_records
     WHERE tenant = $1 AND principal = $2 AND operation = $3 AND idempotency_key = $4
 ), taken AS (
@@ -68,7 +69,8 @@ WITH cur AS (
         response_status = NULL, response_headers = NULL, response_body = NULL,
         created_at = now(), updated_at = now(), expires_at = now() + $8::int8 * interval '1 microsecond',
         operation_id = $10, request = $11, attempts = 0,
-        next_attempt_at = CASE WHEN $10::text IS NOT NULL THEN now() END, sent_at = NULL, last_status = NULL, maybe_executed = false
+        next_attempt_at = CASE WHEN $10::text IS NOT NULL THEN now() END, sent_at = NULL, last_status = NULL, maybe_executed = false,
+        key_source = $12
     WHERE r.tenant = $1 AND r.principal = $2 AND r.operation = $3 AND r.idempotency_key = $4
       AND ((r.state IN ('completed', 'failed_retryable') AND r.expires_at <= now())
            OR ($9::bool AND r.request_hash = $5
@@ -77,10 +79,10 @@ WITH cur AS (
 ), inserted AS (
     INSERT INTO idemgate_records
         (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
-         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at)
+         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, key_source)
     SELECT $1, $2, $3, $4, $5, CASE WHEN $10::text IS NULL THEN 'in_flight' ELSE 'queued' END, nextval('idemgate_generation'), $6, $7,
            CASE WHEN $10::text IS NULL THEN now() + $8::int8 * interval '1 microsecond' END, now(), now(),
-           now() + $8::int8 * interval '1 microsecond', $10, $11, CASE WHEN $10::text IS NOT NULL THEN now() END
+           now() + $8::int8 * interval '1 microsecond', $10, $11, CASE WHEN $10::text IS NOT NULL THEN now() END, $12
     WHERE NOT EXISTS (SELECT 1 FROM cur)
     ON CONFLICT (tenant, principal, operation, idempotency_key) DO NOTHING
     RETURNING generation, coalesce(lease_expires_at, now())
@@ -113,7 +115,7 @@ WHERE r.tenant = n.tenant AND r.principal = n.principal AND r.operation = n.oper
   AND ro.operation = r.operation
 RETURNING r.tenant, r.principal, r.operation, r.idempotency_key, r.request_hash, r.state, r.generation, r.claim_token, r.owner,
           r.lease_expires_at, r.response_status, r.response_headers, r.response_body, r.created_at, r.updated_at, r.expires_at,
-          r.operation_id, r.attempts, r.next_attempt_at, r.sent_at, r.last_status, r.maybe_executed, now(), r.request";
+          r.operation_id, r.attempts, r.next_attempt_at, r.sent_at, r.last_status, r.maybe_executed, r.key_source, now(), r.request";
 
 /// A fenced async write: the attempt's generation and token, `processing`.
 const FENCE: &str = "generation = $5 AND claim_token = $6 AND state = 'processing'";
@@ -239,6 +241,19 @@ fn micros(d: Duration) -> i64 {
     i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
 }
 
+/// A retention as the statements take it: microseconds, or NULL for
+/// forever. `now() + NULL * interval` is NULL, which the `EXPIRES_*`
+/// expressions turn into `'infinity'` (later than any `now()`, so every
+/// `expires_at <= now()` test stays false: never taken over, never swept).
+fn retention_us(r: Retention) -> Option<i64> {
+    r.finite().map(micros)
+}
+
+/// `expires_at` from a retention parameter (`retention_us`) at `$7`, `$8`, `$9`.
+const EXPIRES_7: &str = "coalesce(now() + $7::int8 * interval '1 microsecond', 'infinity')";
+const EXPIRES_8: &str = "coalesce(now() + $8::int8 * interval '1 microsecond', 'infinity')";
+const EXPIRES_9: &str = "coalesce(now() + $9::int8 * interval '1 microsecond', 'infinity')";
+
 impl PgStore {
     pub fn connect(url: &str, pool_size: usize, timeout: Duration) -> Result<PgStore, StoreError> {
         let pg: tokio_postgres::Config =
@@ -320,6 +335,7 @@ impl PgStore {
                     &(req.upstream_idempotent && req.acceptance.is_none()),
                     &req.acceptance.as_ref().map(|a| a.operation_id.as_str()),
                     &req.acceptance.as_ref().map(|a| &a.request[..]),
+                    &&*req.key_source,
                 ],
                 true,
             )
@@ -357,12 +373,12 @@ impl PgStore {
         scope: &Scope,
         attempt: Attempt,
         response: &StoredResponse,
-        retention: Duration,
+        retention: Retention,
         emit: Emit,
     ) -> Result<bool, StoreError> {
         let sql = format!(
             "WITH upd AS (UPDATE idemgate_records SET state = 'completed', response_status = $6, response_headers = $7, \
-             response_body = $8, lease_expires_at = NULL, updated_at = now(), expires_at = now() + $9::int8 * interval '1 microsecond' \
+             response_body = $8, lease_expires_at = NULL, updated_at = now(), expires_at = {EXPIRES_9} \
              WHERE {PK} AND generation = $5 AND claim_token = $10 AND state IN ('in_flight', 'processing') \
              RETURNING tenant, principal, operation, idempotency_key, generation, response_status, operation_id, response_body), \
              ev AS (INSERT INTO idemgate_events {EVENT_INSERT} \
@@ -384,7 +400,7 @@ impl PgStore {
                     &i32::from(response.status),
                     &headers,
                     &body,
-                    &micros(retention),
+                    &retention_us(retention),
                     &attempt.claim_token,
                     &emit.event,
                     &emit.body,
@@ -475,6 +491,7 @@ impl RecordStore for PgStore {
             owner: req.owner.clone(),
             lease_us: micros(req.lease),
             acceptance: req.acceptance.clone(),
+            key_source: req.key_source.clone(),
         };
         match self.claims.submit(item).await? {
             BatchClaim::Inserted { generation, lease_expires_at } => {
@@ -508,7 +525,7 @@ impl RecordStore for PgStore {
         scope: &Scope,
         attempt: Attempt,
         response: &StoredResponse,
-        retention: Duration,
+        retention: Retention,
         events: &EventPolicies,
     ) -> Result<bool, StoreError> {
         let emit = Emit::of(events, &scope.operation, EventType::Completed);
@@ -518,7 +535,7 @@ impl RecordStore for PgStore {
             status: i32::from(response.status),
             headers: encode_headers(&response.headers),
             body: response.body.clone(),
-            retention_us: micros(retention),
+            retention_us: retention_us(retention),
             emit,
         };
         match self.completes.submit(item).await? {
@@ -594,11 +611,12 @@ impl RecordStore for PgStore {
         let sql = format!(
             "SELECT {COLUMNS} FROM idemgate_records \
              WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR tenant = $2) AND ($3::text IS NULL OR operation = $3) \
+             AND (NOT $5::bool OR expires_at = 'infinity') \
              ORDER BY updated_at DESC, tenant, principal, operation, idempotency_key LIMIT $4"
         );
         let state = filter.state.map(State::as_str);
         let limit = i64::from(filter.limit);
-        let rows = self.query(&sql, &[&state, &filter.tenant, &filter.operation, &limit], false).await?;
+        let rows = self.query(&sql, &[&state, &filter.tenant, &filter.operation, &limit, &filter.forever], false).await?;
         rows.iter().map(decode).collect()
     }
 
@@ -642,12 +660,21 @@ impl RecordStore for PgStore {
                 let update = format!(
                     "UPDATE idemgate_records SET state = 'completed', generation = nextval('idemgate_generation'), response_status = $5, \
                      response_headers = $6, response_body = $7, lease_expires_at = NULL, updated_at = now(), \
-                     expires_at = now() + $8::int8 * interval '1 microsecond' WHERE {PK} RETURNING generation"
+                     expires_at = {EXPIRES_8} WHERE {PK} RETURNING generation"
                 );
                 let rows = tx
                     .query(
                         &update,
-                        &[params[0], params[1], params[2], params[3], &i32::from(response.status), &headers, &body, &micros(*retention)],
+                        &[
+                            params[0],
+                            params[1],
+                            params[2],
+                            params[3],
+                            &i32::from(response.status),
+                            &headers,
+                            &body,
+                            &retention_us(*retention),
+                        ],
                     )
                     .await
                     .map_err(w)?;
@@ -826,7 +853,7 @@ impl RecordStore for PgStore {
         &self,
         scope: &Scope,
         attempt: Attempt,
-        retention: Duration,
+        retention: Retention,
         retry: RetryNote,
         events: &EventPolicies,
     ) -> Result<bool, StoreError> {
@@ -835,7 +862,7 @@ impl RecordStore for PgStore {
             "WITH upd AS (UPDATE idemgate_records SET \
              state = CASE WHEN maybe_executed OR $9 THEN 'unknown' ELSE 'failed_retryable' END, \
              maybe_executed = maybe_executed OR $9, lease_expires_at = NULL, \
-             expires_at = now() + $7::int8 * interval '1 microsecond', last_status = $8, updated_at = now() \
+             expires_at = {EXPIRES_7}, last_status = $8, updated_at = now() \
              WHERE {PK} AND {FENCE} \
              RETURNING tenant, principal, operation, idempotency_key, generation, state, last_status, operation_id), \
              ev AS (INSERT INTO idemgate_events {EVENT_INSERT} \
@@ -849,7 +876,7 @@ impl RecordStore for PgStore {
             &sql,
             scope,
             attempt,
-            &[&micros(retention), &retry.last_status.map(i32::from), &retry.maybe_executed, &unknown, &failed],
+            &[&retention_us(retention), &retry.last_status.map(i32::from), &retry.maybe_executed, &unknown, &failed],
         )
         .await
     }
@@ -961,6 +988,16 @@ impl RecordStore for PgStore {
             })
             .collect()
     }
+
+    async fn forever_counts(&self) -> Result<Vec<ForeverCount>, StoreError> {
+        // The literal matches the partial index's predicate, so this counts
+        // over that index alone.
+        let rows = self
+            .query("SELECT operation, count(*) FROM idemgate_records WHERE expires_at = 'infinity' GROUP BY operation", &[], false)
+            .await?;
+        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+        rows.iter().map(|row| Ok(ForeverCount { operation: row.try_get(0).map_err(c)?, count: row.try_get(1).map_err(c)? })).collect()
+    }
 }
 
 impl PgStore {
@@ -1000,6 +1037,7 @@ struct ClaimItem {
     owner: Arc<str>,
     lease_us: i64,
     acceptance: Option<Acceptance>,
+    key_source: Arc<str>,
 }
 
 /// What the batched claim found for one item.
@@ -1022,7 +1060,8 @@ struct CompleteItem {
     status: i32,
     headers: Vec<u8>,
     body: Option<Bytes>,
-    retention_us: i64,
+    /// NULL: forever (see `retention_us`).
+    retention_us: Option<i64>,
     emit: Emit,
 }
 
@@ -1039,24 +1078,24 @@ enum BatchWrite {
 const CLAIM_BATCH: &str = "\
 WITH input AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::uuid[], $7::text[], $8::int8[],
-                         $9::text[], $10::bytea[])
+                         $9::text[], $10::bytea[], $11::text[])
         WITH ORDINALITY AS i(tenant, principal, operation, idempotency_key, request_hash, claim_token, owner, lease_us,
-                             operation_id, request, ord)
+                             operation_id, request, key_source, ord)
 ), cur AS (
     SELECT i.ord, r.tenant, r.principal, r.operation, r.idempotency_key, r.request_hash, r.state, r.generation, r.claim_token,
            r.owner, r.lease_expires_at, r.response_status, r.response_headers, r.response_body, r.created_at, r.updated_at, r.expires_at,
-           r.operation_id, r.attempts, r.next_attempt_at, r.sent_at, r.last_status, r.maybe_executed
+           r.operation_id, r.attempts, r.next_attempt_at, r.sent_at, r.last_status, r.maybe_executed, r.key_source
     FROM input i JOIN idemgate_records r
       ON r.tenant = i.tenant AND r.principal = i.principal AND r.operation = i.operation AND r.idempotency_key = i.idempotency_key
 ), inserted AS (
     INSERT INTO idemgate_records
         (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
-         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at)
+         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, key_source)
     SELECT i.tenant, i.principal, i.operation, i.idempotency_key, i.request_hash,
            CASE WHEN i.operation_id IS NULL THEN 'in_flight' ELSE 'queued' END, nextval('idemgate_generation'), i.claim_token, i.owner,
            CASE WHEN i.operation_id IS NULL THEN now() + i.lease_us * interval '1 microsecond' END, now(), now(),
            now() + i.lease_us * interval '1 microsecond', i.operation_id, i.request,
-           CASE WHEN i.operation_id IS NOT NULL THEN now() END
+           CASE WHEN i.operation_id IS NOT NULL THEN now() END, i.key_source
     FROM input i
     WHERE NOT EXISTS (SELECT 1 FROM cur c WHERE c.ord = i.ord)
     ORDER BY i.tenant, i.principal, i.operation, i.idempotency_key
@@ -1065,8 +1104,8 @@ WITH input AS (
 )
 SELECT c.tenant, c.principal, c.operation, c.idempotency_key, c.request_hash, c.state, c.generation, c.claim_token,
        c.owner, c.lease_expires_at, c.response_status, c.response_headers, c.response_body, c.created_at, c.updated_at,
-       c.expires_at, c.operation_id, c.attempts, c.next_attempt_at, c.sent_at, c.last_status, c.maybe_executed, now(), ins.generation,
-       ins.lease
+       c.expires_at, c.operation_id, c.attempts, c.next_attempt_at, c.sent_at, c.last_status, c.maybe_executed, c.key_source, now(),
+       ins.generation, ins.lease
 FROM input i
 LEFT JOIN cur c ON c.ord = i.ord
 LEFT JOIN inserted ins ON ins.claim_token = i.claim_token
@@ -1082,7 +1121,8 @@ WITH v AS (
 ), upd AS (
     UPDATE idemgate_records r SET
         state = 'completed', response_status = v.status, response_headers = v.headers, response_body = v.body,
-        lease_expires_at = NULL, updated_at = now(), expires_at = now() + v.retention_us * interval '1 microsecond'
+        lease_expires_at = NULL, updated_at = now(),
+        expires_at = coalesce(now() + v.retention_us * interval '1 microsecond', 'infinity')
     FROM v
     WHERE r.tenant = v.tenant AND r.principal = v.principal AND r.operation = v.operation
       AND r.idempotency_key = v.idempotency_key AND r.generation = v.generation AND r.claim_token = v.claim_token
@@ -1167,8 +1207,9 @@ impl Db {
         let owners: Vec<&str> = items.iter().map(|i| &*i.owner).collect();
         let operation_ids: Vec<Option<&str>> = items.iter().map(|i| i.acceptance.as_ref().map(|a| a.operation_id.as_str())).collect();
         let requests: Vec<Option<&[u8]>> = items.iter().map(|i| i.acceptance.as_ref().map(|a| &a.request[..])).collect();
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 10] =
-            [&tenants, &principals, &operations, &keys, &hashes, &tokens, &owners, &leases, &operation_ids, &requests];
+        let key_sources: Vec<&str> = items.iter().map(|i| &*i.key_source).collect();
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 11] =
+            [&tenants, &principals, &operations, &keys, &hashes, &tokens, &owners, &leases, &operation_ids, &requests, &key_sources];
         let rows = match self.bounded_query(CLAIM_BATCH, &params).await {
             Ok(rows) => rows,
             Err(e) if is_deadlock(&e) => return Ok((0..n).map(|_| BatchClaim::Retry).collect()),
@@ -1199,7 +1240,7 @@ impl Db {
         let statuses: Vec<i32> = items.iter().map(|i| i.status).collect();
         let headers: Vec<&[u8]> = items.iter().map(|i| &i.headers[..]).collect();
         let bodies: Vec<Option<&[u8]>> = items.iter().map(|i| i.body.as_deref()).collect();
-        let retentions: Vec<i64> = items.iter().map(|i| i.retention_us).collect();
+        let retentions: Vec<Option<i64>> = items.iter().map(|i| i.retention_us).collect();
         let emit: Vec<bool> = items.iter().map(|i| i.emit.event).collect();
         let with_body: Vec<bool> = items.iter().map(|i| i.emit.body).collect();
         let params: [&(dyn tokio_postgres::types::ToSql + Sync); 12] = [
@@ -1323,5 +1364,6 @@ fn decode(row: &Row) -> Result<Record, StoreError> {
             .map(|s| u16::try_from(s).map_err(|_| StoreError::Corrupt(format!("last_status {s}"))))
             .transpose()?,
         maybe_executed: row.try_get(21).map_err(c)?,
+        key_source: row.try_get(22).map_err(c)?,
     })
 }
