@@ -25,6 +25,7 @@ on_both_stores!(
     observe_mode_counts_requests_enforcing_would_refuse,
     observe_history_is_valid_when_the_route_switches_to_enforcing,
     observed_request_in_flight_at_the_switch_is_in_flight_then_unknown,
+    sigterm_records_observed_requests_before_exiting,
 );
 
 const AUTH: (&str, &str) = ("authorization", "Bearer test-key");
@@ -427,6 +428,25 @@ async fn observed_request_in_flight_at_the_switch_is_in_flight_then_unknown(back
     assert_eq!(up.total(), 1);
 }
 
+async fn sigterm_records_observed_requests_before_exiting(backend: Backend) {
+    let (up, mut gw, store) = setup(backend, |c| c.route(OBSERVE)).await;
+    let url = gw.url("/v1/orders");
+    let mut received = up.subscribe();
+    let u = url.clone();
+    let inflight = tokio::spawn(async move { post(&u, "k", ORDER, &[("x-test-sleep-ms", "700")]).await });
+    received.recv().await.unwrap();
+    gw.signal("TERM");
+    let r = inflight.await.unwrap();
+    assert_eq!(r.status, 201, "the observed request finished");
+    let status = tokio::task::spawn_blocking(move || gw.wait_exit(Duration::from_secs(15))).await.unwrap();
+    assert!(status.success(), "exit status {status:?}");
+    // The drain waited for the recording: a switch by restart finds a completed record.
+    let rec = record(&store, "k").await.expect("record");
+    assert_eq!(rec.state, State::Completed);
+    assert_eq!(rec.response.and_then(|r| r.body), Some(r.body));
+    assert_eq!(up.total(), 1);
+}
+
 // ---------------------------------------------------------------------------
 // Observe mode with the store down or slow (PostgreSQL only)
 
@@ -475,4 +495,107 @@ async fn observe_mode_passes_with_postgres_stopped_or_hung() {
     assert_eq!(up.total(), 7, "every request reached the upstream");
     assert_eq!(metric(&gw, SKIPPED).await, 6.0);
     assert_eq!(metric(&gw, r#"idemgate_observe_would_total"#).await, 0.0);
+}
+
+// ---------------------------------------------------------------------------
+// The storage cost of durable business identity (a measurement, not a check:
+// `cargo test --test legacy -- --ignored storage_cost --nocapture`; the
+// figures are in docs/legacy.md)
+
+/// Records of one kind per measurement.
+const COST_RECORDS: usize = 20_000;
+
+/// Fills the store with `COST_RECORDS` completed forever records the way the
+/// gateway writes them (claim, then complete), with or without a body.
+async fn fill(store: &idemgate::store::Store, tag: &str, body: Option<&'static [u8]>) {
+    use futures_util::StreamExt;
+    use idemgate::record::StoredResponse;
+    use idemgate::route::Retention;
+    use idemgate::store::{ClaimOutcome, ClaimRequest};
+    let headers = vec![
+        ("content-type".to_owned(), b"application/json".to_vec()),
+        ("location".to_owned(), b"/v1/orders/1234567".to_vec()),
+        ("x-request-id".to_owned(), b"0b5bd3c2-5c64-4d7e-9a55-2b1f0e7c9d11".to_vec()),
+    ];
+    futures_util::stream::iter(0..COST_RECORDS)
+        .for_each_concurrent(64, |i| {
+            let (store, headers) = (store.clone(), headers.clone());
+            async move {
+                let key = format!("ORD-{tag}-{}", uuid::Uuid::new_v4());
+                let req = ClaimRequest {
+                    scope: scope(&key),
+                    request_hash: idemgate::fingerprint::Fingerprint([(i % 251) as u8; 32]),
+                    owner: "gateway-7f9c-1234".into(),
+                    lease: Duration::from_secs(60),
+                    upstream_idempotent: false,
+                    claim_token: uuid::Uuid::new_v4(),
+                    acceptance: None,
+                    key_source: "body:/client_order_id".into(),
+                };
+                let ClaimOutcome::Claimed(claim) = store.claim(&req).await.expect("claim") else { panic!("not claimed") };
+                let response = StoredResponse { status: 201, headers, body: body.map(bytes::Bytes::from_static) };
+                store.complete(&claim, &response, Retention::Forever).await.expect("complete");
+            }
+        })
+        .await;
+}
+
+/// A 256-byte JSON answer, the size of a typical "order created" body.
+const BODY_256: &[u8] = br#"{"id":"ord_7f3a9c2e1b","status":"accepted","amount":{"value":"1299.00","currency":"EUR"},"customer":"cus_4e8d1a","created_at":"2024-05-01T12:00:00Z","items":[{"sku":"BK-1001","qty":1,"price":"1299.00"}],"links":{"self":"/v1/orders/ord_7f3a9c2e1b"},"v":100}"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement for docs/legacy.md, not a check"]
+async fn storage_cost_per_record_on_both_stores() {
+    assert!(BODY_256.len() == 256, "{}", BODY_256.len());
+    // PostgreSQL: the table with its indexes and TOAST, compacted (VACUUM
+    // FULL) so the figure is live data, not the dead versions a claim's
+    // completion leaves until autovacuum.
+    let pg = support::postgres::shared();
+    let db = format!("cost_{}", std::process::id());
+    let backend = Backend::Postgres { url: pg.create_database(&db).expect("database") };
+    let store = backend.open().await;
+    let size = |sql: &str| -> f64 { pg.simple_query(&db, sql).expect("query")[0][0].as_deref().unwrap().parse().unwrap() };
+    let total = "SELECT pg_total_relation_size('idemgate_records')";
+    let compact = || pg.simple_query(&db, "VACUUM FULL idemgate_records").expect("vacuum");
+    let s0 = size(total);
+    fill(&store, "nobody", None).await;
+    let raw1 = size(total);
+    compact();
+    let s1 = size(total);
+    fill(&store, "body", Some(BODY_256)).await;
+    compact();
+    let s2 = size(total);
+    let n = COST_RECORDS as f64;
+    let row_nobody = size("SELECT avg(pg_column_size(r.*)) FROM idemgate_records r WHERE response_body IS NULL");
+    let row_body = size("SELECT avg(pg_column_size(r.*)) FROM idemgate_records r WHERE response_body IS NOT NULL");
+    let indexes = size("SELECT pg_indexes_size('idemgate_records')") / (2.0 * n);
+    let forever_index = size("SELECT pg_relation_size('idemgate_records_forever')") / (2.0 * n);
+    println!(
+        "postgres: per record {:.0} B without a body, {:.0} B with a 256 B body (table+indexes+toast, compacted); \
+         before compaction {:.0} B without a body; row {:.0} B / {:.0} B; indexes {:.0} B/record of which the forever index {:.0} B",
+        (s1 - s0) / n,
+        (s2 - s1) / n,
+        (raw1 - s0) / n,
+        row_nobody,
+        row_body,
+        indexes,
+        forever_index
+    );
+    drop(store);
+
+    // SQLite: the database file after a checkpoint (the WAL folded in).
+    let backend = sqlite_backend();
+    let store = backend.open().await;
+    let Backend::Sqlite { path, .. } = &backend else { unreachable!() };
+    let file = |path: &std::path::Path| -> f64 {
+        let conn = rusqlite::Connection::open(path).expect("open");
+        conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(())).expect("checkpoint");
+        std::fs::metadata(path).expect("size").len() as f64
+    };
+    let f0 = file(path);
+    fill(&store, "nobody", None).await;
+    let f1 = file(path);
+    fill(&store, "body", Some(BODY_256)).await;
+    let f2 = file(path);
+    println!("sqlite: per record {:.0} B without a body, {:.0} B with a 256 B body (file growth)", (f1 - f0) / n, (f2 - f1) / n);
 }
