@@ -348,6 +348,7 @@ fn claim_request(key: &str) -> ClaimRequest {
         upstream_idempotent: false,
         claim_token: Uuid::new_v4(),
         acceptance: None,
+        key_source: "header:idempotency-key".into(),
     }
 }
 
