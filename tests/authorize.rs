@@ -18,9 +18,6 @@ use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use hyper::server::conn::http1;
-use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
 use support::*;
 
 on_both_stores!(
@@ -44,35 +41,27 @@ struct Policy {
 async fn authorizer(policy: Arc<Policy>) -> SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((sock, _)) = listener.accept().await {
-            let policy = policy.clone();
-            tokio::spawn(async move {
-                let svc = service_fn(move |req: Request<Incoming>| {
-                    let policy = policy.clone();
-                    async move {
-                        policy.calls.fetch_add(1, Ordering::SeqCst);
-                        let auth = req.headers().get("authorization").and_then(|v| v.to_str().ok()).map(str::to_owned);
-                        let body: serde_json::Value = serde_json::from_slice(&req.into_body().collect().await.unwrap().to_bytes()).unwrap();
-                        if policy.slow.load(Ordering::SeqCst) {
-                            tokio::time::sleep(Duration::from_secs(2)).await;
-                        }
-                        let denied = policy.denied.lock().unwrap().contains(body["principal"].as_str().unwrap_or_default());
-                        policy.asked.lock().unwrap().push((body, auth));
-                        let status = if policy.down.load(Ordering::SeqCst) {
-                            StatusCode::INTERNAL_SERVER_ERROR
-                        } else if denied {
-                            StatusCode::FORBIDDEN
-                        } else {
-                            StatusCode::NO_CONTENT
-                        };
-                        let mut r = Response::new(Full::new(Bytes::new()));
-                        *r.status_mut() = status;
-                        Ok::<_, std::convert::Infallible>(r)
-                    }
-                });
-                let _ = http1::Builder::new().serve_connection(TokioIo::new(sock), svc).await;
-            });
+    support::serve::spawn(listener, tokio_util::sync::CancellationToken::new(), move |req: Request<Incoming>| {
+        let policy = policy.clone();
+        async move {
+            policy.calls.fetch_add(1, Ordering::SeqCst);
+            let auth = req.headers().get("authorization").and_then(|v| v.to_str().ok()).map(str::to_owned);
+            let body: serde_json::Value = serde_json::from_slice(&req.into_body().collect().await.unwrap().to_bytes()).unwrap();
+            if policy.slow.load(Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            }
+            let denied = policy.denied.lock().unwrap().contains(body["principal"].as_str().unwrap_or_default());
+            policy.asked.lock().unwrap().push((body, auth));
+            let status = if policy.down.load(Ordering::SeqCst) {
+                StatusCode::INTERNAL_SERVER_ERROR
+            } else if denied {
+                StatusCode::FORBIDDEN
+            } else {
+                StatusCode::NO_CONTENT
+            };
+            let mut r = Response::new(Full::new(Bytes::new()));
+            *r.status_mut() = status;
+            Ok::<_, std::convert::Infallible>(r)
         }
     });
     addr

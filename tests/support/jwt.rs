@@ -112,23 +112,15 @@ impl JwksServer {
         let addr = listener.local_addr().unwrap();
         let (doc, down, fetches) = (Arc::new(Mutex::new(doc)), Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
         let (d, dn, f) = (doc.clone(), down.clone(), fetches.clone());
-        tokio::spawn(async move {
-            while let Ok((sock, _)) = listener.accept().await {
-                let (d, dn, f) = (d.clone(), dn.clone(), f.clone());
-                tokio::spawn(async move {
-                    let svc = service_fn(move |_req: Request<Incoming>| {
-                        let (d, dn, f) = (d.clone(), dn.clone(), f.clone());
-                        async move {
-                            f.fetch_add(1, Ordering::SeqCst);
-                            let mut r = Response::new(Full::new(Bytes::from(d.lock().unwrap().to_string())));
-                            if dn.load(Ordering::SeqCst) {
-                                *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
-                            }
-                            Ok::<_, std::convert::Infallible>(r)
-                        }
-                    });
-                    let _ = http1::Builder::new().serve_connection(TokioIo::new(sock), svc).await;
-                });
+        super::serve::spawn(listener, tokio_util::sync::CancellationToken::new(), move |_req: Request<Incoming>| {
+            let (d, dn, f) = (d.clone(), dn.clone(), f.clone());
+            async move {
+                f.fetch_add(1, Ordering::SeqCst);
+                let mut r = Response::new(Full::new(Bytes::from(d.lock().unwrap().to_string())));
+                if dn.load(Ordering::SeqCst) {
+                    *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+                }
+                Ok::<_, std::convert::Infallible>(r)
             }
         });
         JwksServer { addr, doc, down, fetches }

@@ -32,6 +32,7 @@ pub mod faultproxy;
 pub mod gateway;
 pub mod jwt;
 pub mod postgres;
+pub mod serve;
 pub mod soak;
 pub mod upstream;
 pub mod webhook;

@@ -63,21 +63,8 @@ impl Webhook {
         let state = Arc::new(State::default());
         let (received, _) = broadcast::channel(4096);
         let stop = CancellationToken::new();
-        let (st, tx, stop2) = (state.clone(), received.clone(), stop.clone());
-        tokio::spawn(async move {
-            loop {
-                let (sock, _) = tokio::select! {
-                    _ = stop2.cancelled() => return,
-                    a = listener.accept() => match a { Ok(a) => a, Err(_) => continue },
-                };
-                let (st, tx, stop3) = (st.clone(), tx.clone(), stop2.clone());
-                tokio::spawn(async move {
-                    let svc = service_fn(move |req| handle(st.clone(), tx.clone(), req));
-                    let conn = http1::Builder::new().serve_connection(TokioIo::new(sock), svc);
-                    tokio::select! { _ = conn => {}, _ = stop3.cancelled() => {} }
-                });
-            }
-        });
+        let (st, tx) = (state.clone(), received.clone());
+        super::serve::spawn(listener, stop.clone(), move |req| handle(st.clone(), tx.clone(), req));
         Webhook { addr, state, received, stop }
     }
 
