@@ -2,7 +2,19 @@
 //! that says, as a typed fact, whether the upstream may have acted on the
 //! request. That fact alone decides between releasing a key and recording
 //! `unknown`.
+//!
+//! The exchange has two phases, and only the second can have side effects:
+//! establishing a connection (name resolution and TCP connect, bounded as a
+//! whole by the upstream's `connect_timeout`), and, once the request was
+//! handed to a connection, waiting for the answer (bounded by `timeout`). A
+//! failure or timeout of the first phase is "never sent"; configuration
+//! requires `connect_timeout < timeout`, so the connect phase always ends
+//! before the exchange's deadline and a timeout can only mean "may have
+//! executed".
 
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::uri::{PathAndQuery, Uri};
@@ -55,7 +67,7 @@ impl UpstreamError {
 #[derive(Debug, Clone)]
 pub struct Upstream {
     pub config: UpstreamConfig,
-    client: Client<HttpConnector, Body>,
+    client: Client<BoundedConnect<HttpConnector>, Body>,
 }
 
 impl Upstream {
@@ -64,6 +76,7 @@ impl Upstream {
         connector.set_connect_timeout(Some(config.connect_timeout));
         connector.set_nodelay(true);
         connector.enforce_http(true);
+        let connector = BoundedConnect { inner: connector, timeout: config.connect_timeout };
         let client = Client::builder(TokioExecutor::new())
             .pool_timer(TokioTimer::new())
             .timer(TokioTimer::new())
@@ -137,6 +150,50 @@ impl Upstream {
     }
 }
 
+/// A connector whose whole connection phase — name resolution included — is
+/// bounded by `timeout`. (hyper-util's own connect timeout bounds only the TCP
+/// connect: a resolver that hangs would run into the exchange's `timeout` and
+/// be mistaken for "may have executed".) Its errors are connect errors to the
+/// client (`is_connect()`), i.e. [`Executed::No`].
+#[derive(Debug, Clone)]
+pub struct BoundedConnect<C> {
+    inner: C,
+    timeout: Duration,
+}
+
+/// The connection phase did not finish in time: nothing was sent.
+#[derive(Debug, thiserror::Error)]
+#[error("no connection within the connect timeout of {0:?} (name resolution and TCP connect)")]
+pub struct ConnectTimedOut(pub Duration);
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+impl<C> tower_service::Service<Uri> for BoundedConnect<C>
+where
+    C: tower_service::Service<Uri>,
+    C::Error: Into<BoxError>,
+    C::Future: Send + 'static,
+    C::Response: Send + 'static,
+{
+    type Response = C::Response;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<C::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, dst: Uri) -> Self::Future {
+        let (connecting, timeout) = (self.inner.call(dst), self.timeout);
+        Box::pin(async move {
+            match tokio::time::timeout(timeout, connecting).await {
+                Ok(result) => result.map_err(Into::into),
+                Err(_) => Err(Box::new(ConnectTimedOut(timeout)) as BoxError),
+            }
+        })
+    }
+}
+
 /// "outer: inner: innermost", for logs.
 pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
@@ -200,5 +257,58 @@ mod tests {
         assert!(matches!(err, UpstreamError::Timeout { .. }));
         assert_eq!(err.executed(), Executed::Maybe);
         hold.abort();
+    }
+
+    /// A listener whose accept queue is full: the kernel drops further SYNs,
+    /// so a connect hangs (as behind a dead load balancer or a blackholed
+    /// route). Returns the listener and the connections that fill it.
+    fn full_accept_queue() -> (tokio::net::TcpListener, Vec<std::net::TcpStream>) {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let listener = socket.listen(0).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut fillers = Vec::new();
+        // Backlog 0 still queues one or two connections; fill until one hangs.
+        while let Ok(s) = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
+            fillers.push(s);
+            assert!(fillers.len() < 16, "the accept queue never filled");
+        }
+        (listener, fillers)
+    }
+
+    #[tokio::test]
+    async fn a_connect_that_hangs_is_never_executed() {
+        let (listener, _fillers) = full_accept_queue();
+        let u = upstream(&format!("http://{}", listener.local_addr().unwrap()));
+        let req = Request::post(u.uri_for(None).unwrap()).body(Body::full("x")).unwrap();
+        let started = std::time::Instant::now();
+        let err = u.send(req, tokio::time::Instant::now() + Duration::from_secs(1)).await.unwrap_err();
+        assert!(matches!(err, UpstreamError::Connect { .. }), "{err}");
+        assert_eq!(err.executed(), Executed::No, "{err}");
+        // Cut at the connect timeout (200 ms), not at the exchange's deadline.
+        assert!(started.elapsed() < Duration::from_millis(900), "{:?}", started.elapsed());
+    }
+
+    /// A connection phase that never ends (a resolver that hangs is the usual
+    /// cause; hyper-util's own connect timeout does not cover it) is cut at
+    /// the connect timeout.
+    #[tokio::test(start_paused = true)]
+    async fn the_whole_connection_phase_is_bounded() {
+        #[derive(Clone)]
+        struct Hangs;
+        impl tower_service::Service<Uri> for Hangs {
+            type Response = tokio::net::TcpStream;
+            type Error = std::io::Error;
+            type Future = std::future::Pending<Result<tokio::net::TcpStream, std::io::Error>>;
+            fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), std::io::Error>> {
+                Poll::Ready(Ok(()))
+            }
+            fn call(&mut self, _: Uri) -> Self::Future {
+                std::future::pending()
+            }
+        }
+        let mut c = BoundedConnect { inner: Hangs, timeout: Duration::from_millis(300) };
+        let err = tower_service::Service::call(&mut c, "http://example.invalid/".parse().unwrap()).await.unwrap_err();
+        assert!(err.downcast_ref::<ConnectTimedOut>().is_some(), "{err}");
     }
 }

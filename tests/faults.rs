@@ -233,7 +233,7 @@ async fn paused_replica_is_fenced_after_takeover() {
     let backend = postgres_backend();
     let up = TestUpstream::start().await;
     up.set_dedupe(true);
-    let cfg = |b: &Backend| GatewayConfig::new(b.clone(), up.url()).timeout("800ms").route("lease = \"1s\"\nupstream_idempotent = true");
+    let cfg = |b: &Backend| GatewayConfig::new(b.clone(), up.url()).timeout("500ms").route("lease = \"1s\"\nupstream_idempotent = true");
     let a = Gateway::start(cfg(&backend));
     let b = Gateway::start(cfg(&backend));
     let store = backend.open().await;

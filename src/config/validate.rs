@@ -31,6 +31,13 @@ const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 /// Margin added to the upstream timeout for the default lease.
 const LEASE_MARGIN: Duration = Duration::from_secs(5);
 
+/// What a synchronous route's lease must leave beyond the upstream's timeout:
+/// room for the claim before the forward and the result write after it.
+const LEASE_WRITE_ROOM: Duration = Duration::from_millis(500);
+
+/// `upstreams[].connect_timeout` when absent (capped at half the timeout).
+const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+
 pub(super) fn validate(raw: FileConfig, issues: Issues, origin: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
     let mut v = Validator { issues, env };
     let upstreams = v.upstreams(&raw.upstreams);
@@ -535,10 +542,9 @@ impl Validator<'_> {
                     self.issues.push(format!("{p}.name"), format!("another upstream is already named {n:?}"));
                 }
                 let url = self.required(&format!("{p}.url"), u.url.as_deref()).and_then(|s| self.upstream_url(&format!("{p}.url"), s));
-                let connect_timeout = self.duration(&format!("{p}.connect_timeout"), u.connect_timeout.as_deref(), "1s");
-                let connect_timeout = self.at_least(&format!("{p}.connect_timeout"), connect_timeout, Duration::from_millis(1));
                 let timeout = self.duration(&format!("{p}.timeout"), u.timeout.as_deref(), "10s");
                 let timeout = self.at_least(&format!("{p}.timeout"), timeout, Duration::from_millis(1));
+                let connect_timeout = self.connect_timeout(&p, u.connect_timeout.as_deref(), timeout);
                 let pool_idle_timeout = self.duration(&format!("{p}.pool_idle_timeout"), u.pool_idle_timeout.as_deref(), "90s");
                 let pool_max_idle = match u.pool_max_idle.unwrap_or(256) {
                     n @ 0..=65_536 => Some(n as usize),
@@ -560,6 +566,34 @@ impl Validator<'_> {
                 Upstream { name: name.unwrap_or_default(), config }
             })
             .collect()
+    }
+
+    /// The connect phase (name resolution and TCP connect) must end before the
+    /// exchange's `timeout`: a connect still running when the exchange times
+    /// out could not be told from a request that was sent, and would be
+    /// recorded `unknown` although nothing left. Default: 1s, or half the
+    /// timeout when that is shorter.
+    fn connect_timeout(&mut self, p: &str, value: Option<&str>, timeout: Option<Duration>) -> Option<Duration> {
+        let path = format!("{p}.connect_timeout");
+        let Some(value) = value else {
+            return timeout.map(|t| DEFAULT_CONNECT_TIMEOUT.min(t / 2));
+        };
+        let connect = self.duration(&path, Some(value), "");
+        let connect = self.at_least(&path, connect, Duration::from_millis(1));
+        if let (Some(c), Some(t)) = (connect, timeout)
+            && c >= t
+        {
+            self.issues.push(
+                path,
+                format!(
+                    "must be shorter than {p}.timeout ({}): a connect still running when the exchange times out could not be told \
+                     from a request that was sent",
+                    humantime::format_duration(t)
+                ),
+            );
+            return None;
+        }
+        connect
     }
 
     fn upstream_url(&mut self, path: &str, s: &str) -> Option<http::Uri> {
@@ -902,13 +936,16 @@ impl Validator<'_> {
                         self.issues.push(format!("{p}.lease"), "must be at least 300ms (heartbeats renew it every third)");
                     }
                 } else if let (Some(lease), Some(timeout)) = (lease, timeout)
-                    && lease <= timeout
+                    && lease < timeout + LEASE_WRITE_ROOM
                 {
                     self.issues.push(
                         format!("{p}.lease"),
                         format!(
-                            "must be longer than the upstream's timeout ({}), or a request still running would be declared unknown",
-                            humantime::format_duration(timeout)
+                            "must be at least the upstream's timeout ({}) plus {} for the claim and the result write \
+                             (at least {}), or a request still running would be refused or declared unknown",
+                            humantime::format_duration(timeout),
+                            humantime::format_duration(LEASE_WRITE_ROOM),
+                            humantime::format_duration(timeout + LEASE_WRITE_ROOM)
                         ),
                     );
                 }

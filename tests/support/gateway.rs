@@ -79,6 +79,8 @@ pub struct GatewayConfig {
     pub tail: String,
     /// Extra lines in `[server]`.
     pub server_extra: String,
+    /// Extra lines in `[admin]` (`token_file = ...`).
+    pub admin_extra: String,
     pub listen: SocketAddr,
     /// Sweeper and lease reaper cadence (fast in tests).
     pub sweep_interval: &'static str,
@@ -102,6 +104,7 @@ impl GatewayConfig {
             route_extra: String::new(),
             tail: String::new(),
             server_extra: String::new(),
+            admin_extra: String::new(),
             listen: "127.0.0.1:0".parse().unwrap(),
             sweep_interval: "200ms",
             store_section: None,
@@ -135,6 +138,12 @@ impl GatewayConfig {
         self
     }
 
+    pub fn admin(mut self, extra: &str) -> Self {
+        self.admin_extra.push_str(extra);
+        self.admin_extra.push('\n');
+        self
+    }
+
     pub fn tail(mut self, extra: &str) -> Self {
         self.tail.push_str(extra);
         self.tail.push('\n');
@@ -162,11 +171,12 @@ shutdown_grace = "10s"
 {store}
 [admin]
 listen = "127.0.0.1:0"
+{admin_extra}
 
 [[upstreams]]
 name = "orders"
 url = "{upstream}"
-connect_timeout = "500ms"
+connect_timeout = "{connect_timeout}"
 timeout = "{timeout}"
 
 {identity}
@@ -182,6 +192,7 @@ upstream = "orders"
             listen = self.listen,
             secret = if self.configured_secret { format!("derived_key_secret_env = \"{TEST_SECRET_ENV}\"") } else { String::new() },
             server_extra = self.server_extra,
+            admin_extra = self.admin_extra,
             store = self.store_section.clone().unwrap_or_else(|| self.backend.store_toml(self.sweep_interval)),
             upstream = self.upstream_url,
             timeout = self.upstream_timeout,
@@ -189,6 +200,10 @@ upstream = "orders"
                 "[[identity.sources]]\nkind = \"api_key\"\nkeys = [ {{ sha256 = \"{key_hash}\", tenant = \"{TENANT}\", principal = \"{PRINCIPAL}\" }},\n         {{ sha256 = \"{}\", tenant = \"{TENANT}\", principal = \"other\" }} ]\n\n[[identity.sources]]\nkind = \"trusted_header\"\ntenant_header = \"x-tenant-id\"\nprincipal_header = \"x-principal-id\"\ntrusted_peers = [\"127.0.0.1/32\"]\n",
                 hex::encode(Sha256::digest(b"other-key"))
             )),
+            // Shorter than the timeout, as configuration requires.
+            connect_timeout = humantime::format_duration(
+                humantime::parse_duration(self.upstream_timeout).expect("upstream timeout").div_f64(2.0).min(Duration::from_millis(500))
+            ),
             route_extra = self.route_extra,
             tail = self.tail,
         )
