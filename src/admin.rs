@@ -1,17 +1,55 @@
 //! The admin listener: `/healthz` (process up), `/readyz` (store reachable),
-//! `/metrics` (Prometheus). Health and metrics need no token; the token is
-//! reserved for the admin API that mirrors `idemgate keys`.
+//! `/metrics` (Prometheus) — no token — and the admin HTTP API under
+//! `/admin/`, which mirrors `idemgate keys` through the same implementation
+//! ([`crate::keys`]):
+//!
+//! - `GET /admin/records?state=&tenant=&operation=&limit=&cursor=` →
+//!   `{"records": [...], "next_cursor"}` (keyset pagination, newest first);
+//! - `GET /admin/records/{tenant}/{principal}/{operation}/{key}` → one record
+//!   (bodies never included; `response_status` and `response_size` are);
+//! - `POST /admin/records/{tenant}/{principal}/{operation}/{key}/resolve` with
+//!   `{"action": "release" | "complete", "reason": "...", ...}`;
+//! - `GET /admin/audit?limit=` → `{"entries": [...]}`, newest first.
+//!
+//! Scope segments are percent-encoded (a key may hold `/` as `%2F`); the raw
+//! path is split on `/` first and each segment decoded after. The API needs
+//! `Authorization: Bearer <token>` (`[admin] token_env` / `token_file`),
+//! compared in constant time; without a configured token it is off (404).
+//! Errors are RFC 9457 problems, in the style of `crate::problem`, and never
+//! echo the token.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use base64::Engine as _;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
+use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
+use percent_encoding::percent_decode_str;
+use serde::Deserialize;
+use serde_json::json;
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
 
+use crate::audit::{self, Actor};
 use crate::body::Body;
 use crate::config::Secret;
+use crate::keys::{self, ResolveAction, ResolveError, ResolveRequest};
 use crate::metrics::Metrics;
-use crate::store::Store;
+use crate::record::{Refused, State};
+use crate::route::Route;
+use crate::scope::{IdempotencyKey, Scope};
+use crate::store::{ListFilter, Store};
+
+/// Largest resolve request body (a base64 response body inside JSON).
+const MAX_REQUEST_BODY: usize = 16 * 1024 * 1024;
+/// The resolve request body must arrive within this time.
+const BODY_TIMEOUT: Duration = Duration::from_secs(30);
+/// `limit` when absent, and its largest value.
+const DEFAULT_LIMIT: u32 = 100;
+const MAX_LIMIT: u32 = 1000;
 
 /// How long `/readyz` waits for the store. Shorter than the operation
 /// timeout: a load balancer or orchestrator should learn within about a second
@@ -22,20 +60,43 @@ const READY_BOUND: Duration = Duration::from_secs(1);
 pub struct Admin {
     store: Store,
     metrics: Arc<Metrics>,
-    /// Bearer token for future admin API endpoints.
-    _token: Option<Secret>,
+    /// Bearer token for the admin API (`None`: the API is off).
+    token: Option<Secret>,
+    /// For the retention of hand-made completions (the route's).
+    routes: Vec<Route>,
+    /// Shows the derived key of records (what the upstream was sent).
+    derived_key_secret: Option<Arc<[u8]>>,
 }
 
 impl Admin {
     pub fn new(store: Store, metrics: Arc<Metrics>, token: Option<Secret>) -> Admin {
-        Admin { store, metrics, _token: token }
+        Admin { store, metrics, token, routes: Vec::new(), derived_key_secret: None }
+    }
+
+    /// The configured routes (the default retention of completions).
+    pub fn with_routes(mut self, routes: Vec<Route>) -> Admin {
+        self.routes = routes;
+        self
+    }
+
+    /// The deployment's derived-key secret, to show each record's derived key.
+    pub fn with_derived_key_secret(mut self, secret: Arc<[u8]>) -> Admin {
+        self.derived_key_secret = Some(secret);
+        self
     }
 
     pub async fn handle(&self, req: Request<Incoming>) -> Response<Body> {
+        let path = req.uri().path();
+        if path == "/admin" || path.starts_with("/admin/") {
+            return match self.api(req).await {
+                Ok(resp) => resp,
+                Err(e) => problem(&e),
+            };
+        }
         if req.method() != Method::GET && req.method() != Method::HEAD {
             return text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n");
         }
-        match req.uri().path() {
+        match path {
             "/healthz" => text(StatusCode::OK, "ok\n"),
             "/readyz" => match tokio::time::timeout(READY_BOUND, self.store.ping()).await {
                 Ok(Ok(())) => text(StatusCode::OK, "ready\n"),
@@ -57,6 +118,338 @@ impl Admin {
             _ => text(StatusCode::NOT_FOUND, "not found\n"),
         }
     }
+
+    async fn api(&self, req: Request<Incoming>) -> Result<Response<Body>, AdminError> {
+        // Off without a token; checked before anything else so that callers
+        // without the token learn nothing about the API's shape.
+        let token = self.token.as_ref().ok_or(AdminError::NotFound)?;
+        authorize(req.headers(), token)?;
+        let endpoint = Endpoint::parse(req.uri().path())?;
+        let query = req.uri().query().unwrap_or_default().to_owned();
+        match (endpoint, req.method().clone()) {
+            (Endpoint::Records, Method::GET) => self.list(&query).await,
+            (Endpoint::Record(scope), Method::GET) => {
+                no_query(&query)?;
+                self.show(&scope).await
+            }
+            (Endpoint::Resolve(scope), Method::POST) => {
+                no_query(&query)?;
+                self.resolve(&scope, req.into_body()).await
+            }
+            (Endpoint::Audit, Method::GET) => self.audit(&query).await,
+            (Endpoint::Resolve(_), _) => Err(AdminError::MethodNotAllowed("POST")),
+            (_, _) => Err(AdminError::MethodNotAllowed("GET")),
+        }
+    }
+
+    fn secret(&self) -> Option<&[u8]> {
+        self.derived_key_secret.as_deref()
+    }
+
+    async fn list(&self, query: &str) -> Result<Response<Body>, AdminError> {
+        let mut filter = ListFilter { limit: DEFAULT_LIMIT, ..ListFilter::default() };
+        for (name, value) in form_urlencoded::parse(query.as_bytes()) {
+            match &*name {
+                "state" => {
+                    filter.state = Some(State::parse(&value).ok_or_else(|| AdminError::BadRequest(format!("unknown state {value:?}")))?);
+                }
+                "tenant" => filter.tenant = Some(value.into_owned()),
+                "operation" => filter.operation = Some(value.into_owned()),
+                "limit" => filter.limit = limit(&value)?,
+                "cursor" => filter.cursor = Some(keys::decode_cursor(&value).map_err(|e| AdminError::BadRequest(e.to_string()))?),
+                other => return Err(unknown_parameter(other, "state, tenant, operation, limit, cursor")),
+            }
+        }
+        let page = keys::list(&self.store, &filter).await.map_err(store_error)?;
+        Ok(json_response(StatusCode::OK, &keys::page_json(&page, self.secret())))
+    }
+
+    async fn show(&self, scope: &Scope) -> Result<Response<Body>, AdminError> {
+        match self.store.get(scope).await.map_err(store_error)? {
+            Some((record, _)) => Ok(json_response(StatusCode::OK, &keys::record_json(&record, false, self.secret()))),
+            None => Err(AdminError::NoRecord),
+        }
+    }
+
+    async fn audit(&self, query: &str) -> Result<Response<Body>, AdminError> {
+        let mut n = DEFAULT_LIMIT;
+        for (name, value) in form_urlencoded::parse(query.as_bytes()) {
+            match &*name {
+                "limit" => n = limit(&value)?,
+                other => return Err(unknown_parameter(other, "limit")),
+            }
+        }
+        let entries = self.store.audit(n).await.map_err(store_error)?;
+        Ok(json_response(StatusCode::OK, &keys::audit_page_json(&entries)))
+    }
+
+    async fn resolve(&self, scope: &Scope, body: Incoming) -> Result<Response<Body>, AdminError> {
+        let body = match tokio::time::timeout(BODY_TIMEOUT, Limited::new(body, MAX_REQUEST_BODY).collect()).await {
+            Ok(Ok(collected)) => collected.to_bytes(),
+            Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
+                return Err(AdminError::BadRequest(format!("the request body exceeds {MAX_REQUEST_BODY} bytes")));
+            }
+            Ok(Err(_)) | Err(_) => return Err(AdminError::BadRequest("the request body could not be read".into())),
+        };
+        let request = resolve_request(&body)?;
+        let to = match request.action {
+            ResolveAction::Release => audit::RELEASED,
+            ResolveAction::Complete { .. } => State::Completed.as_str(),
+        };
+        let retention = keys::default_retention(&self.routes, &scope.operation);
+        match keys::resolve(&self.store, scope, request, retention).await {
+            Ok(from) => {
+                tracing::info!(scope = %scope.log_id(), actor = "admin", from = %from, to, "record resolved through the admin API");
+                Ok(json_response(StatusCode::OK, &json!({ "scope": keys::scope_json(scope), "from_state": from.as_str(), "to_state": to })))
+            }
+            Err(ResolveError::Invalid(why)) => Err(AdminError::BadRequest(why)),
+            Err(ResolveError::NotFound) => Err(AdminError::NoRecord),
+            Err(ResolveError::Refused(refused)) => Err(AdminError::NotResolvable(refused)),
+            Err(ResolveError::Store(e)) => Err(store_error(e)),
+        }
+    }
+}
+
+/// Which API endpoint a path names. The raw path is split on `/` first and
+/// each scope segment percent-decoded after, so `%2F` inside a key is part of
+/// the key, never a separator.
+#[derive(Debug, PartialEq, Eq)]
+enum Endpoint {
+    Records,
+    Record(Scope),
+    Resolve(Scope),
+    Audit,
+}
+
+impl Endpoint {
+    fn parse(path: &str) -> Result<Endpoint, AdminError> {
+        match path {
+            "/admin/records" => return Ok(Endpoint::Records),
+            "/admin/audit" => return Ok(Endpoint::Audit),
+            _ => {}
+        }
+        let rest = path.strip_prefix("/admin/records/").ok_or(AdminError::NotFound)?;
+        let segments: Vec<&str> = rest.split('/').collect();
+        let (scope, resolve) = match segments.as_slice() {
+            [t, p, o, k] => ([*t, *p, *o, *k], false),
+            [t, p, o, k, "resolve"] => ([*t, *p, *o, *k], true),
+            _ => return Err(AdminError::NotFound),
+        };
+        let scope = scope_of(scope)?;
+        Ok(if resolve { Endpoint::Resolve(scope) } else { Endpoint::Record(scope) })
+    }
+}
+
+/// The scope named by four raw segments. The principal may be empty: the
+/// records of a `scope = "tenant"` route belong to the whole tenant
+/// (`/admin/records/acme//create_order/K`).
+fn scope_of([t, p, o, k]: [&str; 4]) -> Result<Scope, AdminError> {
+    let decode = |what: &str, raw: &str| -> Result<String, AdminError> {
+        let s = percent_decode_str(raw)
+            .decode_utf8()
+            .map_err(|_| AdminError::BadRequest(format!("the {what} segment is not percent-encoded UTF-8")))?;
+        if s.is_empty() && what != "principal" {
+            return Err(AdminError::BadRequest(format!("the {what} segment is empty")));
+        }
+        Ok(s.into_owned())
+    };
+    let (tenant, principal, operation) = (decode("tenant", t)?, decode("principal", p)?, decode("operation", o)?);
+    let key = IdempotencyKey::new(&decode("key", k)?).map_err(|e| AdminError::BadRequest(e.to_string()))?;
+    Ok(Scope { tenant: tenant.into(), principal: principal.into(), operation: operation.into(), key })
+}
+
+/// `Authorization: Bearer <token>`, compared in constant time (the SHA-256
+/// digests of both, so neither the token's length nor its bytes leak through
+/// timing).
+fn authorize(headers: &HeaderMap, token: &Secret) -> Result<(), AdminError> {
+    let mut values = headers.get_all(header::AUTHORIZATION).iter();
+    let (Some(value), None) = (values.next(), values.next()) else { return Err(AdminError::Unauthorized) };
+    let presented = value.as_bytes();
+    let credentials = match presented.split_first_chunk::<7>() {
+        Some((scheme, rest)) if scheme.eq_ignore_ascii_case(b"bearer ") => rest.trim_ascii(),
+        _ => return Err(AdminError::Unauthorized),
+    };
+    let matches = Sha256::digest(credentials).ct_eq(&Sha256::digest(token.expose().as_bytes()));
+    if bool::from(matches) { Ok(()) } else { Err(AdminError::Unauthorized) }
+}
+
+fn limit(value: &str) -> Result<u32, AdminError> {
+    match value.parse::<u32>() {
+        Ok(n @ 1..=MAX_LIMIT) => Ok(n),
+        _ => Err(AdminError::BadRequest(format!("limit must be 1-{MAX_LIMIT}, not {value:?}"))),
+    }
+}
+
+fn no_query(query: &str) -> Result<(), AdminError> {
+    match form_urlencoded::parse(query.as_bytes()).next() {
+        Some((name, _)) => Err(unknown_parameter(&name, "none")),
+        None => Ok(()),
+    }
+}
+
+fn unknown_parameter(name: &str, known: &str) -> AdminError {
+    AdminError::BadRequest(format!("unknown query parameter {name:?} (known: {known})"))
+}
+
+/// The JSON body of `POST .../resolve`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ResolveBody {
+    action: String,
+    reason: Option<String>,
+    status: Option<u16>,
+    #[serde(default)]
+    headers: BTreeMap<String, OneOrMany>,
+    body_base64: Option<String>,
+    #[serde(default)]
+    force: bool,
+    /// How long to replay a completion (`"24h"`); default: the route's retention.
+    retention: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// The resolution an API request asks for, checked as far as the request
+/// alone allows (`keys::resolve` checks the rest, as for the CLI).
+fn resolve_request(body: &Bytes) -> Result<ResolveRequest, AdminError> {
+    let bad = |why: String| AdminError::BadRequest(why);
+    let b: ResolveBody = serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON body: {e}")))?;
+    let reason = b.reason.map(|r| r.trim().to_owned()).filter(|r| !r.is_empty());
+    if reason.is_none() {
+        return Err(bad("\"reason\" is required: say why (it is kept in the audit trail)".into()));
+    }
+    let action = match b.action.as_str() {
+        "release" => {
+            if b.status.is_some() || !b.headers.is_empty() || b.body_base64.is_some() || b.retention.is_some() {
+                return Err(bad("a release records no response: leave out status, headers, body_base64 and retention".into()));
+            }
+            ResolveAction::Release
+        }
+        "complete" => {
+            let status = b.status.ok_or_else(|| bad("\"complete\" needs \"status\"".into()))?;
+            let body = match &b.body_base64 {
+                Some(s) => {
+                    base64::engine::general_purpose::STANDARD.decode(s).map_err(|e| bad(format!("body_base64 is not valid base64: {e}")))?
+                }
+                None => Vec::new(),
+            };
+            let mut headers = Vec::new();
+            for (name, values) in b.headers {
+                let values = match values {
+                    OneOrMany::One(v) => vec![v],
+                    OneOrMany::Many(vs) => vs,
+                };
+                headers.extend(values.into_iter().map(|v| (name.to_ascii_lowercase(), v.into_bytes())));
+            }
+            let retention = b
+                .retention
+                .as_deref()
+                .map(humantime::parse_duration)
+                .transpose()
+                .map_err(|e| bad(format!("invalid retention: {e} (write e.g. \"24h\")")))?;
+            ResolveAction::Complete { status, headers, body: Some(body.into()), retention }
+        }
+        other => return Err(bad(format!("unknown action {other:?}: use \"release\" or \"complete\""))),
+    };
+    Ok(ResolveRequest { action, reason, force: b.force, actor: Actor::Admin, fence: None })
+}
+
+/// How an admin API request ended other than with its answer.
+#[derive(Debug, thiserror::Error)]
+enum AdminError {
+    /// The API is off (no token configured) or the path names no endpoint.
+    #[error("not found")]
+    NotFound,
+    #[error("no record for that scope")]
+    NoRecord,
+    #[error("unauthorized")]
+    Unauthorized,
+    #[error("method not allowed")]
+    MethodNotAllowed(&'static str),
+    #[error("bad request: {0}")]
+    BadRequest(String),
+    #[error("not resolvable: {0}")]
+    NotResolvable(Refused),
+    #[error("store unavailable")]
+    StoreUnavailable,
+}
+
+fn store_error(e: crate::store::StoreError) -> AdminError {
+    tracing::warn!(error = %e, "admin API: store operation failed");
+    AdminError::StoreUnavailable
+}
+
+/// The one place an admin API error becomes a response (RFC 9457).
+fn problem(e: &AdminError) -> Response<Body> {
+    let (name, title, status, detail) = match e {
+        AdminError::NotFound => ("not-found", "Not found", StatusCode::NOT_FOUND, "No such admin endpoint.".to_owned()),
+        AdminError::NoRecord => ("not-found", "Not found", StatusCode::NOT_FOUND, "There is no record for that scope.".to_owned()),
+        AdminError::Unauthorized => (
+            "unauthenticated",
+            "Unauthenticated",
+            StatusCode::UNAUTHORIZED,
+            "The admin API needs the configured bearer token: Authorization: Bearer <token>.".to_owned(),
+        ),
+        AdminError::MethodNotAllowed(allow) => {
+            ("method-not-allowed", "Method not allowed", StatusCode::METHOD_NOT_ALLOWED, format!("This endpoint answers {allow} only."))
+        }
+        AdminError::BadRequest(why) => ("invalid-request", "Invalid request", StatusCode::BAD_REQUEST, format!("{why}.")),
+        AdminError::NotResolvable(refused) => (
+            "not-resolvable",
+            "Record not resolvable",
+            StatusCode::CONFLICT,
+            match refused {
+                Refused::NotAllowed(State::Completed) => {
+                    "The record is completed: it is what retries are replayed. Add \"force\": true (with a reason) to change it.".to_owned()
+                }
+                Refused::LeaseLive => {
+                    "The record is in flight and its lease has not expired: its attempt may still record a result.".to_owned()
+                }
+                other => format!("Only unknown records and expired claims may be resolved ({other})."),
+            },
+        ),
+        AdminError::StoreUnavailable => {
+            ("store-unavailable", "Store unavailable", StatusCode::SERVICE_UNAVAILABLE, "The store could not be reached.".to_owned())
+        }
+    };
+    let body = json!({
+        "type": format!("urn:idemgate:problem:{name}"),
+        "title": title,
+        "status": status.as_u16(),
+        "detail": detail,
+        "retryable": matches!(e, AdminError::StoreUnavailable),
+    });
+    let mut resp = Response::new(Body::full(body.to_string()));
+    *resp.status_mut() = status;
+    let h = resp.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    match e {
+        AdminError::Unauthorized => {
+            h.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer realm=\"idemgate-admin\""));
+        }
+        AdminError::MethodNotAllowed(allow) => {
+            h.insert(header::ALLOW, HeaderValue::from_static(allow));
+        }
+        AdminError::StoreUnavailable => {
+            h.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        _ => {}
+    }
+    resp
+}
+
+fn json_response(status: StatusCode, doc: &serde_json::Value) -> Response<Body> {
+    let mut resp = Response::new(Body::full(doc.to_string()));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    resp
 }
 
 fn text(status: StatusCode, body: &'static str) -> Response<Body> {
@@ -64,4 +457,82 @@ fn text(status: StatusCode, body: &'static str) -> Response<Body> {
     *r.status_mut() = status;
     r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
     r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scope_segments_are_decoded_after_splitting() {
+        let e = Endpoint::parse("/admin/records/acme/ops%20team/create_order/a%2Fb%25c").unwrap();
+        let Endpoint::Record(s) = e else { panic!("{e:?}") };
+        assert_eq!((&*s.tenant, &*s.principal, &*s.operation, s.key.as_str()), ("acme", "ops team", "create_order", "a/b%c"));
+        assert!(matches!(Endpoint::parse("/admin/records/t/p/o/k/resolve"), Ok(Endpoint::Resolve(_))));
+        assert!(matches!(Endpoint::parse("/admin/records"), Ok(Endpoint::Records)));
+        assert!(matches!(Endpoint::parse("/admin/audit"), Ok(Endpoint::Audit)));
+        // A raw `/` inside a key is a separator: too many segments.
+        assert!(matches!(Endpoint::parse("/admin/records/t/p/o/a/b"), Err(AdminError::NotFound)));
+        assert!(matches!(Endpoint::parse("/admin/records/t/p/o"), Err(AdminError::NotFound)));
+        assert!(matches!(Endpoint::parse("/admin/records/t/p/o/k/other"), Err(AdminError::NotFound)));
+        assert!(matches!(Endpoint::parse("/admin/records//p/o/k"), Err(AdminError::BadRequest(_))));
+        assert!(matches!(Endpoint::parse("/admin/records/t/p//k"), Err(AdminError::BadRequest(_))));
+        // A tenant-wide record (scope = "tenant") has an empty principal.
+        let Ok(Endpoint::Record(s)) = Endpoint::parse("/admin/records/t//o/k") else { panic!() };
+        assert_eq!(&*s.principal, crate::scope::TENANT_WIDE);
+        assert!(matches!(Endpoint::parse("/admin/records/t/p/o/%FF"), Err(AdminError::BadRequest(_))));
+        // Keys are visible ASCII: a space is refused as it is on the proxy.
+        assert!(matches!(Endpoint::parse("/admin/records/t/p/o/a%20b"), Err(AdminError::BadRequest(_))));
+    }
+
+    #[test]
+    fn bearer_tokens_are_checked() {
+        let token = Secret::new("s3cret".into());
+        let with = |v: &'static str| {
+            let mut h = HeaderMap::new();
+            h.insert(header::AUTHORIZATION, HeaderValue::from_static(v));
+            authorize(&h, &token)
+        };
+        assert!(with("Bearer s3cret").is_ok());
+        assert!(with("bearer s3cret").is_ok());
+        assert!(with("Bearer s3cret2").is_err());
+        assert!(with("Bearer S3cret").is_err());
+        assert!(with("Basic s3cret").is_err());
+        assert!(with("s3cret").is_err());
+        assert!(authorize(&HeaderMap::new(), &token).is_err());
+    }
+
+    #[test]
+    fn resolve_bodies_are_validated() {
+        let parse = |s: &str| resolve_request(&Bytes::from(s.to_owned()));
+        let r = parse(r#"{"action":"release","reason":"checked the ledger"}"#).unwrap();
+        assert!(matches!(r.action, ResolveAction::Release) && r.actor == Actor::Admin && !r.force);
+        let r = parse(
+            r#"{"action":"complete","status":201,"headers":{"Content-Type":"application/json","x-m":["a","b"]},"body_base64":"eyJvayI6MX0=","reason":"r","retention":"1h"}"#,
+        )
+        .unwrap();
+        let ResolveAction::Complete { status, headers, body, retention } = r.action else { panic!() };
+        assert_eq!(status, 201);
+        assert_eq!(body.as_deref(), Some(&b"{\"ok\":1}"[..]));
+        assert_eq!(
+            headers,
+            vec![("content-type".into(), b"application/json".to_vec()), ("x-m".into(), b"a".to_vec()), ("x-m".into(), b"b".to_vec())]
+        );
+        assert_eq!(retention, Some(Duration::from_secs(3600)));
+        for (body, needle) in [
+            (r#"{"action":"release"}"#, "reason"),
+            (r#"{"action":"release","reason":"  "}"#, "reason"),
+            (r#"{"action":"complete","reason":"r"}"#, "status"),
+            (r#"{"action":"release","reason":"r","status":200}"#, "leave out"),
+            (r#"{"action":"undo","reason":"r"}"#, "unknown action"),
+            (r#"{"action":"complete","status":200,"body_base64":"***","reason":"r"}"#, "base64"),
+            (r#"{"action":"release","reason":"r","colour":1}"#, "unknown field"),
+            ("not json", "invalid JSON"),
+        ] {
+            match parse(body) {
+                Err(AdminError::BadRequest(why)) => assert!(why.contains(needle), "{body}: {why}"),
+                other => panic!("{body}: {other:?}"),
+            }
+        }
+    }
 }

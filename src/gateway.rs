@@ -283,6 +283,7 @@ impl Gateway {
             claim_token: Uuid::new_v4(),
             acceptance,
             key_source: found.source,
+            request_head: crate::reconcile::request_head(route, &parts),
         };
         // From the claim on, the work runs on the tracker: a client that goes
         // away can no longer cancel it between a committed claim and its

@@ -4,14 +4,71 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use bytes::Bytes;
 use serde_json::json;
 
 use crate::audit::{Actor, AuditEntry, AuditNote};
 use crate::record::{Record, Refused, State, StoredResponse, Timestamp};
 use crate::route::Retention;
-use crate::scope::Scope;
-use crate::store::{Resolution, ResolveOutcome, Store, StoreError};
+use crate::scope::{IdempotencyKey, Scope};
+use crate::store::{ListCursor, ListFilter, ProbeFence, Resolution, ResolveOutcome, Store, StoreError};
+
+/// One page of `keys list` / `GET /admin/records`.
+#[derive(Debug, Clone)]
+pub struct Page {
+    pub records: Vec<Record>,
+    /// Where the next page starts (opaque); `None` on the last page.
+    pub next_cursor: Option<String>,
+}
+
+/// The one implementation of listing: records matching `filter` (newest
+/// first), at most `filter.limit`, and the cursor of the next page if there
+/// is one.
+pub async fn list(store: &Store, filter: &ListFilter) -> Result<Page, StoreError> {
+    let limit = filter.limit as usize;
+    // One more than asked tells whether a next page exists.
+    let probe = ListFilter { limit: filter.limit.saturating_add(1), ..filter.clone() };
+    let mut records = store.list(&probe).await?;
+    let next_cursor = if records.len() > limit {
+        records.truncate(limit);
+        records.last().map(|r| encode_cursor(&ListCursor::after(r)))
+    } else {
+        None
+    };
+    Ok(Page { records, next_cursor })
+}
+
+/// A page as JSON (`keys list --json`, `GET /admin/records`): records
+/// without bodies, and `next_cursor`.
+pub fn page_json(page: &Page, secret: Option<&[u8]>) -> serde_json::Value {
+    let records: Vec<_> = page.records.iter().map(|r| record_json(r, false, secret)).collect();
+    json!({ "records": records, "next_cursor": page.next_cursor })
+}
+
+/// A cursor as clients see it: opaque (base64url of the position).
+pub fn encode_cursor(c: &ListCursor) -> String {
+    let s = &c.scope;
+    let position = json!([c.updated_at.0, &*s.tenant, &*s.principal, &*s.operation, s.key.as_str()]);
+    URL_SAFE_NO_PAD.encode(position.to_string())
+}
+
+/// A cursor that `encode_cursor` did not make.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid cursor: pass the next_cursor of the previous page unchanged")]
+pub struct InvalidCursor;
+
+pub fn decode_cursor(s: &str) -> Result<ListCursor, InvalidCursor> {
+    let bytes = URL_SAFE_NO_PAD.decode(s.trim()).map_err(|_| InvalidCursor)?;
+    let (at, tenant, principal, operation, key): (i64, String, String, String, String) =
+        serde_json::from_slice(&bytes).map_err(|_| InvalidCursor)?;
+    let key = IdempotencyKey::new(&key).map_err(|_| InvalidCursor)?;
+    Ok(ListCursor {
+        updated_at: Timestamp(at),
+        scope: Scope { tenant: tenant.into(), principal: principal.into(), operation: operation.into(), key },
+    })
+}
 
 /// One record as JSON (bodies as UTF-8 text when they are, else base16).
 pub fn record_json(r: &Record, with_body: bool, secret: Option<&[u8]>) -> serde_json::Value {
@@ -46,6 +103,9 @@ pub fn record_json(r: &Record, with_body: bool, secret: Option<&[u8]>) -> serde_
         "updated_at": r.updated_at.to_string(),
         "expires_at": if r.state.is_retained() { Some(expires_text(r)) } else { None },
         "key_source": r.key_source,
+        "response_status": r.response.as_ref().map(|resp| resp.status),
+        "response_size": r.response.as_ref().and_then(|resp| resp.body.as_ref()).map(Bytes::len),
+        "operation_id": r.operation_id,
         "response": response,
     })
 }
@@ -142,14 +202,19 @@ pub struct ResolveRequest {
     /// completed one): releasing it lets the client's next retry execute again.
     pub force: bool,
     pub actor: Actor,
+    /// The reconciler: apply only to the record its probe took (still
+    /// `unknown` at the generation probed, still marked by the probe).
+    pub fence: Option<ProbeFence>,
 }
 
 #[derive(Debug, Clone)]
 pub enum ResolveAction {
     /// It did not happen: delete the record so the client may retry.
     Release,
-    /// It happened: record this response for replays.
-    Complete { status: u16, headers: Vec<(String, Vec<u8>)>, body: Bytes, retention: Option<Duration> },
+    /// It happened: record this response for replays (`body: None`: the
+    /// status and headers only, when the body is larger than the route
+    /// stores).
+    Complete { status: u16, headers: Vec<(String, Vec<u8>)>, body: Option<Bytes>, retention: Option<Duration> },
 }
 
 /// Why a resolution was not applied.
@@ -192,14 +257,18 @@ pub async fn resolve(store: &Store, scope: &Scope, req: ResolveRequest, default_
                 }
             }
             Resolution::Complete {
-                response: StoredResponse { status, headers, body: Some(body) },
+                response: StoredResponse { status, headers, body },
                 retention: retention.map_or(default_retention, Retention::For),
                 force: req.force,
             }
         }
     };
     let note = AuditNote { actor: req.actor, reason: reason.unwrap_or("(no reason given)").to_owned(), forced: req.force };
-    match store.resolve(scope, &resolution, &note).await? {
+    let outcome = match req.fence {
+        Some(fence) => store.resolve_probed(scope, &resolution, &note, fence).await?,
+        None => store.resolve(scope, &resolution, &note).await?,
+    };
+    match outcome {
         ResolveOutcome::Resolved { from } => Ok(from),
         ResolveOutcome::NotFound => Err(ResolveError::NotFound),
         ResolveOutcome::Refused(r) => Err(ResolveError::Refused(r)),
@@ -212,18 +281,24 @@ pub fn default_retention(routes: &[crate::route::Route], operation: &str) -> Ret
     routes.iter().find(|r| &*r.operation == operation).map_or(Retention::For(Duration::from_secs(24 * 3600)), |r| r.retention)
 }
 
-/// One audit row as JSON (`keys audit --json`, `GET /admin/audit`).
+/// A scope as JSON.
+pub fn scope_json(s: &Scope) -> serde_json::Value {
+    json!({ "tenant": &*s.tenant, "principal": &*s.principal, "operation": &*s.operation, "key": s.key.as_str() })
+}
+
+/// The audit trail as JSON (`keys audit --json`, `GET /admin/audit`):
+/// `{"entries": [...]}`, newest first.
+pub fn audit_page_json(entries: &[AuditEntry]) -> serde_json::Value {
+    json!({ "entries": entries.iter().map(audit_json).collect::<Vec<_>>() })
+}
+
+/// One audit row as JSON.
 pub fn audit_json(a: &AuditEntry) -> serde_json::Value {
     json!({
         "id": a.id,
         "at": a.at.to_string(),
         "actor": a.actor,
-        "scope": {
-            "tenant": &*a.scope.tenant,
-            "principal": &*a.scope.principal,
-            "operation": &*a.scope.operation,
-            "key": a.scope.key.as_str(),
-        },
+        "scope": scope_json(&a.scope),
         "from_state": a.from_state,
         "to_state": a.to_state,
         "reason": a.reason,

@@ -28,6 +28,8 @@
 //! - [`admin`], [`metrics`], [`background`]: health, Prometheus, sweeper and
 //!   lease reaper.
 //! - [`keys`], [`demo`]: operator commands and the built-in demo.
+//! - [`reconcile`]: the probe that settles `unknown` records by asking the
+//!   upstream, and the reconciler task that runs it.
 //! - [`logging`], [`signals`]: the process around the gateway — log settings
 //!   and a writer that never fails a request, and the cancellation root
 //!   (SIGTERM/SIGINT) with SIGHUP as events.
@@ -56,6 +58,7 @@ pub mod operation;
 pub mod outbox;
 pub mod passthrough;
 pub mod problem;
+pub mod reconcile;
 pub mod record;
 pub mod relay;
 pub mod replay;

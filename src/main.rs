@@ -89,6 +89,9 @@ enum KeysCommand {
         retention: Option<Forever>,
         #[arg(long, default_value_t = 100)]
         limit: u32,
+        /// Continue after the previous page (its `next_cursor`).
+        #[arg(long)]
+        cursor: Option<String>,
         #[arg(long)]
         json: bool,
     },
@@ -314,13 +317,17 @@ async fn keys(config: &Config, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
     };
     let secret = secret.as_deref();
     match cmd {
-        KeysCommand::List { state, tenant, operation, retention, limit, json } => {
-            let records = store.list(&ListFilter { state, tenant, operation, forever: retention.is_some(), limit }).await?;
+        KeysCommand::List { state, tenant, operation, retention, limit, cursor, json } => {
+            let cursor = cursor.as_deref().map(idemgate::keys::decode_cursor).transpose().context("--cursor")?;
+            let filter = ListFilter { state, tenant, operation, forever: retention.is_some(), limit, cursor };
+            let page = idemgate::keys::list(&store, &filter).await?;
             if json {
-                let list: Vec<_> = records.iter().map(|r| idemgate::keys::record_json(r, false, secret)).collect();
-                emit(&format!("{}\n", serde_json::to_string_pretty(&list)?))?;
+                emit(&format!("{}\n", serde_json::to_string_pretty(&idemgate::keys::page_json(&page, secret))?))?;
             } else {
-                emit(&idemgate::keys::list_table(&records))?;
+                emit(&idemgate::keys::list_table(&page.records))?;
+                if let Some(next) = &page.next_cursor {
+                    emit(&format!("more: --cursor {next}\n"))?;
+                }
             }
         }
         KeysCommand::Show { scope: args, json } => {
@@ -351,9 +358,9 @@ async fn keys(config: &Config, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
                     let value = http::HeaderValue::from_str(value.trim()).with_context(|| format!("--header {h:?}: bad value"))?;
                     headers.push((name.as_str().to_owned(), value.as_bytes().to_vec()));
                 }
-                ResolveAction::Complete { status, headers, body: body.into(), retention: args.retention }
+                ResolveAction::Complete { status, headers, body: Some(body.into()), retention: args.retention }
             };
-            let request = ResolveRequest { action, reason: args.reason, force: args.force, actor: Actor::Cli };
+            let request = ResolveRequest { action, reason: args.reason, force: args.force, actor: Actor::Cli, fence: None };
             let retention = idemgate::keys::default_retention(&config.routes, &s.operation);
             match idemgate::keys::resolve(&store, &s, request, retention).await {
                 Ok(from) => say(&format!("resolved (was {from})\n")),
@@ -373,8 +380,7 @@ async fn keys(config: &Config, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
         KeysCommand::Audit { limit, json } => {
             let entries = store.audit(limit).await?;
             if json {
-                let list: Vec<_> = entries.iter().map(idemgate::keys::audit_json).collect();
-                emit(&format!("{}\n", serde_json::to_string_pretty(&list)?))?;
+                emit(&format!("{}\n", serde_json::to_string_pretty(&idemgate::keys::audit_page_json(&entries))?))?;
             } else {
                 emit(&idemgate::keys::audit_table(&entries))?;
             }

@@ -118,6 +118,34 @@ impl AttemptOutcome {
     }
 }
 
+/// What a reconciliation probe said, as counted in
+/// `idemgate_probes_total{operation,outcome}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProbeOutcome {
+    /// A `found` status: the record was completed with the probe's answer.
+    Found,
+    /// An `absent` status: the key was released.
+    Absent,
+    /// Another status: the record stays unknown (backoff).
+    Inconclusive,
+    /// No answer (refused, timeout, unreadable), or the probe could not be
+    /// built: the record stays unknown (backoff).
+    Error,
+}
+
+impl ProbeOutcome {
+    pub const ALL: [ProbeOutcome; 4] = [ProbeOutcome::Found, ProbeOutcome::Absent, ProbeOutcome::Inconclusive, ProbeOutcome::Error];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProbeOutcome::Found => "found",
+            ProbeOutcome::Absent => "absent",
+            ProbeOutcome::Inconclusive => "inconclusive",
+            ProbeOutcome::Error => "error",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct UpstreamLabels {
     upstream: String,
@@ -219,6 +247,7 @@ pub struct Metrics {
     oldest: Family<StateLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     attempts: Family<AttemptLabels, Counter>,
     requeued: Counter,
+    probes: Family<AttemptLabels, Counter>,
     /// Every `records`/`oldest` series created so far (to zero emptied ones).
     record_series: Mutex<HashSet<StateLabels>>,
     deliveries: Family<DeliveryLabels, Counter>,
@@ -310,6 +339,8 @@ impl Metrics {
         );
         let forever = Family::<OperationLabels, Gauge>::default();
         registry.register("forever_records", "Records kept forever (retention = \"forever\"), by operation", forever.clone());
+        let probes = Family::<AttemptLabels, Counter>::default();
+        registry.register("probes", "Reconciliation probes of unknown records by operation and what they said", probes.clone());
         Metrics {
             registry,
             requests,
@@ -324,6 +355,7 @@ impl Metrics {
             oldest,
             attempts,
             requeued,
+            probes,
             record_series: Mutex::default(),
             deliveries,
             events_pending,
@@ -439,6 +471,19 @@ impl Metrics {
         self.events_pending.set(stats.pending);
         self.events_parked.set(stats.parked);
         self.events_oldest_pending.set(stats.oldest_pending_at.map_or(0.0, |at| at.until(now).as_secs_f64()));
+    }
+
+    /// Creates the probe series of the probed operations at zero.
+    pub fn declare_probes<'a>(&self, operations: impl IntoIterator<Item = &'a str>) {
+        for operation in operations {
+            for outcome in ProbeOutcome::ALL {
+                let _ = self.probes.get_or_create(&AttemptLabels { operation: operation.to_owned(), outcome: outcome.as_str() });
+            }
+        }
+    }
+
+    pub fn probe(&self, operation: &str, outcome: ProbeOutcome) {
+        self.probes.get_or_create(&AttemptLabels { operation: operation.to_owned(), outcome: outcome.as_str() }).inc();
     }
 
     pub fn requeued(&self, n: u64) {

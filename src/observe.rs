@@ -203,6 +203,7 @@ impl Observer {
             claim_token: Uuid::new_v4(),
             acceptance: None,
             key_source: found.source,
+            request_head: crate::reconcile::request_head(route, &parts),
         };
         let log_id = claim.scope.log_id();
         let (decided_tx, decided_rx) = oneshot::channel();

@@ -104,6 +104,14 @@ impl PathTemplate {
         self.segments.iter().map(is_param).cmp(other.segments.iter().map(is_param))
     }
 
+    /// The names of the `{param}` segments, in template order.
+    pub fn param_names(&self) -> impl Iterator<Item = &str> {
+        self.segments.iter().filter_map(|s| match s {
+            Segment::Param(name) => Some(name.as_str()),
+            Segment::Literal(_) => None,
+        })
+    }
+
     /// Matches a request path (without query); on success returns the
     /// parameters in template order. Parameter values are the raw segments.
     pub fn matches(&self, path: &str) -> Option<Vec<(String, String)>> {
@@ -271,6 +279,8 @@ pub struct Route {
     /// Observe mode: the longest the store may delay a request (the claim);
     /// past it the request passes unobserved.
     pub observe_budget: Duration,
+    /// `[routes.reconcile]`: the probe that settles this route's `unknown` records.
+    pub reconcile: Option<Arc<crate::reconcile::Probe>>,
 }
 
 /// What a completed record keeps and how it is answered again.
@@ -412,6 +422,7 @@ mod tests {
             scope: ScopeMode::Principal,
             replay: ReplayMode::Stored,
             observe_budget: Duration::from_millis(50),
+            reconcile: None,
         }
     }
 

@@ -21,6 +21,7 @@ use crate::config::Config;
 use crate::gateway::Gateway;
 use crate::metrics::Metrics;
 use crate::outbox::EventPolicies;
+use crate::reconcile::Reconciler;
 use crate::relay::Relay;
 use crate::route::RouteMode;
 use crate::store::{Access, Store, StoreError};
@@ -48,6 +49,8 @@ pub struct Server {
     proxy: Vec<TcpListener>,
     admin: Option<TcpListener>,
     tracker: TaskTracker,
+    /// The derived-key secret (the reconciler's `{derived_key}`, the admin API).
+    secret: Arc<[u8]>,
 }
 
 impl Server {
@@ -78,8 +81,8 @@ impl Server {
             None => Arc::from(store.derived_key_secret().await?.ok_or(ServeError::NoSecret)?),
         };
         let tracker = TaskTracker::new();
-        let gateway = Arc::new(Gateway::new(&config, store, metrics.clone(), tracker.clone(), secret));
-        Ok(Server { config, gateway, metrics, proxy, admin, tracker })
+        let gateway = Arc::new(Gateway::new(&config, store, metrics.clone(), tracker.clone(), secret.clone()));
+        Ok(Server { config, gateway, metrics, proxy, admin, tracker, secret })
     }
 
     pub fn proxy_addr(&self) -> Option<SocketAddr> {
@@ -105,7 +108,7 @@ impl Server {
     /// admin listener, the background tasks and the store's batchers run on
     /// the main runtime.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), ServeError> {
-        let Server { config, gateway, metrics, proxy, admin, tracker } = self;
+        let Server { config, gateway, metrics, proxy, admin, tracker, secret } = self;
         tracing::info!(
             addr = %proxy.first().and_then(|l| l.local_addr().ok()).map(|a| a.to_string()).unwrap_or_default(),
             admin = %admin.as_ref().and_then(|a| a.local_addr().ok()).map(|a| a.to_string()).unwrap_or_default(),
@@ -141,6 +144,9 @@ impl Server {
         if let Some(relay) = Relay::new(&gateway.routes(), gateway.store().clone(), metrics.clone()) {
             background.spawn(relay.run(shutdown.clone()));
         }
+        if let Some(reconciler) = Reconciler::new(&config, gateway.store().clone(), metrics.clone(), secret.clone()) {
+            reconciler.spawn(&background, shutdown.clone());
+        }
         // Async workers run on this runtime, on the connections' tracker: the
         // drain waits for the attempts they hold.
         let replica: Arc<str> = config.server.replica_id.as_str().into();
@@ -152,8 +158,11 @@ impl Server {
         );
         let http = http_builder(config.server.request_header_timeout);
         if let Some(admin) = admin {
-            let admin_state =
-                Arc::new(Admin::new(gateway.store().clone(), metrics.clone(), config.admin.as_ref().and_then(|a| a.token.clone())));
+            let admin_state = Arc::new(
+                Admin::new(gateway.store().clone(), metrics.clone(), config.admin.as_ref().and_then(|a| a.token.clone()))
+                    .with_routes(config.routes.clone())
+                    .with_derived_key_secret(secret.clone()),
+            );
             let http = http.clone();
             let shutdown = shutdown.clone();
             let conns = tracker.clone();

@@ -349,6 +349,7 @@ fn claim_request(key: &str) -> ClaimRequest {
         claim_token: Uuid::new_v4(),
         acceptance: None,
         key_source: "header:idempotency-key".into(),
+        request_head: None,
     }
 }
 

@@ -531,6 +531,7 @@ async fn fill(store: &idemgate::store::Store, tag: &str, body: Option<&'static [
                     claim_token: uuid::Uuid::new_v4(),
                     acceptance: None,
                     key_source: "body:/client_order_id".into(),
+                    request_head: None,
                 };
                 let ClaimOutcome::Claimed(claim) = store.claim(&req).await.expect("claim") else { panic!("not claimed") };
                 let response = StoredResponse { status: 201, headers, body: body.map(bytes::Bytes::from_static) };

@@ -125,6 +125,7 @@ fn req(scope: &Scope, hash: u8, lease: Duration, upstream_idempotent: bool) -> C
         claim_token: Uuid::new_v4(),
         acceptance: None,
         key_source: "header:idempotency-key".into(),
+        request_head: None,
     }
 }
 
@@ -619,7 +620,8 @@ async fn list_filters_orders_and_limits(backend: Backend) {
 
     let list = |state: Option<State>, tenant: Option<&str>, operation: Option<&str>, limit: u32| {
         let store = store.clone();
-        let filter = ListFilter { state, tenant: tenant.map(Into::into), operation: operation.map(Into::into), forever: false, limit };
+        let filter =
+            ListFilter { state, tenant: tenant.map(Into::into), operation: operation.map(Into::into), forever: false, limit, cursor: None };
         async move { keys_of(&store.list(&filter).await.expect("list")) }
     };
     assert_eq!(list(None, None, None, 100).await, ["e", "d", "c", "b", "a"]);

@@ -343,6 +343,21 @@ pub struct RouteSection {
     pub observe_budget: Option<String>,
     #[serde(default)]
     pub fingerprint: FingerprintSection,
+    /// `[routes.reconcile]`: the probe that settles `unknown` records.
+    pub reconcile: Option<ReconcileSection>,
+}
+
+/// `[routes.reconcile]`, see `crate::reconcile::Probe`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReconcileSection {
+    /// `"GET /v1/orders/by-key/{derived_key}"`.
+    pub probe: Option<String>,
+    pub found: Option<Vec<i64>>,
+    pub found_as: Option<i64>,
+    pub absent: Option<Vec<i64>>,
+    pub settle: Option<String>,
+    pub interval: Option<String>,
 }
 
 /// A size written as a string (`"64KiB"`) or as a number of bytes.

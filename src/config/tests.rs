@@ -521,3 +521,87 @@ fn observe_mode_and_its_budget() {
     let e = parse(&minimal("mode = \"watch\"")).unwrap_err();
     assert!(issue(&e, "routes[0].mode").contains("\"observe\""), "{e}");
 }
+
+// ---- issue 11: the unknown window --------------------------------------------------
+
+#[test]
+fn connect_timeout_must_end_before_the_exchange_times_out() {
+    // Explicitly as long as the timeout: refused, with the path.
+    let text = minimal("").replace("timeout = \"2s\"", "timeout = \"2s\"\nconnect_timeout = \"2s\"");
+    let e = parse(&text).unwrap_err();
+    let msg = issue(&e, "upstreams[0].connect_timeout");
+    assert!(msg.contains("shorter than upstreams[0].timeout"), "{msg}");
+    // Absent: 1s, or half of a shorter timeout.
+    assert_eq!(parse(&minimal("")).unwrap().upstreams[0].connect_timeout, Duration::from_secs(1));
+    let short = minimal("lease = \"2s\"").replace("timeout = \"2s\"", "timeout = \"600ms\"");
+    assert_eq!(parse(&short).unwrap().upstreams[0].connect_timeout, Duration::from_millis(300));
+}
+
+#[test]
+fn a_sync_lease_leaves_room_for_the_claim_and_the_result_write() {
+    // The case that used to pass and then answer random 503s.
+    let e = parse(&minimal("lease = \"2001ms\"")).unwrap_err();
+    let msg = issue(&e, "routes[0].lease");
+    assert!(msg.contains("at least 2s 500ms"), "{msg}");
+    assert_eq!(parse(&minimal("lease = \"2500ms\"")).unwrap().routes[0].lease, Duration::from_millis(2500));
+    // Async routes renew their lease by heartbeats: shorter is fine.
+    assert!(parse(&minimal("mode = \"async\"\nlease = \"1s\"")).is_ok());
+}
+
+#[test]
+fn a_probe_is_parsed_with_its_defaults() {
+    let c = parse(&minimal("[routes.reconcile]\nprobe = \"GET /v1/orders/by-key/{derived_key}\"")).unwrap();
+    let p = c.routes[0].reconcile.as_ref().expect("probe");
+    assert_eq!(p.method, http::Method::GET);
+    assert_eq!(p.target.as_str(), "/v1/orders/by-key/{derived_key}");
+    assert_eq!(p.found, vec![http::StatusCode::OK]);
+    assert_eq!(p.found_as, None);
+    assert_eq!(p.absent, vec![http::StatusCode::NOT_FOUND]);
+    assert_eq!((p.settle, p.interval), (Duration::from_secs(30), Duration::from_secs(30)));
+    assert!(parse(&minimal("")).unwrap().routes[0].reconcile.is_none(), "no probe unless configured");
+
+    let text = minimal(
+        "[routes.reconcile]\nprobe = \"head /v1/orders/{id}/by-key?k={key}\"\nfound = [200, 204]\nfound_as = 201\nabsent = [404, 410]\n\
+         settle = \"5s\"\ninterval = \"250ms\"",
+    )
+    .replace("path = \"/v1/orders\"", "path = \"/v1/orders/{id}\"");
+    let c = parse(&text).unwrap();
+    let p = c.routes[0].reconcile.as_ref().expect("probe");
+    assert_eq!(p.method, http::Method::HEAD);
+    assert!(p.target.uses_params());
+    assert_eq!(p.found_as, Some(http::StatusCode::CREATED));
+    assert_eq!(p.absent.len(), 2);
+    assert_eq!((p.settle, p.interval), (Duration::from_secs(5), Duration::from_millis(250)));
+}
+
+#[test]
+fn bad_probes_are_reported_by_path() {
+    let text = minimal(
+        "forward_key = \"client\"\n[routes.reconcile]\nprobe = \"GET /v1/orders/by-key/{derived_key}/{id}\"\nfound = [200, 99]\n\
+         found_as = 700\nabsent = [200]\nsettle = \"soon\"\ninterval = \"0s\"\ncolour = 1",
+    );
+    let e = parse(&text).unwrap_err();
+    // A broken section (unknown key) is reported alone first.
+    assert!(e.mentions("routes[0].reconcile.colour"), "{e}");
+    let e = parse(&text.replace("\ncolour = 1", "")).unwrap_err();
+    for path in [
+        "routes[0].reconcile.probe",
+        "routes[0].reconcile.found[1]",
+        "routes[0].reconcile.found_as",
+        "routes[0].reconcile.settle",
+        "routes[0].reconcile.interval",
+    ] {
+        assert!(e.mentions(path), "missing {path} in:\n{e}");
+    }
+    assert!(issue(&e, "routes[0].reconcile.probe").contains("unknown placeholder {id}"), "{e}");
+    // {derived_key} on a route that forwards the client's key.
+    let e = parse(&minimal("forward_key = \"client\"\n[routes.reconcile]\nprobe = \"GET /o/{derived_key}\"")).unwrap_err();
+    assert!(issue(&e, "routes[0].reconcile.probe").contains("{key}"), "{e}");
+    // A status that says two things.
+    let e = parse(&minimal("[routes.reconcile]\nprobe = \"GET /o/{key}\"\nfound = [200]\nabsent = [200, 404]")).unwrap_err();
+    assert!(issue(&e, "routes[0].reconcile.absent").contains("200"), "{e}");
+    let e = parse(&minimal("[routes.reconcile]\nfound = [200]")).unwrap_err();
+    assert!(e.mentions("routes[0].reconcile.probe"), "{e}");
+    let e = parse(&minimal("[routes.reconcile]\nprobe = \"DELETE /o/{key}\"")).unwrap_err();
+    assert!(issue(&e, "routes[0].reconcile.probe").contains("GET or HEAD"), "{e}");
+}

@@ -10,8 +10,8 @@ use ipnet::IpNet;
 
 use super::error::{ConfigError, Issues};
 use super::file::{
-    AuthorizeSection, EventsSection, FileConfig, IdentitySourceSection, OneOrMany, Part, RouteSection, SizeValue, StoreSection,
-    UpstreamSection,
+    AuthorizeSection, EventsSection, FileConfig, IdentitySourceSection, OneOrMany, Part, ReconcileSection, RouteSection, SizeValue,
+    StoreSection, UpstreamSection,
 };
 use super::{AdminConfig, Config, DEFAULT_SQLITE_PATH, Secret, ServerConfig, StoreBackend, StoreConfig, UpstreamConfig, WorkersConfig};
 use crate::authorize::AuthorizeConfig;
@@ -19,6 +19,7 @@ use crate::fingerprint::{FingerprintSpec, JsonPointer};
 use crate::identity::{Identity, IdentitySource};
 use crate::keysource::{KeySource, KeySources};
 use crate::outbox::{EventType, EventsConfig};
+use crate::reconcile::{Probe, ProbeTarget};
 use crate::route::{ForwardKey, InFlightPolicy, PathTemplate, ReplayMode, Retention, RetryPolicy, Route, RouteMode, ScopeMode};
 
 /// Longest accepted duration: beyond it, database interval arithmetic and
@@ -971,6 +972,10 @@ impl Validator<'_> {
             }
         };
         let fingerprint = self.fingerprint(&p, &r.fingerprint);
+        let reconcile = match &r.reconcile {
+            None => Some(None),
+            Some(section) => self.probe(&p, section, path.as_ref(), forward_key).map(|probe| Some(std::sync::Arc::new(probe))),
+        };
         Some(Route {
             index: i,
             operation: operation?.into(),
@@ -1018,6 +1023,7 @@ impl Validator<'_> {
                 }
             },
             observe_budget: observe_budget?,
+            reconcile: reconcile?,
         })
     }
 
@@ -1055,6 +1061,69 @@ impl Validator<'_> {
             }
         }
         if ok { KeySources::new(sources) } else { None }
+    }
+
+    /// `[routes.reconcile]`. `path` is `None` when the route's path is
+    /// invalid (already reported): its parameters are unknown.
+    fn probe(&mut self, p: &str, r: &ReconcileSection, path: Option<&PathTemplate>, forward_key: Option<ForwardKey>) -> Option<Probe> {
+        let p = format!("{p}.reconcile");
+        let params: Vec<&str> = path?.param_names().collect();
+        let target = self.required(&format!("{p}.probe"), r.probe.as_deref()).and_then(|s| match ProbeTarget::parse_probe(s, &params) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                self.issues.push(format!("{p}.probe"), e);
+                None
+            }
+        });
+        if let Some((_, t)) = &target
+            && t.uses_derived_key()
+            && forward_key == Some(ForwardKey::Client)
+        {
+            self.issues.push(
+                format!("{p}.probe"),
+                "this route forwards the client's own key (forward_key = \"client\"): the upstream never saw {derived_key}; use {key}",
+            );
+        }
+        let found = self.statuses(&format!("{p}.found"), r.found.as_deref(), &[200]);
+        if found.as_ref().is_some_and(Vec::is_empty) {
+            self.issues.push(format!("{p}.found"), "list at least one status that means the operation happened");
+        }
+        let absent = self.statuses(&format!("{p}.absent"), r.absent.as_deref(), &[404]);
+        if let (Some(found), Some(absent)) = (&found, &absent)
+            && let Some(both) = found.iter().find(|s| absent.contains(s))
+        {
+            self.issues.push(format!("{p}.absent"), format!("{} is also in found: a status must say one thing", both.as_u16()));
+        }
+        let found_as = match r.found_as {
+            None => Some(None),
+            Some(code) => self.statuses(&format!("{p}.found_as"), Some(&[code]), &[]).and_then(|s| s.first().copied()).map(Some),
+        };
+        let settle = self.duration(&format!("{p}.settle"), r.settle.as_deref(), "30s");
+        let interval = self.duration(&format!("{p}.interval"), r.interval.as_deref(), "30s");
+        let interval = self.at_least(&format!("{p}.interval"), interval, Duration::from_millis(10));
+        let (method, target) = target?;
+        Some(Probe { method, target, found: found?, found_as: found_as?, absent: absent?, settle: settle?, interval: interval? })
+    }
+
+    /// A list of final HTTP statuses (200-599: what a recorded response or a
+    /// probe's answer can be).
+    fn statuses(&mut self, path: &str, list: Option<&[i64]>, default: &[u16]) -> Option<Vec<StatusCode>> {
+        let Some(list) = list else {
+            return Some(default.iter().filter_map(|c| StatusCode::from_u16(*c).ok()).collect());
+        };
+        let mut ok = true;
+        let mut out = Vec::new();
+        for (k, code) in list.iter().enumerate() {
+            match u16::try_from(*code).ok().filter(|c| (200..=599).contains(c)).and_then(|c| StatusCode::from_u16(c).ok()) {
+                Some(s) => out.push(s),
+                None => {
+                    ok = false;
+                    let at = if path.ends_with("found_as") { path.to_owned() } else { format!("{path}[{k}]") };
+                    self.issues.push(at, format!("{code} is not a final HTTP status (200-599)"));
+                }
+            }
+        }
+        ok.then_some(out)
     }
 
     fn fingerprint(&mut self, p: &str, f: &super::file::FingerprintSection) -> Option<FingerprintSpec> {

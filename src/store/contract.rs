@@ -43,6 +43,12 @@ pub struct ClaimRequest {
     /// Which of the route's key sources gave the key (`header:<name>` or
     /// `body:<JSON Pointer>`), kept in the record.
     pub key_source: Arc<str>,
+    /// Sync claims on a route whose reconciliation probe needs path
+    /// parameters: the request line (`operation::StoredRequest` with method,
+    /// path and query only), kept in the record's `request` column so the
+    /// reconciler can rebuild the probe. (An acceptance stores the whole
+    /// request there instead.)
+    pub request_head: Option<Bytes>,
 }
 
 /// What an async acceptance stores besides the claim.
@@ -190,7 +196,7 @@ pub enum ResolveOutcome {
     Refused(Refused),
 }
 
-/// Filters for `keys list`.
+/// Filters for `keys list` and `GET /admin/records`.
 #[derive(Debug, Clone, Default)]
 pub struct ListFilter {
     pub state: Option<State>,
@@ -199,6 +205,55 @@ pub struct ListFilter {
     /// Only records kept forever (`keys list --retention forever`).
     pub forever: bool,
     pub limit: u32,
+    /// Keyset pagination: only records after this one in the list's order.
+    pub cursor: Option<ListCursor>,
+}
+
+/// A position in the list's order (`updated_at` newest first, then the
+/// primary key ascending): the last record of the previous page. Clients see
+/// it only encoded (`keys::encode_cursor`), as an opaque string.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListCursor {
+    pub updated_at: Timestamp,
+    pub scope: Scope,
+}
+
+impl ListCursor {
+    /// The cursor that continues after `record`.
+    pub fn after(record: &Record) -> ListCursor {
+        ListCursor { updated_at: record.updated_at, scope: record.scope.clone() }
+    }
+}
+
+/// A route whose `unknown` records the reconciler probes, and how long a
+/// record must have been unknown first.
+#[derive(Debug, Clone)]
+pub struct ProbeRoute {
+    pub operation: Arc<str>,
+    pub settle: Duration,
+}
+
+/// What a probe's result write must still find: the record `unknown` at the
+/// generation that was probed, and marked by this probe (`token`). An
+/// operator's resolution in between, a new life of the key, or another
+/// replica that took the record over after this probe's hold ran out all
+/// fence the write off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProbeFence {
+    pub generation: Generation,
+    pub token: Uuid,
+}
+
+/// An `unknown` record taken for probing (marked with the fence's token
+/// until the hold runs out; no other replica takes it meanwhile).
+#[derive(Debug, Clone)]
+pub struct Probing {
+    pub record: Record,
+    /// The stored request (async) or request line (sync), if any.
+    pub request: Option<Bytes>,
+    /// Inconclusive probes of this generation so far.
+    pub attempts: i32,
+    pub fence: ProbeFence,
 }
 
 /// How many records of an operation are kept forever (`retention = "forever"`).
@@ -268,12 +323,16 @@ pub trait RecordStore: Send + Sync + std::fmt::Debug {
     /// An operator's (or the reconciler's) resolution, decided by
     /// `record::transition`, written together with its audit row in one
     /// transaction. The generation of a completed resolution is drawn anew.
+    /// With a `fence` (the reconciler), it applies only to the record the
+    /// probe took: `unknown`, same generation, same probe token; else
+    /// `Refused(Fenced)`.
     async fn resolve(
         &self,
         scope: &Scope,
         resolution: &Resolution,
         note: &AuditNote,
         events: &EventPolicies,
+        fence: Option<ProbeFence>,
     ) -> Result<ResolveOutcome, StoreError>;
 
     /// The audit trail, newest first.
@@ -355,4 +414,17 @@ pub trait RecordStore: Send + Sync + std::fmt::Debug {
     /// Records kept forever, counted by operation (a partial index holds
     /// exactly these rows).
     async fn forever_counts(&self) -> Result<Vec<ForeverCount>, StoreError>;
+
+    /// The reconciler takes up to `limit` `unknown` records of `routes` that
+    /// have been unknown for at least their route's `settle`, are due (their
+    /// backoff has passed) and are not being probed by anyone (no live mark):
+    /// each is marked with `token` until `hold` from now, atomically (`FOR
+    /// UPDATE SKIP LOCKED`, or the single writer), so two replicas never
+    /// probe one record at once. Bookkeeping of an earlier generation is
+    /// ignored (a new life of the key starts afresh).
+    async fn take_probes(&self, routes: &[ProbeRoute], token: Uuid, hold: Duration, limit: u32) -> Result<Vec<Probing>, StoreError>;
+
+    /// An inconclusive probe: counts it, clears the mark and makes the
+    /// record due again after `retry_in`. Fenced like a probe's resolution.
+    async fn probe_failed(&self, scope: &Scope, fence: ProbeFence, retry_in: Duration) -> Result<bool, StoreError>;
 }

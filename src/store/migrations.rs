@@ -21,7 +21,12 @@ pub const POSTGRES: &[Migration] = &[
         sql: include_str!("../../migrations/postgres/0002_generations_settings_audit.sql"),
     },
     Migration { version: 3, name: "0003_async_operations", sql: include_str!("../../migrations/postgres/0003_async_operations.sql") },
-    // 0004 and 0005 are reserved for changes made on other branches.
+    Migration {
+        version: 4,
+        name: "0004_reconciliation_probes",
+        sql: include_str!("../../migrations/postgres/0004_reconciliation_probes.sql"),
+    },
+    // 0005 is reserved for a change made on another branch.
     Migration { version: 6, name: "0006_key_source_forever", sql: include_str!("../../migrations/postgres/0006_key_source_forever.sql") },
     Migration { version: 7, name: "0007_outbox", sql: include_str!("../../migrations/postgres/0007_outbox.sql") },
 ];
@@ -34,6 +39,12 @@ pub const SQLITE: &[Migration] = &[
         sql: include_str!("../../migrations/sqlite/0002_generations_settings_audit.sql"),
     },
     Migration { version: 3, name: "0003_async_operations", sql: include_str!("../../migrations/sqlite/0003_async_operations.sql") },
+    Migration {
+        version: 4,
+        name: "0004_reconciliation_probes",
+        sql: include_str!("../../migrations/sqlite/0004_reconciliation_probes.sql"),
+    },
+    // 0005 is reserved for a change made on another branch.
     Migration { version: 6, name: "0006_key_source_forever", sql: include_str!("../../migrations/sqlite/0006_key_source_forever.sql") },
     Migration { version: 7, name: "0007_outbox", sql: include_str!("../../migrations/sqlite/0007_outbox.sql") },
 ];

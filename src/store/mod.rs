@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 use uuid::Uuid;
 
 pub use contract::{
-    Acceptance, Claim, ClaimOutcome, ClaimRequest, EventStats, ForeverCount, ListFilter, RawClaim, Reaped, RecordStore, Resolution,
-    ResolveOutcome, RetryNote, StateCount, Taken, WorkerRoute, WriteOutcome,
+    Acceptance, Claim, ClaimOutcome, ClaimRequest, EventStats, ForeverCount, ListCursor, ListFilter, ProbeFence, ProbeRoute, Probing,
+    RawClaim, Reaped, RecordStore, Resolution, ResolveOutcome, RetryNote, StateCount, Taken, WorkerRoute, WriteOutcome,
 };
 pub use error::StoreError;
 
@@ -360,7 +360,32 @@ impl Store {
 
     /// An operator's or the reconciler's resolution, with its audit row.
     pub async fn resolve(&self, scope: &Scope, resolution: &Resolution, note: &AuditNote) -> Result<ResolveOutcome, StoreError> {
-        self.bounded("resolve", true, self.backend.resolve(scope, resolution, note, &self.events)).await
+        self.bounded("resolve", true, self.backend.resolve(scope, resolution, note, &self.events, None)).await
+    }
+
+    /// The reconciler's resolution: like [`Store::resolve`], but only for
+    /// the record its probe took (see [`ProbeFence`]).
+    pub async fn resolve_probed(
+        &self,
+        scope: &Scope,
+        resolution: &Resolution,
+        note: &AuditNote,
+        fence: ProbeFence,
+    ) -> Result<ResolveOutcome, StoreError> {
+        self.bounded("resolve", true, self.backend.resolve(scope, resolution, note, &self.events, Some(fence))).await
+    }
+
+    /// Takes `unknown` records for probing (see `RecordStore::take_probes`),
+    /// marked with a fresh token until `hold` from now. A take whose answer
+    /// is lost leaves marks nobody holds; they run out with the hold.
+    pub async fn take_probes(&self, routes: &[ProbeRoute], hold: Duration, limit: u32) -> Result<Vec<Probing>, StoreError> {
+        self.bounded("take_probes", true, self.backend.take_probes(routes, Uuid::new_v4(), hold, limit)).await
+    }
+
+    /// An inconclusive probe: due again after `retry_in`.
+    pub async fn probe_failed(&self, scope: &Scope, fence: ProbeFence, retry_in: Duration) -> Result<WriteOutcome, StoreError> {
+        let written = self.bounded("probe_failed", true, self.backend.probe_failed(scope, fence, retry_in)).await?;
+        Ok(if written { WriteOutcome::Written } else { WriteOutcome::Fenced })
     }
 
     /// The audit trail, newest first.

@@ -21,8 +21,8 @@ use uuid::Uuid;
 use super::codec::{decode_headers, encode_headers};
 use super::migrations::{DERIVED_KEY_SECRET, SQLITE, fresh_secret};
 use super::{
-    Access, Claim, ClaimRequest, EventStats, ForeverCount, ListFilter, RawClaim, Reaped, RecordStore, Resolution, ResolveOutcome,
-    RetryNote, StateCount, StoreError, Taken, WorkerRoute,
+    Access, Claim, ClaimRequest, EventStats, ForeverCount, ListFilter, ProbeFence, ProbeRoute, Probing, RawClaim, Reaped, RecordStore,
+    Resolution, ResolveOutcome, RetryNote, StateCount, StoreError, Taken, WorkerRoute,
 };
 use crate::audit::{self, AuditEntry, AuditNote};
 use crate::fingerprint::Fingerprint;
@@ -35,6 +35,8 @@ use async_trait::async_trait;
 const COLUMNS: &str = "tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner, \
      lease_expires_at, response_status, response_headers, response_body, created_at, updated_at, expires_at, \
      operation_id, attempts, next_attempt_at, sent_at, last_status, maybe_executed, key_source";
+/// How many columns `COLUMNS` has: the next column of a row is at this index.
+const NCOLS: usize = 23;
 const KIND: &str = "sqlite";
 
 const PK: &str = "tenant = ?1 AND principal = ?2 AND operation = ?3 AND idempotency_key = ?4";
@@ -250,7 +252,7 @@ impl RecordStore for SqliteStore {
             let lease = now.plus(req.lease);
             // An async acceptance starts queued (due now, no lease) with its request.
             let (state, lease_col, due, operation_id, request, idempotent) = match &req.acceptance {
-                None => ("in_flight", Some(lease.0), None, None, None, req.upstream_idempotent),
+                None => ("in_flight", Some(lease.0), None, None, req.request_head.as_deref(), req.upstream_idempotent),
                 Some(a) => ("queued", None, Some(now.0), Some(a.operation_id.as_str()), Some(&a.request[..]), false),
             };
             let existing = get_tx(tx, &req.scope)?;
@@ -377,15 +379,31 @@ impl RecordStore for SqliteStore {
     async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>, StoreError> {
         let filter = filter.clone();
         self.write(move |conn, _| {
+            // Keyset pagination: after the cursor's record in the list's
+            // order (updated_at descending, then the primary key ascending).
             let sql = format!(
                 "SELECT {COLUMNS} FROM idemgate_records \
                  WHERE (?1 IS NULL OR state = ?1) AND (?2 IS NULL OR tenant = ?2) AND (?3 IS NULL OR operation = ?3) \
                  AND (NOT ?5 OR expires_at = 9223372036854775807) \
+                 AND (?6 IS NULL OR updated_at < ?6 \
+                      OR (updated_at = ?6 AND (tenant, principal, operation, idempotency_key) > (?7, ?8, ?9, ?10))) \
                  ORDER BY updated_at DESC, tenant, principal, operation, idempotency_key LIMIT ?4"
             );
             let mut st = conn.prepare_cached(&sql).map_err(err)?;
+            let c = filter.cursor.as_ref();
             let mut rows = st
-                .query(params![filter.state.map(State::as_str), filter.tenant, filter.operation, i64::from(filter.limit), filter.forever])
+                .query(params![
+                    filter.state.map(State::as_str),
+                    filter.tenant,
+                    filter.operation,
+                    i64::from(filter.limit),
+                    filter.forever,
+                    c.map(|c| c.updated_at.0),
+                    c.map(|c| &*c.scope.tenant),
+                    c.map(|c| &*c.scope.principal),
+                    c.map(|c| &*c.scope.operation),
+                    c.map(|c| c.scope.key.as_str())
+                ])
                 .map_err(err)?;
             let mut out = Vec::new();
             while let Some(row) = rows.next().map_err(err)? {
@@ -402,6 +420,7 @@ impl RecordStore for SqliteStore {
         resolution: &Resolution,
         note: &AuditNote,
         events: &EventPolicies,
+        fence: Option<ProbeFence>,
     ) -> Result<ResolveOutcome, StoreError> {
         let scope = scope.clone();
         let resolution = resolution.clone();
@@ -409,6 +428,11 @@ impl RecordStore for SqliteStore {
         let events = events.clone();
         self.write(move |tx, now| {
             let Some(record) = get_tx(tx, &scope)? else { return Ok(ResolveOutcome::NotFound) };
+            if let Some(fence) = fence
+                && !probe_holds(tx, &scope, &record, fence)?
+            {
+                return Ok(ResolveOutcome::Refused(Refused::Fenced));
+            }
             let (to, generation) = match (transition(&record, resolution.event(), now), &resolution) {
                 (Err(refused), _) => return Ok(ResolveOutcome::Refused(refused)),
                 (Ok(Next::Deleted), _) => {
@@ -851,6 +875,84 @@ impl RecordStore for SqliteStore {
         })
         .await
     }
+
+    async fn take_probes(&self, routes: &[ProbeRoute], token: Uuid, hold: Duration, limit: u32) -> Result<Vec<Probing>, StoreError> {
+        let routes = routes.to_vec();
+        // The one writer thread serializes takes: no two probes take one record.
+        self.write(move |tx, now| {
+            let mut taken = Vec::new();
+            for route in &routes {
+                let left = i64::from(limit).saturating_sub(taken.len() as i64);
+                if left <= 0 {
+                    break;
+                }
+                let settled = Timestamp(now.0.saturating_sub(i64::try_from(route.settle.as_micros()).unwrap_or(i64::MAX)));
+                let sql = format!(
+                    "SELECT {COLUMNS}, request, CASE WHEN probe_generation = generation THEN probe_attempts ELSE 0 END \
+                     FROM idemgate_records WHERE state = 'unknown' AND operation = ?1 AND updated_at <= ?2 \
+                     AND (probe_generation IS NOT generation \
+                          OR ((next_probe_at IS NULL OR next_probe_at <= ?3) AND (probe_until IS NULL OR probe_until <= ?3))) \
+                     ORDER BY updated_at LIMIT ?4"
+                );
+                let mut st = tx.prepare_cached(&sql).map_err(err)?;
+                let mut rows = st.query(params![&*route.operation, settled.0, now.0, left]).map_err(err)?;
+                while let Some(row) = rows.next().map_err(err)? {
+                    let record = decode(row)?;
+                    let request: Option<Vec<u8>> = row.get(NCOLS).map_err(err)?;
+                    let attempts: i32 = row.get(NCOLS + 1).map_err(err)?;
+                    taken.push(Probing {
+                        fence: ProbeFence { generation: record.generation, token },
+                        attempts,
+                        request: request.map(Bytes::from),
+                        record,
+                    });
+                }
+            }
+            for p in &taken {
+                let [t, pr, o, k] = pk(&p.record.scope);
+                tx.prepare_cached(&format!(
+                    "UPDATE idemgate_records SET probe_attempts = ?5, probe_generation = generation, next_probe_at = NULL, \
+                     probe_token = ?6, probe_until = ?7 WHERE {PK}"
+                ))
+                .and_then(|mut st| st.execute(params![t, pr, o, k, p.attempts, token.as_bytes(), now.plus(hold).0]))
+                .map_err(err)?;
+            }
+            Ok(taken)
+        })
+        .await
+    }
+
+    async fn probe_failed(&self, scope: &Scope, fence: ProbeFence, retry_in: Duration) -> Result<bool, StoreError> {
+        let scope = scope.clone();
+        self.write(move |tx, now| {
+            let Some(record) = get_tx(tx, &scope)? else { return Ok(false) };
+            if !probe_holds(tx, &scope, &record, fence)? {
+                return Ok(false);
+            }
+            let [t, p, o, k] = pk(&scope);
+            tx.prepare_cached(&format!(
+                "UPDATE idemgate_records SET probe_attempts = probe_attempts + 1, next_probe_at = ?5, probe_token = NULL, \
+                 probe_until = NULL WHERE {PK}"
+            ))
+            .and_then(|mut st| st.execute(params![t, p, o, k, now.plus(retry_in).0]))
+            .map_err(err)?;
+            Ok(true)
+        })
+        .await
+    }
+}
+
+/// Whether the probe identified by `fence` still holds `record`: unknown, at
+/// the generation probed, marked with the probe's token.
+fn probe_holds(tx: &Connection, scope: &Scope, record: &Record, fence: ProbeFence) -> Result<bool, StoreError> {
+    if record.state != State::Unknown || record.generation != fence.generation {
+        return Ok(false);
+    }
+    let token: Option<Vec<u8>> = tx
+        .prepare_cached(&format!("SELECT probe_token FROM idemgate_records WHERE {PK}"))
+        .and_then(|mut st| st.query_row(pk(scope), |r| r.get(0)))
+        .map_err(err)?;
+    Ok(token.as_deref() == Some(fence.token.as_bytes().as_slice()))
 }
 
 /// The writer thread: takes every job queued, runs them in one `BEGIN

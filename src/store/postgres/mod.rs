@@ -13,13 +13,13 @@ use uuid::Uuid;
 use super::codec::{decode_headers, encode_headers};
 use super::migrations::{DERIVED_KEY_SECRET, PG_LOCK_KEY, POSTGRES, fresh_secret};
 use super::{
-    Acceptance, Claim, ClaimRequest, EventStats, ForeverCount, ListFilter, RawClaim, Reaped, RecordStore, Resolution, ResolveOutcome,
-    RetryNote, StateCount, StoreError, Taken, WorkerRoute,
+    Acceptance, Claim, ClaimRequest, EventStats, ForeverCount, ListFilter, ProbeFence, ProbeRoute, Probing, RawClaim, Reaped, RecordStore,
+    Resolution, ResolveOutcome, RetryNote, StateCount, StoreError, Taken, WorkerRoute,
 };
 use crate::audit::{self, AuditEntry, AuditNote};
 use crate::fingerprint::Fingerprint;
 use crate::outbox::{Delivery, EventPolicies, EventType, OutboxEvent};
-use crate::record::{Attempt, Generation, Next, Record, State, StoredResponse, Timestamp, may_take_over, transition};
+use crate::record::{Attempt, Generation, Next, Record, Refused, State, StoredResponse, Timestamp, may_take_over, transition};
 use crate::route::Retention;
 use crate::scope::{IdempotencyKey, Scope};
 use async_trait::async_trait;
@@ -334,7 +334,7 @@ impl PgStore {
                     &micros(req.lease),
                     &(req.upstream_idempotent && req.acceptance.is_none()),
                     &req.acceptance.as_ref().map(|a| a.operation_id.as_str()),
-                    &req.acceptance.as_ref().map(|a| &a.request[..]),
+                    &req.acceptance.as_ref().map(|a| &a.request[..]).or(req.request_head.as_deref()),
                     &&*req.key_source,
                 ],
                 true,
@@ -492,6 +492,7 @@ impl RecordStore for PgStore {
             lease_us: micros(req.lease),
             acceptance: req.acceptance.clone(),
             key_source: req.key_source.clone(),
+            request_head: req.request_head.clone(),
         };
         match self.claims.submit(item).await? {
             BatchClaim::Inserted { generation, lease_expires_at } => {
@@ -608,15 +609,25 @@ impl RecordStore for PgStore {
     }
 
     async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>, StoreError> {
+        // Keyset pagination: after the cursor's record in the list's order
+        // (updated_at descending, then the primary key ascending).
         let sql = format!(
             "SELECT {COLUMNS} FROM idemgate_records \
              WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR tenant = $2) AND ($3::text IS NULL OR operation = $3) \
              AND (NOT $5::bool OR expires_at = 'infinity') \
+             AND ($6::int8 IS NULL OR updated_at < 'epoch'::timestamptz + $6::int8 * interval '1 microsecond' \
+                  OR (updated_at = 'epoch'::timestamptz + $6::int8 * interval '1 microsecond' \
+                      AND (tenant, principal, operation, idempotency_key) > ($7::text, $8::text, $9::text, $10::text))) \
              ORDER BY updated_at DESC, tenant, principal, operation, idempotency_key LIMIT $4"
         );
         let state = filter.state.map(State::as_str);
         let limit = i64::from(filter.limit);
-        let rows = self.query(&sql, &[&state, &filter.tenant, &filter.operation, &limit, &filter.forever], false).await?;
+        let c = filter.cursor.as_ref();
+        let at = c.map(|c| c.updated_at.0);
+        let (t, p, o, k) =
+            (c.map(|c| &*c.scope.tenant), c.map(|c| &*c.scope.principal), c.map(|c| &*c.scope.operation), c.map(|c| c.scope.key.as_str()));
+        let rows =
+            self.query(&sql, &[&state, &filter.tenant, &filter.operation, &limit, &filter.forever, &at, &t, &p, &o, &k], false).await?;
         rows.iter().map(decode).collect()
     }
 
@@ -626,6 +637,7 @@ impl RecordStore for PgStore {
         resolution: &Resolution,
         note: &AuditNote,
         events: &EventPolicies,
+        fence: Option<ProbeFence>,
     ) -> Result<ResolveOutcome, StoreError> {
         let mut conn = self.conn().await?;
         let w = |e| classify(e, true);
@@ -641,6 +653,17 @@ impl RecordStore for PgStore {
         };
         let record = decode(row)?;
         let now: Timestamp = row.try_get(NCOLS).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        if let Some(fence) = fence {
+            // The row is locked: its probe mark cannot change under us.
+            let marks = tx.query(&format!("SELECT probe_token FROM idemgate_records WHERE {PK}"), &params).await.map_err(w)?;
+            let token: Option<Uuid> =
+                marks.first().map(|r| r.try_get(0)).transpose().map_err(|e| StoreError::Corrupt(e.to_string()))?.flatten();
+            if record.state != State::Unknown || record.generation != fence.generation || token != Some(fence.token) {
+                tx.rollback().await.map_err(w)?;
+                conn.done();
+                return Ok(ResolveOutcome::Refused(Refused::Fenced));
+            }
+        }
         let (to, generation): (Option<State>, Option<i64>) = match transition(&record, resolution.event(), now) {
             Err(refused) => {
                 tx.rollback().await.map_err(w)?;
@@ -998,7 +1021,68 @@ impl RecordStore for PgStore {
         let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
         rows.iter().map(|row| Ok(ForeverCount { operation: row.try_get(0).map_err(c)?, count: row.try_get(1).map_err(c)? })).collect()
     }
+
+    async fn take_probes(&self, routes: &[ProbeRoute], token: Uuid, hold: Duration, limit: u32) -> Result<Vec<Probing>, StoreError> {
+        let ops: Vec<&str> = routes.iter().map(|r| &*r.operation).collect();
+        let settles: Vec<i64> = routes.iter().map(|r| micros(r.settle)).collect();
+        let rows = self.query(TAKE_PROBES, &[&ops, &settles, &token, &micros(hold), &i64::from(limit)], true).await?;
+        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+        rows.iter()
+            .map(|row| {
+                let record = decode(row)?;
+                let request: Option<Vec<u8>> = row.try_get(NCOLS + 1).map_err(c)?;
+                Ok(Probing {
+                    fence: ProbeFence { generation: record.generation, token },
+                    attempts: row.try_get(NCOLS + 2).map_err(c)?,
+                    request: request.map(Bytes::from),
+                    record,
+                })
+            })
+            .collect()
+    }
+
+    async fn probe_failed(&self, scope: &Scope, fence: ProbeFence, retry_in: Duration) -> Result<bool, StoreError> {
+        let sql = format!(
+            "UPDATE idemgate_records SET probe_attempts = probe_attempts + 1, \
+             next_probe_at = now() + $7::int8 * interval '1 microsecond', probe_token = NULL, probe_until = NULL \
+             WHERE {PK} AND state = 'unknown' AND generation = $5 AND probe_token = $6 RETURNING 1"
+        );
+        let (t, p, o, k) = (&*scope.tenant, &*scope.principal, &*scope.operation, scope.key.as_str());
+        let rows = self.query(&sql, &[&t, &p, &o, &k, &fence.generation.0, &fence.token, &micros(retry_in)], true).await?;
+        Ok(!rows.is_empty())
+    }
 }
+
+/// The reconciler takes due `unknown` records of its routes (each past its
+/// route's settle time, not in backoff, not marked by a live probe), marks
+/// them with its token until the hold runs out, and gets them back with their
+/// stored request and the inconclusive probes of this generation so far.
+/// `SKIP LOCKED`: two replicas never take one record.
+const TAKE_PROBES: &str = "\
+WITH routes AS (
+    SELECT * FROM unnest($1::text[], $2::int8[]) AS ro(operation, settle_us)
+), due AS (
+    SELECT r.tenant, r.principal, r.operation, r.idempotency_key
+    FROM idemgate_records r JOIN routes ro ON ro.operation = r.operation
+    WHERE r.state = 'unknown'
+      AND r.updated_at <= now() - ro.settle_us * interval '1 microsecond'
+      AND (r.probe_generation IS DISTINCT FROM r.generation
+           OR ((r.next_probe_at IS NULL OR r.next_probe_at <= now()) AND (r.probe_until IS NULL OR r.probe_until <= now())))
+    ORDER BY r.updated_at
+    LIMIT $5
+    FOR UPDATE OF r SKIP LOCKED
+)
+UPDATE idemgate_records r SET
+    probe_attempts = CASE WHEN r.probe_generation = r.generation THEN r.probe_attempts ELSE 0 END,
+    probe_generation = r.generation, next_probe_at = NULL,
+    probe_token = $3, probe_until = now() + $4::int8 * interval '1 microsecond'
+FROM due d
+WHERE r.tenant = d.tenant AND r.principal = d.principal AND r.operation = d.operation AND r.idempotency_key = d.idempotency_key
+  AND r.state = 'unknown'
+RETURNING r.tenant, r.principal, r.operation, r.idempotency_key, r.request_hash, r.state, r.generation, r.claim_token, r.owner,
+          r.lease_expires_at, r.response_status, r.response_headers, r.response_body, r.created_at, r.updated_at, r.expires_at,
+          r.operation_id, r.attempts, r.next_attempt_at, r.sent_at, r.last_status, r.maybe_executed, r.key_source, now(), r.request,
+          r.probe_attempts";
 
 impl PgStore {
     async fn events_where(
@@ -1038,6 +1122,7 @@ struct ClaimItem {
     lease_us: i64,
     acceptance: Option<Acceptance>,
     key_source: Arc<str>,
+    request_head: Option<Bytes>,
 }
 
 /// What the batched claim found for one item.
@@ -1206,7 +1291,8 @@ impl Db {
         let leases: Vec<i64> = items.iter().map(|i| i.lease_us).collect();
         let owners: Vec<&str> = items.iter().map(|i| &*i.owner).collect();
         let operation_ids: Vec<Option<&str>> = items.iter().map(|i| i.acceptance.as_ref().map(|a| a.operation_id.as_str())).collect();
-        let requests: Vec<Option<&[u8]>> = items.iter().map(|i| i.acceptance.as_ref().map(|a| &a.request[..])).collect();
+        let requests: Vec<Option<&[u8]>> =
+            items.iter().map(|i| i.acceptance.as_ref().map(|a| &a.request[..]).or(i.request_head.as_deref())).collect();
         let key_sources: Vec<&str> = items.iter().map(|i| &*i.key_source).collect();
         let params: [&(dyn tokio_postgres::types::ToSql + Sync); 11] =
             [&tenants, &principals, &operations, &keys, &hashes, &tokens, &owners, &leases, &operation_ids, &requests, &key_sources];

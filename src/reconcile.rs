@@ -1,0 +1,521 @@
+//! Reconciliation: ending `unknown` records without a person.
+//!
+//! A record is `unknown` when its request may have reached the upstream but
+//! the answer was lost (a timeout after sending, a connection that broke, a
+//! lease that ran out). Retrying blindly could execute it twice; releasing it
+//! blindly could lose it. If the upstream can say, for a key, whether the
+//! operation happened (a lookup by the derived `Idempotency-Key` it was
+//! sent), a route's `[routes.reconcile]` [`Probe`] asks it:
+//!
+//! - the [`Reconciler`] (one background task per replica) takes `unknown`
+//!   records of probed routes that have been unknown for at least `settle`
+//!   (time for a request still on its way to arrive), marking each for the
+//!   length of one probe so no other replica probes it meanwhile
+//!   (`Store::take_probes`);
+//! - it sends the probe (`GET /v1/orders/by-key/{derived_key}`) to the
+//!   route's upstream and applies the answer through the one resolution path
+//!   the CLI and the admin API use (`keys::resolve`), as actor `reconciler`,
+//!   fenced: only if the record is still `unknown`, at the generation probed,
+//!   and still marked by this probe (an operator's resolution in between
+//!   wins):
+//!   - `found` statuses: the operation happened, the record is completed with
+//!     the probe's response (status `found_as`, headers minus hop-by-hop),
+//!     which retries are replayed;
+//!   - `absent` statuses: it did not happen, the key is released and the
+//!     client's retry runs it;
+//!   - anything else (another status, a refused connection, a timeout): the
+//!     record stays `unknown` and is probed again after an exponential
+//!     backoff (`interval`, doubling, at most an hour), counted in
+//!     `idemgate_probes_total{outcome="inconclusive"|"error"}`.
+//!
+//! Path parameters in the probe (`{id}` of `/v1/accounts/{id}/orders`) come
+//! from the request as kept in the record: the stored request of an async
+//! operation, or, on synchronous routes whose probe uses them, the request
+//! line kept at claim time ([`request_head`]).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::stream::{self, StreamExt};
+use http::uri::PathAndQuery;
+use http::{Method, Request, StatusCode, request};
+use http_body_util::{BodyExt, Limited};
+use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, utf8_percent_encode};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::audit::Actor;
+use crate::body::Body;
+use crate::config::Config;
+use crate::headers;
+use crate::keys::{self, ResolveAction, ResolveError, ResolveRequest};
+use crate::metrics::{Metrics, ProbeOutcome};
+use crate::operation::StoredRequest;
+use crate::record::Refused;
+use crate::route::Route;
+use crate::store::{ProbeRoute, Probing, Store, StoreError, WriteOutcome};
+use crate::upstream::Upstream;
+
+/// A route's reconciliation probe (`[routes.reconcile]`), validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Probe {
+    /// GET or HEAD: a probe is repeated and must be safe.
+    pub method: Method,
+    pub target: ProbeTarget,
+    /// The operation happened: record the probe's response.
+    pub found: Vec<StatusCode>,
+    /// The status the recorded response gets (default: the probe's own).
+    pub found_as: Option<StatusCode>,
+    /// The operation did not happen: release the key.
+    pub absent: Vec<StatusCode>,
+    /// Probe only records unknown for at least this long.
+    pub settle: Duration,
+    /// How often the reconciler looks, and the first backoff step.
+    pub interval: Duration,
+}
+
+/// What a probe's status says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Found,
+    Absent,
+    Inconclusive,
+}
+
+impl Probe {
+    pub fn verdict(&self, status: StatusCode) -> Verdict {
+        if self.found.contains(&status) {
+            Verdict::Found
+        } else if self.absent.contains(&status) {
+            Verdict::Absent
+        } else {
+            Verdict::Inconclusive
+        }
+    }
+
+    /// The wait before probing again after `attempts` inconclusive probes:
+    /// `interval`, doubling, at most [`MAX_PROBE_BACKOFF`] (never less than
+    /// `interval`).
+    pub fn backoff(&self, attempts: i32) -> Duration {
+        let doublings = u32::try_from(attempts.saturating_sub(1)).unwrap_or(0).min(30);
+        self.interval.saturating_mul(1 << doublings).min(MAX_PROBE_BACKOFF).max(self.interval)
+    }
+}
+
+/// The longest wait between two probes of one record.
+pub const MAX_PROBE_BACKOFF: Duration = Duration::from_secs(3600);
+
+/// The probe's path and query, with placeholders: `{derived_key}` (the
+/// `Idempotency-Key` the upstream was sent), `{key}` (the client's key) and
+/// the route's path parameters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProbeTarget {
+    source: String,
+    pieces: Vec<Piece>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Piece {
+    Literal(String),
+    DerivedKey,
+    Key,
+    Param(String),
+}
+
+/// Characters left as they are in a substituted key: RFC 3986 unreserved.
+/// Everything else (`/`, `?`, `%`, ...) is percent-encoded, so a key is one
+/// path segment or query value whatever it contains.
+const COMPONENT: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
+
+impl ProbeTarget {
+    /// Parses `"GET /v1/orders/by-key/{derived_key}"`: the method and the
+    /// target. `params`: the route's path parameters.
+    pub fn parse_probe(s: &str, params: &[&str]) -> Result<(Method, ProbeTarget), String> {
+        let s = s.trim();
+        let (method, target) = s
+            .split_once(char::is_whitespace)
+            .ok_or_else(|| format!("{s:?} is not \"METHOD /path\" (write e.g. \"GET /v1/orders/by-key/{{derived_key}}\")"))?;
+        let method = match method.to_ascii_uppercase().as_str() {
+            "GET" => Method::GET,
+            "HEAD" => Method::HEAD,
+            other => return Err(format!("method {other:?}: a probe is repeated, so it must be safe: use GET or HEAD")),
+        };
+        Ok((method, ProbeTarget::parse(target.trim(), params)?))
+    }
+
+    fn parse(target: &str, params: &[&str]) -> Result<ProbeTarget, String> {
+        if !target.starts_with('/') {
+            return Err(format!("the target {target:?} must start with '/'"));
+        }
+        if target.contains(char::is_whitespace) || target.contains('#') {
+            return Err(format!("the target {target:?} must not contain spaces or a fragment"));
+        }
+        let mut pieces = Vec::new();
+        let mut rest = target;
+        while !rest.is_empty() {
+            let Some(open) = rest.find(['{', '}']) else {
+                pieces.push(Piece::Literal(rest.to_owned()));
+                break;
+            };
+            if open > 0 {
+                pieces.push(Piece::Literal(rest[..open].to_owned()));
+            }
+            let after = &rest[open..];
+            let close = match after.strip_prefix('{').and_then(|a| a.find('}')) {
+                Some(close) => close,
+                None => return Err(format!("unbalanced braces in {target:?}")),
+            };
+            let name = &after[1..=close];
+            pieces.push(match name {
+                "derived_key" => Piece::DerivedKey,
+                "key" => Piece::Key,
+                p if params.contains(&p) => Piece::Param(p.to_owned()),
+                other => {
+                    let known: Vec<String> =
+                        ["derived_key", "key"].iter().copied().chain(params.iter().copied()).map(|n| format!("{{{n}}}")).collect();
+                    return Err(format!("unknown placeholder {{{other}}}: use {}", known.join(", ")));
+                }
+            });
+            rest = &after[close + 2..];
+        }
+        let t = ProbeTarget { source: target.to_owned(), pieces };
+        let sample: Vec<(String, String)> = params.iter().map(|p| ((*p).to_owned(), "p".to_owned())).collect();
+        t.render("0", "k", &sample).map_err(|e| format!("the target {target:?} is not a valid path and query: {e}"))?;
+        Ok(t)
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.source
+    }
+
+    pub fn uses_params(&self) -> bool {
+        self.pieces.iter().any(|p| matches!(p, Piece::Param(_)))
+    }
+
+    pub fn uses_derived_key(&self) -> bool {
+        self.pieces.contains(&Piece::DerivedKey)
+    }
+
+    /// The path and query to send. `params` are the request's path
+    /// parameters as they appeared in its path (already URI-safe).
+    pub fn render(&self, derived_key: &str, key: &str, params: &[(String, String)]) -> Result<PathAndQuery, ProbeError> {
+        let mut out = String::with_capacity(self.source.len() + derived_key.len());
+        for piece in &self.pieces {
+            match piece {
+                Piece::Literal(s) => out.push_str(s),
+                Piece::DerivedKey => out.extend(utf8_percent_encode(derived_key, COMPONENT)),
+                Piece::Key => out.extend(utf8_percent_encode(key, COMPONENT)),
+                Piece::Param(name) => match params.iter().find(|(n, _)| n == name) {
+                    Some((_, v)) => out.push_str(v),
+                    None => return Err(ProbeError::MissingParam(name.clone())),
+                },
+            }
+        }
+        PathAndQuery::try_from(out).map_err(|e| ProbeError::Target(e.to_string()))
+    }
+}
+
+/// Why a probe could not be sent or read (an `error` outcome).
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    #[error("path parameter {{{0}}} cannot be recovered: the record keeps no request line (claimed before the probe was configured?)")]
+    MissingParam(String),
+    #[error("invalid probe target: {0}")]
+    Target(String),
+    #[error("the record's stored request is unreadable: {0}")]
+    StoredRequest(String),
+    #[error(transparent)]
+    Upstream(#[from] crate::upstream::UpstreamError),
+    #[error("the probe's response body could not be read in time or in size: {0}")]
+    Body(String),
+}
+
+/// What a synchronous claim keeps for the reconciler: on a route whose probe
+/// uses path parameters, the request line (method, path and query, encoded
+/// as a [`StoredRequest`] without headers or body). `None` elsewhere: nothing
+/// extra is written.
+pub fn request_head(route: &Route, parts: &request::Parts) -> Option<Bytes> {
+    route.reconcile.as_ref().filter(|p| p.target.uses_params())?;
+    let head = StoredRequest {
+        method: parts.method.as_str().to_owned(),
+        path_and_query: parts.uri.path_and_query().map_or("/", |pq| pq.as_str()).to_owned(),
+        headers: Vec::new(),
+        body: Bytes::new(),
+    };
+    Some(head.encode().into())
+}
+
+/// Records taken (and probed in parallel) per store statement.
+const BATCH: u32 = 8;
+
+/// A probed route with its upstream client.
+#[derive(Debug)]
+struct Probed {
+    route: Arc<Route>,
+    probe: Arc<Probe>,
+    upstream: Upstream,
+    /// How long a taken record stays marked: one probe plus its two store
+    /// statements, so a replica that dies mid-probe frees it soon.
+    hold: Duration,
+}
+
+/// The reconciler of one replica: a background task probing the `unknown`
+/// records of every route with a probe.
+#[derive(Debug)]
+pub struct Reconciler {
+    store: Store,
+    metrics: Arc<Metrics>,
+    routes: Vec<Probed>,
+    /// The derived-key secret (the `{derived_key}` placeholder).
+    secret: Arc<[u8]>,
+}
+
+/// What one probe of one record came to.
+#[derive(Debug)]
+enum Answer {
+    Found { status: StatusCode, response: http::response::Parts, body: Option<Bytes> },
+    Absent { status: StatusCode },
+    Inconclusive { status: StatusCode },
+    Error(ProbeError),
+}
+
+impl Reconciler {
+    /// `None` when no route has a probe: nothing to run.
+    pub fn new(config: &Config, store: Store, metrics: Arc<Metrics>, secret: Arc<[u8]>) -> Option<Reconciler> {
+        let routes: Vec<Probed> = config
+            .routes
+            .iter()
+            .filter_map(|r| {
+                let probe = r.reconcile.clone()?;
+                let upstream = Upstream::new(config.upstreams.get(r.upstream)?.clone());
+                let hold = upstream.config.timeout + config.store.operation_timeout * 2 + Duration::from_secs(1);
+                Some(Probed { route: Arc::new(r.clone()), probe, upstream, hold })
+            })
+            .collect();
+        if routes.is_empty() {
+            return None;
+        }
+        metrics.declare_probes(routes.iter().map(|p| &*p.route.operation));
+        Some(Reconciler { store, metrics, routes, secret })
+    }
+
+    /// Runs the task on `tracker` until `shutdown`.
+    pub fn spawn(self, tracker: &TaskTracker, shutdown: CancellationToken) {
+        tracker.spawn(self.run(shutdown));
+    }
+
+    async fn run(self, shutdown: CancellationToken) {
+        tracing::debug!(task = "reconciler", routes = self.routes.len(), "background task started");
+        // Every route is looked at once at start (records left unknown while
+        // no replica ran), then every `interval`.
+        let mut due: Vec<Instant> = vec![Instant::now(); self.routes.len()];
+        loop {
+            let next = due.iter().min().copied().unwrap_or_else(Instant::now);
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = tokio::time::sleep_until(next) => {}
+            }
+            for (i, probed) in self.routes.iter().enumerate() {
+                if due[i] > Instant::now() {
+                    continue;
+                }
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    result = self.pass(probed) => match result {
+                        Ok(0) => {}
+                        Ok(n) => tracing::debug!(task = "reconciler", route = %probed.route.operation, records = n, "probe pass done"),
+                        Err(e) => tracing::warn!(task = "reconciler", route = %probed.route.operation, error = %e,
+                            "probe pass failed; retrying next interval"),
+                    },
+                }
+                due[i] = Instant::now() + probed.probe.interval;
+            }
+        }
+        tracing::debug!(task = "reconciler", "background task stopped");
+    }
+
+    /// Takes and settles the route's due records, batch after batch, until a
+    /// batch comes back short.
+    async fn pass(&self, probed: &Probed) -> Result<u64, StoreError> {
+        let routes = [ProbeRoute { operation: probed.route.operation.clone(), settle: probed.probe.settle }];
+        let mut total = 0;
+        loop {
+            let batch = self.store.take_probes(&routes, probed.hold, BATCH).await?;
+            let n = batch.len();
+            stream::iter(batch).for_each_concurrent(BATCH as usize, |p| self.settle(probed, p)).await;
+            total += n as u64;
+            if n < BATCH as usize {
+                return Ok(total);
+            }
+        }
+    }
+
+    /// Probes one record and applies the answer.
+    async fn settle(&self, probed: &Probed, taken: Probing) {
+        let scope = &taken.record.scope;
+        let answer = self.probe(probed, &taken).await;
+        let (route, probe) = (&*probed.route.operation, &probed.probe);
+        let (outcome, action, reason) = match &answer {
+            Answer::Found { status, response, body } => {
+                let recorded = probe.found_as.unwrap_or(*status);
+                let action = ResolveAction::Complete {
+                    status: recorded.as_u16(),
+                    headers: headers::storable(&response.headers),
+                    body: body.clone(),
+                    // The route's retention (keys::resolve's default below).
+                    retention: None,
+                };
+                let reason = format!("probe {} answered {} (found); recorded as {}", probe.method, status.as_u16(), recorded.as_u16());
+                (ProbeOutcome::Found, Some(action), reason)
+            }
+            Answer::Absent { status } => (
+                ProbeOutcome::Absent,
+                Some(ResolveAction::Release),
+                format!("probe {} answered {} (absent)", probe.method, status.as_u16()),
+            ),
+            Answer::Inconclusive { status } => (
+                ProbeOutcome::Inconclusive,
+                None,
+                format!("probe {} answered {} (neither found nor absent)", probe.method, status.as_u16()),
+            ),
+            Answer::Error(e) => (ProbeOutcome::Error, None, format!("probe failed: {e}")),
+        };
+        self.metrics.probe(route, outcome);
+        let Some(action) = action else {
+            let attempts = taken.attempts.saturating_add(1);
+            let retry_in = probe.backoff(attempts);
+            tracing::warn!(route, scope = %scope.log_id(), attempts, retry_in = ?retry_in, outcome = outcome.as_str(), reason,
+                "record stays unknown; probing again later");
+            match self.store.probe_failed(scope, taken.fence, retry_in).await {
+                Ok(WriteOutcome::Written) => {}
+                Ok(WriteOutcome::Fenced) => tracing::info!(route, scope = %scope.log_id(), "the record changed while it was probed"),
+                Err(e) => tracing::warn!(route, scope = %scope.log_id(), error = %e, "could not record the probe; its mark runs out"),
+            }
+            return;
+        };
+        let request = ResolveRequest { action, reason: Some(reason), force: false, actor: Actor::Reconciler, fence: Some(taken.fence) };
+        match keys::resolve(&self.store, scope, request, probed.route.retention).await {
+            Ok(_) => tracing::info!(route, scope = %scope.log_id(), outcome = outcome.as_str(), "unknown record reconciled by its probe"),
+            Err(ResolveError::Refused(Refused::Fenced) | ResolveError::NotFound) => tracing::info!(
+                route,
+                scope = %scope.log_id(),
+                "probe result not applied: the record changed meanwhile (resolved by an operator, or claimed again)"
+            ),
+            Err(e) => tracing::warn!(route, scope = %scope.log_id(), error = %e, "could not apply the probe's result; probing again later"),
+        }
+    }
+
+    /// Sends the probe and reads what it says.
+    async fn probe(&self, probed: &Probed, taken: &Probing) -> Answer {
+        match self.exchange(probed, taken).await {
+            Ok(answer) => answer,
+            Err(e) => Answer::Error(e),
+        }
+    }
+
+    async fn exchange(&self, probed: &Probed, taken: &Probing) -> Result<Answer, ProbeError> {
+        let probe = &probed.probe;
+        let scope = &taken.record.scope;
+        let params = if probe.target.uses_params() { path_params(&probed.route, taken.request.as_deref())? } else { Vec::new() };
+        let pq = probe.target.render(&scope.derived_key(Some(&self.secret)), scope.key.as_str(), &params)?;
+        let upstream = &probed.upstream;
+        let uri = upstream.uri_for(Some(&pq))?;
+        let req =
+            Request::builder().method(probe.method.clone()).uri(uri).body(Body::empty()).map_err(|e| ProbeError::Target(e.to_string()))?;
+        let deadline = Instant::now() + upstream.config.timeout;
+        let resp = upstream.send(req, deadline).await?;
+        let (mut head, body) = resp.into_parts();
+        let status = head.status;
+        match probe.verdict(status) {
+            Verdict::Absent => Ok(Answer::Absent { status }),
+            Verdict::Inconclusive => Ok(Answer::Inconclusive { status }),
+            Verdict::Found => {
+                headers::strip_hop_by_hop(&mut head.headers);
+                let limit = usize::try_from(probed.route.max_stored_response).unwrap_or(usize::MAX);
+                let body = match tokio::time::timeout_at(deadline, Limited::new(body, limit).collect()).await {
+                    Ok(Ok(collected)) => Some(collected.to_bytes()),
+                    // Larger than the route stores: the outcome is known, the
+                    // body cannot be replayed (as for a forwarded response).
+                    Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => None,
+                    Ok(Err(e)) => return Err(ProbeError::Body(e.to_string())),
+                    Err(_) => return Err(ProbeError::Body("timed out".into())),
+                };
+                Ok(Answer::Found { status, response: head, body })
+            }
+        }
+    }
+}
+
+/// The path parameters of the request kept in the record.
+fn path_params(route: &Route, request: Option<&[u8]>) -> Result<Vec<(String, String)>, ProbeError> {
+    let missing = || ProbeError::MissingParam(route.path.param_names().next().unwrap_or_default().to_owned());
+    let stored = StoredRequest::decode(request.ok_or_else(missing)?).map_err(|e| ProbeError::StoredRequest(e.to_string()))?;
+    let path = stored.path_and_query.split('?').next().unwrap_or_default();
+    route.path.matches(path).ok_or_else(|| ProbeError::StoredRequest(format!("its path does not match {}", route.path.as_str())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn target(s: &str, params: &[&str]) -> Result<(Method, ProbeTarget), String> {
+        ProbeTarget::parse_probe(s, params)
+    }
+
+    #[test]
+    fn probes_parse_with_their_placeholders() {
+        let (m, t) = target("GET /v1/orders/by-key/{derived_key}", &[]).unwrap();
+        assert_eq!(m, Method::GET);
+        assert!(t.uses_derived_key() && !t.uses_params());
+        assert_eq!(t.render("ab12", "k", &[]).unwrap().as_str(), "/v1/orders/by-key/ab12");
+
+        let (m, t) = target("head /v1/accounts/{id}/orders?key={key}&d={derived_key}", &["id"]).unwrap();
+        assert_eq!(m, Method::HEAD);
+        assert!(t.uses_params());
+        let params = vec![("id".to_owned(), "ac%20c".to_owned())];
+        // The client's key is one component whatever it holds; a parameter is
+        // used as it appeared in the request path.
+        assert_eq!(t.render("d1", "a/b?c&d %", &params).unwrap().as_str(), "/v1/accounts/ac%20c/orders?key=a%2Fb%3Fc%26d%20%25&d=d1");
+        assert!(matches!(t.render("d1", "k", &[]), Err(ProbeError::MissingParam(p)) if p == "id"));
+    }
+
+    #[test]
+    fn bad_probes_are_refused_with_a_reason() {
+        for (probe, needle) in [
+            ("/v1/orders/{derived_key}", "METHOD /path"),
+            ("POST /v1/orders/{derived_key}", "GET or HEAD"),
+            ("GET v1/orders", "start with '/'"),
+            ("GET /v1/orders/{id}", "unknown placeholder {id}"),
+            ("GET /v1/orders/{derived_key", "unbalanced"),
+            ("GET /v1/orders/}x", "unbalanced"),
+            ("GET /v1/orders#frag", "fragment"),
+            ("GET /v1/\u{1}x", "not a valid path"),
+        ] {
+            let e = target(probe, &["account"]).unwrap_err();
+            assert!(e.contains(needle), "{probe}: {e}");
+        }
+        assert!(target("GET /a/{account}", &["account"]).is_ok());
+    }
+
+    #[test]
+    fn verdicts_and_backoff() {
+        let (method, target) = target("GET /x/{derived_key}", &[]).unwrap();
+        let p = Probe {
+            method,
+            target,
+            found: vec![StatusCode::OK],
+            found_as: None,
+            absent: vec![StatusCode::NOT_FOUND, StatusCode::GONE],
+            settle: Duration::ZERO,
+            interval: Duration::from_secs(30),
+        };
+        assert_eq!(p.verdict(StatusCode::OK), Verdict::Found);
+        assert_eq!(p.verdict(StatusCode::GONE), Verdict::Absent);
+        assert_eq!(p.verdict(StatusCode::INTERNAL_SERVER_ERROR), Verdict::Inconclusive);
+        assert_eq!(p.verdict(StatusCode::CREATED), Verdict::Inconclusive);
+        let waits: Vec<u64> = [0, 1, 2, 3, 4, 7, 8, 100].iter().map(|a| p.backoff(*a).as_secs()).collect();
+        assert_eq!(waits, vec![30, 30, 60, 120, 240, 1920, 3600, 3600]);
+    }
+}
