@@ -25,8 +25,8 @@ use idemgate::record::{self, Generation, Record, Refused, State, StoredResponse,
 use idemgate::route::Retention;
 use idemgate::scope::{IdempotencyKey, Scope};
 use idemgate::store::{
-    Acceptance, Claim, ClaimOutcome, ClaimRequest, ListFilter, Reaped, Resolution, ResolveOutcome, RetryNote, Store, StoreError, Taken,
-    WorkerRoute, WriteOutcome,
+    Acceptance, Claim, ClaimOutcome, ClaimRequest, ListFilter, ProbeRoute, Reaped, Resolution, ResolveOutcome, RetryNote, Store,
+    StoreError, Taken, WorkerRoute, WriteOutcome,
 };
 use support::Backend;
 use support::faultproxy::{Fault, FaultProxy};
@@ -65,6 +65,9 @@ on_both_stores!(
     relays_hold_each_event_alone_in_order_per_scope,
     records_kept_forever_are_never_taken_over_swept_or_expired,
     key_source_is_kept_by_claims_and_take_overs,
+    list_pages_with_a_cursor_cover_every_record_once,
+    probes_take_due_unknown_records_and_their_writes_are_fenced,
+    racing_reconcilers_take_each_record_once,
 );
 
 // ---------------------------------------------------------------------------
@@ -1182,6 +1185,168 @@ async fn key_source_is_kept_by_claims_and_take_overs(backend: Backend) {
     // Accepted async operations keep it too.
     claim(&store, &ClaimRequest { key_source: "body:/id".into(), ..accept_req(&key("op"), 1) }).await;
     assert_eq!(row(&store, &key("op")).await.key_source.as_deref(), Some("body:/id"));
+}
+
+/// Keyset pagination (`keys::list`, the CLI's and the admin API's): pages of
+/// any size, concatenated, are the whole list in its order, each record once
+/// (records written by one batch share `updated_at`: the primary key breaks
+/// the tie), and the last page has no cursor.
+async fn list_pages_with_a_cursor_cover_every_record_once(backend: Backend) {
+    let store = open(&backend).await;
+    // Concurrent claims land in shared batches (equal timestamps).
+    let mut claims = Vec::new();
+    for i in 0..23 {
+        let store = store.clone();
+        let s = scope("acme", if i % 3 == 0 { "p0" } else { "p1" }, "create_order", &format!("k{i:02}"));
+        claims.push(tokio::spawn(async move { claim(&store, &req(&s, 1, LONG, false)).await }));
+    }
+    for c in claims {
+        c.await.unwrap();
+    }
+    let whole = keys_of(&store.list(&ListFilter { limit: 1000, ..ListFilter::default() }).await.unwrap());
+    assert_eq!(whole.len(), 23);
+    for size in [1, 5, 10, 23, 50] {
+        let mut seen = Vec::new();
+        let mut filter = ListFilter { limit: size, ..ListFilter::default() };
+        loop {
+            let page = idemgate::keys::list(&store, &filter).await.unwrap();
+            assert!(page.records.len() <= size as usize);
+            seen.extend(keys_of(&page.records));
+            match page.next_cursor {
+                Some(c) => filter.cursor = Some(idemgate::keys::decode_cursor(&c).unwrap()),
+                None => break,
+            }
+        }
+        assert_eq!(seen, whole, "pages of {size}");
+    }
+    // Filters apply on every page.
+    let first =
+        idemgate::keys::list(&store, &ListFilter { limit: 3, state: Some(State::InFlight), ..ListFilter::default() }).await.unwrap();
+    let cursor = idemgate::keys::decode_cursor(first.next_cursor.as_deref().unwrap()).unwrap();
+    let filter = ListFilter { limit: 100, tenant: Some("acme".into()), cursor: Some(cursor), ..ListFilter::default() };
+    let rest = idemgate::keys::list(&store, &filter).await.unwrap();
+    assert_eq!(rest.records.len(), 20);
+    assert!(rest.next_cursor.is_none());
+    assert!(idemgate::keys::decode_cursor("not a cursor").is_err());
+}
+
+fn probe_route(operation: &str, settle: Duration) -> ProbeRoute {
+    ProbeRoute { operation: operation.into(), settle }
+}
+
+async fn unknown(store: &Store, s: &Scope) -> Claim {
+    let c = claim(store, &req(s, 1, LONG, false)).await;
+    store.mark_unknown(&c).await.unwrap();
+    c
+}
+
+/// The reconciler's protocol: only `unknown` records of probed operations,
+/// settled, due and not marked by a live probe are taken; a taken record is
+/// marked (nobody else takes it until the hold runs out); its result write
+/// needs the record unknown, at the generation probed, still marked by the
+/// probe; an inconclusive probe backs it off; a new life starts afresh.
+async fn probes_take_due_unknown_records_and_their_writes_are_fenced(backend: Backend) {
+    let store = open(&backend).await;
+    let routes = [probe_route("create_order", Duration::ZERO)];
+    let by_probe = AuditNote { actor: Actor::Reconciler, reason: "probe".into(), forced: false };
+    let complete = Resolution::Complete { response: response(201, b"found"), retention: Retention::For(LONG), force: false };
+    let (u1, u2) = (key("u1"), key("u2"));
+    let c1 = unknown(&store, &u1).await;
+    unknown(&store, &u2).await;
+    claim(&store, &req(&key("live"), 1, LONG, false)).await;
+    unknown(&store, &scope("acme", "billing", "not_probed", "u")).await;
+
+    // Not settled yet: nothing.
+    assert!(store.take_probes(&[probe_route("create_order", LONG)], LONG, 10).await.unwrap().is_empty());
+    let taken = store.take_probes(&routes, LONG, 10).await.unwrap();
+    assert_eq!(key_set(&taken.iter().map(|t| t.record.clone()).collect::<Vec<_>>()), set(&["u1", "u2"]));
+    assert!(taken.iter().all(|t| t.attempts == 0 && t.fence.generation == t.record.generation));
+    assert_eq!(taken.iter().find(|t| t.record.scope == u1).unwrap().fence.generation, c1.generation);
+    // Marked: a second taker gets nothing.
+    assert!(store.take_probes(&routes, LONG, 10).await.unwrap().is_empty());
+    let f1 = taken.iter().find(|t| t.record.scope == u1).unwrap().fence;
+    let f2 = taken.iter().find(|t| t.record.scope == u2).unwrap().fence;
+
+    // Inconclusive: due again after the backoff, with the attempt counted.
+    assert_eq!(store.probe_failed(&u1, f1, SHORT).await.unwrap(), WriteOutcome::Written);
+    assert!(store.take_probes(&routes, LONG, 10).await.unwrap().is_empty(), "backing off");
+    tokio::time::sleep(PAST_SHORT).await;
+    let again = store.take_probes(&routes, LONG, 10).await.unwrap();
+    assert_eq!(keys_of(&again.iter().map(|t| t.record.clone()).collect::<Vec<_>>()), ["u1"]);
+    assert_eq!(again[0].attempts, 1);
+    let f1b = again[0].fence;
+    assert_ne!(f1b.token, f1.token);
+    // The first probe's mark is gone: its writes are fenced off.
+    assert_eq!(store.resolve_probed(&u1, &complete, &by_probe, f1).await.unwrap(), ResolveOutcome::Refused(Refused::Fenced));
+    assert_eq!(store.probe_failed(&u1, f1, SHORT).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(store.resolve_probed(&u1, &complete, &by_probe, f1b).await.unwrap(), ResolveOutcome::Resolved { from: State::Unknown });
+    assert_eq!(row(&store, &u1).await.state, State::Completed);
+    assert_eq!(store.resolve_probed(&u1, &RELEASE, &by_probe, f1b).await.unwrap(), ResolveOutcome::Refused(Refused::Fenced), "once");
+
+    // An operator's resolution in between wins.
+    assert_eq!(store.resolve(&u2, &RELEASE, &note("checked by hand")).await.unwrap(), ResolveOutcome::Resolved { from: State::Unknown });
+    assert_eq!(store.resolve_probed(&u2, &complete, &by_probe, f2).await.unwrap(), ResolveOutcome::NotFound);
+    assert_eq!(store.probe_failed(&u2, f2, SHORT).await.unwrap(), WriteOutcome::Fenced);
+    // A new life of the key (claimed again, unknown again): the old probe
+    // cannot write to it, and it is due at once.
+    let c2 = unknown(&store, &u2).await;
+    assert_eq!(store.resolve_probed(&u2, &complete, &by_probe, f2).await.unwrap(), ResolveOutcome::Refused(Refused::Fenced));
+    let fresh = store.take_probes(&routes, LONG, 10).await.unwrap();
+    assert_eq!((fresh.len(), fresh[0].record.generation, fresh[0].attempts), (1, c2.generation, 0));
+
+    // A probe whose hold ran out (its replica died): another takes it, and
+    // the first one's late write is fenced off.
+    let u3 = key("u3");
+    unknown(&store, &u3).await;
+    let first = store.take_probes(&routes, SHORT, 10).await.unwrap();
+    assert_eq!(keys_of(&first.iter().map(|t| t.record.clone()).collect::<Vec<_>>()), ["u3"]);
+    tokio::time::sleep(PAST_SHORT).await;
+    let second = store.take_probes(&routes, LONG, 10).await.unwrap();
+    assert_eq!(keys_of(&second.iter().map(|t| t.record.clone()).collect::<Vec<_>>()), ["u3"]);
+    assert_eq!(store.resolve_probed(&u3, &RELEASE, &by_probe, first[0].fence).await.unwrap(), ResolveOutcome::Refused(Refused::Fenced));
+    assert_eq!(
+        store.resolve_probed(&u3, &RELEASE, &by_probe, second[0].fence).await.unwrap(),
+        ResolveOutcome::Resolved { from: State::Unknown }
+    );
+
+    // What the trail shows: the two probe resolutions and the operator's.
+    let trail: Vec<_> =
+        store.audit(10).await.unwrap().into_iter().map(|a| (a.actor, a.scope.key.as_str().to_owned(), a.to_state)).collect();
+    assert_eq!(
+        trail,
+        vec![
+            ("reconciler".to_owned(), "u3".to_owned(), "released".to_owned()),
+            ("cli".to_owned(), "u2".to_owned(), "released".to_owned()),
+            ("reconciler".to_owned(), "u1".to_owned(), "completed".to_owned()),
+        ]
+    );
+}
+
+/// Two reconcilers taking at once never take one record both.
+async fn racing_reconcilers_take_each_record_once(backend: Backend) {
+    let store = open(&backend).await;
+    for i in 0..30 {
+        unknown(&store, &key(&format!("r{i:02}"))).await;
+    }
+    let routes = [probe_route("create_order", Duration::ZERO)];
+    let taker = |store: Store| {
+        let routes = routes.clone();
+        tokio::spawn(async move {
+            let mut mine = Vec::new();
+            loop {
+                let batch = store.take_probes(&routes, LONG, 4).await.unwrap();
+                if batch.is_empty() {
+                    return mine;
+                }
+                mine.extend(batch.into_iter().map(|t| t.record.scope.key.as_str().to_owned()));
+            }
+        })
+    };
+    let (a, b) = (taker(store.clone()), taker(open(&backend).await));
+    let (a, b) = (a.await.unwrap(), b.await.unwrap());
+    let (sa, sb): (BTreeSet<_>, BTreeSet<_>) = (a.iter().cloned().collect(), b.iter().cloned().collect());
+    assert_eq!(sa.len() + sb.len(), 30, "a: {a:?}\nb: {b:?}");
+    assert!(sa.is_disjoint(&sb), "a: {a:?}\nb: {b:?}");
 }
 
 // ---------------------------------------------------------------------------

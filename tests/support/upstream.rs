@@ -12,6 +12,13 @@
 //! With `dedupe` on, the upstream honours `Idempotency-Key` itself: a key it
 //! has seen is answered again at once (no sleep, no abort) without a new side
 //! effect.
+//!
+//! A by-key lookup answers reconciliation probes: `GET .../by-key/{key}` is
+//! `200` with the response of the first side effect under that
+//! `Idempotency-Key` (the same body the write answered, so a probe records
+//! exactly what the client would have got), `404` if there was none, or the
+//! status set with [`TestUpstream::set_probe_status`]. Every lookup is counted
+//! per key and its path kept.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -48,6 +55,12 @@ struct State {
     total: AtomicU64,
     requests: Mutex<Vec<Received>>,
     dedupe: AtomicBool,
+    /// The first side effect's answer (status, body) under each key.
+    orders: Mutex<HashMap<String, (StatusCode, Bytes)>>,
+    /// By-key lookups: (key, path, when), in order.
+    probes: Mutex<Vec<(String, String, std::time::Instant)>>,
+    /// Answer lookups with this status instead (0: normally).
+    probe_status: std::sync::atomic::AtomicU16,
 }
 
 pub struct TestUpstream {
@@ -125,6 +138,39 @@ impl TestUpstream {
     pub fn stop(&self) {
         self.stop.cancel();
     }
+
+    /// Answer by-key lookups with `status` from now on (`None`: normally).
+    pub fn set_probe_status(&self, status: Option<u16>) {
+        self.state.probe_status.store(status.unwrap_or(0), Ordering::SeqCst);
+    }
+
+    /// By-key lookups of this key so far.
+    pub fn probes_of(&self, key: &str) -> usize {
+        self.state.probes.lock().unwrap().iter().filter(|(k, _, _)| k == key).count()
+    }
+
+    /// Every by-key lookup: (key, path, when it arrived).
+    pub fn probes(&self) -> Vec<(String, String, std::time::Instant)> {
+        self.state.probes.lock().unwrap().clone()
+    }
+}
+
+/// `GET .../by-key/{key}`: the first side effect's answer under that key.
+fn lookup(state: &State, path: &str) -> Response<Full<Bytes>> {
+    let key = path.rsplit('/').next().unwrap_or_default().to_owned();
+    state.probes.lock().unwrap().push((key.clone(), path.to_owned(), std::time::Instant::now()));
+    let forced = state.probe_status.load(Ordering::SeqCst);
+    let (status, body) = match state.orders.lock().unwrap().get(&key) {
+        _ if forced != 0 => (StatusCode::from_u16(forced).unwrap(), Bytes::from_static(b"{\"error\":\"lookup failed\"}")),
+        Some((_, body)) => (StatusCode::OK, body.clone()),
+        None => (StatusCode::NOT_FOUND, Bytes::from_static(b"{\"error\":\"no order under that key\"}")),
+    };
+    let mut r = Response::new(Full::new(body));
+    *r.status_mut() = status;
+    r.headers_mut().insert("content-type", "application/json".parse().unwrap());
+    r.headers_mut().insert("x-upstream", "lookup".parse().unwrap());
+    r.headers_mut().insert("connection", "keep-alive".parse().unwrap());
+    r
 }
 
 fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
@@ -140,6 +186,9 @@ async fn handle(
     let body = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
     let h = &parts.headers;
     let write = matches!(parts.method.as_str(), "POST" | "PUT" | "PATCH" | "DELETE");
+    if !write && parts.uri.path().contains("/by-key/") {
+        return Ok(lookup(&state, parts.uri.path()));
+    }
     if !write && let Some(n) = parts.uri.path().strip_prefix("/v1/orders/").and_then(|n| n.parse::<u64>().ok()) {
         // The resource a Location points to: refused to revoked credentials.
         let auth = header(h, "authorization").unwrap_or_default().to_owned();
@@ -177,6 +226,23 @@ async fn handle(
         }
     };
     let generation = received.generation.clone();
+    let status =
+        header(h, "x-test-status").and_then(|v| v.parse().ok()).and_then(|s| StatusCode::from_u16(s).ok()).unwrap_or(StatusCode::CREATED);
+    let answer = match header(h, "x-test-body-bytes").and_then(|v| v.parse::<usize>().ok()) {
+        Some(n) => Bytes::from(vec![b'x'; n]),
+        None => Bytes::from(
+            serde_json::json!({
+                "order": order,
+                "key": key,
+                "generation": generation,
+                "echo": String::from_utf8_lossy(&body),
+            })
+            .to_string(),
+        ),
+    };
+    if order.is_some() {
+        state.orders.lock().unwrap().entry(key.clone()).or_insert((status, answer.clone()));
+    }
     state.requests.lock().unwrap().push(received.clone());
     let _ = tx.send(received);
     // A deduplicated repeat is answered at once, as a deduplicating upstream
@@ -189,21 +255,7 @@ async fn handle(
     if header(h, "x-test-abort") == Some("1") && order.is_some() {
         return Err(std::io::Error::other("aborting on purpose"));
     }
-    let status =
-        header(h, "x-test-status").and_then(|v| v.parse().ok()).and_then(|s| StatusCode::from_u16(s).ok()).unwrap_or(StatusCode::CREATED);
-    let body = match header(h, "x-test-body-bytes").and_then(|v| v.parse::<usize>().ok()) {
-        Some(n) => Bytes::from(vec![b'x'; n]),
-        None => Bytes::from(
-            serde_json::json!({
-                "order": order,
-                "key": key,
-                "generation": generation,
-                "echo": String::from_utf8_lossy(&body),
-            })
-            .to_string(),
-        ),
-    };
-    let mut r = Response::new(Full::new(body));
+    let mut r = Response::new(Full::new(answer));
     *r.status_mut() = status;
     let rh = r.headers_mut();
     rh.insert("content-type", "application/json".parse().unwrap());
