@@ -3,8 +3,11 @@
 //! restart, SIGSTOP past the lease, PostgreSQL immediate restart, network
 //! blackhole to PostgreSQL). A checker then reads the upstream's ledger and the
 //! store and prints
-//! `soak: keys=N side_effects=M duplicates=D lost=L stuck=S unknown=U`;
-//! D, L and S must be 0.
+//! `soak: keys=N side_effects=M duplicates=D lost=L stuck=S unknown=U reconciled=R`;
+//! D, L and S must be 0. The route has a reconciliation probe (the test
+//! upstream's by-key lookup): after the run the checker waits for the
+//! reconcilers to settle every `unknown` record, so U must be 0 too; R is the
+//! number of records they settled (audit rows by the reconciler).
 //!
 //! Not part of the default test run: `scripts/soak` (60 s) or
 //! `scripts/soak --long` (10 min). Tunables: IDEMGATE_SOAK_SECS,
@@ -17,12 +20,19 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use idemgate::record::State;
+use idemgate::store::ListFilter;
 use support::faultproxy::{Fault, FaultProxy};
 use support::postgres::PgServer;
 use support::soak::{Seen, check, env_u64, rss_kib, spawn_clients};
 use support::*;
 
 const LEASE_MS: u64 = 2000;
+/// Records are probed once unknown this long: longer than the nemesis's
+/// longest pause after a lease ran out (SIGSTOP for LEASE_MS + 1000 ms), so a
+/// request still on its way when its record became unknown has arrived (or
+/// never will) before the probe asks.
+const SETTLE: &str = "5s";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "the chaos soak runs with scripts/soak"]
@@ -40,9 +50,10 @@ async fn soak() {
     for _ in 0..2 {
         let proxy = FaultProxy::start(pg_addr).await;
         let proxied = url.replace(&format!(":{}/", pg.port()), &format!(":{}/", proxy.port()));
-        let cfg = GatewayConfig::new(Backend::Postgres { url: proxied }, up.url())
-            .timeout("1s")
-            .route(&format!("lease = \"{LEASE_MS}ms\"\nretention = \"1h\""));
+        let cfg = GatewayConfig::new(Backend::Postgres { url: proxied }, up.url()).timeout("1s").route(&format!(
+            "lease = \"{LEASE_MS}ms\"\nretention = \"1h\"\n[routes.reconcile]\nprobe = \"GET /v1/orders/by-key/{{derived_key}}\"\n\
+                 found_as = 201\nsettle = \"{SETTLE}\"\ninterval = \"500ms\""
+        ));
         let gw = Gateway::start(cfg);
         proxies.push(proxy);
         replicas.push(Arc::new(Mutex::new(gw)));
@@ -113,6 +124,15 @@ async fn soak() {
     }
     // Quiesce: leases run out and the reaper (every 200 ms) settles them.
     tokio::time::sleep(Duration::from_millis(LEASE_MS + 1500)).await;
+    // Reconciliation: the probes settle every unknown record (after SETTLE).
+    let unknown_left = || async {
+        store.list(&ListFilter { state: Some(State::Unknown), limit: 100_000, ..Default::default() }).await.map_or(usize::MAX, |l| l.len())
+    };
+    let reconcile_deadline = Instant::now() + Duration::from_secs(90);
+    while unknown_left().await > 0 && Instant::now() < reconcile_deadline {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let reconciled = store.audit(1_000_000).await.unwrap().iter().filter(|a| a.actor == "reconciler").count();
 
     // The checker.
     let seen = seen.lock().unwrap().clone();
@@ -123,6 +143,7 @@ async fn soak() {
         println!("  nemesis: {l}");
     }
     verdict.print_counts();
+    println!("  settled by the probes:     {reconciled}");
     for (i, g) in replicas.iter().enumerate() {
         let pid = g.lock().unwrap().pid();
         let now_rss = rss_kib(pid).unwrap_or(0);
@@ -133,7 +154,8 @@ async fn soak() {
         }
     }
     verdict.print_findings();
-    println!("soak: {}", verdict.line());
+    println!("soak: {} reconciled={reconciled}", verdict.line());
     verdict.assert_clean();
+    assert!(verdict.unknown.is_empty(), "unknown records left after reconciliation");
     assert!(seen.len() > 100, "the soak made progress");
 }
