@@ -54,7 +54,7 @@ use crate::keys::{self, ResolveAction, ResolveError, ResolveRequest};
 use crate::metrics::{Metrics, ProbeOutcome};
 use crate::operation::StoredRequest;
 use crate::record::Refused;
-use crate::route::Route;
+use crate::route::{ReplayMode, Route};
 use crate::store::{ProbeRoute, Probing, Store, StoreError, WriteOutcome};
 use crate::upstream::Upstream;
 
@@ -360,13 +360,16 @@ impl Reconciler {
         let (outcome, action, reason) = match &answer {
             Answer::Found { status, response, body } => {
                 let recorded = probe.found_as.unwrap_or(*status);
-                let action = ResolveAction::Complete {
-                    status: recorded.as_u16(),
-                    headers: headers::storable(&response.headers),
-                    body: body.clone(),
-                    // The route's retention (keys::resolve's default below).
-                    retention: None,
+                let (headers, body) = match probed.route.replay {
+                    ReplayMode::Stored => (headers::storable(&response.headers), body.clone()),
+                    // As the executor keeps a refetch route's answers: the
+                    // status and where to read the resource again, no body.
+                    ReplayMode::Refetch => {
+                        (headers::storable(&response.headers).into_iter().filter(|(n, _)| n == "location").collect(), None)
+                    }
                 };
+                // Retention: the route's (keys::resolve's default below).
+                let action = ResolveAction::Complete { status: recorded.as_u16(), headers, body, retention: None };
                 let reason = format!("probe {} answered {} (found); recorded as {}", probe.method, status.as_u16(), recorded.as_u16());
                 (ProbeOutcome::Found, Some(action), reason)
             }

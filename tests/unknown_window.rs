@@ -291,3 +291,24 @@ async fn two_replicas_never_probe_and_write_one_record_twice() {
     let probed_by = |gw: &Gateway| gw.log_count("unknown record reconciled by its probe");
     assert_eq!(probed_by(&a) + probed_by(&b), keys.len());
 }
+
+/// `replay = "refetch"`: what the probe found is kept as the route keeps a
+/// forwarded answer, the status and Location only; the retry reads the
+/// resource again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refetch_route_keeps_only_status_and_location_of_what_the_probe_found() {
+    let backend = sqlite_backend();
+    let up = TestUpstream::start().await;
+    let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).timeout("500ms").route(&probed("replay = \"refetch\"")));
+    let store = backend.open().await;
+    let r = post(&gw.url("/v1/orders"), "k7", ORDER, &[("x-test-sleep-ms", "900")]).await;
+    assert_eq!(r.status, 504, "{r:?}");
+    wait_state(&store, "k7", Some(State::Completed), &gw).await;
+    let stored = record(&store, "k7").await.unwrap().response.unwrap();
+    assert_eq!((stored.status, stored.body), (201, None));
+    assert_eq!(stored.headers, vec![("location".to_owned(), b"/v1/orders/1".to_vec())]);
+    let again = post(&gw.url("/v1/orders"), "k7", ORDER, &[]).await;
+    assert_eq!((again.status, again.replayed()), (201, true), "{again:?}");
+    assert_eq!((again.json()["order"].as_u64(), again.json()["version"].as_u64()), (Some(1), Some(0)));
+    assert_eq!(up.side_effects(&derived("k7")), 1);
+}

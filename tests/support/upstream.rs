@@ -55,8 +55,8 @@ struct State {
     total: AtomicU64,
     requests: Mutex<Vec<Received>>,
     dedupe: AtomicBool,
-    /// The first side effect's answer (status, body) under each key.
-    orders: Mutex<HashMap<String, (StatusCode, Bytes)>>,
+    /// The first side effect's answer (body, Location) under each key.
+    orders: Mutex<HashMap<String, (Bytes, String)>>,
     /// By-key lookups: (key, path, when), in order.
     probes: Mutex<Vec<(String, String, std::time::Instant)>>,
     /// Answer lookups with this status instead (0: normally).
@@ -160,13 +160,16 @@ fn lookup(state: &State, path: &str) -> Response<Full<Bytes>> {
     let key = path.rsplit('/').next().unwrap_or_default().to_owned();
     state.probes.lock().unwrap().push((key.clone(), path.to_owned(), std::time::Instant::now()));
     let forced = state.probe_status.load(Ordering::SeqCst);
-    let (status, body) = match state.orders.lock().unwrap().get(&key) {
-        _ if forced != 0 => (StatusCode::from_u16(forced).unwrap(), Bytes::from_static(b"{\"error\":\"lookup failed\"}")),
-        Some((_, body)) => (StatusCode::OK, body.clone()),
-        None => (StatusCode::NOT_FOUND, Bytes::from_static(b"{\"error\":\"no order under that key\"}")),
+    let (status, body, location) = match state.orders.lock().unwrap().get(&key) {
+        _ if forced != 0 => (StatusCode::from_u16(forced).unwrap(), Bytes::from_static(b"{\"error\":\"lookup failed\"}"), None),
+        Some((body, location)) => (StatusCode::OK, body.clone(), Some(location.clone())),
+        None => (StatusCode::NOT_FOUND, Bytes::from_static(b"{\"error\":\"no order under that key\"}"), None),
     };
     let mut r = Response::new(Full::new(body));
     *r.status_mut() = status;
+    if let Some(location) = location {
+        r.headers_mut().insert("location", location.parse().unwrap());
+    }
     r.headers_mut().insert("content-type", "application/json".parse().unwrap());
     r.headers_mut().insert("x-upstream", "lookup".parse().unwrap());
     r.headers_mut().insert("connection", "keep-alive".parse().unwrap());
@@ -241,7 +244,7 @@ async fn handle(
         ),
     };
     if order.is_some() {
-        state.orders.lock().unwrap().entry(key.clone()).or_insert((status, answer.clone()));
+        state.orders.lock().unwrap().entry(key.clone()).or_insert((answer.clone(), format!("/v1/orders/{}", order.unwrap_or(0))));
     }
     state.requests.lock().unwrap().push(received.clone());
     let _ = tx.send(received);
