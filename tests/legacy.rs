@@ -267,7 +267,7 @@ async fn forever_records_survive_the_sweeper_and_still_replay(backend: Backend) 
     let (code, out, err) = cli(&gw, &["keys", "list", "--retention", "forever", "--json"]);
     assert_eq!(code, 0, "{err}");
     let listed: serde_json::Value = serde_json::from_str(&out).unwrap();
-    let keys: Vec<&str> = listed.as_array().unwrap().iter().map(|r| r["key"].as_str().unwrap()).collect();
+    let keys: Vec<&str> = listed["records"].as_array().unwrap().iter().map(|r| r["key"].as_str().unwrap()).collect();
     assert_eq!(keys, ["PAY-1"]);
     let (code, _, err) = cli(&gw, &["keys", "list", "--retention", "24h"]);
     assert_eq!(code, 2, "only forever is a retention filter: {err}");
