@@ -49,12 +49,14 @@ use tokio_util::task::TaskTracker;
 use crate::audit::Actor;
 use crate::body::Body;
 use crate::config::Config;
+use crate::executor::stored_form;
 use crate::headers;
 use crate::keys::{self, ResolveAction, ResolveError, ResolveRequest};
 use crate::metrics::{Metrics, ProbeOutcome};
 use crate::operation::StoredRequest;
 use crate::record::Refused;
-use crate::route::{ReplayMode, Route};
+use crate::record::StoredResponse;
+use crate::route::Route;
 use crate::store::{ProbeRoute, Probing, Store, StoreError, WriteOutcome};
 use crate::upstream::Upstream;
 
@@ -360,14 +362,10 @@ impl Reconciler {
         let (outcome, action, reason) = match &answer {
             Answer::Found { status, response, body } => {
                 let recorded = probe.found_as.unwrap_or(*status);
-                let (headers, body) = match probed.route.replay {
-                    ReplayMode::Stored => (headers::storable(&response.headers), body.clone()),
-                    // As the executor keeps a refetch route's answers: the
-                    // status and where to read the resource again, no body.
-                    ReplayMode::Refetch => {
-                        (headers::storable(&response.headers).into_iter().filter(|(n, _)| n == "location").collect(), None)
-                    }
-                };
+                // Kept as the route keeps any answer (a refetch route: the
+                // status and where to read the resource again, no body).
+                let full = StoredResponse { status: recorded.as_u16(), headers: headers::storable(&response.headers), body: body.clone() };
+                let StoredResponse { headers, body, .. } = stored_form(&probed.route, full);
                 // Retention: the route's (keys::resolve's default below).
                 let action = ResolveAction::Complete { status: recorded.as_u16(), headers, body, retention: None };
                 let reason = format!("probe {} answered {} (found); recorded as {}", probe.method, status.as_u16(), recorded.as_u16());
