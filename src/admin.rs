@@ -38,6 +38,7 @@ use crate::body::Body;
 use crate::config::Secret;
 use crate::keys::{self, ResolveAction, ResolveError, ResolveRequest};
 use crate::metrics::Metrics;
+use crate::outbox::Delivery;
 use crate::record::{Refused, State};
 use crate::route::Route;
 use crate::scope::{IdempotencyKey, Scope};
@@ -137,7 +138,15 @@ impl Admin {
                 self.resolve(&scope, req.into_body()).await
             }
             (Endpoint::Audit, Method::GET) => self.audit(&query).await,
-            (Endpoint::Resolve(_), _) => Err(AdminError::MethodNotAllowed("POST")),
+            (Endpoint::Events, Method::GET) => self.events(&query).await,
+            (Endpoint::Redeliver(id), Method::POST) => {
+                no_query(&query)?;
+                match self.store.redeliver(id).await.map_err(store_error)? {
+                    true => Ok(json_response(StatusCode::OK, &json!({ "id": id.to_string(), "delivery": "pending" }))),
+                    false => Err(AdminError::NotFound),
+                }
+            }
+            (Endpoint::Resolve(_) | Endpoint::Redeliver(_), _) => Err(AdminError::MethodNotAllowed("POST")),
             (_, _) => Err(AdminError::MethodNotAllowed("GET")),
         }
     }
@@ -183,6 +192,31 @@ impl Admin {
         Ok(json_response(StatusCode::OK, &keys::audit_page_json(&entries)))
     }
 
+    /// `GET /admin/events?delivery=pending|sent|parked&limit=`: the outbox, oldest first.
+    async fn events(&self, query: &str) -> Result<Response<Body>, AdminError> {
+        let (mut delivery, mut n) = (None, DEFAULT_LIMIT);
+        for (name, value) in form_urlencoded::parse(query.as_bytes()) {
+            match &*name {
+                "delivery" => {
+                    delivery =
+                        Some(Delivery::parse(&value).ok_or_else(|| AdminError::BadRequest(format!("unknown delivery state {value:?}")))?)
+                }
+                "limit" => n = limit(&value)?,
+                other => return Err(unknown_parameter(other, "delivery, limit")),
+            }
+        }
+        let events = self.store.events(delivery, n).await.map_err(store_error)?;
+        let stats = self.store.event_stats().await.map_err(store_error)?;
+        Ok(json_response(
+            StatusCode::OK,
+            &json!({
+                "events": events.iter().map(crate::outbox::event_json).collect::<Vec<_>>(),
+                "pending": stats.pending,
+                "parked": stats.parked,
+            }),
+        ))
+    }
+
     async fn resolve(&self, scope: &Scope, body: Incoming) -> Result<Response<Body>, AdminError> {
         let body = match tokio::time::timeout(BODY_TIMEOUT, Limited::new(body, MAX_REQUEST_BODY).collect()).await {
             Ok(Ok(collected)) => collected.to_bytes(),
@@ -219,6 +253,10 @@ enum Endpoint {
     Record(Scope),
     Resolve(Scope),
     Audit,
+    /// The outbox's events.
+    Events,
+    /// `POST /admin/events/{id}/redeliver`.
+    Redeliver(uuid::Uuid),
 }
 
 impl Endpoint {
@@ -226,7 +264,11 @@ impl Endpoint {
         match path {
             "/admin/records" => return Ok(Endpoint::Records),
             "/admin/audit" => return Ok(Endpoint::Audit),
+            "/admin/events" => return Ok(Endpoint::Events),
             _ => {}
+        }
+        if let Some(id) = path.strip_prefix("/admin/events/").and_then(|r| r.strip_suffix("/redeliver")) {
+            return id.parse().map(Endpoint::Redeliver).map_err(|_| AdminError::NotFound);
         }
         let rest = path.strip_prefix("/admin/records/").ok_or(AdminError::NotFound)?;
         let segments: Vec<&str> = rest.split('/').collect();

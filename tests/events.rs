@@ -160,7 +160,19 @@ async fn a_relay_killed_before_marking_redelivers_the_same_id(backend: Backend) 
 }
 
 async fn parked_events_are_kept_listed_and_redelivered(backend: Backend) {
-    let (_up, hook, gw, store) = setup(backend, "events.max_attempts = 2").await;
+    let up = TestUpstream::start().await;
+    let hook = Webhook::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("admin-token");
+    std::fs::write(&token_file, "admin-token\n").unwrap();
+    let cfg = with_events(GatewayConfig::new(backend.clone(), up.url()), &hook, "events.max_attempts = 2")
+        .admin(&format!("token_file = \"{}\"", token_file.display()));
+    let gw = Gateway::start(cfg);
+    let store = backend.open().await;
+    let admin = |method: &'static str, path: &str| {
+        let url = gw.admin_url(path);
+        async move { send(method, &url, &[("authorization", "Bearer admin-token")], "").await.unwrap() }
+    };
     hook.answer(500);
     assert_eq!(post(&gw.url("/v1/orders"), "k", ORDER, &[]).await.status, 201);
     let parked = eventually(Duration::from_secs(15), || async { store.event_stats().await.unwrap().parked == 1 }).await;
@@ -172,6 +184,10 @@ async fn parked_events_are_kept_listed_and_redelivered(backend: Backend) {
     assert_eq!(list.as_array().unwrap().len(), 1);
     assert_eq!((list[0]["delivery"].as_str(), list[0]["last_error"].as_str()), (Some("parked"), Some("answered 500")));
     let id = list[0]["id"].as_str().unwrap().to_owned();
+    // The admin API shows the same backlog.
+    let listed = admin("GET", "/admin/events?delivery=parked").await;
+    assert_eq!(listed.status, 200);
+    assert_eq!((listed.json()["parked"].as_i64(), listed.json()["events"][0]["id"].as_str()), (Some(1), Some(id.as_str())));
     hook.answer(200);
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(hook.deliveries().len(), 2, "parked events wait for an operator");
@@ -181,6 +197,11 @@ async fn parked_events_are_kept_listed_and_redelivered(backend: Backend) {
     assert!(sent, "{}", gw.logs());
     assert_eq!(hook.deliveries().last().unwrap().id, id);
     assert_eq!(cli(&gw, &["events", "redeliver", "00000000-0000-0000-0000-000000000000"]).0, 1);
+    // And redelivers through the API, with the same id again.
+    assert_eq!(admin("POST", &format!("/admin/events/{id}/redeliver")).await.status, 200);
+    let again = eventually(Duration::from_secs(10), || async { hook.deliveries().iter().filter(|d| d.id == id).count() == 4 }).await;
+    assert!(again, "{:?}", hook.counts());
+    assert_eq!(admin("POST", "/admin/events/00000000-0000-0000-0000-000000000000/redeliver").await.status, 404);
 }
 
 /// Two replicas relaying one store: every event is delivered, none by two
