@@ -50,6 +50,16 @@ impl EventType {
         EventType::ALL.into_iter().find(|t| t.as_str() == s)
     }
 
+    /// The event of an operator's or the reconciler's resolution: as
+    /// [`of`](Self::of), and an async operation sent back to the queue (it
+    /// did not happen and runs again) is a release.
+    pub fn of_resolution(state: Option<State>) -> Option<EventType> {
+        match state {
+            Some(State::Queued) => Some(EventType::Released),
+            other => EventType::of(other),
+        }
+    }
+
     /// The event of a change that leaves a record in `state` (`None`: deleted).
     pub fn of(state: Option<State>) -> Option<EventType> {
         match state {

@@ -372,6 +372,10 @@ pub fn transition(record: &Record, event: Event, now: Timestamp) -> Result<Next,
                 _ => {}
             }
             match event {
+                // "It did not happen": an async operation runs again (its
+                // client is polling its id and expects it to finish); a
+                // synchronous key is freed for the client's retry.
+                Event::ResolveRelease { .. } if record.operation_id.is_some() => Ok(Next::State { state: State::Queued, bump: true }),
                 Event::ResolveRelease { .. } => Ok(Next::Deleted),
                 _ => Ok(Next::State { state: State::Completed, bump: true }),
             }
@@ -589,6 +593,12 @@ mod tests {
         // Workers' operations are never taken over by a claim.
         assert!(!may_take_over(&async_op(State::Queued, None, false), &fp(1), NOW, true));
         assert!(!may_take_over(&async_op(State::Processing, Some(-1), false), &fp(1), NOW, true));
+        // Released ("it did not happen"): an async operation runs again, under a new generation.
+        let unknown_op = async_op(State::Unknown, None, true);
+        assert_eq!(
+            transition(&unknown_op, Event::ResolveRelease { force: false }, NOW),
+            Ok(Next::State { state: State::Queued, bump: true })
+        );
         // Operators cannot resolve queued or failed operations.
         assert_eq!(
             transition(&async_op(State::Queued, None, false), Event::ResolveRelease { force: true }, NOW),

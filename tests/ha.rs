@@ -234,7 +234,7 @@ async fn failover_to_a_synchronous_standby_loses_nothing() {
 /// What an asynchronous standby loses. Not asserted clean: the result is
 /// recorded in docs/faults.md.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "shows the losses of an asynchronous standby; scripts/soak --failover --async"]
+#[ignore = "shows the losses of an asynchronous standby; scripts/soak --failover --async-standby"]
 async fn failover_to_an_asynchronous_standby() {
     if !have_binaries("failover_to_an_asynchronous_standby") {
         return;

@@ -251,6 +251,37 @@ async fn an_unknown_async_operation_is_completed_by_its_probe() {
     assert_eq!(store.audit(10).await.unwrap()[0].actor, "reconciler");
 }
 
+/// An async operation whose request never reached the upstream but timed out
+/// (unknown): the probe finds it absent, and instead of deleting it (its
+/// client polls the id) the operation goes back to the queue, runs again and
+/// completes, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_absent_async_operation_runs_again_under_its_id() {
+    let backend = sqlite_backend();
+    let up = TestUpstream::start().await;
+    let proxy = FaultProxy::start(up.addr).await;
+    let cfg = GatewayConfig::new(backend.clone(), format!("http://{}", proxy.addr())).timeout("500ms").route(&probed("mode = \"async\""));
+    let gw = Gateway::start(cfg);
+    let store = backend.open().await;
+    proxy.set(Fault::BlackholeUpstream);
+    let r = post(&gw.url("/v1/orders"), "k7", ORDER, &[]).await;
+    assert_eq!(r.status, 202, "{r:?}");
+    let location = r.header("location").unwrap().to_owned();
+    wait_state(&store, "k7", Some(State::Unknown), &gw).await;
+    let first = record(&store, "k7").await.unwrap();
+    proxy.set(Fault::None);
+    proxy.reset_all();
+    wait_state(&store, "k7", Some(State::Completed), &gw).await;
+    let done = record(&store, "k7").await.unwrap();
+    assert_eq!(done.operation_id, first.operation_id, "the same operation");
+    assert!(done.generation > first.generation, "run again under a new generation");
+    let trail = store.audit(10).await.unwrap();
+    assert_eq!((trail[0].actor.as_str(), trail[0].from_state.as_str(), trail[0].to_state.as_str()), ("reconciler", "unknown", "queued"));
+    let doc = send("GET", &gw.url(&location), &[("authorization", "Bearer test-key")], "").await.unwrap();
+    assert_eq!(doc.json()["state"], "completed", "its client sees it finish: {doc:?}");
+    assert_eq!(up.side_effects(&derived("k7")), 1);
+}
+
 /// Two replicas on one PostgreSQL, both probing: every record is probed once
 /// and written once (one reconciler audit row per record).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

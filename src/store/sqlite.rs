@@ -444,6 +444,19 @@ impl RecordStore for SqliteStore {
                     write_response(tx, &scope, response, now, *retention, Some(next))?;
                     (Some(state), Some(next))
                 }
+                (Ok(Next::State { state: State::Queued, .. }), Resolution::Release { .. }) => {
+                    // An async operation released: it runs again, under a new generation.
+                    let next = next_generation(tx)?;
+                    let [t, p, o, k] = pk(&scope);
+                    tx.prepare_cached(&format!(
+                        "UPDATE idemgate_records SET state = 'queued', generation = ?5, lease_expires_at = NULL, sent_at = NULL, \
+                         next_attempt_at = ?6, maybe_executed = 0, response_status = NULL, response_headers = NULL, \
+                         response_body = NULL, updated_at = ?6 WHERE {PK}"
+                    ))
+                    .and_then(|mut st| st.execute(params![t, p, o, k, next.0, now.0]))
+                    .map_err(err)?;
+                    (Some(State::Queued), Some(next))
+                }
                 (Ok(Next::State { .. }), Resolution::Release { .. }) => {
                     return Ok(ResolveOutcome::Refused(Refused::NotAllowed(record.state)));
                 }
@@ -470,7 +483,7 @@ impl RecordStore for SqliteStore {
             })
             .map_err(err)?;
             // The resolution's event, in the same transaction.
-            if let Some(kind) = EventType::of(to).filter(|e| events.emits(&scope.operation, *e)) {
+            if let Some(kind) = EventType::of_resolution(to).filter(|e| events.emits(&scope.operation, *e)) {
                 let (status, body) = match &resolution {
                     Resolution::Complete { response, .. } => {
                         (Some(response.status), response.body.as_deref().filter(|_| events.include_body(&scope.operation)))

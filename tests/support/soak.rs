@@ -274,3 +274,149 @@ impl Verdict {
         assert!(self.stuck == 0, "stuck records");
     }
 }
+
+/// What one async client saw for one key.
+#[derive(Debug, Default, Clone)]
+pub struct SeenAsync {
+    /// The operation id of the 202 (the same for every retry of the key).
+    pub id: Option<String>,
+    /// Retries of the acceptance that got another id.
+    pub id_changed: u32,
+    /// The final state the client read by polling, and the result's status.
+    pub final_state: Option<String>,
+    pub result_status: Option<u16>,
+    pub gave_up: bool,
+}
+
+pub type SeenAsyncMap = Arc<Mutex<HashMap<String, SeenAsync>>>;
+
+/// Async clients: each takes a new key, POSTs it (retrying until a 202),
+/// sometimes POSTs it again (the same id must come back), then polls the
+/// operation (against random replicas) until it is final, and reads the
+/// result of a completed one.
+pub fn spawn_async_clients(clients: u64, bases: &[String], path: &str, deadline: Instant, seen: &SeenAsyncMap) -> Vec<JoinHandle<()>> {
+    let mut tasks = Vec::new();
+    for c in 0..clients {
+        let (bases, seen, path) = (bases.to_vec(), seen.clone(), path.to_owned());
+        tasks.push(tokio::spawn(async move {
+            let mut rng = Rng(0xA5A5_5A5A_1234_5678 ^ (c + 7));
+            let mut n = 0u64;
+            let auth = [("authorization", "Bearer test-key")];
+            while Instant::now() < deadline {
+                n += 1;
+                let key = format!("a{c}-{n}");
+                let body = format!(r#"{{"job":{c},"n":{n}}}"#);
+                let mut s = SeenAsync::default();
+                let mut posts = 1 + u32::from(rng.below(100) < 30);
+                let mut attempts = 0;
+                while posts > 0 && attempts < 60 {
+                    attempts += 1;
+                    let base = &bases[rng.below(bases.len() as u64) as usize];
+                    let r = send(
+                        "POST",
+                        &format!("{base}{path}"),
+                        &[auth[0], ("content-type", "application/json"), ("idempotency-key", &key)],
+                        body.clone(),
+                    )
+                    .await;
+                    match r {
+                        Ok(r) if r.status == 202 => {
+                            let id = r.json()["id"].as_str().unwrap_or_default().to_owned();
+                            match &s.id {
+                                None => s.id = Some(id),
+                                Some(first) if *first != id => s.id_changed += 1,
+                                Some(_) => {}
+                            }
+                            posts -= 1;
+                        }
+                        Ok(r) if matches!(r.status, 503 | 502 | 408 | 409) => {}
+                        Ok(r) => panic!("unexpected answer {} for {key}: {:?}", r.status, String::from_utf8_lossy(&r.body)),
+                        Err(_) => {}
+                    }
+                    tokio::time::sleep(Duration::from_millis(20 + rng.below(100))).await;
+                }
+                let Some(id) = s.id.clone() else {
+                    s.gave_up = true;
+                    seen.lock().unwrap().insert(key, s);
+                    continue;
+                };
+                // Poll until final (bounded; the checker waits for stragglers).
+                let poll_deadline = Instant::now() + Duration::from_secs(30);
+                while Instant::now() < poll_deadline {
+                    let base = &bases[rng.below(bases.len() as u64) as usize];
+                    if let Ok(r) = send("GET", &format!("{base}/_idemgate/operations/{id}"), &auth, "").await
+                        && r.status == 200
+                    {
+                        let doc = r.json();
+                        let state = doc["state"].as_str().unwrap_or_default().to_owned();
+                        if !matches!(state.as_str(), "queued" | "processing") {
+                            if state == "completed" {
+                                // The result, retried through the nemesis (503 while a store restarts).
+                                for _ in 0..50 {
+                                    let base = &bases[rng.below(bases.len() as u64) as usize];
+                                    match send("GET", &format!("{base}/_idemgate/operations/{id}/result"), &auth, "").await {
+                                        Ok(res) if !matches!(res.status, 502 | 503) => {
+                                            s.result_status = Some(res.status);
+                                            break;
+                                        }
+                                        _ => tokio::time::sleep(Duration::from_millis(100 + rng.below(200))).await,
+                                    }
+                                }
+                            }
+                            s.final_state = Some(state);
+                            break;
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(100 + rng.below(200))).await;
+                }
+                seen.lock().unwrap().insert(key, s);
+            }
+        }));
+    }
+    tasks
+}
+
+/// What the async checker found.
+pub struct AsyncVerdict {
+    pub accepted: usize,
+    pub completed: usize,
+    pub unknown: usize,
+    pub failed: usize,
+    pub duplicates: Vec<(String, u64)>,
+    /// Accepted operations that never reached a final state, or whose id
+    /// changed between retries, or whose completion is not in the store.
+    pub lost: Vec<String>,
+}
+
+/// Compares what async clients saw with the ledger and the store (after the
+/// run quiesced): every accepted operation must be final, executed at most
+/// once, and (if the client read `completed`) completed in the store.
+pub async fn check_async(seen: &HashMap<String, SeenAsync>, up: &TestUpstream, store: &Store, operation: &str) -> AsyncVerdict {
+    let ledger = up.ledger();
+    let mut v = AsyncVerdict { accepted: 0, completed: 0, unknown: 0, failed: 0, duplicates: Vec::new(), lost: Vec::new() };
+    for (key, s) in seen {
+        let scope = super::scope_for(super::PRINCIPAL, operation, key);
+        let effects = ledger.get(&scope.derived_key(Some(super::TEST_SECRET.as_bytes()))).copied().unwrap_or(0);
+        if effects > 1 {
+            v.duplicates.push((key.clone(), effects));
+        }
+        let Some(id) = &s.id else { continue };
+        v.accepted += 1;
+        if s.id_changed > 0 {
+            v.lost.push(format!("{key}: a retry of the acceptance got another id"));
+        }
+        match store.get(&scope).await.ok().flatten().map(|(r, _)| r) {
+            None => v.lost.push(format!("{key}: accepted as {id} but no record")),
+            Some(r) => match r.state {
+                State::Completed => v.completed += 1,
+                State::Unknown => v.unknown += 1,
+                State::FailedRetryable => v.failed += 1,
+                other => v.lost.push(format!("{key}: accepted but still {other}")),
+            },
+        }
+        if s.final_state.as_deref() == Some("completed") && s.result_status.is_none_or(|st| !(200..300).contains(&st)) {
+            v.lost.push(format!("{key}: completed but its result was {:?}", s.result_status));
+        }
+    }
+    v
+}

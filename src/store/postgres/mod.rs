@@ -674,6 +674,18 @@ impl RecordStore for PgStore {
                 tx.execute(&format!("DELETE FROM idemgate_records WHERE {PK}"), &params).await.map_err(w)?;
                 (None, None)
             }
+            Ok(Next::State { state: State::Queued, .. }) => {
+                // An async operation released: it runs again, under a new generation.
+                let update = format!(
+                    "UPDATE idemgate_records SET state = 'queued', generation = nextval('idemgate_generation'), lease_expires_at = NULL, \
+                     sent_at = NULL, next_attempt_at = now(), maybe_executed = false, response_status = NULL, response_headers = NULL, \
+                     response_body = NULL, updated_at = now() WHERE {PK} RETURNING generation"
+                );
+                let rows = tx.query(&update, &params).await.map_err(w)?;
+                let generation: i64 =
+                    rows.first().and_then(|r| r.try_get(0).ok()).ok_or_else(|| StoreError::Corrupt("resolve: no generation".into()))?;
+                (Some(State::Queued), Some(generation))
+            }
             Ok(Next::State { state, .. }) => {
                 let Resolution::Complete { response, retention, .. } = resolution else {
                     return Err(StoreError::Corrupt("resolve: state machine and resolution disagree".into()));
@@ -725,7 +737,7 @@ impl RecordStore for PgStore {
         .await
         .map_err(w)?;
         // The resolution's event, in the same transaction.
-        if let Some(event) = EventType::of(to).filter(|e| events.emits(&scope.operation, *e)) {
+        if let Some(event) = EventType::of_resolution(to).filter(|e| events.emits(&scope.operation, *e)) {
             let (status, body): (Option<i32>, Option<&[u8]>) = match resolution {
                 Resolution::Complete { response, .. } => {
                     (Some(i32::from(response.status)), response.body.as_deref().filter(|_| events.include_body(&scope.operation)))
