@@ -319,7 +319,11 @@ impl Gateway {
                 Ok(outcome) => outcome,
                 Err(e) => {
                     tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "claim failed; nothing forwarded");
-                    if e.is_ambiguous() {
+                    // An unconfirmed synchronous claim is deleted later (nobody
+                    // forwards it); an unconfirmed acceptance stays: if it
+                    // committed, a retry reads it back as accepted and a
+                    // worker runs it once.
+                    if e.is_ambiguous() && claim.acceptance.is_none() {
                         self.abandon_later(&claim, route.lease);
                     }
                     return Err(GatewayError::StoreUnavailable);

@@ -902,7 +902,15 @@ async fn abandon_deletes_only_an_in_flight_claim_with_its_token(backend: Backend
     let t = row(&store, &taken).await;
     assert_eq!((t.state, t.generation, t.claim_token), (State::InFlight, second.generation, second.claim_token));
     assert!(!store.abandon(&absent, Uuid::new_v4()).await.unwrap());
-    assert_eq!(key_set(&all(&store).await), set(&["done", "unknown", "taken"]));
+    // Nor an async acceptance: a retry may already have read it back and
+    // answered 202 with its operation id, so it is an accepted operation
+    // from the moment it committed (the soak once lost one this way).
+    let queued = key("queued");
+    let q = claim(&store, &accept_req(&queued, 1)).await;
+    let queued_before = row(&store, &queued).await;
+    assert!(!store.abandon(&queued, q.claim_token).await.unwrap(), "an acceptance is never abandoned");
+    assert_eq!(row(&store, &queued).await, queued_before);
+    assert_eq!(key_set(&all(&store).await), set(&["done", "unknown", "taken", "queued"]));
 }
 
 // ---------------------------------------------------------------------------

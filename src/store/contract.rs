@@ -289,7 +289,9 @@ pub trait RecordStore: Send + Sync + std::fmt::Debug {
     /// it finds untouched and returns it.
     async fn claim(&self, req: &ClaimRequest) -> Result<RawClaim, StoreError>;
 
-    /// Deletes the in-flight (or queued) record made with `claim_token`, if it exists.
+    /// Deletes the in-flight record made with `claim_token`, if it exists.
+    /// Never a queued acceptance: once committed, a retry may have read it
+    /// back and answered 202, so it is an accepted operation.
     async fn abandon(&self, scope: &Scope, claim_token: Uuid) -> Result<bool, StoreError>;
 
     /// Records the upstream's response, fenced by `attempt`.

@@ -333,7 +333,7 @@ impl RecordStore for SqliteStore {
         let scope = scope.clone();
         self.write(move |tx, _| {
             let Some(record) = get_tx(tx, &scope)? else { return Ok(false) };
-            if record.claim_token != token || !matches!(record.state, State::InFlight | State::Queued) {
+            if record.claim_token != token || record.state != State::InFlight {
                 return Ok(false);
             }
             delete(tx, &scope)?;

@@ -567,7 +567,7 @@ impl RecordStore for PgStore {
     }
 
     async fn abandon(&self, scope: &Scope, token: Uuid) -> Result<bool, StoreError> {
-        let sql = format!("DELETE FROM idemgate_records WHERE {PK} AND claim_token = $5 AND state IN ('in_flight', 'queued') RETURNING 1");
+        let sql = format!("DELETE FROM idemgate_records WHERE {PK} AND claim_token = $5 AND state = 'in_flight' RETURNING 1");
         let rows = self.query(&sql, &[&&*scope.tenant, &&*scope.principal, &&*scope.operation, &scope.key.as_str(), &token], true).await?;
         Ok(!rows.is_empty())
     }
