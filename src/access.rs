@@ -159,7 +159,7 @@ pub fn log(line: &AccessLine<'_>) {
         status = line.status,
         latency_ms = millis(line.latency),
         upstream_ms = line.upstream_latency.map(millis),
-        scope = t.scope.map(|s| tracing::field::display(s)),
+        scope = t.scope.map(tracing::field::display),
         problem = t.problem,
         request_id = line.request_id.to_str().unwrap_or_default(),
         client = %line.peer,
