@@ -118,6 +118,8 @@ impl Server {
             "listening"
         );
         let background = TaskTracker::new();
+        // Every series exists before the admin listener serves its first scrape.
+        metrics.declare_upstreams(config.upstreams.iter().map(|u| u.name.as_str()));
         metrics.declare_operations(config.routes.iter().map(|r| (&*r.operation, r.mode == RouteMode::Async || r.allow_async)));
         background::spawn_all(
             &background,
@@ -179,7 +181,6 @@ impl Server {
                 .await
             });
         }
-        metrics.declare_upstreams(config.upstreams.iter().map(|u| u.name.as_str()));
         // Fired `drain_delay` after the shutdown signal: the proxy listeners
         // stop accepting and open connections finish their current request.
         let stop = CancellationToken::new();
