@@ -17,10 +17,10 @@
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::{HeaderMap, HeaderName, HeaderValue, Method};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
 use ipnet::IpNet;
 
 use crate::metrics::Outcome;
@@ -125,6 +125,78 @@ pub struct Trace {
     pub scope: Option<ScopeId>,
     /// The problem type, when the answer is a problem.
     pub problem: Option<&'static str>,
+}
+
+/// Status logged for a request whose client went away before its answer was
+/// ready (nginx's convention). An idempotent request's work goes on and is
+/// recorded regardless.
+pub const CLIENT_CLOSED: u16 = 499;
+
+/// A request on its way: its access-log line is written by [`Pending::finish`]
+/// with the answer, or, if the request's future is dropped first (the client
+/// closed the connection), with status 499 when it is dropped. Either way
+/// exactly once.
+pub struct Pending {
+    /// `server.access_log`.
+    enabled: bool,
+    method: Method,
+    uri: Uri,
+    peer: IpAddr,
+    started: Instant,
+    request_id: HeaderValue,
+    /// What the inner path learns; the counters read it too.
+    pub trace: Trace,
+    done: bool,
+}
+
+impl Pending {
+    pub fn new(enabled: bool, method: &Method, uri: &Uri, peer: IpAddr, request_id: HeaderValue) -> Pending {
+        // Method and URI are cheap to keep (shared bytes).
+        Pending {
+            enabled,
+            method: method.clone(),
+            uri: uri.clone(),
+            peer,
+            started: Instant::now(),
+            request_id,
+            trace: Trace::default(),
+            done: false,
+        }
+    }
+
+    pub fn request_id(&self) -> &HeaderValue {
+        &self.request_id
+    }
+
+    /// Logs the answer.
+    pub fn finish(mut self, status: u16, upstream_latency: Option<Duration>) {
+        self.done = true;
+        self.write(status, upstream_latency);
+    }
+
+    fn write(&self, status: u16, upstream_latency: Option<Duration>) {
+        if !self.enabled {
+            return;
+        }
+        log(&AccessLine {
+            method: &self.method,
+            path: self.uri.path(),
+            peer: self.peer,
+            status,
+            latency: self.started.elapsed(),
+            upstream_latency,
+            request_id: &self.request_id,
+            trace: &self.trace,
+        });
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if !self.done {
+            self.write(CLIENT_CLOSED, None);
+        }
+    }
 }
 
 /// One finished request, as logged.

@@ -16,8 +16,8 @@ use tokio::sync::{Notify, oneshot};
 use tokio_util::task::TaskTracker;
 use uuid::Uuid;
 
+use crate::access::{self, Pending, REQUEST_ID, RequestIds, RouteLabel, Trace};
 use crate::authorize::{Authorizer, Decision as AuthzDecision};
-use crate::access::{self, AccessLine, REQUEST_ID, RequestIds, RouteLabel, Trace};
 use crate::body::Body;
 use crate::config::Config;
 use crate::executor::{Executor, refetch};
@@ -205,37 +205,24 @@ impl Gateway {
     /// Every answer carries the request's id (`X-Request-Id`, also sent to
     /// the upstream) and gets exactly one access-log line.
     pub async fn handle(self: Arc<Self>, mut req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
-        let started = Instant::now();
         let request_id = self.request_ids.assign(req.headers(), peer.ip());
         req.headers_mut().insert(REQUEST_ID, request_id.clone());
-        // Method and URI are cheap to keep (shared bytes), and only kept when logged.
-        let logged = self.access_log.then(|| (req.method().clone(), req.uri().clone()));
-        let mut trace = Trace::default();
-        let mut resp = match self.dispatch(req, peer, &mut trace).await {
+        // Logs the line when finished, or with 499 if the client goes away first.
+        let mut pending = Pending::new(self.access_log, req.method(), req.uri(), peer.ip(), request_id);
+        let mut resp = match self.dispatch(req, peer, &mut pending.trace).await {
             Ok(resp) => resp,
             Err(e) => {
-                trace.problem = Some(e.type_name());
-                trace.outcome.get_or_insert(e.outcome());
-                self.problem(&e, &request_id)
+                pending.trace.problem = Some(e.type_name());
+                pending.trace.outcome.get_or_insert(e.outcome());
+                self.problem(&e, pending.request_id())
             }
         };
-        if let (Some(reason), Some(Outcome::Rejected)) = (trace.problem, trace.outcome) {
+        if let (Some(reason), Some(Outcome::Rejected)) = (pending.trace.problem, pending.trace.outcome) {
             self.metrics.rejected(reason);
         }
         let upstream_latency = resp.extensions_mut().remove::<UpstreamLatency>().map(|l| l.0);
-        resp.headers_mut().insert(REQUEST_ID, request_id.clone());
-        if let Some((method, uri)) = logged {
-            access::log(&AccessLine {
-                method: &method,
-                path: uri.path(),
-                peer: peer.ip(),
-                status: resp.status().as_u16(),
-                latency: started.elapsed(),
-                upstream_latency,
-                request_id: &request_id,
-                trace: &trace,
-            });
-        }
+        resp.headers_mut().insert(REQUEST_ID, pending.request_id().clone());
+        pending.finish(resp.status().as_u16(), upstream_latency);
         resp
     }
 

@@ -128,6 +128,35 @@ async fn access_log_has_one_line_per_outcome_and_no_secrets() {
     assert_eq!(line["problem"], "not-found");
 }
 
+/// A client that hangs up before its answer still gets its line, with 499
+/// (nginx's "client closed request"), and its request is still recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_goes_away_still_gets_one_line() {
+    use tokio::io::AsyncWriteExt;
+    let up = TestUpstream::start().await;
+    let backend = sqlite_backend();
+    let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()));
+    let mut received = up.subscribe();
+    let mut sock = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let req = "POST /v1/orders HTTP/1.1\r\nhost: x\r\nauthorization: Bearer test-key\r\nidempotency-key: gone\r\n\
+               content-type: application/json\r\nx-test-sleep-ms: 500\r\ncontent-length: 2\r\n\r\n{}";
+    sock.write_all(req.as_bytes()).await.unwrap();
+    received.recv().await.unwrap();
+    drop(sock);
+    let store = backend.open().await;
+    let done = eventually(Duration::from_secs(5), || {
+        let store = store.clone();
+        async move { record(&store, "gone").await.is_some_and(|r| r.state == State::Completed) }
+    })
+    .await;
+    assert!(done, "recorded after the client left");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let lines: Vec<_> = access_lines(&gw).into_iter().filter(|l| l["scope"] == scope("gone").log_id()).collect();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_eq!(lines[0]["status"], 499, "{}", lines[0]);
+    assert_eq!(lines[0]["route"], "create_order");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn access_log_can_be_turned_off() {
     let up = TestUpstream::start().await;
