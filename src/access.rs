@@ -3,8 +3,9 @@
 //!
 //! The id is taken from `X-Request-Id` when the peer is one of
 //! `server.trusted_proxies` (an edge proxy that already assigned one), else
-//! generated. It goes to the upstream as `X-Request-Id`, back to the client
-//! on every answer, and into problem bodies as
+//! generated. It goes to the upstream as `X-Request-Id` (unless the client
+//! sent one: that reaches the upstream unchanged), back to the client on
+//! every answer, and into problem bodies as
 //! `instance = "urn:idemgate:request:<id>"`. `traceparent` (W3C Trace
 //! Context) is forwarded unchanged like any other end-to-end header.
 //!

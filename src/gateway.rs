@@ -3,7 +3,7 @@
 //! [`Executor`](crate::executor::Executor) on a tracked task, or answer from
 //! the record the claim found.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -23,7 +23,7 @@ use crate::config::Config;
 use crate::executor::{Executor, refetch};
 use crate::fingerprint::{self, RequestParts};
 use crate::identity::{Identifier, Identity, IdentitySource};
-use crate::keysource::{FromHeaders, KeySourceError};
+use crate::keysource::{FromHeaders, KeySource, KeySourceError};
 use crate::metrics::{Metrics, Outcome};
 use crate::observe::Observer;
 use crate::operation::{OPERATIONS_PATH, StoredRequest, new_operation_id, prefers_async, status_document};
@@ -73,6 +73,9 @@ pub struct Gateway {
     access_log: bool,
     /// `WWW-Authenticate` of a 401, when API keys are configured.
     challenge: Option<HeaderValue>,
+    /// Operations whose key may come from `X-Request-Id` (`key_from`): their
+    /// requests are forwarded without an id the client did not send.
+    request_id_is_a_key: Arc<HashSet<Arc<str>>>,
 }
 
 impl Gateway {
@@ -123,6 +126,14 @@ impl Gateway {
                 .iter()
                 .any(|s| matches!(s, IdentitySource::ApiKey { .. } | IdentitySource::Jwt(_)))
                 .then(|| HeaderValue::from_static("Bearer realm=\"idemgate\"")),
+            request_id_is_a_key: Arc::new(
+                config
+                    .routes
+                    .iter()
+                    .filter(|r| r.key_from.sources().iter().any(|s| matches!(s, KeySource::Header(h) if h == REQUEST_ID)))
+                    .map(|r| r.operation.clone())
+                    .collect(),
+            ),
         }
     }
 
@@ -194,6 +205,7 @@ impl Gateway {
             request_ids: self.request_ids.clone(),
             access_log: self.access_log,
             challenge: self.challenge.clone(),
+            request_id_is_a_key: self.request_id_is_a_key.clone(),
         }
     }
 
@@ -204,12 +216,12 @@ impl Gateway {
     /// Handles one request; never fails (errors become problem responses).
     /// Every answer carries the request's id (`X-Request-Id`, also sent to
     /// the upstream) and gets exactly one access-log line.
-    pub async fn handle(self: Arc<Self>, mut req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+    pub async fn handle(self: Arc<Self>, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
         let request_id = self.request_ids.assign(req.headers(), peer.ip());
-        req.headers_mut().insert(REQUEST_ID, request_id.clone());
         // Logs the line when finished, or with 499 if the client goes away first.
         let mut pending = Pending::new(self.access_log, req.method(), req.uri(), peer.ip(), request_id);
-        let mut resp = match self.dispatch(req, peer, &mut pending.trace).await {
+        let id = pending.request_id().clone();
+        let mut resp = match self.dispatch(req, peer, &mut pending.trace, &id).await {
             Ok(resp) => resp,
             Err(e) => {
                 pending.trace.problem = Some(e.type_name());
@@ -230,9 +242,10 @@ impl Gateway {
     /// it was and how it ended.
     async fn dispatch(
         self: &Arc<Self>,
-        req: Request<Incoming>,
+        mut req: Request<Incoming>,
         peer: SocketAddr,
         trace: &mut Trace,
+        request_id: &HeaderValue,
     ) -> Result<Response<Body>, GatewayError> {
         if let Some(rest) = req.uri().path().strip_prefix(OPERATIONS_PATH) {
             trace.route = RouteLabel::OperationStatus;
@@ -245,6 +258,9 @@ impl Gateway {
             RouteMatch::Operation { route, params } => {
                 let route = route.clone();
                 trace.route = RouteLabel::Operation(route.operation.clone());
+                if self.request_id_is_a_key.is_empty() || !self.request_id_is_a_key.contains(&route.operation) {
+                    self.send_request_id(&mut req, request_id);
+                }
                 // Boxed: the idempotent path's future is large; pass-through requests
                 // should not carry (and move) it.
                 let answer = Box::pin(self.operation(&route, params, req, peer, &mut trace.scope)).await;
@@ -257,11 +273,23 @@ impl Gateway {
                 answer.map(|(resp, _)| resp)
             }
             RouteMatch::PassThrough { upstream } => {
+                self.send_request_id(&mut req, request_id);
                 trace.route = RouteLabel::PassThrough;
                 trace.outcome = Some(Outcome::PassThrough);
                 self.pass_through(upstream, req).await
             }
             RouteMatch::NotFound => Err(GatewayError::NotFound),
+        }
+    }
+
+    /// The upstream gets the request id, unless the client sent its own: that
+    /// one reaches the upstream unchanged, as everything else the client
+    /// sends. (Not called for routes whose key comes from `X-Request-Id`: a
+    /// legacy client's id is its idempotency key there, so a request without
+    /// one must stay without one.)
+    fn send_request_id(&self, req: &mut Request<Incoming>, request_id: &HeaderValue) {
+        if !req.headers().contains_key(REQUEST_ID) {
+            req.headers_mut().insert(REQUEST_ID, request_id.clone());
         }
     }
 

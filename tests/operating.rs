@@ -175,11 +175,10 @@ async fn request_ids_are_echoed_sent_upstream_and_name_problems() {
     let url = gw.url("/v1/orders");
     let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
-    // A client's own X-Request-Id is not trusted by default: replaced.
-    let first = post(&url, "k1", "{}", &[("traceparent", traceparent), ("x-request-id", "client-chosen")]).await;
+    // Without an id of its own, the client's request reaches the upstream with the gateway's.
+    let first = post(&url, "k1", "{}", &[("traceparent", traceparent)]).await;
     assert_eq!(first.status, 201);
     let id = request_id(&first);
-    assert_ne!(id, "client-chosen");
     assert!(id.len() == 24 && id.bytes().all(|b| b.is_ascii_hexdigit()), "{id}");
     let seen = &up.requests()[0];
     assert_eq!(seen.headers.get("x-request-id").and_then(|v| v.to_str().ok()), Some(id.as_str()), "the upstream gets the same id");
@@ -188,6 +187,15 @@ async fn request_ids_are_echoed_sent_upstream_and_name_problems() {
         Some(traceparent),
         "traceparent reaches the upstream unchanged"
     );
+
+    // A client's own X-Request-Id is not trusted by default: the gateway logs
+    // and answers with its own id, and the upstream gets the client's header
+    // unchanged (it may be a legacy client's idempotency key).
+    let own = post(&url, "k-own", "{}", &[("x-request-id", "client-chosen")]).await;
+    assert_eq!(own.status, 201);
+    assert_ne!(request_id(&own), "client-chosen");
+    assert_eq!(up.requests()[1].headers.get("x-request-id").and_then(|v| v.to_str().ok()), Some("client-chosen"));
+    assert!(!access_line(&gw, &request_id(&own)).await.to_string().contains("client-chosen"));
 
     // Every answer has its own id: replays and problems too.
     let replay = post(&url, "k1", "{}", &[]).await;
@@ -206,9 +214,9 @@ async fn request_ids_are_echoed_sent_upstream_and_name_problems() {
     let missing = send("GET", &gw.url("/nowhere"), &[], "").await.unwrap();
     assert_eq!(missing.json()["instance"], format!("urn:idemgate:request:{}", request_id(&missing)));
 
-    let ids: HashSet<String> = [&first, &replay, &conflict, &unauthenticated, &missing].iter().map(|r| request_id(r)).collect();
-    assert_eq!(ids.len(), 5, "unique ids: {ids:?}");
-    assert_eq!(up.total(), 1);
+    let ids: HashSet<String> = [&first, &own, &replay, &conflict, &unauthenticated, &missing].iter().map(|r| request_id(r)).collect();
+    assert_eq!(ids.len(), 6, "unique ids: {ids:?}");
+    assert_eq!(up.total(), 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
