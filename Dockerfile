@@ -1,17 +1,18 @@
 # syntax=docker/dockerfile:1
 # Build:  docker build -t idemgate .
-# Run:    docker run -p 8080:8080 -p 9090:9090 \
-#           -v $PWD/config:/etc/idemgate:ro -v idemgate-data:/var/lib/idemgate \
-#           -e IDEMGATE_DATABASE_URL=postgres://... idemgate
-# The config is read from /etc/idemgate/idemgate.toml; listen on 0.0.0.0 inside
-# the container. Relative SQLite paths resolve under /var/lib/idemgate.
+# Run:    docker run -p 8080:8080 -p 9090:9090 -v idemgate-data:/var/lib/idemgate idemgate
+# The baked configuration (config/docker.toml, at /etc/idemgate/idemgate.toml)
+# listens on 0.0.0.0:8080 (admin 0.0.0.0:9090) and keeps the embedded store in
+# /var/lib/idemgate; mount your own file over it (or set IDEMGATE_CONFIG).
+# Several replicas on PostgreSQL: deploy/compose.yaml. Reference: docs/reference.md.
 
 FROM rust:1.89-slim-bookworm AS build
 WORKDIR /src
 # Dependencies first, so code changes do not rebuild them.
 COPY Cargo.toml Cargo.lock ./
-RUN mkdir src && echo 'fn main() {}' > src/main.rs && touch src/lib.rs \
-    && cargo build --release --locked \
+RUN mkdir src benches && echo 'fn main() {}' > src/main.rs && touch src/lib.rs \
+    && mkdir -p benches/gateway && echo 'fn main() {}' > benches/gateway/main.rs \
+    && cargo build --release --locked --bin idemgate \
     && rm -rf src
 COPY src ./src
 COPY migrations ./migrations
@@ -19,15 +20,20 @@ COPY config ./config
 RUN touch src/main.rs src/lib.rs && cargo build --release --locked --bin idemgate
 
 FROM debian:bookworm-slim
-RUN useradd --system --uid 10001 --home-dir /var/lib/idemgate --shell /usr/sbin/nologin idemgate \
+# A numeric user, so orchestrators can check it is not root (runAsNonRoot).
+RUN useradd --system --uid 10001 --gid 0 --home-dir /var/lib/idemgate --shell /usr/sbin/nologin idemgate \
     && mkdir -p /etc/idemgate /var/lib/idemgate \
-    && chown idemgate /var/lib/idemgate
+    && chown 10001:0 /var/lib/idemgate \
+    && chmod 0770 /var/lib/idemgate
 COPY --from=build /src/target/release/idemgate /usr/local/bin/idemgate
-COPY config/idemgate.toml /etc/idemgate/idemgate.toml
-USER idemgate
+COPY config/docker.toml /etc/idemgate/idemgate.toml
+USER 10001
 WORKDIR /var/lib/idemgate
 ENV IDEMGATE_CONFIG=/etc/idemgate/idemgate.toml
 EXPOSE 8080 9090
+VOLUME ["/var/lib/idemgate"]
 STOPSIGNAL SIGTERM
+# Asks the admin listener's /readyz (store reachable, not draining); no curl needed.
+HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 CMD ["/usr/local/bin/idemgate", "healthcheck"]
 ENTRYPOINT ["/usr/local/bin/idemgate"]
 CMD ["serve"]

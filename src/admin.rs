@@ -1,4 +1,5 @@
-//! The admin listener: `/healthz` (process up), `/readyz` (store reachable),
+//! The admin listener: `/healthz` (process up), `/readyz` (store reachable
+//! and not draining),
 //! `/metrics` (Prometheus) — no token — and the admin HTTP API under
 //! `/admin/`, which mirrors `idemgate keys` through the same implementation
 //! ([`crate::keys`]):
@@ -51,6 +52,7 @@ const BODY_TIMEOUT: Duration = Duration::from_secs(30);
 /// `limit` when absent, and its largest value.
 const DEFAULT_LIMIT: u32 = 100;
 const MAX_LIMIT: u32 = 1000;
+use tokio_util::sync::CancellationToken;
 
 /// How long `/readyz` waits for the store. Shorter than the operation
 /// timeout: a load balancer or orchestrator should learn within about a second
@@ -67,11 +69,13 @@ pub struct Admin {
     routes: Vec<Route>,
     /// Shows the derived key of records (what the upstream was sent).
     derived_key_secret: Option<Arc<[u8]>>,
+    /// Cancelled when the process starts draining: `/readyz` then answers 503.
+    draining: Option<CancellationToken>,
 }
 
 impl Admin {
     pub fn new(store: Store, metrics: Arc<Metrics>, token: Option<Secret>) -> Admin {
-        Admin { store, metrics, token, routes: Vec::new(), derived_key_secret: None }
+        Admin { store, metrics, token, routes: Vec::new(), derived_key_secret: None, draining: None }
     }
 
     /// The configured routes (the default retention of completions).
@@ -83,6 +87,12 @@ impl Admin {
     /// The deployment's derived-key secret, to show each record's derived key.
     pub fn with_derived_key_secret(mut self, secret: Arc<[u8]>) -> Admin {
         self.derived_key_secret = Some(secret);
+        self
+    }
+
+    /// `/readyz` answers 503 once `draining` is cancelled (SIGTERM).
+    pub fn with_draining(mut self, draining: CancellationToken) -> Admin {
+        self.draining = Some(draining);
         self
     }
 
@@ -99,6 +109,9 @@ impl Admin {
         }
         match path {
             "/healthz" => text(StatusCode::OK, "ok\n"),
+            "/readyz" if self.draining.as_ref().is_some_and(CancellationToken::is_cancelled) => {
+                text(StatusCode::SERVICE_UNAVAILABLE, "draining\n")
+            }
             "/readyz" => match tokio::time::timeout(READY_BOUND, self.store.ping()).await {
                 Ok(Ok(())) => text(StatusCode::OK, "ready\n"),
                 Ok(Err(e)) => {

@@ -76,11 +76,21 @@ pub struct DemoArgs {
     /// (both deleted and recreated at every start).
     #[arg(long, default_value = "data/demo")]
     pub data: PathBuf,
+    /// Run only the order service (on --upstream-listen), as the upstream of
+    /// gateways started elsewhere (deploy/compose.yaml). No store, no gateway.
+    #[arg(long)]
+    pub upstream_only: bool,
 }
 
 /// Runs the demo until `shutdown` fires, then drains the gateway, stops the
 /// order service and returns.
 pub async fn run(args: DemoArgs, shutdown: CancellationToken) -> anyhow::Result<()> {
+    if args.upstream_only {
+        let orders = OrderService::bind(args.upstream_listen).await?;
+        tracing::info!(addr = %orders.addr, "demo order service running (upstream only); SIGTERM or Ctrl-C to stop");
+        orders.run(shutdown).await;
+        return Ok(());
+    }
     std::fs::create_dir_all(&args.data).with_context(|| format!("creating {}", args.data.display()))?;
     let data = std::fs::canonicalize(&args.data).with_context(|| format!("resolving {}", args.data.display()))?;
     let db_path = data.join(DB_FILE);

@@ -3,7 +3,7 @@
 //! [`Executor`](crate::executor::Executor) on a tracked task, or answer from
 //! the record the claim found.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -16,25 +16,25 @@ use tokio::sync::{Notify, oneshot};
 use tokio_util::task::TaskTracker;
 use uuid::Uuid;
 
+use crate::access::{self, Pending, REQUEST_ID, RequestIds, RouteLabel, Trace};
 use crate::authorize::{Authorizer, Decision as AuthzDecision};
 use crate::body::Body;
 use crate::config::Config;
 use crate::executor::{Executor, refetch};
 use crate::fingerprint::{self, RequestParts};
-use crate::identity::Identifier;
-use crate::identity::Identity;
-use crate::keysource::{FromHeaders, KeySourceError};
+use crate::identity::{Identifier, Identity, IdentitySource};
+use crate::keysource::{FromHeaders, KeySource, KeySourceError};
 use crate::metrics::{Metrics, Outcome};
 use crate::observe::Observer;
 use crate::operation::{OPERATIONS_PATH, StoredRequest, new_operation_id, prefers_async, status_document};
-use crate::passthrough::{self, pass_through};
+use crate::passthrough;
 use crate::problem::{self, GatewayError};
 use crate::record::{Decision, Record, State, StoredResponse, decide};
 use crate::replay::replay;
 use crate::route::{InFlightPolicy, ReplayMode, Retention, Route, RouteMatch, RouteMode, Router, ScopeMode, UpstreamId};
-use crate::scope::Scope;
+use crate::scope::{Scope, ScopeId};
 use crate::store::{Acceptance, ClaimOutcome, ClaimRequest, Store, WriteOutcome};
-use crate::upstream::Upstream;
+use crate::upstream::{Upstream, UpstreamLatency};
 use crate::waiters::Waiters;
 
 /// Retry-After for a duplicate of an in-flight request.
@@ -67,6 +67,15 @@ pub struct Gateway {
     authorizers: HashMap<Arc<str>, Authorizer>,
     /// Observe-mode routes pass requests through and record what enforcing would do.
     observer: Observer,
+    /// Request ids (shared by the worker threads: one counter per process).
+    request_ids: Arc<RequestIds>,
+    /// `server.access_log`.
+    access_log: bool,
+    /// `WWW-Authenticate` of a 401, when API keys are configured.
+    challenge: Option<HeaderValue>,
+    /// Operations whose key may come from `X-Request-Id` (`key_from`): their
+    /// requests are forwarded without an id the client did not send.
+    request_id_is_a_key: Arc<HashSet<Arc<str>>>,
 }
 
 impl Gateway {
@@ -110,6 +119,21 @@ impl Gateway {
                 .filter_map(|r| r.authorize.as_ref().map(|a| (r.operation.clone(), Authorizer::new(a.clone()))))
                 .collect(),
             observer,
+            request_ids: Arc::new(RequestIds::new(config.server.trusted_proxies.clone())),
+            access_log: config.server.access_log,
+            challenge: config
+                .identity
+                .iter()
+                .any(|s| matches!(s, IdentitySource::ApiKey { .. } | IdentitySource::Jwt(_)))
+                .then(|| HeaderValue::from_static("Bearer realm=\"idemgate\"")),
+            request_id_is_a_key: Arc::new(
+                config
+                    .routes
+                    .iter()
+                    .filter(|r| r.key_from.sources().iter().any(|s| matches!(s, KeySource::Header(h) if h == REQUEST_ID)))
+                    .map(|r| r.operation.clone())
+                    .collect(),
+            ),
         }
     }
 
@@ -178,6 +202,10 @@ impl Gateway {
             wake_workers: self.wake_workers.clone(),
             authorizers: self.authorizers.iter().map(|(op, a)| (op.clone(), a.with_own_pool())).collect(),
             observer: self.observer.clone(),
+            request_ids: self.request_ids.clone(),
+            access_log: self.access_log,
+            challenge: self.challenge.clone(),
+            request_id_is_a_key: self.request_id_is_a_key.clone(),
         }
     }
 
@@ -186,28 +214,95 @@ impl Gateway {
     }
 
     /// Handles one request; never fails (errors become problem responses).
+    /// Every answer carries the request's id (`X-Request-Id`, also sent to
+    /// the upstream) and gets exactly one access-log line.
     pub async fn handle(self: Arc<Self>, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+        let request_id = self.request_ids.assign(req.headers(), peer.ip());
+        // Logs the line when finished, or with 499 if the client goes away first.
+        let mut pending = Pending::new(self.access_log, req.method(), req.uri(), peer.ip(), request_id);
+        let id = pending.request_id().clone();
+        let mut resp = match self.dispatch(req, peer, &mut pending.trace, &id).await {
+            Ok(resp) => resp,
+            Err(e) => {
+                pending.trace.problem = Some(e.type_name());
+                pending.trace.outcome.get_or_insert(e.outcome());
+                self.problem(&e, pending.request_id())
+            }
+        };
+        if let (Some(reason), Some(Outcome::Rejected)) = (pending.trace.problem, pending.trace.outcome) {
+            self.metrics.rejected(reason);
+        }
+        let upstream_latency = resp.extensions_mut().remove::<UpstreamLatency>().map(|l| l.0);
+        resp.headers_mut().insert(REQUEST_ID, pending.request_id().clone());
+        pending.finish(resp.status().as_u16(), upstream_latency);
+        resp
+    }
+
+    /// The request path proper: routes the request and says in `trace` what
+    /// it was and how it ended.
+    async fn dispatch(
+        self: &Arc<Self>,
+        mut req: Request<Incoming>,
+        peer: SocketAddr,
+        trace: &mut Trace,
+        request_id: &HeaderValue,
+    ) -> Result<Response<Body>, GatewayError> {
         if let Some(rest) = req.uri().path().strip_prefix(OPERATIONS_PATH) {
-            return match Box::pin(self.poll_operation(rest, &req, peer)).await {
-                Ok(resp) => resp,
-                Err(e) => problem::response(&e),
-            };
+            trace.route = RouteLabel::OperationStatus;
+            let rest = rest.to_owned();
+            let (resp, outcome) = Box::pin(self.poll_operation(&rest, &req, peer)).await?;
+            trace.outcome = Some(outcome);
+            return Ok(resp);
         }
         match self.router.route(req.method(), req.uri().path()) {
             RouteMatch::Operation { route, params } => {
                 let route = route.clone();
+                trace.route = RouteLabel::Operation(route.operation.clone());
+                if self.request_id_is_a_key.is_empty() || !self.request_id_is_a_key.contains(&route.operation) {
+                    self.send_request_id(&mut req, request_id);
+                }
                 // Boxed: the idempotent path's future is large; pass-through requests
                 // should not carry (and move) it.
-                let (resp, outcome) = match Box::pin(self.operation(&route, params, req, peer)).await {
-                    Ok(answer) => answer,
-                    Err(e) => (problem::response(&e), e.outcome()),
+                let answer = Box::pin(self.operation(&route, params, req, peer, &mut trace.scope)).await;
+                let outcome = match &answer {
+                    Ok((_, outcome)) => *outcome,
+                    Err(e) => e.outcome(),
                 };
                 self.metrics.request(&route.operation, outcome);
-                resp
+                trace.outcome = Some(outcome);
+                answer.map(|(resp, _)| resp)
             }
-            RouteMatch::PassThrough { upstream } => self.pass_through(upstream, req).await,
-            RouteMatch::NotFound => problem::response(&GatewayError::NotFound),
+            RouteMatch::PassThrough { upstream } => {
+                self.send_request_id(&mut req, request_id);
+                trace.route = RouteLabel::PassThrough;
+                trace.outcome = Some(Outcome::PassThrough);
+                self.pass_through(upstream, req).await
+            }
+            RouteMatch::NotFound => Err(GatewayError::NotFound),
         }
+    }
+
+    /// The upstream gets the request id, unless the client sent its own: that
+    /// one reaches the upstream unchanged, as everything else the client
+    /// sends. (Not called for routes whose key comes from `X-Request-Id`: a
+    /// legacy client's id is its idempotency key there, so a request without
+    /// one must stay without one.)
+    fn send_request_id(&self, req: &mut Request<Incoming>, request_id: &HeaderValue) {
+        if !req.headers().contains_key(REQUEST_ID) {
+            req.headers_mut().insert(REQUEST_ID, request_id.clone());
+        }
+    }
+
+    /// The problem answer for `e`, naming this request as its `instance`;
+    /// a 401 carries the challenge of the configured API keys.
+    fn problem(&self, e: &GatewayError, request_id: &HeaderValue) -> Response<Body> {
+        let mut resp = problem::response_with_instance(e, access::problem_instance(request_id).as_deref());
+        if matches!(e, GatewayError::Unauthenticated)
+            && let Some(challenge) = &self.challenge
+        {
+            resp.headers_mut().insert(http::header::WWW_AUTHENTICATE, challenge.clone());
+        }
+        resp
     }
 
     async fn operation(
@@ -216,6 +311,7 @@ impl Gateway {
         params: Vec<(String, String)>,
         req: Request<Incoming>,
         peer: SocketAddr,
+        scope_id: &mut Option<ScopeId>,
     ) -> Result<(Response<Body>, Outcome), GatewayError> {
         if route.mode == RouteMode::Observe {
             // Observe mode changes no answer: nothing is refused, so the
@@ -233,7 +329,7 @@ impl Gateway {
             Ok(FromHeaders::Found(found)) => Some(found),
             Ok(FromHeaders::NeedBody) => None,
             Ok(FromHeaders::Absent) if !route.key_required => {
-                return Ok((self.pass_through(route.upstream, req).await, Outcome::PassThrough));
+                return Ok((self.pass_through(route.upstream, req).await?, Outcome::PassThrough));
             }
             Ok(FromHeaders::Absent) => return Err(missing()),
             Err(e) => return Err(GatewayError::InvalidKey(e)),
@@ -245,8 +341,10 @@ impl Gateway {
             None => match route.key_from.from_request(&parts.headers, &body) {
                 Ok(Some(found)) => found,
                 Ok(None) if !route.key_required => {
-                    let resp = passthrough::forward(self.executor.upstream(route.upstream), parts, Body::full(body)).await;
-                    return Ok((resp, Outcome::PassThrough));
+                    let upstream = self.executor.upstream(route.upstream);
+                    let answer = passthrough::try_forward(upstream, parts, Body::full(body)).await;
+                    self.metrics.passed_through(upstream.name(), answer.as_ref().err().map(GatewayError::type_name));
+                    return Ok((answer?, Outcome::PassThrough));
                 }
                 Ok(None) => return Err(missing()),
                 Err(KeySourceError::Key(e)) => return Err(GatewayError::InvalidKey(e)),
@@ -269,6 +367,7 @@ impl Gateway {
             ScopeMode::Principal => Scope::new(&identity, &route.operation, found.key),
             ScopeMode::Tenant => Scope::tenant_wide(&identity, &route.operation, found.key),
         };
+        *scope_id = Some(scope.scope_id());
         // Async: the claim accepts the operation and stores the request for
         // the workers; the client gets 202 and an operation id.
         let is_async = route.mode == RouteMode::Async || (route.allow_async && prefers_async(&parts.headers));
@@ -426,7 +525,12 @@ impl Gateway {
 
     /// `GET /_idemgate/operations/{id}` and `.../{id}/result`: only the scope
     /// that made the request may read it (anyone else gets 404, never 403).
-    async fn poll_operation(&self, rest: &str, req: &Request<Incoming>, peer: SocketAddr) -> Result<Response<Body>, GatewayError> {
+    async fn poll_operation(
+        &self,
+        rest: &str,
+        req: &Request<Incoming>,
+        peer: SocketAddr,
+    ) -> Result<(Response<Body>, Outcome), GatewayError> {
         if req.method() != Method::GET && req.method() != Method::HEAD {
             return Err(GatewayError::NotFound);
         }
@@ -453,8 +557,10 @@ impl Gateway {
             route.map_or((Duration::from_secs(1), Retention::For(Duration::from_secs(24 * 3600))), |r| (r.poll_interval, r.retention));
         if want_result {
             return match (&record.state, &record.response, route) {
-                (State::Completed, Some(stored), Some(route)) => self.answer_from(route, stored, req.headers()).await,
-                (State::Completed, Some(stored), None) => replay(stored),
+                (State::Completed, Some(stored), Some(route)) => {
+                    self.answer_from(route, stored, req.headers()).await.map(|r| (r, Outcome::Replayed))
+                }
+                (State::Completed, Some(stored), None) => replay(stored).map(|r| (r, Outcome::Replayed)),
                 _ => Err(GatewayError::OperationNotCompleted { state: record.state, retry_after: poll }),
             };
         }
@@ -462,12 +568,15 @@ impl Gateway {
         if crate::operation::is_pending(record.state) {
             resp.headers_mut().insert(http::header::RETRY_AFTER, HeaderValue::from(poll.as_secs().max(1)));
         }
-        Ok(resp)
+        Ok((resp, Outcome::Polled))
     }
 
     /// Proxies without idempotency, streaming both ways.
-    async fn pass_through(&self, upstream: UpstreamId, req: Request<Incoming>) -> Response<Body> {
-        pass_through(self.executor.upstream(upstream), req, self.request_body_timeout).await
+    async fn pass_through(&self, upstream: UpstreamId, req: Request<Incoming>) -> Result<Response<Body>, GatewayError> {
+        let upstream = self.executor.upstream(upstream);
+        let answer = passthrough::try_pass_through(upstream, req, self.request_body_timeout).await;
+        self.metrics.passed_through(upstream.name(), answer.as_ref().err().map(GatewayError::type_name));
+        answer
     }
 }
 

@@ -93,6 +93,7 @@ pub fn record_json(r: &Record, with_body: bool, secret: Option<&[u8]>) -> serde_
         "principal": &*r.scope.principal,
         "operation": &*r.scope.operation,
         "key": r.scope.key.as_str(),
+        "scope_id": r.scope.scope_id().to_string(),
         "derived_key": r.scope.derived_key(secret),
         "state": r.state.as_str(),
         "generation": r.generation.0,
@@ -120,14 +121,15 @@ pub fn list_table(records: &[Record]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<10} {:<16} {:<16} {:<20} {:<24} {:>4} {:<27}",
-        "STATE", "TENANT", "PRINCIPAL", "OPERATION", "KEY", "GEN", "UPDATED"
+        "{:<10} {:<16} {:<16} {:<16} {:<20} {:<24} {:>4} {:<27}",
+        "STATE", "SCOPE_ID", "TENANT", "PRINCIPAL", "OPERATION", "KEY", "GEN", "UPDATED"
     );
     for r in records {
         let _ = writeln!(
             out,
-            "{:<10} {:<16} {:<16} {:<20} {:<24} {:>4} {:<27}",
+            "{:<10} {:<16} {:<16} {:<16} {:<20} {:<24} {:>4} {:<27}",
             r.state.as_str(),
+            r.scope.scope_id().to_string(),
             r.scope.tenant,
             r.scope.principal,
             r.scope.operation,
@@ -151,6 +153,7 @@ pub fn show_text(r: &Record, secret: Option<&[u8]>) -> String {
         r.scope.operation,
         r.scope.key.as_str()
     );
+    let _ = writeln!(out, "scope id:    {} (as logs print it: scope=...)", r.scope.scope_id());
     let _ = writeln!(
         out,
         "derived key: {} (the Idempotency-Key the upstream saw, unless forward_key = \"client\")",

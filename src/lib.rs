@@ -6,6 +6,7 @@
 //!
 //! - [`config`]: the TOML file, validated into typed values (two stages).
 //! - [`server`]: listeners, connections, the drain on shutdown.
+//! - [`access`]: request ids and the access log.
 //! - [`gateway`]: the request path — route, identify, fingerprint, claim,
 //!   then hand the attempt to the executor, or answer from the record.
 //! - [`executor`]: forwards one claimed attempt, classifies the outcome by
@@ -27,6 +28,8 @@
 //! - [`replay`], [`headers`], [`body`]: responses out of records.
 //! - [`admin`], [`metrics`], [`background`]: health, Prometheus, sweeper and
 //!   lease reaper.
+//! - [`keys`], [`demo`], [`healthcheck`]: operator commands, the built-in
+//!   demo, and the container health check.
 //! - [`keys`], [`demo`]: operator commands and the built-in demo.
 //! - [`reconcile`]: the probe that settles `unknown` records by asking the
 //!   upstream, and the reconciler task that runs it.
@@ -36,6 +39,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod access;
 pub mod admin;
 pub mod audit;
 pub mod authorize;
@@ -47,6 +51,7 @@ pub mod executor;
 pub mod fingerprint;
 pub mod gateway;
 pub mod headers;
+pub mod healthcheck;
 pub mod identity;
 pub mod jwt;
 pub mod keys;

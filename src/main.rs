@@ -17,7 +17,7 @@ use idemgate::keys::{ResolveAction, ResolveError, ResolveRequest};
 use idemgate::logging::{self, ErrorChain, LogSettings};
 use idemgate::outbox::Delivery;
 use idemgate::record::State;
-use idemgate::scope::{IdempotencyKey, Scope};
+use idemgate::scope::{IdempotencyKey, Scope, ScopeId};
 use idemgate::server::Server;
 use idemgate::signals::Signals;
 use idemgate::store::{Access, ListFilter, Store};
@@ -52,6 +52,17 @@ enum Command {
     Events(EventsCommand),
     /// Start a demo order service and the gateway in front of it (embedded store).
     Demo(idemgate::demo::DemoArgs),
+    /// Ask the running gateway's admin listener whether it is ready; exit 0 if so, else 1.
+    Healthcheck {
+        /// Check /healthz (the process answers) instead of /readyz (store reachable, not draining).
+        #[arg(long)]
+        live: bool,
+        /// The admin address to ask, instead of the configuration's admin.listen.
+        #[arg(long)]
+        addr: Option<std::net::SocketAddr>,
+        #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+        timeout: Duration,
+    },
 }
 
 #[derive(Subcommand)]
@@ -98,7 +109,7 @@ enum KeysCommand {
     /// Show one record: state, timestamps, stored response.
     Show {
         #[command(flatten)]
-        scope: ScopeArgs,
+        scope: ShowArgs,
         #[arg(long)]
         json: bool,
     },
@@ -123,6 +134,22 @@ struct ScopeArgs {
     operation: String,
     #[arg(long)]
     key: String,
+}
+
+/// A record by its scope, or by the scope id a log line printed.
+#[derive(Args)]
+struct ShowArgs {
+    /// The id logs print as `scope=...` (16 hex digits), instead of the four parts.
+    #[arg(long, conflicts_with_all = ["tenant", "principal", "operation", "key"])]
+    scope_id: Option<String>,
+    #[arg(long, required_unless_present = "scope_id")]
+    tenant: Option<String>,
+    #[arg(long, required_unless_present = "scope_id")]
+    principal: Option<String>,
+    #[arg(long, required_unless_present = "scope_id")]
+    operation: Option<String>,
+    #[arg(long, required_unless_present = "scope_id")]
+    key: Option<String>,
 }
 
 #[derive(Args)]
@@ -203,6 +230,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         idemgate::demo::run(args, signals.shutdown()).await?;
         return Ok(ExitCode::SUCCESS);
     }
+    if let Command::Healthcheck { live, addr: Some(addr), timeout } = cli.command {
+        return Ok(healthcheck(addr, live, timeout).await);
+    }
     let config = match Config::load(&cli.config) {
         Ok(c) => c,
         Err(e) => {
@@ -244,9 +274,35 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Keys(cmd) => return keys(&config, cmd).await,
         Command::Events(cmd) => return events(&config, cmd).await,
+        Command::Healthcheck { live, timeout, .. } => {
+            let Some(admin) = &config.admin else {
+                logging::stderr_best_effort(&format!("{}: no [admin] listener to check (set admin.listen)\n", cli.config.display()));
+                return Ok(ExitCode::from(1));
+            };
+            return Ok(healthcheck(idemgate::healthcheck::local_target(admin.listen), live, timeout).await);
+        }
         Command::Demo(_) => unreachable!("handled above"),
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `idemgate healthcheck`: one line, and 0 only for a 200.
+async fn healthcheck(addr: std::net::SocketAddr, live: bool, timeout: Duration) -> ExitCode {
+    let path = if live { "/healthz" } else { "/readyz" };
+    match idemgate::healthcheck::probe(addr, path, timeout).await {
+        Ok((200, body)) => {
+            say(&format!("{path} on {addr}: 200 {body}\n"));
+            ExitCode::SUCCESS
+        }
+        Ok((status, body)) => {
+            say(&format!("{path} on {addr}: {status} {body}\n"));
+            ExitCode::from(1)
+        }
+        Err(e) => {
+            say(&format!("{path}: {e}\n"));
+            ExitCode::from(1)
+        }
+    }
 }
 
 /// Writes what the command exists to print (`keys list`, `keys show`): a
@@ -331,15 +387,32 @@ async fn keys(config: &Config, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
             }
         }
         KeysCommand::Show { scope: args, json } => {
-            let Some((record, _)) = store.get(&scope(&args)?).await? else {
+            let records = match (&args.scope_id, args.tenant, args.principal, args.operation, args.key) {
+                (Some(id), ..) => {
+                    let id =
+                        ScopeId::parse(id).with_context(|| format!("--scope-id {id:?}: expected the 16 hex digits a log line prints"))?;
+                    store.find_scope_id(id).await?
+                }
+                (None, Some(tenant), Some(principal), Some(operation), Some(key)) => {
+                    let s = scope(&ScopeArgs { tenant, principal, operation, key })?;
+                    store.get(&s).await?.map(|(r, _)| r).into_iter().collect()
+                }
+                _ => anyhow::bail!("give --scope-id, or --tenant, --principal, --operation and --key"),
+            };
+            if records.is_empty() {
                 logging::stderr_best_effort("no record for that scope\n");
                 return Ok(ExitCode::from(1));
-            };
-            if json {
-                emit(&format!("{}\n", serde_json::to_string_pretty(&idemgate::keys::record_json(&record, true, secret))?))?;
-            } else {
-                emit(&idemgate::keys::show_text(&record, secret))?;
             }
+            // One record normally; a (64-bit) scope id shared by several
+            // records shows each, in the same form.
+            let texts: Vec<String> = records
+                .iter()
+                .map(|r| match json {
+                    true => serde_json::to_string_pretty(&idemgate::keys::record_json(r, true, secret)).map(|t| format!("{t}\n")),
+                    false => Ok(idemgate::keys::show_text(r, secret)),
+                })
+                .collect::<Result<_, _>>()?;
+            emit(&texts.join(if json { "" } else { "\n" }))?;
         }
         KeysCommand::Resolve(args) => {
             let s = scope(&args.scope)?;

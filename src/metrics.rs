@@ -37,9 +37,28 @@ pub enum Outcome {
     PassThrough,
     /// Async: accepted (or the acceptance answered again): 202 and an operation id.
     Accepted,
+    /// Async: an operation's status document was read (access log only; polls
+    /// are not counted per route).
+    Polled,
 }
 
 impl Outcome {
+    /// The outcomes a request on a route can have, each a series of
+    /// `idemgate_requests_total` from the start.
+    pub const OF_ROUTES: [Outcome; 11] = [
+        Outcome::Forwarded,
+        Outcome::Replayed,
+        Outcome::Mismatch,
+        Outcome::InFlight,
+        Outcome::Unknown,
+        Outcome::Released,
+        Outcome::Fenced,
+        Outcome::Rejected,
+        Outcome::StoreUnavailable,
+        Outcome::PassThrough,
+        Outcome::Accepted,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Outcome::Forwarded => "forwarded",
@@ -53,6 +72,7 @@ impl Outcome {
             Outcome::StoreUnavailable => "store_unavailable",
             Outcome::PassThrough => "passthrough",
             Outcome::Accepted => "accepted",
+            Outcome::Polled => "polled",
         }
     }
 }
@@ -224,6 +244,36 @@ impl Refusal {
     }
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct UpstreamReasonLabels {
+    upstream: String,
+    reason: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct VersionLabels {
+    version: &'static str,
+}
+
+/// Store operations on the request path and in the background, each a series
+/// of `idemgate_store_duration_seconds` and `idemgate_store_errors_total`
+/// from the start.
+const STORE_OPS: [&str; 12] =
+    ["claim", "get", "complete", "release", "mark_unknown", "expire_lease", "abandon", "sweep", "reap_leases", "stats", "now", "ping"];
+/// Store operations only async routes use.
+const ASYNC_STORE_OPS: [&str; 7] = ["take", "heartbeat", "mark_sent", "requeue", "fail", "operation", "complete"];
+/// Fenced writes of synchronous attempts (`idemgate_fenced_writes_total{op}`).
+const FENCED_OPS: [&str; 3] = ["complete", "release", "mark_unknown"];
+/// ... and of async attempts.
+const ASYNC_FENCED_OPS: [&str; 5] = ["heartbeat", "mark_sent", "requeue", "fail", "complete"];
+/// Why a pass-through request failed (its problem type).
+const PASSTHROUGH_FAILURES: [&str; 2] = ["bad-gateway", "gateway-timeout"];
+
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 fn latency_histogram() -> Histogram {
@@ -260,6 +310,13 @@ pub struct Metrics {
     forever: Family<OperationLabels, Gauge>,
     /// Every `forever` series created so far (to zero emptied ones).
     forever_series: Mutex<HashSet<OperationLabels>>,
+    /// Requests refused before any claim, by problem type.
+    rejections: Family<ReasonLabels, Counter>,
+    /// Requests proxied without idempotency, by upstream.
+    passthrough: Family<UpstreamLabels, Counter>,
+    passthrough_failures: Family<UpstreamReasonLabels, Counter>,
+    /// 1 from SIGTERM until the process exits.
+    draining: Gauge,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -275,7 +332,11 @@ impl Default for Metrics {
 
 impl Metrics {
     pub fn new() -> Metrics {
-        let mut registry = Registry::with_prefix("idemgate");
+        // The root holds the unprefixed `process_*` collector; everything of
+        // idemgate's own is under `idemgate_`.
+        let mut root = Registry::default();
+        root.register_collector(Box::new(crate::metrics::process::ProcessCollector));
+        let registry = root.sub_registry_with_prefix("idemgate");
         let requests = Family::<RequestLabels, Counter>::default();
         registry.register("requests", "Requests on idempotent routes by route and outcome", requests.clone());
         let store_latency: HistogramFamily<OpLabels> = Family::new_with_constructor(latency_histogram);
@@ -341,8 +402,32 @@ impl Metrics {
         registry.register("forever_records", "Records kept forever (retention = \"forever\"), by operation", forever.clone());
         let probes = Family::<AttemptLabels, Counter>::default();
         registry.register("probes", "Reconciliation probes of unknown records by operation and what they said", probes.clone());
+        let rejections = Family::<ReasonLabels, Counter>::default();
+        registry.register("rejections", "Requests refused before any claim (404s included), by problem type", rejections.clone());
+        let passthrough = Family::<UpstreamLabels, Counter>::default();
+        registry.register("passthrough_requests", "Requests proxied without idempotency, by upstream", passthrough.clone());
+        let passthrough_failures = Family::<UpstreamReasonLabels, Counter>::default();
+        registry.register(
+            "passthrough_failures",
+            "Pass-through requests the upstream did not answer (bad-gateway, gateway-timeout)",
+            passthrough_failures.clone(),
+        );
+        let draining = Gauge::default();
+        registry.register("draining", "1 while the process drains after SIGTERM (readyz answers 503)", draining.clone());
+        let build = prometheus_client::metrics::info::Info::new(VersionLabels { version: env!("CARGO_PKG_VERSION") });
+        registry.register("build", "The running version", build);
+        for reason in crate::problem::REJECTION_REASONS {
+            let _ = rejections.get_or_create(&ReasonLabels { reason });
+        }
+        for op in STORE_OPS {
+            let _ = store_latency.get_or_create(&OpLabels { op });
+            let _ = store_errors.get_or_create(&OpLabels { op });
+        }
+        for op in FENCED_OPS {
+            let _ = fenced.get_or_create(&OpLabels { op });
+        }
         Metrics {
-            registry,
+            registry: root,
             requests,
             store_latency,
             store_errors,
@@ -366,6 +451,10 @@ impl Metrics {
             observe_refused,
             forever,
             forever_series: Mutex::default(),
+            rejections,
+            passthrough,
+            passthrough_failures,
+            draining,
         }
     }
 
@@ -419,10 +508,43 @@ impl Metrics {
         }
     }
 
+    /// Creates the per-upstream series at zero.
+    pub fn declare_upstreams<'a>(&self, upstreams: impl IntoIterator<Item = &'a str>) {
+        for upstream in upstreams {
+            let _ = self.upstream_latency.get_or_create(&UpstreamLabels { upstream: upstream.to_owned() });
+            let _ = self.passthrough.get_or_create(&UpstreamLabels { upstream: upstream.to_owned() });
+            for reason in PASSTHROUGH_FAILURES {
+                let _ = self.passthrough_failures.get_or_create(&UpstreamReasonLabels { upstream: upstream.to_owned(), reason });
+            }
+        }
+    }
+
+    /// A request refused before any claim; `reason` is its problem type.
+    pub fn rejected(&self, reason: &'static str) {
+        self.rejections.get_or_create(&ReasonLabels { reason }).inc();
+    }
+
+    /// A request proxied without idempotency; `failure` is its problem type
+    /// when the upstream did not answer.
+    pub fn passed_through(&self, upstream: &str, failure: Option<&'static str>) {
+        self.passthrough.get_or_create(&UpstreamLabels { upstream: upstream.to_owned() }).inc();
+        if let Some(reason) = failure {
+            self.passthrough_failures.get_or_create(&UpstreamReasonLabels { upstream: upstream.to_owned(), reason }).inc();
+        }
+    }
+
+    /// The process started (or stopped) draining.
+    pub fn set_draining(&self, draining: bool) {
+        self.draining.set(i64::from(draining));
+    }
+
     /// Creates the labelled series of the configured operations at zero, so
     /// they exist (and alerts can evaluate) before their first event.
     pub fn declare_operations<'a>(&self, operations: impl IntoIterator<Item = (&'a str, bool)>) {
         for (operation, is_async) in operations {
+            for outcome in Outcome::OF_ROUTES {
+                let _ = self.requests.get_or_create(&RequestLabels { route: operation.to_owned(), outcome: outcome.as_str() });
+            }
             for state in crate::record::State::ALL {
                 if state == crate::record::State::Completed {
                     continue;
@@ -433,6 +555,13 @@ impl Metrics {
                 self.record_series.lock().unwrap_or_else(|p| p.into_inner()).insert(l);
             }
             if is_async {
+                for op in ASYNC_STORE_OPS {
+                    let _ = self.store_latency.get_or_create(&OpLabels { op });
+                    let _ = self.store_errors.get_or_create(&OpLabels { op });
+                }
+                for op in ASYNC_FENCED_OPS {
+                    let _ = self.fenced.get_or_create(&OpLabels { op });
+                }
                 for outcome in AttemptOutcome::ALL {
                     let _ = self.attempts.get_or_create(&AttemptLabels { operation: operation.to_owned(), outcome: outcome.as_str() });
                 }
@@ -534,9 +663,34 @@ impl Metrics {
     }
 }
 
+mod process;
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn series_exist_from_the_start() {
+        let m = Metrics::new();
+        m.declare_operations([("create_order", false)]);
+        m.declare_upstreams(["orders"]);
+        let text = m.encode();
+        for series in [
+            r#"idemgate_requests_total{route="create_order",outcome="unknown"} 0"#,
+            r#"idemgate_rejections_total{reason="not-found"} 0"#,
+            r#"idemgate_rejections_total{reason="unauthenticated"} 0"#,
+            r#"idemgate_passthrough_requests_total{upstream="orders"} 0"#,
+            r#"idemgate_passthrough_failures_total{upstream="orders",reason="bad-gateway"} 0"#,
+            r#"idemgate_store_errors_total{op="claim"} 0"#,
+            r#"idemgate_fenced_writes_total{op="complete"} 0"#,
+            r#"idemgate_upstream_duration_seconds_count{upstream="orders"} 0"#,
+            r#"idemgate_records{operation="create_order",state="unknown"} 0"#,
+            "idemgate_draining 0",
+            concat!(r#"idemgate_build_info{version=""#, env!("CARGO_PKG_VERSION"), r#""} 1"#),
+        ] {
+            assert!(text.contains(series), "missing {series}:\n{text}");
+        }
+    }
 
     #[test]
     fn exposition_contains_counters_and_histograms() {

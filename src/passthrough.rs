@@ -12,13 +12,28 @@ use crate::upstream::{Upstream, UpstreamError, error_chain};
 
 /// Proxies `req` to `upstream`; upstream failures become 502/504 problems.
 pub async fn pass_through(upstream: &Upstream, req: Request<Incoming>, request_body_timeout: std::time::Duration) -> Response<Body> {
+    try_pass_through(upstream, req, request_body_timeout).await.unwrap_or_else(|e| problem::response(&e))
+}
+
+/// [`pass_through`], with an upstream failure as the error it is answered with
+/// (so the caller can name the request in the problem and count it).
+pub async fn try_pass_through(
+    upstream: &Upstream,
+    req: Request<Incoming>,
+    request_body_timeout: std::time::Duration,
+) -> Result<Response<Body>, GatewayError> {
     let (parts, body) = req.into_parts();
-    forward(upstream, parts, Body::stream(body, request_body_timeout)).await
+    try_forward(upstream, parts, Body::stream(body, request_body_timeout)).await
 }
 
 /// Proxies a request whose body is already at hand (read to find its key
 /// or fingerprint) or streamed; the answer is streamed back.
 pub async fn forward(upstream: &Upstream, parts: request::Parts, body: Body) -> Response<Body> {
+    try_forward(upstream, parts, body).await.unwrap_or_else(|e| problem::response(&e))
+}
+
+/// [`forward`], with an upstream failure as an error.
+pub async fn try_forward(upstream: &Upstream, parts: request::Parts, body: Body) -> Result<Response<Body>, GatewayError> {
     let deadline = tokio::time::Instant::now() + upstream.config.timeout;
     let sent = match upstream.request(parts, body, None) {
         Ok(req) => upstream.send(req, deadline).await,
@@ -29,18 +44,23 @@ pub async fn forward(upstream: &Upstream, parts: request::Parts, body: Body) -> 
             let (mut head, body) = resp.into_parts();
             strip_hop_by_hop(&mut head.headers);
             head.headers.remove(headers::IDEMPOTENCY_POLICY);
-            Response::from_parts(head, Body::stream(body, upstream.config.timeout))
+            Ok(Response::from_parts(head, Body::stream(body, upstream.config.timeout)))
         }
-        Err(e) => failed(upstream, &e),
+        Err(e) => Err(failure(upstream, &e)),
     }
 }
 
 /// The answer to a pass-through whose upstream failed: 504 on a timeout, else 502.
 pub fn failed(upstream: &Upstream, e: &UpstreamError) -> Response<Body> {
+    problem::response(&failure(upstream, e))
+}
+
+/// Why a pass-through whose upstream failed is refused (logged here): 504 on
+/// a timeout, else 502.
+fn failure(upstream: &Upstream, e: &UpstreamError) -> GatewayError {
     tracing::warn!(upstream = upstream.name(), error = %error_chain(e), "pass-through failed");
-    let err = match e {
+    match e {
         UpstreamError::Timeout { .. } => GatewayError::GatewayTimeout,
         _ => GatewayError::BadGateway,
-    };
-    problem::response(&err)
+    }
 }

@@ -179,8 +179,31 @@ impl GatewayError {
     }
 }
 
+/// The problem types of requests refused before any claim (the errors whose
+/// outcome is `rejected`): the `reason` label of `idemgate_rejections_total`,
+/// every one present from the start.
+pub const REJECTION_REASONS: [&str; 10] = [
+    "unauthenticated",
+    "forbidden",
+    "authorizer-unavailable",
+    "missing-idempotency-key",
+    "invalid-idempotency-key",
+    "request-too-large",
+    "request-timeout",
+    "invalid-body",
+    "not-found",
+    "operation-not-completed",
+];
+
 /// The one place an error becomes a response.
 pub fn response(err: &GatewayError) -> Response<Body> {
+    response_with_instance(err, None)
+}
+
+/// [`response`] with the problem's `instance`: the URI of this occurrence
+/// (the request path uses `urn:idemgate:request:<request id>`, so a client's
+/// report names the access-log line).
+pub fn response_with_instance(err: &GatewayError, instance: Option<&str>) -> Response<Body> {
     let kind = err.kind();
     let mut body = serde_json::json!({
         "type": format!("urn:idemgate:problem:{}", kind.name),
@@ -189,6 +212,9 @@ pub fn response(err: &GatewayError) -> Response<Body> {
         "detail": err.detail(),
         "retryable": kind.retryable,
     });
+    if let Some(instance) = instance {
+        body["instance"] = serde_json::json!(instance);
+    }
     if let GatewayError::ResponseNotStored { original_status } = err {
         body["original_status"] = serde_json::json!(original_status);
     }
@@ -250,5 +276,33 @@ mod tests {
         .map(|e| e.type_name())
         .collect();
         assert_eq!(types, vec!["request-in-progress", "outcome-unknown", "idempotency-key-reused"]);
+    }
+
+    #[tokio::test]
+    async fn instance_is_included_when_given() {
+        let v = json(response_with_instance(&GatewayError::NotFound, Some("urn:idemgate:request:abc"))).await;
+        assert_eq!(v["instance"], "urn:idemgate:request:abc");
+        assert!(json(response(&GatewayError::NotFound)).await.get("instance").is_none());
+    }
+
+    #[test]
+    fn every_rejection_has_a_declared_reason() {
+        let rejections = [
+            GatewayError::Unauthenticated,
+            GatewayError::MissingKey { header: "k".into() },
+            GatewayError::InvalidKey(KeyError::Empty),
+            GatewayError::BodyTooLarge { limit: 1 },
+            GatewayError::BodyTimeout(Duration::ZERO),
+            GatewayError::BodyRead,
+            GatewayError::InvalidBody("x".into()),
+            GatewayError::NotFound,
+            GatewayError::Forbidden,
+            GatewayError::AuthorizerUnavailable,
+            GatewayError::OperationNotCompleted { state: crate::record::State::Queued, retry_after: Duration::ZERO },
+        ];
+        for e in &rejections {
+            assert_eq!(e.outcome(), Outcome::Rejected, "{e}");
+            assert!(REJECTION_REASONS.contains(&e.type_name()), "{e}: {}", e.type_name());
+        }
     }
 }

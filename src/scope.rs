@@ -175,9 +175,48 @@ impl Scope {
         }
     }
 
-    /// A short, non-reversible id for logs (the raw key is never logged).
+    /// A short, non-reversible id for logs (the raw key is never logged):
+    /// [`Scope::scope_id`] in hex.
     pub fn log_id(&self) -> String {
-        hex::encode(&self.digest(b"idemgate/log-id/v1")[..8])
+        self.scope_id().to_string()
+    }
+
+    /// The scope's id: the first 8 bytes of a SHA-256 over the scope. Logs
+    /// print it; records store it, so `idemgate keys show --scope-id` finds
+    /// the record a log line is about.
+    pub fn scope_id(&self) -> ScopeId {
+        let d = self.digest(b"idemgate/log-id/v1");
+        ScopeId(u64::from_be_bytes([d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]]))
+    }
+}
+
+/// A scope's id as logs print it (16 hex digits) and records store it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ScopeId(pub u64);
+
+impl ScopeId {
+    /// 16 hex digits, as logs print them (either case).
+    pub fn parse(s: &str) -> Option<ScopeId> {
+        let s = s.trim();
+        if s.len() != 16 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return None;
+        }
+        u64::from_str_radix(s, 16).ok().map(ScopeId)
+    }
+
+    /// The stored form: the same 64 bits as a signed integer (SQL `bigint`).
+    pub fn to_i64(self) -> i64 {
+        i64::from_be_bytes(self.0.to_be_bytes())
+    }
+
+    pub fn from_i64(v: i64) -> ScopeId {
+        ScopeId(u64::from_be_bytes(v.to_be_bytes()))
+    }
+}
+
+impl fmt::Display for ScopeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:016x}", self.0)
     }
 }
 
@@ -244,5 +283,19 @@ mod tests {
         }
         assert_ne!(a.derived_key(None), a.log_id());
         assert!(!format!("{:?}", a).contains("k1"));
+    }
+
+    #[test]
+    fn scope_id_round_trips_through_text_and_storage() {
+        let a = scope("acme", "billing", "create_order", "k1");
+        let id = a.scope_id();
+        assert_eq!(a.log_id(), hex::encode(&a.digest(b"idemgate/log-id/v1")[..8]), "logs keep printing what they printed");
+        assert_eq!(ScopeId::parse(&a.log_id()), Some(id));
+        assert_eq!(ScopeId::parse(&a.log_id().to_uppercase()), Some(id));
+        assert_eq!(ScopeId::from_i64(id.to_i64()), id);
+        assert_eq!(ScopeId::from_i64(-1).to_string(), "ffffffffffffffff");
+        for bad in ["", "abc", "0123456789abcdefa", "0123456789abcdeg", "+123456789abcdef"] {
+            assert_eq!(ScopeId::parse(bad), None, "{bad:?}");
+        }
     }
 }

@@ -118,6 +118,8 @@ impl Server {
             "listening"
         );
         let background = TaskTracker::new();
+        // Every series exists before the admin listener serves its first scrape.
+        metrics.declare_upstreams(config.upstreams.iter().map(|u| u.name.as_str()));
         metrics.declare_operations(config.routes.iter().map(|r| (&*r.operation, r.mode == RouteMode::Async || r.allow_async)));
         background::spawn_all(
             &background,
@@ -157,23 +159,31 @@ impl Server {
             shutdown.clone(),
         );
         let http = http_builder(config.server.request_header_timeout);
+        // The admin listener outlives the proxy's drain (so `/readyz` can say
+        // 503 and `/metrics` can be scraped while it runs); it has its own
+        // stop and tracker.
+        let admin_stop = CancellationToken::new();
+        let admin_conns = TaskTracker::new();
         if let Some(admin) = admin {
             let admin_state = Arc::new(
                 Admin::new(gateway.store().clone(), metrics.clone(), config.admin.as_ref().and_then(|a| a.token.clone()))
                     .with_routes(config.routes.clone())
-                    .with_derived_key_secret(secret.clone()),
+                    .with_derived_key_secret(secret.clone())
+                    .with_draining(shutdown.clone()),
             );
             let http = http.clone();
-            let shutdown = shutdown.clone();
-            let conns = tracker.clone();
-            tracker.spawn(async move {
-                accept_loop(admin, shutdown, conns, http, move |req, _peer| {
+            let (stop, conns) = (admin_stop.clone(), admin_conns.clone());
+            admin_conns.spawn(async move {
+                accept_loop(admin, stop, conns, http, move |req, _peer| {
                     let admin = admin_state.clone();
                     async move { admin.handle(req).await }
                 })
                 .await
             });
         }
+        // Fired `drain_delay` after the shutdown signal: the proxy listeners
+        // stop accepting and open connections finish their current request.
+        let stop = CancellationToken::new();
         let grace = config.server.shutdown_grace;
         let mut workers = Vec::new();
         for (i, listener) in proxy.into_iter().enumerate() {
@@ -181,8 +191,9 @@ impl Server {
                 gateway: Arc::new(gateway.for_worker()),
                 http: http.clone(),
                 shutdown: shutdown.clone(),
+                stop: stop.clone(),
                 tracker: tracker.clone(),
-                grace,
+                grace: grace + config.server.drain_delay,
             };
             let listener = listener.into_std().map_err(|source| ServeError::Bind { addr: config.server.listen, source })?;
             let handle = std::thread::Builder::new()
@@ -193,8 +204,17 @@ impl Server {
         }
 
         shutdown.cancelled().await;
-        // Drain: no new connections; open ones finish their request; forwards
-        // already running are recorded.
+        // Drain, as load balancers see it: /readyz answers 503 from now on
+        // while the listener keeps accepting for `drain_delay` (the balancer
+        // notices and stops sending); then no new connections, open ones
+        // finish their request, forwards already running are recorded.
+        metrics.set_draining(true);
+        let delay = config.server.drain_delay;
+        if !delay.is_zero() {
+            tracing::info!(drain_delay = ?delay, "draining: readyz answers 503; still accepting for the drain delay");
+            tokio::time::sleep(delay).await;
+        }
+        stop.cancel();
         tracker.close();
         background.close();
         tracing::info!(grace = ?grace, open = tracker.len(), "shutting down: draining connections and in-flight forwards");
@@ -208,6 +228,9 @@ impl Server {
         })
         .await;
         let _ = tokio::time::timeout(Duration::from_secs(5), background.wait()).await;
+        admin_stop.cancel();
+        admin_conns.close();
+        let _ = tokio::time::timeout(Duration::from_secs(1), admin_conns.wait()).await;
         tracing::info!("stopped");
         Ok(())
     }
@@ -217,8 +240,12 @@ impl Server {
 struct Worker {
     gateway: Arc<Gateway>,
     http: http1::Builder,
+    /// The process's cancellation root (cancelled by this worker if it cannot start).
     shutdown: CancellationToken,
+    /// Stops accepting (after the drain delay).
+    stop: CancellationToken,
     tracker: TaskTracker,
+    /// How long this thread's loop may run after the shutdown signal.
     grace: Duration,
 }
 
@@ -242,8 +269,7 @@ impl Worker {
                 }
             };
             let gw = self.gateway.clone();
-            accept_loop(listener, self.shutdown.clone(), self.tracker.clone(), self.http, move |req, peer| gw.clone().handle(req, peer))
-                .await;
+            accept_loop(listener, self.stop.clone(), self.tracker.clone(), self.http, move |req, peer| gw.clone().handle(req, peer)).await;
             // This thread's event loop drives its connections and forwards:
             // keep it running until they are done (the main task closes the
             // tracker and bounds the wait by the grace period).

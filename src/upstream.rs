@@ -63,6 +63,11 @@ impl UpstreamError {
     }
 }
 
+/// How long the upstream took to answer with its response head, carried in
+/// the response's extensions for the access log.
+#[derive(Debug, Clone, Copy)]
+pub struct UpstreamLatency(pub Duration);
+
 /// One configured upstream and its connection pool.
 #[derive(Debug, Clone)]
 pub struct Upstream {
@@ -141,8 +146,12 @@ impl Upstream {
 
     /// Sends the request and waits for the response head, bounded by `deadline`.
     pub async fn send(&self, req: Request<Body>, deadline: tokio::time::Instant) -> Result<Response<Incoming>, UpstreamError> {
+        let started = std::time::Instant::now();
         match tokio::time::timeout_at(deadline, self.client.request(req)).await {
-            Ok(Ok(resp)) => Ok(resp),
+            Ok(Ok(mut resp)) => {
+                resp.extensions_mut().insert(UpstreamLatency(started.elapsed()));
+                Ok(resp)
+            }
             Ok(Err(e)) if e.is_connect() => Err(UpstreamError::Connect { upstream: self.config.name.clone(), detail: error_chain(&e) }),
             Ok(Err(e)) => Err(UpstreamError::Broken { upstream: self.config.name.clone(), detail: error_chain(&e) }),
             Err(_) => Err(UpstreamError::Timeout { upstream: self.config.name.clone(), timeout: self.config.timeout }),

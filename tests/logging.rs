@@ -234,11 +234,8 @@ async fn cli_output_into_a_closed_pipe_is_an_error_not_a_panic() {
 }
 
 /// A start that fails on PostgreSQL names the server's reason once, with its
-/// SQLSTATE. Needs the store to format driver errors with
-/// `logging::ErrorChain` (`src/store/postgres/mod.rs` prints only
-/// tokio-postgres's "db error" today).
+/// SQLSTATE (the store formats driver errors with `logging::ErrorChain`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs src/store/postgres to format errors with logging::ErrorChain"]
 async fn postgres_start_errors_name_the_reason() {
     let pg = support::postgres::shared();
     let up = TestUpstream::start().await;

@@ -71,6 +71,8 @@ pub struct Spec {
     pub store: Store,
     pub upstream: SocketAddr,
     pub sweep_interval: &'static str,
+    /// `server.access_log` (on by default, as in the product).
+    pub access_log: bool,
 }
 
 /// The gateway's default sweeper settings (interval, batch), from its own
@@ -83,7 +85,7 @@ pub fn default_sweeper() -> Result<(Duration, u32)> {
 
 impl Spec {
     pub fn new(name: &str, store: Store, upstream: SocketAddr) -> Spec {
-        Spec { name: name.to_owned(), store, upstream, sweep_interval: "30s" }
+        Spec { name: name.to_owned(), store, upstream, sweep_interval: "30s", access_log: true }
     }
 
     fn toml(&self) -> String {
@@ -93,6 +95,7 @@ impl Spec {
 [server]
 listen = "127.0.0.1:0"
 shutdown_grace = "2s"
+access_log = {access_log}
 
 {store}
 [admin]
@@ -116,6 +119,7 @@ upstream = "app"
 "#,
             store = self.store.toml(self.sweep_interval),
             upstream = self.upstream,
+            access_log = self.access_log,
         )
     }
 

@@ -93,7 +93,7 @@ pub struct Options {
     pub idle_conns: usize,
     /// New keys in wrk runs: "spread" over the index (like UUIDs) or "sequential".
     pub key_order: String,
-    /// Groups to run (upstream, nginx, pg, pgbench, sqlite); all when unset.
+    /// Groups to run (upstream, nginx, pg, accesslog, pgbench, sqlite); all when unset.
     pub only: Option<Vec<String>>,
     /// Record counts for `--scale`.
     pub scale_rows: Vec<u64>,

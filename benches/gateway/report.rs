@@ -83,11 +83,15 @@ impl Report {
             _ => "n/a".to_owned(),
         };
         format!(
-            "ratios: first_write_vs_pg_ceiling={} replay_vs_pg_lookup={} passthrough_vs_nginx={} passthrough_p99_vs_nginx={}",
+            "ratios: first_write_vs_pg_ceiling={} replay_vs_pg_lookup={} passthrough_vs_nginx={} passthrough_p99_vs_nginx={} \
+             access_log_first_write={} access_log_replay={}",
             ratio(self.best_rps("idemgate-pg", "first write"), self.best_rps("pgbench", "first write")),
             ratio(self.best_rps("idemgate-pg", "replay"), self.best_rps("pgbench", "pk lookup")),
             ratio(self.best_rps("idemgate-pg", "passthrough"), self.best_rps("nginx", "GET")),
             ratio(self.p99_at_most_conns("idemgate-pg", "passthrough"), self.p99_at_most_conns("nginx", "GET")),
+            // Access log on (the default) vs off, same database: at least 0.95.
+            ratio(self.best_rps("idemgate-pg", "first write"), self.best_rps("idemgate-pg-nolog", "first write")),
+            ratio(self.best_rps("idemgate-pg", "replay"), self.best_rps("idemgate-pg-nolog", "replay")),
         )
     }
 }

@@ -137,7 +137,7 @@ pub fn run(opts: &Options, dir: &Path) -> Result<()> {
         let nginx = Nginx::start(&opts.nginx, dir, upstream.addr)?;
         plain_get(&mut ctx, "nginx", nginx.addr, nginx.cpu())?;
     }
-    if opts.wants("pg") || opts.wants("pgbench") {
+    if opts.wants("pg") || opts.wants("accesslog") || opts.wants("pgbench") {
         postgres(&mut ctx, upstream.addr)?;
     }
     if opts.wants("sqlite") {
@@ -182,6 +182,11 @@ fn postgres(ctx: &mut Ctx, upstream: SocketAddr) -> Result<()> {
     if !ctx.opts.pg_settings.is_empty() {
         ctx.report.line(format!("PostgreSQL settings for the bench database: {:?}", ctx.opts.pg_settings));
     }
+    if ctx.opts.wants("accesslog") {
+        // Before the main runs, so that the gateway with the access log (the
+        // default) meets the larger table: the comparison errs against it.
+        without_access_log(ctx, &pg, &url, upstream)?;
+    }
     let spec = Spec::new("gateway-pg", Store::Postgres { url }, upstream);
     let gw = prepared_gateway(ctx, &spec)?;
     if ctx.opts.wants("pg") {
@@ -194,6 +199,33 @@ fn postgres(ctx: &mut Ctx, upstream: SocketAddr) -> Result<()> {
         pgbench_ceiling(ctx, &pg, &captured)?;
     }
     Ok(())
+}
+
+/// First writes and replays with `server.access_log = false`, for the
+/// `access_log_*` ratios (the main runs have it on, the default).
+fn without_access_log(ctx: &mut Ctx, pg: &Pg, url: &str, upstream: SocketAddr) -> Result<()> {
+    let mut spec = Spec::new("gateway-pg-nolog", Store::Postgres { url: url.to_owned() }, upstream);
+    spec.access_log = false;
+    let gw = prepared_gateway(ctx, &spec)?;
+    let target = "idemgate-pg-nolog";
+    ctx.progress(target);
+    let url = format!("http://{}{}", gw.addr, gateway::ROUTE_PATH);
+    let watch = Watch { gateway: Some(&gw), server: Some(gw.cpu()), db: pg.cpu(), pg: Some(pg) };
+    let replay_count = ctx.opts.replay_keys.to_string();
+    for (name, scenario) in [("first write", Scenario::FirstWrite), ("replay", Scenario::Replay)] {
+        for conns in ctx.opts.conns.clone() {
+            let env = || {
+                let mut env = request_env(ctx.opts);
+                env.push(("BENCH_KEY_PREFIX", key_prefix()));
+                env.push(("BENCH_KEY_FORMAT", "%d".into()));
+                env.push(("BENCH_KEY_FIRST", REPLAY_BASE.to_string()));
+                env.push(("BENCH_KEY_COUNT", replay_count.clone()));
+                env
+            };
+            measure(ctx, (target, name, conns), &watch, "access_log = false", |ctx, secs| ctx.wrk(scenario, &url, conns, secs, &env()))?;
+        }
+    }
+    gw.stop()
 }
 
 /// Migrated, started, and holding the completed keys replays use.

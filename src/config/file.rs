@@ -206,6 +206,12 @@ pub struct ServerSection {
     pub derived_key_secret_env: Option<String>,
     pub derived_key_secret_file: Option<String>,
     pub workers: Option<i64>,
+    /// One access-log line per request (default on).
+    pub access_log: Option<bool>,
+    /// SIGTERM: keep accepting this long while `/readyz` answers 503.
+    pub drain_delay: Option<String>,
+    /// Peers (CIDRs) whose `X-Request-Id` is kept.
+    pub trusted_proxies: Option<Vec<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -86,6 +86,15 @@ pub struct ServerConfig {
     /// upstream connection pool (SO_REUSEPORT spreads connections over them);
     /// default: one per CPU.
     pub workers: usize,
+    /// One access-log line per request (target `idemgate::access`).
+    pub access_log: bool,
+    /// On SIGTERM, `/readyz` answers 503 at once and the listener keeps
+    /// accepting for this long (so load balancers stop sending first), then
+    /// stops; `shutdown_grace` applies after it.
+    pub drain_delay: Duration,
+    /// Peers whose `X-Request-Id` is kept; from anyone else (and when empty)
+    /// a fresh id is generated.
+    pub trusted_proxies: Vec<ipnet::IpNet>,
 }
 
 #[derive(Debug, Clone)]

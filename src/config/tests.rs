@@ -605,3 +605,24 @@ fn bad_probes_are_reported_by_path() {
     let e = parse(&minimal("[routes.reconcile]\nprobe = \"DELETE /o/{key}\"")).unwrap_err();
     assert!(issue(&e, "routes[0].reconcile.probe").contains("GET or HEAD"), "{e}");
 }
+
+#[test]
+fn operating_keys_have_defaults_and_are_checked() {
+    let c = parse(&minimal("")).unwrap();
+    assert!(c.server.access_log, "the access log is on by default");
+    assert_eq!(c.server.drain_delay, Duration::ZERO);
+    assert!(c.server.trusted_proxies.is_empty(), "no trusted proxies: request ids are always generated");
+
+    let c =
+        parse(&format!("[server]\naccess_log = false\ndrain_delay = \"5s\"\ntrusted_proxies = [\"10.0.0.0/8\", \"::1\"]\n{}", minimal("")))
+            .unwrap();
+    assert!(!c.server.access_log);
+    assert_eq!(c.server.drain_delay, Duration::from_secs(5));
+    assert_eq!(c.server.trusted_proxies.len(), 2);
+
+    let e = parse(&format!("[server]\ndrain_delay = \"soon\"\ntrusted_proxies = [\"10.0.0.0/8\", \"nope\"]\n{}", minimal(""))).unwrap_err();
+    assert!(issue(&e, "server.drain_delay").contains("invalid duration"), "{e}");
+    assert!(issue(&e, "server.trusted_proxies[1]").contains("invalid CIDR"), "{e}");
+    let e = parse(&format!("[server]\naccess_log = \"yes\"\n{}", minimal(""))).unwrap_err();
+    assert!(e.to_string().contains("server.access_log"), "{e}");
+}

@@ -231,6 +231,22 @@ impl Validator<'_> {
         }
     }
 
+    /// A list of CIDRs (a bare address is a /32 or /128); `None` if one is invalid.
+    fn cidrs(&mut self, path: &str, list: &[String]) -> Option<Vec<IpNet>> {
+        let mut nets = Vec::with_capacity(list.len());
+        let mut ok = true;
+        for (k, cidr) in list.iter().enumerate() {
+            match cidr.parse::<IpNet>().or_else(|_| cidr.parse::<std::net::IpAddr>().map(IpNet::from)) {
+                Ok(net) => nets.push(net),
+                Err(_) => {
+                    ok = false;
+                    self.issues.push(format!("{path}[{k}]"), format!("invalid CIDR {cidr:?} (write e.g. \"10.0.0.0/8\")"));
+                }
+            }
+        }
+        ok.then_some(nets)
+    }
+
     fn header_name(&mut self, path: &str, value: Option<&str>, default: &'static str) -> Option<HeaderName> {
         let s = value.unwrap_or(default);
         match HeaderName::from_bytes(s.as_bytes()) {
@@ -325,7 +341,12 @@ impl Validator<'_> {
         };
         let derived_key_secret =
             self.secret("server.derived_key_secret", None, s.derived_key_secret_env.as_deref(), s.derived_key_secret_file.as_deref());
+        let drain_delay = self.duration("server.drain_delay", s.drain_delay.as_deref(), "0s");
+        let trusted_proxies = self.cidrs("server.trusted_proxies", s.trusted_proxies.as_deref().unwrap_or_default());
         Some(ServerConfig {
+            access_log: s.access_log.unwrap_or(true),
+            drain_delay: drain_delay?,
+            trusted_proxies: trusted_proxies?,
             derived_key_secret: derived_key_secret?,
             workers: workers?,
             listen: listen?,
@@ -689,16 +710,7 @@ impl Validator<'_> {
                 if peers.is_empty() {
                     self.issues.push(format!("{p}.trusted_peers"), "list the peers (CIDRs) allowed to assert identity headers");
                 }
-                let mut trusted_peers = Vec::new();
-                for (k, cidr) in peers.iter().enumerate() {
-                    let parsed = cidr.parse::<IpNet>().or_else(|_| cidr.parse::<std::net::IpAddr>().map(IpNet::from));
-                    match parsed {
-                        Ok(net) => trusted_peers.push(net),
-                        Err(_) => self
-                            .issues
-                            .push(format!("{p}.trusted_peers[{k}]"), format!("invalid CIDR {cidr:?} (write e.g. \"10.0.0.0/8\")")),
-                    }
-                }
+                let trusted_peers = self.cidrs(&format!("{p}.trusted_peers"), peers).unwrap_or_default();
                 Some(IdentitySource::TrustedHeader { tenant_header: tenant_header?, principal_header: principal_header?, trusted_peers })
             }
             Some(other) => {

@@ -21,7 +21,7 @@ use crate::fingerprint::Fingerprint;
 use crate::outbox::{Delivery, EventPolicies, OutboxEvent};
 use crate::record::{Attempt, Generation, Record, Refused, State, StoredResponse, Timestamp};
 use crate::route::Retention;
-use crate::scope::Scope;
+use crate::scope::{Scope, ScopeId};
 
 /// Everything a claim needs.
 #[derive(Debug, Clone)]
@@ -429,4 +429,11 @@ pub trait RecordStore: Send + Sync + std::fmt::Debug {
     /// An inconclusive probe: counts it, clears the mark and makes the
     /// record due again after `retry_in`. Fenced like a probe's resolution.
     async fn probe_failed(&self, scope: &Scope, fence: ProbeFence, retry_in: Duration) -> Result<bool, StoreError>;
+
+    /// The records whose stored scope id is `id` (normally one).
+    async fn by_scope_id(&self, id: ScopeId) -> Result<Vec<Record>, StoreError>;
+
+    /// Up to `limit` scopes of records stored without a scope id (claimed
+    /// before migration 0005), in primary-key order after `after`.
+    async fn scopes_without_id(&self, after: Option<&Scope>, limit: u32) -> Result<Vec<Scope>, StoreError>;
 }

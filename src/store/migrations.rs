@@ -26,7 +26,7 @@ pub const POSTGRES: &[Migration] = &[
         name: "0004_reconciliation_probes",
         sql: include_str!("../../migrations/postgres/0004_reconciliation_probes.sql"),
     },
-    // 0005 is reserved for a change made on another branch.
+    Migration { version: 5, name: "0005_scope_id", sql: include_str!("../../migrations/postgres/0005_scope_id.sql") },
     Migration { version: 6, name: "0006_key_source_forever", sql: include_str!("../../migrations/postgres/0006_key_source_forever.sql") },
     Migration { version: 7, name: "0007_outbox", sql: include_str!("../../migrations/postgres/0007_outbox.sql") },
 ];
@@ -44,7 +44,7 @@ pub const SQLITE: &[Migration] = &[
         name: "0004_reconciliation_probes",
         sql: include_str!("../../migrations/sqlite/0004_reconciliation_probes.sql"),
     },
-    // 0005 is reserved for a change made on another branch.
+    Migration { version: 5, name: "0005_scope_id", sql: include_str!("../../migrations/sqlite/0005_scope_id.sql") },
     Migration { version: 6, name: "0006_key_source_forever", sql: include_str!("../../migrations/sqlite/0006_key_source_forever.sql") },
     Migration { version: 7, name: "0007_outbox", sql: include_str!("../../migrations/sqlite/0007_outbox.sql") },
 ];

@@ -36,7 +36,7 @@ use crate::metrics::Metrics;
 use crate::outbox::{Delivery, EventPolicies, OutboxEvent};
 use crate::record::{Attempt, Record, State, StoredResponse, Timestamp};
 use crate::route::Retention;
-use crate::scope::Scope;
+use crate::scope::{Scope, ScopeId};
 
 /// What a fenced write leaves behind, for reading it back after an
 /// ambiguous failure.
@@ -356,6 +356,28 @@ impl Store {
 
     pub async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>, StoreError> {
         self.bounded("list", false, self.backend.list(filter)).await
+    }
+
+    /// The records a log line's `scope=<id>` is about: by the stored scope id
+    /// (an index lookup), plus any record claimed before scope ids were
+    /// stored whose scope hashes to `id` (found by a scan of those records
+    /// only, in batches).
+    pub async fn find_scope_id(&self, id: ScopeId) -> Result<Vec<Record>, StoreError> {
+        const BATCH: u32 = 5_000;
+        let mut found = self.bounded("by_scope_id", false, self.backend.by_scope_id(id)).await?;
+        let mut after: Option<Scope> = None;
+        loop {
+            let scopes = self.bounded("scopes_without_id", false, self.backend.scopes_without_id(after.as_ref(), BATCH)).await?;
+            for scope in scopes.iter().filter(|s| s.scope_id() == id) {
+                if let Some((record, _)) = self.get(scope).await? {
+                    found.push(record);
+                }
+            }
+            if scopes.len() < BATCH as usize {
+                return Ok(found);
+            }
+            after = scopes.into_iter().last();
+        }
     }
 
     /// An operator's or the reconciler's resolution, with its audit row.

@@ -29,7 +29,7 @@ use crate::fingerprint::Fingerprint;
 use crate::outbox::{Delivery, EventPolicies, EventType, OutboxEvent};
 use crate::record::{Attempt, Event, Generation, Next, Record, Refused, State, StoredResponse, Timestamp, may_take_over, transition};
 use crate::route::Retention;
-use crate::scope::{IdempotencyKey, Scope};
+use crate::scope::{IdempotencyKey, Scope, ScopeId};
 use async_trait::async_trait;
 
 const COLUMNS: &str = "tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner, \
@@ -267,7 +267,7 @@ impl RecordStore for SqliteStore {
             let generation = next_generation(tx)?;
             let sql = "INSERT INTO idemgate_records (tenant, principal, operation, idempotency_key, request_hash, state, generation, \
                        claim_token, owner, lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, \
-                       key_source) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11, ?12, ?13, ?14, ?15, ?16)";
+                       key_source, scope_id) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11, ?12, ?13, ?14, ?15, ?16, ?17)";
             let [t, p, o, k] = pk(&req.scope);
             tx.prepare_cached(sql)
                 .and_then(|mut st| {
@@ -287,7 +287,8 @@ impl RecordStore for SqliteStore {
                         operation_id,
                         request,
                         due,
-                        &*req.key_source
+                        &*req.key_source,
+                        req.scope.scope_id().to_i64()
                     ])
                 })
                 .map_err(err)?;
@@ -864,6 +865,41 @@ impl RecordStore for SqliteStore {
                     oldest_created_at: Timestamp(row.get(3).map_err(c)?),
                     oldest_updated_at: Timestamp(row.get(4).map_err(c)?),
                 });
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn by_scope_id(&self, id: ScopeId) -> Result<Vec<Record>, StoreError> {
+        self.write(move |conn, _| {
+            let mut st = conn.prepare_cached(&format!("SELECT {COLUMNS} FROM idemgate_records WHERE scope_id = ?1")).map_err(err)?;
+            let mut rows = st.query(params![id.to_i64()]).map_err(err)?;
+            let mut out = Vec::new();
+            while let Some(row) = rows.next().map_err(err)? {
+                out.push(decode(row)?);
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn scopes_without_id(&self, after: Option<&Scope>, limit: u32) -> Result<Vec<Scope>, StoreError> {
+        let after = after.cloned();
+        self.write(move |conn, _| {
+            let sql = "SELECT tenant, principal, operation, idempotency_key FROM idemgate_records \
+                       WHERE scope_id IS NULL AND (?5 = 0 OR (tenant, principal, operation, idempotency_key) > (?1, ?2, ?3, ?4)) \
+                       ORDER BY tenant, principal, operation, idempotency_key LIMIT ?6";
+            let [t, p, o, k] = after.as_ref().map_or(["", "", "", ""], pk);
+            let mut st = conn.prepare_cached(sql).map_err(err)?;
+            let mut rows = st.query(params![t, p, o, k, after.is_some(), i64::from(limit)]).map_err(err)?;
+            let mut out = Vec::new();
+            while let Some(row) = rows.next().map_err(err)? {
+                let c = |e: rusqlite::Error| StoreError::Corrupt(e.to_string());
+                let (t, p, o, k): (String, String, String, String) =
+                    (row.get(0).map_err(c)?, row.get(1).map_err(c)?, row.get(2).map_err(c)?, row.get(3).map_err(c)?);
+                let key = IdempotencyKey::new(&k).map_err(|e| StoreError::Corrupt(format!("idempotency_key: {e}")))?;
+                out.push(Scope { tenant: t.into(), principal: p.into(), operation: o.into(), key });
             }
             Ok(out)
         })

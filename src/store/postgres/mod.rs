@@ -18,10 +18,11 @@ use super::{
 };
 use crate::audit::{self, AuditEntry, AuditNote};
 use crate::fingerprint::Fingerprint;
+use crate::logging::ErrorChain;
 use crate::outbox::{Delivery, EventPolicies, EventType, OutboxEvent};
 use crate::record::{Attempt, Generation, Next, Record, Refused, State, StoredResponse, Timestamp, may_take_over, transition};
 use crate::route::Retention;
-use crate::scope::{IdempotencyKey, Scope};
+use crate::scope::{IdempotencyKey, Scope, ScopeId};
 use async_trait::async_trait;
 use std::sync::Arc;
 
@@ -70,7 +71,8 @@ WITH cur AS (
         created_at = now(), updated_at = now(), expires_at = now() + $8::int8 * interval '1 microsecond',
         operation_id = $10, request = $11, attempts = 0,
         next_attempt_at = CASE WHEN $10::text IS NOT NULL THEN now() END, sent_at = NULL, last_status = NULL, maybe_executed = false,
-        key_source = $12
+        key_source = $12,
+        scope_id = $13
     WHERE r.tenant = $1 AND r.principal = $2 AND r.operation = $3 AND r.idempotency_key = $4
       AND ((r.state IN ('completed', 'failed_retryable') AND r.expires_at <= now())
            OR ($9::bool AND r.request_hash = $5
@@ -79,10 +81,10 @@ WITH cur AS (
 ), inserted AS (
     INSERT INTO idemgate_records
         (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
-         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, key_source)
+         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, key_source, scope_id)
     SELECT $1, $2, $3, $4, $5, CASE WHEN $10::text IS NULL THEN 'in_flight' ELSE 'queued' END, nextval('idemgate_generation'), $6, $7,
            CASE WHEN $10::text IS NULL THEN now() + $8::int8 * interval '1 microsecond' END, now(), now(),
-           now() + $8::int8 * interval '1 microsecond', $10, $11, CASE WHEN $10::text IS NOT NULL THEN now() END, $12
+           now() + $8::int8 * interval '1 microsecond', $10, $11, CASE WHEN $10::text IS NOT NULL THEN now() END, $12, $13
     WHERE NOT EXISTS (SELECT 1 FROM cur)
     ON CONFLICT (tenant, principal, operation, idempotency_key) DO NOTHING
     RETURNING generation, coalesce(lease_expires_at, now())
@@ -147,7 +149,7 @@ impl Db {
     async fn conn(&self) -> Result<Conn, StoreError> {
         match self.pool.get().await {
             Ok(c) => Ok(Conn(Some(c))),
-            Err(e) => Err(StoreError::Unavailable(format!("no database connection: {e}"))),
+            Err(e) => Err(StoreError::Unavailable(format!("no database connection: {}", ErrorChain(&e)))),
         }
     }
 
@@ -234,7 +236,8 @@ fn classify(e: tokio_postgres::Error, write: bool) -> StoreError {
         // The server answered with an error: the statement did not take effect.
         return StoreError::Unavailable(format!("database error {}: {}", db.code().code(), db.message()));
     }
-    if write { StoreError::Ambiguous(e.to_string()) } else { StoreError::Unavailable(e.to_string()) }
+    let text = ErrorChain(&e).to_string();
+    if write { StoreError::Ambiguous(text) } else { StoreError::Unavailable(text) }
 }
 
 fn micros(d: Duration) -> i64 {
@@ -257,7 +260,7 @@ const EXPIRES_9: &str = "coalesce(now() + $9::int8 * interval '1 microsecond', '
 impl PgStore {
     pub fn connect(url: &str, pool_size: usize, timeout: Duration) -> Result<PgStore, StoreError> {
         let pg: tokio_postgres::Config =
-            url.parse().map_err(|e: tokio_postgres::Error| StoreError::Unavailable(format!("invalid database URL: {e}")))?;
+            url.parse().map_err(|e: tokio_postgres::Error| StoreError::Unavailable(format!("invalid database URL: {}", ErrorChain(&e))))?;
         let mut pg = pg;
         if pg.get_application_name().is_none() {
             pg.application_name("idemgate");
@@ -336,6 +339,7 @@ impl PgStore {
                     &req.acceptance.as_ref().map(|a| a.operation_id.as_str()),
                     &req.acceptance.as_ref().map(|a| &a.request[..]).or(req.request_head.as_deref()),
                     &&*req.key_source,
+                    &s.scope_id().to_i64(),
                 ],
                 true,
             )
@@ -420,8 +424,8 @@ impl RecordStore for PgStore {
 
     async fn migrate(&self) -> Result<Vec<String>, StoreError> {
         let mut conn = self.conn().await?;
-        let tx = conn.client_mut().transaction().await.map_err(|e| StoreError::Migration(e.to_string()))?;
-        let m = |e: tokio_postgres::Error| StoreError::Migration(e.to_string());
+        let tx = conn.client_mut().transaction().await.map_err(|e| StoreError::Migration(ErrorChain(&e).to_string()))?;
+        let m = |e: tokio_postgres::Error| StoreError::Migration(ErrorChain(&e).to_string());
         // Migrations may take longer than one protocol statement.
         tx.batch_execute("SET LOCAL statement_timeout = 0").await.map_err(m)?;
         tx.execute("SELECT pg_advisory_xact_lock($1)", &[&PG_LOCK_KEY]).await.map_err(m)?;
@@ -435,7 +439,7 @@ impl RecordStore for PgStore {
             tx.query("SELECT version FROM idemgate_schema_migrations", &[]).await.map_err(m)?.iter().map(|r| r.get(0)).collect();
         let mut applied = Vec::new();
         for mig in POSTGRES.iter().filter(|mig| !done.contains(&mig.version)) {
-            tx.batch_execute(mig.sql).await.map_err(|e| StoreError::Migration(format!("{}: {e}", mig.name)))?;
+            tx.batch_execute(mig.sql).await.map_err(|e| StoreError::Migration(format!("{}: {}", mig.name, ErrorChain(&e))))?;
             tx.execute("INSERT INTO idemgate_schema_migrations (version, name) VALUES ($1, $2)", &[&mig.version, &mig.name])
                 .await
                 .map_err(m)?;
@@ -1024,6 +1028,29 @@ impl RecordStore for PgStore {
             .collect()
     }
 
+    async fn by_scope_id(&self, id: ScopeId) -> Result<Vec<Record>, StoreError> {
+        let sql = format!("SELECT {COLUMNS} FROM idemgate_records WHERE scope_id = $1");
+        let rows = self.query(&sql, &[&id.to_i64()], false).await?;
+        rows.iter().map(decode).collect()
+    }
+
+    async fn scopes_without_id(&self, after: Option<&Scope>, limit: u32) -> Result<Vec<Scope>, StoreError> {
+        let sql = "SELECT tenant, principal, operation, idempotency_key FROM idemgate_records \
+                   WHERE scope_id IS NULL AND (NOT $5::bool OR (tenant, principal, operation, idempotency_key) > ($1, $2, $3, $4)) \
+                   ORDER BY tenant, principal, operation, idempotency_key LIMIT $6";
+        let [t, p, o, k]: [&str; 4] = after.map_or(["", "", "", ""], |s| [&s.tenant, &s.principal, &s.operation, s.key.as_str()]);
+        let rows = self.query(sql, &[&t, &p, &o, &k, &after.is_some(), &i64::from(limit)], false).await?;
+        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+        rows.iter()
+            .map(|row| {
+                let key: &str = row.try_get(3).map_err(c)?;
+                let key = IdempotencyKey::new(key).map_err(|e| StoreError::Corrupt(format!("idempotency_key: {e}")))?;
+                let (t, p, o): (&str, &str, &str) = (row.try_get(0).map_err(c)?, row.try_get(1).map_err(c)?, row.try_get(2).map_err(c)?);
+                Ok(Scope { tenant: t.into(), principal: p.into(), operation: o.into(), key })
+            })
+            .collect()
+    }
+
     async fn forever_counts(&self) -> Result<Vec<ForeverCount>, StoreError> {
         // The literal matches the partial index's predicate, so this counts
         // over that index alone.
@@ -1175,9 +1202,9 @@ enum BatchWrite {
 const CLAIM_BATCH: &str = "\
 WITH input AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::uuid[], $7::text[], $8::int8[],
-                         $9::text[], $10::bytea[], $11::text[])
+                         $9::text[], $10::bytea[], $11::text[], $12::int8[])
         WITH ORDINALITY AS i(tenant, principal, operation, idempotency_key, request_hash, claim_token, owner, lease_us,
-                             operation_id, request, key_source, ord)
+                             operation_id, request, key_source, scope_id, ord)
 ), cur AS (
     SELECT i.ord, r.tenant, r.principal, r.operation, r.idempotency_key, r.request_hash, r.state, r.generation, r.claim_token,
            r.owner, r.lease_expires_at, r.response_status, r.response_headers, r.response_body, r.created_at, r.updated_at, r.expires_at,
@@ -1187,12 +1214,12 @@ WITH input AS (
 ), inserted AS (
     INSERT INTO idemgate_records
         (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
-         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, key_source)
+         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, key_source, scope_id)
     SELECT i.tenant, i.principal, i.operation, i.idempotency_key, i.request_hash,
            CASE WHEN i.operation_id IS NULL THEN 'in_flight' ELSE 'queued' END, nextval('idemgate_generation'), i.claim_token, i.owner,
            CASE WHEN i.operation_id IS NULL THEN now() + i.lease_us * interval '1 microsecond' END, now(), now(),
            now() + i.lease_us * interval '1 microsecond', i.operation_id, i.request,
-           CASE WHEN i.operation_id IS NOT NULL THEN now() END, i.key_source
+           CASE WHEN i.operation_id IS NOT NULL THEN now() END, i.key_source, i.scope_id
     FROM input i
     WHERE NOT EXISTS (SELECT 1 FROM cur c WHERE c.ord = i.ord)
     ORDER BY i.tenant, i.principal, i.operation, i.idempotency_key
@@ -1306,8 +1333,21 @@ impl Db {
         let requests: Vec<Option<&[u8]>> =
             items.iter().map(|i| i.acceptance.as_ref().map(|a| &a.request[..]).or(i.request_head.as_deref())).collect();
         let key_sources: Vec<&str> = items.iter().map(|i| &*i.key_source).collect();
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 11] =
-            [&tenants, &principals, &operations, &keys, &hashes, &tokens, &owners, &leases, &operation_ids, &requests, &key_sources];
+        let scope_ids: Vec<i64> = items.iter().map(|i| i.scope.scope_id().to_i64()).collect();
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 12] = [
+            &tenants,
+            &principals,
+            &operations,
+            &keys,
+            &hashes,
+            &tokens,
+            &owners,
+            &leases,
+            &operation_ids,
+            &requests,
+            &key_sources,
+            &scope_ids,
+        ];
         let rows = match self.bounded_query(CLAIM_BATCH, &params).await {
             Ok(rows) => rows,
             Err(e) if is_deadlock(&e) => return Ok((0..n).map(|_| BatchClaim::Retry).collect()),
