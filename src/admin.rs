@@ -36,13 +36,13 @@ use subtle::ConstantTimeEq;
 
 use crate::audit::{self, Actor};
 use crate::body::Body;
-use crate::config::Secret;
 use crate::keys::{self, ResolveAction, ResolveError, ResolveRequest};
 use crate::metrics::Metrics;
 use crate::outbox::Delivery;
 use crate::record::{Refused, State};
 use crate::route::Route;
 use crate::scope::{IdempotencyKey, Scope};
+use crate::secret::Secret;
 use crate::store::{ListFilter, Store};
 
 /// Largest resolve request body (a base64 response body inside JSON).

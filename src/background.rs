@@ -9,8 +9,8 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::StoreConfig;
 use crate::metrics::Metrics;
+use crate::store::StoreConfig;
 use crate::store::{Reaped, Store, StoreError};
 
 /// Starts the sweeper, the lease reaper and the record counter.

@@ -496,7 +496,7 @@ impl Gateway {
     /// the client's retry is not refused. Gives up when the lease would have
     /// expired (the record then shows as `unknown`, and the logs say why).
     fn abandon_later(&self, claim: &ClaimRequest, lease: Duration) {
-        abandon_later(&self.store, &self.tracker, claim, lease);
+        self.store.abandon_later(&self.tracker, &claim.scope, claim.claim_token, lease);
     }
 
     /// A completed record's answer: the stored one, or read again from the
@@ -578,27 +578,6 @@ impl Gateway {
         self.metrics.passed_through(upstream.name(), answer.as_ref().err().map(GatewayError::type_name));
         answer
     }
-}
-
-/// Deletes, by its token, a claim whose commit could not be confirmed, once
-/// the store answers again (see `Gateway::abandon_later`).
-pub(crate) fn abandon_later(store: &Store, tracker: &TaskTracker, claim: &ClaimRequest, lease: Duration) {
-    let store = store.clone();
-    let (scope, token) = (claim.scope.clone(), claim.claim_token);
-    tracker.spawn(async move {
-        // Until the lease would run out: a statement still on its way to
-        // the database may yet commit the claim after a first look finds
-        // nothing (the server also cancels it at the statement timeout).
-        let deadline = tokio::time::Instant::now() + lease;
-        while tokio::time::Instant::now() < deadline {
-            if let Ok(true) = store.abandon(&scope, token).await {
-                tracing::info!(scope = %scope.log_id(), "unconfirmed claim abandoned");
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
-        tracing::debug!(scope = %scope.log_id(), "no unconfirmed claim appeared before its lease would have run out");
-    });
 }
 
 /// The record an acceptance just wrote, for its 202 (the same document a

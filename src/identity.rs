@@ -16,13 +16,7 @@ use ipnet::IpNet;
 use sha2::{Digest, Sha256};
 
 use crate::jwt::JwtVerifier;
-
-/// The trusted half of a key's scope.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct Identity {
-    pub tenant: Arc<str>,
-    pub principal: Arc<str>,
-}
+pub use crate::scope::Identity;
 
 /// One `[[identity.sources]]` entry after validation.
 #[derive(Debug, Clone)]

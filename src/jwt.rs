@@ -22,8 +22,8 @@ use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 use tokio::sync::Mutex;
 
 use crate::body::Body;
-use crate::config::Secret;
-use crate::identity::Identity;
+use crate::scope::Identity;
+use crate::secret::Secret;
 
 /// A token with an unknown `kid` triggers a refresh at most this often.
 const UNKNOWN_KID_REFRESH: Duration = Duration::from_secs(10);

@@ -366,7 +366,7 @@ async fn keys(config: &Config, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
     let store = Store::open(&store_config, Access::Existing)
         .await
         .context("opening the store")?
-        .with_events(idemgate::outbox::EventPolicies::from_routes(&config.routes));
+        .with_events(idemgate::route::event_policies(&config.routes));
     let secret = match &config.server.derived_key_secret {
         Some(s) => Some(s.expose().as_bytes().to_vec()),
         None => store.derived_key_secret().await.context("reading the derived-key secret")?,

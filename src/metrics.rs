@@ -281,6 +281,22 @@ fn latency_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.0001, 2.0, 19))
 }
 
+/// The problem types of requests refused before any claim (the errors whose
+/// outcome is `rejected`): the `reason` label of `idemgate_rejections_total`,
+/// every one present from the start.
+pub const REJECTION_REASONS: [&str; 10] = [
+    "unauthenticated",
+    "forbidden",
+    "authorizer-unavailable",
+    "missing-idempotency-key",
+    "invalid-idempotency-key",
+    "request-too-large",
+    "request-timeout",
+    "invalid-body",
+    "not-found",
+    "operation-not-completed",
+];
+
 /// All of idemgate's metrics; one instance per process, shared by reference.
 #[derive(Debug)]
 pub struct Metrics {
@@ -416,7 +432,7 @@ impl Metrics {
         registry.register("draining", "1 while the process drains after SIGTERM (readyz answers 503)", draining.clone());
         let build = prometheus_client::metrics::info::Info::new(VersionLabels { version: env!("CARGO_PKG_VERSION") });
         registry.register("build", "The running version", build);
-        for reason in crate::problem::REJECTION_REASONS {
+        for reason in REJECTION_REASONS {
             let _ = rejections.get_or_create(&ReasonLabels { reason });
         }
         for op in STORE_OPS {
@@ -495,7 +511,7 @@ impl Metrics {
 
     /// Sets `idemgate_forever_records` from a store count; series seen before
     /// and missing from `counts` go back to zero.
-    pub fn set_forever_counts(&self, counts: &[crate::store::ForeverCount]) {
+    pub fn set_forever_counts(&self, counts: &[crate::stats::ForeverCount]) {
         let mut seen = self.forever_series.lock().unwrap_or_else(|p| p.into_inner());
         let counted: HashSet<&str> = counts.iter().map(|c| c.operation.as_str()).collect();
         for l in seen.iter().filter(|l| !counted.contains(l.operation.as_str())) {
@@ -571,7 +587,7 @@ impl Metrics {
 
     /// Sets the record gauges from a store count; every series seen before
     /// and missing from `counts` goes back to zero (a state that emptied).
-    pub fn set_record_counts(&self, counts: &[crate::store::StateCount], now: crate::record::Timestamp) {
+    pub fn set_record_counts(&self, counts: &[crate::stats::StateCount], now: crate::record::Timestamp) {
         let mut seen = self.record_series.lock().unwrap_or_else(|p| p.into_inner());
         let counted: HashSet<StateLabels> =
             counts.iter().map(|c| StateLabels { operation: c.operation.clone(), state: c.state.as_str() }).collect();
@@ -596,7 +612,7 @@ impl Metrics {
         self.deliveries.get_or_create(&DeliveryLabels { outcome }).inc();
     }
 
-    pub fn set_event_stats(&self, stats: &crate::store::EventStats, now: crate::record::Timestamp) {
+    pub fn set_event_stats(&self, stats: &crate::stats::EventStats, now: crate::record::Timestamp) {
         self.events_pending.set(stats.pending);
         self.events_parked.set(stats.parked);
         self.events_oldest_pending.set(stats.oldest_pending_at.map_or(0.0, |at| at.until(now).as_secs_f64()));
@@ -716,7 +732,7 @@ mod tests {
         m.observe_would("create_order", Would::RejectInFlight);
         m.observe_skipped("create_order");
         m.observe_refused("create_order", Refusal::MissingKey);
-        m.set_forever_counts(&[crate::store::ForeverCount { operation: "pay".into(), count: 7 }]);
+        m.set_forever_counts(&[crate::stats::ForeverCount { operation: "pay".into(), count: 7 }]);
         let text = m.encode();
         for line in [
             r#"idemgate_observe_would_total{operation="create_order",would="reject_in_flight"} 1"#,

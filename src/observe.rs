@@ -281,7 +281,7 @@ async fn observation(
         Err(e) => {
             tracing::debug!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "observe: claim failed");
             if e.is_ambiguous() {
-                crate::gateway::abandon_later(&store, &tracker, &claim, route.lease);
+                store.abandon_later(&tracker, &claim.scope, claim.claim_token, route.lease);
             }
             let _ = decided.send(Decided::Failed);
             return;

@@ -17,9 +17,9 @@ use hmac::{Hmac, Mac};
 use serde_json::json;
 use sha2::Sha256;
 
-use crate::config::Secret;
 use crate::record::{Generation, State, Timestamp};
 use crate::scope::Scope;
+use crate::secret::Secret;
 
 /// What happened to a record, as an event says it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -109,11 +109,6 @@ impl EventPolicies {
         let by_operation =
             routes.into_iter().map(|(op, e)| (op.clone(), Policy { emit: e.emit.clone(), include_body: e.include_body })).collect();
         EventPolicies { by_operation }
-    }
-
-    /// The policies of the routes that have `[routes.events]`.
-    pub fn from_routes(routes: &[crate::route::Route]) -> EventPolicies {
-        EventPolicies::new(routes.iter().filter_map(|r| r.events.as_ref().map(|e| (&r.operation, e))))
     }
 
     /// Whether a change of `operation` to `event` writes an event row.

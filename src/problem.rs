@@ -179,22 +179,6 @@ impl GatewayError {
     }
 }
 
-/// The problem types of requests refused before any claim (the errors whose
-/// outcome is `rejected`): the `reason` label of `idemgate_rejections_total`,
-/// every one present from the start.
-pub const REJECTION_REASONS: [&str; 10] = [
-    "unauthenticated",
-    "forbidden",
-    "authorizer-unavailable",
-    "missing-idempotency-key",
-    "invalid-idempotency-key",
-    "request-too-large",
-    "request-timeout",
-    "invalid-body",
-    "not-found",
-    "operation-not-completed",
-];
-
 /// The one place an error becomes a response.
 pub fn response(err: &GatewayError) -> Response<Body> {
     response_with_instance(err, None)
@@ -302,7 +286,7 @@ mod tests {
         ];
         for e in &rejections {
             assert_eq!(e.outcome(), Outcome::Rejected, "{e}");
-            assert!(REJECTION_REASONS.contains(&e.type_name()), "{e}: {}", e.type_name());
+            assert!(crate::metrics::REJECTION_REASONS.contains(&e.type_name()), "{e}: {}", e.type_name());
         }
     }
 }

@@ -280,7 +280,7 @@ pub struct Route {
     /// past it the request passes unobserved.
     pub observe_budget: Duration,
     /// `[routes.reconcile]`: the probe that settles this route's `unknown` records.
-    pub reconcile: Option<Arc<crate::reconcile::Probe>>,
+    pub reconcile: Option<Arc<crate::probe::Probe>>,
 }
 
 /// What a completed record keeps and how it is answered again.
@@ -366,6 +366,11 @@ impl Router {
             None => RouteMatch::NotFound,
         }
     }
+}
+
+/// The event policies of the routes that have `[routes.events]`.
+pub fn event_policies(routes: &[Route]) -> crate::outbox::EventPolicies {
+    crate::outbox::EventPolicies::new(routes.iter().filter_map(|r| r.events.as_ref().map(|e| (&r.operation, e))))
 }
 
 #[cfg(test)]

@@ -11,7 +11,6 @@ use hmac::{Hmac, Mac};
 use http::HeaderValue;
 use sha2::{Digest, Sha256};
 
-use crate::identity::Identity;
 
 /// Longest accepted key, in bytes (after unquoting).
 pub const MAX_KEY_LEN: usize = 255;
@@ -218,6 +217,13 @@ impl fmt::Display for ScopeId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{:016x}", self.0)
     }
+}
+
+/// The trusted half of a key's scope.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Identity {
+    pub tenant: Arc<str>,
+    pub principal: Arc<str>,
 }
 
 #[cfg(test)]

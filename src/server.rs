@@ -20,7 +20,6 @@ use crate::background;
 use crate::config::Config;
 use crate::gateway::Gateway;
 use crate::metrics::Metrics;
-use crate::outbox::EventPolicies;
 use crate::reconcile::Reconciler;
 use crate::relay::Relay;
 use crate::route::RouteMode;
@@ -61,7 +60,7 @@ impl Server {
         let store = Store::open(&config.store, Access::Serve)
             .await?
             .with_metrics(metrics.clone())
-            .with_events(EventPolicies::from_routes(&config.routes));
+            .with_events(crate::route::event_policies(&config.routes));
         if config.store.migrate {
             let applied = store.migrate().await?;
             if !applied.is_empty() {

@@ -25,8 +25,20 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::body::Body;
-use crate::config::UpstreamConfig;
 use crate::headers::{self, strip_hop_by_hop};
+
+#[derive(Debug, Clone)]
+pub struct UpstreamConfig {
+    pub name: String,
+    /// `http://host:port` plus an optional path prefix prepended to request paths.
+    pub url: http::Uri,
+    pub connect_timeout: Duration,
+    /// Whole-response timeout; expiry after the request was sent means the
+    /// outcome is unknown.
+    pub timeout: Duration,
+    pub pool_idle_timeout: Duration,
+    pub pool_max_idle: usize,
+}
 
 /// Whether the upstream may have executed the request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

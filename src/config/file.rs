@@ -353,7 +353,7 @@ pub struct RouteSection {
     pub reconcile: Option<ReconcileSection>,
 }
 
-/// `[routes.reconcile]`, see `crate::reconcile::Probe`.
+/// `[routes.reconcile]`, see `crate::probe::Probe`.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ReconcileSection {

@@ -9,9 +9,8 @@ mod error;
 mod file;
 mod validate;
 
-use std::fmt;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 pub use connect::{ConnectCheck, check_connections};
@@ -19,30 +18,14 @@ pub use error::{ConfigError, ConfigIssue};
 
 use crate::identity::IdentitySource;
 use crate::route::{Route, UpstreamId};
+pub use crate::secret::Secret;
+pub use crate::store::{StoreBackend, StoreConfig};
+pub use crate::upstream::UpstreamConfig;
 
 /// Where configuration is read from when `--config` and `IDEMGATE_CONFIG` are absent.
 pub const DEFAULT_CONFIG_PATH: &str = "config/idemgate.toml";
 /// The embedded store's file when `[store]` is absent.
 pub const DEFAULT_SQLITE_PATH: &str = "data/idemgate.db";
-
-/// A secret value (database URL with password, admin token). Never printed.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(String);
-
-impl Secret {
-    pub fn new(s: String) -> Secret {
-        Secret(s)
-    }
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Secret(..)")
-    }
-}
 
 /// The validated configuration.
 #[derive(Debug, Clone)]
@@ -98,46 +81,10 @@ pub struct ServerConfig {
 }
 
 #[derive(Debug, Clone)]
-pub struct StoreConfig {
-    pub backend: StoreBackend,
-    /// Whether `serve` applies pending migrations at start.
-    pub migrate: bool,
-    /// Bound on any single store operation; past it the operation counts as
-    /// failed (and, for a claim or result write, ambiguous).
-    pub operation_timeout: Duration,
-    /// How often the sweeper and the lease reaper run.
-    pub sweep_interval: Duration,
-    /// Records deleted (or reaped) per statement.
-    pub sweep_batch: u32,
-    /// How long delivered events are kept before the sweeper deletes them
-    /// (pending and parked events are never deleted).
-    pub events_retention: Duration,
-}
-
-#[derive(Debug, Clone)]
-pub enum StoreBackend {
-    Postgres { url: Secret, pool_size: usize },
-    Sqlite { path: PathBuf },
-}
-
-#[derive(Debug, Clone)]
 pub struct AdminConfig {
     pub listen: SocketAddr,
     /// Bearer token for the admin API; health and metrics need none.
     pub token: Option<Secret>,
-}
-
-#[derive(Debug, Clone)]
-pub struct UpstreamConfig {
-    pub name: String,
-    /// `http://host:port` plus an optional path prefix prepended to request paths.
-    pub url: http::Uri,
-    pub connect_timeout: Duration,
-    /// Whole-response timeout; expiry after the request was sent means the
-    /// outcome is unknown.
-    pub timeout: Duration,
-    pub pool_idle_timeout: Duration,
-    pub pool_max_idle: usize,
 }
 
 impl Config {

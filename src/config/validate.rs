@@ -19,7 +19,7 @@ use crate::fingerprint::{FingerprintSpec, JsonPointer};
 use crate::identity::{Identity, IdentitySource};
 use crate::keysource::{KeySource, KeySources};
 use crate::outbox::{EventType, EventsConfig};
-use crate::reconcile::{Probe, ProbeTarget};
+use crate::probe::{Probe, ProbeTarget};
 use crate::route::{ForwardKey, InFlightPolicy, PathTemplate, ReplayMode, Retention, RetryPolicy, Route, RouteMode, ScopeMode};
 
 /// Longest accepted duration: beyond it, database interval arithmetic and

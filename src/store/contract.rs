@@ -22,6 +22,7 @@ use crate::outbox::{Delivery, EventPolicies, OutboxEvent};
 use crate::record::{Attempt, Generation, Record, Refused, State, StoredResponse, Timestamp};
 use crate::route::Retention;
 use crate::scope::{Scope, ScopeId};
+use crate::stats::{EventStats, ForeverCount, StateCount};
 
 /// Everything a claim needs.
 #[derive(Debug, Clone)]
@@ -74,25 +75,6 @@ pub struct Taken {
     pub record: Record,
     pub request: Bytes,
     pub claim: Claim,
-}
-
-/// How many records of an operation are in a state that is not `completed`,
-/// and since when the oldest is (for gauges and alerts).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StateCount {
-    pub operation: String,
-    pub state: State,
-    pub count: i64,
-    pub oldest_created_at: Timestamp,
-    pub oldest_updated_at: Timestamp,
-}
-
-/// The outbox's backlog.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct EventStats {
-    pub pending: i64,
-    pub parked: i64,
-    pub oldest_pending_at: Option<Timestamp>,
 }
 
 /// Why an async attempt is retried (or failed).
@@ -254,13 +236,6 @@ pub struct Probing {
     /// Inconclusive probes of this generation so far.
     pub attempts: i32,
     pub fence: ProbeFence,
-}
-
-/// How many records of an operation are kept forever (`retention = "forever"`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ForeverCount {
-    pub operation: String,
-    pub count: i64,
 }
 
 /// One protocol step per method. Every write is atomic and committed (or

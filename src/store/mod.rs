@@ -19,24 +19,50 @@ pub mod postgres;
 pub mod sqlite;
 
 use std::future::Future;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tokio_util::task::TaskTracker;
 use uuid::Uuid;
 
+pub use crate::stats::{EventStats, ForeverCount, StateCount};
 pub use contract::{
-    Acceptance, Claim, ClaimOutcome, ClaimRequest, EventStats, ForeverCount, ListCursor, ListFilter, ProbeFence, ProbeRoute, Probing,
-    RawClaim, Reaped, RecordStore, Resolution, ResolveOutcome, RetryNote, StateCount, Taken, WorkerRoute, WriteOutcome,
+    Acceptance, Claim, ClaimOutcome, ClaimRequest, ListCursor, ListFilter, ProbeFence, ProbeRoute, Probing, RawClaim, Reaped, RecordStore,
+    Resolution, ResolveOutcome, RetryNote, Taken, WorkerRoute, WriteOutcome,
 };
 pub use error::StoreError;
 
 use crate::audit::{AuditEntry, AuditNote};
-use crate::config::{StoreBackend, StoreConfig};
 use crate::metrics::Metrics;
 use crate::outbox::{Delivery, EventPolicies, OutboxEvent};
 use crate::record::{Attempt, Record, State, StoredResponse, Timestamp};
 use crate::route::Retention;
 use crate::scope::{Scope, ScopeId};
+use crate::secret::Secret;
+
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    pub backend: StoreBackend,
+    /// Whether `serve` applies pending migrations at start.
+    pub migrate: bool,
+    /// Bound on any single store operation; past it the operation counts as
+    /// failed (and, for a claim or result write, ambiguous).
+    pub operation_timeout: Duration,
+    /// How often the sweeper and the lease reaper run.
+    pub sweep_interval: Duration,
+    /// Records deleted (or reaped) per statement.
+    pub sweep_batch: u32,
+    /// How long delivered events are kept before the sweeper deletes them
+    /// (pending and parked events are never deleted).
+    pub events_retention: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub enum StoreBackend {
+    Postgres { url: Secret, pool_size: usize },
+    Sqlite { path: PathBuf },
+}
 
 /// What a fenced write leaves behind, for reading it back after an
 /// ambiguous failure.
@@ -220,6 +246,26 @@ impl Store {
     /// whether a row was deleted; `Ok(false)` also means there was none.
     pub async fn abandon(&self, scope: &Scope, claim_token: Uuid) -> Result<bool, StoreError> {
         self.bounded("abandon", true, self.backend.abandon(scope, claim_token)).await
+    }
+
+    /// Abandons, by its token, a claim whose commit could not be confirmed,
+    /// once the store answers again: on a tracked task, retrying until the
+    /// lease would have run out (a statement still on its way to the
+    /// database may yet commit the claim after a first look finds nothing;
+    /// the server also cancels it at the statement timeout).
+    pub fn abandon_later(&self, tracker: &TaskTracker, scope: &Scope, claim_token: Uuid, lease: Duration) {
+        let (store, scope) = (self.clone(), scope.clone());
+        tracker.spawn(async move {
+            let deadline = tokio::time::Instant::now() + lease;
+            while tokio::time::Instant::now() < deadline {
+                if let Ok(true) = store.abandon(&scope, claim_token).await {
+                    tracing::info!(scope = %scope.log_id(), "unconfirmed claim abandoned");
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            tracing::debug!(scope = %scope.log_id(), "no unconfirmed claim appeared before its lease would have run out");
+        });
     }
 
     /// Records the upstream's response under the claim's generation.
