@@ -85,6 +85,11 @@ impl Executor {
     }
 
     /// A copy with its own upstream connection pools (for another event loop).
+    /// The key under which the `Idempotency-Key` sent upstream is derived.
+    pub fn derived_key_secret(&self) -> Arc<[u8]> {
+        self.derived_key_secret.clone()
+    }
+
     pub fn with_own_pools(&self) -> Executor {
         Executor {
             upstreams: self.upstreams.iter().map(|u| Upstream::new(u.config.clone())).collect(),

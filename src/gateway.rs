@@ -78,18 +78,22 @@ pub struct Gateway {
     request_id_is_a_key: Arc<HashSet<Arc<str>>>,
 }
 
+/// What a gateway hands on to the one that replaces it on a reload.
+struct Lasting {
+    store: Store,
+    metrics: Arc<Metrics>,
+    tracker: TaskTracker,
+    derived_key_secret: Arc<[u8]>,
+    replica_id: Arc<str>,
+    waiters: Arc<Waiters>,
+    wake_workers: Arc<Notify>,
+    request_ids: Arc<RequestIds>,
+    observer: Observer,
+}
+
 impl Gateway {
     /// `derived_key_secret` keys the `Idempotency-Key` sent upstream.
     pub fn new(config: &Config, store: Store, metrics: Arc<Metrics>, tracker: TaskTracker, derived_key_secret: Arc<[u8]>) -> Gateway {
-        let waiters = Arc::new(Waiters::new());
-        let executor = Executor::new(
-            config.upstreams.iter().cloned().map(Upstream::new).collect(),
-            store.clone(),
-            metrics.clone(),
-            tracker.clone(),
-            waiters.clone(),
-            derived_key_secret,
-        );
         let replica_id: Arc<str> = config.server.replica_id.as_str().into();
         let observer = Observer::new(
             store.clone(),
@@ -98,6 +102,49 @@ impl Gateway {
             replica_id.clone(),
             config.server.max_request_body,
             config.server.request_body_timeout,
+        );
+        let lasting = Lasting {
+            store,
+            metrics,
+            tracker,
+            derived_key_secret,
+            replica_id,
+            waiters: Arc::new(Waiters::new()),
+            wake_workers: Arc::new(Notify::new()),
+            request_ids: Arc::new(RequestIds::new(config.server.trusted_proxies.clone())),
+            observer,
+        };
+        Gateway::assemble(config, lasting)
+    }
+
+    /// The gateway for a reloaded configuration (SIGHUP): new identity
+    /// sources, routes, authorizers and upstreams (with new pools); the same
+    /// store, metrics, tracker, waiters, request ids and server settings.
+    /// Requests already running finish with the gateway they started on.
+    pub fn reloaded(&self, config: &Config) -> Gateway {
+        let lasting = Lasting {
+            store: self.store.clone(),
+            metrics: self.metrics.clone(),
+            tracker: self.tracker.clone(),
+            derived_key_secret: self.executor.derived_key_secret(),
+            replica_id: self.replica_id.clone(),
+            waiters: self.waiters.clone(),
+            wake_workers: self.wake_workers.clone(),
+            request_ids: self.request_ids.clone(),
+            observer: self.observer.clone(),
+        };
+        Gateway::assemble(config, lasting)
+    }
+
+    fn assemble(config: &Config, lasting: Lasting) -> Gateway {
+        let Lasting { store, metrics, tracker, derived_key_secret, replica_id, waiters, wake_workers, request_ids, observer } = lasting;
+        let executor = Executor::new(
+            config.upstreams.iter().cloned().map(Upstream::new).collect(),
+            store.clone(),
+            metrics.clone(),
+            tracker.clone(),
+            waiters.clone(),
+            derived_key_secret,
         );
         metrics.declare_observed(config.routes.iter().filter(|r| r.mode == RouteMode::Observe).map(|r| &*r.operation));
         metrics.declare_forever(config.routes.iter().filter(|r| r.retention == Retention::Forever).map(|r| &*r.operation));
@@ -112,14 +159,14 @@ impl Gateway {
             max_request_body: config.server.max_request_body,
             request_body_timeout: config.server.request_body_timeout,
             waiters,
-            wake_workers: Arc::new(Notify::new()),
+            wake_workers,
             authorizers: config
                 .routes
                 .iter()
                 .filter_map(|r| r.authorize.as_ref().map(|a| (r.operation.clone(), Authorizer::new(a.clone()))))
                 .collect(),
             observer,
-            request_ids: Arc::new(RequestIds::new(config.server.trusted_proxies.clone())),
+            request_ids,
             access_log: config.server.access_log,
             challenge: config
                 .identity

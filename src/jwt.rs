@@ -235,6 +235,21 @@ impl JwtVerifier {
         Ok(Identity { tenant: claim(&self.config.tenant_claim)?, principal: claim(&self.config.principal_claim)? })
     }
 
+    /// Refreshes the key set now and then every `jwks_refresh`, until
+    /// `shutdown` or until the verifier is gone (a reload replaced it).
+    pub async fn keep_fresh(verifier: std::sync::Weak<JwtVerifier>, shutdown: tokio_util::sync::CancellationToken) {
+        loop {
+            let Some(v) = verifier.upgrade() else { return };
+            v.refresh().await;
+            let wait = v.config.refresh;
+            drop(v);
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(wait) => {}
+            }
+        }
+    }
+
     /// Fetches the JWKS URL; on success the set replaces the one in force, on
     /// failure the last good set stays. Returns whether it succeeded.
     pub async fn refresh(&self) -> bool {

@@ -67,6 +67,7 @@ pub mod problem;
 pub mod reconcile;
 pub mod record;
 pub mod relay;
+pub mod reload;
 pub mod replay;
 pub mod route;
 pub mod scope;

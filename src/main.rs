@@ -17,6 +17,7 @@ use idemgate::keys::{ResolveAction, ResolveError, ResolveRequest};
 use idemgate::logging::{self, ErrorChain, LogSettings};
 use idemgate::outbox::Delivery;
 use idemgate::record::State;
+use idemgate::reload::{PidFile, signal_reload};
 use idemgate::scope::{IdempotencyKey, Scope, ScopeId};
 use idemgate::server::Server;
 use idemgate::signals::Signals;
@@ -34,8 +35,20 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run the gateway.
-    Serve,
+    /// Run the gateway. SIGHUP reloads identity sources, routes and upstreams
+    /// from the configuration file.
+    Serve {
+        /// Write the process id here (for `idemgate reload`); removed on exit.
+        #[arg(long)]
+        pid_file: Option<PathBuf>,
+    },
+    /// Validate the configuration file, then make the running gateway reload
+    /// it (SIGHUP to the pid in --pid-file). An invalid file is not sent.
+    Reload {
+        /// The file `serve --pid-file` wrote.
+        #[arg(long)]
+        pid_file: PathBuf,
+    },
     /// Validate the configuration; print every error with its TOML path.
     CheckConfig {
         /// Then reach the store and every upstream (TCP connect), one line each; exit 1 if one fails.
@@ -256,10 +269,15 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 }
             }
         }
-        Command::Serve => {
+        Command::Serve { pid_file } => {
             let signals = Signals::install()?;
-            let server = Server::bind(config).await?;
+            let server = Server::bind(config).await?.reload_from(cli.config.clone(), signals.hangups());
+            let _pid = pid_file.as_deref().map(PidFile::create).transpose()?;
             server.run(signals.shutdown()).await?;
+        }
+        Command::Reload { pid_file } => {
+            let pid = signal_reload(&pid_file)?;
+            say(&format!("{}: ok; sent SIGHUP to process {pid} (its log says whether the reload applied)\n", cli.config.display()));
         }
         Command::Migrate => {
             let store = Store::open(&config.store, Access::Migrate).await?;

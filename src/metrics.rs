@@ -333,6 +333,13 @@ pub struct Metrics {
     passthrough_failures: Family<UpstreamReasonLabels, Counter>,
     /// 1 from SIGTERM until the process exits.
     draining: Gauge,
+    /// Configuration reloads (SIGHUP), applied or refused.
+    reloads: Family<ResultLabels, Counter>,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabels {
+    result: &'static str,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -430,6 +437,11 @@ impl Metrics {
         );
         let draining = Gauge::default();
         registry.register("draining", "1 while the process drains after SIGTERM (readyz answers 503)", draining.clone());
+        let reloads = Family::<ResultLabels, Counter>::default();
+        registry.register("config_reloads", "Configuration reloads on SIGHUP, by result (applied, refused)", reloads.clone());
+        for result in ["applied", "refused"] {
+            let _ = reloads.get_or_create(&ResultLabels { result });
+        }
         let build = prometheus_client::metrics::info::Info::new(VersionLabels { version: env!("CARGO_PKG_VERSION") });
         registry.register("build", "The running version", build);
         for reason in REJECTION_REASONS {
@@ -471,6 +483,7 @@ impl Metrics {
             passthrough,
             passthrough_failures,
             draining,
+            reloads,
         }
     }
 
@@ -552,6 +565,12 @@ impl Metrics {
     /// The process started (or stopped) draining.
     pub fn set_draining(&self, draining: bool) {
         self.draining.set(i64::from(draining));
+    }
+
+    /// A configuration reload was applied (`true`) or refused.
+    pub fn reloaded(&self, applied: bool) {
+        let result = if applied { "applied" } else { "refused" };
+        self.reloads.get_or_create(&ResultLabels { result }).inc();
     }
 
     /// Creates the labelled series of the configured operations at zero, so

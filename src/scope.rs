@@ -11,7 +11,6 @@ use hmac::{Hmac, Mac};
 use http::HeaderValue;
 use sha2::{Digest, Sha256};
 
-
 /// Longest accepted key, in bytes (after unquoting).
 pub const MAX_KEY_LEN: usize = 255;
 

@@ -4,6 +4,7 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,6 +13,7 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -19,9 +21,11 @@ use crate::admin::Admin;
 use crate::background;
 use crate::config::Config;
 use crate::gateway::Gateway;
+use crate::jwt::JwtVerifier;
 use crate::metrics::Metrics;
 use crate::reconcile::Reconciler;
 use crate::relay::Relay;
+use crate::reload::{LiveGateway, Reloader, WorkerGateway};
 use crate::route::RouteMode;
 use crate::store::{Access, Store, StoreError};
 use crate::worker::Workers;
@@ -50,6 +54,8 @@ pub struct Server {
     tracker: TaskTracker,
     /// The derived-key secret (the reconciler's `{derived_key}`, the admin API).
     secret: Arc<[u8]>,
+    /// Where SIGHUP reloads the configuration from, and the SIGHUP events.
+    reload: Option<(PathBuf, watch::Receiver<u64>)>,
 }
 
 impl Server {
@@ -81,7 +87,14 @@ impl Server {
         };
         let tracker = TaskTracker::new();
         let gateway = Arc::new(Gateway::new(&config, store, metrics.clone(), tracker.clone(), secret.clone()));
-        Ok(Server { config, gateway, metrics, proxy, admin, tracker, secret })
+        Ok(Server { config, gateway, metrics, proxy, admin, tracker, secret, reload: None })
+    }
+
+    /// Reloads the configuration from `path` on each SIGHUP event (see
+    /// [`crate::reload`]).
+    pub fn reload_from(mut self, path: PathBuf, hangups: watch::Receiver<u64>) -> Server {
+        self.reload = Some((path, hangups));
+        self
     }
 
     pub fn proxy_addr(&self) -> Option<SocketAddr> {
@@ -107,7 +120,7 @@ impl Server {
     /// admin listener, the background tasks and the store's batchers run on
     /// the main runtime.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), ServeError> {
-        let Server { config, gateway, metrics, proxy, admin, tracker, secret } = self;
+        let Server { config, gateway, metrics, proxy, admin, tracker, secret, reload } = self;
         tracing::info!(
             addr = %proxy.first().and_then(|l| l.local_addr().ok()).map(|a| a.to_string()).unwrap_or_default(),
             admin = %admin.as_ref().and_then(|a| a.local_addr().ok()).map(|a| a.to_string()).unwrap_or_default(),
@@ -131,16 +144,7 @@ impl Server {
         // JWKS URLs: fetched now and then every jwks_refresh; a failed fetch
         // keeps the last good key set.
         for verifier in gateway.jwks_sources() {
-            let shutdown = shutdown.clone();
-            background.spawn(async move {
-                loop {
-                    verifier.refresh().await;
-                    tokio::select! {
-                        _ = shutdown.cancelled() => break,
-                        _ = tokio::time::sleep(verifier.config.refresh) => {}
-                    }
-                }
-            });
+            background.spawn(JwtVerifier::keep_fresh(Arc::downgrade(&verifier), shutdown.clone()));
         }
         if let Some(relay) = Relay::new(&gateway.routes(), gateway.store().clone(), metrics.clone()) {
             background.spawn(relay.run(shutdown.clone()));
@@ -157,6 +161,13 @@ impl Server {
             &tracker,
             shutdown.clone(),
         );
+        // Requests are served by the gateway in force; a reload replaces it.
+        let live = LiveGateway::new(gateway.clone());
+        if let Some((path, hangups)) = reload {
+            let reloader =
+                Reloader { path, running: config.clone(), live: live.clone(), metrics: metrics.clone(), background: background.clone() };
+            background.spawn(reloader.run(hangups, shutdown.clone()));
+        }
         let http = http_builder(config.server.request_header_timeout);
         // The admin listener outlives the proxy's drain (so `/readyz` can say
         // 503 and `/metrics` can be scraped while it runs); it has its own
@@ -187,7 +198,7 @@ impl Server {
         let mut workers = Vec::new();
         for (i, listener) in proxy.into_iter().enumerate() {
             let worker = Worker {
-                gateway: Arc::new(gateway.for_worker()),
+                gateway: live.for_worker(),
                 http: http.clone(),
                 shutdown: shutdown.clone(),
                 stop: stop.clone(),
@@ -237,7 +248,7 @@ impl Server {
 
 /// One proxy worker thread.
 struct Worker {
-    gateway: Arc<Gateway>,
+    gateway: WorkerGateway,
     http: http1::Builder,
     /// The process's cancellation root (cancelled by this worker if it cannot start).
     shutdown: CancellationToken,
@@ -267,8 +278,8 @@ impl Worker {
                     return;
                 }
             };
-            let gw = self.gateway.clone();
-            accept_loop(listener, self.stop.clone(), self.tracker.clone(), self.http, move |req, peer| gw.clone().handle(req, peer)).await;
+            let gw = Arc::new(self.gateway);
+            accept_loop(listener, self.stop.clone(), self.tracker.clone(), self.http, move |req, peer| gw.get().handle(req, peer)).await;
             // This thread's event loop drives its connections and forwards:
             // keep it running until they are done (the main task closes the
             // tracker and bounds the wait by the grace period).

@@ -6,8 +6,9 @@
 //! - SIGTERM and SIGINT cancel [`Signals::shutdown`], the token
 //!   [`crate::server::Server::run`] drains on. Later ones are logged only.
 //! - SIGHUP never stops anything: it bumps a counter that
-//!   [`Signals::hangups`] subscribers watch (a configuration reload will be
-//!   one). With no subscriber it is logged as ignored.
+//!   [`Signals::hangups`] subscribers watch (`serve` reloads its
+//!   configuration, see [`crate::reload`]). With no subscriber (the demo) it
+//!   is logged as ignored.
 //!
 //! The token is cancelled before anything is logged, so the drain never
 //! depends on the log (see [`crate::logging`]).
@@ -86,7 +87,7 @@ async fn listen(mut term: Signal, mut int: Signal, mut hup: Signal, shutdown: Ca
 fn hangup(hangups: &watch::Sender<u64>) {
     hangups.send_modify(|n| *n += 1);
     if hangups.receiver_count() == 0 {
-        tracing::warn!(signal = "SIGHUP", "SIGHUP ignored: reload is not supported yet; configuration unchanged");
+        tracing::warn!(signal = "SIGHUP", "SIGHUP ignored: this command does not reload; configuration unchanged");
     } else {
         tracing::info!(signal = "SIGHUP", "SIGHUP received");
     }

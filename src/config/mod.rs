@@ -40,14 +40,14 @@ pub struct Config {
 }
 
 /// `[workers]`: how many async operations this replica runs at once.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct WorkersConfig {
     /// Worker tasks taking queued operations (default 2; 0: a pure front
     /// replica that accepts operations but never runs them).
     pub count: usize,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ServerConfig {
     pub listen: SocketAddr,
     /// Larger request bodies on idempotent routes get 413 before any claim.
@@ -80,7 +80,7 @@ pub struct ServerConfig {
     pub trusted_proxies: Vec<ipnet::IpNet>,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct AdminConfig {
     pub listen: SocketAddr,
     /// Bearer token for the admin API; health and metrics need none.

@@ -41,7 +41,7 @@ use crate::route::Retention;
 use crate::scope::{Scope, ScopeId};
 use crate::secret::Secret;
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct StoreConfig {
     pub backend: StoreBackend,
     /// Whether `serve` applies pending migrations at start.
@@ -58,7 +58,7 @@ pub struct StoreConfig {
     pub events_retention: Duration,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum StoreBackend {
     Postgres { url: Secret, pool_size: usize },
     Sqlite { path: PathBuf },
