@@ -157,11 +157,11 @@ fn the_grafana_dashboard_parses_and_every_panel_queries() {
 }
 
 #[test]
-fn the_systemd_unit_drains_and_leaves_reload_for_later() {
+fn the_systemd_unit_drains_and_reloads_on_sighup() {
     let unit = read("deploy/systemd/idemgate.service");
     assert!(unit.contains("ExecStart=/usr/local/bin/idemgate serve --config /etc/idemgate/idemgate.toml"));
     assert!(unit.contains("KillSignal=SIGTERM"));
-    assert!(!unit.lines().any(|l| l.starts_with("ExecReload")), "no reload exists yet: SIGHUP is ignored");
+    assert!(unit.lines().any(|l| l == "ExecReload=/bin/kill -HUP $MAINPID"), "systemctl reload sends SIGHUP, which serve reloads on");
     let timeout: u64 = unit.lines().find_map(|l| l.strip_prefix("TimeoutStopSec=")).and_then(|v| v.parse().ok()).expect("TimeoutStopSec");
     assert!(timeout > 35, "longer than the default drain delay and grace");
 }
