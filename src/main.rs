@@ -271,7 +271,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Serve { pid_file } => {
             let signals = Signals::install()?;
-            let server = Server::bind(config).await?.reload_from(cli.config.clone(), signals.hangups());
+            // Subscribed before the slow start: a SIGHUP meanwhile reloads once serving.
+            let hangups = signals.hangups();
+            let server = Server::bind(config).await?.reload_from(cli.config.clone(), hangups);
             let _pid = pid_file.as_deref().map(PidFile::create).transpose()?;
             server.run(signals.shutdown()).await?;
         }

@@ -95,8 +95,10 @@ pub struct Reloader {
 }
 
 impl Reloader {
+    /// A SIGHUP that arrived after `hangups` was subscribed (during start-up)
+    /// is pending and reloads at once: the file may have changed since it was
+    /// read.
     pub async fn run(mut self, mut hangups: watch::Receiver<u64>, shutdown: CancellationToken) {
-        hangups.mark_unchanged();
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return,

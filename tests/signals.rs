@@ -1,5 +1,6 @@
-//! Signals on the real binary: SIGHUP never stops `serve` or `demo` (it is
-//! logged as ignored until reload exists); SIGTERM still drains and exits 0.
+//! Signals on the real binary: SIGHUP never stops `serve` (it reloads the
+//! configuration, see tests/reload.rs) or `demo` (logged as ignored); SIGTERM
+//! still drains and exits 0.
 
 mod support;
 
