@@ -79,9 +79,16 @@ impl Relay {
                     // At most one event per scope is deliverable at a time, so the
                     // batch can go out concurrently without reordering a scope.
                     let outcomes = join_all(events.iter().map(|e| self.deliver(e))).await;
+                    // The delivered ones are marked in one statement (one
+                    // commit per round, not one per event); failures one by one.
+                    let mut delivered = Vec::new();
                     for (event, outcome) in events.iter().zip(outcomes) {
-                        self.settle(event, outcome, token).await;
+                        match outcome {
+                            Ok(()) => delivered.push(event),
+                            Err(why) => self.failed(event, why, token).await,
+                        }
                     }
+                    self.mark_delivered(&delivered, token).await;
                 }
                 Ok(_) => {
                     tokio::select! {
@@ -129,29 +136,39 @@ impl Relay {
         }
     }
 
-    async fn settle(&mut self, event: &OutboxEvent, outcome: Result<(), String>, token: Uuid) {
-        let written = match outcome {
-            Ok(()) => {
-                self.metrics.event_delivery("delivered");
-                self.store.event_delivered(event.seq, token).await
+    /// Marks events sent after their 2xx. One that cannot be marked (lease
+    /// lost: another relay took it over; store down: its lease runs out)
+    /// stays pending and is delivered again with the same id: at least once.
+    async fn mark_delivered(&self, delivered: &[&OutboxEvent], token: Uuid) {
+        if delivered.is_empty() {
+            return;
+        }
+        for _ in delivered {
+            self.metrics.event_delivery("delivered");
+        }
+        let seqs: Vec<i64> = delivered.iter().map(|e| e.seq).collect();
+        match self.store.events_delivered(&seqs, token).await {
+            Ok(marked) => {
+                for event in delivered.iter().filter(|e| !marked.contains(&e.seq)) {
+                    tracing::warn!(event = %event.id, "event lease lost before it was marked");
+                }
             }
-            Err(why) => {
-                let Some(dest) = self.routes.get(&event.scope.operation).cloned() else { return };
-                let attempts = u32::try_from(event.attempts).unwrap_or(0) + 1;
-                let park = attempts >= dest.max_attempts;
-                let retry_after = backoff(attempts);
-                let failures = self.backoff.get(&dest.url).map_or(0, |(_, n)| *n) + 1;
-                self.backoff.insert(dest.url.clone(), (tokio::time::Instant::now() + backoff(failures), failures));
-                tracing::warn!(event = %event.id, scope = %event.scope.log_id(), error = %why, attempts, park, "event delivery failed");
-                self.metrics.event_delivery(if park { "parked" } else { "failed" });
-                self.store.event_failed(event.seq, token, &why, retry_after, park).await
-            }
-        };
-        match written {
+            Err(e) => tracing::warn!(events = delivered.len(), error = %e, "could not mark delivered events; they will be delivered again"),
+        }
+    }
+
+    async fn failed(&mut self, event: &OutboxEvent, why: String, token: Uuid) {
+        let Some(dest) = self.routes.get(&event.scope.operation).cloned() else { return };
+        let attempts = u32::try_from(event.attempts).unwrap_or(0) + 1;
+        let park = attempts >= dest.max_attempts;
+        let retry_after = backoff(attempts);
+        let failures = self.backoff.get(&dest.url).map_or(0, |(_, n)| *n) + 1;
+        self.backoff.insert(dest.url.clone(), (tokio::time::Instant::now() + backoff(failures), failures));
+        tracing::warn!(event = %event.id, scope = %event.scope.log_id(), error = %why, attempts, park, "event delivery failed");
+        self.metrics.event_delivery(if park { "parked" } else { "failed" });
+        match self.store.event_failed(event.seq, token, &why, retry_after, park).await {
             Ok(true) => {}
-            // Another relay took it over after our lease ran out: it delivers again (same id).
             Ok(false) => tracing::warn!(event = %event.id, "event lease lost before it was marked"),
-            // The lease runs out and the event is delivered again, with the same id.
             Err(e) => tracing::warn!(event = %event.id, error = %e, "could not mark the event"),
         }
     }

@@ -1510,9 +1510,12 @@ async fn relays_hold_each_event_alone_in_order_per_scope(backend: Backend) {
     let taken: Vec<(&str, &str)> = first.iter().map(|e| (e.scope.key.as_str(), e.event_type.as_str())).collect();
     assert_eq!(taken, vec![("a", "unknown"), ("b", "completed")], "a's second event waits for its first");
     assert!(store.take_events(&ops, 10, LONG, r2).await.unwrap().is_empty(), "leased events are not taken twice");
-    assert!(!store.event_delivered(first[0].seq, r2).await.unwrap(), "only the holder marks it");
-    assert!(store.event_delivered(first[0].seq, r1).await.unwrap());
-    assert!(store.event_delivered(first[1].seq, r1).await.unwrap());
+    assert!(store.events_delivered(&[first[0].seq], r2).await.unwrap().is_empty(), "only the holder marks it");
+    // One statement marks a round's deliveries; a seq not held (or unknown) is left out.
+    let marked = store.events_delivered(&[first[0].seq, first[1].seq, i64::MAX], r1).await.unwrap();
+    assert_eq!(marked.len(), 2);
+    assert!(marked.contains(&first[0].seq) && marked.contains(&first[1].seq));
+    assert!(store.events_delivered(&[first[0].seq], r1).await.unwrap().is_empty(), "a sent event is not marked twice");
     let second = store.take_events(&ops, 10, LONG, r2).await.unwrap();
     assert_eq!(second.iter().map(|e| (e.scope.key.as_str(), e.event_type.as_str())).collect::<Vec<_>>(), vec![("a", "released")]);
     // A failed delivery backs off; after max attempts the event is parked, not dropped.
@@ -1535,8 +1538,8 @@ async fn relays_hold_each_event_alone_in_order_per_scope(backend: Backend) {
     tokio::time::sleep(PAST_SHORT).await;
     let stolen = store.take_events(&ops, 10, LONG, r2).await.unwrap();
     assert_eq!(stolen.iter().map(|e| e.id).collect::<Vec<_>>(), vec![held[0].id]);
-    assert!(!store.event_delivered(held[0].seq, r1).await.unwrap(), "the first relay's late mark is fenced");
-    assert!(store.event_delivered(held[0].seq, r2).await.unwrap());
+    assert!(store.events_delivered(&[held[0].seq], r1).await.unwrap().is_empty(), "the first relay's late mark is fenced");
+    assert_eq!(store.events_delivered(&[held[0].seq], r2).await.unwrap(), vec![held[0].seq]);
     let stats = store.event_stats().await.unwrap();
     assert_eq!((stats.pending, stats.parked, stats.oldest_pending_at), (0, 0, None));
     // Delivered events are swept after their retention.

@@ -364,8 +364,10 @@ pub trait RecordStore: Send + Sync + std::fmt::Debug {
     /// hold one event.
     async fn take_events(&self, operations: &[&str], limit: u32, lease: Duration, token: Uuid) -> Result<Vec<OutboxEvent>, StoreError>;
 
-    /// Outbox: a receiver answered 2xx; `false` if this relay no longer held it.
-    async fn event_delivered(&self, seq: i64, token: Uuid) -> Result<bool, StoreError>;
+    /// Outbox: receivers answered 2xx to these events; marks them sent in one
+    /// statement and returns the ones this relay still held (the others were
+    /// taken over after their lease ran out, and will be delivered again).
+    async fn events_delivered(&self, seqs: &[i64], token: Uuid) -> Result<Vec<i64>, StoreError>;
 
     /// Outbox: a delivery failed; due again after `retry_after`, or parked.
     async fn event_failed(&self, seq: i64, token: Uuid, error: &str, retry_after: Duration, park: bool) -> Result<bool, StoreError>;

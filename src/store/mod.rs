@@ -481,8 +481,8 @@ impl Store {
         self.bounded("take_events", true, self.backend.take_events(operations, limit, lease, token)).await
     }
 
-    pub async fn event_delivered(&self, seq: i64, token: Uuid) -> Result<bool, StoreError> {
-        self.bounded("event_delivered", true, self.backend.event_delivered(seq, token)).await
+    pub async fn events_delivered(&self, seqs: &[i64], token: Uuid) -> Result<Vec<i64>, StoreError> {
+        self.bounded("events_delivered", true, self.backend.events_delivered(seqs, token)).await
     }
 
     pub async fn event_failed(&self, seq: i64, token: Uuid, error: &str, retry_after: Duration, park: bool) -> Result<bool, StoreError> {

@@ -726,7 +726,7 @@ impl RecordStore for SqliteStore {
                      AND NOT EXISTS (SELECT 1 FROM idemgate_events p WHERE p.delivery = 'pending' AND p.tenant = e.tenant \
                        AND p.principal = e.principal AND p.operation = e.operation AND p.idempotency_key = e.idempotency_key \
                        AND p.seq < e.seq) \
-                     ORDER BY seq"
+                     ORDER BY next_attempt_at"
                 );
                 let mut st = tx.prepare_cached(&sql).map_err(err)?;
                 let mut rows = st.query(params![now.0]).map_err(err)?;
@@ -740,6 +740,8 @@ impl RecordStore for SqliteStore {
                         }
                     }
                 }
+                // Handed out in seq order, like PostgreSQL's.
+                out.sort_by_key(|e| e.seq);
                 out
             };
             for e in &candidates {
@@ -752,16 +754,22 @@ impl RecordStore for SqliteStore {
         .await
     }
 
-    async fn event_delivered(&self, seq: i64, token: Uuid) -> Result<bool, StoreError> {
+    async fn events_delivered(&self, seqs: &[i64], token: Uuid) -> Result<Vec<i64>, StoreError> {
+        let seqs = seqs.to_vec();
         self.write(move |tx, now| {
-            let n = tx
+            let mut st = tx
                 .prepare_cached(
                     "UPDATE idemgate_events SET delivery = 'sent', sent_at = ?3, lease_token = NULL, lease_until = NULL \
                      WHERE seq = ?1 AND lease_token = ?2 AND delivery = 'pending'",
                 )
-                .and_then(|mut st| st.execute(params![seq, token.as_bytes(), now.0]))
                 .map_err(err)?;
-            Ok(n > 0)
+            let mut marked = Vec::new();
+            for seq in seqs {
+                if st.execute(params![seq, token.as_bytes(), now.0]).map_err(err)? > 0 {
+                    marked.push(seq);
+                }
+            }
+            Ok(marked)
         })
         .await
     }

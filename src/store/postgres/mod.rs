@@ -941,7 +941,7 @@ impl RecordStore for PgStore {
                   AND NOT EXISTS (SELECT 1 FROM idemgate_events p
                                   WHERE p.delivery = 'pending' AND p.tenant = e.tenant AND p.principal = e.principal
                                     AND p.operation = e.operation AND p.idempotency_key = e.idempotency_key AND p.seq < e.seq)
-                ORDER BY e.seq LIMIT $2 FOR UPDATE SKIP LOCKED)
+                ORDER BY e.next_attempt_at LIMIT $2 FOR UPDATE SKIP LOCKED)
             UPDATE idemgate_events e SET lease_token = $3, lease_until = now() + $4::int8 * interval '1 microsecond'
             FROM due WHERE e.seq = due.seq
             RETURNING {}",
@@ -950,10 +950,11 @@ impl RecordStore for PgStore {
         self.events_where(&sql, &[&operations, &i64::from(limit), &token, &micros(lease)], true).await
     }
 
-    async fn event_delivered(&self, seq: i64, token: Uuid) -> Result<bool, StoreError> {
+    async fn events_delivered(&self, seqs: &[i64], token: Uuid) -> Result<Vec<i64>, StoreError> {
         let sql = "UPDATE idemgate_events SET delivery = 'sent', sent_at = now(), lease_token = NULL, lease_until = NULL \
-                   WHERE seq = $1 AND lease_token = $2 AND delivery = 'pending' RETURNING 1";
-        Ok(!self.query(sql, &[&seq, &token], true).await?.is_empty())
+                   WHERE seq = ANY($1::int8[]) AND lease_token = $2 AND delivery = 'pending' RETURNING seq";
+        let rows = self.query(sql, &[&seqs, &token], true).await?;
+        Ok(rows.iter().map(|r| r.get::<_, i64>(0)).collect())
     }
 
     async fn event_failed(&self, seq: i64, token: Uuid, error: &str, retry_after: Duration, park: bool) -> Result<bool, StoreError> {
