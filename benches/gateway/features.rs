@@ -25,7 +25,7 @@ use rsa::traits::PublicKeyParts;
 use crate::client::Conn;
 use crate::gateway::{self, Gateway, Spec, Store};
 use crate::pg::Pg;
-use crate::report::{LoadResult, Report, Row};
+use crate::report::{LoadResult, Report, Row, micros};
 use crate::suite::{Ctx, REPLAY_BASE, Watch, key_prefix, measure, request_env};
 use crate::wrk::Scenario;
 use crate::{Options, procs};
@@ -236,13 +236,20 @@ fn events(ctx: &mut Ctx, base: &Spec, pg: &Pg, upstream: SocketAddr) -> Result<(
     let (total, pending_at_end) = event_counts(pg)?;
     procs::sleep(Duration::from_secs(5))?;
     let (_, pending_later) = event_counts(pg)?;
+    // The relay's own statements over the gateway's life (a fresh process).
+    let metrics = gw.metrics()?;
+    let latency = |op: &str| {
+        let q = |q: f64| metrics.store_quantile_since(&Default::default(), op, q).map_or_else(|| "-".to_owned(), |s| micros(s * 1e6));
+        format!("{op} p50 {} p99 {}", q(0.5), q(0.99))
+    };
     gw.stop()?;
     ctx.report.line(format!(
-        "{PG} events: {total} written; relay delivered {delivered_in_load} while the runs went on ({:.0}/s); \
-         pending at the end: {pending_at_end}, 5 s later: {pending_later} (relay kept up: {}). \
-         All bench events share one scope (one tenant, principal and operation), which the relay delivers in order, one at a time",
+        "{PG} events: {total} written; the relay delivered {delivered_in_load} while the runs went on ({:.0}/s); \
+         pending at the end: {pending_at_end}, 5 s later: {pending_later} (relay kept up: {}); {}, {}",
         delivered_in_load as f64 / load_secs.max(1e-9),
         if pending_at_end == 0 { "yes" } else { "no" },
+        latency("take_events"),
+        latency("event_delivered"),
     ));
     Ok(())
 }
