@@ -73,6 +73,13 @@ pub struct Spec {
     pub sweep_interval: &'static str,
     /// `server.access_log` (on by default, as in the product).
     pub access_log: bool,
+    /// Replaces the API-key `[[identity.sources]]` entry (features.rs: JWT).
+    pub identity: Option<String>,
+    /// Lines added to the route's table, subtables last (`mode = "async"`,
+    /// `[routes.events]`, ...).
+    pub route_extra: String,
+    /// Top-level tables after the route (`[workers]`).
+    pub extra: String,
 }
 
 /// The gateway's default sweeper settings (interval, batch), from its own
@@ -85,11 +92,24 @@ pub fn default_sweeper() -> Result<(Duration, u32)> {
 
 impl Spec {
     pub fn new(name: &str, store: Store, upstream: SocketAddr) -> Spec {
-        Spec { name: name.to_owned(), store, upstream, sweep_interval: "30s", access_log: true }
+        Spec {
+            name: name.to_owned(),
+            store,
+            upstream,
+            sweep_interval: "30s",
+            access_log: true,
+            identity: None,
+            route_extra: String::new(),
+            extra: String::new(),
+        }
     }
 
     fn toml(&self) -> String {
         let key_hash = hex::encode(Sha256::digest(API_KEY.as_bytes()));
+        let api_key = format!(
+            "[[identity.sources]]\nkind = \"api_key\"\nheader = \"authorization\"\n\
+             keys = [ {{ sha256 = \"{key_hash}\", tenant = \"{TENANT}\", principal = \"{PRINCIPAL}\" }} ]\n"
+        );
         format!(
             r#"# Written by the idemgate benchmark.
 [server]
@@ -106,20 +126,20 @@ name = "app"
 url = "http://{upstream}"
 timeout = "10s"
 
-[[identity.sources]]
-kind = "api_key"
-header = "authorization"
-keys = [ {{ sha256 = "{key_hash}", tenant = "{TENANT}", principal = "{PRINCIPAL}" }} ]
-
+{identity}
 [[routes]]
 operation = "{OPERATION}"
 method = "POST"
 path = "{ROUTE_PATH}"
 upstream = "app"
-"#,
+{route_extra}
+{extra}"#,
             store = self.store.toml(self.sweep_interval),
             upstream = self.upstream,
             access_log = self.access_log,
+            identity = self.identity.as_deref().unwrap_or(&api_key),
+            route_extra = self.route_extra,
+            extra = self.extra,
         )
     }
 
@@ -142,7 +162,12 @@ upstream = "app"
     /// How many records are in `state` (`idemgate keys list`).
     pub fn count_state(&self, dir: &Path, state: &str) -> Result<usize> {
         let out = self.cli(dir, &["keys", "list", "--state", state, "--limit", "1000000", "--json"])?;
-        let list: Vec<serde_json::Value> = serde_json::from_slice(&out).context("parsing `idemgate keys list --json`")?;
+        let page: serde_json::Value = serde_json::from_slice(&out).context("parsing `idemgate keys list --json`")?;
+        // `{"records": [...], "next_cursor": ...}` (a bare list before cursors).
+        let list = page.get("records").unwrap_or(&page).as_array().context("`idemgate keys list --json` printed no records list")?;
+        if page.get("next_cursor").is_some_and(|c| !c.is_null()) {
+            bail!("more than 1000000 {state} records: `idemgate keys list` has another page");
+        }
         Ok(list.len())
     }
 
@@ -294,7 +319,7 @@ impl Metrics {
         Metrics { samples }
     }
 
-    fn sum(&self, name: &str, filter: &[(&str, &str)]) -> f64 {
+    pub fn sum(&self, name: &str, filter: &[(&str, &str)]) -> f64 {
         self.samples
             .iter()
             .filter(|(n, labels, _)| n == name && filter.iter().all(|(k, v)| labels.get(*k).is_some_and(|l| l == v)))

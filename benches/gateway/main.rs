@@ -17,6 +17,7 @@ mod pg_harness;
 
 mod client;
 mod cpu;
+mod features;
 mod gateway;
 mod nginx;
 mod pg;
@@ -93,7 +94,8 @@ pub struct Options {
     pub idle_conns: usize,
     /// New keys in wrk runs: "spread" over the index (like UUIDs) or "sequential".
     pub key_order: String,
-    /// Groups to run (upstream, nginx, pg, accesslog, pgbench, sqlite); all when unset.
+    /// Groups to run (upstream, nginx, pg, accesslog, pgbench, sqlite, features or its
+    /// parts async, events, identity); all when unset.
     pub only: Option<Vec<String>>,
     /// Record counts for `--scale`.
     pub scale_rows: Vec<u64>,

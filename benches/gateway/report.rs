@@ -84,7 +84,7 @@ impl Report {
         };
         format!(
             "ratios: first_write_vs_pg_ceiling={} replay_vs_pg_lookup={} passthrough_vs_nginx={} passthrough_p99_vs_nginx={} \
-             access_log_first_write={} access_log_replay={}",
+             access_log_first_write={} access_log_replay={} {}",
             ratio(self.best_rps("idemgate-pg", "first write"), self.best_rps("pgbench", "first write")),
             ratio(self.best_rps("idemgate-pg", "replay"), self.best_rps("pgbench", "pk lookup")),
             ratio(self.best_rps("idemgate-pg", "passthrough"), self.best_rps("nginx", "GET")),
@@ -92,6 +92,7 @@ impl Report {
             // Access log on (the default) vs off, same database: at least 0.95.
             ratio(self.best_rps("idemgate-pg", "first write"), self.best_rps("idemgate-pg-nolog", "first write")),
             ratio(self.best_rps("idemgate-pg", "replay"), self.best_rps("idemgate-pg-nolog", "replay")),
+            self.feature_ratios(),
         )
     }
 }
@@ -127,6 +128,9 @@ fn cpu(us: Option<f64>) -> String {
 }
 
 pub fn micros(us: f64) -> String {
+    if us.is_nan() {
+        return "-".to_owned();
+    }
     if us >= 10_000.0 { format!("{:.1}ms", us / 1000.0) } else { format!("{:.0}us", us) }
 }
 

@@ -150,6 +150,9 @@ pub fn run(opts: &Options, dir: &Path) -> Result<()> {
         memory(&mut ctx, "idemgate-sqlite", &gw)?;
         gw.stop()?;
     }
+    if crate::features::wanted(opts) {
+        crate::features::run(&mut ctx, upstream.addr)?;
+    }
     ctx.progress("done");
     println!("\n{}", ctx.report.table());
     println!(
