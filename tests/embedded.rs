@@ -19,12 +19,15 @@ const ORDER: &str = r#"{"item":"book","qty":1}"#;
 async fn claim_survives_sigkill() {
     let backend = sqlite_backend();
     let up = TestUpstream::start().await;
-    let mut gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).timeout("500ms").route("lease = \"1s\""));
+    // The lease covers a restart on a busy machine (the in-progress check
+    // below must run before it ends); the wait after it is measured from the claim.
+    let mut gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).timeout("500ms").route("lease = \"4s\""));
     let mut received = up.subscribe();
     let url = gw.url("/v1/orders");
     let u = url.clone();
     let client = tokio::spawn(async move { post(&u, "k", ORDER, &[("x-test-sleep-ms", "300")]).await });
     received.recv().await.unwrap();
+    let claimed = std::time::Instant::now();
     gw.kill9();
     let _ = client.await; // the client's connection died with the gateway
     gw.restart();
@@ -32,7 +35,7 @@ async fn claim_survives_sigkill() {
     let rec = record(&store, "k").await.expect("the acknowledged claim survived the kill");
     assert_eq!((rec.state, rec.generation.0), (State::InFlight, 1));
     assert_eq!(post(&url, "k", ORDER, &[]).await.problem(), "request-in-progress");
-    tokio::time::sleep(Duration::from_millis(1100)).await;
+    tokio::time::sleep((claimed + Duration::from_millis(4100)).saturating_duration_since(std::time::Instant::now())).await;
     assert_eq!(post(&url, "k", ORDER, &[]).await.problem(), "outcome-unknown");
     assert_eq!(up.total(), 1);
     // A completed record survives a kill too.
