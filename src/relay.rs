@@ -25,7 +25,7 @@ use crate::route::Route;
 use crate::store::Store;
 
 /// Events taken per round.
-const BATCH: u32 = 32;
+const BATCH: u32 = 128;
 /// Poll interval bounds when nothing is deliverable.
 const IDLE_MIN: Duration = Duration::from_millis(50);
 const IDLE_MAX: Duration = Duration::from_secs(1);

@@ -249,7 +249,7 @@ fn events(ctx: &mut Ctx, base: &Spec, pg: &Pg, upstream: SocketAddr) -> Result<(
         delivered_in_load as f64 / load_secs.max(1e-9),
         if pending_at_end == 0 { "yes" } else { "no" },
         latency("take_events"),
-        latency("event_delivered"),
+        latency("events_delivered"),
     ));
     Ok(())
 }
