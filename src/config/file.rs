@@ -212,6 +212,21 @@ pub struct ServerSection {
     pub drain_delay: Option<String>,
     /// Peers (CIDRs) whose `X-Request-Id` is kept.
     pub trusted_proxies: Option<Vec<String>>,
+    /// Open client connections at most (all workers together).
+    pub max_connections: Option<i64>,
+    /// `[server.tls]`: HTTPS (and HTTP/2 by ALPN) on the proxy listener.
+    pub tls: Option<TlsSection>,
+}
+
+/// `[server.tls]` / `[admin.tls]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsSection {
+    pub cert_file: Option<String>,
+    pub key_file: Option<String>,
+    pub client_ca_file: Option<String>,
+    pub client_auth: Option<String>,
+    pub handshake_timeout: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -236,6 +251,7 @@ pub struct AdminSection {
     pub listen: Option<String>,
     pub token_env: Option<String>,
     pub token_file: Option<String>,
+    pub tls: Option<TlsSection>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -11,7 +11,7 @@ use ipnet::IpNet;
 use super::error::{ConfigError, Issues};
 use super::file::{
     AuthorizeSection, EventsSection, FileConfig, IdentitySourceSection, OneOrMany, Part, ReconcileSection, RouteSection, SizeValue,
-    StoreSection, UpstreamSection,
+    StoreSection, TlsSection, UpstreamSection,
 };
 use super::{AdminConfig, Config, DEFAULT_SQLITE_PATH, Secret, ServerConfig, StoreBackend, StoreConfig, UpstreamConfig, WorkersConfig};
 use crate::authorize::AuthorizeConfig;
@@ -21,10 +21,14 @@ use crate::keysource::{KeySource, KeySources};
 use crate::outbox::{EventType, EventsConfig};
 use crate::probe::{Probe, ProbeTarget};
 use crate::route::{ForwardKey, InFlightPolicy, PathTemplate, ReplayMode, Retention, RetryPolicy, Route, RouteMode, ScopeMode};
+use crate::tls::server::{ClientAuth, ListenerTls};
 
 /// Longest accepted duration: beyond it, database interval arithmetic and
 /// timestamps overflow (PostgreSQL refuses the claim; SQLite would not).
 const MAX_DURATION: Duration = Duration::from_secs(10 * 366 * 24 * 3600);
+
+/// `server.max_connections` when absent.
+const DEFAULT_MAX_CONNECTIONS: i64 = 10_000;
 
 /// `server.listen` when absent.
 const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
@@ -343,7 +347,20 @@ impl Validator<'_> {
             self.secret("server.derived_key_secret", None, s.derived_key_secret_env.as_deref(), s.derived_key_secret_file.as_deref());
         let drain_delay = self.duration("server.drain_delay", s.drain_delay.as_deref(), "0s");
         let trusted_proxies = self.cidrs("server.trusted_proxies", s.trusted_proxies.as_deref().unwrap_or_default());
+        let max_connections = match s.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS) {
+            n @ 1..=1_000_000 => Some(n as usize),
+            n => {
+                self.issues.push("server.max_connections", format!("must be between 1 and 1000000, not {n}"));
+                None
+            }
+        };
+        let tls = match &s.tls {
+            Some(t) => self.listener_tls("server.tls", t, &[b"h2", b"http/1.1"]).map(Some),
+            None => Some(None),
+        };
         Some(ServerConfig {
+            max_connections: max_connections?,
+            tls: tls?,
             access_log: s.access_log.unwrap_or(true),
             drain_delay: drain_delay?,
             trusted_proxies: trusted_proxies?,
@@ -544,7 +561,47 @@ impl Validator<'_> {
     fn admin(&mut self, a: &super::file::AdminSection) -> Option<AdminConfig> {
         let listen = self.addr("admin.listen", a.listen.as_deref(), None);
         let token = self.secret("admin.token", None, a.token_env.as_deref(), a.token_file.as_deref());
-        Some(AdminConfig { listen: listen?, token: token? })
+        let tls = match &a.tls {
+            Some(t) => self.listener_tls("admin.tls", t, &[b"http/1.1"]).map(Some),
+            None => Some(None),
+        };
+        Some(AdminConfig { listen: listen?, token: token?, tls: tls? })
+    }
+
+    /// `[server.tls]` / `[admin.tls]`: the files are read now, so a missing
+    /// or mismatched certificate is a configuration error naming its key.
+    fn listener_tls(&mut self, p: &str, t: &TlsSection, alpn: &[&[u8]]) -> Option<ListenerTls> {
+        let cert_file = self.required(&format!("{p}.cert_file"), t.cert_file.as_deref());
+        let key_file = self.required(&format!("{p}.key_file"), t.key_file.as_deref());
+        let handshake_timeout = self.duration(&format!("{p}.handshake_timeout"), t.handshake_timeout.as_deref(), "10s");
+        let handshake_timeout = self.at_least(&format!("{p}.handshake_timeout"), handshake_timeout, Duration::from_millis(10));
+        let client_auth = match (t.client_ca_file.is_some(), t.client_auth.as_deref()) {
+            (false, None) => Some(ClientAuth::Off),
+            (false, Some(_)) => {
+                self.issues.push(format!("{p}.client_auth"), "needs client_ca_file (the CA that signs client certificates)");
+                None
+            }
+            (true, None | Some("required")) => Some(ClientAuth::Required),
+            (true, Some("optional")) => Some(ClientAuth::Optional),
+            (true, Some(other)) => {
+                self.issues.push(format!("{p}.client_auth"), format!("unknown value {other:?}: use \"required\" or \"optional\""));
+                None
+            }
+        };
+        let settings = ListenerTls {
+            cert_file: cert_file?.into(),
+            key_file: key_file?.into(),
+            client_ca_file: t.client_ca_file.as_deref().map(PathBuf::from),
+            client_auth: client_auth?,
+            handshake_timeout: handshake_timeout?,
+        };
+        match crate::tls::server::build(&settings, alpn) {
+            Ok(_) => Some(settings),
+            Err(e) => {
+                self.issues.push(format!("{p}.{}", e.key), e.to_string());
+                None
+            }
+        }
     }
 
     fn upstreams(&mut self, list: &[Part<UpstreamSection>]) -> Vec<Upstream> {

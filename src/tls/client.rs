@@ -1,0 +1,1 @@
+//! TLS towards upstreams (filled in below).

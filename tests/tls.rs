@@ -1,0 +1,254 @@
+//! Transport security on the real binary: HTTPS and HTTP/2 on the proxy
+//! listener, the handshake deadline, certificate reload on SIGHUP, HTTPS on
+//! the admin listener, and configuration errors naming file and TOML path.
+//! Certificates come from a private CA generated per test (rcgen).
+
+#[macro_use]
+mod support;
+
+use std::process::Command;
+use std::time::Duration;
+
+use idemgate::record::State;
+use support::tls::{Alg, Issued, Pki, h1_send, h2, h2_send};
+use support::*;
+use tokio::io::AsyncReadExt;
+
+on_both_stores!(h2_streams_of_one_key_over_one_connection_execute_once);
+
+const ORDER: &str = r#"{"item":"book","qty":1}"#;
+
+fn tls_section(section: &str, cert: &Issued, extra: &str) -> String {
+    format!("[{section}.tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\n{extra}\n", cert.cert_file.display(), cert.key_file.display())
+}
+
+fn order_headers(key: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("authorization", "Bearer test-key".to_owned()),
+        ("content-type", "application/json".to_owned()),
+        ("idempotency-key", key.to_owned()),
+    ]
+}
+
+fn borrowed<'a>(h: &'a [(&'static str, String)]) -> Vec<(&'static str, &'a str)> {
+    h.iter().map(|(k, v)| (*k, v.as_str())).collect()
+}
+
+/// First, concurrent duplicates, replay and mismatch, all as streams of one
+/// HTTP/2 connection: exactly one side effect.
+async fn h2_streams_of_one_key_over_one_connection_execute_once(backend: Backend) {
+    let pki = Pki::new("test CA");
+    let cert = pki.server(Alg::EcdsaP256);
+    let up = TestUpstream::start().await;
+    let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).tail(&tls_section("server", &cert, "")));
+    let store = backend.open().await;
+    let url = format!("https://localhost:{}/v1/orders", gw.addr.port());
+    let sender = h2(gw.addr, pki.client_config(None, &[b"h2", b"http/1.1"])).await;
+
+    let headers = order_headers("k-h2");
+    let mut streams = Vec::new();
+    for _ in 0..10 {
+        let (mut s, url, h) = (sender.clone(), url.clone(), headers.clone());
+        streams.push(tokio::spawn(async move {
+            let mut h = borrowed(&h);
+            h.push(("x-test-sleep-ms", "300"));
+            h2_send(&mut s, "POST", &url, &h, ORDER).await
+        }));
+    }
+    let mut forwarded = 0;
+    for s in streams {
+        let r = s.await.unwrap();
+        match r.status {
+            201 if r.replayed() => {}
+            201 => forwarded += 1,
+            409 => assert_eq!(r.problem(), "request-in-progress"),
+            other => panic!("unexpected answer {other}: {r:?}"),
+        }
+    }
+    assert_eq!(forwarded, 1, "exactly one stream was forwarded");
+    assert_eq!(up.total(), 1, "exactly one side effect");
+    assert_eq!(up.side_effects(&derived("k-h2")), 1);
+    let rec = record(&store, "k-h2").await.expect("record");
+    assert_eq!(rec.state, State::Completed);
+
+    // Replay and mismatch on the same connection.
+    let mut s = sender.clone();
+    let again = h2_send(&mut s, "POST", &url, &borrowed(&headers), ORDER).await;
+    assert_eq!(again.status, 201);
+    assert!(again.replayed());
+    assert_eq!(Some(&again.body[..]), rec.response.as_ref().and_then(|r| r.body.as_deref()));
+    let changed = h2_send(&mut s, "POST", &url, &borrowed(&headers), r#"{"item":"pen","qty":2}"#).await;
+    assert_eq!((changed.status, changed.problem().as_str()), (409, "idempotency-key-reused"), "{changed:?}");
+    assert_eq!(up.total(), 1, "neither the replay nor the mismatch reached the upstream");
+
+    let metrics = send("GET", &gw.admin_url("/metrics"), &[], "").await.unwrap();
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(text.contains(r#"idemgate_tls_handshakes_total{listener="proxy",result="ok"} 1"#), "{text}");
+    assert!(text.contains(r#"idemgate_http_requests_total{listener="proxy",protocol="h2"} 12"#), "{text}");
+}
+
+/// RSA and Ed25519 keys work as well as ECDSA; a client offering only
+/// http/1.1 is served HTTP/1.1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rsa_and_ed25519_certificates_serve_http1_over_tls() {
+    let pki = Pki::new("test CA");
+    for alg in [Alg::Rsa2048, Alg::Ed25519] {
+        let cert = pki.server(alg);
+        let up = TestUpstream::start().await;
+        let gw = Gateway::start(GatewayConfig::new(sqlite_backend(), up.url()).tail(&tls_section("server", &cert, "")));
+        let config = pki.client_config(None, &[b"http/1.1"]);
+        let h = order_headers("k-h1");
+        let first = h1_send(gw.addr, config.clone(), "POST", "/v1/orders", &borrowed(&h), ORDER).await.unwrap();
+        assert_eq!(first.status, 201, "{alg:?}: {first:?}");
+        let again = h1_send(gw.addr, config, "POST", "/v1/orders", &borrowed(&h), ORDER).await.unwrap();
+        assert!(again.replayed(), "{alg:?}");
+        assert_eq!(up.total(), 1, "{alg:?}");
+        // Plain HTTP on the TLS listener gets no answer.
+        assert!(send("GET", &gw.url("/v1/orders"), &[], "").await.is_err(), "{alg:?}");
+    }
+}
+
+/// A client that opens a connection and never finishes the handshake is cut
+/// at handshake_timeout, counted, and never reaches a claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_handshake_is_cut_at_its_deadline() {
+    let pki = Pki::new("test CA");
+    let cert = pki.server(Alg::EcdsaP256);
+    let up = TestUpstream::start().await;
+    let backend = sqlite_backend();
+    let gw =
+        Gateway::start(GatewayConfig::new(backend.clone(), up.url()).tail(&tls_section("server", &cert, "handshake_timeout = \"300ms\"")));
+    let mut sock = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let mut buf = [0u8; 16];
+    let read = tokio::time::timeout(Duration::from_secs(20), sock.read(&mut buf)).await.expect("the server closes the connection");
+    assert!(matches!(read, Ok(0) | Err(_)), "closed without an answer: {read:?}");
+    assert!(eventually(Duration::from_secs(10), || async { gw.log_count("TLS handshake failed") == 1 }).await, "{}", gw.logs());
+    let metrics = send("GET", &gw.admin_url("/metrics"), &[], "").await.unwrap();
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(text.contains(r#"idemgate_tls_handshakes_total{listener="proxy",result="timeout"} 1"#), "{text}");
+    assert_eq!(up.total(), 0);
+    assert!(backend.open().await.stats().await.unwrap().is_empty(), "nothing was claimed");
+}
+
+fn served_certificate(conn: &tokio_rustls::client::TlsStream<tokio::net::TcpStream>) -> Vec<u8> {
+    conn.get_ref().1.peer_certificates().expect("server certificate")[0].as_ref().to_vec()
+}
+
+fn der(pem: &str) -> Vec<u8> {
+    use rustls::pki_types::pem::PemObject;
+    rustls::pki_types::CertificateDer::from_pem_slice(pem.as_bytes()).unwrap().as_ref().to_vec()
+}
+
+/// SIGHUP re-reads the certificate: new connections get the new one, an open
+/// HTTP/2 connection keeps working; a broken file keeps the one in use.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_the_certificate_without_dropping_connections() {
+    let pki = Pki::new("test CA");
+    let first = pki.server(Alg::EcdsaP256);
+    let up = TestUpstream::start().await;
+    let gw = Gateway::start(GatewayConfig::new(sqlite_backend(), up.url()).tail(&tls_section("server", &first, "")));
+    let config = pki.client_config(None, &[b"h2"]);
+    let before = support::tls::connect(gw.addr, config.clone()).await.unwrap();
+    assert_eq!(served_certificate(&before), der(&first.cert_pem));
+    drop(before);
+    let url = format!("https://localhost:{}/v1/orders", gw.addr.port());
+    let mut open = h2(gw.addr, config.clone()).await;
+    assert_eq!(h2_send(&mut open, "POST", &url, &borrowed(&order_headers("a")), ORDER).await.status, 201);
+
+    let second = pki.server(Alg::Ed25519);
+    std::fs::write(&first.cert_file, &second.cert_pem).unwrap();
+    std::fs::write(&first.key_file, &second.key_pem).unwrap();
+    gw.signal("HUP");
+    assert!(eventually(Duration::from_secs(10), || async { gw.log_count("TLS certificate reloaded") == 1 }).await, "{}", gw.logs());
+    let after = support::tls::connect(gw.addr, config.clone()).await.unwrap();
+    assert_eq!(served_certificate(&after), der(&second.cert_pem), "new connections get the new certificate");
+    assert_eq!(h2_send(&mut open, "POST", &url, &borrowed(&order_headers("b")), ORDER).await.status, 201, "the open connection lives on");
+
+    std::fs::write(&first.cert_file, "not a certificate").unwrap();
+    gw.signal("HUP");
+    assert!(eventually(Duration::from_secs(10), || async { gw.log_count("TLS certificate reload failed") == 1 }).await, "{}", gw.logs());
+    assert!(gw.logs().contains("server.tls.cert_file"), "the log names the TOML path");
+    let still = support::tls::connect(gw.addr, config).await.unwrap();
+    assert_eq!(served_certificate(&still), der(&second.cert_pem), "a broken file keeps the certificate in use");
+    assert_eq!(up.total(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_listener_speaks_https() {
+    let pki = Pki::new("test CA");
+    let cert = pki.server(Alg::EcdsaP256);
+    let up = TestUpstream::start().await;
+    let gw = Gateway::start(GatewayConfig::new(sqlite_backend(), up.url()).tail(&tls_section("admin", &cert, "")));
+    let admin = gw.admin.expect("admin listener");
+    let r = h1_send(admin, pki.client_config(None, &[b"http/1.1"]), "GET", "/healthz", &[], "").await.unwrap();
+    assert_eq!(r.status, 200);
+    assert!(send("GET", &gw.admin_url("/healthz"), &[], "").await.is_err(), "no plain HTTP on the admin listener");
+    // The proxy listener stays plain.
+    assert_eq!(post(&gw.url("/v1/orders"), "k", ORDER, &[]).await.status, 201);
+}
+
+fn check_config(text: &str, dir: &std::path::Path) -> (bool, String) {
+    let path = dir.join("idemgate.toml");
+    std::fs::write(&path, text).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .args(["check-config", "--config"])
+        .arg(&path)
+        .env("IDEMGATE_LOG", "warn")
+        .output()
+        .unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout))
+}
+
+#[test]
+fn tls_configuration_errors_name_the_file_and_the_toml_path() {
+    let pki = Pki::new("test CA");
+    let cert = pki.server(Alg::EcdsaP256);
+    let other = pki.server(Alg::EcdsaP256);
+    let base = "[store]\nkind = \"sqlite\"\npath = \"x.db\"\n[[upstreams]]\nname = \"u\"\nurl = \"http://127.0.0.1:1\"\n[server]\ndefault_upstream = \"u\"\n";
+    let dir = pki.dir.path();
+
+    let (ok, out) = check_config(
+        &format!("{base}[server.tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\n", cert.cert_file.display(), cert.key_file.display()),
+        dir,
+    );
+    assert!(ok, "{out}");
+
+    let missing = dir.join("missing.pem");
+    let (ok, out) = check_config(
+        &format!("{base}[server.tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\n", missing.display(), cert.key_file.display()),
+        dir,
+    );
+    assert!(!ok);
+    assert!(out.contains("server.tls.cert_file") && out.contains(&missing.display().to_string()), "{out}");
+
+    // A key that is not the certificate's.
+    let (ok, out) = check_config(
+        &format!("{base}[server.tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\n", cert.cert_file.display(), other.key_file.display()),
+        dir,
+    );
+    assert!(!ok);
+    assert!(out.contains("server.tls.key_file") && out.contains(&other.key_file.display().to_string()), "{out}");
+
+    // A certificate where the key belongs.
+    let (ok, out) = check_config(
+        &format!(
+            "{base}[admin]\nlisten = \"127.0.0.1:0\"\n[admin.tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\n",
+            cert.cert_file.display(),
+            cert.cert_file.display()
+        ),
+        dir,
+    );
+    assert!(!ok);
+    assert!(out.contains("admin.tls.key_file") && out.contains("no PEM private key"), "{out}");
+
+    let (ok, out) = check_config(
+        &format!(
+            "{base}[server.tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\nclient_auth = \"required\"\nciphers = \"all\"\n",
+            cert.cert_file.display(),
+            cert.key_file.display()
+        ),
+        dir,
+    );
+    assert!(!ok);
+    assert!(out.contains("server.tls.ciphers"), "{out}");
+}
