@@ -252,3 +252,80 @@ fn tls_configuration_errors_name_the_file_and_the_toml_path() {
     assert!(!ok);
     assert!(out.contains("server.tls.ciphers"), "{out}");
 }
+
+/// A TLS server that completes no handshake: `stall` accepts and never
+/// answers; otherwise it presents `cert` (a CA the gateway does not trust).
+async fn broken_tls_upstream(stall: bool, cert: Issued) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let settings = idemgate::tls::server::ListenerTls {
+        cert_file: cert.cert_file.clone(),
+        key_file: cert.key_file.clone(),
+        client_ca_file: None,
+        client_auth: idemgate::tls::server::ClientAuth::Off,
+        handshake_timeout: Duration::from_secs(5),
+    };
+    let tls = std::sync::Arc::new(idemgate::tls::server::TlsListener::new("test", settings, vec![b"http/1.1"]).unwrap());
+    let task = tokio::spawn(async move {
+        let mut held = Vec::new();
+        loop {
+            let Ok((sock, _)) = listener.accept().await else { return };
+            if stall {
+                held.push(sock);
+            } else {
+                let tls = tls.clone();
+                tokio::spawn(async move {
+                    let _ = tls.handshake(sock).await;
+                });
+            }
+        }
+    });
+    (addr, task)
+}
+
+/// An https upstream verified against a private CA, reached over HTTP/2
+/// (the upstream here is a second gateway with [server.tls], which offers
+/// h2): one side effect, replays stay at the first gateway.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_upstream_with_a_private_ca_is_reached_over_h2() {
+    let pki = Pki::new("upstream CA");
+    let cert = pki.server(Alg::EcdsaP256);
+    let up = TestUpstream::start().await;
+    let inner = Gateway::start(GatewayConfig::new(sqlite_backend(), up.url()).tail(&tls_section("server", &cert, "")));
+    let outer = Gateway::start(
+        GatewayConfig::new(sqlite_backend(), format!("https://localhost:{}", inner.addr.port()))
+            .upstream(&format!("ca_file = \"{}\"", pki.ca_file.display())),
+    );
+    let first = post(&outer.url("/v1/orders"), "k-up", ORDER, &[]).await;
+    assert_eq!(first.status, 201, "{first:?}\n{}", outer.logs());
+    let again = post(&outer.url("/v1/orders"), "k-up", ORDER, &[]).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+    assert_eq!(up.total(), 1);
+    let metrics = send("GET", &inner.admin_url("/metrics"), &[], "").await.unwrap();
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(text.contains(r#"idemgate_http_requests_total{listener="proxy",protocol="h2"} 1"#), "the upstream hop was HTTP/2:\n{text}");
+}
+
+/// A TLS handshake with the upstream that fails (a certificate from a CA it
+/// does not trust) or stalls (cut at connect_timeout) is "never sent": 503
+/// and the key released, never `unknown`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_or_stalled_upstream_handshake_releases_the_key() {
+    let trusted = Pki::new("trusted CA");
+    let stranger = Pki::new("unknown CA");
+    for stall in [false, true] {
+        let (addr, task) = broken_tls_upstream(stall, stranger.server(Alg::EcdsaP256)).await;
+        let backend = sqlite_backend();
+        let gw = Gateway::start(
+            GatewayConfig::new(backend.clone(), format!("https://localhost:{}", addr.port()))
+                .upstream(&format!("ca_file = \"{}\"", trusted.ca_file.display())),
+        );
+        let r = post(&gw.url("/v1/orders"), "k-fail", ORDER, &[]).await;
+        assert_eq!(r.status, 503, "stall={stall}: {r:?}");
+        assert_eq!(r.problem(), "upstream-unavailable", "stall={stall}");
+        let store = backend.open().await;
+        assert!(record(&store, "k-fail").await.is_none(), "stall={stall}: the key was released, not unknown");
+        task.abort();
+    }
+}

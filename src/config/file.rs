@@ -263,6 +263,11 @@ pub struct UpstreamSection {
     pub timeout: Option<String>,
     pub pool_idle_timeout: Option<String>,
     pub pool_max_idle: Option<i64>,
+    /// https upstreams: trusted roots (PEM); absent: the system's.
+    pub ca_file: Option<String>,
+    /// https upstreams: a client certificate (chain) and its key.
+    pub client_cert_file: Option<String>,
+    pub client_key_file: Option<String>,
 }
 
 /// One `[[identity.sources]]` entry; `kind` selects which fields apply.

@@ -134,7 +134,7 @@ pool_size = 0
 
 [[upstreams]]
 name = "a"
-url = "https://example.com"
+url = "ftp://example.com"
 
 [[upstreams]]
 name = "a"
@@ -625,4 +625,37 @@ fn operating_keys_have_defaults_and_are_checked() {
     assert!(issue(&e, "server.trusted_proxies[1]").contains("invalid CIDR"), "{e}");
     let e = parse(&format!("[server]\naccess_log = \"yes\"\n{}", minimal(""))).unwrap_err();
     assert!(e.to_string().contains("server.access_log"), "{e}");
+}
+
+#[test]
+fn https_urls_are_accepted_for_upstreams_webhooks_jwks_and_authorizers() {
+    // Verified against the system roots (this machine has them); upstreams
+    // may name their own ca_file instead.
+    let text = r#"
+[[upstreams]]
+name = "orders"
+url = "https://orders.internal:8443"
+
+[[identity.sources]]
+kind = "jwt"
+jwks_url = "https://issuer.example/.well-known/jwks.json"
+
+[[routes]]
+operation = "op"
+method = "POST"
+path = "/x"
+upstream = "orders"
+authorize.url = "https://authz.internal/check"
+events.url = "https://hooks.internal/idemgate"
+"#;
+    let c = parse(text).unwrap_or_else(|e| panic!("{e}"));
+    assert!(c.upstreams[0].tls.is_some());
+    let e = parse(&text.replace("url = \"https://orders.internal:8443\"", "url = \"http://orders.internal\"\nca_file = \"ca.pem\""))
+        .unwrap_err();
+    assert!(e.mentions("upstreams[0].url"), "{e}");
+    let e = parse(
+        &text.replace("url = \"https://orders.internal:8443\"", "url = \"https://orders.internal\"\nca_file = \"/nonexistent/ca.pem\""),
+    )
+    .unwrap_err();
+    assert!(issue(&e, "upstreams[0].ca_file").contains("/nonexistent/ca.pem"), "{e}");
 }

@@ -3,6 +3,7 @@
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::{HeaderName, Method, StatusCode};
@@ -21,6 +22,7 @@ use crate::keysource::{KeySource, KeySources};
 use crate::outbox::{EventType, EventsConfig};
 use crate::probe::{Probe, ProbeTarget};
 use crate::route::{ForwardKey, InFlightPolicy, PathTemplate, ReplayMode, Retention, RetryPolicy, Route, RouteMode, ScopeMode};
+use crate::tls::client::ClientTls;
 use crate::tls::server::{ClientAuth, ListenerTls};
 
 /// Longest accepted duration: beyond it, database interval arithmetic and
@@ -456,11 +458,9 @@ impl Validator<'_> {
     fn authorize(&mut self, p: &str, a: &AuthorizeSection) -> Option<AuthorizeConfig> {
         let url = self.required(&format!("{p}.url"), a.url.as_deref()).and_then(|u| match u.parse::<http::Uri>() {
             Ok(uri) if uri.scheme_str() == Some("http") && uri.authority().is_some() => Some(uri),
+            Ok(uri) if uri.scheme_str() == Some("https") && uri.authority().is_some() => self.system_roots(&format!("{p}.url"), uri),
             _ => {
-                self.issues.push(
-                    format!("{p}.url"),
-                    format!("invalid URL {u:?} (write e.g. \"http://authz:8181/check\"; https needs TLS to upstreams)"),
-                );
+                self.issues.push(format!("{p}.url"), format!("invalid URL {u:?} (write e.g. \"http://authz:8181/check\")"));
                 None
             }
         });
@@ -480,10 +480,7 @@ impl Validator<'_> {
     fn events(&mut self, p: &str, e: &EventsSection) -> Option<EventsConfig> {
         let url = self.required(&format!("{p}.url"), e.url.as_deref()).and_then(|u| match u.parse::<http::Uri>() {
             Ok(uri) if uri.scheme_str() == Some("http") && uri.authority().is_some() => Some(uri),
-            Ok(uri) if uri.scheme_str() == Some("https") => {
-                self.issues.push(format!("{p}.url"), "https event destinations need TLS to upstreams, which is not built yet; use http://");
-                None
-            }
+            Ok(uri) if uri.scheme_str() == Some("https") && uri.authority().is_some() => self.system_roots(&format!("{p}.url"), uri),
             _ => {
                 self.issues.push(format!("{p}.url"), format!("invalid URL {u:?} (write e.g. \"http://hooks.internal:8080/idemgate\")"));
                 None
@@ -632,10 +629,12 @@ impl Validator<'_> {
                         None
                     }
                 };
+                let tls = self.upstream_tls(&p, u, url.as_ref());
                 let config = (|| {
                     Some(UpstreamConfig {
                         name: name.clone()?,
                         url: url?,
+                        tls: tls?,
                         connect_timeout: connect_timeout?,
                         timeout: timeout?,
                         pool_idle_timeout: pool_idle_timeout?,
@@ -645,6 +644,49 @@ impl Validator<'_> {
                 Upstream { name: name.unwrap_or_default(), config }
             })
             .collect()
+    }
+
+    /// An https URL of a service without TLS settings of its own (webhook,
+    /// JWKS, authorizer): it is verified against the system roots, which
+    /// must exist.
+    fn system_roots(&mut self, path: &str, uri: http::Uri) -> Option<http::Uri> {
+        if crate::tls::client::system_default().is_some() {
+            return Some(uri);
+        }
+        let why = crate::tls::system_roots().err().map(|e| e.to_string()).unwrap_or_default();
+        self.issues.push(path, format!("{why} (https here is verified against the system roots; SSL_CERT_FILE names a PEM bundle)"));
+        None
+    }
+
+    /// An https upstream's client configuration: `ca_file` (else the system
+    /// roots) and an optional client certificate, read now so a bad file is a
+    /// configuration error. `Some(None)`: a plain http upstream.
+    fn upstream_tls(&mut self, p: &str, u: &UpstreamSection, url: Option<&http::Uri>) -> Option<Option<Arc<rustls::ClientConfig>>> {
+        let settings = ClientTls {
+            ca_file: u.ca_file.as_deref().map(PathBuf::from),
+            cert_file: u.client_cert_file.as_deref().map(PathBuf::from),
+            key_file: u.client_key_file.as_deref().map(PathBuf::from),
+        };
+        if settings.cert_file.is_some() != settings.key_file.is_some() {
+            let missing = if settings.cert_file.is_none() { "client_cert_file" } else { "client_key_file" };
+            self.issues.push(format!("{p}.{missing}"), "client_cert_file and client_key_file go together");
+            return None;
+        }
+        let https = url.is_some_and(|u| u.scheme_str() == Some("https"));
+        if !https {
+            if url.is_some() && settings != ClientTls::default() {
+                self.issues.push(format!("{p}.url"), "ca_file and client certificates need an https:// URL");
+                return None;
+            }
+            return Some(None);
+        }
+        match crate::tls::client::build(&settings) {
+            Ok(config) => Some(Some(config)),
+            Err(e) => {
+                self.issues.push(format!("{p}.{}", e.key), e.to_string());
+                None
+            }
+        }
     }
 
     /// The connect phase (name resolution and TCP connect) must end before the
@@ -684,13 +726,9 @@ impl Validator<'_> {
             }
         };
         match uri.scheme_str() {
-            Some("http") => {}
-            Some("https") => {
-                self.issues.push(path, "https upstreams are not supported yet; use http:// (TLS to upstreams is planned)");
-                return None;
-            }
+            Some("http" | "https") => {}
             _ => {
-                self.issues.push(path, format!("URL {s:?} must start with http://"));
+                self.issues.push(path, format!("URL {s:?} must start with http:// or https://"));
                 return None;
             }
         }
@@ -823,12 +861,8 @@ impl Validator<'_> {
             (Some(f), None) => Some(crate::jwt::KeySource::File(PathBuf::from(f))),
             (None, Some(u)) => match u.parse::<http::Uri>() {
                 Ok(uri) if uri.scheme_str() == Some("http") && uri.authority().is_some() => Some(crate::jwt::KeySource::Url(uri)),
-                Ok(uri) if uri.scheme_str() == Some("https") => {
-                    self.issues.push(
-                        format!("{p}.jwks_url"),
-                        "https JWKS URLs need TLS to upstreams, which is not built yet; use http:// or jwks_file",
-                    );
-                    None
+                Ok(uri) if uri.scheme_str() == Some("https") && uri.authority().is_some() => {
+                    self.system_roots(&format!("{p}.jwks_url"), uri).map(crate::jwt::KeySource::Url)
                 }
                 _ => {
                     self.issues.push(format!("{p}.jwks_url"), format!("invalid URL {u:?}"));

@@ -33,6 +33,18 @@ pub enum TlsError {
     NoSystemRoots(String),
 }
 
+/// A problem with one of a TLS section's files; `key` is its TOML key.
+#[derive(Debug, thiserror::Error)]
+#[error("{error}")]
+pub struct LoadError {
+    pub key: &'static str,
+    pub error: TlsError,
+}
+
+fn at(key: &'static str) -> impl FnOnce(TlsError) -> LoadError {
+    move |error| LoadError { key, error }
+}
+
 /// The process's one crypto provider (ring), named explicitly so that no
 /// dependency's feature choice can make rustls' default ambiguous.
 pub fn provider() -> Arc<CryptoProvider> {

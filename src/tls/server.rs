@@ -13,7 +13,8 @@ use tokio::net::TcpStream;
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
 
-use super::{TlsError, certificates, not_after, private_key, provider, roots};
+pub use super::LoadError;
+use super::{TlsError, at, certificates, not_after, private_key, provider, roots};
 
 /// Whether (and how) the listener asks for client certificates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,18 +36,6 @@ pub struct ListenerTls {
     pub client_auth: ClientAuth,
     /// A client must finish the handshake within this time.
     pub handshake_timeout: Duration,
-}
-
-/// A problem with one of the settings' files; `key` is its TOML key.
-#[derive(Debug, thiserror::Error)]
-#[error("{error}")]
-pub struct LoadError {
-    pub key: &'static str,
-    pub error: TlsError,
-}
-
-fn at(key: &'static str) -> impl FnOnce(TlsError) -> LoadError {
-    move |error| LoadError { key, error }
 }
 
 /// A rustls server configuration from the settings: TLS 1.2 and 1.3 with
