@@ -329,3 +329,105 @@ async fn a_failed_or_stalled_upstream_handshake_releases_the_key() {
         task.abort();
     }
 }
+
+fn mtls_section(cert: &Issued, ca: &std::path::Path, auth: &str) -> String {
+    tls_section("server", cert, &format!("client_ca_file = \"{}\"\nclient_auth = \"{auth}\"", ca.display()))
+}
+
+const MTLS_IDENTITY: &str = r#"[[identity.sources]]
+kind = "mtls"
+tenant_from = "san_uri"
+tenant_regex = "^spiffe://([^/]+)/"
+principal_from = "subject_cn"
+"#;
+
+/// client_auth = "required": a client without a certificate, or with one
+/// from another CA, never gets a request through; the refusal is counted by
+/// reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mtls_required_refuses_clients_without_a_valid_certificate_at_the_handshake() {
+    let server_pki = Pki::new("server CA");
+    let client_pki = Pki::new("client CA");
+    let stranger = Pki::new("stranger CA");
+    let up = TestUpstream::start().await;
+    let gw = Gateway::start(GatewayConfig::new(sqlite_backend(), up.url()).identity(MTLS_IDENTITY).tail(&mtls_section(
+        &server_pki.server(Alg::EcdsaP256),
+        &client_pki.ca_file,
+        "required",
+    )));
+    let h = [("content-type", "application/json"), ("idempotency-key", "k")];
+    let without = h1_send(gw.addr, server_pki.client_config(None, &[b"http/1.1"]), "POST", "/v1/orders", &h, ORDER).await;
+    assert!(without.is_err(), "no certificate, no answer: {without:?}");
+    let foreign = stranger.client("mallory", Some("spiffe://acme.test/x"), None);
+    let with_foreign = h1_send(gw.addr, server_pki.client_config(Some(&foreign), &[b"http/1.1"]), "POST", "/v1/orders", &h, ORDER).await;
+    assert!(with_foreign.is_err(), "a certificate of another CA is refused: {with_foreign:?}");
+    assert_eq!(up.total(), 0);
+
+    for line in [
+        r#"idemgate_tls_handshakes_total{listener="proxy",result="no_client_certificate"} 1"#,
+        r#"idemgate_tls_handshakes_total{listener="proxy",result="bad_certificate"} 1"#,
+    ] {
+        let counted = eventually(Duration::from_secs(10), || async {
+            let metrics = send("GET", &gw.admin_url("/metrics"), &[], "").await.unwrap();
+            String::from_utf8_lossy(&metrics.body).contains(line)
+        });
+        assert!(counted.await, "{line} missing");
+    }
+
+    let alice = client_pki.client("alice", Some("spiffe://acme.test/payments"), None);
+    let ok = h1_send(gw.addr, server_pki.client_config(Some(&alice), &[b"http/1.1"]), "POST", "/v1/orders", &h, ORDER).await.unwrap();
+    assert_eq!(ok.status, 201, "{ok:?}");
+    assert_eq!(up.total(), 1);
+}
+
+/// Two certificates map to two scopes: the same key from each is a first
+/// request of its own, and neither replays the other's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mtls_identities_of_two_certificates_never_see_each_others_records() {
+    let server_pki = Pki::new("server CA");
+    let client_pki = Pki::new("client CA");
+    let up = TestUpstream::start().await;
+    let backend = sqlite_backend();
+    let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).identity(MTLS_IDENTITY).tail(&mtls_section(
+        &server_pki.server(Alg::EcdsaP256),
+        &client_pki.ca_file,
+        "optional",
+    )));
+    let alice = client_pki.client("alice", Some("spiffe://acme.test/payments"), None);
+    let bob = client_pki.client("bob", Some("spiffe://globex.test/payments"), None);
+    let h = [("content-type", "application/json"), ("idempotency-key", "shared-key")];
+    let send_as = |who: Option<&Issued>, body: &'static str| {
+        let config = server_pki.client_config(who, &[b"h2"]);
+        let url = format!("https://localhost:{}/v1/orders", gw.addr.port());
+        async move {
+            let mut s = h2(gw.addr, config).await;
+            h2_send(&mut s, "POST", &url, &h, body).await
+        }
+    };
+    let a = send_as(Some(&alice), ORDER).await;
+    let b = send_as(Some(&bob), r#"{"item":"pen","qty":9}"#).await;
+    assert_eq!((a.status, a.replayed()), (201, false), "{a:?}");
+    assert_eq!((b.status, b.replayed()), (201, false), "bob's first request is his own, not a mismatch of alice's: {b:?}");
+    assert_eq!(up.total(), 2);
+    let a2 = send_as(Some(&alice), ORDER).await;
+    assert!(a2.replayed());
+    assert_eq!(a2.body, a.body, "alice replays her own answer");
+    assert_eq!(up.total(), 2);
+
+    // optional: a client without a certificate is served, but identifies no one.
+    let anon = send_as(None, ORDER).await;
+    assert_eq!((anon.status, anon.problem().as_str()), (401, "unauthenticated"), "{anon:?}");
+
+    let store = backend.open().await;
+    let key = idemgate::scope::IdempotencyKey::new("shared-key").unwrap();
+    for (tenant, principal) in [("acme.test", "alice"), ("globex.test", "bob")] {
+        let scope = idemgate::scope::Scope {
+            tenant: tenant.into(),
+            principal: principal.into(),
+            operation: "create_order".into(),
+            key: key.clone(),
+        };
+        let (rec, _) = store.get(&scope).await.unwrap().unwrap_or_else(|| panic!("a record in {tenant}/{principal}"));
+        assert_eq!(rec.state, State::Completed);
+    }
+}

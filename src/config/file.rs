@@ -294,6 +294,11 @@ pub struct IdentitySourceSection {
     pub tenant_claim: Option<String>,
     pub principal_claim: Option<String>,
     pub leeway: Option<String>,
+    // kind = "mtls"
+    pub tenant_from: Option<String>,
+    pub principal_from: Option<String>,
+    pub tenant_regex: Option<String>,
+    pub principal_regex: Option<String>,
 }
 
 /// A string or a list of strings (`audience = "api"` or `audience = ["a", "b"]`).

@@ -659,3 +659,28 @@ events.url = "https://hooks.internal/idemgate"
     .unwrap_err();
     assert!(issue(&e, "upstreams[0].ca_file").contains("/nonexistent/ca.pem"), "{e}");
 }
+
+#[test]
+fn mtls_sources_need_client_certificates_and_valid_rules() {
+    let text = r#"
+[[upstreams]]
+name = "orders"
+url = "http://127.0.0.1:9"
+
+[[identity.sources]]
+kind = "mtls"
+tenant_from = "san_email"
+principal_from = "subject_cn"
+principal_regex = "(unclosed"
+
+[[routes]]
+operation = "op"
+method = "POST"
+path = "/x"
+upstream = "orders"
+"#;
+    let e = parse(text).unwrap_err();
+    assert!(issue(&e, "identity.sources[0].kind").contains("client_ca_file"), "{e}");
+    assert!(issue(&e, "identity.sources[0].tenant_from").contains("san_uri"), "{e}");
+    assert!(e.mentions("identity.sources[0].principal_regex"), "{e}");
+}

@@ -46,7 +46,8 @@ const LEASE_WRITE_ROOM: Duration = Duration::from_millis(500);
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
 pub(super) fn validate(raw: FileConfig, issues: Issues, origin: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
-    let mut v = Validator { issues, env };
+    let client_certificates = raw.server.ok().and_then(|s| s.tls.as_ref()).is_some_and(|t| t.client_ca_file.is_some());
+    let mut v = Validator { issues, env, client_certificates };
     let upstreams = v.upstreams(&raw.upstreams);
     let names: HashMap<&str, usize> = upstreams.iter().enumerate().map(|(i, u)| (u.name.as_str(), i)).collect();
     let server = raw.server.ok().and_then(|s| v.server(s, &names));
@@ -108,6 +109,8 @@ struct Upstream {
 struct Validator<'e> {
     issues: Issues,
     env: &'e dyn Fn(&str) -> Option<String>,
+    /// `[server.tls]` verifies client certificates (`kind = "mtls"` needs it).
+    client_certificates: bool,
 }
 
 impl Validator<'_> {
@@ -789,6 +792,7 @@ impl Validator<'_> {
                 Some(IdentitySource::ApiKey { header: header?, keys })
             }
             Some("jwt") => self.jwt_source(&p, s),
+            Some("mtls") => self.mtls_source(&p, s),
             Some("trusted_header") => {
                 for (field, set) in [("header", s.header.is_some()), ("keys", s.keys.is_some())] {
                     if set {
@@ -811,12 +815,12 @@ impl Validator<'_> {
             Some(other) => {
                 self.issues.push(
                     format!("{p}.kind"),
-                    format!("unknown identity source {other:?}: use \"api_key\", \"trusted_header\" or \"jwt\""),
+                    format!("unknown identity source {other:?}: use \"api_key\", \"trusted_header\", \"jwt\" or \"mtls\""),
                 );
                 None
             }
             None => {
-                self.issues.push(format!("{p}.kind"), "required: \"api_key\", \"trusted_header\" or \"jwt\"");
+                self.issues.push(format!("{p}.kind"), "required: \"api_key\", \"trusted_header\", \"jwt\" or \"mtls\"");
                 None
             }
         }
@@ -903,6 +907,50 @@ impl Validator<'_> {
                 None
             }
         }
+    }
+
+    /// `kind = "mtls"`: tenant and principal from the verified client certificate.
+    fn mtls_source(&mut self, p: &str, s: &IdentitySourceSection) -> Option<IdentitySource> {
+        use crate::identity::mtls::{CertField, CertRule, MtlsSource};
+        if !self.client_certificates {
+            self.issues
+                .push(format!("{p}.kind"), "kind = \"mtls\" needs client certificates: set server.tls.client_ca_file (and client_auth)");
+        }
+        for (field, set) in [
+            ("header", s.header.is_some()),
+            ("keys", s.keys.is_some()),
+            ("tenant_header", s.tenant_header.is_some()),
+            ("principal_header", s.principal_header.is_some()),
+            ("trusted_peers", s.trusted_peers.is_some()),
+            ("jwks_file", s.jwks_file.is_some()),
+            ("jwks_url", s.jwks_url.is_some()),
+        ] {
+            if set {
+                self.issues.push(format!("{p}.{field}"), "not used by kind = \"mtls\"");
+            }
+        }
+        let mut rule = |from: &str, value: Option<&str>, regex_key: &str, regex: Option<&str>| -> Option<CertRule> {
+            let field = match self.required(&format!("{p}.{from}"), value).map(|v| (v, CertField::parse(v))) {
+                Some((_, Some(f))) => Some(f),
+                Some((v, None)) => {
+                    self.issues.push(format!("{p}.{from}"), format!("unknown field {v:?}: use \"san_uri\", \"san_dns\" or \"subject_cn\""));
+                    None
+                }
+                None => None,
+            };
+            let pattern = match regex.map(regex::Regex::new) {
+                None => Some(None),
+                Some(Ok(re)) => Some(Some(re)),
+                Some(Err(e)) => {
+                    self.issues.push(format!("{p}.{regex_key}"), format!("invalid regular expression: {e}"));
+                    None
+                }
+            };
+            Some(CertRule { field: field?, pattern: pattern? })
+        };
+        let tenant = rule("tenant_from", s.tenant_from.as_deref(), "tenant_regex", s.tenant_regex.as_deref());
+        let principal = rule("principal_from", s.principal_from.as_deref(), "principal_regex", s.principal_regex.as_deref());
+        Some(IdentitySource::Mtls(MtlsSource { tenant: tenant?, principal: principal? }))
     }
 
     fn scope_part<'a>(&mut self, path: &str, value: Option<&'a str>) -> Option<&'a str> {
