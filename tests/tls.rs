@@ -431,3 +431,65 @@ async fn mtls_identities_of_two_certificates_never_see_each_others_records() {
         assert_eq!(rec.state, State::Completed);
     }
 }
+
+/// PostgreSQL with ssl = on and a certificate from a private CA:
+/// `sslmode=verify-full` with `sslrootcert` carries the idempotent flow over
+/// TLS; the wrong CA is refused; `verify-ca` ignores the host name that
+/// `verify-full` checks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_over_tls_honours_sslmode_and_sslrootcert() {
+    use idemgate::config::{Secret, StoreBackend, StoreConfig};
+    let pki = Pki::new("database CA");
+    let stranger = Pki::new("stranger CA");
+    let cert = pki.server(Alg::EcdsaP256);
+    let pg = support::postgres::PgServer::start_with_ssl(&cert.cert_pem, &cert.key_pem).expect("a PostgreSQL cluster with ssl = on");
+    let plain = pg.create_database("tls_store").unwrap();
+    let ca = pki.ca_file.display().to_string();
+    let url = format!("{plain}?sslmode=verify-full&sslrootcert={ca}");
+
+    let up = TestUpstream::start().await;
+    let backend = Backend::Postgres { url: url.clone() };
+    let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()));
+    let first = post(&gw.url("/v1/orders"), "k-pg", ORDER, &[]).await;
+    assert_eq!(first.status, 201, "{first:?}\n{}", gw.logs());
+    assert!(post(&gw.url("/v1/orders"), "k-pg", ORDER, &[]).await.replayed());
+    assert_eq!(up.total(), 1);
+    let store = backend.open().await;
+    assert_eq!(record(&store, "k-pg").await.unwrap().state, State::Completed);
+    let tls_sessions = pg
+        .simple_query(
+            "tls_store",
+            "SELECT count(*) FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) WHERE s.ssl AND a.application_name = 'idemgate'",
+        )
+        .unwrap();
+    let n: u64 = tls_sessions[0][0].as_deref().unwrap().parse().unwrap();
+    assert!(n >= 1, "the gateway's sessions are encrypted");
+
+    let open = |url: String| async move {
+        let config = StoreConfig {
+            backend: StoreBackend::Postgres { url: Secret::new(url), pool_size: 1 },
+            migrate: false,
+            operation_timeout: Duration::from_secs(3),
+            sweep_interval: Duration::from_secs(1),
+            sweep_batch: 10,
+            events_retention: Duration::from_secs(60),
+        };
+        match idemgate::store::Store::open(&config, idemgate::store::Access::Existing).await {
+            Ok(store) => store.ping().await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        }
+    };
+    let foreign = format!("{plain}?sslmode=verify-full&sslrootcert={}", stranger.ca_file.display());
+    assert!(open(foreign).await.is_err(), "a server certificate of another CA is refused");
+    let foreign_require = format!("{plain}?sslmode=require&sslrootcert={}", stranger.ca_file.display());
+    assert!(open(foreign_require).await.is_err(), "require with sslrootcert verifies the chain, as libpq does");
+    assert!(open(format!("{plain}?sslmode=require")).await.is_ok(), "require alone only encrypts");
+
+    // The certificate names localhost and 127.0.0.1; reach it under another name.
+    let port = pg.port();
+    let renamed = |mode: &str| {
+        format!("host=db.invalid hostaddr=127.0.0.1 port={port} user=idemgate dbname=tls_store sslmode={mode} sslrootcert={ca}")
+    };
+    assert!(open(renamed("verify-full")).await.is_err(), "verify-full checks the host name");
+    assert!(open(renamed("verify-ca")).await.is_ok(), "verify-ca checks only the chain");
+}

@@ -80,26 +80,43 @@ async fn check_store(store: &StoreConfig) -> ConnectCheck {
 
 async fn check_postgres(url: &Secret, bound: Duration) -> Result<Option<String>, String> {
     // Validation already parsed it; a failure here would be a bug, reported without the URL.
-    let mut pg: tokio_postgres::Config = url.expose().parse().map_err(|_| "the PostgreSQL connection string does not parse".to_owned())?;
+    let parsed = crate::tls::postgres::parse(url.expose()).map_err(|_| "the PostgreSQL connection string does not parse".to_owned())?;
+    let (mut pg, tls) = (parsed.config, parsed.tls);
     if pg.get_connect_timeout().is_none() {
         pg.connect_timeout(bound);
     }
     pg.application_name("idemgate check-config");
     let attempt = async {
-        let (client, connection) = pg.connect(tokio_postgres::NoTls).await.map_err(|e| error_chain(&e))?;
-        tokio::pin!(connection);
-        tokio::select! {
-            rows = client.simple_query("SELECT 1") => rows.map(drop).map_err(|e| error_chain(&e)),
-            ended = &mut connection => Err(match ended {
-                Ok(()) => "the server closed the connection".to_owned(),
-                Err(e) => error_chain(&e),
-            }),
+        match tls {
+            Some(tls) => {
+                let (client, connection) =
+                    pg.connect(tokio_postgres_rustls::MakeRustlsConnect::new(tls)).await.map_err(|e| error_chain(&e))?;
+                select_one(client, connection).await
+            }
+            None => {
+                let (client, connection) = pg.connect(tokio_postgres::NoTls).await.map_err(|e| error_chain(&e))?;
+                select_one(client, connection).await
+            }
         }
     };
     match tokio::time::timeout(bound, attempt).await {
         Ok(Ok(())) => Ok(Some("postgres, SELECT 1".to_owned())),
         Ok(Err(e)) => Err(e),
         Err(_) => Err(format!("no answer from PostgreSQL within {}", humantime::format_duration(bound))),
+    }
+}
+
+async fn select_one(
+    client: tokio_postgres::Client,
+    connection: impl std::future::Future<Output = Result<(), tokio_postgres::Error>>,
+) -> Result<(), String> {
+    tokio::pin!(connection);
+    tokio::select! {
+        rows = client.simple_query("SELECT 1") => rows.map(drop).map_err(|e| error_chain(&e)),
+        ended = &mut connection => Err(match ended {
+            Ok(()) => "the server closed the connection".to_owned(),
+            Err(e) => error_chain(&e),
+        }),
     }
 }
 

@@ -684,3 +684,18 @@ upstream = "orders"
     assert!(issue(&e, "identity.sources[0].tenant_from").contains("san_uri"), "{e}");
     assert!(e.mentions("identity.sources[0].principal_regex"), "{e}");
 }
+
+#[test]
+fn postgres_sslmode_and_sslrootcert_are_checked() {
+    let store = |url: &str| {
+        format!(
+            "[store]\nkind = \"postgres\"\nurl = \"{url}\"\n[[upstreams]]\nname = \"u\"\nurl = \"http://127.0.0.1:9\"\n[server]\ndefault_upstream = \"u\"\n"
+        )
+    };
+    assert!(parse(&store("postgres://u@db/x?sslmode=verify-full&sslrootcert=/dev/null")).is_err());
+    let e = parse(&store("postgres://u@db/x?sslmode=verify-full&sslrootcert=/nonexistent/root.crt")).unwrap_err();
+    assert!(issue(&e, "store.url").contains("/nonexistent/root.crt"), "{e}");
+    let e = parse(&store("postgres://u@db/x?sslmode=sometimes")).unwrap_err();
+    assert!(issue(&e, "store.url").contains("sslmode"), "{e}");
+    assert!(parse(&store("postgres://u@db/x?sslmode=require")).is_ok());
+}

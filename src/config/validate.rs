@@ -535,13 +535,17 @@ impl Validator<'_> {
             (None, Some(file)) => ("store.url_file", format!("the content of {file}")),
             (None, None) => ("store.url", "the URL".to_owned()),
         };
-        match url.expose().parse::<tokio_postgres::Config>() {
-            Ok(c) if c.get_hosts().is_empty() && c.get_hostaddrs().is_empty() => {
+        match crate::tls::postgres::parse(url.expose()) {
+            Ok(c) if c.config.get_hosts().is_empty() && c.config.get_hostaddrs().is_empty() => {
                 self.issues.push(path, format!("{source} is a PostgreSQL connection string without a host"));
                 None
             }
             Ok(_) => Some(url),
-            Err(e) => {
+            Err(e @ (crate::tls::postgres::PgTlsError::Mode(_) | crate::tls::postgres::PgTlsError::Roots(_))) => {
+                self.issues.push(path, format!("{source}: {e}"));
+                None
+            }
+            Err(crate::tls::postgres::PgTlsError::Config(e)) => {
                 // The cause ("unexpected EOF", "invalid value for option `port`", ...)
                 // names no secret, except the offending character, which is cut off.
                 let cause = std::error::Error::source(&e).map_or_else(|| e.to_string(), |c| c.to_string());

@@ -7,6 +7,7 @@
 //! adds the TOML path it came from.
 
 pub mod client;
+pub mod postgres;
 pub mod server;
 
 use std::path::{Path, PathBuf};
