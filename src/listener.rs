@@ -42,8 +42,8 @@ impl ConnectionLimit {
         ConnectionLimit { permits: Arc::new(Semaphore::new(max)), max, saturated: Arc::default() }
     }
 
-    /// A permit for one more connection; at the limit this waits (new
-    /// connections stay in the kernel's accept queue) and says so once.
+    /// A permit for one more connection; at the limit this waits and says so
+    /// once per episode.
     async fn acquire(&self, listener: &'static str) -> Option<OwnedSemaphorePermit> {
         if let Ok(p) = self.permits.clone().try_acquire_owned() {
             self.saturated.store(false, Ordering::Relaxed);
@@ -101,13 +101,6 @@ pub async fn accept_loop<H, F>(
     let Listener { name, tcp, tls, limit } = listener;
     let served = metrics.as_ref().map(|m| m.protocol_counters(name));
     loop {
-        let permit = tokio::select! {
-            _ = stop.cancelled() => return,
-            p = limit.acquire(name) => match p {
-                Some(p) => p,
-                None => return,
-            },
-        };
         let (sock, peer) = tokio::select! {
             _ = stop.cancelled() => return,
             accepted = tcp.accept() => match accepted {
@@ -118,6 +111,16 @@ pub async fn accept_loop<H, F>(
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
+            },
+        };
+        // At the limit this connection waits, unserved, until one closes; the
+        // loop accepts nothing meanwhile (later ones wait in the kernel's
+        // queue), so at most one connection per worker is held beyond the limit.
+        let permit = tokio::select! {
+            _ = stop.cancelled() => return,
+            p = limit.acquire(name) => match p {
+                Some(p) => p,
+                None => return,
             },
         };
         let conn = Conn { name, peer, http: http.clone(), stop: stop.clone(), metrics: metrics.clone(), served: served.clone() };

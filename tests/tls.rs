@@ -85,6 +85,14 @@ async fn h2_streams_of_one_key_over_one_connection_execute_once(backend: Backend
     let text = String::from_utf8_lossy(&metrics.body);
     assert!(text.contains(r#"idemgate_tls_handshakes_total{listener="proxy",result="ok"} 1"#), "{text}");
     assert!(text.contains(r#"idemgate_http_requests_total{listener="proxy",protocol="h2"} 12"#), "{text}");
+    let expiry: i64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix(r#"idemgate_tls_certificate_expiry_timestamp_seconds{listener="proxy"} "#))
+        .expect("the expiry gauge")
+        .parse()
+        .unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
+    assert!(expiry > now, "the certificate's notAfter: {expiry}");
 }
 
 /// RSA and Ed25519 keys work as well as ECDSA; a client offering only
@@ -492,4 +500,33 @@ async fn postgres_over_tls_honours_sslmode_and_sslrootcert() {
     };
     assert!(open(renamed("verify-full")).await.is_err(), "verify-full checks the host name");
     assert!(open(renamed("verify-ca")).await.is_ok(), "verify-ca checks only the chain");
+}
+
+/// server.max_connections: past the limit a new connection waits (in the
+/// accept queue) until an open one closes, and the limit is logged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_max_connections_wait_for_a_free_slot() {
+    use http_body_util::{BodyExt, Full};
+    let up = TestUpstream::start().await;
+    let gw = Gateway::start(GatewayConfig::new(sqlite_backend(), up.url()).server("max_connections = 1"));
+    // Connection A: one request answered, then held open (keep-alive).
+    let tcp = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let (mut held, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp)).await.unwrap();
+    let driver = tokio::spawn(conn);
+    let req = http::Request::get("/healthz-nothing").header("host", "localhost").body(Full::new(bytes::Bytes::new())).unwrap();
+    let answered = held.send_request(req).await.unwrap();
+    let _ = answered.into_body().collect().await;
+
+    // Connection B waits while A is open ...
+    let url = gw.url("/v1/orders");
+    let mut b = tokio::spawn(async move { post(&url, "k-limit", ORDER, &[]).await });
+    assert!(eventually(Duration::from_secs(10), || async { gw.log_count("connection limit reached") >= 1 }).await, "{}", gw.logs());
+    assert!(tokio::time::timeout(Duration::from_millis(500), &mut b).await.is_err(), "B is not served while A holds the only slot");
+    assert_eq!(up.total(), 0);
+    // ... and is served once A closes.
+    drop(held);
+    driver.abort();
+    let r = tokio::time::timeout(Duration::from_secs(20), b).await.expect("B served after A closed").unwrap();
+    assert_eq!(r.status, 201);
+    assert_eq!(up.total(), 1);
 }
