@@ -530,3 +530,32 @@ async fn connections_past_max_connections_wait_for_a_free_slot() {
     assert_eq!(r.status, 201);
     assert_eq!(up.total(), 1);
 }
+
+/// `check-config --connect` completes the TLS handshake with https upstreams,
+/// so an untrusted certificate shows before serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_config_connect_shakes_hands_with_https_upstreams() {
+    let pki = Pki::new("upstream CA");
+    let stranger = Pki::new("stranger CA");
+    for (cert, ok) in [(pki.server(Alg::EcdsaP256), true), (stranger.server(Alg::EcdsaP256), false)] {
+        let (addr, task) = broken_tls_upstream(false, cert).await;
+        let text = format!(
+            "[store]\nkind = \"sqlite\"\npath = \"{}\"\n[server]\ndefault_upstream = \"u\"\n[[upstreams]]\nname = \"u\"\nurl = \"https://localhost:{}\"\nca_file = \"{}\"\n",
+            pki.dir.path().join("check.db").display(),
+            addr.port(),
+            pki.ca_file.display()
+        );
+        let path = pki.dir.path().join("check.toml");
+        std::fs::write(&path, text).unwrap();
+        let out = tokio::task::spawn_blocking(move || {
+            Command::new(env!("CARGO_BIN_EXE_idemgate")).args(["check-config", "--connect", "--config"]).arg(&path).output().unwrap()
+        })
+        .await
+        .unwrap();
+        let all = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.success(), ok, "{all}");
+        let needle = if ok { "TLS handshake ok" } else { "TLS handshake:" };
+        assert!(all.contains(needle) && all.contains("https://localhost"), "{all}");
+        task.abort();
+    }
+}

@@ -198,14 +198,24 @@ fn writable_dir(dir: &Path) -> Result<(), String> {
 }
 
 async fn check_upstream(u: &UpstreamConfig) -> ConnectCheck {
-    // Validation guarantees an http:// URL with a host.
+    // Validation guarantees an http:// or https:// URL with a host.
+    let scheme = u.url.scheme_str().unwrap_or("http");
     let host = u.url.host().unwrap_or_default();
-    let port = u.url.port_u16().unwrap_or(80);
-    let subject = format!("upstream {} (http://{host}:{port})", u.name);
-    let bare = host.trim_start_matches('[').trim_end_matches(']');
-    let outcome = match tokio::time::timeout(u.connect_timeout, TcpStream::connect((bare, port))).await {
-        Ok(Ok(_stream)) => Ok(None),
-        Ok(Err(e)) => Err(e.to_string()),
+    let port = u.url.port_u16().unwrap_or(if u.tls.is_some() { 443 } else { 80 });
+    let subject = format!("upstream {} ({scheme}://{host}:{port})", u.name);
+    let bare = host.trim_start_matches('[').trim_end_matches(']').to_owned();
+    // https: the TLS handshake too (the upstream's roots and client certificate).
+    let connect = async {
+        let stream = TcpStream::connect((bare.as_str(), port)).await.map_err(|e| e.to_string())?;
+        let Some(tls) = &u.tls else { return Ok(None) };
+        let name = rustls::pki_types::ServerName::try_from(bare.clone()).map_err(|e| format!("invalid server name: {e}"))?;
+        let session =
+            tokio_rustls::TlsConnector::from(tls.clone()).connect(name, stream).await.map_err(|e| format!("TLS handshake: {e}"))?;
+        let version = session.get_ref().1.protocol_version().map(|v| format!("{v:?}")).unwrap_or_default();
+        Ok(Some(format!("TLS handshake ok, {version}")))
+    };
+    let outcome = match tokio::time::timeout(u.connect_timeout, connect).await {
+        Ok(result) => result,
         Err(_) => Err(format!("no connection within connect_timeout ({})", humantime::format_duration(u.connect_timeout))),
     };
     ConnectCheck { subject, outcome }
