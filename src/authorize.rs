@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use http::{HeaderMap, HeaderName, Method, Request, Uri};
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
@@ -49,7 +50,7 @@ pub enum Decision {
 #[derive(Debug, Clone)]
 pub struct Authorizer {
     pub config: AuthorizeConfig,
-    client: Client<HttpConnector, Body>,
+    client: Client<HttpsConnector<HttpConnector>, Body>,
     cache: Arc<Mutex<HashMap<String, Instant>>>,
 }
 
@@ -58,7 +59,10 @@ impl Authorizer {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(config.timeout));
         connector.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new()).pool_timer(TokioTimer::new()).timer(TokioTimer::new()).build(connector);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_timer(TokioTimer::new())
+            .timer(TokioTimer::new())
+            .build(crate::tls::client::connector(connector, crate::tls::client::system_default()));
         Authorizer { config, client, cache: Arc::default() }
     }
 

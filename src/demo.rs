@@ -19,7 +19,6 @@ use std::fmt::Write as _;
 use std::io::Write as _;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::pin::pin;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -29,9 +28,6 @@ use http::header::{CONTENT_TYPE, LOCATION};
 use http::{HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
-use hyper::server::conn::http1;
-use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
 use serde_json::json;
 use sha2::{Digest, Sha256};
 use tokio::net::TcpListener;
@@ -40,6 +36,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
+use crate::listener::{ConnectionLimit, Http, Listener, accept_loop};
 use crate::server::Server;
 use crate::store::sqlite::lock_path;
 
@@ -353,37 +350,17 @@ impl OrderService {
     async fn run(self, stop: CancellationToken) {
         let OrderService { listener, orders, .. } = self;
         let conns = TaskTracker::new();
-        loop {
-            let sock = tokio::select! {
-                _ = stop.cancelled() => break,
-                accepted = listener.accept() => match accepted {
-                    Ok((sock, _)) => sock,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "order service: accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                },
-            };
-            let (orders, stop) = (orders.clone(), stop.clone());
-            conns.spawn(async move {
-                let service = service_fn(move |req| {
-                    let orders = orders.clone();
-                    async move { Ok::<_, Infallible>(handle(orders, req).await) }
-                });
-                let mut conn = pin!(http1::Builder::new().serve_connection(TokioIo::new(sock), service));
-                let result = tokio::select! {
-                    r = conn.as_mut() => r,
-                    _ = stop.cancelled() => {
-                        conn.as_mut().graceful_shutdown();
-                        conn.await
-                    }
-                };
-                if let Err(e) = result {
-                    tracing::debug!(error = %e, "order service: connection ended with an error");
-                }
-            });
-        }
+        // The gateway's own accept loop (plain HTTP/1.1, graceful shutdown on `stop`).
+        let listener = Listener { name: "demo", tcp: listener, tls: None, limit: ConnectionLimit::new(1024) };
+        let handler_orders = orders.clone();
+        accept_loop(listener, stop, conns.clone(), Http::new(Duration::from_secs(10)), None, move |req, _peer| {
+            let orders = handler_orders.clone();
+            async move {
+                let (parts, body) = handle(orders, req).await.into_parts();
+                Response::from_parts(parts, crate::body::Body::boxed(body.map_err(|never: Infallible| match never {})))
+            }
+        })
+        .await;
         conns.close();
         orders.pending.close();
         let drained = async {

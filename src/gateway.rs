@@ -363,11 +363,15 @@ impl Gateway {
         if route.mode == RouteMode::Observe {
             // Observe mode changes no answer: nothing is refused, so the
             // route's authorizer is not asked either.
-            let identity = self.identifier.identify(req.headers(), peer.ip()).await;
+            let identity = self.identifier.identify(req.headers(), peer.ip(), crate::identity::client_certificate(req.extensions())).await;
             let resp = self.observer.handle(route, params, req, identity, self.executor.upstream(route.upstream)).await;
             return Ok((resp, Outcome::PassThrough));
         }
-        let identity = self.identifier.identify(req.headers(), peer.ip()).await.ok_or(GatewayError::Unauthenticated)?;
+        let identity = self
+            .identifier
+            .identify(req.headers(), peer.ip(), crate::identity::client_certificate(req.extensions()))
+            .await
+            .ok_or(GatewayError::Unauthenticated)?;
         self.authorized(&route.operation, req.method(), req.uri().path(), &identity, req.headers()).await?;
         let missing = || GatewayError::MissingKey { header: route.key_from.describe() };
         // A key in a header is known before the body is read: a request
@@ -588,7 +592,11 @@ impl Gateway {
         if id.is_empty() || id.contains('/') || id.len() > 64 {
             return Err(GatewayError::NotFound);
         }
-        let identity = self.identifier.identify(req.headers(), peer.ip()).await.ok_or(GatewayError::Unauthenticated)?;
+        let identity = self
+            .identifier
+            .identify(req.headers(), peer.ip(), crate::identity::client_certificate(req.extensions()))
+            .await
+            .ok_or(GatewayError::Unauthenticated)?;
         let record = match self.store.operation(&identity.tenant, id).await {
             Ok(Some((record, _))) if record.scope.admits(&identity) => record,
             Ok(_) => return Err(GatewayError::NotFound),

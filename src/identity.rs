@@ -4,8 +4,10 @@
 //! anything the client can set freely: an API key the operator listed (by its
 //! SHA-256), or headers set by a trusted peer (a sidecar or an edge proxy whose
 //! address is in `trusted_peers`), or a JWT verified against the issuer's keys
-//! (see [`crate::jwt`]). Sources are tried in order; the first that matches
-//! wins.
+//! (see [`crate::jwt`]), or a client certificate the TLS listener verified
+//! ([`mtls`]). Sources are tried in order; the first that matches wins.
+
+pub mod mtls;
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -17,6 +19,7 @@ use sha2::{Digest, Sha256};
 
 use crate::jwt::JwtVerifier;
 pub use crate::scope::Identity;
+use crate::tls::server::ClientCertificate;
 
 /// One `[[identity.sources]]` entry after validation.
 #[derive(Debug, Clone)]
@@ -34,11 +37,14 @@ pub enum IdentitySource {
     /// A bearer JWT: signature, expiry, issuer and audience verified; tenant
     /// and principal from its claims.
     Jwt(Arc<JwtVerifier>),
+    /// The connection's verified client certificate.
+    Mtls(mtls::MtlsSource),
 }
 
 impl IdentitySource {
-    async fn identify(&self, headers: &HeaderMap, peer: IpAddr) -> Option<Identity> {
+    async fn identify(&self, headers: &HeaderMap, peer: IpAddr, cert: Option<&ClientCertificate>) -> Option<Identity> {
         match self {
+            IdentitySource::Mtls(source) => source.identify(cert),
             IdentitySource::ApiKey { header, keys } => {
                 let value = headers.get(header)?.to_str().ok()?.trim();
                 let presented = match value.split_once(' ') {
@@ -76,6 +82,11 @@ impl IdentitySource {
     }
 }
 
+/// The verified client certificate a TLS listener attached to a request.
+pub fn client_certificate(extensions: &http::Extensions) -> Option<&ClientCertificate> {
+    extensions.get::<Arc<ClientCertificate>>().map(|c| &**c)
+}
+
 /// An IPv4-mapped IPv6 peer (`::ffff:127.0.0.1`) is matched as IPv4.
 fn canonical_ip(ip: IpAddr) -> IpAddr {
     match ip {
@@ -107,9 +118,11 @@ impl Identifier {
         Identifier { sources }
     }
 
-    pub async fn identify(&self, headers: &HeaderMap, peer: IpAddr) -> Option<Identity> {
+    /// `cert`: the connection's verified client certificate, if any (a
+    /// request extension set by the TLS listener, see [`client_certificate`]).
+    pub async fn identify(&self, headers: &HeaderMap, peer: IpAddr, cert: Option<&ClientCertificate>) -> Option<Identity> {
         for s in &self.sources {
-            if let Some(identity) = s.identify(headers, peer).await {
+            if let Some(identity) = s.identify(headers, peer, cert).await {
                 return Some(identity);
             }
         }
@@ -162,31 +175,31 @@ mod tests {
     async fn api_key_bearer_and_bare() {
         let id = identifier();
         let peer: IpAddr = "192.0.2.1".parse().unwrap();
-        assert_eq!(id.identify(&headers(&[("authorization", "Bearer s3cret")]), peer).await, Some(ident("acme", "billing")));
-        assert_eq!(id.identify(&headers(&[("authorization", "bearer  s3cret ")]), peer).await, Some(ident("acme", "billing")));
-        assert_eq!(id.identify(&headers(&[("authorization", "s3cret")]), peer).await, Some(ident("acme", "billing")));
-        assert_eq!(id.identify(&headers(&[("authorization", "Basic s3cret")]), peer).await, None);
-        assert_eq!(id.identify(&headers(&[("authorization", "Bearer wrong")]), peer).await, None);
-        assert_eq!(id.identify(&headers(&[]), peer).await, None);
+        assert_eq!(id.identify(&headers(&[("authorization", "Bearer s3cret")]), peer, None).await, Some(ident("acme", "billing")));
+        assert_eq!(id.identify(&headers(&[("authorization", "bearer  s3cret ")]), peer, None).await, Some(ident("acme", "billing")));
+        assert_eq!(id.identify(&headers(&[("authorization", "s3cret")]), peer, None).await, Some(ident("acme", "billing")));
+        assert_eq!(id.identify(&headers(&[("authorization", "Basic s3cret")]), peer, None).await, None);
+        assert_eq!(id.identify(&headers(&[("authorization", "Bearer wrong")]), peer, None).await, None);
+        assert_eq!(id.identify(&headers(&[]), peer, None).await, None);
     }
 
     #[tokio::test]
     async fn trusted_header_only_from_trusted_peers() {
         let id = identifier();
         let h = headers(&[("x-tenant-id", "t1"), ("x-principal-id", "p1")]);
-        assert_eq!(id.identify(&h, "10.1.2.3".parse().unwrap()).await, Some(ident("t1", "p1")));
-        assert_eq!(id.identify(&h, "::ffff:10.1.2.3".parse().unwrap()).await, Some(ident("t1", "p1")));
-        assert_eq!(id.identify(&h, "11.1.2.3".parse().unwrap()).await, None);
+        assert_eq!(id.identify(&h, "10.1.2.3".parse().unwrap(), None).await, Some(ident("t1", "p1")));
+        assert_eq!(id.identify(&h, "::ffff:10.1.2.3".parse().unwrap(), None).await, Some(ident("t1", "p1")));
+        assert_eq!(id.identify(&h, "11.1.2.3".parse().unwrap(), None).await, None);
         let missing = headers(&[("x-tenant-id", "t1")]);
-        assert_eq!(id.identify(&missing, "10.1.2.3".parse().unwrap()).await, None);
+        assert_eq!(id.identify(&missing, "10.1.2.3".parse().unwrap(), None).await, None);
         let doubled = headers(&[("x-tenant-id", "t1"), ("x-tenant-id", "t2"), ("x-principal-id", "p1")]);
-        assert_eq!(id.identify(&doubled, "10.1.2.3".parse().unwrap()).await, None);
+        assert_eq!(id.identify(&doubled, "10.1.2.3".parse().unwrap(), None).await, None);
     }
 
     #[tokio::test]
     async fn first_matching_source_wins() {
         let id = identifier();
         let h = headers(&[("authorization", "s3cret"), ("x-tenant-id", "t1"), ("x-principal-id", "p1")]);
-        assert_eq!(id.identify(&h, "10.1.2.3".parse().unwrap()).await, Some(ident("acme", "billing")));
+        assert_eq!(id.identify(&h, "10.1.2.3".parse().unwrap(), None).await, Some(ident("acme", "billing")));
     }
 }

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use http::{HeaderMap, HeaderName, Uri};
 use http_body_util::BodyExt;
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -138,7 +139,7 @@ pub struct JwtVerifier {
     hmac: Option<DecodingKey>,
     /// Serializes refreshes and rate-limits the ones forced by unknown kids.
     last_forced: Mutex<Option<Instant>>,
-    client: Client<HttpConnector, Body>,
+    client: Client<HttpsConnector<HttpConnector>, Body>,
 }
 
 impl std::fmt::Debug for JwtVerifier {
@@ -168,7 +169,8 @@ impl JwtVerifier {
             keyring: RwLock::new(Arc::new(keyring)),
             hmac,
             last_forced: Mutex::new(None),
-            client: Client::builder(TokioExecutor::new()).build(connector),
+            client: Client::builder(TokioExecutor::new())
+                .build(crate::tls::client::connector(connector, crate::tls::client::system_default())),
         })
     }
 

@@ -36,6 +36,8 @@
 //! - [`logging`], [`signals`]: the process around the gateway — log settings
 //!   and a writer that never fails a request, and the cancellation root
 //!   (SIGTERM/SIGINT) with SIGHUP as events.
+//! - [`tls`]: rustls on the listeners (ALPN h2, client certificates, reload
+//!   on SIGHUP) and towards upstreams.
 
 #![forbid(unsafe_code)]
 
@@ -56,6 +58,7 @@ pub mod identity;
 pub mod jwt;
 pub mod keys;
 pub mod keysource;
+pub mod listener;
 pub mod logging;
 pub mod metrics;
 pub mod observe;
@@ -76,6 +79,7 @@ pub mod server;
 pub mod signals;
 pub mod stats;
 pub mod store;
+pub mod tls;
 pub mod upstream;
 pub mod waiters;
 pub mod worker;

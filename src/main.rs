@@ -273,7 +273,8 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let signals = Signals::install()?;
             // Subscribed before the slow start: a SIGHUP meanwhile reloads once serving.
             let hangups = signals.hangups();
-            let server = Server::bind(config).await?.reload_from(cli.config.clone(), hangups);
+            let tls_hangups = signals.hangups();
+            let server = Server::bind(config).await?.reload_from(cli.config.clone(), hangups).with_hangups(tls_hangups);
             let _pid = pid_file.as_deref().map(PidFile::create).transpose()?;
             server.run(signals.shutdown()).await?;
         }

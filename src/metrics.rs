@@ -335,6 +335,7 @@ pub struct Metrics {
     draining: Gauge,
     /// Configuration reloads (SIGHUP), applied or refused.
     reloads: Family<ResultLabels, Counter>,
+    tls: tls::TlsMetrics,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -442,6 +443,7 @@ impl Metrics {
         for result in ["applied", "refused"] {
             let _ = reloads.get_or_create(&ResultLabels { result });
         }
+        let tls = tls::TlsMetrics::register(registry);
         let build = prometheus_client::metrics::info::Info::new(VersionLabels { version: env!("CARGO_PKG_VERSION") });
         registry.register("build", "The running version", build);
         for reason in REJECTION_REASONS {
@@ -484,6 +486,7 @@ impl Metrics {
             passthrough_failures,
             draining,
             reloads,
+            tls,
         }
     }
 
@@ -699,6 +702,8 @@ impl Metrics {
 }
 
 mod process;
+mod tls;
+pub use tls::ProtocolCounters;
 
 #[cfg(test)]
 mod tests {

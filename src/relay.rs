@@ -12,6 +12,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures_util::future::join_all;
 use http::{HeaderValue, Method, Request, Uri};
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
@@ -39,7 +40,7 @@ pub struct Relay {
     metrics: Arc<Metrics>,
     /// Routes that emit events, by operation.
     routes: HashMap<Arc<str>, Arc<EventsConfig>>,
-    client: Client<HttpConnector, Body>,
+    client: Client<HttpsConnector<HttpConnector>, Body>,
     /// Destinations that failed lately: not tried before the instant.
     backoff: HashMap<Uri, (tokio::time::Instant, u32)>,
 }
@@ -55,7 +56,10 @@ impl Relay {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(Duration::from_secs(5)));
         connector.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new()).pool_timer(TokioTimer::new()).timer(TokioTimer::new()).build(connector);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_timer(TokioTimer::new())
+            .timer(TokioTimer::new())
+            .build(crate::tls::client::connector(connector, crate::tls::client::system_default()));
         Some(Relay { store, metrics, routes, client, backoff: HashMap::new() })
     }
 

@@ -2,17 +2,12 @@
 //! connection and forward on one `TaskTracker`, background tasks supervised
 //! beside them, and a bounded drain on shutdown.
 
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use hyper::server::conn::http1;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioIo, TokioTimer};
-use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::net::{TcpListener, TcpSocket};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -22,12 +17,14 @@ use crate::background;
 use crate::config::Config;
 use crate::gateway::Gateway;
 use crate::jwt::JwtVerifier;
+use crate::listener::{ConnectionLimit, Http, Listener, accept_loop};
 use crate::metrics::Metrics;
 use crate::reconcile::Reconciler;
 use crate::relay::Relay;
 use crate::reload::{LiveGateway, Reloader, WorkerGateway};
 use crate::route::RouteMode;
 use crate::store::{Access, Store, StoreError};
+use crate::tls::server::{LoadError, TlsListener};
 use crate::worker::Workers;
 
 #[derive(Debug, thiserror::Error)]
@@ -36,6 +33,8 @@ pub enum ServeError {
     Store(#[from] StoreError),
     #[error("cannot listen on {addr}: {source}")]
     Bind { addr: SocketAddr, source: std::io::Error },
+    #[error("{section}.tls.{}: {source}", source.key)]
+    Tls { section: &'static str, source: LoadError },
     #[error(
         "the store has no derived-key secret (it was never migrated to this version): run `idemgate migrate`, or set server.derived_key_secret_env"
     )]
@@ -51,6 +50,11 @@ pub struct Server {
     /// kernel spreads connections over the workers.
     proxy: Vec<TcpListener>,
     admin: Option<TcpListener>,
+    /// `[server.tls]` and `[admin.tls]`, loaded.
+    proxy_tls: Option<Arc<TlsListener>>,
+    admin_tls: Option<Arc<TlsListener>>,
+    /// SIGHUP events: TLS listeners re-read their certificates.
+    hangups: Option<watch::Receiver<u64>>,
     tracker: TaskTracker,
     /// The derived-key secret (the reconciler's `{derived_key}`, the admin API).
     secret: Arc<[u8]>,
@@ -73,6 +77,18 @@ impl Server {
                 tracing::info!(?applied, store = store.kind(), "applied migrations");
             }
         }
+        let tls = |listener: &'static str, settings: &Option<crate::tls::server::ListenerTls>, alpn: Vec<&'static [u8]>| {
+            settings
+                .clone()
+                .map(|t| {
+                    TlsListener::new(listener, t, alpn)
+                        .map(Arc::new)
+                        .map_err(|source| ServeError::Tls { section: TlsListener::section_of(listener), source })
+                })
+                .transpose()
+        };
+        let proxy_tls = tls("proxy", &config.server.tls, vec![b"h2", b"http/1.1"])?;
+        let admin_tls = tls("admin", &config.admin.as_ref().and_then(|a| a.tls.clone()), vec![b"http/1.1"])?;
         let proxy = bind_workers(config.server.listen, config.server.workers)?;
         let admin = match &config.admin {
             Some(a) => Some(bind(a.listen).await?),
@@ -87,7 +103,7 @@ impl Server {
         };
         let tracker = TaskTracker::new();
         let gateway = Arc::new(Gateway::new(&config, store, metrics.clone(), tracker.clone(), secret.clone()));
-        Ok(Server { config, gateway, metrics, proxy, admin, tracker, secret, reload: None })
+        Ok(Server { config, gateway, metrics, proxy, admin, proxy_tls, admin_tls, hangups: None, tracker, secret, reload: None })
     }
 
     /// Reloads the configuration from `path` on each SIGHUP event (see
@@ -95,6 +111,22 @@ impl Server {
     pub fn reload_from(mut self, path: PathBuf, hangups: watch::Receiver<u64>) -> Server {
         self.reload = Some((path, hangups));
         self
+    }
+
+    /// SIGHUP events (from [`crate::signals::Signals::hangups`]): TLS
+    /// listeners re-read their certificate and key files on each; open
+    /// connections keep the certificate they were accepted with. Without a
+    /// TLS listener the receiver is not kept.
+    pub fn with_hangups(mut self, hangups: watch::Receiver<u64>) -> Server {
+        if self.proxy_tls.is_some() || self.admin_tls.is_some() {
+            self.hangups = Some(hangups);
+        }
+        self
+    }
+
+    /// Whether the proxy listener speaks TLS.
+    pub fn proxy_tls(&self) -> bool {
+        self.proxy_tls.is_some()
     }
 
     pub fn proxy_addr(&self) -> Option<SocketAddr> {
@@ -120,10 +152,12 @@ impl Server {
     /// admin listener, the background tasks and the store's batchers run on
     /// the main runtime.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), ServeError> {
-        let Server { config, gateway, metrics, proxy, admin, tracker, secret, reload } = self;
+        let Server { config, gateway, metrics, proxy, admin, proxy_tls, admin_tls, hangups, tracker, secret, reload } = self;
         tracing::info!(
             addr = %proxy.first().and_then(|l| l.local_addr().ok()).map(|a| a.to_string()).unwrap_or_default(),
             admin = %admin.as_ref().and_then(|a| a.local_addr().ok()).map(|a| a.to_string()).unwrap_or_default(),
+            tls = proxy_tls.is_some(),
+            admin_tls = admin_tls.is_some(),
             store = gateway.store().kind(),
             replica = %config.server.replica_id,
             workers = proxy.len(),
@@ -168,7 +202,15 @@ impl Server {
                 Reloader { path, running: config.clone(), live: live.clone(), metrics: metrics.clone(), background: background.clone() };
             background.spawn(reloader.run(hangups, shutdown.clone()));
         }
-        let http = http_builder(config.server.request_header_timeout);
+        let tls_listeners: Vec<Arc<TlsListener>> = proxy_tls.iter().chain(admin_tls.iter()).cloned().collect();
+        for t in &tls_listeners {
+            metrics.declare_tls_listener(t.name);
+            metrics.set_certificate_expiry(t.name, t.expires());
+        }
+        if let Some(hangups) = hangups {
+            background.spawn(reload_on_hangup(hangups, tls_listeners, metrics.clone(), shutdown.clone()));
+        }
+        let http = Http::new(config.server.request_header_timeout);
         // The admin listener outlives the proxy's drain (so `/readyz` can say
         // 503 and `/metrics` can be scraped while it runs); it has its own
         // stop and tracker.
@@ -183,8 +225,10 @@ impl Server {
             );
             let http = http.clone();
             let (stop, conns) = (admin_stop.clone(), admin_conns.clone());
+            let admin = Listener { name: "admin", tcp: admin, tls: admin_tls, limit: ConnectionLimit::new(ADMIN_MAX_CONNECTIONS) };
+            let admin_metrics = Some(metrics.clone());
             admin_conns.spawn(async move {
-                accept_loop(admin, stop, conns, http, move |req, _peer| {
+                accept_loop(admin, stop, conns, http, admin_metrics, move |req, _peer| {
                     let admin = admin_state.clone();
                     async move { admin.handle(req).await }
                 })
@@ -196,10 +240,14 @@ impl Server {
         let stop = CancellationToken::new();
         let grace = config.server.shutdown_grace;
         let mut workers = Vec::new();
+        let limit = ConnectionLimit::new(config.server.max_connections);
         for (i, listener) in proxy.into_iter().enumerate() {
             let worker = Worker {
                 gateway: live.for_worker(),
                 http: http.clone(),
+                tls: proxy_tls.clone(),
+                limit: limit.clone(),
+                metrics: metrics.clone(),
                 shutdown: shutdown.clone(),
                 stop: stop.clone(),
                 tracker: tracker.clone(),
@@ -249,7 +297,11 @@ impl Server {
 /// One proxy worker thread.
 struct Worker {
     gateway: WorkerGateway,
-    http: http1::Builder,
+    http: Http,
+    tls: Option<Arc<TlsListener>>,
+    /// Shared by all workers.
+    limit: ConnectionLimit,
+    metrics: Arc<Metrics>,
     /// The process's cancellation root (cancelled by this worker if it cannot start).
     shutdown: CancellationToken,
     /// Stops accepting (after the drain delay).
@@ -279,7 +331,10 @@ impl Worker {
                 }
             };
             let gw = Arc::new(self.gateway);
-            accept_loop(listener, self.stop.clone(), self.tracker.clone(), self.http, move |req, peer| gw.get().handle(req, peer)).await;
+            let listener = Listener { name: "proxy", tcp: listener, tls: self.tls.clone(), limit: self.limit.clone() };
+            let metrics = Some(self.metrics.clone());
+            accept_loop(listener, self.stop.clone(), self.tracker.clone(), self.http, metrics, move |req, peer| gw.get().handle(req, peer))
+                .await;
             // This thread's event loop drives its connections and forwards:
             // keep it running until they are done (the main task closes the
             // tracker and bounds the wait by the grace period).
@@ -306,59 +361,38 @@ fn bind_workers(addr: SocketAddr, workers: usize) -> Result<Vec<TcpListener>, Se
     Ok(listeners)
 }
 
+/// Connections the admin listener serves at once.
+const ADMIN_MAX_CONNECTIONS: usize = 256;
+
 async fn bind(addr: SocketAddr) -> Result<TcpListener, ServeError> {
     TcpListener::bind(addr).await.map_err(|source| ServeError::Bind { addr, source })
 }
 
-fn http_builder(header_timeout: Duration) -> http1::Builder {
-    let mut b = http1::Builder::new();
-    b.timer(TokioTimer::new()).header_read_timeout(header_timeout).keep_alive(true);
-    b
-}
-
-/// Accepts until `shutdown`; each connection runs on `tracker` and is asked to
-/// shut down gracefully (finish its current request) when `shutdown` fires.
-async fn accept_loop<H, F>(listener: TcpListener, shutdown: CancellationToken, tracker: TaskTracker, http: http1::Builder, handler: H)
-where
-    H: Fn(http::Request<hyper::body::Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
-    F: std::future::Future<Output = http::Response<crate::body::Body>> + Send + 'static,
-{
+/// Re-reads TLS certificates on every SIGHUP; a failed reload keeps the
+/// certificate in use and says why.
+async fn reload_on_hangup(
+    mut hangups: watch::Receiver<u64>,
+    listeners: Vec<Arc<TlsListener>>,
+    metrics: Arc<Metrics>,
+    shutdown: CancellationToken,
+) {
     loop {
-        let (sock, peer) = tokio::select! {
+        tokio::select! {
             _ = shutdown.cancelled() => return,
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    // EMFILE and friends: back off instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        tracker.spawn(serve_connection(sock, peer, http.clone(), handler.clone(), shutdown.clone()));
-    }
-}
-
-async fn serve_connection<H, F>(sock: TcpStream, peer: SocketAddr, http: http1::Builder, handler: H, shutdown: CancellationToken)
-where
-    H: Fn(http::Request<hyper::body::Incoming>, SocketAddr) -> F + Send + Sync + 'static,
-    F: std::future::Future<Output = http::Response<crate::body::Body>> + Send + 'static,
-{
-    let _ = sock.set_nodelay(true);
-    let service = service_fn(move |req| {
-        let fut = handler(req, peer);
-        async move { Ok::<_, Infallible>(fut.await) }
-    });
-    let mut conn = pin!(http.serve_connection(TokioIo::new(sock), service));
-    let result = tokio::select! {
-        r = conn.as_mut() => r,
-        _ = shutdown.cancelled() => {
-            conn.as_mut().graceful_shutdown();
-            conn.await
+            changed = hangups.changed() => if changed.is_err() { return },
         }
-    };
-    if let Err(e) = result {
-        tracing::debug!(%peer, error = %e, "connection ended with an error");
+        for l in &listeners {
+            match l.reload() {
+                Ok(()) => {
+                    metrics.set_certificate_expiry(l.name, l.expires());
+                    tracing::info!(listener = l.name, cert_file = %l.settings.cert_file.display(), "TLS certificate reloaded");
+                }
+                Err(e) => tracing::error!(
+                    listener = l.name,
+                    error = %format!("{}.tls.{}: {e}", TlsListener::section_of(l.name), e.key),
+                    "TLS certificate reload failed; the previous certificate stays in use"
+                ),
+            }
+        }
     }
 }

@@ -1,11 +1,12 @@
-//! Talking to upstreams: a pooled HTTP/1 client per upstream, and an error
+//! Talking to upstreams: a pooled client per upstream (HTTP/1.1, or HTTP/2
+//! when an https upstream offers it by ALPN), and an error
 //! that says, as a typed fact, whether the upstream may have acted on the
 //! request. That fact alone decides between releasing a key and recording
 //! `unknown`.
 //!
 //! The exchange has two phases, and only the second can have side effects:
-//! establishing a connection (name resolution and TCP connect, bounded as a
-//! whole by the upstream's `connect_timeout`), and, once the request was
+//! establishing a connection (name resolution, TCP connect and, for https,
+//! the TLS handshake, bounded as a whole by the upstream's `connect_timeout`), and, once the request was
 //! handed to a connection, waiting for the answer (bounded by `timeout`). A
 //! failure or timeout of the first phase is "never sent"; configuration
 //! requires `connect_timeout < timeout`, so the connect phase always ends
@@ -20,6 +21,7 @@ use std::time::Duration;
 use http::uri::{PathAndQuery, Uri};
 use http::{HeaderValue, Request, Response, Version, request};
 use hyper::body::Incoming;
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
@@ -30,8 +32,11 @@ use crate::headers::{self, strip_hop_by_hop};
 #[derive(Debug, Clone)]
 pub struct UpstreamConfig {
     pub name: String,
-    /// `http://host:port` plus an optional path prefix prepended to request paths.
+    /// `http://host:port` or `https://...` plus an optional path prefix
+    /// prepended to request paths.
     pub url: http::Uri,
+    /// https upstreams: the TLS client configuration (roots, client certificate).
+    pub tls: Option<std::sync::Arc<rustls::ClientConfig>>,
     pub connect_timeout: Duration,
     /// Whole-response timeout; expiry after the request was sent means the
     /// outcome is unknown.
@@ -84,7 +89,7 @@ pub struct UpstreamLatency(pub Duration);
 #[derive(Debug, Clone)]
 pub struct Upstream {
     pub config: UpstreamConfig,
-    client: Client<BoundedConnect<HttpConnector>, Body>,
+    client: Client<BoundedConnect<HttpsConnector<HttpConnector>>, Body>,
 }
 
 impl Upstream {
@@ -92,7 +97,8 @@ impl Upstream {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(config.connect_timeout));
         connector.set_nodelay(true);
-        connector.enforce_http(true);
+        // https: the TLS handshake is part of the bounded connection phase.
+        let connector = crate::tls::client::connector(connector, config.tls.clone());
         let connector = BoundedConnect { inner: connector, timeout: config.connect_timeout };
         let client = Client::builder(TokioExecutor::new())
             .pool_timer(TokioTimer::new())
@@ -171,7 +177,7 @@ impl Upstream {
     }
 }
 
-/// A connector whose whole connection phase — name resolution included — is
+/// A connector whose whole connection phase — name resolution and TLS included — is
 /// bounded by `timeout`. (hyper-util's own connect timeout bounds only the TCP
 /// connect: a resolver that hangs would run into the exchange's `timeout` and
 /// be mistaken for "may have executed".) Its errors are connect errors to the
@@ -235,6 +241,7 @@ mod tests {
         Upstream::new(UpstreamConfig {
             name: "u".into(),
             url: url.parse().unwrap(),
+            tls: None,
             connect_timeout: Duration::from_millis(200),
             timeout: Duration::from_secs(1),
             pool_idle_timeout: Duration::from_secs(1),

@@ -35,7 +35,7 @@ fn bearer(token: &str) -> HeaderMap {
 }
 
 async fn who(id: &Identifier, token: &str) -> Option<Identity> {
-    id.identify(&bearer(token), "192.0.2.1".parse().unwrap()).await
+    id.identify(&bearer(token), "192.0.2.1".parse().unwrap(), None).await
 }
 
 fn acme_alice() -> Option<Identity> {

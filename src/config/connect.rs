@@ -80,26 +80,43 @@ async fn check_store(store: &StoreConfig) -> ConnectCheck {
 
 async fn check_postgres(url: &Secret, bound: Duration) -> Result<Option<String>, String> {
     // Validation already parsed it; a failure here would be a bug, reported without the URL.
-    let mut pg: tokio_postgres::Config = url.expose().parse().map_err(|_| "the PostgreSQL connection string does not parse".to_owned())?;
+    let parsed = crate::tls::postgres::parse(url.expose()).map_err(|_| "the PostgreSQL connection string does not parse".to_owned())?;
+    let (mut pg, tls) = (parsed.config, parsed.tls);
     if pg.get_connect_timeout().is_none() {
         pg.connect_timeout(bound);
     }
     pg.application_name("idemgate check-config");
     let attempt = async {
-        let (client, connection) = pg.connect(tokio_postgres::NoTls).await.map_err(|e| error_chain(&e))?;
-        tokio::pin!(connection);
-        tokio::select! {
-            rows = client.simple_query("SELECT 1") => rows.map(drop).map_err(|e| error_chain(&e)),
-            ended = &mut connection => Err(match ended {
-                Ok(()) => "the server closed the connection".to_owned(),
-                Err(e) => error_chain(&e),
-            }),
+        match tls {
+            Some(tls) => {
+                let (client, connection) =
+                    pg.connect(tokio_postgres_rustls::MakeRustlsConnect::new(tls)).await.map_err(|e| error_chain(&e))?;
+                select_one(client, connection).await
+            }
+            None => {
+                let (client, connection) = pg.connect(tokio_postgres::NoTls).await.map_err(|e| error_chain(&e))?;
+                select_one(client, connection).await
+            }
         }
     };
     match tokio::time::timeout(bound, attempt).await {
         Ok(Ok(())) => Ok(Some("postgres, SELECT 1".to_owned())),
         Ok(Err(e)) => Err(e),
         Err(_) => Err(format!("no answer from PostgreSQL within {}", humantime::format_duration(bound))),
+    }
+}
+
+async fn select_one(
+    client: tokio_postgres::Client,
+    connection: impl std::future::Future<Output = Result<(), tokio_postgres::Error>>,
+) -> Result<(), String> {
+    tokio::pin!(connection);
+    tokio::select! {
+        rows = client.simple_query("SELECT 1") => rows.map(drop).map_err(|e| error_chain(&e)),
+        ended = &mut connection => Err(match ended {
+            Ok(()) => "the server closed the connection".to_owned(),
+            Err(e) => error_chain(&e),
+        }),
     }
 }
 
@@ -181,14 +198,24 @@ fn writable_dir(dir: &Path) -> Result<(), String> {
 }
 
 async fn check_upstream(u: &UpstreamConfig) -> ConnectCheck {
-    // Validation guarantees an http:// URL with a host.
+    // Validation guarantees an http:// or https:// URL with a host.
+    let scheme = u.url.scheme_str().unwrap_or("http");
     let host = u.url.host().unwrap_or_default();
-    let port = u.url.port_u16().unwrap_or(80);
-    let subject = format!("upstream {} (http://{host}:{port})", u.name);
-    let bare = host.trim_start_matches('[').trim_end_matches(']');
-    let outcome = match tokio::time::timeout(u.connect_timeout, TcpStream::connect((bare, port))).await {
-        Ok(Ok(_stream)) => Ok(None),
-        Ok(Err(e)) => Err(e.to_string()),
+    let port = u.url.port_u16().unwrap_or(if u.tls.is_some() { 443 } else { 80 });
+    let subject = format!("upstream {} ({scheme}://{host}:{port})", u.name);
+    let bare = host.trim_start_matches('[').trim_end_matches(']').to_owned();
+    // https: the TLS handshake too (the upstream's roots and client certificate).
+    let connect = async {
+        let stream = TcpStream::connect((bare.as_str(), port)).await.map_err(|e| e.to_string())?;
+        let Some(tls) = &u.tls else { return Ok(None) };
+        let name = rustls::pki_types::ServerName::try_from(bare.clone()).map_err(|e| format!("invalid server name: {e}"))?;
+        let session =
+            tokio_rustls::TlsConnector::from(tls.clone()).connect(name, stream).await.map_err(|e| format!("TLS handshake: {e}"))?;
+        let version = session.get_ref().1.protocol_version().map(|v| format!("{v:?}")).unwrap_or_default();
+        Ok(Some(format!("TLS handshake ok, {version}")))
+    };
+    let outcome = match tokio::time::timeout(u.connect_timeout, connect).await {
+        Ok(result) => result,
         Err(_) => Err(format!("no connection within connect_timeout ({})", humantime::format_duration(u.connect_timeout))),
     };
     ConnectCheck { subject, outcome }

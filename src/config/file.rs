@@ -212,6 +212,21 @@ pub struct ServerSection {
     pub drain_delay: Option<String>,
     /// Peers (CIDRs) whose `X-Request-Id` is kept.
     pub trusted_proxies: Option<Vec<String>>,
+    /// Open client connections at most (all workers together).
+    pub max_connections: Option<i64>,
+    /// `[server.tls]`: HTTPS (and HTTP/2 by ALPN) on the proxy listener.
+    pub tls: Option<TlsSection>,
+}
+
+/// `[server.tls]` / `[admin.tls]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsSection {
+    pub cert_file: Option<String>,
+    pub key_file: Option<String>,
+    pub client_ca_file: Option<String>,
+    pub client_auth: Option<String>,
+    pub handshake_timeout: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -236,6 +251,7 @@ pub struct AdminSection {
     pub listen: Option<String>,
     pub token_env: Option<String>,
     pub token_file: Option<String>,
+    pub tls: Option<TlsSection>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -247,6 +263,11 @@ pub struct UpstreamSection {
     pub timeout: Option<String>,
     pub pool_idle_timeout: Option<String>,
     pub pool_max_idle: Option<i64>,
+    /// https upstreams: trusted roots (PEM); absent: the system's.
+    pub ca_file: Option<String>,
+    /// https upstreams: a client certificate (chain) and its key.
+    pub client_cert_file: Option<String>,
+    pub client_key_file: Option<String>,
 }
 
 /// One `[[identity.sources]]` entry; `kind` selects which fields apply.
@@ -273,6 +294,11 @@ pub struct IdentitySourceSection {
     pub tenant_claim: Option<String>,
     pub principal_claim: Option<String>,
     pub leeway: Option<String>,
+    // kind = "mtls"
+    pub tenant_from: Option<String>,
+    pub principal_from: Option<String>,
+    pub tenant_regex: Option<String>,
+    pub principal_regex: Option<String>,
 }
 
 /// A string or a list of strings (`audience = "api"` or `audience = ["a", "b"]`).

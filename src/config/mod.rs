@@ -20,6 +20,7 @@ use crate::identity::IdentitySource;
 use crate::route::{Route, UpstreamId};
 pub use crate::secret::Secret;
 pub use crate::store::{StoreBackend, StoreConfig};
+use crate::tls::server::ListenerTls;
 pub use crate::upstream::UpstreamConfig;
 
 /// Where configuration is read from when `--config` and `IDEMGATE_CONFIG` are absent.
@@ -78,6 +79,11 @@ pub struct ServerConfig {
     /// Peers whose `X-Request-Id` is kept; from anyone else (and when empty)
     /// a fresh id is generated.
     pub trusted_proxies: Vec<ipnet::IpNet>,
+    /// Open client connections at most, over all workers; past it new
+    /// connections wait in the kernel's accept queue.
+    pub max_connections: usize,
+    /// `[server.tls]`: the proxy listener speaks HTTPS (HTTP/1.1 and HTTP/2).
+    pub tls: Option<ListenerTls>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -85,6 +91,8 @@ pub struct AdminConfig {
     pub listen: SocketAddr,
     /// Bearer token for the admin API; health and metrics need none.
     pub token: Option<Secret>,
+    /// `[admin.tls]`: the admin listener speaks HTTPS.
+    pub tls: Option<ListenerTls>,
 }
 
 impl Config {

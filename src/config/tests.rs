@@ -134,7 +134,7 @@ pool_size = 0
 
 [[upstreams]]
 name = "a"
-url = "https://example.com"
+url = "ftp://example.com"
 
 [[upstreams]]
 name = "a"
@@ -625,4 +625,77 @@ fn operating_keys_have_defaults_and_are_checked() {
     assert!(issue(&e, "server.trusted_proxies[1]").contains("invalid CIDR"), "{e}");
     let e = parse(&format!("[server]\naccess_log = \"yes\"\n{}", minimal(""))).unwrap_err();
     assert!(e.to_string().contains("server.access_log"), "{e}");
+}
+
+#[test]
+fn https_urls_are_accepted_for_upstreams_webhooks_jwks_and_authorizers() {
+    // Verified against the system roots (this machine has them); upstreams
+    // may name their own ca_file instead.
+    let text = r#"
+[[upstreams]]
+name = "orders"
+url = "https://orders.internal:8443"
+
+[[identity.sources]]
+kind = "jwt"
+jwks_url = "https://issuer.example/.well-known/jwks.json"
+
+[[routes]]
+operation = "op"
+method = "POST"
+path = "/x"
+upstream = "orders"
+authorize.url = "https://authz.internal/check"
+events.url = "https://hooks.internal/idemgate"
+"#;
+    let c = parse(text).unwrap_or_else(|e| panic!("{e}"));
+    assert!(c.upstreams[0].tls.is_some());
+    let e = parse(&text.replace("url = \"https://orders.internal:8443\"", "url = \"http://orders.internal\"\nca_file = \"ca.pem\""))
+        .unwrap_err();
+    assert!(e.mentions("upstreams[0].url"), "{e}");
+    let e = parse(
+        &text.replace("url = \"https://orders.internal:8443\"", "url = \"https://orders.internal\"\nca_file = \"/nonexistent/ca.pem\""),
+    )
+    .unwrap_err();
+    assert!(issue(&e, "upstreams[0].ca_file").contains("/nonexistent/ca.pem"), "{e}");
+}
+
+#[test]
+fn mtls_sources_need_client_certificates_and_valid_rules() {
+    let text = r#"
+[[upstreams]]
+name = "orders"
+url = "http://127.0.0.1:9"
+
+[[identity.sources]]
+kind = "mtls"
+tenant_from = "san_email"
+principal_from = "subject_cn"
+principal_regex = "(unclosed"
+
+[[routes]]
+operation = "op"
+method = "POST"
+path = "/x"
+upstream = "orders"
+"#;
+    let e = parse(text).unwrap_err();
+    assert!(issue(&e, "identity.sources[0].kind").contains("client_ca_file"), "{e}");
+    assert!(issue(&e, "identity.sources[0].tenant_from").contains("san_uri"), "{e}");
+    assert!(e.mentions("identity.sources[0].principal_regex"), "{e}");
+}
+
+#[test]
+fn postgres_sslmode_and_sslrootcert_are_checked() {
+    let store = |url: &str| {
+        format!(
+            "[store]\nkind = \"postgres\"\nurl = \"{url}\"\n[[upstreams]]\nname = \"u\"\nurl = \"http://127.0.0.1:9\"\n[server]\ndefault_upstream = \"u\"\n"
+        )
+    };
+    assert!(parse(&store("postgres://u@db/x?sslmode=verify-full&sslrootcert=/dev/null")).is_err());
+    let e = parse(&store("postgres://u@db/x?sslmode=verify-full&sslrootcert=/nonexistent/root.crt")).unwrap_err();
+    assert!(issue(&e, "store.url").contains("/nonexistent/root.crt"), "{e}");
+    let e = parse(&store("postgres://u@db/x?sslmode=sometimes")).unwrap_err();
+    assert!(issue(&e, "store.url").contains("sslmode"), "{e}");
+    assert!(parse(&store("postgres://u@db/x?sslmode=require")).is_ok());
 }

@@ -3,6 +3,7 @@
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::{HeaderName, Method, StatusCode};
@@ -11,7 +12,7 @@ use ipnet::IpNet;
 use super::error::{ConfigError, Issues};
 use super::file::{
     AuthorizeSection, EventsSection, FileConfig, IdentitySourceSection, OneOrMany, Part, ReconcileSection, RouteSection, SizeValue,
-    StoreSection, UpstreamSection,
+    StoreSection, TlsSection, UpstreamSection,
 };
 use super::{AdminConfig, Config, DEFAULT_SQLITE_PATH, Secret, ServerConfig, StoreBackend, StoreConfig, UpstreamConfig, WorkersConfig};
 use crate::authorize::AuthorizeConfig;
@@ -21,10 +22,15 @@ use crate::keysource::{KeySource, KeySources};
 use crate::outbox::{EventType, EventsConfig};
 use crate::probe::{Probe, ProbeTarget};
 use crate::route::{ForwardKey, InFlightPolicy, PathTemplate, ReplayMode, Retention, RetryPolicy, Route, RouteMode, ScopeMode};
+use crate::tls::client::ClientTls;
+use crate::tls::server::{ClientAuth, ListenerTls};
 
 /// Longest accepted duration: beyond it, database interval arithmetic and
 /// timestamps overflow (PostgreSQL refuses the claim; SQLite would not).
 const MAX_DURATION: Duration = Duration::from_secs(10 * 366 * 24 * 3600);
+
+/// `server.max_connections` when absent.
+const DEFAULT_MAX_CONNECTIONS: i64 = 10_000;
 
 /// `server.listen` when absent.
 const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
@@ -40,7 +46,8 @@ const LEASE_WRITE_ROOM: Duration = Duration::from_millis(500);
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
 pub(super) fn validate(raw: FileConfig, issues: Issues, origin: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
-    let mut v = Validator { issues, env };
+    let client_certificates = raw.server.ok().and_then(|s| s.tls.as_ref()).is_some_and(|t| t.client_ca_file.is_some());
+    let mut v = Validator { issues, env, client_certificates };
     let upstreams = v.upstreams(&raw.upstreams);
     let names: HashMap<&str, usize> = upstreams.iter().enumerate().map(|(i, u)| (u.name.as_str(), i)).collect();
     let server = raw.server.ok().and_then(|s| v.server(s, &names));
@@ -102,6 +109,8 @@ struct Upstream {
 struct Validator<'e> {
     issues: Issues,
     env: &'e dyn Fn(&str) -> Option<String>,
+    /// `[server.tls]` verifies client certificates (`kind = "mtls"` needs it).
+    client_certificates: bool,
 }
 
 impl Validator<'_> {
@@ -343,7 +352,20 @@ impl Validator<'_> {
             self.secret("server.derived_key_secret", None, s.derived_key_secret_env.as_deref(), s.derived_key_secret_file.as_deref());
         let drain_delay = self.duration("server.drain_delay", s.drain_delay.as_deref(), "0s");
         let trusted_proxies = self.cidrs("server.trusted_proxies", s.trusted_proxies.as_deref().unwrap_or_default());
+        let max_connections = match s.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS) {
+            n @ 1..=1_000_000 => Some(n as usize),
+            n => {
+                self.issues.push("server.max_connections", format!("must be between 1 and 1000000, not {n}"));
+                None
+            }
+        };
+        let tls = match &s.tls {
+            Some(t) => self.listener_tls("server.tls", t, &[b"h2", b"http/1.1"]).map(Some),
+            None => Some(None),
+        };
         Some(ServerConfig {
+            max_connections: max_connections?,
+            tls: tls?,
             access_log: s.access_log.unwrap_or(true),
             drain_delay: drain_delay?,
             trusted_proxies: trusted_proxies?,
@@ -439,11 +461,9 @@ impl Validator<'_> {
     fn authorize(&mut self, p: &str, a: &AuthorizeSection) -> Option<AuthorizeConfig> {
         let url = self.required(&format!("{p}.url"), a.url.as_deref()).and_then(|u| match u.parse::<http::Uri>() {
             Ok(uri) if uri.scheme_str() == Some("http") && uri.authority().is_some() => Some(uri),
+            Ok(uri) if uri.scheme_str() == Some("https") && uri.authority().is_some() => self.system_roots(&format!("{p}.url"), uri),
             _ => {
-                self.issues.push(
-                    format!("{p}.url"),
-                    format!("invalid URL {u:?} (write e.g. \"http://authz:8181/check\"; https needs TLS to upstreams)"),
-                );
+                self.issues.push(format!("{p}.url"), format!("invalid URL {u:?} (write e.g. \"http://authz:8181/check\")"));
                 None
             }
         });
@@ -463,10 +483,7 @@ impl Validator<'_> {
     fn events(&mut self, p: &str, e: &EventsSection) -> Option<EventsConfig> {
         let url = self.required(&format!("{p}.url"), e.url.as_deref()).and_then(|u| match u.parse::<http::Uri>() {
             Ok(uri) if uri.scheme_str() == Some("http") && uri.authority().is_some() => Some(uri),
-            Ok(uri) if uri.scheme_str() == Some("https") => {
-                self.issues.push(format!("{p}.url"), "https event destinations need TLS to upstreams, which is not built yet; use http://");
-                None
-            }
+            Ok(uri) if uri.scheme_str() == Some("https") && uri.authority().is_some() => self.system_roots(&format!("{p}.url"), uri),
             _ => {
                 self.issues.push(format!("{p}.url"), format!("invalid URL {u:?} (write e.g. \"http://hooks.internal:8080/idemgate\")"));
                 None
@@ -518,13 +535,17 @@ impl Validator<'_> {
             (None, Some(file)) => ("store.url_file", format!("the content of {file}")),
             (None, None) => ("store.url", "the URL".to_owned()),
         };
-        match url.expose().parse::<tokio_postgres::Config>() {
-            Ok(c) if c.get_hosts().is_empty() && c.get_hostaddrs().is_empty() => {
+        match crate::tls::postgres::parse(url.expose()) {
+            Ok(c) if c.config.get_hosts().is_empty() && c.config.get_hostaddrs().is_empty() => {
                 self.issues.push(path, format!("{source} is a PostgreSQL connection string without a host"));
                 None
             }
             Ok(_) => Some(url),
-            Err(e) => {
+            Err(e @ (crate::tls::postgres::PgTlsError::Mode(_) | crate::tls::postgres::PgTlsError::Roots(_))) => {
+                self.issues.push(path, format!("{source}: {e}"));
+                None
+            }
+            Err(crate::tls::postgres::PgTlsError::Config(e)) => {
                 // The cause ("unexpected EOF", "invalid value for option `port`", ...)
                 // names no secret, except the offending character, which is cut off.
                 let cause = std::error::Error::source(&e).map_or_else(|| e.to_string(), |c| c.to_string());
@@ -544,7 +565,47 @@ impl Validator<'_> {
     fn admin(&mut self, a: &super::file::AdminSection) -> Option<AdminConfig> {
         let listen = self.addr("admin.listen", a.listen.as_deref(), None);
         let token = self.secret("admin.token", None, a.token_env.as_deref(), a.token_file.as_deref());
-        Some(AdminConfig { listen: listen?, token: token? })
+        let tls = match &a.tls {
+            Some(t) => self.listener_tls("admin.tls", t, &[b"http/1.1"]).map(Some),
+            None => Some(None),
+        };
+        Some(AdminConfig { listen: listen?, token: token?, tls: tls? })
+    }
+
+    /// `[server.tls]` / `[admin.tls]`: the files are read now, so a missing
+    /// or mismatched certificate is a configuration error naming its key.
+    fn listener_tls(&mut self, p: &str, t: &TlsSection, alpn: &[&[u8]]) -> Option<ListenerTls> {
+        let cert_file = self.required(&format!("{p}.cert_file"), t.cert_file.as_deref());
+        let key_file = self.required(&format!("{p}.key_file"), t.key_file.as_deref());
+        let handshake_timeout = self.duration(&format!("{p}.handshake_timeout"), t.handshake_timeout.as_deref(), "10s");
+        let handshake_timeout = self.at_least(&format!("{p}.handshake_timeout"), handshake_timeout, Duration::from_millis(10));
+        let client_auth = match (t.client_ca_file.is_some(), t.client_auth.as_deref()) {
+            (false, None) => Some(ClientAuth::Off),
+            (false, Some(_)) => {
+                self.issues.push(format!("{p}.client_auth"), "needs client_ca_file (the CA that signs client certificates)");
+                None
+            }
+            (true, None | Some("required")) => Some(ClientAuth::Required),
+            (true, Some("optional")) => Some(ClientAuth::Optional),
+            (true, Some(other)) => {
+                self.issues.push(format!("{p}.client_auth"), format!("unknown value {other:?}: use \"required\" or \"optional\""));
+                None
+            }
+        };
+        let settings = ListenerTls {
+            cert_file: cert_file?.into(),
+            key_file: key_file?.into(),
+            client_ca_file: t.client_ca_file.as_deref().map(PathBuf::from),
+            client_auth: client_auth?,
+            handshake_timeout: handshake_timeout?,
+        };
+        match crate::tls::server::build(&settings, alpn) {
+            Ok(_) => Some(settings),
+            Err(e) => {
+                self.issues.push(format!("{p}.{}", e.key), e.to_string());
+                None
+            }
+        }
     }
 
     fn upstreams(&mut self, list: &[Part<UpstreamSection>]) -> Vec<Upstream> {
@@ -575,10 +636,12 @@ impl Validator<'_> {
                         None
                     }
                 };
+                let tls = self.upstream_tls(&p, u, url.as_ref());
                 let config = (|| {
                     Some(UpstreamConfig {
                         name: name.clone()?,
                         url: url?,
+                        tls: tls?,
                         connect_timeout: connect_timeout?,
                         timeout: timeout?,
                         pool_idle_timeout: pool_idle_timeout?,
@@ -588,6 +651,49 @@ impl Validator<'_> {
                 Upstream { name: name.unwrap_or_default(), config }
             })
             .collect()
+    }
+
+    /// An https URL of a service without TLS settings of its own (webhook,
+    /// JWKS, authorizer): it is verified against the system roots, which
+    /// must exist.
+    fn system_roots(&mut self, path: &str, uri: http::Uri) -> Option<http::Uri> {
+        if crate::tls::client::system_default().is_some() {
+            return Some(uri);
+        }
+        let why = crate::tls::system_roots().err().map(|e| e.to_string()).unwrap_or_default();
+        self.issues.push(path, format!("{why} (https here is verified against the system roots; SSL_CERT_FILE names a PEM bundle)"));
+        None
+    }
+
+    /// An https upstream's client configuration: `ca_file` (else the system
+    /// roots) and an optional client certificate, read now so a bad file is a
+    /// configuration error. `Some(None)`: a plain http upstream.
+    fn upstream_tls(&mut self, p: &str, u: &UpstreamSection, url: Option<&http::Uri>) -> Option<Option<Arc<rustls::ClientConfig>>> {
+        let settings = ClientTls {
+            ca_file: u.ca_file.as_deref().map(PathBuf::from),
+            cert_file: u.client_cert_file.as_deref().map(PathBuf::from),
+            key_file: u.client_key_file.as_deref().map(PathBuf::from),
+        };
+        if settings.cert_file.is_some() != settings.key_file.is_some() {
+            let missing = if settings.cert_file.is_none() { "client_cert_file" } else { "client_key_file" };
+            self.issues.push(format!("{p}.{missing}"), "client_cert_file and client_key_file go together");
+            return None;
+        }
+        let https = url.is_some_and(|u| u.scheme_str() == Some("https"));
+        if !https {
+            if url.is_some() && settings != ClientTls::default() {
+                self.issues.push(format!("{p}.url"), "ca_file and client certificates need an https:// URL");
+                return None;
+            }
+            return Some(None);
+        }
+        match crate::tls::client::build(&settings) {
+            Ok(config) => Some(Some(config)),
+            Err(e) => {
+                self.issues.push(format!("{p}.{}", e.key), e.to_string());
+                None
+            }
+        }
     }
 
     /// The connect phase (name resolution and TCP connect) must end before the
@@ -627,13 +733,9 @@ impl Validator<'_> {
             }
         };
         match uri.scheme_str() {
-            Some("http") => {}
-            Some("https") => {
-                self.issues.push(path, "https upstreams are not supported yet; use http:// (TLS to upstreams is planned)");
-                return None;
-            }
+            Some("http" | "https") => {}
             _ => {
-                self.issues.push(path, format!("URL {s:?} must start with http://"));
+                self.issues.push(path, format!("URL {s:?} must start with http:// or https://"));
                 return None;
             }
         }
@@ -694,6 +796,7 @@ impl Validator<'_> {
                 Some(IdentitySource::ApiKey { header: header?, keys })
             }
             Some("jwt") => self.jwt_source(&p, s),
+            Some("mtls") => self.mtls_source(&p, s),
             Some("trusted_header") => {
                 for (field, set) in [("header", s.header.is_some()), ("keys", s.keys.is_some())] {
                     if set {
@@ -716,12 +819,12 @@ impl Validator<'_> {
             Some(other) => {
                 self.issues.push(
                     format!("{p}.kind"),
-                    format!("unknown identity source {other:?}: use \"api_key\", \"trusted_header\" or \"jwt\""),
+                    format!("unknown identity source {other:?}: use \"api_key\", \"trusted_header\", \"jwt\" or \"mtls\""),
                 );
                 None
             }
             None => {
-                self.issues.push(format!("{p}.kind"), "required: \"api_key\", \"trusted_header\" or \"jwt\"");
+                self.issues.push(format!("{p}.kind"), "required: \"api_key\", \"trusted_header\", \"jwt\" or \"mtls\"");
                 None
             }
         }
@@ -766,12 +869,8 @@ impl Validator<'_> {
             (Some(f), None) => Some(crate::jwt::KeySource::File(PathBuf::from(f))),
             (None, Some(u)) => match u.parse::<http::Uri>() {
                 Ok(uri) if uri.scheme_str() == Some("http") && uri.authority().is_some() => Some(crate::jwt::KeySource::Url(uri)),
-                Ok(uri) if uri.scheme_str() == Some("https") => {
-                    self.issues.push(
-                        format!("{p}.jwks_url"),
-                        "https JWKS URLs need TLS to upstreams, which is not built yet; use http:// or jwks_file",
-                    );
-                    None
+                Ok(uri) if uri.scheme_str() == Some("https") && uri.authority().is_some() => {
+                    self.system_roots(&format!("{p}.jwks_url"), uri).map(crate::jwt::KeySource::Url)
                 }
                 _ => {
                     self.issues.push(format!("{p}.jwks_url"), format!("invalid URL {u:?}"));
@@ -812,6 +911,50 @@ impl Validator<'_> {
                 None
             }
         }
+    }
+
+    /// `kind = "mtls"`: tenant and principal from the verified client certificate.
+    fn mtls_source(&mut self, p: &str, s: &IdentitySourceSection) -> Option<IdentitySource> {
+        use crate::identity::mtls::{CertField, CertRule, MtlsSource};
+        if !self.client_certificates {
+            self.issues
+                .push(format!("{p}.kind"), "kind = \"mtls\" needs client certificates: set server.tls.client_ca_file (and client_auth)");
+        }
+        for (field, set) in [
+            ("header", s.header.is_some()),
+            ("keys", s.keys.is_some()),
+            ("tenant_header", s.tenant_header.is_some()),
+            ("principal_header", s.principal_header.is_some()),
+            ("trusted_peers", s.trusted_peers.is_some()),
+            ("jwks_file", s.jwks_file.is_some()),
+            ("jwks_url", s.jwks_url.is_some()),
+        ] {
+            if set {
+                self.issues.push(format!("{p}.{field}"), "not used by kind = \"mtls\"");
+            }
+        }
+        let mut rule = |from: &str, value: Option<&str>, regex_key: &str, regex: Option<&str>| -> Option<CertRule> {
+            let field = match self.required(&format!("{p}.{from}"), value).map(|v| (v, CertField::parse(v))) {
+                Some((_, Some(f))) => Some(f),
+                Some((v, None)) => {
+                    self.issues.push(format!("{p}.{from}"), format!("unknown field {v:?}: use \"san_uri\", \"san_dns\" or \"subject_cn\""));
+                    None
+                }
+                None => None,
+            };
+            let pattern = match regex.map(regex::Regex::new) {
+                None => Some(None),
+                Some(Ok(re)) => Some(Some(re)),
+                Some(Err(e)) => {
+                    self.issues.push(format!("{p}.{regex_key}"), format!("invalid regular expression: {e}"));
+                    None
+                }
+            };
+            Some(CertRule { field: field?, pattern: pattern? })
+        };
+        let tenant = rule("tenant_from", s.tenant_from.as_deref(), "tenant_regex", s.tenant_regex.as_deref());
+        let principal = rule("principal_from", s.principal_from.as_deref(), "principal_regex", s.principal_regex.as_deref());
+        Some(IdentitySource::Mtls(MtlsSource { tenant: tenant?, principal: principal? }))
     }
 
     fn scope_part<'a>(&mut self, path: &str, value: Option<&'a str>) -> Option<&'a str> {

@@ -93,6 +93,8 @@ pub struct GatewayConfig {
     pub configured_secret: bool,
     /// Replaces the default identity sources (an API key and trusted headers).
     pub identity: Option<String>,
+    /// Extra lines in the `orders` upstream (`ca_file = ...`).
+    pub upstream_extra: String,
 }
 
 impl GatewayConfig {
@@ -111,6 +113,7 @@ impl GatewayConfig {
             workdir: None,
             configured_secret: true,
             identity: None,
+            upstream_extra: String::new(),
         }
     }
 
@@ -129,6 +132,12 @@ impl GatewayConfig {
     pub fn route(mut self, extra: &str) -> Self {
         self.route_extra.push_str(extra);
         self.route_extra.push('\n');
+        self
+    }
+
+    pub fn upstream(mut self, extra: &str) -> Self {
+        self.upstream_extra.push_str(extra);
+        self.upstream_extra.push('\n');
         self
     }
 
@@ -178,6 +187,7 @@ name = "orders"
 url = "{upstream}"
 connect_timeout = "{connect_timeout}"
 timeout = "{timeout}"
+{upstream_extra}
 
 {identity}
 
@@ -205,6 +215,7 @@ upstream = "orders"
                 humantime::parse_duration(self.upstream_timeout).expect("upstream timeout").div_f64(2.0).min(Duration::from_millis(500))
             ),
             route_extra = self.route_extra,
+            upstream_extra = self.upstream_extra,
             tail = self.tail,
         )
     }

@@ -34,6 +34,7 @@ pub mod jwt;
 pub mod postgres;
 pub mod serve;
 pub mod soak;
+pub mod tls;
 pub mod upstream;
 pub mod webhook;
 

@@ -157,6 +157,31 @@ impl PgServer {
         Ok(server)
     }
 
+    /// Like [`start`](Self::start), with `ssl = on` and the given server
+    /// certificate and key (PEM), so clients can connect with TLS
+    /// (`sslmode=require|verify-ca|verify-full`). Plain connections still work
+    /// (the harness's own client uses them).
+    pub fn start_with_ssl(cert_pem: &str, key_pem: &str) -> io::Result<PgServer> {
+        use std::os::unix::fs::PermissionsExt;
+        let began = Instant::now();
+        let mut server = PgServer::prepare_dirs()?;
+        server.initdb()?;
+        let cert = server.data_dir.join("server.crt");
+        let key = server.data_dir.join("server.key");
+        fs::write(&cert, cert_pem)?;
+        fs::write(&key, key_pem)?;
+        fs::set_permissions(&key, fs::Permissions::from_mode(0o600))?;
+        if let Some(acct) = &server.run_as {
+            for p in [&cert, &key] {
+                chown(p, Some(acct.uid), Some(acct.gid))?;
+            }
+        }
+        let mut conf = fs::OpenOptions::new().append(true).open(server.data_dir.join("postgresql.conf"))?;
+        io::Write::write_all(&mut conf, b"\nssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\n")?;
+        server.start_on_free_port(began)?;
+        Ok(server)
+    }
+
     /// A cluster directory (owner file, socket dir, log) without a data
     /// directory yet, and without a port.
     fn prepare_dirs() -> io::Result<PgServer> {

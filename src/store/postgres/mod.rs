@@ -259,9 +259,11 @@ const EXPIRES_9: &str = "coalesce(now() + $9::int8 * interval '1 microsecond', '
 
 impl PgStore {
     pub fn connect(url: &str, pool_size: usize, timeout: Duration) -> Result<PgStore, StoreError> {
-        let pg: tokio_postgres::Config =
-            url.parse().map_err(|e: tokio_postgres::Error| StoreError::Unavailable(format!("invalid database URL: {}", ErrorChain(&e))))?;
-        let mut pg = pg;
+        // sslmode and sslrootcert as libpq reads them (see crate::tls::postgres).
+        let parsed =
+            crate::tls::postgres::parse(url).map_err(|e| StoreError::Unavailable(format!("invalid database URL: {}", ErrorChain(&e))))?;
+        let tls = parsed.tls;
+        let mut pg = parsed.config;
         if pg.get_application_name().is_none() {
             pg.application_name("idemgate");
         }
@@ -282,8 +284,14 @@ impl PgStore {
         // Only a primary will do (see `failover`): a standby, or a primary
         // fenced read-only, refuses the session when it is opened.
         pg.target_session_attrs(TargetSessionAttrs::ReadWrite);
-        let walk = HostWalk::new(&pg, timeout, NoTls);
-        let manager = Manager::from_connect(pg, walk, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+        let recycling = ManagerConfig { recycling_method: RecyclingMethod::Fast };
+        let manager = match tls {
+            Some(tls) => {
+                let walk = HostWalk::new(&pg, timeout, tokio_postgres_rustls::MakeRustlsConnect::new(tls));
+                Manager::from_connect(pg, walk, recycling)
+            }
+            None => Manager::from_connect(pg.clone(), HostWalk::new(&pg, timeout, NoTls), recycling),
+        };
         let flush = Arc::new(Flush::default());
         let pool = Pool::builder(manager)
             .max_size(pool_size)

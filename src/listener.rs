@@ -1,0 +1,215 @@
+//! The accept loop every listener runs: plain TCP or TLS, under a connection
+//! limit, each connection served by hyper on the caller's tracker and asked
+//! to finish its current request when the stop token fires.
+//!
+//! Plain connections speak HTTP/1.1 (hyper's http1 server, with the header
+//! read timeout). TLS connections are served by hyper-util's auto builder:
+//! HTTP/2 when ALPN chose `h2`, HTTP/1.1 otherwise. The TLS handshake has its
+//! own deadline and happens before hyper reads anything, so a client stuck in
+//! it never reaches a request or a claim.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::pin::pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::body::Body;
+use crate::metrics::{Metrics, ProtocolCounters};
+use crate::tls::server::TlsListener;
+
+/// The connection limit shared by a listener's workers.
+#[derive(Debug, Clone)]
+pub struct ConnectionLimit {
+    permits: Arc<Semaphore>,
+    max: usize,
+    /// Set while the limit is reached (logged once per episode).
+    saturated: Arc<AtomicBool>,
+}
+
+impl ConnectionLimit {
+    pub fn new(max: usize) -> ConnectionLimit {
+        ConnectionLimit { permits: Arc::new(Semaphore::new(max)), max, saturated: Arc::default() }
+    }
+
+    /// A permit for one more connection; at the limit this waits and says so
+    /// once per episode.
+    async fn acquire(&self, listener: &'static str) -> Option<OwnedSemaphorePermit> {
+        if let Ok(p) = self.permits.clone().try_acquire_owned() {
+            self.saturated.store(false, Ordering::Relaxed);
+            return Some(p);
+        }
+        if !self.saturated.swap(true, Ordering::Relaxed) {
+            tracing::warn!(listener, max_connections = self.max, "connection limit reached: new connections wait until one closes");
+        }
+        self.permits.clone().acquire_owned().await.ok()
+    }
+}
+
+/// A bound listener: its socket, TLS (if any) and connection limit.
+pub struct Listener {
+    /// `proxy`, `admin` or `demo`, for logs and metrics.
+    pub name: &'static str,
+    pub tcp: TcpListener,
+    pub tls: Option<Arc<TlsListener>>,
+    pub limit: ConnectionLimit,
+}
+
+/// How connections are served: HTTP/1.1 for plain ones, the auto builder
+/// (HTTP/2 or HTTP/1.1) for TLS ones.
+#[derive(Clone)]
+pub struct Http {
+    h1: http1::Builder,
+    auto: auto::Builder<TokioExecutor>,
+}
+
+impl Http {
+    /// `header_timeout`: a client must send its request headers within it
+    /// (hyper enforces it only with a timer, which is set here).
+    pub fn new(header_timeout: Duration) -> Http {
+        let mut h1 = http1::Builder::new();
+        h1.timer(TokioTimer::new()).header_read_timeout(header_timeout).keep_alive(true);
+        let mut auto = auto::Builder::new(TokioExecutor::new());
+        auto.http1().timer(TokioTimer::new()).header_read_timeout(header_timeout).keep_alive(true);
+        auto.http2().timer(TokioTimer::new()).max_concurrent_streams(256);
+        Http { h1, auto }
+    }
+}
+
+/// Accepts until `stop`; each connection runs on `tracker`.
+pub async fn accept_loop<H, F>(
+    listener: Listener,
+    stop: CancellationToken,
+    tracker: TaskTracker,
+    http: Http,
+    metrics: Option<Arc<Metrics>>,
+    handler: H,
+) where
+    H: Fn(http::Request<hyper::body::Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
+    F: std::future::Future<Output = http::Response<Body>> + Send + 'static,
+{
+    let Listener { name, tcp, tls, limit } = listener;
+    let served = metrics.as_ref().map(|m| m.protocol_counters(name));
+    loop {
+        let (sock, peer) = tokio::select! {
+            _ = stop.cancelled() => return,
+            accepted = tcp.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    tracing::warn!(listener = name, error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        // At the limit this connection waits, unserved, until one closes; the
+        // loop accepts nothing meanwhile (later ones wait in the kernel's
+        // queue), so at most one connection per worker is held beyond the limit.
+        let permit = tokio::select! {
+            _ = stop.cancelled() => return,
+            p = limit.acquire(name) => match p {
+                Some(p) => p,
+                None => return,
+            },
+        };
+        let conn = Conn { name, peer, http: http.clone(), stop: stop.clone(), metrics: metrics.clone(), served: served.clone() };
+        let (tls, handler) = (tls.clone(), handler.clone());
+        tracker.spawn(async move {
+            conn.serve(sock, tls, handler).await;
+            drop(permit);
+        });
+    }
+}
+
+struct Conn {
+    name: &'static str,
+    peer: SocketAddr,
+    http: Http,
+    stop: CancellationToken,
+    metrics: Option<Arc<Metrics>>,
+    served: Option<ProtocolCounters>,
+}
+
+impl Conn {
+    async fn serve<H, F>(self, sock: TcpStream, tls: Option<Arc<TlsListener>>, handler: H)
+    where
+        H: Fn(http::Request<hyper::body::Incoming>, SocketAddr) -> F + Send + Sync + 'static,
+        F: std::future::Future<Output = http::Response<Body>> + Send + 'static,
+    {
+        let _ = sock.set_nodelay(true);
+        let peer = self.peer;
+        let served = self.served.clone();
+        let Some(tls) = tls else {
+            let service = service_fn(move |req: http::Request<hyper::body::Incoming>| {
+                if let Some(s) = &served {
+                    s.served(req.version());
+                }
+                let fut = handler(req, peer);
+                async move { Ok::<_, Infallible>(fut.await) }
+            });
+            let conn = pin!(self.http.h1.serve_connection(TokioIo::new(sock), service));
+            return self.drive(conn, |c| c.graceful_shutdown()).await;
+        };
+        let accepted = tokio::select! {
+            _ = self.stop.cancelled() => return,
+            a = tls.handshake(sock) => a,
+        };
+        let accepted = match accepted {
+            Ok(a) => a,
+            Err((reason, detail)) => {
+                if let Some(m) = &self.metrics {
+                    m.tls_handshake_failed(self.name, reason);
+                }
+                tracing::debug!(listener = self.name, %peer, reason = reason.as_str(), error = %detail, "TLS handshake failed");
+                return;
+            }
+        };
+        if let Some(m) = &self.metrics {
+            m.tls_handshake_ok(self.name);
+        }
+        let client = accepted.client;
+        let service = service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
+            if let Some(s) = &served {
+                s.served(req.version());
+            }
+            if let Some(cert) = &client {
+                req.extensions_mut().insert(cert.clone());
+            }
+            let fut = handler(req, peer);
+            async move { Ok::<_, Infallible>(fut.await) }
+        });
+        let io = TokioIo::new(accepted.stream);
+        let conn = pin!(self.http.auto.serve_connection(io, service));
+        self.drive(conn, |c| c.graceful_shutdown()).await
+    }
+
+    /// Runs a connection to its end; on stop, asks it to finish the current
+    /// request (HTTP/2: GOAWAY, open streams complete) and waits.
+    async fn drive<C, E>(&self, mut conn: std::pin::Pin<&mut C>, shutdown: impl FnOnce(std::pin::Pin<&mut C>))
+    where
+        C: std::future::Future<Output = Result<(), E>>,
+        E: std::fmt::Display,
+    {
+        let result = tokio::select! {
+            r = conn.as_mut() => r,
+            _ = self.stop.cancelled() => {
+                shutdown(conn.as_mut());
+                conn.await
+            }
+        };
+        if let Err(e) = result {
+            tracing::debug!(listener = self.name, peer = %self.peer, error = %e, "connection ended with an error");
+        }
+    }
+}

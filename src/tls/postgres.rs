@@ -1,0 +1,252 @@
+//! PostgreSQL over TLS: the connection string's `sslmode` and `sslrootcert`
+//! as libpq reads them, honoured with rustls (tokio-postgres-rustls).
+//!
+//! tokio-postgres itself knows `disable`, `prefer` and `require` and refuses
+//! other keys; this module takes `sslmode` and `sslrootcert` out of the
+//! string, hands tokio-postgres `sslmode=require` when TLS is wanted, and
+//! builds the certificate check the mode asks for:
+//! - `require`: encrypted; the certificate is not checked (as in libpq),
+//!   unless `sslrootcert` is given, which makes it `verify-ca` (as in libpq);
+//! - `verify-ca`: the chain must lead to `sslrootcert` (else the system
+//!   roots); the host name is not compared;
+//! - `verify-full`: the chain and the host name.
+//!
+//! `disable` and `prefer` (the default) stay plaintext as before.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use rustls::client::WebPkiServerVerifier;
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::{CertificateError, DigitallySignedStruct, RootCertStore, SignatureScheme};
+
+use super::{LoadError, at, provider, roots, system_roots};
+
+/// `sslmode` as libpq spells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SslMode {
+    Disable,
+    Prefer,
+    Require,
+    VerifyCa,
+    VerifyFull,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PgTlsError {
+    #[error("unknown sslmode {0:?} (use disable, prefer, require, verify-ca or verify-full)")]
+    Mode(String),
+    #[error("sslrootcert: {0}")]
+    Roots(LoadError),
+    #[error("{0}")]
+    Config(tokio_postgres::Error),
+}
+
+/// A parsed connection string and, when TLS is wanted, its client configuration.
+pub struct PgConnect {
+    pub config: tokio_postgres::Config,
+    pub mode: SslMode,
+    pub tls: Option<rustls::ClientConfig>,
+}
+
+/// Parses a connection string (URL or key=value pairs).
+pub fn parse(url: &str) -> Result<PgConnect, PgTlsError> {
+    let (rest, mode, root) = take_ssl_params(url);
+    let mode = match mode.as_deref() {
+        None | Some("prefer") => SslMode::Prefer,
+        Some("disable") => SslMode::Disable,
+        Some("require") if root.is_some() => SslMode::VerifyCa,
+        Some("require") => SslMode::Require,
+        Some("verify-ca") => SslMode::VerifyCa,
+        Some("verify-full") => SslMode::VerifyFull,
+        Some(other) => return Err(PgTlsError::Mode(other.to_owned())),
+    };
+    let mut config: tokio_postgres::Config = rest.parse().map_err(PgTlsError::Config)?;
+    let tls = match mode {
+        SslMode::Disable => {
+            config.ssl_mode(tokio_postgres::config::SslMode::Disable);
+            None
+        }
+        SslMode::Prefer => None,
+        SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => {
+            config.ssl_mode(tokio_postgres::config::SslMode::Require);
+            Some(client_config(mode, root).map_err(PgTlsError::Roots)?)
+        }
+    };
+    Ok(PgConnect { config, mode, tls })
+}
+
+fn client_config(mode: SslMode, root: Option<PathBuf>) -> Result<rustls::ClientConfig, LoadError> {
+    let builder = rustls::ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| at("sslrootcert")(e.into()))?;
+    let roots = |root: Option<PathBuf>| -> Result<RootCertStore, LoadError> {
+        match root {
+            Some(file) => roots(&file).map_err(at("sslrootcert")),
+            None => system_roots().map_err(at("sslrootcert")),
+        }
+    };
+    let config = match mode {
+        SslMode::VerifyFull => builder.with_root_certificates(roots(root)?).with_no_client_auth(),
+        SslMode::VerifyCa => {
+            let inner = WebPkiServerVerifier::builder_with_provider(Arc::new(roots(root)?), provider())
+                .build()
+                .map_err(|e| at("sslrootcert")(super::TlsError::Rustls(rustls::Error::General(e.to_string()))))?;
+            builder.dangerous().with_custom_certificate_verifier(Arc::new(ChainOnly(inner))).with_no_client_auth()
+        }
+        _ => builder.dangerous().with_custom_certificate_verifier(Arc::new(Unchecked(provider()))).with_no_client_auth(),
+    };
+    Ok(config)
+}
+
+/// Removes `sslmode` and `sslrootcert` from a connection string, returning
+/// the rest and their values.
+fn take_ssl_params(url: &str) -> (String, Option<String>, Option<PathBuf>) {
+    let (mut mode, mut root) = (None, None);
+    let is_url = url.starts_with("postgres://") || url.starts_with("postgresql://");
+    if is_url {
+        let Some((base, query)) = url.split_once('?') else { return (url.to_owned(), None, None) };
+        let mut kept = form_urlencoded::Serializer::new(String::new());
+        for (k, v) in form_urlencoded::parse(query.as_bytes()) {
+            match &*k {
+                "sslmode" => mode = Some(v.into_owned()),
+                "sslrootcert" => root = Some(PathBuf::from(v.into_owned())),
+                _ => {
+                    kept.append_pair(&k, &v);
+                }
+            }
+        }
+        let kept = kept.finish();
+        let rest = if kept.is_empty() { base.to_owned() } else { format!("{base}?{kept}") };
+        return (rest, mode, root);
+    }
+    // key=value pairs: values of these two keys hold no spaces or quotes.
+    let mut rest = Vec::new();
+    for token in url.split(' ') {
+        match token.split_once('=') {
+            Some(("sslmode", v)) => mode = Some(v.to_owned()),
+            Some(("sslrootcert", v)) => root = Some(PathBuf::from(v)),
+            _ => rest.push(token),
+        }
+    }
+    (rest.join(" "), mode, root)
+}
+
+/// `verify-ca`: the chain is verified, the host name is not.
+#[derive(Debug)]
+struct ChainOnly(Arc<WebPkiServerVerifier>);
+
+impl ServerCertVerifier for ChainOnly {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        // webpki checks the chain before the name: a name error means the chain is good.
+        match self.0.verify_server_cert(end_entity, intermediates, server_name, ocsp, now) {
+            Err(rustls::Error::InvalidCertificate(CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. })) => {
+                Ok(ServerCertVerified::assertion())
+            }
+            other => other,
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.supported_verify_schemes()
+    }
+}
+
+/// `require` without `sslrootcert`: encryption only (the handshake's
+/// signatures are still checked against the presented certificate).
+#[derive(Debug)]
+struct Unchecked(Arc<rustls::crypto::CryptoProvider>);
+
+impl ServerCertVerifier for Unchecked {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ssl_parameters_are_taken_out_of_both_forms() {
+        let (rest, mode, root) = take_ssl_params("postgres://u@db:5432/x?sslmode=verify-full&sslrootcert=/ca.pem&application_name=a");
+        assert_eq!(rest, "postgres://u@db:5432/x?application_name=a");
+        assert_eq!(mode.as_deref(), Some("verify-full"));
+        assert_eq!(root, Some(PathBuf::from("/ca.pem")));
+        let (rest, mode, root) = take_ssl_params("host=db user=u sslmode=verify-ca sslrootcert=/ca.pem dbname=x");
+        assert_eq!(rest, "host=db user=u dbname=x");
+        assert_eq!((mode.as_deref(), root), (Some("verify-ca"), Some(PathBuf::from("/ca.pem"))));
+        let (rest, mode, _) = take_ssl_params("postgres://u@db/x");
+        assert_eq!((rest.as_str(), mode), ("postgres://u@db/x", None));
+    }
+
+    #[test]
+    fn modes() {
+        assert_eq!(parse("postgres://u@db/x").unwrap().mode, SslMode::Prefer);
+        assert!(parse("postgres://u@db/x").unwrap().tls.is_none());
+        let require = parse("postgres://u@db/x?sslmode=require").unwrap();
+        assert_eq!(require.mode, SslMode::Require);
+        assert!(require.tls.is_some());
+        assert_eq!(require.config.get_ssl_mode(), tokio_postgres::config::SslMode::Require);
+        assert!(matches!(parse("postgres://u@db/x?sslmode=sometimes"), Err(PgTlsError::Mode(_))));
+        match parse("postgres://u@db/x?sslmode=verify-full&sslrootcert=/nonexistent/ca.pem") {
+            Err(PgTlsError::Roots(e)) => assert!(e.to_string().contains("/nonexistent/ca.pem"), "{e}"),
+            other => panic!("{:?}", other.map(|c| c.mode)),
+        }
+    }
+}
