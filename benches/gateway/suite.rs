@@ -120,7 +120,11 @@ fn outcome_shares(outcomes: &[(String, u64)]) -> Vec<String> {
     outcomes.iter().map(|(o, n)| format!("{o} {:.0}%", 100.0 * *n as f64 / total.max(1) as f64)).collect()
 }
 
-pub fn run(opts: &Options, dir: &Path) -> Result<()> {
+/// A group of measurements run after the built-in ones, on the same upstream
+/// and report (the feature benches: `features::run`).
+pub type Section = fn(&mut Ctx, SocketAddr) -> Result<()>;
+
+pub fn run(opts: &Options, dir: &Path, extra: Option<Section>) -> Result<()> {
     let mut ctx = Ctx::new(opts, dir)?;
     ctx.progress(&format!(
         "{} s per run (+{} s warm-up), connections {:?}, gateway {}; numbers from a shared machine are noisy",
@@ -150,8 +154,8 @@ pub fn run(opts: &Options, dir: &Path) -> Result<()> {
         memory(&mut ctx, "idemgate-sqlite", &gw)?;
         gw.stop()?;
     }
-    if crate::features::wanted(opts) {
-        crate::features::run(&mut ctx, upstream.addr)?;
+    if let Some(section) = extra {
+        section(&mut ctx, upstream.addr)?;
     }
     ctx.progress("done");
     println!("\n{}", ctx.report.table());
