@@ -166,7 +166,7 @@ pub fn run(opts: &Options, dir: &Path) -> Result<()> {
     ctx.progress("done");
     println!("\n{}", ctx.report.table());
     println!(
-        "(srv CPU: CPU time of the process under test per request; db CPU: of all PostgreSQL processes, vacuumed and checkpointed before each run)"
+        "(srv CPU: CPU time of the process under test per request; db CPU: of all PostgreSQL processes, checkpointed before each run)"
     );
     println!("(errors: answers other than 2xx/3xx, e.g. the mix's expected 409s for same-key concurrency, plus socket errors)");
     println!("(ratios: best req/s over the connection counts; p99 at the highest connection count)");
