@@ -72,7 +72,7 @@ fn postgres(ctx: &mut Ctx, upstream: SocketAddr) -> Result<()> {
     let keys: Vec<String> = (0..ctx.opts.replay_keys).map(|i| (REPLAY_BASE + i).to_string()).collect();
     gw.populate(&keys, 16)?;
     ctx.progress(PG);
-    let watch = Watch { gateway: Some(&gw), server: Some(gw.cpu()), db: pg.cpu(), pg: Some(&pg) };
+    let watch = Watch { gateway: Some(&gw), server: Some(gw.cpu()), db: pg.cpu(), pg: Some(&pg), pg_db: "bench", analyze: true };
     first_writes(ctx, PG, FIRST, &gw, &watch, "")?;
     if wants(ctx.opts, "identity") {
         replays(ctx, PG, REPLAY, &gw, &watch, gateway::API_KEY, "API key")?;
@@ -162,7 +162,7 @@ fn async_mode(ctx: &mut Ctx, target: &str, base: &Spec, pg: Option<&Pg>) -> Resu
     front.route_extra = "mode = \"async\"\n".into();
     let gw = Gateway::start(&front, ctx.dir)?;
     ctx.progress(&format!("{target}: async acceptance"));
-    let watch = Watch { gateway: Some(&gw), server: Some(gw.cpu()), db: pg.and_then(Pg::cpu), pg };
+    let watch = Watch { gateway: Some(&gw), server: Some(gw.cpu()), db: pg.and_then(Pg::cpu), pg, pg_db: "bench", analyze: true };
     first_writes(ctx, target, ACCEPT, &gw, &watch, "202s; front replica, [workers] count = 0")?;
     gw.stop()?;
 
@@ -227,7 +227,7 @@ fn events(ctx: &mut Ctx, base: &Spec, pg: &Pg, upstream: SocketAddr) -> Result<(
     let started = Instant::now();
     let gw = Gateway::start(&spec, ctx.dir)?;
     ctx.progress(&format!("{PG}: first writes with completion events"));
-    let watch = Watch { gateway: Some(&gw), server: Some(gw.cpu()), db: pg.cpu(), pg: Some(pg) };
+    let watch = Watch { gateway: Some(&gw), server: Some(gw.cpu()), db: pg.cpu(), pg: Some(pg), pg_db: "bench", analyze: true };
     first_writes(ctx, PG, EVENTS, &gw, &watch, "[routes.events] to the bench upstream (201)")?;
     let load_secs = started.elapsed().as_secs_f64();
     let delivered =
@@ -276,7 +276,7 @@ fn jwt(ctx: &mut Ctx, base: &Spec, pg: &Pg) -> Result<()> {
         Some(format!("[[identity.sources]]\nkind = \"jwt\"\njwks_file = \"{}\"\nalgorithms = [\"RS256\"]\n", jwks_path.display()));
     let gw = Gateway::start(&spec, ctx.dir)?;
     ctx.progress(&format!("{PG}: replays with a JWT"));
-    let watch = Watch { gateway: Some(&gw), server: Some(gw.cpu()), db: pg.cpu(), pg: Some(pg) };
+    let watch = Watch { gateway: Some(&gw), server: Some(gw.cpu()), db: pg.cpu(), pg: Some(pg), pg_db: "bench", analyze: true };
     replays(ctx, PG, JWT, &gw, &watch, &token, "RS256 2048-bit, jwks_file")?;
     gw.stop()
 }
@@ -288,7 +288,7 @@ fn authorizer(ctx: &mut Ctx, base: &Spec, pg: &Pg, upstream: SocketAddr) -> Resu
     spec.route_extra = format!("[routes.authorize]\nurl = \"http://{upstream}/authz\"\n");
     let gw = Gateway::start(&spec, ctx.dir)?;
     ctx.progress(&format!("{PG}: replays with an authorizer"));
-    let watch = Watch { gateway: Some(&gw), server: Some(gw.cpu()), db: pg.cpu(), pg: Some(pg) };
+    let watch = Watch { gateway: Some(&gw), server: Some(gw.cpu()), db: pg.cpu(), pg: Some(pg), pg_db: "bench", analyze: true };
     replays(ctx, PG, AUTHZ, &gw, &watch, gateway::API_KEY, "API key + authorizer (bench upstream, cache 0s)")?;
     gw.stop()
 }

@@ -104,6 +104,10 @@ pub struct Options {
     /// `name=value` settings applied to the benchmark database
     /// (`ALTER DATABASE bench SET ...`), for experiments.
     pub pg_settings: Vec<(String, String)>,
+    /// `VACUUM ANALYZE` before each PostgreSQL run of the default suite
+    /// (steady state). Off by default: the runs meet the database as a new
+    /// user's gateway does, freshly migrated and never analyzed.
+    pub steady: bool,
     pub wrk: PathBuf,
     pub nginx: PathBuf,
 }
@@ -131,6 +135,7 @@ impl Options {
             scale_rows: env_list("IDEMGATE_BENCH_SCALE_ROWS", &[1_000_000, 20_000_000])?,
             sweep_rows: env_num("IDEMGATE_BENCH_SWEEP_ROWS", 500_000)?,
             pg_settings: pg_settings()?,
+            steady: env_num("IDEMGATE_BENCH_STEADY", 0u32)? == 1,
             wrk: find_tool("IDEMGATE_BENCH_WRK", "wrk")?,
             nginx: find_tool("IDEMGATE_BENCH_NGINX", "nginx")?,
         })

@@ -76,6 +76,20 @@ impl Pg {
         Ok(())
     }
 
+    /// CHECKPOINT only: no checkpoint work left over from earlier load, and
+    /// the statistics left as they are.
+    pub fn checkpoint(&self, db: &str) -> Result<()> {
+        self.psql(db, "CHECKPOINT")?;
+        Ok(())
+    }
+
+    /// Sequential scans of `idemgate_records` so far (`pg_stat_user_tables`;
+    /// backends report at most once a second, so a count can lag a little).
+    pub fn records_seq_scans(&self, db: &str) -> Result<u64> {
+        let out = self.psql(db, "SELECT coalesce(sum(seq_scan), 0) FROM pg_stat_user_tables WHERE relname = 'idemgate_records'")?;
+        out.trim().parse().with_context(|| format!("seq_scan: {out:?}"))
+    }
+
     /// A pgbench command connected to `db`; the caller adds the workload.
     pub fn pgbench(&self, db: &str) -> Command {
         let mut cmd = Command::new(&self.pgbench);

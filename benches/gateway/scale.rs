@@ -125,7 +125,8 @@ fn at_size(ctx: &mut Ctx, gw: &Gateway, pg: &Pg, rows: u64) -> Result<AtSize> {
     let label = count_label(rows);
     let target = format!("idemgate-pg@{label}");
     ctx.progress(&target);
-    let watch = Watch { gateway: Some(gw), server: Some(gw.cpu()), db: pg.cpu(), pg: Some(pg) };
+    // As before: populated with SQL and analyzed (VACUUM ANALYZE before each run).
+    let watch = Watch { gateway: Some(gw), server: Some(gw.cpu()), db: pg.cpu(), pg: Some(pg), pg_db: "bench", analyze: true };
     let url = format!("http://{}{}", gw.addr, gateway::ROUTE_PATH);
     let mut first = Vec::new();
     let mut replay = Vec::new();

@@ -59,9 +59,14 @@ pub struct Watch<'a> {
     pub server: Option<Cpu>,
     /// The database's processes, for CPU per request.
     pub db: Option<Cpu>,
-    /// Vacuumed and checkpointed before each run, so that background work
-    /// left by the previous run does not land in this one.
+    /// Checkpointed before each run, so that background work left by the
+    /// previous run does not land in this one; its sequential scans of
+    /// `idemgate_records` during the run go into the notes.
     pub pg: Option<&'a Pg>,
+    /// The database of those runs.
+    pub pg_db: &'a str,
+    /// Also `VACUUM ANALYZE` before each run (steady-state statistics).
+    pub analyze: bool,
 }
 
 /// A measured run and the gateway's metrics around it (warm-up excluded).
@@ -81,11 +86,12 @@ pub fn measure(
     run: impl Fn(&Ctx, u32) -> Result<LoadResult>,
 ) -> Result<Measured> {
     if let Some(pg) = watch.pg {
-        pg.settle("bench")?;
+        if watch.analyze { pg.settle(watch.pg_db)? } else { pg.checkpoint(watch.pg_db)? }
     }
     if ctx.opts.warmup > 0 {
         run(ctx, ctx.opts.warmup)?;
     }
+    let seq_before = watch.pg.map(|pg| pg.records_seq_scans(watch.pg_db)).transpose()?;
     let before = watch.gateway.map(Gateway::metrics).transpose()?.unwrap_or_default();
     let reset = watch.gateway.is_some_and(Gateway::reset_peak_rss);
     let cpu_before = (watch.server.map(|c| c.seconds()), watch.db.map(|c| c.seconds()));
@@ -98,6 +104,10 @@ pub fn measure(
     let db_cpu_us = per_request(cpu_before.1, watch.db.map(|c| c.seconds()));
     let after = watch.gateway.map(Gateway::metrics).transpose()?.unwrap_or_default();
     let mut notes = vec![note.to_owned()];
+    if let (Some(pg), Some(before)) = (watch.pg, seq_before) {
+        let now = pg.records_seq_scans(watch.pg_db)?;
+        notes.push(format!("seq_scan+{} (total {now})", now.saturating_sub(before)));
+    }
     notes.extend(outcome_shares(&after.outcomes_since(&before)));
     if watch.gateway.is_some() && !reset {
         notes.push("(peak RSS since start)".into());
@@ -160,7 +170,7 @@ pub fn run(opts: &Options, dir: &Path, extra: Option<Section>) -> Result<()> {
     ctx.progress("done");
     println!("\n{}", ctx.report.table());
     println!(
-        "(srv CPU: CPU time of the process under test per request; db CPU: of all PostgreSQL processes, vacuumed and checkpointed before each run)"
+        "(srv CPU: CPU time of the process under test per request; db CPU: of all PostgreSQL processes, checkpointed before each run)"
     );
     println!("(errors: answers other than 2xx/3xx, e.g. the mix's expected 409s for same-key concurrency, plus socket errors)");
     println!("(ratios: best req/s over the connection counts; p99 at the highest connection count)");
@@ -184,15 +194,27 @@ fn postgres(ctx: &mut Ctx, upstream: SocketAddr) -> Result<()> {
     let pg = Pg::start()?;
     let captured = pgbench::capture(&pg, ctx.dir, upstream)?;
     ctx.report.line(format!("gateway SQL, captured from the PostgreSQL log: {}", captured.describe()));
-    let url = pg.create_database("bench")?;
-    pg.set_database_settings("bench", &ctx.opts.pg_settings)?;
+    // Each gateway gets a database of its own, freshly migrated by it and,
+    // unless IDEMGATE_BENCH_STEADY=1, never analyzed: what a new user's
+    // gateway meets (autovacuum may analyze it during the runs, as it would).
+    let mut urls = Vec::new();
+    for db in ["bench", "bench_nolog"] {
+        urls.push(pg.create_database(db)?);
+        pg.set_database_settings(db, &ctx.opts.pg_settings)?;
+    }
+    let (url, nolog_url) = (urls.swap_remove(0), urls.swap_remove(0));
     if !ctx.opts.pg_settings.is_empty() {
         ctx.report.line(format!("PostgreSQL settings for the bench database: {:?}", ctx.opts.pg_settings));
     }
+    ctx.report.line(if ctx.opts.steady {
+        "PostgreSQL runs: VACUUM ANALYZE and CHECKPOINT before each (IDEMGATE_BENCH_STEADY=1)".to_owned()
+    } else {
+        "PostgreSQL runs: a freshly migrated database, never analyzed by the bench (CHECKPOINT before each run); \
+         seq_scan+N: sequential scans of idemgate_records during the run"
+            .to_owned()
+    });
     if ctx.opts.wants("accesslog") {
-        // Before the main runs, so that the gateway with the access log (the
-        // default) meets the larger table: the comparison errs against it.
-        without_access_log(ctx, &pg, &url, upstream)?;
+        without_access_log(ctx, &pg, &nolog_url, upstream)?;
     }
     let spec = Spec::new("gateway-pg", Store::Postgres { url }, upstream);
     let gw = prepared_gateway(ctx, &spec)?;
@@ -217,7 +239,8 @@ fn without_access_log(ctx: &mut Ctx, pg: &Pg, url: &str, upstream: SocketAddr) -
     let target = "idemgate-pg-nolog";
     ctx.progress(target);
     let url = format!("http://{}{}", gw.addr, gateway::ROUTE_PATH);
-    let watch = Watch { gateway: Some(&gw), server: Some(gw.cpu()), db: pg.cpu(), pg: Some(pg) };
+    let watch =
+        Watch { gateway: Some(&gw), server: Some(gw.cpu()), db: pg.cpu(), pg: Some(pg), pg_db: "bench_nolog", analyze: ctx.opts.steady };
     let replay_count = ctx.opts.replay_keys.to_string();
     for (name, scenario) in [("first write", Scenario::FirstWrite), ("replay", Scenario::Replay)] {
         for conns in ctx.opts.conns.clone() {
@@ -248,7 +271,7 @@ fn prepared_gateway(ctx: &Ctx, spec: &Spec) -> Result<Gateway> {
 fn gateway_scenarios(ctx: &mut Ctx, target: &str, gw: &Gateway, pg: Option<&Pg>) -> Result<()> {
     ctx.progress(target);
     let url = format!("http://{}{}", gw.addr, gateway::ROUTE_PATH);
-    let watch = Watch { gateway: Some(gw), server: Some(gw.cpu()), db: pg.and_then(Pg::cpu), pg };
+    let watch = Watch { gateway: Some(gw), server: Some(gw.cpu()), db: pg.and_then(Pg::cpu), pg, pg_db: "bench", analyze: ctx.opts.steady };
     let replay_count = ctx.opts.replay_keys.to_string();
     for (name, scenario) in
         [("passthrough", Scenario::Get), ("first write", Scenario::FirstWrite), ("replay", Scenario::Replay), ("mix", Scenario::Mix)]
@@ -340,7 +363,7 @@ fn pgbench_ceiling(ctx: &mut Ctx, pg: &Pg, captured: &Captured) -> Result<()> {
             pgbench::workload(ctx.dir, "replay_path", &captured.replay, &replay_keys)?,
         ));
     }
-    let watch = Watch { db: pg.cpu(), pg: Some(pg), ..Watch::default() };
+    let watch = Watch { db: pg.cpu(), pg: Some(pg), pg_db: "bench", analyze: ctx.opts.steady, ..Watch::default() };
     for (name, stmts, workload) in &workloads {
         let note = match stmts {
             Some(stmts) => format!("{} autocommit: {}, one request per statement", stmts.len(), pgbench::summarize_all(stmts)),

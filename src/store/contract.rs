@@ -136,6 +136,9 @@ pub enum RawClaim {
     Claimed(Claim),
     /// The statement saw this record and left it alone.
     Existing(Record, Timestamp),
+    /// The same, and no resolution holds the record out of the replay caches
+    /// (see `store::cache`): a completed record may be kept for replays.
+    Cacheable(Record, Timestamp),
     /// A concurrent insert won after the statement's snapshot: read it in a new statement.
     Conflict,
 }

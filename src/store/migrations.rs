@@ -29,6 +29,7 @@ pub const POSTGRES: &[Migration] = &[
     Migration { version: 5, name: "0005_scope_id", sql: include_str!("../../migrations/postgres/0005_scope_id.sql") },
     Migration { version: 6, name: "0006_key_source_forever", sql: include_str!("../../migrations/postgres/0006_key_source_forever.sql") },
     Migration { version: 7, name: "0007_outbox", sql: include_str!("../../migrations/postgres/0007_outbox.sql") },
+    Migration { version: 8, name: "0008_plans_replay_cache", sql: include_str!("../../migrations/postgres/0008_plans_replay_cache.sql") },
 ];
 
 pub const SQLITE: &[Migration] = &[
@@ -47,6 +48,7 @@ pub const SQLITE: &[Migration] = &[
     Migration { version: 5, name: "0005_scope_id", sql: include_str!("../../migrations/sqlite/0005_scope_id.sql") },
     Migration { version: 6, name: "0006_key_source_forever", sql: include_str!("../../migrations/sqlite/0006_key_source_forever.sql") },
     Migration { version: 7, name: "0007_outbox", sql: include_str!("../../migrations/sqlite/0007_outbox.sql") },
+    Migration { version: 8, name: "0008_plans_replay_cache", sql: include_str!("../../migrations/sqlite/0008_plans_replay_cache.sql") },
 ];
 
 /// The `idemgate_settings` row holding the derived-key secret.

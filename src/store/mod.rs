@@ -11,6 +11,7 @@
 //! The conformance suite in `tests/store_conformance.rs` runs the same cases
 //! against both backends.
 
+pub mod cache;
 pub mod codec;
 pub mod contract;
 mod error;
@@ -115,6 +116,8 @@ pub struct Store {
     metrics: Option<Arc<Metrics>>,
     /// Which operations write completion events with their final state changes.
     events: Arc<EventPolicies>,
+    /// Completed records read in the last second (PostgreSQL; see `cache`).
+    cache: Option<Arc<cache::ReplayCache>>,
 }
 
 /// How many times an ambiguous write is read back and retried before giving up.
@@ -143,13 +146,15 @@ impl Store {
     /// Connects (PostgreSQL: builds the pool; SQLite: opens the file, see
     /// [`Access`]).
     pub async fn open(config: &StoreConfig, access: Access) -> Result<Store, StoreError> {
-        let backend: Arc<dyn RecordStore> = match &config.backend {
+        let (backend, cache): (Arc<dyn RecordStore>, _) = match &config.backend {
             StoreBackend::Postgres { url, pool_size } => {
-                Arc::new(postgres::PgStore::connect(url.expose(), *pool_size, config.operation_timeout)?)
+                (Arc::new(postgres::PgStore::connect(url.expose(), *pool_size, config.operation_timeout)?), Some(Arc::default()))
             }
-            StoreBackend::Sqlite { path } => Arc::new(sqlite::SqliteStore::open(path, access).await?),
+            // The embedded store's file can be resolved by `idemgate keys`
+            // beside the gateway, outside the protocol the cache relies on.
+            StoreBackend::Sqlite { path } => (Arc::new(sqlite::SqliteStore::open(path, access).await?), None),
         };
-        Ok(Store { backend, timeout: config.operation_timeout, metrics: None, events: Arc::default() })
+        Ok(Store { backend, timeout: config.operation_timeout, metrics: None, events: Arc::default(), cache })
     }
 
     /// The routes' `[routes.events]`: their final state changes write outbox rows.
@@ -202,11 +207,26 @@ impl Store {
     /// returns. After an ambiguous failure the row is read back: our token
     /// means the claim happened.
     pub async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        if let Some((record, now)) = self.cache.as_ref().and_then(|c| c.get(&req.scope, &req.request_hash)) {
+            return Ok(ClaimOutcome::Existing { record, now });
+        }
         let mut last = StoreError::Unavailable("claim not attempted".into());
         let token = req.claim_token;
         for _ in 0..AMBIGUITY_ATTEMPTS {
+            let sent = Instant::now();
             match self.bounded("claim", true, self.backend.claim(req)).await {
                 Ok(RawClaim::Claimed(claim)) => return Ok(ClaimOutcome::Claimed(claim)),
+                Ok(RawClaim::Cacheable(record, _)) if own_claim(&record, token) => return Ok(ClaimOutcome::Claimed(claim_of(req, record))),
+                Ok(RawClaim::Cacheable(record, now)) => {
+                    // Kept for this request's fingerprint only (`cache::put`
+                    // keeps completed records only).
+                    if let Some(cache) = &self.cache
+                        && record.request_hash == req.request_hash
+                    {
+                        cache.put(&record, now, sent);
+                    }
+                    return Ok(ClaimOutcome::Existing { record, now });
+                }
                 // Our own claim, re-sent: an earlier attempt committed late.
                 Ok(RawClaim::Existing(record, _)) if own_claim(&record, token) => return Ok(ClaimOutcome::Claimed(claim_of(req, record))),
                 Ok(RawClaim::Existing(record, now)) => return Ok(ClaimOutcome::Existing { record, now }),
@@ -427,8 +447,18 @@ impl Store {
     }
 
     /// An operator's or the reconciler's resolution, with its audit row.
+    /// A completed record is first held out of every replica's replay cache
+    /// (see `cache`), which adds `cache::HOLD_WAIT` to its bound.
     pub async fn resolve(&self, scope: &Scope, resolution: &Resolution, note: &AuditNote) -> Result<ResolveOutcome, StoreError> {
-        self.bounded("resolve", true, self.backend.resolve(scope, resolution, note, &self.events, None)).await
+        let fut = self.backend.resolve(scope, resolution, note, &self.events, None);
+        let out = match tokio::time::timeout(self.timeout + cache::HOLD_WAIT * 2, fut).await {
+            Ok(r) => r,
+            Err(_) => Err(StoreError::Ambiguous(format!("resolve timed out after {:?}", self.timeout + cache::HOLD_WAIT * 2))),
+        };
+        if let Some(cache) = &self.cache {
+            cache.forget(scope);
+        }
+        out
     }
 
     /// The reconciler's resolution: like [`Store::resolve`], but only for

@@ -40,97 +40,15 @@ impl<'a> FromSql<'a> for Timestamp {
     }
 }
 
-const COLUMNS: &str = "tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner, \
-     lease_expires_at, response_status, response_headers, response_body, created_at, updated_at, expires_at, \
-     operation_id, attempts, next_attempt_at, sent_at, last_status, maybe_executed, key_source";
-/// How many columns `COLUMNS` has: the next column of a row is at this index.
-const NCOLS: usize = 23;
-
-/// The claim: one statement, autocommitted. It reads the scope's row, takes it
-/// over if `record::may_take_over` allows (an UPDATE that re-checks the
-/// condition on the latest row version), or inserts when there is none
-/// (`ON CONFLICT DO NOTHING`). At most one of the two writes acts. When neither
-/// does, nothing is written or locked, so a replay or a duplicate costs no
-/// commit; the row seen is returned with the database clock.
-///
-/// With an operation id (`$10`) it is an async acceptance: the record starts
-/// `queued` (due now, no lease) and keeps the request (`$11`) for the workers.
-const CLAIM: &str = "\
-WITH cur AS (
-    SELECT tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
-           lease_expires_at, response_status, response_headers, response_body, created_at, updated_at, expires_at,
-           operation_id, attempts, next_attempt_at, sent_at, last_status, maybe_executed, key_source
-    FROM idemgate_records
-    WHERE tenant = $1 AND principal = $2 AND operation = $3 AND idempotency_key = $4
-), taken AS (
-    UPDATE idemgate_records r SET
-        request_hash = $5, state = CASE WHEN $10::text IS NULL THEN 'in_flight' ELSE 'queued' END,
-        generation = nextval('idemgate_generation'), claim_token = $6, owner = $7,
-        lease_expires_at = CASE WHEN $10::text IS NULL THEN now() + $8::int8 * interval '1 microsecond' END,
-        response_status = NULL, response_headers = NULL, response_body = NULL,
-        created_at = now(), updated_at = now(), expires_at = now() + $8::int8 * interval '1 microsecond',
-        operation_id = $10, request = $11, attempts = 0,
-        next_attempt_at = CASE WHEN $10::text IS NOT NULL THEN now() END, sent_at = NULL, last_status = NULL, maybe_executed = false,
-        key_source = $12,
-        scope_id = $13
-    WHERE r.tenant = $1 AND r.principal = $2 AND r.operation = $3 AND r.idempotency_key = $4
-      AND ((r.state IN ('completed', 'failed_retryable') AND r.expires_at <= now())
-           OR ($9::bool AND r.request_hash = $5
-               AND (r.state = 'unknown' OR (r.state = 'in_flight' AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())))))
-    RETURNING r.generation, coalesce(r.lease_expires_at, now())
-), inserted AS (
-    INSERT INTO idemgate_records
-        (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
-         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, key_source, scope_id)
-    SELECT $1, $2, $3, $4, $5, CASE WHEN $10::text IS NULL THEN 'in_flight' ELSE 'queued' END, nextval('idemgate_generation'), $6, $7,
-           CASE WHEN $10::text IS NULL THEN now() + $8::int8 * interval '1 microsecond' END, now(), now(),
-           now() + $8::int8 * interval '1 microsecond', $10, $11, CASE WHEN $10::text IS NOT NULL THEN now() END, $12, $13
-    WHERE NOT EXISTS (SELECT 1 FROM cur)
-    ON CONFLICT (tenant, principal, operation, idempotency_key) DO NOTHING
-    RETURNING generation, coalesce(lease_expires_at, now())
-)
-SELECT cur.*, now(),
-       (SELECT generation FROM inserted), (SELECT coalesce FROM inserted),
-       (SELECT generation FROM taken), (SELECT coalesce FROM taken)
-FROM (SELECT 1) AS one LEFT JOIN cur ON true";
-
-/// A worker takes the oldest due operation of its routes: the row is locked
-/// with `SKIP LOCKED` (a concurrent worker takes the next one), drawn a new
-/// generation and token, and leased for its route's lease.
-const TAKE: &str = "\
-WITH routes AS (
-    SELECT * FROM unnest($1::text[], $2::int8[]) AS ro(operation, lease_us)
-), next AS (
-    SELECT r.tenant, r.principal, r.operation, r.idempotency_key
-    FROM idemgate_records r
-    WHERE r.state = 'queued' AND r.next_attempt_at <= now() AND r.operation = ANY($1::text[])
-    ORDER BY r.next_attempt_at
-    LIMIT 1
-    FOR UPDATE SKIP LOCKED
-)
-UPDATE idemgate_records r SET
-    state = 'processing', generation = nextval('idemgate_generation'), claim_token = $3, owner = $4,
-    lease_expires_at = now() + ro.lease_us * interval '1 microsecond', attempts = r.attempts + 1, sent_at = NULL,
-    next_attempt_at = NULL, updated_at = now()
-FROM next n, routes ro
-WHERE r.tenant = n.tenant AND r.principal = n.principal AND r.operation = n.operation AND r.idempotency_key = n.idempotency_key
-  AND ro.operation = r.operation
-RETURNING r.tenant, r.principal, r.operation, r.idempotency_key, r.request_hash, r.state, r.generation, r.claim_token, r.owner,
-          r.lease_expires_at, r.response_status, r.response_headers, r.response_body, r.created_at, r.updated_at, r.expires_at,
-          r.operation_id, r.attempts, r.next_attempt_at, r.sent_at, r.last_status, r.maybe_executed, r.key_source, now(), r.request";
-
-/// A fenced async write: the attempt's generation and token, `processing`.
-const FENCE: &str = "generation = $5 AND claim_token = $6 AND state = 'processing'";
-
 const KIND: &str = "postgres";
-
-const PK: &str = "tenant = $1 AND principal = $2 AND operation = $3 AND idempotency_key = $4";
 
 mod batch;
 mod failover;
+pub mod sql;
 
 use batch::Batcher;
 use failover::{Flush, HostWalk, Verdict};
+use sql::NCOLS;
 
 /// The pool, shared by the store and its batchers.
 #[derive(Debug, Clone)]
@@ -188,10 +106,9 @@ impl Db {
 #[derive(Debug)]
 pub struct PgStore {
     db: Db,
-    /// Concurrent claims share one INSERT (see `batch`).
-    claims: Batcher<ClaimItem, BatchClaim>,
-    /// Concurrent result writes share one UPDATE.
-    completes: Batcher<CompleteItem, BatchWrite>,
+    /// Concurrent claims and result writes share one statement and one
+    /// commit (see `batch`).
+    writes: Batcher<WriteItem, WriteOut>,
 }
 
 /// Bound on a readiness ping: `/readyz` must answer within about a second
@@ -200,7 +117,7 @@ const PING_BOUND: Duration = Duration::from_millis(800);
 
 /// Most requests one batched statement carries.
 const MAX_BATCH: usize = 128;
-/// Batched statements of one kind running at once.
+/// Batched statements running at once.
 const BATCH_CONCURRENCY: usize = 4;
 
 /// A pooled connection that is discarded, not returned to the pool, unless the
@@ -252,11 +169,6 @@ fn retention_us(r: Retention) -> Option<i64> {
     r.finite().map(micros)
 }
 
-/// `expires_at` from a retention parameter (`retention_us`) at `$7`, `$8`, `$9`.
-const EXPIRES_7: &str = "coalesce(now() + $7::int8 * interval '1 microsecond', 'infinity')";
-const EXPIRES_8: &str = "coalesce(now() + $8::int8 * interval '1 microsecond', 'infinity')";
-const EXPIRES_9: &str = "coalesce(now() + $9::int8 * interval '1 microsecond', 'infinity')";
-
 impl PgStore {
     pub fn connect(url: &str, pool_size: usize, timeout: Duration) -> Result<PgStore, StoreError> {
         // sslmode and sslrootcert as libpq reads them (see crate::tls::postgres).
@@ -267,15 +179,14 @@ impl PgStore {
         if pg.get_application_name().is_none() {
             pg.application_name("idemgate");
         }
-        // The batched statements take arrays; left to itself PostgreSQL keeps
-        // re-planning them per execution (custom plans), which doubled their
-        // cost in the benchmark. Every statement idemgate sends is a prepared
-        // primary-key or index access, so the generic plan is always right.
+        // The session settings that keep every plan on its index whatever the
+        // statistics say (see `sql`).
         //
         // statement_timeout: a statement the gateway gave up on (its operation
         // timed out, so it answered and may have abandoned a claim) must not
         // go on and commit later; the server cancels it at the same bound.
-        let ours = format!("-c plan_cache_mode=force_generic_plan -c statement_timeout={}", timeout.as_millis().max(1));
+        let mut ours: String = sql::SESSION_SETTINGS.iter().map(|(name, value)| format!("-c {name}={value} ")).collect();
+        ours.push_str(&format!("-c statement_timeout={}", timeout.as_millis().max(1)));
         let options = match pg.get_options() {
             Some(o) if !o.is_empty() => format!("{o} {ours}"),
             _ => ours,
@@ -303,21 +214,15 @@ impl PgStore {
             .build()
             .map_err(|e| StoreError::Unavailable(format!("cannot build the connection pool: {e}")))?;
         let db = Db { pool, timeout, flush };
-        let claims = {
+        let writes = {
             let db = db.clone();
-            Batcher::start("claims", MAX_BATCH, BATCH_CONCURRENCY, move |items| {
+            let concurrency = std::env::var("IDEMGATE_PG_BATCH_CONCURRENCY").ok().and_then(|v| v.parse().ok()).unwrap_or(BATCH_CONCURRENCY);
+            Batcher::start("writes", MAX_BATCH, concurrency, move |items| {
                 let db = db.clone();
-                async move { db.claim_batch(items).await }
+                async move { db.write_batch(items).await }
             })
         };
-        let completes = {
-            let db = db.clone();
-            Batcher::start("completes", MAX_BATCH, BATCH_CONCURRENCY, move |items| {
-                let db = db.clone();
-                async move { db.complete_batch(items).await }
-            })
-        };
-        Ok(PgStore { db, claims, completes })
+        Ok(PgStore { db, writes })
     }
 
     async fn conn(&self) -> Result<Conn, StoreError> {
@@ -333,7 +238,7 @@ impl PgStore {
         let s = &req.scope;
         let rows = self
             .query(
-                CLAIM,
+                &sql::CLAIM,
                 &[
                     &&*s.tenant,
                     &&*s.principal,
@@ -376,7 +281,9 @@ impl PgStore {
             return Ok(RawClaim::Conflict);
         }
         let now: Timestamp = row.try_get(NCOLS).map_err(c)?;
-        Ok(RawClaim::Existing(decode(row)?, now))
+        let cacheable: bool = row.try_get(NCOLS + 5).map_err(c)?;
+        let record = decode(row)?;
+        Ok(if cacheable { RawClaim::Cacheable(record, now) } else { RawClaim::Existing(record, now) })
     }
 
     /// The single-row result write: used when a batched statement deadlocked.
@@ -388,21 +295,11 @@ impl PgStore {
         retention: Retention,
         emit: Emit,
     ) -> Result<bool, StoreError> {
-        let sql = format!(
-            "WITH upd AS (UPDATE idemgate_records SET state = 'completed', response_status = $6, response_headers = $7, \
-             response_body = $8, lease_expires_at = NULL, updated_at = now(), expires_at = {EXPIRES_9} \
-             WHERE {PK} AND generation = $5 AND claim_token = $10 AND state IN ('in_flight', 'processing') \
-             RETURNING tenant, principal, operation, idempotency_key, generation, response_status, operation_id, response_body), \
-             ev AS (INSERT INTO idemgate_events {EVENT_INSERT} \
-             SELECT 'completed', tenant, principal, operation, idempotency_key, generation, response_status, operation_id, NULL, \
-             CASE WHEN $12 THEN response_body END FROM upd WHERE $11) \
-             SELECT 1 FROM upd"
-        );
         let headers = encode_headers(&response.headers);
         let body: Option<&[u8]> = response.body.as_deref();
         let rows = self
             .query(
-                &sql,
+                &sql::COMPLETE,
                 &[
                     &&*scope.tenant,
                     &&*scope.principal,
@@ -506,22 +403,25 @@ impl RecordStore for PgStore {
             key_source: req.key_source.clone(),
             request_head: req.request_head.clone(),
         };
-        match self.claims.submit(item).await? {
+        let WriteOut::Claim(out) = self.writes.submit(WriteItem::Claim(item)).await? else {
+            return Err(StoreError::Corrupt("batched write: a claim answered as a result write".into()));
+        };
+        match out {
             BatchClaim::Inserted { generation, lease_expires_at } => {
                 Ok(RawClaim::Claimed(Claim { scope: s.clone(), generation, claim_token: token, lease_expires_at, took_over: false }))
             }
-            BatchClaim::Existing(record, now) if may_take_over(&record, &req.request_hash, now, req.upstream_idempotent) => {
+            BatchClaim::Existing(record, now, _) if may_take_over(&record, &req.request_hash, now, req.upstream_idempotent) => {
                 self.claim_one(req, token).await
             }
-            BatchClaim::Existing(record, now) => Ok(RawClaim::Existing(*record, now)),
+            BatchClaim::Existing(record, now, true) => Ok(RawClaim::Cacheable(*record, now)),
+            BatchClaim::Existing(record, now, false) => Ok(RawClaim::Existing(*record, now)),
             BatchClaim::Conflict => Ok(RawClaim::Conflict),
             BatchClaim::Retry => self.claim_one(req, token).await,
         }
     }
 
     async fn get(&self, scope: &Scope) -> Result<Option<(Record, Timestamp)>, StoreError> {
-        let sql = format!("SELECT {COLUMNS}, now() FROM idemgate_records WHERE {PK}");
-        let rows = self.query(&sql, &[&&*scope.tenant, &&*scope.principal, &&*scope.operation, &scope.key.as_str()], false).await?;
+        let rows = self.query(&sql::GET, &[&&*scope.tenant, &&*scope.principal, &&*scope.operation, &scope.key.as_str()], false).await?;
         match rows.first() {
             None => Ok(None),
             Some(row) => {
@@ -551,7 +451,10 @@ impl RecordStore for PgStore {
             retention_us: retention_us(retention),
             emit,
         };
-        match self.completes.submit(item).await? {
+        let WriteOut::Complete(out) = self.writes.submit(WriteItem::Complete(item)).await? else {
+            return Err(StoreError::Corrupt("batched write: a result write answered as a claim".into()));
+        };
+        match out {
             BatchWrite::Written => Ok(true),
             BatchWrite::Fenced => Ok(false),
             BatchWrite::Retry => self.complete_one(scope, attempt, response, retention, emit).await,
@@ -559,11 +462,9 @@ impl RecordStore for PgStore {
     }
 
     async fn release(&self, scope: &Scope, attempt: Attempt) -> Result<bool, StoreError> {
-        let sql =
-            format!("DELETE FROM idemgate_records WHERE {PK} AND generation = $5 AND claim_token = $6 AND state = 'in_flight' RETURNING 1");
         let rows = self
             .query(
-                &sql,
+                &sql::RELEASE,
                 &[
                     &&*scope.tenant,
                     &&*scope.principal,
@@ -579,8 +480,9 @@ impl RecordStore for PgStore {
     }
 
     async fn abandon(&self, scope: &Scope, token: Uuid) -> Result<bool, StoreError> {
-        let sql = format!("DELETE FROM idemgate_records WHERE {PK} AND claim_token = $5 AND state = 'in_flight' RETURNING 1");
-        let rows = self.query(&sql, &[&&*scope.tenant, &&*scope.principal, &&*scope.operation, &scope.key.as_str(), &token], true).await?;
+        let rows = self
+            .query(&sql::ABANDON, &[&&*scope.tenant, &&*scope.principal, &&*scope.operation, &scope.key.as_str(), &token], true)
+            .await?;
         Ok(!rows.is_empty())
     }
 
@@ -591,19 +493,10 @@ impl RecordStore for PgStore {
         only_if_lease_expired: bool,
         events: &EventPolicies,
     ) -> Result<bool, StoreError> {
-        let sql = format!(
-            "WITH upd AS (UPDATE idemgate_records SET state = 'unknown', updated_at = now() \
-             WHERE {PK} AND generation = $5 AND claim_token = $7 AND state IN ('in_flight', 'processing') \
-             AND (NOT $6::bool OR lease_expires_at IS NULL OR lease_expires_at <= now()) \
-             RETURNING tenant, principal, operation, idempotency_key, generation, operation_id), \
-             ev AS (INSERT INTO idemgate_events {EVENT_INSERT} \
-             SELECT 'unknown', tenant, principal, operation, idempotency_key, generation, NULL, operation_id, NULL, NULL FROM upd WHERE $8) \
-             SELECT 1 FROM upd"
-        );
         let emit = events.emits(&scope.operation, EventType::Unknown);
         let rows = self
             .query(
-                &sql,
+                &sql::MARK_UNKNOWN,
                 &[
                     &&*scope.tenant,
                     &&*scope.principal,
@@ -622,24 +515,36 @@ impl RecordStore for PgStore {
 
     async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>, StoreError> {
         // Keyset pagination: after the cursor's record in the list's order
-        // (updated_at descending, then the primary key ascending).
-        let sql = format!(
-            "SELECT {COLUMNS} FROM idemgate_records \
-             WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR tenant = $2) AND ($3::text IS NULL OR operation = $3) \
-             AND (NOT $5::bool OR expires_at = 'infinity') \
-             AND ($6::int8 IS NULL OR updated_at < 'epoch'::timestamptz + $6::int8 * interval '1 microsecond' \
-                  OR (updated_at = 'epoch'::timestamptz + $6::int8 * interval '1 microsecond' \
-                      AND (tenant, principal, operation, idempotency_key) > ($7::text, $8::text, $9::text, $10::text))) \
-             ORDER BY updated_at DESC, tenant, principal, operation, idempotency_key LIMIT $4"
-        );
+        // (updated_at descending, then the primary key ascending). One
+        // statement per combination of filters (see `sql::ListShape`).
+        let shape = sql::ListShape {
+            state: filter.state.map(|s| s == State::Completed),
+            tenant: filter.tenant.is_some(),
+            operation: filter.operation.is_some(),
+            forever: filter.forever,
+            cursor: filter.cursor.is_some(),
+        };
         let state = filter.state.map(State::as_str);
         let limit = i64::from(filter.limit);
-        let c = filter.cursor.as_ref();
-        let at = c.map(|c| c.updated_at.0);
-        let (t, p, o, k) =
-            (c.map(|c| &*c.scope.tenant), c.map(|c| &*c.scope.principal), c.map(|c| &*c.scope.operation), c.map(|c| c.scope.key.as_str()));
-        let rows =
-            self.query(&sql, &[&state, &filter.tenant, &filter.operation, &limit, &filter.forever, &at, &t, &p, &o, &k], false).await?;
+        let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = Vec::with_capacity(9);
+        if let Some(state) = &state {
+            params.push(state);
+        }
+        if let Some(tenant) = &filter.tenant {
+            params.push(tenant);
+        }
+        if let Some(operation) = &filter.operation {
+            params.push(operation);
+        }
+        let cursor = filter
+            .cursor
+            .as_ref()
+            .map(|c| (c.updated_at.0, &*c.scope.tenant, &*c.scope.principal, &*c.scope.operation, c.scope.key.as_str()));
+        if let Some((at, t, p, o, k)) = &cursor {
+            params.extend_from_slice(&[at, t, p, o, k]);
+        }
+        params.push(&limit);
+        let rows = self.query(&shape.sql(), &params, false).await?;
         rows.iter().map(decode).collect()
     }
 
@@ -651,49 +556,293 @@ impl RecordStore for PgStore {
         events: &EventPolicies,
         fence: Option<ProbeFence>,
     ) -> Result<ResolveOutcome, StoreError> {
-        let mut conn = self.conn().await?;
-        let w = |e| classify(e, true);
-        let tx = conn.client_mut().transaction().await.map_err(w)?;
-        let sql = format!("SELECT {COLUMNS}, now() FROM idemgate_records WHERE {PK} FOR UPDATE");
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
-            [&&*scope.tenant, &&*scope.principal, &&*scope.operation, &scope.key.as_str()];
-        let rows = tx.query(&sql, &params).await.map_err(w)?;
-        let Some(row) = rows.first() else {
-            tx.rollback().await.map_err(w)?;
-            conn.done();
-            return Ok(ResolveOutcome::NotFound);
-        };
-        let record = decode(row)?;
-        let now: Timestamp = row.try_get(NCOLS).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-        if let Some(fence) = fence {
-            // The row is locked: its probe mark cannot change under us.
-            let marks = tx.query(&format!("SELECT probe_token FROM idemgate_records WHERE {PK}"), &params).await.map_err(w)?;
-            let token: Option<Uuid> =
-                marks.first().map(|r| r.try_get(0)).transpose().map_err(|e| StoreError::Corrupt(e.to_string()))?.flatten();
-            if record.state != State::Unknown || record.generation != fence.generation || token != Some(fence.token) {
-                tx.rollback().await.map_err(w)?;
-                conn.done();
-                return Ok(ResolveOutcome::Refused(Refused::Fenced));
+        // A completed record may sit in replicas' replay caches: before it
+        // changes, it is held out of them (`RESOLVE_HOLD`, committed) and the
+        // resolution waits until every entry cached before the hold has run
+        // out (see `store::cache`), then resolves in a second transaction.
+        let mut held: Option<(Timestamp, Generation)> = None;
+        for _ in 0..3 {
+            let mut conn = self.conn().await?;
+            match self.resolve_round(&mut conn, scope, resolution, note, events, fence, held).await? {
+                Round::Done(outcome) => {
+                    conn.done();
+                    return Ok(outcome);
+                }
+                Round::Held(hold) => {
+                    conn.done();
+                    tokio::time::sleep(super::cache::HOLD_WAIT).await;
+                    held = Some(hold);
+                }
             }
         }
+        Err(StoreError::Unavailable("resolve: could not hold the record out of the replay caches".into()))
+    }
+
+    async fn audit(&self, limit: u32) -> Result<Vec<AuditEntry>, StoreError> {
+        let rows = self.query(sql::AUDIT_LIST, &[&i64::from(limit)], false).await?;
+        rows.iter().map(decode_audit).collect()
+    }
+
+    async fn derived_key_secret(&self) -> Result<Option<Vec<u8>>, StoreError> {
+        let rows = self.query(sql::SETTING, &[&DERIVED_KEY_SECRET], false).await;
+        match rows {
+            Ok(rows) => rows.first().map(|r| r.try_get(0).map_err(|e| StoreError::Corrupt(e.to_string()))).transpose(),
+            // Before migration 2 the table does not exist: no secret yet.
+            Err(StoreError::Unavailable(m)) if m.contains("42P01") => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn sweep(&self, batch: u32) -> Result<u64, StoreError> {
+        Ok(self.query(sql::SWEEP, &[&i64::from(batch)], true).await?.len() as u64)
+    }
+
+    async fn reap_leases(&self, batch: u32, reforwardable: &[Arc<str>], events: &EventPolicies) -> Result<Reaped, StoreError> {
+        let ops: Vec<&str> = reforwardable.iter().map(|o| &**o).collect();
+        let emitting = events.operations_emitting(EventType::Unknown);
+        let rows = self.query(&sql::REAP_LEASES, &[&i64::from(batch), &ops, &emitting], true).await?;
+        let mut reaped = Reaped::default();
+        for row in &rows {
+            if row.try_get::<_, bool>(0).map_err(|e| StoreError::Corrupt(e.to_string()))? {
+                reaped.requeued += 1;
+            } else {
+                reaped.unknown += 1;
+            }
+        }
+        Ok(reaped)
+    }
+
+    async fn take(&self, routes: &[WorkerRoute], owner: &str, claim_token: Uuid) -> Result<Option<Taken>, StoreError> {
+        let ops: Vec<&str> = routes.iter().map(|r| &*r.operation).collect();
+        let leases: Vec<i64> = routes.iter().map(|r| micros(r.lease)).collect();
+        let rows = self.query(&sql::TAKE, &[&ops, &leases, &claim_token, &owner], true).await?;
+        let Some(row) = rows.first() else { return Ok(None) };
+        let record = decode(row)?;
+        let request: Vec<u8> = row.try_get(NCOLS + 1).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        let claim = Claim {
+            scope: record.scope.clone(),
+            generation: record.generation,
+            claim_token: record.claim_token,
+            lease_expires_at: record.lease_expires_at.unwrap_or(record.updated_at),
+            took_over: true,
+        };
+        Ok(Some(Taken { record, request: request.into(), claim }))
+    }
+
+    async fn heartbeat(&self, scope: &Scope, attempt: Attempt, lease: Duration) -> Result<bool, StoreError> {
+        self.fenced_update(&sql::HEARTBEAT, scope, attempt, &[&micros(lease)]).await
+    }
+
+    async fn mark_sent(&self, scope: &Scope, attempt: Attempt) -> Result<bool, StoreError> {
+        self.fenced_update(&sql::MARK_SENT, scope, attempt, &[]).await
+    }
+
+    async fn requeue(&self, scope: &Scope, attempt: Attempt, delay: Duration, retry: RetryNote) -> Result<bool, StoreError> {
+        self.fenced_update(&sql::REQUEUE, scope, attempt, &[&micros(delay), &retry.last_status.map(i32::from), &retry.maybe_executed]).await
+    }
+
+    async fn fail(
+        &self,
+        scope: &Scope,
+        attempt: Attempt,
+        retention: Retention,
+        retry: RetryNote,
+        events: &EventPolicies,
+    ) -> Result<bool, StoreError> {
+        let (unknown, failed) =
+            (events.emits(&scope.operation, EventType::Unknown), events.emits(&scope.operation, EventType::FailedRetryable));
+        self.fenced_update(
+            &sql::FAIL,
+            scope,
+            attempt,
+            &[&retention_us(retention), &retry.last_status.map(i32::from), &retry.maybe_executed, &unknown, &failed],
+        )
+        .await
+    }
+
+    async fn operation(&self, tenant: &str, operation_id: &str) -> Result<Option<(Record, Timestamp)>, StoreError> {
+        let rows = self.query(&sql::OPERATION, &[&tenant, &operation_id], false).await?;
+        match rows.first() {
+            None => Ok(None),
+            Some(row) => {
+                let now: Timestamp = row.try_get(NCOLS).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+                Ok(Some((decode(row)?, now)))
+            }
+        }
+    }
+
+    async fn take_events(&self, operations: &[&str], limit: u32, lease: Duration, token: Uuid) -> Result<Vec<OutboxEvent>, StoreError> {
+        self.events_where(&sql::TAKE_EVENTS, &[&operations, &i64::from(limit), &token, &micros(lease)], true).await
+    }
+
+    async fn events_delivered(&self, seqs: &[i64], token: Uuid) -> Result<Vec<i64>, StoreError> {
+        let rows = self.query(sql::EVENTS_DELIVERED, &[&seqs, &token], true).await?;
+        rows.iter().map(|r| r.try_get::<_, i64>(0).map_err(|e| StoreError::Corrupt(e.to_string()))).collect()
+    }
+
+    async fn event_failed(&self, seq: i64, token: Uuid, error: &str, retry_after: Duration, park: bool) -> Result<bool, StoreError> {
+        Ok(!self.query(sql::EVENT_FAILED, &[&seq, &token, &error, &micros(retry_after), &park], true).await?.is_empty())
+    }
+
+    async fn events(&self, delivery: Option<Delivery>, limit: u32) -> Result<Vec<OutboxEvent>, StoreError> {
+        let limit = i64::from(limit);
+        match delivery {
+            Some(d) => self.events_where(&sql::EVENTS_BY_DELIVERY, &[&d.as_str(), &limit], false).await,
+            None => self.events_where(&sql::EVENTS, &[&limit], false).await,
+        }
+    }
+
+    async fn redeliver(&self, event_id: Uuid) -> Result<bool, StoreError> {
+        Ok(!self.query(sql::REDELIVER, &[&event_id], true).await?.is_empty())
+    }
+
+    async fn sweep_events(&self, batch: u32, older_than: Duration) -> Result<u64, StoreError> {
+        Ok(self.query(sql::SWEEP_EVENTS, &[&i64::from(batch), &micros(older_than)], true).await?.len() as u64)
+    }
+
+    async fn event_stats(&self) -> Result<EventStats, StoreError> {
+        let rows = self.query(sql::EVENT_STATS, &[], false).await?;
+        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+        let row = rows.first().ok_or_else(|| StoreError::Corrupt("event stats returned no row".into()))?;
+        Ok(EventStats {
+            pending: row.try_get(0).map_err(c)?,
+            parked: row.try_get(1).map_err(c)?,
+            oldest_pending_at: row.try_get(2).map_err(c)?,
+        })
+    }
+
+    async fn stats(&self) -> Result<Vec<StateCount>, StoreError> {
+        let rows = self.query(sql::STATS, &[], false).await?;
+        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+        rows.iter()
+            .map(|row| {
+                let state: &str = row.try_get(1).map_err(c)?;
+                Ok(StateCount {
+                    operation: row.try_get(0).map_err(c)?,
+                    state: State::parse(state).ok_or_else(|| StoreError::Corrupt(format!("unknown state {state:?}")))?,
+                    count: row.try_get(2).map_err(c)?,
+                    oldest_created_at: row.try_get(3).map_err(c)?,
+                    oldest_updated_at: row.try_get(4).map_err(c)?,
+                })
+            })
+            .collect()
+    }
+
+    async fn by_scope_id(&self, id: ScopeId) -> Result<Vec<Record>, StoreError> {
+        let rows = self.query(&sql::BY_SCOPE_ID, &[&id.to_i64()], false).await?;
+        rows.iter().map(decode).collect()
+    }
+
+    async fn scopes_without_id(&self, after: Option<&Scope>, limit: u32) -> Result<Vec<Scope>, StoreError> {
+        let [t, p, o, k]: [&str; 4] = after.map_or(["", "", "", ""], |s| [&s.tenant, &s.principal, &s.operation, s.key.as_str()]);
+        let rows = self.query(sql::SCOPES_WITHOUT_ID, &[&t, &p, &o, &k, &after.is_some(), &i64::from(limit)], false).await?;
+        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+        rows.iter()
+            .map(|row| {
+                let key: &str = row.try_get(3).map_err(c)?;
+                let key = IdempotencyKey::new(key).map_err(|e| StoreError::Corrupt(format!("idempotency_key: {e}")))?;
+                let (t, p, o): (&str, &str, &str) = (row.try_get(0).map_err(c)?, row.try_get(1).map_err(c)?, row.try_get(2).map_err(c)?);
+                Ok(Scope { tenant: t.into(), principal: p.into(), operation: o.into(), key })
+            })
+            .collect()
+    }
+
+    async fn forever_counts(&self) -> Result<Vec<ForeverCount>, StoreError> {
+        let rows = self.query(sql::FOREVER_COUNTS, &[], false).await?;
+        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+        rows.iter().map(|row| Ok(ForeverCount { operation: row.try_get(0).map_err(c)?, count: row.try_get(1).map_err(c)? })).collect()
+    }
+
+    async fn take_probes(&self, routes: &[ProbeRoute], token: Uuid, hold: Duration, limit: u32) -> Result<Vec<Probing>, StoreError> {
+        let ops: Vec<&str> = routes.iter().map(|r| &*r.operation).collect();
+        let settles: Vec<i64> = routes.iter().map(|r| micros(r.settle)).collect();
+        let rows = self.query(&sql::TAKE_PROBES, &[&ops, &settles, &token, &micros(hold), &i64::from(limit)], true).await?;
+        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+        rows.iter()
+            .map(|row| {
+                let record = decode(row)?;
+                let request: Option<Vec<u8>> = row.try_get(NCOLS + 1).map_err(c)?;
+                Ok(Probing {
+                    fence: ProbeFence { generation: record.generation, token },
+                    attempts: row.try_get(NCOLS + 2).map_err(c)?,
+                    request: request.map(Bytes::from),
+                    record,
+                })
+            })
+            .collect()
+    }
+
+    async fn probe_failed(&self, scope: &Scope, fence: ProbeFence, retry_in: Duration) -> Result<bool, StoreError> {
+        let (t, p, o, k) = (&*scope.tenant, &*scope.principal, &*scope.operation, scope.key.as_str());
+        let rows = self.query(&sql::PROBE_FAILED, &[&t, &p, &o, &k, &fence.generation.0, &fence.token, &micros(retry_in)], true).await?;
+        Ok(!rows.is_empty())
+    }
+}
+
+impl PgStore {
+    /// One transaction of `resolve`: the resolution itself, or (for a
+    /// completed record not yet held, `held` false or the hold run out) the
+    /// hold that keeps it out of the replay caches.
+    #[allow(clippy::too_many_arguments)]
+    async fn resolve_round(
+        &self,
+        conn: &mut Conn,
+        scope: &Scope,
+        resolution: &Resolution,
+        note: &AuditNote,
+        events: &EventPolicies,
+        fence: Option<ProbeFence>,
+        held: Option<(Timestamp, Generation)>,
+    ) -> Result<Round, StoreError> {
+        let w = |e| classify(e, true);
+        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+        let tx = conn.client_mut().transaction().await.map_err(w)?;
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
+            [&&*scope.tenant, &&*scope.principal, &&*scope.operation, &scope.key.as_str()];
+        let rows = tx.query(&*sql::RESOLVE_LOCK, &params).await.map_err(w)?;
+        let Some(row) = rows.first() else {
+            tx.rollback().await.map_err(w)?;
+            return Ok(Round::Done(ResolveOutcome::NotFound));
+        };
+        let record = decode(row)?;
+        let now: Timestamp = row.try_get(NCOLS).map_err(c)?;
+        if let Some(fence) = fence {
+            // The row is locked: its probe mark cannot change under us.
+            let token: Option<Uuid> = row.try_get(NCOLS + 1).map_err(c)?;
+            if record.state != State::Unknown || record.generation != fence.generation || token != Some(fence.token) {
+                tx.rollback().await.map_err(w)?;
+                return Ok(Round::Done(ResolveOutcome::Refused(Refused::Fenced)));
+            }
+        }
+        // Our own hold, on the same generation, still in force: no replica
+        // has cached this record since the hold was set (another
+        // resolution's change clears the hold, a new hold replaces it).
+        let hold: Option<Timestamp> = row.try_get(NCOLS + 2).map_err(c)?;
+        let hold_in_place = hold.is_some_and(|h| h > now && held == Some((h, record.generation)));
         let (to, generation): (Option<State>, Option<i64>) = match transition(&record, resolution.event(), now) {
             Err(refused) => {
                 tx.rollback().await.map_err(w)?;
-                conn.done();
-                return Ok(ResolveOutcome::Refused(refused));
+                return Ok(Round::Done(ResolveOutcome::Refused(refused)));
+            }
+            Ok(_) if record.state == State::Completed && !hold_in_place => {
+                let rows = tx
+                    .query(&*sql::RESOLVE_HOLD, &[params[0], params[1], params[2], params[3], &micros(super::cache::HOLD)])
+                    .await
+                    .map_err(w)?;
+                let hold: Timestamp = rows
+                    .first()
+                    .and_then(|r| r.try_get(0).ok())
+                    .ok_or_else(|| StoreError::Corrupt("resolve: the hold was not set".into()))?;
+                tx.commit().await.map_err(w)?;
+                return Ok(Round::Held((hold, record.generation)));
             }
             Ok(Next::Deleted) => {
-                tx.execute(&format!("DELETE FROM idemgate_records WHERE {PK}"), &params).await.map_err(w)?;
+                tx.execute(&*sql::RESOLVE_DELETE, &params).await.map_err(w)?;
                 (None, None)
             }
             Ok(Next::State { state: State::Queued, .. }) => {
                 // An async operation released: it runs again, under a new generation.
-                let update = format!(
-                    "UPDATE idemgate_records SET state = 'queued', generation = nextval('idemgate_generation'), lease_expires_at = NULL, \
-                     sent_at = NULL, next_attempt_at = now(), maybe_executed = false, response_status = NULL, response_headers = NULL, \
-                     response_body = NULL, updated_at = now() WHERE {PK} RETURNING generation"
-                );
-                let rows = tx.query(&update, &params).await.map_err(w)?;
+                let rows = tx.query(&*sql::RESOLVE_REQUEUE, &params).await.map_err(w)?;
                 let generation: i64 =
                     rows.first().and_then(|r| r.try_get(0).ok()).ok_or_else(|| StoreError::Corrupt("resolve: no generation".into()))?;
                 (Some(State::Queued), Some(generation))
@@ -704,14 +853,9 @@ impl RecordStore for PgStore {
                 };
                 let headers = encode_headers(&response.headers);
                 let body: Option<&[u8]> = response.body.as_deref();
-                let update = format!(
-                    "UPDATE idemgate_records SET state = 'completed', generation = nextval('idemgate_generation'), response_status = $5, \
-                     response_headers = $6, response_body = $7, lease_expires_at = NULL, updated_at = now(), \
-                     expires_at = {EXPIRES_8} WHERE {PK} RETURNING generation"
-                );
                 let rows = tx
                     .query(
-                        &update,
+                        &*sql::RESOLVE_COMPLETE,
                         &[
                             params[0],
                             params[1],
@@ -731,8 +875,7 @@ impl RecordStore for PgStore {
             }
         };
         tx.execute(
-            "INSERT INTO idemgate_audit (actor, tenant, principal, operation, idempotency_key, from_state, to_state, reason, forced, generation) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+            sql::AUDIT_INSERT,
             &[
                 &note.actor.as_str(),
                 params[0],
@@ -757,7 +900,7 @@ impl RecordStore for PgStore {
                 Resolution::Release { .. } => (None, None),
             };
             tx.execute(
-                &format!("INSERT INTO idemgate_events {EVENT_INSERT} VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"),
+                &*sql::EVENT_INSERT_ONE,
                 &[
                     &event.as_str(),
                     params[0],
@@ -775,362 +918,17 @@ impl RecordStore for PgStore {
             .map_err(w)?;
         }
         tx.commit().await.map_err(w)?;
-        conn.done();
-        Ok(ResolveOutcome::Resolved { from: record.state })
-    }
-
-    async fn audit(&self, limit: u32) -> Result<Vec<AuditEntry>, StoreError> {
-        let rows = self
-            .query(
-                "SELECT id, at, actor, tenant, principal, operation, idempotency_key, from_state, to_state, reason, forced, generation \
-                 FROM idemgate_audit ORDER BY id DESC LIMIT $1",
-                &[&i64::from(limit)],
-                false,
-            )
-            .await?;
-        rows.iter().map(decode_audit).collect()
-    }
-
-    async fn derived_key_secret(&self) -> Result<Option<Vec<u8>>, StoreError> {
-        let rows = self.query("SELECT value FROM idemgate_settings WHERE name = $1", &[&DERIVED_KEY_SECRET], false).await;
-        match rows {
-            Ok(rows) => rows.first().map(|r| r.try_get(0).map_err(|e| StoreError::Corrupt(e.to_string()))).transpose(),
-            // Before migration 2 the table does not exist: no secret yet.
-            Err(StoreError::Unavailable(m)) if m.contains("42P01") => Ok(None),
-            Err(e) => Err(e),
-        }
-    }
-
-    async fn sweep(&self, batch: u32) -> Result<u64, StoreError> {
-        let sql = "WITH doomed AS (
-                SELECT tenant, principal, operation, idempotency_key FROM idemgate_records
-                WHERE state IN ('completed', 'failed_retryable') AND expires_at <= now()
-                ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED)
-            DELETE FROM idemgate_records r USING doomed d
-            WHERE r.tenant = d.tenant AND r.principal = d.principal AND r.operation = d.operation
-              AND r.idempotency_key = d.idempotency_key AND r.state IN ('completed', 'failed_retryable') AND r.expires_at <= now()
-            RETURNING 1";
-        Ok(self.query(sql, &[&i64::from(batch)], true).await?.len() as u64)
-    }
-
-    async fn reap_leases(&self, batch: u32, reforwardable: &[Arc<str>], events: &EventPolicies) -> Result<Reaped, StoreError> {
-        // record::transition's LeaseExpired, in SQL: sync attempts become
-        // unknown; async ones go back to the queue when they never sent (no
-        // sent_at) or their upstream deduplicates, else unknown.
-        let sql = "WITH stale AS (
-                SELECT tenant, principal, operation, idempotency_key FROM idemgate_records
-                WHERE state IN ('in_flight', 'processing') AND (lease_expires_at IS NULL OR lease_expires_at <= now())
-                ORDER BY lease_expires_at LIMIT $1 FOR UPDATE SKIP LOCKED
-            ), decided AS (
-                SELECT s.*, (r.state = 'processing' AND (r.sent_at IS NULL OR r.operation = ANY($2::text[]))) AS requeue
-                FROM stale s JOIN idemgate_records r USING (tenant, principal, operation, idempotency_key)
-            ), upd AS (
-            UPDATE idemgate_records r SET
-                state = CASE WHEN d.requeue THEN 'queued' ELSE 'unknown' END,
-                lease_expires_at = CASE WHEN d.requeue THEN NULL ELSE r.lease_expires_at END,
-                next_attempt_at = CASE WHEN d.requeue THEN now() ELSE r.next_attempt_at END,
-                sent_at = CASE WHEN d.requeue THEN NULL ELSE r.sent_at END,
-                -- Re-queued although it was sent: it may have executed.
-                maybe_executed = r.maybe_executed OR (d.requeue AND r.sent_at IS NOT NULL),
-                updated_at = now()
-            FROM decided d
-            WHERE r.tenant = d.tenant AND r.principal = d.principal AND r.operation = d.operation
-              AND r.idempotency_key = d.idempotency_key AND r.state IN ('in_flight', 'processing')
-              AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())
-            RETURNING d.requeue, r.tenant, r.principal, r.operation, r.idempotency_key, r.generation, r.operation_id
-            ), ev AS (
-                INSERT INTO idemgate_events (event_type, tenant, principal, operation, idempotency_key, generation, status, operation_id, actor, body)
-                SELECT 'unknown', tenant, principal, operation, idempotency_key, generation, NULL, operation_id, NULL, NULL
-                FROM upd WHERE NOT requeue AND operation = ANY($3::text[])
-            )
-            SELECT requeue FROM upd";
-        let ops: Vec<&str> = reforwardable.iter().map(|o| &**o).collect();
-        let emitting = events.operations_emitting(EventType::Unknown);
-        let rows = self.query(sql, &[&i64::from(batch), &ops, &emitting], true).await?;
-        let mut reaped = Reaped::default();
-        for row in &rows {
-            if row.try_get::<_, bool>(0).map_err(|e| StoreError::Corrupt(e.to_string()))? {
-                reaped.requeued += 1;
-            } else {
-                reaped.unknown += 1;
-            }
-        }
-        Ok(reaped)
-    }
-
-    async fn take(&self, routes: &[WorkerRoute], owner: &str, claim_token: Uuid) -> Result<Option<Taken>, StoreError> {
-        let ops: Vec<&str> = routes.iter().map(|r| &*r.operation).collect();
-        let leases: Vec<i64> = routes.iter().map(|r| micros(r.lease)).collect();
-        let rows = self.query(TAKE, &[&ops, &leases, &claim_token, &owner], true).await?;
-        let Some(row) = rows.first() else { return Ok(None) };
-        let record = decode(row)?;
-        let request: Vec<u8> = row.try_get(NCOLS + 1).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-        let claim = Claim {
-            scope: record.scope.clone(),
-            generation: record.generation,
-            claim_token: record.claim_token,
-            lease_expires_at: record.lease_expires_at.unwrap_or(record.updated_at),
-            took_over: true,
-        };
-        Ok(Some(Taken { record, request: request.into(), claim }))
-    }
-
-    async fn heartbeat(&self, scope: &Scope, attempt: Attempt, lease: Duration) -> Result<bool, StoreError> {
-        let sql = format!(
-            "UPDATE idemgate_records SET lease_expires_at = now() + $7::int8 * interval '1 microsecond' WHERE {PK} AND {FENCE} RETURNING 1"
-        );
-        self.fenced_update(&sql, scope, attempt, &[&micros(lease)]).await
-    }
-
-    async fn mark_sent(&self, scope: &Scope, attempt: Attempt) -> Result<bool, StoreError> {
-        let sql = format!("UPDATE idemgate_records SET sent_at = now() WHERE {PK} AND {FENCE} AND lease_expires_at > now() RETURNING 1");
-        self.fenced_update(&sql, scope, attempt, &[]).await
-    }
-
-    async fn requeue(&self, scope: &Scope, attempt: Attempt, delay: Duration, retry: RetryNote) -> Result<bool, StoreError> {
-        let sql = format!(
-            "UPDATE idemgate_records SET state = 'queued', lease_expires_at = NULL, sent_at = NULL, \
-             next_attempt_at = now() + $7::int8 * interval '1 microsecond', last_status = $8, \
-             maybe_executed = maybe_executed OR $9, updated_at = now() WHERE {PK} AND {FENCE} RETURNING 1"
-        );
-        self.fenced_update(&sql, scope, attempt, &[&micros(delay), &retry.last_status.map(i32::from), &retry.maybe_executed]).await
-    }
-
-    async fn fail(
-        &self,
-        scope: &Scope,
-        attempt: Attempt,
-        retention: Retention,
-        retry: RetryNote,
-        events: &EventPolicies,
-    ) -> Result<bool, StoreError> {
-        // record::transition's Fail: never "failed_retryable" once an attempt may have run.
-        let sql = format!(
-            "WITH upd AS (UPDATE idemgate_records SET \
-             state = CASE WHEN maybe_executed OR $9 THEN 'unknown' ELSE 'failed_retryable' END, \
-             maybe_executed = maybe_executed OR $9, lease_expires_at = NULL, \
-             expires_at = {EXPIRES_7}, last_status = $8, updated_at = now() \
-             WHERE {PK} AND {FENCE} \
-             RETURNING tenant, principal, operation, idempotency_key, generation, state, last_status, operation_id), \
-             ev AS (INSERT INTO idemgate_events {EVENT_INSERT} \
-             SELECT state, tenant, principal, operation, idempotency_key, generation, last_status, operation_id, NULL, NULL FROM upd \
-             WHERE (state = 'unknown' AND $10) OR (state = 'failed_retryable' AND $11)) \
-             SELECT 1 FROM upd"
-        );
-        let (unknown, failed) =
-            (events.emits(&scope.operation, EventType::Unknown), events.emits(&scope.operation, EventType::FailedRetryable));
-        self.fenced_update(
-            &sql,
-            scope,
-            attempt,
-            &[&retention_us(retention), &retry.last_status.map(i32::from), &retry.maybe_executed, &unknown, &failed],
-        )
-        .await
-    }
-
-    async fn operation(&self, tenant: &str, operation_id: &str) -> Result<Option<(Record, Timestamp)>, StoreError> {
-        let sql = format!("SELECT {COLUMNS}, now() FROM idemgate_records WHERE tenant = $1 AND operation_id = $2");
-        let rows = self.query(&sql, &[&tenant, &operation_id], false).await?;
-        match rows.first() {
-            None => Ok(None),
-            Some(row) => {
-                let now: Timestamp = row.try_get(NCOLS).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-                Ok(Some((decode(row)?, now)))
-            }
-        }
-    }
-
-    async fn take_events(&self, operations: &[&str], limit: u32, lease: Duration, token: Uuid) -> Result<Vec<OutboxEvent>, StoreError> {
-        let sql = format!(
-            "WITH due AS (
-                SELECT e.seq FROM idemgate_events e
-                WHERE e.delivery = 'pending' AND e.next_attempt_at <= now() AND (e.lease_until IS NULL OR e.lease_until <= now())
-                  AND e.operation = ANY($1::text[])
-                  AND NOT EXISTS (SELECT 1 FROM idemgate_events p
-                                  WHERE p.delivery = 'pending' AND p.tenant = e.tenant AND p.principal = e.principal
-                                    AND p.operation = e.operation AND p.idempotency_key = e.idempotency_key AND p.seq < e.seq)
-                ORDER BY e.next_attempt_at LIMIT $2 FOR UPDATE SKIP LOCKED)
-            UPDATE idemgate_events e SET lease_token = $3, lease_until = now() + $4::int8 * interval '1 microsecond'
-            FROM due WHERE e.seq = due.seq
-            RETURNING {}",
-            EVENT_COLUMNS.split(", ").map(|c| format!("e.{}", c.trim())).collect::<Vec<_>>().join(", ")
-        );
-        self.events_where(&sql, &[&operations, &i64::from(limit), &token, &micros(lease)], true).await
-    }
-
-    async fn events_delivered(&self, seqs: &[i64], token: Uuid) -> Result<Vec<i64>, StoreError> {
-        let sql = "UPDATE idemgate_events SET delivery = 'sent', sent_at = now(), lease_token = NULL, lease_until = NULL \
-                   WHERE seq = ANY($1::int8[]) AND lease_token = $2 AND delivery = 'pending' RETURNING seq";
-        let rows = self.query(sql, &[&seqs, &token], true).await?;
-        Ok(rows.iter().map(|r| r.get::<_, i64>(0)).collect())
-    }
-
-    async fn event_failed(&self, seq: i64, token: Uuid, error: &str, retry_after: Duration, park: bool) -> Result<bool, StoreError> {
-        let sql = "UPDATE idemgate_events SET attempts = attempts + 1, last_error = $3, \
-                   next_attempt_at = now() + $4::int8 * interval '1 microsecond', \
-                   delivery = CASE WHEN $5 THEN 'parked' ELSE 'pending' END, lease_token = NULL, lease_until = NULL \
-                   WHERE seq = $1 AND lease_token = $2 AND delivery = 'pending' RETURNING 1";
-        Ok(!self.query(sql, &[&seq, &token, &error, &micros(retry_after), &park], true).await?.is_empty())
-    }
-
-    async fn events(&self, delivery: Option<Delivery>, limit: u32) -> Result<Vec<OutboxEvent>, StoreError> {
-        let sql =
-            format!("SELECT {EVENT_COLUMNS} FROM idemgate_events WHERE ($1::text IS NULL OR delivery = $1) ORDER BY seq DESC LIMIT $2");
-        // The newest `limit`, oldest first (events_where sorts by seq).
-        self.events_where(&sql, &[&delivery.map(Delivery::as_str), &i64::from(limit)], false).await
-    }
-
-    async fn redeliver(&self, event_id: Uuid) -> Result<bool, StoreError> {
-        let sql = "UPDATE idemgate_events SET delivery = 'pending', attempts = 0, next_attempt_at = now(), lease_token = NULL, \
-                   lease_until = NULL, last_error = NULL, sent_at = NULL WHERE event_id = $1 RETURNING 1";
-        Ok(!self.query(sql, &[&event_id], true).await?.is_empty())
-    }
-
-    async fn sweep_events(&self, batch: u32, older_than: Duration) -> Result<u64, StoreError> {
-        let sql = "DELETE FROM idemgate_events WHERE seq IN (
-                       SELECT seq FROM idemgate_events
-                       WHERE delivery = 'sent' AND sent_at <= now() - $2::int8 * interval '1 microsecond'
-                       ORDER BY sent_at LIMIT $1)
-                   RETURNING 1";
-        Ok(self.query(sql, &[&i64::from(batch), &micros(older_than)], true).await?.len() as u64)
-    }
-
-    async fn event_stats(&self) -> Result<EventStats, StoreError> {
-        let rows = self
-            .query(
-                "SELECT count(*) FILTER (WHERE delivery = 'pending'), count(*) FILTER (WHERE delivery = 'parked'), \
-                 min(at) FILTER (WHERE delivery = 'pending') FROM idemgate_events WHERE delivery <> 'sent'",
-                &[],
-                false,
-            )
-            .await?;
-        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
-        let row = rows.first().ok_or_else(|| StoreError::Corrupt("event stats returned no row".into()))?;
-        Ok(EventStats {
-            pending: row.try_get(0).map_err(c)?,
-            parked: row.try_get(1).map_err(c)?,
-            oldest_pending_at: row.try_get(2).map_err(c)?,
-        })
-    }
-
-    async fn stats(&self) -> Result<Vec<StateCount>, StoreError> {
-        let rows = self
-            .query(
-                "SELECT operation, state, count(*), min(created_at), min(updated_at) FROM idemgate_records \
-                 WHERE state <> 'completed' GROUP BY operation, state",
-                &[],
-                false,
-            )
-            .await?;
-        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
-        rows.iter()
-            .map(|row| {
-                let state: &str = row.try_get(1).map_err(c)?;
-                Ok(StateCount {
-                    operation: row.try_get(0).map_err(c)?,
-                    state: State::parse(state).ok_or_else(|| StoreError::Corrupt(format!("unknown state {state:?}")))?,
-                    count: row.try_get(2).map_err(c)?,
-                    oldest_created_at: row.try_get(3).map_err(c)?,
-                    oldest_updated_at: row.try_get(4).map_err(c)?,
-                })
-            })
-            .collect()
-    }
-
-    async fn by_scope_id(&self, id: ScopeId) -> Result<Vec<Record>, StoreError> {
-        let sql = format!("SELECT {COLUMNS} FROM idemgate_records WHERE scope_id = $1");
-        let rows = self.query(&sql, &[&id.to_i64()], false).await?;
-        rows.iter().map(decode).collect()
-    }
-
-    async fn scopes_without_id(&self, after: Option<&Scope>, limit: u32) -> Result<Vec<Scope>, StoreError> {
-        let sql = "SELECT tenant, principal, operation, idempotency_key FROM idemgate_records \
-                   WHERE scope_id IS NULL AND (NOT $5::bool OR (tenant, principal, operation, idempotency_key) > ($1, $2, $3, $4)) \
-                   ORDER BY tenant, principal, operation, idempotency_key LIMIT $6";
-        let [t, p, o, k]: [&str; 4] = after.map_or(["", "", "", ""], |s| [&s.tenant, &s.principal, &s.operation, s.key.as_str()]);
-        let rows = self.query(sql, &[&t, &p, &o, &k, &after.is_some(), &i64::from(limit)], false).await?;
-        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
-        rows.iter()
-            .map(|row| {
-                let key: &str = row.try_get(3).map_err(c)?;
-                let key = IdempotencyKey::new(key).map_err(|e| StoreError::Corrupt(format!("idempotency_key: {e}")))?;
-                let (t, p, o): (&str, &str, &str) = (row.try_get(0).map_err(c)?, row.try_get(1).map_err(c)?, row.try_get(2).map_err(c)?);
-                Ok(Scope { tenant: t.into(), principal: p.into(), operation: o.into(), key })
-            })
-            .collect()
-    }
-
-    async fn forever_counts(&self) -> Result<Vec<ForeverCount>, StoreError> {
-        // The literal matches the partial index's predicate, so this counts
-        // over that index alone.
-        let rows = self
-            .query("SELECT operation, count(*) FROM idemgate_records WHERE expires_at = 'infinity' GROUP BY operation", &[], false)
-            .await?;
-        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
-        rows.iter().map(|row| Ok(ForeverCount { operation: row.try_get(0).map_err(c)?, count: row.try_get(1).map_err(c)? })).collect()
-    }
-
-    async fn take_probes(&self, routes: &[ProbeRoute], token: Uuid, hold: Duration, limit: u32) -> Result<Vec<Probing>, StoreError> {
-        let ops: Vec<&str> = routes.iter().map(|r| &*r.operation).collect();
-        let settles: Vec<i64> = routes.iter().map(|r| micros(r.settle)).collect();
-        let rows = self.query(TAKE_PROBES, &[&ops, &settles, &token, &micros(hold), &i64::from(limit)], true).await?;
-        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
-        rows.iter()
-            .map(|row| {
-                let record = decode(row)?;
-                let request: Option<Vec<u8>> = row.try_get(NCOLS + 1).map_err(c)?;
-                Ok(Probing {
-                    fence: ProbeFence { generation: record.generation, token },
-                    attempts: row.try_get(NCOLS + 2).map_err(c)?,
-                    request: request.map(Bytes::from),
-                    record,
-                })
-            })
-            .collect()
-    }
-
-    async fn probe_failed(&self, scope: &Scope, fence: ProbeFence, retry_in: Duration) -> Result<bool, StoreError> {
-        let sql = format!(
-            "UPDATE idemgate_records SET probe_attempts = probe_attempts + 1, \
-             next_probe_at = now() + $7::int8 * interval '1 microsecond', probe_token = NULL, probe_until = NULL \
-             WHERE {PK} AND state = 'unknown' AND generation = $5 AND probe_token = $6 RETURNING 1"
-        );
-        let (t, p, o, k) = (&*scope.tenant, &*scope.principal, &*scope.operation, scope.key.as_str());
-        let rows = self.query(&sql, &[&t, &p, &o, &k, &fence.generation.0, &fence.token, &micros(retry_in)], true).await?;
-        Ok(!rows.is_empty())
+        Ok(Round::Done(ResolveOutcome::Resolved { from: record.state }))
     }
 }
 
-/// The reconciler takes due `unknown` records of its routes (each past its
-/// route's settle time, not in backoff, not marked by a live probe), marks
-/// them with its token until the hold runs out, and gets them back with their
-/// stored request and the inconclusive probes of this generation so far.
-/// `SKIP LOCKED`: two replicas never take one record.
-const TAKE_PROBES: &str = "\
-WITH routes AS (
-    SELECT * FROM unnest($1::text[], $2::int8[]) AS ro(operation, settle_us)
-), due AS (
-    SELECT r.tenant, r.principal, r.operation, r.idempotency_key
-    FROM idemgate_records r JOIN routes ro ON ro.operation = r.operation
-    WHERE r.state = 'unknown'
-      AND r.updated_at <= now() - ro.settle_us * interval '1 microsecond'
-      AND (r.probe_generation IS DISTINCT FROM r.generation
-           OR ((r.next_probe_at IS NULL OR r.next_probe_at <= now()) AND (r.probe_until IS NULL OR r.probe_until <= now())))
-    ORDER BY r.updated_at
-    LIMIT $5
-    FOR UPDATE OF r SKIP LOCKED
-)
-UPDATE idemgate_records r SET
-    probe_attempts = CASE WHEN r.probe_generation = r.generation THEN r.probe_attempts ELSE 0 END,
-    probe_generation = r.generation, next_probe_at = NULL,
-    probe_token = $3, probe_until = now() + $4::int8 * interval '1 microsecond'
-FROM due d
-WHERE r.tenant = d.tenant AND r.principal = d.principal AND r.operation = d.operation AND r.idempotency_key = d.idempotency_key
-  AND r.state = 'unknown'
-RETURNING r.tenant, r.principal, r.operation, r.idempotency_key, r.request_hash, r.state, r.generation, r.claim_token, r.owner,
-          r.lease_expires_at, r.response_status, r.response_headers, r.response_body, r.created_at, r.updated_at, r.expires_at,
-          r.operation_id, r.attempts, r.next_attempt_at, r.sent_at, r.last_status, r.maybe_executed, r.key_source, now(), r.request,
-          r.probe_attempts";
+/// What one transaction of `resolve` did.
+enum Round {
+    Done(ResolveOutcome),
+    /// Held a completed record (of this generation) out of the replay caches
+    /// until then; resolve after the wait.
+    Held((Timestamp, Generation)),
+}
 
 impl PgStore {
     async fn events_where(
@@ -1179,7 +977,8 @@ enum BatchClaim {
         generation: Generation,
         lease_expires_at: Timestamp,
     },
-    Existing(Box<Record>, Timestamp),
+    /// The row seen, the database clock, and whether it may be cached.
+    Existing(Box<Record>, Timestamp, bool),
     /// Inserted concurrently by another statement, after this one's snapshot.
     Conflict,
     /// The batch statement deadlocked with another: use the single-row path.
@@ -1198,84 +997,22 @@ struct CompleteItem {
     emit: Emit,
 }
 
+/// A claim or a result write waiting for its batch.
+enum WriteItem {
+    Claim(ClaimItem),
+    Complete(CompleteItem),
+}
+
+enum WriteOut {
+    Claim(BatchClaim),
+    Complete(BatchWrite),
+}
+
 enum BatchWrite {
     Written,
     Fenced,
     Retry,
 }
-
-/// The batched claim: like `CLAIM` for many scopes at once, but without the
-/// take-over branch (the single-row statement does that). Rows are inserted
-/// in primary-key order so that two batches never wait on each other in a
-/// cycle; the answer comes back in input order.
-const CLAIM_BATCH: &str = "\
-WITH input AS (
-    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::uuid[], $7::text[], $8::int8[],
-                         $9::text[], $10::bytea[], $11::text[], $12::int8[])
-        WITH ORDINALITY AS i(tenant, principal, operation, idempotency_key, request_hash, claim_token, owner, lease_us,
-                             operation_id, request, key_source, scope_id, ord)
-), cur AS (
-    SELECT i.ord, r.tenant, r.principal, r.operation, r.idempotency_key, r.request_hash, r.state, r.generation, r.claim_token,
-           r.owner, r.lease_expires_at, r.response_status, r.response_headers, r.response_body, r.created_at, r.updated_at, r.expires_at,
-           r.operation_id, r.attempts, r.next_attempt_at, r.sent_at, r.last_status, r.maybe_executed, r.key_source
-    FROM input i JOIN idemgate_records r
-      ON r.tenant = i.tenant AND r.principal = i.principal AND r.operation = i.operation AND r.idempotency_key = i.idempotency_key
-), inserted AS (
-    INSERT INTO idemgate_records
-        (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
-         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, key_source, scope_id)
-    SELECT i.tenant, i.principal, i.operation, i.idempotency_key, i.request_hash,
-           CASE WHEN i.operation_id IS NULL THEN 'in_flight' ELSE 'queued' END, nextval('idemgate_generation'), i.claim_token, i.owner,
-           CASE WHEN i.operation_id IS NULL THEN now() + i.lease_us * interval '1 microsecond' END, now(), now(),
-           now() + i.lease_us * interval '1 microsecond', i.operation_id, i.request,
-           CASE WHEN i.operation_id IS NOT NULL THEN now() END, i.key_source, i.scope_id
-    FROM input i
-    WHERE NOT EXISTS (SELECT 1 FROM cur c WHERE c.ord = i.ord)
-    ORDER BY i.tenant, i.principal, i.operation, i.idempotency_key
-    ON CONFLICT (tenant, principal, operation, idempotency_key) DO NOTHING
-    RETURNING claim_token, generation, coalesce(lease_expires_at, now()) AS lease
-)
-SELECT c.tenant, c.principal, c.operation, c.idempotency_key, c.request_hash, c.state, c.generation, c.claim_token,
-       c.owner, c.lease_expires_at, c.response_status, c.response_headers, c.response_body, c.created_at, c.updated_at,
-       c.expires_at, c.operation_id, c.attempts, c.next_attempt_at, c.sent_at, c.last_status, c.maybe_executed, c.key_source, now(),
-       ins.generation, ins.lease
-FROM input i
-LEFT JOIN cur c ON c.ord = i.ord
-LEFT JOIN inserted ins ON ins.claim_token = i.claim_token
-ORDER BY i.ord";
-
-/// The batched result write, each row fenced by its own attempt.
-const COMPLETE_BATCH: &str = "\
-WITH v AS (
-    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int8[], $6::int4[], $7::bytea[], $8::bytea[], $9::int8[],
-                         $10::uuid[], $11::bool[], $12::bool[])
-        WITH ORDINALITY AS v(tenant, principal, operation, idempotency_key, generation, status, headers, body, retention_us, claim_token,
-                             emit, with_body, ord)
-), upd AS (
-    UPDATE idemgate_records r SET
-        state = 'completed', response_status = v.status, response_headers = v.headers, response_body = v.body,
-        lease_expires_at = NULL, updated_at = now(),
-        expires_at = coalesce(now() + v.retention_us * interval '1 microsecond', 'infinity')
-    FROM v
-    WHERE r.tenant = v.tenant AND r.principal = v.principal AND r.operation = v.operation
-      AND r.idempotency_key = v.idempotency_key AND r.generation = v.generation AND r.claim_token = v.claim_token
-      AND r.state IN ('in_flight', 'processing')
-    RETURNING v.ord, v.emit, v.with_body, r.tenant, r.principal, r.operation, r.idempotency_key, r.generation, r.response_status,
-              r.operation_id, r.response_body
-), ev AS (
-    INSERT INTO idemgate_events (event_type, tenant, principal, operation, idempotency_key, generation, status, operation_id, actor, body)
-    SELECT 'completed', tenant, principal, operation, idempotency_key, generation, response_status, operation_id, NULL,
-           CASE WHEN with_body THEN response_body END
-    FROM upd WHERE emit ORDER BY ord
-)
-SELECT ord FROM upd";
-
-/// The columns of an event row as written (`INSERT INTO idemgate_events {EVENT_INSERT} ...`).
-const EVENT_INSERT: &str = "(event_type, tenant, principal, operation, idempotency_key, generation, status, operation_id, actor, body)";
-
-/// The columns of an event row as read (`decode_event`).
-const EVENT_COLUMNS: &str = "seq, event_id, event_type, tenant, principal, operation, idempotency_key, generation, status, operation_id, \
-     actor, at, body, delivery, attempts, next_attempt_at, last_error, sent_at";
 
 /// Whether a change writes its event, and with the response body.
 #[derive(Debug, Clone, Copy)]
@@ -1331,92 +1068,170 @@ impl Db {
         }
     }
 
-    async fn claim_batch(&self, items: Vec<ClaimItem>) -> Result<Vec<BatchClaim>, StoreError> {
+    /// One statement, one commit, for a batch of claims and result writes:
+    /// `CLAIM_BATCH`, `COMPLETE_BATCH`, or both in `WRITE_BATCH`. A result
+    /// write of one request and the claim of the next then share a commit.
+    async fn write_batch(&self, items: Vec<WriteItem>) -> Result<Vec<WriteOut>, StoreError> {
         let n = items.len();
-        let PkColumns { tenants, principals, operations, keys } = PkColumns::of(items.iter().map(|i| &i.scope));
-        let hashes: Vec<&[u8]> = items.iter().map(|i| &i.request_hash.0[..]).collect();
-        let tokens: Vec<Uuid> = items.iter().map(|i| i.token).collect();
-        let leases: Vec<i64> = items.iter().map(|i| i.lease_us).collect();
-        let owners: Vec<&str> = items.iter().map(|i| &*i.owner).collect();
-        let operation_ids: Vec<Option<&str>> = items.iter().map(|i| i.acceptance.as_ref().map(|a| a.operation_id.as_str())).collect();
-        let requests: Vec<Option<&[u8]>> =
-            items.iter().map(|i| i.acceptance.as_ref().map(|a| &a.request[..]).or(i.request_head.as_deref())).collect();
-        let key_sources: Vec<&str> = items.iter().map(|i| &*i.key_source).collect();
-        let scope_ids: Vec<i64> = items.iter().map(|i| i.scope.scope_id().to_i64()).collect();
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 12] = [
-            &tenants,
-            &principals,
-            &operations,
-            &keys,
-            &hashes,
-            &tokens,
-            &owners,
-            &leases,
-            &operation_ids,
-            &requests,
-            &key_sources,
-            &scope_ids,
-        ];
-        let rows = match self.bounded_query(CLAIM_BATCH, &params).await {
+        let mut claims: Vec<(usize, ClaimItem)> = Vec::new();
+        let mut completes: Vec<(usize, CompleteItem)> = Vec::new();
+        for (i, item) in items.into_iter().enumerate() {
+            match item {
+                WriteItem::Claim(c) => claims.push((i, c)),
+                WriteItem::Complete(c) => completes.push((i, c)),
+            }
+        }
+        let claim_cols = ClaimColumns::of(claims.iter().map(|(_, c)| c));
+        let complete_cols = CompleteColumns::of(completes.iter().map(|(_, c)| c));
+        let (statement, params): (&str, Vec<&(dyn tokio_postgres::types::ToSql + Sync)>) = match (claims.is_empty(), completes.is_empty()) {
+            (_, true) => (&sql::CLAIM_BATCH, claim_cols.params()),
+            (true, false) => (&sql::COMPLETE_BATCH, complete_cols.params()),
+            (false, false) => (&sql::WRITE_BATCH, claim_cols.params().into_iter().chain(complete_cols.params()).collect()),
+        };
+        let rows = match self.bounded_query(statement, &params).await {
             Ok(rows) => rows,
-            Err(e) if is_deadlock(&e) => return Ok((0..n).map(|_| BatchClaim::Retry).collect()),
+            Err(e) if is_deadlock(&e) => {
+                let mut out: Vec<WriteOut> = (0..n).map(|_| WriteOut::Complete(BatchWrite::Retry)).collect();
+                for (i, _) in &claims {
+                    out[*i] = WriteOut::Claim(BatchClaim::Retry);
+                }
+                return Ok(out);
+            }
             Err(e) => return Err(e),
         };
         let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
-        rows.iter()
-            .map(|row| {
-                let generation: Option<i64> = row.try_get(NCOLS + 1).map_err(c)?;
-                let lease: Option<Timestamp> = row.try_get(NCOLS + 2).map_err(c)?;
-                if let (Some(g), Some(lease)) = (generation, lease) {
-                    return Ok(BatchClaim::Inserted { generation: Generation(g), lease_expires_at: lease });
-                }
-                if row.try_get::<_, Option<&str>>(0).map_err(c)?.is_none() {
-                    return Ok(BatchClaim::Conflict);
-                }
-                let now: Timestamp = row.try_get(NCOLS).map_err(c)?;
-                Ok(BatchClaim::Existing(Box::new(decode(row)?), now))
-            })
-            .collect()
-    }
-
-    async fn complete_batch(&self, items: Vec<CompleteItem>) -> Result<Vec<BatchWrite>, StoreError> {
-        let n = items.len();
-        let PkColumns { tenants, principals, operations, keys } = PkColumns::of(items.iter().map(|i| &i.scope));
-        let generations: Vec<i64> = items.iter().map(|i| i.attempt.generation.0).collect();
-        let tokens: Vec<Uuid> = items.iter().map(|i| i.attempt.claim_token).collect();
-        let statuses: Vec<i32> = items.iter().map(|i| i.status).collect();
-        let headers: Vec<&[u8]> = items.iter().map(|i| &i.headers[..]).collect();
-        let bodies: Vec<Option<&[u8]>> = items.iter().map(|i| i.body.as_deref()).collect();
-        let retentions: Vec<Option<i64>> = items.iter().map(|i| i.retention_us).collect();
-        let emit: Vec<bool> = items.iter().map(|i| i.emit.event).collect();
-        let with_body: Vec<bool> = items.iter().map(|i| i.emit.body).collect();
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 12] = [
-            &tenants,
-            &principals,
-            &operations,
-            &keys,
-            &generations,
-            &statuses,
-            &headers,
-            &bodies,
-            &retentions,
-            &tokens,
-            &emit,
-            &with_body,
-        ];
-        let rows = match self.bounded_query(COMPLETE_BATCH, &params).await {
-            Ok(rows) => rows,
-            Err(e) if is_deadlock(&e) => return Ok((0..n).map(|_| BatchWrite::Retry).collect()),
-            Err(e) => return Err(e),
+        let mut out: Vec<WriteOut> = (0..n).map(|_| WriteOut::Complete(BatchWrite::Fenced)).collect();
+        // The ordinals (from 1) of the result writes that took effect.
+        let written: Vec<i64> = match (claims.is_empty(), completes.is_empty()) {
+            (_, true) => Vec::new(),
+            (true, false) => rows.iter().map(|row| row.try_get::<_, i64>(0)).collect::<Result<_, _>>().map_err(c)?,
+            (false, false) => match rows.first() {
+                Some(row) => row.try_get::<_, Option<Vec<i64>>>(NCOLS + 4).map_err(c)?.unwrap_or_default(),
+                None => return Err(StoreError::Corrupt("batched write returned no rows".into())),
+            },
         };
-        let mut out: Vec<BatchWrite> = (0..n).map(|_| BatchWrite::Fenced).collect();
-        for row in &rows {
-            let ord: i64 = row.try_get(0).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-            if let Some(slot) = usize::try_from(ord).ok().and_then(|o| o.checked_sub(1)).and_then(|o| out.get_mut(o)) {
-                *slot = BatchWrite::Written;
+        for ord in written {
+            if let Some((i, _)) = usize::try_from(ord).ok().and_then(|o| o.checked_sub(1)).and_then(|o| completes.get(o)) {
+                out[*i] = WriteOut::Complete(BatchWrite::Written);
+            }
+        }
+        if !claims.is_empty() {
+            if rows.len() != claims.len() {
+                return Err(StoreError::Corrupt(format!("batched claim of {} returned {} rows", claims.len(), rows.len())));
+            }
+            for ((i, _), row) in claims.iter().zip(&rows) {
+                out[*i] = WriteOut::Claim(decode_batch_claim(row)?);
             }
         }
         Ok(out)
+    }
+}
+
+/// One claim's row of `CLAIM_BATCH` / `WRITE_BATCH`.
+fn decode_batch_claim(row: &Row) -> Result<BatchClaim, StoreError> {
+    let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+    let generation: Option<i64> = row.try_get(NCOLS + 1).map_err(c)?;
+    let lease: Option<Timestamp> = row.try_get(NCOLS + 2).map_err(c)?;
+    if let (Some(g), Some(lease)) = (generation, lease) {
+        return Ok(BatchClaim::Inserted { generation: Generation(g), lease_expires_at: lease });
+    }
+    if row.try_get::<_, Option<&str>>(0).map_err(c)?.is_none() {
+        return Ok(BatchClaim::Conflict);
+    }
+    let now: Timestamp = row.try_get(NCOLS).map_err(c)?;
+    let cacheable: bool = row.try_get::<_, Option<bool>>(NCOLS + 3).map_err(c)?.unwrap_or(false);
+    Ok(BatchClaim::Existing(Box::new(decode(row)?), now, cacheable))
+}
+
+/// The claims of a batch as the arrays `CLAIM_INPUT` unnests.
+struct ClaimColumns<'a> {
+    pk: PkColumns<'a>,
+    hashes: Vec<&'a [u8]>,
+    tokens: Vec<Uuid>,
+    owners: Vec<&'a str>,
+    leases: Vec<i64>,
+    operation_ids: Vec<Option<&'a str>>,
+    requests: Vec<Option<&'a [u8]>>,
+    key_sources: Vec<&'a str>,
+    scope_ids: Vec<i64>,
+}
+
+impl<'a> ClaimColumns<'a> {
+    fn of(items: impl ExactSizeIterator<Item = &'a ClaimItem> + Clone) -> ClaimColumns<'a> {
+        ClaimColumns {
+            pk: PkColumns::of(items.clone().map(|i| &i.scope)),
+            hashes: items.clone().map(|i| &i.request_hash.0[..]).collect(),
+            tokens: items.clone().map(|i| i.token).collect(),
+            owners: items.clone().map(|i| &*i.owner).collect(),
+            leases: items.clone().map(|i| i.lease_us).collect(),
+            operation_ids: items.clone().map(|i| i.acceptance.as_ref().map(|a| a.operation_id.as_str())).collect(),
+            requests: items.clone().map(|i| i.acceptance.as_ref().map(|a| &a.request[..]).or(i.request_head.as_deref())).collect(),
+            key_sources: items.clone().map(|i| &*i.key_source).collect(),
+            scope_ids: items.map(|i| i.scope.scope_id().to_i64()).collect(),
+        }
+    }
+
+    fn params(&self) -> Vec<&(dyn tokio_postgres::types::ToSql + Sync)> {
+        vec![
+            &self.pk.tenants,
+            &self.pk.principals,
+            &self.pk.operations,
+            &self.pk.keys,
+            &self.hashes,
+            &self.tokens,
+            &self.owners,
+            &self.leases,
+            &self.operation_ids,
+            &self.requests,
+            &self.key_sources,
+            &self.scope_ids,
+        ]
+    }
+}
+
+/// The result writes of a batch as the arrays `complete_parts` unnests.
+struct CompleteColumns<'a> {
+    pk: PkColumns<'a>,
+    generations: Vec<i64>,
+    statuses: Vec<i32>,
+    headers: Vec<&'a [u8]>,
+    bodies: Vec<Option<&'a [u8]>>,
+    retentions: Vec<Option<i64>>,
+    tokens: Vec<Uuid>,
+    emit: Vec<bool>,
+    with_body: Vec<bool>,
+}
+
+impl<'a> CompleteColumns<'a> {
+    fn of(items: impl ExactSizeIterator<Item = &'a CompleteItem> + Clone) -> CompleteColumns<'a> {
+        CompleteColumns {
+            pk: PkColumns::of(items.clone().map(|i| &i.scope)),
+            generations: items.clone().map(|i| i.attempt.generation.0).collect(),
+            statuses: items.clone().map(|i| i.status).collect(),
+            headers: items.clone().map(|i| &i.headers[..]).collect(),
+            bodies: items.clone().map(|i| i.body.as_deref()).collect(),
+            retentions: items.clone().map(|i| i.retention_us).collect(),
+            tokens: items.clone().map(|i| i.attempt.claim_token).collect(),
+            emit: items.clone().map(|i| i.emit.event).collect(),
+            with_body: items.map(|i| i.emit.body).collect(),
+        }
+    }
+
+    fn params(&self) -> Vec<&(dyn tokio_postgres::types::ToSql + Sync)> {
+        vec![
+            &self.pk.tenants,
+            &self.pk.principals,
+            &self.pk.operations,
+            &self.pk.keys,
+            &self.generations,
+            &self.statuses,
+            &self.headers,
+            &self.bodies,
+            &self.retentions,
+            &self.tokens,
+            &self.emit,
+            &self.with_body,
+        ]
     }
 }
 

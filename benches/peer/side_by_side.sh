@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# The peer benchmark (`scripts/bench --peer`; see docs/performance.md).
+# Side by side, in ONE run on one machine: the Node peer (@node-idempotency/core +
+# Redis, AOF fsync per REDIS_DURABILITY, default always) against idemgate on
+# PostgreSQL (fsync on, synchronous_commit on) and idemgate on its embedded SQLite store.
+# Same nginx upstream, same wrk scripts, same body; targets interleaved per phase.
+#
+#   IDEMGATE_BIN=/path/to/target/release/idemgate ./side_by_side.sh
+#
+# Prints per run: rps p50 p99, upstream requests seen (must equal first writes),
+# then `ratios: first_pg_vs_peer=X replay_pg_vs_peer=Y first_sqlite_vs_peer=Z
+# replay_sqlite_vs_peer=W` per connection count, and a closing `ratios:` line at the
+# highest one. After each PostgreSQL run: seq_scan+N, the sequential scans of
+# idemgate_records during it (pg_stat_user_tables; backends report at most once
+# a second, so a count can lag into the next run).
+set -euo pipefail
+export LC_ALL=C
+HERE="$(cd "$(dirname "$0")" && pwd)"
+PEER_DIR="$HERE/node-peer"; WRK_DIR="$HERE/wrk"
+BIN="${IDEMGATE_BIN:?set IDEMGATE_BIN to the idemgate release binary}"
+DURATION="${DURATION:-10s}"; CONNS="${CONNS:-16 64}"; WRK_THREADS="${WRK_THREADS:-2}"
+REDIS_DURABILITY="${REDIS_DURABILITY:-always}"; REPLAY_KEYS="${REPLAY_KEYS:-1000}"
+TARGETS="${TARGETS:-peer pg sqlite}"
+export ORDER_BODY='{"item":"widget","qty":1}'
+API_KEY="side-by-side-key"
+for b in node redis-server redis-cli nginx wrk curl initdb pg_ctl; do
+  command -v "$b" >/dev/null || { echo "missing: $b" >&2; exit 1; }; done
+case "$REDIS_DURABILITY" in
+  none) RARGS=(--save "" --appendonly no) ;;
+  everysec) RARGS=(--save "" --appendonly yes --appendfsync everysec) ;;
+  always) RARGS=(--save "" --appendonly yes --appendfsync always) ;;
+esac
+mkdir -p /tmp/peerbench; RUN="$(mktemp -d /tmp/peerbench/sbs.XXXXXX)"; chmod 755 "$RUN"
+echo "run dir: $RUN"
+PIDS=()
+stop_pid() { local p=$1; kill -TERM "$p" 2>/dev/null || true
+  for _ in $(seq 50); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+  kill -KILL "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; }
+cleanup() { local rc=$?; set +e
+  for (( i=${#PIDS[@]}-1; i>=0; i-- )); do stop_pid "${PIDS[$i]}"; done
+  [[ -n "${PGDATA_DIR:-}" ]] && runuser -u postgres -- pg_ctl -D "$PGDATA_DIR" -m immediate stop >/dev/null 2>&1
+  exit $rc; }
+trap cleanup EXIT; trap 'exit 130' INT TERM
+free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
+wait_until() { local w=$1 t=$2; shift 2; for _ in $(seq "$t"); do "$@" >/dev/null 2>&1 && return 0; sleep 0.1; done; echo "timeout: $w" >&2; return 1; }
+
+# ---- redis + nginx upstream + peer ------------------------------------------
+RP=$(free_port); UP=$(free_port); PP=$(free_port); PGP=$(free_port); GP=$(free_port); GA=$(free_port); SP=$(free_port); SA=$(free_port)
+redis-server --port "$RP" --bind 127.0.0.1 --daemonize no --dir "$RUN" --logfile "$RUN/redis.log" "${RARGS[@]}" &
+PIDS+=($!); wait_until redis 50 redis-cli -p "$RP" ping
+NGX="$RUN/nginx"; mkdir -p "$NGX/tmp"; chmod 755 "$NGX"
+cat > "$NGX/nginx.conf" <<EOF
+daemon off; master_process on; user nobody nogroup; worker_processes 1; pid $NGX/nginx.pid;
+error_log $NGX/error.log warn; events { worker_connections 4096; }
+http { access_log off; client_body_temp_path $NGX/tmp/body; proxy_temp_path $NGX/tmp/proxy;
+  fastcgi_temp_path $NGX/tmp/f; uwsgi_temp_path $NGX/tmp/u; scgi_temp_path $NGX/tmp/s;
+  keepalive_requests 1000000; keepalive_timeout 75s;
+  server { listen 127.0.0.1:$UP; default_type application/json;
+    location = /v1/orders { return 201 '{"id":1}'; }
+    location = /__nginx_status { stub_status; }
+    location / { return 200 '{"ok":true}'; } } }
+EOF
+nginx -p "$NGX" -c "$NGX/nginx.conf" -e "$NGX/error.log" & PIDS+=($!)
+wait_until nginx 50 curl -fsS "http://127.0.0.1:$UP/__nginx_status"
+[[ -d "$PEER_DIR/node_modules/@node-idempotency/core" ]] || (cd "$PEER_DIR" && npm ci --no-audit --no-fund)
+PEER_PORT=$PP UPSTREAM_URL="http://127.0.0.1:$UP" REDIS_PORT=$RP PEER_WORKERS=1 node "$PEER_DIR/server.js" > "$RUN/peer.log" 2>&1 &
+PIDS+=($!); wait_until peer 100 curl -fsS "http://127.0.0.1:$PP/__peer/health"
+
+# ---- private PostgreSQL (defaults: fsync on, synchronous_commit on) ------------
+PGDATA_DIR="$RUN/pg"; mkdir -p "$PGDATA_DIR" "$RUN/pglog"; chown postgres "$PGDATA_DIR" "$RUN/pglog"
+runuser -u postgres -- initdb -D "$PGDATA_DIR" -A trust -U postgres >/dev/null
+runuser -u postgres -- pg_ctl -D "$PGDATA_DIR" -l "$PGDATA_DIR/../pglog/pg.log" -w \
+  -o "-c listen_addresses=127.0.0.1 -p $PGP -k $RUN/pglog -c shared_buffers=512MB -c max_connections=200" start >/dev/null
+export IDEMGATE_DATABASE_URL="postgres://postgres@127.0.0.1:$PGP/postgres"
+
+# ---- idemgate on each store ----------------------------------------------------
+KEYHASH=$(printf %s "$API_KEY" | sha256sum | cut -d' ' -f1)
+mkcfg() { # mkcfg <file> <port> <admin> <store-block>
+cat > "$1" <<EOF
+[server]
+listen = "127.0.0.1:$2"
+[store]
+$4
+[admin]
+listen = "127.0.0.1:$3"
+[[upstreams]]
+name = "orders"
+url = "http://127.0.0.1:$UP"
+timeout = "10s"
+[[identity.sources]]
+kind = "api_key"
+header = "authorization"
+keys = [ { sha256 = "$KEYHASH", tenant = "acme", principal = "bench" } ]
+[[routes]]
+operation = "create_order"
+method = "POST"
+path = "/v1/orders"
+upstream = "orders"
+retention = "24h"
+EOF
+}
+mkcfg "$RUN/pg.toml" "$GP" "$GA" $'kind = "postgres"\nurl_env = "IDEMGATE_DATABASE_URL"'
+mkcfg "$RUN/sqlite.toml" "$SP" "$SA" "kind = \"sqlite\"
+path = \"$RUN/idemgate.db\""
+"$BIN" migrate --config "$RUN/pg.toml" >/dev/null 2>&1 || true
+"$BIN" serve --config "$RUN/pg.toml" > "$RUN/gw-pg.log" 2>&1 & PIDS+=($!)
+"$BIN" serve --config "$RUN/sqlite.toml" > "$RUN/gw-sqlite.log" 2>&1 & PIDS+=($!)
+wait_until idemgate-pg 100 curl -fsS "http://127.0.0.1:$GA/readyz"
+wait_until idemgate-sqlite 100 curl -fsS "http://127.0.0.1:$SA/readyz"
+declare -A URL=([peer]="http://127.0.0.1:$PP" [pg]="http://127.0.0.1:$GP" [sqlite]="http://127.0.0.1:$SP")
+export AUTH_HEADER_VALUE="Bearer $API_KEY"
+ups() { curl -fsS "http://127.0.0.1:$UP/__nginx_status" | awk 'NR==3{print $3}'; }
+seqscans() { runuser -u postgres -- psql -h "$RUN/pglog" -p "$PGP" -qAt \
+  -c "SELECT coalesce(sum(seq_scan), 0) FROM pg_stat_user_tables WHERE relname = 'idemgate_records'" postgres; }
+
+declare -A RPS
+run() { # run <target> <phase> <script> <conns> <dur>
+  local t=$1 ph=$2 s=$3 c=$4 d=$5 u0 u1 res seq="" s0=0
+  u0=$(ups); [[ $t == pg ]] && s0=$(seqscans)
+  LABEL="$t-$ph-c$c" KEY_PREFIX="$t-$ph-$c-$RANDOM$RANDOM" REPLAY_PREFIX="replay-$t-" REPLAY_KEYS="$REPLAY_KEYS" \
+    timeout $(( ${d%s} + 20 )) wrk -t"$WRK_THREADS" -c"$c" -d"$d" --timeout 5s -s "$s" "${URL[$t]}" > "$RUN/wrk-$t-$ph-$c.txt" 2>&1
+  u1=$(ups); if [[ $t == pg ]]; then sleep 1; local s1; s1=$(seqscans); seq=" seq_scan+$((s1 - s0)) (total $s1)"; fi; res=$(grep '^RESULT' "$RUN/wrk-$t-$ph-$c.txt" | sed 's/^RESULT //')
+  RPS[$t-$ph-$c]=$(echo "$res" | grep -o 'rps=[0-9.]*' | cut -d= -f2)
+  printf '%-8s %-6s c=%-3s %s upstream+%s%s\n' "$t" "$ph" "$c" "$(echo "$res" | grep -o 'requests=.*p99_ms=[0-9.]*') $(echo "$res" | grep -o 'status_ge400=[0-9]*')" "$((u1 - u0 - 1))" "$seq"
+}
+for t in $TARGETS; do run "$t" warm "$WRK_DIR/first_writes.lua" 16 3s >/dev/null; done
+# STEADY=1: what autovacuum does after the first minute, done at once (ANALYZE), so that the
+# measured runs see steady-state plans; STEADY=0 measures a freshly migrated database as is.
+if [[ "${STEADY:-1}" == 1 ]]; then
+  runuser -u postgres -- psql -h "$RUN/pglog" -p "$PGP" -qAt -c "ANALYZE" postgres
+  echo "steady: ANALYZE after the warm-up"
+else
+  echo "cold: no ANALYZE (fresh database)"
+fi
+for c in $CONNS; do for t in $TARGETS; do run "$t" first "$WRK_DIR/first_writes.lua" "$c" "$DURATION"; done; done
+for t in $TARGETS; do
+  TARGET_URL="${URL[$t]}" REPLAY_PREFIX="replay-$t-" REPLAY_KEYS="$REPLAY_KEYS" timeout 90 node "$PEER_DIR/prewarm.js" > "$RUN/prewarm-$t.txt" 2>&1 \
+    || { echo "prewarm failed for $t:"; cat "$RUN/prewarm-$t.txt"; exit 1; }
+done
+for c in $CONNS; do for t in $TARGETS; do run "$t" replay "$WRK_DIR/replays.lua" "$c" "$DURATION"; done; done
+ratio() { python3 -c "import sys;a,b=sys.argv[1:];print('%.2f'%(float(a)/float(b)) if a and b else 'n/a')" "${RPS[$1]:-}" "${RPS[$2]:-}"; }
+for c in $CONNS; do
+  echo "ratios@c$c: first_pg_vs_peer=$(ratio pg-first-$c peer-first-$c) replay_pg_vs_peer=$(ratio pg-replay-$c peer-replay-$c) first_sqlite_vs_peer=$(ratio sqlite-first-$c peer-first-$c) replay_sqlite_vs_peer=$(ratio sqlite-replay-$c peer-replay-$c)"
+done
+echo "redis_durability=$REDIS_DURABILITY nproc=$(nproc) duration=$DURATION steady=${STEADY:-1}"
+top=$(printf '%s\n' $CONNS | sort -n | tail -n 1)
+echo "ratios: first_pg_vs_peer=$(ratio pg-first-$top peer-first-$top) replay_pg_vs_peer=$(ratio pg-replay-$top peer-replay-$top) (at $top connections)"

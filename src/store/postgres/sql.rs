@@ -1,0 +1,714 @@
+//! Every statement the PostgreSQL store sends, in one place, and the session
+//! settings it sends them with.
+//!
+//! # Plans that do not depend on statistics
+//!
+//! idemgate's sessions plan every statement once per connection as a generic
+//! plan (`plan_cache_mode = force_generic_plan`), often while the tables are
+//! empty and never analyzed. Left to costs, the planner then picks whatever
+//! the missing statistics make look cheap, a hash join over a sequential
+//! scan or a partial index that happens to match a `state` test, and keeps
+//! that plan for the connection's life while the table grows. Two rules make
+//! the plans the same whatever the statistics:
+//!
+//! - **Session settings** ([`SESSION_SETTINGS`]): no sequential scans, hash
+//!   joins or merge joins. Every statement here has an index that serves it,
+//!   so these only remove the wrong choices; a batch's elements are looked up
+//!   one by one through the primary key (a nested loop), which is what a
+//!   batch of up to 128 keys should cost against a table of any size.
+//! - **Statement shape**: a statement that finds its row by the primary key
+//!   tests `state` (or an event's `delivery`) with `CASE`
+//!   ([`state_is`]-style text below), which the planner can neither use as
+//!   an index condition nor use to prove a partial index's predicate. So the
+//!   primary key is the only index such a statement can use, and a table full
+//!   of dead `in_flight` entries in the `open` index cannot be scanned
+//!   instead.
+//!
+//! [`catalog`] lists every statement with the indexes it may use;
+//! `tests/pg_plans.rs` runs `EXPLAIN` on each of them, with these session
+//! settings, on an empty never-analyzed table, a populated one and after a
+//! mass delete, and fails on any sequential scan or any other index.
+
+use std::sync::LazyLock;
+
+/// `name=value` settings of every idemgate session (sent at connect time),
+/// besides `statement_timeout`. See the module documentation.
+pub const SESSION_SETTINGS: &[(&str, &str)] = &[
+    // The batched statements take arrays; left to itself PostgreSQL keeps
+    // re-planning them per execution (custom plans), which doubled their
+    // cost in the benchmark. With the settings below the generic plan is
+    // always the index plan.
+    ("plan_cache_mode", "force_generic_plan"),
+    ("enable_seqscan", "off"),
+    ("enable_hashjoin", "off"),
+    ("enable_mergejoin", "off"),
+];
+
+/// The record columns every reading statement returns, in `decode`'s order.
+pub(super) const COLUMNS: &str = "tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner, \
+     lease_expires_at, response_status, response_headers, response_body, created_at, updated_at, expires_at, \
+     operation_id, attempts, next_attempt_at, sent_at, last_status, maybe_executed, key_source";
+/// How many columns `COLUMNS` has: the next column of a row is at this index.
+pub(super) const NCOLS: usize = 23;
+
+/// The primary key from `$1`..`$4`.
+const PK: &str = "tenant = $1 AND principal = $2 AND operation = $3 AND idempotency_key = $4";
+
+/// A fenced async write: the attempt's generation and token, `processing`.
+const FENCE: &str = "generation = $5 AND claim_token = $6 AND CASE state WHEN 'processing' THEN true ELSE false END";
+
+/// `expires_at` from a retention parameter (`retention_us`) at `$7`, `$8`, `$9`:
+/// NULL (forever) becomes `'infinity'`.
+const EXPIRES_7: &str = "coalesce(now() + $7::int8 * interval '1 microsecond', 'infinity')";
+const EXPIRES_8: &str = "coalesce(now() + $8::int8 * interval '1 microsecond', 'infinity')";
+const EXPIRES_9: &str = "coalesce(now() + $9::int8 * interval '1 microsecond', 'infinity')";
+
+/// The columns of an event row as written (`INSERT INTO idemgate_events {EVENT_INSERT} ...`).
+const EVENT_INSERT: &str = "(event_type, tenant, principal, operation, idempotency_key, generation, status, operation_id, actor, body)";
+
+/// The columns of an event row as read (`decode_event`).
+pub(super) const EVENT_COLUMNS: &str = "seq, event_id, event_type, tenant, principal, operation, idempotency_key, generation, status, \
+     operation_id, actor, at, body, delivery, attempts, next_attempt_at, last_error, sent_at";
+
+/// The claim: one statement, autocommitted. It reads the scope's row, takes it
+/// over if `record::may_take_over` allows (an UPDATE that re-checks the
+/// condition on the latest row version), or inserts when there is none
+/// (`ON CONFLICT DO NOTHING`). At most one of the two writes acts. When neither
+/// does, nothing is written or locked, so a replay or a duplicate costs no
+/// commit; the row seen is returned with the database clock.
+///
+/// With an operation id (`$10`) it is an async acceptance: the record starts
+/// `queued` (due now, no lease) and keeps the request (`$11`) for the workers.
+///
+/// Returned: the row seen (`COLUMNS`), `now()`, the inserted row's generation
+/// and lease, the taken-over row's, and whether the row seen may be cached
+/// (no resolution holds it out of the replay caches).
+pub(super) static CLAIM: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "\
+WITH cur AS (
+    SELECT {COLUMNS}, cache_hold_until
+    FROM idemgate_records
+    WHERE tenant = $1 AND principal = $2 AND operation = $3 AND idempotency_key = $4
+), taken AS (
+    UPDATE idemgate_records r SET
+        request_hash = $5, state = CASE WHEN $10::text IS NULL THEN 'in_flight' ELSE 'queued' END,
+        generation = nextval('idemgate_generation'), claim_token = $6, owner = $7,
+        lease_expires_at = CASE WHEN $10::text IS NULL THEN now() + $8::int8 * interval '1 microsecond' END,
+        response_status = NULL, response_headers = NULL, response_body = NULL,
+        created_at = now(), updated_at = now(), expires_at = now() + $8::int8 * interval '1 microsecond',
+        operation_id = $10, request = $11, attempts = 0,
+        next_attempt_at = CASE WHEN $10::text IS NOT NULL THEN now() END, sent_at = NULL, last_status = NULL, maybe_executed = false,
+        key_source = $12, scope_id = $13
+    WHERE r.tenant = $1 AND r.principal = $2 AND r.operation = $3 AND r.idempotency_key = $4
+      AND CASE r.state
+            WHEN 'completed' THEN r.expires_at <= now()
+            WHEN 'failed_retryable' THEN r.expires_at <= now()
+            WHEN 'unknown' THEN $9::bool AND r.request_hash = $5
+            WHEN 'in_flight' THEN $9::bool AND r.request_hash = $5 AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())
+            ELSE false
+          END
+    RETURNING r.generation, coalesce(r.lease_expires_at, now())
+), inserted AS (
+    INSERT INTO idemgate_records
+        (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
+         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, key_source, scope_id)
+    SELECT $1, $2, $3, $4, $5, CASE WHEN $10::text IS NULL THEN 'in_flight' ELSE 'queued' END, nextval('idemgate_generation'), $6, $7,
+           CASE WHEN $10::text IS NULL THEN now() + $8::int8 * interval '1 microsecond' END, now(), now(),
+           now() + $8::int8 * interval '1 microsecond', $10, $11, CASE WHEN $10::text IS NOT NULL THEN now() END, $12, $13
+    WHERE NOT EXISTS (SELECT 1 FROM cur)
+    ON CONFLICT (tenant, principal, operation, idempotency_key) DO NOTHING
+    RETURNING generation, coalesce(lease_expires_at, now())
+)
+SELECT {}, now(),
+       (SELECT generation FROM inserted), (SELECT coalesce FROM inserted),
+       (SELECT generation FROM taken), (SELECT coalesce FROM taken),
+       NOT coalesce(cur.cache_hold_until > now(), false)
+FROM (SELECT 1) AS one LEFT JOIN cur ON true",
+        prefixed(COLUMNS, "cur.")
+    )
+});
+
+/// The claims of a batch as rows (`$1`..`$12`, one array per column).
+const CLAIM_INPUT: &str = "\
+input AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::uuid[], $7::text[], $8::int8[],
+                         $9::text[], $10::bytea[], $11::text[], $12::int8[])
+        WITH ORDINALITY AS i(tenant, principal, operation, idempotency_key, request_hash, claim_token, owner, lease_us,
+                             operation_id, request, key_source, scope_id, ord)
+), cur AS (
+    SELECT i.ord, r.tenant, r.principal, r.operation, r.idempotency_key, r.request_hash, r.state, r.generation, r.claim_token,
+           r.owner, r.lease_expires_at, r.response_status, r.response_headers, r.response_body, r.created_at, r.updated_at, r.expires_at,
+           r.operation_id, r.attempts, r.next_attempt_at, r.sent_at, r.last_status, r.maybe_executed, r.key_source, r.cache_hold_until
+    FROM input i JOIN idemgate_records r
+      ON r.tenant = i.tenant AND r.principal = i.principal AND r.operation = i.operation AND r.idempotency_key = i.idempotency_key
+), inserted AS (
+    INSERT INTO idemgate_records
+        (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
+         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, key_source, scope_id)
+    SELECT i.tenant, i.principal, i.operation, i.idempotency_key, i.request_hash,
+           CASE WHEN i.operation_id IS NULL THEN 'in_flight' ELSE 'queued' END, nextval('idemgate_generation'), i.claim_token, i.owner,
+           CASE WHEN i.operation_id IS NULL THEN now() + i.lease_us * interval '1 microsecond' END, now(), now(),
+           now() + i.lease_us * interval '1 microsecond', i.operation_id, i.request,
+           CASE WHEN i.operation_id IS NOT NULL THEN now() END, i.key_source, i.scope_id
+    FROM input i
+    WHERE NOT EXISTS (SELECT 1 FROM cur c WHERE c.ord = i.ord)
+    ORDER BY i.tenant, i.principal, i.operation, i.idempotency_key
+    ON CONFLICT (tenant, principal, operation, idempotency_key) DO NOTHING
+    RETURNING claim_token, generation, coalesce(lease_expires_at, now()) AS lease
+)";
+
+/// What the batched claim returns per claim, in input order: the row seen
+/// (`COLUMNS`), `now()`, the inserted row's generation and lease, and whether
+/// the row seen may be cached (as in `CLAIM`).
+const CLAIM_OUTPUT: &str = "\
+SELECT c.tenant, c.principal, c.operation, c.idempotency_key, c.request_hash, c.state, c.generation, c.claim_token,
+       c.owner, c.lease_expires_at, c.response_status, c.response_headers, c.response_body, c.created_at, c.updated_at,
+       c.expires_at, c.operation_id, c.attempts, c.next_attempt_at, c.sent_at, c.last_status, c.maybe_executed, c.key_source, now(),
+       ins.generation, ins.lease, NOT coalesce(c.cache_hold_until > now(), false)";
+
+const CLAIM_FROM: &str = "\
+FROM input i
+LEFT JOIN cur c ON c.ord = i.ord
+LEFT JOIN inserted ins ON ins.claim_token = i.claim_token
+ORDER BY i.ord";
+
+/// The result writes of a batch as rows (from `$n` on, one array per
+/// column), each fenced by its own attempt, and their events.
+fn complete_parts(first: usize) -> String {
+    let p = |i: usize| format!("${}", first + i);
+    format!(
+        "\
+v AS (
+    SELECT * FROM unnest({}::text[], {}::text[], {}::text[], {}::text[], {}::int8[], {}::int4[], {}::bytea[], {}::bytea[],
+                         {}::int8[], {}::uuid[], {}::bool[], {}::bool[])
+        WITH ORDINALITY AS v(tenant, principal, operation, idempotency_key, generation, status, headers, body, retention_us, claim_token,
+                             emit, with_body, ord)
+), upd AS (
+    UPDATE idemgate_records r SET
+        state = 'completed', response_status = v.status, response_headers = v.headers, response_body = v.body,
+        lease_expires_at = NULL, updated_at = now(),
+        expires_at = coalesce(now() + v.retention_us * interval '1 microsecond', 'infinity')
+    FROM v
+    WHERE r.tenant = v.tenant AND r.principal = v.principal AND r.operation = v.operation
+      AND r.idempotency_key = v.idempotency_key AND r.generation = v.generation AND r.claim_token = v.claim_token
+      AND CASE r.state WHEN 'in_flight' THEN true WHEN 'processing' THEN true ELSE false END
+    RETURNING v.ord, v.emit, v.with_body, r.tenant, r.principal, r.operation, r.idempotency_key, r.generation, r.response_status,
+              r.operation_id, r.response_body
+), ev AS (
+    INSERT INTO idemgate_events {EVENT_INSERT}
+    SELECT 'completed', tenant, principal, operation, idempotency_key, generation, response_status, operation_id, NULL,
+           CASE WHEN with_body THEN response_body END
+    FROM upd WHERE emit ORDER BY ord
+)",
+        p(0),
+        p(1),
+        p(2),
+        p(3),
+        p(4),
+        p(5),
+        p(6),
+        p(7),
+        p(8),
+        p(9),
+        p(10),
+        p(11),
+    )
+}
+
+/// The batched claim: like `CLAIM` for many scopes at once, but without the
+/// take-over branch (the single-row statement does that). Rows are inserted
+/// in primary-key order so that two batches never wait on each other in a
+/// cycle; the answer comes back in input order.
+pub(super) static CLAIM_BATCH: LazyLock<String> = LazyLock::new(|| format!("WITH {CLAIM_INPUT}\n{CLAIM_OUTPUT}\n{CLAIM_FROM}"));
+
+/// The batched result write (`$1`..`$12`), each row fenced by its own attempt.
+pub(super) static COMPLETE_BATCH: LazyLock<String> = LazyLock::new(|| format!("WITH {}\nSELECT ord FROM upd", complete_parts(1)));
+
+/// One commit for a batch of claims (`$1`..`$12`) and a batch of result
+/// writes (`$13`..`$24`): the claims' rows as `CLAIM_BATCH` returns them,
+/// each with the ordinals of the result writes that took effect.
+pub(super) static WRITE_BATCH: LazyLock<String> =
+    LazyLock::new(|| format!("WITH {CLAIM_INPUT}, {}\n{CLAIM_OUTPUT}, (SELECT array_agg(ord) FROM upd)\n{CLAIM_FROM}", complete_parts(13)));
+
+/// The single-row result write: used when a batched statement deadlocked.
+pub(super) static COMPLETE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH upd AS (UPDATE idemgate_records SET state = 'completed', response_status = $6, response_headers = $7, \
+         response_body = $8, lease_expires_at = NULL, updated_at = now(), expires_at = {EXPIRES_9} \
+         WHERE {PK} AND generation = $5 AND claim_token = $10 \
+         AND CASE state WHEN 'in_flight' THEN true WHEN 'processing' THEN true ELSE false END \
+         RETURNING tenant, principal, operation, idempotency_key, generation, response_status, operation_id, response_body), \
+         ev AS (INSERT INTO idemgate_events {EVENT_INSERT} \
+         SELECT 'completed', tenant, principal, operation, idempotency_key, generation, response_status, operation_id, NULL, \
+         CASE WHEN $12 THEN response_body END FROM upd WHERE $11) \
+         SELECT 1 FROM upd"
+    )
+});
+
+pub(super) static GET: LazyLock<String> = LazyLock::new(|| format!("SELECT {COLUMNS}, now() FROM idemgate_records WHERE {PK}"));
+
+pub(super) static RELEASE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "DELETE FROM idemgate_records WHERE {PK} AND generation = $5 AND claim_token = $6 \
+         AND CASE state WHEN 'in_flight' THEN true ELSE false END RETURNING 1"
+    )
+});
+
+pub(super) static ABANDON: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "DELETE FROM idemgate_records WHERE {PK} AND claim_token = $5 \
+         AND CASE state WHEN 'in_flight' THEN true ELSE false END RETURNING 1"
+    )
+});
+
+pub(super) static MARK_UNKNOWN: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH upd AS (UPDATE idemgate_records SET state = 'unknown', updated_at = now() \
+         WHERE {PK} AND generation = $5 AND claim_token = $7 \
+         AND CASE state WHEN 'in_flight' THEN true WHEN 'processing' THEN true ELSE false END \
+         AND (NOT $6::bool OR lease_expires_at IS NULL OR lease_expires_at <= now()) \
+         RETURNING tenant, principal, operation, idempotency_key, generation, operation_id), \
+         ev AS (INSERT INTO idemgate_events {EVENT_INSERT} \
+         SELECT 'unknown', tenant, principal, operation, idempotency_key, generation, NULL, operation_id, NULL, NULL FROM upd WHERE $8) \
+         SELECT 1 FROM upd"
+    )
+});
+
+/// Which filters a listing has; each combination is its own statement, so
+/// that each is planned for its own index (a `$n IS NULL OR ...` test would
+/// leave the planner no index to use).
+///
+/// - One of the open states (`in_flight`, `unknown`, ...): the records in that
+///   state through the partial index of open states (the working set, small
+///   whatever the table's size), then sorted. The sort key is written so that
+///   no index provides it, which keeps the planner on that index.
+/// - Otherwise: the newest records first through `idemgate_records_recent`,
+///   skipping those the filters reject, until the page is full. Every other
+///   filter is written so that no other index can serve it. A filter that
+///   matches few of many records walks far: filter by state for those.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ListShape {
+    /// `None`: any state; `Some(true)`: `completed`; `Some(false)`: one of the open states.
+    pub state: Option<bool>,
+    pub tenant: bool,
+    pub operation: bool,
+    pub forever: bool,
+    pub cursor: bool,
+}
+
+/// `cond`, in a form the planner can neither use as an index condition nor
+/// use to prove a partial index's predicate.
+fn opaque(cond: &str) -> String {
+    format!("CASE WHEN {cond} THEN true ELSE false END")
+}
+
+impl ListShape {
+    /// Every combination, for the plan test.
+    pub fn all() -> Vec<ListShape> {
+        let mut all = Vec::new();
+        for state in [None, Some(true), Some(false)] {
+            for bits in 0..16u8 {
+                all.push(ListShape {
+                    state,
+                    tenant: bits & 1 != 0,
+                    operation: bits & 2 != 0,
+                    forever: bits & 4 != 0,
+                    cursor: bits & 8 != 0,
+                });
+            }
+        }
+        all
+    }
+
+    /// The statement. Its parameters, numbered in this order, only those the
+    /// shape uses: the state, the tenant, the operation, the cursor
+    /// (`updated_at` in microseconds since the epoch, then the four primary
+    /// key columns), and last the limit.
+    pub fn sql(self) -> String {
+        let mut n = 0;
+        let mut next = || {
+            n += 1;
+            format!("${n}")
+        };
+        let open = self.state == Some(false);
+        let mut conds: Vec<String> = Vec::new();
+        if let Some(_state) = self.state {
+            let p = next();
+            conds.push(if open { format!("state = {p}::text AND state <> 'completed'") } else { opaque(&format!("state = {p}::text")) });
+        }
+        if self.tenant {
+            conds.push(opaque(&format!("tenant = {}::text", next())));
+        }
+        if self.operation {
+            conds.push(opaque(&format!("operation = {}::text", next())));
+        }
+        if self.forever {
+            conds.push(opaque("expires_at = 'infinity'"));
+        }
+        if self.cursor {
+            let at = format!("'epoch'::timestamptz + {}::int8 * interval '1 microsecond'", next());
+            let (t, p, o, k) = (next(), next(), next(), next());
+            let after = format!(
+                "updated_at < {at} OR (tenant, principal, operation, idempotency_key) > ({t}::text, {p}::text, {o}::text, {k}::text)"
+            );
+            // Newest first: the recent index seeks to the cursor.
+            conds.push(if open {
+                opaque(&format!("updated_at <= {at} AND ({after})"))
+            } else {
+                format!("updated_at <= {at} AND ({after})")
+            });
+        }
+        let mut sql = format!("SELECT {COLUMNS} FROM idemgate_records");
+        if !conds.is_empty() {
+            sql.push_str(" WHERE ");
+            sql.push_str(&conds.join(" AND "));
+        }
+        let newest = if open { "updated_at + interval '0 seconds'" } else { "updated_at" };
+        sql.push_str(&format!(" ORDER BY {newest} DESC, tenant, principal, operation, idempotency_key LIMIT {}::int8", next()));
+        sql
+    }
+
+    /// The index a listing of this shape uses.
+    pub fn indexes(self) -> &'static [&'static str] {
+        if self.state == Some(false) { &["idemgate_records_open"] } else { &["idemgate_records_recent"] }
+    }
+}
+
+/// The resolution's row, locked.
+pub(super) static RESOLVE_LOCK: LazyLock<String> =
+    LazyLock::new(|| format!("SELECT {COLUMNS}, now(), probe_token, cache_hold_until FROM idemgate_records WHERE {PK} FOR UPDATE"));
+
+/// A completed record about to be resolved is first held out of the
+/// replicas' replay caches (see `store::cache`): replicas that read it from
+/// now on do not cache it, until `$5` microseconds from now.
+pub(super) static RESOLVE_HOLD: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE idemgate_records SET cache_hold_until = now() + $5::int8 * interval '1 microsecond' \
+         WHERE {PK} AND CASE state WHEN 'completed' THEN true ELSE false END RETURNING cache_hold_until"
+    )
+});
+
+/// An async operation released: it runs again, under a new generation.
+pub(super) static RESOLVE_REQUEUE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE idemgate_records SET state = 'queued', generation = nextval('idemgate_generation'), lease_expires_at = NULL, \
+         sent_at = NULL, next_attempt_at = now(), maybe_executed = false, response_status = NULL, response_headers = NULL, \
+         response_body = NULL, updated_at = now(), cache_hold_until = NULL WHERE {PK} RETURNING generation"
+    )
+});
+
+/// The records a log line's scope id names (`$1`).
+pub(super) static BY_SCOPE_ID: LazyLock<String> = LazyLock::new(|| format!("SELECT {COLUMNS} FROM idemgate_records WHERE scope_id = $1"));
+
+/// Scopes of records claimed before migration 0005 (no scope id), in
+/// primary-key order after `$1`..`$4` when `$5`, at most `$6`.
+pub(super) const SCOPES_WITHOUT_ID: &str = "SELECT tenant, principal, operation, idempotency_key FROM idemgate_records \
+     WHERE scope_id IS NULL AND (NOT $5::bool OR (tenant, principal, operation, idempotency_key) > ($1, $2, $3, $4)) \
+     ORDER BY tenant, principal, operation, idempotency_key LIMIT $6";
+
+pub(super) static RESOLVE_DELETE: LazyLock<String> = LazyLock::new(|| format!("DELETE FROM idemgate_records WHERE {PK}"));
+
+pub(super) static RESOLVE_COMPLETE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE idemgate_records SET state = 'completed', generation = nextval('idemgate_generation'), response_status = $5, \
+         response_headers = $6, response_body = $7, lease_expires_at = NULL, updated_at = now(), \
+         expires_at = {EXPIRES_8}, cache_hold_until = NULL WHERE {PK} RETURNING generation"
+    )
+});
+
+pub(super) const AUDIT_INSERT: &str = "INSERT INTO idemgate_audit \
+     (actor, tenant, principal, operation, idempotency_key, from_state, to_state, reason, forced, generation) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)";
+
+pub(super) static EVENT_INSERT_ONE: LazyLock<String> =
+    LazyLock::new(|| format!("INSERT INTO idemgate_events {EVENT_INSERT} VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"));
+
+pub(super) const AUDIT_LIST: &str = "SELECT id, at, actor, tenant, principal, operation, idempotency_key, from_state, to_state, reason, \
+     forced, generation FROM idemgate_audit ORDER BY id DESC LIMIT $1";
+
+pub(super) const SETTING: &str = "SELECT value FROM idemgate_settings WHERE name = $1";
+
+pub(super) const SWEEP: &str = "\
+WITH doomed AS (
+    SELECT tenant, principal, operation, idempotency_key FROM idemgate_records
+    WHERE state IN ('completed', 'failed_retryable') AND expires_at <= now()
+    ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED)
+DELETE FROM idemgate_records r USING doomed d
+WHERE r.tenant = d.tenant AND r.principal = d.principal AND r.operation = d.operation
+  AND r.idempotency_key = d.idempotency_key AND r.expires_at <= now()
+  AND CASE r.state WHEN 'completed' THEN true WHEN 'failed_retryable' THEN true ELSE false END
+RETURNING 1";
+
+/// record::transition's LeaseExpired, in SQL: sync attempts become unknown;
+/// async ones go back to the queue when they never sent (no sent_at) or
+/// their upstream deduplicates, else unknown.
+pub(super) static REAP_LEASES: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "\
+WITH stale AS (
+    SELECT tenant, principal, operation, idempotency_key FROM idemgate_records
+    WHERE state IN ('in_flight', 'processing') AND (lease_expires_at IS NULL OR lease_expires_at <= now())
+    ORDER BY lease_expires_at LIMIT $1 FOR UPDATE SKIP LOCKED
+), decided AS (
+    SELECT s.*, (r.state = 'processing' AND (r.sent_at IS NULL OR r.operation = ANY($2::text[]))) AS requeue
+    FROM stale s JOIN idemgate_records r USING (tenant, principal, operation, idempotency_key)
+), upd AS (
+UPDATE idemgate_records r SET
+    state = CASE WHEN d.requeue THEN 'queued' ELSE 'unknown' END,
+    lease_expires_at = CASE WHEN d.requeue THEN NULL ELSE r.lease_expires_at END,
+    next_attempt_at = CASE WHEN d.requeue THEN now() ELSE r.next_attempt_at END,
+    sent_at = CASE WHEN d.requeue THEN NULL ELSE r.sent_at END,
+    -- Re-queued although it was sent: it may have executed.
+    maybe_executed = r.maybe_executed OR (d.requeue AND r.sent_at IS NOT NULL),
+    updated_at = now()
+FROM decided d
+WHERE r.tenant = d.tenant AND r.principal = d.principal AND r.operation = d.operation
+  AND r.idempotency_key = d.idempotency_key
+  AND CASE r.state WHEN 'in_flight' THEN true WHEN 'processing' THEN true ELSE false END
+  AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())
+RETURNING d.requeue, r.tenant, r.principal, r.operation, r.idempotency_key, r.generation, r.operation_id
+), ev AS (
+    INSERT INTO idemgate_events {EVENT_INSERT}
+    SELECT 'unknown', tenant, principal, operation, idempotency_key, generation, NULL, operation_id, NULL, NULL
+    FROM upd WHERE NOT requeue AND operation = ANY($3::text[])
+)
+SELECT requeue FROM upd"
+    )
+});
+
+/// A worker takes the oldest due operation of its routes: the row is locked
+/// with `SKIP LOCKED` (a concurrent worker takes the next one), drawn a new
+/// generation and token, and leased for its route's lease.
+pub(super) static TAKE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "\
+WITH routes AS (
+    SELECT * FROM unnest($1::text[], $2::int8[]) AS ro(operation, lease_us)
+), next AS (
+    SELECT r.tenant, r.principal, r.operation, r.idempotency_key
+    FROM idemgate_records r
+    WHERE r.state = 'queued' AND r.next_attempt_at <= now() AND r.operation = ANY($1::text[])
+    ORDER BY r.next_attempt_at
+    LIMIT 1
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE idemgate_records r SET
+    state = 'processing', generation = nextval('idemgate_generation'), claim_token = $3, owner = $4,
+    lease_expires_at = now() + ro.lease_us * interval '1 microsecond', attempts = r.attempts + 1, sent_at = NULL,
+    next_attempt_at = NULL, updated_at = now()
+FROM next n, routes ro
+WHERE r.tenant = n.tenant AND r.principal = n.principal AND r.operation = n.operation AND r.idempotency_key = n.idempotency_key
+  AND ro.operation = r.operation
+RETURNING {}, now(), r.request",
+        prefixed(COLUMNS, "r.")
+    )
+});
+
+pub(super) static HEARTBEAT: LazyLock<String> = LazyLock::new(|| {
+    format!("UPDATE idemgate_records SET lease_expires_at = now() + $7::int8 * interval '1 microsecond' WHERE {PK} AND {FENCE} RETURNING 1")
+});
+
+pub(super) static MARK_SENT: LazyLock<String> = LazyLock::new(|| {
+    format!("UPDATE idemgate_records SET sent_at = now() WHERE {PK} AND {FENCE} AND lease_expires_at > now() RETURNING 1")
+});
+
+pub(super) static REQUEUE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE idemgate_records SET state = 'queued', lease_expires_at = NULL, sent_at = NULL, \
+         next_attempt_at = now() + $7::int8 * interval '1 microsecond', last_status = $8, \
+         maybe_executed = maybe_executed OR $9, updated_at = now() WHERE {PK} AND {FENCE} RETURNING 1"
+    )
+});
+
+/// record::transition's Fail: never "failed_retryable" once an attempt may have run.
+pub(super) static FAIL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH upd AS (UPDATE idemgate_records SET \
+         state = CASE WHEN maybe_executed OR $9 THEN 'unknown' ELSE 'failed_retryable' END, \
+         maybe_executed = maybe_executed OR $9, lease_expires_at = NULL, \
+         expires_at = {EXPIRES_7}, last_status = $8, updated_at = now() \
+         WHERE {PK} AND {FENCE} \
+         RETURNING tenant, principal, operation, idempotency_key, generation, state, last_status, operation_id), \
+         ev AS (INSERT INTO idemgate_events {EVENT_INSERT} \
+         SELECT state, tenant, principal, operation, idempotency_key, generation, last_status, operation_id, NULL, NULL FROM upd \
+         WHERE (state = 'unknown' AND $10) OR (state = 'failed_retryable' AND $11)) \
+         SELECT 1 FROM upd"
+    )
+});
+
+pub(super) static OPERATION: LazyLock<String> =
+    LazyLock::new(|| format!("SELECT {COLUMNS}, now() FROM idemgate_records WHERE tenant = $1 AND operation_id = $2"));
+
+pub(super) static TAKE_EVENTS: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH due AS (
+            SELECT e.seq FROM idemgate_events e
+            WHERE e.delivery = 'pending' AND e.next_attempt_at <= now() AND (e.lease_until IS NULL OR e.lease_until <= now())
+              AND e.operation = ANY($1::text[])
+              AND NOT EXISTS (SELECT 1 FROM idemgate_events p
+                              WHERE p.delivery = 'pending' AND p.tenant = e.tenant AND p.principal = e.principal
+                                AND p.operation = e.operation AND p.idempotency_key = e.idempotency_key AND p.seq < e.seq)
+            ORDER BY e.next_attempt_at LIMIT $2 FOR UPDATE SKIP LOCKED)
+        UPDATE idemgate_events e SET lease_token = $3, lease_until = now() + $4::int8 * interval '1 microsecond'
+        FROM due WHERE e.seq = due.seq
+        RETURNING {}",
+        prefixed(EVENT_COLUMNS, "e.")
+    )
+});
+
+pub(super) const EVENTS_DELIVERED: &str = "UPDATE idemgate_events SET delivery = 'sent', sent_at = now(), lease_token = NULL, \
+     lease_until = NULL WHERE seq = ANY($1::int8[]) AND lease_token = $2 AND CASE delivery WHEN 'pending' THEN true ELSE false END \
+     RETURNING seq";
+
+pub(super) const EVENT_FAILED: &str = "UPDATE idemgate_events SET attempts = attempts + 1, last_error = $3, \
+     next_attempt_at = now() + $4::int8 * interval '1 microsecond', \
+     delivery = CASE WHEN $5 THEN 'parked' ELSE 'pending' END, lease_token = NULL, lease_until = NULL \
+     WHERE seq = $1 AND lease_token = $2 AND CASE delivery WHEN 'pending' THEN true ELSE false END RETURNING 1";
+
+/// Events newest first, of one delivery state (`$1`) or all.
+pub(super) static EVENTS: LazyLock<String> =
+    LazyLock::new(|| format!("SELECT {EVENT_COLUMNS} FROM idemgate_events ORDER BY seq DESC LIMIT $1"));
+pub(super) static EVENTS_BY_DELIVERY: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT {EVENT_COLUMNS} FROM idemgate_events \
+         WHERE CASE delivery WHEN $1 THEN true ELSE false END ORDER BY seq DESC LIMIT $2"
+    )
+});
+
+pub(super) const REDELIVER: &str = "UPDATE idemgate_events SET delivery = 'pending', attempts = 0, next_attempt_at = now(), \
+     lease_token = NULL, lease_until = NULL, last_error = NULL, sent_at = NULL WHERE event_id = $1 RETURNING 1";
+
+pub(super) const SWEEP_EVENTS: &str = "DELETE FROM idemgate_events WHERE seq IN (
+        SELECT seq FROM idemgate_events
+        WHERE delivery = 'sent' AND sent_at <= now() - $2::int8 * interval '1 microsecond'
+        ORDER BY sent_at LIMIT $1)
+    RETURNING 1";
+
+/// Pending events through their index, parked ones through theirs.
+pub(super) const EVENT_STATS: &str = "SELECT \
+     (SELECT count(*) FROM idemgate_events WHERE delivery = 'pending'), \
+     (SELECT count(*) FROM idemgate_events WHERE delivery = 'parked'), \
+     (SELECT min(at) FROM idemgate_events WHERE delivery = 'pending')";
+
+/// Records not yet completed, through the partial index of open states.
+pub(super) const STATS: &str = "SELECT operation, state, count(*), min(created_at), min(updated_at) FROM idemgate_records \
+     WHERE state <> 'completed' GROUP BY operation, state";
+
+/// The literal matches the partial index's predicate, so this counts over
+/// that index alone.
+pub(super) const FOREVER_COUNTS: &str = "SELECT operation, count(*) FROM idemgate_records WHERE expires_at = 'infinity' GROUP BY operation";
+
+/// The reconciler takes due `unknown` records of its routes (each past its
+/// route's settle time, not in backoff, not marked by a live probe), marks
+/// them with its token until the hold runs out, and gets them back with their
+/// stored request and the inconclusive probes of this generation so far.
+/// `SKIP LOCKED`: two replicas never take one record.
+pub(super) static TAKE_PROBES: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "\
+WITH routes AS (
+    SELECT * FROM unnest($1::text[], $2::int8[]) AS ro(operation, settle_us)
+), due AS (
+    SELECT r.tenant, r.principal, r.operation, r.idempotency_key
+    FROM idemgate_records r JOIN routes ro ON ro.operation = r.operation
+    WHERE r.state = 'unknown'
+      AND r.updated_at <= now() - ro.settle_us * interval '1 microsecond'
+      AND (r.probe_generation IS DISTINCT FROM r.generation
+           OR ((r.next_probe_at IS NULL OR r.next_probe_at <= now()) AND (r.probe_until IS NULL OR r.probe_until <= now())))
+    -- Oldest first, sorted after the open states' index found them (no index
+    -- provides this key, so none competes with that one).
+    ORDER BY r.updated_at + interval '0 seconds'
+    LIMIT $5
+    FOR UPDATE OF r SKIP LOCKED
+)
+UPDATE idemgate_records r SET
+    probe_attempts = CASE WHEN r.probe_generation = r.generation THEN r.probe_attempts ELSE 0 END,
+    probe_generation = r.generation, next_probe_at = NULL,
+    probe_token = $3, probe_until = now() + $4::int8 * interval '1 microsecond'
+FROM due d
+WHERE r.tenant = d.tenant AND r.principal = d.principal AND r.operation = d.operation AND r.idempotency_key = d.idempotency_key
+  AND CASE r.state WHEN 'unknown' THEN true ELSE false END
+RETURNING {}, now(), r.request, r.probe_attempts",
+        prefixed(COLUMNS, "r.")
+    )
+});
+
+pub(super) static PROBE_FAILED: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE idemgate_records SET probe_attempts = probe_attempts + 1, \
+         next_probe_at = now() + $7::int8 * interval '1 microsecond', probe_token = NULL, probe_until = NULL \
+         WHERE {PK} AND CASE state WHEN 'unknown' THEN true ELSE false END AND generation = $5 AND probe_token = $6 RETURNING 1"
+    )
+});
+
+/// `a, b` with `prefix` before each column: `r.a, r.b`.
+fn prefixed(columns: &str, prefix: &str) -> String {
+    columns.split(',').map(|c| format!("{prefix}{}", c.trim())).collect::<Vec<_>>().join(", ")
+}
+
+/// One statement of the catalog: what it is called, its text, and the
+/// indexes of `idemgate_records` and `idemgate_events` it may use (any other
+/// access to those tables, a sequential scan above all, is a wrong plan).
+#[derive(Debug, Clone)]
+pub struct Statement {
+    pub name: String,
+    pub sql: String,
+    pub indexes: &'static [&'static str],
+}
+
+const PKEY: &[&str] = &["idemgate_records_pkey"];
+
+/// Every statement the store sends during operation (migrations aside),
+/// with the indexes each may use. `tests/pg_plans.rs` checks their plans.
+pub fn catalog() -> Vec<Statement> {
+    let s = |name: &str, sql: &str, indexes: &'static [&'static str]| Statement { name: name.to_owned(), sql: sql.to_owned(), indexes };
+    let mut all = vec![
+        s("claim", &CLAIM, PKEY),
+        s("claim_batch", &CLAIM_BATCH, PKEY),
+        s("complete_batch", &COMPLETE_BATCH, PKEY),
+        s("write_batch", &WRITE_BATCH, PKEY),
+        s("complete", &COMPLETE, PKEY),
+        s("get", &GET, PKEY),
+        s("release", &RELEASE, PKEY),
+        s("abandon", &ABANDON, PKEY),
+        s("mark_unknown", &MARK_UNKNOWN, PKEY),
+        s("resolve_lock", &RESOLVE_LOCK, PKEY),
+        s("resolve_hold", &RESOLVE_HOLD, PKEY),
+        s("resolve_delete", &RESOLVE_DELETE, PKEY),
+        s("resolve_complete", &RESOLVE_COMPLETE, PKEY),
+        s("resolve_requeue", &RESOLVE_REQUEUE, PKEY),
+        s("by_scope_id", &BY_SCOPE_ID, &["idemgate_records_scope_id"]),
+        s("scopes_without_id", SCOPES_WITHOUT_ID, &["idemgate_records_no_scope_id"]),
+        s("audit_insert", AUDIT_INSERT, &[]),
+        s("event_insert", &EVENT_INSERT_ONE, &[]),
+        s("audit_list", AUDIT_LIST, &[]),
+        s("setting", SETTING, &[]),
+        s("sweep", SWEEP, &["idemgate_records_sweep", "idemgate_records_pkey"]),
+        s("reap_leases", &REAP_LEASES, &["idemgate_records_open", "idemgate_records_pkey"]),
+        // Queued records through their own index or through the open states' index, which holds them too.
+        s("take", &TAKE, &["idemgate_records_queue", "idemgate_records_open", "idemgate_records_pkey"]),
+        s("heartbeat", &HEARTBEAT, PKEY),
+        s("mark_sent", &MARK_SENT, PKEY),
+        s("requeue", &REQUEUE, PKEY),
+        s("fail", &FAIL, PKEY),
+        s("operation", &OPERATION, &["idemgate_records_operation_id"]),
+        s("take_events", &TAKE_EVENTS, &["idemgate_events_pending", "idemgate_events_scope", "idemgate_events_pkey"]),
+        s("events_delivered", EVENTS_DELIVERED, &["idemgate_events_pkey"]),
+        s("event_failed", EVENT_FAILED, &["idemgate_events_pkey"]),
+        s("events", &EVENTS, &["idemgate_events_pkey"]),
+        s("events_by_delivery", &EVENTS_BY_DELIVERY, &["idemgate_events_pkey"]),
+        s("redeliver", REDELIVER, &["idemgate_events_event_id"]),
+        s("sweep_events", SWEEP_EVENTS, &["idemgate_events_sent", "idemgate_events_pkey"]),
+        // Pending events through either of the indexes that hold just them.
+        s("event_stats", EVENT_STATS, &["idemgate_events_pending", "idemgate_events_scope", "idemgate_events_parked"]),
+        s("stats", STATS, &["idemgate_records_open"]),
+        s("forever_counts", FOREVER_COUNTS, &["idemgate_records_forever"]),
+        s("take_probes", &TAKE_PROBES, &["idemgate_records_open", "idemgate_records_pkey"]),
+        s("probe_failed", &PROBE_FAILED, PKEY),
+    ];
+    for shape in ListShape::all() {
+        all.push(Statement { name: format!("list {shape:?}"), sql: shape.sql(), indexes: shape.indexes() });
+    }
+    all
+}

@@ -1,0 +1,202 @@
+//! Plans that are right from the first request, whatever the statistics
+//! (issue #9). Every statement the PostgreSQL store sends
+//! (`idemgate::store::postgres::sql::catalog()`, the store's own texts) is
+//! prepared with the gateway's own session settings and explained as the
+//! generic plan the gateway runs, on:
+//!
+//! 1. an empty, never-analyzed table (what a fresh `idemgate migrate` gives);
+//! 2. the same tables populated but never analyzed (the first minutes of
+//!    load, before autovacuum's ANALYZE);
+//! 3. populated and analyzed;
+//! 4. after a mass delete, as the sweeper leaves it (stale statistics);
+//! 5. after the mass delete, vacuumed and analyzed (a tiny table whose
+//!    statistics make a sequential scan look cheapest).
+//!
+//! In every phase each statement is explained twice: on a connection that
+//! prepared it in phase 1 and kept its plan (as a gateway's pooled
+//! connection does), and on a fresh connection. Any sequential scan of
+//! `idemgate_records` or `idemgate_events`, or any index of theirs the
+//! catalog does not name for the statement, fails the test.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use idemgate::config::{Secret, StoreBackend, StoreConfig};
+use idemgate::store::postgres::sql::{SESSION_SETTINGS, Statement, catalog};
+use idemgate::store::{Access, Store};
+use serde_json::Value;
+use support::postgres as pg;
+use tokio_postgres::{Client, NoTls};
+
+const TABLES: &[&str] = &["idemgate_records", "idemgate_events"];
+
+/// A session like the gateway's: its settings, each statement prepared.
+async fn session(url: &str, statements: &[Statement]) -> Client {
+    let (client, connection) = tokio_postgres::connect(url, NoTls).await.expect("connect");
+    tokio::spawn(connection);
+    for (name, value) in SESSION_SETTINGS {
+        client.batch_execute(&format!("SET {name} = '{value}'")).await.expect("session setting");
+    }
+    for (i, s) in statements.iter().enumerate() {
+        client
+            .batch_execute(&format!("PREPARE plan_{i} AS {}", s.sql))
+            .await
+            .unwrap_or_else(|e| panic!("PREPARE {}: {e}\n{}", s.name, s.sql));
+    }
+    client
+}
+
+/// The generic plan of prepared statement `i`, as JSON.
+async fn plan(client: &Client, i: usize) -> Value {
+    let row = client
+        .query_one("SELECT coalesce(cardinality(parameter_types), 0) FROM pg_prepared_statements WHERE name = $1", &[&format!("plan_{i}")])
+        .await
+        .expect("parameter count");
+    let n: i32 = row.get(0);
+    let args = if n == 0 { String::new() } else { format!("({})", vec!["NULL"; n as usize].join(", ")) };
+    let row = client.query_one(&format!("EXPLAIN (FORMAT JSON) EXECUTE plan_{i}{args}"), &[]).await.expect("EXPLAIN EXECUTE");
+    row.get::<_, Value>(0)
+}
+
+/// What is wrong with a plan for statement `s`: sequential scans of our
+/// tables, and indexes of our tables that `s` is not meant to use.
+fn problems(s: &Statement, plan: &Value) -> Vec<String> {
+    let mut found = Vec::new();
+    let mut stack = vec![plan];
+    while let Some(v) = stack.pop() {
+        match v {
+            Value::Array(items) => stack.extend(items),
+            Value::Object(map) => {
+                let node = map.get("Node Type").and_then(Value::as_str).unwrap_or("");
+                let relation = map.get("Relation Name").and_then(Value::as_str).unwrap_or("");
+                if matches!(node, "Seq Scan" | "Tid Scan" | "Tid Range Scan") && TABLES.contains(&relation) {
+                    found.push(format!("{node} on {relation}"));
+                }
+                if let Some(index) = map.get("Index Name").and_then(Value::as_str)
+                    && TABLES.iter().any(|t| index.starts_with(t))
+                    && !s.indexes.contains(&index)
+                {
+                    found.push(format!("{node} using {index}"));
+                }
+                stack.extend(map.values());
+            }
+            _ => {}
+        }
+    }
+    found
+}
+
+/// Problems by phase, connection and statement; one wrong plan per statement.
+#[derive(Default)]
+struct Failures {
+    failures: BTreeMap<String, Vec<String>>,
+    plans: BTreeMap<String, String>,
+}
+
+async fn check_all(phase: &str, kept: &Client, fresh: &Client, statements: &[Statement], f: &mut Failures) {
+    let Failures { failures, plans } = f;
+    for (i, s) in statements.iter().enumerate() {
+        for (which, client) in [("kept", kept), ("fresh", fresh)] {
+            let p = plan(client, i).await;
+            let bad = problems(s, &p);
+            if !bad.is_empty() {
+                failures.entry(format!("{phase} / {which} connection / {}", s.name)).or_default().push(format!("{bad:?}"));
+                plans.entry(s.name.clone()).or_insert_with(|| format!("{p:#}"));
+            }
+        }
+    }
+}
+
+fn populate_sql(n: i64) -> String {
+    format!(
+        "INSERT INTO idemgate_records (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, \
+           owner, lease_expires_at, response_status, created_at, updated_at, expires_at, operation_id, next_attempt_at)
+         SELECT 't' || (i % 50), 'p' || (i % 7), 'op' || (i % 5), 'k' || i, '\\x00'::bytea,
+                CASE i % 100 WHEN 0 THEN 'in_flight' WHEN 1 THEN 'unknown' WHEN 2 THEN 'queued' WHEN 3 THEN 'processing'
+                             WHEN 4 THEN 'failed_retryable' ELSE 'completed' END,
+                i, gen_random_uuid(), 'replica', CASE WHEN i % 100 IN (0, 3) THEN now() + interval '1 minute' END,
+                CASE WHEN i % 100 >= 5 THEN 201 END, now(), now() - i * interval '1 millisecond',
+                CASE WHEN i % 1000 = 7 THEN 'infinity' ELSE now() + (i % 3 - 1) * interval '1 hour' END,
+                CASE WHEN i % 100 IN (2, 3) THEN 'op-' || i END, CASE WHEN i % 100 = 2 THEN now() END
+         FROM generate_series(1, {n}) i;
+         INSERT INTO idemgate_events (event_type, tenant, principal, operation, idempotency_key, generation, status, delivery, sent_at)
+         SELECT 'completed', 't' || (i % 50), 'p' || (i % 7), 'op' || (i % 5), 'k' || i, i, 201,
+                CASE i % 10 WHEN 0 THEN 'pending' WHEN 1 THEN 'parked' ELSE 'sent' END,
+                CASE WHEN i % 10 >= 2 THEN now() - i * interval '1 millisecond' END
+         FROM generate_series(1, {n} / 2) i;"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_statement_uses_its_index_whatever_the_statistics() {
+    let url = pg::shared().create_unique_database("plans").expect("database");
+    let config = StoreConfig {
+        backend: StoreBackend::Postgres { url: Secret::new(url.clone()), pool_size: 2 },
+        migrate: true,
+        operation_timeout: Duration::from_secs(30),
+        sweep_interval: Duration::from_secs(1),
+        sweep_batch: 100,
+        events_retention: Duration::from_secs(3600),
+    };
+    let store = Store::open(&config, Access::Migrate).await.expect("store");
+    store.migrate().await.expect("migrate");
+    let statements = catalog();
+    let admin = session(&url, &[]).await;
+    let reltuples: f32 =
+        admin.query_one("SELECT reltuples FROM pg_class WHERE relname = 'idemgate_records'", &[]).await.expect("pg_class").get(0);
+    assert!(reltuples < 0.0, "the records table must start never vacuumed or analyzed (reltuples {reltuples})");
+
+    let kept = session(&url, &statements).await;
+    let mut failures = Failures::default();
+    let phases: [(&str, Option<String>); 5] = [
+        ("empty, never analyzed", None),
+        ("populated, never analyzed", Some(populate_sql(60_000))),
+        ("populated, analyzed", Some("ANALYZE idemgate_records; ANALYZE idemgate_events".into())),
+        (
+            "after a mass delete",
+            Some(
+                "DELETE FROM idemgate_records WHERE idempotency_key NOT LIKE '%00'; DELETE FROM idemgate_events WHERE seq % 100 <> 0"
+                    .into(),
+            ),
+        ),
+        ("after a mass delete, vacuumed and analyzed", Some("VACUUM ANALYZE idemgate_records; VACUUM ANALYZE idemgate_events".into())),
+    ];
+    for (phase, setup) in phases {
+        // One statement at a time: VACUUM cannot run inside a multi-statement batch.
+        for sql in setup.iter().flat_map(|s| s.split(';')).filter(|s| !s.trim().is_empty()) {
+            admin.batch_execute(sql).await.unwrap_or_else(|e| panic!("{phase}: {sql}: {e:?}"));
+        }
+        let fresh = session(&url, &statements).await;
+        check_all(phase, &kept, &fresh, &statements, &mut failures).await;
+    }
+    let Failures { failures, plans } = failures;
+    let report: Vec<String> = failures.iter().map(|(k, v)| format!("{k}: {}", v.join(", "))).collect();
+    let plans: Vec<String> = plans.iter().map(|(k, v)| format!("== {k}:\n{v}")).collect();
+    assert!(
+        failures.is_empty(),
+        "{} plans use a sequential scan or an unintended index:\n{}\n\nOne such plan per statement:\n{}",
+        failures.len(),
+        report.join("\n"),
+        plans.join("\n")
+    );
+}
+
+/// The checker itself: a sequential scan, and an index the statement is not
+/// meant to use, are both reported; the intended index is not.
+#[test]
+fn the_checker_sees_sequential_scans_and_unintended_indexes() {
+    let s = Statement { name: "get".into(), sql: String::new(), indexes: &["idemgate_records_pkey"] };
+    let hash_join = serde_json::json!([{ "Plan": { "Node Type": "Hash Join", "Plans": [
+        { "Node Type": "Function Scan" },
+        { "Node Type": "Hash", "Plans": [{ "Node Type": "Seq Scan", "Relation Name": "idemgate_records" }] }
+    ]}}]);
+    assert_eq!(problems(&s, &hash_join), vec!["Seq Scan on idemgate_records"]);
+    let open = serde_json::json!([{ "Plan": { "Node Type": "Bitmap Heap Scan", "Relation Name": "idemgate_records", "Plans": [
+        { "Node Type": "Bitmap Index Scan", "Index Name": "idemgate_records_open" }
+    ]}}]);
+    assert_eq!(problems(&s, &open), vec!["Bitmap Index Scan using idemgate_records_open"]);
+    let pk = serde_json::json!([{ "Plan": { "Node Type": "Index Scan", "Relation Name": "idemgate_records", "Index Name": "idemgate_records_pkey" }}]);
+    assert!(problems(&s, &pk).is_empty());
+}
