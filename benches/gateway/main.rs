@@ -63,7 +63,11 @@ fn exit_code(result: Result<()>) -> ExitCode {
 
 fn run(opts: &Options) -> Result<()> {
     let (dir, _tmp) = run_dir()?;
-    if opts.scale { scale::run(opts, &dir) } else { suite::run(opts, &dir, features::wanted(opts).then_some(features::run as suite::Section)) }
+    if opts.scale {
+        scale::run(opts, &dir)
+    } else {
+        suite::run(opts, &dir, features::wanted(opts).then_some(features::run as suite::Section))
+    }
 }
 
 /// `$IDEMGATE_BENCH_DIR` (made and removed by scripts/bench), else a temp dir
