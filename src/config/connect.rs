@@ -1,7 +1,7 @@
 //! `idemgate check-config --connect`: after the file validates, reach what `serve`
 //! will need, without changing anything.
 //!
-//! - **PostgreSQL**: connect (no TLS, as the store does) and run `SELECT 1`, within
+//! - **PostgreSQL**: connect (with TLS when `sslmode` asks for it, as the store does) and run `SELECT 1`, within
 //!   `store.operation_timeout` (at least 5 s). Nothing is created; migrations are not
 //!   looked at.
 //! - **SQLite**: no connection is opened, so no lock (neither SQLite's nor `serve`'s
@@ -11,7 +11,7 @@
 //!   creates it). Its directory, or the nearest existing parent that `serve` would
 //!   create it in, must be writable: a probe file is created there and removed at once.
 //! - **Upstreams**: a TCP connection to each upstream's host and port within its
-//!   `connect_timeout`; no request is sent.
+//!   `connect_timeout` (for https upstreams, the TLS handshake too); no request is sent.
 //!
 //! Each check is one line: `store: ok (...)`, `upstream orders (http://127.0.0.1:9000): ok`,
 //! or the subject and the error. Messages never include the PostgreSQL URL, which may
