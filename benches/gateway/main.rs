@@ -26,6 +26,7 @@ mod procs;
 mod report;
 mod scale;
 mod suite;
+mod tls;
 mod upstream;
 mod wrk;
 
@@ -66,8 +67,19 @@ fn run(opts: &Options) -> Result<()> {
     if opts.scale {
         scale::run(opts, &dir)
     } else {
-        suite::run(opts, &dir, features::wanted(opts).then_some(features::run as suite::Section))
+        suite::run(opts, &dir, (features::wanted(opts) || tls::wanted(opts)).then_some(sections as suite::Section))
     }
+}
+
+/// The optional sections after the built-in runs: features.rs, tls.rs.
+fn sections(ctx: &mut suite::Ctx, upstream: std::net::SocketAddr) -> Result<()> {
+    if features::wanted(ctx.opts) {
+        features::run(ctx, upstream)?;
+    }
+    if tls::wanted(ctx.opts) {
+        tls::run(ctx, upstream)?;
+    }
+    Ok(())
 }
 
 /// `$IDEMGATE_BENCH_DIR` (made and removed by scripts/bench), else a temp dir
@@ -99,7 +111,7 @@ pub struct Options {
     /// New keys in wrk runs: "spread" over the index (like UUIDs) or "sequential".
     pub key_order: String,
     /// Groups to run (upstream, nginx, pg, accesslog, pgbench, sqlite, features or its
-    /// parts async, events, identity); all when unset.
+    /// parts async, events, identity, tls); all when unset.
     pub only: Option<Vec<String>>,
     /// Record counts for `--scale`.
     pub scale_rows: Vec<u64>,

@@ -20,11 +20,20 @@ pub struct Nginx {
 
 impl Nginx {
     pub fn start(binary: &Path, dir: &Path, upstream: SocketAddr) -> Result<Nginx> {
-        let prefix = dir.join("nginx");
+        Nginx::start_in(binary, &dir.join("nginx"), upstream, None)
+    }
+
+    /// Terminating TLS (HTTP/1.1 only) with `(certificate, key)` PEM files
+    /// (tls.rs), in its own prefix `dir/nginx-tls`.
+    pub fn start_tls(binary: &Path, dir: &Path, upstream: SocketAddr, tls: (&Path, &Path)) -> Result<Nginx> {
+        Nginx::start_in(binary, &dir.join("nginx-tls"), upstream, Some(tls))
+    }
+
+    fn start_in(binary: &Path, prefix: &Path, upstream: SocketAddr, tls: Option<(&Path, &Path)>) -> Result<Nginx> {
         std::fs::create_dir_all(prefix.join("tmp")).with_context(|| format!("creating {}", prefix.display()))?;
         let mut last = None;
         for _ in 0..PORT_ATTEMPTS {
-            match start_on_free_port(binary, &prefix, upstream) {
+            match start_on_free_port(binary, prefix, upstream, tls) {
                 Ok(nginx) => return Ok(nginx),
                 Err(e) => last = Some(e),
             }
@@ -41,10 +50,10 @@ impl Nginx {
     }
 }
 
-fn start_on_free_port(binary: &Path, prefix: &Path, upstream: SocketAddr) -> Result<Nginx> {
+fn start_on_free_port(binary: &Path, prefix: &Path, upstream: SocketAddr, tls: Option<(&Path, &Path)>) -> Result<Nginx> {
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?));
     let conf = prefix.join("nginx.conf");
-    std::fs::write(&conf, config(prefix, addr, upstream)).with_context(|| format!("writing {}", conf.display()))?;
+    std::fs::write(&conf, config(prefix, addr, upstream, tls)).with_context(|| format!("writing {}", conf.display()))?;
     let error_log = prefix.join("error.log");
     let args = ["-p".as_ref(), prefix.as_os_str(), "-c".as_ref(), conf.as_os_str(), "-e".as_ref(), error_log.as_os_str()];
     let service = Service::spawn("nginx", &prefix.join("nginx.out"), binary, &args, &[])?;
@@ -75,8 +84,19 @@ fn free_port() -> Result<u16> {
     Ok(l.local_addr()?.port())
 }
 
-fn config(prefix: &Path, listen: SocketAddr, upstream: SocketAddr) -> String {
+fn config(prefix: &Path, listen: SocketAddr, upstream: SocketAddr, tls: Option<(&Path, &Path)>) -> String {
     let p = prefix.display();
+    // TLS: the same certificate as the gateway, HTTP/1.1 only (no `http2` on
+    // the listen line; wrk speaks no h2; `http2 off` needs nginx >= 1.25.1).
+    let listen = match tls {
+        None => format!("{listen}"),
+        Some((cert, key)) => format!(
+            "{listen} ssl;\n        ssl_certificate {};\n        ssl_certificate_key {};\n        \
+             ssl_session_cache shared:bench:10m",
+            cert.display(),
+            key.display()
+        ),
+    };
     format!(
         r#"# Private nginx for the idemgate benchmark: a plain reverse proxy.
 daemon off;

@@ -84,7 +84,7 @@ impl Report {
         };
         format!(
             "ratios: first_write_vs_pg_ceiling={} replay_vs_pg_lookup={} passthrough_vs_nginx={} passthrough_p99_vs_nginx={} \
-             access_log_first_write={} access_log_replay={} {}",
+             access_log_first_write={} access_log_replay={} {} {}",
             ratio(self.best_rps("idemgate-pg", "first write"), self.best_rps("pgbench", "first write")),
             ratio(self.best_rps("idemgate-pg", "replay"), self.best_rps("pgbench", "pk lookup")),
             ratio(self.best_rps("idemgate-pg", "passthrough"), self.best_rps("nginx", "GET")),
@@ -93,6 +93,7 @@ impl Report {
             ratio(self.best_rps("idemgate-pg", "first write"), self.best_rps("idemgate-pg-nolog", "first write")),
             ratio(self.best_rps("idemgate-pg", "replay"), self.best_rps("idemgate-pg-nolog", "replay")),
             self.feature_ratios(),
+            self.tls_ratios(),
         )
     }
 }
