@@ -241,17 +241,9 @@ fn without_access_log(ctx: &mut Ctx, pg: &Pg, url: &str, upstream: SocketAddr) -
     let url = format!("http://{}{}", gw.addr, gateway::ROUTE_PATH);
     let watch =
         Watch { gateway: Some(&gw), server: Some(gw.cpu()), db: pg.cpu(), pg: Some(pg), pg_db: "bench_nolog", analyze: ctx.opts.steady };
-    let replay_count = ctx.opts.replay_keys.to_string();
     for (name, scenario) in [("first write", Scenario::FirstWrite), ("replay", Scenario::Replay)] {
         for conns in ctx.opts.conns.clone() {
-            let env = || {
-                let mut env = request_env(ctx.opts);
-                env.push(("BENCH_KEY_PREFIX", key_prefix()));
-                env.push(("BENCH_KEY_FORMAT", "%d".into()));
-                env.push(("BENCH_KEY_FIRST", REPLAY_BASE.to_string()));
-                env.push(("BENCH_KEY_COUNT", replay_count.clone()));
-                env
-            };
+            let env = || replay_env(ctx.opts);
             measure(ctx, (target, name, conns), &watch, "access_log = false", |ctx, secs| ctx.wrk(scenario, &url, conns, secs, &env()))?;
         }
     }
@@ -272,19 +264,11 @@ fn gateway_scenarios(ctx: &mut Ctx, target: &str, gw: &Gateway, pg: Option<&Pg>)
     ctx.progress(target);
     let url = format!("http://{}{}", gw.addr, gateway::ROUTE_PATH);
     let watch = Watch { gateway: Some(gw), server: Some(gw.cpu()), db: pg.and_then(Pg::cpu), pg, pg_db: "bench", analyze: ctx.opts.steady };
-    let replay_count = ctx.opts.replay_keys.to_string();
     for (name, scenario) in
         [("passthrough", Scenario::Get), ("first write", Scenario::FirstWrite), ("replay", Scenario::Replay), ("mix", Scenario::Mix)]
     {
         for conns in ctx.opts.conns.clone() {
-            let env = || {
-                let mut env = request_env(ctx.opts);
-                env.push(("BENCH_KEY_PREFIX", key_prefix()));
-                env.push(("BENCH_KEY_FORMAT", "%d".into()));
-                env.push(("BENCH_KEY_FIRST", REPLAY_BASE.to_string()));
-                env.push(("BENCH_KEY_COUNT", replay_count.clone()));
-                env
-            };
+            let env = || replay_env(ctx.opts);
             measure(ctx, (target, name, conns), &watch, "", |ctx, secs| ctx.wrk(scenario, &url, conns, secs, &env()))?;
         }
     }
@@ -305,6 +289,17 @@ pub fn request_env(opts: &Options) -> Vec<(&'static str, String)> {
         ("BENCH_BODY", gateway::POST_BODY.into()),
         ("BENCH_PATH", gateway::ROUTE_PATH.into()),
     ]
+}
+
+/// `request_env` plus the completed keys replays cycle through (the ones
+/// `prepared_gateway` populated).
+fn replay_env(opts: &Options) -> Vec<(&'static str, String)> {
+    let mut env = request_env(opts);
+    env.push(("BENCH_KEY_PREFIX", key_prefix()));
+    env.push(("BENCH_KEY_FORMAT", "%d".into()));
+    env.push(("BENCH_KEY_FIRST", REPLAY_BASE.to_string()));
+    env.push(("BENCH_KEY_COUNT", opts.replay_keys.to_string()));
+    env
 }
 
 /// Records still `in_flight` or `unknown` once the load has stopped: claims
