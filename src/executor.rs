@@ -27,7 +27,7 @@ use crate::record::StoredResponse;
 use crate::route::{ForwardKey, ReplayMode, Route};
 use crate::store::{Claim, RetryNote, Store, Taken, WriteOutcome};
 use crate::upstream::{Upstream, UpstreamError, error_chain};
-use crate::waiters::Waiters;
+use crate::waiters::{Recording, Waiters};
 
 /// Executes and records attempts. One per proxy worker thread (its upstream
 /// pools are driven by that thread's event loop); the store, metrics, tracker
@@ -72,6 +72,46 @@ pub enum UpstreamBody {
     },
 }
 
+/// The result write of an attempt the upstream answered, run after the
+/// client has its answer, on the same tracked task. The claim was committed
+/// before the request left; this write is committed before any replay can
+/// read the result (replays read committed records only). Until it returns,
+/// a claim of the same scope on this replica waits for it (see `waiters`).
+#[must_use]
+pub struct ResultWrite<'a> {
+    executor: &'a Executor,
+    route: &'a Route,
+    claim: Claim,
+    stored: StoredResponse,
+    _recording: Recording<'a>,
+}
+
+impl ResultWrite<'_> {
+    /// Writes the result, fenced by the attempt. A fenced write (a newer
+    /// attempt holds the record) is logged and counted by the store. A write
+    /// that fails is retried in the background until the lease would run
+    /// out. The request is counted here, as `forwarded` or `fenced`
+    /// (`idemgate_requests_total`), not when it was answered.
+    pub async fn finish(self) {
+        let ResultWrite { executor, route, claim, stored, _recording } = self;
+        let outcome = match executor.store.complete(&claim, &stored, route.retention).await {
+            Ok(WriteOutcome::Written) => Outcome::Forwarded,
+            Ok(WriteOutcome::Fenced) => Outcome::Fenced,
+            Err(e) => {
+                // The upstream acted and the client has its answer. The store
+                // may be failing over: keep trying in the background until the
+                // lease would run out; only then does the expiry turn it unknown.
+                tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "could not record the result; retrying in the background");
+                executor.record_later(&claim, stored, route);
+                Outcome::Forwarded
+            }
+        };
+        executor.metrics.request(&route.operation, outcome);
+        drop(_recording);
+        executor.waiters.wake(&claim.scope);
+    }
+}
+
 impl Executor {
     pub fn new(
         upstreams: Vec<Upstream>,
@@ -109,31 +149,38 @@ impl Executor {
         &self.store
     }
 
-    /// The synchronous attempt: forwards, records, and returns the answer for
-    /// the waiting client. The record ends `completed` (or, for a response
-    /// over the storage limit, completed without a body), released (the
-    /// request never left, or the upstream declined recording), or `unknown`.
-    pub async fn run_sync(
-        &self,
-        route: &Route,
+    /// The synchronous attempt: forwards and returns the answer for the
+    /// waiting client, with the result write still to do when the upstream
+    /// answered (the caller answers the client first, then runs it). The
+    /// record ends `completed` (or, for a response over the storage limit,
+    /// completed without a body), released (the request never left, or the
+    /// upstream declined recording), or `unknown`.
+    pub async fn run_sync<'a>(
+        &'a self,
+        route: &'a Route,
         claim: &Claim,
         parts: request::Parts,
         body: Bytes,
-    ) -> Result<(Response<Body>, Outcome), GatewayError> {
+    ) -> (Result<(Response<Body>, Outcome), GatewayError>, Option<ResultWrite<'a>>) {
         self.metrics.forward_started();
         let out = self.sync_attempt(route, claim, parts, body).await;
         self.metrics.forward_finished();
-        self.waiters.wake(&claim.scope);
-        out
+        match out {
+            Ok((response, outcome, write)) => (Ok((response, outcome)), write),
+            Err(e) => {
+                self.waiters.wake(&claim.scope);
+                (Err(e), None)
+            }
+        }
     }
 
-    async fn sync_attempt(
-        &self,
-        route: &Route,
+    async fn sync_attempt<'a>(
+        &'a self,
+        route: &'a Route,
         claim: &Claim,
         parts: request::Parts,
         body: Bytes,
-    ) -> Result<(Response<Body>, Outcome), GatewayError> {
+    ) -> Result<(Response<Body>, Outcome, Option<ResultWrite<'a>>), GatewayError> {
         let upstream_timeout = self.upstreams[route.upstream].config.timeout;
         match self.exchange(route, claim, parts, body).await {
             Exchange::NotSent(e) => {
@@ -148,7 +195,8 @@ impl Executor {
             Exchange::Declined { head, body, no_store } => {
                 self.release(route, claim).await;
                 tracing::debug!(scope = %claim.scope.log_id(), status = head.status.as_u16(), no_store, "key released");
-                Ok((Response::from_parts(head, Body::stream(body, upstream_timeout)), Outcome::Released))
+                self.waiters.wake(&claim.scope);
+                Ok((Response::from_parts(head, Body::stream(body, upstream_timeout)), Outcome::Released, None))
             }
             Exchange::Answered { head, body } => {
                 let (stored_body, client_body) = match body {
@@ -163,19 +211,11 @@ impl Executor {
                     route,
                     StoredResponse { status: head.status.as_u16(), headers: headers::storable(&head.headers), body: stored_body },
                 );
-                let outcome = match self.store.complete(claim, &stored, route.retention).await {
-                    Ok(WriteOutcome::Written) => Outcome::Forwarded,
-                    Ok(WriteOutcome::Fenced) => Outcome::Fenced,
-                    Err(e) => {
-                        // The upstream acted and the client gets its answer. The store
-                        // may be failing over: keep trying in the background until the
-                        // lease would run out; only then does the expiry turn it unknown.
-                        tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "could not record the result; retrying in the background");
-                        self.record_later(claim, stored, route);
-                        Outcome::Forwarded
-                    }
-                };
-                Ok((Response::from_parts(head, client_body), outcome))
+                // Listed before the client can have its answer, so that its
+                // retry on this replica waits for the write.
+                let recording = self.waiters.recording(&claim.scope);
+                let write = ResultWrite { executor: self, route, claim: claim.clone(), stored, _recording: recording };
+                Ok((Response::from_parts(head, client_body), Outcome::Forwarded, Some(write)))
             }
         }
     }

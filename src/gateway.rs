@@ -20,7 +20,7 @@ use crate::access::{self, Pending, REQUEST_ID, RequestIds, RouteLabel, Trace};
 use crate::authorize::{Authorizer, Decision as AuthzDecision};
 use crate::body::Body;
 use crate::config::Config;
-use crate::executor::{Executor, refetch};
+use crate::executor::{Executor, ResultWrite, refetch};
 use crate::fingerprint::{self, RequestParts};
 use crate::identity::{Identifier, Identity, IdentitySource};
 use crate::keysource::{FromHeaders, KeySource, KeySourceError};
@@ -33,7 +33,7 @@ use crate::record::{Decision, Record, State, StoredResponse, decide};
 use crate::replay::replay;
 use crate::route::{InFlightPolicy, ReplayMode, Retention, Route, RouteMatch, RouteMode, Router, ScopeMode, UpstreamId};
 use crate::scope::{Scope, ScopeId};
-use crate::store::{Acceptance, ClaimOutcome, ClaimRequest, Store, WriteOutcome};
+use crate::store::{Acceptance, Claim, ClaimOutcome, ClaimRequest, Store, WriteOutcome};
 use crate::upstream::{Upstream, UpstreamLatency};
 use crate::waiters::Waiters;
 
@@ -42,6 +42,13 @@ const IN_PROGRESS_RETRY_AFTER: Duration = Duration::from_secs(1);
 /// A claim that keeps finding expired records (swept or released in between)
 /// gives up after this many rounds.
 const MAX_CLAIM_ROUNDS: usize = 8;
+
+/// What a claim came to: an answer from the record it found, or a claim
+/// of this replica's to forward.
+enum Claimed {
+    Answered((Response<Body>, Outcome)),
+    Run(Claim),
+}
 
 /// Everything the request path needs, shared by all connections.
 #[derive(Debug)]
@@ -315,7 +322,11 @@ impl Gateway {
                     Ok((_, outcome)) => *outcome,
                     Err(e) => e.outcome(),
                 };
-                self.metrics.request(&route.operation, outcome);
+                // A forwarded request is counted when its result write
+                // returned (`forwarded` or `fenced`; `ResultWrite::finish`).
+                if outcome != Outcome::Forwarded {
+                    self.metrics.request(&route.operation, outcome);
+                }
                 trace.outcome = Some(outcome);
                 answer.map(|(resp, _)| resp)
             }
@@ -442,21 +453,39 @@ impl Gateway {
         let gw = self.clone();
         let route = route.clone();
         self.tracker.spawn(async move {
-            let out = gw.claim_and_forward(&route, claim, parts, body).await;
-            // The client may be gone; the record is written either way.
+            let (out, write) = gw.claim_and_forward(&route, claim, parts, body).await;
+            // The client may be gone; the record is written either way. The
+            // answer goes first: the result write then runs while it travels.
             let _ = tx.send(out);
+            if let Some(write) = write {
+                write.finish().await;
+            }
         });
         rx.await.unwrap_or(Err(GatewayError::Internal))
     }
 
     /// Claims the scope and forwards, or answers from the record it found.
-    async fn claim_and_forward(
-        &self,
-        route: &Route,
+    /// When the upstream answered, its result write is returned to be run
+    /// once the client has the answer.
+    async fn claim_and_forward<'a>(
+        &'a self,
+        route: &'a Route,
         claim: ClaimRequest,
         parts: request::Parts,
         body: Bytes,
-    ) -> Result<(Response<Body>, Outcome), GatewayError> {
+    ) -> (Result<(Response<Body>, Outcome), GatewayError>, Option<ResultWrite<'a>>) {
+        // A result this replica answered and is still writing comes first:
+        // its client's retry is replayed, not told "in flight".
+        self.waiters.settled(&claim.scope, self.store.timeout()).await;
+        match self.claim_or_answer(route, &claim, &parts).await {
+            Ok(Claimed::Answered(answer)) => (Ok(answer), None),
+            Ok(Claimed::Run(c)) => self.executor.run_sync(route, &c, parts, body).await,
+            Err(e) => (Err(e), None),
+        }
+    }
+
+    /// Claims the scope, or answers from the record the claim found.
+    async fn claim_or_answer(&self, route: &Route, claim: &ClaimRequest, parts: &request::Parts) -> Result<Claimed, GatewayError> {
         let request_hash = claim.request_hash;
         let wait_until = match route.in_flight {
             InFlightPolicy::Wait(d) => Some(tokio::time::Instant::now() + d),
@@ -465,7 +494,7 @@ impl Gateway {
         let (mut expired_rounds, mut wait_rounds) = (0, 0);
         loop {
             let claim_started = Instant::now();
-            let outcome = match self.store.claim(&claim).await {
+            let outcome = match self.store.claim(claim).await {
                 Ok(outcome) => outcome,
                 Err(e) => {
                     tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "claim failed; nothing forwarded");
@@ -474,7 +503,7 @@ impl Gateway {
                     // committed, a retry reads it back as accepted and a
                     // worker runs it once.
                     if e.is_ambiguous() && claim.acceptance.is_none() {
-                        self.abandon_later(&claim, route.lease);
+                        self.abandon_later(claim, route.lease);
                     }
                     return Err(GatewayError::StoreUnavailable);
                 }
@@ -482,7 +511,7 @@ impl Gateway {
             let (record, now) = match outcome {
                 ClaimOutcome::Claimed(c) if claim.acceptance.is_some() => {
                     self.wake_workers.notify_waiters();
-                    return Ok((self.accepted(route, &accepted_record(&claim, &c)), Outcome::Accepted));
+                    return Ok(Claimed::Answered((self.accepted(route, &accepted_record(claim, &c)), Outcome::Accepted)));
                 }
                 ClaimOutcome::Claimed(c) => {
                     // The lease began when the claim committed, at most this
@@ -496,17 +525,17 @@ impl Gateway {
                         self.executor.release(route, &c).await;
                         return Err(GatewayError::StoreUnavailable);
                     }
-                    return self.executor.run_sync(route, &c, parts, body).await;
+                    return Ok(Claimed::Run(c));
                 }
                 ClaimOutcome::Existing { record, now } => (record, now),
             };
             match decide(&record, &request_hash, now) {
                 Decision::Replay => {
                     let stored = record.response.as_ref().ok_or(GatewayError::Internal)?;
-                    return self.answer_from(route, stored, &parts.headers).await.map(|r| (r, Outcome::Replayed));
+                    return self.answer_from(route, stored, &parts.headers).await.map(|r| Claimed::Answered((r, Outcome::Replayed)));
                 }
                 Decision::Mismatch => return Err(GatewayError::KeyReused { status: route.mismatch_status }),
-                Decision::Accepted => return Ok((self.accepted(route, &record), Outcome::Accepted)),
+                Decision::Accepted => return Ok(Claimed::Answered((self.accepted(route, &record), Outcome::Accepted))),
                 Decision::Unknown => return Err(GatewayError::RecordUnknown),
                 Decision::LeaseExpired => {
                     match self.store.expire_lease(&record).await {

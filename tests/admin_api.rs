@@ -86,9 +86,12 @@ async fn a_wrong_or_missing_token_is_401_and_never_echoed() {
 /// 25 records, pages of 10: three pages, every record once, in order; filters
 /// and bad parameters.
 async fn listing_pages_through_every_record_with_a_cursor(backend: Backend) {
-    let (_up, gw, _store, _dir) = setup(backend, |c| c).await;
+    let (_up, gw, store, _dir) = setup(backend, |c| c).await;
     for i in 0..25 {
         assert_eq!(post(&gw.url("/v1/orders"), &format!("page-{i:02}"), ORDER, &[]).await.status, 201);
+    }
+    for i in 0..25 {
+        assert_eq!(settled_record(&store, &format!("page-{i:02}")).await.unwrap().state, State::Completed);
     }
     let mut seen = Vec::new();
     let mut pages = 0;
@@ -203,10 +206,11 @@ async fn resolutions_conflicts_and_the_audit_trail(backend: Backend) {
 
     // Completed: 409 without force, and nothing changes.
     assert_eq!(post(&url, "done", ORDER, &[]).await.status, 201);
+    assert_eq!(settled_record(&store, "done").await.unwrap().state, State::Completed);
     let r = admin(&gw, "POST", &path("done"), &release("looks wrong")).await;
     assert_eq!((r.status, r.problem().as_str()), (409, "not-resolvable"), "{r:?}");
     assert!(r.json()["detail"].as_str().unwrap().contains("force"));
-    assert_eq!(record(&store, "done").await.unwrap().state, State::Completed);
+    assert_eq!(settled_record(&store, "done").await.unwrap().state, State::Completed);
     // A live claim (the upstream is still working on it): 409, even by force.
     let slow = tokio::spawn({
         let url = url.clone();
@@ -233,10 +237,10 @@ async fn resolutions_conflicts_and_the_audit_trail(backend: Backend) {
     let r = admin(&gw, "POST", &path("done"), &forced.replace("impatient", "refunded by support")).await;
     assert_eq!(r.status, 200, "{r:?}");
     assert_eq!(slow.await.unwrap().status, 504);
-    assert_eq!(record(&store, "live").await.unwrap().state, State::Unknown);
+    assert_eq!(settled_record(&store, "live").await.unwrap().state, State::Unknown);
     let r = admin(&gw, "POST", &path("live"), &release("upstream ledger has no such order")).await;
     assert_eq!(r.status, 200, "{r:?}");
-    assert!(record(&store, "live").await.is_none());
+    assert!(settled_record(&store, "live").await.is_none());
     assert_eq!(post(&url, "cli", ORDER, &[("x-test-sleep-ms", "2500")]).await.status, 504);
     let scope_args = ["--tenant", TENANT, "--principal", PRINCIPAL, "--operation", "create_order", "--key", "cli"];
     let (code, _, err) = cli(&gw, &[&["keys", "resolve"][..], &scope_args, &["--release", "--reason", "checked on the CLI"]].concat());

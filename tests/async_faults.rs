@@ -95,7 +95,7 @@ async fn killed_worker_on_a_plain_upstream_ends_unknown_with_one_execution() {
     assert_eq!(rec.state, State::Unknown, "{}", b.logs());
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(up.total(), 1, "never run again");
-    assert_eq!(record(&store, "k").await.unwrap().state, State::Unknown);
+    assert_eq!(settled_record(&store, "k").await.unwrap().state, State::Unknown);
     let doc = send("GET", &b.url(accepted.header("location").unwrap()), &[("authorization", "Bearer test-key")], "").await.unwrap();
     assert_eq!(doc.json()["state"], "unknown", "the client can tell unknown apart");
 }
@@ -127,7 +127,7 @@ async fn paused_worker_is_fenced_after_a_take_over() {
     })
     .await;
     assert!(lost, "A counted its lost lease:\n{}", a.logs());
-    let after = record(&store, "k").await.unwrap();
+    let after = settled_record(&store, "k").await.unwrap();
     assert_eq!((after.state, after.generation), (State::Completed, b_gen), "B's result survives");
     let body: serde_json::Value = serde_json::from_slice(after.response.unwrap().body.as_deref().unwrap()).unwrap();
     assert_eq!(body["generation"], b_gen.to_string());

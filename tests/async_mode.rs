@@ -86,7 +86,7 @@ async fn async_route_accepts_runs_and_replays_the_result(backend: Backend) {
     assert_eq!(result.json()["key"], derived("a1"), "the upstream got the derived key");
     assert_eq!(result.header("set-cookie"), None, "Set-Cookie is never replayed");
     assert_eq!(up.side_effects(&derived("a1")), 1);
-    let rec = record(&store, "a1").await.unwrap();
+    let rec = settled_record(&store, "a1").await.unwrap();
     assert_eq!((rec.state, rec.attempts, rec.operation_id.as_deref()), (State::Completed, 1, Some(id.as_str())));
     assert_eq!(up.requests()[0].generation, Some(rec.generation.to_string()), "the attempt's generation, fenced");
 
@@ -145,7 +145,7 @@ async fn refused_and_declined_attempts_back_off_then_fail_retryable(backend: Bac
     let reqs = up.requests();
     let gens: Vec<i64> = reqs.iter().map(|r| r.generation.as_deref().unwrap().parse().unwrap()).collect();
     assert!(gens.windows(2).all(|w| w[0] < w[1]), "every attempt has a larger generation: {gens:?}");
-    assert_eq!(record(&store, "busy").await.unwrap().state, State::FailedRetryable);
+    assert_eq!(settled_record(&store, "busy").await.unwrap().state, State::FailedRetryable);
     let result = get(&gw, &format!("{location}/result"), &auth(&[])).await;
     assert_eq!((result.status, result.problem().as_str()), (409, "operation-not-completed"));
     drop(gw);
@@ -170,7 +170,7 @@ async fn timeout_after_send_is_unknown_unless_the_upstream_deduplicates(backend:
     let done = wait_final(&gw, accepted.header("location").unwrap()).await;
     assert_eq!((done["state"].as_str(), done["attempts"].as_i64()), (Some("unknown"), Some(1)), "{done}");
     assert_eq!(up.side_effects(&derived("slow")), 1, "never run twice");
-    assert_eq!(record(&store, "slow").await.unwrap().state, State::Unknown);
+    assert_eq!(settled_record(&store, "slow").await.unwrap().state, State::Unknown);
     drop(gw);
 
     // An upstream that deduplicates by the derived key: the lost answer is
@@ -201,7 +201,7 @@ async fn a_front_replica_without_workers_only_accepts(backend: Backend) {
     let doc = get(&gw, accepted.header("location").unwrap(), &auth(&[])).await;
     assert_eq!((doc.json()["state"].as_str(), doc.header("retry-after").is_some()), (Some("queued"), true));
     assert_eq!(up.total(), 0, "nothing runs on a pure front");
-    let rec = record(&store, "queued").await.unwrap();
+    let rec = settled_record(&store, "queued").await.unwrap();
     assert_eq!((rec.state, rec.attempts), (State::Queued, 0));
     let (code, out, err) = cli(&gw, &["keys", "list", "--state", "queued"]);
     assert_eq!(code, 0, "{err}");

@@ -111,15 +111,15 @@ async fn a_revoked_principal_never_gets_the_stored_answer(backend: Backend) {
 
     // Revoked after its request completed: no replay, no conflict, nothing.
     policy.denied.lock().unwrap().insert(PRINCIPAL.to_owned());
-    let before = record(&store, "k").await.unwrap();
+    let before = settled_record(&store, "k").await.unwrap();
     let replay = post_as(&gw, "test-key", "k", ORDER).await;
     assert_eq!((replay.status, replay.problem().as_str()), (403, "forbidden"));
     assert!(!replay.replayed());
     assert!(!String::from_utf8_lossy(&replay.body).contains("\"order\""), "no stored body");
     assert_eq!(post_as(&gw, "test-key", "k", r#"{"other":1}"#).await.problem(), "forbidden", "not even whether the key was used");
     assert_eq!(post_as(&gw, "test-key", "new-key", ORDER).await.problem(), "forbidden");
-    assert_eq!(record(&store, "k").await.unwrap(), before, "the record is untouched");
-    assert!(record(&store, "new-key").await.is_none(), "nothing claimed");
+    assert_eq!(settled_record(&store, "k").await.unwrap(), before, "the record is untouched");
+    assert!(settled_record(&store, "new-key").await.is_none(), "nothing claimed");
     // Still authorized: its replay works.
     assert!(post_as(&gw, "other-key", "k", ORDER).await.replayed());
     assert_eq!(up.side_effects(&derived("k")), 1);
@@ -136,7 +136,7 @@ async fn an_authorizer_that_is_down_or_slow_fails_closed(backend: Backend) {
     policy.slow.store(true, Ordering::SeqCst);
     let r = post_as(&gw, "test-key", "k", ORDER).await;
     assert_eq!((r.status, r.problem().as_str()), (503, "authorizer-unavailable"), "a timeout refuses too");
-    assert!(record(&store, "k").await.is_none(), "nothing claimed");
+    assert!(settled_record(&store, "k").await.is_none(), "nothing claimed");
     assert_eq!(up.total(), 0, "nothing forwarded");
     policy.slow.store(false, Ordering::SeqCst);
     assert_eq!(post_as(&gw, "test-key", "k", ORDER).await.status, 201);

@@ -40,6 +40,9 @@ async fn claim_survives_sigkill() {
     assert_eq!(up.total(), 1);
     // A completed record survives a kill too.
     assert_eq!(post(&url, "done", ORDER, &[]).await.status, 201);
+    // (Its result is written just after the answer: a kill before that
+    // write is the case above. Wait for it, then kill.)
+    assert_eq!(settled_record(&store, "done").await.unwrap().state, State::Completed);
     gw.restart();
     assert!(post(&url, "done", ORDER, &[]).await.replayed());
     assert_eq!(up.total(), 2);
@@ -92,7 +95,7 @@ async fn default_store_is_embedded_sqlite() {
     assert!(workdir.path().join("data/idemgate.db.lock").exists());
     let default = Backend::Sqlite { path: workdir.path().join("data/idemgate.db"), dir: None };
     let store = default.open().await;
-    assert_eq!(record(&store, "k").await.unwrap().state, State::Completed);
+    assert_eq!(settled_record(&store, "k").await.unwrap().state, State::Completed);
 }
 
 /// A mistyped store path must not become a new, empty database that `keys`

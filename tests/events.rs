@@ -98,7 +98,7 @@ async fn final_state_changes_are_delivered_signed_once_each(backend: Backend) {
     assert!(docs[0]["scope"].get("key").is_none(), "no client key unless include_key");
     assert!(docs[0].get("body_base64").is_none(), "no body unless include_body");
     assert_eq!(docs[0]["id"], all[0].id.as_str(), "the id in the body is the header's");
-    let rec = record(&store, "k1").await.unwrap();
+    let rec = settled_record(&store, "k1").await.unwrap();
     assert_eq!(docs[0]["generation"], rec.generation.0);
     assert_eq!(up.total(), 2);
     let pending = store.event_stats().await.unwrap();

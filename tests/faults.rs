@@ -75,7 +75,7 @@ async fn gateway_killed_after_forward_before_record_ends_unknown() {
     tokio::time::sleep(Duration::from_millis(1100)).await;
     let late = post(&url, "k", ORDER, &[]).await;
     assert_eq!((late.status, late.problem().as_str()), (409, "outcome-unknown"));
-    assert_eq!(record(&store, "k").await.unwrap().state, State::Unknown);
+    assert_eq!(settled_record(&store, "k").await.unwrap().state, State::Unknown);
     assert_eq!(up.total(), 1, "never forwarded twice");
 }
 
@@ -119,7 +119,7 @@ async fn gateway_killed_on_idempotent_upstream_is_reforwarded_with_same_key() {
     let gens: Vec<i64> = reqs.iter().map(|r| r.generation.as_deref().unwrap().parse().unwrap()).collect();
     assert!(gens[1] > gens[0], "the take-over carries a larger generation: {gens:?}");
     assert_eq!(up.side_effects(&derived("k")), 1, "the upstream deduplicated: one side effect");
-    let rec = record(&store, "k").await.unwrap();
+    let rec = settled_record(&store, "k").await.unwrap();
     assert_eq!((rec.state, rec.generation.0), (State::Completed, gens[1]));
 }
 
@@ -133,6 +133,9 @@ async fn postgres_down_at_claim_then_restarted() {
     let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()));
     let url = gw.url("/v1/orders");
     assert_eq!(post(&url, "before", ORDER, &[]).await.status, 201);
+    let written = backend.open().await;
+    assert_eq!(settled_record(&written, "before").await.unwrap().state, State::Completed, "its result write returned");
+    drop(written);
 
     pg.stop_immediate().unwrap();
     let r = post(&url, "k", ORDER, &[]).await;
@@ -144,7 +147,7 @@ async fn postgres_down_at_claim_then_restarted() {
 
     pg.start_again().unwrap();
     let store = backend.open().await;
-    assert!(record(&store, "k").await.is_none(), "the failed claim left nothing behind");
+    assert!(settled_record(&store, "k").await.is_none(), "the failed claim left nothing behind");
     let ok = eventually(Duration::from_secs(10), || {
         let u = url.clone();
         async move { post(&u, "k", ORDER, &[]).await.status == 201 }
@@ -186,8 +189,9 @@ async fn postgres_down_during_the_result_write_is_recorded_when_it_returns() {
     pg.start_again().unwrap();
     let store = backend.open().await;
     let recorded =
-        eventually(Duration::from_secs(10), || async { record(&store, "k").await.is_some_and(|r| r.state == State::Completed) }).await;
-    assert!(recorded, "recorded once the store came back: {:?}\n{}", record(&store, "k").await, gw.logs());
+        eventually(Duration::from_secs(10), || async { settled_record(&store, "k").await.is_some_and(|r| r.state == State::Completed) })
+            .await;
+    assert!(recorded, "recorded once the store came back: {:?}\n{}", settled_record(&store, "k").await, gw.logs());
     assert!(post(&url, "k", ORDER, &[]).await.replayed());
     assert_eq!(up.side_effects(&derived("k")), 1);
 }
@@ -218,7 +222,7 @@ async fn two_replicas_race_on_one_key() {
     }
     assert_eq!(forwarded, 1);
     assert_eq!(up.total(), 1);
-    let rec = record(&store, "race").await.unwrap();
+    let rec = settled_record(&store, "race").await.unwrap();
     assert_eq!(rec.state, State::Completed);
     assert_eq!(up.requests()[0].generation, Some(rec.generation.to_string()), "the one attempt's generation holds the record");
     // Both replicas replay it afterwards.
@@ -256,7 +260,7 @@ async fn paused_replica_is_fenced_after_takeover() {
     })
     .await;
     assert!(fenced, "A's stale write was fenced and counted:\n{}", a.logs());
-    let rec = record(&store, "k").await.unwrap();
+    let rec = settled_record(&store, "k").await.unwrap();
     assert_eq!((rec.state, rec.generation.0), (State::Completed, b_gen));
     let body: serde_json::Value = serde_json::from_slice(rec.response.unwrap().body.as_deref().unwrap()).unwrap();
     assert_eq!(body["generation"], b_gen.to_string(), "B's result survives; A did not overwrite it");
@@ -357,11 +361,12 @@ async fn claim_reply_lost_is_resolved_by_claim_token() {
     let store = Backend::Postgres { url }.open().await;
     let target = gw.url("/v1/orders");
     assert_eq!(post(&target, "warm", ORDER, &[]).await.status, 201);
+    assert_eq!(settled_record(&store, "warm").await.unwrap().state, State::Completed, "warm's result write returned");
     let broken = proxy.blackhole_existing_downstream();
     assert!(broken > 0, "the pool had open connections to break");
     let r = post(&target, "k", ORDER, &[]).await;
     assert_eq!((r.status, r.replayed()), (201, false), "{r:?}\n{}", gw.logs());
-    let rec = record(&store, "k").await.unwrap();
+    let rec = settled_record(&store, "k").await.unwrap();
     assert_eq!(rec.state, State::Completed);
     assert_eq!(up.requests()[1].generation, Some(rec.generation.to_string()), "recorded under the claim that was read back");
     assert_eq!(up.side_effects(&derived("k")), 1);
@@ -389,7 +394,7 @@ async fn result_reply_lost_is_resolved_by_read_back() {
     proxy.blackhole_existing_downstream();
     let r = client.await.unwrap();
     assert_eq!((r.status, r.replayed()), (201, false), "{r:?}");
-    let rec = record(&store, "k").await.unwrap();
+    let rec = settled_record(&store, "k").await.unwrap();
     assert_eq!(rec.state, State::Completed, "{}", gw.logs());
     assert_eq!(up.requests().last().unwrap().generation, Some(rec.generation.to_string()));
     assert!(gw.log_count("write failed; reading the row back") >= 1, "the read-back path ran:\n{}", gw.logs());
@@ -419,15 +424,15 @@ async fn upstream_network_faults() {
     // the client library; either way nothing reached the upstream.
     assert_eq!(up.total(), 0);
     match r.problem().as_str() {
-        "upstream-unavailable" => assert!(record(&store, "refused").await.is_none()),
-        "outcome-unknown" => assert_eq!(record(&store, "refused").await.unwrap().state, State::Unknown),
+        "upstream-unavailable" => assert!(settled_record(&store, "refused").await.is_none()),
+        "outcome-unknown" => assert_eq!(settled_record(&store, "refused").await.unwrap().state, State::Unknown),
         other => panic!("unexpected {other}"),
     }
 
     proxy.set(Fault::CloseAfter { bytes_down: 40 });
     let r = post(&target, "cut", ORDER, &[("x-test-body-bytes", "5000")]).await;
     assert_eq!((r.status, r.problem().as_str()), (504, "outcome-unknown"));
-    assert_eq!(record(&store, "cut").await.unwrap().state, State::Unknown);
+    assert_eq!(settled_record(&store, "cut").await.unwrap().state, State::Unknown);
     assert_eq!(
         up.side_effects(&derived("cut")),
         1,
@@ -440,7 +445,7 @@ async fn upstream_network_faults() {
     let r = post(&target, "late", ORDER, &[]).await;
     assert_eq!((r.status, r.problem().as_str()), (504, "outcome-unknown"));
     tokio::time::sleep(Duration::from_millis(1000)).await;
-    assert_eq!(record(&store, "late").await.unwrap().state, State::Unknown);
+    assert_eq!(settled_record(&store, "late").await.unwrap().state, State::Unknown);
     // The delayed request reaches the upstream after the gateway gave up and
     // closed; whether the upstream still acts on it is its business: at most once.
     assert!(up.side_effects(&derived("late")) <= 1);
@@ -452,6 +457,86 @@ async fn upstream_network_faults() {
     }
     assert!(up.total() <= 3, "no retry re-executed anything");
     assert!(up.ledger().values().all(|n| *n == 1));
+}
+
+/// The first request is answered as soon as the upstream's response is read;
+/// its result is written right after. While that write waits (the test holds
+/// the record's row lock): the client already has its answer and the record
+/// is still `in_flight`; a retry on another replica is told the request is in
+/// progress (409, Retry-After); a retry on the replica that answered waits
+/// for the write and is replayed the same answer. The upstream acted once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answered_before_its_result_is_written_then_replayed() {
+    let pg = PgServer::start().expect("start private PostgreSQL");
+    let url = pg.create_database("early").expect("create database");
+    let up = TestUpstream::start().await;
+    let a = Gateway::start(GatewayConfig::new(Backend::Postgres { url: url.clone() }, up.url()).timeout("5s").sweep_interval("1h"));
+    let b = Gateway::start(GatewayConfig::new(Backend::Postgres { url: url.clone() }, up.url()).timeout("5s").sweep_interval("1h"));
+    let store = Backend::Postgres { url: url.clone() }.open().await;
+    let (mut locker, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.expect("connect");
+    tokio::spawn(conn);
+    let mut received = up.subscribe();
+    let ua = a.url("/v1/orders");
+    let first = tokio::spawn(async move { post(&ua, "k", ORDER, &[("x-test-sleep-ms", "300")]).await });
+    // The claim is committed (the upstream has the request): hold the row so
+    // that the result write waits.
+    received.recv().await.unwrap();
+    let lock = locker.transaction().await.unwrap();
+    let held = lock.query("SELECT 1 FROM idemgate_records WHERE idempotency_key = 'k' FOR UPDATE", &[]).await.unwrap();
+    assert_eq!(held.len(), 1, "the claim is there");
+    let first = first.await.unwrap();
+    assert_eq!((first.status, first.replayed()), (201, false), "{first:?}");
+    assert_eq!(record(&store, "k").await.unwrap().state, State::InFlight, "the answer left before the result was written");
+    let elsewhere = post(&b.url("/v1/orders"), "k", ORDER, &[]).await;
+    assert_eq!((elsewhere.status, elsewhere.problem().as_str()), (409, "request-in-progress"), "{elsewhere:?}");
+    assert!(elsewhere.header("retry-after").is_some());
+    let ua = a.url("/v1/orders");
+    let again = tokio::spawn(async move { post(&ua, "k", ORDER, &[]).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!again.is_finished(), "the retry on A waits for A's result write");
+    lock.commit().await.unwrap();
+    let again = again.await.unwrap();
+    assert_eq!((again.status, again.replayed()), (201, true), "the replica that answered replays its answer: {again:?}");
+    assert_eq!(again.body, first.body);
+    let rec = settled_record(&store, "k").await.unwrap();
+    assert_eq!(rec.state, State::Completed);
+    assert_eq!(rec.response.unwrap().body.as_deref(), Some(&first.body[..]));
+    let later = post(&b.url("/v1/orders"), "k", ORDER, &[]).await;
+    assert_eq!((later.status, later.replayed(), later.body.clone()), (201, true, first.body.clone()));
+    assert_eq!(up.side_effects(&derived("k")), 1);
+}
+
+/// Killed after answering its client but before the result write reached
+/// PostgreSQL: the client has its answer; the record keeps the claim, and
+/// when the lease runs out the outcome is `unknown` (never forwarded again),
+/// exactly as for a replica killed before it could answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_after_answering_before_the_result_is_written_ends_unknown() {
+    use support::faultproxy::Fault;
+    let (_pg, path, url, proxied) = pg_behind_proxy("answered").await;
+    let up = TestUpstream::start().await;
+    let mut gw = Gateway::start(
+        GatewayConfig::new(Backend::Postgres { url: proxied }, up.url()).timeout("500ms").route("lease = \"1s\"").sweep_interval("1h"),
+    );
+    let store = Backend::Postgres { url }.open().await;
+    let mut received = up.subscribe();
+    let target = gw.url("/v1/orders");
+    let t = target.clone();
+    let first = tokio::spawn(async move { post(&t, "k", ORDER, &[("x-test-sleep-ms", "200")]).await });
+    received.recv().await.unwrap();
+    // The result write never arrives.
+    path.set(Fault::BlackholeUpstream);
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 201, "{first:?}");
+    gw.kill9();
+    assert_eq!(record(&store, "k").await.unwrap().state, State::InFlight);
+    path.set(Fault::None);
+    gw.restart();
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let late = post(&target, "k", ORDER, &[]).await;
+    assert_eq!((late.status, late.problem().as_str()), (409, "outcome-unknown"), "{late:?}");
+    assert_eq!(settled_record(&store, "k").await.unwrap().state, State::Unknown);
+    assert_eq!(up.total(), 1, "never forwarded twice");
 }
 
 /// A result write that reaches PostgreSQL only after the lease expired and
@@ -490,7 +575,7 @@ async fn late_result_write_after_takeover_is_fenced() {
     tokio::time::sleep(Duration::from_millis(2000)).await;
     slow_path.set(Fault::None);
     let _ = first.await.unwrap();
-    let rec = record(&store, "k").await.unwrap();
+    let rec = settled_record(&store, "k").await.unwrap();
     assert_eq!((rec.state, rec.generation.0), (State::Completed, b_gen));
     let body: serde_json::Value = serde_json::from_slice(rec.response.unwrap().body.as_deref().unwrap()).unwrap();
     assert_eq!(body["generation"], b_gen.to_string(), "the late write of A's generation did not overwrite B's result");
@@ -500,6 +585,15 @@ async fn late_result_write_after_takeover_is_fenced() {
     })
     .await;
     assert!(fenced, "A counted its fenced write:\n{}", a.logs());
+    // The request itself counts as fenced once its write returned, not as forwarded.
+    let counted = eventually(Duration::from_secs(5), || {
+        let a = &a;
+        async move { metric(a, r#"idemgate_requests_total{route="create_order",outcome="fenced"}"#).await == 1.0 }
+    })
+    .await;
+    assert!(counted, "A counted its request as fenced:\n{}", a.logs());
+    assert_eq!(metric(&a, r#"idemgate_requests_total{route="create_order",outcome="forwarded"}"#).await, 0.0);
+
     assert_eq!(up.side_effects(&derived("k")), 1);
 }
 
@@ -524,12 +618,12 @@ async fn gateway_killed_before_the_claim_commits_leaves_nothing() {
     assert!(client.await.unwrap().is_err());
     proxy.set(Fault::None);
     proxy.reset_all();
-    assert!(record(&store, "k").await.is_none(), "nothing was claimed");
+    assert!(settled_record(&store, "k").await.is_none(), "nothing was claimed");
     gw.restart();
     let r = post(&target, "k", ORDER, &[]).await;
     assert_eq!((r.status, r.replayed()), (201, false));
     assert_eq!(up.total(), 1);
-    let rec = record(&store, "k").await.unwrap();
+    let rec = settled_record(&store, "k").await.unwrap();
     assert_eq!(rec.state, State::Completed);
     assert_eq!(up.requests()[0].generation, Some(rec.generation.to_string()));
 }
@@ -567,7 +661,7 @@ async fn gateway_killed_after_claim_before_forward_ends_unknown() {
     gw.restart();
     tokio::time::sleep(Duration::from_millis(1100)).await;
     assert_eq!(post(&target, "k", ORDER, &[]).await.problem(), "outcome-unknown");
-    assert_eq!(record(&store, "k").await.unwrap().state, State::Unknown);
+    assert_eq!(settled_record(&store, "k").await.unwrap().state, State::Unknown);
     assert_eq!(up.total(), 0, "the request never reached the upstream");
     let (code, _, err) = cli(
         &gw,

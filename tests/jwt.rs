@@ -193,7 +193,7 @@ async fn jwt_identity_scopes_records_and_refuses_bad_tokens() {
     let first = send_with(good.clone(), "j1").await;
     assert_eq!(first.status, 201, "{first:?}\n{}", gw.logs());
     assert!(send_with(good.clone(), "j1").await.replayed());
-    let rec = record(&store, "j1").await.expect("scoped by the token's tenant and sub");
+    let rec = settled_record(&store, "j1").await.expect("scoped by the token's tenant and sub");
     assert_eq!((&*rec.scope.tenant, &*rec.scope.principal), (TENANT, PRINCIPAL));
     let mut expired = jwt::claims("acme", "billing", ISS, AUD);
     expired["exp"] = json!(jwt::now() - 3600);
@@ -201,6 +201,6 @@ async fn jwt_identity_scopes_records_and_refuses_bad_tokens() {
     let r = send_with(stale.clone(), "j2").await;
     assert_eq!((r.status, r.problem().as_str()), (401, "unauthenticated"));
     assert!(!String::from_utf8_lossy(&r.body).contains(&stale[..20]), "the token is never echoed");
-    assert!(record(&store, "j2").await.is_none(), "nothing claimed");
+    assert!(settled_record(&store, "j2").await.is_none(), "nothing claimed");
     assert_eq!(up.total(), 1);
 }

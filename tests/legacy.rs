@@ -101,7 +101,7 @@ async fn legacy_client_retrying_with_the_same_business_id_is_replayed(backend: B
     assert!(again.replayed());
     assert_eq!(again.body, first.body);
     assert_eq!(up.total(), 1, "the upstream acted once");
-    let rec = record(&store, "ORD-1001").await.expect("record");
+    let rec = settled_record(&store, "ORD-1001").await.expect("record");
     assert_eq!(rec.state, State::Completed);
     assert_eq!(rec.key_source.as_deref(), Some("body:/client_order_id"));
     let shown = show_json(&gw, "ORD-1001");
@@ -121,8 +121,8 @@ async fn two_keys_carrying_one_business_id_are_one_operation(backend: Backend) {
     assert_eq!(second.body, first.body);
     assert_eq!(up.total(), 1);
     // The transport keys made no records of their own.
-    assert!(record(&store, "transport-key-a").await.is_none());
-    assert!(record(&store, "transport-key-b").await.is_none());
+    assert!(settled_record(&store, "transport-key-a").await.is_none());
+    assert!(settled_record(&store, "transport-key-b").await.is_none());
     // A changed order under the same business id is a conflict, whatever the transport key.
     let changed = post(&url, "transport-key-c", &order("\"ORD-7\"").replace("book", "pen"), &[]).await;
     assert_eq!((changed.status, changed.problem().as_str()), (409, "idempotency-key-reused"));
@@ -175,7 +175,7 @@ async fn string_integer_and_big_integer_ids(backend: Backend) {
     // An integer id is its decimal digits.
     assert_eq!(legacy_post(&url, &order("42"), &[]).await.status, 201);
     assert!(legacy_post(&url, &order("42"), &[]).await.replayed());
-    assert_eq!(record(&store, "42").await.expect("record").state, State::Completed);
+    assert_eq!(settled_record(&store, "42").await.expect("record").state, State::Completed);
     // The same digits as a string are the same key, but another request.
     let as_string = legacy_post(&url, &order("\"42\""), &[]).await;
     assert_eq!((as_string.status, as_string.problem().as_str()), (409, "idempotency-key-reused"));
@@ -184,12 +184,12 @@ async fn string_integer_and_big_integer_ids(backend: Backend) {
         let r = legacy_post(&url, &order(id), &[]).await;
         assert_eq!(r.status, 201, "{id}");
         assert!(!r.replayed(), "{id} is its own operation");
-        assert!(record(&store, id).await.is_some(), "{id}");
+        assert!(settled_record(&store, id).await.is_some(), "{id}");
     }
     assert!(legacy_post(&url, &order("123456789012345678901234567890"), &[]).await.replayed());
     // Strings are unescaped, then validated.
     assert_eq!(legacy_post(&url, &order(r#""ORD-\u0041""#), &[]).await.status, 201);
-    assert!(record(&store, "ORD-A").await.is_some());
+    assert!(settled_record(&store, "ORD-A").await.is_some());
     assert_eq!(up.total(), 6);
 }
 
@@ -199,8 +199,8 @@ async fn header_sources_and_the_first_present_source_wins(backend: Backend) {
     // Both present: the header wins.
     let r = legacy_post(&url, &order("\"B-1\""), &[("x-client-order-id", "H-1")]).await;
     assert_eq!(r.status, 201);
-    assert_eq!(record(&store, "H-1").await.expect("record").key_source.as_deref(), Some("header:x-client-order-id"));
-    assert!(record(&store, "B-1").await.is_none());
+    assert_eq!(settled_record(&store, "H-1").await.expect("record").key_source.as_deref(), Some("header:x-client-order-id"));
+    assert!(settled_record(&store, "B-1").await.is_none());
     // No header: the body's id.
     assert_eq!(legacy_post(&url, &order("\"B-2\""), &[]).await.status, 201);
     assert_eq!(show_json(&gw, "B-2")["key_source"], "body:/client_order_id");
@@ -249,14 +249,14 @@ async fn forever_records_survive_the_sweeper_and_still_replay(backend: Backend) 
     let first = legacy_post(&url, &order("\"PAY-1\""), &[]).await;
     assert_eq!(first.status, 201);
     assert_eq!(post(&gw.url("/v1/brief"), "b1", "{}", &[]).await.status, 201);
-    let kept = record(&store, "PAY-1").await.expect("record");
+    let kept = settled_record(&store, "PAY-1").await.expect("record");
     assert_eq!(kept.expires_at, Timestamp::FOREVER);
     // The sweeper runs every 100 ms: it removes the brief record after its
     // second, and leaves the forever record alone.
     let brief_scope = scope_for(PRINCIPAL, "brief", "b1");
     assert!(eventually(Duration::from_secs(10), || async { store.get(&brief_scope).await.unwrap().is_none() }).await, "brief swept");
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(record(&store, "PAY-1").await.expect("kept forever"), kept);
+    assert_eq!(settled_record(&store, "PAY-1").await.expect("kept forever"), kept);
     let again = legacy_post(&url, &order("\"PAY-1\""), &[]).await;
     assert!(again.replayed());
     assert_eq!(again.body, first.body);
@@ -282,7 +282,7 @@ async fn max_stored_response_zero_keeps_status_and_headers_only(backend: Backend
     let first = legacy_post(&url, &order("\"PAY-2\""), &[]).await;
     assert_eq!(first.status, 201);
     assert!(!first.body.is_empty(), "the client gets the whole answer");
-    let rec = record(&store, "PAY-2").await.expect("record");
+    let rec = settled_record(&store, "PAY-2").await.expect("record");
     let stored = rec.response.expect("response");
     assert_eq!((stored.status, stored.body), (201, None));
     assert!(stored.headers.iter().any(|(n, v)| n == "location" && v == b"/v1/orders/1"));
@@ -379,7 +379,7 @@ async fn observe_mode_counts_requests_enforcing_would_refuse(backend: Backend) {
     assert_eq!(r.status, 201);
     assert_eq!(up.requests().last().unwrap().body.len(), big.len(), "passed on whole");
     assert_eq!(metric(&gw, SKIPPED).await, 1.0);
-    assert!(record(&store, "BIG").await.is_none());
+    assert!(settled_record(&store, "BIG").await.is_none());
 }
 
 async fn observe_history_is_valid_when_the_route_switches_to_enforcing(backend: Backend) {
@@ -441,7 +441,7 @@ async fn sigterm_records_observed_requests_before_exiting(backend: Backend) {
     let status = tokio::task::spawn_blocking(move || gw.wait_exit(Duration::from_secs(15))).await.unwrap();
     assert!(status.success(), "exit status {status:?}");
     // The drain waited for the recording: a switch by restart finds a completed record.
-    let rec = record(&store, "k").await.expect("record");
+    let rec = settled_record(&store, "k").await.expect("record");
     assert_eq!(rec.state, State::Completed);
     assert_eq!(rec.response.and_then(|r| r.body), Some(r.body));
     assert_eq!(up.total(), 1);

@@ -146,7 +146,7 @@ async fn a_client_that_goes_away_still_gets_one_line() {
     let store = backend.open().await;
     let done = eventually(Duration::from_secs(5), || {
         let store = store.clone();
-        async move { record(&store, "gone").await.is_some_and(|r| r.state == State::Completed) }
+        async move { settled_record(&store, "gone").await.is_some_and(|r| r.state == State::Completed) }
     })
     .await;
     assert!(done, "recorded after the client left");
@@ -361,8 +361,8 @@ async fn readyz_is_503_during_the_drain_while_in_flight_requests_finish() {
     .unwrap();
     assert!(status.0.success(), "exit status {:?}", status.0);
     let store = backend.open().await;
-    assert_eq!(record(&store, "slow").await.unwrap().state, State::Completed);
-    assert_eq!(record(&store, "late").await.unwrap().state, State::Completed);
+    assert_eq!(settled_record(&store, "slow").await.unwrap().state, State::Completed);
+    assert_eq!(settled_record(&store, "late").await.unwrap().state, State::Completed);
     assert_eq!(up.total(), 2);
 }
 

@@ -65,11 +65,11 @@ async fn first_request_is_forwarded_recorded_and_replayed(backend: Backend) {
     let seen = up.requests();
     assert_eq!(seen.len(), 1);
     assert_eq!(seen[0].key, derived("k1"));
-    let generation = record(&store, "k1").await.expect("record").generation;
+    let generation = settled_record(&store, "k1").await.expect("record").generation;
     assert_eq!(seen[0].generation, Some(generation.to_string()), "the attempt's generation");
     assert_eq!(seen[0].body, ORDER.as_bytes());
 
-    let rec = record(&store, "k1").await.expect("record");
+    let rec = settled_record(&store, "k1").await.expect("record");
     assert_eq!(rec.state, State::Completed);
     let stored = rec.response.expect("stored response");
     assert_eq!(stored.status, 201);
@@ -109,7 +109,7 @@ async fn unauthenticated_requests_claim_nothing(backend: Backend) {
     let r = send("POST", &url, &h, ORDER).await.unwrap();
     assert_eq!(r.status, 201);
     assert_eq!(up.total(), 1);
-    assert!(record(&store, "k1").await.is_none());
+    assert!(settled_record(&store, "k1").await.is_none());
     assert!(store.get(&scope_for("svc", "create_order", "k2")).await.unwrap().is_some());
 }
 
@@ -165,7 +165,7 @@ async fn changed_request_under_same_key_is_409_and_original_still_replays(backen
     let reordered = post(&url, "k1", r#"{ "qty": 1.0, "item": "book" }"#, &[]).await;
     assert!(reordered.replayed(), "{reordered:?}");
     assert_eq!(reordered.body, first.body);
-    let rec = record(&store, "k1").await.unwrap();
+    let rec = settled_record(&store, "k1").await.unwrap();
     assert_eq!((rec.state, rec.generation.0), (State::Completed, 1));
 }
 
@@ -176,7 +176,7 @@ async fn integers_beyond_64_bits_are_compared_exactly(backend: Backend) {
     let url = gw.url("/v1/orders");
     let first = post(&url, "big", r#"{"amount":18446744073709551616}"#, &[]).await;
     assert_eq!(first.status, 201, "{first:?}");
-    let hash = record(&store, "big").await.expect("record").request_hash;
+    let hash = settled_record(&store, "big").await.expect("record").request_hash;
     let other = post(&url, "big", r#"{"amount":18446744073709551617}"#, &[]).await;
     assert!(!other.replayed(), "the other amount was answered from the first record: {other:?}");
     assert_eq!((other.status, other.problem().as_str()), (409, "idempotency-key-reused"));
@@ -185,7 +185,7 @@ async fn integers_beyond_64_bits_are_compared_exactly(backend: Backend) {
     assert!(same.replayed(), "{same:?}");
     assert_eq!(up.side_effects(&derived("big")), 1);
     assert_eq!(up.total(), 1);
-    let rec = record(&store, "big").await.expect("record");
+    let rec = settled_record(&store, "big").await.expect("record");
     assert_eq!((rec.state, rec.generation.0, rec.request_hash), (State::Completed, 1, hash));
 }
 
@@ -266,7 +266,7 @@ async fn twenty_concurrent_duplicates_execute_once(backend: Backend) {
     assert_eq!(forwarded, 1, "exactly one request was forwarded");
     assert_eq!(up.total(), 1, "exactly one side effect");
     assert_eq!(up.side_effects(&derived("same")), 1);
-    assert_eq!(record(&store, "same").await.unwrap().state, State::Completed);
+    assert_eq!(settled_record(&store, "same").await.unwrap().state, State::Completed);
 }
 
 async fn client_disconnect_does_not_cancel_forward_or_record(backend: Backend) {
@@ -284,7 +284,7 @@ async fn client_disconnect_does_not_cancel_forward_or_record(backend: Backend) {
     drop(sock); // the client gives up while the upstream is working
     let done = eventually(Duration::from_secs(5), || {
         let store = store.clone();
-        async move { record(&store, "gone").await.is_some_and(|r| r.state == State::Completed) }
+        async move { settled_record(&store, "gone").await.is_some_and(|r| r.state == State::Completed) }
     })
     .await;
     assert!(done, "the record reached completed after the client left");
@@ -300,7 +300,7 @@ async fn upstream_timeout_is_unknown_until_resolved(backend: Backend) {
     let r = post(&url, "slow", ORDER, &[("x-test-sleep-ms", "1000")]).await;
     assert_eq!(r.status, 504);
     assert_eq!(r.problem(), "outcome-unknown");
-    assert_eq!(record(&store, "slow").await.unwrap().state, State::Unknown);
+    assert_eq!(settled_record(&store, "slow").await.unwrap().state, State::Unknown);
     tokio::time::sleep(Duration::from_millis(900)).await; // the upstream finishes its work meanwhile
     assert_eq!(up.total(), 1);
     for _ in 0..2 {
@@ -340,7 +340,7 @@ async fn upstream_timeout_is_unknown_until_resolved(backend: Backend) {
         ],
     );
     assert_eq!(code, 0, "{out}{err}");
-    let rec = record(&store, "slow").await.unwrap();
+    let rec = settled_record(&store, "slow").await.unwrap();
     assert_eq!(rec.state, State::Completed);
     let first_attempt: i64 = up.requests()[0].generation.as_deref().unwrap().parse().unwrap();
     assert!(rec.generation.0 > first_attempt, "the resolution's new generation fences off the first attempt");
@@ -356,7 +356,7 @@ async fn unknown_record_released_by_operator_can_be_retried(backend: Backend) {
     let (up, gw, store) = setup(backend, |c| c.timeout("300ms")).await;
     let url = gw.url("/v1/orders");
     assert_eq!(post(&url, "k", ORDER, &[("x-test-abort", "1")]).await.problem(), "outcome-unknown");
-    assert_eq!(record(&store, "k").await.unwrap().state, State::Unknown);
+    assert_eq!(settled_record(&store, "k").await.unwrap().state, State::Unknown);
     let (code, _, err) =
         cli(&gw, &["keys", "show", "--tenant", TENANT, "--principal", PRINCIPAL, "--operation", "create_order", "--key", "k"]);
     assert_eq!(code, 0, "{err}");
@@ -365,7 +365,7 @@ async fn unknown_record_released_by_operator_can_be_retried(backend: Backend) {
         &["keys", "resolve", "--tenant", TENANT, "--principal", PRINCIPAL, "--operation", "create_order", "--key", "k", "--release"],
     );
     assert_eq!(code, 0, "{err}");
-    assert!(record(&store, "k").await.is_none());
+    assert!(settled_record(&store, "k").await.is_none());
     let r = post(&url, "k", ORDER, &[]).await;
     assert_eq!(r.status, 201);
     assert!(!r.replayed());
@@ -392,13 +392,13 @@ async fn refused_upstream_releases_the_key(backend: Backend) {
     assert_eq!(r.problem(), "upstream-unavailable");
     assert_eq!(r.json()["retryable"], true);
     assert!(r.header("retry-after").is_some());
-    assert!(record(&store, "k").await.is_none(), "the key was released");
+    assert!(settled_record(&store, "k").await.is_none(), "the key was released");
     drop(reserved);
     let up = TestUpstream::start_on(addr).await;
     let r = post(&url, "k", ORDER, &[]).await;
     assert_eq!(r.status, 201);
     assert_eq!(up.total(), 1);
-    assert_eq!(record(&store, "k").await.unwrap().state, State::Completed);
+    assert_eq!(settled_record(&store, "k").await.unwrap().state, State::Completed);
 }
 
 async fn release_on_status_frees_the_key(backend: Backend) {
@@ -407,11 +407,11 @@ async fn release_on_status_frees_the_key(backend: Backend) {
     let r = post(&url, "k", ORDER, &[("x-test-status", "503")]).await;
     assert_eq!(r.status, 503);
     assert!(!r.replayed());
-    assert!(record(&store, "k").await.is_none());
+    assert!(settled_record(&store, "k").await.is_none());
     let r = post(&url, "k", ORDER, &[]).await;
     assert_eq!((r.status, r.replayed()), (201, false));
     assert_eq!(up.side_effects(&derived("k")), 2);
-    assert_eq!(record(&store, "k").await.unwrap().state, State::Completed);
+    assert_eq!(settled_record(&store, "k").await.unwrap().state, State::Completed);
 }
 
 async fn no_store_policy_passes_through_and_releases(backend: Backend) {
@@ -420,7 +420,7 @@ async fn no_store_policy_passes_through_and_releases(backend: Backend) {
     let r = post(&url, "k", ORDER, &[("x-test-no-store", "1")]).await;
     assert_eq!(r.status, 201);
     assert_eq!(r.header("idempotency-policy"), None, "the control header never reaches the client");
-    assert!(record(&store, "k").await.is_none());
+    assert!(settled_record(&store, "k").await.is_none());
     assert_eq!(up.total(), 1);
 }
 
@@ -429,7 +429,7 @@ async fn server_errors_are_stored_and_replayed(backend: Backend) {
     let url = gw.url("/v1/orders");
     let r = post(&url, "k", ORDER, &[("x-test-status", "500")]).await;
     assert_eq!(r.status, 500);
-    assert_eq!(record(&store, "k").await.unwrap().state, State::Completed);
+    assert_eq!(settled_record(&store, "k").await.unwrap().state, State::Completed);
     let again = post(&url, "k", ORDER, &[("x-test-status", "500")]).await;
     assert_eq!((again.status, again.replayed()), (500, true));
     assert_eq!(again.body, r.body);
@@ -442,7 +442,7 @@ async fn oversized_response_reaches_client_but_replays_as_problem(backend: Backe
     let r = post(&url, "k", ORDER, &[("x-test-body-bytes", "5000")]).await;
     assert_eq!(r.status, 201);
     assert_eq!(r.body.len(), 5000, "the client got the whole body");
-    let rec = record(&store, "k").await.unwrap();
+    let rec = settled_record(&store, "k").await.unwrap();
     assert_eq!(rec.state, State::Completed);
     let stored = rec.response.unwrap();
     assert_eq!((stored.status, stored.body.is_none()), (201, true));
@@ -465,7 +465,7 @@ async fn completed_record_past_retention_is_a_first_request(backend: Backend) {
     let r = post(&url, "k", r#"{"item":"pen"}"#, &[]).await;
     assert_eq!((r.status, r.replayed()), (201, false));
     assert_eq!(up.side_effects(&derived("k")), 2);
-    let rec = record(&store, "k").await;
+    let rec = settled_record(&store, "k").await;
     // Either freshly completed again (generation 2: taken over), or already swept.
     if let Some(rec) = rec {
         assert!(rec.generation.0 >= 1);
@@ -473,7 +473,7 @@ async fn completed_record_past_retention_is_a_first_request(backend: Backend) {
     // The sweeper (every 200ms in tests) removes it after retention.
     let swept = eventually(Duration::from_secs(5), || {
         let store = store.clone();
-        async move { record(&store, "k").await.is_none() }
+        async move { settled_record(&store, "k").await.is_none() }
     })
     .await;
     assert!(swept, "the sweeper deleted the expired record");
@@ -563,7 +563,7 @@ async fn sigterm_drains_in_flight_requests(backend: Backend) {
     .await
     .unwrap();
     assert!(status.0.success(), "exit status {:?}", status.0);
-    assert_eq!(record(&store, "k").await.unwrap().state, State::Completed);
+    assert_eq!(settled_record(&store, "k").await.unwrap().state, State::Completed);
     assert_eq!(up.total(), 1);
     // New connections are refused after shutdown.
     assert!(send("POST", &url, &[], "").await.is_err());
@@ -648,7 +648,7 @@ async fn clients_cannot_forge_idemgate_headers(backend: Backend) {
     assert_eq!(seen.len(), 2);
     assert_eq!((seen[0].key.as_str(), seen[0].generation.as_deref()), ("<none>", None), "pass-through: nothing of ours, nothing forged");
     assert_eq!(up.side_effects(&forged_key), 0, "the victim's derived key was never presented");
-    let rec = record(&store, "mine").await.unwrap();
+    let rec = settled_record(&store, "mine").await.unwrap();
     assert_eq!(seen[1].key, derived("mine"));
     assert_eq!(seen[1].generation, Some(rec.generation.to_string()));
     assert_eq!(seen[1].headers.get_all("x-idempotency-generation").iter().count(), 1, "one generation header, ours");
@@ -662,7 +662,7 @@ async fn keys_resolve_refuses_completed_records_without_force(backend: Backend) 
     let (up, gw, store) = setup(backend, |c| c).await;
     let url = gw.url("/v1/orders");
     assert_eq!(post(&url, "k", ORDER, &[]).await.status, 201);
-    let before = record(&store, "k").await.unwrap();
+    let before = settled_record(&store, "k").await.unwrap();
     let scope_args = ["--tenant", TENANT, "--principal", PRINCIPAL, "--operation", "create_order", "--key", "k"];
     let resolve = |extra: &[&str]| {
         let mut args = vec!["keys", "resolve"];
@@ -673,7 +673,7 @@ async fn keys_resolve_refuses_completed_records_without_force(backend: Backend) 
     let (code, _, err) = resolve(&["--release"]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("completed") && err.contains("--force"), "{err}");
-    assert_eq!(record(&store, "k").await.unwrap(), before, "nothing changed");
+    assert_eq!(settled_record(&store, "k").await.unwrap(), before, "nothing changed");
     let again = post(&url, "k", ORDER, &[]).await;
     assert!(again.replayed(), "the retry is still a replay");
     assert_eq!(up.side_effects(&derived("k")), 1);
@@ -684,14 +684,14 @@ async fn keys_resolve_refuses_completed_records_without_force(backend: Backend) 
         let (code, _, err) = resolve(&["--complete", "--status", status, "--force", "--reason", "x"]);
         assert_eq!(code, 1, "status {status}: {err}");
     }
-    assert_eq!(record(&store, "k").await.unwrap(), before);
+    assert_eq!(settled_record(&store, "k").await.unwrap(), before);
     assert!(store.audit(10).await.unwrap().is_empty());
 
     // With force and a reason it is done, and the trail says who, what and why.
     let (code, out, err) = resolve(&["--release", "--force", "--reason", "order cancelled upstream by support"]);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("was completed"), "{out}");
-    assert!(record(&store, "k").await.is_none());
+    assert!(settled_record(&store, "k").await.is_none());
     let trail = store.audit(10).await.unwrap();
     assert_eq!(trail.len(), 1);
     assert_eq!((trail[0].actor.as_str(), trail[0].from_state.as_str(), trail[0].to_state.as_str()), ("cli", "completed", "released"));
@@ -752,7 +752,7 @@ async fn refetch_replays_read_the_resource_again_with_the_callers_credentials(ba
     let first = post(&url, "k", ORDER, &[]).await;
     assert_eq!((first.status, first.replayed()), (201, false));
     assert_eq!(first.json()["order"], 1, "the first answer is the upstream's own, whole");
-    let stored = record(&store, "k").await.unwrap().response.unwrap();
+    let stored = settled_record(&store, "k").await.unwrap().response.unwrap();
     assert_eq!((stored.status, stored.body), (201, None), "no body kept");
     assert_eq!(stored.headers, vec![("location".to_owned(), b"/v1/orders/1".to_vec())], "only where to read it again");
 

@@ -38,7 +38,7 @@ async fn sighup_reloads_serve_and_never_stops_it() {
     assert!(again.replayed(), "{again:?}");
     assert_eq!(up.side_effects(&derived("k1")), 1);
     let store = backend.open().await;
-    assert_eq!(record(&store, "k1").await.expect("record").state, State::Completed);
+    assert_eq!(settled_record(&store, "k1").await.expect("record").state, State::Completed);
 
     gw.signal("TERM");
     let status = tokio::task::block_in_place(|| gw.wait_exit(Duration::from_secs(20)));

@@ -68,7 +68,7 @@ async fn h2_streams_of_one_key_over_one_connection_execute_once(backend: Backend
     assert_eq!(forwarded, 1, "exactly one stream was forwarded");
     assert_eq!(up.total(), 1, "exactly one side effect");
     assert_eq!(up.side_effects(&derived("k-h2")), 1);
-    let rec = record(&store, "k-h2").await.expect("record");
+    let rec = settled_record(&store, "k-h2").await.expect("record");
     assert_eq!(rec.state, State::Completed);
 
     // Replay and mismatch on the same connection.
@@ -333,7 +333,7 @@ async fn a_failed_or_stalled_upstream_handshake_releases_the_key() {
         assert_eq!(r.status, 503, "stall={stall}: {r:?}");
         assert_eq!(r.problem(), "upstream-unavailable", "stall={stall}");
         let store = backend.open().await;
-        assert!(record(&store, "k-fail").await.is_none(), "stall={stall}: the key was released, not unknown");
+        assert!(settled_record(&store, "k-fail").await.is_none(), "stall={stall}: the key was released, not unknown");
         task.abort();
     }
 }
@@ -463,7 +463,7 @@ async fn postgres_over_tls_honours_sslmode_and_sslrootcert() {
     assert!(post(&gw.url("/v1/orders"), "k-pg", ORDER, &[]).await.replayed());
     assert_eq!(up.total(), 1);
     let store = backend.open().await;
-    assert_eq!(record(&store, "k-pg").await.unwrap().state, State::Completed);
+    assert_eq!(settled_record(&store, "k-pg").await.unwrap().state, State::Completed);
     let tls_sessions = pg
         .simple_query(
             "tls_store",

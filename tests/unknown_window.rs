@@ -46,8 +46,9 @@ fn probes(outcome: &str) -> String {
     format!("idemgate_probes_total{{operation=\"create_order\",outcome=\"{outcome}\"}}")
 }
 
+/// The record's state once a result write after an answer returned.
 async fn state(store: &Store, key: &str) -> Option<State> {
-    record(store, key).await.map(|r| r.state)
+    settled_record(store, key).await.map(|r| r.state)
 }
 
 async fn wait_state(store: &Store, key: &str, want: Option<State>, gw: &Gateway) {
@@ -65,7 +66,7 @@ async fn executed_but_timed_out_is_completed_by_its_probe(backend: Backend) {
     assert_eq!((r.status, r.problem().as_str()), (504, "outcome-unknown"), "{r:?}");
 
     wait_state(&store, "k1", Some(State::Completed), &gw).await;
-    let rec = record(&store, "k1").await.unwrap();
+    let rec = settled_record(&store, "k1").await.unwrap();
     let stored = rec.response.clone().unwrap();
     assert_eq!(stored.status, 201, "recorded as found_as, not the probe's 200");
     let order: serde_json::Value = serde_json::from_slice(stored.body.as_deref().unwrap()).unwrap();
@@ -197,7 +198,7 @@ async fn an_async_operation_whose_connect_hangs_is_requeued_never_unknown() {
     let r = post(&gw.url("/v1/orders"), "hang-async", ORDER, &[]).await;
     assert_eq!(r.status, 202, "{r:?}");
     let ended = eventually(Duration::from_secs(20), || async { state(&store, "hang-async").await == Some(State::FailedRetryable) }).await;
-    let rec = record(&store, "hang-async").await.unwrap();
+    let rec = settled_record(&store, "hang-async").await.unwrap();
     assert!(ended, "ended {:?}:\n{}", rec.state, gw.logs());
     assert_eq!(rec.attempts, 2);
     assert!(!rec.maybe_executed);
@@ -268,11 +269,11 @@ async fn an_absent_async_operation_runs_again_under_its_id() {
     assert_eq!(r.status, 202, "{r:?}");
     let location = r.header("location").unwrap().to_owned();
     wait_state(&store, "k7", Some(State::Unknown), &gw).await;
-    let first = record(&store, "k7").await.unwrap();
+    let first = settled_record(&store, "k7").await.unwrap();
     proxy.set(Fault::None);
     proxy.reset_all();
     wait_state(&store, "k7", Some(State::Completed), &gw).await;
-    let done = record(&store, "k7").await.unwrap();
+    let done = settled_record(&store, "k7").await.unwrap();
     assert_eq!(done.operation_id, first.operation_id, "the same operation");
     assert!(done.generation > first.generation, "run again under a new generation");
     let trail = store.audit(10).await.unwrap();
@@ -335,7 +336,7 @@ async fn a_refetch_route_keeps_only_status_and_location_of_what_the_probe_found(
     let r = post(&gw.url("/v1/orders"), "k7", ORDER, &[("x-test-sleep-ms", "900")]).await;
     assert_eq!(r.status, 504, "{r:?}");
     wait_state(&store, "k7", Some(State::Completed), &gw).await;
-    let stored = record(&store, "k7").await.unwrap().response.unwrap();
+    let stored = settled_record(&store, "k7").await.unwrap().response.unwrap();
     assert_eq!((stored.status, stored.body), (201, None));
     assert_eq!(stored.headers, vec![("location".to_owned(), b"/v1/orders/1".to_vec())]);
     let again = post(&gw.url("/v1/orders"), "k7", ORDER, &[]).await;

@@ -172,6 +172,11 @@ impl Store {
         self.backend.kind()
     }
 
+    /// The bound on one store operation.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// Runs one backend operation under the timeout; a timed-out write is
     /// ambiguous, a timed-out read is unavailable.
     async fn bounded<T>(&self, op: &'static str, write: bool, fut: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {

@@ -84,6 +84,23 @@ pub async fn record(store: &Store, key: &str) -> Option<Record> {
     store.get(&scope(key)).await.expect("store get").map(|(r, _)| r)
 }
 
+/// The record once its result write returned: a first request is answered
+/// as soon as the upstream's response is read, and its result is written
+/// right after, so a record read just after the answer may still be
+/// `in_flight` for a moment. Polls for up to 5 s while it is; returns what
+/// it last saw.
+#[allow(dead_code)]
+pub async fn settled_record(store: &Store, key: &str) -> Option<Record> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let rec = record(store, key).await;
+        if rec.as_ref().is_none_or(|r| r.state != idemgate::record::State::InFlight) || Instant::now() > deadline {
+            return rec;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// Polls until `f` is true or the timeout passes; returns whether it became true.
 pub async fn eventually<F, Fut>(timeout: Duration, mut f: F) -> bool
 where
