@@ -31,9 +31,13 @@ pub struct Waiters {
     shards: Vec<Notify>,
     /// Result writes in progress, by the scope's hash: the write's id and a
     /// receiver that sees its sender dropped when the write returns.
-    recording: Vec<Mutex<HashMap<u64, (u64, watch::Receiver<()>)>>>,
+    recording: Vec<Mutex<InProgress>>,
     next_id: AtomicU64,
 }
+
+/// The result writes in progress of one shard: by the scope's hash, the
+/// write's id and a receiver that sees the write's sender dropped.
+type InProgress = HashMap<u64, (u64, watch::Receiver<()>)>;
 
 /// A result write in progress (see [`Waiters::recording`]); dropping it
 /// (the write returned, whatever its outcome) releases those waiting.
@@ -83,7 +87,7 @@ impl Waiters {
         &self.shards[(Self::hash(scope) as usize) % Self::SHARDS]
     }
 
-    fn recording_shard(&self, hash: u64) -> &Mutex<HashMap<u64, (u64, watch::Receiver<()>)>> {
+    fn recording_shard(&self, hash: u64) -> &Mutex<InProgress> {
         &self.recording[(hash as usize) % Self::SHARDS]
     }
 
