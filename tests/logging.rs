@@ -49,7 +49,7 @@ async fn request_replay_and_drain(gw: &mut ServeProcess, up: &TestUpstream, stor
     assert_eq!(first.status, 201, "{first:?}");
     assert!(!first.replayed());
     assert_eq!(up.side_effects(&derived("k1")), 1);
-    let rec = record(store, "k1").await.expect("record");
+    let rec = settled_record(store, "k1").await.expect("record");
     assert_eq!(rec.state, State::Completed);
 
     let again = post(url, "k1", ORDER, &[]).await;
@@ -62,7 +62,7 @@ async fn request_replay_and_drain(gw: &mut ServeProcess, up: &TestUpstream, stor
     gw.signal("TERM");
     let status = tokio::task::block_in_place(|| gw.wait_exit(Duration::from_secs(20)));
     assert!(status.success(), "SIGTERM drains and exits 0, got {status:?}");
-    assert_eq!(record(store, "k1").await.expect("record").state, State::Completed);
+    assert_eq!(settled_record(store, "k1").await.expect("record").state, State::Completed);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
