@@ -11,8 +11,10 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use hyper::body::{Body as _, Frame, Incoming, SizeHint};
+use hyper::body::{Body as _, Frame, SizeHint};
 use tokio::time::{Instant, Sleep};
+
+use crate::upstream::ResponseBody;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -36,7 +38,7 @@ impl std::fmt::Debug for Boxed {
 /// A body read from a peer, cut off after `idle` without a frame.
 #[derive(Debug)]
 pub struct Streamed {
-    inner: Incoming,
+    inner: ResponseBody,
     idle: Duration,
     timer: Option<Pin<Box<Sleep>>>,
 }
@@ -47,8 +49,8 @@ pub struct Streamed {
 pub struct IdleTimeout(pub Duration);
 
 impl Streamed {
-    pub fn new(inner: Incoming, idle: Duration) -> Streamed {
-        Streamed { inner, idle, timer: None }
+    pub fn new(inner: impl Into<ResponseBody>, idle: Duration) -> Streamed {
+        Streamed { inner: inner.into(), idle, timer: None }
     }
 
     fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
@@ -82,7 +84,7 @@ impl Body {
     }
 
     /// A body streamed from a peer, cut off after `idle` without progress.
-    pub fn stream(inner: Incoming, idle: Duration) -> Body {
+    pub fn stream(inner: impl Into<ResponseBody>, idle: Duration) -> Body {
         Body::Stream(Streamed::new(inner, idle))
     }
 

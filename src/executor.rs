@@ -15,7 +15,6 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{HeaderValue, Response, request};
-use hyper::body::Incoming;
 use tokio_util::task::TaskTracker;
 
 use crate::body::{Body, Streamed};
@@ -26,7 +25,7 @@ use crate::problem::GatewayError;
 use crate::record::StoredResponse;
 use crate::route::{ForwardKey, ReplayMode, Route};
 use crate::store::{Claim, RetryNote, Store, Taken, WriteOutcome};
-use crate::upstream::{Upstream, UpstreamError, error_chain};
+use crate::upstream::{ResponseBody, Upstream, UpstreamError, error_chain};
 use crate::waiters::{Recording, Waiters};
 
 /// Executes and records attempts. One per proxy worker thread (its upstream
@@ -54,7 +53,7 @@ pub enum Exchange {
     /// The upstream answered, but asked not to be recorded
     /// (`Idempotency-Policy: no-store`) or with a `release_on_status`
     /// status. The body has not been read.
-    Declined { head: http::response::Parts, body: Incoming, no_store: bool },
+    Declined { head: http::response::Parts, body: ResponseBody, no_store: bool },
     /// The request never left idemgate: nothing can have executed.
     NotSent(UpstreamError),
     /// The request was sent; the upstream may have executed it, but its
@@ -68,7 +67,7 @@ pub enum UpstreamBody {
     /// Over the storage limit: what was read so far and the rest of the stream.
     TooLarge {
         prefix: Bytes,
-        rest: Incoming,
+        rest: ResponseBody,
     },
 }
 
@@ -509,7 +508,7 @@ fn classify(e: UpstreamError) -> Exchange {
 
 /// Reads an upstream response body up to `limit` bytes, within `deadline`.
 /// A failure mid-body means the upstream acted but the answer is lost.
-async fn read_upstream_body(mut body: Incoming, limit: u64, deadline: tokio::time::Instant) -> Result<UpstreamBody, UpstreamError> {
+async fn read_upstream_body(mut body: ResponseBody, limit: u64, deadline: tokio::time::Instant) -> Result<UpstreamBody, UpstreamError> {
     use http_body_util::BodyExt;
     let mut buf = bytes::BytesMut::new();
     loop {

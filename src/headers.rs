@@ -2,14 +2,17 @@
 
 use http::header::{self, HeaderMap, HeaderName};
 
+// Names, not strings: a lookup or removal by `&str` parses and hashes the
+// name again on every call, on every request.
+
 /// The header an upstream sets to ask that its response not be stored.
-pub const IDEMPOTENCY_POLICY: &str = "idempotency-policy";
+pub const IDEMPOTENCY_POLICY: HeaderName = HeaderName::from_static("idempotency-policy");
 /// Marks an answer served from a record.
-pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 /// The fencing token of the attempt, sent upstream.
-pub const IDEMPOTENCY_GENERATION: &str = "x-idempotency-generation";
+pub const IDEMPOTENCY_GENERATION: HeaderName = HeaderName::from_static("x-idempotency-generation");
 /// The header carrying the key upstream.
-pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 
 /// Hop-by-hop headers (RFC 9110 section 7.6.1) plus the ones named in
 /// `Connection`: never forwarded, never stored, never replayed.
@@ -38,6 +41,12 @@ fn connection_listed(headers: &HeaderMap) -> Vec<HeaderName> {
 
 /// Removes hop-by-hop headers in place (forwarding in either direction).
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Usually there is nothing to strip, which one pass over the names says
+    // (`Connection` is hop-by-hop itself, so a message listing more names
+    // never takes this exit).
+    if !headers.keys().any(|n| is_hop_by_hop(n, &[])) {
+        return;
+    }
     let listed = connection_listed(headers);
     let doomed: Vec<HeaderName> = headers.keys().filter(|n| is_hop_by_hop(n, &listed)).cloned().collect();
     for name in doomed {
@@ -53,8 +62,8 @@ pub fn is_unreplayable(name: &HeaderName, connection_listed: &[HeaderName]) -> b
         || name == header::SET_COOKIE
         || name == header::DATE
         || name == header::CONTENT_LENGTH
-        || name.as_str() == IDEMPOTENCY_POLICY
-        || name.as_str() == IDEMPOTENT_REPLAYED
+        || name == IDEMPOTENCY_POLICY
+        || name == IDEMPOTENT_REPLAYED
 }
 
 /// The headers of an upstream response as they are stored for replay.

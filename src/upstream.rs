@@ -1,5 +1,6 @@
 //! Talking to upstreams: a pooled client per upstream (HTTP/1.1, or HTTP/2
-//! when an https upstream offers it by ALPN), and an error
+//! when an https upstream offers it by ALPN; plain `http://` upstreams use
+//! the leaner per-event-loop pool of [`pool`]), and an error
 //! that says, as a typed fact, whether the upstream may have acted on the
 //! request. That fact alone decides between releasing a key and recording
 //! `unknown`.
@@ -19,8 +20,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::uri::{PathAndQuery, Uri};
-use http::{HeaderValue, Request, Response, Version, request};
-use hyper::body::Incoming;
+use http::{HeaderValue, Method, Request, Response, Version, request};
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -28,6 +28,10 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::body::Body;
 use crate::headers::{self, strip_hop_by_hop};
+
+mod pool;
+
+pub use pool::ResponseBody;
 
 #[derive(Debug, Clone)]
 pub struct UpstreamConfig {
@@ -49,7 +53,8 @@ pub struct UpstreamConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Executed {
     /// The request never left idemgate (connection refused, DNS, connect
-    /// timeout): releasing the key is safe.
+    /// timeout, a connection that closed before taking the request):
+    /// releasing the key is safe.
     No,
     /// The request was handed to a connection: the upstream may have acted.
     Maybe,
@@ -59,6 +64,9 @@ pub enum Executed {
 pub enum UpstreamError {
     #[error("cannot connect to upstream {upstream}: {detail}")]
     Connect { upstream: String, detail: String },
+    /// A connection closed before it took the request: nothing was written.
+    #[error("upstream {upstream} closed the connection before the request was sent: {detail}")]
+    NotSent { upstream: String, detail: String },
     #[error("upstream {upstream} did not answer within {timeout:?}")]
     Timeout { upstream: String, timeout: Duration },
     #[error("exchange with upstream {upstream} failed: {detail}")]
@@ -70,7 +78,7 @@ pub enum UpstreamError {
 impl UpstreamError {
     pub fn executed(&self) -> Executed {
         match self {
-            UpstreamError::Connect { .. } | UpstreamError::InvalidRequest(_) => Executed::No,
+            UpstreamError::Connect { .. } | UpstreamError::NotSent { .. } | UpstreamError::InvalidRequest(_) => Executed::No,
             UpstreamError::Timeout { .. } | UpstreamError::Broken { .. } => Executed::Maybe,
         }
     }
@@ -89,7 +97,10 @@ pub struct UpstreamLatency(pub Duration);
 #[derive(Debug, Clone)]
 pub struct Upstream {
     pub config: UpstreamConfig,
+    /// https upstreams (HTTP/2 by ALPN), and CONNECT requests.
     client: Client<BoundedConnect<HttpsConnector<HttpConnector>>, Body>,
+    /// Plain `http://` upstreams.
+    http1: Option<pool::Http1Pool>,
 }
 
 impl Upstream {
@@ -97,6 +108,10 @@ impl Upstream {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(config.connect_timeout));
         connector.set_nodelay(true);
+        let http1 = (config.tls.is_none() && config.url.scheme() == Some(&http::uri::Scheme::HTTP)).then(|| {
+            let connect = BoundedConnect { inner: connector.clone(), timeout: config.connect_timeout };
+            pool::Http1Pool::new(connect, config.url.clone(), config.pool_max_idle, config.pool_idle_timeout)
+        });
         // https: the TLS handshake is part of the bounded connection phase.
         let connector = crate::tls::client::connector(connector, config.tls.clone());
         let connector = BoundedConnect { inner: connector, timeout: config.connect_timeout };
@@ -106,7 +121,7 @@ impl Upstream {
             .pool_idle_timeout(config.pool_idle_timeout)
             .pool_max_idle_per_host(config.pool_max_idle)
             .build(connector);
-        Upstream { config, client }
+        Upstream { config, client, http1 }
     }
 
     pub fn name(&self) -> &str {
@@ -163,16 +178,28 @@ impl Upstream {
     }
 
     /// Sends the request and waits for the response head, bounded by `deadline`.
-    pub async fn send(&self, req: Request<Body>, deadline: tokio::time::Instant) -> Result<Response<Incoming>, UpstreamError> {
+    pub async fn send(&self, req: Request<Body>, deadline: tokio::time::Instant) -> Result<Response<ResponseBody>, UpstreamError> {
         let started = std::time::Instant::now();
-        match tokio::time::timeout_at(deadline, self.client.request(req)).await {
+        let sent = match &self.http1 {
+            Some(pool) if req.method() != Method::CONNECT => tokio::time::timeout_at(deadline, pool.send(req, &self.config.name)).await,
+            _ => tokio::time::timeout_at(deadline, self.legacy(req)).await,
+        };
+        match sent {
             Ok(Ok(mut resp)) => {
                 resp.extensions_mut().insert(UpstreamLatency(started.elapsed()));
                 Ok(resp)
             }
-            Ok(Err(e)) if e.is_connect() => Err(UpstreamError::Connect { upstream: self.config.name.clone(), detail: error_chain(&e) }),
-            Ok(Err(e)) => Err(UpstreamError::Broken { upstream: self.config.name.clone(), detail: error_chain(&e) }),
+            Ok(Err(e)) => Err(e),
             Err(_) => Err(UpstreamError::Timeout { upstream: self.config.name.clone(), timeout: self.config.timeout }),
+        }
+    }
+
+    /// Through hyper-util's client: https upstreams, CONNECT.
+    async fn legacy(&self, req: Request<Body>) -> Result<Response<ResponseBody>, UpstreamError> {
+        match self.client.request(req).await {
+            Ok(resp) => Ok(resp.map(ResponseBody::from)),
+            Err(e) if e.is_connect() => Err(UpstreamError::Connect { upstream: self.config.name.clone(), detail: error_chain(&e) }),
+            Err(e) => Err(UpstreamError::Broken { upstream: self.config.name.clone(), detail: error_chain(&e) }),
         }
     }
 }
@@ -285,6 +312,134 @@ mod tests {
         assert!(matches!(err, UpstreamError::Timeout { .. }));
         assert_eq!(err.executed(), Executed::Maybe);
         hold.abort();
+    }
+
+    /// Reads one request head from `sock`; `None` when the connection
+    /// closed first.
+    async fn read_head(sock: &mut tokio::net::TcpStream) -> Option<String> {
+        use tokio::io::AsyncReadExt;
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 1024];
+        while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = sock.read(&mut chunk).await.ok()?;
+            if n == 0 {
+                return None;
+            }
+            buf.extend_from_slice(&chunk[..n]);
+        }
+        Some(String::from_utf8_lossy(&buf).into_owned())
+    }
+
+    const OK: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+
+    fn get(u: &Upstream) -> Request<Body> {
+        let (parts, ()) = Request::get("/x").body(()).unwrap().into_parts();
+        u.request(parts, Body::empty(), None).unwrap()
+    }
+
+    fn soon() -> tokio::time::Instant {
+        tokio::time::Instant::now() + Duration::from_secs(5)
+    }
+
+    async fn body_of(resp: Response<ResponseBody>) -> Result<bytes::Bytes, hyper::Error> {
+        http_body_util::BodyExt::collect(resp.into_body()).await.map(|c| c.to_bytes())
+    }
+
+    /// Sequential requests share one connection, sent in origin form with
+    /// the upstream's Host; a response without a body (HEAD-like 204) gives
+    /// its connection back too; the idle sweep closes it after
+    /// pool_idle_timeout.
+    #[tokio::test]
+    async fn connections_are_reused_in_origin_form_then_swept() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (mut sock, _) = listener.accept().await.unwrap();
+            let mut heads = Vec::new();
+            for i in 0..3 {
+                heads.push(read_head(&mut sock).await.unwrap());
+                let answer: &[u8] = if i == 1 { b"HTTP/1.1 204 No Content\r\n\r\n" } else { OK };
+                sock.write_all(answer).await.unwrap();
+            }
+            // Idle longer than pool_idle_timeout (1 s): the pool closes it.
+            let mut rest = Vec::new();
+            let closed = tokio::time::timeout(Duration::from_secs(5), sock.read_to_end(&mut rest)).await.is_ok();
+            (heads, closed, listener)
+        });
+        let u = upstream(&format!("http://{addr}"));
+        for i in 0..3 {
+            let resp = u.send(get(&u), soon()).await.unwrap();
+            let expected: &[u8] = if i == 1 { b"" } else { b"ok" };
+            assert_eq!(&body_of(resp).await.unwrap()[..], expected);
+        }
+        let (heads, closed, _listener) = server.await.unwrap();
+        assert!(heads.iter().all(|h| h.starts_with("GET /x HTTP/1.1\r\n")), "{heads:?}");
+        assert!(heads[0].to_ascii_lowercase().contains(&format!("host: {addr}")), "{}", heads[0]);
+        assert!(closed, "the idle connection was closed by the sweep");
+    }
+
+    /// The upstream closes an idle keep-alive connection: the next request
+    /// goes out on a fresh connection, reaching the upstream once; the
+    /// closed one never carried it.
+    #[tokio::test]
+    async fn a_pooled_connection_closed_while_idle_is_replaced() {
+        use tokio::io::AsyncWriteExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (mut first, _) = listener.accept().await.unwrap();
+            read_head(&mut first).await.unwrap();
+            first.write_all(OK).await.unwrap();
+            // Closed while idle; whatever else arrives on it is counted.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            drop(first);
+            let (mut second, _) = listener.accept().await.unwrap();
+            let mut requests = 1;
+            while read_head(&mut second).await.is_some() {
+                requests += 1;
+                second.write_all(OK).await.unwrap();
+            }
+            requests
+        });
+        let u = upstream(&format!("http://{addr}"));
+        let resp = u.send(get(&u), soon()).await.unwrap();
+        assert_eq!(&body_of(resp).await.unwrap()[..], b"ok");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let resp = u.send(get(&u), soon()).await.expect("sent on a fresh connection");
+        assert_eq!(&body_of(resp).await.unwrap()[..], b"ok");
+        drop(u);
+        assert_eq!(server.await.unwrap(), 2, "each request reached the upstream exactly once");
+    }
+
+    /// The upstream dies in the middle of a response body: the body ends
+    /// with an error (never a short body passed off as complete), and the
+    /// connection is not reused.
+    #[tokio::test]
+    async fn upstream_closing_mid_response_is_an_error() {
+        use tokio::io::AsyncWriteExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let mut connections = 0;
+            while let Ok(Ok((mut sock, _))) = tokio::time::timeout(Duration::from_secs(2), listener.accept()).await {
+                connections += 1;
+                read_head(&mut sock).await.unwrap();
+                if connections == 1 {
+                    sock.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly ten..").await.unwrap();
+                } else {
+                    sock.write_all(OK).await.unwrap();
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+            connections
+        });
+        let u = upstream(&format!("http://{addr}"));
+        let resp = u.send(get(&u), soon()).await.unwrap();
+        assert!(body_of(resp).await.is_err(), "a truncated body is an error");
+        let resp = u.send(get(&u), soon()).await.unwrap();
+        assert_eq!(&body_of(resp).await.unwrap()[..], b"ok");
+        assert_eq!(server.await.unwrap(), 2, "the broken connection was not reused");
     }
 
     /// A listener whose accept queue is full: the kernel drops further SYNs,

@@ -767,3 +767,73 @@ async fn refetch_replays_read_the_resource_again_with_the_callers_credentials(ba
     assert!(!String::from_utf8_lossy(&refused.body).contains("\"order\""), "never stored data");
     assert_eq!(up.side_effects(&derived("k")), 1);
 }
+
+/// Issue 18: a large pass-through response flows as the upstream sends it,
+/// never read whole. The upstream sends the head and 1 MiB, then holds the
+/// other 63 MiB back until the client has seen body bytes (a gateway that
+/// buffered the body would never deliver any: the test would time out);
+/// then all 64 MiB arrive, and the gateway's peak RSS stays far below the
+/// body's size.
+#[tokio::test]
+async fn a_large_streamed_response_is_not_buffered_whole() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const MIB: usize = 1 << 20;
+    const TOTAL: usize = 64 * MIB;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (seen_tx, seen_rx) = tokio::sync::oneshot::channel::<()>();
+    let upstream = tokio::spawn(async move {
+        let (mut sock, _) = listener.accept().await.unwrap();
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            assert_eq!(sock.read(&mut byte).await.unwrap(), 1, "the request head arrives");
+            head.push(byte[0]);
+        }
+        sock.write_all(format!("HTTP/1.1 200 OK\r\ncontent-length: {TOTAL}\r\n\r\n").as_bytes()).await.unwrap();
+        let chunk = vec![b'x'; MIB];
+        sock.write_all(&chunk).await.unwrap();
+        let held_back = tokio::time::timeout(Duration::from_secs(30), seen_rx).await;
+        assert!(matches!(held_back, Ok(Ok(()))), "the client saw no body bytes while the upstream held the rest back");
+        for _ in 1..TOTAL / MIB {
+            sock.write_all(&chunk).await.unwrap();
+        }
+    });
+    let gw = Gateway::start(GatewayConfig::new(sqlite_backend(), format!("http://{addr}")));
+    let mut client = tokio::net::TcpStream::connect(gw.url("").trim_start_matches("http://").trim_end_matches('/')).await.unwrap();
+    client.write_all(b"GET /v1/orders HTTP/1.1\r\nhost: test\r\n\r\n").await.unwrap();
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut received = Vec::new();
+    let body_start = loop {
+        let n = client.read(&mut buf).await.unwrap();
+        assert!(n > 0, "the gateway closed before the head");
+        received.extend_from_slice(&buf[..n]);
+        if let Some(i) = received.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+    };
+    let head = String::from_utf8_lossy(&received[..body_start]).to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(head.contains(&format!("content-length: {TOTAL}")), "{head}");
+    let mut body = received.len() - body_start;
+    while body == 0 {
+        let n = client.read(&mut buf).await.unwrap();
+        assert!(n > 0, "the gateway closed before the body");
+        body += n;
+    }
+    seen_tx.send(()).unwrap();
+    while body < TOTAL {
+        let n = tokio::time::timeout(Duration::from_secs(30), client.read(&mut buf)).await.unwrap().unwrap();
+        assert!(n > 0, "the body ended after {body} of {TOTAL} bytes");
+        body += n;
+    }
+    assert_eq!(body, TOTAL);
+    upstream.await.unwrap();
+    let status = std::fs::read_to_string(format!("/proc/{}/status", gw.pid())).unwrap();
+    let peak_kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM in /proc/<pid>/status");
+    assert!(peak_kib < 48 * 1024, "the gateway's peak RSS was {peak_kib} KiB for a 64 MiB body");
+}

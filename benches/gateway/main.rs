@@ -6,6 +6,9 @@
 //! release `idemgate` on PostgreSQL and on SQLite; drives each with wrk at
 //! several connection counts; runs pgbench with the gateway's own statements
 //! as the database's ceiling; and prints a table and a closing ratio line.
+//! Pass-through is compared with nginx in interleaved rounds (nginx and each
+//! gateway take turns, `IDEMGATE_BENCH_ROUNDS` times): its rows and ratios
+//! are medians, printed with the range of the runs.
 //! `--scale` measures instead how the store behaves with millions of records
 //! and how fast the sweeper's statement deletes. See `scripts/bench` for the
 //! environment variables.
@@ -104,6 +107,8 @@ pub struct Options {
     /// Seconds of warm-up before each measured run (0: none).
     pub warmup: u32,
     pub conns: Vec<u32>,
+    /// Interleaved runs per target in the pass-through comparison (medians).
+    pub rounds: u32,
     pub wrk_threads: u32,
     /// Completed keys the replay scenario cycles through.
     pub replay_keys: u64,
@@ -143,6 +148,7 @@ impl Options {
             secs: env_num("IDEMGATE_BENCH_SECS", 5)?,
             warmup: env_num("IDEMGATE_BENCH_WARMUP", 1)?,
             conns: env_list("IDEMGATE_BENCH_CONNS", &[16, 64])?,
+            rounds: env_num("IDEMGATE_BENCH_ROUNDS", 3)?,
             wrk_threads: env_num("IDEMGATE_BENCH_WRK_THREADS", 2)?,
             replay_keys: env_num("IDEMGATE_BENCH_REPLAY_KEYS", 3000)?,
             idle_conns: env_num("IDEMGATE_BENCH_IDLE_CONNS", 1000)?,

@@ -6,14 +6,14 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 
 use crate::cpu::Cpu;
 use crate::gateway::{self, Gateway, Metrics, Spec, Store};
 use crate::nginx::Nginx;
 use crate::pg::Pg;
 use crate::pgbench::{self, Captured, Length};
-use crate::report::{LoadResult, Report, Row, mib};
+use crate::report::{self, LoadResult, Report, Row, mib};
 use crate::upstream::Upstream;
 use crate::wrk::{Load, Scenario, Wrk};
 use crate::{Options, procs};
@@ -80,11 +80,24 @@ pub struct Measured {
 /// what `watch` saw. `run` gets the duration in seconds.
 pub fn measure(
     ctx: &mut Ctx,
-    (target, scenario, conns): (&str, &str, u32),
+    what: (&str, &str, u32),
     watch: &Watch,
     note: &str,
     run: impl Fn(&Ctx, u32) -> Result<LoadResult>,
 ) -> Result<Measured> {
+    let (measured, row) = measure_once(ctx, what, watch, note, run)?;
+    ctx.report.add(row);
+    Ok(measured)
+}
+
+/// One warmed-up, measured run and its table row (not added to the report).
+fn measure_once(
+    ctx: &Ctx,
+    (target, scenario, conns): (&str, &str, u32),
+    watch: &Watch,
+    note: &str,
+    run: impl Fn(&Ctx, u32) -> Result<LoadResult>,
+) -> Result<(Measured, Row)> {
     if let Some(pg) = watch.pg {
         if watch.analyze { pg.settle(watch.pg_db)? } else { pg.checkpoint(watch.pg_db)? }
     }
@@ -112,7 +125,7 @@ pub fn measure(
     if watch.gateway.is_some() && !reset {
         notes.push("(peak RSS since start)".into());
     }
-    ctx.report.add(Row {
+    let row = Row {
         target: target.into(),
         scenario: scenario.into(),
         conns,
@@ -121,8 +134,8 @@ pub fn measure(
         server_cpu_us,
         db_cpu_us,
         note: notes.iter().filter(|n| !n.is_empty()).cloned().collect::<Vec<_>>().join(" "),
-    });
-    Ok(Measured { result, before, after })
+    };
+    Ok((Measured { result, before, after }, row))
 }
 
 fn outcome_shares(outcomes: &[(String, u64)]) -> Vec<String> {
@@ -137,28 +150,48 @@ pub type Section = fn(&mut Ctx, SocketAddr) -> Result<()>;
 pub fn run(opts: &Options, dir: &Path, extra: Option<Section>) -> Result<()> {
     let mut ctx = Ctx::new(opts, dir)?;
     ctx.progress(&format!(
-        "{} s per run (+{} s warm-up), connections {:?}, gateway {}; numbers from a shared machine are noisy",
+        "{} s per run (+{} s warm-up), connections {:?}, {} interleaved pass-through rounds, gateway {}; numbers from a shared machine are noisy",
         opts.secs,
         opts.warmup,
         opts.conns,
+        opts.rounds,
         gateway::binary().display()
     ));
+    ctx.report.line(format!("load average at the start: {}", load_average()));
     let upstream = Upstream::start(dir)?;
     if opts.wants("upstream") {
         plain_get(&mut ctx, "upstream", upstream.addr, upstream.cpu())?;
     }
-    if opts.wants("nginx") {
-        let nginx = Nginx::start(&opts.nginx, dir, upstream.addr)?;
-        plain_get(&mut ctx, "nginx", nginx.addr, nginx.cpu())?;
-    }
-    if opts.wants("pg") || opts.wants("accesslog") || opts.wants("pgbench") {
-        postgres(&mut ctx, upstream.addr)?;
-    }
-    if opts.wants("sqlite") {
+    let nginx = if opts.wants("nginx") { Some(Nginx::start(&opts.nginx, dir, upstream.addr)?) } else { None };
+    // Every gateway is started first, so the pass-through comparison can
+    // interleave its runs with nginx's.
+    let pg = if opts.wants("pg") || opts.wants("accesslog") || opts.wants("pgbench") {
+        Some(PgSetup::start(&mut ctx, upstream.addr)?)
+    } else {
+        None
+    };
+    let sqlite = if opts.wants("sqlite") {
         std::fs::create_dir_all(dir.join("sqlite"))?;
         let store = Store::Sqlite { path: dir.join("sqlite").join("idemgate.db") };
         let spec = Spec::new("gateway-sqlite", store, upstream.addr);
         let gw = prepared_gateway(&ctx, &spec)?;
+        Some((spec, gw))
+    } else {
+        None
+    };
+    let mut gateways: Vec<(&str, &Gateway)> = Vec::new();
+    if let Some(pg) = pg.as_ref().filter(|_| opts.wants("pg")) {
+        gateways.push(("idemgate-pg", &pg.gateway));
+    }
+    if let Some((_, gw)) = &sqlite {
+        gateways.push(("idemgate-sqlite", gw));
+    }
+    passthrough_rounds(&mut ctx, nginx.as_ref(), &gateways)?;
+    drop(nginx);
+    if let Some(pg) = pg {
+        pg.rest(&mut ctx, upstream.addr)?;
+    }
+    if let Some((spec, gw)) = sqlite {
         gateway_scenarios(&mut ctx, "idemgate-sqlite", &gw, None)?;
         leftovers(&mut ctx, "idemgate-sqlite", &spec)?;
         memory(&mut ctx, "idemgate-sqlite", &gw)?;
@@ -167,15 +200,140 @@ pub fn run(opts: &Options, dir: &Path, extra: Option<Section>) -> Result<()> {
     if let Some(section) = extra {
         section(&mut ctx, upstream.addr)?;
     }
+    ctx.report.line(format!("load average at the end: {}", load_average()));
     ctx.progress("done");
     println!("\n{}", ctx.report.table());
     println!(
         "(srv CPU: CPU time of the process under test per request; db CPU: of all PostgreSQL processes, checkpointed before each run)"
     );
     println!("(errors: answers other than 2xx/3xx, e.g. the mix's expected 409s for same-key concurrency, plus socket errors)");
-    println!("(ratios: best req/s over the connection counts; p99 at the highest connection count)");
+    println!(
+        "(pass-through and nginx rows: medians of {} interleaved runs, their range in the notes; the passthrough ratios compare medians at each connection count and report the worst; other ratios: best req/s over the connection counts)",
+        opts.rounds
+    );
     println!("{}", ctx.report.ratio_line());
     Ok(())
+}
+
+/// `/proc/loadavg`'s first three fields.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+/// The pass-through comparison: at each connection count, `rounds` rounds
+/// of one run per target (nginx and each gateway), the order alternating
+/// between rounds; each target's row is the median of its runs, with their
+/// range. One lucky or unlucky run cannot make the ratio.
+fn passthrough_rounds(ctx: &mut Ctx, nginx: Option<&Nginx>, gateways: &[(&str, &Gateway)]) -> Result<()> {
+    if nginx.is_none() && gateways.is_empty() {
+        return Ok(());
+    }
+    ctx.progress(&format!("pass-through: nginx and {} gateway(s), {} interleaved rounds", gateways.len(), ctx.opts.rounds));
+    let url = |addr: SocketAddr| format!("http://{addr}{}", gateway::ROUTE_PATH);
+    for conns in ctx.opts.conns.clone() {
+        let mut runs: Vec<(String, &str, Vec<Row>)> = Vec::new();
+        if nginx.is_some() {
+            runs.push(("nginx".into(), "GET", Vec::new()));
+        }
+        for (name, _) in gateways {
+            runs.push(((*name).into(), "passthrough", Vec::new()));
+        }
+        for round in 0..ctx.opts.rounds.max(1) {
+            let mut order: Vec<usize> = (0..runs.len()).collect();
+            if round % 2 == 1 {
+                order.reverse();
+            }
+            for i in order {
+                let (target, scenario) = (runs[i].0.clone(), runs[i].1);
+                let (addr, watch) = match (target.as_str(), nginx) {
+                    ("nginx", Some(n)) => (n.addr, Watch { server: Some(n.cpu()), ..Watch::default() }),
+                    _ => {
+                        let gw = gateways
+                            .iter()
+                            .find(|(name, _)| *name == target)
+                            .map(|(_, gw)| *gw)
+                            .context("gateway for a pass-through run")?;
+                        (gw.addr, Watch { gateway: Some(gw), server: Some(gw.cpu()), ..Watch::default() })
+                    }
+                };
+                let target_url = url(addr);
+                let (_, row) = measure_once(ctx, (&target, scenario, conns), &watch, &format!("round {}", round + 1), |ctx, secs| {
+                    ctx.wrk(Scenario::Get, &target_url, conns, secs, &[])
+                })?;
+                ctx.report.progress(&row);
+                runs[i].2.push(row);
+                procs::check_interrupted()?;
+            }
+        }
+        for (_, _, rows) in runs {
+            if let Some(row) = report::median_row(&rows) {
+                ctx.report.add(row);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The PostgreSQL cluster, the gateway on it, the database of the run
+/// without access log, and the statements it captured (for pgbench).
+struct PgSetup {
+    pg: Pg,
+    captured: Captured,
+    nolog_url: String,
+    spec: Spec,
+    gateway: Gateway,
+}
+
+impl PgSetup {
+    fn start(ctx: &mut Ctx, upstream: SocketAddr) -> Result<PgSetup> {
+        ctx.progress("PostgreSQL: start, capture the gateway's statements, populate");
+        let pg = Pg::start()?;
+        let captured = pgbench::capture(&pg, ctx.dir, upstream)?;
+        ctx.report.line(format!("gateway SQL, captured from the PostgreSQL log: {}", captured.describe()));
+        // Each gateway gets a database of its own, freshly migrated by it and,
+        // unless IDEMGATE_BENCH_STEADY=1, never analyzed: what a new user's
+        // gateway meets (autovacuum may analyze it during the runs, as it would).
+        let mut urls = Vec::new();
+        for db in ["bench", "bench_nolog"] {
+            urls.push(pg.create_database(db)?);
+            pg.set_database_settings(db, &ctx.opts.pg_settings)?;
+        }
+        let (url, nolog_url) = (urls.swap_remove(0), urls.swap_remove(0));
+        if !ctx.opts.pg_settings.is_empty() {
+            ctx.report.line(format!("PostgreSQL settings for the bench database: {:?}", ctx.opts.pg_settings));
+        }
+        ctx.report.line(if ctx.opts.steady {
+            "PostgreSQL runs: VACUUM ANALYZE and CHECKPOINT before each (IDEMGATE_BENCH_STEADY=1)".to_owned()
+        } else {
+            "PostgreSQL runs: a freshly migrated database, never analyzed by the bench (CHECKPOINT before each run); \
+             seq_scan+N: sequential scans of idemgate_records during the run"
+                .to_owned()
+        });
+        let spec = Spec::new("gateway-pg", Store::Postgres { url }, upstream);
+        let gateway = prepared_gateway(ctx, &spec)?;
+        Ok(PgSetup { pg, captured, nolog_url, spec, gateway })
+    }
+
+    /// Everything but the pass-through comparison: the run without access
+    /// log, the gateway's other scenarios, then pgbench's ceiling.
+    fn rest(self, ctx: &mut Ctx, upstream: SocketAddr) -> Result<()> {
+        let PgSetup { pg, captured, nolog_url, spec, gateway } = self;
+        if ctx.opts.wants("accesslog") {
+            without_access_log(ctx, &pg, &nolog_url, upstream)?;
+        }
+        if ctx.opts.wants("pg") {
+            gateway_scenarios(ctx, "idemgate-pg", &gateway, Some(&pg))?;
+            leftovers(ctx, "idemgate-pg", &spec)?;
+            memory(ctx, "idemgate-pg", &gateway)?;
+        }
+        gateway.stop()?;
+        if ctx.opts.wants("pgbench") {
+            pgbench_ceiling(ctx, &pg, &captured)?;
+        }
+        Ok(())
+    }
 }
 
 /// The same GET straight to a server (upstream, nginx).
@@ -185,47 +343,6 @@ fn plain_get(ctx: &mut Ctx, target: &str, addr: SocketAddr, cpu: Cpu) -> Result<
     let watch = Watch { server: Some(cpu), ..Watch::default() };
     for conns in ctx.opts.conns.clone() {
         measure(ctx, (target, "GET", conns), &watch, "", |ctx, secs| ctx.wrk(Scenario::Get, &url, conns, secs, &[]))?;
-    }
-    Ok(())
-}
-
-fn postgres(ctx: &mut Ctx, upstream: SocketAddr) -> Result<()> {
-    ctx.progress("PostgreSQL: start, capture the gateway's statements, populate");
-    let pg = Pg::start()?;
-    let captured = pgbench::capture(&pg, ctx.dir, upstream)?;
-    ctx.report.line(format!("gateway SQL, captured from the PostgreSQL log: {}", captured.describe()));
-    // Each gateway gets a database of its own, freshly migrated by it and,
-    // unless IDEMGATE_BENCH_STEADY=1, never analyzed: what a new user's
-    // gateway meets (autovacuum may analyze it during the runs, as it would).
-    let mut urls = Vec::new();
-    for db in ["bench", "bench_nolog"] {
-        urls.push(pg.create_database(db)?);
-        pg.set_database_settings(db, &ctx.opts.pg_settings)?;
-    }
-    let (url, nolog_url) = (urls.swap_remove(0), urls.swap_remove(0));
-    if !ctx.opts.pg_settings.is_empty() {
-        ctx.report.line(format!("PostgreSQL settings for the bench database: {:?}", ctx.opts.pg_settings));
-    }
-    ctx.report.line(if ctx.opts.steady {
-        "PostgreSQL runs: VACUUM ANALYZE and CHECKPOINT before each (IDEMGATE_BENCH_STEADY=1)".to_owned()
-    } else {
-        "PostgreSQL runs: a freshly migrated database, never analyzed by the bench (CHECKPOINT before each run); \
-         seq_scan+N: sequential scans of idemgate_records during the run"
-            .to_owned()
-    });
-    if ctx.opts.wants("accesslog") {
-        without_access_log(ctx, &pg, &nolog_url, upstream)?;
-    }
-    let spec = Spec::new("gateway-pg", Store::Postgres { url }, upstream);
-    let gw = prepared_gateway(ctx, &spec)?;
-    if ctx.opts.wants("pg") {
-        gateway_scenarios(ctx, "idemgate-pg", &gw, Some(&pg))?;
-        leftovers(ctx, "idemgate-pg", &spec)?;
-        memory(ctx, "idemgate-pg", &gw)?;
-    }
-    gw.stop()?;
-    if ctx.opts.wants("pgbench") {
-        pgbench_ceiling(ctx, &pg, &captured)?;
     }
     Ok(())
 }
@@ -259,14 +376,13 @@ fn prepared_gateway(ctx: &Ctx, spec: &Spec) -> Result<Gateway> {
     Ok(gw)
 }
 
-/// Pass-through, first writes, replays and the mix, at each connection count.
+/// First writes, replays and the mix, at each connection count (pass-through
+/// is measured in the interleaved rounds).
 fn gateway_scenarios(ctx: &mut Ctx, target: &str, gw: &Gateway, pg: Option<&Pg>) -> Result<()> {
     ctx.progress(target);
     let url = format!("http://{}{}", gw.addr, gateway::ROUTE_PATH);
     let watch = Watch { gateway: Some(gw), server: Some(gw.cpu()), db: pg.and_then(Pg::cpu), pg, pg_db: "bench", analyze: ctx.opts.steady };
-    for (name, scenario) in
-        [("passthrough", Scenario::Get), ("first write", Scenario::FirstWrite), ("replay", Scenario::Replay), ("mix", Scenario::Mix)]
-    {
+    for (name, scenario) in [("first write", Scenario::FirstWrite), ("replay", Scenario::Replay), ("mix", Scenario::Mix)] {
         for conns in ctx.opts.conns.clone() {
             let env = || replay_env(ctx.opts);
             measure(ctx, (target, name, conns), &watch, "", |ctx, secs| ctx.wrk(scenario, &url, conns, secs, &env()))?;
