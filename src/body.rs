@@ -11,10 +11,8 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use hyper::body::{Body as _, Frame, SizeHint};
+use hyper::body::{Body as _, Frame, Incoming, SizeHint};
 use tokio::time::{Instant, Sleep};
-
-use crate::upstream::ResponseBody;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -134,5 +132,83 @@ impl hyper::body::Body for Body {
             }
             Body::Boxed(b) => b.0.size_hint(),
         }
+    }
+}
+
+/// A connection lent to the body it carries (an upstream's pooled HTTP/1.1
+/// connection, see `upstream::pool`): driven while the body is read, given
+/// back once the body was read to its end.
+pub trait Lent: Send {
+    /// Drives the connection; false once it ended.
+    fn drive(&mut self, cx: &mut Context<'_>) -> bool;
+    /// The body was read to its end: the connection goes back if it can
+    /// serve another request (hyper saw the end), else it is closed.
+    fn give_back(self: Box<Self>);
+}
+
+/// A body read from a peer: a request body from a client, or an upstream's
+/// response body. From a pooled connection, it drives the connection while
+/// it is read and gives it back once read to its end; dropped earlier, the
+/// connection is closed.
+pub struct ResponseBody {
+    inner: Incoming,
+    lease: Option<Box<dyn Lent>>,
+}
+
+impl std::fmt::Debug for ResponseBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseBody").field("inner", &self.inner).field("pooled", &self.lease.is_some()).finish()
+    }
+}
+
+impl From<Incoming> for ResponseBody {
+    fn from(inner: Incoming) -> ResponseBody {
+        ResponseBody { inner, lease: None }
+    }
+}
+
+impl ResponseBody {
+    /// `inner`, read from the connection `lease` (if pooled).
+    pub fn lent(inner: Incoming, lease: Option<Box<dyn Lent>>) -> ResponseBody {
+        ResponseBody { inner, lease }
+    }
+
+    /// The exchange ended: the connection goes back if it can.
+    pub fn release(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            lease.give_back();
+        }
+    }
+}
+
+impl hyper::body::Body for ResponseBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        if let Some(lease) = this.lease.as_mut()
+            && !lease.drive(cx)
+        {
+            // The connection ended; what it read is in the body's channel,
+            // its error if it failed.
+            this.lease = None;
+        }
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(None) => this.release(),
+            Poll::Ready(Some(Ok(_))) if this.inner.is_end_stream() => this.release(),
+            Poll::Ready(Some(Err(_))) => this.lease = None,
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
     }
 }

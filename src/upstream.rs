@@ -31,7 +31,7 @@ use crate::headers::{self, strip_hop_by_hop};
 
 mod pool;
 
-pub use pool::ResponseBody;
+pub use crate::body::ResponseBody;
 
 #[derive(Debug, Clone)]
 pub struct UpstreamConfig {

@@ -25,14 +25,13 @@ use std::future::{Future, poll_fn};
 use std::pin::{Pin, pin};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Waker};
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::header::HOST;
 use http::uri::{PathAndQuery, Uri};
 use http::{HeaderValue, Request, Response};
-use hyper::body::{Body as _, Frame, Incoming, SizeHint};
+use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioIo;
@@ -40,7 +39,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::{BoundedConnect, UpstreamError, error_chain};
-use crate::body::Body;
+use crate::body::{Body, Lent, ResponseBody};
 
 /// A request handed back unsent by a reused connection is tried on another
 /// one; this bounds the tries (each costs a closed connection).
@@ -208,8 +207,9 @@ impl Http1Pool {
             match exchange(conn, req).await {
                 Ok((resp, conn)) => {
                     let (head, body) = resp.into_parts();
-                    let mut body = ResponseBody { inner: body, lease: conn.map(|conn| Lease { conn, pool: self.shared.clone() }) };
-                    if body.inner.is_end_stream() {
+                    let lease = conn.map(|conn| Box::new(Lease { conn, pool: self.shared.clone() }) as Box<dyn Lent>);
+                    let mut body = ResponseBody::lent(body, lease);
+                    if hyper::body::Body::is_end_stream(&body) {
                         // No body to stream (HEAD, 204, 304, empty): nobody
                         // will poll it, the connection goes back now.
                         body.release();
@@ -272,68 +272,15 @@ struct Lease {
     pool: Arc<Shared>,
 }
 
-/// A body read from a peer: a request body from a client, or an upstream's
-/// response body. From a pooled connection, it drives the connection while
-/// it is read and puts it back into the pool once read to its end; dropped
-/// earlier, the connection is closed.
-pub struct ResponseBody {
-    inner: Incoming,
-    lease: Option<Lease>,
-}
-
-impl std::fmt::Debug for ResponseBody {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ResponseBody").field("inner", &self.inner).field("pooled", &self.lease.is_some()).finish()
+impl Lent for Lease {
+    fn drive(&mut self, cx: &mut Context<'_>) -> bool {
+        self.conn.drive(cx)
     }
-}
 
-impl From<Incoming> for ResponseBody {
-    fn from(inner: Incoming) -> ResponseBody {
-        ResponseBody { inner, lease: None }
-    }
-}
-
-impl ResponseBody {
-    /// The exchange ended: the connection goes back if hyper, once it has
-    /// seen the end (polled without a waker: nobody waits on it now), is
-    /// ready for another request.
-    fn release(&mut self) {
-        if let Some(Lease { mut conn, pool }) = self.lease.take()
-            && conn.reusable()
-        {
+    fn give_back(self: Box<Self>) {
+        let Lease { mut conn, pool } = *self;
+        if conn.reusable() {
             pool.put(conn);
         }
-    }
-}
-
-impl hyper::body::Body for ResponseBody {
-    type Data = Bytes;
-    type Error = hyper::Error;
-
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let this = &mut *self;
-        if let Some(lease) = this.lease.as_mut()
-            && !lease.conn.drive(cx)
-        {
-            // The connection ended; what it read is in the body's channel,
-            // its error if it failed.
-            this.lease = None;
-        }
-        let polled = Pin::new(&mut this.inner).poll_frame(cx);
-        match &polled {
-            Poll::Ready(None) => this.release(),
-            Poll::Ready(Some(Ok(_))) if this.inner.is_end_stream() => this.release(),
-            Poll::Ready(Some(Err(_))) => this.lease = None,
-            _ => {}
-        }
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
     }
 }
