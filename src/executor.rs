@@ -162,15 +162,17 @@ impl Executor {
         body: Bytes,
     ) -> (Result<(Response<Body>, Outcome), GatewayError>, Option<ResultWrite<'a>>) {
         self.metrics.forward_started();
-        let out = self.sync_attempt(route, claim, parts, body).await;
-        self.metrics.forward_finished();
-        match out {
+        let (answer, write) = match self.sync_attempt(route, claim, parts, body).await {
             Ok((response, outcome, write)) => (Ok((response, outcome)), write),
-            Err(e) => {
-                self.waiters.wake(&claim.scope);
-                (Err(e), None)
-            }
+            Err(e) => (Err(e), None),
+        };
+        self.metrics.forward_finished();
+        // Local waiters learn of the record's change now, or (a result to
+        // write) when `ResultWrite::finish` has written it.
+        if write.is_none() {
+            self.waiters.wake(&claim.scope);
         }
+        (answer, write)
     }
 
     async fn sync_attempt<'a>(
@@ -194,7 +196,6 @@ impl Executor {
             Exchange::Declined { head, body, no_store } => {
                 self.release(route, claim).await;
                 tracing::debug!(scope = %claim.scope.log_id(), status = head.status.as_u16(), no_store, "key released");
-                self.waiters.wake(&claim.scope);
                 Ok((Response::from_parts(head, Body::stream(body, upstream_timeout)), Outcome::Released, None))
             }
             Exchange::Answered { head, body } => {

@@ -180,10 +180,13 @@ impl Upstream {
     /// Sends the request and waits for the response head, bounded by `deadline`.
     pub async fn send(&self, req: Request<Body>, deadline: tokio::time::Instant) -> Result<Response<ResponseBody>, UpstreamError> {
         let started = std::time::Instant::now();
-        let sent = match &self.http1 {
-            Some(pool) if req.method() != Method::CONNECT => tokio::time::timeout_at(deadline, pool.send(req, &self.config.name)).await,
-            _ => tokio::time::timeout_at(deadline, self.legacy(req)).await,
+        let sending = async {
+            match &self.http1 {
+                Some(pool) if req.method() != Method::CONNECT => pool.send(req, &self.config.name).await,
+                _ => self.legacy(req).await,
+            }
         };
+        let sent = tokio::time::timeout_at(deadline, sending).await;
         match sent {
             Ok(Ok(mut resp)) => {
                 resp.extensions_mut().insert(UpstreamLatency(started.elapsed()));

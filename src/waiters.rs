@@ -29,8 +29,7 @@ const WAIT_POLL_MAX: Duration = Duration::from_millis(200);
 #[derive(Debug)]
 pub struct Waiters {
     shards: Vec<Notify>,
-    /// Result writes in progress, by the scope's hash: the write's id and a
-    /// receiver that sees its sender dropped when the write returns.
+    /// Result writes in progress, sharded like `shards`.
     recording: Vec<Mutex<InProgress>>,
     next_id: AtomicU64,
 }
