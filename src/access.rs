@@ -9,10 +9,12 @@
 //! `instance = "urn:idemgate:request:<id>"`. `traceparent` (W3C Trace
 //! Context) is forwarded unchanged like any other end-to-end header.
 //!
-//! The access log is one `tracing` event per request with target
-//! `idemgate::access`, so it follows `IDEMGATE_LOG_FORMAT` (JSON or text) and
-//! can be filtered (`IDEMGATE_LOG=info,idemgate::access=off`) like any other
-//! line. It never carries keys, tokens, bodies or query strings: the scope
+//! The access log is one line per request with target `idemgate::access`:
+//! it follows `IDEMGATE_LOG_FORMAT` (JSON or text) and can be filtered
+//! (`IDEMGATE_LOG=info,idemgate::access=off`) like any other line. The
+//! `idemgate` binary formats it by hand and writes it in batches
+//! ([`line`], [`crate::logging::batched`]); elsewhere (a library user's
+//! subscriber, a terminal with colour) it is a `tracing` event. It never carries keys, tokens, bodies or query strings: the scope
 //! appears as its id ([`crate::scope::ScopeId`]), the path without its query.
 
 use std::net::IpAddr;
@@ -23,8 +25,11 @@ use std::time::{Duration, Instant};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
 use ipnet::IpNet;
 
+use crate::logging;
 use crate::metrics::Outcome;
 use crate::scope::ScopeId;
+
+pub mod line;
 
 /// The request id header, in and out.
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
@@ -225,8 +230,19 @@ fn millis(d: Duration) -> f64 {
     (d.as_micros() as f64) / 1000.0
 }
 
-/// Writes the access-log line.
+/// Writes the access-log line, if the filter lets it through.
 pub fn log(line: &AccessLine<'_>) {
+    if !tracing::enabled!(target: line::TARGET, tracing::Level::INFO) {
+        return;
+    }
+    match logging::line_format() {
+        Some(format) => logging::batched(|buf| line::write(buf, format, line)),
+        None => log_event(line),
+    }
+}
+
+/// The access line as a `tracing` event.
+fn log_event(line: &AccessLine<'_>) {
     let t = line.trace;
     tracing::info!(
         target: "idemgate::access",

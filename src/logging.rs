@@ -16,6 +16,13 @@
 //! - `IDEMGATE_LOG_FORMAT`: `text` or `json`, in any case; unset or empty:
 //!   `text`. Text has ANSI colour only when stderr is a terminal.
 //!
+//! Access lines (one per request) skip the subscriber's formatter: the
+//! `idemgate` binary formats them by hand ([`line_format`]) and collects
+//! them in one batch ([`batched`]) written when it holds 32 KiB, every
+//! 100 ms, and at exit ([`flush`]), as nginx's `access_log ... buffer=
+//! flush=` does. A process killed with SIGKILL loses at most the last
+//! 100 ms of access lines; other log lines are written as they happen.
+//!
 //! [`ErrorChain`] prints an error and its sources once each, PostgreSQL
 //! server errors with their SQLSTATE.
 
@@ -24,6 +31,8 @@ use std::ffi::OsString;
 use std::fmt;
 use std::io::{self, IsTerminal as _, Write as _};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock, PoisonError};
+use std::time::Duration;
 
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::fmt::MakeWriter;
@@ -113,8 +122,10 @@ impl LogSettings {
 }
 
 /// Installs the process's subscriber: `settings` on stderr through a
-/// [`LossyWriter`], colour only when stderr is a terminal.
+/// [`LossyWriter`], colour only when stderr is a terminal. Access lines are
+/// batched from then on, unless they would be coloured.
 pub fn init(settings: LogSettings) -> Result<(), LoggingError> {
+    let terminal = io::stderr().is_terminal();
     let builder = tracing_subscriber::fmt()
         .with_env_filter(settings.filter)
         .with_writer(LossyWriter::stderr())
@@ -123,9 +134,77 @@ pub fn init(settings: LogSettings) -> Result<(), LoggingError> {
         .log_internal_errors(false);
     let installed = match settings.format {
         LogFormat::Json => builder.with_ansi(false).json().flatten_event(true).try_init(),
-        LogFormat::Text => builder.with_ansi(io::stderr().is_terminal()).try_init(),
+        LogFormat::Text => builder.with_ansi(terminal).try_init(),
     };
-    installed.map_err(|e| LoggingError::Install(e.to_string()))
+    installed.map_err(|e| LoggingError::Install(e.to_string()))?;
+    let direct = match settings.format {
+        LogFormat::Json => Some(LineFormat::Json),
+        LogFormat::Text if !terminal => Some(LineFormat::Text),
+        LogFormat::Text => None,
+    };
+    if let Some(format) = direct {
+        let flusher = std::thread::Builder::new().name("idemgate-log-flush".into()).spawn(|| {
+            loop {
+                std::thread::sleep(FLUSH_EVERY);
+                flush();
+            }
+        });
+        // Without its flusher the batch would hold lines indefinitely: then
+        // access lines stay events.
+        if flusher.is_ok() {
+            let _ = LINE_FORMAT.set(format);
+        }
+    }
+    Ok(())
+}
+
+/// The shape of a hand-formatted line (the subscriber's, without colour).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LineFormat {
+    Text,
+    Json,
+}
+
+static LINE_FORMAT: OnceLock<LineFormat> = OnceLock::new();
+
+/// How to format access lines by hand; `None` before [`init`] (a library
+/// user's subscriber) or with colour: then they are `tracing` events.
+pub fn line_format() -> Option<LineFormat> {
+    LINE_FORMAT.get().copied()
+}
+
+/// Lines waiting to be written to stderr.
+static BATCH: Mutex<Vec<u8>> = Mutex::new(Vec::new());
+/// A batch this large is written at once.
+const BATCH_BYTES: usize = 32 * 1024;
+/// Otherwise the flusher writes it this often.
+const FLUSH_EVERY: Duration = Duration::from_millis(100);
+
+/// Appends to the batch with `append` (whole lines), writing it out when full.
+pub fn batched(append: impl FnOnce(&mut Vec<u8>)) {
+    let mut batch = BATCH.lock().unwrap_or_else(PoisonError::into_inner);
+    append(&mut batch);
+    if batch.len() >= BATCH_BYTES {
+        write_batch(&mut batch);
+    }
+}
+
+/// Writes what the batch holds (the flusher, and before the process exits).
+pub fn flush() {
+    let mut batch = BATCH.lock().unwrap_or_else(PoisonError::into_inner);
+    if !batch.is_empty() {
+        write_batch(&mut batch);
+    }
+}
+
+/// One `write` for the whole batch, under the batch's lock so that batches
+/// keep their order; a failure drops the batch and counts its lines.
+fn write_batch(batch: &mut Vec<u8>) {
+    if io::stderr().lock().write_all(batch).is_err() {
+        let lines = batch.iter().filter(|&&b| b == b'\n').count();
+        WRITE_ERRORS.fetch_add(lines as u64, Ordering::Relaxed);
+    }
+    batch.clear();
 }
 
 /// A [`MakeWriter`] whose writers never fail: a write error is counted and

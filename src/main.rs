@@ -225,7 +225,10 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    match runtime.block_on(run(cli)) {
+    let result = runtime.block_on(run(cli));
+    // The access lines still in the batch.
+    logging::flush();
+    match result {
         Ok(code) => code,
         Err(e) => {
             logging::stderr_best_effort(&format!("idemgate: {}\n", ErrorChain(e.as_ref())));

@@ -486,3 +486,18 @@ async fn keys_show_by_scope_id_finds_records_from_before_the_column() {
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("key=old-2") && !out.contains("key=old-1"), "{out}");
 }
+
+/// Access lines are written in batches (every 100 ms); the ones still
+/// waiting when the gateway stops are written before it exits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn access_lines_still_batched_are_written_before_exit() {
+    let up = TestUpstream::start().await;
+    let mut gw = Gateway::start(GatewayConfig::new(sqlite_backend(), up.url()));
+    let r = post(&gw.url("/v1/orders"), "k", "{}", &[]).await;
+    assert_eq!(r.status, 201);
+    let id = request_id(&r);
+    gw.signal("TERM");
+    assert!(gw.wait_exit(Duration::from_secs(10)).success());
+    let found = eventually(Duration::from_secs(2), || async { access_lines(&gw).iter().any(|l| l["request_id"] == id) }).await;
+    assert!(found, "the last access line was lost at exit:\n{}", gw.logs());
+}
