@@ -117,12 +117,16 @@ const PING_BOUND: Duration = Duration::from_millis(800);
 
 /// Most requests one batched statement carries.
 const MAX_BATCH: usize = 128;
-/// Batched statements running at once. Two keep one statement filling
-/// while the other commits; more split the same writes into smaller
-/// batches, and PostgreSQL's cost is mostly per statement: at 64
-/// connections 0.07 commits and about 95 us of database CPU per first write
-/// with two, 0.13 and 120 us with four (16 connections: 160 against 225 us).
-const BATCH_CONCURRENCY: usize = 2;
+/// Batched statements running at once. One: while it commits, the next
+/// batch fills, so batches are as full as the load makes them, and
+/// PostgreSQL's cost is mostly per statement (and two statements at once
+/// contend for the same index pages). Alternating runs on two cores, first
+/// writes per second with one against two: 1.9-2.0k against 1.8-1.9k at 2
+/// connections, 3.1-3.3k against 2.8-2.9k at 4, 8.3-8.6k against 6.2-7.0k
+/// at 16, 14.6-14.7k against 12.0-12.6k at 64, with less CPU per write in
+/// both processes at every load (`IDEMGATE_PG_BATCH_CONCURRENCY` overrides
+/// it, for measuring).
+const BATCH_CONCURRENCY: usize = 1;
 
 /// A pooled connection that is discarded, not returned to the pool, unless the
 /// operation using it finished cleanly: after a timeout or I/O error the
