@@ -30,6 +30,7 @@ pub const POSTGRES: &[Migration] = &[
     Migration { version: 6, name: "0006_key_source_forever", sql: include_str!("../../migrations/postgres/0006_key_source_forever.sql") },
     Migration { version: 7, name: "0007_outbox", sql: include_str!("../../migrations/postgres/0007_outbox.sql") },
     Migration { version: 8, name: "0008_plans_replay_cache", sql: include_str!("../../migrations/postgres/0008_plans_replay_cache.sql") },
+    Migration { version: 9, name: "0009_scope_collation_c", sql: include_str!("../../migrations/postgres/0009_scope_collation_c.sql") },
 ];
 
 pub const SQLITE: &[Migration] = &[
@@ -49,6 +50,7 @@ pub const SQLITE: &[Migration] = &[
     Migration { version: 6, name: "0006_key_source_forever", sql: include_str!("../../migrations/sqlite/0006_key_source_forever.sql") },
     Migration { version: 7, name: "0007_outbox", sql: include_str!("../../migrations/sqlite/0007_outbox.sql") },
     Migration { version: 8, name: "0008_plans_replay_cache", sql: include_str!("../../migrations/sqlite/0008_plans_replay_cache.sql") },
+    Migration { version: 9, name: "0009_scope_collation_c", sql: include_str!("../../migrations/sqlite/0009_scope_collation_c.sql") },
 ];
 
 /// The `idemgate_settings` row holding the derived-key secret.

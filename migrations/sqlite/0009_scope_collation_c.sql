@@ -1,0 +1,3 @@
+-- Kept in step with the PostgreSQL migration of the same number, which makes
+-- scopes compare byte for byte. SQLite's default collation (BINARY) already
+-- does: nothing to change.
