@@ -348,6 +348,9 @@ async fn readyz_follows_the_primary() {
     assert!(completed, "{:?}", on_new_primary());
 }
 
+/// The admin API's token in the fenced-primary test.
+const ADMIN_TOKEN: &str = "ha-admin-token";
+
 fn claim_request(key: &str) -> ClaimRequest {
     ClaimRequest {
         scope: scope(key),
@@ -379,18 +382,29 @@ async fn a_fenced_primary_is_left_for_the_new_one() {
     let url = cluster.url();
     let up = TestUpstream::start().await;
     // No sweeper or reaper statements: only the requests below use the pool.
-    let gw = Gateway::start(soak_gateway(&url, &up).sweep_interval("1h"));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let token_file = dir.path().join("admin-token");
+    std::fs::write(&token_file, format!("{ADMIN_TOKEN}\n")).expect("token file");
+    let gw = Gateway::start(soak_gateway(&url, &up).sweep_interval("1h").admin(&format!("token_file = \"{}\"", token_file.display())));
     let store = Backend::Postgres { url: format!("{url}&application_name=ha_checker") }.open().await;
-    // Concurrent requests fill the gateway's pool with sessions on the primary.
+    // Concurrent requests fill the gateway's pool with sessions on the
+    // primary: first writes (their claims and results share one batched
+    // statement at a time) beside admin listings (a statement each).
     let warm: Vec<_> = (0..32)
         .map(|i| {
-            let url = gw.url("/v1/orders");
-            tokio::spawn(async move { post(&url, &format!("old-{i}"), r#"{"n":0}"#, &[]).await })
+            let (url, admin) = (gw.url("/v1/orders"), gw.admin_url("/admin/records"));
+            tokio::spawn(async move {
+                let (auth, key) = (format!("Bearer {ADMIN_TOKEN}"), format!("old-{i}"));
+                let headers = [("authorization", auth.as_str())];
+                let (write, list) = tokio::join!(post(&url, &key, r#"{"n":0}"#, &[]), send("GET", &admin, &headers, ""));
+                (write, list.expect("admin listing"))
+            })
         })
         .collect();
     for w in warm {
-        let r = w.await.expect("request");
-        assert!((200..300).contains(&r.status), "{r:?}");
+        let (write, list) = w.await.expect("request");
+        assert!((200..300).contains(&write.status), "{write:?}");
+        assert_eq!(list.status, 200, "{list:?}");
     }
     assert!(matches!(store.claim(&claim_request("lib-0")).await, Ok(ClaimOutcome::Claimed(_))));
     let pooled = sessions(cluster.node(0), "'idemgate'");
