@@ -7,8 +7,10 @@
 //! without colour, JSON flattened), into [`crate::logging::batched`].
 //! Latencies are milliseconds with three decimals.
 
+use std::cell::RefCell;
 use std::io::Write as _;
-use std::time::{Duration, SystemTime};
+use std::net::IpAddr;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::logging::LineFormat;
 
@@ -21,13 +23,17 @@ pub const TARGET: &str = "idemgate::access";
 pub fn write(buf: &mut Vec<u8>, format: LineFormat, line: &AccessLine<'_>) {
     let t = line.trace;
     let mut out = Fields { buf, format };
-    let now = humantime::format_rfc3339_micros(SystemTime::now());
     match format {
         LineFormat::Text => {
-            let _ = write!(out.buf, "{now}  INFO {TARGET}: request");
+            timestamp(out.buf, SystemTime::now());
+            out.buf.extend_from_slice(b"  INFO ");
+            out.buf.extend_from_slice(TARGET.as_bytes());
+            out.buf.extend_from_slice(b": request");
         }
         LineFormat::Json => {
-            let _ = write!(out.buf, "{{\"timestamp\":\"{now}\",\"level\":\"INFO\",\"message\":\"request\"");
+            out.buf.extend_from_slice(b"{\"timestamp\":\"");
+            timestamp(out.buf, SystemTime::now());
+            out.buf.extend_from_slice(b"\",\"level\":\"INFO\",\"message\":\"request\"");
         }
     }
     out.bare("method", line.method.as_str());
@@ -43,20 +49,29 @@ pub fn write(buf: &mut Vec<u8>, format: LineFormat, line: &AccessLine<'_>) {
     }
     if let Some(scope) = t.scope {
         out.name("scope");
-        let _ = match format {
-            LineFormat::Text => write!(out.buf, "{scope}"),
-            LineFormat::Json => write!(out.buf, "\"{scope}\""),
-        };
+        // 16 hex digits, as `ScopeId` displays.
+        let quote = format == LineFormat::Json;
+        if quote {
+            out.buf.push(b'"');
+        }
+        out.buf.extend((0..16).rev().map(|i| b"0123456789abcdef"[((scope.0 >> (4 * i)) & 0xf) as usize]));
+        if quote {
+            out.buf.push(b'"');
+        }
     }
     if let Some(p) = t.problem {
         out.string("problem", p);
     }
     out.string("request_id", line.request_id.to_str().unwrap_or_default());
     out.name("client");
-    let _ = match format {
-        LineFormat::Text => write!(out.buf, "{}", line.peer),
-        LineFormat::Json => write!(out.buf, "\"{}\"", line.peer),
-    };
+    match format {
+        LineFormat::Text => address(out.buf, line.peer),
+        LineFormat::Json => {
+            out.buf.push(b'"');
+            address(out.buf, line.peer);
+            out.buf.push(b'"');
+        }
+    }
     match format {
         LineFormat::Text => out.buf.push(b'\n'),
         LineFormat::Json => {
@@ -115,15 +130,83 @@ impl Fields<'_> {
 
     fn number(&mut self, name: &str, n: u64) {
         self.name(name);
-        let _ = write!(self.buf, "{n}");
+        decimal(self.buf, n);
     }
 
     /// Milliseconds with three decimals (microsecond resolution).
     fn millis(&mut self, name: &str, d: Duration) {
         self.name(name);
-        let us = d.as_micros();
-        let _ = write!(self.buf, "{}.{:03}", us / 1000, us % 1000);
+        let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        decimal(self.buf, us / 1000);
+        self.buf.push(b'.');
+        padded(self.buf, us % 1000, 3);
     }
+}
+
+/// `n` in decimal (what `{n}` prints, without the formatting machinery).
+fn decimal(buf: &mut Vec<u8>, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    buf.extend_from_slice(&digits[i..]);
+}
+
+/// The last `width` decimal digits of `n`, zero-padded.
+fn padded(buf: &mut Vec<u8>, n: u64, width: u32) {
+    let mut unit = 10u64.pow(width.saturating_sub(1));
+    while unit > 0 {
+        buf.push(b'0' + ((n / unit) % 10) as u8);
+        unit /= 10;
+    }
+}
+
+/// An IPv4 peer by hand; IPv6 through `Display`.
+fn address(buf: &mut Vec<u8>, ip: IpAddr) {
+    match ip {
+        IpAddr::V4(v4) => {
+            for (i, octet) in v4.octets().into_iter().enumerate() {
+                if i > 0 {
+                    buf.push(b'.');
+                }
+                decimal(buf, u64::from(octet));
+            }
+        }
+        IpAddr::V6(v6) => {
+            let _ = write!(buf, "{v6}");
+        }
+    }
+}
+
+thread_local! {
+    /// The second last formatted on this thread and its `YYYY-MM-DDTHH:MM:SS`.
+    static SECOND: RefCell<(u64, Vec<u8>)> = const { RefCell::new((u64::MAX, Vec::new())) };
+}
+
+/// RFC 3339 in UTC with microseconds, as the subscriber prints it; the date
+/// and time of day are formatted once per second and thread.
+fn timestamp(buf: &mut Vec<u8>, at: SystemTime) {
+    let since = at.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let second = since.as_secs();
+    SECOND.with_borrow_mut(|(cached, text)| {
+        if *cached != second {
+            text.clear();
+            let _ = write!(text, "{}", humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_secs(second)));
+            // Without the trailing `Z`.
+            text.truncate(19);
+            *cached = second;
+        }
+        buf.extend_from_slice(text);
+    });
+    buf.push(b'.');
+    padded(buf, u64::from(since.subsec_micros()), 6);
+    buf.push(b'Z');
 }
 
 #[cfg(test)]
@@ -251,6 +334,26 @@ mod tests {
         let text = String::from_utf8(text).unwrap();
         let theirs = subscribers(false, &trace);
         assert_eq!(text.split_once("  ").unwrap().1, theirs.split_once("  ").unwrap().1);
+    }
+
+    #[test]
+    fn numbers_addresses_and_times_match_their_display() {
+        for n in [0, 7, 10, 99, 1_000, 65_535, u64::MAX] {
+            let mut buf = Vec::new();
+            decimal(&mut buf, n);
+            assert_eq!(buf, n.to_string().as_bytes());
+        }
+        for ip in ["127.0.0.1", "10.200.3.0", "255.255.255.255", "::1", "2001:db8::7"] {
+            let mut buf = Vec::new();
+            address(&mut buf, ip.parse().unwrap());
+            assert_eq!(buf, ip.as_bytes());
+        }
+        for us in [0u64, 1, 999_999, 1_764_588_011_123_456, 1_764_588_012_000_001] {
+            let at = UNIX_EPOCH + Duration::from_micros(us);
+            let mut buf = Vec::new();
+            timestamp(&mut buf, at);
+            assert_eq!(String::from_utf8(buf).unwrap(), humantime::format_rfc3339_micros(at).to_string(), "{us}");
+        }
     }
 
     #[test]
