@@ -143,17 +143,7 @@ pub fn init(settings: LogSettings) -> Result<(), LoggingError> {
         LogFormat::Text => None,
     };
     if let Some(format) = direct {
-        let flusher = std::thread::Builder::new().name("idemgate-log-flush".into()).spawn(|| {
-            loop {
-                std::thread::sleep(FLUSH_EVERY);
-                flush();
-            }
-        });
-        // Without its flusher the batch would hold lines indefinitely: then
-        // access lines stay events.
-        if flusher.is_ok() {
-            let _ = LINE_FORMAT.set(format);
-        }
+        let _ = LINE_FORMAT.set(format);
     }
     Ok(())
 }
@@ -180,11 +170,25 @@ const BATCH_BYTES: usize = 32 * 1024;
 /// Otherwise the flusher writes it this often.
 const FLUSH_EVERY: Duration = Duration::from_millis(100);
 
+/// Whether the flusher thread runs (started by the first batched line).
+static FLUSHER: OnceLock<bool> = OnceLock::new();
+
 /// Appends to the batch with `append` (whole lines), writing it out when full.
+/// Without a flusher thread (it could not be started) every line is written
+/// at once.
 pub fn batched(append: impl FnOnce(&mut Vec<u8>)) {
+    let flusher = *FLUSHER.get_or_init(|| {
+        let spawned = std::thread::Builder::new().name("idemgate-log-flush".into()).spawn(|| {
+            loop {
+                std::thread::sleep(FLUSH_EVERY);
+                flush();
+            }
+        });
+        spawned.is_ok()
+    });
     let mut batch = BATCH.lock().unwrap_or_else(PoisonError::into_inner);
     append(&mut batch);
-    if batch.len() >= BATCH_BYTES {
+    if !flusher || batch.len() >= BATCH_BYTES {
         write_batch(&mut batch);
     }
 }
