@@ -501,3 +501,60 @@ async fn access_lines_still_batched_are_written_before_exit() {
     let found = eventually(Duration::from_secs(2), || async { access_lines(&gw).iter().any(|l| l["request_id"] == id) }).await;
     assert!(found, "the last access line was lost at exit:\n{}", gw.logs());
 }
+
+/// Migration 0009 (scope columns `COLLATE "C"`) on a database that already
+/// holds records, run by `idemgate migrate` while the gateway serves: the
+/// records claimed before it are still found and replayed after it, and the
+/// gateway's pooled connections, whose prepared statements the schema change
+/// made stale, are replaced without a refusal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_from_before_byte_order_scopes_replay_after_the_migration() {
+    let backend = postgres_backend();
+    let Backend::Postgres { url } = &backend else { unreachable!() };
+    let (db, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.expect("connect");
+    tokio::spawn(conn);
+    let up = TestUpstream::start().await;
+    let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()));
+    // Back to the schema before 0009: the database's own collation.
+    db.batch_execute(
+        "ALTER TABLE idemgate_records ALTER COLUMN tenant TYPE text COLLATE \"default\", \
+         ALTER COLUMN principal TYPE text COLLATE \"default\", ALTER COLUMN operation TYPE text COLLATE \"default\", \
+         ALTER COLUMN idempotency_key TYPE text COLLATE \"default\"; \
+         DELETE FROM idemgate_schema_migrations WHERE version = 9",
+    )
+    .await
+    .expect("undo 0009");
+    let mut first = Vec::new();
+    for key in ["Zebra", "apple", "_under"] {
+        let r = post(&gw.url("/v1/orders"), key, "{}", &[]).await;
+        assert_eq!(r.status, 201, "{r:?}");
+        first.push(r);
+    }
+
+    let (code, out, err) = tokio::task::block_in_place(|| cli(&gw, &["migrate"]));
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("0009"), "the migration ran again: {out}");
+    let collations: Vec<String> = db
+        .query(
+            "SELECT coalesce(l.collname, '') FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid \
+             LEFT JOIN pg_collation l ON l.oid = a.attcollation \
+             WHERE c.relname = 'idemgate_records' AND a.attname IN ('tenant', 'principal', 'operation', 'idempotency_key')",
+            &[],
+        )
+        .await
+        .expect("catalog")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(collations, vec!["C"; 4]);
+
+    for (key, before) in ["Zebra", "apple", "_under"].into_iter().zip(&first) {
+        let again = post(&gw.url("/v1/orders"), key, "{}", &[]).await;
+        assert!(again.replayed(), "{key}: {again:?}\n{}", gw.logs());
+        assert_eq!(again.body, before.body, "{key}");
+        assert_eq!(up.side_effects(&derived(key)), 1, "{key}");
+    }
+    assert_eq!(post(&gw.url("/v1/orders"), "after", "{}", &[]).await.status, 201);
+    assert!(gw.log_count("cached plan must not change") >= 1, "the stale connections were flushed:\n{}", gw.logs());
+    assert_eq!(gw.log_count("nothing forwarded"), 0, "no request was refused:\n{}", gw.logs());
+}

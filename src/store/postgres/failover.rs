@@ -47,18 +47,31 @@ pub(super) enum Verdict {
     /// The server behind the session is gone or no longer the writable
     /// primary: discard it and every connection opened before now.
     Failover,
+    /// The schema changed under the session's prepared statements (a
+    /// migration ran while this replica served): PostgreSQL refused to run
+    /// the statement ("cached plan must not change result type", 0A000), so
+    /// it did not take effect. Every connection opened before now holds the
+    /// same stale statements: discard them all; the statement may be run
+    /// again on a new connection.
+    Stale,
 }
 
 /// Classifies a failed statement's error by what it says about the session.
 pub(super) fn verdict(e: &tokio_postgres::Error) -> Verdict {
     match e.code() {
         Some(code) if failover_code(code) => Verdict::Failover,
+        Some(code) if stale_plan(code, e) => Verdict::Stale,
         Some(_) => Verdict::Keep,
         // No SQLSTATE: the connection broke, or the client failed before or
         // while sending. A closed or broken connection points at the server.
         None if e.is_closed() || has_io_source(e) => Verdict::Failover,
         None => Verdict::Discard,
     }
+}
+
+/// A prepared statement whose result columns changed since it was prepared.
+fn stale_plan(code: &SqlState, e: &tokio_postgres::Error) -> bool {
+    *code == SqlState::FEATURE_NOT_SUPPORTED && e.as_db_error().is_some_and(|db| db.message().starts_with("cached plan must not change"))
 }
 
 /// SQLSTATEs that mean "this server is not (or soon not) the primary".

@@ -71,9 +71,24 @@ impl Db {
         }
     }
 
-    /// Runs one statement on a pooled connection and returns its rows.
+    /// Runs one statement on a pooled connection and returns its rows. A
+    /// statement refused because the schema changed under the connection's
+    /// prepared statements (`Verdict::Stale`: it did not run) runs once more
+    /// on a new connection.
     async fn query(&self, sql: &str, params: &[&(dyn tokio_postgres::types::ToSql + Sync)], write: bool) -> Result<Vec<Row>, StoreError> {
-        let conn = self.conn().await?;
+        match self.query_once(sql, params, write).await {
+            Err((_, Verdict::Stale)) => self.query_once(sql, params, write).await.map_err(|(e, _)| e),
+            r => r.map_err(|(e, _)| e),
+        }
+    }
+
+    async fn query_once(
+        &self,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+        write: bool,
+    ) -> Result<Vec<Row>, (StoreError, Verdict)> {
+        let conn = self.conn().await.map_err(|e| (e, Verdict::Keep))?;
         let stmt = match conn.client().prepare_cached(sql).await {
             Ok(stmt) => stmt,
             Err(e) => return Err(self.failed(conn, e, false)),
@@ -90,16 +105,17 @@ impl Db {
     /// What a failed statement means for its connection (kept, discarded, or
     /// discarded with every connection to a server that may no longer be the
     /// primary; see `failover`), and for the caller (`classify`).
-    fn failed(&self, conn: Conn, e: tokio_postgres::Error, write: bool) -> StoreError {
-        match failover::verdict(&e) {
+    fn failed(&self, conn: Conn, e: tokio_postgres::Error, write: bool) -> (StoreError, Verdict) {
+        let verdict = failover::verdict(&e);
+        match verdict {
             Verdict::Keep => conn.done(),
             Verdict::Discard => drop(conn),
-            Verdict::Failover => {
+            Verdict::Failover | Verdict::Stale => {
                 drop(conn);
-                self.flush.now(&self.pool, &e.to_string());
+                self.flush.now(&self.pool, &ErrorChain(&e).to_string());
             }
         }
-        classify(e, write)
+        (classify(e, write), verdict)
     }
 }
 
