@@ -14,8 +14,9 @@
 //! (`IDEMGATE_LOG=info,idemgate::access=off`) like any other line. The
 //! `idemgate` binary formats it by hand and writes it in batches
 //! ([`line`], [`crate::logging::batched`]); elsewhere (a library user's
-//! subscriber, a terminal with colour) it is a `tracing` event. It never carries keys, tokens, bodies or query strings: the scope
-//! appears as its id ([`crate::scope::ScopeId`]), the path without its query.
+//! subscriber, a terminal with colour) it is a `tracing` event. It never
+//! carries keys, tokens, bodies or query strings: the scope appears as its
+//! id ([`crate::scope::ScopeId`]), the path without its query.
 
 use std::net::IpAddr;
 use std::sync::Arc;

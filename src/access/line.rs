@@ -1,8 +1,8 @@
 //! The access-log line, formatted by hand into the log's batch.
 //!
-//! The general log goes through `tracing-subscriber`'s formatter, which costs
-//! some 17k instructions and a `write` per line: on the pass-through path
-//! that was the largest single cost of a request. Access lines are written
+//! The general log goes through `tracing-subscriber`'s formatter, which cost
+//! 17-24k instructions (by machine) and a `write` per line: on the
+//! pass-through path that was the largest single cost of a request. Access lines are written
 //! here instead, in the same two shapes (text as the subscriber prints it
 //! without colour, JSON flattened), into [`crate::logging::batched`].
 //! Latencies are milliseconds with three decimals.
