@@ -534,18 +534,7 @@ async fn records_from_before_byte_order_scopes_replay_after_the_migration() {
     let (code, out, err) = tokio::task::block_in_place(|| cli(&gw, &["migrate"]));
     assert_eq!(code, 0, "{out}{err}");
     assert!(out.contains("0009"), "the migration ran again: {out}");
-    let collations: Vec<String> = db
-        .query(
-            "SELECT coalesce(l.collname, '') FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid \
-             LEFT JOIN pg_collation l ON l.oid = a.attcollation \
-             WHERE c.relname = 'idemgate_records' AND a.attname IN ('tenant', 'principal', 'operation', 'idempotency_key')",
-            &[],
-        )
-        .await
-        .expect("catalog")
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let collations: Vec<String> = scope_collations(&db, "idemgate_records").await.into_iter().map(|(_, c)| c).collect();
     assert_eq!(collations, vec!["C"; 4]);
 
     for (key, before) in ["Zebra", "apple", "_under"].into_iter().zip(&first) {

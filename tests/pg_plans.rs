@@ -131,17 +131,7 @@ fn populate_sql(n: i64) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_statement_uses_its_index_whatever_the_statistics() {
-    let url = pg::shared().create_unique_database("plans").expect("database");
-    let config = StoreConfig {
-        backend: StoreBackend::Postgres { url: Secret::new(url.clone()), pool_size: 2 },
-        migrate: true,
-        operation_timeout: Duration::from_secs(30),
-        sweep_interval: Duration::from_secs(1),
-        sweep_batch: 100,
-        events_retention: Duration::from_secs(3600),
-    };
-    let store = Store::open(&config, Access::Migrate).await.expect("store");
-    store.migrate().await.expect("migrate");
+    let url = migrated_database("plans").await;
     let statements = catalog();
     let admin = session(&url, &[]).await;
     let reltuples: f32 =
@@ -188,9 +178,22 @@ async fn every_statement_uses_its_index_whatever_the_statistics() {
 /// whatever locale the cluster was created with.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scope_columns_compare_byte_for_byte() {
-    let url = pg::shared().create_unique_database("collation").expect("database");
+    let url = migrated_database("collation").await;
+    let admin = session(&url, &[]).await;
+    for table in ["idemgate_records", "idemgate_events"] {
+        let found = support::scope_collations(&admin, table).await;
+        assert_eq!(found.len(), 4, "{table}: {found:?}");
+        for (column, collation) in &found {
+            assert_eq!(collation, "C", "{table}.{column} compares with collation {collation}");
+        }
+    }
+}
+
+/// A new database on the shared cluster with every migration applied; its URL.
+async fn migrated_database(name: &str) -> String {
+    let url = pg::shared().create_unique_database(name).expect("database");
     let config = StoreConfig {
-        backend: StoreBackend::Postgres { url: Secret::new(url.clone()), pool_size: 1 },
+        backend: StoreBackend::Postgres { url: Secret::new(url.clone()), pool_size: 2 },
         migrate: true,
         operation_timeout: Duration::from_secs(30),
         sweep_interval: Duration::from_secs(1),
@@ -199,22 +202,7 @@ async fn scope_columns_compare_byte_for_byte() {
     };
     let store = Store::open(&config, Access::Migrate).await.expect("store");
     store.migrate().await.expect("migrate");
-    let admin = session(&url, &[]).await;
-    let rows = admin
-        .query(
-            "SELECT c.relname || '.' || a.attname, coalesce(l.collname, '(database default)') \
-             FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid LEFT JOIN pg_collation l ON l.oid = a.attcollation \
-             WHERE c.relname IN ('idemgate_records', 'idemgate_events') \
-               AND a.attname IN ('tenant', 'principal', 'operation', 'idempotency_key') ORDER BY 1",
-            &[],
-        )
-        .await
-        .expect("catalog");
-    let found: Vec<(String, String)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
-    assert_eq!(found.len(), 8, "{found:?}");
-    for (column, collation) in &found {
-        assert_eq!(collation, "C", "{column} compares with collation {collation}");
-    }
+    url
 }
 
 /// The checker itself: a sequential scan, and an index the statement is not

@@ -216,9 +216,10 @@ mod tests {
     use crate::metrics::Outcome;
     use http::{HeaderValue, Method};
 
-    fn sample(buf: &mut Vec<u8>, format: LineFormat, trace: &Trace) {
+    /// Calls `f` with the sample request's line (a POST answered 201).
+    fn with_sample<R>(trace: &Trace, f: impl FnOnce(&AccessLine<'_>) -> R) -> R {
         let id = HeaderValue::from_static("0123abcd");
-        let line = AccessLine {
+        f(&AccessLine {
             method: &Method::POST,
             path: "/v1/orders",
             peer: "127.0.0.1".parse().unwrap(),
@@ -227,8 +228,11 @@ mod tests {
             upstream_latency: Some(Duration::from_micros(1_005)),
             request_id: &id,
             trace,
-        };
-        write(buf, format, &line);
+        })
+    }
+
+    fn sample(buf: &mut Vec<u8>, format: LineFormat, trace: &Trace) {
+        with_sample(trace, |line| write(buf, format, line));
     }
 
     #[test]
@@ -276,7 +280,7 @@ mod tests {
         );
     }
 
-    /// The subscriber's line for the same request, timestamp cut off.
+    /// The subscriber's own line for the sample request.
     fn subscribers(json: bool, trace: &Trace) -> String {
         use std::sync::{Arc, Mutex};
         #[derive(Clone, Default)]
@@ -294,22 +298,13 @@ mod tests {
         let writer = out.clone();
         let make = move || writer.clone();
         let builder = tracing_subscriber::fmt().with_writer(make).with_ansi(false);
-        let id = HeaderValue::from_static("0123abcd");
-        let line = AccessLine {
-            method: &Method::POST,
-            path: "/v1/orders",
-            peer: "127.0.0.1".parse().unwrap(),
-            status: 201,
-            latency: Duration::from_micros(1_234),
-            upstream_latency: Some(Duration::from_micros(1_005)),
-            request_id: &id,
-            trace,
-        };
-        if json {
-            tracing::subscriber::with_default(builder.json().flatten_event(true).finish(), || super::super::log_event(&line));
-        } else {
-            tracing::subscriber::with_default(builder.finish(), || super::super::log_event(&line));
-        }
+        with_sample(trace, |line| {
+            if json {
+                tracing::subscriber::with_default(builder.json().flatten_event(true).finish(), || super::super::log_event(line));
+            } else {
+                tracing::subscriber::with_default(builder.finish(), || super::super::log_event(line));
+            }
+        });
         String::from_utf8(out.0.lock().unwrap().clone()).unwrap()
     }
 

@@ -58,6 +58,22 @@ pub fn postgres_backend() -> Backend {
     Backend::Postgres { url }
 }
 
+/// The collation of each scope column (`tenant`, `principal`, `operation`,
+/// `idempotency_key`) of `table`, as `(column, collation)` in column order;
+/// migration 0009 makes them all `C`.
+pub async fn scope_collations(db: &tokio_postgres::Client, table: &str) -> Vec<(String, String)> {
+    let rows = db
+        .query(
+            "SELECT a.attname::text, coalesce(l.collname::text, '(none)') \
+             FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid LEFT JOIN pg_collation l ON l.oid = a.attcollation \
+             WHERE c.relname = $1 AND a.attname IN ('tenant', 'principal', 'operation', 'idempotency_key') ORDER BY a.attnum",
+            &[&table],
+        )
+        .await
+        .expect("pg_attribute");
+    rows.iter().map(|r| (r.get(0), r.get(1))).collect()
+}
+
 /// A fresh SQLite file in a temp directory that is deleted when the last
 /// clone of the backend (held by the test and its gateway configs) is dropped.
 pub fn sqlite_backend() -> Backend {
