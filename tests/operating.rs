@@ -502,28 +502,32 @@ async fn access_lines_still_batched_are_written_before_exit() {
     assert!(found, "the last access line was lost at exit:\n{}", gw.logs());
 }
 
-/// Migration 0009 (scope columns `COLLATE "C"`) on a database that already
-/// holds records, run by `idemgate migrate` while the gateway serves: the
-/// records claimed before it are still found and replayed after it, and the
+/// Migrations 0009 (scope columns `COLLATE "C"`) and 0010 (the primary key
+/// compares the idempotency key first) on a database that already holds
+/// records, run by `idemgate migrate` while the gateway serves: the records
+/// claimed before them are still found and replayed after them, and the
 /// gateway's pooled connections, whose prepared statements the schema change
 /// made stale, are replaced without a refusal.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn records_from_before_byte_order_scopes_replay_after_the_migration() {
+async fn records_from_before_byte_order_scopes_replay_after_the_migrations() {
     let backend = postgres_backend();
     let Backend::Postgres { url } = &backend else { unreachable!() };
     let (db, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.expect("connect");
     tokio::spawn(conn);
     let up = TestUpstream::start().await;
     let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()));
-    // Back to the schema before 0009: the database's own collation.
+    // Back to the schema before 0009: the key in scope order, the database's
+    // own collation.
     db.batch_execute(
-        "ALTER TABLE idemgate_records ALTER COLUMN tenant TYPE text COLLATE \"default\", \
+        "ALTER TABLE idemgate_records DROP CONSTRAINT idemgate_records_pkey, \
+         ADD CONSTRAINT idemgate_records_pkey PRIMARY KEY (tenant, principal, operation, idempotency_key); \
+         ALTER TABLE idemgate_records ALTER COLUMN tenant TYPE text COLLATE \"default\", \
          ALTER COLUMN principal TYPE text COLLATE \"default\", ALTER COLUMN operation TYPE text COLLATE \"default\", \
          ALTER COLUMN idempotency_key TYPE text COLLATE \"default\"; \
-         DELETE FROM idemgate_schema_migrations WHERE version = 9",
+         DELETE FROM idemgate_schema_migrations WHERE version IN (9, 10)",
     )
     .await
-    .expect("undo 0009");
+    .expect("undo 0009 and 0010");
     let mut first = Vec::new();
     for key in ["Zebra", "apple", "_under"] {
         let r = post(&gw.url("/v1/orders"), key, "{}", &[]).await;
@@ -533,9 +537,10 @@ async fn records_from_before_byte_order_scopes_replay_after_the_migration() {
 
     let (code, out, err) = tokio::task::block_in_place(|| cli(&gw, &["migrate"]));
     assert_eq!(code, 0, "{out}{err}");
-    assert!(out.contains("0009"), "the migration ran again: {out}");
+    assert!(out.contains("0009") && out.contains("0010"), "the migrations ran again: {out}");
     let collations: Vec<String> = scope_collations(&db, "idemgate_records").await.into_iter().map(|(_, c)| c).collect();
     assert_eq!(collations, vec!["C"; 4]);
+    assert_eq!(primary_key_columns(&db).await, ["idempotency_key", "tenant", "principal", "operation"]);
 
     for (key, before) in ["Zebra", "apple", "_under"].into_iter().zip(&first) {
         let again = post(&gw.url("/v1/orders"), key, "{}", &[]).await;

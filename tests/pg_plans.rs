@@ -189,6 +189,16 @@ async fn scope_columns_compare_byte_for_byte() {
     }
 }
 
+/// The records' primary key compares the idempotency key first (migration
+/// 0010): the column that tells records apart decides a descent's
+/// comparisons, instead of three columns most records share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_primary_key_compares_the_idempotency_key_first() {
+    let url = migrated_database("key_first").await;
+    let admin = session(&url, &[]).await;
+    assert_eq!(support::primary_key_columns(&admin).await, ["idempotency_key", "tenant", "principal", "operation"]);
+}
+
 /// A new database on the shared cluster with every migration applied; its URL.
 async fn migrated_database(name: &str) -> String {
     let url = pg::shared().create_unique_database(name).expect("database");

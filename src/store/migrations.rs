@@ -31,6 +31,11 @@ pub const POSTGRES: &[Migration] = &[
     Migration { version: 7, name: "0007_outbox", sql: include_str!("../../migrations/postgres/0007_outbox.sql") },
     Migration { version: 8, name: "0008_plans_replay_cache", sql: include_str!("../../migrations/postgres/0008_plans_replay_cache.sql") },
     Migration { version: 9, name: "0009_scope_collation_c", sql: include_str!("../../migrations/postgres/0009_scope_collation_c.sql") },
+    Migration {
+        version: 10,
+        name: "0010_key_first_primary_key",
+        sql: include_str!("../../migrations/postgres/0010_key_first_primary_key.sql"),
+    },
 ];
 
 pub const SQLITE: &[Migration] = &[
@@ -51,6 +56,11 @@ pub const SQLITE: &[Migration] = &[
     Migration { version: 7, name: "0007_outbox", sql: include_str!("../../migrations/sqlite/0007_outbox.sql") },
     Migration { version: 8, name: "0008_plans_replay_cache", sql: include_str!("../../migrations/sqlite/0008_plans_replay_cache.sql") },
     Migration { version: 9, name: "0009_scope_collation_c", sql: include_str!("../../migrations/sqlite/0009_scope_collation_c.sql") },
+    Migration {
+        version: 10,
+        name: "0010_key_first_primary_key",
+        sql: include_str!("../../migrations/sqlite/0010_key_first_primary_key.sql"),
+    },
 ];
 
 /// The `idemgate_settings` row holding the derived-key secret.

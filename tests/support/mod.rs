@@ -74,6 +74,21 @@ pub async fn scope_collations(db: &tokio_postgres::Client, table: &str) -> Vec<(
     rows.iter().map(|r| (r.get(0), r.get(1))).collect()
 }
 
+/// The columns of the records' primary key, in the key's order.
+pub async fn primary_key_columns(db: &tokio_postgres::Client) -> Vec<String> {
+    let rows = db
+        .query(
+            "SELECT a.attname::text FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid \
+             CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, n) \
+             JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum \
+             WHERE c.relname = 'idemgate_records_pkey' ORDER BY k.n",
+            &[],
+        )
+        .await
+        .expect("pg_index");
+    rows.iter().map(|r| r.get(0)).collect()
+}
+
 /// A fresh SQLite file in a temp directory that is deleted when the last
 /// clone of the backend (held by the test and its gateway configs) is dropped.
 pub fn sqlite_backend() -> Backend {

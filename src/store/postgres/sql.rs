@@ -153,7 +153,7 @@ input AS (
            CASE WHEN i.operation_id IS NOT NULL THEN now() END, i.key_source, i.scope_id
     FROM input i
     WHERE NOT EXISTS (SELECT 1 FROM cur c WHERE c.ord = i.ord)
-    ORDER BY i.tenant, i.principal, i.operation, i.idempotency_key
+    ORDER BY i.idempotency_key, i.tenant, i.principal, i.operation
     ON CONFLICT (tenant, principal, operation, idempotency_key) DO NOTHING
     RETURNING claim_token, generation, coalesce(lease_expires_at, now()) AS lease
 )";
@@ -402,7 +402,7 @@ pub(super) static RESOLVE_REQUEUE: LazyLock<String> = LazyLock::new(|| {
 pub(super) static BY_SCOPE_ID: LazyLock<String> = LazyLock::new(|| format!("SELECT {COLUMNS} FROM idemgate_records WHERE scope_id = $1"));
 
 /// Scopes of records claimed before migration 0005 (no scope id), in
-/// primary-key order after `$1`..`$4` when `$5`, at most `$6`.
+/// scope order (the order of their partial index) after `$1`..`$4` when `$5`, at most `$6`.
 pub(super) const SCOPES_WITHOUT_ID: &str = "SELECT tenant, principal, operation, idempotency_key FROM idemgate_records \
      WHERE scope_id IS NULL AND (NOT $5::bool OR (tenant, principal, operation, idempotency_key) > ($1, $2, $3, $4)) \
      ORDER BY tenant, principal, operation, idempotency_key LIMIT $6";

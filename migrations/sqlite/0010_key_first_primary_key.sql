@@ -1,0 +1,4 @@
+-- Kept in step with the PostgreSQL migration of the same number, which puts
+-- the idempotency key first in the records' primary key. The embedded
+-- store keeps its key as it is: SQLite changes a primary key only by copying
+-- the whole table, and nothing here was measured to need it.
