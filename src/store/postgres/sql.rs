@@ -129,19 +129,19 @@ FROM (SELECT 1) AS one LEFT JOIN cur ON true",
     )
 });
 
-/// The claims of a batch as rows (`$1`..`$12`, one array per column).
+/// The claims of a batch as rows (`$1`..`$12`, one array per column),
+/// inserted first: a new scope costs the insert's own primary-key descents
+/// only, and only the claims that were not inserted read the row they met
+/// (the statement's snapshot, so a row committed by another batch since is
+/// neither read nor inserted: `BatchClaim::Conflict`). A claim of an
+/// existing scope pays one descent more than a read alone would, and takes
+/// a generation number it does not use.
 const CLAIM_INPUT: &str = "\
 input AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::uuid[], $7::text[], $8::int8[],
                          $9::text[], $10::bytea[], $11::text[], $12::int8[])
         WITH ORDINALITY AS i(tenant, principal, operation, idempotency_key, request_hash, claim_token, owner, lease_us,
                              operation_id, request, key_source, scope_id, ord)
-), cur AS (
-    SELECT i.ord, r.tenant, r.principal, r.operation, r.idempotency_key, r.request_hash, r.state, r.generation, r.claim_token,
-           r.owner, r.lease_expires_at, r.response_status, r.response_headers, r.response_body, r.created_at, r.updated_at, r.expires_at,
-           r.operation_id, r.attempts, r.next_attempt_at, r.sent_at, r.last_status, r.maybe_executed, r.key_source, r.cache_hold_until
-    FROM input i JOIN idemgate_records r
-      ON r.tenant = i.tenant AND r.principal = i.principal AND r.operation = i.operation AND r.idempotency_key = i.idempotency_key
 ), inserted AS (
     INSERT INTO idemgate_records
         (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
@@ -152,12 +152,17 @@ input AS (
            now() + i.lease_us * interval '1 microsecond', i.operation_id, i.request,
            CASE WHEN i.operation_id IS NOT NULL THEN now() END, i.key_source, i.scope_id
     FROM input i
-    WHERE NOT EXISTS (SELECT 1 FROM cur c WHERE c.ord = i.ord)
     ORDER BY i.idempotency_key, i.tenant, i.principal, i.operation
     ON CONFLICT (tenant, principal, operation, idempotency_key) DO NOTHING
     RETURNING claim_token, generation, coalesce(lease_expires_at, now()) AS lease
+), cur AS (
+    SELECT i.ord, r.tenant, r.principal, r.operation, r.idempotency_key, r.request_hash, r.state, r.generation, r.claim_token,
+           r.owner, r.lease_expires_at, r.response_status, r.response_headers, r.response_body, r.created_at, r.updated_at, r.expires_at,
+           r.operation_id, r.attempts, r.next_attempt_at, r.sent_at, r.last_status, r.maybe_executed, r.key_source, r.cache_hold_until
+    FROM input i JOIN idemgate_records r
+      ON r.tenant = i.tenant AND r.principal = i.principal AND r.operation = i.operation AND r.idempotency_key = i.idempotency_key
+    WHERE NOT EXISTS (SELECT 1 FROM inserted ins WHERE ins.claim_token = i.claim_token)
 )";
-
 /// What the batched claim returns per claim, in input order: the row seen
 /// (`COLUMNS`), `now()`, the inserted row's generation and lease, and whether
 /// the row seen may be cached (as in `CLAIM`).
