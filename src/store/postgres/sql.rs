@@ -163,6 +163,7 @@ input AS (
       ON r.tenant = i.tenant AND r.principal = i.principal AND r.operation = i.operation AND r.idempotency_key = i.idempotency_key
     WHERE NOT EXISTS (SELECT 1 FROM inserted ins WHERE ins.claim_token = i.claim_token)
 )";
+
 /// What the batched claim returns per claim, in input order: the row seen
 /// (`COLUMNS`), `now()`, the inserted row's generation and lease, and whether
 /// the row seen may be cached (as in `CLAIM`).
