@@ -502,10 +502,12 @@ async fn access_lines_still_batched_are_written_before_exit() {
     assert!(found, "the last access line was lost at exit:\n{}", gw.logs());
 }
 
-/// Migrations 0009 (scope columns `COLLATE "C"`) and 0010 (the primary key
-/// compares the idempotency key first) on a database that already holds
-/// records, run by `idemgate migrate` while the gateway serves: the records
-/// claimed before them are still found and replayed after them, and the
+/// Migrations 0009 (scope columns `COLLATE "C"`), 0010 (the primary key
+/// compares the idempotency key first) and 0011 (the scope id, computed by
+/// the database, leads the key) on a database that already holds records,
+/// one of them from before scope ids were stored, run by `idemgate migrate`
+/// while the gateway serves: the records claimed before them are still found
+/// and replayed after them, the old one by its scope id too, and the
 /// gateway's pooled connections, whose prepared statements the schema change
 /// made stale, are replaced without a refusal.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -517,30 +519,41 @@ async fn records_from_before_byte_order_scopes_replay_after_the_migrations() {
     let up = TestUpstream::start().await;
     let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()));
     // Back to the schema before 0009: the key in scope order, the database's
-    // own collation.
+    // own collation, the scope id optional and in an index of its own.
     db.batch_execute(
         "ALTER TABLE idemgate_records DROP CONSTRAINT idemgate_records_pkey, \
-         ADD CONSTRAINT idemgate_records_pkey PRIMARY KEY (tenant, principal, operation, idempotency_key); \
+         ADD CONSTRAINT idemgate_records_pkey PRIMARY KEY (tenant, principal, operation, idempotency_key), \
+         ALTER COLUMN scope_id DROP NOT NULL; \
+         CREATE INDEX idemgate_records_scope_id ON idemgate_records (scope_id); \
+         CREATE INDEX idemgate_records_no_scope_id ON idemgate_records (tenant, principal, operation, idempotency_key) \
+         WHERE scope_id IS NULL; \
          ALTER TABLE idemgate_records ALTER COLUMN tenant TYPE text COLLATE \"default\", \
          ALTER COLUMN principal TYPE text COLLATE \"default\", ALTER COLUMN operation TYPE text COLLATE \"default\", \
          ALTER COLUMN idempotency_key TYPE text COLLATE \"default\"; \
-         DELETE FROM idemgate_schema_migrations WHERE version IN (9, 10)",
+         DROP FUNCTION idemgate_scope_id; \
+         DELETE FROM idemgate_schema_migrations WHERE version IN (9, 10, 11)",
     )
     .await
-    .expect("undo 0009 and 0010");
+    .expect("undo 0009, 0010 and 0011");
     let mut first = Vec::new();
     for key in ["Zebra", "apple", "_under"] {
         let r = post(&gw.url("/v1/orders"), key, "{}", &[]).await;
         assert_eq!(r.status, 201, "{r:?}");
         first.push(r);
     }
+    // "apple" as claimed before migration 0005: no scope id stored.
+    let n = db.execute("UPDATE idemgate_records SET scope_id = NULL WHERE idempotency_key = 'apple'", &[]).await.expect("old record");
+    assert_eq!(n, 1);
 
     let (code, out, err) = tokio::task::block_in_place(|| cli(&gw, &["migrate"]));
     assert_eq!(code, 0, "{out}{err}");
-    assert!(out.contains("0009") && out.contains("0010"), "the migrations ran again: {out}");
+    assert!(out.contains("0009") && out.contains("0010") && out.contains("0011"), "the migrations ran again: {out}");
     let collations: Vec<String> = scope_collations(&db, "idemgate_records").await.into_iter().map(|(_, c)| c).collect();
     assert_eq!(collations, vec!["C"; 4]);
-    assert_eq!(primary_key_columns(&db).await, ["idempotency_key", "tenant", "principal", "operation"]);
+    assert_eq!(primary_key_columns(&db).await, ["scope_id", "idempotency_key", "tenant", "principal", "operation"]);
+    let (code, out, err) = tokio::task::block_in_place(|| cli(&gw, &["keys", "show", "--scope-id", &scope("apple").log_id()]));
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("key=apple") && !out.contains("key=Zebra"), "{out}");
 
     for (key, before) in ["Zebra", "apple", "_under"].into_iter().zip(&first) {
         let again = post(&gw.url("/v1/orders"), key, "{}", &[]).await;

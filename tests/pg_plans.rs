@@ -24,6 +24,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use idemgate::config::{Secret, StoreBackend, StoreConfig};
+use idemgate::scope::{IdempotencyKey, Scope};
 use idemgate::store::postgres::sql::{SESSION_SETTINGS, Statement, catalog};
 use idemgate::store::{Access, Store};
 use serde_json::Value;
@@ -61,7 +62,9 @@ async fn plan(client: &Client, i: usize) -> Value {
 }
 
 /// What is wrong with a plan for statement `s`: sequential scans of our
-/// tables, and indexes of our tables that `s` is not meant to use.
+/// tables, indexes of our tables that `s` is not meant to use, and scans of
+/// the records' primary key that do not descend by its first column (the
+/// scope id): without that condition the scan walks the whole key.
 fn problems(s: &Statement, plan: &Value) -> Vec<String> {
     let mut found = Vec::new();
     let mut stack = vec![plan];
@@ -79,6 +82,11 @@ fn problems(s: &Statement, plan: &Value) -> Vec<String> {
                     && !s.indexes.contains(&index)
                 {
                     found.push(format!("{node} using {index}"));
+                }
+                if map.get("Index Name").and_then(Value::as_str) == Some("idemgate_records_pkey")
+                    && !map.get("Index Cond").and_then(Value::as_str).is_some_and(|c| c.contains("scope_id ="))
+                {
+                    found.push(format!("{node} using idemgate_records_pkey without the scope id"));
                 }
                 stack.extend(map.values());
             }
@@ -112,14 +120,15 @@ async fn check_all(phase: &str, kept: &Client, fresh: &Client, statements: &[Sta
 fn populate_sql(n: i64) -> String {
     format!(
         "INSERT INTO idemgate_records (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, \
-           owner, lease_expires_at, response_status, created_at, updated_at, expires_at, operation_id, next_attempt_at)
+           owner, lease_expires_at, response_status, created_at, updated_at, expires_at, operation_id, next_attempt_at, scope_id)
          SELECT 't' || (i % 50), 'p' || (i % 7), 'op' || (i % 5), 'k' || i, '\\x00'::bytea,
                 CASE i % 100 WHEN 0 THEN 'in_flight' WHEN 1 THEN 'unknown' WHEN 2 THEN 'queued' WHEN 3 THEN 'processing'
                              WHEN 4 THEN 'failed_retryable' ELSE 'completed' END,
                 i, gen_random_uuid(), 'replica', CASE WHEN i % 100 IN (0, 3) THEN now() + interval '1 minute' END,
                 CASE WHEN i % 100 >= 5 THEN 201 END, now(), now() - i * interval '1 millisecond',
                 CASE WHEN i % 1000 = 7 THEN 'infinity' ELSE now() + (i % 3 - 1) * interval '1 hour' END,
-                CASE WHEN i % 100 IN (2, 3) THEN 'op-' || i END, CASE WHEN i % 100 = 2 THEN now() END
+                CASE WHEN i % 100 IN (2, 3) THEN 'op-' || i END, CASE WHEN i % 100 = 2 THEN now() END,
+                idemgate_scope_id('t' || (i % 50), 'p' || (i % 7), 'op' || (i % 5), 'k' || i)
          FROM generate_series(1, {n}) i;
          INSERT INTO idemgate_events (event_type, tenant, principal, operation, idempotency_key, generation, status, delivery, sent_at)
          SELECT 'completed', 't' || (i % 50), 'p' || (i % 7), 'op' || (i % 5), 'k' || i, i, 201,
@@ -189,14 +198,46 @@ async fn scope_columns_compare_byte_for_byte() {
     }
 }
 
-/// The records' primary key compares the idempotency key first (migration
-/// 0010): the column that tells records apart decides a descent's
-/// comparisons, instead of three columns most records share.
+/// The records' primary key starts with the scope id (migration 0011), then
+/// the idempotency key (0010): a descent's comparisons are decided by one
+/// integer, and `keys show --scope-id` needs no index of its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_primary_key_compares_the_idempotency_key_first() {
-    let url = migrated_database("key_first").await;
+async fn the_primary_key_starts_with_the_scope_id() {
+    let url = migrated_database("scope_id_first").await;
     let admin = session(&url, &[]).await;
-    assert_eq!(support::primary_key_columns(&admin).await, ["idempotency_key", "tenant", "principal", "operation"]);
+    assert_eq!(support::primary_key_columns(&admin).await, ["scope_id", "idempotency_key", "tenant", "principal", "operation"]);
+    let indexes: Vec<String> = admin
+        .query("SELECT indexname::text FROM pg_indexes WHERE tablename = 'idemgate_records' AND indexdef LIKE '%(scope_id)%'", &[])
+        .await
+        .expect("pg_indexes")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(indexes.is_empty(), "the scope id's own index is gone: {indexes:?}");
+}
+
+/// The database's `idemgate_scope_id` (which every insert stores and the
+/// single-row statements look rows up by) and the gateway's
+/// `Scope::scope_id` (which logs print and batches look rows up by) are the
+/// same hash, also for scopes that are not ASCII, that are tenant-wide (empty
+/// principal), or that split the same bytes differently.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_database_computes_the_gateways_scope_id() {
+    let url = migrated_database("scope_id_hash").await;
+    let admin = session(&url, &[]).await;
+    let long = "k".repeat(255);
+    let scopes = [
+        ("acme", "billing", "create_order", "k1"),
+        ("acmeb", "illing", "create_order", "k1"),
+        ("acme", "", "create_order", "k1"),
+        ("t\u{e9}nant-\u{fc}", "principal \u{2603}", "op", "\"quoted\"\\"),
+        ("acme", "billing", "create_order", long.as_str()),
+    ];
+    for (t, p, o, k) in scopes {
+        let scope = Scope { tenant: t.into(), principal: p.into(), operation: o.into(), key: IdempotencyKey::new(k).expect("key") };
+        let row = admin.query_one("SELECT idemgate_scope_id($1, $2, $3, $4)", &[&t, &p, &o, &k]).await.expect("idemgate_scope_id");
+        assert_eq!(row.get::<_, i64>(0), scope.scope_id().to_i64(), "{t:?} {p:?} {o:?} {k:?}");
+    }
 }
 
 /// A new database on the shared cluster with every migration applied; its URL.
@@ -229,6 +270,10 @@ fn the_checker_sees_sequential_scans_and_unintended_indexes() {
         { "Node Type": "Bitmap Index Scan", "Index Name": "idemgate_records_open" }
     ]}}]);
     assert_eq!(problems(&s, &open), vec!["Bitmap Index Scan using idemgate_records_open"]);
-    let pk = serde_json::json!([{ "Plan": { "Node Type": "Index Scan", "Relation Name": "idemgate_records", "Index Name": "idemgate_records_pkey" }}]);
+    let walk = serde_json::json!([{ "Plan": { "Node Type": "Index Scan", "Relation Name": "idemgate_records", "Index Name": "idemgate_records_pkey",
+        "Filter": "(idempotency_key = $4)" }}]);
+    assert_eq!(problems(&s, &walk), vec!["Index Scan using idemgate_records_pkey without the scope id"]);
+    let pk = serde_json::json!([{ "Plan": { "Node Type": "Index Scan", "Relation Name": "idemgate_records", "Index Name": "idemgate_records_pkey",
+        "Index Cond": "((scope_id = idemgate_scope_id($1, $2, $3, $4)) AND (idempotency_key = $4))" }}]);
     assert!(problems(&s, &pk).is_empty());
 }

@@ -321,14 +321,16 @@ pub fn single_row_first_write(dir: &Path, key_expr: &str) -> Result<Workload> {
         "-- The contract's claim and fenced result update, one row per statement (two commits).\n\
          \\set key {key_expr}\n\
          INSERT INTO idemgate_records (tenant, principal, operation, idempotency_key, request_hash, state, generation, \
-         claim_token, owner, lease_expires_at, created_at, updated_at, expires_at) \
+         claim_token, owner, lease_expires_at, created_at, updated_at, expires_at, scope_id) \
          VALUES ('bench', 'pgbench', 'create_order', :key, '{hash}'::bytea, 'in_flight', 1, gen_random_uuid(), 'pgbench', \
-         now() + interval '15 seconds', now(), now(), now() + interval '15 seconds') \
-         ON CONFLICT (tenant, principal, operation, idempotency_key) DO NOTHING RETURNING generation;\n\
+         now() + interval '15 seconds', now(), now(), now() + interval '15 seconds', \
+         idemgate_scope_id('bench', 'pgbench', 'create_order', :key)) \
+         ON CONFLICT (scope_id, idempotency_key, tenant, principal, operation) DO NOTHING RETURNING generation;\n\
          UPDATE idemgate_records SET state = 'completed', response_status = 201, response_headers = '\\x01'::bytea, \
          response_body = '{{\"order\":1}}'::bytea, lease_expires_at = NULL, updated_at = now(), \
          expires_at = now() + interval '24 hours' \
-         WHERE tenant = 'bench' AND principal = 'pgbench' AND operation = 'create_order' AND idempotency_key = :key::text \
+         WHERE scope_id = idemgate_scope_id('bench', 'pgbench', 'create_order', :key) \
+         AND tenant = 'bench' AND principal = 'pgbench' AND operation = 'create_order' AND idempotency_key = :key::text \
          AND generation = 1 AND state = 'in_flight';\n"
     );
     let dir = dir.join("pgbench");

@@ -112,11 +112,13 @@ fn generate(pg: &Pg, prefix: &str, from: u64, to: u64, expires: &str) -> Result<
 fn insert_sql(prefix: &str, first: u64, last: u64, expires: &str) -> String {
     format!(
         "INSERT INTO idemgate_records (tenant, principal, operation, idempotency_key, request_hash, state, generation, \
-             claim_token, owner, lease_expires_at, response_status, response_headers, response_body, created_at, updated_at, expires_at)
+             claim_token, owner, lease_expires_at, response_status, response_headers, response_body, created_at, updated_at, expires_at,
+             scope_id)
          SELECT t.tenant, t.principal, t.operation, '{prefix}' || lpad(g::text, 10, '0'), t.request_hash, 'completed', 1,
-             t.claim_token, t.owner, NULL, t.response_status, t.response_headers, t.response_body, now(), now(), {expires}
+             t.claim_token, t.owner, NULL, t.response_status, t.response_headers, t.response_body, now(), now(), {expires},
+             idemgate_scope_id(t.tenant, t.principal, t.operation, '{prefix}' || lpad(g::text, 10, '0'))
          FROM idemgate_records t CROSS JOIN generate_series({first}::bigint, {last}::bigint) AS g
-         WHERE t.tenant = 'bench' AND t.principal = 'wrk' AND t.operation = '{op}' AND t.idempotency_key = '{TEMPLATE_KEY}'",
+         WHERE t.scope_id = idemgate_scope_id('bench', 'wrk', '{op}', '{TEMPLATE_KEY}') AND t.tenant = 'bench' AND t.principal = 'wrk' AND t.operation = '{op}' AND t.idempotency_key = '{TEMPLATE_KEY}'",
         op = gateway::OPERATION,
     )
 }

@@ -414,6 +414,7 @@ pub trait RecordStore: Send + Sync + std::fmt::Debug {
     async fn by_scope_id(&self, id: ScopeId) -> Result<Vec<Record>, StoreError>;
 
     /// Up to `limit` scopes of records stored without a scope id (claimed
-    /// before migration 0005), in primary-key order after `after`.
+    /// before migration 0005), in primary-key order after `after`. On
+    /// PostgreSQL there are none after migration 0011, which computes them.
     async fn scopes_without_id(&self, after: Option<&Scope>, limit: u32) -> Result<Vec<Scope>, StoreError>;
 }

@@ -36,6 +36,11 @@ pub const POSTGRES: &[Migration] = &[
         name: "0010_key_first_primary_key",
         sql: include_str!("../../migrations/postgres/0010_key_first_primary_key.sql"),
     },
+    Migration {
+        version: 11,
+        name: "0011_scope_id_leads_primary_key",
+        sql: include_str!("../../migrations/postgres/0011_scope_id_leads_primary_key.sql"),
+    },
 ];
 
 pub const SQLITE: &[Migration] = &[

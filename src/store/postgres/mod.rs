@@ -276,7 +276,6 @@ impl PgStore {
                     &req.acceptance.as_ref().map(|a| a.operation_id.as_str()),
                     &req.acceptance.as_ref().map(|a| &a.request[..]).or(req.request_head.as_deref()),
                     &&*req.key_source,
-                    &s.scope_id().to_i64(),
                 ],
                 true,
             )
@@ -757,18 +756,9 @@ impl RecordStore for PgStore {
         rows.iter().map(decode).collect()
     }
 
-    async fn scopes_without_id(&self, after: Option<&Scope>, limit: u32) -> Result<Vec<Scope>, StoreError> {
-        let [t, p, o, k]: [&str; 4] = after.map_or(["", "", "", ""], |s| [&s.tenant, &s.principal, &s.operation, s.key.as_str()]);
-        let rows = self.query(sql::SCOPES_WITHOUT_ID, &[&t, &p, &o, &k, &after.is_some(), &i64::from(limit)], false).await?;
-        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
-        rows.iter()
-            .map(|row| {
-                let key: &str = row.try_get(3).map_err(c)?;
-                let key = IdempotencyKey::new(key).map_err(|e| StoreError::Corrupt(format!("idempotency_key: {e}")))?;
-                let (t, p, o): (&str, &str, &str) = (row.try_get(0).map_err(c)?, row.try_get(1).map_err(c)?, row.try_get(2).map_err(c)?);
-                Ok(Scope { tenant: t.into(), principal: p.into(), operation: o.into(), key })
-            })
-            .collect()
+    /// None: migration 0011 gave every record its scope id (`NOT NULL`).
+    async fn scopes_without_id(&self, _after: Option<&Scope>, _limit: u32) -> Result<Vec<Scope>, StoreError> {
+        Ok(Vec::new())
     }
 
     async fn forever_counts(&self) -> Result<Vec<ForeverCount>, StoreError> {
@@ -1058,6 +1048,8 @@ struct PkColumns<'a> {
     principals: Vec<&'a str>,
     operations: Vec<&'a str>,
     keys: Vec<&'a str>,
+    /// The primary key's first column (`Scope::scope_id`).
+    scope_ids: Vec<i64>,
 }
 
 impl<'a> PkColumns<'a> {
@@ -1067,12 +1059,14 @@ impl<'a> PkColumns<'a> {
             principals: Vec::with_capacity(scopes.len()),
             operations: Vec::with_capacity(scopes.len()),
             keys: Vec::with_capacity(scopes.len()),
+            scope_ids: Vec::with_capacity(scopes.len()),
         };
         for s in scopes {
             c.tenants.push(&s.tenant);
             c.principals.push(&s.principal);
             c.operations.push(&s.operation);
             c.keys.push(s.key.as_str());
+            c.scope_ids.push(s.scope_id().to_i64());
         }
         c
     }
@@ -1177,7 +1171,6 @@ struct ClaimColumns<'a> {
     operation_ids: Vec<Option<&'a str>>,
     requests: Vec<Option<&'a [u8]>>,
     key_sources: Vec<&'a str>,
-    scope_ids: Vec<i64>,
 }
 
 impl<'a> ClaimColumns<'a> {
@@ -1190,8 +1183,7 @@ impl<'a> ClaimColumns<'a> {
             leases: items.clone().map(|i| i.lease_us).collect(),
             operation_ids: items.clone().map(|i| i.acceptance.as_ref().map(|a| a.operation_id.as_str())).collect(),
             requests: items.clone().map(|i| i.acceptance.as_ref().map(|a| &a.request[..]).or(i.request_head.as_deref())).collect(),
-            key_sources: items.clone().map(|i| &*i.key_source).collect(),
-            scope_ids: items.map(|i| i.scope.scope_id().to_i64()).collect(),
+            key_sources: items.map(|i| &*i.key_source).collect(),
         }
     }
 
@@ -1208,7 +1200,7 @@ impl<'a> ClaimColumns<'a> {
             &self.operation_ids,
             &self.requests,
             &self.key_sources,
-            &self.scope_ids,
+            &self.pk.scope_ids,
         ]
     }
 }
@@ -1255,6 +1247,7 @@ impl<'a> CompleteColumns<'a> {
             &self.tokens,
             &self.emit,
             &self.with_body,
+            &self.pk.scope_ids,
         ]
     }
 }

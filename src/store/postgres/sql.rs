@@ -51,8 +51,10 @@ pub(super) const COLUMNS: &str = "tenant, principal, operation, idempotency_key,
 /// How many columns `COLUMNS` has: the next column of a row is at this index.
 pub(super) const NCOLS: usize = 23;
 
-/// The primary key from `$1`..`$4`.
-const PK: &str = "tenant = $1 AND principal = $2 AND operation = $3 AND idempotency_key = $4";
+/// The primary key from `$1`..`$4`: the scope id, computed by the database
+/// (migration 0011), leads it.
+const PK: &str =
+    "scope_id = idemgate_scope_id($1, $2, $3, $4) AND idempotency_key = $4 AND tenant = $1 AND principal = $2 AND operation = $3";
 
 /// A fenced async write: the attempt's generation and token, `processing`.
 const FENCE: &str = "generation = $5 AND claim_token = $6 AND CASE state WHEN 'processing' THEN true ELSE false END";
@@ -89,7 +91,7 @@ pub(super) static CLAIM: LazyLock<String> = LazyLock::new(|| {
 WITH cur AS (
     SELECT {COLUMNS}, cache_hold_until
     FROM idemgate_records
-    WHERE tenant = $1 AND principal = $2 AND operation = $3 AND idempotency_key = $4
+    WHERE {PK}
 ), taken AS (
     UPDATE idemgate_records r SET
         request_hash = $5, state = CASE WHEN $10::text IS NULL THEN 'in_flight' ELSE 'queued' END,
@@ -99,8 +101,9 @@ WITH cur AS (
         created_at = now(), updated_at = now(), expires_at = now() + $8::int8 * interval '1 microsecond',
         operation_id = $10, request = $11, attempts = 0,
         next_attempt_at = CASE WHEN $10::text IS NOT NULL THEN now() END, sent_at = NULL, last_status = NULL, maybe_executed = false,
-        key_source = $12, scope_id = $13
-    WHERE r.tenant = $1 AND r.principal = $2 AND r.operation = $3 AND r.idempotency_key = $4
+        key_source = $12
+    WHERE r.scope_id = idemgate_scope_id($1, $2, $3, $4) AND r.idempotency_key = $4
+      AND r.tenant = $1 AND r.principal = $2 AND r.operation = $3
       AND CASE r.state
             WHEN 'completed' THEN r.expires_at <= now()
             WHEN 'failed_retryable' THEN r.expires_at <= now()
@@ -115,9 +118,10 @@ WITH cur AS (
          lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, key_source, scope_id)
     SELECT $1, $2, $3, $4, $5, CASE WHEN $10::text IS NULL THEN 'in_flight' ELSE 'queued' END, nextval('idemgate_generation'), $6, $7,
            CASE WHEN $10::text IS NULL THEN now() + $8::int8 * interval '1 microsecond' END, now(), now(),
-           now() + $8::int8 * interval '1 microsecond', $10, $11, CASE WHEN $10::text IS NOT NULL THEN now() END, $12, $13
+           now() + $8::int8 * interval '1 microsecond', $10, $11, CASE WHEN $10::text IS NOT NULL THEN now() END, $12,
+           idemgate_scope_id($1, $2, $3, $4)
     WHERE NOT EXISTS (SELECT 1 FROM cur)
-    ON CONFLICT (tenant, principal, operation, idempotency_key) DO NOTHING
+    ON CONFLICT (scope_id, idempotency_key, tenant, principal, operation) DO NOTHING
     RETURNING generation, coalesce(lease_expires_at, now())
 )
 SELECT {}, now(),
@@ -135,7 +139,9 @@ FROM (SELECT 1) AS one LEFT JOIN cur ON true",
 /// (the statement's snapshot, so a row committed by another batch since is
 /// neither read nor inserted: `BatchClaim::Conflict`). A claim of an
 /// existing scope pays one descent more than a read alone would, and takes
-/// a generation number it does not use.
+/// a generation number it does not use. The inserted scope id is the
+/// database's own (`idemgate_scope_id`); the gateway's (`$12`, the same
+/// hash) only finds rows.
 const CLAIM_INPUT: &str = "\
 input AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::uuid[], $7::text[], $8::int8[],
@@ -150,17 +156,19 @@ input AS (
            CASE WHEN i.operation_id IS NULL THEN 'in_flight' ELSE 'queued' END, nextval('idemgate_generation'), i.claim_token, i.owner,
            CASE WHEN i.operation_id IS NULL THEN now() + i.lease_us * interval '1 microsecond' END, now(), now(),
            now() + i.lease_us * interval '1 microsecond', i.operation_id, i.request,
-           CASE WHEN i.operation_id IS NOT NULL THEN now() END, i.key_source, i.scope_id
+           CASE WHEN i.operation_id IS NOT NULL THEN now() END, i.key_source,
+           idemgate_scope_id(i.tenant, i.principal, i.operation, i.idempotency_key)
     FROM input i
-    ORDER BY i.idempotency_key, i.tenant, i.principal, i.operation
-    ON CONFLICT (tenant, principal, operation, idempotency_key) DO NOTHING
+    ORDER BY i.scope_id, i.idempotency_key, i.tenant, i.principal, i.operation
+    ON CONFLICT (scope_id, idempotency_key, tenant, principal, operation) DO NOTHING
     RETURNING claim_token, generation, coalesce(lease_expires_at, now()) AS lease
 ), cur AS (
     SELECT i.ord, r.tenant, r.principal, r.operation, r.idempotency_key, r.request_hash, r.state, r.generation, r.claim_token,
            r.owner, r.lease_expires_at, r.response_status, r.response_headers, r.response_body, r.created_at, r.updated_at, r.expires_at,
            r.operation_id, r.attempts, r.next_attempt_at, r.sent_at, r.last_status, r.maybe_executed, r.key_source, r.cache_hold_until
     FROM input i JOIN idemgate_records r
-      ON r.tenant = i.tenant AND r.principal = i.principal AND r.operation = i.operation AND r.idempotency_key = i.idempotency_key
+      ON r.scope_id = i.scope_id AND r.idempotency_key = i.idempotency_key
+     AND r.tenant = i.tenant AND r.principal = i.principal AND r.operation = i.operation
     WHERE NOT EXISTS (SELECT 1 FROM inserted ins WHERE ins.claim_token = i.claim_token)
 )";
 
@@ -180,24 +188,26 @@ LEFT JOIN inserted ins ON ins.claim_token = i.claim_token
 ORDER BY i.ord";
 
 /// The result writes of a batch as rows (from `$n` on, one array per
-/// column), each fenced by its own attempt, and their events.
+/// column; the scope ids last), each fenced by its own attempt, and their
+/// events.
 fn complete_parts(first: usize) -> String {
     let p = |i: usize| format!("${}", first + i);
     format!(
         "\
 v AS (
     SELECT * FROM unnest({}::text[], {}::text[], {}::text[], {}::text[], {}::int8[], {}::int4[], {}::bytea[], {}::bytea[],
-                         {}::int8[], {}::uuid[], {}::bool[], {}::bool[])
+                         {}::int8[], {}::uuid[], {}::bool[], {}::bool[], {}::int8[])
         WITH ORDINALITY AS v(tenant, principal, operation, idempotency_key, generation, status, headers, body, retention_us, claim_token,
-                             emit, with_body, ord)
+                             emit, with_body, scope_id, ord)
 ), upd AS (
     UPDATE idemgate_records r SET
         state = 'completed', response_status = v.status, response_headers = v.headers, response_body = v.body,
         lease_expires_at = NULL, updated_at = now(),
         expires_at = coalesce(now() + v.retention_us * interval '1 microsecond', 'infinity')
     FROM v
-    WHERE r.tenant = v.tenant AND r.principal = v.principal AND r.operation = v.operation
-      AND r.idempotency_key = v.idempotency_key AND r.generation = v.generation AND r.claim_token = v.claim_token
+    WHERE r.scope_id = v.scope_id AND r.idempotency_key = v.idempotency_key
+      AND r.tenant = v.tenant AND r.principal = v.principal AND r.operation = v.operation
+      AND r.generation = v.generation AND r.claim_token = v.claim_token
       AND CASE r.state WHEN 'in_flight' THEN true WHEN 'processing' THEN true ELSE false END
     RETURNING v.ord, v.emit, v.with_body, r.tenant, r.principal, r.operation, r.idempotency_key, r.generation, r.response_status,
               r.operation_id, r.response_body
@@ -219,6 +229,7 @@ v AS (
         p(9),
         p(10),
         p(11),
+        p(12),
     )
 }
 
@@ -228,11 +239,11 @@ v AS (
 /// cycle; the answer comes back in input order.
 pub(super) static CLAIM_BATCH: LazyLock<String> = LazyLock::new(|| format!("WITH {CLAIM_INPUT}\n{CLAIM_OUTPUT}\n{CLAIM_FROM}"));
 
-/// The batched result write (`$1`..`$12`), each row fenced by its own attempt.
+/// The batched result write (`$1`..`$13`), each row fenced by its own attempt.
 pub(super) static COMPLETE_BATCH: LazyLock<String> = LazyLock::new(|| format!("WITH {}\nSELECT ord FROM upd", complete_parts(1)));
 
 /// One commit for a batch of claims (`$1`..`$12`) and a batch of result
-/// writes (`$13`..`$24`): the claims' rows as `CLAIM_BATCH` returns them,
+/// writes (`$13`..`$25`): the claims' rows as `CLAIM_BATCH` returns them,
 /// each with the ordinals of the result writes that took effect.
 pub(super) static WRITE_BATCH: LazyLock<String> =
     LazyLock::new(|| format!("WITH {CLAIM_INPUT}, {}\n{CLAIM_OUTPUT}, (SELECT array_agg(ord) FROM upd)\n{CLAIM_FROM}", complete_parts(13)));
@@ -405,13 +416,8 @@ pub(super) static RESOLVE_REQUEUE: LazyLock<String> = LazyLock::new(|| {
 });
 
 /// The records a log line's scope id names (`$1`).
+/// Through the primary key's first column.
 pub(super) static BY_SCOPE_ID: LazyLock<String> = LazyLock::new(|| format!("SELECT {COLUMNS} FROM idemgate_records WHERE scope_id = $1"));
-
-/// Scopes of records claimed before migration 0005 (no scope id), in
-/// scope order (the order of their partial index) after `$1`..`$4` when `$5`, at most `$6`.
-pub(super) const SCOPES_WITHOUT_ID: &str = "SELECT tenant, principal, operation, idempotency_key FROM idemgate_records \
-     WHERE scope_id IS NULL AND (NOT $5::bool OR (tenant, principal, operation, idempotency_key) > ($1, $2, $3, $4)) \
-     ORDER BY tenant, principal, operation, idempotency_key LIMIT $6";
 
 pub(super) static RESOLVE_DELETE: LazyLock<String> = LazyLock::new(|| format!("DELETE FROM idemgate_records WHERE {PK}"));
 
@@ -437,11 +443,11 @@ pub(super) const SETTING: &str = "SELECT value FROM idemgate_settings WHERE name
 
 pub(super) const SWEEP: &str = "\
 WITH doomed AS (
-    SELECT tenant, principal, operation, idempotency_key FROM idemgate_records
+    SELECT scope_id, tenant, principal, operation, idempotency_key FROM idemgate_records
     WHERE state IN ('completed', 'failed_retryable') AND expires_at <= now()
     ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED)
 DELETE FROM idemgate_records r USING doomed d
-WHERE r.tenant = d.tenant AND r.principal = d.principal AND r.operation = d.operation
+WHERE r.scope_id = d.scope_id AND r.tenant = d.tenant AND r.principal = d.principal AND r.operation = d.operation
   AND r.idempotency_key = d.idempotency_key AND r.expires_at <= now()
   AND CASE r.state WHEN 'completed' THEN true WHEN 'failed_retryable' THEN true ELSE false END
 RETURNING 1";
@@ -453,12 +459,12 @@ pub(super) static REAP_LEASES: LazyLock<String> = LazyLock::new(|| {
     format!(
         "\
 WITH stale AS (
-    SELECT tenant, principal, operation, idempotency_key FROM idemgate_records
+    SELECT scope_id, tenant, principal, operation, idempotency_key FROM idemgate_records
     WHERE state IN ('in_flight', 'processing') AND (lease_expires_at IS NULL OR lease_expires_at <= now())
     ORDER BY lease_expires_at LIMIT $1 FOR UPDATE SKIP LOCKED
 ), decided AS (
     SELECT s.*, (r.state = 'processing' AND (r.sent_at IS NULL OR r.operation = ANY($2::text[]))) AS requeue
-    FROM stale s JOIN idemgate_records r USING (tenant, principal, operation, idempotency_key)
+    FROM stale s JOIN idemgate_records r USING (scope_id, tenant, principal, operation, idempotency_key)
 ), upd AS (
 UPDATE idemgate_records r SET
     state = CASE WHEN d.requeue THEN 'queued' ELSE 'unknown' END,
@@ -469,7 +475,7 @@ UPDATE idemgate_records r SET
     maybe_executed = r.maybe_executed OR (d.requeue AND r.sent_at IS NOT NULL),
     updated_at = now()
 FROM decided d
-WHERE r.tenant = d.tenant AND r.principal = d.principal AND r.operation = d.operation
+WHERE r.scope_id = d.scope_id AND r.tenant = d.tenant AND r.principal = d.principal AND r.operation = d.operation
   AND r.idempotency_key = d.idempotency_key
   AND CASE r.state WHEN 'in_flight' THEN true WHEN 'processing' THEN true ELSE false END
   AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())
@@ -492,20 +498,23 @@ pub(super) static TAKE: LazyLock<String> = LazyLock::new(|| {
 WITH routes AS (
     SELECT * FROM unnest($1::text[], $2::int8[]) AS ro(operation, lease_us)
 ), next AS (
-    SELECT r.tenant, r.principal, r.operation, r.idempotency_key
+    SELECT r.scope_id, r.tenant, r.principal, r.operation, r.idempotency_key,
+           (SELECT max(ro.lease_us) FROM routes ro WHERE ro.operation = r.operation) AS lease_us
     FROM idemgate_records r
     WHERE r.state = 'queued' AND r.next_attempt_at <= now() AND r.operation = ANY($1::text[])
     ORDER BY r.next_attempt_at
     LIMIT 1
-    FOR UPDATE SKIP LOCKED
+    FOR UPDATE OF r SKIP LOCKED
 )
+-- The route's lease comes with the row found: joining the routes here would
+-- let the planner look rows up by their operation alone.
 UPDATE idemgate_records r SET
     state = 'processing', generation = nextval('idemgate_generation'), claim_token = $3, owner = $4,
-    lease_expires_at = now() + ro.lease_us * interval '1 microsecond', attempts = r.attempts + 1, sent_at = NULL,
+    lease_expires_at = now() + n.lease_us * interval '1 microsecond', attempts = r.attempts + 1, sent_at = NULL,
     next_attempt_at = NULL, updated_at = now()
-FROM next n, routes ro
-WHERE r.tenant = n.tenant AND r.principal = n.principal AND r.operation = n.operation AND r.idempotency_key = n.idempotency_key
-  AND ro.operation = r.operation
+FROM next n
+WHERE r.scope_id = n.scope_id AND r.tenant = n.tenant AND r.principal = n.principal AND r.operation = n.operation
+  AND r.idempotency_key = n.idempotency_key
 RETURNING {}, now(), r.request",
         prefixed(COLUMNS, "r.")
     )
@@ -616,7 +625,7 @@ pub(super) static TAKE_PROBES: LazyLock<String> = LazyLock::new(|| {
 WITH routes AS (
     SELECT * FROM unnest($1::text[], $2::int8[]) AS ro(operation, settle_us)
 ), due AS (
-    SELECT r.tenant, r.principal, r.operation, r.idempotency_key
+    SELECT r.scope_id, r.tenant, r.principal, r.operation, r.idempotency_key
     FROM idemgate_records r JOIN routes ro ON ro.operation = r.operation
     WHERE r.state = 'unknown'
       AND r.updated_at <= now() - ro.settle_us * interval '1 microsecond'
@@ -633,7 +642,8 @@ UPDATE idemgate_records r SET
     probe_generation = r.generation, next_probe_at = NULL,
     probe_token = $3, probe_until = now() + $4::int8 * interval '1 microsecond'
 FROM due d
-WHERE r.tenant = d.tenant AND r.principal = d.principal AND r.operation = d.operation AND r.idempotency_key = d.idempotency_key
+WHERE r.scope_id = d.scope_id AND r.tenant = d.tenant AND r.principal = d.principal AND r.operation = d.operation
+  AND r.idempotency_key = d.idempotency_key
   AND CASE r.state WHEN 'unknown' THEN true ELSE false END
 RETURNING {}, now(), r.request, r.probe_attempts",
         prefixed(COLUMNS, "r.")
@@ -684,8 +694,7 @@ pub fn catalog() -> Vec<Statement> {
         s("resolve_delete", &RESOLVE_DELETE, PKEY),
         s("resolve_complete", &RESOLVE_COMPLETE, PKEY),
         s("resolve_requeue", &RESOLVE_REQUEUE, PKEY),
-        s("by_scope_id", &BY_SCOPE_ID, &["idemgate_records_scope_id"]),
-        s("scopes_without_id", SCOPES_WITHOUT_ID, &["idemgate_records_no_scope_id"]),
+        s("by_scope_id", &BY_SCOPE_ID, PKEY),
         s("audit_insert", AUDIT_INSERT, &[]),
         s("event_insert", &EVENT_INSERT_ONE, &[]),
         s("audit_list", AUDIT_LIST, &[]),
