@@ -66,6 +66,11 @@ pub const SQLITE: &[Migration] = &[
         name: "0010_key_first_primary_key",
         sql: include_str!("../../migrations/sqlite/0010_key_first_primary_key.sql"),
     },
+    Migration {
+        version: 11,
+        name: "0011_scope_id_leads_primary_key",
+        sql: include_str!("../../migrations/sqlite/0011_scope_id_leads_primary_key.sql"),
+    },
 ];
 
 /// The `idemgate_settings` row holding the derived-key secret.

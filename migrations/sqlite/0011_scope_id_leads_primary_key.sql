@@ -1,0 +1,5 @@
+-- Kept in step with the PostgreSQL migration of the same number, which makes
+-- the scope id (computed by the database) the first column of the records'
+-- primary key and drops its own index. The embedded store keeps its key and
+-- its scope id index: SQLite changes a primary key only by copying the whole
+-- table, and nothing here was measured to need it.
