@@ -121,7 +121,7 @@ WITH cur AS (
            now() + $8::int8 * interval '1 microsecond', $10, $11, CASE WHEN $10::text IS NOT NULL THEN now() END, $12,
            idemgate_scope_id($1, $2, $3, $4)
     WHERE NOT EXISTS (SELECT 1 FROM cur)
-    ON CONFLICT (scope_id, idempotency_key, tenant, principal, operation) DO NOTHING
+    ON CONFLICT ON CONSTRAINT idemgate_records_pkey DO NOTHING
     RETURNING generation, coalesce(lease_expires_at, now())
 )
 SELECT {}, now(),
@@ -141,7 +141,7 @@ FROM (SELECT 1) AS one LEFT JOIN cur ON true",
 /// existing scope pays one descent more than a read alone would, and takes
 /// a generation number it does not use. The inserted scope id is the
 /// database's own (`idemgate_scope_id`); the gateway's (`$12`, the same
-/// hash) only finds rows.
+/// hash) only finds rows. The conflict names the key, not its columns.
 const CLAIM_INPUT: &str = "\
 input AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::uuid[], $7::text[], $8::int8[],
@@ -160,7 +160,7 @@ input AS (
            idemgate_scope_id(i.tenant, i.principal, i.operation, i.idempotency_key)
     FROM input i
     ORDER BY i.scope_id, i.idempotency_key, i.tenant, i.principal, i.operation
-    ON CONFLICT (scope_id, idempotency_key, tenant, principal, operation) DO NOTHING
+    ON CONFLICT ON CONSTRAINT idemgate_records_pkey DO NOTHING
     RETURNING claim_token, generation, coalesce(lease_expires_at, now()) AS lease
 ), cur AS (
     SELECT i.ord, r.tenant, r.principal, r.operation, r.idempotency_key, r.request_hash, r.state, r.generation, r.claim_token,
