@@ -415,8 +415,8 @@ pub(super) static RESOLVE_REQUEUE: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-/// The records a log line's scope id names (`$1`).
-/// Through the primary key's first column.
+/// The records a log line's scope id names (`$1`), through the primary
+/// key's first column.
 pub(super) static BY_SCOPE_ID: LazyLock<String> = LazyLock::new(|| format!("SELECT {COLUMNS} FROM idemgate_records WHERE scope_id = $1"));
 
 pub(super) static RESOLVE_DELETE: LazyLock<String> = LazyLock::new(|| format!("DELETE FROM idemgate_records WHERE {PK}"));
