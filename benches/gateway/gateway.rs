@@ -86,7 +86,8 @@ pub struct Spec {
 /// config parser.
 pub fn default_sweeper() -> Result<(Duration, u32)> {
     // A file must serve something: one upstream as the default.
-    let minimal = "[server]\ndefault_upstream = \"u\"\n[store]\nkind = \"sqlite\"\n[[upstreams]]\nname = \"u\"\nurl = \"http://127.0.0.1:9\"\n";
+    let minimal =
+        "[server]\ndefault_upstream = \"u\"\n[store]\nkind = \"sqlite\"\n[[upstreams]]\nname = \"u\"\nurl = \"http://127.0.0.1:9\"\n";
     let config = idemgate::config::Config::from_toml(minimal, "defaults", &|_| None)
         .map_err(|e| anyhow::anyhow!("parsing a minimal config: {e}"))?;
     Ok((config.store.sweep_interval, config.store.sweep_batch))
