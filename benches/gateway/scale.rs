@@ -118,7 +118,8 @@ fn insert_sql(prefix: &str, first: u64, last: u64, expires: &str) -> String {
              t.claim_token, t.owner, NULL, t.response_status, t.response_headers, t.response_body, now(), now(), {expires},
              idemgate_scope_id(t.tenant, t.principal, t.operation, '{prefix}' || lpad(g::text, 10, '0'))
          FROM idemgate_records t CROSS JOIN generate_series({first}::bigint, {last}::bigint) AS g
-         WHERE t.scope_id = idemgate_scope_id('bench', 'wrk', '{op}', '{TEMPLATE_KEY}') AND t.tenant = 'bench' AND t.principal = 'wrk' AND t.operation = '{op}' AND t.idempotency_key = '{TEMPLATE_KEY}'",
+         WHERE t.scope_id = idemgate_scope_id('bench', 'wrk', '{op}', '{TEMPLATE_KEY}')
+           AND t.tenant = 'bench' AND t.principal = 'wrk' AND t.operation = '{op}' AND t.idempotency_key = '{TEMPLATE_KEY}'",
         op = gateway::OPERATION,
     )
 }

@@ -102,8 +102,7 @@ WITH cur AS (
         operation_id = $10, request = $11, attempts = 0,
         next_attempt_at = CASE WHEN $10::text IS NOT NULL THEN now() END, sent_at = NULL, last_status = NULL, maybe_executed = false,
         key_source = $12
-    WHERE r.scope_id = idemgate_scope_id($1, $2, $3, $4) AND r.idempotency_key = $4
-      AND r.tenant = $1 AND r.principal = $2 AND r.operation = $3
+    WHERE {PK}
       AND CASE r.state
             WHEN 'completed' THEN r.expires_at <= now()
             WHEN 'failed_retryable' THEN r.expires_at <= now()
