@@ -8,6 +8,8 @@
 #   IDEMGATE_BIN=/path/to/target/release/idemgate ./side_by_side.sh
 #
 # Prints per run: rps p50 p99, upstream requests seen (must equal first writes),
+# cpu_us/r (the CPU time per request of the target's whole stack: the peer's Node
+# process and Redis; idemgate and every PostgreSQL process; idemgate on SQLite),
 # then `ratios: first_pg_vs_peer=X replay_pg_vs_peer=Y first_sqlite_vs_peer=Z
 # replay_sqlite_vs_peer=W` per connection count, and a closing `ratios:` line at the
 # highest one. After each PostgreSQL run: seq_scan+N, the sequential scans of
@@ -47,7 +49,7 @@ wait_until() { local w=$1 t=$2; shift 2; for _ in $(seq "$t"); do "$@" >/dev/nul
 # ---- redis + nginx upstream + peer ------------------------------------------
 RP=$(free_port); UP=$(free_port); PP=$(free_port); PGP=$(free_port); GP=$(free_port); GA=$(free_port); SP=$(free_port); SA=$(free_port)
 redis-server --port "$RP" --bind 127.0.0.1 --daemonize no --dir "$RUN" --logfile "$RUN/redis.log" "${RARGS[@]}" &
-PIDS+=($!); wait_until redis 50 redis-cli -p "$RP" ping
+PIDS+=($!); REDIS_PID=$!; wait_until redis 50 redis-cli -p "$RP" ping
 NGX="$RUN/nginx"; mkdir -p "$NGX/tmp"; chmod 755 "$NGX"
 cat > "$NGX/nginx.conf" <<EOF
 daemon off; master_process on; user nobody nogroup; worker_processes 1; pid $NGX/nginx.pid;
@@ -64,7 +66,7 @@ nginx -p "$NGX" -c "$NGX/nginx.conf" -e "$NGX/error.log" & PIDS+=($!)
 wait_until nginx 50 curl -fsS "http://127.0.0.1:$UP/__nginx_status"
 [[ -d "$PEER_DIR/node_modules/@node-idempotency/core" ]] || (cd "$PEER_DIR" && npm ci --no-audit --no-fund)
 PEER_PORT=$PP UPSTREAM_URL="http://127.0.0.1:$UP" REDIS_PORT=$RP PEER_WORKERS=1 node "$PEER_DIR/server.js" > "$RUN/peer.log" 2>&1 &
-PIDS+=($!); wait_until peer 100 curl -fsS "http://127.0.0.1:$PP/__peer/health"
+PIDS+=($!); NODE_PID=$!; wait_until peer 100 curl -fsS "http://127.0.0.1:$PP/__peer/health"
 
 # ---- private PostgreSQL (defaults: fsync on, synchronous_commit on) ------------
 PGDATA_DIR="$RUN/pg"; mkdir -p "$PGDATA_DIR" "$RUN/pglog"; chown postgres "$PGDATA_DIR" "$RUN/pglog"
@@ -103,8 +105,8 @@ mkcfg "$RUN/pg.toml" "$GP" "$GA" $'kind = "postgres"\nurl_env = "IDEMGATE_DATABA
 mkcfg "$RUN/sqlite.toml" "$SP" "$SA" "kind = \"sqlite\"
 path = \"$RUN/idemgate.db\""
 "$BIN" migrate --config "$RUN/pg.toml" >/dev/null 2>&1 || true
-"$BIN" serve --config "$RUN/pg.toml" > "$RUN/gw-pg.log" 2>&1 & PIDS+=($!)
-"$BIN" serve --config "$RUN/sqlite.toml" > "$RUN/gw-sqlite.log" 2>&1 & PIDS+=($!)
+"$BIN" serve --config "$RUN/pg.toml" > "$RUN/gw-pg.log" 2>&1 & PIDS+=($!); GW_PG_PID=$!
+"$BIN" serve --config "$RUN/sqlite.toml" > "$RUN/gw-sqlite.log" 2>&1 & PIDS+=($!); GW_SQLITE_PID=$!
 wait_until idemgate-pg 100 curl -fsS "http://127.0.0.1:$GA/readyz"
 wait_until idemgate-sqlite 100 curl -fsS "http://127.0.0.1:$SA/readyz"
 declare -A URL=([peer]="http://127.0.0.1:$PP" [pg]="http://127.0.0.1:$GP" [sqlite]="http://127.0.0.1:$SP")
@@ -113,15 +115,36 @@ ups() { curl -fsS "http://127.0.0.1:$UP/__nginx_status" | awk 'NR==3{print $3}';
 seqscans() { runuser -u postgres -- psql -h "$RUN/pglog" -p "$PGP" -qAt \
   -c "SELECT coalesce(sum(seq_scan), 0) FROM pg_stat_user_tables WHERE relname = 'idemgate_records'" postgres; }
 
+# CPU time (clock ticks) of processes, each with its waited-for children
+# (PostgreSQL backends that exited), from /proc/PID/stat.
+ticks() { local t=0 p f; for p in "$@"; do f=$(cat "/proc/$p/stat" 2>/dev/null) || continue; f=${f##*) }
+  set -- $f; t=$((t + ${12} + ${13} + ${14} + ${15})); done; echo "$t"; }
+pg_pids() { local pm; pm=$(head -n 1 "$PGDATA_DIR/postmaster.pid"); echo "$pm" $(pgrep -P "$pm"); }
+# Each target's CPU per request is what its whole stack spends: the peer's Node
+# process and Redis, idemgate and every PostgreSQL process, idemgate on SQLite.
+cpu_parts() { case $1 in
+  peer) echo "node $(ticks "$NODE_PID") redis $(ticks "$REDIS_PID")" ;;
+  pg) echo "idemgate $(ticks "$GW_PG_PID") postgres $(ticks $(pg_pids))" ;;
+  sqlite) echo "idemgate $(ticks "$GW_SQLITE_PID")" ;; esac; }
+# "cpu_us/r=T (a A + b B)" from two cpu_parts readings and a request count.
+cpu_per_request() { python3 - "$1" "$2" "$3" "$(getconf CLK_TCK)" <<'PY'
+import sys
+a, b, n, hz = sys.argv[1].split(), sys.argv[2].split(), int(sys.argv[3] or 0), int(sys.argv[4])
+us = [(name, (int(y) - int(x)) * 1e6 / hz / max(n, 1)) for name, x, y in zip(a[::2], a[1::2], b[1::2])]
+print("cpu_us/r=%d (%s)" % (sum(u for _, u in us), " + ".join("%s %d" % (name, u) for name, u in us)))
+PY
+}
+
 declare -A RPS
 run() { # run <target> <phase> <script> <conns> <dur>
   local t=$1 ph=$2 s=$3 c=$4 d=$5 u0 u1 res seq="" s0=0
-  u0=$(ups); [[ $t == pg ]] && s0=$(seqscans)
+  u0=$(ups); [[ $t == pg ]] && s0=$(seqscans); local c0; c0=$(cpu_parts "$t")
   LABEL="$t-$ph-c$c" KEY_PREFIX="$t-$ph-$c-$RANDOM$RANDOM" REPLAY_PREFIX="replay-$t-" REPLAY_KEYS="$REPLAY_KEYS" \
     timeout $(( ${d%s} + 20 )) wrk -t"$WRK_THREADS" -c"$c" -d"$d" --timeout 5s -s "$s" "${URL[$t]}" > "$RUN/wrk-$t-$ph-$c.txt" 2>&1
-  u1=$(ups); if [[ $t == pg ]]; then sleep 1; local s1; s1=$(seqscans); seq=" seq_scan+$((s1 - s0)) (total $s1)"; fi; res=$(grep '^RESULT' "$RUN/wrk-$t-$ph-$c.txt" | sed 's/^RESULT //')
+  local c1; c1=$(cpu_parts "$t"); u1=$(ups); if [[ $t == pg ]]; then sleep 1; local s1; s1=$(seqscans); seq=" seq_scan+$((s1 - s0)) (total $s1)"; fi; res=$(grep '^RESULT' "$RUN/wrk-$t-$ph-$c.txt" | sed 's/^RESULT //')
   RPS[$t-$ph-$c]=$(echo "$res" | grep -o 'rps=[0-9.]*' | cut -d= -f2)
-  printf '%-8s %-6s c=%-3s %s upstream+%s%s\n' "$t" "$ph" "$c" "$(echo "$res" | grep -o 'requests=.*p99_ms=[0-9.]*') $(echo "$res" | grep -o 'status_ge400=[0-9]*')" "$((u1 - u0 - 1))" "$seq"
+  printf '%-8s %-6s c=%-3s %s upstream+%s%s %s\n' "$t" "$ph" "$c" "$(echo "$res" | grep -o 'requests=.*p99_ms=[0-9.]*') $(echo "$res" | grep -o 'status_ge400=[0-9]*')" "$((u1 - u0 - 1))" "$seq" \
+    "$(cpu_per_request "$c0" "$c1" "$(echo "$res" | grep -o 'requests=[0-9]*' | cut -d= -f2)")"
 }
 for t in $TARGETS; do run "$t" warm "$WRK_DIR/first_writes.lua" 16 3s >/dev/null; done
 # STEADY=1: what autovacuum does after the first minute, done at once (ANALYZE), so that the
