@@ -148,9 +148,8 @@ impl Conn {
         F: std::future::Future<Output = http::Response<Body>> + Send + 'static,
     {
         let _ = sock.set_nodelay(true);
-        let peer = self.peer;
-        let served = self.served.clone();
         let Some(tls) = tls else {
+            let (peer, served) = (self.peer, self.served.clone());
             let service = service_fn(move |req: http::Request<hyper::body::Incoming>| {
                 if let Some(s) = &served {
                     s.served(req.version());
@@ -161,12 +160,22 @@ impl Conn {
             let conn = pin!(self.http.h1.serve_connection(TokioIo::new(sock), service));
             return self.drive(conn, |c| c.graceful_shutdown()).await;
         };
-        // The TLS branch's futures are boxed: kept inline, they would make
-        // every plain connection's task as large as a TLS one's (6.9 KB
-        // instead of 4.1 KB; docs/performance.md, issue 9's sixth pass).
+        // A TLS connection runs in a future of its own, on the heap: inline,
+        // its handshake and its HTTP/2-capable connection would make every
+        // plain connection's task as large (6.9 KB instead of 2.3 KB;
+        // docs/performance.md, issue 9's sixth pass).
+        Box::pin(self.serve_tls(sock, tls, handler)).await
+    }
+
+    async fn serve_tls<H, F>(self, sock: TcpStream, tls: Arc<TlsListener>, handler: H)
+    where
+        H: Fn(http::Request<hyper::body::Incoming>, SocketAddr) -> F + Send + Sync + 'static,
+        F: std::future::Future<Output = http::Response<Body>> + Send + 'static,
+    {
+        let (peer, served) = (self.peer, self.served.clone());
         let accepted = tokio::select! {
             _ = self.stop.cancelled() => return,
-            a = Box::pin(tls.handshake(sock)) => a,
+            a = tls.handshake(sock) => a,
         };
         let accepted = match accepted {
             Ok(a) => a,
@@ -193,8 +202,8 @@ impl Conn {
             async move { Ok::<_, Infallible>(fut.await) }
         });
         let io = TokioIo::new(accepted.stream);
-        let mut conn = Box::pin(self.http.auto.serve_connection(io, service));
-        self.drive(conn.as_mut(), |c| c.graceful_shutdown()).await
+        let conn = pin!(self.http.auto.serve_connection(io, service));
+        self.drive(conn, |c| c.graceful_shutdown()).await
     }
 
     /// Runs a connection to its end; on stop, asks it to finish the current
