@@ -68,6 +68,7 @@ on_both_stores!(
     list_pages_with_a_cursor_cover_every_record_once,
     probes_take_due_unknown_records_and_their_writes_are_fenced,
     racing_reconcilers_take_each_record_once,
+    the_reaper_decides_from_the_row_it_locked,
 );
 
 // ---------------------------------------------------------------------------
@@ -1881,4 +1882,134 @@ async fn attempts_from_an_earlier_life_of_a_record_are_fenced(backend: Backend) 
     );
     let done = row(&store, &k).await;
     assert_eq!(done.response.and_then(|r| r.body), Some(Bytes::from_static(b"fresh")));
+}
+
+// ---------------------------------------------------------------------------
+// The lease reaper decides from the row it locked (issue 27, item 1)
+
+/// On PostgreSQL, a hold for the lease reaper inside its statement: a trigger
+/// makes the reaper's update of `first` wait on advisory lock 4242 while the
+/// returned session holds it (`SELECT pg_advisory_lock(4242)`). The reaper has
+/// then taken its snapshot and locked `first`, but not yet the rows after it.
+/// `pg_advisory_unlock(4242)` lets it go on. Installed before the test locks
+/// any row (`CREATE TRIGGER` waits for every open transaction on the table).
+async fn hold_the_reaper_after(url: &str, first: &str) -> (tokio_postgres::Client, tokio::task::JoinHandle<()>) {
+    let (gate, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.expect("connect");
+    let task = tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    gate.batch_execute(&format!(
+        "CREATE FUNCTION idemgate_test_hold_reaper() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF OLD.idempotency_key = '{first}' AND OLD.state = 'processing' AND NEW.state IN ('queued', 'unknown') THEN
+                 PERFORM pg_advisory_xact_lock_shared(4242);
+             END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER idemgate_test_hold_reaper BEFORE UPDATE ON idemgate_records
+             FOR EACH ROW EXECUTE FUNCTION idemgate_test_hold_reaper();"
+    ))
+    .await
+    .expect("install the reaper's hold");
+    (gate, task)
+}
+
+/// Waits until some session waits for an advisory lock (the held reaper).
+async fn until_an_advisory_lock_is_awaited(db: &tokio_postgres::Client) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let n: i64 =
+            db.query_one("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted", &[]).await.expect("pg_locks").get(0);
+        if n > 0 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the reaper never reached its hold");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A worker's `mark_sent` that began while its lease was valid commits while
+/// the reaper's statement, begun after the lease ran out, is already running.
+/// The reaper must see the attempt as sent (it is at the upstream): on a route
+/// whose upstream does not deduplicate, the record becomes `unknown` with its
+/// event, and is never re-queued for a second send. Deciding from the
+/// statement's snapshot instead of the locked row re-queued it.
+async fn the_reaper_decides_from_the_row_it_locked(backend: Backend) {
+    let store = open_with_events(&backend).await;
+    let (first, sent) = (key("reaped-first"), key("sent-late"));
+    for s in [&first, &sent] {
+        claim(&store, &accept_req(s, 1)).await;
+    }
+    let routes = [worker_route("create_order", SHORT)];
+    let t_first = take(&store, &routes, "w1").await.expect("first");
+    let t_sent = take(&store, &routes, "w2").await.expect("second");
+    assert_eq!((t_first.record.scope.clone(), t_sent.record.scope.clone()), (first.clone(), sent.clone()));
+    match &backend {
+        Backend::Postgres { url } => {
+            let (gate, gate_task) = hold_the_reaper_after(url, "reaped-first").await;
+            // The worker's row is busy (a lock held from outside) when its
+            // mark_sent starts, inside the lease.
+            let (busy, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.expect("connect");
+            let busy_task = tokio::spawn(async move {
+                let _ = conn.await;
+            });
+            busy.batch_execute("BEGIN; SELECT 1 FROM idemgate_records WHERE idempotency_key = 'sent-late' FOR UPDATE")
+                .await
+                .expect("lock the row");
+            let marking = {
+                let store = store.clone();
+                let claim = t_sent.claim.clone();
+                tokio::spawn(async move { store.mark_sent(&claim).await })
+            };
+            // mark_sent is waiting for the row; its clock says the lease is valid.
+            until_a_lock_is_awaited(&busy, "transactionid").await;
+            tokio::time::sleep(PAST_SHORT).await;
+            // The reaper starts after both leases ran out, and is held after `first`.
+            gate.batch_execute("SELECT pg_advisory_lock(4242)").await.expect("hold the reaper");
+            let reaping = {
+                let store = store.clone();
+                tokio::spawn(async move { store.reap_leases(10, &[]).await })
+            };
+            until_an_advisory_lock_is_awaited(&gate).await;
+            // Now mark_sent commits: the worker will send.
+            busy.batch_execute("COMMIT").await.expect("commit");
+            let marked = marking.await.unwrap().expect("mark_sent");
+            assert_eq!(marked, WriteOutcome::Written, "marked within its lease: {:?}", row(&store, &sent).await);
+            gate.batch_execute("SELECT pg_advisory_unlock(4242)").await.expect("release the reaper");
+            let reaped = reaping.await.unwrap().expect("reap");
+            assert_eq!(reaped, Reaped { unknown: 1, requeued: 1 });
+            gate.batch_execute("DROP TRIGGER idemgate_test_hold_reaper ON idemgate_records").await.expect("drop trigger");
+            drop((busy, gate));
+            let _ = (busy_task.await, gate_task.await);
+        }
+        Backend::Sqlite { .. } => {
+            // One writer: mark_sent and the reaper cannot interleave; the
+            // same decision from the order they commit in.
+            assert_eq!(store.mark_sent(&t_sent.claim).await.unwrap(), WriteOutcome::Written);
+            tokio::time::sleep(PAST_SHORT).await;
+            assert_eq!(store.reap_leases(10, &[]).await.unwrap(), Reaped { unknown: 1, requeued: 1 });
+        }
+    }
+    let r = row(&store, &sent).await;
+    assert_eq!(r.state, State::Unknown, "sent to an upstream that does not deduplicate: never queued again ({r:?})");
+    assert!(r.sent_at.is_some(), "the send is remembered");
+    assert_eq!(row(&store, &first).await.state, State::Queued, "never sent: queued again");
+    assert!(take(&store, &routes, "w3").await.map(|t| t.record.scope) != Some(sent.clone()), "no worker sends it again");
+    let unknown_events: Vec<_> =
+        all_events(&store).await.into_iter().filter(|e| e.event_type == EventType::Unknown && e.scope == sent).collect();
+    assert_eq!(unknown_events.len(), 1, "the unknown outcome is announced");
+}
+
+/// Waits until `db`'s cluster has a session waiting for a lock of `kind`.
+async fn until_a_lock_is_awaited(db: &tokio_postgres::Client, kind: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let n: i64 =
+            db.query_one("SELECT count(*) FROM pg_locks WHERE locktype = $1 AND NOT granted", &[&kind]).await.expect("pg_locks").get(0);
+        if n > 0 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "nobody waits for a {kind} lock");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }

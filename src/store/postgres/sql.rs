@@ -454,6 +454,13 @@ RETURNING 1";
 /// record::transition's LeaseExpired, in SQL: sync attempts become unknown;
 /// async ones go back to the queue when they never sent (no sent_at) or
 /// their upstream deduplicates, else unknown.
+///
+/// The decision is made in the `UPDATE`, from `r`: the row `stale` locked, in
+/// its latest committed version. Nothing may decide from a second read of
+/// the table in this statement: that read sees the statement's starting
+/// snapshot, which misses a `mark_sent` that committed between the start and
+/// the lock, and re-queued an attempt already at the upstream (a second send).
+/// `requeue` is told by the state the row was given.
 pub(super) static REAP_LEASES: LazyLock<String> = LazyLock::new(|| {
     format!(
         "\
@@ -461,24 +468,21 @@ WITH stale AS (
     SELECT scope_id, tenant, principal, operation, idempotency_key FROM idemgate_records
     WHERE state IN ('in_flight', 'processing') AND (lease_expires_at IS NULL OR lease_expires_at <= now())
     ORDER BY lease_expires_at LIMIT $1 FOR UPDATE SKIP LOCKED
-), decided AS (
-    SELECT s.*, (r.state = 'processing' AND (r.sent_at IS NULL OR r.operation = ANY($2::text[]))) AS requeue
-    FROM stale s JOIN idemgate_records r USING (scope_id, tenant, principal, operation, idempotency_key)
 ), upd AS (
 UPDATE idemgate_records r SET
-    state = CASE WHEN d.requeue THEN 'queued' ELSE 'unknown' END,
-    lease_expires_at = CASE WHEN d.requeue THEN NULL ELSE r.lease_expires_at END,
-    next_attempt_at = CASE WHEN d.requeue THEN now() ELSE r.next_attempt_at END,
-    sent_at = CASE WHEN d.requeue THEN NULL ELSE r.sent_at END,
+    state = CASE WHEN {REQUEUE_IF} THEN 'queued' ELSE 'unknown' END,
+    lease_expires_at = CASE WHEN {REQUEUE_IF} THEN NULL ELSE r.lease_expires_at END,
+    next_attempt_at = CASE WHEN {REQUEUE_IF} THEN now() ELSE r.next_attempt_at END,
+    sent_at = CASE WHEN {REQUEUE_IF} THEN NULL ELSE r.sent_at END,
     -- Re-queued although it was sent: it may have executed.
-    maybe_executed = r.maybe_executed OR (d.requeue AND r.sent_at IS NOT NULL),
+    maybe_executed = r.maybe_executed OR ({REQUEUE_IF} AND r.sent_at IS NOT NULL),
     updated_at = now()
-FROM decided d
+FROM stale d
 WHERE r.scope_id = d.scope_id AND r.tenant = d.tenant AND r.principal = d.principal AND r.operation = d.operation
   AND r.idempotency_key = d.idempotency_key
   AND CASE r.state WHEN 'in_flight' THEN true WHEN 'processing' THEN true ELSE false END
   AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())
-RETURNING d.requeue, r.tenant, r.principal, r.operation, r.idempotency_key, r.generation, r.operation_id
+RETURNING r.state = 'queued' AS requeue, r.tenant, r.principal, r.operation, r.idempotency_key, r.generation, r.operation_id
 ), ev AS (
     INSERT INTO idemgate_events {EVENT_INSERT}
     SELECT 'unknown', tenant, principal, operation, idempotency_key, generation, NULL, operation_id, NULL, NULL
@@ -487,6 +491,11 @@ RETURNING d.requeue, r.tenant, r.principal, r.operation, r.idempotency_key, r.ge
 SELECT requeue FROM upd"
     )
 });
+
+/// The reaper's re-queue rule on the row being updated (`r`, its values
+/// before the update): an async attempt that never reached the upstream, or
+/// one whose upstream deduplicates (`$2`, the re-forwardable operations).
+const REQUEUE_IF: &str = "(r.state = 'processing' AND (r.sent_at IS NULL OR r.operation = ANY($2::text[])))";
 
 /// A worker takes the oldest due operation of its routes: the row is locked
 /// with `SKIP LOCKED` (a concurrent worker takes the next one), drawn a new
