@@ -167,7 +167,11 @@ impl Reconciler {
     /// Takes and settles the route's due records, batch after batch, until a
     /// batch comes back short.
     async fn pass(&self, probed: &Probed) -> Result<u64, StoreError> {
-        let routes = [ProbeRoute { operation: probed.route.operation.clone(), settle: probed.probe.settle }];
+        let routes = [ProbeRoute {
+            operation: probed.route.operation.clone(),
+            settle: probed.probe.settle,
+            at_upstream: probed.upstream.config.timeout,
+        }];
         let mut total = 0;
         loop {
             let batch = self.store.take_probes(&routes, probed.hold, BATCH).await?;

@@ -69,6 +69,7 @@ on_both_stores!(
     probes_take_due_unknown_records_and_their_writes_are_fenced,
     racing_reconcilers_take_each_record_once,
     the_reaper_decides_from_the_row_it_locked,
+    probes_wait_until_the_attempt_cannot_be_at_the_upstream,
 );
 
 // ---------------------------------------------------------------------------
@@ -1240,7 +1241,7 @@ async fn list_pages_with_a_cursor_cover_every_record_once(backend: Backend) {
 }
 
 fn probe_route(operation: &str, settle: Duration) -> ProbeRoute {
-    ProbeRoute { operation: operation.into(), settle }
+    ProbeRoute { operation: operation.into(), settle, at_upstream: Duration::ZERO }
 }
 
 async fn unknown(store: &Store, s: &Scope) -> Claim {
@@ -2012,4 +2013,27 @@ async fn until_a_lock_is_awaited(db: &tokio_postgres::Client, kind: &str) {
         assert!(Instant::now() < deadline, "nobody waits for a {kind} lock");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// A record is probed only once its attempt cannot be at the upstream any
+/// more: `at_upstream + settle` after it was sent (async: `sent_at`) or
+/// claimed (sync: `created_at`), however early it turned `unknown`.
+async fn probes_wait_until_the_attempt_cannot_be_at_the_upstream(backend: Backend) {
+    let store = open(&backend).await;
+    let (sync, queued) = (key("sync"), key("async"));
+    let at_upstream = Duration::from_millis(1200);
+    let route = ProbeRoute { operation: "create_order".into(), settle: Duration::ZERO, at_upstream };
+    let sent = Instant::now();
+    // A synchronous attempt whose lease (150 ms) ran out: unknown at once.
+    claim(&store, &req(&sync, 1, SHORT, false)).await;
+    // An async attempt marked sent, then its lease ran out: unknown too.
+    claim(&store, &accept_req(&queued, 1)).await;
+    let t = take(&store, &[worker_route("create_order", SHORT)], "w").await.expect("taken");
+    assert_eq!(store.mark_sent(&t.claim).await.unwrap(), WriteOutcome::Written);
+    tokio::time::sleep(PAST_SHORT).await;
+    assert_eq!(store.reap_leases(10, &[]).await.unwrap(), Reaped { unknown: 2, requeued: 0 });
+    assert!(store.take_probes(&[route.clone()], SHORT, 10).await.unwrap().is_empty(), "both may still be at the upstream");
+    tokio::time::sleep(at_upstream.saturating_sub(sent.elapsed()) + Duration::from_millis(100)).await;
+    let taken = store.take_probes(&[route], SHORT, 10).await.unwrap();
+    assert_eq!(key_set(&taken.iter().map(|p| p.record.clone()).collect::<Vec<_>>()), set(&["sync", "async"]));
 }

@@ -344,3 +344,51 @@ async fn a_refetch_route_keeps_only_status_and_location_of_what_the_probe_found(
     assert_eq!((again.json()["order"].as_u64(), again.json()["version"].as_u64()), (Some(1), Some(0)));
     assert_eq!(up.side_effects(&derived("k7")), 1);
 }
+
+/// An async route whose lease (1 s) is far shorter than its upstream's timeout
+/// (6 s), and whose upstream commits only at the end of its work (its by-key
+/// lookup answers 404 until then). Replica A sends the operation and is
+/// frozen; replica B's reaper turns the record `unknown` one lease later,
+/// while the upstream is still working. B must not probe it until the attempt
+/// can no longer be at the upstream (sent + timeout + settle): a probe's 404
+/// before then released the operation and B's worker sent it a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_waits_until_the_attempt_cannot_be_at_the_upstream() {
+    let backend = postgres_backend();
+    let up = TestUpstream::start().await;
+    up.set_probe_status(Some(404));
+    let cfg = || {
+        GatewayConfig::new(backend.clone(), up.url())
+            .timeout("6s")
+            .route(
+                "mode = \"async\"\nlease = \"1s\"\n[routes.reconcile]\nprobe = \"GET /v1/orders/by-key/{derived_key}\"\n\
+                 found_as = 201\nsettle = \"500ms\"\ninterval = \"100ms\"",
+            )
+            .tail("[workers]\ncount = 1")
+    };
+    let a = Gateway::start(cfg());
+    let store = backend.open().await;
+    let mut received = up.subscribe();
+    let r = post(&a.url("/v1/orders"), "slow", ORDER, &[("x-test-sleep-ms", "4000")]).await;
+    assert_eq!(r.status, 202, "{r:?}");
+    received.recv().await.unwrap();
+    let sent = std::time::Instant::now();
+    a.signal("STOP");
+    let b = Gateway::start(cfg());
+    wait_state(&store, "slow", Some(State::Unknown), &b).await;
+    // The upstream finishes its work (4 s) and commits: from now on its
+    // lookup finds the order.
+    tokio::time::sleep(Duration::from_millis(4500).saturating_sub(sent.elapsed())).await;
+    assert_eq!(up.total(), 1, "no second send while the first was at the upstream:\n{}", b.logs());
+    up.set_probe_status(None);
+    a.signal("CONT");
+    wait_state(&store, "slow", Some(State::Completed), &b).await;
+    let probes = up.probes();
+    assert!(!probes.is_empty(), "completed by the probe");
+    let first_probe = probes[0].2.duration_since(sent);
+    assert!(first_probe >= Duration::from_millis(6500), "probed {first_probe:?} after the send: before timeout + settle");
+    assert_eq!(up.total(), 1, "one execution");
+    assert_eq!(up.side_effects(&derived("slow")), 1);
+    let trail = store.audit(10).await.unwrap();
+    assert_eq!((trail[0].actor.as_str(), trail[0].to_state.as_str()), ("reconciler", "completed"));
+}

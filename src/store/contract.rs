@@ -212,10 +212,20 @@ impl ListCursor {
 
 /// A route whose `unknown` records the reconciler probes, and how long a
 /// record must have been unknown first.
+///
+/// A record is probed only once its attempt can no longer be at the
+/// upstream: `settle` after it became unknown, and `at_upstream + settle`
+/// after the attempt was sent (`sent_at`; a synchronous attempt is sent as
+/// soon as it is claimed, `created_at`). An async lease may be far shorter
+/// than the upstream's timeout, so a record can turn unknown while the
+/// upstream is still working on it; an "absent" answer then would release an
+/// operation that is about to happen, and the retry would run it twice.
 #[derive(Debug, Clone)]
 pub struct ProbeRoute {
     pub operation: Arc<str>,
     pub settle: Duration,
+    /// How long an attempt may be at the upstream: its whole-response timeout.
+    pub at_upstream: Duration,
 }
 
 /// What a probe's result write must still find: the record `unknown` at the

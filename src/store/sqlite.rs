@@ -943,16 +943,21 @@ impl RecordStore for SqliteStore {
                 if left <= 0 {
                     break;
                 }
-                let settled = Timestamp(now.0.saturating_sub(i64::try_from(route.settle.as_micros()).unwrap_or(i64::MAX)));
+                let ago = |d: Duration| Timestamp(now.0.saturating_sub(i64::try_from(d.as_micros()).unwrap_or(i64::MAX)));
+                let settled = ago(route.settle);
+                // Sent (or, synchronous, claimed) long enough ago that the
+                // attempt cannot still be at the upstream.
+                let finished = ago(route.at_upstream.saturating_add(route.settle));
                 let sql = format!(
                     "SELECT {COLUMNS}, request, CASE WHEN probe_generation = generation THEN probe_attempts ELSE 0 END \
                      FROM idemgate_records WHERE state = 'unknown' AND operation = ?1 AND updated_at <= ?2 \
+                     AND coalesce(sent_at, created_at) <= ?5 \
                      AND (probe_generation IS NOT generation \
                           OR ((next_probe_at IS NULL OR next_probe_at <= ?3) AND (probe_until IS NULL OR probe_until <= ?3))) \
                      ORDER BY updated_at LIMIT ?4"
                 );
                 let mut st = tx.prepare_cached(&sql).map_err(err)?;
-                let mut rows = st.query(params![&*route.operation, settled.0, now.0, left]).map_err(err)?;
+                let mut rows = st.query(params![&*route.operation, settled.0, now.0, left, finished.0]).map_err(err)?;
                 while let Some(row) = rows.next().map_err(err)? {
                     let record = decode(row)?;
                     let request: Option<Vec<u8>> = row.get(NCOLS).map_err(err)?;

@@ -770,7 +770,8 @@ impl RecordStore for PgStore {
     async fn take_probes(&self, routes: &[ProbeRoute], token: Uuid, hold: Duration, limit: u32) -> Result<Vec<Probing>, StoreError> {
         let ops: Vec<&str> = routes.iter().map(|r| &*r.operation).collect();
         let settles: Vec<i64> = routes.iter().map(|r| micros(r.settle)).collect();
-        let rows = self.query(&sql::TAKE_PROBES, &[&ops, &settles, &token, &micros(hold), &i64::from(limit)], true).await?;
+        let at_upstream: Vec<i64> = routes.iter().map(|r| micros(r.at_upstream)).collect();
+        let rows = self.query(&sql::TAKE_PROBES, &[&ops, &settles, &token, &micros(hold), &i64::from(limit), &at_upstream], true).await?;
         let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
         rows.iter()
             .map(|row| {

@@ -623,7 +623,8 @@ pub(super) const STATS: &str = "SELECT operation, state, count(*), min(created_a
 pub(super) const FOREVER_COUNTS: &str = "SELECT operation, count(*) FROM idemgate_records WHERE expires_at = 'infinity' GROUP BY operation";
 
 /// The reconciler takes due `unknown` records of its routes (each past its
-/// route's settle time, not in backoff, not marked by a live probe), marks
+/// route's settle time, its attempt no longer possibly at the upstream, not
+/// in backoff, not marked by a live probe), marks
 /// them with its token until the hold runs out, and gets them back with their
 /// stored request and the inconclusive probes of this generation so far.
 /// `SKIP LOCKED`: two replicas never take one record.
@@ -631,12 +632,15 @@ pub(super) static TAKE_PROBES: LazyLock<String> = LazyLock::new(|| {
     format!(
         "\
 WITH routes AS (
-    SELECT * FROM unnest($1::text[], $2::int8[]) AS ro(operation, settle_us)
+    SELECT * FROM unnest($1::text[], $2::int8[], $6::int8[]) AS ro(operation, settle_us, at_upstream_us)
 ), due AS (
     SELECT r.scope_id, r.tenant, r.principal, r.operation, r.idempotency_key
     FROM idemgate_records r JOIN routes ro ON ro.operation = r.operation
     WHERE r.state = 'unknown'
       AND r.updated_at <= now() - ro.settle_us * interval '1 microsecond'
+      -- The attempt was sent (async: sent_at; sync: claimed, created_at) at
+      -- least the upstream's timeout plus settle ago: it cannot be running.
+      AND coalesce(r.sent_at, r.created_at) <= now() - (ro.at_upstream_us + ro.settle_us) * interval '1 microsecond'
       AND (r.probe_generation IS DISTINCT FROM r.generation
            OR ((r.next_probe_at IS NULL OR r.next_probe_at <= now()) AND (r.probe_until IS NULL OR r.probe_until <= now())))
     -- Oldest first, sorted after the open states' index found them (no index
