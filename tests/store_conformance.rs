@@ -70,6 +70,7 @@ on_both_stores!(
     racing_reconcilers_take_each_record_once,
     the_reaper_decides_from_the_row_it_locked,
     probes_wait_until_the_attempt_cannot_be_at_the_upstream,
+    a_released_operation_starts_a_fresh_attempt_budget,
 );
 
 // ---------------------------------------------------------------------------
@@ -2036,4 +2037,26 @@ async fn probes_wait_until_the_attempt_cannot_be_at_the_upstream(backend: Backen
     tokio::time::sleep(at_upstream.saturating_sub(sent.elapsed()) + Duration::from_millis(100)).await;
     let taken = store.take_probes(&[route], SHORT, 10).await.unwrap();
     assert_eq!(key_set(&taken.iter().map(|p| p.record.clone()).collect::<Vec<_>>()), set(&["sync", "async"]));
+}
+
+/// An operator (or a probe's "absent") who releases an async operation says
+/// "it did not happen, run it": the operation goes back to the queue with a
+/// fresh attempt budget. Keeping the used-up count failed it at the next take
+/// without running it.
+async fn a_released_operation_starts_a_fresh_attempt_budget(backend: Backend) {
+    let store = open(&backend).await;
+    let s = key("released");
+    claim(&store, &accept_req(&s, 1)).await;
+    let routes = [worker_route("create_order", LONG)];
+    let t = take(&store, &routes, "w").await.expect("taken");
+    assert_eq!(store.mark_sent(&t.claim).await.unwrap(), WriteOutcome::Written);
+    let timed_out = RetryNote { last_status: None, maybe_executed: true };
+    assert_eq!(store.fail(&t.claim, Retention::For(LONG), timed_out).await.unwrap(), WriteOutcome::Written);
+    assert_eq!((row(&store, &s).await.state, row(&store, &s).await.attempts), (State::Unknown, 1));
+    let released = store.resolve(&s, &RELEASE, &note("did not happen, run it again")).await.unwrap();
+    assert!(matches!(released, ResolveOutcome::Resolved { .. }), "{released:?}");
+    let queued = row(&store, &s).await;
+    assert_eq!((queued.state, queued.attempts, queued.maybe_executed, queued.sent_at), (State::Queued, 0, false, None));
+    let again = take(&store, &routes, "w").await.expect("runs again");
+    assert_eq!(again.record.attempts, 1, "the first attempt of a fresh budget");
 }

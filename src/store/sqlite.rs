@@ -451,7 +451,7 @@ impl RecordStore for SqliteStore {
                     let [t, p, o, k] = pk(&scope);
                     tx.prepare_cached(&format!(
                         "UPDATE idemgate_records SET state = 'queued', generation = ?5, lease_expires_at = NULL, sent_at = NULL, \
-                         next_attempt_at = ?6, maybe_executed = 0, response_status = NULL, response_headers = NULL, \
+                         next_attempt_at = ?6, attempts = 0, maybe_executed = 0, response_status = NULL, response_headers = NULL, \
                          response_body = NULL, updated_at = ?6 WHERE {PK}"
                     ))
                     .and_then(|mut st| st.execute(params![t, p, o, k, next.0, now.0]))

@@ -409,7 +409,7 @@ pub(super) static RESOLVE_HOLD: LazyLock<String> = LazyLock::new(|| {
 pub(super) static RESOLVE_REQUEUE: LazyLock<String> = LazyLock::new(|| {
     format!(
         "UPDATE idemgate_records SET state = 'queued', generation = nextval('idemgate_generation'), lease_expires_at = NULL, \
-         sent_at = NULL, next_attempt_at = now(), maybe_executed = false, response_status = NULL, response_headers = NULL, \
+         sent_at = NULL, next_attempt_at = now(), attempts = 0, maybe_executed = false, response_status = NULL, response_headers = NULL, \
          response_body = NULL, updated_at = now(), cache_hold_until = NULL WHERE {PK} RETURNING generation"
     )
 });
