@@ -19,6 +19,7 @@ on_both_stores!(
     refused_and_declined_attempts_back_off_then_fail_retryable,
     timeout_after_send_is_unknown_unless_the_upstream_deduplicates,
     a_front_replica_without_workers_only_accepts,
+    the_acceptance_document_carries_the_time_of_acceptance,
 );
 
 const ORDER: &str = r#"{"item":"book","qty":1}"#;
@@ -206,4 +207,18 @@ async fn a_front_replica_without_workers_only_accepts(backend: Backend) {
     let (code, out, err) = cli(&gw, &["keys", "list", "--state", "queued"]);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("queued") && out.contains("1 record(s)"), "{out}");
+}
+
+/// The 202's `created_at`/`updated_at` are the time the operation was
+/// accepted, the same values the status document reads back from the store
+/// (the embedded store once answered "now + lease").
+async fn the_acceptance_document_carries_the_time_of_acceptance(backend: Backend) {
+    let (_up, gw, _store) = setup(backend, |c| c.route("lease = \"60s\"").tail("[workers]\ncount = 0")).await;
+    let accepted = post(&gw.url("/v1/orders"), "when", ORDER, &[]).await;
+    assert_eq!(accepted.status, 202, "{accepted:?}");
+    let doc = accepted.json();
+    let polled = get(&gw, accepted.header("location").unwrap(), &auth(&[])).await.json();
+    for field in ["created_at", "updated_at"] {
+        assert_eq!(doc[field], polled[field], "{field}: 202 {doc} vs poll {polled}");
+    }
 }

@@ -930,6 +930,7 @@ async fn acceptance_queues_the_operation_with_its_request(backend: Backend) {
     let c = claim(&store, &r).await;
     let rec = row(&store, &s).await;
     assert_eq!((rec.state, rec.generation, rec.claim_token), (State::Queued, c.generation, r.claim_token));
+    assert_eq!(c.lease_expires_at, rec.created_at, "an acceptance has no lease: its claim carries the time it was accepted");
     assert_eq!(rec.operation_id.as_deref(), Some("op_async-1"));
     assert_eq!((rec.attempts, rec.lease_expires_at, rec.sent_at), (0, None, None));
     assert!(rec.next_attempt_at.is_some(), "due at once");

@@ -102,6 +102,8 @@ pub struct Claim {
     pub scope: Scope,
     pub generation: Generation,
     pub claim_token: Uuid,
+    /// When the lease runs out; for an async acceptance, which has no lease
+    /// until a worker takes it, the time it was accepted.
     pub lease_expires_at: Timestamp,
     /// The claim replaced an expired record rather than inserting a new one.
     pub took_over: bool,

@@ -292,7 +292,9 @@ impl RecordStore for SqliteStore {
                     ])
                 })
                 .map_err(err)?;
-            Ok(RawClaim::Claimed(Claim { scope: req.scope.clone(), generation, claim_token: token, lease_expires_at: lease, took_over }))
+            // An acceptance has no lease yet: its claim carries the time it was accepted.
+            let lease_expires_at = if req.acceptance.is_some() { now } else { lease };
+            Ok(RawClaim::Claimed(Claim { scope: req.scope.clone(), generation, claim_token: token, lease_expires_at, took_over }))
         })
         .await
     }
