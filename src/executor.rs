@@ -11,6 +11,7 @@
 //! operation); the exchange itself and its classification are one code path.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -229,12 +230,18 @@ impl Executor {
     /// re-queued with backoff (refused, declined by `release_on_status`, or
     /// lost on the way to a deduplicating upstream); `failed_retryable` when
     /// the retries are used up; or `unknown`.
+    ///
+    /// Once the attempt starts its final write, heartbeats stop deciding: a
+    /// heartbeat fenced off by that very write (it ran just after it) is not
+    /// a lost lease, and the write's own outcome (written or fenced) says
+    /// what happened.
     pub async fn run_async(&self, route: &Route, taken: &Taken) -> AttemptOutcome {
         let claim = &taken.claim;
+        let recording = AtomicBool::new(false);
         self.metrics.forward_started();
         let outcome = tokio::select! {
-            outcome = self.async_attempt(route, taken) => outcome,
-            () = self.heartbeats(claim, route.lease) => {
+            outcome = self.async_attempt(route, taken, &recording) => outcome,
+            () = self.heartbeats(claim, route.lease, &recording) => {
                 tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), generation = %claim.generation,
                     "lost the lease to a newer attempt; this attempt stops and records nothing");
                 AttemptOutcome::LostLease
@@ -245,13 +252,19 @@ impl Executor {
         outcome
     }
 
-    /// Renews the lease until a heartbeat is fenced (never returns otherwise).
-    async fn heartbeats(&self, claim: &Claim, lease: Duration) {
+    /// Renews the lease until a heartbeat is fenced (never returns otherwise),
+    /// and never once the attempt is `recording` its outcome.
+    async fn heartbeats(&self, claim: &Claim, lease: Duration, recording: &AtomicBool) {
         let every = (lease / 3).max(Duration::from_millis(50));
         loop {
             tokio::time::sleep(every).await;
+            if recording.load(Ordering::Acquire) {
+                return std::future::pending().await;
+            }
             match self.store.heartbeat(claim, lease).await {
                 Ok(WriteOutcome::Written) => {}
+                // Fenced by the attempt's own final write, perhaps: let it tell.
+                Ok(WriteOutcome::Fenced) if recording.load(Ordering::Acquire) => return std::future::pending().await,
                 Ok(WriteOutcome::Fenced) => return,
                 // The store is unreachable: keep trying. If the lease runs out
                 // meanwhile, the reaper decides and our later writes are fenced.
@@ -260,12 +273,13 @@ impl Executor {
         }
     }
 
-    async fn async_attempt(&self, route: &Route, taken: &Taken) -> AttemptOutcome {
+    async fn async_attempt(&self, route: &Route, taken: &Taken, recording: &AtomicBool) -> AttemptOutcome {
         let claim = &taken.claim;
         let attempts = taken.record.attempts;
         let request = match StoredRequest::decode(&taken.request).and_then(|r| Ok((r.parts()?, r.body))) {
             Ok(r) => r,
             Err(e) => {
+                recording.store(true, Ordering::Release);
                 // Nothing can be sent: the operation fails (it never executed).
                 tracing::error!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "stored request is unreadable");
                 return self.record_async(
@@ -278,6 +292,7 @@ impl Executor {
         };
         if attempts > i32::try_from(route.retry.max_attempts).unwrap_or(i32::MAX) {
             // Lease expiries re-queued it after the last allowed attempt took it.
+            recording.store(true, Ordering::Release);
             return self.record_async(
                 route,
                 claim,
@@ -296,7 +311,10 @@ impl Executor {
             }
         }
         let (parts, body) = request;
-        match self.exchange(route, claim, parts, body).await {
+        let exchanged = self.exchange(route, claim, parts, body).await;
+        // From here on, every branch writes the attempt's outcome.
+        recording.store(true, Ordering::Release);
+        match exchanged {
             Exchange::Answered { head, body } => {
                 let body = match body {
                     UpstreamBody::Complete(bytes) => Some(bytes),

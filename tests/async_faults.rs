@@ -196,3 +196,45 @@ async fn all_replicas_killed_with_operations_queued_then_restarted_finish_everyt
         }
     }
 }
+
+/// A heartbeat that runs just after its own attempt's final write (here made
+/// to wait on the row while the completion commits slowly) finds the record
+/// completed. That is not a lost lease: the attempt's write landed, so it
+/// counts as completed and nothing says "records nothing".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heartbeat_after_its_own_final_write_is_not_a_lost_lease() {
+    let backend = postgres_backend();
+    let Backend::Postgres { url } = &backend else { unreachable!() };
+    let up = TestUpstream::start().await;
+    let gw = Gateway::start(async_config(&backend, &up, false, 2));
+    let store = backend.open().await;
+    // Completions commit 600 ms after they start; heartbeats (every ~330 ms)
+    // wait on the row meanwhile and run right after the commit.
+    let (db, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.expect("connect");
+    tokio::spawn(conn);
+    db.batch_execute(
+        "CREATE FUNCTION idemgate_test_slow_completion() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF NEW.state = 'completed' AND OLD.state = 'processing' THEN PERFORM pg_sleep(0.6); END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER idemgate_test_slow_completion BEFORE UPDATE ON idemgate_records
+             FOR EACH ROW EXECUTE FUNCTION idemgate_test_slow_completion();",
+    )
+    .await
+    .expect("trigger");
+    let keys: Vec<String> = (0..8).map(|i| format!("hb-{i}")).collect();
+    for k in &keys {
+        let accepted = post(&gw.url("/v1/orders"), k, ORDER, &[]).await;
+        assert_eq!(accepted.status, 202);
+    }
+    for k in &keys {
+        assert_eq!(wait_final(&store, k, Duration::from_secs(30)).await.state, State::Completed);
+    }
+    let series = |outcome: &str| format!("idemgate_async_attempts_total{{operation=\"create_order\",outcome=\"{outcome}\"}}");
+    let counted = eventually(Duration::from_secs(5), || async { metric(&gw, &series("completed")).await >= keys.len() as f64 }).await;
+    assert!(counted, "completed: {}", metric(&gw, &series("completed")).await);
+    assert_eq!(metric(&gw, &series("lost_lease")).await, 0.0, "{}", gw.logs());
+    assert_eq!(gw.log_count("records nothing"), 0, "{}", gw.logs());
+    assert_eq!(up.total(), keys.len() as u64);
+}
