@@ -58,8 +58,15 @@ impl Probe {
 pub const MAX_PROBE_BACKOFF: Duration = Duration::from_secs(3600);
 
 /// The probe's path and query, with placeholders: `{derived_key}` (the
-/// `Idempotency-Key` the upstream was sent), `{key}` (the client's key) and
-/// the route's path parameters.
+/// `Idempotency-Key` the upstream was sent), `{key}` (the client's key),
+/// `{tenant}` and `{principal}` (the rest of the record's scope) and the
+/// route's path parameters.
+///
+/// A probe must name one scope's operation: `{derived_key}` does (it is an
+/// HMAC of the whole scope); `{key}` does only with `{tenant}` and
+/// `{principal}` beside it. A lookup by the client's key alone could find
+/// another tenant's operation under the same key and complete this record
+/// with that answer (and hand it to this record's client).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProbeTarget {
     source: String,
@@ -71,7 +78,21 @@ enum Piece {
     Literal(String),
     DerivedKey,
     Key,
+    Tenant,
+    Principal,
     Param(String),
+}
+
+/// What a probe's placeholders are filled with, for one record.
+#[derive(Debug, Clone, Copy)]
+pub struct ProbeValues<'a> {
+    pub derived_key: &'a str,
+    pub key: &'a str,
+    pub tenant: &'a str,
+    pub principal: &'a str,
+    /// The request's path parameters as they appeared in its path (already
+    /// URI-safe).
+    pub params: &'a [(String, String)],
 }
 
 /// Characters left as they are in a substituted key: RFC 3986 unreserved.
@@ -121,18 +142,33 @@ impl ProbeTarget {
             pieces.push(match name {
                 "derived_key" => Piece::DerivedKey,
                 "key" => Piece::Key,
+                "tenant" => Piece::Tenant,
+                "principal" => Piece::Principal,
                 p if params.contains(&p) => Piece::Param(p.to_owned()),
                 other => {
-                    let known: Vec<String> =
-                        ["derived_key", "key"].iter().copied().chain(params.iter().copied()).map(|n| format!("{{{n}}}")).collect();
+                    let known: Vec<String> = ["derived_key", "key", "tenant", "principal"]
+                        .iter()
+                        .copied()
+                        .chain(params.iter().copied())
+                        .map(|n| format!("{{{n}}}"))
+                        .collect();
                     return Err(format!("unknown placeholder {{{other}}}: use {}", known.join(", ")));
                 }
             });
             rest = &after[close + 2..];
         }
         let t = ProbeTarget { source: target.to_owned(), pieces };
+        let names = |p: &Piece| t.pieces.contains(p);
+        if !names(&Piece::DerivedKey) && !(names(&Piece::Key) && names(&Piece::Tenant) && names(&Piece::Principal)) {
+            return Err(format!(
+                "the target {target:?} does not name one scope's operation: use {{derived_key}}, or {{key}} together with \
+                 {{tenant}} and {{principal}} (a lookup by the client's key alone could find another tenant's operation \
+                 and complete this record with its answer)"
+            ));
+        }
         let sample: Vec<(String, String)> = params.iter().map(|p| ((*p).to_owned(), "p".to_owned())).collect();
-        t.render("0", "k", &sample).map_err(|e| format!("the target {target:?} is not a valid path and query: {e}"))?;
+        let values = ProbeValues { derived_key: "0", key: "k", tenant: "t", principal: "p", params: &sample };
+        t.render(&values).map_err(|e| format!("the target {target:?} is not a valid path and query: {e}"))?;
         Ok(t)
     }
 
@@ -148,16 +184,17 @@ impl ProbeTarget {
         self.pieces.contains(&Piece::DerivedKey)
     }
 
-    /// The path and query to send. `params` are the request's path
-    /// parameters as they appeared in its path (already URI-safe).
-    pub fn render(&self, derived_key: &str, key: &str, params: &[(String, String)]) -> Result<PathAndQuery, ProbeError> {
-        let mut out = String::with_capacity(self.source.len() + derived_key.len());
+    /// The path and query to send.
+    pub fn render(&self, v: &ProbeValues<'_>) -> Result<PathAndQuery, ProbeError> {
+        let mut out = String::with_capacity(self.source.len() + v.derived_key.len());
         for piece in &self.pieces {
             match piece {
                 Piece::Literal(s) => out.push_str(s),
-                Piece::DerivedKey => out.extend(utf8_percent_encode(derived_key, COMPONENT)),
-                Piece::Key => out.extend(utf8_percent_encode(key, COMPONENT)),
-                Piece::Param(name) => match params.iter().find(|(n, _)| n == name) {
+                Piece::DerivedKey => out.extend(utf8_percent_encode(v.derived_key, COMPONENT)),
+                Piece::Key => out.extend(utf8_percent_encode(v.key, COMPONENT)),
+                Piece::Tenant => out.extend(utf8_percent_encode(v.tenant, COMPONENT)),
+                Piece::Principal => out.extend(utf8_percent_encode(v.principal, COMPONENT)),
+                Piece::Param(name) => match v.params.iter().find(|(n, _)| n == name) {
                     Some((_, v)) => out.push_str(v),
                     None => return Err(ProbeError::MissingParam(name.clone())),
                 },
@@ -195,16 +232,27 @@ mod tests {
         let (m, t) = target("GET /v1/orders/by-key/{derived_key}", &[]).unwrap();
         assert_eq!(m, Method::GET);
         assert!(t.uses_derived_key() && !t.uses_params());
-        assert_eq!(t.render("ab12", "k", &[]).unwrap().as_str(), "/v1/orders/by-key/ab12");
+        let v = |d: &'static str, k: &'static str, params: &'static [(String, String)]| ProbeValues {
+            derived_key: d,
+            key: k,
+            tenant: "ac me",
+            principal: "bill/ing",
+            params,
+        };
+        assert_eq!(t.render(&v("ab12", "k", &[])).unwrap().as_str(), "/v1/orders/by-key/ab12");
 
         let (m, t) = target("head /v1/accounts/{id}/orders?key={key}&d={derived_key}", &["id"]).unwrap();
         assert_eq!(m, Method::HEAD);
         assert!(t.uses_params());
-        let params = vec![("id".to_owned(), "ac%20c".to_owned())];
+        let params: &'static [(String, String)] = Box::leak(Box::new([("id".to_owned(), "ac%20c".to_owned())]));
         // The client's key is one component whatever it holds; a parameter is
         // used as it appeared in the request path.
-        assert_eq!(t.render("d1", "a/b?c&d %", &params).unwrap().as_str(), "/v1/accounts/ac%20c/orders?key=a%2Fb%3Fc%26d%20%25&d=d1");
-        assert!(matches!(t.render("d1", "k", &[]), Err(ProbeError::MissingParam(p)) if p == "id"));
+        assert_eq!(t.render(&v("d1", "a/b?c&d %", params)).unwrap().as_str(), "/v1/accounts/ac%20c/orders?key=a%2Fb%3Fc%26d%20%25&d=d1");
+        assert!(matches!(t.render(&v("d1", "k", &[])), Err(ProbeError::MissingParam(p)) if p == "id"));
+
+        // The client's key with the rest of the scope, each one component.
+        let (_, t) = target("GET /by-key/{tenant}/{principal}/{key}", &[]).unwrap();
+        assert_eq!(t.render(&v("d1", "k/1", &[])).unwrap().as_str(), "/by-key/ac%20me/bill%2Fing/k%2F1");
     }
 
     #[test]
@@ -217,12 +265,18 @@ mod tests {
             ("GET /v1/orders/{derived_key", "unbalanced"),
             ("GET /v1/orders/}x", "unbalanced"),
             ("GET /v1/orders#frag", "fragment"),
-            ("GET /v1/\u{1}x", "not a valid path"),
+            ("GET /v1/\u{1}x/{derived_key}", "not a valid path"),
+            // The client's key alone names no scope: another tenant's
+            // operation under the same key would answer.
+            ("GET /v1/orders/by-key/{key}", "{tenant} and {principal}"),
+            ("GET /v1/orders/{tenant}/{key}", "{tenant} and {principal}"),
+            ("GET /a/{account}", "does not name one scope"),
         ] {
             let e = target(probe, &["account"]).unwrap_err();
             assert!(e.contains(needle), "{probe}: {e}");
         }
-        assert!(target("GET /a/{account}", &["account"]).is_ok());
+        assert!(target("GET /a/{account}/{derived_key}", &["account"]).is_ok());
+        assert!(target("GET /a/{account}/{tenant}/{principal}?k={key}", &["account"]).is_ok());
     }
 
     #[test]

@@ -58,7 +58,7 @@ use crate::route::Route;
 use crate::store::{ProbeRoute, Probing, Store, StoreError, WriteOutcome};
 use crate::upstream::Upstream;
 
-pub use crate::probe::{MAX_PROBE_BACKOFF, Probe, ProbeError, ProbeTarget, Verdict};
+pub use crate::probe::{MAX_PROBE_BACKOFF, Probe, ProbeError, ProbeTarget, ProbeValues, Verdict};
 
 /// What a synchronous claim keeps for the reconciler: on a route whose probe
 /// uses path parameters, the request line (method, path and query, encoded
@@ -250,7 +250,15 @@ impl Reconciler {
         let probe = &probed.probe;
         let scope = &taken.record.scope;
         let params = if probe.target.uses_params() { path_params(&probed.route, taken.request.as_deref())? } else { Vec::new() };
-        let pq = probe.target.render(&scope.derived_key(Some(&self.secret)), scope.key.as_str(), &params)?;
+        let derived_key = scope.derived_key(Some(&self.secret));
+        let values = ProbeValues {
+            derived_key: &derived_key,
+            key: scope.key.as_str(),
+            tenant: &scope.tenant,
+            principal: &scope.principal,
+            params: &params,
+        };
+        let pq = probe.target.render(&values)?;
         let upstream = &probed.upstream;
         let uri = upstream.uri_for(Some(&pq))?;
         let req =

@@ -561,7 +561,7 @@ fn a_probe_is_parsed_with_its_defaults() {
     assert!(parse(&minimal("")).unwrap().routes[0].reconcile.is_none(), "no probe unless configured");
 
     let text = minimal(
-        "[routes.reconcile]\nprobe = \"head /v1/orders/{id}/by-key?k={key}\"\nfound = [200, 204]\nfound_as = 201\nabsent = [404, 410]\n\
+        "[routes.reconcile]\nprobe = \"head /v1/orders/{id}/by-key?k={key}&t={tenant}&p={principal}\"\nfound = [200, 204]\nfound_as = 201\nabsent = [404, 410]\n\
          settle = \"5s\"\ninterval = \"250ms\"",
     )
     .replace("path = \"/v1/orders\"", "path = \"/v1/orders/{id}\"");
@@ -597,6 +597,10 @@ fn bad_probes_are_reported_by_path() {
     // {derived_key} on a route that forwards the client's key.
     let e = parse(&minimal("forward_key = \"client\"\n[routes.reconcile]\nprobe = \"GET /o/{derived_key}\"")).unwrap_err();
     assert!(issue(&e, "routes[0].reconcile.probe").contains("{key}"), "{e}");
+    // {key} alone: another tenant's operation under the same key could answer.
+    let e = parse(&minimal("forward_key = \"client\"\n[routes.reconcile]\nprobe = \"GET /o/{key}\"")).unwrap_err();
+    assert!(issue(&e, "routes[0].reconcile.probe").contains("{tenant} and {principal}"), "{e}");
+    assert!(parse(&minimal("forward_key = \"client\"\n[routes.reconcile]\nprobe = \"GET /o/{tenant}/{principal}/{key}\"")).is_ok());
     // A status that says two things.
     let e = parse(&minimal("[routes.reconcile]\nprobe = \"GET /o/{key}\"\nfound = [200]\nabsent = [200, 404]")).unwrap_err();
     assert!(issue(&e, "routes[0].reconcile.absent").contains("200"), "{e}");

@@ -1236,7 +1236,7 @@ impl Validator<'_> {
         {
             self.issues.push(
                 format!("{p}.probe"),
-                "this route forwards the client's own key (forward_key = \"client\"): the upstream never saw {derived_key}; use {key}",
+                "this route forwards the client's own key (forward_key = \"client\"): the upstream never saw {derived_key}; use {key} with {tenant} and {principal}",
             );
         }
         let found = self.statuses(&format!("{p}.found"), r.found.as_deref(), &[200]);
