@@ -319,6 +319,7 @@ pub struct Metrics {
     deliveries: Family<DeliveryLabels, Counter>,
     events_pending: Gauge,
     events_parked: Gauge,
+    events_held: Gauge,
     events_oldest_pending: Gauge<f64, std::sync::atomic::AtomicU64>,
     observe_would: Family<WouldLabels, Counter>,
     observe_skipped: Family<OperationLabels, Counter>,
@@ -402,6 +403,12 @@ impl Metrics {
         registry.register("events_pending", "Outbox events waiting for delivery", events_pending.clone());
         let events_parked = Gauge::default();
         registry.register("events_parked", "Outbox events parked after max_attempts failed deliveries", events_parked.clone());
+        let events_held = Gauge::default();
+        registry.register(
+            "events_held",
+            "Pending outbox events waiting behind a parked event of their scope (delivered once it is redelivered)",
+            events_held.clone(),
+        );
         let events_oldest_pending = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
         registry.register("events_oldest_pending_age_seconds", "Age of the oldest pending outbox event", events_oldest_pending.clone());
         let observe_would = Family::<WouldLabels, Counter>::default();
@@ -475,6 +482,7 @@ impl Metrics {
             deliveries,
             events_pending,
             events_parked,
+            events_held,
             events_oldest_pending,
             observe_would,
             observe_skipped,
@@ -637,6 +645,7 @@ impl Metrics {
     pub fn set_event_stats(&self, stats: &crate::stats::EventStats, now: crate::record::Timestamp) {
         self.events_pending.set(stats.pending);
         self.events_parked.set(stats.parked);
+        self.events_held.set(stats.held);
         self.events_oldest_pending.set(stats.oldest_pending_at.map_or(0.0, |at| at.until(now).as_secs_f64()));
     }
 

@@ -20,6 +20,9 @@ pub struct StateCount {
 pub struct EventStats {
     pub pending: i64,
     pub parked: i64,
+    /// Pending events waiting behind a parked event of their scope (order
+    /// per scope is kept: they go once the parked one is redelivered).
+    pub held: i64,
     pub oldest_pending_at: Option<Timestamp>,
 }
 

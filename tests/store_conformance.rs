@@ -71,6 +71,7 @@ on_both_stores!(
     the_reaper_decides_from_the_row_it_locked,
     probes_wait_until_the_attempt_cannot_be_at_the_upstream,
     a_released_operation_starts_a_fresh_attempt_budget,
+    a_parked_event_holds_the_later_events_of_its_scope,
 );
 
 // ---------------------------------------------------------------------------
@@ -2060,4 +2061,43 @@ async fn a_released_operation_starts_a_fresh_attempt_budget(backend: Backend) {
     assert_eq!((queued.state, queued.attempts, queued.maybe_executed, queued.sent_at), (State::Queued, 0, false, None));
     let again = take(&store, &routes, "w").await.expect("runs again");
     assert_eq!(again.record.attempts, 1, "the first attempt of a fresh budget");
+}
+
+/// Order per scope survives parking: once an event is parked, the later
+/// events of its scope wait behind it (other scopes go on); redelivered, it
+/// is delivered first, then the rest. A receiver never sees `unknown` after
+/// the final state.
+async fn a_parked_event_holds_the_later_events_of_its_scope(backend: Backend) {
+    let store = open_with_events(&backend).await;
+    let (a, b) = (key("a"), key("b"));
+    let c = claim(&store, &req(&a, 1, LONG, false)).await;
+    store.mark_unknown(&c).await.unwrap();
+    let ops = ["create_order"];
+    let relay = Uuid::new_v4();
+    let first = store.take_events(&ops, 10, LONG, relay).await.unwrap();
+    assert_eq!(first.iter().map(|e| e.event_type.as_str()).collect::<Vec<_>>(), vec!["unknown"]);
+    assert!(store.event_failed(first[0].seq, relay, "answered 500", Duration::ZERO, true).await.unwrap(), "parked");
+    // The record is settled afterwards: a later event of the same scope.
+    let n = AuditNote { actor: Actor::Cli, reason: "it happened".into(), forced: false };
+    let done = Resolution::Complete { response: response(201, b"a"), retention: Retention::For(LONG), force: false };
+    assert!(matches!(store.resolve(&a, &done, &n).await.unwrap(), ResolveOutcome::Resolved { .. }));
+    let c = claim(&store, &req(&b, 1, LONG, false)).await;
+    store.complete(&c, &response(201, b"b"), Retention::For(LONG)).await.unwrap();
+    let taken = store.take_events(&ops, 10, LONG, relay).await.unwrap();
+    let seen: Vec<(&str, &str)> = taken.iter().map(|e| (e.scope.key.as_str(), e.event_type.as_str())).collect();
+    assert_eq!(seen, vec![("b", "completed")], "a's completion waits behind its parked unknown");
+    store.events_delivered(&taken.iter().map(|e| e.seq).collect::<Vec<_>>(), relay).await.unwrap();
+    assert!(store.take_events(&ops, 10, LONG, relay).await.unwrap().is_empty(), "still held");
+    let stats = store.event_stats().await.unwrap();
+    assert_eq!((stats.pending, stats.parked, stats.held), (1, 1, 1), "one pending event, held behind the parked one");
+    assert!(store.redeliver(first[0].id).await.unwrap());
+    let again = store.take_events(&ops, 10, LONG, relay).await.unwrap();
+    assert_eq!(
+        again.iter().map(|e| (e.id, e.event_type.as_str())).collect::<Vec<_>>(),
+        vec![(first[0].id, "unknown")],
+        "the earlier state first"
+    );
+    store.events_delivered(&[again[0].seq], relay).await.unwrap();
+    let last = store.take_events(&ops, 10, LONG, relay).await.unwrap();
+    assert_eq!(last.iter().map(|e| (e.scope.key.as_str(), e.event_type.as_str())).collect::<Vec<_>>(), vec![("a", "completed")]);
 }

@@ -728,6 +728,9 @@ impl RecordStore for SqliteStore {
                      AND NOT EXISTS (SELECT 1 FROM idemgate_events p WHERE p.delivery = 'pending' AND p.tenant = e.tenant \
                        AND p.principal = e.principal AND p.operation = e.operation AND p.idempotency_key = e.idempotency_key \
                        AND p.seq < e.seq) \
+                     AND NOT EXISTS (SELECT 1 FROM idemgate_events q WHERE q.delivery = 'parked' AND q.seq < e.seq \
+                       AND q.tenant = e.tenant AND q.principal = e.principal AND q.operation = e.operation \
+                       AND q.idempotency_key = e.idempotency_key) \
                      ORDER BY next_attempt_at"
                 );
                 let mut st = tx.prepare_cached(&sql).map_err(err)?;
@@ -840,13 +843,18 @@ impl RecordStore for SqliteStore {
         self.write(move |conn, _| {
             conn.query_row(
                 "SELECT count(*) FILTER (WHERE delivery = 'pending'), count(*) FILTER (WHERE delivery = 'parked'), \
-                 min(at) FILTER (WHERE delivery = 'pending') FROM idemgate_events WHERE delivery <> 'sent'",
+                 min(at) FILTER (WHERE delivery = 'pending'), \
+                 (SELECT count(*) FROM idemgate_events q JOIN idemgate_events e ON e.delivery = 'pending' \
+                    AND e.tenant = q.tenant AND e.principal = q.principal AND e.operation = q.operation \
+                    AND e.idempotency_key = q.idempotency_key AND e.seq > q.seq WHERE q.delivery = 'parked') \
+                 FROM idemgate_events WHERE delivery <> 'sent'",
                 [],
                 |row| {
                     Ok(EventStats {
                         pending: row.get(0)?,
                         parked: row.get(1)?,
                         oldest_pending_at: row.get::<_, Option<i64>>(2)?.map(Timestamp),
+                        held: row.get(3)?,
                     })
                 },
             )

@@ -731,6 +731,7 @@ impl RecordStore for PgStore {
             pending: row.try_get(0).map_err(c)?,
             parked: row.try_get(1).map_err(c)?,
             oldest_pending_at: row.try_get(2).map_err(c)?,
+            held: row.try_get(3).map_err(c)?,
         })
     }
 

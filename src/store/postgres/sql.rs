@@ -572,6 +572,11 @@ pub(super) static TAKE_EVENTS: LazyLock<String> = LazyLock::new(|| {
               AND NOT EXISTS (SELECT 1 FROM idemgate_events p
                               WHERE p.delivery = 'pending' AND p.tenant = e.tenant AND p.principal = e.principal
                                 AND p.operation = e.operation AND p.idempotency_key = e.idempotency_key AND p.seq < e.seq)
+              -- A parked event holds the later ones of its scope (through the
+              -- parked events' own index: there are few).
+              AND NOT EXISTS (SELECT 1 FROM idemgate_events q
+                              WHERE q.delivery = 'parked' AND q.seq < e.seq AND q.tenant = e.tenant AND q.principal = e.principal
+                                AND q.operation = e.operation AND q.idempotency_key = e.idempotency_key)
             ORDER BY e.next_attempt_at LIMIT $2 FOR UPDATE SKIP LOCKED)
         UPDATE idemgate_events e SET lease_token = $3, lease_until = now() + $4::int8 * interval '1 microsecond'
         FROM due WHERE e.seq = due.seq
@@ -612,7 +617,10 @@ pub(super) const SWEEP_EVENTS: &str = "DELETE FROM idemgate_events WHERE seq IN 
 pub(super) const EVENT_STATS: &str = "SELECT \
      (SELECT count(*) FROM idemgate_events WHERE delivery = 'pending'), \
      (SELECT count(*) FROM idemgate_events WHERE delivery = 'parked'), \
-     (SELECT min(at) FROM idemgate_events WHERE delivery = 'pending')";
+     (SELECT min(at) FROM idemgate_events WHERE delivery = 'pending'), \
+     (SELECT count(*) FROM idemgate_events q JOIN idemgate_events e ON e.delivery = 'pending' AND e.tenant = q.tenant \
+        AND e.principal = q.principal AND e.operation = q.operation AND e.idempotency_key = q.idempotency_key AND e.seq > q.seq \
+      WHERE q.delivery = 'parked')";
 
 /// Records not yet completed, through the partial index of open states.
 pub(super) const STATS: &str = "SELECT operation, state, count(*), min(created_at), min(updated_at) FROM idemgate_records \
@@ -720,7 +728,11 @@ pub fn catalog() -> Vec<Statement> {
         s("requeue", &REQUEUE, PKEY),
         s("fail", &FAIL, PKEY),
         s("operation", &OPERATION, &["idemgate_records_operation_id"]),
-        s("take_events", &TAKE_EVENTS, &["idemgate_events_pending", "idemgate_events_scope", "idemgate_events_pkey"]),
+        s(
+            "take_events",
+            &TAKE_EVENTS,
+            &["idemgate_events_pending", "idemgate_events_scope", "idemgate_events_parked", "idemgate_events_pkey"],
+        ),
         s("events_delivered", EVENTS_DELIVERED, &["idemgate_events_pkey"]),
         s("event_failed", EVENT_FAILED, &["idemgate_events_pkey"]),
         s("events", &EVENTS, &["idemgate_events_pkey"]),
