@@ -237,6 +237,12 @@ impl Executor {
     /// what happened.
     pub async fn run_async(&self, route: &Route, taken: &Taken) -> AttemptOutcome {
         let claim = &taken.claim;
+        if taken.lease_expired {
+            // Counted like the reaper's re-queues: an attempt that lost its lease and runs again.
+            self.metrics.requeued(1);
+            tracing::info!(route = %route.operation, scope = %claim.scope.log_id(), generation = %claim.generation,
+                maybe_executed = taken.record.maybe_executed, "took over an attempt whose lease ran out");
+        }
         let recording = AtomicBool::new(false);
         self.metrics.forward_started();
         let outcome = tokio::select! {

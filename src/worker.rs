@@ -37,7 +37,10 @@ impl Workers {
     /// `routes`: the routes whose operations may be async (`mode = "async"`
     /// or `allow_async`).
     pub fn new(routes: Vec<Arc<Route>>, store: Store, owner: Arc<str>, wake: Arc<Notify>) -> Workers {
-        let take = routes.iter().map(|r| WorkerRoute { operation: r.operation.clone(), lease: r.lease }).collect();
+        let take = routes
+            .iter()
+            .map(|r| WorkerRoute { operation: r.operation.clone(), lease: r.lease, reforwardable: r.upstream_idempotent })
+            .collect();
         Workers { routes, take, store, owner, wake }
     }
 

@@ -238,3 +238,32 @@ async fn a_heartbeat_after_its_own_final_write_is_not_a_lost_lease() {
     assert_eq!(gw.log_count("records nothing"), 0, "{}", gw.logs());
     assert_eq!(up.total(), keys.len() as u64);
 }
+
+/// Take-over follows the lease, not the sweep interval: with the lease
+/// reaper's `sweep_interval` at 30 s, a worker killed -9 mid-forward on a
+/// deduplicating upstream (lease 1 s) is taken over by another replica's
+/// worker within moments of the lease's expiry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn take_over_follows_the_lease_not_the_sweep_interval() {
+    let backend = postgres_backend();
+    let up = TestUpstream::start().await;
+    up.set_dedupe(true);
+    let cfg = || async_config(&backend, &up, true, 1).sweep_interval("30s");
+    let mut a = Gateway::start(cfg());
+    let store = backend.open().await;
+    let mut received = up.subscribe();
+    let accepted = post(&a.url("/v1/orders"), "fast", ORDER, &[("x-test-sleep-ms", "3000")]).await;
+    assert_eq!(accepted.status, 202);
+    received.recv().await.unwrap();
+    a.kill9();
+    let killed = std::time::Instant::now();
+    let b = Gateway::start(cfg());
+    let again = tokio::time::timeout(Duration::from_secs(10), received.recv()).await;
+    assert!(again.is_ok(), "not taken over within 10 s of the kill (lease 1 s):\n{}", b.logs());
+    let after = killed.elapsed();
+    let rec = wait_final(&store, "fast", Duration::from_secs(15)).await;
+    assert_eq!(rec.state, State::Completed);
+    assert_eq!(up.side_effects(&derived("fast")), 1, "the upstream acted once");
+    assert!(metric(&b, "idemgate_requeued_leases_total").await >= 1.0, "the take-over is counted");
+    eprintln!("taken over {after:?} after the kill");
+}

@@ -72,6 +72,7 @@ on_both_stores!(
     probes_wait_until_the_attempt_cannot_be_at_the_upstream,
     a_released_operation_starts_a_fresh_attempt_budget,
     a_parked_event_holds_the_later_events_of_its_scope,
+    workers_take_over_expired_attempts_that_may_run_again,
 );
 
 // ---------------------------------------------------------------------------
@@ -145,7 +146,7 @@ fn accept_req(scope: &Scope, hash: u8) -> ClaimRequest {
 }
 
 fn worker_route(operation: &str, lease: Duration) -> WorkerRoute {
-    WorkerRoute { operation: operation.into(), lease }
+    WorkerRoute { operation: operation.into(), lease, reforwardable: false }
 }
 
 fn response(status: u16, body: &'static [u8]) -> StoredResponse {
@@ -2100,4 +2101,49 @@ async fn a_parked_event_holds_the_later_events_of_its_scope(backend: Backend) {
     store.events_delivered(&[again[0].seq], relay).await.unwrap();
     let last = store.take_events(&ops, 10, LONG, relay).await.unwrap();
     assert_eq!(last.iter().map(|e| (e.scope.key.as_str(), e.event_type.as_str())).collect::<Vec<_>>(), vec![("a", "completed")]);
+}
+
+/// Take-over does not wait for the lease reaper: a worker's take serves,
+/// before the queue, an attempt whose lease ran out and that may run again
+/// (never sent, or sent to a deduplicating upstream: `maybe_executed`), under
+/// a new generation that fences the old holder. A sent attempt on a plain
+/// upstream is never taken (the reaper makes it unknown).
+async fn workers_take_over_expired_attempts_that_may_run_again(backend: Backend) {
+    let store = open(&backend).await;
+    let (unsent, dedup, sent, queued) = (key("unsent"), scope("acme", "billing", "charge", "dedup"), key("sent"), key("queued-later"));
+    for s in [&unsent, &dedup, &sent] {
+        claim(&store, &accept_req(s, 1)).await;
+    }
+    let routes = [
+        WorkerRoute { operation: "create_order".into(), lease: SHORT, reforwardable: false },
+        WorkerRoute { operation: "charge".into(), lease: SHORT, reforwardable: true },
+    ];
+    let mut held = Vec::new();
+    while let Some(t) = take(&store, &routes, "w1").await {
+        assert!(!t.lease_expired, "from the queue");
+        if t.record.scope != unsent {
+            assert_eq!(store.mark_sent(&t.claim).await.unwrap(), WriteOutcome::Written);
+        }
+        held.push(t);
+    }
+    assert_eq!(held.len(), 3);
+    claim(&store, &accept_req(&queued, 1)).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    let mut taken_over = BTreeSet::new();
+    for _ in 0..2 {
+        let t = take(&store, &routes, "w2").await.expect("an expired attempt");
+        assert!(t.lease_expired, "{t:?}");
+        let old = held.iter().find(|h| h.record.scope == t.record.scope).unwrap();
+        assert!(t.claim.generation > old.claim.generation);
+        assert_eq!((t.record.attempts, t.record.sent_at), (2, None));
+        assert_eq!(t.record.maybe_executed, t.record.scope == dedup, "sent before: it may have executed");
+        assert_eq!(store.mark_sent(&old.claim).await.unwrap(), WriteOutcome::Fenced, "the old holder is fenced");
+        taken_over.insert(t.record.scope.key.as_str().to_owned());
+    }
+    assert_eq!(taken_over, set(&["unsent", "dedup"]));
+    let next = take(&store, &routes, "w2").await.expect("the queue");
+    assert_eq!((next.record.scope.clone(), next.lease_expired), (queued.clone(), false), "the sent one is not taken");
+    assert_eq!(row(&store, &sent).await.state, State::Processing);
+    assert_eq!(store.reap_leases(10, &["charge".into()]).await.unwrap(), Reaped { unknown: 1, requeued: 0 });
+    assert_eq!(row(&store, &sent).await.state, State::Unknown);
 }

@@ -66,15 +66,26 @@ pub struct Acceptance {
 pub struct WorkerRoute {
     pub operation: Arc<str>,
     pub lease: Duration,
+    /// The route's upstream deduplicates (`upstream_idempotent`): an attempt
+    /// whose lease ran out after it was sent may be taken over and sent again.
+    pub reforwardable: bool,
 }
 
 /// An operation a worker took: the record (now `processing` under the new
 /// attempt), the stored request to run, and the attempt's claim.
+///
+/// A take serves due `queued` operations and, first, takes over attempts
+/// whose lease ran out and that may run again (never sent, or sent to a
+/// deduplicating upstream): the workers' polling takes an operation over
+/// within moments of its lease's expiry, without waiting for the lease
+/// reaper's next pass.
 #[derive(Debug, Clone)]
 pub struct Taken {
     pub record: Record,
     pub request: Bytes,
     pub claim: Claim,
+    /// Taken over from an attempt whose lease ran out (not from the queue).
+    pub lease_expired: bool,
 }
 
 /// Why an async attempt is retried (or failed).

@@ -638,10 +638,12 @@ impl RecordStore for PgStore {
     async fn take(&self, routes: &[WorkerRoute], owner: &str, claim_token: Uuid) -> Result<Option<Taken>, StoreError> {
         let ops: Vec<&str> = routes.iter().map(|r| &*r.operation).collect();
         let leases: Vec<i64> = routes.iter().map(|r| micros(r.lease)).collect();
-        let rows = self.query(&sql::TAKE, &[&ops, &leases, &claim_token, &owner], true).await?;
+        let reforwardable: Vec<&str> = routes.iter().filter(|r| r.reforwardable).map(|r| &*r.operation).collect();
+        let rows = self.query(&sql::TAKE, &[&ops, &leases, &claim_token, &owner, &reforwardable], true).await?;
         let Some(row) = rows.first() else { return Ok(None) };
         let record = decode(row)?;
         let request: Vec<u8> = row.try_get(NCOLS + 1).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        let lease_expired: bool = row.try_get(NCOLS + 2).map_err(|e| StoreError::Corrupt(e.to_string()))?;
         let claim = Claim {
             scope: record.scope.clone(),
             generation: record.generation,
@@ -649,7 +651,7 @@ impl RecordStore for PgStore {
             lease_expires_at: record.lease_expires_at.unwrap_or(record.updated_at),
             took_over: true,
         };
-        Ok(Some(Taken { record, request: request.into(), claim }))
+        Ok(Some(Taken { record, request: request.into(), claim, lease_expired }))
     }
 
     async fn heartbeat(&self, scope: &Scope, attempt: Attempt, lease: Duration) -> Result<bool, StoreError> {

@@ -505,25 +505,44 @@ pub(super) static TAKE: LazyLock<String> = LazyLock::new(|| {
         "\
 WITH routes AS (
     SELECT * FROM unnest($1::text[], $2::int8[]) AS ro(operation, lease_us)
-), next AS (
+), expired AS (
+    -- A take-over: an attempt whose lease ran out (its worker died or is
+    -- frozen) and that may run again: it never sent, or its upstream
+    -- deduplicates ($5). Sent attempts of other routes are the reaper's
+    -- (they become unknown). The locking read rechecks all this on the
+    -- latest row version.
     SELECT r.scope_id, r.tenant, r.principal, r.operation, r.idempotency_key,
-           (SELECT max(ro.lease_us) FROM routes ro WHERE ro.operation = r.operation) AS lease_us
+           (SELECT max(ro.lease_us) FROM routes ro WHERE ro.operation = r.operation) AS lease_us, true AS took_over
+    FROM idemgate_records r
+    WHERE r.state = 'processing' AND r.lease_expires_at <= now() AND r.operation = ANY($1::text[])
+      AND (r.sent_at IS NULL OR r.operation = ANY($5::text[]))
+    ORDER BY r.lease_expires_at
+    LIMIT 1
+    FOR UPDATE OF r SKIP LOCKED
+), due AS (
+    SELECT r.scope_id, r.tenant, r.principal, r.operation, r.idempotency_key,
+           (SELECT max(ro.lease_us) FROM routes ro WHERE ro.operation = r.operation) AS lease_us, false AS took_over
     FROM idemgate_records r
     WHERE r.state = 'queued' AND r.next_attempt_at <= now() AND r.operation = ANY($1::text[])
     ORDER BY r.next_attempt_at
     LIMIT 1
     FOR UPDATE OF r SKIP LOCKED
+), next AS (
+    -- Take-overs first; `due` is not read (nor locked) when one is found.
+    SELECT * FROM expired UNION ALL SELECT * FROM due LIMIT 1
 )
 -- The route's lease comes with the row found: joining the routes here would
 -- let the planner look rows up by their operation alone.
 UPDATE idemgate_records r SET
     state = 'processing', generation = nextval('idemgate_generation'), claim_token = $3, owner = $4,
     lease_expires_at = now() + n.lease_us * interval '1 microsecond', attempts = r.attempts + 1, sent_at = NULL,
+    -- Taken over although it was sent: it may have executed.
+    maybe_executed = r.maybe_executed OR (r.state = 'processing' AND r.sent_at IS NOT NULL),
     next_attempt_at = NULL, updated_at = now()
 FROM next n
 WHERE r.scope_id = n.scope_id AND r.tenant = n.tenant AND r.principal = n.principal AND r.operation = n.operation
   AND r.idempotency_key = n.idempotency_key
-RETURNING {}, now(), r.request",
+RETURNING {}, now(), r.request, n.took_over",
         prefixed(COLUMNS, "r.")
     )
 });
