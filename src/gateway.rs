@@ -3,13 +3,15 @@
 //! [`Executor`](crate::executor::Executor) on a tracked task, or answer from
 //! the record the claim found.
 
+use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, request};
+use http::uri::PathAndQuery;
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri, request};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use tokio::sync::{Notify, oneshot};
@@ -301,6 +303,13 @@ impl Gateway {
         trace: &mut Trace,
         request_id: &HeaderValue,
     ) -> Result<Response<Body>, GatewayError> {
+        // Everything from here on (routing, the authorizer, the fingerprint's
+        // path parameters, the upstream) sees the path in normal form, or the
+        // request is refused before any of it.
+        let normal = self.router.normalise(req.method(), req.uri().path()).map_err(GatewayError::InvalidRequest)?;
+        if let Cow::Owned(normal) = normal {
+            *req.uri_mut() = with_path(req.uri(), &normal)?;
+        }
         if let Some(rest) = req.uri().path().strip_prefix(OPERATIONS_PATH) {
             trace.route = RouteLabel::OperationStatus;
             let rest = rest.to_owned();
@@ -308,7 +317,7 @@ impl Gateway {
             trace.outcome = Some(outcome);
             return Ok(resp);
         }
-        match self.router.route(req.method(), req.uri().path()) {
+        match self.router.route_normal(req.method(), req.uri().path()).map_err(GatewayError::InvalidRequest)? {
             RouteMatch::Operation { route, params } => {
                 let route = route.clone();
                 trace.route = RouteLabel::Operation(route.operation.clone());
@@ -688,6 +697,24 @@ fn accepted_record(req: &ClaimRequest, claim: &crate::store::Claim) -> Record {
         maybe_executed: false,
         key_source: Some(req.key_source.to_string()),
     }
+}
+
+/// `uri` with its path replaced by `path` (its normal form); scheme,
+/// authority and query kept as they are.
+fn with_path(uri: &Uri, path: &str) -> Result<Uri, GatewayError> {
+    let path_and_query = match uri.query() {
+        Some(query) => format!("{path}?{query}"),
+        None => path.to_owned(),
+    };
+    let mut parts = uri.clone().into_parts();
+    parts.path_and_query = Some(PathAndQuery::try_from(path_and_query).map_err(|e| {
+        tracing::warn!(error = %e, "a normalised path does not parse");
+        GatewayError::Internal
+    })?);
+    Uri::from_parts(parts).map_err(|e| {
+        tracing::warn!(error = %e, "a normalised URI does not parse");
+        GatewayError::Internal
+    })
 }
 
 fn json_response(status: StatusCode, doc: &serde_json::Value) -> Response<Body> {
