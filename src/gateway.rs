@@ -462,7 +462,7 @@ impl Gateway {
         let gw = self.clone();
         let route = route.clone();
         self.tracker.spawn(async move {
-            let (out, write) = gw.claim_and_forward(&route, claim, parts, body).await;
+            let (out, write) = gw.claim_and_forward(&route, claim, params, parts, body).await;
             // The client may be gone; the record is written either way. The
             // answer goes first: the result write then runs while it travels.
             let _ = tx.send(out);
@@ -480,13 +480,22 @@ impl Gateway {
         &'a self,
         route: &'a Route,
         claim: ClaimRequest,
+        params: Vec<(String, String)>,
         parts: request::Parts,
         body: Bytes,
     ) -> (Result<(Response<Body>, Outcome), GatewayError>, Option<ResultWrite<'a>>) {
         // A result this replica answered and is still writing comes first:
         // its client's retry is replayed, not told "in flight".
         self.waiters.settled(&claim.scope, self.store.timeout()).await;
-        match self.claim_or_answer(route, &claim, &parts).await {
+        let request = RequestParts {
+            method: &parts.method,
+            operation: &route.operation,
+            path_params: &params,
+            query: parts.uri.query(),
+            headers: &parts.headers,
+            body: &body,
+        };
+        match self.claim_or_answer(route, &claim, &parts, &request).await {
             Ok(Claimed::Answered(answer)) => (Ok(answer), None),
             Ok(Claimed::Run(c)) => self.executor.run_sync(route, &c, parts, body).await,
             Err(e) => (Err(e), None),
@@ -494,7 +503,14 @@ impl Gateway {
     }
 
     /// Claims the scope, or answers from the record the claim found.
-    async fn claim_or_answer(&self, route: &Route, claim: &ClaimRequest, parts: &request::Parts) -> Result<Claimed, GatewayError> {
+    /// `request` is what the claim's fingerprint was computed from.
+    async fn claim_or_answer(
+        &self,
+        route: &Route,
+        claim: &ClaimRequest,
+        parts: &request::Parts,
+        request: &RequestParts<'_>,
+    ) -> Result<Claimed, GatewayError> {
         let request_hash = claim.request_hash;
         let wait_until = match route.in_flight {
             InFlightPolicy::Wait(d) => Some(tokio::time::Instant::now() + d),
@@ -538,7 +554,7 @@ impl Gateway {
                 }
                 ClaimOutcome::Existing { record, now } => (record, now),
             };
-            match decide(&record, &request_hash, now) {
+            match decide_with_legacy(route, &record, &request_hash, request, now) {
                 Decision::Replay => {
                     let stored = record.response.as_ref().ok_or(GatewayError::Internal)?;
                     return self.answer_from(route, stored, &parts.headers).await.map(|r| Claimed::Answered((r, Outcome::Replayed)));
@@ -670,6 +686,25 @@ impl Gateway {
         let answer = passthrough::try_pass_through(upstream, req, self.request_body_timeout).await;
         self.metrics.passed_through(upstream.name(), answer.as_ref().err().map(GatewayError::type_name));
         answer
+    }
+}
+
+/// [`decide`], recognising a record written by fingerprint version 1 for this
+/// request: its hash is compared with the request's version-1 fingerprint,
+/// computed only when the current one differs (see `fingerprint::legacy_fingerprint`).
+pub(crate) fn decide_with_legacy(
+    route: &Route,
+    record: &Record,
+    request_hash: &fingerprint::Fingerprint,
+    request: &RequestParts<'_>,
+    now: crate::record::Timestamp,
+) -> Decision {
+    match decide(record, request_hash, now) {
+        Decision::Mismatch if fingerprint::legacy_fingerprint(&route.fingerprint, request).is_ok_and(|v1| v1 == record.request_hash) => {
+            tracing::debug!(route = %route.operation, scope = %record.scope.log_id(), "the record has this request's version-1 fingerprint");
+            decide(record, &record.request_hash, now)
+        }
+        decision => decision,
     }
 }
 
