@@ -3,13 +3,15 @@
 //! [`Executor`](crate::executor::Executor) on a tracked task, or answer from
 //! the record the claim found.
 
+use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, request};
+use http::uri::PathAndQuery;
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri, request};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use tokio::sync::{Notify, oneshot};
@@ -301,6 +303,13 @@ impl Gateway {
         trace: &mut Trace,
         request_id: &HeaderValue,
     ) -> Result<Response<Body>, GatewayError> {
+        // Everything from here on (routing, the authorizer, the fingerprint's
+        // path parameters, the upstream) sees the path in normal form, or the
+        // request is refused before any of it.
+        let normal = self.router.normalise(req.method(), req.uri().path()).map_err(GatewayError::InvalidRequest)?;
+        if let Cow::Owned(normal) = normal {
+            *req.uri_mut() = with_path(req.uri(), &normal)?;
+        }
         if let Some(rest) = req.uri().path().strip_prefix(OPERATIONS_PATH) {
             trace.route = RouteLabel::OperationStatus;
             let rest = rest.to_owned();
@@ -308,7 +317,7 @@ impl Gateway {
             trace.outcome = Some(outcome);
             return Ok(resp);
         }
-        match self.router.route(req.method(), req.uri().path()) {
+        match self.router.route_normal(req.method(), req.uri().path()).map_err(GatewayError::InvalidRequest)? {
             RouteMatch::Operation { route, params } => {
                 let route = route.clone();
                 trace.route = RouteLabel::Operation(route.operation.clone());
@@ -453,7 +462,7 @@ impl Gateway {
         let gw = self.clone();
         let route = route.clone();
         self.tracker.spawn(async move {
-            let (out, write) = gw.claim_and_forward(&route, claim, parts, body).await;
+            let (out, write) = gw.claim_and_forward(&route, claim, params, parts, body).await;
             // The client may be gone; the record is written either way. The
             // answer goes first: the result write then runs while it travels.
             let _ = tx.send(out);
@@ -471,13 +480,22 @@ impl Gateway {
         &'a self,
         route: &'a Route,
         claim: ClaimRequest,
+        params: Vec<(String, String)>,
         parts: request::Parts,
         body: Bytes,
     ) -> (Result<(Response<Body>, Outcome), GatewayError>, Option<ResultWrite<'a>>) {
         // A result this replica answered and is still writing comes first:
         // its client's retry is replayed, not told "in flight".
         self.waiters.settled(&claim.scope, self.store.timeout()).await;
-        match self.claim_or_answer(route, &claim, &parts).await {
+        let request = RequestParts {
+            method: &parts.method,
+            operation: &route.operation,
+            path_params: &params,
+            query: parts.uri.query(),
+            headers: &parts.headers,
+            body: &body,
+        };
+        match self.claim_or_answer(route, &claim, &parts, &request).await {
             Ok(Claimed::Answered(answer)) => (Ok(answer), None),
             Ok(Claimed::Run(c)) => self.executor.run_sync(route, &c, parts, body).await,
             Err(e) => (Err(e), None),
@@ -485,7 +503,14 @@ impl Gateway {
     }
 
     /// Claims the scope, or answers from the record the claim found.
-    async fn claim_or_answer(&self, route: &Route, claim: &ClaimRequest, parts: &request::Parts) -> Result<Claimed, GatewayError> {
+    /// `request` is what the claim's fingerprint was computed from.
+    async fn claim_or_answer(
+        &self,
+        route: &Route,
+        claim: &ClaimRequest,
+        parts: &request::Parts,
+        request: &RequestParts<'_>,
+    ) -> Result<Claimed, GatewayError> {
         let request_hash = claim.request_hash;
         let wait_until = match route.in_flight {
             InFlightPolicy::Wait(d) => Some(tokio::time::Instant::now() + d),
@@ -529,7 +554,7 @@ impl Gateway {
                 }
                 ClaimOutcome::Existing { record, now } => (record, now),
             };
-            match decide(&record, &request_hash, now) {
+            match decide_with_legacy(route, &record, &request_hash, request, now) {
                 Decision::Replay => {
                     let stored = record.response.as_ref().ok_or(GatewayError::Internal)?;
                     return self.answer_from(route, stored, &parts.headers).await.map(|r| Claimed::Answered((r, Outcome::Replayed)));
@@ -664,6 +689,25 @@ impl Gateway {
     }
 }
 
+/// [`decide`], recognising a record written by fingerprint version 1 for this
+/// request: its hash is compared with the request's version-1 fingerprint,
+/// computed only when the current one differs (see `fingerprint::legacy_fingerprint`).
+pub(crate) fn decide_with_legacy(
+    route: &Route,
+    record: &Record,
+    request_hash: &fingerprint::Fingerprint,
+    request: &RequestParts<'_>,
+    now: crate::record::Timestamp,
+) -> Decision {
+    match decide(record, request_hash, now) {
+        Decision::Mismatch if fingerprint::legacy_fingerprint(&route.fingerprint, request).is_ok_and(|v1| v1 == record.request_hash) => {
+            tracing::debug!(route = %route.operation, scope = %record.scope.log_id(), "the record has this request's version-1 fingerprint");
+            decide(record, &record.request_hash, now)
+        }
+        decision => decision,
+    }
+}
+
 /// The record an acceptance just wrote, for its 202 (the same document a
 /// retry reads back from the store).
 fn accepted_record(req: &ClaimRequest, claim: &crate::store::Claim) -> Record {
@@ -688,6 +732,24 @@ fn accepted_record(req: &ClaimRequest, claim: &crate::store::Claim) -> Record {
         maybe_executed: false,
         key_source: Some(req.key_source.to_string()),
     }
+}
+
+/// `uri` with its path replaced by `path` (its normal form); scheme,
+/// authority and query kept as they are.
+fn with_path(uri: &Uri, path: &str) -> Result<Uri, GatewayError> {
+    let path_and_query = match uri.query() {
+        Some(query) => format!("{path}?{query}"),
+        None => path.to_owned(),
+    };
+    let mut parts = uri.clone().into_parts();
+    parts.path_and_query = Some(PathAndQuery::try_from(path_and_query).map_err(|e| {
+        tracing::warn!(error = %e, "a normalised path does not parse");
+        GatewayError::Internal
+    })?);
+    Uri::from_parts(parts).map_err(|e| {
+        tracing::warn!(error = %e, "a normalised URI does not parse");
+        GatewayError::Internal
+    })
 }
 
 fn json_response(status: StatusCode, doc: &serde_json::Value) -> Response<Body> {

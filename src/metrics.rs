@@ -284,7 +284,8 @@ fn latency_histogram() -> Histogram {
 /// The problem types of requests refused before any claim (the errors whose
 /// outcome is `rejected`): the `reason` label of `idemgate_rejections_total`,
 /// every one present from the start.
-pub const REJECTION_REASONS: [&str; 10] = [
+pub const REJECTION_REASONS: [&str; 11] = [
+    "invalid-request",
     "unauthenticated",
     "forbidden",
     "authorizer-unavailable",

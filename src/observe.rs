@@ -40,13 +40,14 @@ use uuid::Uuid;
 
 use crate::body::{Body, BoxError, Streamed};
 use crate::fingerprint::{self, RequestParts};
+use crate::gateway::decide_with_legacy;
 use crate::headers::{self, strip_hop_by_hop};
 use crate::identity::Identity;
 use crate::keysource::{FromHeaders, KeySourceError};
 use crate::metrics::{Metrics, Refusal, Would};
 use crate::passthrough;
 use crate::problem::{self, GatewayError};
-use crate::record::{Decision, StoredResponse, decide};
+use crate::record::{Decision, Record, StoredResponse, Timestamp};
 use crate::route::{Route, ScopeMode};
 use crate::scope::Scope;
 use crate::store::{Claim, ClaimOutcome, ClaimRequest, Store, WriteOutcome};
@@ -77,8 +78,9 @@ pub struct Observer {
 enum Decided {
     /// This request holds the claim: its answer is to be recorded.
     Claimed,
-    /// Another record holds the scope; enforcing would have answered from it.
-    Found(Decision),
+    /// Another record holds the scope (read at the store's time); enforcing
+    /// would have answered from it.
+    Found(Box<(Record, Timestamp)>),
     /// The store could not be reached (nothing is held).
     Failed,
 }
@@ -211,8 +213,9 @@ impl Observer {
         self.tracker.spawn(observation(self.store.clone(), self.tracker.clone(), route.clone(), claim, decided_tx, captured_rx, slot));
         let capture = match tokio::time::timeout(route.observe_budget, decided_rx).await {
             Ok(Ok(Decided::Claimed)) => true,
-            Ok(Ok(Decided::Found(decision))) => {
-                match would(decision) {
+            Ok(Ok(Decided::Found(found))) => {
+                let (record, now) = *found;
+                match would(decide_with_legacy(route, &record, &request_hash, &request, now)) {
                     Some(would) => {
                         self.metrics.observe_would(&route.operation, would);
                         tracing::info!(route = %route.operation, scope = %log_id, would = would.as_str(),
@@ -275,7 +278,7 @@ async fn observation(
     let held = match store.claim(&claim).await {
         Ok(ClaimOutcome::Claimed(held)) => held,
         Ok(ClaimOutcome::Existing { record, now }) => {
-            let _ = decided.send(Decided::Found(decide(&record, &claim.request_hash, now)));
+            let _ = decided.send(Decided::Found(Box::new((record, now))));
             return;
         }
         Err(e) => {

@@ -15,6 +15,10 @@ use crate::scope::KeyError;
 /// Why idempotent handling ended without an upstream or stored response.
 #[derive(Debug, thiserror::Error)]
 pub enum GatewayError {
+    /// The method or path is spelled in a way the gateway refuses to route
+    /// (see `crate::route::normal`).
+    #[error("invalid request: {0}")]
+    InvalidRequest(crate::route::InvalidRequest),
     #[error("no identity source matched")]
     Unauthenticated,
     /// `header` says where the key was looked for ("the idempotency-key header").
@@ -81,6 +85,7 @@ impl GatewayError {
         use GatewayError as E;
         let k = |name, title, status, retryable| Kind { name, title, status, retryable };
         match self {
+            E::InvalidRequest(_) => k("invalid-request", "Invalid request", StatusCode::BAD_REQUEST, false),
             E::Unauthenticated => k("unauthenticated", "Unauthenticated", StatusCode::UNAUTHORIZED, false),
             E::MissingKey { .. } => k("missing-idempotency-key", "Missing idempotency key", StatusCode::BAD_REQUEST, false),
             E::InvalidKey(_) => k("invalid-idempotency-key", "Invalid idempotency key", StatusCode::BAD_REQUEST, false),
@@ -110,6 +115,9 @@ impl GatewayError {
     fn detail(&self) -> String {
         use GatewayError as E;
         match self {
+            E::InvalidRequest(why) => {
+                format!("{why}. The request was not routed or forwarded; send the path in normal form (see the gateway's reference).")
+            }
             E::Unauthenticated => "No identity source recognised this request; idempotent routes need a known API key or trusted identity headers.".into(),
             E::MissingKey { header } => format!("This operation requires an idempotency key in {header}."),
             E::InvalidKey(e) => format!("{e}; a key is 1-255 bytes of visible ASCII, optionally as a quoted structured-field string."),
@@ -152,7 +160,8 @@ impl GatewayError {
     pub fn outcome(&self) -> Outcome {
         use GatewayError as E;
         match self {
-            E::Unauthenticated
+            E::InvalidRequest(_)
+            | E::Unauthenticated
             | E::MissingKey { .. }
             | E::InvalidKey(_)
             | E::BodyTooLarge { .. }
@@ -272,6 +281,7 @@ mod tests {
     #[test]
     fn every_rejection_has_a_declared_reason() {
         let rejections = [
+            GatewayError::InvalidRequest(crate::route::InvalidRequest::DotSegment),
             GatewayError::Unauthenticated,
             GatewayError::MissingKey { header: "k".into() },
             GatewayError::InvalidKey(KeyError::Empty),

@@ -3,7 +3,8 @@
 //! A [`Route`] binds a method and a path template to an operation name (the
 //! `operation` of the key's scope) and its policy. The [`Router`] answers, for
 //! any request, one of: an idempotent operation (with its path parameters), a
-//! pass-through to some upstream, or no match.
+//! pass-through to some upstream, or no match. Requests are routed by their
+//! normal form, and spellings that have none are refused ([`normal`]).
 
 use std::fmt;
 use std::sync::Arc;
@@ -14,6 +15,12 @@ use http::{HeaderName, Method, StatusCode};
 use crate::fingerprint::FingerprintSpec;
 use crate::keysource::KeySources;
 use crate::record::Timestamp;
+
+mod normal;
+#[cfg(test)]
+mod normal_props;
+
+pub use normal::{InvalidRequest, check_method, normalise_path};
 
 /// Index into `Config::upstreams`.
 pub type UpstreamId = usize;
@@ -26,11 +33,15 @@ enum Segment {
 }
 
 /// A path such as `/v1/accounts/{id}/orders`: literal segments and `{param}`
-/// segments, each parameter matching exactly one non-empty path segment.
+/// segments, each parameter matching exactly one non-empty path segment
+/// without `;` parameters.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PathTemplate {
     source: String,
     segments: Vec<Segment>,
+    /// The segments as [`normal::loose`] reads a request path: `None` for a
+    /// parameter.
+    loose: Vec<Option<Vec<u8>>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -45,6 +56,8 @@ pub enum PathTemplateError {
     DuplicateParam(String),
     #[error("must not contain a query string or fragment")]
     QueryOrFragment,
+    #[error("is not in normal form ({0}); write unreserved characters unescaped, other escapes with upper-case hex digits, and no ';'")]
+    NotNormal(String),
 }
 
 impl PathTemplate {
@@ -70,10 +83,38 @@ impl PathTemplate {
             } else if raw.contains('{') || raw.contains('}') {
                 return Err(PathTemplateError::PartialParam(raw.to_owned()));
             } else {
+                if raw.contains(';') || raw.contains("%3B") {
+                    return Err(PathTemplateError::NotNormal("a segment has ';' parameters".into()));
+                }
                 segments.push(Segment::Literal(raw.to_owned()));
             }
         }
-        Ok(PathTemplate { source: source.to_owned(), segments })
+        // A request is routed by its normal form: a template in another form
+        // could never match one.
+        let probe: Vec<&str> = segments
+            .iter()
+            .map(|s| match s {
+                Segment::Literal(l) => l.as_str(),
+                Segment::Param(_) => "x",
+            })
+            .collect();
+        let probe = format!("/{}", probe.join("/"));
+        match normalise_path(&probe) {
+            Ok(normal) if normal == probe => {}
+            Ok(normal) => return Err(PathTemplateError::NotNormal(format!("its normal form is {normal:?}"))),
+            Err(e) => return Err(PathTemplateError::NotNormal(e.to_string())),
+        }
+        let mut loose: Vec<Option<Vec<u8>>> = segments
+            .iter()
+            .map(|s| match s {
+                Segment::Literal(l) => Some(normal::loose(&format!("/{l}")).concat()),
+                Segment::Param(_) => None,
+            })
+            .collect();
+        if loose.len() > 1 && loose.last().is_some_and(|s| s.as_ref().is_some_and(Vec::is_empty)) {
+            loose.pop();
+        }
+        Ok(PathTemplate { source: source.to_owned(), segments, loose })
     }
 
     pub fn as_str(&self) -> &str {
@@ -112,8 +153,10 @@ impl PathTemplate {
         })
     }
 
-    /// Matches a request path (without query); on success returns the
-    /// parameters in template order. Parameter values are the raw segments.
+    /// Matches a normal request path (without query, see [`normalise_path`]);
+    /// on success returns the parameters in template order. Parameter values
+    /// are the segments as they are in the normal path. A segment with `;`
+    /// parameters fills no parameter (servers disagree on what it names).
     pub fn matches(&self, path: &str) -> Option<Vec<(String, String)>> {
         let rest = path.strip_prefix('/')?;
         let mut params = Vec::new();
@@ -127,7 +170,7 @@ impl PathTemplate {
                     }
                 }
                 Segment::Param(name) => {
-                    if part.is_empty() {
+                    if part.is_empty() || part == "." || part == ".." || part.contains(';') {
                         return None;
                     }
                     params.push((name.clone(), part.to_owned()));
@@ -138,6 +181,17 @@ impl PathTemplate {
             return None;
         }
         Some(params)
+    }
+
+    /// Whether a lenient server could read a path (as [`normal::loose`] gives
+    /// it) as this template's: literals compared as read, a parameter filled
+    /// by any non-empty segment.
+    fn matches_loosely(&self, path: &[Vec<u8>]) -> bool {
+        self.loose.len() == path.len()
+            && self.loose.iter().zip(path).all(|(seg, part)| match seg {
+                Some(lit) => lit == part,
+                None => !part.is_empty(),
+            })
     }
 }
 
@@ -328,6 +382,8 @@ pub struct Router {
     /// that routing a request stays one pass that stops at the first match.
     by_specificity: Vec<Arc<Route>>,
     default_upstream: Option<UpstreamId>,
+    /// The routes' methods, each once.
+    methods: Vec<Method>,
 }
 
 impl Router {
@@ -335,7 +391,44 @@ impl Router {
         let routes: Vec<Arc<Route>> = routes.into_iter().map(Arc::new).collect();
         let mut by_specificity = routes.clone();
         by_specificity.sort_by(|a, b| a.path.cmp_specificity(&b.path));
-        Router { routes, by_specificity, default_upstream }
+        let mut methods: Vec<Method> = Vec::new();
+        for r in &routes {
+            if !methods.contains(&r.method) {
+                methods.push(r.method.clone());
+            }
+        }
+        Router { routes, by_specificity, default_upstream, methods }
+    }
+
+    /// The normal form of a request's path, or why the request is refused
+    /// before routing (its method or its path): see [`normal`].
+    pub fn normalise<'p>(&self, method: &Method, path: &'p str) -> Result<std::borrow::Cow<'p, str>, InvalidRequest> {
+        check_method(method, &self.methods)?;
+        normalise_path(path)
+    }
+
+    /// Routes a normal path ([`Router::normalise`]). A path that is not an
+    /// operation of `method` but that a lenient server would read as the path
+    /// of one of its routes (other letter case, a trailing `/` added or
+    /// removed, `;` parameters) is refused rather than passed through.
+    pub fn route_normal(&self, method: &Method, path: &str) -> Result<RouteMatch<'_>, InvalidRequest> {
+        let found = self.route(method, path);
+        if matches!(found, RouteMatch::Operation { .. }) || !self.methods.contains(method) {
+            return Ok(found);
+        }
+        let loose = normal::loose(path);
+        if self.by_specificity.iter().any(|r| r.method == *method && r.path.matches_loosely(&loose)) {
+            return Err(InvalidRequest::Ambiguous);
+        }
+        Ok(found)
+    }
+
+    /// [`Router::normalise`], then [`Router::route_normal`]: the path the
+    /// request is routed (and forwarded) as, and where it goes.
+    pub fn resolve<'p>(&self, method: &Method, path: &'p str) -> Result<(std::borrow::Cow<'p, str>, RouteMatch<'_>), InvalidRequest> {
+        let normal = self.normalise(method, path)?;
+        let found = self.route_normal(method, &normal)?;
+        Ok((normal, found))
     }
 
     /// The routes in file order.
@@ -350,7 +443,8 @@ impl Router {
 
     /// The operation of the most specific route matching method and path; else a
     /// pass-through to the upstream of the most specific route matching the path alone
-    /// (another method), else to the default upstream; else not found.
+    /// (another method), else to the default upstream; else not found. `path` must be
+    /// normal: requests go through [`Router::resolve`].
     pub fn route(&self, method: &Method, path: &str) -> RouteMatch<'_> {
         let mut path_match: Option<UpstreamId> = None;
         for route in &self.by_specificity {
@@ -397,9 +491,18 @@ mod tests {
         assert_eq!(PathTemplate::parse("/a/{}"), Err(PathTemplateError::BadParamName("".into())));
         assert_eq!(PathTemplate::parse("/{a}/{a}"), Err(PathTemplateError::DuplicateParam("a".into())));
         assert_eq!(PathTemplate::parse("/a?b"), Err(PathTemplateError::QueryOrFragment));
+        // A request is routed by its normal form: a template in another form could never match.
+        for not_normal in
+            ["/v1//orders", "//v1", "/v1/./x", "/v1/{id}/..", "/v1/%6Frders", "/v1/%c3%a9", "/v1/a;b", "/v1/a%3Bb", "/v1/%2F", "/a\\b"]
+        {
+            assert!(matches!(PathTemplate::parse(not_normal), Err(PathTemplateError::NotNormal(_))), "{not_normal}");
+        }
+        for normal in ["/", "/v1/orders/", "/v1/%C3%A9/{id}", "/v1/.well-known/x", "/V1/Orders"] {
+            assert!(PathTemplate::parse(normal).is_ok(), "{normal}");
+        }
     }
 
-    fn route(op: &str, method: Method, path: &str, upstream: UpstreamId) -> Route {
+    pub(super) fn route(op: &str, method: Method, path: &str, upstream: UpstreamId) -> Route {
         Route {
             index: upstream,
             operation: op.into(),

@@ -4,7 +4,11 @@
 //! sequences, split each at the first `=`, `+` -> space, percent-decode, a `%` not
 //! followed by two hex digits stays literal) but keeps the decoded *bytes* instead of
 //! replacing invalid UTF-8 with U+FFFD: a lossy decode would let `%FE` and `%FF` collide.
-//! Pairs are sorted by (name, value) bytewise, which for UTF-8 is code point order.
+//! Pairs are sorted by name bytewise (for UTF-8, code point order) with a stable sort, so
+//! the values of one name keep the order they were sent in: `tag=a&tag=b` is another list
+//! than `tag=b&tag=a`, as frameworks read them. (Fingerprint version 1 sorted by
+//! (name, value), making the two the same request; [`PairOrder::NameThenValue`] keeps
+//! that order for recognising records it wrote.)
 
 use std::borrow::Cow;
 
@@ -14,9 +18,18 @@ use super::{put_field, put_len};
 /// A decoded (name, value) pair; borrowed when no `+` or `%` needed decoding.
 pub(crate) type Pair<'a> = (Cow<'a, [u8]>, Cow<'a, [u8]>);
 
+/// How pairs are put in order before hashing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PairOrder {
+    /// By name, one name's values in request order (fingerprint version 2).
+    Name,
+    /// By (name, value) (fingerprint version 1).
+    NameThenValue,
+}
+
 /// Parses and sorts the pairs of a urlencoded string. `a`, `a=` and `a=&&` all yield the
 /// single pair `("a", "")`; the empty string yields none.
-pub(crate) fn sorted_pairs(input: &[u8]) -> Vec<Pair<'_>> {
+pub(crate) fn sorted_pairs(input: &[u8], order: PairOrder) -> Vec<Pair<'_>> {
     let mut pairs: Vec<Pair<'_>> = input
         .split(|&b| b == b'&')
         .filter(|seq| !seq.is_empty())
@@ -25,7 +38,10 @@ pub(crate) fn sorted_pairs(input: &[u8]) -> Vec<Pair<'_>> {
             None => (decode(seq), Cow::Borrowed(&[][..])),
         })
         .collect();
-    pairs.sort_unstable();
+    match order {
+        PairOrder::Name => pairs.sort_by(|a, b| a.0.cmp(&b.0)),
+        PairOrder::NameThenValue => pairs.sort_unstable(),
+    }
     pairs
 }
 
@@ -79,7 +95,7 @@ mod tests {
     use super::*;
 
     fn pairs(s: &str) -> Vec<(String, String)> {
-        sorted_pairs(s.as_bytes())
+        sorted_pairs(s.as_bytes(), PairOrder::Name)
             .into_iter()
             .map(|(n, v)| (String::from_utf8_lossy(&n).into_owned(), String::from_utf8_lossy(&v).into_owned()))
             .collect()
@@ -90,8 +106,14 @@ mod tests {
     }
 
     #[test]
-    fn sorts_by_name_then_value() {
-        assert_eq!(pairs("b=2&a=9&a=1&c"), [p("a", "1"), p("a", "9"), p("b", "2"), p("c", "")]);
+    fn sorts_by_name_keeping_the_order_of_a_names_values() {
+        assert_eq!(pairs("b=2&a=9&a=1&c"), [p("a", "9"), p("a", "1"), p("b", "2"), p("c", "")]);
+        assert_eq!(pairs("tag=b&x=1&tag=a&tag=c"), [p("tag", "b"), p("tag", "a"), p("tag", "c"), p("x", "1")]);
+        // Version 1's order, kept for its records.
+        let v1 = |s: &str| -> Vec<(Vec<u8>, Vec<u8>)> {
+            sorted_pairs(s.as_bytes(), PairOrder::NameThenValue).into_iter().map(|(n, v)| (n.into_owned(), v.into_owned())).collect()
+        };
+        assert_eq!(v1("b=2&a=9&a=1&c"), v1("c&a=1&b=2&a=9"));
     }
 
     #[test]
@@ -116,8 +138,8 @@ mod tests {
 
     #[test]
     fn invalid_utf8_escapes_do_not_collide() {
-        let fe = sorted_pairs(b"a=%FE");
-        let ff = sorted_pairs(b"a=%FF");
+        let fe = sorted_pairs(b"a=%FE", PairOrder::Name);
+        let ff = sorted_pairs(b"a=%FF", PairOrder::Name);
         assert_eq!(fe[0].1.as_ref(), [0xfe]);
         assert_eq!(ff[0].1.as_ref(), [0xff]);
         assert_ne!(fe, ff);
@@ -128,14 +150,14 @@ mod tests {
         for input in ["a=1&b=2", "x=%41+%42&y", "%E2%82%AC=euro&&z=%", "k=v=w&k=a", "=&=", "a%2Bb=c%26d"] {
             let mut theirs: Vec<(String, String)> =
                 form_urlencoded::parse(input.as_bytes()).map(|(n, v)| (n.into_owned(), v.into_owned())).collect();
-            theirs.sort();
+            theirs.sort_by(|a, b| a.0.cmp(&b.0));
             assert_eq!(pairs(input), theirs, "{input}");
         }
     }
 
     #[test]
     fn borrows_when_nothing_to_decode() {
-        let v = sorted_pairs(b"plain=value");
+        let v = sorted_pairs(b"plain=value", PairOrder::Name);
         assert!(matches!(v[0].0, Cow::Borrowed(b"plain")));
         assert!(matches!(v[0].1, Cow::Borrowed(b"value")));
     }

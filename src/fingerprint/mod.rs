@@ -7,12 +7,14 @@
 //! written as an 8-byte big-endian length followed by its bytes, every list as an 8-byte
 //! count followed by its items. In order:
 //!
-//! 1. the version tag `idemgate-fp-v1`;
+//! 1. the version tag `idemgate-fp-v2`;
 //! 2. the method (`POST`);
 //! 3. the operation (`create_order`);
 //! 4. the path parameters, in template order: count, then name and value of each;
-//! 5. the query string as urlencoded pairs, decoded and sorted by (name, value):
-//!    count, then name and value of each. An absent and an empty query are the same;
+//! 5. the query string as urlencoded pairs, decoded and sorted by name with a stable
+//!    sort (the values of one name keep their request order: `tag=a&tag=b` is not
+//!    `tag=b&tag=a`): count, then name and value of each. An absent and an empty query
+//!    are the same;
 //! 6. for each header in `spec.headers`, in spec order: its lowercase name, then `0` if
 //!    the request lacks it, or `1` and all its values joined with `", "` in order (so two
 //!    `X: a` / `X: b` lines equal one `X: a, b` line, as HTTP says they do, while an
@@ -21,11 +23,22 @@
 //!    - `json` (`application/json` or any `*/*+json`, parameters ignored): the
 //!      RFC 8785 canonical form after `defaults` and `exclude` are applied, streamed
 //!      into the hasher. It is the last field, so it needs no length prefix;
-//!    - `form` (`application/x-www-form-urlencoded`): pairs as for the query;
+//!    - `form` (`application/x-www-form-urlencoded`): pairs as for the query (one
+//!      name's values in request order);
 //!    - `raw` (any other or no content type): the bytes, length-prefixed.
 //!
 //!    An empty body is `raw` with no bytes whatever the content type, so a bodiless
 //!    `POST` with `Content-Type: application/json` is accepted and equals one without.
+//!
+//! # Versions
+//!
+//! Version 1 (`idemgate-fp-v1`) was the same but for the order of query and form pairs,
+//! sorted by (name, value), which took one name's values in another order for the same
+//! request. A record keeps only its hash, not the version that made it, so
+//! [`legacy_fingerprint`] computes what version 1 gave a request: the gateway asks for it
+//! only when a record's hash differs from the request's, and a record that matches it
+//! was written by version 1 for this request (up to the order of one name's values,
+//! which version 1 did not keep).
 //!
 //! # JSON bodies
 //!
@@ -57,9 +70,35 @@ pub use pointer::{JsonPointer, PointerError};
 /// [`FingerprintError::TooDeep`].
 pub const MAX_DEPTH: usize = 64;
 
-/// Tag that starts every hash input; bump it whenever the encoding changes, since stored
-/// `request_hash` values would otherwise silently stop matching.
-const VERSION_TAG: &[u8] = b"idemgate-fp-v1";
+/// Tag that starts every hash input; bump it whenever the encoding changes (and keep
+/// the previous encoding as [`legacy_fingerprint`] while records it wrote may exist).
+const VERSION_TAG: &[u8] = b"idemgate-fp-v2";
+
+/// Version 1's tag: pairs sorted by (name, value).
+const V1_TAG: &[u8] = b"idemgate-fp-v1";
+
+/// One encoding of the hash input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Version {
+    V1,
+    V2,
+}
+
+impl Version {
+    fn tag(self) -> &'static [u8] {
+        match self {
+            Version::V1 => V1_TAG,
+            Version::V2 => VERSION_TAG,
+        }
+    }
+
+    fn pair_order(self) -> form::PairOrder {
+        match self {
+            Version::V1 => form::PairOrder::NameThenValue,
+            Version::V2 => form::PairOrder::Name,
+        }
+    }
+}
 
 /// Per-route fingerprint configuration (`fingerprint.*` in a `[[routes]]` entry).
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -185,7 +224,7 @@ pub struct RequestParts<'a> {
 pub enum BodyKind {
     /// `application/json` or `<type>/<subtype>+json`: canonical JSON.
     Json,
-    /// `application/x-www-form-urlencoded`: sorted decoded pairs.
+    /// `application/x-www-form-urlencoded`: decoded pairs sorted by name.
     Form,
     /// Anything else, no or unreadable `Content-Type`: the bytes as they are.
     Raw,
@@ -218,9 +257,19 @@ pub fn body_kind(headers: &HeaderMap) -> BodyKind {
 ///
 /// The body is validated before anything is hashed, so an invalid body costs no hashing.
 pub fn fingerprint(spec: &FingerprintSpec, parts: &RequestParts<'_>) -> Result<Fingerprint, FingerprintError> {
-    let mut body = prepare_body(spec, parts.headers, parts.body)?;
+    fingerprint_as(Version::V2, spec, parts)
+}
+
+/// The fingerprint version 1 gave this request (query and form pairs sorted by
+/// (name, value)): for recognising records written before version 2, nothing else.
+pub fn legacy_fingerprint(spec: &FingerprintSpec, parts: &RequestParts<'_>) -> Result<Fingerprint, FingerprintError> {
+    fingerprint_as(Version::V1, spec, parts)
+}
+
+fn fingerprint_as(version: Version, spec: &FingerprintSpec, parts: &RequestParts<'_>) -> Result<Fingerprint, FingerprintError> {
+    let mut body = prepare_body(version, spec, parts.headers, parts.body)?;
     let mut out = HashSink::new();
-    put_field(&mut out, VERSION_TAG);
+    put_field(&mut out, version.tag());
     put_field(&mut out, parts.method.as_str().as_bytes());
     put_field(&mut out, parts.operation.as_bytes());
     put_len(&mut out, parts.path_params.len());
@@ -228,7 +277,7 @@ pub fn fingerprint(spec: &FingerprintSpec, parts: &RequestParts<'_>) -> Result<F
         put_field(&mut out, name.as_bytes());
         put_field(&mut out, value.as_bytes());
     }
-    let query = form::sorted_pairs(parts.query.unwrap_or_default().as_bytes());
+    let query = form::sorted_pairs(parts.query.unwrap_or_default().as_bytes(), version.pair_order());
     form::write_pairs(&mut out, &query);
     put_len(&mut out, spec.headers.len());
     for name in &spec.headers {
@@ -313,13 +362,18 @@ enum Body<'a> {
     Json(tree::Node<'a>),
 }
 
-fn prepare_body<'a>(spec: &'a FingerprintSpec, headers: &HeaderMap, body: &'a [u8]) -> Result<Body<'a>, FingerprintError> {
+fn prepare_body<'a>(
+    version: Version,
+    spec: &'a FingerprintSpec,
+    headers: &HeaderMap,
+    body: &'a [u8],
+) -> Result<Body<'a>, FingerprintError> {
     if body.is_empty() {
         return Ok(Body::Raw(body));
     }
     Ok(match body_kind(headers) {
         BodyKind::Raw => Body::Raw(body),
-        BodyKind::Form => Body::Form(form::sorted_pairs(body)),
+        BodyKind::Form => Body::Form(form::sorted_pairs(body, version.pair_order())),
         BodyKind::Json => Body::Json(json_tree(body, spec)?),
     })
 }

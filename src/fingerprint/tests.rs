@@ -374,6 +374,8 @@ fn form_bodies_are_decoded_and_sorted() {
     assert_eq!(f("a=1&&b=2&"), f("b=2&a=1"));
     assert_ne!(f("a=1&b=2"), f("a=1&b=3"));
     assert_ne!(f("a=1&a=2"), f("a=1"));
+    assert_ne!(f("a=1&a=2"), f("a=2&a=1"));
+    assert_eq!(f("a=2&b=0&a=1"), f("b=0&a=2&a=1"));
     // The same bytes as raw keep their order.
     let raw = |body: &str| Req::new(Some("text/plain"), body.as_bytes()).fp(&none());
     assert_ne!(raw("b=2&a=1"), raw("a=1&b=2"));
@@ -444,6 +446,10 @@ fn query_is_canonicalized() {
     assert_ne!(q(Some("a=1")), q(None));
     assert_ne!(q(Some("a=1&a=2")), q(Some("a=1")));
     assert_ne!(q(Some("a%3D1=")), q(Some("a=1")));
+    // One name's values are a list: their order counts; other names' order does not.
+    assert_ne!(q(Some("tag=a&tag=b")), q(Some("tag=b&tag=a")));
+    assert_eq!(q(Some("tag=b&x=1&tag=a")), q(Some("x=1&tag=b&tag=a")));
+    assert_ne!(q(Some("tag=b&x=1&tag=a")), q(Some("x=1&tag=a&tag=b")));
 }
 
 #[test]
@@ -489,7 +495,7 @@ fn encoding_matches_the_documented_layout() {
         s.extend_from_slice(&n.to_be_bytes());
     }
     let mut s = Vec::new();
-    field(&mut s, b"idemgate-fp-v1");
+    field(&mut s, b"idemgate-fp-v2");
     field(&mut s, b"POST");
     field(&mut s, b"create_order");
     count(&mut s, 1);
@@ -519,7 +525,7 @@ fn encoding_matches_the_documented_layout() {
 
     // Raw bodies are length-prefixed.
     let mut s = Vec::new();
-    field(&mut s, b"idemgate-fp-v1");
+    field(&mut s, b"idemgate-fp-v2");
     field(&mut s, b"GET");
     field(&mut s, b"op");
     count(&mut s, 0);
@@ -561,4 +567,49 @@ fn fingerprint_is_deterministic_and_matches_canonical_json() {
     let canonical = canon(body);
     assert_eq!(Req::json(&canonical).fp(&none()), a);
     assert_eq!(canonical, r#"{"a":1,"z":[1,{"a":"é","b":null}]}"#);
+}
+
+/// Version 1 sorted pairs by (name, value); `legacy_fingerprint` still computes it, so
+/// records it wrote are recognised. Its encoding is version 2's but for the tag and
+/// that order.
+#[test]
+fn the_legacy_fingerprint_is_version_1s_encoding() {
+    fn field(s: &mut Vec<u8>, bytes: &[u8]) {
+        s.extend_from_slice(&(bytes.len() as u64).to_be_bytes());
+        s.extend_from_slice(bytes);
+    }
+    let layout = |tag: &[u8], pairs: &[&[u8]], form: &[&[u8]]| {
+        let mut s = Vec::new();
+        field(&mut s, tag);
+        field(&mut s, b"POST");
+        field(&mut s, b"create_order");
+        s.extend_from_slice(&0u64.to_be_bytes());
+        s.extend_from_slice(&(pairs.len() as u64 / 2).to_be_bytes());
+        for f in pairs {
+            field(&mut s, f);
+        }
+        s.extend_from_slice(&0u64.to_be_bytes());
+        field(&mut s, b"form");
+        s.extend_from_slice(&(form.len() as u64 / 2).to_be_bytes());
+        for f in form {
+            field(&mut s, f);
+        }
+        Fingerprint(Sha256::digest(&s).into())
+    };
+    let req = Req::new(Some(FORM), b"k=2&k=1").query(Some("tag=b&tag=a"));
+    let parts = RequestParts {
+        method: &req.method,
+        operation: &req.operation,
+        path_params: &req.params,
+        query: req.query.as_deref(),
+        headers: &req.headers,
+        body: &req.body,
+    };
+    let v1 = legacy_fingerprint(&none(), &parts).expect("v1");
+    assert_eq!(v1, layout(b"idemgate-fp-v1", &[b"tag", b"a", b"tag", b"b"], &[b"k", b"1", b"k", b"2"]));
+    assert_eq!(req.fp(&none()), layout(b"idemgate-fp-v2", &[b"tag", b"b", b"tag", b"a"], &[b"k", b"2", b"k", b"1"]));
+    // Without a repeated name the two differ by their tag only.
+    let plain = Req::json("{}").query(Some("b=1&a=2"));
+    let parts = RequestParts { query: plain.query.as_deref(), headers: &plain.headers, body: &plain.body, ..parts };
+    assert_ne!(legacy_fingerprint(&none(), &parts).expect("v1"), plain.fp(&none()));
 }

@@ -2,6 +2,8 @@
 //!
 //! Every POST/PUT/PATCH/DELETE is one side effect, counted under the
 //! `Idempotency-Key` it arrived with *before* anything can lose the response.
+//! Methods are read case-insensitively (`post` is a POST), as frameworks that
+//! upper-case the method do, and the path each write arrived on is kept.
 //! Request headers steer the answer (they reach the upstream unchanged):
 //! - `x-test-status: N`      answer with status N
 //! - `x-test-sleep-ms: N`    wait N ms after the side effect, then answer
@@ -40,6 +42,8 @@ use tokio_util::sync::CancellationToken;
 #[derive(Debug, Clone)]
 pub struct Received {
     pub key: String,
+    /// The path and query the write arrived on, exactly as sent.
+    pub path: String,
     pub generation: Option<String>,
     pub headers: HeaderMap,
     pub body: Bytes,
@@ -188,7 +192,7 @@ async fn handle(
     let (parts, body) = req.into_parts();
     let body = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
     let h = &parts.headers;
-    let write = matches!(parts.method.as_str(), "POST" | "PUT" | "PATCH" | "DELETE");
+    let write = matches!(parts.method.as_str().to_ascii_uppercase().as_str(), "POST" | "PUT" | "PATCH" | "DELETE");
     if !write && parts.uri.path().contains("/by-key/") {
         return Ok(lookup(&state, parts.uri.path()));
     }
@@ -214,6 +218,7 @@ async fn handle(
     let key = header(h, "idempotency-key").unwrap_or("<none>").to_owned();
     let received = Received {
         key: key.clone(),
+        path: parts.uri.path_and_query().map(|pq| pq.as_str().to_owned()).unwrap_or_default(),
         generation: header(h, "x-idempotency-generation").map(str::to_owned),
         headers: h.clone(),
         body: body.clone(),
