@@ -210,7 +210,7 @@ impl Server {
         if let Some(hangups) = hangups {
             background.spawn(reload_on_hangup(hangups, tls_listeners, metrics.clone(), shutdown.clone()));
         }
-        let http = Http::new(config.server.request_header_timeout);
+        let http = Http::new(config.server.request_header_timeout).http2_keep_alive(config.server.http2_keep_alive_interval);
         // The admin listener outlives the proxy's drain (so `/readyz` can say
         // 503 and `/metrics` can be scraped while it runs); it has its own
         // stop and tracker.

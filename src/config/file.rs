@@ -202,6 +202,8 @@ pub struct ServerSection {
     pub default_upstream: Option<String>,
     pub request_header_timeout: Option<String>,
     pub request_body_timeout: Option<String>,
+    /// HTTP/2 PING cadence on the proxy and admin listeners.
+    pub http2_keep_alive_interval: Option<String>,
     pub replica_id: Option<String>,
     pub derived_key_secret_env: Option<String>,
     pub derived_key_secret_file: Option<String>,

@@ -57,8 +57,15 @@ pub struct ServerConfig {
     pub shutdown_grace: Duration,
     /// Where unmatched paths go; absent: 404.
     pub default_upstream: Option<UpstreamId>,
-    /// A client must send its request headers within this time (slowloris guard).
+    /// A client must send its request headers within this time (slowloris
+    /// guard): the first request's after the connection opens (after the TLS
+    /// handshake on a TLS listener), and each later one's after the previous
+    /// request ended; a keep-alive connection (HTTP/1.1 or HTTP/2) with no
+    /// request for this long is closed.
     pub request_header_timeout: Duration,
+    /// HTTP/2 connections are pinged this often; one whose client does not
+    /// answer within the same time is closed.
+    pub http2_keep_alive_interval: Duration,
     /// ... and its body within this time, before any key is claimed.
     pub request_body_timeout: Duration,
     /// This replica's name in the `owner` column; default: hostname and pid.
