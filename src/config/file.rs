@@ -216,6 +216,8 @@ pub struct ServerSection {
     pub trusted_proxies: Option<Vec<String>>,
     /// Open client connections at most (all workers together).
     pub max_connections: Option<i64>,
+    /// Bind the proxy port with SO_REUSEPORT (other processes may share it).
+    pub reuse_port: Option<bool>,
     /// `[server.tls]`: HTTPS (and HTTP/2 by ALPN) on the proxy listener.
     pub tls: Option<TlsSection>,
 }

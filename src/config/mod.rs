@@ -74,8 +74,8 @@ pub struct ServerConfig {
     /// (shared by all replicas); without it the derived key is a plain hash.
     pub derived_key_secret: Option<Secret>,
     /// Threads serving the proxy listener, each with its own event loop and
-    /// upstream connection pool (SO_REUSEPORT spreads connections over them);
-    /// default: one per CPU.
+    /// upstream connection pool, accepting from one socket (or, with
+    /// `reuse_port`, each from its own); default: one per CPU.
     pub workers: usize,
     /// One access-log line per request (target `idemgate::access`).
     pub access_log: bool,
@@ -91,6 +91,9 @@ pub struct ServerConfig {
     pub max_connections: usize,
     /// `[server.tls]`: the proxy listener speaks HTTPS (HTTP/1.1 and HTTP/2).
     pub tls: Option<ListenerTls>,
+    /// Bind the proxy port with SO_REUSEPORT, so that other gateways that set
+    /// it too can listen on it (off: the port is this process's alone).
+    pub reuse_port: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -370,6 +370,7 @@ impl Validator<'_> {
             max_connections: max_connections?,
             tls: tls?,
             access_log: s.access_log.unwrap_or(true),
+            reuse_port: s.reuse_port.unwrap_or(false),
             drain_delay: drain_delay?,
             trusted_proxies: trusted_proxies?,
             derived_key_secret: derived_key_secret?,
