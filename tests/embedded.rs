@@ -230,3 +230,49 @@ async fn a_second_gateway_on_a_taken_port_is_refused_unless_both_opt_in() {
         tokio::task::block_in_place(|| serve_until_exit(&dir, "fourth.toml", &one_sided.toml(), Duration::from_secs(30)));
     assert_eq!(status.and_then(|s| s.code()), Some(1), "{err}");
 }
+
+/// The mode bits of `path` and its `-wal` and `-shm` files (those that exist).
+fn store_file_modes(path: &std::path::Path) -> Vec<(String, u32)> {
+    use std::os::unix::fs::PermissionsExt;
+    ["", "-wal", "-shm"]
+        .iter()
+        .filter_map(|suffix| {
+            let file = format!("{}{suffix}", path.display());
+            std::fs::metadata(&file).ok().map(|m| (file, m.permissions().mode() & 0o777))
+        })
+        .collect()
+}
+
+/// The SQLite file and its `-wal` and `-shm` hold the derived-key secret,
+/// every stored response and async requests: they are created readable and
+/// writable by their owner only, whatever the umask. A file that is already
+/// readable by group or others (an earlier version, a careless copy) is
+/// tightened at start, with a log line saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_files_are_private_to_their_owner() {
+    use std::os::unix::fs::PermissionsExt;
+    let backend = sqlite_backend();
+    let Backend::Sqlite { path, .. } = &backend else { unreachable!() };
+    let path = path.clone();
+    let up = TestUpstream::start().await;
+    let mut gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()));
+    assert_eq!(post(&gw.url("/v1/orders"), "k", ORDER, &[]).await.status, 201);
+    let modes = store_file_modes(&path);
+    assert_eq!(modes.len(), 3, "the database, its WAL and its shared memory: {modes:?}");
+    for (file, mode) in &modes {
+        assert_eq!(*mode, 0o600, "{file} is {mode:o}");
+    }
+
+    // Loosened while the gateway is down (the files stay after a kill).
+    gw.kill9();
+    for (file, _) in &modes {
+        std::fs::set_permissions(file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    gw.restart();
+    assert!(gw.log_count("readable by group or others") >= 1, "{}", gw.logs());
+    for (file, mode) in store_file_modes(&path) {
+        assert_eq!(mode, 0o600, "{file} is {mode:o} after the restart");
+    }
+    assert!(post(&gw.url("/v1/orders"), "k", ORDER, &[]).await.replayed(), "the record is intact");
+    assert_eq!(up.total(), 1);
+}
