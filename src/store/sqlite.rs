@@ -454,9 +454,18 @@ impl RecordStore for SqliteStore {
                     (Some(state), Some(next))
                 }
                 (Ok(Next::State { state: State::Queued, .. }), Resolution::Release { .. }) => {
-                    // An async operation released: it runs again, under a new generation.
-                    let next = next_generation(tx)?;
+                    // An async operation released: it runs again, under a new
+                    // generation, if its request is still kept.
                     let [t, p, o, k] = pk(&scope);
+                    let kept: bool = tx
+                        .query_row(&format!("SELECT request IS NOT NULL FROM idemgate_records WHERE {PK}"), params![t, p, o, k], |r| {
+                            r.get(0)
+                        })
+                        .map_err(err)?;
+                    if !kept {
+                        return Ok(ResolveOutcome::Refused(Refused::RequestGone));
+                    }
+                    let next = next_generation(tx)?;
                     tx.prepare_cached(&format!(
                         "UPDATE idemgate_records SET state = 'queued', generation = ?5, lease_expires_at = NULL, sent_at = NULL, \
                          next_attempt_at = ?6, maybe_executed = 0, response_status = NULL, response_headers = NULL, \
@@ -693,10 +702,13 @@ impl RecordStore for SqliteStore {
                 Ok(Next::State { state, .. }) => state,
                 _ => return Ok(false),
             };
+            // Final (failed_retryable): the stored request is dropped; an
+            // unknown one keeps it (a release runs it again).
             let assignments = format!(
-                "state = '{}', maybe_executed = {}, lease_expires_at = NULL, expires_at = ?5, last_status = ?6",
+                "state = '{}', maybe_executed = {}, lease_expires_at = NULL, expires_at = ?5, last_status = ?6{}",
                 state.as_str(),
-                i32::from(record.maybe_executed)
+                i32::from(record.maybe_executed),
+                if state == State::FailedRetryable { ", request = NULL" } else { "" }
             );
             update_state(tx, &s, &assignments, retention.expires_at(now), retry_note.last_status)?;
             touch(tx, &s, now)?;
@@ -1215,7 +1227,7 @@ fn write_response(
     let [t, p, o, k] = pk(scope);
     let sql = format!(
         "UPDATE idemgate_records SET state = 'completed', response_status = ?5, response_headers = ?6, response_body = ?7, \
-         lease_expires_at = NULL, updated_at = ?8, expires_at = ?9, generation = coalesce(?10, generation) WHERE {PK}"
+         lease_expires_at = NULL, updated_at = ?8, expires_at = ?9, generation = coalesce(?10, generation), request = NULL WHERE {PK}"
     );
     let body: Option<&[u8]> = response.body.as_deref();
     tx.prepare_cached(&sql)
