@@ -465,6 +465,9 @@ fn problem(e: &AdminError) -> Response<Body> {
                 Refused::LeaseLive => {
                     "The record is in flight and its lease has not expired: its attempt may still record a result.".to_owned()
                 }
+                Refused::RequestGone => "The operation completed, and its stored request was dropped then: it cannot run again. \
+                     Complete it by hand instead, or have the client submit a new operation."
+                    .to_owned(),
                 other => format!("Only unknown records and expired claims may be resolved ({other})."),
             },
         ),

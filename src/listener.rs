@@ -4,9 +4,12 @@
 //!
 //! Plain connections speak HTTP/1.1 (hyper's http1 server, with the header
 //! read timeout). TLS connections are served by hyper-util's auto builder:
-//! HTTP/2 when ALPN chose `h2`, HTTP/1.1 otherwise. The TLS handshake has its
-//! own deadline and happens before hyper reads anything, so a client stuck in
-//! it never reaches a request or a claim.
+//! HTTP/2 when the client's first bytes are its preface, HTTP/1.1 otherwise.
+//! The TLS handshake has its own deadline and happens before hyper reads
+//! anything, so a client stuck in it never reaches a request or a claim.
+//! After it, the header timeout bounds the time to the first request and
+//! between requests on either protocol ([`activity`]); HTTP/2 connections
+//! are also pinged, and closed when a ping goes unanswered.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -27,6 +30,10 @@ use tokio_util::task::TaskTracker;
 use crate::body::Body;
 use crate::metrics::{Metrics, ProtocolCounters};
 use crate::tls::server::TlsListener;
+
+mod activity;
+
+use activity::{Activity, Tracked};
 
 /// The connection limit shared by a listener's workers.
 #[derive(Debug, Clone)]
@@ -71,18 +78,34 @@ pub struct Listener {
 pub struct Http {
     h1: http1::Builder,
     auto: auto::Builder<TokioExecutor>,
+    /// The time to a connection's first request, and between requests.
+    header_timeout: Duration,
 }
 
+/// HTTP/2 PING cadence unless configured otherwise.
+const DEFAULT_H2_KEEP_ALIVE: Duration = Duration::from_secs(20);
+
 impl Http {
-    /// `header_timeout`: a client must send its request headers within it
-    /// (hyper enforces it only with a timer, which is set here).
+    /// `header_timeout`: a client must send its request headers within it,
+    /// the first request's from the connection's start (after the TLS
+    /// handshake), each later one's from the end of the one before (hyper
+    /// enforces it on HTTP/1.1 with a timer, which is set here; the
+    /// listener on the rest).
     pub fn new(header_timeout: Duration) -> Http {
         let mut h1 = http1::Builder::new();
         h1.timer(TokioTimer::new()).header_read_timeout(header_timeout).keep_alive(true);
+        let auto = auto::Builder::new(TokioExecutor::new());
+        Http { h1, auto, header_timeout }.http2_keep_alive(DEFAULT_H2_KEEP_ALIVE)
+    }
+
+    /// HTTP/2 connections are pinged every `interval`; one whose client does
+    /// not answer within the same time is closed.
+    pub fn http2_keep_alive(mut self, interval: Duration) -> Http {
         let mut auto = auto::Builder::new(TokioExecutor::new());
-        auto.http1().timer(TokioTimer::new()).header_read_timeout(header_timeout).keep_alive(true);
-        auto.http2().timer(TokioTimer::new()).max_concurrent_streams(256);
-        Http { h1, auto }
+        auto.http1().timer(TokioTimer::new()).header_read_timeout(self.header_timeout).keep_alive(true);
+        auto.http2().timer(TokioTimer::new()).max_concurrent_streams(256).keep_alive_interval(Some(interval)).keep_alive_timeout(interval);
+        self.auto = auto;
+        self
     }
 }
 
@@ -191,7 +214,11 @@ impl Conn {
             m.tls_handshake_ok(self.name);
         }
         let client = accepted.client;
+        let activity = Activity::new();
+        let seen = activity.clone();
         let service = service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
+            // Open from here until its response body is done.
+            let in_use = seen.begin();
             if let Some(s) = &served {
                 s.served(req.version());
             }
@@ -199,11 +226,56 @@ impl Conn {
                 req.extensions_mut().insert(cert.clone());
             }
             let fut = handler(req, peer);
-            async move { Ok::<_, Infallible>(fut.await) }
+            async move { Ok::<_, Infallible>(fut.await.map(|body| Tracked::new(body, in_use))) }
         });
         let io = TokioIo::new(accepted.stream);
         let conn = pin!(self.http.auto.serve_connection(io, service));
-        self.drive(conn, |c| c.graceful_shutdown()).await
+        self.drive_bounded(conn, &activity, |c| c.graceful_shutdown()).await
+    }
+
+    /// [`drive`](Self::drive), and: a connection that has had no request
+    /// open for the header timeout (none yet since it started, or none since
+    /// the last one ended) is closed. Before its first request nothing is in
+    /// progress, so it is dropped at once; an idle one is asked to close
+    /// (HTTP/2: GOAWAY) and given the same time again to do so.
+    async fn drive_bounded<C, E>(&self, mut conn: std::pin::Pin<&mut C>, activity: &Activity, shutdown: impl FnOnce(std::pin::Pin<&mut C>))
+    where
+        C: std::future::Future<Output = Result<(), E>>,
+        E: std::fmt::Display,
+    {
+        let timeout = self.http.header_timeout;
+        let wake = tokio::time::sleep(timeout);
+        let mut wake = pin!(wake);
+        let result = loop {
+            // While requests are open there is no deadline: look again later.
+            let deadline = activity.deadline(timeout);
+            wake.as_mut().reset(deadline.unwrap_or_else(|| tokio::time::Instant::now() + timeout));
+            tokio::select! {
+                r = conn.as_mut() => break r,
+                _ = self.stop.cancelled() => {
+                    shutdown(conn.as_mut());
+                    break conn.await;
+                }
+                _ = wake.as_mut() => {
+                    if !activity.deadline(timeout).is_some_and(|d| d <= tokio::time::Instant::now()) {
+                        continue;
+                    }
+                    if !activity.any_request() {
+                        tracing::debug!(listener = self.name, peer = %self.peer, ?timeout, "no request within request_header_timeout: connection closed");
+                        return;
+                    }
+                    tracing::debug!(listener = self.name, peer = %self.peer, ?timeout, "connection idle for request_header_timeout: closing it");
+                    shutdown(conn.as_mut());
+                    match tokio::time::timeout(timeout, conn.as_mut()).await {
+                        Ok(r) => break r,
+                        Err(_) => return,
+                    }
+                }
+            }
+        };
+        if let Err(e) = result {
+            tracing::debug!(listener = self.name, peer = %self.peer, error = %e, "connection ended with an error");
+        }
     }
 
     /// Runs a connection to its end; on stop, asks it to finish the current

@@ -277,7 +277,12 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             // Subscribed before the slow start: a SIGHUP meanwhile reloads once serving.
             let hangups = signals.hangups();
             let tls_hangups = signals.hangups();
-            let server = Server::bind(config).await?.reload_from(cli.config.clone(), hangups).with_hangups(tls_hangups);
+            // Its errors name settings (`server.listen`, `server.tls.cert_file`): say in which file.
+            let server = Server::bind(config)
+                .await
+                .with_context(|| cli.config.display().to_string())?
+                .reload_from(cli.config.clone(), hangups)
+                .with_hangups(tls_hangups);
             let _pid = pid_file.as_deref().map(PidFile::create).transpose()?;
             server.run(signals.shutdown()).await?;
         }

@@ -319,6 +319,10 @@ pub enum Refused {
     /// Async: the attempt's lease ran out before it could send: it must not.
     #[error("the attempt's lease has expired")]
     LeaseExpired,
+    /// Async: a completed operation's stored request was dropped when it
+    /// completed, so it cannot be queued to run again.
+    #[error("the operation's stored request was dropped when it completed: it cannot run again")]
+    RequestGone,
 }
 
 /// The write side of the state machine. `now` is the store's clock.

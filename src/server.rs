@@ -31,8 +31,15 @@ use crate::worker::Workers;
 pub enum ServeError {
     #[error("store: {0}")]
     Store(#[from] StoreError),
-    #[error("cannot listen on {addr}: {source}")]
-    Bind { addr: SocketAddr, source: std::io::Error },
+    #[error("{setting} = {addr}: cannot listen on {addr}: {error}{}", bind_hint(setting, error, *reuse_port))]
+    Bind {
+        /// `server.listen` or `admin.listen`.
+        setting: &'static str,
+        addr: SocketAddr,
+        error: std::io::Error,
+        /// `server.reuse_port` (the proxy listener only).
+        reuse_port: bool,
+    },
     #[error("{section}.tls.{}: {source}", source.key)]
     Tls { section: &'static str, source: LoadError },
     #[error(
@@ -46,8 +53,10 @@ pub struct Server {
     config: Config,
     gateway: Arc<Gateway>,
     metrics: Arc<Metrics>,
-    /// One listener per worker, all on the same address (SO_REUSEPORT): the
-    /// kernel spreads connections over the workers.
+    /// One listener per worker: clones of one socket (its connections go to
+    /// whichever worker accepts first), or, with `server.reuse_port`, sockets
+    /// of their own on the same address (SO_REUSEPORT: the kernel spreads
+    /// connections over them).
     proxy: Vec<TcpListener>,
     admin: Option<TcpListener>,
     /// `[server.tls]` and `[admin.tls]`, loaded.
@@ -89,9 +98,9 @@ impl Server {
         };
         let proxy_tls = tls("proxy", &config.server.tls, vec![b"h2", b"http/1.1"])?;
         let admin_tls = tls("admin", &config.admin.as_ref().and_then(|a| a.tls.clone()), vec![b"http/1.1"])?;
-        let proxy = bind_workers(config.server.listen, config.server.workers)?;
+        let proxy = bind_workers(config.server.listen, config.server.workers, config.server.reuse_port)?;
         let admin = match &config.admin {
-            Some(a) => Some(bind(a.listen).await?),
+            Some(a) => Some(bind("admin.listen", a.listen).await?),
             None => None,
         };
         // The key derived for the upstream is an HMAC under the configured
@@ -210,7 +219,7 @@ impl Server {
         if let Some(hangups) = hangups {
             background.spawn(reload_on_hangup(hangups, tls_listeners, metrics.clone(), shutdown.clone()));
         }
-        let http = Http::new(config.server.request_header_timeout);
+        let http = Http::new(config.server.request_header_timeout).http2_keep_alive(config.server.http2_keep_alive_interval);
         // The admin listener outlives the proxy's drain (so `/readyz` can say
         // 503 and `/metrics` can be scraped while it runs); it has its own
         // stop and tracker.
@@ -253,11 +262,10 @@ impl Server {
                 tracker: tracker.clone(),
                 grace: grace + config.server.drain_delay,
             };
-            let listener = listener.into_std().map_err(|source| ServeError::Bind { addr: config.server.listen, source })?;
-            let handle = std::thread::Builder::new()
-                .name(format!("idemgate-worker-{i}"))
-                .spawn(move || worker.run(listener))
-                .map_err(|source| ServeError::Bind { addr: config.server.listen, source })?;
+            let err = |error| ServeError::Bind { setting: "server.listen", addr: config.server.listen, error, reuse_port: false };
+            let listener = listener.into_std().map_err(err)?;
+            let handle =
+                std::thread::Builder::new().name(format!("idemgate-worker-{i}")).spawn(move || worker.run(listener)).map_err(err)?;
             workers.push(handle);
         }
 
@@ -343,29 +351,68 @@ impl Worker {
     }
 }
 
-/// Binds `workers` listeners to one address with SO_REUSEPORT (port 0: the
-/// first picks the port, the others join it).
-fn bind_workers(addr: SocketAddr, workers: usize) -> Result<Vec<TcpListener>, ServeError> {
+/// The listeners of `workers` worker threads on one address. By default one
+/// socket, bound exclusively (a port another process listens on is refused),
+/// cloned for each worker. With `reuse_port` (SO_REUSEPORT) each worker binds
+/// its own socket (port 0: the first picks the port, the others join it), and
+/// other processes that set it too may join the port.
+fn bind_workers(addr: SocketAddr, workers: usize, reuse_port: bool) -> Result<Vec<TcpListener>, ServeError> {
+    let workers = workers.max(1);
     let mut listeners = Vec::with_capacity(workers);
     let mut addr = addr;
-    for _ in 0..workers.max(1) {
-        let err = |source| ServeError::Bind { addr, source };
-        let socket = if addr.is_ipv4() { TcpSocket::new_v4() } else { TcpSocket::new_v6() }.map_err(err)?;
-        socket.set_reuseaddr(true).map_err(err)?;
-        socket.set_reuseport(true).map_err(err)?;
-        socket.bind(addr).map_err(err)?;
-        let listener = socket.listen(1024).map_err(err)?;
-        addr = listener.local_addr().map_err(err)?;
+    let err = |addr| move |error| ServeError::Bind { setting: "server.listen", addr, error, reuse_port };
+    if !reuse_port {
+        let one = listen(addr, false).and_then(TcpListener::into_std).map_err(err(addr))?;
+        for _ in 1..workers {
+            listeners.push(one.try_clone().and_then(TcpListener::from_std).map_err(err(addr))?);
+        }
+        listeners.insert(0, TcpListener::from_std(one).map_err(err(addr))?);
+        return Ok(listeners);
+    }
+    for _ in 0..workers {
+        let listener = listen(addr, true).map_err(err(addr))?;
+        addr = listener.local_addr().map_err(err(addr))?;
         listeners.push(listener);
     }
     Ok(listeners)
 }
 
+/// A listening socket on `addr`; SO_REUSEADDR (a restart binds again at
+/// once, past the old connections' TIME_WAIT), SO_REUSEPORT only if asked.
+fn listen(addr: SocketAddr, reuse_port: bool) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() { TcpSocket::new_v4() } else { TcpSocket::new_v6() }?;
+    socket.set_reuseaddr(true)?;
+    if reuse_port {
+        socket.set_reuseport(true)?;
+    }
+    socket.bind(addr)?;
+    socket.listen(1024)
+}
+
+/// What a failed bind's message adds when the address is taken.
+fn bind_hint(setting: &str, error: &std::io::Error, reuse_port: bool) -> String {
+    if error.kind() != std::io::ErrorKind::AddrInUse {
+        return String::new();
+    }
+    match (setting, reuse_port) {
+        ("server.listen", false) => "; another process listens there (another idemgate?). Two gateways on one port would split its \
+             connections, and one key's retries, between their stores; to share the port on purpose set server.reuse_port = true \
+             in both"
+            .to_owned(),
+        ("server.listen", true) => {
+            "; another process listens there without sharing it (server.reuse_port = true must be set in every gateway on the port)"
+                .to_owned()
+        }
+        _ => "; another process listens there: every gateway needs an admin port of its own".to_owned(),
+    }
+}
+
 /// Connections the admin listener serves at once.
 const ADMIN_MAX_CONNECTIONS: usize = 256;
 
-async fn bind(addr: SocketAddr) -> Result<TcpListener, ServeError> {
-    TcpListener::bind(addr).await.map_err(|source| ServeError::Bind { addr, source })
+/// The admin listener, bound exclusively.
+async fn bind(setting: &'static str, addr: SocketAddr) -> Result<TcpListener, ServeError> {
+    listen(addr, false).map_err(|error| ServeError::Bind { setting, addr, error, reuse_port: false })
 }
 
 /// Re-reads TLS certificates on every SIGHUP; a failed reload keeps the

@@ -149,3 +149,130 @@ async fn keys_commands_refuse_a_missing_store() {
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stdout).contains("0 record(s)"));
 }
+
+/// Runs `idemgate serve --config <dir>/<name>` with `toml` until it exits, at
+/// most `bound` (then it is killed): its exit status (`None`: it was still
+/// running), its stderr and the config file's path.
+fn serve_until_exit(dir: &std::path::Path, name: &str, toml: &str, bound: Duration) -> (Option<std::process::ExitStatus>, String, String) {
+    let config = dir.join(name);
+    std::fs::write(&config, toml).unwrap();
+    let log = dir.join(format!("{name}.stderr"));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .arg("serve")
+        .arg("--config")
+        .arg(&config)
+        .env(support::gateway::TEST_SECRET_ENV, TEST_SECRET)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + bound;
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break Some(s);
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    (status, std::fs::read_to_string(&log).unwrap_or_default(), config.display().to_string())
+}
+
+/// One gateway per port: a second `serve` on the port of a running one, with
+/// a SQLite file of its own, would split the port's connections (and one
+/// key's retries) between two stores. It refuses to start, naming the
+/// setting and the file, for the proxy and the admin listener alike; with
+/// `server.reuse_port = true` on both, sharing is deliberate and allowed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_gateway_on_a_taken_port_is_refused_unless_both_opt_in() {
+    let up = TestUpstream::start().await;
+    let first = Gateway::start(GatewayConfig::new(sqlite_backend(), up.url()));
+    let dir = first.dir().to_owned();
+    let mut second = GatewayConfig::new(sqlite_backend(), up.url());
+    second.listen = first.addr;
+    let (status, err, file) =
+        tokio::task::block_in_place(|| serve_until_exit(&dir, "second.toml", &second.toml(), Duration::from_secs(30)));
+    let status = status.unwrap_or_else(|| panic!("the second gateway started on the first one's port:\n{err}"));
+    assert_eq!(status.code(), Some(1), "{err}");
+    let line = err.lines().find(|l| l.starts_with("idemgate: ")).unwrap_or_else(|| panic!("no error line:\n{err}"));
+    for needle in ["server.listen", &first.addr.to_string(), &file, "in use", "server.reuse_port"] {
+        assert!(line.contains(needle), "{needle:?} missing: {line}");
+    }
+
+    // The admin listener's port likewise.
+    let admin = first.admin.expect("admin listener");
+    let toml = GatewayConfig::new(sqlite_backend(), up.url())
+        .toml()
+        .replace("[admin]\nlisten = \"127.0.0.1:0\"", &format!("[admin]\nlisten = \"{admin}\""));
+    let (status, err, file) = tokio::task::block_in_place(|| serve_until_exit(&dir, "third.toml", &toml, Duration::from_secs(30)));
+    assert_eq!(status.and_then(|s| s.code()), Some(1), "{err}");
+    let line = err.lines().find(|l| l.starts_with("idemgate: ")).unwrap_or_else(|| panic!("no error line:\n{err}"));
+    for needle in ["admin.listen", &admin.to_string(), &file, "in use"] {
+        assert!(line.contains(needle), "{needle:?} missing: {line}");
+    }
+    assert_eq!(post(&first.url("/v1/orders"), "k", ORDER, &[]).await.status, 201, "the first gateway serves on");
+    assert_eq!(up.total(), 1);
+
+    // Opted in on both: the second starts on the same port.
+    let shared = Gateway::start(GatewayConfig::new(sqlite_backend(), up.url()).server("reuse_port = true"));
+    let mut joining = GatewayConfig::new(sqlite_backend(), up.url()).server("reuse_port = true");
+    joining.listen = shared.addr;
+    let joined = Gateway::start(joining);
+    assert_eq!(joined.addr, shared.addr);
+    // Only one side opted in: refused.
+    let mut one_sided = GatewayConfig::new(sqlite_backend(), up.url());
+    one_sided.listen = shared.addr;
+    let (status, err, _) =
+        tokio::task::block_in_place(|| serve_until_exit(&dir, "fourth.toml", &one_sided.toml(), Duration::from_secs(30)));
+    assert_eq!(status.and_then(|s| s.code()), Some(1), "{err}");
+}
+
+/// The mode bits of `path` and its `-wal` and `-shm` files (those that exist).
+fn store_file_modes(path: &std::path::Path) -> Vec<(String, u32)> {
+    use std::os::unix::fs::PermissionsExt;
+    ["", "-wal", "-shm"]
+        .iter()
+        .filter_map(|suffix| {
+            let file = format!("{}{suffix}", path.display());
+            std::fs::metadata(&file).ok().map(|m| (file, m.permissions().mode() & 0o777))
+        })
+        .collect()
+}
+
+/// The SQLite file and its `-wal` and `-shm` hold the derived-key secret,
+/// every stored response and async requests: they are created readable and
+/// writable by their owner only, whatever the umask. A file that is already
+/// readable by group or others (an earlier version, a careless copy) is
+/// tightened at start, with a log line saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_files_are_private_to_their_owner() {
+    use std::os::unix::fs::PermissionsExt;
+    let backend = sqlite_backend();
+    let Backend::Sqlite { path, .. } = &backend else { unreachable!() };
+    let path = path.clone();
+    let up = TestUpstream::start().await;
+    let mut gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()));
+    assert_eq!(post(&gw.url("/v1/orders"), "k", ORDER, &[]).await.status, 201);
+    let modes = store_file_modes(&path);
+    assert_eq!(modes.len(), 3, "the database, its WAL and its shared memory: {modes:?}");
+    for (file, mode) in &modes {
+        assert_eq!(*mode, 0o600, "{file} is {mode:o}");
+    }
+
+    // Loosened while the gateway is down (the files stay after a kill).
+    gw.kill9();
+    for (file, _) in &modes {
+        std::fs::set_permissions(file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    gw.restart();
+    assert!(gw.log_count("readable by group or others") >= 1, "{}", gw.logs());
+    for (file, mode) in store_file_modes(&path) {
+        assert_eq!(mode, 0o600, "{file} is {mode:o} after the restart");
+    }
+    assert!(post(&gw.url("/v1/orders"), "k", ORDER, &[]).await.replayed(), "the record is intact");
+    assert_eq!(up.total(), 1);
+}

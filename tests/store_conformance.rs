@@ -73,6 +73,7 @@ on_both_stores!(
     a_released_operation_starts_a_fresh_attempt_budget,
     a_parked_event_holds_the_later_events_of_its_scope,
     workers_take_over_expired_attempts_that_may_run_again,
+    stored_requests_are_dropped_once_the_operation_is_final,
 );
 
 // ---------------------------------------------------------------------------
@@ -920,6 +921,102 @@ async fn abandon_deletes_only_an_in_flight_claim_with_its_token(backend: Backend
 
 // ---------------------------------------------------------------------------
 // Async operations (CONTRACT section 6), on both stores
+
+/// The `request` column of a record, read from outside the store: `None`
+/// when the row is missing, `Some(None)` when the column is NULL.
+async fn stored_request(backend: &Backend, s: &Scope) -> Option<Option<Vec<u8>>> {
+    let k = s.key.as_str().to_owned();
+    match backend {
+        Backend::Postgres { url } => {
+            let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.expect("connect");
+            let task = tokio::spawn(conn);
+            let rows = client.query("SELECT request FROM idemgate_records WHERE idempotency_key = $1", &[&k]).await.expect("select");
+            drop(client);
+            let _ = task.await;
+            rows.first().map(|r| r.get(0))
+        }
+        Backend::Sqlite { path, .. } => {
+            let conn = rusqlite::Connection::open(path).expect("open sqlite");
+            conn.busy_timeout(Duration::from_secs(5)).unwrap();
+            let mut st = conn.prepare("SELECT request FROM idemgate_records WHERE idempotency_key = ?1").unwrap();
+            let mut rows = st.query([&k]).unwrap();
+            rows.next().unwrap().map(|r| r.get(0).unwrap())
+        }
+    }
+}
+
+/// An async operation's stored request carries the client's headers
+/// (`Authorization` among them) and body: it is kept while the operation may
+/// still run (queued, processing, and `unknown`, which an operator's release
+/// re-queues and whose path a probe reads) and dropped once the operation is
+/// final: completed (by its worker or by hand) or `failed_retryable`. A
+/// synchronous claim's request line, kept for probes, likewise. A completed
+/// operation whose request is gone cannot be released to run again.
+async fn stored_requests_are_dropped_once_the_operation_is_final(backend: Backend) {
+    let store = open(&backend).await;
+    let routes = [worker_route("create_order", LONG)];
+    let stored = Some(Some(b"stored request".to_vec()));
+    let lost = RetryNote { last_status: None, maybe_executed: true };
+
+    // Completed by its worker.
+    let done = key("req-done");
+    claim(&store, &accept_req(&done, 1)).await;
+    assert_eq!(stored_request(&backend, &done).await, stored, "queued: kept");
+    let t = take(&store, &routes, "w").await.unwrap();
+    assert_eq!(store.mark_sent(&t.claim).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(stored_request(&backend, &done).await, stored, "processing: kept");
+    assert_eq!(store.complete(&t.claim, &response(201, b"done"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(row(&store, &done).await.state, State::Completed);
+    assert_eq!(stored_request(&backend, &done).await, Some(None), "completed: dropped");
+
+    // Retries used up, never executed: failed_retryable.
+    let failed = key("req-failed");
+    claim(&store, &accept_req(&failed, 1)).await;
+    let t = take(&store, &routes, "w").await.unwrap();
+    assert_eq!(store.fail(&t.claim, Retention::For(LONG), RetryNote::default()).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(row(&store, &failed).await.state, State::FailedRetryable);
+    assert_eq!(stored_request(&backend, &failed).await, Some(None), "failed_retryable: dropped");
+
+    // Unknown: kept. An operator's release runs it again with the request
+    // byte for byte; completed by hand later, it is dropped.
+    let unsure = key("req-unknown");
+    claim(&store, &accept_req(&unsure, 1)).await;
+    let t = take(&store, &routes, "w").await.unwrap();
+    assert_eq!(store.mark_sent(&t.claim).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(store.fail(&t.claim, Retention::For(LONG), lost).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(row(&store, &unsure).await.state, State::Unknown);
+    assert_eq!(stored_request(&backend, &unsure).await, stored, "unknown: kept");
+    assert_eq!(
+        store.resolve(&unsure, &RELEASE, &note("not in the ledger")).await.unwrap(),
+        ResolveOutcome::Resolved { from: State::Unknown }
+    );
+    let again = take(&store, &routes, "w").await.expect("re-queued");
+    assert_eq!(again.request, Bytes::from_static(b"stored request"));
+    assert_eq!(store.mark_sent(&again.claim).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(store.fail(&again.claim, Retention::For(LONG), lost).await.unwrap(), WriteOutcome::Written);
+    let by_hand = Resolution::Complete { response: response(201, b"by hand"), retention: Retention::For(LONG), force: false };
+    assert_eq!(
+        store.resolve(&unsure, &by_hand, &note("found in the ledger")).await.unwrap(),
+        ResolveOutcome::Resolved { from: State::Unknown }
+    );
+    assert_eq!(stored_request(&backend, &unsure).await, Some(None), "completed by hand: dropped");
+
+    // Completed and its request gone: a forced release cannot re-queue it.
+    let before = row(&store, &done).await;
+    let forced = Resolution::Release { force: true };
+    assert_eq!(store.resolve(&done, &forced, &note("run it again")).await.unwrap(), ResolveOutcome::Refused(Refused::RequestGone));
+    assert_eq!(row(&store, &done).await, before, "unchanged");
+    assert!(take(&store, &routes, "w").await.is_none(), "nothing was queued");
+
+    // A synchronous claim's request line, kept for probes: dropped on completion.
+    let sync = key("req-sync");
+    let mut r = req(&sync, 1, LONG, false);
+    r.request_head = Some(Bytes::from_static(b"request line"));
+    let c = claim(&store, &r).await;
+    assert_eq!(stored_request(&backend, &sync).await, Some(Some(b"request line".to_vec())));
+    assert_eq!(store.complete(&c, &response(201, b"sync"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(stored_request(&backend, &sync).await, Some(None), "completed: dropped");
+}
 
 async fn take(store: &Store, routes: &[WorkerRoute], owner: &str) -> Option<Taken> {
     store.take(routes, owner).await.expect("take")

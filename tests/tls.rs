@@ -559,3 +559,182 @@ async fn check_config_connect_shakes_hands_with_https_upstreams() {
         task.abort();
     }
 }
+
+// ---------------------------------------------------------------------------
+// Silent and idle connections on TLS listeners (issue 28, item 2)
+
+/// The HTTP/2 client connection preface and an empty SETTINGS frame.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00";
+/// A HEADERS frame on stream 1 (`:method GET`, HPACK index 2) without
+/// END_HEADERS: the server must wait for a CONTINUATION that never comes.
+const H2_HEADERS_UNFINISHED: &[u8] = b"\x00\x00\x01\x01\x00\x00\x00\x00\x01\x82";
+
+/// How a silent client behaves after its TLS handshake.
+#[derive(Debug, Clone, Copy)]
+enum Silent {
+    /// Offers no ALPN protocol and sends nothing.
+    NoAlpn,
+    /// ALPN chose http/1.1; nothing sent.
+    Http1,
+    /// ALPN chose h2; nothing sent.
+    H2,
+    /// ALPN h2, the connection preface alone.
+    H2Preface,
+    /// ALPN h2, the preface and a HEADERS frame without END_HEADERS.
+    H2UnfinishedHeaders,
+}
+
+type ClientTls = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
+
+async fn open_silent(addr: std::net::SocketAddr, pki: &Pki, kind: Silent) -> ClientTls {
+    use tokio::io::AsyncWriteExt;
+    let alpn: &[&[u8]] = match kind {
+        Silent::NoAlpn => &[],
+        Silent::Http1 => &[b"http/1.1"],
+        Silent::H2 | Silent::H2Preface | Silent::H2UnfinishedHeaders => &[b"h2"],
+    };
+    let mut tls = support::tls::connect(addr, pki.client_config(None, alpn)).await.expect("TLS handshake");
+    match kind {
+        Silent::H2Preface => tls.write_all(H2_PREFACE).await.unwrap(),
+        Silent::H2UnfinishedHeaders => tls.write_all(&[H2_PREFACE, H2_HEADERS_UNFINISHED].concat()).await.unwrap(),
+        _ => {}
+    }
+    tls.flush().await.unwrap();
+    tls
+}
+
+/// Reads until the server closes the connection (end of stream or an
+/// error), at most `bound`; `None` if it was still open then. Returns what
+/// the server sent meanwhile.
+async fn until_closed(s: &mut ClientTls, bound: Duration) -> Option<Vec<u8>> {
+    let mut all = Vec::new();
+    let mut buf = [0u8; 4096];
+    tokio::time::timeout(bound, async {
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => all.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await
+    .ok()
+    .map(|()| all)
+}
+
+/// The (type, flags) of each complete HTTP/2 frame in `bytes`.
+fn h2_frames(mut bytes: &[u8]) -> Vec<(u8, u8)> {
+    let mut out = Vec::new();
+    while bytes.len() >= 9 {
+        let len = u32::from_be_bytes([0, bytes[0], bytes[1], bytes[2]]) as usize;
+        out.push((bytes[3], bytes[4]));
+        bytes = bytes.get(9 + len..).unwrap_or_default();
+    }
+    out
+}
+
+/// After its TLS handshake a client has `request_header_timeout` to send a
+/// complete request, whatever ALPN chose: one that sends nothing, an HTTP/2
+/// preface alone, or a HEADERS frame it never finishes is disconnected, and
+/// its slot under `max_connections` is free again. Nothing was claimed or
+/// forwarded for them; a real request waiting for a slot is then served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_tls_connections_are_closed_at_the_header_timeout() {
+    let pki = Pki::new("test CA");
+    let cert = pki.server(Alg::EcdsaP256);
+    let up = TestUpstream::start().await;
+    let backend = sqlite_backend();
+    let kinds = [Silent::NoAlpn, Silent::Http1, Silent::H2, Silent::H2Preface, Silent::H2UnfinishedHeaders];
+    let gw = Gateway::start(
+        GatewayConfig::new(backend.clone(), up.url())
+            .server(&format!("max_connections = {}\nrequest_header_timeout = \"1s\"", kinds.len()))
+            .tail(&tls_section("server", &cert, "")),
+    );
+    // Every slot held by a silent client.
+    let mut silent = Vec::new();
+    for kind in kinds {
+        silent.push((kind, open_silent(gw.addr, &pki, kind).await));
+    }
+    // A real request waits for a slot.
+    let (addr, config) = (gw.addr, pki.client_config(None, &[b"http/1.1"]));
+    let h = order_headers("k-after-silent");
+    let real = tokio::spawn(async move { h1_send(addr, config, "POST", "/v1/orders", &borrowed(&h), ORDER).await });
+    for (kind, conn) in &mut silent {
+        let sent = until_closed(conn, Duration::from_secs(30)).await;
+        assert!(sent.is_some(), "{kind:?}: the server never closed the silent connection");
+    }
+    let r = tokio::time::timeout(Duration::from_secs(30), real).await.expect("the waiting request is served").unwrap().unwrap();
+    assert_eq!(r.status, 201, "{r:?}");
+    assert_eq!(up.total(), 1, "only the real request reached the upstream");
+    let store = backend.open().await;
+    assert_eq!(settled_record(&store, "k-after-silent").await.expect("record").state, State::Completed);
+    assert_eq!(store.list(&idemgate::store::ListFilter { limit: 10, ..Default::default() }).await.unwrap().len(), 1, "one record");
+}
+
+/// HTTP/2 keep-alive: the server pings a connection every
+/// `http2_keep_alive_interval` and closes it when a ping goes unanswered
+/// (here: a client that sent its preface and then stopped reading frames).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_client_that_does_not_answer_pings_is_disconnected() {
+    let pki = Pki::new("test CA");
+    let cert = pki.server(Alg::EcdsaP256);
+    let up = TestUpstream::start().await;
+    let gw = Gateway::start(
+        GatewayConfig::new(sqlite_backend(), up.url())
+            .server("request_header_timeout = \"60s\"\nhttp2_keep_alive_interval = \"300ms\"")
+            .tail(&tls_section("server", &cert, "")),
+    );
+    let mut conn = open_silent(gw.addr, &pki, Silent::H2Preface).await;
+    let sent = until_closed(&mut conn, Duration::from_secs(30)).await.expect("closed after the unanswered ping");
+    let frames = h2_frames(&sent);
+    assert!(frames.iter().any(|&(kind, flags)| kind == 0x6 && flags & 0x1 == 0), "the server sent a PING: {frames:?}");
+    assert_eq!(up.total(), 0);
+}
+
+/// An HTTP/2 connection with no request open for `request_header_timeout`
+/// (its client answers pings) is closed with GOAWAY, as an idle HTTP/1.1
+/// keep-alive connection is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_http2_connection_is_closed_after_its_request() {
+    use http_body_util::{BodyExt, Full};
+    let pki = Pki::new("test CA");
+    let cert = pki.server(Alg::EcdsaP256);
+    let up = TestUpstream::start().await;
+    let gw = Gateway::start(
+        GatewayConfig::new(sqlite_backend(), up.url()).server("request_header_timeout = \"1s\"").tail(&tls_section("server", &cert, "")),
+    );
+    let tls = support::tls::connect(gw.addr, pki.client_config(None, &[b"h2"])).await.unwrap();
+    let (mut sender, conn) =
+        hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), hyper_util::rt::TokioIo::new(tls)).await.unwrap();
+    let mut conn = tokio::spawn(conn);
+    let mut req = http::Request::post(format!("https://localhost:{}/v1/orders", gw.addr.port()));
+    for (k, v) in order_headers("k-idle") {
+        req = req.header(k, v);
+    }
+    let resp = sender.send_request(req.body(Full::new(bytes::Bytes::from(ORDER))).unwrap()).await.unwrap();
+    assert_eq!(resp.status(), 201);
+    let _ = resp.into_body().collect().await.unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(30), &mut conn).await.expect("the idle HTTP/2 connection was never closed");
+    // GOAWAY, then an orderly close: the client's connection ends without an error.
+    assert!(matches!(ended, Ok(Ok(()))), "{ended:?}");
+    assert_eq!(up.total(), 1);
+}
+
+/// The admin listener bounds silent TLS clients as the proxy listener does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_tls_connection_to_the_admin_listener_is_closed() {
+    let pki = Pki::new("test CA");
+    let cert = pki.server(Alg::EcdsaP256);
+    let up = TestUpstream::start().await;
+    let gw = Gateway::start(
+        GatewayConfig::new(sqlite_backend(), up.url()).server("request_header_timeout = \"1s\"").tail(&tls_section("admin", &cert, "")),
+    );
+    let admin = gw.admin.expect("admin listener");
+    // The admin listener offers http/1.1 only.
+    for kind in [Silent::NoAlpn, Silent::Http1] {
+        let mut conn = open_silent(admin, &pki, kind).await;
+        assert!(until_closed(&mut conn, Duration::from_secs(30)).await.is_some(), "{kind:?}: the admin listener kept it open");
+    }
+    let r = h1_send(admin, pki.client_config(None, &[b"http/1.1"]), "GET", "/healthz", &[], "").await.unwrap();
+    assert_eq!(r.status, 200);
+}

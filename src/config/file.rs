@@ -202,6 +202,8 @@ pub struct ServerSection {
     pub default_upstream: Option<String>,
     pub request_header_timeout: Option<String>,
     pub request_body_timeout: Option<String>,
+    /// HTTP/2 PING cadence on the proxy and admin listeners.
+    pub http2_keep_alive_interval: Option<String>,
     pub replica_id: Option<String>,
     pub derived_key_secret_env: Option<String>,
     pub derived_key_secret_file: Option<String>,
@@ -214,6 +216,8 @@ pub struct ServerSection {
     pub trusted_proxies: Option<Vec<String>>,
     /// Open client connections at most (all workers together).
     pub max_connections: Option<i64>,
+    /// Bind the proxy port with SO_REUSEPORT (other processes may share it).
+    pub reuse_port: Option<bool>,
     /// `[server.tls]`: HTTPS (and HTTP/2 by ALPN) on the proxy listener.
     pub tls: Option<TlsSection>,
 }

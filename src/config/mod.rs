@@ -57,8 +57,15 @@ pub struct ServerConfig {
     pub shutdown_grace: Duration,
     /// Where unmatched paths go; absent: 404.
     pub default_upstream: Option<UpstreamId>,
-    /// A client must send its request headers within this time (slowloris guard).
+    /// A client must send its request headers within this time (slowloris
+    /// guard): the first request's after the connection opens (after the TLS
+    /// handshake on a TLS listener), and each later one's after the previous
+    /// request ended; a keep-alive connection (HTTP/1.1 or HTTP/2) with no
+    /// request for this long is closed.
     pub request_header_timeout: Duration,
+    /// HTTP/2 connections are pinged this often; one whose client does not
+    /// answer within the same time is closed.
+    pub http2_keep_alive_interval: Duration,
     /// ... and its body within this time, before any key is claimed.
     pub request_body_timeout: Duration,
     /// This replica's name in the `owner` column; default: hostname and pid.
@@ -67,8 +74,8 @@ pub struct ServerConfig {
     /// (shared by all replicas); without it the derived key is a plain hash.
     pub derived_key_secret: Option<Secret>,
     /// Threads serving the proxy listener, each with its own event loop and
-    /// upstream connection pool (SO_REUSEPORT spreads connections over them);
-    /// default: one per CPU.
+    /// upstream connection pool, accepting from one socket (or, with
+    /// `reuse_port`, each from its own); default: one per CPU.
     pub workers: usize,
     /// One access-log line per request (target `idemgate::access`).
     pub access_log: bool,
@@ -84,6 +91,9 @@ pub struct ServerConfig {
     pub max_connections: usize,
     /// `[server.tls]`: the proxy listener speaks HTTPS (HTTP/1.1 and HTTP/2).
     pub tls: Option<ListenerTls>,
+    /// Bind the proxy port with SO_REUSEPORT, so that other gateways that set
+    /// it too can listen on it (off: the port is this process's alone).
+    pub reuse_port: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]

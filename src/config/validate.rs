@@ -322,6 +322,9 @@ impl Validator<'_> {
         let shutdown_grace = self.duration("server.shutdown_grace", s.shutdown_grace.as_deref(), "30s");
         let request_header_timeout = self.duration("server.request_header_timeout", s.request_header_timeout.as_deref(), "10s");
         let request_body_timeout = self.duration("server.request_body_timeout", s.request_body_timeout.as_deref(), "30s");
+        let http2_keep_alive_interval = self.duration("server.http2_keep_alive_interval", s.http2_keep_alive_interval.as_deref(), "20s");
+        let http2_keep_alive_interval =
+            self.at_least("server.http2_keep_alive_interval", http2_keep_alive_interval, Duration::from_millis(100));
         let default_upstream = match s.default_upstream.as_deref() {
             None => Some(None),
             Some(name) => match names.get(name) {
@@ -367,6 +370,7 @@ impl Validator<'_> {
             max_connections: max_connections?,
             tls: tls?,
             access_log: s.access_log.unwrap_or(true),
+            reuse_port: s.reuse_port.unwrap_or(false),
             drain_delay: drain_delay?,
             trusted_proxies: trusted_proxies?,
             derived_key_secret: derived_key_secret?,
@@ -377,6 +381,7 @@ impl Validator<'_> {
             default_upstream: default_upstream?,
             request_header_timeout: request_header_timeout?,
             request_body_timeout: request_body_timeout?,
+            http2_keep_alive_interval: http2_keep_alive_interval?,
             replica_id: replica_id?,
         })
     }

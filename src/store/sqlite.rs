@@ -7,6 +7,7 @@
 //! one replica it is the only clock there is.
 
 use std::fs::File;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::mpsc;
@@ -98,7 +99,12 @@ impl SqliteStore {
         }
         let exclusive = access == Access::Serve;
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(|e| StoreError::Unavailable(format!("cannot create directory {}: {e}", dir.display())))?;
+            // Directories created here are the owner's alone, like the files.
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(|e| StoreError::Unavailable(format!("cannot create directory {}: {e}", dir.display())))?;
         }
         let lock = if exclusive {
             let lock_path = lock_path(path);
@@ -106,6 +112,7 @@ impl SqliteStore {
                 .create(true)
                 .truncate(false)
                 .write(true)
+                .mode(0o600)
                 .open(&lock_path)
                 .map_err(|e| StoreError::Unavailable(format!("cannot open {}: {e}", lock_path.display())))?;
             if file.try_lock().is_err() {
@@ -120,6 +127,7 @@ impl SqliteStore {
         } else {
             None
         };
+        owner_only(path)?;
         let conn = Connection::open(path).map_err(|e| StoreError::Unavailable(format!("cannot open {}: {e}", path.display())))?;
         conn.busy_timeout(Duration::from_secs(5)).map_err(err)?;
         conn.pragma_update(None, "journal_mode", "WAL").map_err(err)?;
@@ -448,9 +456,18 @@ impl RecordStore for SqliteStore {
                     (Some(state), Some(next))
                 }
                 (Ok(Next::State { state: State::Queued, .. }), Resolution::Release { .. }) => {
-                    // An async operation released: it runs again, under a new generation.
-                    let next = next_generation(tx)?;
+                    // An async operation released: it runs again, under a new
+                    // generation, if its request is still kept.
                     let [t, p, o, k] = pk(&scope);
+                    let kept: bool = tx
+                        .query_row(&format!("SELECT request IS NOT NULL FROM idemgate_records WHERE {PK}"), params![t, p, o, k], |r| {
+                            r.get(0)
+                        })
+                        .map_err(err)?;
+                    if !kept {
+                        return Ok(ResolveOutcome::Refused(Refused::RequestGone));
+                    }
+                    let next = next_generation(tx)?;
                     tx.prepare_cached(&format!(
                         "UPDATE idemgate_records SET state = 'queued', generation = ?5, lease_expires_at = NULL, sent_at = NULL, \
                          next_attempt_at = ?6, attempts = 0, maybe_executed = 0, response_status = NULL, response_headers = NULL, \
@@ -701,10 +718,13 @@ impl RecordStore for SqliteStore {
                 Ok(Next::State { state, .. }) => state,
                 _ => return Ok(false),
             };
+            // Final (failed_retryable): the stored request is dropped; an
+            // unknown one keeps it (a release runs it again).
             let assignments = format!(
-                "state = '{}', maybe_executed = {}, lease_expires_at = NULL, expires_at = ?5, last_status = ?6",
+                "state = '{}', maybe_executed = {}, lease_expires_at = NULL, expires_at = ?5, last_status = ?6{}",
                 state.as_str(),
-                i32::from(record.maybe_executed)
+                i32::from(record.maybe_executed),
+                if state == State::FailedRetryable { ", request = NULL" } else { "" }
             );
             update_state(tx, &s, &assignments, retention.expires_at(now), retry_note.last_status)?;
             touch(tx, &s, now)?;
@@ -1128,6 +1148,48 @@ fn check_existing(path: &Path) -> Result<(), StoreError> {
     if migrated == 0 { Err(missing("the file is not an idemgate store")) } else { Ok(()) }
 }
 
+/// The database holds the derived-key secret, stored responses and async
+/// requests: it is created readable and writable by its owner only (mode
+/// 0600, before SQLite opens it; SQLite gives its `-wal`, `-shm` and
+/// `-journal` files the database's mode). A database or companion file that
+/// group or others may read or write (created by an earlier version with
+/// the umask, or copied) is tightened to the owner's bits, with a warning;
+/// one this process may not change is an error.
+fn owner_only(path: &Path) -> Result<(), StoreError> {
+    use std::os::unix::fs::PermissionsExt;
+    match File::options().write(true).create_new(true).mode(0o600).open(path) {
+        Ok(_) => return Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(StoreError::Unavailable(format!("cannot create {}: {e}", path.display()))),
+    }
+    for suffix in ["", "-wal", "-shm", "-journal"] {
+        let mut file = path.as_os_str().to_owned();
+        file.push(suffix);
+        let file = PathBuf::from(file);
+        let Ok(meta) = std::fs::metadata(&file) else { continue };
+        let mode = meta.permissions().mode() & 0o777;
+        if mode & 0o077 == 0 {
+            continue;
+        }
+        let tightened = mode & 0o700;
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(tightened)).map_err(|e| {
+            StoreError::Unavailable(format!(
+                "{} is readable or writable by group or others (mode {mode:03o}) and cannot be changed: {e}; \
+                 it holds the derived-key secret and stored responses: run `chmod 600 {}` as its owner",
+                file.display(),
+                file.display()
+            ))
+        })?;
+        tracing::warn!(
+            file = %file.display(),
+            was = %format!("{mode:03o}"),
+            now = %format!("{tightened:03o}"),
+            "the store file was readable by group or others: permissions tightened to its owner"
+        );
+    }
+    Ok(())
+}
+
 /// `<db path>.lock`, the file `serve` locks for the process's life.
 pub fn lock_path(path: &Path) -> PathBuf {
     let mut p = path.as_os_str().to_owned();
@@ -1194,7 +1256,7 @@ fn write_response(
     let [t, p, o, k] = pk(scope);
     let sql = format!(
         "UPDATE idemgate_records SET state = 'completed', response_status = ?5, response_headers = ?6, response_body = ?7, \
-         lease_expires_at = NULL, updated_at = ?8, expires_at = ?9, generation = coalesce(?10, generation) WHERE {PK}"
+         lease_expires_at = NULL, updated_at = ?8, expires_at = ?9, generation = coalesce(?10, generation), request = NULL WHERE {PK}"
     );
     let body: Option<&[u8]> = response.body.as_deref();
     tx.prepare_cached(&sql)

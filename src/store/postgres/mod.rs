@@ -861,8 +861,12 @@ impl PgStore {
             Ok(Next::State { state: State::Queued, .. }) => {
                 // An async operation released: it runs again, under a new generation.
                 let rows = tx.query(&*sql::RESOLVE_REQUEUE, &params).await.map_err(w)?;
-                let generation: i64 =
-                    rows.first().and_then(|r| r.try_get(0).ok()).ok_or_else(|| StoreError::Corrupt("resolve: no generation".into()))?;
+                let Some(row) = rows.first() else {
+                    // The row is locked: only a dropped request stops the update.
+                    tx.rollback().await.map_err(w)?;
+                    return Ok(Round::Done(ResolveOutcome::Refused(Refused::RequestGone)));
+                };
+                let generation: i64 = row.try_get(0).map_err(|_| StoreError::Corrupt("resolve: no generation".into()))?;
                 (Some(State::Queued), Some(generation))
             }
             Ok(Next::State { state, .. }) => {

@@ -201,7 +201,7 @@ v AS (
 ), upd AS (
     UPDATE idemgate_records r SET
         state = 'completed', response_status = v.status, response_headers = v.headers, response_body = v.body,
-        lease_expires_at = NULL, updated_at = now(),
+        lease_expires_at = NULL, updated_at = now(), request = NULL,
         expires_at = coalesce(now() + v.retention_us * interval '1 microsecond', 'infinity')
     FROM v
     WHERE r.scope_id = v.scope_id AND r.idempotency_key = v.idempotency_key
@@ -251,7 +251,7 @@ pub(super) static WRITE_BATCH: LazyLock<String> =
 pub(super) static COMPLETE: LazyLock<String> = LazyLock::new(|| {
     format!(
         "WITH upd AS (UPDATE idemgate_records SET state = 'completed', response_status = $6, response_headers = $7, \
-         response_body = $8, lease_expires_at = NULL, updated_at = now(), expires_at = {EXPIRES_9} \
+         response_body = $8, lease_expires_at = NULL, updated_at = now(), expires_at = {EXPIRES_9}, request = NULL \
          WHERE {PK} AND generation = $5 AND claim_token = $10 \
          AND CASE state WHEN 'in_flight' THEN true WHEN 'processing' THEN true ELSE false END \
          RETURNING tenant, principal, operation, idempotency_key, generation, response_status, operation_id, response_body), \
@@ -405,12 +405,13 @@ pub(super) static RESOLVE_HOLD: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-/// An async operation released: it runs again, under a new generation.
+/// An async operation released: it runs again, under a new generation (no
+/// row: its stored request was dropped when it completed).
 pub(super) static RESOLVE_REQUEUE: LazyLock<String> = LazyLock::new(|| {
     format!(
         "UPDATE idemgate_records SET state = 'queued', generation = nextval('idemgate_generation'), lease_expires_at = NULL, \
          sent_at = NULL, next_attempt_at = now(), attempts = 0, maybe_executed = false, response_status = NULL, response_headers = NULL, \
-         response_body = NULL, updated_at = now(), cache_hold_until = NULL WHERE {PK} RETURNING generation"
+         response_body = NULL, updated_at = now(), cache_hold_until = NULL WHERE {PK} AND request IS NOT NULL RETURNING generation"
     )
 });
 
@@ -424,7 +425,7 @@ pub(super) static RESOLVE_COMPLETE: LazyLock<String> = LazyLock::new(|| {
     format!(
         "UPDATE idemgate_records SET state = 'completed', generation = nextval('idemgate_generation'), response_status = $5, \
          response_headers = $6, response_body = $7, lease_expires_at = NULL, updated_at = now(), \
-         expires_at = {EXPIRES_8}, cache_hold_until = NULL WHERE {PK} RETURNING generation"
+         expires_at = {EXPIRES_8}, cache_hold_until = NULL, request = NULL WHERE {PK} RETURNING generation"
     )
 });
 
@@ -569,7 +570,8 @@ pub(super) static FAIL: LazyLock<String> = LazyLock::new(|| {
         "WITH upd AS (UPDATE idemgate_records SET \
          state = CASE WHEN maybe_executed OR $9 THEN 'unknown' ELSE 'failed_retryable' END, \
          maybe_executed = maybe_executed OR $9, lease_expires_at = NULL, \
-         expires_at = {EXPIRES_7}, last_status = $8, updated_at = now() \
+         expires_at = {EXPIRES_7}, last_status = $8, updated_at = now(), \
+         request = CASE WHEN maybe_executed OR $9 THEN request END \
          WHERE {PK} AND {FENCE} \
          RETURNING tenant, principal, operation, idempotency_key, generation, state, last_status, operation_id), \
          ev AS (INSERT INTO idemgate_events {EVENT_INSERT} \
