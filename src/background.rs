@@ -13,17 +13,9 @@ use crate::metrics::Metrics;
 use crate::store::StoreConfig;
 use crate::store::{Reaped, Store, StoreError};
 
-/// Starts the sweeper, the lease reaper and the record counter.
-/// `reforwardable`: operations whose upstream deduplicates by the derived key
-/// (their expired async attempts are re-queued even when they were sent).
-pub fn spawn_all(
-    tracker: &TaskTracker,
-    store: Store,
-    metrics: Arc<Metrics>,
-    config: &StoreConfig,
-    reforwardable: Vec<Arc<str>>,
-    shutdown: CancellationToken,
-) {
+/// Starts the sweeper and the record counters (the lease reaper, which
+/// depends on the routes, is [`spawn_reaper`]).
+pub fn spawn_all(tracker: &TaskTracker, store: Store, metrics: Arc<Metrics>, config: &StoreConfig, shutdown: CancellationToken) {
     let (interval, batch, events_retention) = (config.sweep_interval, config.sweep_batch, config.events_retention);
     {
         let (store, metrics, shutdown) = (store.clone(), metrics.clone(), shutdown.clone());
@@ -36,41 +28,6 @@ pub fn spawn_all(
                 // parked ones are never deleted).
                 let events = drain_batches(batch, || store.sweep_events(batch, events_retention)).await?;
                 Ok(n + events)
-            }
-        }));
-    }
-    {
-        let (store, metrics, shutdown) = (store.clone(), metrics.clone(), shutdown.clone());
-        let reforwardable = Arc::new(reforwardable);
-        tracker.spawn(periodic("lease_reaper", interval, shutdown, move || {
-            let (store, metrics, reforwardable) = (store.clone(), metrics.clone(), reforwardable.clone());
-            async move {
-                // Like drain_batches: until a batch comes back short.
-                let mut total = Reaped::default();
-                loop {
-                    let r = store.reap_leases(batch, &reforwardable).await?;
-                    total.unknown += r.unknown;
-                    total.requeued += r.requeued;
-                    if r.unknown + r.requeued < u64::from(batch) {
-                        break;
-                    }
-                    tokio::task::yield_now().await;
-                }
-                if total.unknown > 0 {
-                    tracing::warn!(
-                        records = total.unknown,
-                        "attempts lost their lease and are now unknown; reconcile with `idemgate keys`"
-                    );
-                }
-                if total.requeued > 0 {
-                    tracing::info!(
-                        operations = total.requeued,
-                        "async attempts lost their lease before sending (or may run again); re-queued"
-                    );
-                }
-                metrics.reaped(total.unknown);
-                metrics.requeued(total.requeued);
-                Ok(total.unknown + total.requeued)
             }
         }));
     }
@@ -96,6 +53,46 @@ pub fn spawn_all(
             metrics.set_record_counts(&counts, now);
             metrics.set_event_stats(&events, now);
             Ok(0)
+        }
+    }));
+}
+
+/// Starts the lease reaper: attempts whose lease ran out become `unknown`,
+/// or go back to the queue (async, never sent or on a route in
+/// `reforwardable`, whose upstream deduplicates by the derived key).
+pub fn spawn_reaper(
+    tracker: &TaskTracker,
+    store: Store,
+    metrics: Arc<Metrics>,
+    config: &StoreConfig,
+    reforwardable: Vec<Arc<str>>,
+    shutdown: CancellationToken,
+) {
+    let (interval, batch) = (config.sweep_interval, config.sweep_batch);
+    let reforwardable = Arc::new(reforwardable);
+    tracker.spawn(periodic("lease_reaper", interval, shutdown, move || {
+        let (store, metrics, reforwardable) = (store.clone(), metrics.clone(), reforwardable.clone());
+        async move {
+            // Like drain_batches: until a batch comes back short.
+            let mut total = Reaped::default();
+            loop {
+                let r = store.reap_leases(batch, &reforwardable).await?;
+                total.unknown += r.unknown;
+                total.requeued += r.requeued;
+                if r.unknown + r.requeued < u64::from(batch) {
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
+            if total.unknown > 0 {
+                tracing::warn!(records = total.unknown, "attempts lost their lease and are now unknown; reconcile with `idemgate keys`");
+            }
+            if total.requeued > 0 {
+                tracing::info!(operations = total.requeued, "async attempts lost their lease before sending (or may run again); re-queued");
+            }
+            metrics.reaped(total.unknown);
+            metrics.requeued(total.requeued);
+            Ok(total.unknown + total.requeued)
         }
     }));
 }

@@ -132,7 +132,8 @@ impl Gateway {
     /// Requests already running finish with the gateway they started on.
     pub fn reloaded(&self, config: &Config) -> Gateway {
         let lasting = Lasting {
-            store: self.store.clone(),
+            // The same store, writing events for the reloaded routes' `[routes.events]`.
+            store: self.store.clone().with_events(crate::route::event_policies(&config.routes)),
             metrics: self.metrics.clone(),
             tracker: self.tracker.clone(),
             derived_key_secret: self.executor.derived_key_secret(),

@@ -28,6 +28,8 @@
 //! - [`replay`], [`headers`], [`body`]: responses out of records.
 //! - [`admin`], [`metrics`], [`background`]: health, Prometheus, sweeper and
 //!   lease reaper.
+//! - [`route_tasks`]: the background work that follows the routes in force
+//!   (workers, reaper, reconciler, relay), restarted by a reload.
 //! - [`keys`], [`demo`], [`healthcheck`]: operator commands, the built-in
 //!   demo, and the container health check.
 //! - [`keys`], [`demo`]: operator commands and the built-in demo.
@@ -73,6 +75,7 @@ pub mod relay;
 pub mod reload;
 pub mod replay;
 pub mod route;
+pub mod route_tasks;
 pub mod scope;
 pub mod secret;
 pub mod server;

@@ -10,11 +10,18 @@
 //! the gateway in force ([`WorkerGateway::get`]). A request already running
 //! finishes with the gateway it started on.
 //!
+//! Background work follows the routes in force: the async workers, the lease
+//! reaper, the reconciler and the event relay are restarted from the new
+//! gateway ([`crate::route_tasks`]), so an async route added by a reload is
+//! served at once and a route whose `upstream_idempotent` was turned off is
+//! never re-forwarded after it. The store writes completion events for the
+//! reloaded routes' `[routes.events]`.
+//!
 //! What needs a restart: `[server]`, `[store]`, `[admin]` and `[workers]`
 //! (listeners, pools, the store itself); a reload that changes them applies
 //! the rest, keeps those sections as they are and says so in the log. The
-//! async workers, the reconciler and the event relay also keep the routes
-//! they started with.
+//! admin API keeps the routes it started with (its probe and resolve
+//! settings) until a restart.
 //!
 //! An invalid file is refused with its errors in the log; the configuration
 //! in force stays. `idemgate_config_reloads_total{result}` counts both.
@@ -32,6 +39,7 @@ use crate::gateway::Gateway;
 use crate::jwt::JwtVerifier;
 use crate::metrics::Metrics;
 use crate::route::RouteMode;
+use crate::route_tasks::RouteTasks;
 
 /// The gateway in force, replaced whole by a reload.
 #[derive(Debug)]
@@ -92,6 +100,8 @@ pub struct Reloader {
     pub metrics: Arc<Metrics>,
     /// Where the new JWT key refreshers run.
     pub background: TaskTracker,
+    /// The workers, reaper, reconciler and relay: restarted with the new routes.
+    pub tasks: RouteTasks,
 }
 
 impl Reloader {
@@ -128,11 +138,12 @@ impl Reloader {
         }
         self.metrics.declare_upstreams(config.upstreams.iter().map(|u| u.name.as_str()));
         self.metrics.declare_operations(config.routes.iter().map(|r| (&*r.operation, r.mode == RouteMode::Async || r.allow_async)));
-        self.live.replace(gateway);
-        self.metrics.reloaded(true);
+        self.live.replace(gateway.clone());
+        self.tasks.restart(&gateway, &config);
         if has_background_routes(&self.running) || has_background_routes(&config) {
-            tracing::info!("async workers, the reconciler and the event relay keep their start-up routes until a restart");
+            tracing::info!("async workers, the lease reaper, the reconciler and the event relay restarted with the new routes");
         }
+        self.metrics.reloaded(true);
         tracing::info!(
             file = %file,
             routes = config.routes.len(),

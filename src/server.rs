@@ -19,13 +19,11 @@ use crate::gateway::Gateway;
 use crate::jwt::JwtVerifier;
 use crate::listener::{ConnectionLimit, Http, Listener, accept_loop};
 use crate::metrics::Metrics;
-use crate::reconcile::Reconciler;
-use crate::relay::Relay;
 use crate::reload::{LiveGateway, Reloader, WorkerGateway};
 use crate::route::RouteMode;
+use crate::route_tasks::RouteTasks;
 use crate::store::{Access, Store, StoreError};
 use crate::tls::server::{LoadError, TlsListener};
-use crate::worker::Workers;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -176,39 +174,29 @@ impl Server {
         // Every series exists before the admin listener serves its first scrape.
         metrics.declare_upstreams(config.upstreams.iter().map(|u| u.name.as_str()));
         metrics.declare_operations(config.routes.iter().map(|r| (&*r.operation, r.mode == RouteMode::Async || r.allow_async)));
-        background::spawn_all(
-            &background,
-            gateway.store().clone(),
-            metrics.clone(),
-            &config.store,
-            gateway.reforwardable_operations(),
-            shutdown.clone(),
-        );
+        background::spawn_all(&background, gateway.store().clone(), metrics.clone(), &config.store, shutdown.clone());
         // JWKS URLs: fetched now and then every jwks_refresh; a failed fetch
         // keeps the last good key set.
         for verifier in gateway.jwks_sources() {
             background.spawn(JwtVerifier::keep_fresh(Arc::downgrade(&verifier), shutdown.clone()));
         }
-        if let Some(relay) = Relay::new(&gateway.routes(), gateway.store().clone(), metrics.clone()) {
-            background.spawn(relay.run(shutdown.clone()));
-        }
-        if let Some(reconciler) = Reconciler::new(&config, gateway.store().clone(), metrics.clone(), secret.clone()) {
-            reconciler.spawn(&background, shutdown.clone());
-        }
-        // Async workers run on this runtime, on the connections' tracker: the
-        // drain waits for the attempts they hold.
-        let replica: Arc<str> = config.server.replica_id.as_str().into();
-        Workers::new(gateway.async_routes(), gateway.store().clone(), replica, gateway.wake_workers()).spawn(
-            config.workers.count,
-            gateway.executor(),
-            &tracker,
-            shutdown.clone(),
-        );
+        // The lease reaper, the outbox relay, the reconciler and the async
+        // workers follow the routes in force: a reload restarts them. Workers
+        // run on this runtime, on the connections' tracker: the drain waits
+        // for the attempts they hold.
+        let mut tasks = RouteTasks::new(metrics.clone(), secret.clone(), background.clone(), tracker.clone(), shutdown.clone());
+        tasks.start(&gateway, &config);
         // Requests are served by the gateway in force; a reload replaces it.
         let live = LiveGateway::new(gateway.clone());
         if let Some((path, hangups)) = reload {
-            let reloader =
-                Reloader { path, running: config.clone(), live: live.clone(), metrics: metrics.clone(), background: background.clone() };
+            let reloader = Reloader {
+                path,
+                running: config.clone(),
+                live: live.clone(),
+                metrics: metrics.clone(),
+                background: background.clone(),
+                tasks,
+            };
             background.spawn(reloader.run(hangups, shutdown.clone()));
         }
         let tls_listeners: Vec<Arc<TlsListener>> = proxy_tls.iter().chain(admin_tls.iter()).cloned().collect();

@@ -279,3 +279,62 @@ async fn a_jwt_key_removed_from_the_jwks_file_is_refused_after_sighup() {
     assert_eq!((still.status, still.replayed()), (201, true));
     assert_eq!(up.total(), 1);
 }
+
+/// Background work follows the configuration in force: an async route added
+/// by SIGHUP is served by the workers (not only accepted by the front).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_async_route_added_by_a_reload_is_run_by_the_workers() {
+    let up = TestUpstream::start().await;
+    let backend = sqlite_backend();
+    let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()));
+    assert_eq!(post_as(&gw, "test-key", "sync-1").await.status, 201);
+    let next = gw.config.clone().route("mode = \"async\"");
+    std::fs::write(gw.config_path(), next.toml()).unwrap();
+    gw.signal("HUP");
+    wait_reloads(&gw, "applied", 1).await;
+    let accepted = post_as(&gw, "test-key", "async-1").await;
+    assert_eq!(accepted.status, 202, "{accepted:?}");
+    let store = backend.open().await;
+    let done = eventually(Duration::from_secs(15), || async {
+        settled_record(&store, "async-1").await.is_some_and(|r| r.state == idemgate::record::State::Completed)
+    })
+    .await;
+    assert!(done, "accepted after the reload but never run: {:?}\n{}", record(&store, "async-1").await, gw.logs());
+    assert_eq!(up.side_effects(&derived("async-1")), 1);
+}
+
+/// `upstream_idempotent` turned off by a reload: from then on, an attempt
+/// whose lease runs out after it was sent is never sent again (it becomes
+/// unknown), even by a replica that started while the route said otherwise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_idempotent_turned_off_by_a_reload_stops_re_forwarding() {
+    let backend = postgres_backend();
+    let up = TestUpstream::start().await;
+    let cfg = |idempotent: bool| {
+        GatewayConfig::new(backend.clone(), up.url())
+            .timeout("10s")
+            .route(&format!("mode = \"async\"\nlease = \"3s\"\nupstream_idempotent = {idempotent}"))
+            .tail("[workers]\ncount = 1")
+    };
+    let a = Gateway::start(cfg(false));
+    let store = backend.open().await;
+    let mut received = up.subscribe();
+    let accepted = post(&a.url("/v1/orders"), "flip", ORDER, &[("x-test-sleep-ms", "6000")]).await;
+    assert_eq!(accepted.status, 202);
+    received.recv().await.unwrap();
+    a.signal("STOP");
+    // B starts believing the upstream deduplicates, then learns otherwise
+    // before A's lease runs out.
+    let b = Gateway::start(cfg(true));
+    std::fs::write(b.config_path(), cfg(false).toml()).unwrap();
+    b.signal("HUP");
+    wait_reloads(&b, "applied", 1).await;
+    let unknown = eventually(Duration::from_secs(15), || async {
+        record(&store, "flip").await.is_some_and(|r| r.state == idemgate::record::State::Unknown)
+    })
+    .await;
+    assert!(unknown, "{:?}\n{}", record(&store, "flip").await, b.logs());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(up.total(), 1, "sent once: the reload said the upstream does not deduplicate\n{}", b.logs());
+    a.signal("CONT");
+}

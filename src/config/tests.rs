@@ -703,3 +703,15 @@ fn postgres_sslmode_and_sslrootcert_are_checked() {
     assert!(issue(&e, "store.url").contains("sslmode"), "{e}");
     assert!(parse(&store("postgres://u@db/x?sslmode=require")).is_ok());
 }
+
+#[test]
+fn no_workers_on_the_embedded_store_with_an_async_route_is_refused() {
+    let e = parse(&format!("[workers]\ncount = 0\n{}", minimal("mode = \"async\""))).unwrap_err();
+    assert!(issue(&e, "workers.count").contains("queued forever"), "{e}");
+    let e = parse(&format!("[workers]\ncount = 0\n{}", minimal("allow_async = true"))).unwrap_err();
+    assert!(e.mentions("workers.count"), "{e}");
+    // A synchronous route needs no workers; a PostgreSQL front replica may have none.
+    assert!(parse(&format!("[workers]\ncount = 0\n{}", minimal(""))).is_ok());
+    let pg = "[store]\nkind = \"postgres\"\nurl = \"postgres://u@127.0.0.1/db\"\n[workers]\ncount = 0\n";
+    assert!(parse(&format!("{pg}{}", minimal("mode = \"async\""))).is_ok());
+}

@@ -82,6 +82,21 @@ pub(super) fn validate(raw: FileConfig, issues: Issues, origin: &str, env: &dyn 
             None
         }
     });
+    // One replica by definition on the embedded store: without workers, no
+    // one would ever run what its async routes accept.
+    if let (Some(store), Some(WorkersConfig { count: 0 })) = (&store, &workers)
+        && matches!(store.backend, StoreBackend::Sqlite { .. })
+        && let Some(i) = routes.iter().position(|r| r.mode == RouteMode::Async || r.allow_async)
+    {
+        v.issues.push(
+            "workers.count",
+            format!(
+                "0 workers on the embedded store (one replica) would leave every operation of the async route {} queued forever: \
+                 use at least 1, or a PostgreSQL store shared with replicas that run workers",
+                routes[i].operation
+            ),
+        );
+    }
     if !v.issues.list.is_empty() {
         return Err(ConfigError { file: origin.to_owned(), issues: v.issues.list });
     }
