@@ -54,7 +54,8 @@ pub(crate) fn write_pairs(out: &mut impl Sink, pairs: &[Pair<'_>]) {
     }
 }
 
-fn hex_value(b: u8) -> Option<u8> {
+/// The value of one hex digit of a percent-escape (either case).
+pub(crate) fn hex_value(b: u8) -> Option<u8> {
     match b {
         b'0'..=b'9' => Some(b - b'0'),
         b'a'..=b'f' => Some(b - b'a' + 10),

@@ -53,6 +53,7 @@
 
 mod canonical;
 mod form;
+pub(crate) use form::hex_value;
 mod pointer;
 mod tree;
 

@@ -26,6 +26,8 @@ use std::borrow::Cow;
 
 use http::Method;
 
+use crate::fingerprint::hex_value;
+
 /// Why a request's method or path is refused before routing (400
 /// `invalid-request`). The messages are for clients: fixed texts that never
 /// echo the request.
@@ -70,15 +72,6 @@ pub fn check_method(method: &Method, known: &[Method]) -> Result<(), InvalidRequ
 /// RFC 3986 section 2.3: ALPHA / DIGIT / "-" / "." / "_" / "~".
 fn is_unreserved(b: u8) -> bool {
     b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~')
-}
-
-fn hex_value(b: u8) -> Option<u8> {
-    match b {
-        b'0'..=b'9' => Some(b - b'0'),
-        b'a'..=b'f' => Some(b - b'a' + 10),
-        b'A'..=b'F' => Some(b - b'A' + 10),
-        _ => None,
-    }
 }
 
 const HEX_UPPER: &[u8; 16] = b"0123456789ABCDEF";
