@@ -541,7 +541,7 @@ impl Validator<'_> {
                 None
             }
             Ok(_) => Some(url),
-            Err(e @ (crate::tls::postgres::PgTlsError::Mode(_) | crate::tls::postgres::PgTlsError::Roots(_))) => {
+            Err(e @ (crate::tls::postgres::PgTlsError::Mode { .. } | crate::tls::postgres::PgTlsError::Roots(_))) => {
                 self.issues.push(path, format!("{source}: {e}"));
                 None
             }
