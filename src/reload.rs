@@ -118,6 +118,7 @@ impl Reloader {
                 return;
             }
         };
+        config.log_warnings(&file);
         let kept = keep_restart_only(&self.running, &mut config);
         if !kept.is_empty() {
             tracing::warn!(file = %file, sections = ?kept, "these sections changed and need a restart; kept as they are");
