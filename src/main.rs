@@ -191,13 +191,13 @@ struct ResolveArgs {
     /// How long to replay it; default: the route's retention (or 24h).
     #[arg(long, value_parser = humantime::parse_duration)]
     retention: Option<Duration>,
-    /// Why (kept in the audit trail). Required with --force.
+    /// Why (kept in the audit trail). Required, as it is by the admin API.
     #[arg(long)]
-    reason: Option<String>,
+    reason: String,
     /// Also resolve a record that is not unknown or an expired claim (a
     /// completed one). Releasing a completed record lets the client's next
     /// retry execute again: say why with --reason.
-    #[arg(long, requires = "reason")]
+    #[arg(long)]
     force: bool,
 }
 
@@ -474,7 +474,7 @@ async fn keys(config: &Config, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
                 }
                 ResolveAction::Complete { status, headers, body: Some(body.into()), retention: args.retention }
             };
-            let request = ResolveRequest { action, reason: args.reason, force: args.force, actor: Actor::Cli, fence: None };
+            let request = ResolveRequest { action, reason: Some(args.reason), force: args.force, actor: Actor::Cli, fence: None };
             let retention = idemgate::keys::default_retention(&config.routes, &s.operation);
             match idemgate::keys::resolve(&store, &s, request, retention).await {
                 Ok(from) => say(&format!("resolved (was {from})\n")),

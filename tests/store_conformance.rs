@@ -645,7 +645,7 @@ async fn list_filters_orders_and_limits(backend: Backend) {
 }
 
 fn note(reason: &str) -> AuditNote {
-    AuditNote { actor: Actor::Cli, reason: reason.into(), forced: false }
+    AuditNote { actor: Actor::Cli, reason: reason.into(), forced: false, caller: None }
 }
 
 const RELEASE: Resolution = Resolution::Release { force: false };
@@ -723,7 +723,7 @@ async fn resolve_of_a_completed_record_needs_force_and_is_audited(backend: Backe
     assert_eq!(row(&store, &done).await, before, "nothing changed");
     assert!(store.audit(10).await.unwrap().is_empty(), "refusals leave no audit row");
 
-    let forced = AuditNote { actor: Actor::Admin, reason: "customer refunded by hand".into(), forced: true };
+    let forced = AuditNote { actor: Actor::Admin, reason: "customer refunded by hand".into(), forced: true, caller: None };
     let fix = Resolution::Complete { response: response(200, b"corrected"), retention: Retention::For(LONG), force: true };
     assert_eq!(store.resolve(&done, &fix, &forced).await.unwrap(), ResolveOutcome::Resolved { from: State::Completed });
     let fixed = row(&store, &done).await;
@@ -738,7 +738,7 @@ async fn resolve_of_a_completed_record_needs_force_and_is_audited(backend: Backe
     let u = key("unknown");
     let uc = claim(&store, &req(&u, 1, LONG, false)).await;
     store.mark_unknown(&uc).await.unwrap();
-    let by_probe = AuditNote { actor: Actor::Reconciler, reason: "probe: 404".into(), forced: false };
+    let by_probe = AuditNote { actor: Actor::Reconciler, reason: "probe: 404".into(), forced: false, caller: None };
     assert_eq!(store.resolve(&u, &RELEASE, &by_probe).await.unwrap(), ResolveOutcome::Resolved { from: State::Unknown });
 
     let trail = store.audit(10).await.unwrap();
@@ -1256,7 +1256,7 @@ async fn unknown(store: &Store, s: &Scope) -> Claim {
 async fn probes_take_due_unknown_records_and_their_writes_are_fenced(backend: Backend) {
     let store = open(&backend).await;
     let routes = [probe_route("create_order", Duration::ZERO)];
-    let by_probe = AuditNote { actor: Actor::Reconciler, reason: "probe".into(), forced: false };
+    let by_probe = AuditNote { actor: Actor::Reconciler, reason: "probe".into(), forced: false, caller: None };
     let complete = Resolution::Complete { response: response(201, b"found"), retention: Retention::For(LONG), force: false };
     let (u1, u2) = (key("u1"), key("u2"));
     let c1 = unknown(&store, &u1).await;
@@ -1402,7 +1402,7 @@ async fn final_state_changes_write_their_events_and_nothing_else_does(backend: B
     let c = claim(&store, &req(&quiet, 1, LONG, false)).await;
     store.complete(&c, &response(201, b"x"), Retention::For(LONG)).await.unwrap();
     // Resolutions by an operator.
-    let n = AuditNote { actor: Actor::Admin, reason: "checked".into(), forced: false };
+    let n = AuditNote { actor: Actor::Admin, reason: "checked".into(), forced: false, caller: None };
     store.resolve(&lost, &Resolution::Release { force: false }, &n).await.unwrap();
     // Lease expired in flight, reaped.
     let reaped = key("reaped");
@@ -1502,7 +1502,7 @@ async fn relays_hold_each_event_alone_in_order_per_scope(backend: Backend) {
     store.mark_unknown(&c).await.unwrap();
     let c = claim(&store, &req(&b, 1, LONG, false)).await;
     store.complete(&c, &response(201, b"b"), Retention::For(LONG)).await.unwrap();
-    let n = AuditNote { actor: Actor::Cli, reason: "r".into(), forced: false };
+    let n = AuditNote { actor: Actor::Cli, reason: "r".into(), forced: false, caller: None };
     store.resolve(&a, &Resolution::Release { force: false }, &n).await.unwrap();
     let ops = ["create_order"];
     let (r1, r2) = (Uuid::new_v4(), Uuid::new_v4());
