@@ -1,10 +1,15 @@
 # syntax=docker/dockerfile:1
 # Build:  docker build -t idemgate .
-# Run:    docker run -p 8080:8080 -p 9090:9090 -v idemgate-data:/var/lib/idemgate idemgate
+# Run:    docker run -p 8080:8080 -v idemgate-data:/var/lib/idemgate \
+#           -e IDEMGATE_API_KEY_SHA256=<sha256 of your client's key> idemgate
 # The baked configuration (config/docker.toml, at /etc/idemgate/idemgate.toml)
-# listens on 0.0.0.0:8080 (admin 0.0.0.0:9090) and keeps the embedded store in
-# /var/lib/idemgate; mount your own file over it (or set IDEMGATE_CONFIG).
-# Several replicas on PostgreSQL: deploy/compose.yaml. Reference: docs/reference.md.
+# listens on 0.0.0.0:8080, keeps the embedded store in /var/lib/idemgate and
+# lists no key: without IDEMGATE_API_KEY_SHA256 (there is no default) the
+# container exits at once saying so. Its admin listener (health, metrics)
+# answers inside the container only (127.0.0.1:9090, for HEALTHCHECK); to
+# scrape /metrics, mount your own file over it (or set IDEMGATE_CONFIG).
+# Several replicas on PostgreSQL: deploy/compose.yaml. Reference: docs/reference.md;
+# before exposing it: "Hardening" in docs/operations.md.
 
 FROM rust:1.89-slim-bookworm AS build
 WORKDIR /src
@@ -30,7 +35,7 @@ COPY config/docker.toml /etc/idemgate/idemgate.toml
 USER 10001
 WORKDIR /var/lib/idemgate
 ENV IDEMGATE_CONFIG=/etc/idemgate/idemgate.toml
-EXPOSE 8080 9090
+EXPOSE 8080
 VOLUME ["/var/lib/idemgate"]
 STOPSIGNAL SIGTERM
 # Asks the admin listener's /readyz (store reachable, not draining); no curl needed.

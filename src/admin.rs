@@ -18,10 +18,18 @@
 //! compared in constant time; without a configured token it is off (404).
 //! Errors are RFC 9457 problems, in the style of `crate::problem`, and never
 //! echo the token.
+//!
+//! Every API call, a refused one included, gets an access-log line (target
+//! `idemgate::access`, `route = "admin"`, whatever `server.access_log`
+//! says): method, path without the query, status, the caller's address and
+//! which token it presented (`none`, `invalid`, or the configured token's
+//! label, [`crate::audit::token_label`]). A resolution's audit row records
+//! the same address and label.
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 use bytes::Bytes;
@@ -34,7 +42,7 @@ use serde_json::json;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
-use crate::audit::{self, Actor};
+use crate::audit::{self, Actor, Caller};
 use crate::body::Body;
 use crate::keys::{self, ResolveAction, ResolveError, ResolveRequest};
 use crate::metrics::Metrics;
@@ -96,13 +104,19 @@ impl Admin {
         self
     }
 
-    pub async fn handle(&self, req: Request<Incoming>) -> Response<Body> {
+    /// Answers one request from `peer`.
+    pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
         let path = req.uri().path();
         if path == "/admin" || path.starts_with("/admin/") {
-            return match self.api(req).await {
-                Ok(resp) => resp,
-                Err(e) => problem(&e),
+            let started = Instant::now();
+            let (method, path) = (req.method().clone(), path.to_owned());
+            let mut presented = Presented::None;
+            let (resp, problem_name) = match self.api(req, peer, &mut presented).await {
+                Ok(resp) => (resp, None),
+                Err(e) => (problem(&e), Some(e.type_name())),
             };
+            log_call(&method, &path, peer, resp.status(), started.elapsed(), &presented, problem_name);
+            return resp;
         }
         if req.method() != Method::GET && req.method() != Method::HEAD {
             return text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n");
@@ -133,11 +147,17 @@ impl Admin {
         }
     }
 
-    async fn api(&self, req: Request<Incoming>) -> Result<Response<Body>, AdminError> {
+    async fn api(&self, req: Request<Incoming>, peer: SocketAddr, presented: &mut Presented) -> Result<Response<Body>, AdminError> {
+        if req.headers().contains_key(header::AUTHORIZATION) {
+            *presented = Presented::Invalid;
+        }
         // Off without a token; checked before anything else so that callers
         // without the token learn nothing about the API's shape.
         let token = self.token.as_ref().ok_or(AdminError::NotFound)?;
         authorize(req.headers(), token)?;
+        let label = audit::token_label(token.expose());
+        *presented = Presented::Valid(label.clone());
+        let caller = Caller { peer: peer.to_string(), token: label };
         let endpoint = Endpoint::parse(req.uri().path())?;
         let query = req.uri().query().unwrap_or_default().to_owned();
         match (endpoint, req.method().clone()) {
@@ -148,7 +168,7 @@ impl Admin {
             }
             (Endpoint::Resolve(scope), Method::POST) => {
                 no_query(&query)?;
-                self.resolve(&scope, req.into_body()).await
+                self.resolve(&scope, req.into_body(), caller).await
             }
             (Endpoint::Audit, Method::GET) => self.audit(&query).await,
             (Endpoint::Events, Method::GET) => self.events(&query).await,
@@ -230,7 +250,7 @@ impl Admin {
         ))
     }
 
-    async fn resolve(&self, scope: &Scope, body: Incoming) -> Result<Response<Body>, AdminError> {
+    async fn resolve(&self, scope: &Scope, body: Incoming, caller: Caller) -> Result<Response<Body>, AdminError> {
         let body = match tokio::time::timeout(BODY_TIMEOUT, Limited::new(body, MAX_REQUEST_BODY).collect()).await {
             Ok(Ok(collected)) => collected.to_bytes(),
             Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
@@ -244,9 +264,10 @@ impl Admin {
             ResolveAction::Complete { .. } => State::Completed.as_str(),
         };
         let retention = keys::default_retention(&self.routes, &scope.operation);
-        match keys::resolve(&self.store, scope, request, retention).await {
+        let (peer, token) = (caller.peer.clone(), caller.token.clone());
+        match keys::resolve_by(&self.store, scope, request, retention, Some(caller)).await {
             Ok(from) => {
-                tracing::info!(scope = %scope.log_id(), actor = "admin", from = %from, to, "record resolved through the admin API");
+                tracing::info!(scope = %scope.log_id(), actor = "admin", peer, token, from = %from, to, "record resolved through the admin API");
                 Ok(json_response(StatusCode::OK, &json!({ "scope": keys::scope_json(scope), "from_state": from.as_str(), "to_state": to })))
             }
             Err(ResolveError::Invalid(why)) => Err(AdminError::BadRequest(why)),
@@ -414,6 +435,52 @@ fn resolve_request(body: &Bytes) -> Result<ResolveRequest, AdminError> {
     Ok(ResolveRequest { action, reason, force: b.force, actor: Actor::Admin, fence: None })
 }
 
+/// Which token an admin API call presented, as its access-log line says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Presented {
+    None,
+    /// An `Authorization` header that is not the configured token (or the
+    /// API is off).
+    Invalid,
+    /// The configured token: its label.
+    Valid(String),
+}
+
+impl Presented {
+    fn as_str(&self) -> &str {
+        match self {
+            Presented::None => "none",
+            Presented::Invalid => "invalid",
+            Presented::Valid(label) => label,
+        }
+    }
+}
+
+/// The access-log line of an admin API call (admin calls are rare: a plain
+/// `tracing` event, under the access log's target).
+fn log_call(
+    method: &Method,
+    path: &str,
+    peer: SocketAddr,
+    status: StatusCode,
+    latency: Duration,
+    presented: &Presented,
+    problem: Option<&'static str>,
+) {
+    tracing::info!(
+        target: "idemgate::access",
+        method = %method,
+        path,
+        route = "admin",
+        status = status.as_u16(),
+        latency_ms = (latency.as_micros() as f64) / 1000.0,
+        problem,
+        token = presented.as_str(),
+        client = %peer.ip(),
+        "request"
+    );
+}
+
 /// How an admin API request ended other than with its answer.
 #[derive(Debug, thiserror::Error)]
 enum AdminError {
@@ -434,6 +501,20 @@ enum AdminError {
     StoreUnavailable,
 }
 
+impl AdminError {
+    /// The problem type's name, for the access log.
+    fn type_name(&self) -> &'static str {
+        match self {
+            AdminError::NotFound | AdminError::NoRecord => "not-found",
+            AdminError::Unauthorized => "unauthenticated",
+            AdminError::MethodNotAllowed(_) => "method-not-allowed",
+            AdminError::BadRequest(_) => "invalid-request",
+            AdminError::NotResolvable(_) => "not-resolvable",
+            AdminError::StoreUnavailable => "store-unavailable",
+        }
+    }
+}
+
 fn store_error(e: crate::store::StoreError) -> AdminError {
     tracing::warn!(error = %e, "admin API: store operation failed");
     AdminError::StoreUnavailable
@@ -441,21 +522,20 @@ fn store_error(e: crate::store::StoreError) -> AdminError {
 
 /// The one place an admin API error becomes a response (RFC 9457).
 fn problem(e: &AdminError) -> Response<Body> {
-    let (name, title, status, detail) = match e {
-        AdminError::NotFound => ("not-found", "Not found", StatusCode::NOT_FOUND, "No such admin endpoint.".to_owned()),
-        AdminError::NoRecord => ("not-found", "Not found", StatusCode::NOT_FOUND, "There is no record for that scope.".to_owned()),
+    let name = e.type_name();
+    let (title, status, detail) = match e {
+        AdminError::NotFound => ("Not found", StatusCode::NOT_FOUND, "No such admin endpoint.".to_owned()),
+        AdminError::NoRecord => ("Not found", StatusCode::NOT_FOUND, "There is no record for that scope.".to_owned()),
         AdminError::Unauthorized => (
-            "unauthenticated",
             "Unauthenticated",
             StatusCode::UNAUTHORIZED,
             "The admin API needs the configured bearer token: Authorization: Bearer <token>.".to_owned(),
         ),
         AdminError::MethodNotAllowed(allow) => {
-            ("method-not-allowed", "Method not allowed", StatusCode::METHOD_NOT_ALLOWED, format!("This endpoint answers {allow} only."))
+            ("Method not allowed", StatusCode::METHOD_NOT_ALLOWED, format!("This endpoint answers {allow} only."))
         }
-        AdminError::BadRequest(why) => ("invalid-request", "Invalid request", StatusCode::BAD_REQUEST, format!("{why}.")),
+        AdminError::BadRequest(why) => ("Invalid request", StatusCode::BAD_REQUEST, format!("{why}.")),
         AdminError::NotResolvable(refused) => (
-            "not-resolvable",
             "Record not resolvable",
             StatusCode::CONFLICT,
             match refused {
@@ -472,7 +552,7 @@ fn problem(e: &AdminError) -> Response<Body> {
             },
         ),
         AdminError::StoreUnavailable => {
-            ("store-unavailable", "Store unavailable", StatusCode::SERVICE_UNAVAILABLE, "The store could not be reached.".to_owned())
+            ("Store unavailable", StatusCode::SERVICE_UNAVAILABLE, "The store could not be reached.".to_owned())
         }
     };
     let body = json!({

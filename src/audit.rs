@@ -1,6 +1,8 @@
 //! The audit trail: every state change made by a person or by the reconciler
 //! (who, when, why, from which state to which). Written in the same
-//! transaction as the change itself; kept after the record is swept.
+//! transaction as the change itself; kept after the record is swept. A
+//! change made through the admin API also names its caller: the peer
+//! address and a label of the token it presented (never the token).
 
 use std::fmt;
 
@@ -47,6 +49,26 @@ pub struct AuditNote {
     pub reason: String,
     /// The change overrode the usual rule (a completed record resolved).
     pub forced: bool,
+    /// Who asked over the network (the admin API); `None` for the CLI and
+    /// the reconciler.
+    pub caller: Option<Caller>,
+}
+
+/// An admin API caller, as the audit trail records it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    /// The connection's peer address (`10.0.0.7:51234`).
+    pub peer: String,
+    /// Which token it presented: see [`token_label`].
+    pub token: String,
+}
+
+/// A label that tells tokens apart without revealing them: `sha256:` and
+/// the first 8 hex digits of the token's SHA-256.
+pub fn token_label(token: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(token.as_bytes());
+    format!("sha256:{}", hex::encode(&digest[..4]))
 }
 
 /// The state a record is left in by a change: a state, or deleted.
@@ -66,6 +88,10 @@ pub struct AuditEntry {
     pub forced: bool,
     /// The record's generation after the change (`None`: it was deleted).
     pub generation: Option<Generation>,
+    /// The admin API caller's peer address and token label (rows written
+    /// before migration 0012, and CLI or reconciler changes: `None`).
+    pub peer: Option<String>,
+    pub token: Option<String>,
 }
 
 /// `to_state` for a change that leaves the record in `state` (or deletes it).

@@ -311,10 +311,16 @@ impl Gateway {
         if let Cow::Owned(normal) = normal {
             *req.uri_mut() = with_path(req.uri(), &normal)?;
         }
+        // Two values of a credential: which one identifies the request is
+        // ambiguous, and the upstream would get both. Refused before anything.
+        if let Some(name) = self.identifier.ambiguous(req.headers()) {
+            tracing::debug!(header = %name, "a header identity sources read was sent more than once; refused");
+            return Err(GatewayError::Unauthenticated);
+        }
         if let Some(rest) = req.uri().path().strip_prefix(OPERATIONS_PATH) {
             trace.route = RouteLabel::OperationStatus;
             let rest = rest.to_owned();
-            let (resp, outcome) = Box::pin(self.poll_operation(&rest, &req, peer)).await?;
+            let (resp, outcome) = Box::pin(self.poll_operation(&rest, &mut req, peer)).await?;
             trace.outcome = Some(outcome);
             return Ok(resp);
         }
@@ -341,6 +347,9 @@ impl Gateway {
                 answer.map(|(resp, _)| resp)
             }
             RouteMatch::PassThrough { upstream } => {
+                // No identity is required here, but the upstream gets only
+                // the credentials of the source that identified the caller.
+                self.admit(&mut req, peer).await;
                 self.send_request_id(&mut req, request_id);
                 trace.route = RouteLabel::PassThrough;
                 trace.outcome = Some(Outcome::PassThrough);
@@ -361,6 +370,14 @@ impl Gateway {
         }
     }
 
+    /// Identifies the request and removes the headers of every other
+    /// identity source (see [`Identifier::admit`]), before anything is
+    /// forwarded, stored, or shown to an authorizer.
+    async fn admit(&self, req: &mut Request<Incoming>, peer: SocketAddr) -> Option<Identity> {
+        let cert = req.extensions().get::<Arc<crate::tls::server::ClientCertificate>>().cloned();
+        self.identifier.admit(req.headers_mut(), peer.ip(), cert.as_deref()).await
+    }
+
     /// The problem answer for `e`, naming this request as its `instance`;
     /// a 401 carries the challenge of the configured API keys.
     fn problem(&self, e: &GatewayError, request_id: &HeaderValue) -> Response<Body> {
@@ -377,22 +394,18 @@ impl Gateway {
         self: &Arc<Self>,
         route: &Arc<Route>,
         params: Vec<(String, String)>,
-        req: Request<Incoming>,
+        mut req: Request<Incoming>,
         peer: SocketAddr,
         scope_id: &mut Option<ScopeId>,
     ) -> Result<(Response<Body>, Outcome), GatewayError> {
         if route.mode == RouteMode::Observe {
             // Observe mode changes no answer: nothing is refused, so the
             // route's authorizer is not asked either.
-            let identity = self.identifier.identify(req.headers(), peer.ip(), crate::identity::client_certificate(req.extensions())).await;
+            let identity = self.admit(&mut req, peer).await;
             let resp = self.observer.handle(route, params, req, identity, self.executor.upstream(route.upstream)).await;
             return Ok((resp, Outcome::PassThrough));
         }
-        let identity = self
-            .identifier
-            .identify(req.headers(), peer.ip(), crate::identity::client_certificate(req.extensions()))
-            .await
-            .ok_or(GatewayError::Unauthenticated)?;
+        let identity = self.admit(&mut req, peer).await.ok_or(GatewayError::Unauthenticated)?;
         self.authorized(&route.operation, req.method(), req.uri().path(), &identity, req.headers()).await?;
         let missing = || GatewayError::MissingKey { header: route.key_from.describe() };
         // A key in a header is known before the body is read: a request
@@ -634,7 +647,7 @@ impl Gateway {
     async fn poll_operation(
         &self,
         rest: &str,
-        req: &Request<Incoming>,
+        req: &mut Request<Incoming>,
         peer: SocketAddr,
     ) -> Result<(Response<Body>, Outcome), GatewayError> {
         if req.method() != Method::GET && req.method() != Method::HEAD {
@@ -647,11 +660,8 @@ impl Gateway {
         if id.is_empty() || id.contains('/') || id.len() > 64 {
             return Err(GatewayError::NotFound);
         }
-        let identity = self
-            .identifier
-            .identify(req.headers(), peer.ip(), crate::identity::client_certificate(req.extensions()))
-            .await
-            .ok_or(GatewayError::Unauthenticated)?;
+        // A refetched result goes to the upstream with the caller's headers.
+        let identity = self.admit(req, peer).await.ok_or(GatewayError::Unauthenticated)?;
         let record = match self.store.operation(&identity.tenant, id).await {
             Ok(Some((record, _))) if record.scope.admits(&identity) => record,
             Ok(_) => return Err(GatewayError::NotFound),

@@ -4,7 +4,10 @@
 //!
 //! Verification is the `jsonwebtoken` crate's (signature, `exp`, `nbf`,
 //! issuer, audience, with a small leeway); nothing here parses or checks a
-//! signature by hand. The key set is replaced whole on a successful refresh
+//! signature by hand. The one header rule that crate does not apply is
+//! checked here: a `crit` header parameter (RFC 7515 section 4.1.11) names
+//! extensions that must be understood, and idemgate understands none, so
+//! such a token is refused. The key set is replaced whole on a successful refresh
 //! and kept when a refresh fails; a token whose `kid` is not in the set
 //! triggers one refresh, at most once per `UNKNOWN_KID_REFRESH`.
 
@@ -73,6 +76,8 @@ pub enum JwtError {
     Invalid(String),
     #[error("claim {0} is missing or not a string")]
     Claim(String),
+    #[error("the header lists critical extensions (crit), which are not supported")]
+    Critical,
 }
 
 /// The verification keys in force.
@@ -202,6 +207,9 @@ impl JwtVerifier {
 
     fn verify_now(&self, token: &str) -> Result<Identity, JwtError> {
         let header = jsonwebtoken::decode_header(token).map_err(|_| JwtError::Malformed)?;
+        if has_crit(token)? {
+            return Err(JwtError::Critical);
+        }
         if !self.config.algorithms.contains(&header.alg) {
             return Err(JwtError::Algorithm(header.alg));
         }
@@ -299,6 +307,16 @@ impl JwtVerifier {
             .to_bytes();
         serde_json::from_slice(&bytes).map_err(|e| format!("not a JWKS: {e}"))
     }
+}
+
+/// Whether the token's JOSE header has a `crit` parameter (any value: an
+/// extension list idemgate cannot honour, or a malformed one).
+fn has_crit(token: &str) -> Result<bool, JwtError> {
+    use base64::Engine as _;
+    let encoded = token.split('.').next().ok_or(JwtError::Malformed)?;
+    let json = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(encoded).map_err(|_| JwtError::Malformed)?;
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&json).map_err(|_| JwtError::Malformed)?;
+    Ok(header.contains_key("crit"))
 }
 
 trait KindName {

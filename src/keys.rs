@@ -9,7 +9,7 @@ use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use bytes::Bytes;
 use serde_json::json;
 
-use crate::audit::{Actor, AuditEntry, AuditNote};
+use crate::audit::{Actor, AuditEntry, AuditNote, Caller};
 use crate::record::{Record, Refused, State, StoredResponse, Timestamp};
 use crate::route::Retention;
 use crate::scope::{IdempotencyKey, Scope};
@@ -188,7 +188,7 @@ pub fn show_text(r: &Record, secret: Option<&[u8]>) -> String {
     if r.state == State::Unknown {
         let _ = writeln!(
             out,
-            "\nThe upstream may have executed this request. Find out, then either\n  idemgate keys resolve ... --release             (it did not happen: the client may retry)\n  idemgate keys resolve ... --complete --status N (it happened: record what to replay)"
+            "\nThe upstream may have executed this request. Find out, then either\n  idemgate keys resolve ... --release --reason '...'             (it did not happen: the client may retry)\n  idemgate keys resolve ... --complete --status N --reason '...' (it happened: record what to replay)"
         );
     }
     out
@@ -199,7 +199,7 @@ pub fn show_text(r: &Record, secret: Option<&[u8]>) -> String {
 #[derive(Debug, Clone)]
 pub struct ResolveRequest {
     pub action: ResolveAction,
-    /// Why; stored in the audit trail. Required with `force`.
+    /// Why; stored in the audit trail. Required (a blank one is none).
     pub reason: Option<String>,
     /// Also resolve a record that is not `unknown` or an expired claim (a
     /// completed one): releasing it lets the client's next retry execute again.
@@ -244,10 +244,21 @@ pub const RESOLVABLE_STATUSES: std::ops::RangeInclusive<u16> = 200..=599;
 /// audit row, and returns the state the record was in.
 /// `default_retention` applies to a completion that names none (the route's).
 pub async fn resolve(store: &Store, scope: &Scope, req: ResolveRequest, default_retention: Retention) -> Result<State, ResolveError> {
-    let reason = req.reason.as_deref().map(str::trim).filter(|r| !r.is_empty());
-    if req.force && reason.is_none() {
-        return Err(ResolveError::Invalid("a forced resolution needs a reason".into()));
-    }
+    resolve_by(store, scope, req, default_retention, None).await
+}
+
+/// [`resolve`], recording who asked over the network (the admin API's
+/// caller: its address and token label) in the audit row.
+pub async fn resolve_by(
+    store: &Store,
+    scope: &Scope,
+    req: ResolveRequest,
+    default_retention: Retention,
+    caller: Option<Caller>,
+) -> Result<State, ResolveError> {
+    let Some(reason) = req.reason.as_deref().map(str::trim).filter(|r| !r.is_empty()) else {
+        return Err(ResolveError::Invalid("a resolution needs a reason (it is kept in the audit trail)".into()));
+    };
     let resolution = match req.action {
         ResolveAction::Release => Resolution::Release { force: req.force },
         ResolveAction::Complete { status, headers, body, retention } => {
@@ -266,7 +277,7 @@ pub async fn resolve(store: &Store, scope: &Scope, req: ResolveRequest, default_
             }
         }
     };
-    let note = AuditNote { actor: req.actor, reason: reason.unwrap_or("(no reason given)").to_owned(), forced: req.force };
+    let note = AuditNote { actor: req.actor, reason: reason.to_owned(), forced: req.force, caller };
     let outcome = match req.fence {
         Some(fence) => store.resolve_probed(scope, &resolution, &note, fence).await?,
         None => store.resolve(scope, &resolution, &note).await?,
@@ -307,6 +318,8 @@ pub fn audit_json(a: &AuditEntry) -> serde_json::Value {
         "reason": a.reason,
         "forced": a.forced,
         "generation": a.generation.map(|g| g.0),
+        "peer": a.peer,
+        "token": a.token,
     })
 }
 
@@ -316,11 +329,16 @@ pub fn audit_table(entries: &[AuditEntry]) -> String {
     let _ = writeln!(out, "{:<27} {:<10} {:<10} {:<10} {:<40} REASON", "AT", "ACTOR", "FROM", "TO", "SCOPE");
     for a in entries {
         let scope = format!("{}/{}/{}/{}", a.scope.tenant, a.scope.principal, a.scope.operation, a.scope.key.as_str());
+        // An admin API change names its caller: `admin@10.0.0.7:51234`.
+        let actor = match &a.peer {
+            Some(peer) => format!("{}@{peer}", a.actor),
+            None => a.actor.clone(),
+        };
         let _ = writeln!(
             out,
             "{:<27} {:<10} {:<10} {:<10} {:<40} {}{}",
             a.at.to_string(),
-            a.actor,
+            actor,
             a.from_state,
             a.to_state,
             scope,

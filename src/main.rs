@@ -49,11 +49,15 @@ enum Command {
         #[arg(long)]
         pid_file: PathBuf,
     },
-    /// Validate the configuration; print every error with its TOML path.
+    /// Validate the configuration; print every error with its TOML path, and
+    /// a warning for each insecure setting.
     CheckConfig {
         /// Then reach the store and every upstream (TCP connect), one line each; exit 1 if one fails.
         #[arg(long)]
         connect: bool,
+        /// Treat warnings (insecure settings) as errors: exit 1 if there is one.
+        #[arg(long)]
+        strict: bool,
     },
     /// Apply the store's migrations.
     Migrate,
@@ -187,13 +191,13 @@ struct ResolveArgs {
     /// How long to replay it; default: the route's retention (or 24h).
     #[arg(long, value_parser = humantime::parse_duration)]
     retention: Option<Duration>,
-    /// Why (kept in the audit trail). Required with --force.
+    /// Why (kept in the audit trail). Required, as it is by the admin API.
     #[arg(long)]
-    reason: Option<String>,
+    reason: String,
     /// Also resolve a record that is not unknown or an expired claim (a
     /// completed one). Releasing a completed record lets the client's next
     /// retry execute again: say why with --reason.
-    #[arg(long, requires = "reason")]
+    #[arg(long)]
     force: bool,
 }
 
@@ -261,9 +265,21 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
     };
     match cli.command {
-        Command::CheckConfig { connect } => {
+        Command::CheckConfig { connect, strict } => {
             // The exit code is the verdict; the lines are best effort.
-            say(&format!("{}: ok ({} route(s), {} upstream(s))\n", cli.config.display(), config.routes.len(), config.upstreams.len()));
+            let file = cli.config.display();
+            let mut warnings: String = config.warnings.iter().map(|w| format!("{file}: {w}\n")).collect();
+            if strict && !config.warnings.is_empty() {
+                warnings.push_str(&format!("{} warning(s) (--strict)\n", config.warnings.len()));
+                logging::stderr_best_effort(&warnings);
+                return Ok(ExitCode::from(1));
+            }
+            logging::stderr_best_effort(&warnings);
+            let noted = match config.warnings.len() {
+                0 => String::new(),
+                n => format!(", {n} warning(s)"),
+            };
+            say(&format!("{file}: ok ({} route(s), {} upstream(s){noted})\n", config.routes.len(), config.upstreams.len()));
             if connect {
                 let checks = idemgate::config::check_connections(&config).await;
                 checks.iter().for_each(|c| say(&format!("{c}\n")));
@@ -273,6 +289,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
         }
         Command::Serve { pid_file } => {
+            config.log_warnings(&cli.config.display().to_string());
             let signals = Signals::install()?;
             // Subscribed before the slow start: a SIGHUP meanwhile reloads once serving.
             let hangups = signals.hangups();
@@ -462,7 +479,7 @@ async fn keys(config: &Config, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
                 }
                 ResolveAction::Complete { status, headers, body: Some(body.into()), retention: args.retention }
             };
-            let request = ResolveRequest { action, reason: args.reason, force: args.force, actor: Actor::Cli, fence: None };
+            let request = ResolveRequest { action, reason: Some(args.reason), force: args.force, actor: Actor::Cli, fence: None };
             let retention = idemgate::keys::default_retention(&config.routes, &s.operation);
             match idemgate::keys::resolve(&store, &s, request, retention).await {
                 Ok(from) => say(&format!("resolved (was {from})\n")),

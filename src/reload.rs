@@ -128,6 +128,7 @@ impl Reloader {
                 return;
             }
         };
+        config.log_warnings(&file);
         let kept = keep_restart_only(&self.running, &mut config);
         if !kept.is_empty() {
             tracing::warn!(file = %file, sections = ?kept, "these sections changed and need a restart; kept as they are");
@@ -185,9 +186,17 @@ fn has_background_routes(config: &Config) -> bool {
 }
 
 /// `idemgate reload`: sends SIGHUP to the gateway whose pid is in `pid_file`
-/// (written by `serve --pid-file`).
+/// (written by `serve --pid-file`). A symbolic link is not followed.
 pub fn signal_reload(pid_file: &Path) -> Result<u32, ReloadError> {
-    let text = std::fs::read_to_string(pid_file).map_err(|source| ReloadError::PidFile { path: pid_file.to_owned(), source })?;
+    use std::io::Read as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut text = String::new();
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(pid_file)
+        .and_then(|mut f| f.read_to_string(&mut text))
+        .map_err(|source| ReloadError::PidFile { path: pid_file.to_owned(), source })?;
     let bad = || ReloadError::BadPid { path: pid_file.to_owned(), text: text.trim().to_owned() };
     // Only a single positive pid: 0 or a negative number would signal a group.
     let pid: i32 = text.trim().parse().ok().filter(|p| *p > 0).ok_or_else(bad)?;
@@ -197,20 +206,79 @@ pub fn signal_reload(pid_file: &Path) -> Result<u32, ReloadError> {
 }
 
 /// Writes this process's pid for `idemgate reload`; removed on drop.
+///
+/// The file is created anew (`O_CREAT | O_EXCL | O_NOFOLLOW`), so a symbolic
+/// link planted at the path is never followed (a privileged gateway would
+/// otherwise overwrite whatever it points to). A file already there is
+/// replaced only when it is a regular file of this user whose process is
+/// gone (a stale file after a crash); a symbolic link, another user's file,
+/// or the file of a process still running is refused.
 #[derive(Debug)]
-pub struct PidFile(PathBuf);
+pub struct PidFile {
+    path: PathBuf,
+    /// The file written (device, inode): only that one is removed on drop.
+    id: (u64, u64),
+}
 
 impl PidFile {
     pub fn create(path: &Path) -> Result<PidFile, ReloadError> {
-        std::fs::write(path, format!("{}\n", std::process::id()))
-            .map_err(|source| ReloadError::PidFile { path: path.to_owned(), source })?;
-        Ok(PidFile(path.to_owned()))
+        let io = |source| ReloadError::PidFile { path: path.to_owned(), source };
+        let file = match create_new(path) {
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                stale(path)?;
+                // Unlinking never follows a link: if the file was swapped
+                // for one meanwhile, the link goes and the create below
+                // still refuses to follow anything.
+                std::fs::remove_file(path).map_err(io)?;
+                create_new(path).map_err(io)?
+            }
+            other => other.map_err(io)?,
+        };
+        use std::io::Write as _;
+        use std::os::unix::fs::MetadataExt as _;
+        (&file).write_all(format!("{}\n", std::process::id()).as_bytes()).map_err(io)?;
+        let meta = file.metadata().map_err(io)?;
+        Ok(PidFile { path: path.to_owned(), id: (meta.dev(), meta.ino()) })
     }
+}
+
+fn create_new(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    std::fs::OpenOptions::new().write(true).create_new(true).mode(0o644).custom_flags(libc::O_NOFOLLOW).open(path)
+}
+
+/// An existing pid file may be replaced only if it is a stale one of ours.
+fn stale(path: &Path) -> Result<(), ReloadError> {
+    use std::os::unix::fs::MetadataExt as _;
+    let refuse = |why: String| ReloadError::UnsafePidFile { path: path.to_owned(), why };
+    let meta = std::fs::symlink_metadata(path).map_err(|source| ReloadError::PidFile { path: path.to_owned(), source })?;
+    if meta.file_type().is_symlink() {
+        return Err(refuse("is a symbolic link; it is not followed (remove it, or give another path)".into()));
+    }
+    if !meta.file_type().is_file() {
+        return Err(refuse("exists and is not a regular file".into()));
+    }
+    let me = rustix::process::geteuid().as_raw();
+    if meta.uid() != me {
+        return Err(refuse(format!("is owned by uid {}, not by this user (uid {me}); remove it, or give another path", meta.uid())));
+    }
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    if let Some(pid) = text.trim().parse::<i32>().ok().and_then(rustix::process::Pid::from_raw)
+        && pid.as_raw_nonzero().get() != std::process::id() as i32
+        && rustix::process::test_kill_process(pid).map_or_else(|e| e == rustix::io::Errno::PERM, |()| true)
+    {
+        return Err(refuse(format!("names process {}, which is running: is another gateway using this pid file?", pid.as_raw_nonzero())));
+    }
+    Ok(())
 }
 
 impl Drop for PidFile {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
+        use std::os::unix::fs::MetadataExt as _;
+        // Only the file this process wrote: not one that replaced it.
+        if std::fs::symlink_metadata(&self.path).is_ok_and(|m| (m.dev(), m.ino()) == self.id) {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 }
 
@@ -218,6 +286,8 @@ impl Drop for PidFile {
 pub enum ReloadError {
     #[error("pid file {}: {source}", path.display())]
     PidFile { path: PathBuf, source: std::io::Error },
+    #[error("pid file {}: {why}", path.display())]
+    UnsafePidFile { path: PathBuf, why: String },
     #[error("pid file {}: {text:?} is not a process id", path.display())]
     BadPid { path: PathBuf, text: String },
     #[error("cannot send SIGHUP to process {pid}: {source}")]

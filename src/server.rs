@@ -225,9 +225,9 @@ impl Server {
             let admin = Listener { name: "admin", tcp: admin, tls: admin_tls, limit: ConnectionLimit::new(ADMIN_MAX_CONNECTIONS) };
             let admin_metrics = Some(metrics.clone());
             admin_conns.spawn(async move {
-                accept_loop(admin, stop, conns, http, admin_metrics, move |req, _peer| {
+                accept_loop(admin, stop, conns, http, admin_metrics, move |req, peer| {
                     let admin = admin_state.clone();
-                    async move { admin.handle(req).await }
+                    async move { admin.handle(req, peer).await }
                 })
                 .await
             });

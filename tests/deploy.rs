@@ -39,12 +39,24 @@ fn check_config(config: &Path, env: &[(String, String)]) -> (i32, String) {
 
 #[test]
 fn the_images_baked_config_is_valid_and_listens_on_every_interface() {
-    let (code, out) = check_config(&root().join("config/docker.toml"), &[]);
+    // The operator's key hash comes from the environment (no default: see
+    // tests/hardening.rs for the refusal without it).
+    let hash = "5e884898da28047151d0e56f8dc6292773603d0d6aabbdd62a11ef721d1542d8";
+    let env = [("IDEMGATE_API_KEY_SHA256".to_owned(), hash.to_owned())];
+    let (code, out) = check_config(&root().join("config/docker.toml"), &env);
     assert_eq!(code, 0, "{out}");
-    let config = idemgate::config::Config::load(&root().join("config/docker.toml")).unwrap();
+    let text = read("config/docker.toml");
+    let config = idemgate::config::Config::from_toml(&text, "config/docker.toml", &|name| {
+        (name == "IDEMGATE_API_KEY_SHA256").then(|| hash.to_owned())
+    })
+    .unwrap();
     assert!(config.server.listen.ip().is_unspecified(), "-p 8080:8080 must reach the proxy");
-    assert!(config.admin.as_ref().is_some_and(|a| a.listen.ip().is_unspecified()), "and the admin listener");
+    assert!(
+        config.admin.as_ref().is_some_and(|a| a.listen.ip().is_loopback()),
+        "unauthenticated /metrics answers inside the container only (HEALTHCHECK asks it there)"
+    );
     assert!(!config.server.drain_delay.is_zero(), "load balancers get a drain delay");
+    assert!(config.warnings.is_empty(), "{:?}", config.warnings);
 }
 
 #[test]

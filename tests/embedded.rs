@@ -114,7 +114,21 @@ async fn keys_commands_refuse_a_missing_store() {
         for args in [
             vec!["keys", "list"],
             vec!["keys", "show", "--tenant", "t", "--principal", "p", "--operation", "create_order", "--key", "k"],
-            vec!["keys", "resolve", "--tenant", "t", "--principal", "p", "--operation", "create_order", "--key", "k", "--release"],
+            vec![
+                "keys",
+                "resolve",
+                "--tenant",
+                "t",
+                "--principal",
+                "p",
+                "--operation",
+                "create_order",
+                "--key",
+                "k",
+                "--release",
+                "--reason",
+                "r",
+            ],
             vec!["keys", "audit"],
         ] {
             let out = Command::new(env!("CARGO_BIN_EXE_idemgate"))

@@ -116,7 +116,21 @@ async fn a_receiver_that_is_down_gets_everything_later_in_order(backend: Backend
     assert_eq!(post(&url, "a", ORDER, &[("x-test-sleep-ms", "1500")]).await.status, 504);
     let (code, _, err) = cli(
         &gw,
-        &["keys", "resolve", "--tenant", TENANT, "--principal", PRINCIPAL, "--operation", "create_order", "--key", "a", "--release"],
+        &[
+            "keys",
+            "resolve",
+            "--tenant",
+            TENANT,
+            "--principal",
+            PRINCIPAL,
+            "--operation",
+            "create_order",
+            "--key",
+            "a",
+            "--release",
+            "--reason",
+            "not in the ledger",
+        ],
     );
     assert_eq!(code, 0, "{err}");
     for k in ["b", "c", "d"] {

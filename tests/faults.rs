@@ -665,7 +665,21 @@ async fn gateway_killed_after_claim_before_forward_ends_unknown() {
     assert_eq!(up.total(), 0, "the request never reached the upstream");
     let (code, _, err) = cli(
         &gw,
-        &["keys", "resolve", "--tenant", TENANT, "--principal", PRINCIPAL, "--operation", "create_order", "--key", "k", "--release"],
+        &[
+            "keys",
+            "resolve",
+            "--tenant",
+            TENANT,
+            "--principal",
+            PRINCIPAL,
+            "--operation",
+            "create_order",
+            "--key",
+            "k",
+            "--release",
+            "--reason",
+            "never reached the upstream",
+        ],
     );
     assert_eq!(code, 0, "{err}");
     assert_eq!(post(&target, "k", ORDER, &[]).await.status, 201);

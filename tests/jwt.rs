@@ -204,3 +204,56 @@ async fn jwt_identity_scopes_records_and_refuses_bad_tokens() {
     assert!(settled_record(&store, "j2").await.is_none(), "nothing claimed");
     assert_eq!(up.total(), 1);
 }
+
+/// RFC 7515 section 4.1.11: a header whose `crit` names extensions the
+/// recipient does not understand must be refused. idemgate understands none:
+/// such a token is no identity (401, nothing claimed, nothing forwarded),
+/// while the same claims signed without `crit` pass.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_with_critical_extensions_is_refused() {
+    use base64::Engine as _;
+    use hmac::Mac as _;
+    let secret = "a-shared-secret-of-at-least-32-bytes!";
+    let sign = |header: serde_json::Value| {
+        let b64 = |v: &serde_json::Value| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(v.to_string());
+        let input = format!("{}.{}", b64(&header), b64(&jwt::claims("acme", "billing", ISS, AUD)));
+        let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(secret.as_bytes()).unwrap();
+        mac.update(input.as_bytes());
+        let sig = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(mac.finalize().into_bytes());
+        format!("{input}.{sig}")
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let secret_file = dir.path().join("hs");
+    std::fs::write(&secret_file, secret).unwrap();
+    let id = identifier(
+        &format!("algorithms = [\"HS256\"]\nsecret_file = \"{}\"\nissuer = \"{ISS}\"\naudience = \"{AUD}\"", secret_file.display()),
+        &[],
+    );
+    let plain = sign(json!({"alg": "HS256", "typ": "JWT"}));
+    let critical = sign(json!({"alg": "HS256", "typ": "JWT", "crit": ["exp-policy"], "exp-policy": "strict"}));
+    let empty_crit = sign(json!({"alg": "HS256", "typ": "JWT", "crit": []}));
+    let acme = Some(Identity { tenant: "acme".into(), principal: "billing".into() });
+    assert_eq!(who(&id, &plain).await, acme, "the control token verifies");
+    assert_eq!(who(&id, &critical).await, None, "an unknown critical extension");
+    assert_eq!(who(&id, &empty_crit).await, None, "an empty crit list is malformed too");
+
+    // Through the real binary.
+    let backend = sqlite_backend();
+    let up = TestUpstream::start().await;
+    let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).identity(&format!(
+        "[[identity.sources]]\nkind = \"jwt\"\nalgorithms = [\"HS256\"]\nsecret_file = \"{}\"\nissuer = \"{ISS}\"\naudience = \"{AUD}\"\n",
+        secret_file.display()
+    )));
+    let store = backend.open().await;
+    let with = |token: &str, key: &'static str| {
+        let auth = format!("Bearer {token}");
+        let url = gw.url("/v1/orders");
+        async move { send("POST", &url, &[("authorization", auth.as_str()), ("idempotency-key", key)], "{}").await.unwrap() }
+    };
+    let r = with(&critical, "c1").await;
+    assert_eq!((r.status, r.problem().as_str()), (401, "unauthenticated"));
+    assert!(settled_record(&store, "c1").await.is_none(), "nothing claimed");
+    assert_eq!(up.total(), 0);
+    assert_eq!(with(&plain, "c2").await.status, 201);
+    assert_eq!(up.total(), 1);
+}

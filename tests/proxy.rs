@@ -337,6 +337,8 @@ async fn upstream_timeout_is_unknown_until_resolved(backend: Backend) {
             body_file.to_str().unwrap(),
             "--header",
             "content-type: application/json",
+            "--reason",
+            "found it in the ledger",
         ],
     );
     assert_eq!(code, 0, "{out}{err}");
@@ -362,7 +364,21 @@ async fn unknown_record_released_by_operator_can_be_retried(backend: Backend) {
     assert_eq!(code, 0, "{err}");
     let (code, _, err) = cli(
         &gw,
-        &["keys", "resolve", "--tenant", TENANT, "--principal", PRINCIPAL, "--operation", "create_order", "--key", "k", "--release"],
+        &[
+            "keys",
+            "resolve",
+            "--tenant",
+            TENANT,
+            "--principal",
+            PRINCIPAL,
+            "--operation",
+            "create_order",
+            "--key",
+            "k",
+            "--release",
+            "--reason",
+            "checked the ledger",
+        ],
     );
     assert_eq!(code, 0, "{err}");
     assert!(settled_record(&store, "k").await.is_none());
@@ -373,7 +389,21 @@ async fn unknown_record_released_by_operator_can_be_retried(backend: Backend) {
     // Resolving a record that does not exist is an error.
     let (code, _, _) = cli(
         &gw,
-        &["keys", "resolve", "--tenant", TENANT, "--principal", PRINCIPAL, "--operation", "create_order", "--key", "nope", "--release"],
+        &[
+            "keys",
+            "resolve",
+            "--tenant",
+            TENANT,
+            "--principal",
+            PRINCIPAL,
+            "--operation",
+            "create_order",
+            "--key",
+            "nope",
+            "--release",
+            "--reason",
+            "r",
+        ],
     );
     assert_eq!(code, 1);
 }
@@ -670,7 +700,7 @@ async fn keys_resolve_refuses_completed_records_without_force(backend: Backend) 
         args.extend_from_slice(extra);
         cli(&gw, &args)
     };
-    let (code, _, err) = resolve(&["--release"]);
+    let (code, _, err) = resolve(&["--release", "--reason", "r"]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("completed") && err.contains("--force"), "{err}");
     assert_eq!(settled_record(&store, "k").await.unwrap(), before, "nothing changed");

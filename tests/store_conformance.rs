@@ -651,7 +651,7 @@ async fn list_filters_orders_and_limits(backend: Backend) {
 }
 
 fn note(reason: &str) -> AuditNote {
-    AuditNote { actor: Actor::Cli, reason: reason.into(), forced: false }
+    AuditNote { actor: Actor::Cli, reason: reason.into(), forced: false, caller: None }
 }
 
 const RELEASE: Resolution = Resolution::Release { force: false };
@@ -729,7 +729,7 @@ async fn resolve_of_a_completed_record_needs_force_and_is_audited(backend: Backe
     assert_eq!(row(&store, &done).await, before, "nothing changed");
     assert!(store.audit(10).await.unwrap().is_empty(), "refusals leave no audit row");
 
-    let forced = AuditNote { actor: Actor::Admin, reason: "customer refunded by hand".into(), forced: true };
+    let forced = AuditNote { actor: Actor::Admin, reason: "customer refunded by hand".into(), forced: true, caller: None };
     let fix = Resolution::Complete { response: response(200, b"corrected"), retention: Retention::For(LONG), force: true };
     assert_eq!(store.resolve(&done, &fix, &forced).await.unwrap(), ResolveOutcome::Resolved { from: State::Completed });
     let fixed = row(&store, &done).await;
@@ -744,7 +744,7 @@ async fn resolve_of_a_completed_record_needs_force_and_is_audited(backend: Backe
     let u = key("unknown");
     let uc = claim(&store, &req(&u, 1, LONG, false)).await;
     store.mark_unknown(&uc).await.unwrap();
-    let by_probe = AuditNote { actor: Actor::Reconciler, reason: "probe: 404".into(), forced: false };
+    let by_probe = AuditNote { actor: Actor::Reconciler, reason: "probe: 404".into(), forced: false, caller: None };
     assert_eq!(store.resolve(&u, &RELEASE, &by_probe).await.unwrap(), ResolveOutcome::Resolved { from: State::Unknown });
 
     let trail = store.audit(10).await.unwrap();
@@ -1359,7 +1359,7 @@ async fn unknown(store: &Store, s: &Scope) -> Claim {
 async fn probes_take_due_unknown_records_and_their_writes_are_fenced(backend: Backend) {
     let store = open(&backend).await;
     let routes = [probe_route("create_order", Duration::ZERO)];
-    let by_probe = AuditNote { actor: Actor::Reconciler, reason: "probe".into(), forced: false };
+    let by_probe = AuditNote { actor: Actor::Reconciler, reason: "probe".into(), forced: false, caller: None };
     let complete = Resolution::Complete { response: response(201, b"found"), retention: Retention::For(LONG), force: false };
     let (u1, u2) = (key("u1"), key("u2"));
     let c1 = unknown(&store, &u1).await;
@@ -1505,7 +1505,7 @@ async fn final_state_changes_write_their_events_and_nothing_else_does(backend: B
     let c = claim(&store, &req(&quiet, 1, LONG, false)).await;
     store.complete(&c, &response(201, b"x"), Retention::For(LONG)).await.unwrap();
     // Resolutions by an operator.
-    let n = AuditNote { actor: Actor::Admin, reason: "checked".into(), forced: false };
+    let n = AuditNote { actor: Actor::Admin, reason: "checked".into(), forced: false, caller: None };
     store.resolve(&lost, &Resolution::Release { force: false }, &n).await.unwrap();
     // Lease expired in flight, reaped.
     let reaped = key("reaped");
@@ -1605,7 +1605,7 @@ async fn relays_hold_each_event_alone_in_order_per_scope(backend: Backend) {
     store.mark_unknown(&c).await.unwrap();
     let c = claim(&store, &req(&b, 1, LONG, false)).await;
     store.complete(&c, &response(201, b"b"), Retention::For(LONG)).await.unwrap();
-    let n = AuditNote { actor: Actor::Cli, reason: "r".into(), forced: false };
+    let n = AuditNote { actor: Actor::Cli, reason: "r".into(), forced: false, caller: None };
     store.resolve(&a, &Resolution::Release { force: false }, &n).await.unwrap();
     let ops = ["create_order"];
     let (r1, r2) = (Uuid::new_v4(), Uuid::new_v4());
@@ -2176,7 +2176,7 @@ async fn a_parked_event_holds_the_later_events_of_its_scope(backend: Backend) {
     assert_eq!(first.iter().map(|e| e.event_type.as_str()).collect::<Vec<_>>(), vec!["unknown"]);
     assert!(store.event_failed(first[0].seq, relay, "answered 500", Duration::ZERO, true).await.unwrap(), "parked");
     // The record is settled afterwards: a later event of the same scope.
-    let n = AuditNote { actor: Actor::Cli, reason: "it happened".into(), forced: false };
+    let n = AuditNote { actor: Actor::Cli, reason: "it happened".into(), forced: false, caller: None };
     let done = Resolution::Complete { response: response(201, b"a"), retention: Retention::For(LONG), force: false };
     assert!(matches!(store.resolve(&a, &done, &n).await.unwrap(), ResolveOutcome::Resolved { .. }));
     let c = claim(&store, &req(&b, 1, LONG, false)).await;

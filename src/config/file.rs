@@ -333,6 +333,9 @@ impl OneOrMany {
 #[serde(deny_unknown_fields)]
 pub struct ApiKeySection {
     pub sha256: Option<String>,
+    /// The SHA-256 read from this environment variable instead (a container
+    /// image's config lists no key anyone knows).
+    pub sha256_env: Option<String>,
     pub tenant: Option<String>,
     pub principal: Option<String>,
 }

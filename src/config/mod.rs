@@ -1,12 +1,15 @@
 //! Configuration, in two stages: [`file`] is the TOML as written (serde,
 //! unknown keys rejected); [`Config`] is the validated, typed result. Every
 //! error names the file and the TOML path it is about, and validation reports
-//! all of them at once. [`check_connections`] (`check-config --connect`) then
-//! reaches the store and the upstreams without changing anything.
+//! all of them at once. Settings that are valid but insecure become
+//! [`ConfigWarning`]s ([`hardening`]). [`check_connections`] (`check-config
+//! --connect`) then reaches the store and the upstreams without changing
+//! anything.
 
 mod connect;
 mod error;
 mod file;
+mod hardening;
 mod validate;
 
 use std::net::SocketAddr;
@@ -15,6 +18,7 @@ use std::time::Duration;
 
 pub use connect::{ConnectCheck, check_connections};
 pub use error::{ConfigError, ConfigIssue};
+pub use hardening::{ConfigWarning, Hardening};
 
 use crate::identity::IdentitySource;
 use crate::route::{Route, UpstreamId};
@@ -38,6 +42,9 @@ pub struct Config {
     pub identity: Vec<IdentitySource>,
     pub routes: Vec<Route>,
     pub workers: WorkersConfig,
+    /// Valid but insecure settings: `check-config` prints them, `serve`
+    /// logs them (see [`ConfigWarning`]).
+    pub warnings: Vec<ConfigWarning>,
 }
 
 /// `[workers]`: how many async operations this replica runs at once.
@@ -124,6 +131,13 @@ impl Config {
 
     pub fn upstream(&self, id: UpstreamId) -> &UpstreamConfig {
         &self.upstreams[id]
+    }
+
+    /// Logs each warning (at start and after a reload).
+    pub fn log_warnings(&self, file: &str) {
+        for w in &self.warnings {
+            tracing::warn!(file, path = %w.path, hardening = w.hardening.title(), "insecure setting: {}; see docs/operations.md", w.risk);
+        }
     }
 }
 

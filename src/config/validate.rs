@@ -14,6 +14,7 @@ use super::file::{
     AuthorizeSection, EventsSection, FileConfig, IdentitySourceSection, OneOrMany, Part, ReconcileSection, RouteSection, SizeValue,
     StoreSection, TlsSection, UpstreamSection,
 };
+use super::hardening::{Hardening, Warnings};
 use super::{AdminConfig, Config, DEFAULT_SQLITE_PATH, Secret, ServerConfig, StoreBackend, StoreConfig, UpstreamConfig, WorkersConfig};
 use crate::authorize::AuthorizeConfig;
 use crate::fingerprint::{FingerprintSpec, JsonPointer};
@@ -47,7 +48,7 @@ const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
 pub(super) fn validate(raw: FileConfig, issues: Issues, origin: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
     let client_certificates = raw.server.ok().and_then(|s| s.tls.as_ref()).is_some_and(|t| t.client_ca_file.is_some());
-    let mut v = Validator { issues, env, client_certificates };
+    let mut v = Validator { issues, warnings: Warnings::default(), env, client_certificates };
     let upstreams = v.upstreams(&raw.upstreams);
     let names: HashMap<&str, usize> = upstreams.iter().enumerate().map(|(i, u)| (u.name.as_str(), i)).collect();
     let server = raw.server.ok().and_then(|s| v.server(s, &names));
@@ -109,6 +110,7 @@ pub(super) fn validate(raw: FileConfig, issues: Issues, origin: &str, env: &dyn 
             identity,
             routes,
             workers,
+            warnings: v.warnings.list,
         }),
         _ => Err(ConfigError::single(origin, "", "invalid configuration")),
     }
@@ -123,6 +125,8 @@ struct Upstream {
 
 struct Validator<'e> {
     issues: Issues,
+    /// Valid but insecure settings (see [`super::hardening`]).
+    warnings: Warnings,
     env: &'e dyn Fn(&str) -> Option<String>,
     /// `[server.tls]` verifies client certificates (`kind = "mtls"` needs it).
     client_certificates: bool,
@@ -555,13 +559,16 @@ impl Validator<'_> {
             (None, Some(file)) => ("store.url_file", format!("the content of {file}")),
             (None, None) => ("store.url", "the URL".to_owned()),
         };
-        match crate::tls::postgres::parse(url.expose()) {
+        match crate::tls::postgres::parse_with(url.expose(), self.env) {
             Ok(c) if c.config.get_hosts().is_empty() && c.config.get_hostaddrs().is_empty() => {
                 self.issues.push(path, format!("{source} is a PostgreSQL connection string without a host"));
                 None
             }
-            Ok(_) => Some(url),
-            Err(e @ (crate::tls::postgres::PgTlsError::Mode(_) | crate::tls::postgres::PgTlsError::Roots(_))) => {
+            Ok(c) => {
+                self.database_warnings(path, s.url.is_some(), &c);
+                Some(url)
+            }
+            Err(e @ (crate::tls::postgres::PgTlsError::Mode { .. } | crate::tls::postgres::PgTlsError::Roots(_))) => {
                 self.issues.push(path, format!("{source}: {e}"));
                 None
             }
@@ -582,9 +589,43 @@ impl Validator<'_> {
         }
     }
 
+    /// A password in the connection string: written in the file, or sent
+    /// where TLS is off or can be stripped (never printed).
+    fn database_warnings(&mut self, path: &str, inline: bool, c: &crate::tls::postgres::PgConnect) {
+        use crate::tls::postgres::SslMode;
+        if c.config.get_password().is_none() {
+            return;
+        }
+        if inline {
+            self.warnings.push(
+                path,
+                Hardening::Database,
+                "the database password is written in the configuration file, readable by whoever reads the file; use url_env or url_file",
+            );
+        }
+        let local = super::hardening::database_is_local(&c.config);
+        match c.mode {
+            SslMode::Disable => self.warnings.push(
+                path,
+                Hardening::Database,
+                "the connection string holds a password and sslmode=disable: the login and every stored request and response cross the network unencrypted; use sslmode=verify-full",
+            ),
+            SslMode::Prefer if !local => self.warnings.push(
+                path,
+                Hardening::Database,
+                "the connection string holds a password and no sslmode (prefer): TLS is tried, but anyone on the path to a non-local host can refuse it and read the traffic; use sslmode=verify-full",
+            ),
+            _ => {}
+        }
+    }
+
     fn admin(&mut self, a: &super::file::AdminSection) -> Option<AdminConfig> {
         let listen = self.addr("admin.listen", a.listen.as_deref(), None);
         let token = self.secret("admin.token", None, a.token_env.as_deref(), a.token_file.as_deref());
+        if let Some(Some(t)) = &token {
+            let path = if a.token_env.is_some() { "admin.token_env" } else { "admin.token_file" };
+            self.warnings.short_secret(path, "admin token", t.expose().len(), "whoever guesses it can release or rewrite any record");
+        }
         let tls = match &a.tls {
             Some(t) => self.listener_tls("admin.tls", t, &[b"http/1.1"]).map(Some),
             None => Some(None),
@@ -792,13 +833,35 @@ impl Validator<'_> {
                 }
                 for (k, entry) in list.iter().enumerate() {
                     let kp = format!("{p}.keys[{k}]");
-                    let digest = self.required(&format!("{kp}.sha256"), entry.sha256.as_deref()).and_then(|h| {
+                    let (hex_path, hex) = match (entry.sha256.as_deref(), entry.sha256_env.as_deref()) {
+                        (Some(_), Some(_)) => {
+                            self.issues.push(format!("{kp}.sha256_env"), "give sha256 or sha256_env, not both");
+                            (String::new(), None)
+                        }
+                        (None, Some(name)) => match (self.env)(name).map(|v| v.trim().to_owned()).filter(|v| !v.is_empty()) {
+                            Some(v) => (format!("{kp}.sha256_env"), Some(std::borrow::Cow::Owned(v))),
+                            None => {
+                                self.issues.push(
+                                    format!("{kp}.sha256_env"),
+                                    format!(
+                                        "environment variable {name} is not set: give it the SHA-256 of a client API key of your own \
+                                         (printf %s \"$KEY\" | sha256sum)"
+                                    ),
+                                );
+                                (String::new(), None)
+                            }
+                        },
+                        (given, None) => {
+                            (format!("{kp}.sha256"), self.required(&format!("{kp}.sha256"), given).map(std::borrow::Cow::Borrowed))
+                        }
+                    };
+                    let digest = hex.and_then(|h| {
                         let mut out = [0u8; 32];
                         match hex::decode_to_slice(h.trim(), &mut out) {
                             Ok(()) => Some(out),
                             Err(_) => {
                                 self.issues.push(
-                                    format!("{kp}.sha256"),
+                                    hex_path.clone(),
                                     "must be 64 hex digits (the SHA-256 of the key, e.g. `printf %s KEY | sha256sum`)",
                                 );
                                 None
@@ -810,7 +873,7 @@ impl Validator<'_> {
                     if let (Some(d), Some(t), Some(pr)) = (digest, tenant, principal)
                         && keys.insert(d, Identity { tenant: t.into(), principal: pr.into() }).is_some()
                     {
-                        self.issues.push(format!("{kp}.sha256"), "the same key is listed twice");
+                        self.issues.push(hex_path, "the same key is listed twice");
                     }
                 }
                 Some(IdentitySource::ApiKey { header: header?, keys })
@@ -834,6 +897,12 @@ impl Validator<'_> {
                     self.issues.push(format!("{p}.trusted_peers"), "list the peers (CIDRs) allowed to assert identity headers");
                 }
                 let trusted_peers = self.cidrs(&format!("{p}.trusted_peers"), peers).unwrap_or_default();
+                let asserted = format!(
+                    "{} / {}",
+                    s.tenant_header.as_deref().unwrap_or("the tenant header"),
+                    s.principal_header.as_deref().unwrap_or("the principal header")
+                );
+                self.warnings.trusted_peers(&format!("{p}.trusted_peers"), &trusted_peers, &asserted);
                 Some(IdentitySource::TrustedHeader { tenant_header: tenant_header?, principal_header: principal_header?, trusted_peers })
             }
             Some(other) => {
@@ -880,6 +949,24 @@ impl Validator<'_> {
         if !hs256 && matches!(secret, Some(Some(_))) {
             self.issues.push(format!("{p}.secret_env"), "a secret is only used by HS256: add it to algorithms");
         }
+        if let (true, Some(Some(secret))) = (hs256, &secret) {
+            let path = if s.secret_env.is_some() { format!("{p}.secret_env") } else { format!("{p}.secret_file") };
+            self.warnings.short_secret(&path, "HS256 secret", secret.expose().len(), "whoever guesses it can sign tokens for any tenant");
+        }
+        if s.issuer.is_none() {
+            self.warnings.push(
+                format!("{p}.issuer"),
+                Hardening::Jwt,
+                "no issuer is checked: a token from any issuer whose key verifies is accepted",
+            );
+        }
+        if s.audience.is_none() {
+            self.warnings.push(
+                format!("{p}.audience"),
+                Hardening::Jwt,
+                "no audience is checked: a token the issuer made for another service is accepted here",
+            );
+        }
         let asymmetric = algorithms.iter().any(|a| *a != jsonwebtoken::Algorithm::HS256);
         let keys = match (s.jwks_file.as_deref(), s.jwks_url.as_deref()) {
             (Some(_), Some(_)) => {
@@ -888,7 +975,14 @@ impl Validator<'_> {
             }
             (Some(f), None) => Some(crate::jwt::KeySource::File(PathBuf::from(f))),
             (None, Some(u)) => match u.parse::<http::Uri>() {
-                Ok(uri) if uri.scheme_str() == Some("http") && uri.authority().is_some() => Some(crate::jwt::KeySource::Url(uri)),
+                Ok(uri) if uri.scheme_str() == Some("http") && uri.authority().is_some() => {
+                    self.warnings.push(
+                        format!("{p}.jwks_url"),
+                        Hardening::Jwt,
+                        "the keys are fetched over plain http://: whoever can alter them in transit can sign tokens for any tenant; use https://",
+                    );
+                    Some(crate::jwt::KeySource::Url(uri))
+                }
                 Ok(uri) if uri.scheme_str() == Some("https") && uri.authority().is_some() => {
                     self.system_roots(&format!("{p}.jwks_url"), uri).map(crate::jwt::KeySource::Url)
                 }

@@ -41,6 +41,7 @@ pub const POSTGRES: &[Migration] = &[
         name: "0011_scope_id_leads_primary_key",
         sql: include_str!("../../migrations/postgres/0011_scope_id_leads_primary_key.sql"),
     },
+    Migration { version: 12, name: "0012_audit_caller", sql: include_str!("../../migrations/postgres/0012_audit_caller.sql") },
 ];
 
 pub const SQLITE: &[Migration] = &[
@@ -71,6 +72,7 @@ pub const SQLITE: &[Migration] = &[
         name: "0011_scope_id_leads_primary_key",
         sql: include_str!("../../migrations/sqlite/0011_scope_id_leads_primary_key.sql"),
     },
+    Migration { version: 12, name: "0012_audit_caller", sql: include_str!("../../migrations/sqlite/0012_audit_caller.sql") },
 ];
 
 /// The `idemgate_settings` row holding the derived-key secret.

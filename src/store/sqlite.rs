@@ -484,7 +484,7 @@ impl RecordStore for SqliteStore {
             let [t, p, o, k] = pk(&scope);
             tx.prepare_cached(
                 "INSERT INTO idemgate_audit (at, actor, tenant, principal, operation, idempotency_key, from_state, to_state, reason, \
-                 forced, generation) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
+                 forced, generation, peer, token_label) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
             )
             .and_then(|mut st| {
                 st.execute(params![
@@ -498,7 +498,9 @@ impl RecordStore for SqliteStore {
                     audit::to_state(to),
                     note.reason,
                     note.forced,
-                    generation.map(|g| g.0)
+                    generation.map(|g| g.0),
+                    note.caller.as_ref().map(|c| c.peer.as_str()),
+                    note.caller.as_ref().map(|c| c.token.as_str())
                 ])
             })
             .map_err(err)?;
@@ -521,8 +523,8 @@ impl RecordStore for SqliteStore {
         self.write(move |conn, _| {
             let mut st = conn
                 .prepare_cached(
-                    "SELECT id, at, actor, tenant, principal, operation, idempotency_key, from_state, to_state, reason, forced, generation \
-                     FROM idemgate_audit ORDER BY id DESC LIMIT ?1",
+                    "SELECT id, at, actor, tenant, principal, operation, idempotency_key, from_state, to_state, reason, forced, generation, \
+                     peer, token_label FROM idemgate_audit ORDER BY id DESC LIMIT ?1",
                 )
                 .map_err(err)?;
             let mut rows = st.query(params![i64::from(limit)]).map_err(err)?;
@@ -1371,6 +1373,8 @@ fn decode_audit(row: &rusqlite::Row<'_>) -> Result<AuditEntry, StoreError> {
         reason: row.get(9).map_err(c)?,
         forced: row.get(10).map_err(c)?,
         generation: row.get::<_, Option<i64>>(11).map_err(c)?.map(Generation),
+        peer: row.get(12).map_err(c)?,
+        token: row.get(13).map_err(c)?,
     })
 }
 

@@ -3,15 +3,21 @@
 //!
 //! tokio-postgres itself knows `disable`, `prefer` and `require` and refuses
 //! other keys; this module takes `sslmode` and `sslrootcert` out of the
-//! string, hands tokio-postgres `sslmode=require` when TLS is wanted, and
-//! builds the certificate check the mode asks for:
+//! string (when absent there, from `PGSSLMODE` and `PGSSLROOTCERT`, as
+//! libpq does), hands tokio-postgres the mode it knows, and builds the
+//! certificate check the mode asks for:
+//! - `disable`: plaintext;
+//! - `prefer` (the default): TLS is asked for and used when the server
+//!   offers it, plaintext when it does not; the certificate is not checked
+//!   (as in libpq). Unlike libpq, a handshake that fails after the server
+//!   agreed to TLS is not retried in plaintext;
 //! - `require`: encrypted; the certificate is not checked (as in libpq),
 //!   unless `sslrootcert` is given, which makes it `verify-ca` (as in libpq);
 //! - `verify-ca`: the chain must lead to `sslrootcert` (else the system
 //!   roots); the host name is not compared;
 //! - `verify-full`: the chain and the host name.
 //!
-//! `disable` and `prefer` (the default) stay plaintext as before.
+//! libpq's `allow` is not supported (it is refused, naming the modes that are).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -35,8 +41,12 @@ pub enum SslMode {
 
 #[derive(Debug, thiserror::Error)]
 pub enum PgTlsError {
-    #[error("unknown sslmode {0:?} (use disable, prefer, require, verify-ca or verify-full)")]
-    Mode(String),
+    #[error("unknown sslmode {mode:?}{origin} (use disable, prefer, require, verify-ca or verify-full; allow is not supported)")]
+    Mode {
+        mode: String,
+        /// `" (from PGSSLMODE)"` when the environment gave it, else empty.
+        origin: &'static str,
+    },
     #[error("sslrootcert: {0}")]
     Roots(LoadError),
     #[error("{0}")]
@@ -50,9 +60,20 @@ pub struct PgConnect {
     pub tls: Option<rustls::ClientConfig>,
 }
 
-/// Parses a connection string (URL or key=value pairs).
+/// Parses a connection string (URL or key=value pairs); `PGSSLMODE` and
+/// `PGSSLROOTCERT` from the process's environment apply when it has no
+/// `sslmode` / `sslrootcert`.
 pub fn parse(url: &str) -> Result<PgConnect, PgTlsError> {
+    parse_with(url, &|name| std::env::var(name).ok())
+}
+
+/// [`parse`], with the environment looked up through `env`.
+pub fn parse_with(url: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<PgConnect, PgTlsError> {
     let (rest, mode, root) = take_ssl_params(url);
+    let from_env = |name: &str| env(name).map(|v| v.trim().to_owned()).filter(|v| !v.is_empty());
+    let origin = if mode.is_none() { " (from PGSSLMODE)" } else { "" };
+    let mode = mode.or_else(|| from_env("PGSSLMODE"));
+    let root = root.or_else(|| from_env("PGSSLROOTCERT").map(PathBuf::from));
     let mode = match mode.as_deref() {
         None | Some("prefer") => SslMode::Prefer,
         Some("disable") => SslMode::Disable,
@@ -60,7 +81,7 @@ pub fn parse(url: &str) -> Result<PgConnect, PgTlsError> {
         Some("require") => SslMode::Require,
         Some("verify-ca") => SslMode::VerifyCa,
         Some("verify-full") => SslMode::VerifyFull,
-        Some(other) => return Err(PgTlsError::Mode(other.to_owned())),
+        Some(other) => return Err(PgTlsError::Mode { mode: other.to_owned(), origin }),
     };
     let mut config: tokio_postgres::Config = rest.parse().map_err(PgTlsError::Config)?;
     let tls = match mode {
@@ -68,7 +89,17 @@ pub fn parse(url: &str) -> Result<PgConnect, PgTlsError> {
             config.ssl_mode(tokio_postgres::config::SslMode::Disable);
             None
         }
-        SslMode::Prefer => None,
+        SslMode::Prefer => {
+            config.ssl_mode(tokio_postgres::config::SslMode::Prefer);
+            // The TLS handshake needs a name; with only `hostaddr`, the
+            // address is the name (nothing checks it in this mode).
+            if config.get_hosts().is_empty() {
+                for addr in config.get_hostaddrs().to_vec() {
+                    config.host(&addr.to_string());
+                }
+            }
+            Some(client_config(mode, None).map_err(PgTlsError::Roots)?)
+        }
         SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => {
             config.ssl_mode(tokio_postgres::config::SslMode::Require);
             Some(client_config(mode, root).map_err(PgTlsError::Roots)?)
@@ -236,14 +267,36 @@ mod tests {
     }
 
     #[test]
+    fn pgsslmode_applies_when_the_string_has_no_sslmode() {
+        let env = |mode: &'static str| move |name: &str| (name == "PGSSLMODE").then(|| mode.to_owned());
+        assert_eq!(parse_with("postgres://u@db/x", &env("require")).unwrap().mode, SslMode::Require);
+        assert_eq!(parse_with("postgres://u@db/x", &env("disable")).unwrap().mode, SslMode::Disable);
+        assert_eq!(parse_with("postgres://u@db/x?sslmode=disable", &env("require")).unwrap().mode, SslMode::Disable);
+        assert!(matches!(parse_with("postgres://u@db/x", &env("allow")), Err(PgTlsError::Mode { .. })));
+        let roots = |name: &str| match name {
+            "PGSSLMODE" => Some("verify-full".to_owned()),
+            "PGSSLROOTCERT" => Some("/nonexistent/env-ca.pem".to_owned()),
+            _ => None,
+        };
+        match parse_with("postgres://u@db/x", &roots) {
+            Err(PgTlsError::Roots(e)) => assert!(e.to_string().contains("/nonexistent/env-ca.pem"), "{e}"),
+            other => panic!("{:?}", other.map(|c| c.mode)),
+        }
+    }
+
+    #[test]
     fn modes() {
-        assert_eq!(parse("postgres://u@db/x").unwrap().mode, SslMode::Prefer);
-        assert!(parse("postgres://u@db/x").unwrap().tls.is_none());
+        let prefer = parse("postgres://u@db/x").unwrap();
+        assert_eq!(prefer.mode, SslMode::Prefer);
+        assert!(prefer.tls.is_some(), "prefer tries TLS");
+        assert_eq!(prefer.config.get_ssl_mode(), tokio_postgres::config::SslMode::Prefer);
+        let by_address = parse("hostaddr=127.0.0.1 user=u").unwrap();
+        assert_eq!(by_address.config.get_hosts().len(), 1, "the address names the TLS server");
         let require = parse("postgres://u@db/x?sslmode=require").unwrap();
         assert_eq!(require.mode, SslMode::Require);
         assert!(require.tls.is_some());
         assert_eq!(require.config.get_ssl_mode(), tokio_postgres::config::SslMode::Require);
-        assert!(matches!(parse("postgres://u@db/x?sslmode=sometimes"), Err(PgTlsError::Mode(_))));
+        assert!(matches!(parse("postgres://u@db/x?sslmode=sometimes"), Err(PgTlsError::Mode { .. })));
         match parse("postgres://u@db/x?sslmode=verify-full&sslrootcert=/nonexistent/ca.pem") {
             Err(PgTlsError::Roots(e)) => assert!(e.to_string().contains("/nonexistent/ca.pem"), "{e}"),
             other => panic!("{:?}", other.map(|c| c.mode)),

@@ -909,6 +909,8 @@ impl PgStore {
                 &note.reason,
                 &note.forced,
                 &generation,
+                &note.caller.as_ref().map(|c| c.peer.as_str()),
+                &note.caller.as_ref().map(|c| c.token.as_str()),
             ],
         )
         .await
@@ -1304,6 +1306,8 @@ fn decode_audit(row: &Row) -> Result<AuditEntry, StoreError> {
         reason: row.try_get(9).map_err(c)?,
         forced: row.try_get(10).map_err(c)?,
         generation: row.try_get::<_, Option<i64>>(11).map_err(c)?.map(Generation),
+        peer: row.try_get(12).map_err(c)?,
+        token: row.try_get(13).map_err(c)?,
     })
 }
 

@@ -430,14 +430,14 @@ pub(super) static RESOLVE_COMPLETE: LazyLock<String> = LazyLock::new(|| {
 });
 
 pub(super) const AUDIT_INSERT: &str = "INSERT INTO idemgate_audit \
-     (actor, tenant, principal, operation, idempotency_key, from_state, to_state, reason, forced, generation) \
-     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)";
+     (actor, tenant, principal, operation, idempotency_key, from_state, to_state, reason, forced, generation, peer, token_label) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
 
 pub(super) static EVENT_INSERT_ONE: LazyLock<String> =
     LazyLock::new(|| format!("INSERT INTO idemgate_events {EVENT_INSERT} VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"));
 
 pub(super) const AUDIT_LIST: &str = "SELECT id, at, actor, tenant, principal, operation, idempotency_key, from_state, to_state, reason, \
-     forced, generation FROM idemgate_audit ORDER BY id DESC LIMIT $1";
+     forced, generation, peer, token_label FROM idemgate_audit ORDER BY id DESC LIMIT $1";
 
 pub(super) const SETTING: &str = "SELECT value FROM idemgate_settings WHERE name = $1";
 
