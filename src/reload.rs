@@ -262,7 +262,14 @@ fn stale(path: &Path) -> Result<(), ReloadError> {
     if meta.uid() != me {
         return Err(refuse(format!("is owned by uid {}, not by this user (uid {me}); remove it, or give another path", meta.uid())));
     }
-    let text = std::fs::read_to_string(path).unwrap_or_default();
+    // Not through a link swapped in meanwhile, and without blocking on a FIFO.
+    let mut text = String::new();
+    {
+        use std::io::Read as _;
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let opened = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(path);
+        let _ = opened.and_then(|f| f.take(64).read_to_string(&mut text));
+    }
     if let Some(pid) = text.trim().parse::<i32>().ok().and_then(rustix::process::Pid::from_raw)
         && pid.as_raw_nonzero().get() != std::process::id() as i32
         && rustix::process::test_kill_process(pid).map_or_else(|e| e == rustix::io::Errno::PERM, |()| true)
