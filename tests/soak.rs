@@ -256,7 +256,10 @@ async fn soak() {
         // its request is at the upstream and stays down until the check.
         if Instant::now() + Duration::from_secs(9) > deadline {
             let at = started.elapsed().as_secs_f64();
-            let prefer = |a: &AtUpstream| a.victim == 0 && a.operation == "create_report";
+            // Preferably one on a route whose upstream deduplicates: the
+            // other replica's workers must take it over within the lease.
+            let idempotent = if reloaded { "create_report" } else { "create_idem_job" };
+            let prefer = |a: &AtUpstream| a.victim == 0 && a.operation == idempotent;
             let found = match at_upstream(&up, &store, &routes, Duration::from_secs(3), prefer).await {
                 Some(a) => Some(a),
                 None => at_upstream(&up, &store, &routes, Duration::from_secs(2), |a| a.victim == 0).await,
