@@ -378,6 +378,27 @@ impl Gateway {
         self.spawn();
     }
 
+    /// Rewrites the config file with `config` (restarts use it too), sends
+    /// SIGHUP and waits (blocking) until the process logs `configuration
+    /// reloaded`. Err with the logs if it refused the file or said nothing
+    /// within `timeout`.
+    pub fn reload(&mut self, config: GatewayConfig, timeout: Duration) -> Result<(), String> {
+        let (applied, refused) = (self.log_count("configuration reloaded"), self.log_count("reload refused"));
+        self.config = config;
+        std::fs::write(self.config_path(), self.config.toml()).map_err(|e| format!("write config: {e}"))?;
+        self.signal("HUP");
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self.log_count("configuration reloaded") > applied {
+                return Ok(());
+            }
+            if self.log_count("reload refused") > refused || Instant::now() > deadline {
+                return Err(self.logs());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     pub fn logs(&self) -> String {
         let current = self.logs.0.lock().unwrap_or_else(|p| p.into_inner()).lines.clone();
         self.history.iter().chain(current.iter()).cloned().collect::<Vec<_>>().join("\n")

@@ -290,22 +290,88 @@ pub struct SeenAsync {
 
 pub type SeenAsyncMap = Arc<Mutex<HashMap<String, SeenAsync>>>;
 
-/// Async clients: each takes a new key, POSTs it (retrying until a 202),
-/// sometimes POSTs it again (the same id must come back), then polls the
-/// operation (against random replicas) until it is final, and reads the
-/// result of a completed one.
-pub fn spawn_async_clients(clients: u64, bases: &[String], path: &str, deadline: Instant, seen: &SeenAsyncMap) -> Vec<JoinHandle<()>> {
+/// Where async clients send their work, and how slow it is.
+#[derive(Debug, Clone)]
+pub struct AsyncLoad {
+    /// The route's path (`/v1/jobs`).
+    pub path: String,
+    /// Keys are `{prefix}{client}-{n}` (unique across routes).
+    pub prefix: String,
+    /// Percent of keys whose request asks the upstream to work
+    /// `slow_ms.0..slow_ms.1` ms (`x-test-sleep-ms`); the rest 0-29 ms.
+    pub slow_percent: u64,
+    pub slow_ms: (u64, u64),
+}
+
+/// When the clients stopped sending writes: an async client counts itself
+/// while it posts a key (its acceptance and the retries of it) and notes when
+/// each POST returned. Its polls (reads) are not traffic.
+#[derive(Debug, Default)]
+pub struct Posting {
+    active: std::sync::atomic::AtomicUsize,
+    last: Mutex<Option<Instant>>,
+}
+
+impl Posting {
+    fn enter(&self) {
+        self.active.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn returned(&self) {
+        let mut last = self.last.lock().unwrap();
+        *last = Some(last.map_or(Instant::now(), |l| l.max(Instant::now())));
+    }
+
+    fn leave(&self) {
+        self.active.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Waits until no client is posting, then tells when the last POST returned.
+    pub async fn stopped(&self) -> Option<Instant> {
+        while self.active.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        *self.last.lock().unwrap()
+    }
+}
+
+/// Async clients (numbered from `first`): each takes a new key, POSTs it
+/// (retrying until a 202), sometimes POSTs it again (the same id must come
+/// back), then polls the operation (against random replicas) until it is
+/// final, and reads the result of a completed one. The body carries the key,
+/// so whoever sees the request at the upstream can find its record.
+pub fn spawn_async_clients(
+    clients: u64,
+    first: u64,
+    bases: &[String],
+    load: &AsyncLoad,
+    deadline: Instant,
+    seen: &SeenAsyncMap,
+    posting: &Arc<Posting>,
+) -> Vec<JoinHandle<()>> {
     let mut tasks = Vec::new();
-    for c in 0..clients {
-        let (bases, seen, path) = (bases.to_vec(), seen.clone(), path.to_owned());
+    for c in first..first + clients {
+        let (bases, seen, load, posting) = (bases.to_vec(), seen.clone(), load.clone(), posting.clone());
         tasks.push(tokio::spawn(async move {
             let mut rng = Rng(0xA5A5_5A5A_1234_5678 ^ (c + 7));
             let mut n = 0u64;
             let auth = [("authorization", "Bearer test-key")];
-            while Instant::now() < deadline {
+            let path = &load.path;
+            loop {
+                posting.enter();
+                if Instant::now() >= deadline {
+                    posting.leave();
+                    break;
+                }
                 n += 1;
-                let key = format!("a{c}-{n}");
-                let body = format!(r#"{{"job":{c},"n":{n}}}"#);
+                let key = format!("{}{c}-{n}", load.prefix);
+                let body = format!(r#"{{"job":{c},"n":{n},"key":"{key}"}}"#);
+                let sleep = if rng.below(100) < load.slow_percent {
+                    load.slow_ms.0 + rng.below(load.slow_ms.1.saturating_sub(load.slow_ms.0))
+                } else {
+                    rng.below(30)
+                }
+                .to_string();
                 let mut s = SeenAsync::default();
                 let mut posts = 1 + u32::from(rng.below(100) < 30);
                 let mut attempts = 0;
@@ -315,10 +381,11 @@ pub fn spawn_async_clients(clients: u64, bases: &[String], path: &str, deadline:
                     let r = send(
                         "POST",
                         &format!("{base}{path}"),
-                        &[auth[0], ("content-type", "application/json"), ("idempotency-key", &key)],
+                        &[auth[0], ("content-type", "application/json"), ("idempotency-key", &key), ("x-test-sleep-ms", &sleep)],
                         body.clone(),
                     )
                     .await;
+                    posting.returned();
                     match r {
                         Ok(r) if r.status == 202 => {
                             let id = r.json()["id"].as_str().unwrap_or_default().to_owned();
@@ -330,11 +397,12 @@ pub fn spawn_async_clients(clients: u64, bases: &[String], path: &str, deadline:
                             posts -= 1;
                         }
                         Ok(r) if matches!(r.status, 503 | 502 | 408 | 409) => {}
-                        Ok(r) => panic!("unexpected answer {} for {key}: {:?}", r.status, String::from_utf8_lossy(&r.body)),
+                        Ok(r) => panic!("unexpected answer {} for {key} on {path}: {:?}", r.status, String::from_utf8_lossy(&r.body)),
                         Err(_) => {}
                     }
                     tokio::time::sleep(Duration::from_millis(20 + rng.below(100))).await;
                 }
+                posting.leave();
                 let Some(id) = s.id.clone() else {
                     s.gave_up = true;
                     seen.lock().unwrap().insert(key, s);
@@ -374,6 +442,17 @@ pub fn spawn_async_clients(clients: u64, bases: &[String], path: &str, deadline:
         }));
     }
     tasks
+}
+
+/// Accepted operations not final (`queued` or `processing`) in the store now.
+pub async fn open_operations(store: &Store) -> Vec<Record> {
+    let mut open = Vec::new();
+    for state in [State::Queued, State::Processing] {
+        open.extend(
+            store.list(&ListFilter { state: Some(state), limit: 100_000, ..Default::default() }).await.expect("list open operations"),
+        );
+    }
+    open
 }
 
 /// What the async checker found.

@@ -13,14 +13,18 @@
 //!
 //! With `dedupe` on, the upstream honours `Idempotency-Key` itself: a key it
 //! has seen is answered again at once (no sleep, no abort) without a new side
-//! effect.
+//! effect. [`TestUpstream::set_dedupe_path`] turns that on for the writes of
+//! one path only.
 //!
 //! A by-key lookup answers reconciliation probes: `GET .../by-key/{key}` is
 //! `200` with the response of the first side effect under that
 //! `Idempotency-Key` (the same body the write answered, so a probe records
 //! exactly what the client would have got), `404` if there was none, or the
 //! status set with [`TestUpstream::set_probe_status`]. Every lookup is counted
-//! per key and its path kept.
+//! per key and its path kept. With [`TestUpstream::set_commit_at_end`] a slow
+//! write (`x-test-sleep-ms`) commits its order only when its work is done, as
+//! a real service does: the lookup answers `404` while the work runs, and the
+//! work finishes (and commits) even if the caller hangs up or is killed.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -47,6 +51,10 @@ pub struct Received {
     pub generation: Option<String>,
     pub headers: HeaderMap,
     pub body: Bytes,
+    /// When it arrived.
+    pub at: std::time::Instant,
+    /// It was a side effect (not answered from the upstream's own deduplication).
+    pub executed: bool,
 }
 
 #[derive(Default)]
@@ -65,6 +73,10 @@ struct State {
     probes: Mutex<Vec<(String, String, std::time::Instant)>>,
     /// Answer lookups with this status instead (0: normally).
     probe_status: std::sync::atomic::AtomicU16,
+    /// Writes on these paths are deduplicated by key (as with `dedupe`).
+    dedupe_paths: Mutex<std::collections::HashSet<String>>,
+    /// A slow write's order is visible to lookups only once its work is done.
+    commit_at_end: AtomicBool,
 }
 
 pub struct TestUpstream {
@@ -103,6 +115,22 @@ impl TestUpstream {
     /// The upstream honours Idempotency-Key itself from now on.
     pub fn set_dedupe(&self, on: bool) {
         self.state.dedupe.store(on, Ordering::SeqCst);
+    }
+
+    /// Writes on `path` are deduplicated by key from now on (`false`: no longer).
+    pub fn set_dedupe_path(&self, path: &str, on: bool) {
+        let mut paths = self.state.dedupe_paths.lock().unwrap();
+        if on {
+            paths.insert(path.to_owned());
+        } else {
+            paths.remove(path);
+        }
+    }
+
+    /// A slow write commits its order (visible to the by-key lookup) only
+    /// when its work is done, whether or not its caller is still there.
+    pub fn set_commit_at_end(&self, on: bool) {
+        self.state.commit_at_end.store(on, Ordering::SeqCst);
     }
 
     /// The resource `GET /v1/orders/{n}` serves changes (a new version).
@@ -222,11 +250,14 @@ async fn handle(
         generation: header(h, "x-idempotency-generation").map(str::to_owned),
         headers: h.clone(),
         body: body.clone(),
+        at: std::time::Instant::now(),
+        executed: true,
     };
     let order = {
         let mut ledger = state.ledger.lock().unwrap();
         let seen = ledger.get(&key).copied().unwrap_or(0);
-        if state.dedupe.load(Ordering::SeqCst) && seen > 0 && key != "<none>" {
+        let dedupe = state.dedupe.load(Ordering::SeqCst) || state.dedupe_paths.lock().unwrap().contains(parts.uri.path());
+        if dedupe && seen > 0 && key != "<none>" {
             None
         } else {
             *ledger.entry(key.clone()).or_insert(0) += 1;
@@ -248,17 +279,29 @@ async fn handle(
             .to_string(),
         ),
     };
-    if order.is_some() {
-        state.orders.lock().unwrap().entry(key.clone()).or_insert((answer.clone(), format!("/v1/orders/{}", order.unwrap_or(0))));
+    let received = Received { executed: order.is_some(), ..received };
+    let sleep_ms: Option<u64> = header(h, "x-test-sleep-ms").and_then(|v| v.parse().ok()).filter(|_| order.is_some());
+    let location = format!("/v1/orders/{}", order.unwrap_or(0));
+    let commit_at_end = state.commit_at_end.load(Ordering::SeqCst) && sleep_ms.is_some_and(|ms| ms > 0);
+    if order.is_some() && !commit_at_end {
+        state.orders.lock().unwrap().entry(key.clone()).or_insert((answer.clone(), location.clone()));
     }
     state.requests.lock().unwrap().push(received.clone());
     let _ = tx.send(received);
     // A deduplicated repeat is answered at once, as a deduplicating upstream
     // returns its stored answer (the first execution did the slow work).
-    if let Some(ms) = header(h, "x-test-sleep-ms").and_then(|v| v.parse().ok())
-        && order.is_some()
-    {
-        tokio::time::sleep(Duration::from_millis(ms)).await;
+    if let Some(ms) = sleep_ms {
+        if commit_at_end {
+            // The work runs on its own: a caller that hangs up does not undo it.
+            let (st, key, answer) = (state.clone(), key.clone(), answer.clone());
+            let work = tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+                st.orders.lock().unwrap().entry(key).or_insert((answer, location));
+            });
+            let _ = work.await;
+        } else {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
     }
     if header(h, "x-test-abort") == Some("1") && order.is_some() {
         return Err(std::io::Error::other("aborting on purpose"));
