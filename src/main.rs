@@ -280,6 +280,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 n => format!(", {n} warning(s)"),
             };
             say(&format!("{file}: ok ({} route(s), {} upstream(s){noted})\n", config.routes.len(), config.upstreams.len()));
+            config.notes().iter().for_each(|n| say(&format!("{file}: note: {n}\n")));
             if connect {
                 let checks = idemgate::config::check_connections(&config).await;
                 checks.iter().for_each(|c| say(&format!("{c}\n")));

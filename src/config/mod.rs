@@ -134,6 +134,39 @@ impl Config {
     }
 
     /// Logs each warning (at start and after a reload).
+    /// What `check-config` explains about the routes' numbers (not errors,
+    /// not insecure): when a reconciliation probe may first ask about an
+    /// `unknown` record. A record is probed no sooner than the upstream's
+    /// timeout plus `settle` after its attempt was sent; on a route whose
+    /// lease is shorter than that timeout (async: heartbeats renew it), a
+    /// record turns `unknown` long before its first probe.
+    pub fn notes(&self) -> Vec<String> {
+        let mut notes = Vec::new();
+        for (i, r) in self.routes.iter().enumerate() {
+            let (Some(probe), Some(up)) = (&r.reconcile, self.upstreams.get(r.upstream)) else { continue };
+            let first = up.timeout + probe.settle;
+            let mut note = format!(
+                "routes[{i}].reconcile: an unknown record of {} is probed no sooner than {} after its attempt was sent \
+                 (upstream {} timeout {} + settle {}): until then the request may still be at the upstream",
+                r.operation,
+                humantime::format_duration(first),
+                up.name,
+                humantime::format_duration(up.timeout),
+                humantime::format_duration(probe.settle),
+            );
+            if r.lease < up.timeout {
+                note.push_str(&format!(
+                    "; its lease ({}) is shorter than that timeout, so a lost attempt turns unknown after one lease and waits \
+                     about {} more for its first probe",
+                    humantime::format_duration(r.lease),
+                    humantime::format_duration(first.saturating_sub(r.lease)),
+                ));
+            }
+            notes.push(note);
+        }
+        notes
+    }
+
     pub fn log_warnings(&self, file: &str) {
         for w in &self.warnings {
             tracing::warn!(file, path = %w.path, hardening = w.hardening.title(), "insecure setting: {}; see docs/operations.md", w.risk);

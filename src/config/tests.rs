@@ -715,3 +715,19 @@ fn no_workers_on_the_embedded_store_with_an_async_route_is_refused() {
     let pg = "[store]\nkind = \"postgres\"\nurl = \"postgres://u@127.0.0.1/db\"\n[workers]\ncount = 0\n";
     assert!(parse(&format!("{pg}{}", minimal("mode = \"async\""))).is_ok());
 }
+
+#[test]
+fn check_config_explains_when_a_probe_may_first_ask() {
+    let c =
+        parse(&minimal("mode = \"async\"\nlease = \"1s\"\n[routes.reconcile]\nprobe = \"GET /o/{derived_key}\"\nsettle = \"2s\"")).unwrap();
+    let notes = c.notes();
+    assert_eq!(notes.len(), 1, "{notes:?}");
+    // The upstream's timeout is 2s: first probe 4s after the send, 3s after the record turned unknown.
+    assert!(
+        notes[0].starts_with("routes[0].reconcile:") && notes[0].contains("no sooner than 4s after its attempt was sent"),
+        "{}",
+        notes[0]
+    );
+    assert!(notes[0].contains("lease (1s) is shorter") && notes[0].contains("about 3s more"), "{}", notes[0]);
+    assert!(parse(&minimal("")).unwrap().notes().is_empty(), "no probe, nothing to explain");
+}
