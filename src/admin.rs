@@ -1,5 +1,5 @@
 //! The admin listener: `/healthz` (process up), `/readyz` (store reachable
-//! and not draining),
+//! and taking writes, not draining),
 //! `/metrics` (Prometheus) — no token — and the admin HTTP API under
 //! `/admin/`, which mirrors `idemgate keys` through the same implementation
 //! ([`crate::keys`]):
@@ -112,11 +112,11 @@ impl Admin {
             "/readyz" if self.draining.as_ref().is_some_and(CancellationToken::is_cancelled) => {
                 text(StatusCode::SERVICE_UNAVAILABLE, "draining\n")
             }
-            "/readyz" => match tokio::time::timeout(READY_BOUND, self.store.ping()).await {
+            "/readyz" => match tokio::time::timeout(READY_BOUND, self.store.readiness()).await {
                 Ok(Ok(())) => text(StatusCode::OK, "ready\n"),
                 Ok(Err(e)) => {
                     tracing::warn!(error = %e, "readiness check failed");
-                    text(StatusCode::SERVICE_UNAVAILABLE, "store unavailable\n")
+                    text(StatusCode::SERVICE_UNAVAILABLE, e.body())
                 }
                 Err(_) => {
                     tracing::warn!(bound = ?READY_BOUND, "readiness check failed: the store did not answer in time");

@@ -15,6 +15,7 @@ pub mod cache;
 pub mod codec;
 pub mod contract;
 mod error;
+mod health;
 mod migrations;
 pub mod postgres;
 pub mod sqlite;
@@ -33,6 +34,7 @@ pub use contract::{
     Resolution, ResolveOutcome, RetryNote, Taken, WorkerRoute, WriteOutcome,
 };
 pub use error::StoreError;
+pub use health::NotReady;
 
 use crate::audit::{AuditEntry, AuditNote};
 use crate::metrics::Metrics;
@@ -118,6 +120,8 @@ pub struct Store {
     events: Arc<EventPolicies>,
     /// Completed records read in the last second (PostgreSQL; see `cache`).
     cache: Option<Arc<cache::ReplayCache>>,
+    /// Failed writes and write probes, for readiness (see `health`).
+    writes: Arc<health::WriteHealth>,
 }
 
 /// How many times an ambiguous write is read back and retried before giving up.
@@ -154,7 +158,7 @@ impl Store {
             // beside the gateway, outside the protocol the cache relies on.
             StoreBackend::Sqlite { path } => (Arc::new(sqlite::SqliteStore::open(path, access).await?), None),
         };
-        Ok(Store { backend, timeout: config.operation_timeout, metrics: None, events: Arc::default(), cache })
+        Ok(Store { backend, timeout: config.operation_timeout, metrics: None, events: Arc::default(), cache, writes: Arc::default() })
     }
 
     /// The routes' `[routes.events]`: their final state changes write outbox rows.
@@ -189,6 +193,9 @@ impl Store {
         if let Some(m) = &self.metrics {
             m.observe_store(op, start.elapsed(), out.is_ok());
         }
+        if write && matches!(out, Err(StoreError::Unavailable(_) | StoreError::Ambiguous(_))) {
+            self.writes.failed();
+        }
         out
     }
 
@@ -198,6 +205,21 @@ impl Store {
 
     pub async fn ping(&self) -> Result<(), StoreError> {
         self.bounded("ping", false, self.backend.ping()).await
+    }
+
+    /// Whether this replica can serve idempotent requests: the store answers
+    /// a ping, and takes writes: when a write failed since the last
+    /// successful write probe, or no probe ran for `health::PROBE_EVERY`,
+    /// a probe is sent now (see `health`).
+    pub async fn readiness(&self) -> Result<(), NotReady> {
+        self.ping().await.map_err(NotReady::Unavailable)?;
+        if !self.writes.needs_probe() {
+            return Ok(());
+        }
+        let started = self.writes.now();
+        self.bounded("write_probe", true, self.backend.probe_write()).await.map_err(NotReady::NotWritable)?;
+        self.writes.probed(started);
+        Ok(())
     }
 
     pub async fn now(&self) -> Result<Timestamp, StoreError> {
