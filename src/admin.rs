@@ -42,7 +42,7 @@ use crate::outbox::Delivery;
 use crate::record::{Refused, State};
 use crate::route::Route;
 use crate::scope::{IdempotencyKey, Scope};
-use crate::secret::Secret;
+use crate::secret::{DerivedKeySecret, Secret};
 use crate::store::{ListFilter, Store};
 
 /// Largest resolve request body (a base64 response body inside JSON).
@@ -68,7 +68,7 @@ pub struct Admin {
     /// For the retention of hand-made completions (the route's).
     routes: Vec<Route>,
     /// Shows the derived key of records (what the upstream was sent).
-    derived_key_secret: Option<Arc<[u8]>>,
+    derived_key_secret: Option<DerivedKeySecret>,
     /// Cancelled when the process starts draining: `/readyz` then answers 503.
     draining: Option<CancellationToken>,
 }
@@ -85,7 +85,7 @@ impl Admin {
     }
 
     /// The deployment's derived-key secret, to show each record's derived key.
-    pub fn with_derived_key_secret(mut self, secret: Arc<[u8]>) -> Admin {
+    pub fn with_derived_key_secret(mut self, secret: DerivedKeySecret) -> Admin {
         self.derived_key_secret = Some(secret);
         self
     }
@@ -165,7 +165,7 @@ impl Admin {
     }
 
     fn secret(&self) -> Option<&[u8]> {
-        self.derived_key_secret.as_deref()
+        self.derived_key_secret.as_ref().and_then(DerivedKeySecret::get)
     }
 
     async fn list(&self, query: &str) -> Result<Response<Body>, AdminError> {

@@ -164,3 +164,57 @@ async fn readiness_turns_503_while_the_database_role_cannot_write() {
     let store = backend.open().await;
     assert_eq!(settled_record(&store, "during").await.map(|r| r.state), Some(State::Completed));
 }
+
+/// PostgreSQL is down when `serve` starts (an orchestrator started both at
+/// once): the gateway starts anyway, serves pass-through, refuses idempotent
+/// requests with 503 without forwarding them, says 503 on `/readyz`, and
+/// once the database answers, migrates it, learns the derived-key secret
+/// `migrate` generated and serves idempotent requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_starts_while_postgres_is_down_and_uses_it_once_it_answers() {
+    let mut pg = support::postgres::PgServer::start().expect("start private PostgreSQL");
+    let url = pg.create_database("late").expect("create database");
+    pg.stop_immediate().expect("stop PostgreSQL");
+    let up = TestUpstream::start().await;
+    let backend = Backend::Postgres { url };
+    // The secret is the one `migrate` generates in the store: learned late.
+    let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).server(r#"default_upstream = "orders""#).generated_secret());
+    assert_eq!(gw.log_count("the store cannot be reached"), 1, "{}", gw.logs());
+    assert_eq!(readyz(&gw).await, (503, "store unavailable".to_owned()));
+    assert_eq!(healthcheck(&gw), 1);
+    let passed = send("GET", &gw.url("/catalog"), &[], "").await.expect("pass-through");
+    assert_eq!(passed.status, 200, "pass-through is served while the store is down");
+    let refused = post(&gw.url("/v1/orders"), "early", ORDER, &[]).await;
+    assert_eq!(refused.status, 503);
+    assert_eq!(refused.problem(), "store-unavailable");
+    assert_eq!(up.total(), 0, "nothing was forwarded");
+
+    pg.start_again().expect("start PostgreSQL again");
+    assert!(readyz_becomes(&gw, 200).await, "readyz did not turn 200: {:?}\n{}", readyz(&gw).await, gw.logs());
+    assert!(gw.log_count("applied migrations") >= 1, "migrated once it answered:\n{}", gw.logs());
+    assert_eq!(gw.log_count("store reached"), 1);
+    let first = post(&gw.url("/v1/orders"), "early", ORDER, &[]).await;
+    assert_eq!(first.status, 201, "{:?}", String::from_utf8_lossy(&first.body));
+    let again = post(&gw.url("/v1/orders"), "early", ORDER, &[]).await;
+    assert!(again.replayed());
+    assert_eq!(up.total(), 1);
+    let store = backend.open().await;
+    let record = settled_record(&store, "early").await.expect("record");
+    assert_eq!(record.state, State::Completed);
+    // The upstream got the key derived under the store's generated secret.
+    let secret = store.derived_key_secret().await.unwrap().expect("generated secret");
+    assert_eq!(up.side_effects(&scope("early").derived_key(Some(&secret))), 1);
+}
+
+/// `store.unreachable_at_start = "exit"` keeps the fail-fast start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_at_start_exit_keeps_the_fail_fast_start() {
+    let mut pg = support::postgres::PgServer::start().expect("start private PostgreSQL");
+    let url = pg.create_database("exit").expect("create database");
+    pg.stop_immediate().expect("stop PostgreSQL");
+    let backend = Backend::Postgres { url };
+    let mut config = GatewayConfig::new(backend.clone(), "http://127.0.0.1:9".into());
+    config.store_section = Some(format!("{}unreachable_at_start = \"exit\"\n", backend.store_toml("200ms")));
+    let mut gw = support::gateway::ServeProcess::spawn(&config, std::process::Stdio::null(), &[]);
+    assert_eq!(gw.wait_exit(Duration::from_secs(20)).code(), Some(1));
+}
