@@ -1,5 +1,5 @@
 //! The admin listener: `/healthz` (process up), `/readyz` (store reachable
-//! and not draining),
+//! and taking writes, not draining),
 //! `/metrics` (Prometheus) — no token — and the admin HTTP API under
 //! `/admin/`, which mirrors `idemgate keys` through the same implementation
 //! ([`crate::keys`]):
@@ -50,7 +50,7 @@ use crate::outbox::Delivery;
 use crate::record::{Refused, State};
 use crate::route::Route;
 use crate::scope::{IdempotencyKey, Scope};
-use crate::secret::Secret;
+use crate::secret::{DerivedKeySecret, Secret};
 use crate::store::{ListFilter, Store};
 
 /// Largest resolve request body (a base64 response body inside JSON).
@@ -76,7 +76,7 @@ pub struct Admin {
     /// For the retention of hand-made completions (the route's).
     routes: Vec<Route>,
     /// Shows the derived key of records (what the upstream was sent).
-    derived_key_secret: Option<Arc<[u8]>>,
+    derived_key_secret: Option<DerivedKeySecret>,
     /// Cancelled when the process starts draining: `/readyz` then answers 503.
     draining: Option<CancellationToken>,
 }
@@ -93,7 +93,7 @@ impl Admin {
     }
 
     /// The deployment's derived-key secret, to show each record's derived key.
-    pub fn with_derived_key_secret(mut self, secret: Arc<[u8]>) -> Admin {
+    pub fn with_derived_key_secret(mut self, secret: DerivedKeySecret) -> Admin {
         self.derived_key_secret = Some(secret);
         self
     }
@@ -126,11 +126,11 @@ impl Admin {
             "/readyz" if self.draining.as_ref().is_some_and(CancellationToken::is_cancelled) => {
                 text(StatusCode::SERVICE_UNAVAILABLE, "draining\n")
             }
-            "/readyz" => match tokio::time::timeout(READY_BOUND, self.store.ping()).await {
+            "/readyz" => match tokio::time::timeout(READY_BOUND, self.store.readiness()).await {
                 Ok(Ok(())) => text(StatusCode::OK, "ready\n"),
                 Ok(Err(e)) => {
                     tracing::warn!(error = %e, "readiness check failed");
-                    text(StatusCode::SERVICE_UNAVAILABLE, "store unavailable\n")
+                    text(StatusCode::SERVICE_UNAVAILABLE, e.body())
                 }
                 Err(_) => {
                     tracing::warn!(bound = ?READY_BOUND, "readiness check failed: the store did not answer in time");
@@ -185,7 +185,7 @@ impl Admin {
     }
 
     fn secret(&self) -> Option<&[u8]> {
-        self.derived_key_secret.as_deref()
+        self.derived_key_secret.as_ref().and_then(DerivedKeySecret::get)
     }
 
     async fn list(&self, query: &str) -> Result<Response<Body>, AdminError> {

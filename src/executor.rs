@@ -25,6 +25,7 @@ use crate::operation::StoredRequest;
 use crate::problem::GatewayError;
 use crate::record::StoredResponse;
 use crate::route::{ForwardKey, ReplayMode, Route};
+use crate::secret::DerivedKeySecret;
 use crate::store::{Claim, RetryNote, Store, Taken, WriteOutcome};
 use crate::upstream::{ResponseBody, Upstream, UpstreamError, error_chain};
 use crate::waiters::{Recording, Waiters};
@@ -43,7 +44,7 @@ pub struct Executor {
     waiters: Arc<Waiters>,
     /// HMAC key for the derived `Idempotency-Key` (configured, or generated
     /// by `migrate` and shared by every replica through the store).
-    derived_key_secret: Arc<[u8]>,
+    derived_key_secret: DerivedKeySecret,
 }
 
 /// What one exchange with the upstream established, before anything is
@@ -119,14 +120,14 @@ impl Executor {
         metrics: Arc<Metrics>,
         tracker: TaskTracker,
         waiters: Arc<Waiters>,
-        derived_key_secret: Arc<[u8]>,
+        derived_key_secret: DerivedKeySecret,
     ) -> Executor {
         Executor { upstreams, store, metrics, tracker, waiters, derived_key_secret }
     }
 
     /// A copy with its own upstream connection pools (for another event loop).
     /// The key under which the `Idempotency-Key` sent upstream is derived.
-    pub fn derived_key_secret(&self) -> Arc<[u8]> {
+    pub fn derived_key_secret(&self) -> DerivedKeySecret {
         self.derived_key_secret.clone()
     }
 
@@ -392,7 +393,14 @@ impl Executor {
         let started = Instant::now();
         let deadline = tokio::time::Instant::now() + upstream.config.timeout;
         let key_value = match route.forward_key {
-            ForwardKey::Derived => HeaderValue::from_str(&claim.scope.derived_key(Some(&self.derived_key_secret))).ok(),
+            ForwardKey::Derived => {
+                // Known before any claim can be made (see `secret::DerivedKeySecret`);
+                // without it nothing may be sent.
+                let Some(secret) = self.derived_key_secret.get() else {
+                    return Exchange::NotSent(UpstreamError::InvalidRequest("the derived-key secret is not known yet".into()));
+                };
+                HeaderValue::from_str(&claim.scope.derived_key(Some(secret))).ok()
+            }
             ForwardKey::Client => parts.headers.get(&route.key_header).cloned(),
         };
         let stamp = key_value.map(|k| (k, HeaderValue::from(claim.generation.0)));

@@ -35,6 +35,7 @@ use crate::record::{Decision, Record, State, StoredResponse, decide};
 use crate::replay::replay;
 use crate::route::{InFlightPolicy, ReplayMode, Retention, Route, RouteMatch, RouteMode, Router, ScopeMode, UpstreamId};
 use crate::scope::{Scope, ScopeId};
+use crate::secret::DerivedKeySecret;
 use crate::store::{Acceptance, Claim, ClaimOutcome, ClaimRequest, Store, WriteOutcome};
 use crate::upstream::{Upstream, UpstreamLatency};
 use crate::waiters::Waiters;
@@ -92,7 +93,7 @@ struct Lasting {
     store: Store,
     metrics: Arc<Metrics>,
     tracker: TaskTracker,
-    derived_key_secret: Arc<[u8]>,
+    derived_key_secret: DerivedKeySecret,
     replica_id: Arc<str>,
     waiters: Arc<Waiters>,
     wake_workers: Arc<Notify>,
@@ -102,7 +103,13 @@ struct Lasting {
 
 impl Gateway {
     /// `derived_key_secret` keys the `Idempotency-Key` sent upstream.
-    pub fn new(config: &Config, store: Store, metrics: Arc<Metrics>, tracker: TaskTracker, derived_key_secret: Arc<[u8]>) -> Gateway {
+    pub fn new(
+        config: &Config,
+        store: Store,
+        metrics: Arc<Metrics>,
+        tracker: TaskTracker,
+        derived_key_secret: DerivedKeySecret,
+    ) -> Gateway {
         let replica_id: Arc<str> = config.server.replica_id.as_str().into();
         let observer = Observer::new(
             store.clone(),

@@ -263,8 +263,21 @@ struct VersionLabels {
 /// Store operations on the request path and in the background, each a series
 /// of `idemgate_store_duration_seconds` and `idemgate_store_errors_total`
 /// from the start.
-const STORE_OPS: [&str; 12] =
-    ["claim", "get", "complete", "release", "mark_unknown", "expire_lease", "abandon", "sweep", "reap_leases", "stats", "now", "ping"];
+const STORE_OPS: [&str; 13] = [
+    "claim",
+    "get",
+    "complete",
+    "release",
+    "mark_unknown",
+    "expire_lease",
+    "abandon",
+    "sweep",
+    "reap_leases",
+    "stats",
+    "now",
+    "ping",
+    "write_probe",
+];
 /// Store operations only async routes use.
 const ASYNC_STORE_OPS: [&str; 7] = ["take", "heartbeat", "mark_sent", "requeue", "fail", "operation", "complete"];
 /// Fenced writes of synchronous attempts (`idemgate_fenced_writes_total{op}`).

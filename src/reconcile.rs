@@ -55,6 +55,7 @@ use crate::operation::StoredRequest;
 use crate::record::Refused;
 use crate::record::StoredResponse;
 use crate::route::Route;
+use crate::secret::DerivedKeySecret;
 use crate::store::{ProbeRoute, Probing, Store, StoreError, WriteOutcome};
 use crate::upstream::Upstream;
 
@@ -97,7 +98,7 @@ pub struct Reconciler {
     metrics: Arc<Metrics>,
     routes: Vec<Probed>,
     /// The derived-key secret (the `{derived_key}` placeholder).
-    secret: Arc<[u8]>,
+    secret: DerivedKeySecret,
 }
 
 /// What one probe of one record came to.
@@ -111,7 +112,7 @@ enum Answer {
 
 impl Reconciler {
     /// `None` when no route has a probe: nothing to run.
-    pub fn new(config: &Config, store: Store, metrics: Arc<Metrics>, secret: Arc<[u8]>) -> Option<Reconciler> {
+    pub fn new(config: &Config, store: Store, metrics: Arc<Metrics>, secret: DerivedKeySecret) -> Option<Reconciler> {
         let routes: Vec<Probed> = config
             .routes
             .iter()
@@ -250,7 +251,8 @@ impl Reconciler {
         let probe = &probed.probe;
         let scope = &taken.record.scope;
         let params = if probe.target.uses_params() { path_params(&probed.route, taken.request.as_deref())? } else { Vec::new() };
-        let derived_key = scope.derived_key(Some(&self.secret));
+        let secret = self.secret.get().ok_or_else(|| ProbeError::Target("the derived-key secret is not known yet".into()))?;
+        let derived_key = scope.derived_key(Some(secret));
         let values = ProbeValues {
             derived_key: &derived_key,
             key: scope.key.as_str(),

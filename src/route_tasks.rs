@@ -24,6 +24,7 @@ use crate::gateway::Gateway;
 use crate::metrics::Metrics;
 use crate::reconcile::Reconciler;
 use crate::relay::Relay;
+use crate::secret::DerivedKeySecret;
 use crate::worker::Workers;
 
 /// The route-dependent tasks of one replica, restartable on reload.
@@ -31,7 +32,7 @@ use crate::worker::Workers;
 pub struct RouteTasks {
     metrics: Arc<Metrics>,
     /// The derived-key secret (the reconciler's `{derived_key}`).
-    secret: Arc<[u8]>,
+    secret: DerivedKeySecret,
     /// Where the reaper, the reconciler and the relay run.
     background: TaskTracker,
     /// Where the workers run: the connections' tracker, so the drain waits
@@ -46,7 +47,7 @@ pub struct RouteTasks {
 impl RouteTasks {
     pub fn new(
         metrics: Arc<Metrics>,
-        secret: Arc<[u8]>,
+        secret: DerivedKeySecret,
         background: TaskTracker,
         attempts: TaskTracker,
         shutdown: CancellationToken,

@@ -22,7 +22,8 @@ use crate::metrics::Metrics;
 use crate::reload::{LiveGateway, Reloader, WorkerGateway};
 use crate::route::RouteMode;
 use crate::route_tasks::RouteTasks;
-use crate::store::{Access, Store, StoreError};
+use crate::secret::DerivedKeySecret;
+use crate::store::{Access, Retry, StartError, Store, StoreError, UnreachableAtStart};
 use crate::tls::server::{LoadError, TlsListener};
 
 #[derive(Debug, thiserror::Error)]
@@ -40,10 +41,8 @@ pub enum ServeError {
     },
     #[error("{section}.tls.{}: {source}", source.key)]
     Tls { section: &'static str, source: LoadError },
-    #[error(
-        "the store has no derived-key secret (it was never migrated to this version): run `idemgate migrate`, or set server.derived_key_secret_env"
-    )]
-    NoSecret,
+    #[error("store: {0}")]
+    Start(#[from] StartError),
 }
 
 /// A bound, ready gateway; [`Server::run`] serves until shutdown.
@@ -64,26 +63,39 @@ pub struct Server {
     hangups: Option<watch::Receiver<u64>>,
     tracker: TaskTracker,
     /// The derived-key secret (the reconciler's `{derived_key}`, the admin API).
-    secret: Arc<[u8]>,
+    secret: DerivedKeySecret,
     /// Where SIGHUP reloads the configuration from, and the SIGHUP events.
     reload: Option<(PathBuf, watch::Receiver<u64>)>,
+    /// PostgreSQL could not be reached at start: brings the store up later.
+    store_retry: Option<Retry>,
 }
 
 impl Server {
     /// Opens the store (taking the embedded store's lock), applies migrations
-    /// unless `store.migrate = false`, and binds the listeners.
+    /// unless `store.migrate = false`, and binds the listeners. PostgreSQL
+    /// unreachable: see `store.unreachable_at_start` (`store::startup`).
     pub async fn bind(config: Config) -> Result<Server, ServeError> {
         let metrics = Arc::new(Metrics::new());
         let store = Store::open(&config.store, Access::Serve)
             .await?
             .with_metrics(metrics.clone())
             .with_events(crate::route::event_policies(&config.routes));
-        if config.store.migrate {
-            let applied = store.migrate().await?;
-            if !applied.is_empty() {
-                tracing::info!(?applied, store = store.kind(), "applied migrations");
+        // The key derived for the upstream is an HMAC under the configured
+        // secret, else under the one `migrate` generated for this deployment
+        // (the same for every replica).
+        let secret = match &config.server.derived_key_secret {
+            Some(s) => DerivedKeySecret::known(s.expose().as_bytes()),
+            None => DerivedKeySecret::default(),
+        };
+        let store_retry = match store.bring_up(config.store.migrate, &secret).await {
+            Ok(()) => None,
+            Err(e) if e.unreachable() && store.kind() == "postgres" && config.store.unreachable_at_start == UnreachableAtStart::Retry => {
+                tracing::warn!(error = %e, "the store cannot be reached: starting anyway; idempotent routes answer 503 and pass-through is served until it answers (store.unreachable_at_start = \"exit\" exits instead)");
+                store.hold();
+                Some(Retry { store: store.clone(), migrate: config.store.migrate, secret: secret.clone() })
             }
-        }
+            Err(e) => return Err(e.into()),
+        };
         let tls = |listener: &'static str, settings: &Option<crate::tls::server::ListenerTls>, alpn: Vec<&'static [u8]>| {
             settings
                 .clone()
@@ -101,16 +113,22 @@ impl Server {
             Some(a) => Some(bind("admin.listen", a.listen).await?),
             None => None,
         };
-        // The key derived for the upstream is an HMAC under the configured
-        // secret, else under the one `migrate` generated for this deployment
-        // (the same for every replica).
-        let secret: Arc<[u8]> = match &config.server.derived_key_secret {
-            Some(s) => Arc::from(s.expose().as_bytes()),
-            None => Arc::from(store.derived_key_secret().await?.ok_or(ServeError::NoSecret)?),
-        };
         let tracker = TaskTracker::new();
         let gateway = Arc::new(Gateway::new(&config, store, metrics.clone(), tracker.clone(), secret.clone()));
-        Ok(Server { config, gateway, metrics, proxy, admin, proxy_tls, admin_tls, hangups: None, tracker, secret, reload: None })
+        Ok(Server {
+            config,
+            gateway,
+            metrics,
+            proxy,
+            admin,
+            proxy_tls,
+            admin_tls,
+            hangups: None,
+            tracker,
+            secret,
+            reload: None,
+            store_retry,
+        })
     }
 
     /// Reloads the configuration from `path` on each SIGHUP event (see
@@ -159,7 +177,7 @@ impl Server {
     /// admin listener, the background tasks and the store's batchers run on
     /// the main runtime.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), ServeError> {
-        let Server { config, gateway, metrics, proxy, admin, proxy_tls, admin_tls, hangups, tracker, secret, reload } = self;
+        let Server { config, gateway, metrics, proxy, admin, proxy_tls, admin_tls, hangups, tracker, secret, reload, store_retry } = self;
         tracing::info!(
             addr = %proxy.first().and_then(|l| l.local_addr().ok()).map(|a| a.to_string()).unwrap_or_default(),
             admin = %admin.as_ref().and_then(|a| a.local_addr().ok()).map(|a| a.to_string()).unwrap_or_default(),
@@ -171,6 +189,9 @@ impl Server {
             "listening"
         );
         let background = TaskTracker::new();
+        if let Some(retry) = store_retry {
+            background.spawn(retry.run(shutdown.clone()));
+        }
         // Every series exists before the admin listener serves its first scrape.
         metrics.declare_upstreams(config.upstreams.iter().map(|u| u.name.as_str()));
         metrics.declare_operations(config.routes.iter().map(|r| (&*r.operation, r.mode == RouteMode::Async || r.allow_async)));

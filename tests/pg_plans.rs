@@ -246,6 +246,7 @@ async fn migrated_database(name: &str) -> String {
     let config = StoreConfig {
         backend: StoreBackend::Postgres { url: Secret::new(url.clone()), pool_size: 2 },
         migrate: true,
+        unreachable_at_start: Default::default(),
         operation_timeout: Duration::from_secs(30),
         sweep_interval: Duration::from_secs(1),
         sweep_batch: 100,

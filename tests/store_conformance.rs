@@ -95,6 +95,7 @@ fn store_config(backend: &Backend, timeout: Duration, pool_size: usize) -> Store
     StoreConfig {
         backend,
         migrate: true,
+        unreachable_at_start: Default::default(),
         operation_timeout: timeout,
         sweep_interval: Duration::from_secs(1),
         sweep_batch: 100,

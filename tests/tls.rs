@@ -477,6 +477,7 @@ async fn postgres_over_tls_honours_sslmode_and_sslrootcert() {
         let config = StoreConfig {
             backend: StoreBackend::Postgres { url: Secret::new(url), pool_size: 1 },
             migrate: false,
+            unreachable_at_start: Default::default(),
             operation_timeout: Duration::from_secs(3),
             sweep_interval: Duration::from_secs(1),
             sweep_batch: 10,

@@ -243,6 +243,7 @@ pub struct StoreSection {
     pub path: Option<String>,
     pub pool_size: Option<i64>,
     pub migrate: Option<bool>,
+    pub unreachable_at_start: Option<String>,
     pub operation_timeout: Option<String>,
     pub sweep_interval: Option<String>,
     pub sweep_batch: Option<i64>,

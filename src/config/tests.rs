@@ -228,6 +228,17 @@ fn sqlite_rejects_postgres_only_keys() {
 }
 
 #[test]
+fn unreachable_at_start_is_retry_or_exit_on_postgres() {
+    let pg = |extra: &str| parse(&(minimal("") + &format!("\n[store]\nkind = \"postgres\"\nurl_env = \"DB_URL\"\n{extra}")));
+    assert_eq!(pg("").unwrap().store.unreachable_at_start, crate::store::UnreachableAtStart::Retry);
+    assert_eq!(pg("unreachable_at_start = \"exit\"").unwrap().store.unreachable_at_start, crate::store::UnreachableAtStart::Exit);
+    let e = pg("unreachable_at_start = \"wait\"").unwrap_err();
+    assert!(issue(&e, "store.unreachable_at_start").contains("\"retry\" or \"exit\""), "{e}");
+    let e = parse("[store]\nkind = \"sqlite\"\nunreachable_at_start = \"exit\"\n").unwrap_err();
+    assert!(issue(&e, "store.unreachable_at_start").contains("postgres"), "{e}");
+}
+
+#[test]
 fn example_config_in_the_repo_is_valid() {
     let text = include_str!("../../config/idemgate.toml");
     let c = Config::from_toml(text, "config/idemgate.toml", &|_| None).unwrap();

@@ -23,6 +23,7 @@ use crate::keysource::{KeySource, KeySources};
 use crate::outbox::{EventType, EventsConfig};
 use crate::probe::{Probe, ProbeTarget};
 use crate::route::{ForwardKey, InFlightPolicy, PathTemplate, ReplayMode, Retention, RetryPolicy, Route, RouteMode, ScopeMode};
+use crate::store::UnreachableAtStart;
 use crate::tls::client::ClientTls;
 use crate::tls::server::{ClientAuth, ListenerTls};
 
@@ -409,6 +410,14 @@ impl Validator<'_> {
         let default = StoreSection::default();
         let s = s.unwrap_or(&default);
         let migrate = s.migrate.unwrap_or(true);
+        let unreachable_at_start = match s.unreachable_at_start.as_deref() {
+            None | Some("retry") => Some(UnreachableAtStart::Retry),
+            Some("exit") => Some(UnreachableAtStart::Exit),
+            Some(other) => {
+                self.issues.push("store.unreachable_at_start", format!("unknown value {other:?}: use \"retry\" or \"exit\""));
+                None
+            }
+        };
         let operation_timeout = self.duration("store.operation_timeout", s.operation_timeout.as_deref(), "5s");
         let operation_timeout = self.at_least("store.operation_timeout", operation_timeout, Duration::from_millis(10));
         let sweep_interval = self.duration("store.sweep_interval", s.sweep_interval.as_deref(), "30s");
@@ -453,6 +462,7 @@ impl Validator<'_> {
                     ("store.url_env", s.url_env.is_some()),
                     ("store.url_file", s.url_file.is_some()),
                     ("store.pool_size", s.pool_size.is_some()),
+                    ("store.unreachable_at_start", s.unreachable_at_start.is_some()),
                 ] {
                     if set {
                         self.issues.push(field, "only for kind = \"postgres\"");
@@ -474,6 +484,7 @@ impl Validator<'_> {
         Some(StoreConfig {
             backend: backend?,
             migrate,
+            unreachable_at_start: unreachable_at_start?,
             operation_timeout: operation_timeout?,
             sweep_interval: sweep_interval?,
             sweep_batch: sweep_batch?,

@@ -279,6 +279,12 @@ pub trait RecordStore: Send + Sync + std::fmt::Debug {
     /// Whether the store answers (readiness).
     async fn ping(&self) -> Result<(), StoreError>;
 
+    /// A small durable write that touches no record (readiness): it fails
+    /// when a claim would fail for want of a writable store (a full or
+    /// read-only filesystem, a role without write privileges on the
+    /// records), and succeeds otherwise.
+    async fn probe_write(&self) -> Result<(), StoreError>;
+
     /// The store's clock: the one that decides leases and retention.
     async fn now(&self) -> Result<Timestamp, StoreError>;
 

@@ -15,9 +15,11 @@ pub mod cache;
 pub mod codec;
 pub mod contract;
 mod error;
+mod health;
 mod migrations;
 pub mod postgres;
 pub mod sqlite;
+mod startup;
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -33,6 +35,8 @@ pub use contract::{
     Resolution, ResolveOutcome, RetryNote, Taken, WorkerRoute, WriteOutcome,
 };
 pub use error::StoreError;
+pub use health::NotReady;
+pub use startup::{Retry, StartError};
 
 use crate::audit::{AuditEntry, AuditNote};
 use crate::metrics::Metrics;
@@ -47,6 +51,8 @@ pub struct StoreConfig {
     pub backend: StoreBackend,
     /// Whether `serve` applies pending migrations at start.
     pub migrate: bool,
+    /// What `serve` does when PostgreSQL cannot be reached at start.
+    pub unreachable_at_start: UnreachableAtStart,
     /// Bound on any single store operation; past it the operation counts as
     /// failed (and, for a claim or result write, ambiguous).
     pub operation_timeout: Duration,
@@ -57,6 +63,19 @@ pub struct StoreConfig {
     /// How long delivered events are kept before the sweeper deletes them
     /// (pending and parked events are never deleted).
     pub events_retention: Duration,
+}
+
+/// `store.unreachable_at_start`: what `serve` does when PostgreSQL cannot
+/// be reached at start (the embedded store's errors always stop it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum UnreachableAtStart {
+    /// Start anyway: pass-through is served, idempotent routes answer 503
+    /// `store-unavailable`, `/readyz` 503; the store is retried with
+    /// backoff and, once it answers, migrated (with `store.migrate`) and used.
+    #[default]
+    Retry,
+    /// Exit 1, as a supervisor that restarts the process expects.
+    Exit,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -118,6 +137,16 @@ pub struct Store {
     events: Arc<EventPolicies>,
     /// Completed records read in the last second (PostgreSQL; see `cache`).
     cache: Option<Arc<cache::ReplayCache>>,
+    /// Failed writes and write probes, for readiness (see `health`).
+    writes: Arc<health::WriteHealth>,
+    /// False while `serve` waits for a store it could not reach at start:
+    /// operations fail at once (see `startup`).
+    up: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// What every operation of a held store fails with (see `startup`).
+fn not_up() -> StoreError {
+    StoreError::Unavailable("not reached since the start; retrying in the background".into())
 }
 
 /// How many times an ambiguous write is read back and retried before giving up.
@@ -154,7 +183,15 @@ impl Store {
             // beside the gateway, outside the protocol the cache relies on.
             StoreBackend::Sqlite { path } => (Arc::new(sqlite::SqliteStore::open(path, access).await?), None),
         };
-        Ok(Store { backend, timeout: config.operation_timeout, metrics: None, events: Arc::default(), cache })
+        Ok(Store {
+            backend,
+            timeout: config.operation_timeout,
+            metrics: None,
+            events: Arc::default(),
+            cache,
+            writes: Arc::default(),
+            up: Arc::new(std::sync::atomic::AtomicBool::new(true)),
+        })
     }
 
     /// The routes' `[routes.events]`: their final state changes write outbox rows.
@@ -181,13 +218,20 @@ impl Store {
     /// ambiguous, a timed-out read is unavailable.
     async fn bounded<T>(&self, op: &'static str, write: bool, fut: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
         let start = Instant::now();
-        let out = match tokio::time::timeout(self.timeout, fut).await {
-            Ok(r) => r,
-            Err(_) if write => Err(StoreError::Ambiguous(format!("{op} timed out after {:?}", self.timeout))),
-            Err(_) => Err(StoreError::Unavailable(format!("{op} timed out after {:?}", self.timeout))),
+        let out = if !self.is_up() {
+            Err(not_up())
+        } else {
+            match tokio::time::timeout(self.timeout, fut).await {
+                Ok(r) => r,
+                Err(_) if write => Err(StoreError::Ambiguous(format!("{op} timed out after {:?}", self.timeout))),
+                Err(_) => Err(StoreError::Unavailable(format!("{op} timed out after {:?}", self.timeout))),
+            }
         };
         if let Some(m) = &self.metrics {
             m.observe_store(op, start.elapsed(), out.is_ok());
+        }
+        if write && matches!(out, Err(StoreError::Unavailable(_) | StoreError::Ambiguous(_))) {
+            self.writes.failed();
         }
         out
     }
@@ -198,6 +242,21 @@ impl Store {
 
     pub async fn ping(&self) -> Result<(), StoreError> {
         self.bounded("ping", false, self.backend.ping()).await
+    }
+
+    /// Whether this replica can serve idempotent requests: the store answers
+    /// a ping, and takes writes: when a write failed since the last
+    /// successful write probe, or no probe ran for `health::PROBE_EVERY`,
+    /// a probe is sent now (see `health`).
+    pub async fn readiness(&self) -> Result<(), NotReady> {
+        self.ping().await.map_err(NotReady::Unavailable)?;
+        if !self.writes.needs_probe() {
+            return Ok(());
+        }
+        let started = self.writes.now();
+        self.bounded("write_probe", true, self.backend.probe_write()).await.map_err(NotReady::NotWritable)?;
+        self.writes.probed(started);
+        Ok(())
     }
 
     pub async fn now(&self) -> Result<Timestamp, StoreError> {
@@ -455,6 +514,9 @@ impl Store {
     /// A completed record is first held out of every replica's replay cache
     /// (see `cache`), which adds `cache::HOLD_WAIT` to its bound.
     pub async fn resolve(&self, scope: &Scope, resolution: &Resolution, note: &AuditNote) -> Result<ResolveOutcome, StoreError> {
+        if !self.is_up() {
+            return Err(not_up());
+        }
         let fut = self.backend.resolve(scope, resolution, note, &self.events, None);
         let out = match tokio::time::timeout(self.timeout + cache::HOLD_WAIT * 2, fut).await {
             Ok(r) => r,

@@ -249,6 +249,17 @@ impl RecordStore for SqliteStore {
         self.write(|conn, _| conn.query_row("SELECT count(*) FROM idemgate_schema_migrations", [], |_| Ok(())).map_err(err)).await
     }
 
+    /// Rewrites the database header's `user_version` with the value it
+    /// has (idemgate does not use it): a page written and committed with an
+    /// fsync, like any claim, without touching a table.
+    async fn probe_write(&self) -> Result<(), StoreError> {
+        self.write(|conn, _| {
+            let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0)).map_err(err)?;
+            conn.execute_batch(&format!("PRAGMA user_version = {version}")).map_err(err)
+        })
+        .await
+    }
+
     async fn now(&self) -> Result<Timestamp, StoreError> {
         Ok(now())
     }

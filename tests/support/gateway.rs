@@ -56,6 +56,7 @@ impl Backend {
         let config = StoreConfig {
             backend,
             migrate: true,
+            unreachable_at_start: Default::default(),
             operation_timeout: Duration::from_secs(5),
             sweep_interval: Duration::from_secs(1),
             sweep_batch: 100,

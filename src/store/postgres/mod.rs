@@ -404,6 +404,20 @@ impl RecordStore for PgStore {
         Ok(())
     }
 
+    /// One autocommit statement that takes a transaction id (so its commit
+    /// is written and flushed like a claim's) and asks whether this role may
+    /// write the records.
+    async fn probe_write(&self) -> Result<(), StoreError> {
+        let rows = self.query(sql::PROBE_WRITE, &[], true).await?;
+        let may_write: bool = rows.first().and_then(|r| r.try_get(1).ok()).unwrap_or(false);
+        if !may_write {
+            return Err(StoreError::Unavailable(
+                "the database role may not insert, update and delete in idemgate_records (see the grants in docs/operations.md)".into(),
+            ));
+        }
+        Ok(())
+    }
+
     async fn now(&self) -> Result<Timestamp, StoreError> {
         let rows = self.query("SELECT now()", &[], false).await?;
         let row = rows.first().ok_or_else(|| StoreError::Corrupt("SELECT now() returned no row".into()))?;

@@ -441,6 +441,14 @@ pub(super) const AUDIT_LIST: &str = "SELECT id, at, actor, tenant, principal, op
 
 pub(super) const SETTING: &str = "SELECT value FROM idemgate_settings WHERE name = $1";
 
+/// The readiness write probe: `txid_current()` takes a transaction id, so
+/// the statement's commit is written and flushed (the write path of every
+/// claim, without a row), and the grants a claim needs are read.
+pub(super) const PROBE_WRITE: &str = "SELECT txid_current(), \
+     has_table_privilege('idemgate_records', 'INSERT') \
+     AND has_table_privilege('idemgate_records', 'UPDATE') \
+     AND has_table_privilege('idemgate_records', 'DELETE')";
+
 pub(super) const SWEEP: &str = "\
 WITH doomed AS (
     SELECT scope_id, tenant, principal, operation, idempotency_key FROM idemgate_records
@@ -740,6 +748,7 @@ pub fn catalog() -> Vec<Statement> {
         s("event_insert", &EVENT_INSERT_ONE, &[]),
         s("audit_list", AUDIT_LIST, &[]),
         s("setting", SETTING, &[]),
+        s("probe_write", PROBE_WRITE, &[]),
         s("sweep", SWEEP, &["idemgate_records_sweep", "idemgate_records_pkey"]),
         s("reap_leases", &REAP_LEASES, &["idemgate_records_open", "idemgate_records_pkey"]),
         // Queued records through their own index or through the open states' index, which holds them too.

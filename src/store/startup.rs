@@ -1,0 +1,142 @@
+//! `serve`'s first contact with the store: pending migrations (with
+//! `store.migrate`), then the derived-key secret `migrate` generated (unless
+//! one is configured). Only then do requests reach the store.
+//!
+//! When PostgreSQL cannot be reached at start and
+//! `store.unreachable_at_start = "retry"` (the default), `serve` starts
+//! anyway: the store is held closed ([`Store::hold`]: every operation fails
+//! at once as `Unavailable`, so idempotent routes answer 503
+//! `store-unavailable` and forward nothing, `/readyz` answers 503, pass-through
+//! is served), and [`Retry`] tries again with jittered exponential backoff
+//! until the store answers; then the migrations run and the store opens.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use super::{Store, StoreError};
+use crate::secret::DerivedKeySecret;
+
+/// The first wait between two attempts, and the longest.
+const FIRST_RETRY: Duration = Duration::from_millis(250);
+const MAX_RETRY: Duration = Duration::from_secs(10);
+
+/// Why the store could not be brought up.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(
+        "the store has no derived-key secret (it was never migrated to this version): run `idemgate migrate`, or set server.derived_key_secret_env"
+    )]
+    NoSecret,
+}
+
+impl StartError {
+    /// The store did not answer (as opposed to answering with a problem):
+    /// worth trying again later.
+    pub fn unreachable(&self) -> bool {
+        matches!(self, StartError::Store(StoreError::Unavailable(_) | StoreError::Ambiguous(_)))
+    }
+}
+
+impl Store {
+    /// Keeps every operation from reaching the backend (they fail as
+    /// `Unavailable`) until [`Store::bring_up`] succeeds.
+    pub fn hold(&self) {
+        self.up.store(false, Ordering::Release);
+    }
+
+    /// Whether operations reach the backend (false while held).
+    pub fn is_up(&self) -> bool {
+        self.up.load(Ordering::Acquire)
+    }
+
+    /// Applies pending migrations (`migrate`), learns the derived-key secret
+    /// from the store unless `secret` already holds one, then opens the
+    /// store to requests.
+    pub async fn bring_up(&self, migrate: bool, secret: &DerivedKeySecret) -> Result<(), StartError> {
+        if migrate {
+            let applied = self.backend.migrate().await?;
+            if !applied.is_empty() {
+                tracing::info!(?applied, store = self.kind(), "applied migrations");
+            }
+        }
+        if secret.get().is_none() {
+            let read = match tokio::time::timeout(self.timeout, self.backend.derived_key_secret()).await {
+                Ok(read) => read?,
+                Err(_) => return Err(StoreError::Unavailable(format!("derived_key_secret timed out after {:?}", self.timeout)).into()),
+            };
+            secret.set(&read.ok_or(StartError::NoSecret)?);
+        }
+        self.up.store(true, Ordering::Release);
+        Ok(())
+    }
+}
+
+/// Brings a held store up in the background (see the module's comment).
+#[derive(Debug)]
+pub struct Retry {
+    pub store: Store,
+    pub migrate: bool,
+    pub secret: DerivedKeySecret,
+}
+
+impl Retry {
+    pub async fn run(self, shutdown: CancellationToken) {
+        let mut attempt = 0u32;
+        loop {
+            let wait = backoff(attempt, jitter());
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(wait) => {}
+            }
+            match self.store.bring_up(self.migrate, &self.secret).await {
+                Ok(()) => {
+                    tracing::info!(store = self.store.kind(), attempts = attempt + 1, "store reached: idempotent routes are served");
+                    return;
+                }
+                Err(e) => {
+                    let next = backoff(attempt + 1, 1.0);
+                    if e.unreachable() {
+                        tracing::warn!(error = %e, retry_within = ?next, "store still unreachable; idempotent routes answer 503, pass-through is served");
+                    } else {
+                        tracing::error!(error = %e, retry_within = ?next, "the store answers but cannot be used; retrying");
+                    }
+                }
+            }
+            attempt = attempt.saturating_add(1);
+        }
+    }
+}
+
+/// The wait before attempt `attempt + 1`: `FIRST_RETRY` doubling up to
+/// `MAX_RETRY`, scaled by `jitter` (in `0.5..=1.0`, so replicas that lost the
+/// store together do not come back in step).
+fn backoff(attempt: u32, jitter: f64) -> Duration {
+    FIRST_RETRY.saturating_mul(1 << attempt.min(16)).min(MAX_RETRY).mul_f64(jitter.clamp(0.5, 1.0))
+}
+
+/// A factor in `0.5..1.0`, from the random bits of a fresh UUID.
+fn jitter() -> f64 {
+    let bits = uuid::Uuid::new_v4().as_u128() as u64;
+    0.5 + (bits >> 11) as f64 / (1u64 << 53) as f64 / 2.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_to_its_cap_with_jitter() {
+        let full: Vec<u128> = (0..8).map(|a| backoff(a, 1.0).as_millis()).collect();
+        assert_eq!(full, vec![250, 500, 1000, 2000, 4000, 8000, 10_000, 10_000]);
+        assert_eq!(backoff(u32::MAX, 1.0), MAX_RETRY);
+        assert_eq!(backoff(2, 0.5).as_millis(), 500);
+        for _ in 0..100 {
+            let j = jitter();
+            assert!((0.5..1.0).contains(&j), "{j}");
+        }
+    }
+}
