@@ -33,11 +33,20 @@ pub enum StartError {
     NoSecret,
 }
 
+/// What a server says when it refuses the login itself (SQLSTATE class 28:
+/// bad password, unknown role; 3D000: no such database): a mistake in the
+/// configuration, not an outage, so the start stops at once either way.
+const REFUSED_LOGIN: [&str; 2] = ["(SQLSTATE 28", "(SQLSTATE 3D000)"];
+
 impl StartError {
-    /// The store did not answer (as opposed to answering with a problem):
-    /// worth trying again later.
+    /// The store did not answer (as opposed to answering with a problem, or
+    /// refusing the login): worth trying again later.
     pub fn unreachable(&self) -> bool {
-        matches!(self, StartError::Store(StoreError::Unavailable(_) | StoreError::Ambiguous(_)))
+        match self {
+            StartError::Store(StoreError::Unavailable(m)) => !REFUSED_LOGIN.iter().any(|code| m.contains(code)),
+            StartError::Store(StoreError::Ambiguous(_)) => true,
+            _ => false,
+        }
     }
 }
 
@@ -127,6 +136,17 @@ fn jitter() -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn refused_logins_are_not_outages() {
+        let unavailable = |m: &str| StartError::Store(StoreError::Unavailable(m.into())).unreachable();
+        assert!(unavailable("no database connection: error connecting to server: Connection refused (os error 111)"));
+        assert!(unavailable("no database connection: db error: FATAL: the database system is starting up (SQLSTATE 57P03)"));
+        assert!(!unavailable(r#"no database connection: db error: FATAL: database "x" does not exist (SQLSTATE 3D000)"#));
+        assert!(!unavailable(r#"no database connection: db error: FATAL: password authentication failed for user "u" (SQLSTATE 28P01)"#));
+        assert!(!StartError::NoSecret.unreachable());
+        assert!(!StartError::Store(StoreError::Migration("0003: syntax error".into())).unreachable());
+    }
 
     #[test]
     fn backoff_doubles_to_its_cap_with_jitter() {
