@@ -534,3 +534,85 @@ fn the_systemd_units_exec_start_runs_as_an_unprivileged_user_with_the_documented
     assert_eq!(std::os::unix::fs::MetadataExt::uid(&meta), uid);
 }
 
+// --- Dockerfile and CA roots ----------------------------------------------
+
+#[test]
+fn the_images_runtime_stage_installs_ca_roots() {
+    let dockerfile = read("Dockerfile");
+    let runtime = dockerfile.rsplit("\nFROM ").next().expect("a runtime stage");
+    let run: String = runtime.replace("\\\n", " ");
+    assert!(
+        run.lines().any(|l| l.starts_with("RUN ") && l.contains("apt-get install") && l.contains("ca-certificates")),
+        "https upstreams, JWKS URLs, webhooks and sslmode=verify-full need the system's CA roots in the image:\n{runtime}"
+    );
+}
+
+/// The image's missing CA roots, reproduced on the host: with an empty trust
+/// store every https use without its own CA file is refused at start, and the
+/// message says what to do (install the CA roots, or name a CA file).
+#[test]
+fn an_empty_trust_store_is_refused_with_a_message_to_install_ca_roots_or_set_ca_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let empty_file = dir.path().join("empty.pem");
+    std::fs::write(&empty_file, "").unwrap();
+    let empty_dir = dir.path().join("certs");
+    std::fs::create_dir(&empty_dir).unwrap();
+    let config = dir.path().join("idemgate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"[store]
+kind = "postgres"
+url_env = "DB"
+
+[[upstreams]]
+name = "orders"
+url = "https://orders.internal"
+
+[[upstreams]]
+name = "plain"
+url = "http://plain.internal"
+
+[[identity.sources]]
+kind = "jwt"
+jwks_url = "https://idp.internal/.well-known/jwks.json"
+
+[[routes]]
+operation = "create_order"
+method = "POST"
+path = "/v1/orders"
+upstream = "plain"
+[routes.events]
+url = "https://hooks.internal/idemgate"
+secret_file = "{secret}"
+"#,
+            secret = dir.path().join("secret").display()
+        ),
+    )
+    .unwrap();
+    std::fs::write(dir.path().join("secret"), "s3cret-s3cret-s3cret").unwrap();
+    let env = |file: &Path, certs: &Path| {
+        vec![
+            ("DB".to_owned(), "postgres://u@db.internal/idemgate?sslmode=verify-full".to_owned()),
+            ("SSL_CERT_FILE".to_owned(), file.display().to_string()),
+            ("SSL_CERT_DIR".to_owned(), certs.display().to_string()),
+        ]
+    };
+    let (code, out) = check_config(&config, &env(&empty_file, &empty_dir));
+    assert_eq!(code, 1, "{out}");
+    for (path, remedy) in [
+        ("upstreams[0].ca_file", "ca_file"),
+        ("store.url_env", "sslrootcert"),
+        ("identity.sources[0].jwks_url", "SSL_CERT_FILE"),
+        ("routes[0].events.url", "SSL_CERT_FILE"),
+    ] {
+        let line = out.lines().find(|l| l.contains(path)).unwrap_or_else(|| panic!("no error for {path}:\n{out}"));
+        assert!(line.contains("ca-certificates") && line.contains(remedy), "{path}: install the CA roots or set {remedy}:\n{line}");
+    }
+
+    // With roots in the trust store the same file is valid.
+    let pki = support::tls::Pki::new("a private CA");
+    let (code, out) = check_config(&config, &env(&pki.ca_file, &empty_dir));
+    assert_eq!(code, 0, "{out}");
+}
+
