@@ -616,3 +616,81 @@ secret_file = "{secret}"
     assert_eq!(code, 0, "{out}");
 }
 
+// --- idemgate healthcheck (the image's HEALTHCHECK) ------------------------
+
+fn healthcheck(config: &Path, env: &[(&str, &str)]) -> (i32, String) {
+    let out = Command::new(BIN)
+        .args(["healthcheck", "--config"])
+        .arg(config)
+        .env_clear()
+        .envs(env.iter().copied())
+        .output()
+        .expect("run idemgate healthcheck");
+    (out.status.code().unwrap_or(-1), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
+
+/// `idemgate healthcheck` needs only the admin address: it works from a
+/// configuration whose secrets are not in its environment (a HEALTHCHECK
+/// or probe does not get them), exits 1 when the gateway is not ready or not
+/// there, and 3 when its configuration cannot tell it where to ask.
+#[test]
+fn healthcheck_needs_no_secrets_and_separates_not_ready_from_bad_config() {
+    let dir = tempfile::tempdir().unwrap();
+    // A running gateway whose configuration names secrets in the environment.
+    let token = dir.path().join("token");
+    std::fs::write(&token, "an-admin-token-of-32-characters!").unwrap();
+    let up = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let gw = support::Gateway::start(
+        support::GatewayConfig::new(support::sqlite_backend(), format!("http://{}", up.local_addr().unwrap()))
+            .admin(&format!("token_file = \"{}\"", token.display())),
+    );
+    // Its file, with the admin port it got (the harness asks for port 0).
+    let config = dir.path().join("running.toml");
+    let text = std::fs::read_to_string(gw.config_path()).unwrap();
+    let admin = gw.admin.unwrap();
+    std::fs::write(&config, text.replace("[admin]\nlisten = \"127.0.0.1:0\"", &format!("[admin]\nlisten = \"{admin}\""))).unwrap();
+    let (code, out) = healthcheck(&config, &[]);
+    assert_eq!(code, 0, "ready, without the derived-key secret in the environment: {out}");
+    assert!(out.contains("/readyz") && out.contains("200"), "{out}");
+    let (code, out) = Command::new(BIN)
+        .args(["healthcheck", "--live", "--config"])
+        .arg(&config)
+        .env_clear()
+        .output()
+        .map(|o| (o.status.code().unwrap_or(-1), String::from_utf8_lossy(&o.stdout).into_owned()))
+        .unwrap();
+    assert_eq!(code, 0, "{out}");
+
+    // Nothing listens on the admin address: not ready (1), and no word about secrets.
+    let silent = free_addr();
+    let pg = dir.path().join("pg.toml");
+    std::fs::write(
+        &pg,
+        format!(
+            "[store]\nkind = \"postgres\"\nurl_env = \"IDEMGATE_DATABASE_URL\"\n[admin]\nlisten = \"{silent}\"\ntoken_env = \"IDEMGATE_ADMIN_TOKEN\"\n[server]\ndefault_upstream = \"u\"\n[[upstreams]]\nname = \"u\"\nurl = \"http://127.0.0.1:9\"\n"
+        ),
+    )
+    .unwrap();
+    let (code, out) = healthcheck(&pg, &[]);
+    assert_eq!(code, 1, "not ready: {out}");
+    assert!(out.contains(&silent.to_string()) && !out.contains("IDEMGATE_DATABASE_URL"), "{out}");
+
+    // A configuration that cannot say where to ask: 3.
+    let broken = dir.path().join("broken.toml");
+    std::fs::write(&broken, "[admin\nlisten = ").unwrap();
+    let (code, out) = healthcheck(&broken, &[]);
+    assert_eq!(code, 3, "a TOML error is a configuration problem: {out}");
+    let no_admin = dir.path().join("no-admin.toml");
+    std::fs::write(&no_admin, "[server]\nlisten = \"127.0.0.1:8080\"\n").unwrap();
+    let (code, out) = healthcheck(&no_admin, &[]);
+    assert_eq!(code, 3, "no admin listener: {out}");
+    assert!(out.contains("admin.listen"), "{out}");
+    let (code, out) = healthcheck(&dir.path().join("missing.toml"), &[]);
+    assert_eq!(code, 3, "{out}");
+
+    // The exit codes are documented.
+    let reference = read("docs/reference.md");
+    let row = reference.lines().find(|l| l.starts_with("| `idemgate healthcheck")).expect("reference.md has a healthcheck row");
+    assert!(row.contains("exit 0") && row.contains(" 1 ") && row.contains(" 3 "), "{row}");
+}
+

@@ -422,7 +422,7 @@ async fn healthcheck_exit_codes() {
         .env("IDEMGATE_TEST_DERIVED_KEY_SECRET", TEST_SECRET)
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(3), "a configuration problem, not \"not ready\"");
     assert!(String::from_utf8_lossy(&out.stderr).contains("no [admin] listener"), "{out:?}");
 
     // Usage errors are 2.
