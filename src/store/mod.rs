@@ -15,7 +15,7 @@ pub mod cache;
 pub mod codec;
 pub mod contract;
 mod error;
-mod migrations;
+pub mod migrations;
 pub mod postgres;
 pub mod sqlite;
 
