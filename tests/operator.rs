@@ -1,0 +1,86 @@
+//! What an on-call operator meets (issue 31, item 8): keep-alive clients told
+//! to go during the drain delay, an admin API that says it is disabled and how
+//! to enable it, `--state` errors that name every state, and warnings that an
+//! outage repeats per request or per retry, logged a few times instead of
+//! flooding the log.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use idemgate::record::State;
+use support::{Gateway, GatewayConfig, TestUpstream, eventually, send, sqlite_backend};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::TcpStream;
+
+/// One request on an open connection; the status, the headers (lower-case
+/// names) and the body (Content-Length bodies only).
+async fn exchange(conn: &mut TcpStream, request: &str) -> (u16, BTreeMap<String, String>, String) {
+    conn.write_all(request.as_bytes()).await.unwrap();
+    let mut buf = Vec::new();
+    let mut byte = [0u8; 1];
+    while !buf.ends_with(b"\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(10), conn.read(&mut byte)).await.expect("a response").unwrap();
+        assert_eq!(n, 1, "the connection closed before the response head: {:?}", String::from_utf8_lossy(&buf));
+        buf.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&buf).into_owned();
+    let mut lines = head.split("\r\n");
+    let status = lines.next().unwrap().split(' ').nth(1).unwrap().parse().unwrap();
+    let headers: BTreeMap<String, String> =
+        lines.filter_map(|l| l.split_once(':')).map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned())).collect();
+    let len: usize = headers.get("content-length").and_then(|v| v.parse().ok()).unwrap_or(0);
+    let mut body = vec![0u8; len];
+    conn.read_exact(&mut body).await.unwrap();
+    (status, headers, String::from_utf8_lossy(&body).into_owned())
+}
+
+const GET_NOWHERE: &str = "GET /nowhere HTTP/1.1\r\nHost: gateway\r\n\r\n";
+
+fn post_order(key: &str) -> String {
+    format!(
+        "POST /v1/orders HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer test-key\r\nIdempotency-Key: {key}\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{{}}"
+    )
+}
+
+/// During `drain_delay` the proxy still answers, and every answer carries
+/// `Connection: close`, so keep-alive clients reconnect (to another replica)
+/// before connections are closed under them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn during_the_drain_delay_answers_carry_connection_close() {
+    let up = TestUpstream::start().await;
+    let mut gw = Gateway::start(GatewayConfig::new(sqlite_backend(), up.url()).server(r#"drain_delay = "4s""#));
+    let mut kept = TcpStream::connect(gw.addr).await.unwrap();
+    let (status, headers, _) = exchange(&mut kept, GET_NOWHERE).await;
+    assert_eq!(status, 404);
+    assert_eq!(headers.get("connection"), None, "keep-alive before the drain: {headers:?}");
+
+    gw.signal("TERM");
+    let draining = eventually(Duration::from_secs(3), || async {
+        send("GET", &gw.admin_url("/readyz"), &[], "").await.is_ok_and(|r| r.status == 503)
+    })
+    .await;
+    assert!(draining, "the drain started");
+
+    // The open keep-alive connection: answered, told to close, then closed.
+    let (status, headers, _) = exchange(&mut kept, &post_order("drain-1")).await;
+    assert_eq!(status, 201);
+    assert_eq!(headers.get("connection").map(String::as_str), Some("close"), "{headers:?}");
+    let mut rest = [0u8; 16];
+    let n = tokio::time::timeout(Duration::from_secs(3), kept.read(&mut rest)).await.expect("closed by the gateway").unwrap_or(0);
+    assert_eq!(n, 0, "the gateway closes the connection after that answer");
+
+    // A new connection during the delay: served, and told the same.
+    let mut fresh = TcpStream::connect(gw.addr).await.unwrap();
+    let (status, headers, _) = exchange(&mut fresh, GET_NOWHERE).await;
+    assert_eq!(status, 404);
+    assert_eq!(headers.get("connection").map(String::as_str), Some("close"), "{headers:?}");
+
+    // The order was executed once and recorded.
+    assert_eq!(up.total(), 1);
+    let status = gw.wait_exit(Duration::from_secs(30));
+    assert!(status.success(), "{status}");
+    let store = gw.config.backend.open().await;
+    assert_eq!(support::record(&store, "drain-1").await.map(|r| r.state), Some(State::Completed));
+}
