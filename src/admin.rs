@@ -15,7 +15,8 @@
 //! Scope segments are percent-encoded (a key may hold `/` as `%2F`); the raw
 //! path is split on `/` first and each segment decoded after. The API needs
 //! `Authorization: Bearer <token>` (`[admin] token_env` / `token_file`),
-//! compared in constant time; without a configured token it is off (404).
+//! compared in constant time; without a configured token it is off (404,
+//! saying so and how to turn it on).
 //! Errors are RFC 9457 problems, in the style of `crate::problem`, and never
 //! echo the token.
 
@@ -135,8 +136,9 @@ impl Admin {
 
     async fn api(&self, req: Request<Incoming>) -> Result<Response<Body>, AdminError> {
         // Off without a token; checked before anything else so that callers
-        // without the token learn nothing about the API's shape.
-        let token = self.token.as_ref().ok_or(AdminError::NotFound)?;
+        // without the token learn nothing about the API's shape (only that
+        // it is off, and how an operator turns it on).
+        let token = self.token.as_ref().ok_or(AdminError::Disabled)?;
         authorize(req.headers(), token)?;
         let endpoint = Endpoint::parse(req.uri().path())?;
         let query = req.uri().query().unwrap_or_default().to_owned();
@@ -173,7 +175,10 @@ impl Admin {
         for (name, value) in form_urlencoded::parse(query.as_bytes()) {
             match &*name {
                 "state" => {
-                    filter.state = Some(State::parse(&value).ok_or_else(|| AdminError::BadRequest(format!("unknown state {value:?}")))?);
+                    filter.state = Some(
+                        State::parse(&value)
+                            .ok_or_else(|| AdminError::BadRequest(format!("unknown state {value:?}: use {}", State::names())))?,
+                    );
                 }
                 "tenant" => filter.tenant = Some(value.into_owned()),
                 "operation" => filter.operation = Some(value.into_owned()),
@@ -417,9 +422,12 @@ fn resolve_request(body: &Bytes) -> Result<ResolveRequest, AdminError> {
 /// How an admin API request ended other than with its answer.
 #[derive(Debug, thiserror::Error)]
 enum AdminError {
-    /// The API is off (no token configured) or the path names no endpoint.
+    /// The path names no endpoint.
     #[error("not found")]
     NotFound,
+    /// No token is configured: the API is off.
+    #[error("the admin API is disabled")]
+    Disabled,
     #[error("no record for that scope")]
     NoRecord,
     #[error("unauthorized")]
@@ -443,6 +451,14 @@ fn store_error(e: crate::store::StoreError) -> AdminError {
 fn problem(e: &AdminError) -> Response<Body> {
     let (name, title, status, detail) = match e {
         AdminError::NotFound => ("not-found", "Not found", StatusCode::NOT_FOUND, "No such admin endpoint.".to_owned()),
+        AdminError::Disabled => (
+            "not-found",
+            "Not found",
+            StatusCode::NOT_FOUND,
+            "The admin API is disabled: it needs a bearer token. Set [admin] token_env (an environment variable) or token_file \
+             (a file) in the configuration and restart; then send Authorization: Bearer <token>."
+                .to_owned(),
+        ),
         AdminError::NoRecord => ("not-found", "Not found", StatusCode::NOT_FOUND, "There is no record for that scope.".to_owned()),
         AdminError::Unauthorized => (
             "unauthenticated",

@@ -211,7 +211,7 @@ fn parse_retention_filter(s: &str) -> Result<Forever, String> {
 }
 
 fn parse_state(s: &str) -> Result<State, String> {
-    State::parse(s).ok_or_else(|| format!("unknown state {s:?}: use in_flight, completed or unknown"))
+    State::parse(s).ok_or_else(|| format!("unknown state {s:?}: use {}", State::names()))
 }
 
 fn main() -> ExitCode {

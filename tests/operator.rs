@@ -84,3 +84,48 @@ async fn during_the_drain_delay_answers_carry_connection_close() {
     let store = gw.config.backend.open().await;
     assert_eq!(support::record(&store, "drain-1").await.map(|r| r.state), Some(State::Completed));
 }
+
+/// Without a token the admin API is off; it says so, and how to turn it on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_api_says_it_is_disabled_and_how_to_enable_it() {
+    let up = TestUpstream::start().await;
+    let gw = Gateway::start(GatewayConfig::new(sqlite_backend(), up.url()));
+    let r = send("GET", &gw.admin_url("/admin/records?state=unknown"), &[("authorization", "Bearer guess")], "").await.unwrap();
+    assert_eq!(r.status, 404, "{r:?}");
+    let detail = r.json()["detail"].as_str().unwrap_or_default().to_owned();
+    assert!(detail.contains("disabled") && detail.contains("token_env") && detail.contains("token_file"), "{detail}");
+    assert_eq!(r.problem(), "not-found");
+
+    // Enabled: an unknown endpoint is a plain 404, a bad token 401, and a bad
+    // `state` names every state there is.
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, "operator-token-0123456789abcdef").unwrap();
+    let gw = Gateway::start(GatewayConfig::new(sqlite_backend(), up.url()).admin(&format!("token_file = \"{}\"", token.display())));
+    let auth = [("authorization", "Bearer operator-token-0123456789abcdef")];
+    let r = send("GET", &gw.admin_url("/admin/nothing-here"), &auth, "").await.unwrap();
+    assert_eq!((r.status, r.problem()), (404, "not-found".to_owned()));
+    let r = send("GET", &gw.admin_url("/admin/records"), &[("authorization", "Bearer guess")], "").await.unwrap();
+    assert_eq!(r.status, 401);
+    let r = send("GET", &gw.admin_url("/admin/records?state=bogus"), &auth, "").await.unwrap();
+    assert_eq!(r.status, 400);
+    let detail = r.json()["detail"].as_str().unwrap_or_default().to_owned();
+    for s in State::ALL {
+        assert!(detail.contains(s.as_str()), "{s} missing from: {detail}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_list_state_names_every_state() {
+    let up = TestUpstream::start().await;
+    let gw = Gateway::start(GatewayConfig::new(sqlite_backend(), up.url()));
+    let (code, _, err) = tokio::task::block_in_place(|| support::cli(&gw, &["keys", "list", "--state", "bogus"]));
+    assert_eq!(code, 2, "{err}");
+    for s in State::ALL {
+        assert!(err.contains(s.as_str()), "{s} missing from: {err}");
+    }
+    for s in State::ALL {
+        let (code, _, err) = tokio::task::block_in_place(|| support::cli(&gw, &["keys", "list", "--state", s.as_str()]));
+        assert_eq!(code, 0, "--state {s}: {err}");
+    }
+}
