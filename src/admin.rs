@@ -116,11 +116,11 @@ impl Admin {
             "/readyz" => match tokio::time::timeout(READY_BOUND, self.store.ping()).await {
                 Ok(Ok(())) => text(StatusCode::OK, "ready\n"),
                 Ok(Err(e)) => {
-                    tracing::warn!(error = %e, "readiness check failed");
+                    crate::throttle::warn_throttled!(error = %e, "readiness check failed");
                     text(StatusCode::SERVICE_UNAVAILABLE, "store unavailable\n")
                 }
                 Err(_) => {
-                    tracing::warn!(bound = ?READY_BOUND, "readiness check failed: the store did not answer in time");
+                    crate::throttle::warn_throttled!(bound = ?READY_BOUND, "readiness check failed: the store did not answer in time");
                     text(StatusCode::SERVICE_UNAVAILABLE, "store unavailable\n")
                 }
             },

@@ -7,10 +7,11 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use idemgate::record::State;
-use support::{Gateway, GatewayConfig, TestUpstream, eventually, send, sqlite_backend};
+use support::postgres::PgServer;
+use support::{Backend, Gateway, GatewayConfig, TestUpstream, eventually, post, send, sqlite_backend};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 
@@ -128,4 +129,76 @@ async fn keys_list_state_names_every_state() {
         let (code, _, err) = tokio::task::block_in_place(|| support::cli(&gw, &["keys", "list", "--state", s.as_str()]));
         assert_eq!(code, 0, "--state {s}: {err}");
     }
+}
+
+/// WARN lines of a JSON log, by message.
+fn warnings(lines: &[&str]) -> BTreeMap<String, usize> {
+    let mut out = BTreeMap::new();
+    for l in lines {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(l) else { continue };
+        if v["level"] == "WARN" {
+            *out.entry(v["message"].as_str().unwrap_or_default().to_owned()).or_default() += 1;
+        }
+    }
+    out
+}
+
+/// A PostgreSQL outage with traffic: a result write stuck in its background
+/// retries, a request every 250 ms whose claim fails, a readiness probe
+/// every 250 ms. Each kind of warning is logged when it starts and then at
+/// most once per window with the count it stood for, not once per attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_logs_each_warning_a_few_times_not_per_attempt() {
+    let mut pg = PgServer::start().expect("start PostgreSQL");
+    let url = pg.create_database("outage").unwrap();
+    let up = TestUpstream::start().await;
+    // The default sweep interval: background passes fail at their production pace.
+    let gw = Gateway::start(GatewayConfig::new(Backend::Postgres { url }, up.url()).timeout("20s").sweep_interval("30s"));
+    let target = gw.url("/v1/orders");
+
+    // The stuck result write: PostgreSQL stops while the upstream works.
+    let mut received = up.subscribe();
+    let t = target.clone();
+    let slow = tokio::spawn(async move { post(&t, "stuck", "{}", &[("x-test-sleep-ms", "1500")]).await });
+    received.recv().await.unwrap();
+    tokio::task::block_in_place(|| pg.stop_immediate()).unwrap();
+    assert_eq!(slow.await.unwrap().status, 201, "the client has its answer");
+    let mark = gw.logs().lines().count();
+
+    // Ten seconds of traffic and probes against the dead store.
+    let until = Instant::now() + Duration::from_secs(10);
+    let (mut refused, mut probes) = (0, 0);
+    let mut n = 0;
+    while Instant::now() < until {
+        n += 1;
+        let r = post(&target, &format!("outage-{n}"), "{}", &[]).await;
+        assert_eq!(r.status, 503, "{}", String::from_utf8_lossy(&r.body));
+        refused += 1;
+        if send("GET", &gw.admin_url("/readyz"), &[], "").await.unwrap().status == 503 {
+            probes += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(refused >= 10 && probes >= 10, "{refused} refused requests, {probes} failed probes");
+    let logs = gw.logs();
+    let window: Vec<&str> = logs.lines().skip(mark).collect();
+    let counted = warnings(&window);
+    eprintln!("{refused} refused requests, {probes} failed probes; warnings in the window: {counted:#?}");
+    for (message, count) in &counted {
+        assert!(*count <= 3, "{count} × {message:?} in 10 s (limit them):\n{counted:#?}");
+    }
+    assert!(counted.keys().any(|m| m.contains("claim failed")), "the outage still shows: {counted:#?}");
+    assert!(counted.keys().any(|m| m.contains("readiness check failed")), "{counted:#?}");
+    let total: usize = counted.values().sum();
+    assert!(total <= 20, "{total} warnings in 10 s:\n{counted:#?}");
+
+    // Back: the stuck result lands (its lease is 25 s) and the key was executed once.
+    tokio::task::block_in_place(|| pg.start_again()).unwrap();
+    let store = gw.config.backend.open().await;
+    let settled = eventually(Duration::from_secs(20), || async {
+        support::record(&store, "stuck").await.is_some_and(|r| r.state == State::Completed)
+    })
+    .await;
+    assert!(settled, "{}", gw.logs());
+    assert_eq!(up.side_effects(&support::derived("stuck")), 1);
 }

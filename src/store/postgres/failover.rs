@@ -185,7 +185,9 @@ where
                         self.unsuspect(i, before);
                         tracing::debug!(host = i, error = %e, "database host refused a read-write session");
                     }
-                    Err(_) => tracing::warn!(host = i, bound = ?self.per_host, "database host did not answer in time; trying the next"),
+                    Err(_) => {
+                        crate::throttle::warn_throttled!(host = i, bound = ?self.per_host, "database host did not answer in time; trying the next")
+                    }
                 }
             }
             let before = self.suspect(last);
