@@ -131,6 +131,10 @@ fn prometheus_rules_parse_and_cover_what_operators_alert_on() {
     assert!(has("idemgate_fenced_writes_total", ""), "fenced writes");
     assert!(has("idemgate_draining", ""), "drain stuck");
     assert!(has("idemgate_oldest_record_age_seconds", "queued"), "async queue age");
+    // What the docs tell operators to alert on.
+    assert!(has("idemgate_config_reloads_total", "refused"), "refused reloads (operations.md, Reloading)");
+    assert!(has("idemgate_tls_certificate_expiry_timestamp_seconds", "time()"), "certificate expiry (tls.md)");
+    assert!(has("idemgate_events_parked", ""), "parked events (events.md)");
 
     let prometheus = yaml("deploy/prometheus/prometheus.yml");
     assert_eq!(prometheus["rule_files"][0], "/etc/prometheus/alerts.yaml");
@@ -692,5 +696,80 @@ fn healthcheck_needs_no_secrets_and_separates_not_ready_from_bad_config() {
     let reference = read("docs/reference.md");
     let row = reference.lines().find(|l| l.starts_with("| `idemgate healthcheck")).expect("reference.md has a healthcheck row");
     assert!(row.contains("exit 0") && row.contains(" 1 ") && row.contains(" 3 "), "{row}");
+}
+
+// --- References between the shipped files and the docs ---------------------
+
+/// GitHub's anchor for a heading.
+fn slug(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter(|c| c.is_alphanumeric() || *c == '-' || *c == ' ' || *c == '_')
+        .map(|c| if c == ' ' { '-' } else { c })
+        .collect()
+}
+
+fn headings(doc: &str) -> Vec<String> {
+    read(&format!("docs/{doc}"))
+        .lines()
+        .filter_map(|l| l.trim_start_matches('#').strip_prefix(' ').filter(|_| l.starts_with('#')))
+        .map(slug)
+        .collect()
+}
+
+/// Every `docs/x.md ("Section")` a shipped file cites, and every
+/// `x.md#anchor` link in the docs, names a section that exists; and the
+/// reference does not deny the HTTP/2 the TLS listener serves.
+#[test]
+fn shipped_files_and_docs_cite_sections_that_exist() {
+    let mut files: Vec<PathBuf> = vec![root().join("Dockerfile")];
+    let mut stack = vec![root().join("deploy"), root().join("config")];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let p = entry.unwrap().path();
+            if p.is_dir() { stack.push(p) } else { files.push(p) }
+        }
+    }
+    let mut cited = 0;
+    for f in &files {
+        let text = std::fs::read_to_string(f).unwrap_or_default();
+        for (i, _) in text.match_indices("docs/") {
+            let rest = &text[i + 5..];
+            let Some(end) = rest.find(".md") else { continue };
+            let doc = format!("{}.md", &rest[..end]);
+            if doc.contains(char::is_whitespace) {
+                continue;
+            }
+            assert!(root().join("docs").join(&doc).exists(), "{} cites docs/{doc}, which does not exist", f.display());
+            let after = rest[end + 3..].trim_start();
+            if let Some(section) = after.strip_prefix("(\"").and_then(|s| s.split_once('"')).map(|(s, _)| s) {
+                cited += 1;
+                assert!(
+                    headings(&doc).contains(&slug(section)),
+                    "{} cites docs/{doc} (\"{section}\"), which has no such section",
+                    f.display()
+                );
+            }
+        }
+    }
+    assert!(cited > 0, "the shipped files cite sections");
+    for entry in std::fs::read_dir(root().join("docs")).unwrap() {
+        let p = entry.unwrap().path();
+        let name = p.file_name().unwrap().to_string_lossy().into_owned();
+        let text = std::fs::read_to_string(&p).unwrap();
+        for (i, _) in text.match_indices("](") {
+            let link = &text[i + 2..text[i..].find(')').map_or(text.len(), |e| i + e)];
+            let Some((file, anchor)) = link.split_once('#') else { continue };
+            if file.contains("://") || file.contains('/') {
+                continue;
+            }
+            let target = if file.is_empty() { name.clone() } else { file.to_owned() };
+            assert!(headings(&target).contains(&anchor.to_owned()), "{name} links to {target}#{anchor}, which does not exist");
+        }
+    }
+    let reference = read("docs/reference.md");
+    assert!(!reference.contains("**HTTP/1.1** only"), "reference.md says HTTP/1.1 only, but a TLS listener serves HTTP/2");
 }
 
