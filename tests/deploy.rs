@@ -773,3 +773,371 @@ fn shipped_files_and_docs_cite_sections_that_exist() {
     assert!(!reference.contains("**HTTP/1.1** only"), "reference.md says HTTP/1.1 only, but a TLS listener serves HTTP/2");
 }
 
+// --- deploy/compose.yaml, deploy/prometheus, deploy/grafana -----------------
+
+/// `curl` with a query string, through the real curl; stdout.
+fn curl_get(url: &str, query: &[(&str, &str)]) -> String {
+    let mut cmd = Command::new("curl");
+    cmd.args(["-sS", "--max-time", "20", "--get", url]);
+    for (k, v) in query {
+        cmd.arg("--data-urlencode").arg(format!("{k}={v}"));
+    }
+    let out = cmd.env("NO_PROXY", "*").output().expect("run curl");
+    assert!(out.status.success(), "curl {url}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn json_get(url: &str, query: &[(&str, &str)]) -> serde_json::Value {
+    let body = curl_get(url, query);
+    serde_json::from_str(&body).unwrap_or_else(|e| panic!("{url}: not JSON ({e}): {body}"))
+}
+
+/// The `curl` lines of compose.yaml's header comment, continuation lines joined.
+fn compose_curl_lines(compose: &str) -> Vec<String> {
+    let mut lines = Vec::new();
+    let mut current = String::new();
+    for l in compose.lines().take_while(|l| l.starts_with('#')) {
+        let body = l.trim_start_matches('#').trim();
+        if current.is_empty() && !body.starts_with("curl ") {
+            continue;
+        }
+        match body.strip_suffix('\\') {
+            Some(part) => current.push_str(part),
+            None => {
+                current.push_str(body);
+                lines.push(std::mem::take(&mut current));
+            }
+        }
+    }
+    lines
+}
+
+/// A service's `host:container` port pairs.
+fn port_pairs(svc: &serde_json::Value) -> Vec<(String, String)> {
+    svc["ports"]
+        .as_array()
+        .map(|ps| ps.iter().filter_map(|p| p.as_str()?.split_once(':').map(|(h, c)| (h.to_owned(), c.to_owned()))).collect())
+        .unwrap_or_default()
+}
+
+/// deploy/compose.yaml brought up without a container engine: each service's
+/// command runs against this build's binary (or, for the PostgreSQL,
+/// Prometheus images, the same programs installed here), with compose's
+/// environment and its mounted files, and service names and container ports
+/// mapped to this machine's addresses. Then the compose header's curl lines
+/// (a first request on replica 1, its replay on replica 2), the image's
+/// HEALTHCHECK, Prometheus with the shipped rules scraping both replicas,
+/// every alert rule evaluated and every dashboard query answered.
+#[test]
+fn compose_services_run_as_written_with_prometheus_evaluating_the_rules_and_dashboard() {
+    let prometheus_bin = tool("prometheus", "prometheus");
+    let promtool = tool("promtool", "prometheus");
+    tool("curl", "curl");
+    let compose_text = read("deploy/compose.yaml");
+    let compose = yaml("deploy/compose.yaml");
+    let services = compose["services"].as_object().unwrap();
+    let work = tempfile::tempdir().unwrap();
+    let mut reaper = Reaper::default();
+    // service:container-port (as other services name it) -> where it listens here.
+    let mut addr_of: BTreeMap<String, SocketAddr> = BTreeMap::new();
+    // The host ports compose publishes -> where they are here.
+    let mut published: BTreeMap<String, SocketAddr> = BTreeMap::new();
+
+    // postgres: the private cluster, set up as the image's environment asks.
+    let pg = support::postgres::PgServer::start().expect("start PostgreSQL");
+    let pg_env = &services["postgres"]["environment"];
+    let (user, password, db) =
+        (pg_env["POSTGRES_USER"].as_str().unwrap(), pg_env["POSTGRES_PASSWORD"].as_str().unwrap(), pg_env["POSTGRES_DB"].as_str().unwrap());
+    if user != support::postgres::SUPERUSER {
+        pg.simple_query("postgres", &format!("CREATE ROLE \"{user}\" LOGIN SUPERUSER PASSWORD '{password}'")).unwrap();
+    }
+    pg.create_database(db).unwrap();
+    addr_of.insert("postgres:5432".into(), format!("127.0.0.1:{}", pg.port()).parse().unwrap());
+    // Its health check, as compose runs it (PGHOST/PGPORT point pg_isready here).
+    let bindir = support::postgres::replication_binaries().expect("PostgreSQL binaries");
+    let test = services["postgres"]["healthcheck"]["test"].as_array().unwrap();
+    assert_eq!(test[0], "CMD-SHELL");
+    let ready = Command::new("sh")
+        .arg("-c")
+        .arg(test[1].as_str().unwrap())
+        .env("PATH", format!("{}:/usr/bin:/bin", bindir.display()))
+        .env("PGHOST", "127.0.0.1")
+        .env("PGPORT", pg.port().to_string())
+        .output()
+        .unwrap();
+    assert!(ready.status.success(), "postgres healthcheck: {}", String::from_utf8_lossy(&ready.stdout));
+
+    // orders: the demo order service.
+    let orders = free_addr();
+    let args: Vec<String> = services["orders"]["command"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap().replace("0.0.0.0:9000", &orders.to_string()))
+        .collect();
+    assert!(args.contains(&orders.to_string()), "orders listens on 0.0.0.0:9000: {args:?}");
+    reaper.0.push(Command::new(BIN).args(&args).env_clear().stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap());
+    addr_of.insert("orders:9000".into(), orders);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while TcpStream::connect(orders).is_err() {
+        assert!(Instant::now() < deadline, "the order service did not listen");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    // The two replicas: `serve` with compose's environment and the mounted config.
+    let mut replicas = Vec::new();
+    for name in ["idemgate-1", "idemgate-2"] {
+        let svc = &services[name];
+        let (proxy, admin) = (free_addr(), free_addr());
+        for (host, container) in port_pairs(svc) {
+            let here = if container == "8080" { proxy } else { admin };
+            published.insert(host, here);
+            addr_of.insert(format!("{name}:{container}"), here);
+        }
+        let volume = svc["volumes"][0].as_str().unwrap();
+        let (host_file, container_path) = volume.split_once(':').unwrap();
+        let container_path = container_path.trim_end_matches(":ro");
+        let mut config = std::fs::read_to_string(root().join("deploy").join(host_file)).unwrap();
+        config = config.replace("0.0.0.0:8080", &proxy.to_string()).replace("0.0.0.0:9090", &admin.to_string());
+        config = config.replace("http://orders:9000", &format!("http://{orders}"));
+        let config_path = work.path().join(format!("{name}.toml"));
+        std::fs::write(&config_path, config).unwrap();
+        let env: Vec<(String, String)> = svc["environment"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| {
+                let v = v.as_str().unwrap().replace(container_path, &config_path.display().to_string());
+                (k.clone(), v.replace("@postgres:5432/", &format!("@{}/", addr_of["postgres:5432"])))
+            })
+            .collect();
+        let mut child = Command::new(BIN)
+            .args(svc["command"].as_array().unwrap().iter().map(|a| a.as_str().unwrap()))
+            .env_clear()
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let logs = collect_stderr(&mut child);
+        wait_ready(admin, &mut child, &|| logs.lock().unwrap().join("\n"));
+        // The image's HEALTHCHECK, with the container's environment.
+        let dockerfile = read("Dockerfile");
+        let health = dockerfile.lines().find(|l| l.starts_with("HEALTHCHECK")).unwrap();
+        let exec: Vec<String> = serde_json::from_str(&health[health.find("CMD [").unwrap() + 4..]).unwrap();
+        assert_eq!(exec[0], "/usr/local/bin/idemgate");
+        let h = Command::new(BIN).args(&exec[1..]).env_clear().envs(env.iter().map(|(k, v)| (k, v))).output().unwrap();
+        assert!(h.status.success(), "{name}: HEALTHCHECK: {}{}", String::from_utf8_lossy(&h.stdout), String::from_utf8_lossy(&h.stderr));
+        reaper.0.push(child);
+        replicas.push((name, proxy, admin, logs));
+    }
+
+    // The header's curl lines, on the published ports.
+    let lines = compose_curl_lines(&compose_text);
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    let mut answers = Vec::new();
+    for line in &lines {
+        let mut line = line.clone();
+        for (host, here) in &published {
+            line = line.replace(&format!("localhost:{host}"), &here.to_string());
+        }
+        let out = Command::new("bash").arg("-c").arg(&line).env("NO_PROXY", "*").output().unwrap();
+        assert!(out.status.success(), "{line}");
+        answers.push(String::from_utf8_lossy(&out.stdout).into_owned());
+    }
+    assert!(answers[0].starts_with("HTTP/1.1 201"), "{}", answers[0]);
+    assert!(answers[1].starts_with("HTTP/1.1 201") && answers[1].to_lowercase().contains("idempotent-replayed: true"), "{}", answers[1]);
+    let count: serde_json::Value = serde_json::from_str(&curl_get(&format!("http://{orders}/v1/orders/count"), &[])).unwrap();
+    assert_eq!(count["count"], 1, "one order for two requests on two replicas");
+
+    // prometheus (profile monitoring): its command, its mounted files, the replicas as targets.
+    let svc = &services["prometheus"];
+    let mut mounted: Vec<(String, PathBuf)> = Vec::new();
+    for v in svc["volumes"].as_array().unwrap() {
+        let (host, container) = v.as_str().unwrap().split_once(':').unwrap();
+        let container = container.trim_end_matches(":ro").to_owned();
+        let copy = work.path().join(Path::new(&container).file_name().unwrap());
+        mounted.push((container, copy));
+        let _ = host;
+    }
+    for (container, copy) in &mounted {
+        let host = svc["volumes"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).find(|v| v.contains(container.as_str())).unwrap();
+        let mut text = std::fs::read_to_string(root().join("deploy").join(host.split_once(':').unwrap().0)).unwrap();
+        for (c, p) in &mounted {
+            text = text.replace(c.as_str(), &p.display().to_string());
+        }
+        for (name, here) in &addr_of {
+            text = text.replace(&format!("\"{name}\""), &format!("\"{here}\""));
+        }
+        // Scrape and evaluate every second instead of every 10 s.
+        text = text.replace("scrape_interval: 10s", "scrape_interval: 1s").replace("evaluation_interval: 10s", "evaluation_interval: 1s");
+        std::fs::write(copy, text).unwrap();
+    }
+    let prom_config = &mounted.iter().find(|(c, _)| c.ends_with("prometheus.yml")).unwrap().1;
+    let rules_file = &mounted.iter().find(|(c, _)| c.ends_with("alerts.yaml")).unwrap().1;
+    for args in [vec!["check", "config"], vec!["check", "rules"]] {
+        let file = if args[1] == "config" { prom_config } else { rules_file };
+        let out = Command::new(&promtool).args(&args).arg(file).output().unwrap();
+        assert!(
+            out.status.success(),
+            "promtool {args:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let prom = free_addr();
+    let mut args: Vec<String> = svc["command"].as_array().unwrap().iter().map(|a| a.as_str().unwrap().to_owned()).collect();
+    for a in &mut args {
+        for (c, p) in &mounted {
+            *a = a.replace(c.as_str(), &p.display().to_string());
+        }
+    }
+    args.push(format!("--web.listen-address={prom}"));
+    args.push(format!("--storage.tsdb.path={}", work.path().join("tsdb").display()));
+    reaper.0.push(Command::new(&prometheus_bin).args(&args).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap());
+    let api = format!("http://{prom}/api/v1");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let ok = Command::new("curl").args(["-sf", &format!("http://{prom}/-/ready")]).output().is_ok_and(|o| o.status.success());
+        if ok {
+            let targets = json_get(&format!("{api}/targets"), &[]);
+            let active = targets["data"]["activeTargets"].as_array().cloned().unwrap_or_default();
+            if active.len() == 2 && active.iter().all(|t| t["health"] == "up") {
+                break;
+            }
+        }
+        assert!(Instant::now() < deadline, "Prometheus did not scrape both replicas");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
+    // Every rule of alerts.yaml loaded and evaluated without error.
+    let shipped: Vec<String> = yaml("deploy/prometheus/alerts.yaml")["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|g| g["rules"].as_array().unwrap().iter().map(|r| r["alert"].as_str().unwrap().to_owned()))
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let rules = json_get(&format!("{api}/rules"), &[]);
+        let loaded: Vec<serde_json::Value> = rules["data"]["groups"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|g| g["rules"].as_array().cloned().unwrap_or_default())
+            .collect();
+        let evaluated = loaded.iter().filter(|r| r["health"] == "ok").count();
+        for r in &loaded {
+            assert_ne!(r["health"], "err", "rule {} fails: {}", r["name"], r["lastError"]);
+        }
+        if evaluated == shipped.len() && loaded.len() == shipped.len() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "rules not all evaluated: {loaded:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
+    // The dashboard's queries, with Grafana's variables filled in, answered by Prometheus.
+    let dash: serde_json::Value = serde_json::from_str(&read("deploy/grafana/dashboards/idemgate.json")).unwrap();
+    let mut queries = 0;
+    for panel in dash["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            let expr = target["expr"].as_str().unwrap();
+            let filled = expr.replace("$__rate_interval", "1m").replace("$instance", ".*");
+            let answer = json_get(&format!("{api}/query"), &[("query", &filled)]);
+            assert_eq!(answer["status"], "success", "panel {}: {filled}: {answer}", panel["title"]);
+            queries += 1;
+        }
+    }
+    assert!(queries >= 10);
+    let instances = json_get(&format!("{api}/label/instance/values"), &[("match[]", "idemgate_build_info")]);
+    assert_eq!(instances["data"].as_array().map(Vec::len), Some(2), "the replica selector lists both replicas: {instances}");
+
+    // grafana (profile monitoring): provisioning points at the compose Prometheus and the mounted dashboards.
+    let grafana = &services["grafana"];
+    let datasource = yaml("deploy/grafana/provisioning/datasources/prometheus.yaml");
+    let url = datasource["datasources"][0]["url"].as_str().unwrap();
+    let host_port = url.trim_start_matches("http://");
+    let prom_container_port = port_pairs(&services["prometheus"]).first().map(|(_, c)| c.clone()).unwrap_or_else(|| "9090".into());
+    assert_eq!(host_port, format!("prometheus:{prom_container_port}"), "the datasource is compose's Prometheus");
+    let mounts: Vec<&str> = grafana["volumes"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    let provider = yaml("deploy/grafana/provisioning/dashboards/idemgate.yaml");
+    let dashboards_dir = provider["providers"][0]["options"]["path"].as_str().unwrap();
+    assert!(mounts.iter().any(|m| m.starts_with("./grafana/dashboards:") && m.contains(dashboards_dir)), "{mounts:?}");
+    assert!(mounts.iter().any(|m| m.starts_with("./grafana/provisioning:/etc/grafana/provisioning")), "{mounts:?}");
+
+    // compose stops replicas with SIGTERM and waits stop_grace_period: they drain and exit 0 within it.
+    let grace = humantime::parse_duration(services["idemgate-1"]["stop_grace_period"].as_str().unwrap()).unwrap();
+    for (i, (name, _, _, logs)) in replicas.iter().enumerate() {
+        let status = terminate(&mut reaper.0[1 + i], grace);
+        assert!(status.success(), "{name}: {status}\n{}", logs.lock().unwrap().join("\n"));
+    }
+}
+
+/// The metric names (before any label) a PromQL expression uses.
+fn promql_metric_names(expr: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let bytes = expr.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        let start = (expr[i..].starts_with("idemgate_") || expr[i..].starts_with("process_"))
+            && (i == 0 || !(bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_'));
+        if start {
+            let end = expr[i..].find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).map_or(expr.len(), |n| i + n);
+            names.push(expr[i..end].to_owned());
+            i = end;
+        } else {
+            i += 1;
+        }
+    }
+    names
+}
+
+/// Every metric an alert rule or a dashboard panel names is exposed, with
+/// series, by a live gateway that uses every feature they watch (a TLS
+/// listener, an async route, completion events).
+#[test]
+fn every_metric_the_rules_and_the_dashboard_name_is_exposed_by_a_live_gateway() {
+    let pki = support::tls::Pki::new("metrics CA");
+    let cert = pki.server(support::tls::Alg::EcdsaP256);
+    let secret = pki.dir.path().join("events-secret");
+    std::fs::write(&secret, "an-events-secret-of-some-length").unwrap();
+    let up = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let gw = support::Gateway::start(
+        support::GatewayConfig::new(support::sqlite_backend(), format!("http://{}", up.local_addr().unwrap()))
+            .server(&format!("[server.tls]\ncert_file = \"{}\"\nkey_file = \"{}\"", cert.cert_file.display(), cert.key_file.display()))
+            .tail("[[routes]]\noperation = \"ship_order\"\nmethod = \"POST\"\npath = \"/v1/shipments\"\nupstream = \"orders\"\nmode = \"async\"")
+            .tail(&format!(
+                "[[routes]]\noperation = \"notify\"\nmethod = \"POST\"\npath = \"/v1/notify\"\nupstream = \"orders\"\n[routes.events]\nurl = \"http://127.0.0.1:9/hooks\"\nsecret_file = \"{}\"",
+                secret.display()
+            )),
+    );
+    let exposition = http_get(gw.admin.unwrap(), "/metrics").unwrap().1;
+    // Series, not only families: `name{...} value` or `name value` lines.
+    let has_series = |name: &str| {
+        exposition.lines().filter(|l| !l.starts_with('#')).any(|l| {
+            let series = l.split(['{', ' ']).next().unwrap_or_default();
+            series == name || ["_bucket", "_count", "_sum", "_total", "_info"].iter().any(|s| format!("{name}{s}") == series)
+        })
+    };
+    let mut checked = 0;
+    for group in yaml("deploy/prometheus/alerts.yaml")["groups"].as_array().unwrap() {
+        for rule in group["rules"].as_array().unwrap() {
+            for name in promql_metric_names(rule["expr"].as_str().unwrap()) {
+                assert!(has_series(&name), "alert {} uses {name}, which /metrics does not expose:\n{exposition}", rule["alert"]);
+                checked += 1;
+            }
+        }
+    }
+    let dash: serde_json::Value = serde_json::from_str(&read("deploy/grafana/dashboards/idemgate.json")).unwrap();
+    for panel in dash["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            for name in promql_metric_names(target["expr"].as_str().unwrap()) {
+                assert!(has_series(&name), "panel {} uses {name}, which /metrics does not expose:\n{exposition}", panel["title"]);
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked > 20, "{checked}");
+}
