@@ -25,6 +25,13 @@ COPY config ./config
 RUN touch src/main.rs src/lib.rs && cargo build --release --locked --bin idemgate
 
 FROM debian:bookworm-slim
+# The system's CA roots: https upstreams without ca_file, JWKS URLs, webhooks,
+# authorizers and PostgreSQL's sslmode=verify-full check certificates against
+# them (docs/tls.md). Not pinned: they must follow Debian's updates.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
 # A numeric user, so orchestrators can check it is not root (runAsNonRoot).
 RUN useradd --system --uid 10001 --gid 0 --home-dir /var/lib/idemgate --shell /usr/sbin/nologin idemgate \
     && mkdir -p /etc/idemgate /var/lib/idemgate \

@@ -15,7 +15,8 @@
 //! Scope segments are percent-encoded (a key may hold `/` as `%2F`); the raw
 //! path is split on `/` first and each segment decoded after. The API needs
 //! `Authorization: Bearer <token>` (`[admin] token_env` / `token_file`),
-//! compared in constant time; without a configured token it is off (404).
+//! compared in constant time; without a configured token it is off (404,
+//! saying so and how to turn it on).
 //! Errors are RFC 9457 problems, in the style of `crate::problem`, and never
 //! echo the token.
 //!
@@ -129,11 +130,11 @@ impl Admin {
             "/readyz" => match tokio::time::timeout(READY_BOUND, self.store.readiness()).await {
                 Ok(Ok(())) => text(StatusCode::OK, "ready\n"),
                 Ok(Err(e)) => {
-                    tracing::warn!(error = %e, "readiness check failed");
+                    crate::throttle::warn_throttled!(error = %e, "readiness check failed");
                     text(StatusCode::SERVICE_UNAVAILABLE, e.body())
                 }
                 Err(_) => {
-                    tracing::warn!(bound = ?READY_BOUND, "readiness check failed: the store did not answer in time");
+                    crate::throttle::warn_throttled!(bound = ?READY_BOUND, "readiness check failed: the store did not answer in time");
                     text(StatusCode::SERVICE_UNAVAILABLE, "store unavailable\n")
                 }
             },
@@ -152,8 +153,9 @@ impl Admin {
             *presented = Presented::Invalid;
         }
         // Off without a token; checked before anything else so that callers
-        // without the token learn nothing about the API's shape.
-        let token = self.token.as_ref().ok_or(AdminError::NotFound)?;
+        // without the token learn nothing about the API's shape (only that
+        // it is off, and how an operator turns it on).
+        let token = self.token.as_ref().ok_or(AdminError::Disabled)?;
         authorize(req.headers(), token)?;
         let label = audit::token_label(token.expose());
         *presented = Presented::Valid(label.clone());
@@ -193,7 +195,10 @@ impl Admin {
         for (name, value) in form_urlencoded::parse(query.as_bytes()) {
             match &*name {
                 "state" => {
-                    filter.state = Some(State::parse(&value).ok_or_else(|| AdminError::BadRequest(format!("unknown state {value:?}")))?);
+                    filter.state = Some(
+                        State::parse(&value)
+                            .ok_or_else(|| AdminError::BadRequest(format!("unknown state {value:?}: use {}", State::names())))?,
+                    );
                 }
                 "tenant" => filter.tenant = Some(value.into_owned()),
                 "operation" => filter.operation = Some(value.into_owned()),
@@ -484,9 +489,12 @@ fn log_call(
 /// How an admin API request ended other than with its answer.
 #[derive(Debug, thiserror::Error)]
 enum AdminError {
-    /// The API is off (no token configured) or the path names no endpoint.
+    /// The path names no endpoint.
     #[error("not found")]
     NotFound,
+    /// No token is configured: the API is off.
+    #[error("the admin API is disabled")]
+    Disabled,
     #[error("no record for that scope")]
     NoRecord,
     #[error("unauthorized")]
@@ -505,7 +513,7 @@ impl AdminError {
     /// The problem type's name, for the access log.
     fn type_name(&self) -> &'static str {
         match self {
-            AdminError::NotFound | AdminError::NoRecord => "not-found",
+            AdminError::NotFound | AdminError::Disabled | AdminError::NoRecord => "not-found",
             AdminError::Unauthorized => "unauthenticated",
             AdminError::MethodNotAllowed(_) => "method-not-allowed",
             AdminError::BadRequest(_) => "invalid-request",
@@ -525,6 +533,13 @@ fn problem(e: &AdminError) -> Response<Body> {
     let name = e.type_name();
     let (title, status, detail) = match e {
         AdminError::NotFound => ("Not found", StatusCode::NOT_FOUND, "No such admin endpoint.".to_owned()),
+        AdminError::Disabled => (
+            "Not found",
+            StatusCode::NOT_FOUND,
+            "The admin API is disabled: it needs a bearer token. Set [admin] token_env (an environment variable) or token_file \
+             (a file) in the configuration and restart; then send Authorization: Bearer <token>."
+                .to_owned(),
+        ),
         AdminError::NoRecord => ("Not found", StatusCode::NOT_FOUND, "There is no record for that scope.".to_owned()),
         AdminError::Unauthorized => (
             "Unauthenticated",

@@ -49,9 +49,10 @@ const PRINCIPAL: &str = "demo-client";
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(2);
 /// ...which the slow endpoint exceeds before it creates its order anyway.
 const SLOW_ORDER_DELAY: Duration = Duration::from_secs(3);
-/// The demo's database and config inside `--data`: the only files it deletes.
+/// The demo's database, config and admin token inside `--data`: the only files it deletes.
 const DB_FILE: &str = "demo.db";
 const CONFIG_FILE: &str = "idemgate.toml";
+const TOKEN_FILE: &str = "admin-token";
 /// Largest order the order service reads.
 const MAX_ORDER_BYTES: usize = 64 * 1024;
 /// How long the order service waits, once the gateway has drained, for open
@@ -92,13 +93,17 @@ pub async fn run(args: DemoArgs, shutdown: CancellationToken) -> anyhow::Result<
     let data = std::fs::canonicalize(&args.data).with_context(|| format!("resolving {}", args.data.display()))?;
     let db_path = data.join(DB_FILE);
     let config_path = data.join(CONFIG_FILE);
-    reset(&db_path, &config_path)?;
+    let token_path = data.join(TOKEN_FILE);
+    reset(&db_path, &config_path, &token_path)?;
+    // The admin API is on, with a fresh token each run, printed below.
+    let token = uuid::Uuid::new_v4().simple().to_string();
+    write_private(&token_path, token.as_bytes())?;
 
     let orders = OrderService::bind(args.upstream_listen).await?;
     let upstream = orders.addr;
 
     let requested = Addrs { gateway: args.listen, admin: args.admin_listen, upstream };
-    let toml = config_toml(&requested, &db_path)?;
+    let toml = config_toml(&requested, &db_path, &token_path)?;
     let config = Config::from_toml(&toml, &config_path.display().to_string(), &|_| None)
         .map_err(|e| anyhow!("the demo's generated config is invalid (a bug in idemgate):\n{e}"))?;
     let server = Server::bind(config).await.context("starting the gateway")?;
@@ -108,9 +113,10 @@ pub async fn run(args: DemoArgs, shutdown: CancellationToken) -> anyhow::Result<
         upstream,
     };
     // The file says what really runs: the bound ports, not port 0.
-    std::fs::write(&config_path, config_toml(&bound, &db_path)?).with_context(|| format!("writing {}", config_path.display()))?;
+    std::fs::write(&config_path, config_toml(&bound, &db_path, &token_path)?)
+        .with_context(|| format!("writing {}", config_path.display()))?;
 
-    print_stdout(&script(&bound, &db_path, &config_path));
+    print_stdout(&script(&bound, &db_path, &config_path, &Admin { token: &token, file: &token_path }));
     tracing::info!(gateway = %bound.gateway, upstream = %bound.upstream, admin = %bound.admin, data = %data.display(), "demo running; Ctrl-C to stop");
 
     // The gateway drains first (its forwards may still be waiting on the
@@ -131,7 +137,7 @@ pub async fn run(args: DemoArgs, shutdown: CancellationToken) -> anyhow::Result<
 
 /// Deletes what a previous demo left, after making sure no running
 /// idemgate still holds the store.
-fn reset(db_path: &Path, config_path: &Path) -> anyhow::Result<()> {
+fn reset(db_path: &Path, config_path: &Path, token_path: &Path) -> anyhow::Result<()> {
     let lock = lock_path(db_path);
     match std::fs::OpenOptions::new().read(true).write(true).open(&lock) {
         Ok(file) => {
@@ -145,7 +151,7 @@ fn reset(db_path: &Path, config_path: &Path) -> anyhow::Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(e).with_context(|| format!("opening {}", lock.display())),
     }
-    let mut files = vec![config_path.to_owned(), lock];
+    let mut files = vec![config_path.to_owned(), token_path.to_owned(), lock];
     for suffix in ["", "-wal", "-shm", "-journal"] {
         let mut p = db_path.as_os_str().to_owned();
         p.push(suffix);
@@ -161,6 +167,24 @@ fn reset(db_path: &Path, config_path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Writes `contents` to a new file only its owner may read (the admin token).
+fn write_private(path: &Path, contents: &[u8]) -> anyhow::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("creating {}", path.display()))?;
+    file.write_all(contents).with_context(|| format!("writing {}", path.display()))
+}
+
+/// The admin API's token, and the file the config names for it.
+struct Admin<'a> {
+    token: &'a str,
+    file: &'a Path,
+}
+
 /// The three listeners, as requested or as bound.
 struct Addrs {
     gateway: SocketAddr,
@@ -170,10 +194,13 @@ struct Addrs {
 
 /// The gateway's configuration: the order service as the one upstream, two
 /// idempotent routes, the demo key as the identity source.
-fn config_toml(addrs: &Addrs, db_path: &Path) -> anyhow::Result<String> {
-    let db = db_path.to_str().with_context(|| format!("{} is not valid UTF-8; pass another --data", db_path.display()))?;
-    // A TOML basic string, escaped as TOML needs.
-    let db = toml::Value::String(db.to_owned()).to_string();
+fn config_toml(addrs: &Addrs, db_path: &Path, token_path: &Path) -> anyhow::Result<String> {
+    // TOML basic strings, escaped as TOML needs.
+    let toml_path = |p: &Path| -> anyhow::Result<String> {
+        let s = p.to_str().with_context(|| format!("{} is not valid UTF-8; pass another --data", p.display()))?;
+        Ok(toml::Value::String(s.to_owned()).to_string())
+    };
+    let (db, token_file) = (toml_path(db_path)?, toml_path(token_path)?);
     let key_hash = hex::encode(Sha256::digest(DEMO_API_KEY.as_bytes()));
     Ok(format!(
         r#"# Generated by `idemgate demo`; deleted and rewritten at every start.
@@ -189,6 +216,7 @@ path = {db}
 
 [admin]
 listen = "{admin}"
+token_file = {token_file}                    # the admin API's bearer token (printed when the demo starts)
 
 [[upstreams]]
 name = "orders"
@@ -223,7 +251,7 @@ upstream = "orders"
 }
 
 /// The printed walkthrough: what each step shows, then a line to paste.
-fn script(addrs: &Addrs, db_path: &Path, config_path: &Path) -> String {
+fn script(addrs: &Addrs, db_path: &Path, config_path: &Path, api: &Admin<'_>) -> String {
     let gw = format!("http://{}", addrs.gateway);
     let up = format!("http://{}", addrs.upstream);
     let admin = format!("http://{}", addrs.admin);
@@ -252,6 +280,7 @@ fn script(addrs: &Addrs, db_path: &Path, config_path: &Path) -> String {
     let _ = writeln!(s, "  store          {} (embedded SQLite)", db_path.display());
     let _ = writeln!(s, "  config         {}", config_path.display());
     let _ = writeln!(s, "  API key        {DEMO_API_KEY} (the config holds only its sha256)");
+    let _ = writeln!(s, "  admin token    {} (in {}, which the config names)", api.token, api.file.display());
     let _ = writeln!(s);
     let _ = writeln!(s, "Paste these into another shell, one at a time:");
     let _ = writeln!(s);
@@ -278,6 +307,10 @@ fn script(addrs: &Addrs, db_path: &Path, config_path: &Path) -> String {
     let _ = writeln!(s, "# 6. What the order service really did: 2 orders (step 1, and the slow one {slow} after step 4),");
     let _ = writeln!(s, "#    however often you retried.");
     let _ = writeln!(s, "curl -s {up}/v1/orders/count");
+    let _ = writeln!(s);
+    let _ = writeln!(s, "# 7. The same over HTTP: the admin API, on because the config names a token file ([admin] token_file,");
+    let _ = writeln!(s, "#    or token_env; without either it is off). It also resolves records and shows the audit trail.");
+    let _ = writeln!(s, "curl -s -H 'Authorization: Bearer {}' '{admin}/admin/records?state=unknown'", api.token);
     let _ = writeln!(s);
     let _ = writeln!(s, "# Metrics: requests by route and outcome (forwarded, replayed, mismatch, unknown, ...):");
     let _ = writeln!(s, "curl -s {admin}/metrics");
@@ -439,9 +472,13 @@ mod tests {
             admin: "127.0.0.1:0".parse().unwrap(),
             upstream: "127.0.0.1:9000".parse().unwrap(),
         };
-        let toml = config_toml(&addrs, Path::new("/tmp/a \"quoted\" dir/demo.db")).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let token = dir.path().join("a \"quoted\" token");
+        write_private(&token, b"0123456789abcdef0123456789abcdef").unwrap();
+        let toml = config_toml(&addrs, Path::new("/tmp/a \"quoted\" dir/demo.db"), &token).unwrap();
         let config = Config::from_toml(&toml, "demo", &|_| None).unwrap_or_else(|e| panic!("{e}\n{toml}"));
         assert_eq!(config.routes.len(), 2);
+        assert!(config.admin.is_some_and(|a| a.token.is_some()), "the admin API is on");
         assert!(!toml.contains(DEMO_API_KEY), "only the key's sha256 is stored:\n{toml}");
     }
 

@@ -102,7 +102,7 @@ impl ResultWrite<'_> {
                 // The upstream acted and the client has its answer. The store
                 // may be failing over: keep trying in the background until the
                 // lease would run out; only then does the expiry turn it unknown.
-                tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "could not record the result; retrying in the background");
+                crate::throttle::warn_throttled!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "could not record the result; retrying in the background");
                 executor.record_later(&claim, stored, route);
                 Outcome::Forwarded
             }
@@ -275,7 +275,7 @@ impl Executor {
                 Ok(WriteOutcome::Fenced) => return,
                 // The store is unreachable: keep trying. If the lease runs out
                 // meanwhile, the reaper decides and our later writes are fenced.
-                Err(e) => tracing::warn!(scope = %claim.scope.log_id(), error = %e, "heartbeat failed"),
+                Err(e) => crate::throttle::warn_throttled!(scope = %claim.scope.log_id(), error = %e, "heartbeat failed"),
             }
         }
     }
@@ -313,7 +313,7 @@ impl Executor {
             Err(e) => {
                 // Not sent. The lease runs out and the reaper re-queues it: no
                 // sent_at proves it never left.
-                tracing::warn!(scope = %claim.scope.log_id(), error = %e, "could not record the send; not sending");
+                crate::throttle::warn_throttled!(scope = %claim.scope.log_id(), error = %e, "could not record the send; not sending");
                 return AttemptOutcome::StoreUnavailable;
             }
         }

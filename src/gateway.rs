@@ -543,7 +543,7 @@ impl Gateway {
             let outcome = match self.store.claim(claim).await {
                 Ok(outcome) => outcome,
                 Err(e) => {
-                    tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "claim failed; nothing forwarded");
+                    crate::throttle::warn_throttled!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "claim failed; nothing forwarded");
                     // An unconfirmed synchronous claim is deleted later (nobody
                     // forwards it); an unconfirmed acceptance stays: if it
                     // committed, a retry reads it back as accepted and a

@@ -82,6 +82,7 @@ pub mod server;
 pub mod signals;
 pub mod stats;
 pub mod store;
+pub mod throttle;
 pub mod tls;
 pub mod upstream;
 pub mod waiters;

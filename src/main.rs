@@ -69,7 +69,9 @@ enum Command {
     Events(EventsCommand),
     /// Start a demo order service and the gateway in front of it (embedded store).
     Demo(idemgate::demo::DemoArgs),
-    /// Ask the running gateway's admin listener whether it is ready; exit 0 if so, else 1.
+    /// Ask the running gateway's admin listener whether it is ready: exit 0 if
+    /// so, 1 if it is not ready or does not answer, 3 if the configuration
+    /// does not say where to ask. Reads only admin.listen: no secret is needed.
     Healthcheck {
         /// Check /healthz (the process answers) instead of /readyz (store reachable, not draining).
         #[arg(long)]
@@ -213,7 +215,7 @@ fn parse_retention_filter(s: &str) -> Result<Forever, String> {
 }
 
 fn parse_state(s: &str) -> Result<State, String> {
-    State::parse(s).ok_or_else(|| format!("unknown state {s:?}: use in_flight, completed or unknown"))
+    State::parse(s).ok_or_else(|| format!("unknown state {s:?}: use {}", State::names()))
 }
 
 fn main() -> ExitCode {
@@ -250,7 +252,19 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         idemgate::demo::run(args, signals.shutdown()).await?;
         return Ok(ExitCode::SUCCESS);
     }
-    if let Command::Healthcheck { live, addr: Some(addr), timeout } = cli.command {
+    // Only the admin address: a health check runs where the gateway's
+    // secrets are not set, and a configuration problem is not "not ready".
+    if let Command::Healthcheck { live, addr, timeout } = cli.command {
+        let addr = match addr {
+            Some(addr) => addr,
+            None => match Config::admin_listen(&cli.config) {
+                Ok(listen) => idemgate::healthcheck::local_target(listen),
+                Err(e) => {
+                    logging::stderr_best_effort(&format!("{e}\n"));
+                    return Ok(ExitCode::from(HEALTHCHECK_BAD_CONFIG));
+                }
+            },
+        };
         return Ok(healthcheck(addr, live, timeout).await);
     }
     let config = match Config::load(&cli.config) {
@@ -321,17 +335,14 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Keys(cmd) => return keys(&config, cmd).await,
         Command::Events(cmd) => return events(&config, cmd).await,
-        Command::Healthcheck { live, timeout, .. } => {
-            let Some(admin) = &config.admin else {
-                logging::stderr_best_effort(&format!("{}: no [admin] listener to check (set admin.listen)\n", cli.config.display()));
-                return Ok(ExitCode::from(1));
-            };
-            return Ok(healthcheck(idemgate::healthcheck::local_target(admin.listen), live, timeout).await);
-        }
-        Command::Demo(_) => unreachable!("handled above"),
+        Command::Demo(_) | Command::Healthcheck { .. } => unreachable!("handled above"),
     }
     Ok(ExitCode::SUCCESS)
 }
+
+/// `idemgate healthcheck`'s exit code when its configuration cannot say
+/// where the admin listener is (2 is clap's usage error).
+const HEALTHCHECK_BAD_CONFIG: u8 = 3;
 
 /// `idemgate healthcheck`: one line, and 0 only for a 200.
 async fn healthcheck(addr: std::net::SocketAddr, live: bool, timeout: Duration) -> ExitCode {

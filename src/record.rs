@@ -139,6 +139,15 @@ impl State {
     pub fn parse(s: &str) -> Option<State> {
         State::ALL.into_iter().find(|st| st.as_str() == s)
     }
+
+    /// Every state's name, for messages: `in_flight, completed, ... or failed_retryable`.
+    pub fn names() -> String {
+        let names: Vec<&str> = State::ALL.iter().map(|s| s.as_str()).collect();
+        match names.split_last() {
+            Some((last, rest)) if !rest.is_empty() => format!("{} or {last}", rest.join(", ")),
+            _ => names.concat(),
+        }
+    }
 }
 
 impl fmt::Display for State {

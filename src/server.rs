@@ -350,8 +350,24 @@ impl Worker {
             let gw = Arc::new(self.gateway);
             let listener = Listener { name: "proxy", tcp: listener, tls: self.tls.clone(), limit: self.limit.clone() };
             let metrics = Some(self.metrics.clone());
-            accept_loop(listener, self.stop.clone(), self.tracker.clone(), self.http, metrics, move |req, peer| gw.get().handle(req, peer))
-                .await;
+            let draining = self.shutdown.clone();
+            accept_loop(listener, self.stop.clone(), self.tracker.clone(), self.http, metrics, move |req, peer| {
+                let http1 = req.version() < http::Version::HTTP_2;
+                let answer = gw.get().handle(req, peer);
+                let draining = draining.clone();
+                async move {
+                    let mut response = answer.await;
+                    // During the drain delay keep-alive clients are told to
+                    // reconnect (to a replica that is not leaving) while this
+                    // one still answers; HTTP/2 clients get GOAWAY when the
+                    // listener stops.
+                    if http1 && draining.is_cancelled() {
+                        response.headers_mut().insert(http::header::CONNECTION, http::HeaderValue::from_static("close"));
+                    }
+                    response
+                }
+            })
+            .await;
             // This thread's event loop drives its connections and forwards:
             // keep it running until they are done (the main task closes the
             // tracker and bounds the wait by the grace period).

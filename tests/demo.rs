@@ -245,7 +245,7 @@ fn printed_script_works_when_pasted_into_bash() {
     let script = demo.script();
     let text = script.join("\n");
     let steps = steps(&script);
-    for step in ["1", "2", "3", "4", "4b", "5", "6", "Metrics"] {
+    for step in ["1", "2", "3", "4", "4b", "5", "6", "7", "Metrics"] {
         assert!(steps.contains_key(step), "step {step} missing from the script:\n{text}");
     }
     assert!(!text.contains(":0/") && !text.contains(":0 "), "port 0 leaked into the script:\n{text}");
@@ -305,6 +305,18 @@ fn printed_script_works_when_pasted_into_bash() {
         count = order_count(&steps, &home);
     }
     assert_eq!(count, 2, "step 6: the order service created exactly 2 orders");
+
+    // 7. The admin API, enabled with the token the demo printed: the same unknown record.
+    let admin = &steps["7"];
+    assert!(admin.contains("/admin/records?state=unknown") && admin.contains("Authorization: Bearer "), "step 7: {admin}");
+    let token = admin.split("Authorization: Bearer ").nth(1).and_then(|t| t.split('\'').next()).unwrap_or_default();
+    assert!(token.len() >= 32, "a printed token: {admin}");
+    assert!(!config.contains(token), "the config does not hold the token itself:\n{config}");
+    let out = bash(admin, &home);
+    let listed: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("step 7 is not JSON ({e}): {out}"));
+    let records = listed["records"].as_array().unwrap_or_else(|| panic!("step 7: {listed}"));
+    assert_eq!(records.len(), 1, "step 7: {listed}");
+    assert_eq!(records[0]["state"], "unknown", "step 7: {listed}");
 
     let metrics = bash(&steps["Metrics"], &home);
     assert!(metrics.contains(r#"idemgate_requests_total{route="create_order",outcome="replayed"} 1"#), "{metrics}");

@@ -1,9 +1,12 @@
 //! `idemgate check-config --connect`: after the file validates, reach what `serve`
 //! will need, without changing anything.
 //!
-//! - **PostgreSQL**: connect (with TLS when `sslmode` asks for it, as the store does) and run `SELECT 1`, within
-//!   `store.operation_timeout` (at least 5 s). Nothing is created; migrations are not
-//!   looked at.
+//! - **PostgreSQL**: connect (with TLS when `sslmode` asks for it, as the store does),
+//!   within `store.operation_timeout` (at least 5 s), and read (never change) what
+//!   `serve` will need: `store schema` names the migrations not applied yet (an
+//!   error unless `serve` will apply them itself: `store.migrate` on and a role
+//!   that may change the schema), `store privileges` names every privilege the
+//!   role lacks on the idemgate tables, sequences and functions.
 //! - **SQLite**: no connection is opened, so no lock (neither SQLite's nor `serve`'s
 //!   `<path>.lock`) is taken and no journal file appears. An existing file must open
 //!   for reading and writing and start with the SQLite header (an empty file is a new
@@ -55,30 +58,37 @@ impl fmt::Display for ConnectCheck {
     }
 }
 
-/// Runs every check concurrently; results in a fixed order: the store, then the
-/// upstreams as configured.
+/// Runs every check concurrently; results in a fixed order: the store (on
+/// PostgreSQL also its schema and the role's privileges), then the upstreams
+/// as configured.
 pub async fn check_connections(config: &Config) -> Vec<ConnectCheck> {
     let store = check_store(&config.store);
     let upstreams = join_all(config.upstreams.iter().map(check_upstream));
     let (store, upstreams) = tokio::join!(store, upstreams);
-    std::iter::once(store).chain(upstreams).collect()
+    store.into_iter().chain(upstreams).collect()
 }
 
-async fn check_store(store: &StoreConfig) -> ConnectCheck {
-    let outcome = match &store.backend {
-        StoreBackend::Postgres { url, .. } => check_postgres(url, store.operation_timeout.max(MIN_STORE_BOUND)).await,
+async fn check_store(store: &StoreConfig) -> Vec<ConnectCheck> {
+    let line = |subject: &str, outcome| ConnectCheck { subject: subject.to_owned(), outcome };
+    match &store.backend {
+        StoreBackend::Postgres { url, .. } => match check_postgres(url, store.operation_timeout.max(MIN_STORE_BOUND)).await {
+            Ok(found) => {
+                vec![line("store", Ok(Some(format!("postgres, as role {}", found.role)))), found.schema(store.migrate), found.privileges()]
+            }
+            Err(e) => vec![line("store", Err(e))],
+        },
         StoreBackend::Sqlite { path } => {
             let (path, migrate) = (path.clone(), store.migrate);
-            match tokio::task::spawn_blocking(move || check_sqlite(&path, migrate)).await {
+            let outcome = match tokio::task::spawn_blocking(move || check_sqlite(&path, migrate)).await {
                 Ok(outcome) => outcome,
                 Err(e) => Err(format!("the check did not finish: {e}")),
-            }
+            };
+            vec![line("store", outcome)]
         }
-    };
-    ConnectCheck { subject: "store".to_owned(), outcome }
+    }
 }
 
-async fn check_postgres(url: &Secret, bound: Duration) -> Result<Option<String>, String> {
+async fn check_postgres(url: &Secret, bound: Duration) -> Result<PgFindings, String> {
     // Validation already parsed it; a failure here would be a bug, reported without the URL.
     let parsed = crate::tls::postgres::parse(url.expose()).map_err(|_| "the PostgreSQL connection string does not parse".to_owned())?;
     let (mut pg, tls) = (parsed.config, parsed.tls);
@@ -87,36 +97,164 @@ async fn check_postgres(url: &Secret, bound: Duration) -> Result<Option<String>,
     }
     pg.application_name("idemgate check-config");
     let attempt = async {
-        match tls {
+        let (client, driver) = match tls {
             Some(tls) => {
                 let (client, connection) =
                     pg.connect(tokio_postgres_rustls::MakeRustlsConnect::new(tls)).await.map_err(|e| error_chain(&e))?;
-                select_one(client, connection).await
+                (client, tokio::spawn(async move { drop(connection.await) }))
             }
             None => {
                 let (client, connection) = pg.connect(tokio_postgres::NoTls).await.map_err(|e| error_chain(&e))?;
-                select_one(client, connection).await
+                (client, tokio::spawn(async move { drop(connection.await) }))
             }
-        }
+        };
+        let found = PgFindings::read(&client).await;
+        driver.abort();
+        found
     };
     match tokio::time::timeout(bound, attempt).await {
-        Ok(Ok(())) => Ok(Some("postgres, SELECT 1".to_owned())),
-        Ok(Err(e)) => Err(e),
+        Ok(found) => found,
         Err(_) => Err(format!("no answer from PostgreSQL within {}", humantime::format_duration(bound))),
     }
 }
 
-async fn select_one(
-    client: tokio_postgres::Client,
-    connection: impl std::future::Future<Output = Result<(), tokio_postgres::Error>>,
-) -> Result<(), String> {
-    tokio::pin!(connection);
-    tokio::select! {
-        rows = client.simple_query("SELECT 1") => rows.map(drop).map_err(|e| error_chain(&e)),
-        ended = &mut connection => Err(match ended {
-            Ok(()) => "the server closed the connection".to_owned(),
-            Err(e) => error_chain(&e),
-        }),
+/// What `check-config --connect` reads from PostgreSQL, as the configured role.
+#[derive(Debug, Default)]
+struct PgFindings {
+    role: String,
+    /// `current_schema()`: where the unqualified idemgate tables are.
+    schema: String,
+    /// This version's migrations not recorded as applied (all of them
+    /// when the bookkeeping table does not exist).
+    pending: Vec<&'static str>,
+    /// The role may create tables in the schema and owns (or is a member
+    /// of the owner of) the idemgate tables that exist: it may migrate.
+    may_migrate: bool,
+    /// `INSERT, UPDATE on idemgate_records`, `USAGE on sequence ...`, one
+    /// entry per object the role lacks something on.
+    missing: Vec<String>,
+    /// Tables, sequences and functions whose privileges were checked.
+    checked: usize,
+}
+
+/// The privileges `serve` needs on each kind of idemgate object.
+const TABLE_PRIVILEGES: [&str; 4] = ["SELECT", "INSERT", "UPDATE", "DELETE"];
+
+impl PgFindings {
+    /// Reads only: catalog queries and the applied migrations.
+    async fn read(client: &tokio_postgres::Client) -> Result<PgFindings, String> {
+        let e = |e: tokio_postgres::Error| error_chain(&e);
+        let row = client
+            .query_one(
+                "SELECT current_user::text, coalesce(current_schema()::text, ''), \
+                        coalesce(has_schema_privilege(current_schema(), 'USAGE'), false), \
+                        coalesce(has_schema_privilege(current_schema(), 'CREATE'), false), \
+                        to_regclass('idemgate_schema_migrations') IS NOT NULL, \
+                        coalesce((SELECT bool_and(pg_has_role(c.relowner, 'USAGE')) FROM pg_class c \
+                                  WHERE c.relname LIKE 'idemgate\\_%' AND c.relkind IN ('r', 'p') AND pg_table_is_visible(c.oid)), true)",
+                &[],
+            )
+            .await
+            .map_err(e)?;
+        let mut found = PgFindings { role: row.get(0), schema: row.get(1), ..PgFindings::default() };
+        let (usage, create, bookkept, owns): (bool, bool, bool, bool) = (row.get(2), row.get(3), row.get(4), row.get(5));
+        found.may_migrate = create && owns;
+        if found.schema.is_empty() {
+            return Err(format!("role {} has no schema on its search_path to find the idemgate tables in", found.role));
+        }
+        if !usage {
+            found.missing.push(format!("USAGE on schema {}", found.schema));
+        }
+        let applied: Vec<i64> = if bookkept {
+            match client.query("SELECT version FROM idemgate_schema_migrations", &[]).await {
+                Ok(rows) => rows.iter().map(|r| r.get(0)).collect(),
+                Err(err) => return Err(format!("cannot read idemgate_schema_migrations: {}", error_chain(&err))),
+            }
+        } else {
+            Vec::new()
+        };
+        found.pending = crate::store::migrations::POSTGRES.iter().filter(|m| !applied.contains(&m.version)).map(|m| m.name).collect();
+
+        let objects = client
+            .query(
+                "SELECT c.relname::text, c.relkind::text, \
+                        CASE WHEN c.relkind = 'S' THEN ARRAY[has_sequence_privilege(c.oid, 'USAGE')] \
+                             ELSE ARRAY[has_table_privilege(c.oid, 'SELECT'), has_table_privilege(c.oid, 'INSERT'), \
+                                        has_table_privilege(c.oid, 'UPDATE'), has_table_privilege(c.oid, 'DELETE')] END \
+                 FROM pg_class c \
+                 WHERE c.relname LIKE 'idemgate\\_%' AND c.relkind IN ('r', 'p', 'S') AND pg_table_is_visible(c.oid) \
+                 ORDER BY c.relname",
+                &[],
+            )
+            .await
+            .map_err(e)?;
+        for row in &objects {
+            let (name, kind, granted): (String, String, Vec<bool>) = (row.get(0), row.get(1), row.get(2));
+            let lacking: Vec<&str> = if kind == "S" {
+                granted.first().is_some_and(|g| !g).then_some("USAGE").into_iter().collect()
+            } else if name == "idemgate_schema_migrations" {
+                // serve never writes it; check-config reads it.
+                granted.first().is_some_and(|g| !g).then_some("SELECT").into_iter().collect()
+            } else {
+                TABLE_PRIVILEGES.iter().zip(&granted).filter(|(_, g)| !**g).map(|(p, _)| *p).collect()
+            };
+            if !lacking.is_empty() {
+                let what = if kind == "S" { format!("sequence {name}") } else { name };
+                found.missing.push(format!("{} on {what}", lacking.join(", ")));
+            }
+            found.checked += 1;
+        }
+        let functions = client
+            .query(
+                "SELECT p.oid::regprocedure::text, has_function_privilege(p.oid, 'EXECUTE') FROM pg_proc p \
+                 WHERE p.proname LIKE 'idemgate\\_%' AND pg_function_is_visible(p.oid) ORDER BY 1",
+                &[],
+            )
+            .await
+            .map_err(e)?;
+        for row in &functions {
+            let (name, granted): (String, bool) = (row.get(0), row.get(1));
+            if !granted {
+                found.missing.push(format!("EXECUTE on function {name}"));
+            }
+            found.checked += 1;
+        }
+        Ok(found)
+    }
+
+    /// `store schema`: every migration of this version applied, or who applies the rest.
+    fn schema(&self, migrate: bool) -> ConnectCheck {
+        let total = crate::store::migrations::POSTGRES.len();
+        let outcome = if self.pending.is_empty() {
+            Ok(Some(format!("all {total} migrations applied")))
+        } else {
+            let names = self.pending.join(", ");
+            let n = self.pending.len();
+            if migrate && self.may_migrate {
+                Ok(Some(format!("{n} migration(s) not applied yet ({names}); serve applies them at start (store.migrate = true)")))
+            } else if self.may_migrate {
+                Err(format!("{n} migration(s) not applied ({names}): run `idemgate migrate`"))
+            } else {
+                Err(format!(
+                    "{n} migration(s) not applied ({names}): run `idemgate migrate` as the role that owns the schema \
+                     (role {} may not change schema {})",
+                    self.role, self.schema
+                ))
+            }
+        };
+        ConnectCheck { subject: "store schema".to_owned(), outcome }
+    }
+
+    /// `store privileges`: what the role lacks for `serve`, named.
+    fn privileges(&self) -> ConnectCheck {
+        let outcome = if !self.missing.is_empty() {
+            Err(format!("role {} lacks {} (the grants: \"PostgreSQL roles\" in docs/operations.md)", self.role, self.missing.join("; ")))
+        } else if self.checked == 0 {
+            Ok(Some("no idemgate tables yet: checked once they exist".to_owned()))
+        } else {
+            Ok(Some(format!("what serve needs on {} idemgate tables, sequences and functions", self.checked)))
+        };
+        ConnectCheck { subject: "store privileges".to_owned(), outcome }
     }
 }
 

@@ -129,6 +129,36 @@ impl Config {
         validate::validate(raw, issues, origin, env)
     }
 
+    /// Where the admin listener of the configuration in `path` listens, read
+    /// without validating the rest of the file or resolving any secret:
+    /// `idemgate healthcheck` runs where the gateway's secrets are not set
+    /// (a container's HEALTHCHECK, an orchestrator's probe). Errors are the
+    /// file's (unreadable, not TOML, `[admin]` malformed or absent).
+    pub fn admin_listen(path: &Path) -> Result<SocketAddr, ConfigError> {
+        let origin = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::single(&origin, "", format!("cannot read the file: {e}")))?;
+        let mut issues = error::Issues::default();
+        let raw = file::parse(&text, &origin, &mut issues)?;
+        let broken = |issues: error::Issues| ConfigError { file: origin.clone(), issues: issues.list };
+        let listen = match &raw.admin {
+            file::Part::Ok(Some(admin)) => admin.listen.clone(),
+            file::Part::Ok(None) => None,
+            file::Part::Broken(_) => {
+                issues.list.retain(|i| i.path == "admin" || i.path.starts_with("admin."));
+                if issues.list.is_empty() {
+                    issues.push("admin", "the section does not parse");
+                }
+                return Err(broken(issues));
+            }
+        };
+        let Some(listen) = listen else {
+            return Err(ConfigError::single(&origin, "admin.listen", "no [admin] listener is configured (set admin.listen)"));
+        };
+        listen.parse().map_err(|e| {
+            ConfigError::single(&origin, "admin.listen", format!("invalid address {listen:?}: {e} (write e.g. \"127.0.0.1:9090\")"))
+        })
+    }
+
     pub fn upstream(&self, id: UpstreamId) -> &UpstreamConfig {
         &self.upstreams[id]
     }

@@ -732,8 +732,8 @@ impl Validator<'_> {
         if crate::tls::client::system_default().is_some() {
             return Some(uri);
         }
-        let why = crate::tls::system_roots().err().map(|e| e.to_string()).unwrap_or_default();
-        self.issues.push(path, format!("{why} (https here is verified against the system roots; SSL_CERT_FILE names a PEM bundle)"));
+        let why = crate::tls::system_roots(crate::tls::remedy::SSL_CERT_FILE).err().map(|e| e.to_string()).unwrap_or_default();
+        self.issues.push(path, why);
         None
     }
 

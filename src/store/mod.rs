@@ -16,7 +16,7 @@ pub mod codec;
 pub mod contract;
 mod error;
 mod health;
-mod migrations;
+pub mod migrations;
 pub mod postgres;
 pub mod sqlite;
 mod startup;
@@ -306,7 +306,7 @@ impl Store {
                     }
                 }
                 Err(e) if e.is_ambiguous() => {
-                    tracing::warn!(scope = %req.scope.log_id(), error = %e, "claim outcome ambiguous; reading the row back");
+                    crate::throttle::warn_throttled!(scope = %req.scope.log_id(), error = %e, "claim outcome ambiguous; reading the row back");
                     match self.get(&req.scope).await {
                         Ok(Some((record, _))) if own_claim(&record, token) => {
                             return Ok(ClaimOutcome::Claimed(claim_of(req, record)));
@@ -459,7 +459,7 @@ impl Store {
                 Ok(true) => return Ok(WriteOutcome::Written),
                 Ok(false) => return Ok(self.fenced(op, claim)),
                 Err(e) if e.is_ambiguous() || matches!(e, StoreError::Unavailable(_)) => {
-                    tracing::warn!(scope = %claim.scope.log_id(), error = %e, op, "write failed; reading the row back");
+                    crate::throttle::warn_throttled!(scope = %claim.scope.log_id(), error = %e, op, "write failed; reading the row back");
                     let ours = |r: &Record| r.generation == claim.generation && r.claim_token == claim.claim_token;
                     match self.get(&claim.scope).await {
                         Ok(Some((r, _))) if ours(&r) && goal.reached(&r) => return Ok(WriteOutcome::Written),

@@ -32,7 +32,7 @@ pub struct ClientTls {
 pub fn build(settings: &ClientTls) -> Result<Arc<rustls::ClientConfig>, LoadError> {
     let roots: RootCertStore = match &settings.ca_file {
         Some(ca) => roots(ca).map_err(at("ca_file"))?,
-        None => system_roots().map_err(at("ca_file"))?,
+        None => system_roots(super::remedy::CA_FILE).map_err(at("ca_file"))?,
     };
     let builder = rustls::ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()

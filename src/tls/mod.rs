@@ -30,8 +30,11 @@ pub enum TlsError {
     Invalid { file: PathBuf, detail: String },
     #[error("{0}")]
     Rustls(#[from] rustls::Error),
-    #[error("no system root certificates were found{0}; set ca_file")]
-    NoSystemRoots(String),
+    #[error(
+        "no system root certificates were found{detail}: install the system's CA certificates (Debian and Ubuntu: \
+         apt-get install ca-certificates; the container image has them) or {remedy}"
+    )]
+    NoSystemRoots { detail: String, remedy: &'static str },
 }
 
 /// A problem with one of a TLS section's files; `key` is its TOML key.
@@ -87,16 +90,28 @@ pub fn roots(file: &Path) -> Result<RootCertStore, TlsError> {
     Ok(store)
 }
 
+/// What else fixes an empty trust store where the system roots are used:
+/// the setting that names a CA of one's own there.
+pub mod remedy {
+    /// An upstream: its `ca_file`.
+    pub const CA_FILE: &str = "set ca_file to your CA's PEM file";
+    /// PostgreSQL: the connection string's `sslrootcert`.
+    pub const SSLROOTCERT: &str = "add sslrootcert=<your CA's PEM file> to the connection string";
+    /// Webhooks, JWKS URLs, authorizers: no setting of their own.
+    pub const SSL_CERT_FILE: &str = "point SSL_CERT_FILE at a PEM bundle (this URL has no ca_file of its own)";
+}
+
 /// The system's root certificates (rustls-native-certs: the platform store,
 /// or `SSL_CERT_FILE` / `SSL_CERT_DIR`). Unreadable entries are skipped; none
-/// at all is an error.
-pub fn system_roots() -> Result<RootCertStore, TlsError> {
+/// at all is an error that says to install the CA roots or, as `remedy`
+/// (one of [`remedy`]), to name a CA file.
+pub fn system_roots(remedy: &'static str) -> Result<RootCertStore, TlsError> {
     let found = rustls_native_certs::load_native_certs();
     let mut store = RootCertStore::empty();
     let (_added, _ignored) = store.add_parsable_certificates(found.certs);
     if store.is_empty() {
-        let why = found.errors.first().map(|e| format!(" ({e})")).unwrap_or_default();
-        return Err(TlsError::NoSystemRoots(why));
+        let detail = found.errors.first().map(|e| format!(" ({e})")).unwrap_or_default();
+        return Err(TlsError::NoSystemRoots { detail, remedy });
     }
     Ok(store)
 }

@@ -115,7 +115,7 @@ fn client_config(mode: SslMode, root: Option<PathBuf>) -> Result<rustls::ClientC
     let roots = |root: Option<PathBuf>| -> Result<RootCertStore, LoadError> {
         match root {
             Some(file) => roots(&file).map_err(at("sslrootcert")),
-            None => system_roots().map_err(at("sslrootcert")),
+            None => system_roots(super::remedy::SSLROOTCERT).map_err(at("sslrootcert")),
         }
     };
     let config = match mode {

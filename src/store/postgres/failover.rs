@@ -26,12 +26,14 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use deadpool_postgres::{Connect, Hook, HookError, Pool};
 use tokio::task::JoinHandle;
+use tokio_postgres::AsyncMessage;
 use tokio_postgres::config::Host;
-use tokio_postgres::error::SqlState;
+use tokio_postgres::error::{DbError, Severity, SqlState};
 use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
 use tokio_postgres::{Client, Config, Socket};
 
@@ -183,7 +185,9 @@ where
                         self.unsuspect(i, before);
                         tracing::debug!(host = i, error = %e, "database host refused a read-write session");
                     }
-                    Err(_) => tracing::warn!(host = i, bound = ?self.per_host, "database host did not answer in time; trying the next"),
+                    Err(_) => {
+                        crate::throttle::warn_throttled!(host = i, bound = ?self.per_host, "database host did not answer in time; trying the next")
+                    }
                 }
             }
             let before = self.suspect(last);
@@ -225,11 +229,37 @@ impl<T> HostWalk<T> {
         }
         self.preferred.store(i, Ordering::Relaxed);
         let driver = tokio::spawn(async move {
-            if let Err(e) = connection.await {
+            let mut connection = connection;
+            // Drives the connection as awaiting it would, but the server's
+            // notices come here instead of tokio-postgres' `log` line.
+            let ended = std::future::poll_fn(|cx| {
+                loop {
+                    match connection.poll_message(cx) {
+                        Poll::Ready(Some(Ok(AsyncMessage::Notice(notice)))) => server_notice(&notice),
+                        Poll::Ready(Some(Ok(_))) => {}
+                        Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(e)),
+                        Poll::Ready(None) => return Poll::Ready(Ok(())),
+                        Poll::Pending => return Poll::Pending,
+                    }
+                }
+            })
+            .await;
+            if let Err(e) = ended {
                 tracing::debug!(error = %e, "database connection ended");
             }
         });
         (client, driver)
+    }
+}
+
+/// A message the server sends beside a statement's result (NOTICE, WARNING,
+/// ...): a warning is logged as one, anything milder at debug (migrations'
+/// `IF NOT EXISTS` notices are routine), with the server's fields.
+fn server_notice(notice: &DbError) {
+    let (severity, code, message) = (notice.severity(), notice.code().code(), notice.message());
+    match notice.parsed_severity() {
+        Some(Severity::Warning) => tracing::warn!(severity, code, message, "database server warning"),
+        _ => tracing::debug!(severity, code, message, "database server notice"),
     }
 }
 

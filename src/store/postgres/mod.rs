@@ -175,10 +175,47 @@ impl Drop for Conn {
 fn classify(e: tokio_postgres::Error, write: bool) -> StoreError {
     if let Some(db) = e.as_db_error() {
         // The server answered with an error: the statement did not take effect.
-        return StoreError::Unavailable(format!("database error {}: {}", db.code().code(), db.message()));
+        return StoreError::Unavailable(describe(db));
     }
     let text = ErrorChain(&e).to_string();
     if write { StoreError::Ambiguous(text) } else { StoreError::Unavailable(text) }
+}
+
+/// A server error as an operator should read it. A missing idemgate table
+/// means the database was never migrated (for this version); a refused
+/// privilege points at the documented roles. The SQLSTATE stays first.
+fn describe(db: &tokio_postgres::error::DbError) -> String {
+    use tokio_postgres::error::SqlState;
+    let code = db.code().code();
+    let message = db.message();
+    if *db.code() == SqlState::UNDEFINED_TABLE && message.contains("idemgate_") {
+        let table = message.split('"').nth(1).unwrap_or("an idemgate table");
+        return format!(
+            "database error {code}: table {table} is missing: this database has not been migrated for this version; run `idemgate migrate` (as the role that owns the schema)"
+        );
+    }
+    if *db.code() == SqlState::INSUFFICIENT_PRIVILEGE {
+        return format!("database error {code}: {message}: {PRIVILEGES_HINT}");
+    }
+    format!("database error {code}: {message}")
+}
+
+/// What a permission error says to do.
+const PRIVILEGES_HINT: &str = "the database role lacks a privilege idemgate needs; `idemgate check-config --connect` names what is \
+     missing, and \"PostgreSQL roles\" in docs/operations.md has the grants";
+
+/// A migration's failure; a permission error says how schema changes are meant to be made.
+fn migration_error(context: &str, e: &tokio_postgres::Error) -> StoreError {
+    let text = ErrorChain(e).to_string();
+    let at = if context.is_empty() { String::new() } else { format!("{context}: ") };
+    match e.as_db_error() {
+        Some(db) if *db.code() == tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE => StoreError::Migration(format!(
+            "{at}{text}: this role may not create or change tables here (on PostgreSQL 15 and later GRANT ALL ON DATABASE \
+             does not include CREATE on schema public). Run `idemgate migrate` as the role that owns the schema: see \
+             \"PostgreSQL roles\" in docs/operations.md"
+        )),
+        _ => StoreError::Migration(format!("{at}{text}")),
+    }
 }
 
 fn micros(d: Duration) -> i64 {
@@ -344,6 +381,27 @@ impl PgStore {
     }
 }
 
+/// Whether every migration of this version is applied and the derived-key
+/// secret exists: reads only, so any role that may read the tables can ask.
+async fn up_to_date(conn: &Conn) -> Result<bool, StoreError> {
+    let m = |e: tokio_postgres::Error| migration_error("", &e);
+    let client = conn.client();
+    let row = client
+        .query_one("SELECT to_regclass('idemgate_schema_migrations') IS NOT NULL AND to_regclass('idemgate_settings') IS NOT NULL", &[])
+        .await
+        .map_err(m)?;
+    if !row.try_get::<_, bool>(0).map_err(m)? {
+        return Ok(false);
+    }
+    let done: Vec<i64> =
+        client.query("SELECT version FROM idemgate_schema_migrations", &[]).await.map_err(m)?.iter().map(|r| r.get(0)).collect();
+    if POSTGRES.iter().any(|mig| !done.contains(&mig.version)) {
+        return Ok(false);
+    }
+    let secret = client.query("SELECT 1 FROM idemgate_settings WHERE name = $1", &[&DERIVED_KEY_SECRET]).await.map_err(m)?;
+    Ok(!secret.is_empty())
+}
+
 #[async_trait]
 impl RecordStore for PgStore {
     fn kind(&self) -> &'static str {
@@ -352,8 +410,15 @@ impl RecordStore for PgStore {
 
     async fn migrate(&self) -> Result<Vec<String>, StoreError> {
         let mut conn = self.conn().await?;
-        let tx = conn.client_mut().transaction().await.map_err(|e| StoreError::Migration(ErrorChain(&e).to_string()))?;
-        let m = |e: tokio_postgres::Error| StoreError::Migration(ErrorChain(&e).to_string());
+        // Up to date: nothing is locked, created or written, so a runtime
+        // role without the right to change the schema starts (and the server
+        // sends no "already exists, skipping" notice at every start).
+        if up_to_date(&conn).await? {
+            conn.done();
+            return Ok(Vec::new());
+        }
+        let tx = conn.client_mut().transaction().await.map_err(|e| migration_error("", &e))?;
+        let m = |e: tokio_postgres::Error| migration_error("", &e);
         // Migrations may take longer than one protocol statement.
         tx.batch_execute("SET LOCAL statement_timeout = 0").await.map_err(m)?;
         tx.execute("SELECT pg_advisory_xact_lock($1)", &[&PG_LOCK_KEY]).await.map_err(m)?;
@@ -367,7 +432,7 @@ impl RecordStore for PgStore {
             tx.query("SELECT version FROM idemgate_schema_migrations", &[]).await.map_err(m)?.iter().map(|r| r.get(0)).collect();
         let mut applied = Vec::new();
         for mig in POSTGRES.iter().filter(|mig| !done.contains(&mig.version)) {
-            tx.batch_execute(mig.sql).await.map_err(|e| StoreError::Migration(format!("{}: {}", mig.name, ErrorChain(&e))))?;
+            tx.batch_execute(mig.sql).await.map_err(|e| migration_error(mig.name, &e))?;
             tx.execute("INSERT INTO idemgate_schema_migrations (version, name) VALUES ($1, $2)", &[&mig.version, &mig.name])
                 .await
                 .map_err(m)?;
