@@ -264,6 +264,10 @@ fn collect_stderr(child: &mut Child) -> std::sync::Arc<std::sync::Mutex<Vec<Stri
 fn terminate(child: &mut Child, within: Duration) -> std::process::ExitStatus {
     let ok = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status().unwrap().success();
     assert!(ok, "kill -TERM {}", child.id());
+    wait_exit(child, within)
+}
+
+fn wait_exit(child: &mut Child, within: Duration) -> std::process::ExitStatus {
     let deadline = Instant::now() + within;
     loop {
         if let Some(status) = child.try_wait().unwrap() {
@@ -849,6 +853,8 @@ fn compose_services_run_as_written_with_prometheus_evaluating_the_rules_and_dash
     let compose = yaml("deploy/compose.yaml");
     let services = compose["services"].as_object().unwrap();
     let work = tempfile::tempdir().unwrap();
+    let started = Instant::now();
+    let mark = |what: &str| eprintln!("compose: {what} after {:?}", started.elapsed());
     let mut reaper = Reaper::default();
     // service:container-port (as other services name it) -> where it listens here.
     let mut addr_of: BTreeMap<String, SocketAddr> = BTreeMap::new();
@@ -945,6 +951,7 @@ fn compose_services_run_as_written_with_prometheus_evaluating_the_rules_and_dash
         replicas.push((name, proxy, admin, logs));
     }
 
+    mark("the replicas are ready");
     // The header's curl lines, on the published ports.
     let lines = compose_curl_lines(&compose_text);
     assert_eq!(lines.len(), 2, "{lines:?}");
@@ -1023,6 +1030,7 @@ fn compose_services_run_as_written_with_prometheus_evaluating_the_rules_and_dash
         std::thread::sleep(Duration::from_millis(200));
     }
 
+    mark("Prometheus scrapes both replicas");
     // Every rule of alerts.yaml loaded and evaluated without error.
     let shipped: Vec<String> = yaml("deploy/prometheus/alerts.yaml")["groups"]
         .as_array()
@@ -1050,6 +1058,7 @@ fn compose_services_run_as_written_with_prometheus_evaluating_the_rules_and_dash
         std::thread::sleep(Duration::from_millis(200));
     }
 
+    mark("every rule evaluated");
     // The dashboard's queries, with Grafana's variables filled in, answered by Prometheus.
     let dash: serde_json::Value = serde_json::from_str(&read("deploy/grafana/dashboards/idemgate.json")).unwrap();
     let mut queries = 0;
@@ -1079,12 +1088,18 @@ fn compose_services_run_as_written_with_prometheus_evaluating_the_rules_and_dash
     assert!(mounts.iter().any(|m| m.starts_with("./grafana/dashboards:") && m.contains(dashboards_dir)), "{mounts:?}");
     assert!(mounts.iter().any(|m| m.starts_with("./grafana/provisioning:/etc/grafana/provisioning")), "{mounts:?}");
 
-    // compose stops replicas with SIGTERM and waits stop_grace_period: they drain and exit 0 within it.
+    mark("the dashboard's queries answered");
+    // compose stops replicas with SIGTERM (all at once) and waits stop_grace_period: they drain and exit 0 within it.
     let grace = humantime::parse_duration(services["idemgate-1"]["stop_grace_period"].as_str().unwrap()).unwrap();
+    for i in 0..replicas.len() {
+        let ok = Command::new("kill").arg("-TERM").arg(reaper.0[1 + i].id().to_string()).status().unwrap().success();
+        assert!(ok, "kill -TERM");
+    }
     for (i, (name, _, _, logs)) in replicas.iter().enumerate() {
-        let status = terminate(&mut reaper.0[1 + i], grace);
+        let status = wait_exit(&mut reaper.0[1 + i], grace);
         assert!(status.success(), "{name}: {status}\n{}", logs.lock().unwrap().join("\n"));
     }
+    mark("both replicas stopped");
 }
 
 /// The metric names (before any label) a PromQL expression uses.
