@@ -166,9 +166,11 @@ impl Gateway {
         );
         metrics.declare_observed(config.routes.iter().filter(|r| r.mode == RouteMode::Observe).map(|r| &*r.operation));
         metrics.declare_forever(config.routes.iter().filter(|r| r.retention == Retention::Forever).map(|r| &*r.operation));
-        // The proxy listener speaks HTTP/2 when it has TLS.
+        // The proxy listener's series exist before it serves (it speaks
+        // HTTP/2 when it has TLS); its workers' accept loops use the same.
         let request_series =
             Arc::new(RequestSeries::new(&metrics, config.routes.iter().map(|r| &r.operation), config.server.tls.is_some()));
+        let _ = metrics.connections("proxy", config.server.max_connections);
         Gateway {
             router: Router::new(config.routes.clone(), config.server.default_upstream),
             identifier: Identifier::new(config.identity.clone()),
