@@ -612,6 +612,21 @@ fn text(status: StatusCode, body: &'static str) -> Response<Body> {
     r
 }
 
+/// The admin listener's endpoints, as `idemgate_http_requests_total` and
+/// `idemgate_http_request_duration_seconds` name them (`operation`).
+pub const ENDPOINTS: [&str; 5] = ["not_found", "healthz", "readyz", "metrics", "admin_api"];
+
+/// The endpoint a request path is for (one of [`ENDPOINTS`]).
+pub fn endpoint(path: &str) -> &'static str {
+    match path {
+        "/healthz" => "healthz",
+        "/readyz" => "readyz",
+        "/metrics" => "metrics",
+        p if p == "/admin" || p.starts_with("/admin/") => "admin_api",
+        _ => "not_found",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

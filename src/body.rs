@@ -7,6 +7,8 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -39,6 +41,8 @@ pub struct Streamed {
     inner: ResponseBody,
     idle: Duration,
     timer: Option<Pin<Box<Sleep>>>,
+    /// Adds up the data bytes that went through (the access log's `bytes_in`).
+    counted: Option<Arc<AtomicU64>>,
 }
 
 /// The error a stalled stream ends with.
@@ -48,7 +52,7 @@ pub struct IdleTimeout(pub Duration);
 
 impl Streamed {
     pub fn new(inner: impl Into<ResponseBody>, idle: Duration) -> Streamed {
-        Streamed { inner: inner.into(), idle, timer: None }
+        Streamed { inner: inner.into(), idle, timer: None, counted: None }
     }
 
     fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
@@ -56,6 +60,11 @@ impl Streamed {
             Poll::Ready(frame) => {
                 if let Some(timer) = self.timer.as_mut() {
                     timer.as_mut().reset(Instant::now() + self.idle);
+                }
+                if let (Some(counted), Some(Ok(f))) = (&self.counted, &frame)
+                    && let Some(data) = f.data_ref()
+                {
+                    counted.fetch_add(data.len() as u64, Ordering::Relaxed);
                 }
                 Poll::Ready(frame.map(|f| f.map_err(BoxError::from)))
             }
@@ -84,6 +93,11 @@ impl Body {
     /// A body streamed from a peer, cut off after `idle` without progress.
     pub fn stream(inner: impl Into<ResponseBody>, idle: Duration) -> Body {
         Body::Stream(Streamed::new(inner, idle))
+    }
+
+    /// [`Body::stream`], adding the data bytes it carries to `counted`.
+    pub fn stream_counted(inner: impl Into<ResponseBody>, idle: Duration, counted: Arc<AtomicU64>) -> Body {
+        Body::Stream(Streamed { counted: Some(counted), ..Streamed::new(inner, idle) })
     }
 
     pub fn boxed(inner: impl hyper::body::Body<Data = Bytes, Error = BoxError> + Send + 'static) -> Body {

@@ -133,7 +133,7 @@ impl Executor {
 
     pub fn with_own_pools(&self) -> Executor {
         Executor {
-            upstreams: self.upstreams.iter().map(|u| Upstream::new(u.config.clone())).collect(),
+            upstreams: self.upstreams.iter().map(|u| Upstream::new(u.config.clone()).counted_by(self.metrics.clone())).collect(),
             store: self.store.clone(),
             metrics: self.metrics.clone(),
             tracker: self.tracker.clone(),
@@ -187,7 +187,7 @@ impl Executor {
         let upstream_timeout = self.upstreams[route.upstream].config.timeout;
         match self.exchange(route, claim, parts, body).await {
             Exchange::NotSent(e) => {
-                tracing::info!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "upstream not reached; key released");
+                tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "upstream not reached; key released");
                 self.release(route, claim).await;
                 Err(GatewayError::UpstreamUnavailable)
             }
@@ -429,7 +429,10 @@ impl Executor {
         self.metrics.observe_upstream(upstream.name(), started.elapsed());
         match read {
             Ok(body) => Exchange::Answered { head, body },
-            Err(e) => classify(e),
+            Err(e) => {
+                upstream.count_error(&e);
+                classify(e)
+            }
         }
     }
 
@@ -548,7 +551,13 @@ async fn read_upstream_body(mut body: ResponseBody, limit: u64, deadline: tokio:
         let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
             Err(_) => return Err(UpstreamError::Timeout { upstream: "response body".into(), timeout: Duration::ZERO }),
             Ok(None) => return Ok(UpstreamBody::Complete(buf.freeze())),
-            Ok(Some(Err(e))) => return Err(UpstreamError::Broken { upstream: "response body".into(), detail: error_chain(&e) }),
+            Ok(Some(Err(e))) => {
+                return Err(UpstreamError::Broken {
+                    upstream: "response body".into(),
+                    detail: error_chain(&e),
+                    kind: crate::upstream::kind_of(&e),
+                });
+            }
             Ok(Some(Ok(frame))) => frame,
         };
         if let Ok(data) = frame.into_data() {

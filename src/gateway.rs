@@ -18,7 +18,7 @@ use tokio::sync::{Notify, oneshot};
 use tokio_util::task::TaskTracker;
 use uuid::Uuid;
 
-use crate::access::{self, Pending, REQUEST_ID, RequestIds, RouteLabel, Trace};
+use crate::access::{self, Pending, REQUEST_ID, RequestIds, RequestSeries, RouteLabel, Trace};
 use crate::authorize::{Authorizer, Decision as AuthzDecision};
 use crate::body::Body;
 use crate::config::Config;
@@ -34,10 +34,10 @@ use crate::problem::{self, GatewayError};
 use crate::record::{Decision, Record, State, StoredResponse, decide};
 use crate::replay::replay;
 use crate::route::{InFlightPolicy, ReplayMode, Retention, Route, RouteMatch, RouteMode, Router, ScopeMode, UpstreamId};
-use crate::scope::{Scope, ScopeId};
+use crate::scope::Scope;
 use crate::secret::DerivedKeySecret;
 use crate::store::{Acceptance, Claim, ClaimOutcome, ClaimRequest, Store, WriteOutcome};
-use crate::upstream::{Upstream, UpstreamLatency};
+use crate::upstream::Upstream;
 use crate::waiters::Waiters;
 
 /// Retry-After for a duplicate of an in-flight request.
@@ -79,6 +79,8 @@ pub struct Gateway {
     observer: Observer,
     /// Request ids (shared by the worker threads: one counter per process).
     request_ids: Arc<RequestIds>,
+    /// Requests by route, protocol and status class, and their duration.
+    request_series: Arc<RequestSeries>,
     /// `server.access_log`.
     access_log: bool,
     /// `WWW-Authenticate` of a 401, when API keys are configured.
@@ -156,7 +158,7 @@ impl Gateway {
     fn assemble(config: &Config, lasting: Lasting) -> Gateway {
         let Lasting { store, metrics, tracker, derived_key_secret, replica_id, waiters, wake_workers, request_ids, observer } = lasting;
         let executor = Executor::new(
-            config.upstreams.iter().cloned().map(Upstream::new).collect(),
+            config.upstreams.iter().cloned().map(|u| Upstream::new(u).counted_by(metrics.clone())).collect(),
             store.clone(),
             metrics.clone(),
             tracker.clone(),
@@ -165,6 +167,11 @@ impl Gateway {
         );
         metrics.declare_observed(config.routes.iter().filter(|r| r.mode == RouteMode::Observe).map(|r| &*r.operation));
         metrics.declare_forever(config.routes.iter().filter(|r| r.retention == Retention::Forever).map(|r| &*r.operation));
+        // The proxy listener's series exist before it serves (it speaks
+        // HTTP/2 when it has TLS); its workers' accept loops use the same.
+        let request_series =
+            Arc::new(RequestSeries::new(&metrics, config.routes.iter().map(|r| &r.operation), config.server.tls.is_some()));
+        let _ = metrics.connections("proxy", config.server.max_connections);
         Gateway {
             router: Router::new(config.routes.clone(), config.server.default_upstream),
             identifier: Identifier::new(config.identity.clone()),
@@ -184,6 +191,7 @@ impl Gateway {
                 .collect(),
             observer,
             request_ids,
+            request_series,
             access_log: config.server.access_log,
             challenge: config
                 .identity
@@ -267,6 +275,7 @@ impl Gateway {
             authorizers: self.authorizers.iter().map(|(op, a)| (op.clone(), a.with_own_pool())).collect(),
             observer: self.observer.clone(),
             request_ids: self.request_ids.clone(),
+            request_series: self.request_series.clone(),
             access_log: self.access_log,
             challenge: self.challenge.clone(),
             request_id_is_a_key: self.request_id_is_a_key.clone(),
@@ -282,24 +291,25 @@ impl Gateway {
     /// the upstream) and gets exactly one access-log line.
     pub async fn handle(self: Arc<Self>, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
         let request_id = self.request_ids.assign(req.headers(), peer.ip());
-        // Logs the line when finished, or with 499 if the client goes away first.
-        let mut pending = Pending::new(self.access_log, req.method(), req.uri(), peer.ip(), request_id);
+        // Counts the request and logs its line when finished, or with 499 if
+        // the client goes away first.
+        let mut pending = Pending::new(self.access_log, &req, peer.ip(), request_id, Some(self.request_series.clone()));
         let id = pending.request_id().clone();
-        let mut resp = match self.dispatch(req, peer, &mut pending.trace, &id).await {
+        let mut resp = match self.dispatch(req, peer, pending.trace(), &id).await {
             Ok(resp) => resp,
             Err(e) => {
-                pending.trace.problem = Some(e.type_name());
-                pending.trace.outcome.get_or_insert(e.outcome());
-                self.problem(&e, pending.request_id())
+                let trace = pending.trace();
+                trace.problem = Some(e.type_name());
+                trace.outcome.get_or_insert(e.outcome());
+                self.problem(&e, &id)
             }
         };
-        if let (Some(reason), Some(Outcome::Rejected)) = (pending.trace.problem, pending.trace.outcome) {
+        let trace = pending.trace();
+        if let (Some(reason), Some(Outcome::Rejected)) = (trace.problem, trace.outcome) {
             self.metrics.rejected(reason);
         }
-        let upstream_latency = resp.extensions_mut().remove::<UpstreamLatency>().map(|l| l.0);
-        resp.headers_mut().insert(REQUEST_ID, pending.request_id().clone());
-        pending.finish(resp.status().as_u16(), upstream_latency);
-        resp
+        resp.headers_mut().insert(REQUEST_ID, id);
+        pending.finish(resp)
     }
 
     /// The request path proper: routes the request and says in `trace` what
@@ -340,7 +350,7 @@ impl Gateway {
                 }
                 // Boxed: the idempotent path's future is large; pass-through requests
                 // should not carry (and move) it.
-                let answer = Box::pin(self.operation(&route, params, req, peer, &mut trace.scope)).await;
+                let answer = Box::pin(self.operation(&route, params, req, peer, trace)).await;
                 let outcome = match &answer {
                     Ok((_, outcome)) => *outcome,
                     Err(e) => e.outcome(),
@@ -360,21 +370,21 @@ impl Gateway {
                 self.send_request_id(&mut req, request_id);
                 trace.route = RouteLabel::PassThrough;
                 trace.outcome = Some(Outcome::PassThrough);
-                self.pass_through(upstream, req).await
+                self.pass_through(upstream, req, trace).await
             }
             RouteMatch::NotFound => Err(GatewayError::NotFound),
         }
     }
 
-    /// The upstream gets the request id, unless the client sent its own: that
-    /// one reaches the upstream unchanged, as everything else the client
-    /// sends. (Not called for routes whose key comes from `X-Request-Id`: a
-    /// legacy client's id is its idempotency key there, so a request without
-    /// one must stay without one.)
+    /// The upstream gets the request id the gateway logs and answers with:
+    /// a trusted proxy's, or the one generated (a client's own id from
+    /// elsewhere is replaced; the access log keeps it as
+    /// `client_request_id`). Not called for routes whose key comes from
+    /// `X-Request-Id`: a legacy client's id is its idempotency key there, so
+    /// it reaches the upstream as sent (and a request without one stays
+    /// without one).
     fn send_request_id(&self, req: &mut Request<Incoming>, request_id: &HeaderValue) {
-        if !req.headers().contains_key(REQUEST_ID) {
-            req.headers_mut().insert(REQUEST_ID, request_id.clone());
-        }
+        req.headers_mut().insert(REQUEST_ID, request_id.clone());
     }
 
     /// Identifies the request and removes the headers of every other
@@ -403,7 +413,7 @@ impl Gateway {
         params: Vec<(String, String)>,
         mut req: Request<Incoming>,
         peer: SocketAddr,
-        scope_id: &mut Option<ScopeId>,
+        trace: &mut Trace,
     ) -> Result<(Response<Body>, Outcome), GatewayError> {
         if route.mode == RouteMode::Observe {
             // Observe mode changes no answer: nothing is refused, so the
@@ -421,13 +431,14 @@ impl Gateway {
             Ok(FromHeaders::Found(found)) => Some(found),
             Ok(FromHeaders::NeedBody) => None,
             Ok(FromHeaders::Absent) if !route.key_required => {
-                return Ok((self.pass_through(route.upstream, req).await?, Outcome::PassThrough));
+                return Ok((self.pass_through(route.upstream, req, trace).await?, Outcome::PassThrough));
             }
             Ok(FromHeaders::Absent) => return Err(missing()),
             Err(e) => return Err(GatewayError::InvalidKey(e)),
         };
         let (parts, body) = req.into_parts();
         let body = read_body(body, &parts.headers, self.max_request_body, self.request_body_timeout).await?;
+        trace.bytes_in = Some(body.len() as u64);
         let found = match early {
             Some(found) => found,
             None => match route.key_from.from_request(&parts.headers, &body) {
@@ -459,7 +470,7 @@ impl Gateway {
             ScopeMode::Principal => Scope::new(&identity, &route.operation, found.key),
             ScopeMode::Tenant => Scope::tenant_wide(&identity, &route.operation, found.key),
         };
-        *scope_id = Some(scope.scope_id());
+        trace.scope = Some(scope.scope_id());
         // Async: the claim accepts the operation and stores the request for
         // the workers; the client gets 202 and an operation id.
         let is_async = route.mode == RouteMode::Async || (route.allow_async && prefers_async(&parts.headers));
@@ -699,9 +710,10 @@ impl Gateway {
     }
 
     /// Proxies without idempotency, streaming both ways.
-    async fn pass_through(&self, upstream: UpstreamId, req: Request<Incoming>) -> Result<Response<Body>, GatewayError> {
+    async fn pass_through(&self, upstream: UpstreamId, req: Request<Incoming>, trace: &mut Trace) -> Result<Response<Body>, GatewayError> {
         let upstream = self.executor.upstream(upstream);
-        let answer = passthrough::try_pass_through(upstream, req, self.request_body_timeout).await;
+        let bytes_in = self.access_log.then(|| trace.count_bytes_in());
+        let answer = passthrough::try_pass_through(upstream, req, self.request_body_timeout, bytes_in).await;
         self.metrics.passed_through(upstream.name(), answer.as_ref().err().map(GatewayError::type_name));
         answer
     }

@@ -16,7 +16,7 @@ use std::net::SocketAddr;
 use std::pin::pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
@@ -28,7 +28,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::body::Body;
-use crate::metrics::{Metrics, ProtocolCounters};
+use crate::metrics::{Metrics, RouteSeries};
 use crate::tls::server::TlsListener;
 
 mod activity;
@@ -78,6 +78,9 @@ pub struct Listener {
 pub struct Http {
     h1: http1::Builder,
     auto: auto::Builder<TokioExecutor>,
+    /// For TLS listeners that do not offer HTTP/2 (the admin listener): an
+    /// HTTP/2 preface is refused rather than served.
+    auto_h1: auto::Builder<TokioExecutor>,
     /// The time to a connection's first request, and between requests.
     header_timeout: Duration,
 }
@@ -95,7 +98,7 @@ impl Http {
         let mut h1 = http1::Builder::new();
         h1.timer(TokioTimer::new()).header_read_timeout(header_timeout).keep_alive(true);
         let auto = auto::Builder::new(TokioExecutor::new());
-        Http { h1, auto, header_timeout }.http2_keep_alive(DEFAULT_H2_KEEP_ALIVE)
+        Http { h1, auto_h1: auto.clone(), auto, header_timeout }.http2_keep_alive(DEFAULT_H2_KEEP_ALIVE)
     }
 
     /// HTTP/2 connections are pinged every `interval`; one whose client does
@@ -104,6 +107,7 @@ impl Http {
         let mut auto = auto::Builder::new(TokioExecutor::new());
         auto.http1().timer(TokioTimer::new()).header_read_timeout(self.header_timeout).keep_alive(true);
         auto.http2().timer(TokioTimer::new()).max_concurrent_streams(256).keep_alive_interval(Some(interval)).keep_alive_timeout(interval);
+        self.auto_h1 = auto.clone().http1_only();
         self.auto = auto;
         self
     }
@@ -122,7 +126,11 @@ pub async fn accept_loop<H, F>(
     F: std::future::Future<Output = http::Response<Body>> + Send + 'static,
 {
     let Listener { name, tcp, tls, limit } = listener;
-    let served = metrics.as_ref().map(|m| m.protocol_counters(name));
+    let h2 = tls.as_ref().is_some_and(|t| t.speaks_h2());
+    // The proxy's requests are counted by the gateway, which knows their
+    // route (and counts a client that went away before its answer).
+    let served = metrics.as_ref().filter(|_| name != "proxy").map(|m| Arc::new(Endpoints::new(m, name, h2)));
+    let open = metrics.as_ref().map(|m| m.connections(name, limit.max));
     loop {
         let (sock, peer) = tokio::select! {
             _ = stop.cancelled() => return,
@@ -148,10 +156,61 @@ pub async fn accept_loop<H, F>(
         };
         let conn = Conn { name, peer, http: http.clone(), stop: stop.clone(), metrics: metrics.clone(), served: served.clone() };
         let (tls, handler) = (tls.clone(), handler.clone());
+        let open = open.clone().map(Open::new);
         tracker.spawn(async move {
             conn.serve(sock, tls, handler).await;
+            drop(open);
             drop(permit);
         });
+    }
+}
+
+/// A connection counted in `idemgate_open_connections` while it lives.
+struct Open(prometheus_client::metrics::gauge::Gauge);
+
+impl Open {
+    fn new(gauge: prometheus_client::metrics::gauge::Gauge) -> Open {
+        gauge.inc();
+        Open(gauge)
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+/// The request series of a listener whose requests are counted here (every
+/// listener but the proxy): one per admin endpoint.
+struct Endpoints(Vec<(&'static str, RouteSeries)>);
+
+impl Endpoints {
+    fn new(metrics: &Metrics, listener: &'static str, h2: bool) -> Endpoints {
+        Endpoints(crate::admin::ENDPOINTS.iter().map(|e| (*e, metrics.route_series(listener, e, h2))).collect())
+    }
+
+    /// Counts a request to `path` once its answer is ready.
+    fn start(self: &Arc<Self>, path: &str, version: http::Version) -> Served {
+        let endpoint = crate::admin::endpoint(path);
+        let i = self.0.iter().position(|(e, _)| *e == endpoint).unwrap_or(0);
+        Served { endpoints: self.clone(), i, version, started: Instant::now() }
+    }
+}
+
+/// A request on its way, to be counted with its status.
+struct Served {
+    endpoints: Arc<Endpoints>,
+    i: usize,
+    version: http::Version,
+    started: Instant,
+}
+
+impl Served {
+    fn answered(self, status: http::StatusCode) {
+        if let Some((_, series)) = self.endpoints.0.get(self.i) {
+            series.record(self.version, status.as_u16(), self.started.elapsed());
+        }
     }
 }
 
@@ -161,7 +220,7 @@ struct Conn {
     http: Http,
     stop: CancellationToken,
     metrics: Option<Arc<Metrics>>,
-    served: Option<ProtocolCounters>,
+    served: Option<Arc<Endpoints>>,
 }
 
 impl Conn {
@@ -174,11 +233,15 @@ impl Conn {
         let Some(tls) = tls else {
             let (peer, served) = (self.peer, self.served.clone());
             let service = service_fn(move |req: http::Request<hyper::body::Incoming>| {
-                if let Some(s) = &served {
-                    s.served(req.version());
-                }
+                let counted = served.as_ref().map(|s| s.start(req.uri().path(), req.version()));
                 let fut = handler(req, peer);
-                async move { Ok::<_, Infallible>(fut.await) }
+                async move {
+                    let resp = fut.await;
+                    if let Some(c) = counted {
+                        c.answered(resp.status());
+                    }
+                    Ok::<_, Infallible>(resp)
+                }
             });
             let conn = pin!(self.http.h1.serve_connection(TokioIo::new(sock), service));
             return self.drive(conn, |c| c.graceful_shutdown()).await;
@@ -219,17 +282,22 @@ impl Conn {
         let service = service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
             // Open from here until its response body is done.
             let in_use = seen.begin();
-            if let Some(s) = &served {
-                s.served(req.version());
-            }
+            let counted = served.as_ref().map(|s| s.start(req.uri().path(), req.version()));
             if let Some(cert) = &client {
                 req.extensions_mut().insert(cert.clone());
             }
             let fut = handler(req, peer);
-            async move { Ok::<_, Infallible>(fut.await.map(|body| Tracked::new(body, in_use))) }
+            async move {
+                let resp = fut.await;
+                if let Some(c) = counted {
+                    c.answered(resp.status());
+                }
+                Ok::<_, Infallible>(resp.map(|body| Tracked::new(body, in_use)))
+            }
         });
         let io = TokioIo::new(accepted.stream);
-        let conn = pin!(self.http.auto.serve_connection(io, service));
+        let builder = if tls.speaks_h2() { &self.http.auto } else { &self.http.auto_h1 };
+        let conn = pin!(builder.serve_connection(io, service));
         self.drive_bounded(conn, &activity, |c| c.graceful_shutdown()).await
     }
 

@@ -12,7 +12,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 /// How a request on an idempotent route ended, as counted in
-/// `idemgate_requests_total{outcome}`.
+/// `idemgate_requests_total{operation,outcome}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
     /// First request: claimed, forwarded, recorded.
@@ -79,7 +79,7 @@ impl Outcome {
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
-    route: String,
+    operation: String,
     outcome: &'static str,
 }
 
@@ -351,6 +351,7 @@ pub struct Metrics {
     /// Configuration reloads (SIGHUP), applied or refused.
     reloads: Family<ResultLabels, Counter>,
     tls: tls::TlsMetrics,
+    http: http::HttpMetrics,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -377,7 +378,7 @@ impl Metrics {
         root.register_collector(Box::new(crate::metrics::process::ProcessCollector));
         let registry = root.sub_registry_with_prefix("idemgate");
         let requests = Family::<RequestLabels, Counter>::default();
-        registry.register("requests", "Requests on idempotent routes by route and outcome", requests.clone());
+        registry.register("requests", "Requests on idempotent routes by operation and outcome", requests.clone());
         let store_latency: HistogramFamily<OpLabels> = Family::new_with_constructor(latency_histogram);
         registry.register("store_duration_seconds", "Store operation latency", store_latency.clone());
         let store_errors = Family::<OpLabels, Counter>::default();
@@ -465,6 +466,7 @@ impl Metrics {
             let _ = reloads.get_or_create(&ResultLabels { result });
         }
         let tls = tls::TlsMetrics::register(registry);
+        let http = http::HttpMetrics::register(registry);
         let build = prometheus_client::metrics::info::Info::new(VersionLabels { version: env!("CARGO_PKG_VERSION") });
         registry.register("build", "The running version", build);
         for reason in REJECTION_REASONS {
@@ -509,6 +511,7 @@ impl Metrics {
             draining,
             reloads,
             tls,
+            http,
         }
     }
 
@@ -570,6 +573,7 @@ impl Metrics {
             for reason in PASSTHROUGH_FAILURES {
                 let _ = self.passthrough_failures.get_or_create(&UpstreamReasonLabels { upstream: upstream.to_owned(), reason });
             }
+            self.declare_upstream_errors(upstream);
         }
     }
 
@@ -603,7 +607,7 @@ impl Metrics {
     pub fn declare_operations<'a>(&self, operations: impl IntoIterator<Item = (&'a str, bool)>) {
         for (operation, is_async) in operations {
             for outcome in Outcome::OF_ROUTES {
-                let _ = self.requests.get_or_create(&RequestLabels { route: operation.to_owned(), outcome: outcome.as_str() });
+                let _ = self.requests.get_or_create(&RequestLabels { operation: operation.to_owned(), outcome: outcome.as_str() });
             }
             for state in crate::record::State::ALL {
                 if state == crate::record::State::Completed {
@@ -680,8 +684,8 @@ impl Metrics {
         self.requeued.inc_by(n);
     }
 
-    pub fn request(&self, route: &str, outcome: Outcome) {
-        self.requests.get_or_create(&RequestLabels { route: route.to_owned(), outcome: outcome.as_str() }).inc();
+    pub fn request(&self, operation: &str, outcome: Outcome) {
+        self.requests.get_or_create(&RequestLabels { operation: operation.to_owned(), outcome: outcome.as_str() }).inc();
     }
 
     pub fn observe_store(&self, op: &'static str, elapsed: Duration, ok: bool) {
@@ -724,9 +728,10 @@ impl Metrics {
     }
 }
 
+mod http;
 mod process;
 mod tls;
-pub use tls::ProtocolCounters;
+pub use http::{RouteSeries, UpstreamErrorKind};
 
 #[cfg(test)]
 mod tests {
@@ -739,7 +744,7 @@ mod tests {
         m.declare_upstreams(["orders"]);
         let text = m.encode();
         for series in [
-            r#"idemgate_requests_total{route="create_order",outcome="unknown"} 0"#,
+            r#"idemgate_requests_total{operation="create_order",outcome="unknown"} 0"#,
             r#"idemgate_rejections_total{reason="not-found"} 0"#,
             r#"idemgate_rejections_total{reason="unauthenticated"} 0"#,
             r#"idemgate_passthrough_requests_total{upstream="orders"} 0"#,
@@ -764,7 +769,7 @@ mod tests {
         m.observe_upstream("orders", Duration::from_millis(20));
         m.fenced_write("complete");
         let text = m.encode();
-        assert!(text.contains(r#"idemgate_requests_total{route="create_order",outcome="replayed"} 2"#), "{text}");
+        assert!(text.contains(r#"idemgate_requests_total{operation="create_order",outcome="replayed"} 2"#), "{text}");
         assert!(text.contains(r#"idemgate_store_duration_seconds_count{op="claim"} 1"#), "{text}");
         assert!(text.contains(r#"idemgate_upstream_duration_seconds_count{upstream="orders"} 1"#), "{text}");
         assert!(text.contains(r#"idemgate_fenced_writes_total{op="complete"} 1"#), "{text}");

@@ -2,6 +2,9 @@
 //! whose key is optional and absent, unmatched paths to the default upstream.
 //! Streamed both ways; nothing is read whole, nothing is recorded.
 
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+
 use http::{Request, Response, request};
 use hyper::body::Incoming;
 
@@ -12,18 +15,24 @@ use crate::upstream::{Upstream, UpstreamError, error_chain};
 
 /// Proxies `req` to `upstream`; upstream failures become 502/504 problems.
 pub async fn pass_through(upstream: &Upstream, req: Request<Incoming>, request_body_timeout: std::time::Duration) -> Response<Body> {
-    try_pass_through(upstream, req, request_body_timeout).await.unwrap_or_else(|e| problem::response(&e))
+    try_pass_through(upstream, req, request_body_timeout, None).await.unwrap_or_else(|e| problem::response(&e))
 }
 
 /// [`pass_through`], with an upstream failure as the error it is answered with
-/// (so the caller can name the request in the problem and count it).
+/// (so the caller can name the request in the problem and count it); the
+/// request body's bytes are added to `bytes_in` as they stream.
 pub async fn try_pass_through(
     upstream: &Upstream,
     req: Request<Incoming>,
     request_body_timeout: std::time::Duration,
+    bytes_in: Option<Arc<AtomicU64>>,
 ) -> Result<Response<Body>, GatewayError> {
     let (parts, body) = req.into_parts();
-    try_forward(upstream, parts, Body::stream(body, request_body_timeout)).await
+    let body = match bytes_in {
+        Some(counted) => Body::stream_counted(body, request_body_timeout, counted),
+        None => Body::stream(body, request_body_timeout),
+    };
+    try_forward(upstream, parts, body).await
 }
 
 /// Proxies a request whose body is already at hand (read to find its key

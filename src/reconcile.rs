@@ -118,7 +118,7 @@ impl Reconciler {
             .iter()
             .filter_map(|r| {
                 let probe = r.reconcile.clone()?;
-                let upstream = Upstream::new(config.upstreams.get(r.upstream)?.clone());
+                let upstream = Upstream::new(config.upstreams.get(r.upstream)?.clone()).counted_by(metrics.clone());
                 let hold = upstream.config.timeout + config.store.operation_timeout * 2 + Duration::from_secs(1);
                 Some(Probed { route: Arc::new(r.clone()), probe, upstream, hold })
             })

@@ -41,7 +41,7 @@ pub enum ServeError {
     },
     #[error("{section}.tls.{}: {source}", source.key)]
     Tls { section: &'static str, source: LoadError },
-    #[error("store: {0}")]
+    #[error(transparent)]
     Start(#[from] StartError),
 }
 

@@ -28,6 +28,7 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::body::Body;
 use crate::headers::{self, strip_hop_by_hop};
+use crate::metrics::UpstreamErrorKind;
 
 mod pool;
 
@@ -63,19 +64,29 @@ pub enum Executed {
 #[derive(Debug, thiserror::Error)]
 pub enum UpstreamError {
     #[error("cannot connect to upstream {upstream}: {detail}")]
-    Connect { upstream: String, detail: String },
+    Connect { upstream: String, detail: String, kind: UpstreamErrorKind },
     /// A connection closed before it took the request: nothing was written.
     #[error("upstream {upstream} closed the connection before the request was sent: {detail}")]
     NotSent { upstream: String, detail: String },
     #[error("upstream {upstream} did not answer within {timeout:?}")]
     Timeout { upstream: String, timeout: Duration },
     #[error("exchange with upstream {upstream} failed: {detail}")]
-    Broken { upstream: String, detail: String },
+    Broken { upstream: String, detail: String, kind: UpstreamErrorKind },
     #[error("invalid upstream request: {0}")]
     InvalidRequest(String),
 }
 
 impl UpstreamError {
+    /// What kind of failure it was (`idemgate_upstream_errors_total{kind}`).
+    pub fn kind(&self) -> UpstreamErrorKind {
+        match self {
+            UpstreamError::Connect { kind, .. } | UpstreamError::Broken { kind, .. } => *kind,
+            UpstreamError::NotSent { .. } => UpstreamErrorKind::Reset,
+            UpstreamError::Timeout { .. } => UpstreamErrorKind::Timeout,
+            UpstreamError::InvalidRequest(_) => UpstreamErrorKind::Other,
+        }
+    }
+
     pub fn executed(&self) -> Executed {
         match self {
             UpstreamError::Connect { .. } | UpstreamError::NotSent { .. } | UpstreamError::InvalidRequest(_) => Executed::No,
@@ -93,10 +104,55 @@ impl UpstreamError {
 #[derive(Debug, Clone, Copy)]
 pub struct UpstreamLatency(pub Duration);
 
+/// The address of the upstream connection a response came on, carried in
+/// the response's extensions for the access log.
+#[derive(Debug, Clone, Copy)]
+pub struct UpstreamAddr(pub std::net::SocketAddr);
+
+/// What kind of failure an error and its sources describe: the first
+/// I/O error, TLS error, connect timeout or closed connection met along the
+/// chain decides.
+pub fn kind_of(e: &(dyn std::error::Error + 'static)) -> UpstreamErrorKind {
+    use std::io::ErrorKind as Io;
+    let mut next = Some(e);
+    while let Some(e) = next {
+        if e.is::<ConnectTimedOut>() {
+            return UpstreamErrorKind::Timeout;
+        }
+        if e.is::<rustls::Error>() {
+            return UpstreamErrorKind::Tls;
+        }
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            // An I/O error hides what it wraps from `source()`.
+            if io.get_ref().is_some_and(|inner| inner.is::<rustls::Error>()) {
+                return UpstreamErrorKind::Tls;
+            }
+            match io.kind() {
+                Io::ConnectionRefused => return UpstreamErrorKind::Refused,
+                Io::ConnectionReset | Io::ConnectionAborted | Io::BrokenPipe | Io::UnexpectedEof => return UpstreamErrorKind::Reset,
+                Io::TimedOut => return UpstreamErrorKind::Timeout,
+                _ => {}
+            }
+        }
+        if let Some(h) = e.downcast_ref::<hyper::Error>() {
+            if h.is_timeout() {
+                return UpstreamErrorKind::Timeout;
+            }
+            if h.is_incomplete_message() || h.is_closed() || h.is_canceled() {
+                return UpstreamErrorKind::Reset;
+            }
+        }
+        next = e.source();
+    }
+    UpstreamErrorKind::Other
+}
+
 /// One configured upstream and its connection pool.
 #[derive(Debug, Clone)]
 pub struct Upstream {
     pub config: UpstreamConfig,
+    /// Where failed exchanges are counted (`idemgate_upstream_errors_total`).
+    errors: Option<std::sync::Arc<crate::metrics::Metrics>>,
     /// https upstreams (HTTP/2 by ALPN), and CONNECT requests.
     client: Client<BoundedConnect<HttpsConnector<HttpConnector>>, Body>,
     /// Plain `http://` upstreams.
@@ -121,7 +177,21 @@ impl Upstream {
             .pool_idle_timeout(config.pool_idle_timeout)
             .pool_max_idle_per_host(config.pool_max_idle)
             .build(connector);
-        Upstream { config, client, http1 }
+        Upstream { config, errors: None, client, http1 }
+    }
+
+    /// Counts this upstream's failed exchanges in `metrics`.
+    pub fn counted_by(mut self, metrics: std::sync::Arc<crate::metrics::Metrics>) -> Upstream {
+        self.errors = Some(metrics);
+        self
+    }
+
+    /// A failed exchange whose error is not one `send` returned (a response
+    /// body that broke off, read by the caller).
+    pub fn count_error(&self, e: &UpstreamError) {
+        if let Some(m) = &self.errors {
+            m.upstream_error(&self.config.name, e.kind());
+        }
     }
 
     pub fn name(&self) -> &str {
@@ -187,22 +257,31 @@ impl Upstream {
             }
         };
         let sent = tokio::time::timeout_at(deadline, sending).await;
-        match sent {
+        let failed = match sent {
             Ok(Ok(mut resp)) => {
                 resp.extensions_mut().insert(UpstreamLatency(started.elapsed()));
-                Ok(resp)
+                return Ok(resp);
             }
-            Ok(Err(e)) => Err(e),
-            Err(_) => Err(UpstreamError::Timeout { upstream: self.config.name.clone(), timeout: self.config.timeout }),
-        }
+            Ok(Err(e)) => e,
+            Err(_) => UpstreamError::Timeout { upstream: self.config.name.clone(), timeout: self.config.timeout },
+        };
+        self.count_error(&failed);
+        Err(failed)
     }
 
     /// Through hyper-util's client: https upstreams, CONNECT.
     async fn legacy(&self, req: Request<Body>) -> Result<Response<ResponseBody>, UpstreamError> {
         match self.client.request(req).await {
-            Ok(resp) => Ok(resp.map(ResponseBody::from)),
-            Err(e) if e.is_connect() => Err(UpstreamError::Connect { upstream: self.config.name.clone(), detail: error_chain(&e) }),
-            Err(e) => Err(UpstreamError::Broken { upstream: self.config.name.clone(), detail: error_chain(&e) }),
+            Ok(mut resp) => {
+                if let Some(addr) = resp.extensions().get::<hyper_util::client::legacy::connect::HttpInfo>().map(|i| i.remote_addr()) {
+                    resp.extensions_mut().insert(UpstreamAddr(addr));
+                }
+                Ok(resp.map(ResponseBody::from))
+            }
+            Err(e) if e.is_connect() => {
+                Err(UpstreamError::Connect { upstream: self.config.name.clone(), detail: error_chain(&e), kind: kind_of(&e) })
+            }
+            Err(e) => Err(UpstreamError::Broken { upstream: self.config.name.clone(), detail: error_chain(&e), kind: kind_of(&e) }),
         }
     }
 }

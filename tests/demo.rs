@@ -319,7 +319,7 @@ fn printed_script_works_when_pasted_into_bash() {
     assert_eq!(records[0]["state"], "unknown", "step 7: {listed}");
 
     let metrics = bash(&steps["Metrics"], &home);
-    assert!(metrics.contains(r#"idemgate_requests_total{route="create_order",outcome="replayed"} 1"#), "{metrics}");
+    assert!(metrics.contains(r#"idemgate_requests_total{operation="create_order",outcome="replayed"} 1"#), "{metrics}");
 
     // Ctrl-C / SIGTERM: a clean exit.
     let (status, took) = demo.terminate(Duration::from_secs(10));

@@ -588,11 +588,11 @@ async fn late_result_write_after_takeover_is_fenced() {
     // The request itself counts as fenced once its write returned, not as forwarded.
     let counted = eventually(Duration::from_secs(5), || {
         let a = &a;
-        async move { metric(a, r#"idemgate_requests_total{route="create_order",outcome="fenced"}"#).await == 1.0 }
+        async move { metric(a, r#"idemgate_requests_total{operation="create_order",outcome="fenced"}"#).await == 1.0 }
     })
     .await;
     assert!(counted, "A counted its request as fenced:\n{}", a.logs());
-    assert_eq!(metric(&a, r#"idemgate_requests_total{route="create_order",outcome="forwarded"}"#).await, 0.0);
+    assert_eq!(metric(&a, r#"idemgate_requests_total{operation="create_order",outcome="forwarded"}"#).await, 0.0);
 
     assert_eq!(up.side_effects(&derived("k")), 1);
 }

@@ -334,7 +334,7 @@ async fn observe_mode_passes_a_duplicate_and_a_conflicting_reuse_through(backend
     assert_eq!(metric(&gw, &would("conflict")).await, 1.0);
     assert_eq!(metric(&gw, &would("reject_in_flight")).await, 0.0);
     assert_eq!(metric(&gw, SKIPPED).await, 0.0);
-    assert_eq!(metric(&gw, r#"idemgate_requests_total{route="create_order",outcome="passthrough"}"#).await, 4.0);
+    assert_eq!(metric(&gw, r#"idemgate_requests_total{operation="create_order",outcome="passthrough"}"#).await, 4.0);
     assert_eq!(gw.log_count(r#""would":"replay""#), 1, "{}", gw.logs());
     assert_eq!(gw.log_count(r#""would":"conflict""#), 1);
     assert_eq!(gw.log_count(key) + gw.log_count(other), 0, "keys are never logged");

@@ -610,9 +610,9 @@ async fn metrics_and_health(backend: Backend) {
     let m = send("GET", &gw.admin_url("/metrics"), &[], "").await.unwrap();
     let text = String::from_utf8_lossy(&m.body);
     for needle in [
-        r#"idemgate_requests_total{route="create_order",outcome="forwarded"} 1"#,
-        r#"idemgate_requests_total{route="create_order",outcome="replayed"} 1"#,
-        r#"idemgate_requests_total{route="create_order",outcome="mismatch"} 1"#,
+        r#"idemgate_requests_total{operation="create_order",outcome="forwarded"} 1"#,
+        r#"idemgate_requests_total{operation="create_order",outcome="replayed"} 1"#,
+        r#"idemgate_requests_total{operation="create_order",outcome="mismatch"} 1"#,
         r#"idemgate_store_duration_seconds_count{op="claim"}"#,
         r#"idemgate_upstream_duration_seconds_count{upstream="orders"} 1"#,
     ] {

@@ -84,7 +84,16 @@ async fn h2_streams_of_one_key_over_one_connection_execute_once(backend: Backend
     let metrics = send("GET", &gw.admin_url("/metrics"), &[], "").await.unwrap();
     let text = String::from_utf8_lossy(&metrics.body);
     assert!(text.contains(r#"idemgate_tls_handshakes_total{listener="proxy",result="ok"} 1"#), "{text}");
-    assert!(text.contains(r#"idemgate_http_requests_total{listener="proxy",protocol="h2"} 12"#), "{text}");
+    let h2: f64 = text
+        .lines()
+        .filter(|l| l.starts_with(r#"idemgate_http_requests_total{listener="proxy","#) && l.contains(r#"protocol="h2""#))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(h2, 12.0, "{text}");
+    assert!(
+        text.contains(r#"idemgate_http_requests_total{listener="proxy",operation="create_order",protocol="h2",code_class="2xx"}"#),
+        "{text}"
+    );
     let expiry: i64 = text
         .lines()
         .find_map(|l| l.strip_prefix(r#"idemgate_tls_certificate_expiry_timestamp_seconds{listener="proxy"} "#))
@@ -193,6 +202,15 @@ async fn the_admin_listener_speaks_https() {
     assert!(send("GET", &gw.admin_url("/healthz"), &[], "").await.is_err(), "no plain HTTP on the admin listener");
     // The proxy listener stays plain.
     assert_eq!(post(&gw.url("/v1/orders"), "k", ORDER, &[]).await.status, 201);
+    // Neither listener speaks HTTP/2 (the admin listener offers only
+    // http/1.1): no h2 series.
+    let m = h1_send(admin, pki.client_config(None, &[b"http/1.1"]), "GET", "/metrics", &[], "").await.unwrap();
+    let text = String::from_utf8_lossy(&m.body);
+    assert!(
+        text.contains(r#"idemgate_http_requests_total{listener="admin",operation="healthz",protocol="h1",code_class="2xx"} 1"#),
+        "{text}"
+    );
+    assert!(!text.contains(r#"protocol="h2""#), "{text}");
 }
 
 fn check_config(text: &str, dir: &std::path::Path) -> (bool, String) {
@@ -312,7 +330,10 @@ async fn an_https_upstream_with_a_private_ca_is_reached_over_h2() {
     assert_eq!(up.total(), 1);
     let metrics = send("GET", &inner.admin_url("/metrics"), &[], "").await.unwrap();
     let text = String::from_utf8_lossy(&metrics.body);
-    assert!(text.contains(r#"idemgate_http_requests_total{listener="proxy",protocol="h2"} 1"#), "the upstream hop was HTTP/2:\n{text}");
+    assert!(
+        text.contains(r#"idemgate_http_requests_total{listener="proxy",operation="create_order",protocol="h2",code_class="2xx"} 1"#),
+        "the upstream hop was HTTP/2:\n{text}"
+    );
 }
 
 /// A TLS handshake with the upstream that fails (a certificate from a CA it

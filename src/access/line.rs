@@ -62,7 +62,8 @@ pub fn write(buf: &mut Vec<u8>, format: LineFormat, line: &AccessLine<'_>) {
     if let Some(p) = t.problem {
         out.string("problem", p);
     }
-    out.string("request_id", line.request_id.to_str().unwrap_or_default());
+    // Bare in text (ids hold no space or quote): `grep 'request_id=<id>'`.
+    out.bare("request_id", line.request_id.to_str().unwrap_or_default());
     out.name("client");
     match format {
         LineFormat::Text => address(out.buf, line.peer),
@@ -71,6 +72,31 @@ pub fn write(buf: &mut Vec<u8>, format: LineFormat, line: &AccessLine<'_>) {
             address(out.buf, line.peer);
             out.buf.push(b'"');
         }
+    }
+    if let Some(id) = line.client_request_id {
+        // The client's text: quoted and escaped.
+        out.string("client_request_id", id);
+    }
+    out.bare("http_version", line.http_version);
+    if let Some(n) = line.bytes_in {
+        out.number("bytes_in", n);
+    }
+    if let Some(n) = line.bytes_out {
+        out.number("bytes_out", n);
+    }
+    if let Some(addr) = line.upstream_addr {
+        out.name("upstream_addr");
+        let quote = format == LineFormat::Json;
+        if quote {
+            out.buf.push(b'"');
+        }
+        let _ = write!(out.buf, "{addr}");
+        if quote {
+            out.buf.push(b'"');
+        }
+    }
+    if let Some(id) = line.trace_id {
+        out.bare("trace_id", id);
     }
     match format {
         LineFormat::Text => out.buf.push(b'\n'),
@@ -228,6 +254,12 @@ mod tests {
             upstream_latency: Some(Duration::from_micros(1_005)),
             request_id: &id,
             trace,
+            client_request_id: Some("client's \"own\" id"),
+            http_version: "HTTP/1.1",
+            bytes_in: Some(15),
+            bytes_out: Some(2_048),
+            upstream_addr: Some("127.0.0.1:9000".parse().unwrap()),
+            trace_id: Some("4bf92f3577b34da6a3ce929d0e0e4736"),
         })
     }
 
@@ -242,6 +274,7 @@ mod tests {
             outcome: Some(Outcome::Forwarded),
             scope: None,
             problem: Some("in \"quotes\"\n"),
+            ..Trace::default()
         };
         let mut buf = Vec::new();
         sample(&mut buf, LineFormat::Json, &trace);
@@ -260,6 +293,12 @@ mod tests {
         assert_eq!(v["problem"], "in \"quotes\"\n", "escaped, and one line");
         assert_eq!(v["request_id"], "0123abcd");
         assert_eq!(v["client"], "127.0.0.1");
+        assert_eq!(v["client_request_id"], "client's \"own\" id");
+        assert_eq!(v["http_version"], "HTTP/1.1");
+        assert_eq!(v["bytes_in"], 15);
+        assert_eq!(v["bytes_out"], 2048);
+        assert_eq!(v["upstream_addr"], "127.0.0.1:9000");
+        assert_eq!(v["trace_id"], "4bf92f3577b34da6a3ce929d0e0e4736");
         assert!(v.get("scope").is_none(), "absent fields are left out");
         let ts = v["timestamp"].as_str().unwrap();
         assert!(humantime::parse_rfc3339(ts).is_ok(), "{ts}");
@@ -267,7 +306,7 @@ mod tests {
 
     #[test]
     fn text_lines_look_like_the_subscribers() {
-        let trace = Trace { route: RouteLabel::PassThrough, outcome: None, scope: None, problem: None };
+        let trace = Trace { route: RouteLabel::PassThrough, ..Trace::default() };
         let mut buf = Vec::new();
         sample(&mut buf, LineFormat::Text, &trace);
         let text = String::from_utf8(buf).unwrap();
@@ -276,7 +315,8 @@ mod tests {
         assert_eq!(
             rest,
             "INFO idemgate::access: request method=POST path=\"/v1/orders\" route=\"passthrough\" status=201 \
-             latency_ms=1.234 upstream_ms=1.005 request_id=\"0123abcd\" client=127.0.0.1\n"
+             latency_ms=1.234 upstream_ms=1.005 request_id=0123abcd client=127.0.0.1 client_request_id=\"client's \\\"own\\\" id\" \
+             http_version=HTTP/1.1 bytes_in=15 bytes_out=2048 upstream_addr=127.0.0.1:9000 trace_id=4bf92f3577b34da6a3ce929d0e0e4736\n"
         );
     }
 
@@ -315,6 +355,7 @@ mod tests {
             outcome: Some(Outcome::Replayed),
             scope: Some(crate::scope::ScopeId(0x1234_5678_9abc_def0)),
             problem: Some("conflict"),
+            ..Trace::default()
         };
         let mut json = Vec::new();
         sample(&mut json, LineFormat::Json, &trace);

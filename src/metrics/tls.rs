@@ -1,5 +1,5 @@
-//! Transport metrics: TLS handshakes by result, served requests by protocol,
-//! and the served certificates' expiry.
+//! Transport metrics: TLS handshakes by result and the served certificates'
+//! expiry.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -17,37 +17,13 @@ struct HandshakeLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ProtocolLabels {
-    listener: &'static str,
-    protocol: &'static str,
-}
-
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ListenerLabels {
     listener: &'static str,
-}
-
-/// A listener's requests by protocol.
-#[derive(Debug, Clone)]
-pub struct ProtocolCounters {
-    h1: Counter,
-    h2: Counter,
-}
-
-impl ProtocolCounters {
-    pub fn served(&self, version: http::Version) {
-        if version == http::Version::HTTP_2 {
-            self.h2.inc()
-        } else {
-            self.h1.inc()
-        };
-    }
 }
 
 #[derive(Debug, Default)]
 pub(super) struct TlsMetrics {
     handshakes: Family<HandshakeLabels, Counter>,
-    protocols: Family<ProtocolLabels, Counter>,
     expiry: Family<ListenerLabels, Gauge>,
 }
 
@@ -59,7 +35,6 @@ impl TlsMetrics {
             "TLS handshakes on a listener by result (ok, or why it failed: timeout, no_client_certificate, bad_certificate, incompatible, closed, protocol)",
             m.handshakes.clone(),
         );
-        registry.register("http_requests", "Requests served by listener and protocol (h1, h2)", m.protocols.clone());
         registry.register(
             "tls_certificate_expiry_timestamp_seconds",
             "When the certificate a TLS listener serves expires (seconds since the epoch)",
@@ -86,13 +61,6 @@ impl Metrics {
         self.tls.handshakes.get_or_create(&HandshakeLabels { listener, result: reason.as_str() }).inc();
     }
 
-    /// The listener's `http_requests_total` counters, resolved once so a
-    /// request only increments one.
-    pub fn protocol_counters(&self, listener: &'static str) -> ProtocolCounters {
-        let get = |protocol| self.tls.protocols.get_or_create(&ProtocolLabels { listener, protocol }).clone();
-        ProtocolCounters { h1: get("h1"), h2: get("h2") }
-    }
-
     pub fn set_certificate_expiry(&self, listener: &'static str, not_after: Option<i64>) {
         self.tls.expiry.get_or_create(&ListenerLabels { listener }).set(not_after.unwrap_or(0));
     }
@@ -108,15 +76,12 @@ mod tests {
         m.declare_tls_listener("proxy");
         m.tls_handshake_ok("proxy");
         m.tls_handshake_failed("proxy", HandshakeFailure::Timeout);
-        m.protocol_counters("proxy").served(http::Version::HTTP_2);
         m.set_certificate_expiry("proxy", Some(1_900_000_000));
         let text = m.encode();
         for line in [
             r#"idemgate_tls_handshakes_total{listener="proxy",result="ok"} 1"#,
             r#"idemgate_tls_handshakes_total{listener="proxy",result="timeout"} 1"#,
             r#"idemgate_tls_handshakes_total{listener="proxy",result="bad_certificate"} 0"#,
-            r#"idemgate_http_requests_total{listener="proxy",protocol="h2"} 1"#,
-            r#"idemgate_http_requests_total{listener="proxy",protocol="h1"} 0"#,
             r#"idemgate_tls_certificate_expiry_timestamp_seconds{listener="proxy"} 1900000000"#,
         ] {
             assert!(text.contains(line), "{line} missing from\n{text}");

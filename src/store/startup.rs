@@ -25,7 +25,7 @@ const MAX_RETRY: Duration = Duration::from_secs(10);
 /// Why the store could not be brought up.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    #[error(transparent)]
+    #[error("store: {0}")]
     Store(#[from] StoreError),
     #[error(
         "the store has no derived-key secret (it was never migrated to this version): run `idemgate migrate`, or set server.derived_key_secret_env"

@@ -206,6 +206,11 @@ impl TlsListener {
     }
 
     /// The served certificate's notAfter (seconds since the epoch), if known.
+    /// Whether the listener offers HTTP/2 (by ALPN).
+    pub fn speaks_h2(&self) -> bool {
+        self.alpn.contains(&&b"h2"[..])
+    }
+
     pub fn expires(&self) -> Option<i64> {
         Some(self.expires.load(Ordering::Relaxed)).filter(|t| *t != 0)
     }

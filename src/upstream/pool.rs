@@ -50,6 +50,8 @@ const MAX_UNSENT_RETRIES: usize = 4;
 struct Conn {
     sender: SendRequest<Body>,
     driver: http1::Connection<TokioIo<TcpStream>, Body>,
+    /// The upstream's address on this connection (for the access log).
+    peer: Option<std::net::SocketAddr>,
 }
 
 impl Conn {
@@ -204,9 +206,13 @@ impl Http1Pool {
                 Some(conn) => (conn, true),
                 None => (Box::pin(self.connect(upstream)).await?, false),
             };
+            let peer = conn.peer;
             match exchange(conn, req).await {
                 Ok((resp, conn)) => {
-                    let (head, body) = resp.into_parts();
+                    let (mut head, body) = resp.into_parts();
+                    if let Some(addr) = peer {
+                        head.extensions.insert(super::UpstreamAddr(addr));
+                    }
                     let lease = conn.map(|conn| Box::new(Lease { conn, pool: self.shared.clone() }) as Box<dyn Lent>);
                     let mut body = ResponseBody::lent(body, lease);
                     if hyper::body::Body::is_end_stream(&body) {
@@ -224,7 +230,9 @@ impl Http1Pool {
                     req = *unsent;
                 }
                 Err(Failed::Unsent(_, e)) => return Err(UpstreamError::NotSent { upstream: upstream.to_owned(), detail: error_chain(&e) }),
-                Err(Failed::Broken(e)) => return Err(UpstreamError::Broken { upstream: upstream.to_owned(), detail: error_chain(&e) }),
+                Err(Failed::Broken(e)) => {
+                    return Err(UpstreamError::Broken { upstream: upstream.to_owned(), detail: error_chain(&e), kind: super::kind_of(&e) });
+                }
             }
         }
     }
@@ -233,12 +241,17 @@ impl Http1Pool {
     /// does for the legacy client; any failure is a connect error (nothing
     /// was sent).
     async fn connect(&self, upstream: &str) -> Result<Box<Conn>, UpstreamError> {
-        let failed = |detail: String| UpstreamError::Connect { upstream: upstream.to_owned(), detail };
+        let failed = |e: &(dyn std::error::Error + 'static)| UpstreamError::Connect {
+            upstream: upstream.to_owned(),
+            detail: error_chain(e),
+            kind: super::kind_of(e),
+        };
         let mut connector = self.connector.clone();
-        poll_fn(|cx| tower_service::Service::poll_ready(&mut connector, cx)).await.map_err(|e| failed(error_chain(&*e)))?;
-        let io = tower_service::Service::call(&mut connector, self.base.clone()).await.map_err(|e| failed(error_chain(&*e)))?;
-        let (sender, driver) = http1::Builder::new().handshake(io).await.map_err(|e| failed(error_chain(&e)))?;
-        Ok(Box::new(Conn { sender, driver }))
+        poll_fn(|cx| tower_service::Service::poll_ready(&mut connector, cx)).await.map_err(|e| failed(&*e))?;
+        let io = tower_service::Service::call(&mut connector, self.base.clone()).await.map_err(|e| failed(&*e))?;
+        let peer = io.inner().peer_addr().ok();
+        let (sender, driver) = http1::Builder::new().handshake(io).await.map_err(|e| failed(&e))?;
+        Ok(Box::new(Conn { sender, driver, peer }))
     }
 }
 
