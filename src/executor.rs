@@ -259,15 +259,14 @@ impl Executor {
         outcome
     }
 
-    /// Renews the lease until a heartbeat is fenced (never returns otherwise),
-    /// and never once the attempt is `recording` its outcome.
+    /// Renews the lease until a heartbeat is fenced (never returns otherwise).
+    /// Renewals go on while the attempt is `recording` its outcome (a slow
+    /// final write keeps its lease), but a heartbeat fenced then is not a lost
+    /// lease: the final write itself may have fenced it.
     async fn heartbeats(&self, claim: &Claim, lease: Duration, recording: &AtomicBool) {
         let every = (lease / 3).max(Duration::from_millis(50));
         loop {
             tokio::time::sleep(every).await;
-            if recording.load(Ordering::Acquire) {
-                return std::future::pending().await;
-            }
             match self.store.heartbeat(claim, lease).await {
                 Ok(WriteOutcome::Written) => {}
                 // Fenced by the attempt's own final write, perhaps: let it tell.

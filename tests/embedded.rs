@@ -277,6 +277,10 @@ async fn store_files_are_private_to_their_owner() {
         assert_eq!(*mode, 0o600, "{file} is {mode:o}");
     }
 
+    // The result is written after the answer: wait for it (a retry replays)
+    // before the kill, so the restart finds the record completed.
+    let recorded = eventually(Duration::from_secs(10), || async { post(&gw.url("/v1/orders"), "k", ORDER, &[]).await.replayed() }).await;
+    assert!(recorded, "{}", gw.logs());
     // Loosened while the gateway is down (the files stay after a kill).
     gw.kill9();
     for (file, _) in &modes {
