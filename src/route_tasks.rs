@@ -18,7 +18,7 @@ use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::background;
+use crate::background::{self, LeaseWatch};
 use crate::config::Config;
 use crate::gateway::Gateway;
 use crate::metrics::Metrics;
@@ -38,6 +38,8 @@ pub struct RouteTasks {
     /// Where the workers run: the connections' tracker, so the drain waits
     /// for the attempts they hold.
     attempts: TaskTracker,
+    /// The record counter's word on live leases, for the reaper.
+    leases: Arc<LeaseWatch>,
     /// The process's cancellation root.
     shutdown: CancellationToken,
     /// Cancels the set running now (a child of `shutdown`).
@@ -50,22 +52,25 @@ impl RouteTasks {
         secret: DerivedKeySecret,
         background: TaskTracker,
         attempts: TaskTracker,
+        leases: Arc<LeaseWatch>,
         shutdown: CancellationToken,
     ) -> RouteTasks {
         let current = shutdown.child_token();
-        RouteTasks { metrics, secret, background, attempts, shutdown, current }
+        RouteTasks { metrics, secret, background, attempts, leases, shutdown, current }
     }
 
     /// Starts the tasks for `gateway` (built from `config`).
     pub fn start(&mut self, gateway: &Gateway, config: &Config) {
         let stop = self.current.clone();
         let store = gateway.store().clone();
+        self.leases.set_shortest_lease(gateway.routes().iter().map(|r| r.lease).min());
         background::spawn_reaper(
             &self.background,
             store.clone(),
             self.metrics.clone(),
             &config.store,
             gateway.reforwardable_operations(),
+            self.leases.clone(),
             stop.clone(),
         );
         if let Some(relay) = Relay::new(&gateway.routes(), store.clone(), self.metrics.clone()) {

@@ -195,7 +195,8 @@ impl Server {
         // Every series exists before the admin listener serves its first scrape.
         metrics.declare_upstreams(config.upstreams.iter().map(|u| u.name.as_str()));
         metrics.declare_operations(config.routes.iter().map(|r| (&*r.operation, r.mode == RouteMode::Async || r.allow_async)));
-        background::spawn_all(&background, gateway.store().clone(), metrics.clone(), &config.store, shutdown.clone());
+        let leases = background::LeaseWatch::new();
+        background::spawn_all(&background, gateway.store().clone(), metrics.clone(), &config.store, leases.clone(), shutdown.clone());
         // JWKS URLs: fetched now and then every jwks_refresh; a failed fetch
         // keeps the last good key set.
         for verifier in gateway.jwks_sources() {
@@ -205,7 +206,7 @@ impl Server {
         // workers follow the routes in force: a reload restarts them. Workers
         // run on this runtime, on the connections' tracker: the drain waits
         // for the attempts they hold.
-        let mut tasks = RouteTasks::new(metrics.clone(), secret.clone(), background.clone(), tracker.clone(), shutdown.clone());
+        let mut tasks = RouteTasks::new(metrics.clone(), secret.clone(), background.clone(), tracker.clone(), leases, shutdown.clone());
         tasks.start(&gateway, &config);
         // Requests are served by the gateway in force; a reload replaces it.
         let live = LiveGateway::new(gateway.clone());

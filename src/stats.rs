@@ -13,6 +13,15 @@ pub struct StateCount {
     pub count: i64,
     pub oldest_created_at: Timestamp,
     pub oldest_updated_at: Timestamp,
+    /// The earliest lease expiry among these records (in-flight and
+    /// processing records hold leases; other states may carry a stale one).
+    pub earliest_lease_expiry: Option<Timestamp>,
+}
+
+/// When the earliest live lease (an `in_flight` or `processing` record's)
+/// runs out, if any record holds one.
+pub fn earliest_live_lease(counts: &[StateCount]) -> Option<Timestamp> {
+    counts.iter().filter(|c| c.state.is_attempt()).filter_map(|c| c.earliest_lease_expiry).min()
 }
 
 /// The outbox's backlog.

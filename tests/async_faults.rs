@@ -267,3 +267,28 @@ async fn take_over_follows_the_lease_not_the_sweep_interval() {
     assert!(metric(&b, "idemgate_requeued_leases_total").await >= 1.0, "the take-over is counted");
     eprintln!("taken over {after:?} after the kill");
 }
+
+/// The same on a route whose upstream does not deduplicate: a worker killed
+/// -9 after sending leaves an attempt that may have run; another replica
+/// turns it `unknown` within moments of the lease's expiry (the sweep
+/// interval is 30 s) and never sends it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sent_attempt_of_a_dead_worker_turns_unknown_when_its_lease_runs_out() {
+    let backend = postgres_backend();
+    let up = TestUpstream::start().await;
+    let cfg = || async_config(&backend, &up, false, 1).sweep_interval("30s");
+    let mut a = Gateway::start(cfg());
+    let store = backend.open().await;
+    let mut received = up.subscribe();
+    let accepted = post(&a.url("/v1/orders"), "sent", ORDER, &[("x-test-sleep-ms", "3000")]).await;
+    assert_eq!(accepted.status, 202);
+    received.recv().await.unwrap();
+    a.kill9();
+    let killed = std::time::Instant::now();
+    let b = Gateway::start(cfg());
+    let rec = wait_final(&store, "sent", Duration::from_secs(10)).await;
+    assert_eq!(rec.state, State::Unknown, "{}", b.logs());
+    eprintln!("unknown {:?} after the kill", killed.elapsed());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(up.total(), 1, "never sent again");
+}

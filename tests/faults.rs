@@ -79,6 +79,41 @@ async fn gateway_killed_after_forward_before_record_ends_unknown() {
     assert_eq!(up.total(), 1, "never forwarded twice");
 }
 
+/// A replica killed mid-forward, and nobody retries: another replica turns
+/// the abandoned claim `unknown` (so the backlog, alerts and the reconciler
+/// see it) within moments of its lease's expiry, not at the next sweep
+/// (`sweep_interval` is an hour here). Never forwarded again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_replicas_claim_turns_unknown_when_its_lease_runs_out() {
+    let backend = postgres_backend();
+    let up = TestUpstream::start().await;
+    let cfg = || GatewayConfig::new(backend.clone(), up.url()).timeout("500ms").route("lease = \"1s\"").sweep_interval("1h");
+    let mut a = Gateway::start(cfg());
+    let b = Gateway::start(cfg());
+    let store = backend.open().await;
+    let mut received = up.subscribe();
+    let u = a.url("/v1/orders");
+    let headers = [
+        ("authorization", "Bearer test-key"),
+        ("content-type", "application/json"),
+        ("idempotency-key", "orphan"),
+        ("x-test-sleep-ms", "300"),
+    ];
+    let client = tokio::spawn(async move { send("POST", &u, &headers, ORDER).await });
+    received.recv().await.unwrap();
+    a.kill9();
+    let killed = std::time::Instant::now();
+    assert!(client.await.unwrap().is_err(), "the client lost its answer");
+    assert_eq!(record(&store, "orphan").await.unwrap().state, State::InFlight, "killed mid-forward: the claim stays");
+    // Lease 1 s: unknown within about a second of its expiry (an hour before
+    // the next sweep).
+    let unknown = eventually(Duration::from_secs(10), || async { record(&store, "orphan").await.unwrap().state == State::Unknown }).await;
+    assert!(unknown, "still {:?} {:?} after the kill:\n{}", record(&store, "orphan").await.unwrap().state, killed.elapsed(), b.logs());
+    eprintln!("unknown {:?} after the kill", killed.elapsed());
+    assert!(metric(&b, "idemgate_expired_leases_total").await >= 1.0, "the survivor's reaper turned it");
+    assert_eq!(up.total(), 1, "never forwarded again");
+}
+
 /// Same crash on a route whose upstream honours Idempotency-Key: the retry
 /// after the lease re-forwards with the same derived key and completes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

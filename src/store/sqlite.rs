@@ -914,7 +914,7 @@ impl RecordStore for SqliteStore {
         self.write(move |conn, _| {
             let mut st = conn
                 .prepare_cached(
-                    "SELECT operation, state, count(*), min(created_at), min(updated_at) FROM idemgate_records \
+                    "SELECT operation, state, count(*), min(created_at), min(updated_at), min(lease_expires_at) FROM idemgate_records \
                      WHERE state <> 'completed' GROUP BY operation, state",
                 )
                 .map_err(err)?;
@@ -929,6 +929,7 @@ impl RecordStore for SqliteStore {
                     count: row.get(2).map_err(c)?,
                     oldest_created_at: Timestamp(row.get(3).map_err(c)?),
                     oldest_updated_at: Timestamp(row.get(4).map_err(c)?),
+                    earliest_lease_expiry: row.get::<_, Option<i64>>(5).map_err(c)?.map(Timestamp),
                 });
             }
             Ok(out)

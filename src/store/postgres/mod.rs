@@ -828,6 +828,7 @@ impl RecordStore for PgStore {
                     count: row.try_get(2).map_err(c)?,
                     oldest_created_at: row.try_get(3).map_err(c)?,
                     oldest_updated_at: row.try_get(4).map_err(c)?,
+                    earliest_lease_expiry: row.try_get(5).map_err(c)?,
                 })
             })
             .collect()

@@ -652,7 +652,7 @@ pub(super) const EVENT_STATS: &str = "SELECT \
       WHERE q.delivery = 'parked')";
 
 /// Records not yet completed, through the partial index of open states.
-pub(super) const STATS: &str = "SELECT operation, state, count(*), min(created_at), min(updated_at) FROM idemgate_records \
+pub(super) const STATS: &str = "SELECT operation, state, count(*), min(created_at), min(updated_at), min(lease_expires_at) FROM idemgate_records \
      WHERE state <> 'completed' GROUP BY operation, state";
 
 /// The literal matches the partial index's predicate, so this counts over
