@@ -2043,7 +2043,10 @@ async fn the_reaper_decides_from_the_row_it_locked(backend: Backend) {
     for s in [&first, &sent] {
         claim(&store, &accept_req(s, 1)).await;
     }
-    let routes = [worker_route("create_order", SHORT)];
+    // A lease long enough that mark_sent surely starts inside it on a loaded
+    // machine (an UPDATE whose WHERE already fails never waits for the row).
+    let lease = Duration::from_secs(1);
+    let routes = [worker_route("create_order", lease)];
     let t_first = take(&store, &routes, "w1").await.expect("first");
     let t_sent = take(&store, &routes, "w2").await.expect("second");
     assert_eq!((t_first.record.scope.clone(), t_sent.record.scope.clone()), (first.clone(), sent.clone()));
@@ -2066,7 +2069,7 @@ async fn the_reaper_decides_from_the_row_it_locked(backend: Backend) {
             };
             // mark_sent is waiting for the row; its clock says the lease is valid.
             until_a_lock_is_awaited(&busy, "transactionid").await;
-            tokio::time::sleep(PAST_SHORT).await;
+            tokio::time::sleep(lease + Duration::from_millis(100)).await;
             // The reaper starts after both leases ran out, and is held after `first`.
             gate.batch_execute("SELECT pg_advisory_lock(4242)").await.expect("hold the reaper");
             let reaping = {
@@ -2089,7 +2092,7 @@ async fn the_reaper_decides_from_the_row_it_locked(backend: Backend) {
             // One writer: mark_sent and the reaper cannot interleave; the
             // same decision from the order they commit in.
             assert_eq!(store.mark_sent(&t_sent.claim).await.unwrap(), WriteOutcome::Written);
-            tokio::time::sleep(PAST_SHORT).await;
+            tokio::time::sleep(lease + Duration::from_millis(100)).await;
             assert_eq!(store.reap_leases(10, &[]).await.unwrap(), Reaped { unknown: 1, requeued: 1 });
         }
     }
