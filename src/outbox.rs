@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use base64::Engine as _;
-use hmac::{Hmac, Mac};
+use hmac::{Hmac, KeyInit, Mac};
 use serde_json::json;
 use sha2::Sha256;
 
@@ -267,7 +267,7 @@ pub fn events_table(events: &[OutboxEvent]) -> String {
 /// The timestamp lets a receiver refuse old (replayed) deliveries; the MAC
 /// covers it.
 pub fn signature(secret: &[u8], unix_seconds: u64, body: &[u8]) -> String {
-    let mut mac = match <Hmac<Sha256> as Mac>::new_from_slice(secret) {
+    let mut mac = match <Hmac<Sha256> as KeyInit>::new_from_slice(secret) {
         Ok(m) => m,
         // HMAC takes keys of any length; this cannot fail.
         Err(_) => return String::new(),

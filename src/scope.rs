@@ -7,7 +7,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use hmac::{Hmac, Mac};
+use hmac::{Hmac, KeyInit, Mac};
 use http::HeaderValue;
 use sha2::{Digest, Sha256};
 
@@ -163,7 +163,7 @@ impl Scope {
         let Some(secret) = secret else {
             return hex::encode(self.digest(b"idemgate/derived-key/v1"));
         };
-        match <Hmac<Sha256> as Mac>::new_from_slice(secret) {
+        match <Hmac<Sha256> as KeyInit>::new_from_slice(secret) {
             Ok(mut mac) => {
                 self.feed(b"idemgate/derived-key/v2-hmac", |b| mac.update(b));
                 hex::encode(mac.finalize().into_bytes())

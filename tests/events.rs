@@ -10,7 +10,7 @@ mod support;
 
 use std::time::Duration;
 
-use hmac::{Hmac, Mac};
+use hmac::{Hmac, KeyInit, Mac};
 use sha2::Sha256;
 use support::webhook::Webhook;
 use support::*;
@@ -48,7 +48,7 @@ fn verify_signature(d: &support::webhook::Delivery) {
     let sig = d.signature.as_deref().expect("a signature");
     let (t, v1) = sig.split_once(',').expect("t=...,v1=...");
     let t = t.strip_prefix("t=").expect("t=");
-    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(TEST_SECRET.as_bytes()).unwrap();
+    let mut mac = <Hmac<Sha256> as KeyInit>::new_from_slice(TEST_SECRET.as_bytes()).unwrap();
     mac.update(format!("{t}.").as_bytes());
     mac.update(&d.body);
     assert_eq!(v1.strip_prefix("v1=").expect("v1="), hex::encode(mac.finalize().into_bytes()), "the HMAC of t.body");

@@ -217,7 +217,7 @@ async fn a_token_with_critical_extensions_is_refused() {
     let sign = |header: serde_json::Value| {
         let b64 = |v: &serde_json::Value| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(v.to_string());
         let input = format!("{}.{}", b64(&header), b64(&jwt::claims("acme", "billing", ISS, AUD)));
-        let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(secret.as_bytes()).unwrap();
+        let mut mac = <hmac::Hmac<sha2::Sha256> as hmac::KeyInit>::new_from_slice(secret.as_bytes()).unwrap();
         mac.update(input.as_bytes());
         let sig = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(mac.finalize().into_bytes());
         format!("{input}.{sig}")
