@@ -78,12 +78,13 @@ pub const SQLITE: &[Migration] = &[
 /// The `idemgate_settings` row holding the derived-key secret.
 pub const DERIVED_KEY_SECRET: &str = "derived_key_secret";
 
-/// A fresh 32-byte secret (two v4 UUIDs: 244 random bits from the OS).
-pub fn fresh_secret() -> Vec<u8> {
-    let mut s = Vec::with_capacity(32);
-    s.extend_from_slice(uuid::Uuid::new_v4().as_bytes());
-    s.extend_from_slice(uuid::Uuid::new_v4().as_bytes());
-    s
+/// A fresh 32-byte secret: 256 bits from the operating system's random
+/// source (`getrandom`). A system that cannot give them fails the migration
+/// rather than store a weaker key.
+pub fn fresh_secret() -> Result<[u8; 32], super::StoreError> {
+    let mut s = [0u8; 32];
+    getrandom::fill(&mut s).map_err(|e| super::StoreError::Migration(format!("no randomness for the derived-key secret: {e}")))?;
+    Ok(s)
 }
 
 /// Key for `pg_advisory_xact_lock` while migrating ("idemgate" in ASCII).
@@ -92,6 +93,13 @@ pub const PG_LOCK_KEY: i64 = 0x6964_656d_6761_7465;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fresh_secrets_are_32_random_bytes() {
+        let (a, b) = (fresh_secret().unwrap(), fresh_secret().unwrap());
+        assert_ne!(a, b);
+        assert_ne!(a, [0u8; 32]);
+    }
 
     #[test]
     fn lists_are_sorted_unique_and_alike() {

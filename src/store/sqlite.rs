@@ -234,9 +234,10 @@ impl RecordStore for SqliteStore {
                 .map_err(m)?;
                 applied.push(mig.name.to_owned());
             }
+            let secret = fresh_secret()?;
             tx.execute(
                 "INSERT INTO idemgate_settings (name, value, created_at) VALUES (?1, ?2, ?3) ON CONFLICT (name) DO NOTHING",
-                params![DERIVED_KEY_SECRET, fresh_secret(), now().0],
+                params![DERIVED_KEY_SECRET, &secret[..], now().0],
             )
             .map_err(m)?;
             tx.commit().map_err(m)?;

@@ -440,9 +440,10 @@ impl RecordStore for PgStore {
         }
         // The derived-key secret, once per deployment: every replica reads
         // the same row.
+        let secret = fresh_secret()?;
         tx.execute(
             "INSERT INTO idemgate_settings (name, value) VALUES ($1, $2) ON CONFLICT (name) DO NOTHING",
-            &[&DERIVED_KEY_SECRET, &fresh_secret()],
+            &[&DERIVED_KEY_SECRET, &&secret[..]],
         )
         .await
         .map_err(m)?;
