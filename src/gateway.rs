@@ -19,6 +19,7 @@ use tokio_util::task::TaskTracker;
 use uuid::Uuid;
 
 use crate::access::{self, Pending, REQUEST_ID, RequestIds, RequestSeries, RouteLabel, Trace};
+use crate::admission::decide_with_legacy;
 use crate::authorize::{Authorizer, Decision as AuthzDecision};
 use crate::body::Body;
 use crate::config::Config;
@@ -31,7 +32,7 @@ use crate::observe::Observer;
 use crate::operation::{OPERATIONS_PATH, StoredRequest, new_operation_id, prefers_async, status_document};
 use crate::passthrough;
 use crate::problem::{self, GatewayError};
-use crate::record::{Decision, Record, State, StoredResponse, decide};
+use crate::record::{Decision, Record, State, StoredResponse};
 use crate::replay::replay;
 use crate::route::{InFlightPolicy, ReplayMode, Retention, Route, RouteMatch, RouteMode, Router, ScopeMode, UpstreamId};
 use crate::scope::Scope;
@@ -485,7 +486,7 @@ impl Gateway {
             claim_token: Uuid::new_v4(),
             acceptance,
             key_source: found.source,
-            request_head: crate::reconcile::request_head(route, &parts),
+            request_head: crate::operation::request_head(route, &parts),
         };
         // From the claim on, the work runs on the tracker: a client that goes
         // away can no longer cancel it between a committed claim and its
@@ -716,25 +717,6 @@ impl Gateway {
         let answer = passthrough::try_pass_through(upstream, req, self.request_body_timeout, bytes_in).await;
         self.metrics.passed_through(upstream.name(), answer.as_ref().err().map(GatewayError::type_name));
         answer
-    }
-}
-
-/// [`decide`], recognising a record written by fingerprint version 1 for this
-/// request: its hash is compared with the request's version-1 fingerprint,
-/// computed only when the current one differs (see `fingerprint::legacy_fingerprint`).
-pub(crate) fn decide_with_legacy(
-    route: &Route,
-    record: &Record,
-    request_hash: &fingerprint::Fingerprint,
-    request: &RequestParts<'_>,
-    now: crate::record::Timestamp,
-) -> Decision {
-    match decide(record, request_hash, now) {
-        Decision::Mismatch if fingerprint::legacy_fingerprint(&route.fingerprint, request).is_ok_and(|v1| v1 == record.request_hash) => {
-            tracing::debug!(route = %route.operation, scope = %record.scope.log_id(), "the record has this request's version-1 fingerprint");
-            decide(record, &record.request_hash, now)
-        }
-        decision => decision,
     }
 }
 

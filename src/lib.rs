@@ -45,6 +45,7 @@
 
 pub mod access;
 pub mod admin;
+pub mod admission;
 pub mod audit;
 pub mod authorize;
 pub mod background;

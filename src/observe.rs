@@ -38,9 +38,9 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
 use tokio_util::task::TaskTracker;
 use uuid::Uuid;
 
+use crate::admission::decide_with_legacy;
 use crate::body::{Body, BoxError, Streamed};
 use crate::fingerprint::{self, RequestParts};
-use crate::gateway::decide_with_legacy;
 use crate::headers::{self, strip_hop_by_hop};
 use crate::identity::Identity;
 use crate::keysource::{FromHeaders, KeySourceError};
@@ -205,7 +205,7 @@ impl Observer {
             claim_token: Uuid::new_v4(),
             acceptance: None,
             key_source: found.source,
-            request_head: crate::reconcile::request_head(route, &parts),
+            request_head: crate::operation::request_head(route, &parts),
         };
         let log_id = claim.scope.log_id();
         let (decided_tx, decided_rx) = oneshot::channel();

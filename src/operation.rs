@@ -10,7 +10,7 @@ use serde_json::json;
 
 use crate::headers::is_hop_by_hop;
 use crate::record::{Record, State};
-use crate::route::Retention;
+use crate::route::{Retention, Route};
 
 /// Where clients poll an operation (on the proxy listener).
 pub const OPERATIONS_PATH: &str = "/_idemgate/operations/";
@@ -174,6 +174,21 @@ pub fn status_document(record: &Record, poll_interval: Duration, retention: Rete
         doc["last_status"] = json!(record.last_status);
     }
     doc
+}
+
+/// What a synchronous claim keeps for the reconciler: on a route whose probe
+/// uses path parameters, the request line (method, path and query, encoded
+/// as a [`StoredRequest`] without headers or body). `None` elsewhere: nothing
+/// extra is written.
+pub fn request_head(route: &Route, parts: &request::Parts) -> Option<Bytes> {
+    route.reconcile.as_ref().filter(|p| p.target.uses_params())?;
+    let head = StoredRequest {
+        method: parts.method.as_str().to_owned(),
+        path_and_query: parts.uri.path_and_query().map_or("/", |pq| pq.as_str()).to_owned(),
+        headers: Vec::new(),
+        body: Bytes::new(),
+    };
+    Some(head.encode().into())
 }
 
 #[cfg(test)]

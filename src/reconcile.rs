@@ -31,14 +31,14 @@
 //! Path parameters in the probe (`{id}` of `/v1/accounts/{id}/orders`) come
 //! from the request as kept in the record: the stored request of an async
 //! operation, or, on synchronous routes whose probe uses them, the request
-//! line kept at claim time ([`request_head`]).
+//! line kept at claim time ([`request_head`](crate::operation::request_head)).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::stream::{self, StreamExt};
-use http::{Request, StatusCode, request};
+use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -60,21 +60,6 @@ use crate::store::{ProbeRoute, Probing, Store, StoreError, WriteOutcome};
 use crate::upstream::Upstream;
 
 pub use crate::probe::{MAX_PROBE_BACKOFF, Probe, ProbeError, ProbeTarget, ProbeValues, Verdict};
-
-/// What a synchronous claim keeps for the reconciler: on a route whose probe
-/// uses path parameters, the request line (method, path and query, encoded
-/// as a [`StoredRequest`] without headers or body). `None` elsewhere: nothing
-/// extra is written.
-pub fn request_head(route: &Route, parts: &request::Parts) -> Option<Bytes> {
-    route.reconcile.as_ref().filter(|p| p.target.uses_params())?;
-    let head = StoredRequest {
-        method: parts.method.as_str().to_owned(),
-        path_and_query: parts.uri.path_and_query().map_or("/", |pq| pq.as_str()).to_owned(),
-        headers: Vec::new(),
-        body: Bytes::new(),
-    };
-    Some(head.encode().into())
-}
 
 /// Records taken (and probed in parallel) per store statement.
 const BATCH: u32 = 8;
