@@ -24,7 +24,7 @@ const ERROR_PAUSE: Duration = Duration::from_secs(1);
 
 /// What every worker of a replica shares.
 #[derive(Debug)]
-pub struct Workers {
+pub struct AsyncWorkers {
     routes: Vec<Arc<Route>>,
     take: Vec<WorkerRoute>,
     store: Store,
@@ -33,15 +33,15 @@ pub struct Workers {
     wake: Arc<Notify>,
 }
 
-impl Workers {
+impl AsyncWorkers {
     /// `routes`: the routes whose operations may be async (`mode = "async"`
     /// or `allow_async`).
-    pub fn new(routes: Vec<Arc<Route>>, store: Store, owner: Arc<str>, wake: Arc<Notify>) -> Workers {
+    pub fn new(routes: Vec<Arc<Route>>, store: Store, owner: Arc<str>, wake: Arc<Notify>) -> AsyncWorkers {
         let take = routes
             .iter()
             .map(|r| WorkerRoute { operation: r.operation.clone(), lease: r.lease, reforwardable: r.upstream_idempotent })
             .collect();
-        Workers { routes, take, store, owner, wake }
+        AsyncWorkers { routes, take, store, owner, wake }
     }
 
     /// Starts `count` workers on `tracker`; they stop taking work when

@@ -15,9 +15,16 @@
 //!                           ▼ or lease expired         ▼
 //!                        unknown ──resolve──▶ completed | (none)
 //! ```
-//! Async mode will add `queued` and `failed_retryable` on the same table; the
-//! match arms below are written so adding a state is a compile error everywhere
-//! it matters.
+//! Async mode (`mode = "async"`) uses three more states on the same table: an
+//! accepted operation is `queued`; a worker takes it (new generation, under a
+//! lease) to `processing`; its attempt ends `completed`, back in `queued` for a
+//! later attempt (`requeue`), `failed_retryable` when the retries are used up
+//! and no attempt may have executed, or `unknown` when one may have. A lease
+//! that expires in `processing` requeues the operation if its request was
+//! never sent (or the upstream deduplicates), else makes it `unknown`.
+//!
+//! The match arms below are written so adding a state is a compile error
+//! everywhere it matters.
 
 use std::fmt;
 use std::time::Duration;

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::background::async_worker::Workers;
+use crate::background::async_worker::AsyncWorkers;
 use crate::background::housekeeping;
 use crate::background::outbox_relay::Relay;
 use crate::background::reconciler::Reconciler;
@@ -75,7 +75,7 @@ impl RouteTasks {
             reconciler.spawn(&self.background, stop.clone());
         }
         let replica: Arc<str> = config.server.replica_id.as_str().into();
-        Workers::new(gateway.async_routes(), store, replica, gateway.wake_workers()).spawn(
+        AsyncWorkers::new(gateway.async_routes(), store, replica, gateway.wake_workers()).spawn(
             config.workers.count,
             gateway.executor(),
             &self.attempts,

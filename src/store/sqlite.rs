@@ -2,9 +2,12 @@
 //! single replica. Each protocol step is one `BEGIN IMMEDIATE` transaction
 //! whose decisions are made by the pure functions in `crate::idempotency::record` — the
 //! same rules PostgreSQL's statements encode — so both backends pass the same
-//! conformance suite. Blocking SQLite calls run on tokio's blocking pool,
-//! never on the async workers. The clock is this process's system clock: with
-//! one replica it is the only clock there is.
+//! conformance suite. One writer thread (`idemgate-sqlite`) owns the
+//! connection: protocol steps are queued to it and each batch of them runs in
+//! one transaction (a savepoint per step, one commit and fsync per batch), so
+//! no SQLite call blocks a tokio thread; only opening the file runs on tokio's
+//! blocking pool. The clock is this process's system clock: with one replica
+//! it is the only clock there is.
 
 use std::fs::File;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
