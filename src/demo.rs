@@ -36,8 +36,8 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
-use crate::listener::{ConnectionLimit, Http, Listener, accept_loop};
 use crate::server::Server;
+use crate::server::listener::{ConnectionLimit, Http, Listener, accept_loop};
 use crate::store::sqlite::lock_path;
 
 /// The demo's API key. Printed for the curl lines; the config holds only its sha256.
@@ -390,7 +390,7 @@ impl OrderService {
             let orders = handler_orders.clone();
             async move {
                 let (parts, body) = handle(orders, req).await.into_parts();
-                Response::from_parts(parts, crate::body::Body::boxed(body.map_err(|never: Infallible| match never {})))
+                Response::from_parts(parts, crate::upstream::body::Body::boxed(body.map_err(|never: Infallible| match never {})))
             }
         })
         .await;

@@ -2,88 +2,69 @@
 //!
 //! A write carrying an `Idempotency-Key` is claimed in the store (one atomic,
 //! committed statement) before it is forwarded; its response is recorded and
-//! replayed to retries. The modules, from the outside in:
+//! replayed to retries. docs/architecture.md draws the house; the subsystems,
+//! in the order a request meets them:
 //!
-//! - [`config`]: the TOML file, validated into typed values (two stages).
-//! - [`server`]: listeners, connections, the drain on shutdown.
-//! - [`access`]: request ids and the access log.
-//! - [`gateway`]: the request path — route, identify, fingerprint, claim,
-//!   then hand the attempt to the executor, or answer from the record.
-//! - [`executor`]: forwards one claimed attempt, classifies the outcome by
-//!   whether the upstream may have executed it, records it fenced.
-//! - [`passthrough`]: requests without idempotency, streamed both ways.
-//! - [`observe`]: observe mode — pass-through that records what enforcing
-//!   would have done, within a store budget.
-//! - [`waiters`]: local wake-ups for duplicates waiting on a result.
-//! - [`operation`], [`worker`]: async mode — accepted operations, their
-//!   stored requests and status documents, and the workers that run them.
-//! - [`route`], [`identity`], [`scope`], [`keysource`], [`fingerprint`]: what
-//!   a request is (operation, tenant and principal, key and where it came
-//!   from, fingerprint).
-//! - [`record`]: records and their state machine (pure code).
-//! - [`store`]: one interface over PostgreSQL and embedded SQLite.
-//! - [`upstream`]: the HTTP client, whose errors say whether the upstream may
-//!   have executed the request.
+//! - [`server`]: the process around the request path: listeners and
+//!   connections ([`server::listener`]), the drain on shutdown, reload on
+//!   SIGHUP ([`server::reload`]), process signals ([`server::signals`]), and
+//!   the background tasks that follow the routes ([`server::route_tasks`]).
+//! - [`proxy`]: the request path: request ids and the access log
+//!   ([`proxy::access`]), the enforcing path ([`proxy::gateway`]) and what a
+//!   found record means for a request ([`proxy::admission`]), observe mode
+//!   ([`proxy::observe`]), pass-through ([`proxy::passthrough`]), answers
+//!   from a record ([`proxy::replay`]).
+//! - [`request`]: what a request asks for: its route ([`request::route`]),
+//!   who sends it ([`request::identity`], with [`request::identity::jwt`] and
+//!   [`request::identity::mtls`]), whether they may ([`request::authorize`]),
+//!   where its key comes from ([`request::key_source`]); and what a route
+//!   carries for the background: async operations ([`request::async_op`]) and
+//!   the reconcile probe ([`request::reconcile_probe`]).
+//! - [`idempotency`]: the protocol's words as pure code: the key and its
+//!   scope ([`idempotency::key`]), the request fingerprint
+//!   ([`idempotency::fingerprint`]), the record and its state machine
+//!   ([`idempotency::record`]).
+//! - [`store`]: one contract ([`store::contract`]) over PostgreSQL and
+//!   embedded SQLite, with the audit trail ([`store::audit`]).
+//! - [`executor`]: one attempt of a claimed request, forwarded and recorded
+//!   fenced, for every front; [`executor::waiters`] wakes the duplicates
+//!   waiting on it.
+//! - [`upstream`]: the HTTP client whose errors say whether the upstream may
+//!   have executed a request, its pool, the body type ([`upstream::body`]) and
+//!   the header rules ([`upstream::headers`]).
 //! - [`problem`]: every error as an RFC 9457 problem, in one place.
-//! - [`replay`], [`headers`], [`body`]: responses out of records.
-//! - [`admin`], [`metrics`], [`background`]: health, Prometheus, sweeper and
-//!   lease reaper.
-//! - [`route_tasks`]: the background work that follows the routes in force
-//!   (workers, reaper, reconciler, relay), restarted by a reload.
-//! - [`keys`], [`demo`], [`healthcheck`]: operator commands, the built-in
-//!   demo, and the container health check.
-//! - [`keys`], [`demo`]: operator commands and the built-in demo.
-//! - [`reconcile`]: the probe that settles `unknown` records by asking the
-//!   upstream, and the reconciler task that runs it.
-//! - [`logging`], [`signals`]: the process around the gateway — log settings
-//!   and a writer that never fails a request, and the cancellation root
-//!   (SIGTERM/SIGINT) with SIGHUP as events.
-//! - [`tls`]: rustls on the listeners (ALPN h2, client certificates, reload
-//!   on SIGHUP) and towards upstreams.
+//! - [`background`]: the background tasks: sweeper and lease reaper
+//!   ([`background::housekeeping`]), async workers
+//!   ([`background::async_worker`]), the reconciler
+//!   ([`background::reconciler`]), the outbox relay
+//!   ([`background::outbox_relay`]).
+//! - [`outbox`]: completion events, written with the change they report.
+//! - [`ops`]: the operator's side: the admin listener and API
+//!   ([`ops::admin`]), `idemgate keys` ([`ops::keys`]), the container health
+//!   check ([`ops::healthcheck`]).
+//! - [`telemetry`]: metrics ([`telemetry::metrics`]), the log
+//!   ([`telemetry::logging`]), the store's counts ([`telemetry::stats`]), and
+//!   warnings thinned during an outage ([`telemetry::throttle`]).
+//! - [`config`]: the TOML file, validated into typed values (two stages).
+//! - [`tls`]: rustls on the listeners, towards upstreams and PostgreSQL.
+//! - [`secret`]: values that never reach a log or an answer.
+//! - [`demo`]: `idemgate demo`, the real gateway in front of a small service.
 
 #![forbid(unsafe_code)]
 
-pub mod access;
-pub mod admin;
-pub mod audit;
-pub mod authorize;
 pub mod background;
-pub mod body;
 pub mod config;
 pub mod demo;
 pub mod executor;
-pub mod fingerprint;
-pub mod gateway;
-pub mod headers;
-pub mod healthcheck;
-pub mod identity;
-pub mod jwt;
-pub mod keys;
-pub mod keysource;
-pub mod listener;
-pub mod logging;
-pub mod metrics;
-pub mod observe;
-pub mod operation;
+pub mod idempotency;
+pub mod ops;
 pub mod outbox;
-pub mod passthrough;
-pub mod probe;
 pub mod problem;
-pub mod reconcile;
-pub mod record;
-pub mod relay;
-pub mod reload;
-pub mod replay;
-pub mod route;
-pub mod route_tasks;
-pub mod scope;
+pub mod proxy;
+pub mod request;
 pub mod secret;
 pub mod server;
-pub mod signals;
-pub mod stats;
 pub mod store;
-pub mod throttle;
+pub mod telemetry;
 pub mod tls;
 pub mod upstream;
-pub mod waiters;
-pub mod worker;

@@ -1,7 +1,7 @@
 //! The `idemgate` binary: parses the command line, sets up logging, loads the
 //! configuration and maps results to exit codes (0 ok, 1 error, 2 usage).
-//! Everything else lives in the library ([`idemgate::logging`] and
-//! [`idemgate::signals`] included). Nothing here prints with `println!` or
+//! Everything else lives in the library ([`idemgate::telemetry::logging`] and
+//! [`idemgate::server::signals`] included). Nothing here prints with `println!` or
 //! `eprintln!`, which panic when the stream is a closed pipe.
 
 use std::io::Write as _;
@@ -11,17 +11,17 @@ use std::time::Duration;
 
 use anyhow::{Context, anyhow};
 use clap::{Args, Parser, Subcommand};
-use idemgate::audit::Actor;
 use idemgate::config::{Config, DEFAULT_CONFIG_PATH};
-use idemgate::keys::{ResolveAction, ResolveError, ResolveRequest};
-use idemgate::logging::{self, ErrorChain, LogSettings};
+use idemgate::idempotency::key::{IdempotencyKey, Scope, ScopeId};
+use idemgate::idempotency::record::State;
+use idemgate::ops::keys::{ResolveAction, ResolveError, ResolveRequest};
 use idemgate::outbox::Delivery;
-use idemgate::record::State;
-use idemgate::reload::{PidFile, signal_reload};
-use idemgate::scope::{IdempotencyKey, Scope, ScopeId};
 use idemgate::server::Server;
-use idemgate::signals::Signals;
+use idemgate::server::reload::{PidFile, signal_reload};
+use idemgate::server::signals::Signals;
+use idemgate::store::audit::Actor;
 use idemgate::store::{Access, ListFilter, Store};
+use idemgate::telemetry::logging::{self, ErrorChain, LogSettings};
 
 #[derive(Parser)]
 #[command(name = "idemgate", version, about = "A reverse proxy that makes retried HTTP writes safe")]
@@ -258,7 +258,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         let addr = match addr {
             Some(addr) => addr,
             None => match Config::admin_listen(&cli.config) {
-                Ok(listen) => idemgate::healthcheck::local_target(listen),
+                Ok(listen) => idemgate::ops::healthcheck::local_target(listen),
                 Err(e) => {
                     logging::stderr_best_effort(&format!("{e}\n"));
                     return Ok(ExitCode::from(HEALTHCHECK_BAD_CONFIG));
@@ -347,7 +347,7 @@ const HEALTHCHECK_BAD_CONFIG: u8 = 3;
 /// `idemgate healthcheck`: one line, and 0 only for a 200.
 async fn healthcheck(addr: std::net::SocketAddr, live: bool, timeout: Duration) -> ExitCode {
     let path = if live { "/healthz" } else { "/readyz" };
-    match idemgate::healthcheck::probe(addr, path, timeout).await {
+    match idemgate::ops::healthcheck::probe(addr, path, timeout).await {
         Ok((200, body)) => {
             say(&format!("{path} on {addr}: 200 {body}\n"));
             ExitCode::SUCCESS
@@ -424,7 +424,7 @@ async fn keys(config: &Config, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
     let store = Store::open(&store_config, Access::Existing)
         .await
         .context("opening the store")?
-        .with_events(idemgate::route::event_policies(&config.routes));
+        .with_events(idemgate::request::route::event_policies(&config.routes));
     let secret = match &config.server.derived_key_secret {
         Some(s) => Some(s.expose().as_bytes().to_vec()),
         None => store.derived_key_secret().await.context("reading the derived-key secret")?,
@@ -432,13 +432,13 @@ async fn keys(config: &Config, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
     let secret = secret.as_deref();
     match cmd {
         KeysCommand::List { state, tenant, operation, retention, limit, cursor, json } => {
-            let cursor = cursor.as_deref().map(idemgate::keys::decode_cursor).transpose().context("--cursor")?;
+            let cursor = cursor.as_deref().map(idemgate::ops::keys::decode_cursor).transpose().context("--cursor")?;
             let filter = ListFilter { state, tenant, operation, forever: retention.is_some(), limit, cursor };
-            let page = idemgate::keys::list(&store, &filter).await?;
+            let page = idemgate::ops::keys::list(&store, &filter).await?;
             if json {
-                emit(&format!("{}\n", serde_json::to_string_pretty(&idemgate::keys::page_json(&page, secret))?))?;
+                emit(&format!("{}\n", serde_json::to_string_pretty(&idemgate::ops::keys::page_json(&page, secret))?))?;
             } else {
-                emit(&idemgate::keys::list_table(&page.records))?;
+                emit(&idemgate::ops::keys::list_table(&page.records))?;
                 if let Some(next) = &page.next_cursor {
                     emit(&format!("more: --cursor {next}\n"))?;
                 }
@@ -466,8 +466,8 @@ async fn keys(config: &Config, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
             let texts: Vec<String> = records
                 .iter()
                 .map(|r| match json {
-                    true => serde_json::to_string_pretty(&idemgate::keys::record_json(r, true, secret)).map(|t| format!("{t}\n")),
-                    false => Ok(idemgate::keys::show_text(r, secret)),
+                    true => serde_json::to_string_pretty(&idemgate::ops::keys::record_json(r, true, secret)).map(|t| format!("{t}\n")),
+                    false => Ok(idemgate::ops::keys::show_text(r, secret)),
                 })
                 .collect::<Result<_, _>>()?;
             emit(&texts.join(if json { "" } else { "\n" }))?;
@@ -492,11 +492,11 @@ async fn keys(config: &Config, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
                 ResolveAction::Complete { status, headers, body: Some(body.into()), retention: args.retention }
             };
             let request = ResolveRequest { action, reason: Some(args.reason), force: args.force, actor: Actor::Cli, fence: None };
-            let retention = idemgate::keys::default_retention(&config.routes, &s.operation);
-            match idemgate::keys::resolve(&store, &s, request, retention).await {
+            let retention = idemgate::ops::keys::default_retention(&config.routes, &s.operation);
+            match idemgate::ops::keys::resolve(&store, &s, request, retention).await {
                 Ok(from) => say(&format!("resolved (was {from})\n")),
                 Err(ResolveError::Store(e)) => return Err(e.into()),
-                Err(e @ ResolveError::Refused(idemgate::record::Refused::NotAllowed(State::Completed))) => {
+                Err(e @ ResolveError::Refused(idemgate::idempotency::record::Refused::NotAllowed(State::Completed))) => {
                     logging::stderr_best_effort(&format!(
                         "{e}: the record is completed and is what retries are replayed; add --force --reason '...' to change it\n"
                     ));
@@ -511,9 +511,9 @@ async fn keys(config: &Config, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
         KeysCommand::Audit { limit, json } => {
             let entries = store.audit(limit).await?;
             if json {
-                emit(&format!("{}\n", serde_json::to_string_pretty(&idemgate::keys::audit_page_json(&entries))?))?;
+                emit(&format!("{}\n", serde_json::to_string_pretty(&idemgate::ops::keys::audit_page_json(&entries))?))?;
             } else {
-                emit(&idemgate::keys::audit_table(&entries))?;
+                emit(&idemgate::ops::keys::audit_table(&entries))?;
             }
         }
     }

@@ -4,7 +4,7 @@
 //! unknown, failed_retryable, and each release or completion by the
 //! reconciler, the CLI or the API) writes an event row in the same statement
 //! or transaction as the change itself, so there is no change without its
-//! event and no event without its change. The [`relay`](crate::relay)
+//! event and no event without its change. The [`relay`](crate::background::outbox_relay)
 //! delivers them at least once, in order per scope, with a stable
 //! `Idemgate-Event-Id`; receivers deduplicate by that id.
 
@@ -17,8 +17,8 @@ use hmac::{Hmac, KeyInit, Mac};
 use serde_json::json;
 use sha2::Sha256;
 
-use crate::record::{Generation, State, Timestamp};
-use crate::scope::Scope;
+use crate::idempotency::key::Scope;
+use crate::idempotency::record::{Generation, State, Timestamp};
 use crate::secret::Secret;
 
 /// What happened to a record, as an event says it.

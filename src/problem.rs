@@ -8,17 +8,17 @@ use std::time::Duration;
 
 use http::{HeaderValue, Response, StatusCode, header};
 
-use crate::body::Body;
-use crate::metrics::Outcome;
-use crate::scope::KeyError;
+use crate::idempotency::key::KeyError;
+use crate::telemetry::metrics::Outcome;
+use crate::upstream::body::Body;
 
 /// Why idempotent handling ended without an upstream or stored response.
 #[derive(Debug, thiserror::Error)]
 pub enum GatewayError {
     /// The method or path is spelled in a way the gateway refuses to route
-    /// (see `crate::route::normal`).
+    /// (see `crate::request::route::normal`).
     #[error("invalid request: {0}")]
-    InvalidRequest(crate::route::InvalidRequest),
+    InvalidRequest(crate::request::route::InvalidRequest),
     #[error("no identity source matched")]
     Unauthenticated,
     /// `header` says where the key was looked for ("the idempotency-key header").
@@ -62,7 +62,7 @@ pub enum GatewayError {
     AuthorizerUnavailable,
     /// Async: the operation's result was asked for before it completed.
     #[error("operation not completed")]
-    OperationNotCompleted { state: crate::record::State, retry_after: Duration },
+    OperationNotCompleted { state: crate::idempotency::record::State, retry_after: Duration },
     /// Pass-through only: the upstream failed (no record is involved).
     #[error("bad gateway")]
     BadGateway,
@@ -104,7 +104,7 @@ impl GatewayError {
             E::Forbidden => k("forbidden", "Forbidden", StatusCode::FORBIDDEN, false),
             E::AuthorizerUnavailable => k("authorizer-unavailable", "Authorizer unavailable", StatusCode::SERVICE_UNAVAILABLE, true),
             E::OperationNotCompleted { state, .. } => {
-                k("operation-not-completed", "Operation not completed", StatusCode::CONFLICT, crate::operation::is_pending(*state))
+                k("operation-not-completed", "Operation not completed", StatusCode::CONFLICT, crate::request::async_op::is_pending(*state))
             }
             E::BadGateway => k("bad-gateway", "Bad gateway", StatusCode::BAD_GATEWAY, true),
             E::GatewayTimeout => k("gateway-timeout", "Gateway timeout", StatusCode::GATEWAY_TIMEOUT, true),
@@ -148,7 +148,9 @@ impl GatewayError {
     fn retry_after(&self) -> Option<Duration> {
         match self {
             GatewayError::InProgress { retry_after } => Some(*retry_after),
-            GatewayError::OperationNotCompleted { state, retry_after } if crate::operation::is_pending(*state) => Some(*retry_after),
+            GatewayError::OperationNotCompleted { state, retry_after } if crate::request::async_op::is_pending(*state) => {
+                Some(*retry_after)
+            }
             GatewayError::StoreUnavailable | GatewayError::UpstreamUnavailable | GatewayError::AuthorizerUnavailable => {
                 Some(Duration::from_secs(1))
             }
@@ -222,7 +224,7 @@ pub fn response_with_instance(err: &GatewayError, instance: Option<&str>) -> Res
         h.insert(header::RETRY_AFTER, HeaderValue::from(secs));
     }
     if matches!(err, GatewayError::ResponseNotStored { .. }) {
-        h.insert(crate::headers::IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+        h.insert(crate::upstream::headers::IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     }
     resp
 }
@@ -281,7 +283,7 @@ mod tests {
     #[test]
     fn every_rejection_has_a_declared_reason() {
         let rejections = [
-            GatewayError::InvalidRequest(crate::route::InvalidRequest::DotSegment),
+            GatewayError::InvalidRequest(crate::request::route::InvalidRequest::DotSegment),
             GatewayError::Unauthenticated,
             GatewayError::MissingKey { header: "k".into() },
             GatewayError::InvalidKey(KeyError::Empty),
@@ -292,11 +294,11 @@ mod tests {
             GatewayError::NotFound,
             GatewayError::Forbidden,
             GatewayError::AuthorizerUnavailable,
-            GatewayError::OperationNotCompleted { state: crate::record::State::Queued, retry_after: Duration::ZERO },
+            GatewayError::OperationNotCompleted { state: crate::idempotency::record::State::Queued, retry_after: Duration::ZERO },
         ];
         for e in &rejections {
             assert_eq!(e.outcome(), Outcome::Rejected, "{e}");
-            assert!(crate::metrics::REJECTION_REASONS.contains(&e.type_name()), "{e}: {}", e.type_name());
+            assert!(crate::telemetry::metrics::REJECTION_REASONS.contains(&e.type_name()), "{e}: {}", e.type_name());
         }
     }
 }

@@ -9,7 +9,7 @@ mod support;
 
 use std::collections::BTreeSet;
 
-use idemgate::record::State;
+use idemgate::idempotency::record::State;
 use support::*;
 
 on_both_stores!(listing_pages_through_every_record_with_a_cursor, resolutions_conflicts_and_the_audit_trail,);
@@ -178,11 +178,11 @@ async fn records_are_addressed_by_percent_encoded_scope_segments() {
     assert_eq!((retry.status, retry.replayed()), (201, true));
     assert_eq!(&retry.body[..], br#"{"order":"by hand"}"#);
     assert_eq!(up.total(), 1, "the retry did not execute again");
-    let s = idemgate::scope::Scope {
+    let s = idemgate::idempotency::key::Scope {
         tenant: TENANT.into(),
         principal: principal.into(),
         operation: "create_order".into(),
-        key: idemgate::scope::IdempotencyKey::new(&key).unwrap(),
+        key: idemgate::idempotency::key::IdempotencyKey::new(&key).unwrap(),
     };
     let trail = store.audit(10).await.unwrap();
     assert_eq!((trail[0].actor.as_str(), &trail[0].scope), ("admin", &s));

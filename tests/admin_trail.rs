@@ -12,7 +12,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use idemgate::record::State;
+use idemgate::idempotency::record::State;
 use sha2::{Digest, Sha256};
 use support::*;
 

@@ -10,7 +10,7 @@ mod support;
 
 use std::time::Duration;
 
-use idemgate::record::State;
+use idemgate::idempotency::record::State;
 use support::postgres::PgServer;
 use support::*;
 
@@ -35,7 +35,7 @@ async fn state_of(store: &idemgate::store::Store, key: &str) -> Option<State> {
 }
 
 /// Waits until the record of `key` is in a final state; returns it.
-async fn wait_final(store: &idemgate::store::Store, key: &str, within: Duration) -> idemgate::record::Record {
+async fn wait_final(store: &idemgate::store::Store, key: &str, within: Duration) -> idemgate::idempotency::record::Record {
     let done = eventually(within, || async {
         matches!(state_of(store, key).await, Some(State::Completed | State::Unknown | State::FailedRetryable))
     })

@@ -10,7 +10,7 @@ mod support;
 
 use std::time::Duration;
 
-use idemgate::record::State;
+use idemgate::idempotency::record::State;
 use support::*;
 
 on_both_stores!(

@@ -144,7 +144,7 @@ async fn headers_of_sources_that_did_not_identify_the_request_never_reach_the_up
     }
     // The records are the API key's, each executed once.
     assert_eq!(up.total(), 6);
-    assert_eq!(settled_record(&store, "k-sync").await.unwrap().state, idemgate::record::State::Completed);
+    assert_eq!(settled_record(&store, "k-sync").await.unwrap().state, idemgate::idempotency::record::State::Completed);
 }
 
 /// The other way round: a request the trusted headers identify keeps them,

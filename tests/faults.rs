@@ -7,7 +7,7 @@ mod support;
 
 use std::time::Duration;
 
-use idemgate::record::State;
+use idemgate::idempotency::record::State;
 use support::postgres::PgServer;
 use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

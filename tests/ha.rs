@@ -36,8 +36,8 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idemgate::fingerprint::Fingerprint;
-use idemgate::record::State;
+use idemgate::idempotency::fingerprint::Fingerprint;
+use idemgate::idempotency::record::State;
 use idemgate::store::{ClaimOutcome, ClaimRequest, StoreError};
 use support::faultproxy::{Fault, FaultProxy};
 use support::postgres::{PgServer, SUPERUSER, replication_binaries};

@@ -9,7 +9,7 @@ mod support;
 
 use http::{HeaderMap, HeaderValue};
 use idemgate::config::Config;
-use idemgate::identity::{Identifier, Identity};
+use idemgate::request::identity::{Identifier, Identity};
 use serde_json::json;
 use support::jwt::{self, JwksServer, SigningKey};
 use support::*;

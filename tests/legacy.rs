@@ -8,7 +8,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use idemgate::record::{State, Timestamp};
+use idemgate::idempotency::record::{State, Timestamp};
 use support::*;
 
 on_both_stores!(
@@ -72,7 +72,7 @@ fn show_json(gw: &Gateway, key: &str) -> serde_json::Value {
     serde_json::from_str(&out).expect("keys show --json")
 }
 
-async fn settled(store: &idemgate::store::Store, key: &str, state: State) -> idemgate::record::Record {
+async fn settled(store: &idemgate::store::Store, key: &str, state: State) -> idemgate::idempotency::record::Record {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let last = record(store, key).await;
@@ -509,8 +509,8 @@ const COST_RECORDS: usize = 20_000;
 /// gateway writes them (claim, then complete), with or without a body.
 async fn fill(store: &idemgate::store::Store, tag: &str, body: Option<&'static [u8]>) {
     use futures_util::StreamExt;
-    use idemgate::record::StoredResponse;
-    use idemgate::route::Retention;
+    use idemgate::idempotency::record::StoredResponse;
+    use idemgate::request::route::Retention;
     use idemgate::store::{ClaimOutcome, ClaimRequest};
     let headers = vec![
         ("content-type".to_owned(), b"application/json".to_vec()),
@@ -524,7 +524,7 @@ async fn fill(store: &idemgate::store::Store, tag: &str, body: Option<&'static [
                 let key = format!("ORD-{tag}-{}", uuid::Uuid::new_v4());
                 let req = ClaimRequest {
                     scope: scope(&key),
-                    request_hash: idemgate::fingerprint::Fingerprint([(i % 251) as u8; 32]),
+                    request_hash: idemgate::idempotency::fingerprint::Fingerprint([(i % 251) as u8; 32]),
                     owner: "gateway-7f9c-1234".into(),
                     lease: Duration::from_secs(60),
                     upstream_idempotent: false,

@@ -10,7 +10,7 @@ use std::io::{BufRead, BufReader, PipeReader, Read as _};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use idemgate::record::State;
+use idemgate::idempotency::record::State;
 use idemgate::store::Store;
 use support::gateway::{ServeProcess, TEST_SECRET_ENV, free_local_addr, listening_addr};
 use support::*;
@@ -186,7 +186,7 @@ async fn postgres_errors_show_sqlstate_and_message() {
     let url = pg.url("no_such_database");
     let Err(e) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await else { panic!("connected to a database that does not exist") };
     assert_eq!(e.to_string(), "db error", "tokio-postgres alone hides the server's message");
-    let text = idemgate::logging::ErrorChain(&e).to_string();
+    let text = idemgate::telemetry::logging::ErrorChain(&e).to_string();
     assert!(text.contains("SQLSTATE 3D000"), "{text}");
     assert!(text.contains(r#"database "no_such_database" does not exist"#), "{text}");
     assert_eq!(text.matches("does not exist").count(), 1, "{text}");

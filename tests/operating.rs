@@ -9,7 +9,7 @@ mod support;
 use std::collections::HashSet;
 use std::time::Duration;
 
-use idemgate::record::State;
+use idemgate::idempotency::record::State;
 use support::*;
 
 on_both_stores!(keys_show_finds_a_log_lines_record_by_scope_id);

@@ -9,7 +9,7 @@ mod support;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use idemgate::record::State;
+use idemgate::idempotency::record::State;
 use support::postgres::PgServer;
 use support::{Backend, Gateway, GatewayConfig, TestUpstream, eventually, post, send, sqlite_backend};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};

@@ -24,7 +24,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use idemgate::config::{Secret, StoreBackend, StoreConfig};
-use idemgate::scope::{IdempotencyKey, Scope};
+use idemgate::idempotency::key::{IdempotencyKey, Scope};
 use idemgate::store::postgres::sql::{SESSION_SETTINGS, Statement, catalog};
 use idemgate::store::{Access, Store};
 use serde_json::Value;

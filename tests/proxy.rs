@@ -7,7 +7,7 @@ mod support;
 
 use std::time::Duration;
 
-use idemgate::record::State;
+use idemgate::idempotency::record::State;
 use support::*;
 
 on_both_stores!(
@@ -767,7 +767,7 @@ async fn tenant_scope_is_shared_by_the_tenants_principals(backend: Backend) {
     assert_eq!((b.status, b.replayed()), (201, true), "the tenant's other principal replays the first answer");
     assert_eq!(b.body, a.body);
     assert_eq!(up.total(), 1);
-    let shared = scope_for(idemgate::scope::TENANT_WIDE, "create_order", "shared");
+    let shared = scope_for(idemgate::idempotency::key::TENANT_WIDE, "create_order", "shared");
     assert!(store.get(&shared).await.unwrap().is_some(), "one record for the tenant");
     assert!(store.get(&scope("shared")).await.unwrap().is_none());
 }

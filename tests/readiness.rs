@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use idemgate::record::State;
+use idemgate::idempotency::record::State;
 use support::*;
 
 const ORDER: &str = r#"{"item":"book","qty":1}"#;

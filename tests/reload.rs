@@ -126,7 +126,7 @@ async fn a_removed_api_key_is_refused_from_its_next_request_and_never_replayed()
     assert_eq!(kept.body, other.body);
     assert_eq!(up.total(), 2);
     let revoked = store.get(&scope("k-revoked")).await.unwrap().expect("the revoked principal's record stays").0;
-    assert_eq!(revoked.state, idemgate::record::State::Completed);
+    assert_eq!(revoked.state, idemgate::idempotency::record::State::Completed);
     assert_eq!(gw.log_count("configuration reloaded"), 1);
 }
 
@@ -296,7 +296,7 @@ async fn an_async_route_added_by_a_reload_is_run_by_the_workers() {
     assert_eq!(accepted.status, 202, "{accepted:?}");
     let store = backend.open().await;
     let done = eventually(Duration::from_secs(15), || async {
-        settled_record(&store, "async-1").await.is_some_and(|r| r.state == idemgate::record::State::Completed)
+        settled_record(&store, "async-1").await.is_some_and(|r| r.state == idemgate::idempotency::record::State::Completed)
     })
     .await;
     assert!(done, "accepted after the reload but never run: {:?}\n{}", record(&store, "async-1").await, gw.logs());
@@ -330,7 +330,7 @@ async fn upstream_idempotent_turned_off_by_a_reload_stops_re_forwarding() {
     b.signal("HUP");
     wait_reloads(&b, "applied", 1).await;
     let unknown = eventually(Duration::from_secs(15), || async {
-        record(&store, "flip").await.is_some_and(|r| r.state == idemgate::record::State::Unknown)
+        record(&store, "flip").await.is_some_and(|r| r.state == idemgate::idempotency::record::State::Unknown)
     })
     .await;
     assert!(unknown, "{:?}\n{}", record(&store, "flip").await, b.logs());

@@ -19,7 +19,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idemgate::record::State;
+use idemgate::idempotency::record::State;
 use support::gateway::TEST_SECRET_ENV;
 use support::{GatewayConfig, TEST_SECRET, TestUpstream, post, send, sqlite_backend};
 

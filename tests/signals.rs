@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idemgate::record::State;
+use idemgate::idempotency::record::State;
 use support::*;
 
 const ORDER: &str = r#"{"item":"book","qty":1}"#;

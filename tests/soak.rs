@@ -68,7 +68,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idemgate::record::State;
+use idemgate::idempotency::record::State;
 use idemgate::store::{ListFilter, Store};
 use support::faultproxy::{Fault, FaultProxy};
 use support::postgres::PgServer;
@@ -440,7 +440,9 @@ async fn soak() {
     }
     println!("  not final {:.1} s after traffic stopped: {}", FINAL_WITHIN.as_secs_f64(), async_stuck.len());
     for r in async_stuck.iter().take(20) {
-        let ago = |t: Option<idemgate::record::Timestamp>| t.map_or("-".to_owned(), |t| format!("{:.1}s ago", (now.0 - t.0) as f64 / 1e6));
+        let ago = |t: Option<idemgate::idempotency::record::Timestamp>| {
+            t.map_or("-".to_owned(), |t| format!("{:.1}s ago", (now.0 - t.0) as f64 / 1e6))
+        };
         println!(
             "    STUCK: {} {} {} (owner {}, generation {}, attempts {}, lease expired {}, sent {}, due {})",
             r.scope.operation,

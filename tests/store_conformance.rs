@@ -16,18 +16,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use idemgate::audit::{Actor, AuditNote};
 use idemgate::config::{Secret, StoreBackend, StoreConfig};
-use idemgate::fingerprint::Fingerprint;
-use idemgate::metrics::Metrics;
+use idemgate::idempotency::fingerprint::Fingerprint;
+use idemgate::idempotency::key::{IdempotencyKey, Scope};
+use idemgate::idempotency::record::{self, Generation, Record, Refused, State, StoredResponse, Timestamp};
 use idemgate::outbox::{Delivery, EventPolicies, EventType, EventsConfig, OutboxEvent};
-use idemgate::record::{self, Generation, Record, Refused, State, StoredResponse, Timestamp};
-use idemgate::route::Retention;
-use idemgate::scope::{IdempotencyKey, Scope};
+use idemgate::request::route::Retention;
+use idemgate::store::audit::{Actor, AuditNote};
 use idemgate::store::{
     Acceptance, Claim, ClaimOutcome, ClaimRequest, ListFilter, ProbeRoute, Reaped, Resolution, ResolveOutcome, RetryNote, Store,
     StoreError, Taken, WorkerRoute, WriteOutcome,
 };
+use idemgate::telemetry::metrics::Metrics;
 use support::Backend;
 use support::faultproxy::{Fault, FaultProxy};
 use support::postgres::{self as pg, PgServer};
@@ -1321,11 +1321,11 @@ async fn list_pages_with_a_cursor_cover_every_record_once(backend: Backend) {
         let mut seen = Vec::new();
         let mut filter = ListFilter { limit: size, ..ListFilter::default() };
         loop {
-            let page = idemgate::keys::list(&store, &filter).await.unwrap();
+            let page = idemgate::ops::keys::list(&store, &filter).await.unwrap();
             assert!(page.records.len() <= size as usize);
             seen.extend(keys_of(&page.records));
             match page.next_cursor {
-                Some(c) => filter.cursor = Some(idemgate::keys::decode_cursor(&c).unwrap()),
+                Some(c) => filter.cursor = Some(idemgate::ops::keys::decode_cursor(&c).unwrap()),
                 None => break,
             }
         }
@@ -1333,13 +1333,13 @@ async fn list_pages_with_a_cursor_cover_every_record_once(backend: Backend) {
     }
     // Filters apply on every page.
     let first =
-        idemgate::keys::list(&store, &ListFilter { limit: 3, state: Some(State::InFlight), ..ListFilter::default() }).await.unwrap();
-    let cursor = idemgate::keys::decode_cursor(first.next_cursor.as_deref().unwrap()).unwrap();
+        idemgate::ops::keys::list(&store, &ListFilter { limit: 3, state: Some(State::InFlight), ..ListFilter::default() }).await.unwrap();
+    let cursor = idemgate::ops::keys::decode_cursor(first.next_cursor.as_deref().unwrap()).unwrap();
     let filter = ListFilter { limit: 100, tenant: Some("acme".into()), cursor: Some(cursor), ..ListFilter::default() };
-    let rest = idemgate::keys::list(&store, &filter).await.unwrap();
+    let rest = idemgate::ops::keys::list(&store, &filter).await.unwrap();
     assert_eq!(rest.records.len(), 20);
     assert!(rest.next_cursor.is_none());
-    assert!(idemgate::keys::decode_cursor("not a cursor").is_err());
+    assert!(idemgate::ops::keys::decode_cursor("not a cursor").is_err());
 }
 
 fn probe_route(operation: &str, settle: Duration) -> ProbeRoute {

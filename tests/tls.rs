@@ -9,7 +9,7 @@ mod support;
 use std::process::Command;
 use std::time::Duration;
 
-use idemgate::record::State;
+use idemgate::idempotency::record::State;
 use support::tls::{Alg, Issued, Pki, h1_send, h2, h2_send};
 use support::*;
 use tokio::io::AsyncReadExt;
@@ -448,9 +448,9 @@ async fn mtls_identities_of_two_certificates_never_see_each_others_records() {
     assert_eq!((anon.status, anon.problem().as_str()), (401, "unauthenticated"), "{anon:?}");
 
     let store = backend.open().await;
-    let key = idemgate::scope::IdempotencyKey::new("shared-key").unwrap();
+    let key = idemgate::idempotency::key::IdempotencyKey::new("shared-key").unwrap();
     for (tenant, principal) in [("acme.test", "alice"), ("globex.test", "bob")] {
-        let scope = idemgate::scope::Scope {
+        let scope = idemgate::idempotency::key::Scope {
             tenant: tenant.into(),
             principal: principal.into(),
             operation: "create_order".into(),

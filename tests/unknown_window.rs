@@ -14,7 +14,7 @@ mod support;
 
 use std::time::Duration;
 
-use idemgate::record::State;
+use idemgate::idempotency::record::State;
 use idemgate::store::Store;
 use support::faultproxy::{Fault, FaultProxy};
 use support::*;

@@ -387,7 +387,7 @@ pub struct RouteSection {
     pub reconcile: Option<ReconcileSection>,
 }
 
-/// `[routes.reconcile]`, see `crate::probe::Probe`.
+/// `[routes.reconcile]`, see `crate::request::reconcile_probe::Probe`.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ReconcileSection {

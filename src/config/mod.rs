@@ -20,8 +20,8 @@ pub use connect::{ConnectCheck, check_connections};
 pub use error::{ConfigError, ConfigIssue};
 pub use hardening::{ConfigWarning, Hardening};
 
-use crate::identity::IdentitySource;
-use crate::route::{Route, UpstreamId};
+use crate::request::identity::IdentitySource;
+use crate::request::route::{Route, UpstreamId};
 pub use crate::secret::Secret;
 pub use crate::store::{StoreBackend, StoreConfig};
 use crate::tls::server::ListenerTls;
@@ -84,7 +84,7 @@ pub struct ServerConfig {
     /// upstream connection pool, accepting from one socket (or, with
     /// `reuse_port`, each from its own); default: one per CPU.
     pub workers: usize,
-    /// One access-log line per request (target `idemgate::access`).
+    /// One access-log line per request (target `idemgate::proxy::access`).
     pub access_log: bool,
     /// On SIGTERM, `/readyz` answers 503 at once and the listener keeps
     /// accepting for this long (so load balancers stop sending first), then

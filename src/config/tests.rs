@@ -1,7 +1,7 @@
 use std::time::Duration;
 
 use super::*;
-use crate::route::{ForwardKey, InFlightPolicy, Retention, RouteMode};
+use crate::request::route::{ForwardKey, InFlightPolicy, Retention, RouteMode};
 
 const KEY_HASH: &str = "0000000000000000000000000000000000000000000000000000000000000000";
 
@@ -276,9 +276,9 @@ fn a_literal_route_listed_after_a_parameter_route_is_reachable() {
     let text =
         minimal("") + &route("cancel_one", "POST", "/v1/orders/{other}/cancel") + &route("cancel_all", "POST", "/v1/orders/all/cancel");
     let c = parse(&text).unwrap();
-    let router = crate::route::Router::new(c.routes, None);
+    let router = crate::request::route::Router::new(c.routes, None);
     let op = |path: &str| match router.route(&http::Method::POST, path) {
-        crate::route::RouteMatch::Operation { route, .. } => route.operation.to_string(),
+        crate::request::route::RouteMatch::Operation { route, .. } => route.operation.to_string(),
         other => panic!("{path}: {other:?}"),
     };
     assert_eq!(op("/v1/orders/all/cancel"), "cancel_all");

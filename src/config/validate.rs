@@ -16,13 +16,13 @@ use super::file::{
 };
 use super::hardening::{Hardening, Warnings};
 use super::{AdminConfig, Config, DEFAULT_SQLITE_PATH, Secret, ServerConfig, StoreBackend, StoreConfig, UpstreamConfig, WorkersConfig};
-use crate::authorize::AuthorizeConfig;
-use crate::fingerprint::{FingerprintSpec, JsonPointer};
-use crate::identity::{Identity, IdentitySource};
-use crate::keysource::{KeySource, KeySources};
+use crate::idempotency::fingerprint::{FingerprintSpec, JsonPointer};
 use crate::outbox::{EventType, EventsConfig};
-use crate::probe::{Probe, ProbeTarget};
-use crate::route::{ForwardKey, InFlightPolicy, PathTemplate, ReplayMode, Retention, RetryPolicy, Route, RouteMode, ScopeMode};
+use crate::request::authorize::AuthorizeConfig;
+use crate::request::identity::{Identity, IdentitySource};
+use crate::request::key_source::{KeySource, KeySources};
+use crate::request::reconcile_probe::{Probe, ProbeTarget};
+use crate::request::route::{ForwardKey, InFlightPolicy, PathTemplate, ReplayMode, Retention, RetryPolicy, Route, RouteMode, ScopeMode};
 use crate::store::UnreachableAtStart;
 use crate::tls::client::ClientTls;
 use crate::tls::server::{ClientAuth, ListenerTls};
@@ -945,7 +945,7 @@ impl Validator<'_> {
         let header = self.header_name(&format!("{p}.header"), s.header.as_deref(), "authorization");
         let mut algorithms = Vec::new();
         for (k, a) in s.algorithms.as_deref().unwrap_or(&["RS256".to_owned(), "ES256".to_owned(), "EdDSA".to_owned()]).iter().enumerate() {
-            match crate::jwt::parse_algorithm(a) {
+            match crate::request::identity::jwt::parse_algorithm(a) {
                 Some(alg) => algorithms.push(alg),
                 None => {
                     self.issues.push(format!("{p}.algorithms[{k}]"), format!("unknown algorithm {a:?}: use RS256, ES256, EdDSA or HS256"))
@@ -984,7 +984,7 @@ impl Validator<'_> {
                 self.issues.push(format!("{p}.jwks_url"), "give jwks_file or jwks_url, not both");
                 None
             }
-            (Some(f), None) => Some(crate::jwt::KeySource::File(PathBuf::from(f))),
+            (Some(f), None) => Some(crate::request::identity::jwt::KeySource::File(PathBuf::from(f))),
             (None, Some(u)) => match u.parse::<http::Uri>() {
                 Ok(uri) if uri.scheme_str() == Some("http") && uri.authority().is_some() => {
                     self.warnings.push(
@@ -992,10 +992,10 @@ impl Validator<'_> {
                         Hardening::Jwt,
                         "the keys are fetched over plain http://: whoever can alter them in transit can sign tokens for any tenant; use https://",
                     );
-                    Some(crate::jwt::KeySource::Url(uri))
+                    Some(crate::request::identity::jwt::KeySource::Url(uri))
                 }
                 Ok(uri) if uri.scheme_str() == Some("https") && uri.authority().is_some() => {
-                    self.system_roots(&format!("{p}.jwks_url"), uri).map(crate::jwt::KeySource::Url)
+                    self.system_roots(&format!("{p}.jwks_url"), uri).map(crate::request::identity::jwt::KeySource::Url)
                 }
                 _ => {
                     self.issues.push(format!("{p}.jwks_url"), format!("invalid URL {u:?}"));
@@ -1006,7 +1006,7 @@ impl Validator<'_> {
                 self.issues.push(format!("{p}.jwks_file"), "RS256, ES256 and EdDSA need jwks_file or jwks_url");
                 None
             }
-            (None, None) => Some(crate::jwt::KeySource::None),
+            (None, None) => Some(crate::request::identity::jwt::KeySource::None),
         };
         let refresh = self.duration(&format!("{p}.jwks_refresh"), s.jwks_refresh.as_deref(), "5m");
         let refresh = self.at_least(&format!("{p}.jwks_refresh"), refresh, Duration::from_secs(1));
@@ -1017,7 +1017,7 @@ impl Validator<'_> {
         };
         let tenant_claim = claim(s.tenant_claim.as_deref(), "tenant");
         let principal_claim = claim(s.principal_claim.as_deref(), "sub");
-        let config = crate::jwt::JwtConfig {
+        let config = crate::request::identity::jwt::JwtConfig {
             header: header?,
             keys: keys?,
             refresh: refresh?,
@@ -1029,7 +1029,7 @@ impl Validator<'_> {
             principal_claim,
             leeway: leeway?,
         };
-        match crate::jwt::JwtVerifier::new(config) {
+        match crate::request::identity::jwt::JwtVerifier::new(config) {
             Ok(v) => Some(IdentitySource::Jwt(std::sync::Arc::new(v))),
             Err(e) => {
                 self.issues.push(format!("{p}.jwks_file"), e);
@@ -1040,7 +1040,7 @@ impl Validator<'_> {
 
     /// `kind = "mtls"`: tenant and principal from the verified client certificate.
     fn mtls_source(&mut self, p: &str, s: &IdentitySourceSection) -> Option<IdentitySource> {
-        use crate::identity::mtls::{CertField, CertRule, MtlsSource};
+        use crate::request::identity::mtls::{CertField, CertRule, MtlsSource};
         if !self.client_certificates {
             self.issues
                 .push(format!("{p}.kind"), "kind = \"mtls\" needs client certificates: set server.tls.client_ca_file (and client_auth)");

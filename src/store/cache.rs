@@ -37,9 +37,9 @@ use std::hash::{BuildHasher, RandomState};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::fingerprint::Fingerprint;
-use crate::record::{Record, State, Timestamp};
-use crate::scope::Scope;
+use crate::idempotency::fingerprint::Fingerprint;
+use crate::idempotency::key::Scope;
+use crate::idempotency::record::{Record, State, Timestamp};
 
 /// How long after its statement was sent an entry is served.
 pub const LEASE: Duration = Duration::from_secs(1);
@@ -186,8 +186,8 @@ impl ReplayCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::record::{Generation, StoredResponse};
-    use crate::scope::IdempotencyKey;
+    use crate::idempotency::key::IdempotencyKey;
+    use crate::idempotency::record::{Generation, StoredResponse};
     use bytes::Bytes;
     use uuid::Uuid;
 

@@ -3,7 +3,7 @@
 //!
 //! A backend implements single protocol steps, each one atomic statement (or
 //! one short transaction) against its database, deciding with the pure rules
-//! of [`crate::record`]. What must not differ between backends (bounded
+//! of [`crate::idempotency::record`]. What must not differ between backends (bounded
 //! operation time, reading a row back after an ambiguous write, metrics)
 //! lives once, in [`super::Store`]. `tests/store_conformance.rs` holds both
 //! implementations to the same answers.
@@ -16,13 +16,13 @@ use bytes::Bytes;
 use uuid::Uuid;
 
 use super::StoreError;
-use crate::audit::{AuditEntry, AuditNote};
-use crate::fingerprint::Fingerprint;
+use crate::idempotency::fingerprint::Fingerprint;
+use crate::idempotency::key::{Scope, ScopeId};
+use crate::idempotency::record::{Attempt, Generation, Record, Refused, State, StoredResponse, Timestamp};
 use crate::outbox::{Delivery, EventPolicies, OutboxEvent};
-use crate::record::{Attempt, Generation, Record, Refused, State, StoredResponse, Timestamp};
-use crate::route::Retention;
-use crate::scope::{Scope, ScopeId};
-use crate::stats::{EventStats, ForeverCount, StateCount};
+use crate::request::route::Retention;
+use crate::store::audit::{AuditEntry, AuditNote};
+use crate::telemetry::stats::{EventStats, ForeverCount, StateCount};
 
 /// Everything a claim needs.
 #[derive(Debug, Clone)]
@@ -176,10 +176,10 @@ pub enum Resolution {
 
 impl Resolution {
     /// The state machine's event for this resolution.
-    pub fn event(&self) -> crate::record::Event {
+    pub fn event(&self) -> crate::idempotency::record::Event {
         match *self {
-            Resolution::Release { force } => crate::record::Event::ResolveRelease { force },
-            Resolution::Complete { force, .. } => crate::record::Event::ResolveComplete { force },
+            Resolution::Release { force } => crate::idempotency::record::Event::ResolveRelease { force },
+            Resolution::Complete { force, .. } => crate::idempotency::record::Event::ResolveComplete { force },
         }
     }
 }

@@ -11,6 +11,7 @@
 //! The conformance suite in `tests/store_conformance.rs` runs the same cases
 //! against both backends.
 
+pub mod audit;
 pub mod cache;
 pub mod codec;
 pub mod contract;
@@ -29,7 +30,7 @@ use std::time::{Duration, Instant};
 use tokio_util::task::TaskTracker;
 use uuid::Uuid;
 
-pub use crate::stats::{EventStats, ForeverCount, StateCount};
+pub use crate::telemetry::stats::{EventStats, ForeverCount, StateCount};
 pub use contract::{
     Acceptance, Claim, ClaimOutcome, ClaimRequest, ListCursor, ListFilter, ProbeFence, ProbeRoute, Probing, RawClaim, Reaped, RecordStore,
     Resolution, ResolveOutcome, RetryNote, Taken, WorkerRoute, WriteOutcome,
@@ -38,13 +39,13 @@ pub use error::StoreError;
 pub use health::NotReady;
 pub use startup::{Retry, StartError};
 
-use crate::audit::{AuditEntry, AuditNote};
-use crate::metrics::Metrics;
+use crate::idempotency::key::{Scope, ScopeId};
+use crate::idempotency::record::{Attempt, Record, State, StoredResponse, Timestamp};
 use crate::outbox::{Delivery, EventPolicies, OutboxEvent};
-use crate::record::{Attempt, Record, State, StoredResponse, Timestamp};
-use crate::route::Retention;
-use crate::scope::{Scope, ScopeId};
+use crate::request::route::Retention;
 use crate::secret::Secret;
+use crate::store::audit::{AuditEntry, AuditNote};
+use crate::telemetry::metrics::Metrics;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct StoreConfig {
@@ -306,7 +307,7 @@ impl Store {
                     }
                 }
                 Err(e) if e.is_ambiguous() => {
-                    crate::throttle::warn_throttled!(scope = %req.scope.log_id(), error = %e, "claim outcome ambiguous; reading the row back");
+                    crate::telemetry::throttle::warn_throttled!(scope = %req.scope.log_id(), error = %e, "claim outcome ambiguous; reading the row back");
                     match self.get(&req.scope).await {
                         Ok(Some((record, _))) if own_claim(&record, token) => {
                             return Ok(ClaimOutcome::Claimed(claim_of(req, record)));
@@ -459,7 +460,7 @@ impl Store {
                 Ok(true) => return Ok(WriteOutcome::Written),
                 Ok(false) => return Ok(self.fenced(op, claim)),
                 Err(e) if e.is_ambiguous() || matches!(e, StoreError::Unavailable(_)) => {
-                    crate::throttle::warn_throttled!(scope = %claim.scope.log_id(), error = %e, op, "write failed; reading the row back");
+                    crate::telemetry::throttle::warn_throttled!(scope = %claim.scope.log_id(), error = %e, op, "write failed; reading the row back");
                     let ours = |r: &Record| r.generation == claim.generation && r.claim_token == claim.claim_token;
                     match self.get(&claim.scope).await {
                         Ok(Some((r, _))) if ours(&r) && goal.reached(&r) => return Ok(WriteOutcome::Written),

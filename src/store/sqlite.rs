@@ -1,10 +1,13 @@
 //! The embedded backend: SQLite in WAL mode with `synchronous = FULL`, for a
 //! single replica. Each protocol step is one `BEGIN IMMEDIATE` transaction
-//! whose decisions are made by the pure functions in `crate::record` — the
+//! whose decisions are made by the pure functions in `crate::idempotency::record` — the
 //! same rules PostgreSQL's statements encode — so both backends pass the same
-//! conformance suite. Blocking SQLite calls run on tokio's blocking pool,
-//! never on the async workers. The clock is this process's system clock: with
-//! one replica it is the only clock there is.
+//! conformance suite. One writer thread (`idemgate-sqlite`) owns the
+//! connection: protocol steps are queued to it and each batch of them runs in
+//! one transaction (a savepoint per step, one commit and fsync per batch), so
+//! no SQLite call blocks a tokio thread; only opening the file runs on tokio's
+//! blocking pool. The clock is this process's system clock: with one replica
+//! it is the only clock there is.
 
 use std::fs::File;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
@@ -25,12 +28,14 @@ use super::{
     Access, Claim, ClaimRequest, EventStats, ForeverCount, ListFilter, ProbeFence, ProbeRoute, Probing, RawClaim, Reaped, RecordStore,
     Resolution, ResolveOutcome, RetryNote, StateCount, StoreError, Taken, WorkerRoute,
 };
-use crate::audit::{self, AuditEntry, AuditNote};
-use crate::fingerprint::Fingerprint;
+use crate::idempotency::fingerprint::Fingerprint;
+use crate::idempotency::key::{IdempotencyKey, Scope, ScopeId};
+use crate::idempotency::record::{
+    Attempt, Event, Generation, Next, Record, Refused, State, StoredResponse, Timestamp, may_take_over, transition,
+};
 use crate::outbox::{Delivery, EventPolicies, EventType, OutboxEvent};
-use crate::record::{Attempt, Event, Generation, Next, Record, Refused, State, StoredResponse, Timestamp, may_take_over, transition};
-use crate::route::Retention;
-use crate::scope::{IdempotencyKey, Scope, ScopeId};
+use crate::request::route::Retention;
+use crate::store::audit::{self, AuditEntry, AuditNote};
 use async_trait::async_trait;
 
 const COLUMNS: &str = "tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner, \

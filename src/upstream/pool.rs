@@ -39,7 +39,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::{BoundedConnect, UpstreamError, error_chain};
-use crate::body::{Body, Lent, ResponseBody};
+use crate::upstream::body::{Body, Lent, ResponseBody};
 
 /// A request handed back unsent by a reused connection is tried on another
 /// one; this bounds the tries (each costs a closed connection).

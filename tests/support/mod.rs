@@ -42,8 +42,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use std::time::{Duration, Instant};
 
-use idemgate::record::Record;
-use idemgate::scope::{IdempotencyKey, Scope};
+use idemgate::idempotency::key::{IdempotencyKey, Scope};
+use idemgate::idempotency::record::Record;
 use idemgate::store::Store;
 
 pub use client::{Resp, post, send};
@@ -125,7 +125,7 @@ pub async fn settled_record(store: &Store, key: &str) -> Option<Record> {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         let rec = record(store, key).await;
-        if rec.as_ref().is_none_or(|r| r.state != idemgate::record::State::InFlight) || Instant::now() > deadline {
+        if rec.as_ref().is_none_or(|r| r.state != idemgate::idempotency::record::State::InFlight) || Instant::now() > deadline {
             return rec;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idemgate::record::{Record, State};
+use idemgate::idempotency::record::{Record, State};
 use idemgate::store::{ListFilter, Store};
 use tokio::task::JoinHandle;
 

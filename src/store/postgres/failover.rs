@@ -186,7 +186,7 @@ where
                         tracing::debug!(host = i, error = %e, "database host refused a read-write session");
                     }
                     Err(_) => {
-                        crate::throttle::warn_throttled!(host = i, bound = ?self.per_host, "database host did not answer in time; trying the next")
+                        crate::telemetry::throttle::warn_throttled!(host = i, bound = ?self.per_host, "database host did not answer in time; trying the next")
                     }
                 }
             }

@@ -16,13 +16,13 @@ use super::{
     Acceptance, Claim, ClaimRequest, EventStats, ForeverCount, ListFilter, ProbeFence, ProbeRoute, Probing, RawClaim, Reaped, RecordStore,
     Resolution, ResolveOutcome, RetryNote, StateCount, StoreError, Taken, WorkerRoute,
 };
-use crate::audit::{self, AuditEntry, AuditNote};
-use crate::fingerprint::Fingerprint;
-use crate::logging::ErrorChain;
+use crate::idempotency::fingerprint::Fingerprint;
+use crate::idempotency::key::{IdempotencyKey, Scope, ScopeId};
+use crate::idempotency::record::{Attempt, Generation, Next, Record, Refused, State, StoredResponse, Timestamp, may_take_over, transition};
 use crate::outbox::{Delivery, EventPolicies, EventType, OutboxEvent};
-use crate::record::{Attempt, Generation, Next, Record, Refused, State, StoredResponse, Timestamp, may_take_over, transition};
-use crate::route::Retention;
-use crate::scope::{IdempotencyKey, Scope, ScopeId};
+use crate::request::route::Retention;
+use crate::store::audit::{self, AuditEntry, AuditNote};
+use crate::telemetry::logging::ErrorChain;
 use async_trait::async_trait;
 use std::sync::Arc;
 

@@ -1,0 +1,787 @@
+//! The request path (the synchronous front): route, identify, validate,
+//! fingerprint, claim — then hand the claimed attempt to the
+//! [`Executor`](crate::executor::Executor) on a tracked task, or answer from
+//! the record the claim found.
+
+use std::borrow::Cow;
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::uri::PathAndQuery;
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri, request};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use tokio::sync::{Notify, oneshot};
+use tokio_util::task::TaskTracker;
+use uuid::Uuid;
+
+use crate::config::Config;
+use crate::executor::waiters::Waiters;
+use crate::executor::{Executor, ResultWrite, refetch};
+use crate::idempotency::fingerprint::{self, RequestParts};
+use crate::idempotency::key::Scope;
+use crate::idempotency::record::{Decision, Record, State, StoredResponse};
+use crate::problem::{self, GatewayError};
+use crate::proxy::access::{self, Pending, REQUEST_ID, RequestIds, RequestSeries, RouteLabel, Trace};
+use crate::proxy::admission::decide_with_legacy;
+use crate::proxy::observe::Observer;
+use crate::proxy::passthrough;
+use crate::proxy::replay::replay;
+use crate::request::async_op::{OPERATIONS_PATH, StoredRequest, new_operation_id, prefers_async, status_document};
+use crate::request::authorize::{Authorizer, Decision as AuthzDecision};
+use crate::request::identity::{Identifier, Identity, IdentitySource};
+use crate::request::key_source::{FromHeaders, KeySource, KeySourceError};
+use crate::request::route::{InFlightPolicy, ReplayMode, Retention, Route, RouteMatch, RouteMode, Router, ScopeMode, UpstreamId};
+use crate::secret::DerivedKeySecret;
+use crate::store::{Acceptance, Claim, ClaimOutcome, ClaimRequest, Store, WriteOutcome};
+use crate::telemetry::metrics::{Metrics, Outcome};
+use crate::upstream::Upstream;
+use crate::upstream::body::Body;
+
+/// Retry-After for a duplicate of an in-flight request.
+const IN_PROGRESS_RETRY_AFTER: Duration = Duration::from_secs(1);
+/// A claim that keeps finding expired records (swept or released in between)
+/// gives up after this many rounds.
+const MAX_CLAIM_ROUNDS: usize = 8;
+
+/// What a claim came to: an answer from the record it found, or a claim
+/// of this replica's to forward.
+enum Claimed {
+    Answered((Response<Body>, Outcome)),
+    Run(Claim),
+}
+
+/// Everything the request path needs, shared by all connections.
+#[derive(Debug)]
+pub struct Gateway {
+    router: Router,
+    identifier: Identifier,
+    /// Forwards and records claimed attempts; owns this worker's upstream pools.
+    executor: Executor,
+    store: Store,
+    metrics: Arc<Metrics>,
+    /// Forwards run here, not in the connection's future, so a client that
+    /// disconnects never cancels a forward or the recording of its result.
+    tracker: TaskTracker,
+    replica_id: Arc<str>,
+    max_request_body: u64,
+    request_body_timeout: Duration,
+    /// Where duplicates wait for an in-flight result (`in_flight = "wait"`);
+    /// the executor wakes them.
+    waiters: Arc<Waiters>,
+    /// Wakes this replica's async workers when an operation is accepted.
+    wake_workers: Arc<Notify>,
+    /// The routes' authorizers, by operation (this worker's clients).
+    authorizers: HashMap<Arc<str>, Authorizer>,
+    /// Observe-mode routes pass requests through and record what enforcing would do.
+    observer: Observer,
+    /// Request ids (shared by the worker threads: one counter per process).
+    request_ids: Arc<RequestIds>,
+    /// Requests by route, protocol and status class, and their duration.
+    request_series: Arc<RequestSeries>,
+    /// `server.access_log`.
+    access_log: bool,
+    /// `WWW-Authenticate` of a 401, when API keys are configured.
+    challenge: Option<HeaderValue>,
+    /// Operations whose key may come from `X-Request-Id` (`key_from`): their
+    /// requests are forwarded without an id the client did not send.
+    request_id_is_a_key: Arc<HashSet<Arc<str>>>,
+}
+
+/// What a gateway hands on to the one that replaces it on a reload.
+struct Lasting {
+    store: Store,
+    metrics: Arc<Metrics>,
+    tracker: TaskTracker,
+    derived_key_secret: DerivedKeySecret,
+    replica_id: Arc<str>,
+    waiters: Arc<Waiters>,
+    wake_workers: Arc<Notify>,
+    request_ids: Arc<RequestIds>,
+    observer: Observer,
+}
+
+impl Gateway {
+    /// `derived_key_secret` keys the `Idempotency-Key` sent upstream.
+    pub fn new(
+        config: &Config,
+        store: Store,
+        metrics: Arc<Metrics>,
+        tracker: TaskTracker,
+        derived_key_secret: DerivedKeySecret,
+    ) -> Gateway {
+        let replica_id: Arc<str> = config.server.replica_id.as_str().into();
+        let observer = Observer::new(
+            store.clone(),
+            metrics.clone(),
+            tracker.clone(),
+            replica_id.clone(),
+            config.server.max_request_body,
+            config.server.request_body_timeout,
+        );
+        let lasting = Lasting {
+            store,
+            metrics,
+            tracker,
+            derived_key_secret,
+            replica_id,
+            waiters: Arc::new(Waiters::new()),
+            wake_workers: Arc::new(Notify::new()),
+            request_ids: Arc::new(RequestIds::new(config.server.trusted_proxies.clone())),
+            observer,
+        };
+        Gateway::assemble(config, lasting)
+    }
+
+    /// The gateway for a reloaded configuration (SIGHUP): new identity
+    /// sources, routes, authorizers and upstreams (with new pools); the same
+    /// store, metrics, tracker, waiters, request ids and server settings.
+    /// Requests already running finish with the gateway they started on.
+    pub fn reloaded(&self, config: &Config) -> Gateway {
+        let lasting = Lasting {
+            // The same store, writing events for the reloaded routes' `[routes.events]`.
+            store: self.store.clone().with_events(crate::request::route::event_policies(&config.routes)),
+            metrics: self.metrics.clone(),
+            tracker: self.tracker.clone(),
+            derived_key_secret: self.executor.derived_key_secret(),
+            replica_id: self.replica_id.clone(),
+            waiters: self.waiters.clone(),
+            wake_workers: self.wake_workers.clone(),
+            request_ids: self.request_ids.clone(),
+            observer: self.observer.clone(),
+        };
+        Gateway::assemble(config, lasting)
+    }
+
+    fn assemble(config: &Config, lasting: Lasting) -> Gateway {
+        let Lasting { store, metrics, tracker, derived_key_secret, replica_id, waiters, wake_workers, request_ids, observer } = lasting;
+        let executor = Executor::new(
+            config.upstreams.iter().cloned().map(|u| Upstream::new(u).counted_by(metrics.clone())).collect(),
+            store.clone(),
+            metrics.clone(),
+            tracker.clone(),
+            waiters.clone(),
+            derived_key_secret,
+        );
+        metrics.declare_observed(config.routes.iter().filter(|r| r.mode == RouteMode::Observe).map(|r| &*r.operation));
+        metrics.declare_forever(config.routes.iter().filter(|r| r.retention == Retention::Forever).map(|r| &*r.operation));
+        // The proxy listener's series exist before it serves (it speaks
+        // HTTP/2 when it has TLS); its workers' accept loops use the same.
+        let request_series =
+            Arc::new(RequestSeries::new(&metrics, config.routes.iter().map(|r| &r.operation), config.server.tls.is_some()));
+        let _ = metrics.connections("proxy", config.server.max_connections);
+        Gateway {
+            router: Router::new(config.routes.clone(), config.server.default_upstream),
+            identifier: Identifier::new(config.identity.clone()),
+            executor,
+            store,
+            metrics,
+            tracker,
+            replica_id,
+            max_request_body: config.server.max_request_body,
+            request_body_timeout: config.server.request_body_timeout,
+            waiters,
+            wake_workers,
+            authorizers: config
+                .routes
+                .iter()
+                .filter_map(|r| r.authorize.as_ref().map(|a| (r.operation.clone(), Authorizer::new(a.clone()))))
+                .collect(),
+            observer,
+            request_ids,
+            request_series,
+            access_log: config.server.access_log,
+            challenge: config
+                .identity
+                .iter()
+                .any(|s| matches!(s, IdentitySource::ApiKey { .. } | IdentitySource::Jwt(_)))
+                .then(|| HeaderValue::from_static("Bearer realm=\"idemgate\"")),
+            request_id_is_a_key: Arc::new(
+                config
+                    .routes
+                    .iter()
+                    .filter(|r| r.key_from.sources().iter().any(|s| matches!(s, KeySource::Header(h) if h == REQUEST_ID)))
+                    .map(|r| r.operation.clone())
+                    .collect(),
+            ),
+        }
+    }
+
+    /// The route's authorizer, if it has one: `forbidden` or
+    /// `authorizer-unavailable` unless it allows the request.
+    async fn authorized(
+        &self,
+        operation: &str,
+        method: &Method,
+        path: &str,
+        identity: &Identity,
+        headers: &HeaderMap,
+    ) -> Result<(), GatewayError> {
+        let Some(authorizer) = self.authorizers.get(operation) else { return Ok(()) };
+        match authorizer.check(method, path, operation, identity, headers).await {
+            AuthzDecision::Allowed => Ok(()),
+            AuthzDecision::Denied => Err(GatewayError::Forbidden),
+            AuthzDecision::Unavailable => Err(GatewayError::AuthorizerUnavailable),
+        }
+    }
+
+    /// The executor of this gateway (its upstream pools are this thread's).
+    pub fn executor(&self) -> &Executor {
+        &self.executor
+    }
+
+    /// What async workers are woken with when an operation is accepted.
+    pub fn wake_workers(&self) -> Arc<Notify> {
+        self.wake_workers.clone()
+    }
+
+    /// JWT identity sources whose keys are fetched from a URL.
+    pub fn jwks_sources(&self) -> Vec<Arc<crate::request::identity::jwt::JwtVerifier>> {
+        self.identifier.jwks_urls()
+    }
+
+    pub fn routes(&self) -> Vec<Arc<Route>> {
+        self.router.routes().to_vec()
+    }
+
+    /// The routes whose operations may run asynchronously.
+    pub fn async_routes(&self) -> Vec<Arc<Route>> {
+        self.router.routes().iter().filter(|r| r.mode == RouteMode::Async || r.allow_async).cloned().collect()
+    }
+
+    /// The operations whose upstream deduplicates by the derived key.
+    pub fn reforwardable_operations(&self) -> Vec<Arc<str>> {
+        self.router.routes().iter().filter(|r| r.upstream_idempotent).map(|r| r.operation.clone()).collect()
+    }
+
+    /// A copy for another worker thread: the same store, metrics, tracker and
+    /// waiters, but its own upstream connection pools (so each worker's
+    /// connections are driven by its own event loop).
+    pub fn for_worker(&self) -> Gateway {
+        Gateway {
+            router: self.router.clone(),
+            identifier: self.identifier.clone(),
+            executor: self.executor.with_own_pools(),
+            store: self.store.clone(),
+            metrics: self.metrics.clone(),
+            tracker: self.tracker.clone(),
+            replica_id: self.replica_id.clone(),
+            max_request_body: self.max_request_body,
+            request_body_timeout: self.request_body_timeout,
+            waiters: self.waiters.clone(),
+            wake_workers: self.wake_workers.clone(),
+            authorizers: self.authorizers.iter().map(|(op, a)| (op.clone(), a.with_own_pool())).collect(),
+            observer: self.observer.clone(),
+            request_ids: self.request_ids.clone(),
+            request_series: self.request_series.clone(),
+            access_log: self.access_log,
+            challenge: self.challenge.clone(),
+            request_id_is_a_key: self.request_id_is_a_key.clone(),
+        }
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Handles one request; never fails (errors become problem responses).
+    /// Every answer carries the request's id (`X-Request-Id`, also sent to
+    /// the upstream) and gets exactly one access-log line.
+    pub async fn handle(self: Arc<Self>, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+        let request_id = self.request_ids.assign(req.headers(), peer.ip());
+        // Counts the request and logs its line when finished, or with 499 if
+        // the client goes away first.
+        let mut pending = Pending::new(self.access_log, &req, peer.ip(), request_id, Some(self.request_series.clone()));
+        let id = pending.request_id().clone();
+        let mut resp = match self.dispatch(req, peer, pending.trace(), &id).await {
+            Ok(resp) => resp,
+            Err(e) => {
+                let trace = pending.trace();
+                trace.problem = Some(e.type_name());
+                trace.outcome.get_or_insert(e.outcome());
+                self.problem(&e, &id)
+            }
+        };
+        let trace = pending.trace();
+        if let (Some(reason), Some(Outcome::Rejected)) = (trace.problem, trace.outcome) {
+            self.metrics.rejected(reason);
+        }
+        resp.headers_mut().insert(REQUEST_ID, id);
+        pending.finish(resp)
+    }
+
+    /// The request path proper: routes the request and says in `trace` what
+    /// it was and how it ended.
+    async fn dispatch(
+        self: &Arc<Self>,
+        mut req: Request<Incoming>,
+        peer: SocketAddr,
+        trace: &mut Trace,
+        request_id: &HeaderValue,
+    ) -> Result<Response<Body>, GatewayError> {
+        // Everything from here on (routing, the authorizer, the fingerprint's
+        // path parameters, the upstream) sees the path in normal form, or the
+        // request is refused before any of it.
+        let normal = self.router.normalise(req.method(), req.uri().path()).map_err(GatewayError::InvalidRequest)?;
+        if let Cow::Owned(normal) = normal {
+            *req.uri_mut() = with_path(req.uri(), &normal)?;
+        }
+        // Two values of a credential: which one identifies the request is
+        // ambiguous, and the upstream would get both. Refused before anything.
+        if let Some(name) = self.identifier.ambiguous(req.headers()) {
+            tracing::debug!(header = %name, "a header identity sources read was sent more than once; refused");
+            return Err(GatewayError::Unauthenticated);
+        }
+        if let Some(rest) = req.uri().path().strip_prefix(OPERATIONS_PATH) {
+            trace.route = RouteLabel::OperationStatus;
+            let rest = rest.to_owned();
+            let (resp, outcome) = Box::pin(self.poll_operation(&rest, &mut req, peer)).await?;
+            trace.outcome = Some(outcome);
+            return Ok(resp);
+        }
+        match self.router.route_normal(req.method(), req.uri().path()).map_err(GatewayError::InvalidRequest)? {
+            RouteMatch::Operation { route, params } => {
+                let route = route.clone();
+                trace.route = RouteLabel::Operation(route.operation.clone());
+                if self.request_id_is_a_key.is_empty() || !self.request_id_is_a_key.contains(&route.operation) {
+                    self.send_request_id(&mut req, request_id);
+                }
+                // Boxed: the idempotent path's future is large; pass-through requests
+                // should not carry (and move) it.
+                let answer = Box::pin(self.operation(&route, params, req, peer, trace)).await;
+                let outcome = match &answer {
+                    Ok((_, outcome)) => *outcome,
+                    Err(e) => e.outcome(),
+                };
+                // A forwarded request is counted when its result write
+                // returned (`forwarded` or `fenced`; `ResultWrite::finish`).
+                if outcome != Outcome::Forwarded {
+                    self.metrics.request(&route.operation, outcome);
+                }
+                trace.outcome = Some(outcome);
+                answer.map(|(resp, _)| resp)
+            }
+            RouteMatch::PassThrough { upstream } => {
+                // No identity is required here, but the upstream gets only
+                // the credentials of the source that identified the caller.
+                self.admit(&mut req, peer).await;
+                self.send_request_id(&mut req, request_id);
+                trace.route = RouteLabel::PassThrough;
+                trace.outcome = Some(Outcome::PassThrough);
+                self.pass_through(upstream, req, trace).await
+            }
+            RouteMatch::NotFound => Err(GatewayError::NotFound),
+        }
+    }
+
+    /// The upstream gets the request id the gateway logs and answers with:
+    /// a trusted proxy's, or the one generated (a client's own id from
+    /// elsewhere is replaced; the access log keeps it as
+    /// `client_request_id`). Not called for routes whose key comes from
+    /// `X-Request-Id`: a legacy client's id is its idempotency key there, so
+    /// it reaches the upstream as sent (and a request without one stays
+    /// without one).
+    fn send_request_id(&self, req: &mut Request<Incoming>, request_id: &HeaderValue) {
+        req.headers_mut().insert(REQUEST_ID, request_id.clone());
+    }
+
+    /// Identifies the request and removes the headers of every other
+    /// identity source (see [`Identifier::admit`]), before anything is
+    /// forwarded, stored, or shown to an authorizer.
+    async fn admit(&self, req: &mut Request<Incoming>, peer: SocketAddr) -> Option<Identity> {
+        let cert = req.extensions().get::<Arc<crate::tls::server::ClientCertificate>>().cloned();
+        self.identifier.admit(req.headers_mut(), peer.ip(), cert.as_deref()).await
+    }
+
+    /// The problem answer for `e`, naming this request as its `instance`;
+    /// a 401 carries the challenge of the configured API keys.
+    fn problem(&self, e: &GatewayError, request_id: &HeaderValue) -> Response<Body> {
+        let mut resp = problem::response_with_instance(e, access::problem_instance(request_id).as_deref());
+        if matches!(e, GatewayError::Unauthenticated)
+            && let Some(challenge) = &self.challenge
+        {
+            resp.headers_mut().insert(http::header::WWW_AUTHENTICATE, challenge.clone());
+        }
+        resp
+    }
+
+    async fn operation(
+        self: &Arc<Self>,
+        route: &Arc<Route>,
+        params: Vec<(String, String)>,
+        mut req: Request<Incoming>,
+        peer: SocketAddr,
+        trace: &mut Trace,
+    ) -> Result<(Response<Body>, Outcome), GatewayError> {
+        if route.mode == RouteMode::Observe {
+            // Observe mode changes no answer: nothing is refused, so the
+            // route's authorizer is not asked either.
+            let identity = self.admit(&mut req, peer).await;
+            let resp = self.observer.handle(route, params, req, identity, self.executor.upstream(route.upstream)).await;
+            return Ok((resp, Outcome::PassThrough));
+        }
+        let identity = self.admit(&mut req, peer).await.ok_or(GatewayError::Unauthenticated)?;
+        self.authorized(&route.operation, req.method(), req.uri().path(), &identity, req.headers()).await?;
+        let missing = || GatewayError::MissingKey { header: route.key_from.describe() };
+        // A key in a header is known before the body is read: a request
+        // without one costs no body read.
+        let early = match route.key_from.from_headers(req.headers()) {
+            Ok(FromHeaders::Found(found)) => Some(found),
+            Ok(FromHeaders::NeedBody) => None,
+            Ok(FromHeaders::Absent) if !route.key_required => {
+                return Ok((self.pass_through(route.upstream, req, trace).await?, Outcome::PassThrough));
+            }
+            Ok(FromHeaders::Absent) => return Err(missing()),
+            Err(e) => return Err(GatewayError::InvalidKey(e)),
+        };
+        let (parts, body) = req.into_parts();
+        let body = read_body(body, &parts.headers, self.max_request_body, self.request_body_timeout).await?;
+        trace.bytes_in = Some(body.len() as u64);
+        let found = match early {
+            Some(found) => found,
+            None => match route.key_from.from_request(&parts.headers, &body) {
+                Ok(Some(found)) => found,
+                Ok(None) if !route.key_required => {
+                    let upstream = self.executor.upstream(route.upstream);
+                    let answer = passthrough::try_forward(upstream, parts, Body::full(body)).await;
+                    self.metrics.passed_through(upstream.name(), answer.as_ref().err().map(GatewayError::type_name));
+                    return Ok((answer?, Outcome::PassThrough));
+                }
+                Ok(None) => return Err(missing()),
+                Err(KeySourceError::Key(e)) => return Err(GatewayError::InvalidKey(e)),
+                Err(KeySourceError::Body(e)) => return Err(GatewayError::InvalidBody(e.to_string())),
+            },
+        };
+        let request_hash = fingerprint::fingerprint(
+            &route.fingerprint,
+            &RequestParts {
+                method: &parts.method,
+                operation: &route.operation,
+                path_params: &params,
+                query: parts.uri.query(),
+                headers: &parts.headers,
+                body: &body,
+            },
+        )
+        .map_err(|e| GatewayError::InvalidBody(e.to_string()))?;
+        let scope = match route.scope {
+            ScopeMode::Principal => Scope::new(&identity, &route.operation, found.key),
+            ScopeMode::Tenant => Scope::tenant_wide(&identity, &route.operation, found.key),
+        };
+        trace.scope = Some(scope.scope_id());
+        // Async: the claim accepts the operation and stores the request for
+        // the workers; the client gets 202 and an operation id.
+        let is_async = route.mode == RouteMode::Async || (route.allow_async && prefers_async(&parts.headers));
+        let acceptance = is_async
+            .then(|| Acceptance { operation_id: new_operation_id(), request: StoredRequest::capture(&parts, &body).encode().into() });
+        let claim = ClaimRequest {
+            scope,
+            request_hash,
+            owner: self.replica_id.clone(),
+            lease: route.lease,
+            upstream_idempotent: route.upstream_idempotent,
+            claim_token: Uuid::new_v4(),
+            acceptance,
+            key_source: found.source,
+            request_head: crate::request::async_op::request_head(route, &parts),
+        };
+        // From the claim on, the work runs on the tracker: a client that goes
+        // away can no longer cancel it between a committed claim and its
+        // forward, nor between the forward and the recording of its result.
+        let (tx, rx) = oneshot::channel();
+        let gw = self.clone();
+        let route = route.clone();
+        self.tracker.spawn(async move {
+            let (out, write) = gw.claim_and_forward(&route, claim, params, parts, body).await;
+            // The client may be gone; the record is written either way. The
+            // answer goes first: the result write then runs while it travels.
+            let _ = tx.send(out);
+            if let Some(write) = write {
+                write.finish().await;
+            }
+        });
+        rx.await.unwrap_or(Err(GatewayError::Internal))
+    }
+
+    /// Claims the scope and forwards, or answers from the record it found.
+    /// When the upstream answered, its result write is returned to be run
+    /// once the client has the answer.
+    async fn claim_and_forward<'a>(
+        &'a self,
+        route: &'a Route,
+        claim: ClaimRequest,
+        params: Vec<(String, String)>,
+        parts: request::Parts,
+        body: Bytes,
+    ) -> (Result<(Response<Body>, Outcome), GatewayError>, Option<ResultWrite<'a>>) {
+        // A result this replica answered and is still writing comes first:
+        // its client's retry is replayed, not told "in flight".
+        self.waiters.settled(&claim.scope, self.store.timeout()).await;
+        let request = RequestParts {
+            method: &parts.method,
+            operation: &route.operation,
+            path_params: &params,
+            query: parts.uri.query(),
+            headers: &parts.headers,
+            body: &body,
+        };
+        match self.claim_or_answer(route, &claim, &parts, &request).await {
+            Ok(Claimed::Answered(answer)) => (Ok(answer), None),
+            Ok(Claimed::Run(c)) => self.executor.run_sync(route, &c, parts, body).await,
+            Err(e) => (Err(e), None),
+        }
+    }
+
+    /// Claims the scope, or answers from the record the claim found.
+    /// `request` is what the claim's fingerprint was computed from.
+    async fn claim_or_answer(
+        &self,
+        route: &Route,
+        claim: &ClaimRequest,
+        parts: &request::Parts,
+        request: &RequestParts<'_>,
+    ) -> Result<Claimed, GatewayError> {
+        let request_hash = claim.request_hash;
+        let wait_until = match route.in_flight {
+            InFlightPolicy::Wait(d) => Some(tokio::time::Instant::now() + d),
+            InFlightPolicy::Reject => None,
+        };
+        let (mut expired_rounds, mut wait_rounds) = (0, 0);
+        loop {
+            let claim_started = Instant::now();
+            let outcome = match self.store.claim(claim).await {
+                Ok(outcome) => outcome,
+                Err(e) => {
+                    crate::telemetry::throttle::warn_throttled!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "claim failed; nothing forwarded");
+                    // An unconfirmed synchronous claim is deleted later (nobody
+                    // forwards it); an unconfirmed acceptance stays: if it
+                    // committed, a retry reads it back as accepted and a
+                    // worker runs it once.
+                    if e.is_ambiguous() && claim.acceptance.is_none() {
+                        self.abandon_later(claim, route.lease);
+                    }
+                    return Err(GatewayError::StoreUnavailable);
+                }
+            };
+            let (record, now) = match outcome {
+                ClaimOutcome::Claimed(c) if claim.acceptance.is_some() => {
+                    self.wake_workers.notify_waiters();
+                    return Ok(Claimed::Answered((self.accepted(route, &accepted_record(claim, &c)), Outcome::Accepted)));
+                }
+                ClaimOutcome::Claimed(c) => {
+                    // The lease began when the claim committed, at most this
+                    // long ago. If what is left cannot cover the upstream's
+                    // timeout (the claim took long: retries, read-backs), the
+                    // result could not be recorded in time: give the key back
+                    // instead of forwarding.
+                    let upstream_timeout = self.executor.upstream(route.upstream).config.timeout;
+                    if claim_started.elapsed() + upstream_timeout >= route.lease {
+                        tracing::warn!(route = %route.operation, scope = %c.scope.log_id(), "claim took too long to leave room for the upstream; released, nothing forwarded");
+                        self.executor.release(route, &c).await;
+                        return Err(GatewayError::StoreUnavailable);
+                    }
+                    return Ok(Claimed::Run(c));
+                }
+                ClaimOutcome::Existing { record, now } => (record, now),
+            };
+            match decide_with_legacy(route, &record, &request_hash, request, now) {
+                Decision::Replay => {
+                    let stored = record.response.as_ref().ok_or(GatewayError::Internal)?;
+                    return self.answer_from(route, stored, &parts.headers).await.map(|r| Claimed::Answered((r, Outcome::Replayed)));
+                }
+                Decision::Mismatch => return Err(GatewayError::KeyReused { status: route.mismatch_status }),
+                Decision::Accepted => return Ok(Claimed::Answered((self.accepted(route, &record), Outcome::Accepted))),
+                Decision::Unknown => return Err(GatewayError::RecordUnknown),
+                Decision::LeaseExpired => {
+                    match self.store.expire_lease(&record).await {
+                        Ok(WriteOutcome::Written) => {
+                            self.metrics.reaped(1);
+                            tracing::warn!(route = %route.operation, scope = %record.scope.log_id(), owner = %record.owner, "lease expired without a result; record is now unknown");
+                        }
+                        // The record moved on since it was read (its attempt
+                        // recorded a result or released it): read it again.
+                        Ok(WriteOutcome::Fenced) if expired_rounds < MAX_CLAIM_ROUNDS => {
+                            expired_rounds += 1;
+                            continue;
+                        }
+                        Ok(WriteOutcome::Fenced) => {}
+                        Err(e) => tracing::warn!(scope = %record.scope.log_id(), error = %e, "could not mark an expired lease unknown"),
+                    }
+                    return Err(GatewayError::RecordUnknown);
+                }
+                Decision::InProgress { .. } => {
+                    let Some(deadline) = wait_until.filter(|d| tokio::time::Instant::now() < *d) else {
+                        return Err(GatewayError::InProgress { retry_after: IN_PROGRESS_RETRY_AFTER });
+                    };
+                    self.waiters.wait(&claim.scope, wait_rounds, deadline).await;
+                    wait_rounds += 1;
+                }
+                Decision::Expired => {
+                    expired_rounds += 1;
+                    if expired_rounds >= MAX_CLAIM_ROUNDS {
+                        return Err(GatewayError::StoreUnavailable);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A claim whose commit could not be confirmed may exist although nothing
+    /// was forwarded: delete it by its token once the store answers again, so
+    /// the client's retry is not refused. Gives up when the lease would have
+    /// expired (the record then shows as `unknown`, and the logs say why).
+    fn abandon_later(&self, claim: &ClaimRequest, lease: Duration) {
+        self.store.abandon_later(&self.tracker, &claim.scope, claim.claim_token, lease);
+    }
+
+    /// A completed record's answer: the stored one, or read again from the
+    /// upstream with the caller's credentials (`replay = "refetch"`).
+    async fn answer_from(&self, route: &Route, stored: &StoredResponse, caller: &HeaderMap) -> Result<Response<Body>, GatewayError> {
+        match route.replay {
+            ReplayMode::Stored => replay(stored),
+            ReplayMode::Refetch => refetch(self.executor.upstream(route.upstream), stored, caller).await,
+        }
+    }
+
+    /// The answer to an accepted operation (and to its retries): 202, where to
+    /// poll, when, and the status document.
+    fn accepted(&self, route: &Route, record: &Record) -> Response<Body> {
+        let doc = status_document(record, route.poll_interval, route.retention);
+        let mut resp = json_response(StatusCode::ACCEPTED, &doc);
+        let h = resp.headers_mut();
+        if let Some(id) = &record.operation_id
+            && let Ok(location) = HeaderValue::from_str(&format!("{OPERATIONS_PATH}{id}"))
+        {
+            h.insert(http::header::LOCATION, location);
+        }
+        h.insert(http::header::RETRY_AFTER, HeaderValue::from(route.poll_interval.as_secs().max(1)));
+        resp
+    }
+
+    /// `GET /_idemgate/operations/{id}` and `.../{id}/result`: only the scope
+    /// that made the request may read it (anyone else gets 404, never 403).
+    async fn poll_operation(
+        &self,
+        rest: &str,
+        req: &mut Request<Incoming>,
+        peer: SocketAddr,
+    ) -> Result<(Response<Body>, Outcome), GatewayError> {
+        if req.method() != Method::GET && req.method() != Method::HEAD {
+            return Err(GatewayError::NotFound);
+        }
+        let (id, want_result) = match rest.strip_suffix("/result") {
+            Some(id) => (id, true),
+            None => (rest, false),
+        };
+        if id.is_empty() || id.contains('/') || id.len() > 64 {
+            return Err(GatewayError::NotFound);
+        }
+        // A refetched result goes to the upstream with the caller's headers.
+        let identity = self.admit(req, peer).await.ok_or(GatewayError::Unauthenticated)?;
+        let record = match self.store.operation(&identity.tenant, id).await {
+            Ok(Some((record, _))) if record.scope.admits(&identity) => record,
+            Ok(_) => return Err(GatewayError::NotFound),
+            Err(e) => {
+                tracing::warn!(error = %e, "operation lookup failed");
+                return Err(GatewayError::StoreUnavailable);
+            }
+        };
+        // Reading a stored answer is asked again: a revoked principal gets 403.
+        self.authorized(&record.scope.operation, req.method(), req.uri().path(), &identity, req.headers()).await?;
+        let route = self.router.route_for(&record.scope.operation);
+        let (poll, retention) =
+            route.map_or((Duration::from_secs(1), Retention::For(Duration::from_secs(24 * 3600))), |r| (r.poll_interval, r.retention));
+        if want_result {
+            return match (&record.state, &record.response, route) {
+                (State::Completed, Some(stored), Some(route)) => {
+                    self.answer_from(route, stored, req.headers()).await.map(|r| (r, Outcome::Replayed))
+                }
+                (State::Completed, Some(stored), None) => replay(stored).map(|r| (r, Outcome::Replayed)),
+                _ => Err(GatewayError::OperationNotCompleted { state: record.state, retry_after: poll }),
+            };
+        }
+        let mut resp = json_response(StatusCode::OK, &status_document(&record, poll, retention));
+        if crate::request::async_op::is_pending(record.state) {
+            resp.headers_mut().insert(http::header::RETRY_AFTER, HeaderValue::from(poll.as_secs().max(1)));
+        }
+        Ok((resp, Outcome::Polled))
+    }
+
+    /// Proxies without idempotency, streaming both ways.
+    async fn pass_through(&self, upstream: UpstreamId, req: Request<Incoming>, trace: &mut Trace) -> Result<Response<Body>, GatewayError> {
+        let upstream = self.executor.upstream(upstream);
+        let bytes_in = self.access_log.then(|| trace.count_bytes_in());
+        let answer = passthrough::try_pass_through(upstream, req, self.request_body_timeout, bytes_in).await;
+        self.metrics.passed_through(upstream.name(), answer.as_ref().err().map(GatewayError::type_name));
+        answer
+    }
+}
+
+/// The record an acceptance just wrote, for its 202 (the same document a
+/// retry reads back from the store).
+fn accepted_record(req: &ClaimRequest, claim: &crate::store::Claim) -> Record {
+    let at = claim.lease_expires_at;
+    Record {
+        scope: req.scope.clone(),
+        request_hash: req.request_hash,
+        state: State::Queued,
+        generation: claim.generation,
+        claim_token: claim.claim_token,
+        owner: req.owner.to_string(),
+        lease_expires_at: None,
+        response: None,
+        created_at: at,
+        updated_at: at,
+        expires_at: at,
+        operation_id: req.acceptance.as_ref().map(|a| a.operation_id.clone()),
+        attempts: 0,
+        next_attempt_at: Some(at),
+        sent_at: None,
+        last_status: None,
+        maybe_executed: false,
+        key_source: Some(req.key_source.to_string()),
+    }
+}
+
+/// `uri` with its path replaced by `path` (its normal form); scheme,
+/// authority and query kept as they are.
+fn with_path(uri: &Uri, path: &str) -> Result<Uri, GatewayError> {
+    let path_and_query = match uri.query() {
+        Some(query) => format!("{path}?{query}"),
+        None => path.to_owned(),
+    };
+    let mut parts = uri.clone().into_parts();
+    parts.path_and_query = Some(PathAndQuery::try_from(path_and_query).map_err(|e| {
+        tracing::warn!(error = %e, "a normalised path does not parse");
+        GatewayError::Internal
+    })?);
+    Uri::from_parts(parts).map_err(|e| {
+        tracing::warn!(error = %e, "a normalised URI does not parse");
+        GatewayError::Internal
+    })
+}
+
+fn json_response(status: StatusCode, doc: &serde_json::Value) -> Response<Body> {
+    let mut resp = Response::new(Body::full(doc.to_string()));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp
+}
+
+/// Reads a request body whole, within the size limit and the read deadline.
+async fn read_body(body: Incoming, headers: &HeaderMap, limit: u64, timeout: Duration) -> Result<Bytes, GatewayError> {
+    let declared = headers.get(http::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(GatewayError::BodyTooLarge { limit });
+    }
+    let limited = Limited::new(body, usize::try_from(limit).unwrap_or(usize::MAX));
+    match tokio::time::timeout(timeout, limited.collect()).await {
+        Err(_) => Err(GatewayError::BodyTimeout(timeout)),
+        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => Err(GatewayError::BodyTooLarge { limit }),
+        Ok(Err(_)) => Err(GatewayError::BodyRead),
+    }
+}

@@ -1,0 +1,17 @@
+//! The request path on the proxy listener, in the order a request meets it:
+//!
+//! - [`access`]: the request id and the access-log line of every answer.
+//! - [`gateway`]: route, identify, authorize, key, fingerprint, claim, then
+//!   hand the attempt to the [`crate::executor`] or answer from the record.
+//! - [`admission`]: what the record a claim found means for this request.
+//! - [`observe`]: observe mode, pass-through that works out what enforcing
+//!   would have done.
+//! - [`passthrough`]: requests without idempotency, streamed both ways.
+//! - [`replay`]: answers out of a record.
+
+pub mod access;
+pub mod admission;
+pub mod gateway;
+pub mod observe;
+pub mod passthrough;
+pub mod replay;

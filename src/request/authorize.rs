@@ -1,0 +1,133 @@
+//! The external authorizer (`[routes.authorize]`): before every request on a
+//! route — first requests, replays, in-progress and mismatch answers, polls of
+//! an async operation and its result — idemgate asks "may this principal do
+//! this?" and answers `forbidden` (403) without touching the record when the
+//! authorizer says no. A principal whose permission was revoked after its
+//! request completed therefore never gets the stored response. Fails closed:
+//! an authorizer that errs or is slow makes the answer 503.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use http::{HeaderMap, HeaderName, Method, Request, Uri};
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use serde_json::json;
+
+use crate::request::identity::Identity;
+use crate::upstream::body::Body;
+
+/// Most cached positive decisions per route.
+const CACHE_CAP: usize = 10_000;
+
+/// `[routes.authorize]` after validation.
+#[derive(Debug, Clone)]
+pub struct AuthorizeConfig {
+    pub url: Uri,
+    pub timeout: Duration,
+    /// Request headers passed on to the authorizer (e.g. `authorization`).
+    pub headers: Vec<HeaderName>,
+    /// How long an "allowed" is remembered (zero: ask every time). This is
+    /// the delay before a revocation takes effect.
+    pub cache: Duration,
+}
+
+/// What the authorizer decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    Allowed,
+    /// 401 or 403 from the authorizer.
+    Denied,
+    /// Any other answer, an error or a timeout: fail closed.
+    Unavailable,
+}
+
+/// One route's authorizer: its client (this worker's) and its decision cache
+/// (shared by the workers).
+#[derive(Debug, Clone)]
+pub struct Authorizer {
+    pub config: AuthorizeConfig,
+    client: Client<HttpsConnector<HttpConnector>, Body>,
+    cache: Arc<Mutex<HashMap<String, Instant>>>,
+}
+
+impl Authorizer {
+    pub fn new(config: AuthorizeConfig) -> Authorizer {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(config.timeout));
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_timer(TokioTimer::new())
+            .timer(TokioTimer::new())
+            .build(crate::tls::client::connector(connector, crate::tls::client::system_default()));
+        Authorizer { config, client, cache: Arc::default() }
+    }
+
+    /// A copy with its own connection pool (for another worker's event loop),
+    /// sharing the decision cache.
+    pub fn with_own_pool(&self) -> Authorizer {
+        Authorizer { cache: self.cache.clone(), ..Authorizer::new(self.config.clone()) }
+    }
+
+    /// Asks whether `identity` may `method path` on `operation`.
+    pub async fn check(&self, method: &Method, path: &str, operation: &str, identity: &Identity, headers: &HeaderMap) -> Decision {
+        let cache_key = format!("{}\u{0}{}\u{0}{operation}\u{0}{method}\u{0}{path}", identity.tenant, identity.principal);
+        if !self.config.cache.is_zero() {
+            let cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+            if cache.get(&cache_key).is_some_and(|until| *until > Instant::now()) {
+                return Decision::Allowed;
+            }
+        }
+        let decision = self.ask(method, path, operation, identity, headers).await;
+        if decision == Decision::Allowed && !self.config.cache.is_zero() {
+            let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+            if cache.len() >= CACHE_CAP {
+                let now = Instant::now();
+                cache.retain(|_, until| *until > now);
+                if cache.len() >= CACHE_CAP {
+                    cache.clear();
+                }
+            }
+            cache.insert(cache_key, Instant::now() + self.config.cache);
+        }
+        decision
+    }
+
+    async fn ask(&self, method: &Method, path: &str, operation: &str, identity: &Identity, headers: &HeaderMap) -> Decision {
+        let body = json!({
+            "method": method.as_str(),
+            "path": path,
+            "operation": operation,
+            "tenant": &*identity.tenant,
+            "principal": &*identity.principal,
+        })
+        .to_string();
+        let mut req =
+            Request::builder().method(Method::POST).uri(self.config.url.clone()).header(http::header::CONTENT_TYPE, "application/json");
+        for name in &self.config.headers {
+            for value in headers.get_all(name) {
+                req = req.header(name, value);
+            }
+        }
+        let Ok(req) = req.body(Body::full(body)) else { return Decision::Unavailable };
+        match tokio::time::timeout(self.config.timeout, self.client.request(req)).await {
+            Ok(Ok(resp)) if resp.status().is_success() => Decision::Allowed,
+            Ok(Ok(resp)) if matches!(resp.status().as_u16(), 401 | 403) => Decision::Denied,
+            Ok(Ok(resp)) => {
+                tracing::warn!(status = resp.status().as_u16(), operation, "authorizer answered neither allow nor deny; refusing");
+                Decision::Unavailable
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(error = %crate::upstream::error_chain(&e), operation, "authorizer unreachable; refusing");
+                Decision::Unavailable
+            }
+            Err(_) => {
+                tracing::warn!(timeout = ?self.config.timeout, operation, "authorizer did not answer in time; refusing");
+                Decision::Unavailable
+            }
+        }
+    }
+}

@@ -1,0 +1,342 @@
+//! JWT identity (`kind = "jwt"`): a bearer token verified with a key from a
+//! JWKS (a file, or a URL refreshed every `jwks_refresh`) or, for HS256, a
+//! shared secret; then tenant and principal read from its claims.
+//!
+//! Verification is the `jsonwebtoken` crate's (signature, `exp`, `nbf`,
+//! issuer, audience, with a small leeway); nothing here parses or checks a
+//! signature by hand. The one header rule that crate does not apply is
+//! checked here: a `crit` header parameter (RFC 7515 section 4.1.11) names
+//! extensions that must be understood, and idemgate understands none, so
+//! such a token is refused. The key set is replaced whole on a successful refresh
+//! and kept when a refresh fails; a token whose `kid` is not in the set
+//! triggers one refresh, at most once per `UNKNOWN_KID_REFRESH`.
+
+use std::path::PathBuf;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use http::{HeaderMap, HeaderName, Uri};
+use http_body_util::BodyExt;
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use jsonwebtoken::jwk::{AlgorithmParameters, JwkSet};
+use jsonwebtoken::{Algorithm, DecodingKey, Validation};
+use tokio::sync::Mutex;
+
+use crate::idempotency::key::Identity;
+use crate::secret::Secret;
+use crate::upstream::body::Body;
+
+/// A token with an unknown `kid` triggers a refresh at most this often.
+const UNKNOWN_KID_REFRESH: Duration = Duration::from_secs(10);
+/// Bound on fetching a JWKS.
+const FETCH_TIMEOUT: Duration = Duration::from_secs(5);
+/// Largest JWKS document accepted.
+const MAX_JWKS: usize = 1 << 20;
+
+/// Where the verification keys come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeySource {
+    /// A JWKS file, read at start (and on reload).
+    File(PathBuf),
+    /// A JWKS URL, fetched at start and every `refresh`.
+    Url(Uri),
+    /// HS256 only: a shared secret, no JWKS.
+    None,
+}
+
+/// `[[identity.sources]] kind = "jwt"` after validation.
+#[derive(Debug, Clone)]
+pub struct JwtConfig {
+    pub header: HeaderName,
+    pub keys: KeySource,
+    pub refresh: Duration,
+    pub issuer: Option<Vec<String>>,
+    pub audience: Option<Vec<String>>,
+    pub algorithms: Vec<Algorithm>,
+    /// HS256's key.
+    pub secret: Option<Secret>,
+    /// JSON Pointers into the claims.
+    pub tenant_claim: String,
+    pub principal_claim: String,
+    pub leeway: Duration,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum JwtError {
+    #[error("not a JWT")]
+    Malformed,
+    #[error("algorithm {0:?} is not allowed")]
+    Algorithm(Algorithm),
+    #[error("no key for kid {0:?}")]
+    UnknownKey(Option<String>),
+    #[error("invalid token: {0}")]
+    Invalid(String),
+    #[error("claim {0} is missing or not a string")]
+    Claim(String),
+    #[error("the header lists critical extensions (crit), which are not supported")]
+    Critical,
+}
+
+/// The verification keys in force.
+#[derive(Default)]
+struct Keyring {
+    /// (kid, algorithm family the key is for, key).
+    keys: Vec<(Option<String>, KeyFamily, DecodingKey)>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum KeyFamily {
+    Rsa,
+    Ec,
+    Ed,
+    Hmac,
+}
+
+fn family(alg: Algorithm) -> KeyFamily {
+    match alg {
+        Algorithm::HS256 | Algorithm::HS384 | Algorithm::HS512 => KeyFamily::Hmac,
+        Algorithm::ES256 | Algorithm::ES384 => KeyFamily::Ec,
+        Algorithm::EdDSA => KeyFamily::Ed,
+        _ => KeyFamily::Rsa,
+    }
+}
+
+impl Keyring {
+    fn from_jwks(set: &JwkSet) -> Keyring {
+        let mut keys = Vec::new();
+        for jwk in &set.keys {
+            let fam = match &jwk.algorithm {
+                AlgorithmParameters::RSA(_) => KeyFamily::Rsa,
+                AlgorithmParameters::EllipticCurve(_) => KeyFamily::Ec,
+                AlgorithmParameters::OctetKeyPair(_) => KeyFamily::Ed,
+                // Symmetric keys are never taken from a key set: HS256 uses the configured secret.
+                AlgorithmParameters::OctetKey(_) => continue,
+            };
+            match DecodingKey::from_jwk(jwk) {
+                Ok(k) => keys.push((jwk.common.key_id.clone(), fam, k)),
+                Err(e) => tracing::warn!(kid = ?jwk.common.key_id, error = %e, "JWKS key skipped"),
+            }
+        }
+        Keyring { keys }
+    }
+
+    /// The key for a token: by `kid`, else the only key of the family.
+    fn find(&self, kid: Option<&str>, fam: KeyFamily) -> Option<&DecodingKey> {
+        let of_family = self.keys.iter().filter(|(_, f, _)| *f == fam);
+        match kid {
+            Some(kid) => of_family.into_iter().find(|(k, _, _)| k.as_deref() == Some(kid)).map(|(_, _, key)| key),
+            None => {
+                let mut it = of_family;
+                let first = it.next();
+                if it.next().is_some() { None } else { first.map(|(_, _, k)| k) }
+            }
+        }
+    }
+}
+
+/// One JWT identity source: its configuration and the keys in force.
+pub struct JwtVerifier {
+    pub config: JwtConfig,
+    keyring: RwLock<Arc<Keyring>>,
+    hmac: Option<DecodingKey>,
+    /// Serializes refreshes and rate-limits the ones forced by unknown kids.
+    last_forced: Mutex<Option<Instant>>,
+    client: Client<HttpsConnector<HttpConnector>, Body>,
+}
+
+impl std::fmt::Debug for JwtVerifier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JwtVerifier").field("keys", &self.config.keys).finish()
+    }
+}
+
+impl JwtVerifier {
+    /// Builds the verifier; a JWKS file is read now (an error names it). A
+    /// JWKS URL is fetched by [`refresh`](Self::refresh), at start and then
+    /// every `refresh` interval.
+    pub fn new(config: JwtConfig) -> Result<JwtVerifier, String> {
+        let keyring = match &config.keys {
+            KeySource::File(path) => {
+                let text = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+                let set: JwkSet = serde_json::from_slice(&text).map_err(|e| format!("{} is not a JWKS: {e}", path.display()))?;
+                Keyring::from_jwks(&set)
+            }
+            KeySource::Url(_) | KeySource::None => Keyring::default(),
+        };
+        let hmac = config.secret.as_ref().map(|s| DecodingKey::from_secret(s.expose().as_bytes()));
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(FETCH_TIMEOUT));
+        Ok(JwtVerifier {
+            config,
+            keyring: RwLock::new(Arc::new(keyring)),
+            hmac,
+            last_forced: Mutex::new(None),
+            client: Client::builder(TokioExecutor::new())
+                .build(crate::tls::client::connector(connector, crate::tls::client::system_default())),
+        })
+    }
+
+    /// The token from the configured header (`Bearer <jwt>`), if any.
+    pub fn token<'h>(&self, headers: &'h HeaderMap) -> Option<&'h str> {
+        let value = headers.get(&self.config.header)?.to_str().ok()?.trim();
+        let (scheme, token) = value.split_once(' ')?;
+        if !scheme.eq_ignore_ascii_case("bearer") {
+            return None;
+        }
+        let token = token.trim();
+        // Three base64url parts: anything else is not for this source.
+        (token.split('.').count() == 3).then_some(token)
+    }
+
+    /// Verifies `token`; refreshes the key set once if its `kid` is unknown.
+    pub async fn verify(&self, token: &str) -> Result<Identity, JwtError> {
+        match self.verify_now(token) {
+            Err(JwtError::UnknownKey(kid)) if matches!(self.config.keys, KeySource::Url(_)) => {
+                if self.forced_refresh().await {
+                    self.verify_now(token)
+                } else {
+                    Err(JwtError::UnknownKey(kid))
+                }
+            }
+            other => other,
+        }
+    }
+
+    fn verify_now(&self, token: &str) -> Result<Identity, JwtError> {
+        let header = jsonwebtoken::decode_header(token).map_err(|_| JwtError::Malformed)?;
+        if has_crit(token)? {
+            return Err(JwtError::Critical);
+        }
+        if !self.config.algorithms.contains(&header.alg) {
+            return Err(JwtError::Algorithm(header.alg));
+        }
+        let fam = family(header.alg);
+        let keyring = self.keyring.read().map(|k| k.clone()).unwrap_or_default();
+        let key = match fam {
+            KeyFamily::Hmac => self.hmac.as_ref(),
+            _ => keyring.find(header.kid.as_deref(), fam),
+        }
+        .ok_or_else(|| JwtError::UnknownKey(header.kid.clone()))?;
+        let mut v = Validation::new(header.alg);
+        v.algorithms = vec![header.alg];
+        v.leeway = self.config.leeway.as_secs();
+        v.validate_nbf = true;
+        match &self.config.issuer {
+            Some(iss) => v.set_issuer(iss),
+            None => v.iss = None,
+        }
+        match &self.config.audience {
+            Some(aud) => v.set_audience(aud),
+            None => v.validate_aud = false,
+        }
+        let data = jsonwebtoken::decode::<serde_json::Value>(token, key, &v).map_err(|e| JwtError::Invalid(e.kind_name()))?;
+        let claim = |pointer: &str| -> Result<Arc<str>, JwtError> {
+            match data.claims.pointer(pointer) {
+                Some(serde_json::Value::String(s)) if !s.is_empty() && s.len() <= 255 && !s.chars().any(char::is_control) => {
+                    Ok(s.as_str().into())
+                }
+                Some(serde_json::Value::Number(n)) => Ok(n.to_string().into()),
+                _ => Err(JwtError::Claim(pointer.to_owned())),
+            }
+        };
+        Ok(Identity { tenant: claim(&self.config.tenant_claim)?, principal: claim(&self.config.principal_claim)? })
+    }
+
+    /// Refreshes the key set now and then every `jwks_refresh`, until
+    /// `shutdown` or until the verifier is gone (a reload replaced it).
+    pub async fn keep_fresh(verifier: std::sync::Weak<JwtVerifier>, shutdown: tokio_util::sync::CancellationToken) {
+        loop {
+            let Some(v) = verifier.upgrade() else { return };
+            v.refresh().await;
+            let wait = v.config.refresh;
+            drop(v);
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(wait) => {}
+            }
+        }
+    }
+
+    /// Fetches the JWKS URL; on success the set replaces the one in force, on
+    /// failure the last good set stays. Returns whether it succeeded.
+    pub async fn refresh(&self) -> bool {
+        let KeySource::Url(url) = &self.config.keys else { return true };
+        match self.fetch(url).await {
+            Ok(set) => {
+                let ring = Keyring::from_jwks(&set);
+                tracing::debug!(url = %url, keys = ring.keys.len(), "JWKS refreshed");
+                if let Ok(mut k) = self.keyring.write() {
+                    *k = Arc::new(ring);
+                }
+                true
+            }
+            Err(e) => {
+                tracing::warn!(url = %url, error = %e, "JWKS refresh failed; the last good key set stays");
+                false
+            }
+        }
+    }
+
+    /// A refresh for an unknown `kid`, at most once per `UNKNOWN_KID_REFRESH`.
+    async fn forced_refresh(&self) -> bool {
+        let mut last = self.last_forced.lock().await;
+        if last.is_some_and(|t| t.elapsed() < UNKNOWN_KID_REFRESH) {
+            return false;
+        }
+        *last = Some(Instant::now());
+        self.refresh().await
+    }
+
+    async fn fetch(&self, url: &Uri) -> Result<JwkSet, String> {
+        let req = http::Request::get(url.clone()).body(Body::empty()).map_err(|e| e.to_string())?;
+        let resp = tokio::time::timeout(FETCH_TIMEOUT, self.client.request(req))
+            .await
+            .map_err(|_| "timed out".to_owned())?
+            .map_err(|e| crate::upstream::error_chain(&e))?;
+        if !resp.status().is_success() {
+            return Err(format!("answered {}", resp.status().as_u16()));
+        }
+        let body = http_body_util::Limited::new(resp.into_body(), MAX_JWKS);
+        let bytes = tokio::time::timeout(FETCH_TIMEOUT, body.collect())
+            .await
+            .map_err(|_| "timed out".to_owned())?
+            .map_err(|e| e.to_string())?
+            .to_bytes();
+        serde_json::from_slice(&bytes).map_err(|e| format!("not a JWKS: {e}"))
+    }
+}
+
+/// Whether the token's JOSE header has a `crit` parameter (any value: an
+/// extension list idemgate cannot honour, or a malformed one).
+fn has_crit(token: &str) -> Result<bool, JwtError> {
+    use base64::Engine as _;
+    let encoded = token.split('.').next().ok_or(JwtError::Malformed)?;
+    let json = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(encoded).map_err(|_| JwtError::Malformed)?;
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&json).map_err(|_| JwtError::Malformed)?;
+    Ok(header.contains_key("crit"))
+}
+
+trait KindName {
+    fn kind_name(&self) -> String;
+}
+
+impl KindName for jsonwebtoken::errors::Error {
+    /// The failure without token contents (never echoed to clients anyway).
+    fn kind_name(&self) -> String {
+        format!("{:?}", self.kind())
+    }
+}
+
+/// Parses an algorithm name as configured.
+pub fn parse_algorithm(s: &str) -> Option<Algorithm> {
+    match s {
+        "RS256" => Some(Algorithm::RS256),
+        "ES256" => Some(Algorithm::ES256),
+        "EdDSA" => Some(Algorithm::EdDSA),
+        "HS256" => Some(Algorithm::HS256),
+        _ => None,
+    }
+}

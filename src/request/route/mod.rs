@@ -1,0 +1,639 @@
+//! Routes: which requests are idempotent operations, and where they go.
+//!
+//! A [`Route`] binds a method and a path template to an operation name (the
+//! `operation` of the key's scope) and its policy. The [`Router`] answers, for
+//! any request, one of: an idempotent operation (with its path parameters), a
+//! pass-through to some upstream, or no match. Requests are routed by their
+//! normal form, and spellings that have none are refused ([`normal`]).
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{HeaderName, Method, StatusCode};
+
+use crate::idempotency::fingerprint::FingerprintSpec;
+use crate::idempotency::record::Timestamp;
+use crate::request::key_source::KeySources;
+
+mod normal;
+#[cfg(test)]
+mod normal_props;
+
+pub use normal::{InvalidRequest, check_method, normalise_path};
+
+/// Index into `Config::upstreams`.
+pub type UpstreamId = usize;
+
+/// One segment of a path template.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Segment {
+    Literal(String),
+    Param(String),
+}
+
+/// A path such as `/v1/accounts/{id}/orders`: literal segments and `{param}`
+/// segments, each parameter matching exactly one non-empty path segment
+/// without `;` parameters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PathTemplate {
+    source: String,
+    segments: Vec<Segment>,
+    /// The segments as [`normal::loose`] reads a request path: `None` for a
+    /// parameter.
+    loose: Vec<Option<Vec<u8>>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PathTemplateError {
+    #[error("must start with '/'")]
+    NotAbsolute,
+    #[error("segment {0:?} mixes literal text and a {{param}}; a parameter must be a whole segment")]
+    PartialParam(String),
+    #[error("parameter name {0:?} must be non-empty ASCII letters, digits or '_'")]
+    BadParamName(String),
+    #[error("parameter {0:?} appears twice")]
+    DuplicateParam(String),
+    #[error("must not contain a query string or fragment")]
+    QueryOrFragment,
+    #[error("is not in normal form ({0}); write unreserved characters unescaped, other escapes with upper-case hex digits, and no ';'")]
+    NotNormal(String),
+}
+
+impl PathTemplate {
+    pub fn parse(source: &str) -> Result<PathTemplate, PathTemplateError> {
+        if !source.starts_with('/') {
+            return Err(PathTemplateError::NotAbsolute);
+        }
+        if source.contains('?') || source.contains('#') {
+            return Err(PathTemplateError::QueryOrFragment);
+        }
+        let mut segments = Vec::new();
+        let mut names: Vec<&str> = Vec::new();
+        for raw in source[1..].split('/') {
+            if let Some(inner) = raw.strip_prefix('{').and_then(|r| r.strip_suffix('}')) {
+                if inner.is_empty() || !inner.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
+                    return Err(PathTemplateError::BadParamName(inner.to_owned()));
+                }
+                if names.contains(&inner) {
+                    return Err(PathTemplateError::DuplicateParam(inner.to_owned()));
+                }
+                names.push(inner);
+                segments.push(Segment::Param(inner.to_owned()));
+            } else if raw.contains('{') || raw.contains('}') {
+                return Err(PathTemplateError::PartialParam(raw.to_owned()));
+            } else {
+                if raw.contains(';') || raw.contains("%3B") {
+                    return Err(PathTemplateError::NotNormal("a segment has ';' parameters".into()));
+                }
+                segments.push(Segment::Literal(raw.to_owned()));
+            }
+        }
+        // A request is routed by its normal form: a template in another form
+        // could never match one.
+        let probe: Vec<&str> = segments
+            .iter()
+            .map(|s| match s {
+                Segment::Literal(l) => l.as_str(),
+                Segment::Param(_) => "x",
+            })
+            .collect();
+        let probe = format!("/{}", probe.join("/"));
+        match normalise_path(&probe) {
+            Ok(normal) if normal == probe => {}
+            Ok(normal) => return Err(PathTemplateError::NotNormal(format!("its normal form is {normal:?}"))),
+            Err(e) => return Err(PathTemplateError::NotNormal(e.to_string())),
+        }
+        let mut loose: Vec<Option<Vec<u8>>> = segments
+            .iter()
+            .map(|s| match s {
+                Segment::Literal(l) => Some(normal::loose(&format!("/{l}")).concat()),
+                Segment::Param(_) => None,
+            })
+            .collect();
+        if loose.len() > 1 && loose.last().is_some_and(|s| s.as_ref().is_some_and(Vec::is_empty)) {
+            loose.pop();
+        }
+        Ok(PathTemplate { source: source.to_owned(), segments, loose })
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.source
+    }
+
+    /// True when both templates match exactly the same paths: the same literals at the
+    /// same places and parameters at the same places (names do not matter), as
+    /// `/a/{x}` and `/a/{y}`. Two such routes with one method could never be told apart.
+    pub fn same_shape(&self, other: &PathTemplate) -> bool {
+        self.segments.len() == other.segments.len()
+            && self.segments.iter().zip(&other.segments).all(|pair| match pair {
+                (Segment::Literal(a), Segment::Literal(b)) => a == b,
+                (Segment::Param(_), Segment::Param(_)) => true,
+                _ => false,
+            })
+    }
+
+    /// Orders templates from most to least specific: compared segment by segment from
+    /// the left, a literal comes before a parameter at the first position where one
+    /// template has a literal and the other a parameter. Of two templates that match
+    /// one path, the one ordered first is the more specific (they differ in kind
+    /// somewhere unless they have the same shape). Templates that can never match the
+    /// same path (other literals, other lengths) are ordered too, arbitrarily but
+    /// consistently, so this is a total order usable for sorting.
+    pub fn cmp_specificity(&self, other: &PathTemplate) -> std::cmp::Ordering {
+        let is_param = |s: &Segment| matches!(s, Segment::Param(_));
+        self.segments.iter().map(is_param).cmp(other.segments.iter().map(is_param))
+    }
+
+    /// The names of the `{param}` segments, in template order.
+    pub fn param_names(&self) -> impl Iterator<Item = &str> {
+        self.segments.iter().filter_map(|s| match s {
+            Segment::Param(name) => Some(name.as_str()),
+            Segment::Literal(_) => None,
+        })
+    }
+
+    /// Matches a normal request path (without query, see [`normalise_path`]);
+    /// on success returns the parameters in template order. Parameter values
+    /// are the segments as they are in the normal path. A segment with `;`
+    /// parameters fills no parameter (servers disagree on what it names).
+    pub fn matches(&self, path: &str) -> Option<Vec<(String, String)>> {
+        let rest = path.strip_prefix('/')?;
+        let mut params = Vec::new();
+        let mut parts = rest.split('/');
+        for seg in &self.segments {
+            let part = parts.next()?;
+            match seg {
+                Segment::Literal(lit) => {
+                    if lit != part {
+                        return None;
+                    }
+                }
+                Segment::Param(name) => {
+                    if part.is_empty() || part == "." || part == ".." || part.contains(';') {
+                        return None;
+                    }
+                    params.push((name.clone(), part.to_owned()));
+                }
+            }
+        }
+        if parts.next().is_some() {
+            return None;
+        }
+        Some(params)
+    }
+
+    /// Whether a lenient server could read a path (as [`normal::loose`] gives
+    /// it) as this template's: literals compared as read, a parameter filled
+    /// by any non-empty segment.
+    fn matches_loosely(&self, path: &[Vec<u8>]) -> bool {
+        self.loose.len() == path.len()
+            && self.loose.iter().zip(path).all(|(seg, part)| match seg {
+                Some(lit) => lit == part,
+                None => !part.is_empty(),
+            })
+    }
+}
+
+/// What to do with a duplicate that arrives while the first is in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InFlightPolicy {
+    /// Answer 409 `request-in-progress` with `Retry-After` at once.
+    Reject,
+    /// Wait up to the duration for the first request's result, then reject.
+    Wait(Duration),
+}
+
+/// How a route answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouteMode {
+    /// The client waits for the upstream's answer (or its replay).
+    Sync,
+    /// The request is accepted (202 and an operation id) and run by workers.
+    Async,
+    /// Every request passes through untouched; idemgate claims and records
+    /// as `Sync` would, within `observe_budget`, and counts what enforcing
+    /// would have changed (see `crate::proxy::observe`).
+    Observe,
+}
+
+/// How long a completed record is replayed before the sweeper deletes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retention {
+    For(Duration),
+    /// Never swept (`retention = "forever"`): for operations that must never
+    /// run twice whatever the delay between a request and its retry.
+    Forever,
+}
+
+impl Retention {
+    /// When a record completed at `now` stops being replayed.
+    pub fn expires_at(self, now: Timestamp) -> Timestamp {
+        match self {
+            Retention::For(d) => now.plus(d),
+            Retention::Forever => Timestamp::FOREVER,
+        }
+    }
+
+    /// The duration, unless forever.
+    pub fn finite(self) -> Option<Duration> {
+        match self {
+            Retention::For(d) => Some(d),
+            Retention::Forever => None,
+        }
+    }
+}
+
+/// `24h`, or `forever`.
+impl fmt::Display for Retention {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Retention::For(d) => write!(f, "{}", humantime::format_duration(*d)),
+            Retention::Forever => f.write_str("forever"),
+        }
+    }
+}
+
+/// Retries of an async operation whose attempt was refused or declined.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// Attempts in all, the first included; then `failed_retryable`.
+    pub max_attempts: u32,
+    /// Delay before the second attempt, doubling after each, capped at `MAX_BACKOFF`.
+    pub backoff: Duration,
+}
+
+impl RetryPolicy {
+    pub const MAX_BACKOFF: Duration = Duration::from_secs(60);
+
+    /// The delay after attempt number `attempts` (1-based) failed.
+    pub fn delay(&self, attempts: i32) -> Duration {
+        let doublings = u32::try_from(attempts.saturating_sub(1)).unwrap_or(0).min(20);
+        self.backoff.saturating_mul(1 << doublings).min(Self::MAX_BACKOFF)
+    }
+}
+
+/// Which `Idempotency-Key` value the upstream receives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ForwardKey {
+    /// A key derived from the whole scope: stable across retries and replicas,
+    /// distinct between scopes (the default).
+    Derived,
+    /// The client's own header value, unchanged.
+    Client,
+}
+
+/// One `[[routes]]` entry after validation.
+#[derive(Debug, Clone)]
+pub struct Route {
+    /// Position in the file, for log and error messages.
+    pub index: usize,
+    /// The operation in the key's scope; also the `route` label in metrics.
+    pub operation: Arc<str>,
+    pub method: Method,
+    pub path: PathTemplate,
+    pub upstream: UpstreamId,
+    /// The header `forward_key = "client"` forwards (the one header source).
+    pub key_header: HeaderName,
+    /// Where the key is taken from, first present wins (`key_from`; default:
+    /// `key_header`).
+    pub key_from: KeySources,
+    pub key_required: bool,
+    /// How long a completed record is replayed.
+    pub retention: Retention,
+    pub in_flight: InFlightPolicy,
+    /// Upstream statuses that free the key instead of being replayed.
+    pub release_on_status: Vec<StatusCode>,
+    /// Responses up to this size are stored (and replayed) in full.
+    pub max_stored_response: u64,
+    /// The upstream honours `Idempotency-Key` itself, so an expired in-flight
+    /// or unknown record may be forwarded again (with the same derived key).
+    pub upstream_idempotent: bool,
+    /// How long a claim is considered alive without a result.
+    pub lease: Duration,
+    /// Status for "same key, different request": 409 (default) or 422.
+    pub mismatch_status: StatusCode,
+    pub forward_key: ForwardKey,
+    pub fingerprint: FingerprintSpec,
+    pub mode: RouteMode,
+    /// `Prefer: respond-async` makes a request on this (sync) route async.
+    pub allow_async: bool,
+    /// Async: the 202's `Retry-After` and the status document's poll interval.
+    pub poll_interval: Duration,
+    pub retry: RetryPolicy,
+    /// Completion events for this route's final state changes (the outbox).
+    pub events: Option<crate::outbox::EventsConfig>,
+    /// Asked before every request on the route (replays included).
+    pub authorize: Option<crate::request::authorize::AuthorizeConfig>,
+    /// Whose keys are these: one principal's (default), or every principal
+    /// of the tenant's (`scope = "tenant"`).
+    pub scope: ScopeMode,
+    /// How a completed record is replayed.
+    pub replay: ReplayMode,
+    /// Observe mode: the longest the store may delay a request (the claim);
+    /// past it the request passes unobserved.
+    pub observe_budget: Duration,
+    /// `[routes.reconcile]`: the probe that settles this route's `unknown` records.
+    pub reconcile: Option<Arc<crate::request::reconcile_probe::Probe>>,
+}
+
+/// What a completed record keeps and how it is answered again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplayMode {
+    /// The stored status, headers and body (up to `max_stored_response`).
+    Stored,
+    /// Only the status and the `Location` header are kept; a replay reads
+    /// `Location` from the upstream again with the caller's own credentials.
+    Refetch,
+}
+
+/// Who shares a key space on a route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScopeMode {
+    /// (tenant, principal, operation, key): the default.
+    Principal,
+    /// (tenant, operation, key): any principal of the tenant replays another's
+    /// answer under the same key. Only for operations whose answers every
+    /// principal of a tenant may see.
+    Tenant,
+}
+
+/// The routing decision for one request.
+#[derive(Debug)]
+pub enum RouteMatch<'a> {
+    /// An idempotent operation: method and path matched a route.
+    Operation { route: &'a Arc<Route>, params: Vec<(String, String)> },
+    /// Proxied without idempotency: another method on a route's path, or the
+    /// default upstream.
+    PassThrough { upstream: UpstreamId },
+    /// No route and no default upstream: 404.
+    NotFound,
+}
+
+/// All routes. Of the routes whose method and path match a request, the most specific
+/// wins ([`PathTemplate::cmp_specificity`]: a literal segment beats a `{param}` at the
+/// first position where they differ), whatever their order in the file. Configuration
+/// refuses two routes of one method with the same shape, so the winner is unique.
+#[derive(Debug, Clone, Default)]
+pub struct Router {
+    /// In file order, as configured.
+    routes: Vec<Arc<Route>>,
+    /// The same routes, most specific first (ties in file order), sorted once here so
+    /// that routing a request stays one pass that stops at the first match.
+    by_specificity: Vec<Arc<Route>>,
+    default_upstream: Option<UpstreamId>,
+    /// The routes' methods, each once.
+    methods: Vec<Method>,
+}
+
+impl Router {
+    pub fn new(routes: Vec<Route>, default_upstream: Option<UpstreamId>) -> Router {
+        let routes: Vec<Arc<Route>> = routes.into_iter().map(Arc::new).collect();
+        let mut by_specificity = routes.clone();
+        by_specificity.sort_by(|a, b| a.path.cmp_specificity(&b.path));
+        let mut methods: Vec<Method> = Vec::new();
+        for r in &routes {
+            if !methods.contains(&r.method) {
+                methods.push(r.method.clone());
+            }
+        }
+        Router { routes, by_specificity, default_upstream, methods }
+    }
+
+    /// The normal form of a request's path, or why the request is refused
+    /// before routing (its method or its path): see [`normal`].
+    pub fn normalise<'p>(&self, method: &Method, path: &'p str) -> Result<std::borrow::Cow<'p, str>, InvalidRequest> {
+        check_method(method, &self.methods)?;
+        normalise_path(path)
+    }
+
+    /// Routes a normal path ([`Router::normalise`]). A path that is not an
+    /// operation of `method` but that a lenient server would read as the path
+    /// of one of its routes (other letter case, a trailing `/` added or
+    /// removed, `;` parameters) is refused rather than passed through.
+    pub fn route_normal(&self, method: &Method, path: &str) -> Result<RouteMatch<'_>, InvalidRequest> {
+        let found = self.route(method, path);
+        if matches!(found, RouteMatch::Operation { .. }) || !self.methods.contains(method) {
+            return Ok(found);
+        }
+        let loose = normal::loose(path);
+        if self.by_specificity.iter().any(|r| r.method == *method && r.path.matches_loosely(&loose)) {
+            return Err(InvalidRequest::Ambiguous);
+        }
+        Ok(found)
+    }
+
+    /// [`Router::normalise`], then [`Router::route_normal`]: the path the
+    /// request is routed (and forwarded) as, and where it goes.
+    pub fn resolve<'p>(&self, method: &Method, path: &'p str) -> Result<(std::borrow::Cow<'p, str>, RouteMatch<'_>), InvalidRequest> {
+        let normal = self.normalise(method, path)?;
+        let found = self.route_normal(method, &normal)?;
+        Ok((normal, found))
+    }
+
+    /// The routes in file order.
+    /// The route of an operation (each operation belongs to one route).
+    pub fn route_for(&self, operation: &str) -> Option<&Arc<Route>> {
+        self.routes.iter().find(|r| &*r.operation == operation)
+    }
+
+    pub fn routes(&self) -> &[Arc<Route>] {
+        &self.routes
+    }
+
+    /// The operation of the most specific route matching method and path; else a
+    /// pass-through to the upstream of the most specific route matching the path alone
+    /// (another method), else to the default upstream; else not found. `path` must be
+    /// normal: requests go through [`Router::resolve`].
+    pub fn route(&self, method: &Method, path: &str) -> RouteMatch<'_> {
+        let mut path_match: Option<UpstreamId> = None;
+        for route in &self.by_specificity {
+            if let Some(params) = route.path.matches(path) {
+                if route.method == *method {
+                    return RouteMatch::Operation { route, params };
+                }
+                path_match.get_or_insert(route.upstream);
+            }
+        }
+        match path_match.or(self.default_upstream) {
+            Some(upstream) => RouteMatch::PassThrough { upstream },
+            None => RouteMatch::NotFound,
+        }
+    }
+}
+
+/// The event policies of the routes that have `[routes.events]`.
+pub fn event_policies(routes: &[Route]) -> crate::outbox::EventPolicies {
+    crate::outbox::EventPolicies::new(routes.iter().filter_map(|r| r.events.as_ref().map(|e| (&r.operation, e))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn literal_and_param_segments() {
+        let t = PathTemplate::parse("/v1/accounts/{id}/orders").unwrap();
+        assert_eq!(t.matches("/v1/accounts/42/orders"), Some(vec![("id".into(), "42".into())]));
+        assert_eq!(t.matches("/v1/accounts//orders"), None);
+        assert_eq!(t.matches("/v1/accounts/42/orders/7"), None);
+        assert_eq!(t.matches("/v1/accounts/42"), None);
+        assert_eq!(t.matches("v1/accounts/42/orders"), None);
+        let lit = PathTemplate::parse("/v1/orders").unwrap();
+        assert_eq!(lit.matches("/v1/orders"), Some(vec![]));
+        assert_eq!(lit.matches("/v1/orders/"), None);
+    }
+
+    #[test]
+    fn template_errors() {
+        assert_eq!(PathTemplate::parse("v1"), Err(PathTemplateError::NotAbsolute));
+        assert_eq!(PathTemplate::parse("/a/x{id}"), Err(PathTemplateError::PartialParam("x{id}".into())));
+        assert_eq!(PathTemplate::parse("/a/{}"), Err(PathTemplateError::BadParamName("".into())));
+        assert_eq!(PathTemplate::parse("/{a}/{a}"), Err(PathTemplateError::DuplicateParam("a".into())));
+        assert_eq!(PathTemplate::parse("/a?b"), Err(PathTemplateError::QueryOrFragment));
+        // A request is routed by its normal form: a template in another form could never match.
+        for not_normal in
+            ["/v1//orders", "//v1", "/v1/./x", "/v1/{id}/..", "/v1/%6Frders", "/v1/%c3%a9", "/v1/a;b", "/v1/a%3Bb", "/v1/%2F", "/a\\b"]
+        {
+            assert!(matches!(PathTemplate::parse(not_normal), Err(PathTemplateError::NotNormal(_))), "{not_normal}");
+        }
+        for normal in ["/", "/v1/orders/", "/v1/%C3%A9/{id}", "/v1/.well-known/x", "/V1/Orders"] {
+            assert!(PathTemplate::parse(normal).is_ok(), "{normal}");
+        }
+    }
+
+    pub(super) fn route(op: &str, method: Method, path: &str, upstream: UpstreamId) -> Route {
+        Route {
+            index: upstream,
+            operation: op.into(),
+            method,
+            path: PathTemplate::parse(path).unwrap(),
+            upstream,
+            key_header: HeaderName::from_static("idempotency-key"),
+            key_from: KeySources::header(HeaderName::from_static("idempotency-key")),
+            key_required: true,
+            retention: Retention::For(Duration::from_secs(60)),
+            in_flight: InFlightPolicy::Reject,
+            release_on_status: vec![],
+            max_stored_response: 1024,
+            upstream_idempotent: false,
+            lease: Duration::from_secs(5),
+            mismatch_status: StatusCode::CONFLICT,
+            forward_key: ForwardKey::Derived,
+            fingerprint: FingerprintSpec::default(),
+            mode: RouteMode::Sync,
+            allow_async: false,
+            poll_interval: Duration::from_secs(1),
+            retry: RetryPolicy { max_attempts: 5, backoff: Duration::from_secs(1) },
+            events: None,
+            authorize: None,
+            scope: ScopeMode::Principal,
+            replay: ReplayMode::Stored,
+            observe_budget: Duration::from_millis(50),
+            reconcile: None,
+        }
+    }
+
+    #[test]
+    fn retention_forever_never_expires() {
+        let now = Timestamp(1_000_000);
+        assert_eq!(Retention::For(Duration::from_secs(1)).expires_at(now), Timestamp(2_000_000));
+        assert_eq!(Retention::Forever.expires_at(now), Timestamp::FOREVER);
+        assert_eq!(Retention::Forever.to_string(), "forever");
+        assert_eq!(Retention::For(Duration::from_secs(86400)).to_string(), "1day");
+        assert_eq!(Retention::Forever.finite(), None);
+    }
+
+    #[test]
+    fn retry_backoff_doubles_and_is_capped() {
+        let p = RetryPolicy { max_attempts: 10, backoff: Duration::from_secs(1) };
+        let delays: Vec<u64> = (1..=8).map(|a| p.delay(a).as_secs()).collect();
+        assert_eq!(delays, vec![1, 2, 4, 8, 16, 32, 60, 60]);
+        assert_eq!(p.delay(0), Duration::from_secs(1));
+        assert_eq!(p.delay(i32::MAX), RetryPolicy::MAX_BACKOFF);
+    }
+
+    #[test]
+    fn router_decisions() {
+        let r = Router::new(
+            vec![route("create", Method::POST, "/v1/orders", 0), route("cancel", Method::POST, "/v1/orders/{id}/cancel", 1)],
+            None,
+        );
+        match r.route(&Method::POST, "/v1/orders") {
+            RouteMatch::Operation { route, params } => {
+                assert_eq!(&*route.operation, "create");
+                assert!(params.is_empty());
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        match r.route(&Method::POST, "/v1/orders/9/cancel") {
+            RouteMatch::Operation { route, params } => {
+                assert_eq!(&*route.operation, "cancel");
+                assert_eq!(params, vec![("id".to_owned(), "9".to_owned())]);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        assert!(matches!(r.route(&Method::GET, "/v1/orders/9/cancel"), RouteMatch::PassThrough { upstream: 1 }));
+        assert!(matches!(r.route(&Method::GET, "/elsewhere"), RouteMatch::NotFound));
+        let with_default = Router::new(vec![], Some(3));
+        assert!(matches!(with_default.route(&Method::POST, "/x"), RouteMatch::PassThrough { upstream: 3 }));
+    }
+
+    fn operation(r: &Router, method: Method, path: &str) -> Option<String> {
+        match r.route(&method, path) {
+            RouteMatch::Operation { route, .. } => Some(route.operation.to_string()),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn most_specific_route_wins_whatever_the_file_order() {
+        // Issue 8 item 5: with first-match-wins the literal route listed second was unreachable.
+        let routes = vec![
+            route("cancel_any", Method::POST, "/v1/orders/{other}/cancel", 0),
+            route("cancel_all", Method::POST, "/v1/orders/all/cancel", 1),
+            route("x_then_lit", Method::POST, "/{a}/x", 2),
+            route("lit_then_x", Method::POST, "/a/{b}", 3),
+            route("params", Method::POST, "/{p}/{q}", 4),
+        ];
+        for order in [routes.clone(), routes.iter().rev().cloned().collect()] {
+            let r = Router::new(order, None);
+            assert_eq!(operation(&r, Method::POST, "/v1/orders/all/cancel").as_deref(), Some("cancel_all"));
+            assert_eq!(operation(&r, Method::POST, "/v1/orders/7/cancel").as_deref(), Some("cancel_any"));
+            // The first segment where they differ decides: a literal `a` beats `{a}`.
+            assert_eq!(operation(&r, Method::POST, "/a/x").as_deref(), Some("lit_then_x"));
+            assert_eq!(operation(&r, Method::POST, "/b/x").as_deref(), Some("x_then_lit"));
+            assert_eq!(operation(&r, Method::POST, "/a/y").as_deref(), Some("lit_then_x"));
+            assert_eq!(operation(&r, Method::POST, "/b/y").as_deref(), Some("params"));
+            // `routes()` keeps the file order.
+            assert_eq!(r.routes().len(), 5);
+        }
+    }
+
+    #[test]
+    fn method_is_matched_before_specificity_and_pass_through_prefers_the_specific_path() {
+        let r = Router::new(
+            vec![route("any", Method::POST, "/a/{x}", 0), route("get_b", Method::GET, "/a/b", 1), route("put_b", Method::PUT, "/a/b", 2)],
+            Some(9),
+        );
+        // POST /a/b is the POST route's operation, though a GET route has the literal path.
+        assert_eq!(operation(&r, Method::POST, "/a/b").as_deref(), Some("any"));
+        assert_eq!(operation(&r, Method::PUT, "/a/b").as_deref(), Some("put_b"));
+        // Another method: proxied to the upstream of the most specific path match.
+        assert!(matches!(r.route(&Method::DELETE, "/a/b"), RouteMatch::PassThrough { upstream: 1 }));
+        assert!(matches!(r.route(&Method::DELETE, "/a/c"), RouteMatch::PassThrough { upstream: 0 }));
+        assert!(matches!(r.route(&Method::DELETE, "/z"), RouteMatch::PassThrough { upstream: 9 }));
+    }
+
+    #[test]
+    fn shapes_compare_literals_and_parameter_positions() {
+        let t = |s: &str| PathTemplate::parse(s).unwrap();
+        assert!(t("/a/{x}").same_shape(&t("/a/{y}")));
+        assert!(t("/v1/{id}/cancel").same_shape(&t("/v1/{order}/cancel")));
+        assert!(t("/a").same_shape(&t("/a")));
+        assert!(!t("/a/{x}").same_shape(&t("/a/b")));
+        assert!(!t("/a/{x}").same_shape(&t("/b/{x}")));
+        assert!(!t("/a/{x}").same_shape(&t("/a/{x}/c")));
+        assert!(!t("/{x}/a").same_shape(&t("/a/{x}")));
+    }
+}

@@ -1,0 +1,302 @@
+//! Reloading the configuration without a restart: `SIGHUP` (which
+//! `idemgate reload` sends) re-reads the file and swaps the gateway that
+//! serves requests, whole.
+//!
+//! What a reload changes: identity sources (API keys, trusted headers, JWT
+//! keys and settings), routes (with their authorizers, key rules, retention,
+//! in-flight policy, replay mode) and upstreams (with new connection pools).
+//! A revoked API key or a removed JWT key is refused from the next request
+//! on, on open keep-alive connections too: every request asks its worker for
+//! the gateway in force ([`WorkerGateway::get`]). A request already running
+//! finishes with the gateway it started on.
+//!
+//! Background work follows the routes in force: the async workers, the lease
+//! reaper, the reconciler and the event relay are restarted from the new
+//! gateway ([`crate::server::route_tasks`]), so an async route added by a reload is
+//! served at once and a route whose `upstream_idempotent` was turned off is
+//! never re-forwarded after it. The store writes completion events for the
+//! reloaded routes' `[routes.events]`.
+//!
+//! What needs a restart: `[server]`, `[store]`, `[admin]` and `[workers]`
+//! (listeners, pools, the store itself); a reload that changes them applies
+//! the rest, keeps those sections as they are and says so in the log. The
+//! admin API keeps the routes it started with (its probe and resolve
+//! settings) until a restart.
+//!
+//! An invalid file is refused with its errors in the log; the configuration
+//! in force stays. `idemgate_config_reloads_total{result}` counts both.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::Config;
+use crate::proxy::gateway::Gateway;
+use crate::request::identity::jwt::JwtVerifier;
+use crate::request::route::RouteMode;
+use crate::server::route_tasks::RouteTasks;
+use crate::telemetry::metrics::Metrics;
+
+/// The gateway in force, replaced whole by a reload.
+#[derive(Debug)]
+pub struct LiveGateway {
+    current: RwLock<Arc<Gateway>>,
+    /// Bumped after each replacement; workers compare it on every request.
+    version: AtomicU64,
+}
+
+impl LiveGateway {
+    pub fn new(gateway: Arc<Gateway>) -> Arc<LiveGateway> {
+        Arc::new(LiveGateway { current: RwLock::new(gateway), version: AtomicU64::new(0) })
+    }
+
+    pub fn current(&self) -> Arc<Gateway> {
+        self.current.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn replace(&self, gateway: Arc<Gateway>) {
+        *self.current.write().unwrap_or_else(|e| e.into_inner()) = gateway;
+        self.version.fetch_add(1, Ordering::Release);
+    }
+
+    /// The view of one worker thread, with its own upstream pools.
+    pub fn for_worker(self: &Arc<LiveGateway>) -> WorkerGateway {
+        let version = self.version.load(Ordering::Acquire);
+        WorkerGateway { live: self.clone(), local: Mutex::new((version, Arc::new(self.current().for_worker()))) }
+    }
+}
+
+/// One worker thread's copy of the gateway in force, rebuilt (with its own
+/// pools) when a reload has replaced it.
+#[derive(Debug)]
+pub struct WorkerGateway {
+    live: Arc<LiveGateway>,
+    local: Mutex<(u64, Arc<Gateway>)>,
+}
+
+impl WorkerGateway {
+    /// The gateway for the next request: one atomic load when nothing changed.
+    pub fn get(&self) -> Arc<Gateway> {
+        let version = self.live.version.load(Ordering::Acquire);
+        let mut local = self.local.lock().unwrap_or_else(|e| e.into_inner());
+        if local.0 != version {
+            *local = (version, Arc::new(self.live.current().for_worker()));
+        }
+        local.1.clone()
+    }
+}
+
+/// Reloads from `path` on every SIGHUP until shutdown.
+#[derive(Debug)]
+pub struct Reloader {
+    pub path: PathBuf,
+    /// The configuration in force (as applied: restart-only sections kept).
+    pub running: Config,
+    pub live: Arc<LiveGateway>,
+    pub metrics: Arc<Metrics>,
+    /// Where the new JWT key refreshers run.
+    pub background: TaskTracker,
+    /// The workers, reaper, reconciler and relay: restarted with the new routes.
+    pub tasks: RouteTasks,
+}
+
+impl Reloader {
+    /// A SIGHUP that arrived after `hangups` was subscribed (during start-up)
+    /// is pending and reloads at once: the file may have changed since it was
+    /// read.
+    pub async fn run(mut self, mut hangups: watch::Receiver<u64>, shutdown: CancellationToken) {
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                changed = hangups.changed() => if changed.is_err() { return },
+            }
+            self.reload(&shutdown);
+        }
+    }
+
+    fn reload(&mut self, shutdown: &CancellationToken) {
+        let file = self.path.display().to_string();
+        let mut config = match Config::load(&self.path) {
+            Ok(c) => c,
+            Err(e) => {
+                self.metrics.reloaded(false);
+                tracing::error!(file = %file, errors = e.issues.len(), error = %e, "reload refused: the configuration in force stays");
+                return;
+            }
+        };
+        config.log_warnings(&file);
+        let kept = keep_restart_only(&self.running, &mut config);
+        if !kept.is_empty() {
+            tracing::warn!(file = %file, sections = ?kept, "these sections changed and need a restart; kept as they are");
+        }
+        let gateway = Arc::new(self.live.current().reloaded(&config));
+        for verifier in gateway.jwks_sources() {
+            self.background.spawn(JwtVerifier::keep_fresh(Arc::downgrade(&verifier), shutdown.clone()));
+        }
+        self.metrics.declare_upstreams(config.upstreams.iter().map(|u| u.name.as_str()));
+        self.metrics.declare_operations(config.routes.iter().map(|r| (&*r.operation, r.mode == RouteMode::Async || r.allow_async)));
+        self.live.replace(gateway.clone());
+        self.tasks.restart(&gateway, &config);
+        if has_background_routes(&self.running) || has_background_routes(&config) {
+            tracing::info!("async workers, the lease reaper, the reconciler and the event relay restarted with the new routes");
+        }
+        self.metrics.reloaded(true);
+        tracing::info!(
+            file = %file,
+            routes = config.routes.len(),
+            upstreams = config.upstreams.len(),
+            identity_sources = config.identity.len(),
+            "configuration reloaded"
+        );
+        self.running = config;
+    }
+}
+
+/// Puts back the sections a reload cannot apply; returns the names of those
+/// that differed.
+fn keep_restart_only(running: &Config, new: &mut Config) -> Vec<&'static str> {
+    let mut kept = Vec::new();
+    // `default_upstream` names an upstream of the new list: it reloads.
+    let server = crate::config::ServerConfig { default_upstream: new.server.default_upstream, ..running.server.clone() };
+    if new.server != server {
+        kept.push("server");
+        new.server = server;
+    }
+    if new.store != running.store {
+        kept.push("store");
+        new.store = running.store.clone();
+    }
+    if new.admin != running.admin {
+        kept.push("admin");
+        new.admin = running.admin.clone();
+    }
+    if new.workers != running.workers {
+        kept.push("workers");
+        new.workers = running.workers.clone();
+    }
+    kept
+}
+
+fn has_background_routes(config: &Config) -> bool {
+    config.routes.iter().any(|r| r.mode == RouteMode::Async || r.allow_async || r.reconcile.is_some() || r.events.is_some())
+}
+
+/// `idemgate reload`: sends SIGHUP to the gateway whose pid is in `pid_file`
+/// (written by `serve --pid-file`). A symbolic link is not followed.
+pub fn signal_reload(pid_file: &Path) -> Result<u32, ReloadError> {
+    use std::io::Read as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut text = String::new();
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(pid_file)
+        .and_then(|mut f| f.read_to_string(&mut text))
+        .map_err(|source| ReloadError::PidFile { path: pid_file.to_owned(), source })?;
+    let bad = || ReloadError::BadPid { path: pid_file.to_owned(), text: text.trim().to_owned() };
+    // Only a single positive pid: 0 or a negative number would signal a group.
+    let pid: i32 = text.trim().parse().ok().filter(|p| *p > 0).ok_or_else(bad)?;
+    let target = rustix::process::Pid::from_raw(pid).ok_or_else(bad)?;
+    rustix::process::kill_process(target, rustix::process::Signal::HUP).map_err(|e| ReloadError::Signal { pid, source: e.into() })?;
+    Ok(pid as u32)
+}
+
+/// Writes this process's pid for `idemgate reload`; removed on drop.
+///
+/// The file is created anew (`O_CREAT | O_EXCL | O_NOFOLLOW`), so a symbolic
+/// link planted at the path is never followed (a privileged gateway would
+/// otherwise overwrite whatever it points to). A file already there is
+/// replaced only when it is a regular file of this user whose process is
+/// gone (a stale file after a crash); a symbolic link, another user's file,
+/// or the file of a process still running is refused.
+#[derive(Debug)]
+pub struct PidFile {
+    path: PathBuf,
+    /// The file written (device, inode): only that one is removed on drop.
+    id: (u64, u64),
+}
+
+impl PidFile {
+    pub fn create(path: &Path) -> Result<PidFile, ReloadError> {
+        let io = |source| ReloadError::PidFile { path: path.to_owned(), source };
+        let file = match create_new(path) {
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                stale(path)?;
+                // Unlinking never follows a link: if the file was swapped
+                // for one meanwhile, the link goes and the create below
+                // still refuses to follow anything.
+                std::fs::remove_file(path).map_err(io)?;
+                create_new(path).map_err(io)?
+            }
+            other => other.map_err(io)?,
+        };
+        use std::io::Write as _;
+        use std::os::unix::fs::MetadataExt as _;
+        (&file).write_all(format!("{}\n", std::process::id()).as_bytes()).map_err(io)?;
+        let meta = file.metadata().map_err(io)?;
+        Ok(PidFile { path: path.to_owned(), id: (meta.dev(), meta.ino()) })
+    }
+}
+
+fn create_new(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    std::fs::OpenOptions::new().write(true).create_new(true).mode(0o644).custom_flags(libc::O_NOFOLLOW).open(path)
+}
+
+/// An existing pid file may be replaced only if it is a stale one of ours.
+fn stale(path: &Path) -> Result<(), ReloadError> {
+    use std::os::unix::fs::MetadataExt as _;
+    let refuse = |why: String| ReloadError::UnsafePidFile { path: path.to_owned(), why };
+    let meta = std::fs::symlink_metadata(path).map_err(|source| ReloadError::PidFile { path: path.to_owned(), source })?;
+    if meta.file_type().is_symlink() {
+        return Err(refuse("is a symbolic link; it is not followed (remove it, or give another path)".into()));
+    }
+    if !meta.file_type().is_file() {
+        return Err(refuse("exists and is not a regular file".into()));
+    }
+    let me = rustix::process::geteuid().as_raw();
+    if meta.uid() != me {
+        return Err(refuse(format!("is owned by uid {}, not by this user (uid {me}); remove it, or give another path", meta.uid())));
+    }
+    // Not through a link swapped in meanwhile, and without blocking on a FIFO.
+    let mut text = String::new();
+    {
+        use std::io::Read as _;
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let opened = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(path);
+        let _ = opened.and_then(|f| f.take(64).read_to_string(&mut text));
+    }
+    if let Some(pid) = text.trim().parse::<i32>().ok().and_then(rustix::process::Pid::from_raw)
+        && pid.as_raw_nonzero().get() != std::process::id() as i32
+        && rustix::process::test_kill_process(pid).map_or_else(|e| e == rustix::io::Errno::PERM, |()| true)
+    {
+        return Err(refuse(format!("names process {}, which is running: is another gateway using this pid file?", pid.as_raw_nonzero())));
+    }
+    Ok(())
+}
+
+impl Drop for PidFile {
+    fn drop(&mut self) {
+        use std::os::unix::fs::MetadataExt as _;
+        // Only the file this process wrote: not one that replaced it.
+        if std::fs::symlink_metadata(&self.path).is_ok_and(|m| (m.dev(), m.ino()) == self.id) {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    #[error("pid file {}: {source}", path.display())]
+    PidFile { path: PathBuf, source: std::io::Error },
+    #[error("pid file {}: {why}", path.display())]
+    UnsafePidFile { path: PathBuf, why: String },
+    #[error("pid file {}: {text:?} is not a process id", path.display())]
+    BadPid { path: PathBuf, text: String },
+    #[error("cannot send SIGHUP to process {pid}: {source}")]
+    Signal { pid: i32, source: std::io::Error },
+}
