@@ -50,6 +50,7 @@ pub mod authorize;
 pub mod background;
 pub mod body;
 pub mod config;
+pub mod console;
 pub mod demo;
 pub mod executor;
 pub mod fingerprint;

@@ -31,8 +31,8 @@ use uuid::Uuid;
 
 pub use crate::stats::{EventStats, ForeverCount, StateCount};
 pub use contract::{
-    Acceptance, Claim, ClaimOutcome, ClaimRequest, ListCursor, ListFilter, ProbeFence, ProbeRoute, Probing, RawClaim, Reaped, RecordStore,
-    Resolution, ResolveOutcome, RetryNote, Taken, WorkerRoute, WriteOutcome,
+    Acceptance, Claim, ClaimOutcome, ClaimRequest, Inspection, ListCursor, ListFilter, ProbeFence, ProbeRoute, Probing, RawClaim, Reaped,
+    RecordStore, Resolution, ResolveOutcome, RetryNote, Taken, WorkerRoute, WriteOutcome,
 };
 pub use error::StoreError;
 pub use health::NotReady;
@@ -551,6 +551,11 @@ impl Store {
     pub async fn probe_failed(&self, scope: &Scope, fence: ProbeFence, retry_in: Duration) -> Result<WriteOutcome, StoreError> {
         let written = self.bounded("probe_failed", true, self.backend.probe_failed(scope, fence, retry_in)).await?;
         Ok(if written { WriteOutcome::Written } else { WriteOutcome::Fenced })
+    }
+
+    /// A record and what the operator console shows beside it.
+    pub async fn inspect(&self, scope: &Scope, audit_limit: u32) -> Result<Option<Inspection>, StoreError> {
+        self.bounded("inspect", false, self.backend.inspect(scope, audit_limit)).await
     }
 
     /// The audit trail, newest first.
