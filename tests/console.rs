@@ -29,7 +29,7 @@ use serde_json::json;
 use support::gateway::free_local_addr;
 use support::*;
 
-on_both_stores!(the_admin_api_endpoints_the_console_reads);
+on_both_stores!(the_admin_api_endpoints_the_console_reads, an_inconclusive_probe_shows_its_last_answer_and_the_request_line);
 
 const ORDER: &str = r#"{"item":"book","qty":1}"#;
 const TOKEN: &str = "console-token-7c1e";
@@ -623,4 +623,34 @@ async fn the_admin_api_endpoints_the_console_reads(backend: Backend) {
     let doc = admin(&gw, "GET", "/admin/records?older_than=0s&state=unknown", "").await.json();
     assert_eq!(doc["records"].as_array().unwrap().len(), 1);
     assert_eq!(admin(&gw, "GET", "/admin/records?older_than=soon", "").await.status, 400);
+}
+
+/// A probed route keeps the request line (its probe needs a path
+/// parameter); a probe that answers neither found nor absent leaves the
+/// record unknown, and the record page shows how often and what it said.
+async fn an_inconclusive_probe_shows_its_last_answer_and_the_request_line(backend: Backend) {
+    let route = "[[routes]]\noperation = \"account_order\"\nmethod = \"POST\"\npath = \"/v1/accounts/{account}/orders\"\n\
+                 upstream = \"orders\"\nlease = \"1s\"\n[routes.reconcile]\n\
+                 probe = \"GET /v1/accounts/{account}/orders/by-key/{derived_key}\"\nsettle = \"300ms\"\ninterval = \"100ms\"";
+    let (up, gw, store, _dir) = setup(backend, |c| c.timeout("500ms").tail(route)).await;
+    up.set_probe_status(Some(503));
+    let r = post(&gw.url("/v1/accounts/ac-7/orders"), "k5", ORDER, &[("x-test-sleep-ms", "900")]).await;
+    assert_eq!(r.status, 504, "{r:?}");
+    let path = format!("/admin/records/{}/{}/account_order/k5/inspect", enc(TENANT), enc(PRINCIPAL));
+    let probed = eventually(Duration::from_secs(20), || {
+        let (gw, path) = (&gw, &path);
+        async move { admin(gw, "GET", path, "").await.json()["probe"]["attempts"].as_i64().is_some_and(|n| n >= 1) }
+    })
+    .await;
+    assert!(probed, "{}", gw.logs());
+    let doc = admin(&gw, "GET", &path, "").await.json();
+    assert_eq!(doc["record"]["state"], "unknown", "{doc}");
+    let answer = doc["probe"]["last_answer"].as_str().unwrap_or_default();
+    assert!(answer.contains("answered 503") && answer.contains("neither found nor absent"), "{doc}");
+    assert!(doc["probe"]["next_probe_at"].is_string(), "{doc}");
+    assert_eq!((doc["request"]["method"].as_str(), doc["request"]["path"].as_str()), (Some("POST"), Some("/v1/accounts/ac-7/orders")));
+    assert_eq!(doc["request"]["headers_stored"], false, "a sync record keeps the request line only");
+    assert!(up.probes_of(&scope_for(PRINCIPAL, "account_order", "k5").derived_key(Some(TEST_SECRET.as_bytes()))) >= 1);
+    assert_eq!(up.total(), 1, "the write ran once; probes are reads");
+    assert_eq!(store.get(&scope_for(PRINCIPAL, "account_order", "k5")).await.unwrap().unwrap().0.state, State::Unknown);
 }

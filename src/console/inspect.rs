@@ -49,7 +49,11 @@ pub fn json(i: &Inspection, secret: Option<&[u8]>) -> Value {
         "last_status": r.last_status,
         "maybe_executed": r.maybe_executed,
         "lease_left_seconds": r.lease_expires_at.map(|l| i.now.until(l).as_secs_f64()),
-        "probe": { "attempts": i.probe_attempts, "next_probe_at": i.next_probe_at.map(|t| t.to_string()) },
+        "probe": {
+            "attempts": i.probe_attempts,
+            "next_probe_at": i.next_probe_at.map(|t| t.to_string()),
+            "last_answer": i.probe_last_answer,
+        },
         "request": request,
         "audit": i.audit.iter().map(keys::audit_json).collect::<Vec<_>>(),
     })

@@ -276,6 +276,8 @@ pub struct Inspection {
     pub request: Option<Bytes>,
     pub probe_attempts: i32,
     pub next_probe_at: Option<Timestamp>,
+    /// What the last of those probes said (`None` before the first).
+    pub probe_last_answer: Option<String>,
     pub audit: Vec<AuditEntry>,
 }
 
@@ -456,7 +458,7 @@ pub trait RecordStore: Send + Sync + std::fmt::Debug {
 
     /// An inconclusive probe: counts it, clears the mark and makes the
     /// record due again after `retry_in`. Fenced like a probe's resolution.
-    async fn probe_failed(&self, scope: &Scope, fence: ProbeFence, retry_in: Duration) -> Result<bool, StoreError>;
+    async fn probe_failed(&self, scope: &Scope, fence: ProbeFence, retry_in: Duration, answer: &str) -> Result<bool, StoreError>;
 
     /// The records whose stored scope id is `id` (normally one).
     async fn by_scope_id(&self, id: ScopeId) -> Result<Vec<Record>, StoreError>;

@@ -548,8 +548,15 @@ impl Store {
     }
 
     /// An inconclusive probe: due again after `retry_in`.
-    pub async fn probe_failed(&self, scope: &Scope, fence: ProbeFence, retry_in: Duration) -> Result<WriteOutcome, StoreError> {
-        let written = self.bounded("probe_failed", true, self.backend.probe_failed(scope, fence, retry_in)).await?;
+    pub async fn probe_failed(
+        &self,
+        scope: &Scope,
+        fence: ProbeFence,
+        retry_in: Duration,
+        answer: &str,
+    ) -> Result<WriteOutcome, StoreError> {
+        let answer = clip(answer, MAX_PROBE_ANSWER);
+        let written = self.bounded("probe_failed", true, self.backend.probe_failed(scope, fence, retry_in, answer)).await?;
         Ok(if written { WriteOutcome::Written } else { WriteOutcome::Fenced })
     }
 
@@ -606,4 +613,16 @@ impl Store {
     pub async fn event_stats(&self) -> Result<EventStats, StoreError> {
         self.bounded("event_stats", false, self.backend.event_stats()).await
     }
+}
+
+/// The longest probe answer kept for the console (an error chain can be long).
+const MAX_PROBE_ANSWER: usize = 1000;
+
+/// `s` cut to at most `max` bytes, at a character boundary.
+fn clip(s: &str, max: usize) -> &str {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
 }

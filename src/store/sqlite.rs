@@ -553,8 +553,8 @@ impl RecordStore for SqliteStore {
         self.write(move |conn, now| {
             let c = |e: rusqlite::Error| StoreError::Corrupt(e.to_string());
             let sql = format!(
-                "SELECT {COLUMNS}, request, CASE WHEN probe_generation = generation THEN probe_attempts ELSE 0 END, next_probe_at \
-                 FROM idemgate_records WHERE {PK}"
+                "SELECT {COLUMNS}, request, CASE WHEN probe_generation = generation THEN probe_attempts ELSE 0 END, next_probe_at, \
+                 CASE WHEN probe_generation = generation THEN probe_last_answer END FROM idemgate_records WHERE {PK}"
             );
             let mut st = conn.prepare_cached(&sql).map_err(err)?;
             let mut rows = st.query(pk(&scope)).map_err(err)?;
@@ -563,6 +563,7 @@ impl RecordStore for SqliteStore {
             let request: Option<Vec<u8>> = row.get(NCOLS).map_err(c)?;
             let probe_attempts: i32 = row.get(NCOLS + 1).map_err(c)?;
             let next_probe_at: Option<i64> = row.get(NCOLS + 2).map_err(c)?;
+            let probe_last_answer: Option<String> = row.get(NCOLS + 3).map_err(c)?;
             let mut st = conn
                 .prepare_cached(
                     "SELECT id, at, actor, tenant, principal, operation, idempotency_key, from_state, to_state, reason, forced, generation, \
@@ -582,6 +583,7 @@ impl RecordStore for SqliteStore {
                 request: request.map(Bytes::from),
                 probe_attempts,
                 next_probe_at: next_probe_at.map(Timestamp),
+                probe_last_answer,
                 audit,
             }))
         })
@@ -1081,8 +1083,9 @@ impl RecordStore for SqliteStore {
         .await
     }
 
-    async fn probe_failed(&self, scope: &Scope, fence: ProbeFence, retry_in: Duration) -> Result<bool, StoreError> {
+    async fn probe_failed(&self, scope: &Scope, fence: ProbeFence, retry_in: Duration, answer: &str) -> Result<bool, StoreError> {
         let scope = scope.clone();
+        let answer = answer.to_owned();
         self.write(move |tx, now| {
             let Some(record) = get_tx(tx, &scope)? else { return Ok(false) };
             if !probe_holds(tx, &scope, &record, fence)? {
@@ -1091,9 +1094,9 @@ impl RecordStore for SqliteStore {
             let [t, p, o, k] = pk(&scope);
             tx.prepare_cached(&format!(
                 "UPDATE idemgate_records SET probe_attempts = probe_attempts + 1, next_probe_at = ?5, probe_token = NULL, \
-                 probe_until = NULL WHERE {PK}"
+                 probe_until = NULL, probe_last_answer = ?6 WHERE {PK}"
             ))
-            .and_then(|mut st| st.execute(params![t, p, o, k, now.plus(retry_in).0]))
+            .and_then(|mut st| st.execute(params![t, p, o, k, now.plus(retry_in).0, answer]))
             .map_err(err)?;
             Ok(true)
         })

@@ -248,7 +248,7 @@
 
     const tiles = el('div', { class: 'tiles' });
     for (const [state, n] of Object.entries(doc.totals)) {
-      const tile = el('button', { type: 'button', class: 'tile state-' + state, id: 'total-' + state, onclick: () => go('#/records?state=' + seg(state)) },
+      const tile = el('button', { type: 'button', class: n > 0 ? 'tile state-' + state : 'tile zero', id: 'total-' + state, onclick: () => go('#/records?state=' + seg(state)) },
         el('span', { class: 'n' }, text(n)), el('span', { class: 'label' }, state));
       tiles.appendChild(tile);
     }
@@ -382,6 +382,7 @@
       ['May have executed', doc.maybe_executed ? 'yes' : 'no'],
       ['Probe attempts', el('span', { id: 'probe-attempts' }, text(doc.probe.attempts))],
       ['Next probe', doc.probe.next_probe_at],
+      ['Last probe answer', el('span', { id: 'probe-last' }, text(doc.probe.last_answer))],
     ]));
 
     v.appendChild(el('h2', {}, 'Stored request'));

@@ -695,9 +695,10 @@ impl RecordStore for PgStore {
         let request: Option<Vec<u8>> = row.try_get(NCOLS + 1).map_err(c)?;
         let probe_attempts: i32 = row.try_get(NCOLS + 2).map_err(c)?;
         let next_probe_at: Option<Timestamp> = row.try_get(NCOLS + 3).map_err(c)?;
+        let probe_last_answer: Option<String> = row.try_get(NCOLS + 4).map_err(c)?;
         let rows = self.query(sql::AUDIT_OF_SCOPE, &[&t, &p, &o, &k, &i64::from(audit_limit)], false).await?;
         let audit = rows.iter().map(decode_audit).collect::<Result<Vec<_>, _>>()?;
-        Ok(Some(Inspection { record, now, request: request.map(Bytes::from), probe_attempts, next_probe_at, audit }))
+        Ok(Some(Inspection { record, now, request: request.map(Bytes::from), probe_attempts, next_probe_at, probe_last_answer, audit }))
     }
 
     async fn derived_key_secret(&self) -> Result<Option<Vec<u8>>, StoreError> {
@@ -884,9 +885,10 @@ impl RecordStore for PgStore {
             .collect()
     }
 
-    async fn probe_failed(&self, scope: &Scope, fence: ProbeFence, retry_in: Duration) -> Result<bool, StoreError> {
+    async fn probe_failed(&self, scope: &Scope, fence: ProbeFence, retry_in: Duration, answer: &str) -> Result<bool, StoreError> {
         let (t, p, o, k) = (&*scope.tenant, &*scope.principal, &*scope.operation, scope.key.as_str());
-        let rows = self.query(&sql::PROBE_FAILED, &[&t, &p, &o, &k, &fence.generation.0, &fence.token, &micros(retry_in)], true).await?;
+        let retry_in = micros(retry_in);
+        let rows = self.query(&sql::PROBE_FAILED, &[&t, &p, &o, &k, &fence.generation.0, &fence.token, &retry_in, &answer], true).await?;
         Ok(!rows.is_empty())
     }
 }

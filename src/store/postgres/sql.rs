@@ -443,8 +443,8 @@ pub(super) const AUDIT_LIST: &str = "SELECT id, at, actor, tenant, principal, op
 /// stored request and the probes of this generation.
 pub(super) static INSPECT: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "SELECT {COLUMNS}, now(), request, CASE WHEN probe_generation = generation THEN probe_attempts ELSE 0 END, next_probe_at \
-         FROM idemgate_records WHERE {PK}"
+        "SELECT {COLUMNS}, now(), request, CASE WHEN probe_generation = generation THEN probe_attempts ELSE 0 END, next_probe_at, \
+         CASE WHEN probe_generation = generation THEN probe_last_answer END FROM idemgate_records WHERE {PK}"
     )
 });
 
@@ -716,7 +716,7 @@ RETURNING {}, now(), r.request, r.probe_attempts",
 pub(super) static PROBE_FAILED: LazyLock<String> = LazyLock::new(|| {
     format!(
         "UPDATE idemgate_records SET probe_attempts = probe_attempts + 1, \
-         next_probe_at = now() + $7::int8 * interval '1 microsecond', probe_token = NULL, probe_until = NULL \
+         next_probe_at = now() + $7::int8 * interval '1 microsecond', probe_token = NULL, probe_until = NULL, probe_last_answer = $8 \
          WHERE {PK} AND CASE state WHEN 'unknown' THEN true ELSE false END AND generation = $5 AND probe_token = $6 RETURNING 1"
     )
 });
