@@ -386,6 +386,9 @@ async fn stored_script_is_shown_as_text_and_never_runs() {
     b.wait_text("#total-unknown", "unknown").await;
     b.client.goto(&format!("{}#/record/{}/{}/create_order/hostile", gw.admin_url("/console/"), enc(TENANT), enc(PRINCIPAL))).await.unwrap();
     b.wait_text("#scope-key", "hostile").await;
+    // (An onerror handler runs once the image fails to load: give it time.)
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(b.js("return window.__pwned === undefined ? null : String(window.__pwned)").await, json!(null), "nothing ran");
     assert_eq!(b.text("#response-body").await, body, "the body is shown literally");
     let headers = b.text("#response-headers").await;
     assert!(headers.contains(link) && headers.contains(img), "{headers}");

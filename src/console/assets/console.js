@@ -193,7 +193,14 @@
     const q = h.indexOf('?');
     const path = q < 0 ? h : h.slice(0, q);
     const params = new URLSearchParams(q < 0 ? '' : h.slice(q + 1));
-    return { parts: path.split('/').map(decodeURIComponent), params };
+    const decode = (s) => {
+      try {
+        return decodeURIComponent(s);
+      } catch (e) {
+        return s;
+      }
+    };
+    return { parts: path.split('/').map(decode), params };
   }
 
   async function route() {
