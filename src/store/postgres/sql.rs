@@ -762,7 +762,7 @@ pub fn catalog() -> Vec<Statement> {
         s("event_insert", &EVENT_INSERT_ONE, &[]),
         s("audit_list", AUDIT_LIST, &[]),
         s("inspect", &INSPECT, PKEY),
-        s("audit_of_scope", AUDIT_OF_SCOPE, &[]),
+        s("audit_of_scope", AUDIT_OF_SCOPE, &["idemgate_audit_scope"]),
         s("setting", SETTING, &[]),
         s("probe_write", PROBE_WRITE, &[]),
         s("sweep", SWEEP, &["idemgate_records_sweep", "idemgate_records_pkey"]),
