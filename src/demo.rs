@@ -67,7 +67,7 @@ pub struct DemoArgs {
     /// Where the demo order service (the upstream) listens.
     #[arg(long, default_value = "127.0.0.1:9000")]
     pub upstream_listen: SocketAddr,
-    /// Where the admin listener (health, metrics) listens.
+    /// Where the admin listener (health, metrics, admin API, console) listens.
     #[arg(long, default_value = "127.0.0.1:9090")]
     pub admin_listen: SocketAddr,
     /// Directory for the demo's SQLite store and its generated config
@@ -276,7 +276,8 @@ fn script(addrs: &Addrs, db_path: &Path, config_path: &Path, api: &Admin<'_>) ->
     let _ = writeln!(s);
     let _ = writeln!(s, "  gateway        {gw:<28} idempotent routes: POST /v1/orders, POST /v1/orders/slow");
     let _ = writeln!(s, "  order service  {up:<28} knows nothing of idempotency: one order per POST it receives");
-    let _ = writeln!(s, "  admin          {admin:<28} /healthz, /readyz, /metrics");
+    let _ = writeln!(s, "  admin          {admin:<28} /healthz, /readyz, /metrics, the admin API");
+    let _ = writeln!(s, "  console        {admin}/console/  (operator console: log in with the admin token)");
     let _ = writeln!(s, "  store          {} (embedded SQLite)", db_path.display());
     let _ = writeln!(s, "  config         {}", config_path.display());
     let _ = writeln!(s, "  API key        {DEMO_API_KEY} (the config holds only its sha256)");
@@ -311,6 +312,11 @@ fn script(addrs: &Addrs, db_path: &Path, config_path: &Path, api: &Admin<'_>) ->
     let _ = writeln!(s, "# 7. The same over HTTP: the admin API, on because the config names a token file ([admin] token_file,");
     let _ = writeln!(s, "#    or token_env; without either it is off). It also resolves records and shows the audit trail.");
     let _ = writeln!(s, "curl -s -H 'Authorization: Bearer {}' '{admin}/admin/records?state=unknown'", api.token);
+    let _ = writeln!(s);
+    let _ = writeln!(s, "# 8. The same in a browser: open the operator console and paste the admin token printed above.");
+    let _ = writeln!(s, "#    The overview shows the unknown record of step 4: open it, read what was sent and the audit trail,");
+    let _ = writeln!(s, "#    and resolve it with a reason (its audit row then names the console and the token's label).");
+    let _ = writeln!(s, "#    {admin}/console/");
     let _ = writeln!(s);
     let _ = writeln!(s, "# Metrics: requests by route and outcome (forwarded, replayed, mismatch, unknown, ...):");
     let _ = writeln!(s, "curl -s {admin}/metrics");

@@ -40,8 +40,9 @@
 //!   ([`background::outbox_relay`]).
 //! - [`outbox`]: completion events, written with the change they report.
 //! - [`ops`]: the operator's side: the admin listener and API
-//!   ([`ops::admin`]), `idemgate keys` ([`ops::keys`]), the container health
-//!   check ([`ops::healthcheck`]).
+//!   ([`ops::admin`]), the operator console it serves ([`ops::console`]),
+//!   `idemgate keys` ([`ops::keys`]), the container health check
+//!   ([`ops::healthcheck`]).
 //! - [`telemetry`]: metrics ([`telemetry::metrics`]), the log
 //!   ([`telemetry::logging`]), the store's counts ([`telemetry::stats`]), and
 //!   warnings thinned during an outage ([`telemetry::throttle`]).

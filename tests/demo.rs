@@ -318,6 +318,14 @@ fn printed_script_works_when_pasted_into_bash() {
     assert_eq!(records.len(), 1, "step 7: {listed}");
     assert_eq!(records[0]["state"], "unknown", "step 7: {listed}");
 
+    // 8. The operator console, at the printed URL, on the admin listener.
+    let console = demo.printed.iter().find(|l| l.trim_start().starts_with("console ")).unwrap_or_else(|| panic!("no console line"));
+    let url = console.split_whitespace().nth(1).unwrap_or_default().to_owned();
+    assert!(url.starts_with("http://") && url.ends_with("/console/"), "{console}");
+    assert!(demo.printed.iter().any(|l| l.trim() == format!("#    {url}")), "step 8 names the console");
+    let page = bash(&format!("curl -si {url}"), &home);
+    assert!(page.starts_with("HTTP/1.1 200") && page.contains("content-security-policy: default-src 'none'"), "{page}");
+
     let metrics = bash(&steps["Metrics"], &home);
     assert!(metrics.contains(r#"idemgate_requests_total{operation="create_order",outcome="replayed"} 1"#), "{metrics}");
 

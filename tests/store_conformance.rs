@@ -1380,7 +1380,7 @@ async fn probes_take_due_unknown_records_and_their_writes_are_fenced(backend: Ba
     let f2 = taken.iter().find(|t| t.record.scope == u2).unwrap().fence;
 
     // Inconclusive: due again after the backoff, with the attempt counted.
-    assert_eq!(store.probe_failed(&u1, f1, SHORT).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(store.probe_failed(&u1, f1, SHORT, "probe answered 503").await.unwrap(), WriteOutcome::Written);
     assert!(store.take_probes(&routes, LONG, 10).await.unwrap().is_empty(), "backing off");
     tokio::time::sleep(PAST_SHORT).await;
     let again = store.take_probes(&routes, LONG, 10).await.unwrap();
@@ -1390,7 +1390,7 @@ async fn probes_take_due_unknown_records_and_their_writes_are_fenced(backend: Ba
     assert_ne!(f1b.token, f1.token);
     // The first probe's mark is gone: its writes are fenced off.
     assert_eq!(store.resolve_probed(&u1, &complete, &by_probe, f1).await.unwrap(), ResolveOutcome::Refused(Refused::Fenced));
-    assert_eq!(store.probe_failed(&u1, f1, SHORT).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(store.probe_failed(&u1, f1, SHORT, "probe answered 503").await.unwrap(), WriteOutcome::Fenced);
     assert_eq!(store.resolve_probed(&u1, &complete, &by_probe, f1b).await.unwrap(), ResolveOutcome::Resolved { from: State::Unknown });
     assert_eq!(row(&store, &u1).await.state, State::Completed);
     assert_eq!(store.resolve_probed(&u1, &RELEASE, &by_probe, f1b).await.unwrap(), ResolveOutcome::Refused(Refused::Fenced), "once");
@@ -1398,7 +1398,7 @@ async fn probes_take_due_unknown_records_and_their_writes_are_fenced(backend: Ba
     // An operator's resolution in between wins.
     assert_eq!(store.resolve(&u2, &RELEASE, &note("checked by hand")).await.unwrap(), ResolveOutcome::Resolved { from: State::Unknown });
     assert_eq!(store.resolve_probed(&u2, &complete, &by_probe, f2).await.unwrap(), ResolveOutcome::NotFound);
-    assert_eq!(store.probe_failed(&u2, f2, SHORT).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(store.probe_failed(&u2, f2, SHORT, "probe answered 503").await.unwrap(), WriteOutcome::Fenced);
     // A new life of the key (claimed again, unknown again): the old probe
     // cannot write to it, and it is due at once.
     let c2 = unknown(&store, &u2).await;

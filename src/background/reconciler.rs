@@ -205,7 +205,7 @@ impl Reconciler {
             let retry_in = probe.backoff(attempts);
             tracing::warn!(route, scope = %scope.log_id(), attempts, retry_in = ?retry_in, outcome = outcome.as_str(), reason,
                 "record stays unknown; probing again later");
-            match self.store.probe_failed(scope, taken.fence, retry_in).await {
+            match self.store.probe_failed(scope, taken.fence, retry_in, &reason).await {
                 Ok(WriteOutcome::Written) => {}
                 Ok(WriteOutcome::Fenced) => tracing::info!(route, scope = %scope.log_id(), "the record changed while it was probed"),
                 Err(e) => tracing::warn!(route, scope = %scope.log_id(), error = %e, "could not record the probe; its mark runs out"),

@@ -119,6 +119,11 @@ impl Admin {
             log_call(&method, &path, peer, resp.status(), started.elapsed(), &presented, problem_name);
             return resp;
         }
+        // The operator console: only while the admin API is on; otherwise
+        // its paths are unknown like any other.
+        if self.token.is_some() && crate::ops::console::owns(path) {
+            return crate::ops::console::serve(req.method(), path);
+        }
         if req.method() != Method::GET && req.method() != Method::HEAD {
             return text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n");
         }
@@ -160,6 +165,7 @@ impl Admin {
         let label = audit::token_label(token.expose());
         *presented = Presented::Valid(label.clone());
         let caller = Caller { peer: peer.to_string(), token: label };
+        let actor = crate::ops::console::actor_of(req.headers()).map_err(AdminError::BadRequest)?;
         let endpoint = Endpoint::parse(req.uri().path())?;
         let query = req.uri().query().unwrap_or_default().to_owned();
         match (endpoint, req.method().clone()) {
@@ -170,7 +176,19 @@ impl Admin {
             }
             (Endpoint::Resolve(scope), Method::POST) => {
                 no_query(&query)?;
-                self.resolve(&scope, req.into_body(), caller).await
+                self.resolve(&scope, req.into_body(), caller, actor).await
+            }
+            (Endpoint::Inspect(scope), Method::GET) => {
+                no_query(&query)?;
+                match self.store.inspect(&scope, crate::ops::console::inspect::AUDIT_ROWS).await.map_err(store_error)? {
+                    Some(found) => Ok(json_response(StatusCode::OK, &crate::ops::console::inspect::json(&found, self.secret()))),
+                    None => Err(AdminError::NoRecord),
+                }
+            }
+            (Endpoint::Overview, Method::GET) => {
+                no_query(&query)?;
+                let doc = crate::ops::console::overview::overview(&self.store, &self.metrics).await.map_err(store_error)?;
+                Ok(json_response(StatusCode::OK, &doc))
             }
             (Endpoint::Audit, Method::GET) => self.audit(&query).await,
             (Endpoint::Events, Method::GET) => self.events(&query).await,
@@ -192,6 +210,7 @@ impl Admin {
 
     async fn list(&self, query: &str) -> Result<Response<Body>, AdminError> {
         let mut filter = ListFilter { limit: DEFAULT_LIMIT, ..ListFilter::default() };
+        let mut extra = crate::ops::console::filter::Extra::default();
         for (name, value) in form_urlencoded::parse(query.as_bytes()) {
             match &*name {
                 "state" => {
@@ -204,10 +223,16 @@ impl Admin {
                 "operation" => filter.operation = Some(value.into_owned()),
                 "limit" => filter.limit = limit(&value)?,
                 "cursor" => filter.cursor = Some(keys::decode_cursor(&value).map_err(|e| AdminError::BadRequest(e.to_string()))?),
-                other => return Err(unknown_parameter(other, "state, tenant, operation, limit, cursor")),
+                "key_prefix" => extra.key_prefix = Some(value.into_owned()).filter(|p| !p.is_empty()),
+                "older_than" => {
+                    let d = humantime::parse_duration(&value)
+                        .map_err(|e| AdminError::BadRequest(format!("older_than: {e} (write e.g. \"10m\")")))?;
+                    extra.older_than = Some(d);
+                }
+                other => return Err(unknown_parameter(other, "state, tenant, operation, key_prefix, older_than, limit, cursor")),
             }
         }
-        let page = keys::list(&self.store, &filter).await.map_err(store_error)?;
+        let page = crate::ops::console::filter::list(&self.store, &filter, &extra).await.map_err(store_error)?;
         Ok(json_response(StatusCode::OK, &keys::page_json(&page, self.secret())))
     }
 
@@ -255,7 +280,7 @@ impl Admin {
         ))
     }
 
-    async fn resolve(&self, scope: &Scope, body: Incoming, caller: Caller) -> Result<Response<Body>, AdminError> {
+    async fn resolve(&self, scope: &Scope, body: Incoming, caller: Caller, actor: Actor) -> Result<Response<Body>, AdminError> {
         let body = match tokio::time::timeout(BODY_TIMEOUT, Limited::new(body, MAX_REQUEST_BODY).collect()).await {
             Ok(Ok(collected)) => collected.to_bytes(),
             Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
@@ -263,7 +288,7 @@ impl Admin {
             }
             Ok(Err(_)) | Err(_) => return Err(AdminError::BadRequest("the request body could not be read".into())),
         };
-        let request = resolve_request(&body)?;
+        let request = ResolveRequest { actor, ..resolve_request(&body)? };
         let to = match request.action {
             ResolveAction::Release => audit::RELEASED,
             ResolveAction::Complete { .. } => State::Completed.as_str(),
@@ -272,7 +297,7 @@ impl Admin {
         let (peer, token) = (caller.peer.clone(), caller.token.clone());
         match keys::resolve_by(&self.store, scope, request, retention, Some(caller)).await {
             Ok(from) => {
-                tracing::info!(scope = %scope.log_id(), actor = "admin", peer, token, from = %from, to, "record resolved through the admin API");
+                tracing::info!(scope = %scope.log_id(), actor = actor.as_str(), peer, token, from = %from, to, "record resolved through the admin API");
                 Ok(json_response(StatusCode::OK, &json!({ "scope": keys::scope_json(scope), "from_state": from.as_str(), "to_state": to })))
             }
             Err(ResolveError::Invalid(why)) => Err(AdminError::BadRequest(why)),
@@ -296,6 +321,10 @@ enum Endpoint {
     Events,
     /// `POST /admin/events/{id}/redeliver`.
     Redeliver(uuid::Uuid),
+    /// `GET /admin/overview` (the console's first page).
+    Overview,
+    /// `GET /admin/records/{scope}/inspect` (the console's record page).
+    Inspect(Scope),
 }
 
 impl Endpoint {
@@ -304,6 +333,7 @@ impl Endpoint {
             "/admin/records" => return Ok(Endpoint::Records),
             "/admin/audit" => return Ok(Endpoint::Audit),
             "/admin/events" => return Ok(Endpoint::Events),
+            "/admin/overview" => return Ok(Endpoint::Overview),
             _ => {}
         }
         if let Some(id) = path.strip_prefix("/admin/events/").and_then(|r| r.strip_suffix("/redeliver")) {
@@ -311,13 +341,17 @@ impl Endpoint {
         }
         let rest = path.strip_prefix("/admin/records/").ok_or(AdminError::NotFound)?;
         let segments: Vec<&str> = rest.split('/').collect();
-        let (scope, resolve) = match segments.as_slice() {
-            [t, p, o, k] => ([*t, *p, *o, *k], false),
-            [t, p, o, k, "resolve"] => ([*t, *p, *o, *k], true),
+        let (scope, action) = match segments.as_slice() {
+            [t, p, o, k] => ([*t, *p, *o, *k], None),
+            [t, p, o, k, action @ ("resolve" | "inspect")] => ([*t, *p, *o, *k], Some(*action)),
             _ => return Err(AdminError::NotFound),
         };
         let scope = scope_of(scope)?;
-        Ok(if resolve { Endpoint::Resolve(scope) } else { Endpoint::Record(scope) })
+        Ok(match action {
+            Some("resolve") => Endpoint::Resolve(scope),
+            Some(_) => Endpoint::Inspect(scope),
+            None => Endpoint::Record(scope),
+        })
     }
 }
 
@@ -614,7 +648,7 @@ fn text(status: StatusCode, body: &'static str) -> Response<Body> {
 
 /// The admin listener's endpoints, as `idemgate_http_requests_total` and
 /// `idemgate_http_request_duration_seconds` name them (`operation`).
-pub const ENDPOINTS: [&str; 5] = ["not_found", "healthz", "readyz", "metrics", "admin_api"];
+pub const ENDPOINTS: [&str; 6] = ["not_found", "healthz", "readyz", "metrics", "admin_api", "console"];
 
 /// The endpoint a request path is for (one of [`ENDPOINTS`]).
 pub fn endpoint(path: &str) -> &'static str {
@@ -623,6 +657,7 @@ pub fn endpoint(path: &str) -> &'static str {
         "/readyz" => "readyz",
         "/metrics" => "metrics",
         p if p == "/admin" || p.starts_with("/admin/") => "admin_api",
+        p if crate::ops::console::owns(p) => "console",
         _ => "not_found",
     }
 }
@@ -639,6 +674,8 @@ mod tests {
         assert!(matches!(Endpoint::parse("/admin/records/t/p/o/k/resolve"), Ok(Endpoint::Resolve(_))));
         assert!(matches!(Endpoint::parse("/admin/records"), Ok(Endpoint::Records)));
         assert!(matches!(Endpoint::parse("/admin/audit"), Ok(Endpoint::Audit)));
+        assert!(matches!(Endpoint::parse("/admin/overview"), Ok(Endpoint::Overview)));
+        assert!(matches!(Endpoint::parse("/admin/records/t/p/o/k/inspect"), Ok(Endpoint::Inspect(_))));
         // A raw `/` inside a key is a separator: too many segments.
         assert!(matches!(Endpoint::parse("/admin/records/t/p/o/a/b"), Err(AdminError::NotFound)));
         assert!(matches!(Endpoint::parse("/admin/records/t/p/o"), Err(AdminError::NotFound)));

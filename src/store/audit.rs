@@ -16,17 +16,21 @@ pub enum Actor {
     Cli,
     /// The admin HTTP API.
     Admin,
+    /// The operator console (the admin API, called by the console's page,
+    /// which says so with `X-Idemgate-Actor: console`).
+    Console,
     /// The reconciler's probe.
     Reconciler,
 }
 
 impl Actor {
-    pub const ALL: [Actor; 3] = [Actor::Cli, Actor::Admin, Actor::Reconciler];
+    pub const ALL: [Actor; 4] = [Actor::Cli, Actor::Admin, Actor::Console, Actor::Reconciler];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Actor::Cli => "cli",
             Actor::Admin => "admin",
+            Actor::Console => "console",
             Actor::Reconciler => "reconciler",
         }
     }

@@ -42,6 +42,7 @@ pub const POSTGRES: &[Migration] = &[
         sql: include_str!("../../migrations/postgres/0011_scope_id_leads_primary_key.sql"),
     },
     Migration { version: 12, name: "0012_audit_caller", sql: include_str!("../../migrations/postgres/0012_audit_caller.sql") },
+    Migration { version: 13, name: "0013_console_reads", sql: include_str!("../../migrations/postgres/0013_console_reads.sql") },
 ];
 
 pub const SQLITE: &[Migration] = &[
@@ -73,6 +74,7 @@ pub const SQLITE: &[Migration] = &[
         sql: include_str!("../../migrations/sqlite/0011_scope_id_leads_primary_key.sql"),
     },
     Migration { version: 12, name: "0012_audit_caller", sql: include_str!("../../migrations/sqlite/0012_audit_caller.sql") },
+    Migration { version: 13, name: "0013_console_reads", sql: include_str!("../../migrations/sqlite/0013_console_reads.sql") },
 ];
 
 /// The `idemgate_settings` row holding the derived-key secret.

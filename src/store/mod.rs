@@ -32,8 +32,8 @@ use uuid::Uuid;
 
 pub use crate::telemetry::stats::{EventStats, ForeverCount, StateCount};
 pub use contract::{
-    Acceptance, Claim, ClaimOutcome, ClaimRequest, ListCursor, ListFilter, ProbeFence, ProbeRoute, Probing, RawClaim, Reaped, RecordStore,
-    Resolution, ResolveOutcome, RetryNote, Taken, WorkerRoute, WriteOutcome,
+    Acceptance, Claim, ClaimOutcome, ClaimRequest, Inspection, ListCursor, ListFilter, ProbeFence, ProbeRoute, Probing, RawClaim, Reaped,
+    RecordStore, Resolution, ResolveOutcome, RetryNote, Taken, WorkerRoute, WriteOutcome,
 };
 pub use error::StoreError;
 pub use health::NotReady;
@@ -549,9 +549,21 @@ impl Store {
     }
 
     /// An inconclusive probe: due again after `retry_in`.
-    pub async fn probe_failed(&self, scope: &Scope, fence: ProbeFence, retry_in: Duration) -> Result<WriteOutcome, StoreError> {
-        let written = self.bounded("probe_failed", true, self.backend.probe_failed(scope, fence, retry_in)).await?;
+    pub async fn probe_failed(
+        &self,
+        scope: &Scope,
+        fence: ProbeFence,
+        retry_in: Duration,
+        answer: &str,
+    ) -> Result<WriteOutcome, StoreError> {
+        let answer = clip(answer, MAX_PROBE_ANSWER);
+        let written = self.bounded("probe_failed", true, self.backend.probe_failed(scope, fence, retry_in, answer)).await?;
         Ok(if written { WriteOutcome::Written } else { WriteOutcome::Fenced })
+    }
+
+    /// A record and what the operator console shows beside it.
+    pub async fn inspect(&self, scope: &Scope, audit_limit: u32) -> Result<Option<Inspection>, StoreError> {
+        self.bounded("inspect", false, self.backend.inspect(scope, audit_limit)).await
     }
 
     /// The audit trail, newest first.
@@ -602,4 +614,16 @@ impl Store {
     pub async fn event_stats(&self) -> Result<EventStats, StoreError> {
         self.bounded("event_stats", false, self.backend.event_stats()).await
     }
+}
+
+/// The longest probe answer kept for the console (an error chain can be long).
+const MAX_PROBE_ANSWER: usize = 1000;
+
+/// `s` cut to at most `max` bytes, at a character boundary.
+fn clip(s: &str, max: usize) -> &str {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
 }

@@ -25,8 +25,8 @@ use uuid::Uuid;
 use super::codec::{decode_headers, encode_headers};
 use super::migrations::{DERIVED_KEY_SECRET, SQLITE, fresh_secret};
 use super::{
-    Access, Claim, ClaimRequest, EventStats, ForeverCount, ListFilter, ProbeFence, ProbeRoute, Probing, RawClaim, Reaped, RecordStore,
-    Resolution, ResolveOutcome, RetryNote, StateCount, StoreError, Taken, WorkerRoute,
+    Access, Claim, ClaimRequest, EventStats, ForeverCount, Inspection, ListFilter, ProbeFence, ProbeRoute, Probing, RawClaim, Reaped,
+    RecordStore, Resolution, ResolveOutcome, RetryNote, StateCount, StoreError, Taken, WorkerRoute,
 };
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::{IdempotencyKey, Scope, ScopeId};
@@ -554,6 +554,48 @@ impl RecordStore for SqliteStore {
         .await
     }
 
+    async fn inspect(&self, scope: &Scope, audit_limit: u32) -> Result<Option<Inspection>, StoreError> {
+        let scope = scope.clone();
+        self.write(move |conn, now| {
+            let c = |e: rusqlite::Error| StoreError::Corrupt(e.to_string());
+            let sql = format!(
+                "SELECT {COLUMNS}, request, CASE WHEN probe_generation = generation THEN probe_attempts ELSE 0 END, next_probe_at, \
+                 CASE WHEN probe_generation = generation THEN probe_last_answer END FROM idemgate_records WHERE {PK}"
+            );
+            let mut st = conn.prepare_cached(&sql).map_err(err)?;
+            let mut rows = st.query(pk(&scope)).map_err(err)?;
+            let Some(row) = rows.next().map_err(err)? else { return Ok(None) };
+            let record = decode(row)?;
+            let request: Option<Vec<u8>> = row.get(NCOLS).map_err(c)?;
+            let probe_attempts: i32 = row.get(NCOLS + 1).map_err(c)?;
+            let next_probe_at: Option<i64> = row.get(NCOLS + 2).map_err(c)?;
+            let probe_last_answer: Option<String> = row.get(NCOLS + 3).map_err(c)?;
+            let mut st = conn
+                .prepare_cached(
+                    "SELECT id, at, actor, tenant, principal, operation, idempotency_key, from_state, to_state, reason, forced, generation, \
+                     peer, token_label FROM idemgate_audit WHERE tenant = ?1 AND principal = ?2 AND operation = ?3 AND idempotency_key = ?4 \
+                     ORDER BY id DESC LIMIT ?5",
+                )
+                .map_err(err)?;
+            let [t, p, o, k] = pk(&scope);
+            let mut rows = st.query(params![t, p, o, k, i64::from(audit_limit)]).map_err(err)?;
+            let mut audit = Vec::new();
+            while let Some(row) = rows.next().map_err(err)? {
+                audit.push(decode_audit(row)?);
+            }
+            Ok(Some(Inspection {
+                record,
+                now,
+                request: request.map(Bytes::from),
+                probe_attempts,
+                next_probe_at: next_probe_at.map(Timestamp),
+                probe_last_answer,
+                audit,
+            }))
+        })
+        .await
+    }
+
     async fn derived_key_secret(&self) -> Result<Option<Vec<u8>>, StoreError> {
         self.write(move |conn, _| {
             let exists: bool = conn
@@ -1048,8 +1090,9 @@ impl RecordStore for SqliteStore {
         .await
     }
 
-    async fn probe_failed(&self, scope: &Scope, fence: ProbeFence, retry_in: Duration) -> Result<bool, StoreError> {
+    async fn probe_failed(&self, scope: &Scope, fence: ProbeFence, retry_in: Duration, answer: &str) -> Result<bool, StoreError> {
         let scope = scope.clone();
+        let answer = answer.to_owned();
         self.write(move |tx, now| {
             let Some(record) = get_tx(tx, &scope)? else { return Ok(false) };
             if !probe_holds(tx, &scope, &record, fence)? {
@@ -1058,9 +1101,9 @@ impl RecordStore for SqliteStore {
             let [t, p, o, k] = pk(&scope);
             tx.prepare_cached(&format!(
                 "UPDATE idemgate_records SET probe_attempts = probe_attempts + 1, next_probe_at = ?5, probe_token = NULL, \
-                 probe_until = NULL WHERE {PK}"
+                 probe_until = NULL, probe_last_answer = ?6 WHERE {PK}"
             ))
-            .and_then(|mut st| st.execute(params![t, p, o, k, now.plus(retry_in).0]))
+            .and_then(|mut st| st.execute(params![t, p, o, k, now.plus(retry_in).0, answer]))
             .map_err(err)?;
             Ok(true)
         })

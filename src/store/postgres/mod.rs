@@ -13,8 +13,8 @@ use uuid::Uuid;
 use super::codec::{decode_headers, encode_headers};
 use super::migrations::{DERIVED_KEY_SECRET, PG_LOCK_KEY, POSTGRES, fresh_secret};
 use super::{
-    Acceptance, Claim, ClaimRequest, EventStats, ForeverCount, ListFilter, ProbeFence, ProbeRoute, Probing, RawClaim, Reaped, RecordStore,
-    Resolution, ResolveOutcome, RetryNote, StateCount, StoreError, Taken, WorkerRoute,
+    Acceptance, Claim, ClaimRequest, EventStats, ForeverCount, Inspection, ListFilter, ProbeFence, ProbeRoute, Probing, RawClaim, Reaped,
+    RecordStore, Resolution, ResolveOutcome, RetryNote, StateCount, StoreError, Taken, WorkerRoute,
 };
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::{IdempotencyKey, Scope, ScopeId};
@@ -686,6 +686,22 @@ impl RecordStore for PgStore {
         rows.iter().map(decode_audit).collect()
     }
 
+    async fn inspect(&self, scope: &Scope, audit_limit: u32) -> Result<Option<Inspection>, StoreError> {
+        let (t, p, o, k) = (&*scope.tenant, &*scope.principal, &*scope.operation, scope.key.as_str());
+        let rows = self.query(&sql::INSPECT, &[&t, &p, &o, &k], false).await?;
+        let Some(row) = rows.first() else { return Ok(None) };
+        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+        let record = decode(row)?;
+        let now: Timestamp = row.try_get(NCOLS).map_err(c)?;
+        let request: Option<Vec<u8>> = row.try_get(NCOLS + 1).map_err(c)?;
+        let probe_attempts: i32 = row.try_get(NCOLS + 2).map_err(c)?;
+        let next_probe_at: Option<Timestamp> = row.try_get(NCOLS + 3).map_err(c)?;
+        let probe_last_answer: Option<String> = row.try_get(NCOLS + 4).map_err(c)?;
+        let rows = self.query(sql::AUDIT_OF_SCOPE, &[&t, &p, &o, &k, &i64::from(audit_limit)], false).await?;
+        let audit = rows.iter().map(decode_audit).collect::<Result<Vec<_>, _>>()?;
+        Ok(Some(Inspection { record, now, request: request.map(Bytes::from), probe_attempts, next_probe_at, probe_last_answer, audit }))
+    }
+
     async fn derived_key_secret(&self) -> Result<Option<Vec<u8>>, StoreError> {
         let rows = self.query(sql::SETTING, &[&DERIVED_KEY_SECRET], false).await;
         match rows {
@@ -871,9 +887,10 @@ impl RecordStore for PgStore {
             .collect()
     }
 
-    async fn probe_failed(&self, scope: &Scope, fence: ProbeFence, retry_in: Duration) -> Result<bool, StoreError> {
+    async fn probe_failed(&self, scope: &Scope, fence: ProbeFence, retry_in: Duration, answer: &str) -> Result<bool, StoreError> {
         let (t, p, o, k) = (&*scope.tenant, &*scope.principal, &*scope.operation, scope.key.as_str());
-        let rows = self.query(&sql::PROBE_FAILED, &[&t, &p, &o, &k, &fence.generation.0, &fence.token, &micros(retry_in)], true).await?;
+        let retry_in = micros(retry_in);
+        let rows = self.query(&sql::PROBE_FAILED, &[&t, &p, &o, &k, &fence.generation.0, &fence.token, &retry_in, &answer], true).await?;
         Ok(!rows.is_empty())
     }
 }

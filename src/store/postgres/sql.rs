@@ -439,6 +439,20 @@ pub(super) static EVENT_INSERT_ONE: LazyLock<String> =
 pub(super) const AUDIT_LIST: &str = "SELECT id, at, actor, tenant, principal, operation, idempotency_key, from_state, to_state, reason, \
      forced, generation, peer, token_label FROM idemgate_audit ORDER BY id DESC LIMIT $1";
 
+/// The operator console's record page: the record, the store's clock, the
+/// stored request and the probes of this generation.
+pub(super) static INSPECT: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT {COLUMNS}, now(), request, CASE WHEN probe_generation = generation THEN probe_attempts ELSE 0 END, next_probe_at, \
+         CASE WHEN probe_generation = generation THEN probe_last_answer END FROM idemgate_records WHERE {PK}"
+    )
+});
+
+/// The audit rows of one scope, newest first (the console's record page).
+pub(super) const AUDIT_OF_SCOPE: &str = "SELECT id, at, actor, tenant, principal, operation, idempotency_key, from_state, to_state, \
+     reason, forced, generation, peer, token_label FROM idemgate_audit \
+     WHERE tenant = $1 AND principal = $2 AND operation = $3 AND idempotency_key = $4 ORDER BY id DESC LIMIT $5";
+
 pub(super) const SETTING: &str = "SELECT value FROM idemgate_settings WHERE name = $1";
 
 /// The readiness write probe: `txid_current()` takes a transaction id, so
@@ -702,7 +716,7 @@ RETURNING {}, now(), r.request, r.probe_attempts",
 pub(super) static PROBE_FAILED: LazyLock<String> = LazyLock::new(|| {
     format!(
         "UPDATE idemgate_records SET probe_attempts = probe_attempts + 1, \
-         next_probe_at = now() + $7::int8 * interval '1 microsecond', probe_token = NULL, probe_until = NULL \
+         next_probe_at = now() + $7::int8 * interval '1 microsecond', probe_token = NULL, probe_until = NULL, probe_last_answer = $8 \
          WHERE {PK} AND CASE state WHEN 'unknown' THEN true ELSE false END AND generation = $5 AND probe_token = $6 RETURNING 1"
     )
 });
@@ -747,6 +761,8 @@ pub fn catalog() -> Vec<Statement> {
         s("audit_insert", AUDIT_INSERT, &[]),
         s("event_insert", &EVENT_INSERT_ONE, &[]),
         s("audit_list", AUDIT_LIST, &[]),
+        s("inspect", &INSPECT, PKEY),
+        s("audit_of_scope", AUDIT_OF_SCOPE, &["idemgate_audit_scope"]),
         s("setting", SETTING, &[]),
         s("probe_write", PROBE_WRITE, &[]),
         s("sweep", SWEEP, &["idemgate_records_sweep", "idemgate_records_pkey"]),

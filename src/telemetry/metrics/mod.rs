@@ -602,6 +602,18 @@ impl Metrics {
         self.reloads.get_or_create(&ResultLabels { result }).inc();
     }
 
+    /// Refused configuration reloads, and result writes fenced off (every
+    /// op, sync and async), since this process started: the operator
+    /// console's overview shows them.
+    pub fn refusals(&self) -> (u64, u64) {
+        let refused = self.reloads.get(&ResultLabels { result: "refused" }).map_or(0, |c| c.get());
+        let mut ops: Vec<&'static str> = FENCED_OPS.iter().chain(ASYNC_FENCED_OPS.iter()).copied().collect();
+        ops.sort_unstable();
+        ops.dedup();
+        let fenced = ops.into_iter().map(|op| self.fenced.get(&OpLabels { op }).map_or(0, |c| c.get())).sum();
+        (refused, fenced)
+    }
+
     /// Creates the labelled series of the configured operations at zero, so
     /// they exist (and alerts can evaluate) before their first event.
     pub fn declare_operations<'a>(&self, operations: impl IntoIterator<Item = (&'a str, bool)>) {
