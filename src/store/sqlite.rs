@@ -49,8 +49,10 @@ const PK: &str = "tenant = ?1 AND principal = ?2 AND operation = ?3 AND idempote
 
 #[derive(Debug)]
 pub struct SqliteStore {
-    /// The writer thread's queue: it owns the connection.
-    jobs: mpsc::Sender<Job>,
+    /// The writer thread's queue: it owns the connection. Bounded
+    /// ([`QUEUE_CAPACITY`]): a write that finds it full is refused at once
+    /// (`Unavailable`: nothing was written) rather than queued without limit.
+    jobs: mpsc::SyncSender<Job>,
     path: PathBuf,
     /// Held for the process's life by `serve`/`demo`: one replica per file.
     _lock: Option<File>,
@@ -76,6 +78,11 @@ enum Job {
 
 /// Most jobs one transaction carries.
 const MAX_BATCH: usize = 256;
+/// Writes waiting for the writer thread, at most. Each in-flight request
+/// waits for one or two; a burst beyond this is answered 503
+/// `store-unavailable` (nothing claimed) instead of growing memory and
+/// latency without bound.
+const QUEUE_CAPACITY: usize = 4096;
 
 fn now() -> Timestamp {
     let d = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO);
@@ -99,6 +106,10 @@ impl SqliteStore {
     }
 
     fn open_blocking(path: &Path, access: Access) -> Result<SqliteStore, StoreError> {
+        SqliteStore::open_with_queue(path, access, QUEUE_CAPACITY)
+    }
+
+    fn open_with_queue(path: &Path, access: Access, capacity: usize) -> Result<SqliteStore, StoreError> {
         if access == Access::Existing {
             check_existing(path)?;
         }
@@ -140,7 +151,7 @@ impl SqliteStore {
         // survives a process kill and a power loss.
         conn.pragma_update(None, "synchronous", "FULL").map_err(err)?;
         conn.pragma_update(None, "foreign_keys", "ON").map_err(err)?;
-        let (jobs, queue) = mpsc::channel();
+        let (jobs, queue) = mpsc::sync_channel(capacity);
         std::thread::Builder::new()
             .name("idemgate-sqlite".into())
             .spawn(move || writer(conn, queue))
@@ -150,6 +161,17 @@ impl SqliteStore {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Hands `job` to the writer thread, or refuses it when the queue is full
+    /// (nothing ran, so the caller's write certainly did not happen).
+    fn enqueue(&self, job: Job) -> Result<(), StoreError> {
+        self.jobs.try_send(job).map_err(|e| match e {
+            mpsc::TrySendError::Full(_) => StoreError::Unavailable(format!(
+                "the embedded store's write queue is full ({QUEUE_CAPACITY} writes waiting for the disk); retry shortly"
+            )),
+            mpsc::TrySendError::Disconnected(_) => StoreError::Unavailable("the sqlite writer thread is gone".into()),
+        })
     }
 
     /// Runs `f` alone on the writer thread (for migrations).
@@ -162,7 +184,7 @@ impl SqliteStore {
         let job = Job::Alone(Box::new(move |conn| {
             let _ = reply.send(f(conn));
         }));
-        self.jobs.send(job).map_err(|_| StoreError::Unavailable("the sqlite writer thread is gone".into()))?;
+        self.enqueue(job)?;
         rx.await.unwrap_or_else(|_| Err(StoreError::Ambiguous("the sqlite writer thread ended without an answer".into())))
     }
 
@@ -184,7 +206,7 @@ impl SqliteStore {
             });
             (ok, completion)
         }));
-        self.jobs.send(job).map_err(|_| StoreError::Unavailable("the sqlite writer thread is gone".into()))?;
+        self.enqueue(job)?;
         rx.await.unwrap_or_else(|_| Err(StoreError::Ambiguous("the sqlite writer thread ended without an answer".into())))
     }
 
@@ -775,10 +797,7 @@ impl RecordStore for SqliteStore {
         self.write(move |tx, now| {
             let Some(mut record) = get_tx(tx, &scope)? else { return Ok(false) };
             record.maybe_executed |= retry_note.maybe_executed;
-            let state = match transition(&record, Event::Fail { attempt }, now) {
-                Ok(Next::State { state, .. }) => state,
-                _ => return Ok(false),
-            };
+            let Ok(Next::State { state, .. }) = transition(&record, Event::Fail { attempt }, now) else { return Ok(false) };
             // Final (failed_retryable): the stored request is dropped; an
             // unknown one keeps it (a release runs it again).
             let assignments = format!(
@@ -1487,4 +1506,46 @@ fn decode(row: &rusqlite::Row<'_>) -> Result<Record, StoreError> {
         maybe_executed: row.get(21).map_err(c)?,
         key_source: row.get(22).map_err(c)?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A write that finds the writer's queue full is refused at once as
+    /// `Unavailable` (nothing ran), and the writes already queued still run.
+    #[tokio::test]
+    async fn a_full_write_queue_refuses_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(SqliteStore::open_with_queue(&dir.path().join("q.db"), Access::Migrate, 1).unwrap());
+        // Hold the writer thread inside a job until `release` is sent.
+        let (started_tx, started) = std::sync::mpsc::channel();
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let holder = {
+            let store = store.clone();
+            tokio::spawn(async move {
+                store
+                    .with(move |_| {
+                        let _ = started_tx.send(());
+                        let _ = held.recv();
+                        Ok(())
+                    })
+                    .await
+            })
+        };
+        tokio::task::spawn_blocking(move || started.recv()).await.unwrap().unwrap();
+        // One job fills the queue (capacity 1); the next write is refused.
+        let (ran_tx, ran) = std::sync::mpsc::channel();
+        store
+            .enqueue(Job::Alone(Box::new(move |_| {
+                let _ = ran_tx.send(());
+            })))
+            .unwrap();
+        let full = store.write(|_, _| Ok(8)).await.unwrap_err();
+        assert!(matches!(&full, StoreError::Unavailable(m) if m.contains("write queue is full")), "{full:?}");
+        release.send(()).unwrap();
+        holder.await.unwrap().unwrap();
+        tokio::task::spawn_blocking(move || ran.recv()).await.unwrap().expect("the queued job still runs");
+        assert_eq!(store.write(|_, _| Ok(9)).await.unwrap(), 9, "writes go on once the queue drains");
+    }
 }
