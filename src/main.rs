@@ -297,7 +297,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             config.notes().iter().for_each(|n| say(&format!("{file}: note: {n}\n")));
             if connect {
                 let checks = idemgate::config::check_connections(&config).await;
-                checks.iter().for_each(|c| say(&format!("{c}\n")));
+                for c in &checks {
+                    say(&format!("{c}\n"));
+                }
                 if !checks.iter().all(|c| c.is_ok()) {
                     return Ok(ExitCode::from(1));
                 }

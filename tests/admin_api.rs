@@ -3,6 +3,8 @@
 //! percent-encoded scope, resolutions and their conflicts, and the audit
 //! trail the CLI writes too. Every case checks the store and, where a client
 //! retries, the upstream's ledger.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 #[macro_use]
 mod support;

@@ -4,6 +4,8 @@
 //! call, failed logins included, gets an access-log line; `keys resolve`
 //! requires a reason, as the API does; and `serve --pid-file` writes its pid
 //! file without following a symlink or taking over another user's file.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 #[macro_use]
 mod support;

@@ -5,6 +5,8 @@
 //! counted), PostgreSQL restarted with operations queued, and every replica
 //! killed with operations queued (all finish after the restart). Each test
 //! checks the final records and the upstream's side-effect ledger.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 mod support;
 

@@ -4,6 +4,8 @@
 //! operation ids, retries with backoff ending `failed_retryable`, timeouts
 //! ending `unknown` (or re-run on a deduplicating upstream). Every case checks
 //! the upstream's side-effect ledger and the final record.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 #[macro_use]
 mod support;

@@ -4,6 +4,8 @@
 //! stored answer while another principal's replay still works; an authorizer
 //! that is down or slow fails closed with nothing claimed; positive decisions
 //! may be cached for a configured delay.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 #[macro_use]
 mod support;

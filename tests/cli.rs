@@ -1,6 +1,8 @@
 //! `idemgate check-config`, run as a user runs it: the real binary, its output and
 //! its exit code. With `--connect` it also reaches the store (a private PostgreSQL,
 //! or an SQLite file) and every upstream.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 mod support;
 

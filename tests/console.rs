@@ -14,6 +14,8 @@
 //! `scripts/test` installs them). With `IDEMGATE_CONSOLE_SCREENSHOTS=<dir>`
 //! the resolve test also writes `overview.png` and `record.png` there
 //! (`scripts/console-screenshots` regenerates `docs/console/`).
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 #[macro_use]
 mod support;

@@ -6,6 +6,8 @@
 //!
 //! Needs `bash` and `curl` on the PATH; without them the test says so and
 //! passes without running.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};

@@ -5,6 +5,8 @@
 //! the Grafana dashboard parse and hang together; the Dockerfile keeps the
 //! properties the docs promise. (`tests/operating.rs` checks that every
 //! metric the rules and the dashboard query exists.)
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -6,6 +6,8 @@
 //! rewrites the request line) and over HTTP/2, on one TLS listener with a
 //! `default_upstream` (so that anything not refused or routed would be
 //! passed through).
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 #[macro_use]
 mod support;

@@ -7,6 +7,8 @@
 //! pass-through with or without a key. A credential header given twice is
 //! ambiguous and refused with 401 before anything else, nothing forwarded
 //! and nothing claimed.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 mod support;
 
@@ -184,7 +186,8 @@ async fn the_identifying_source_keeps_its_own_headers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_credential_header_given_twice_is_refused() {
     let (up, gw, store, authz) = setup().await;
-    let cases: [(&str, &str, Vec<(&str, &str)>); 5] = [
+    type Case<'a> = (&'a str, &'a str, Vec<(&'a str, &'a str)>);
+    let cases: [Case; 5] = [
         (
             "POST",
             "/v1/orders",

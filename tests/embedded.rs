@@ -1,6 +1,8 @@
 //! The embedded store as a one-replica deployment: durable claims across a
 //! SIGKILL, one gateway per file, and the default location when `[store]` is
 //! absent. (Every HTTP scenario also runs on SQLite in tests/proxy.rs.)
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 mod support;
 

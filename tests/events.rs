@@ -4,6 +4,8 @@
 //! a receiver that is down gets everything later; a relay killed between a
 //! delivery and its marking re-delivers the same id; two relays never
 //! deliver one event at the same time; parked events can be redelivered.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 #[macro_use]
 mod support;

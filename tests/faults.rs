@@ -2,6 +2,8 @@
 //! restarted, two replicas racing, the sweeper during a request, abusive
 //! clients. Each test checks the record's final state, what the client got,
 //! and the upstream's side-effect ledger. docs/faults.md is the matrix.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 mod support;
 

@@ -1,6 +1,8 @@
 //! Repeated query and form fields on the real binary: the order of one name's
 //! values is part of the request (frameworks read them as ordered lists), the
 //! order of different names is not.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 mod support;
 

@@ -27,6 +27,8 @@
 //!
 //! Skipped, with a message, only when the PostgreSQL server binaries are
 //! missing (`scripts/test` installs them).
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 mod support;
 

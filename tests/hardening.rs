@@ -4,6 +4,8 @@
 //! exit 1); `serve` logs the same warnings when it starts; and the container
 //! image's baked configuration refuses to start until the operator provides
 //! an API key of their own.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 mod support;
 

@@ -4,6 +4,8 @@
 //! endpoint down (the last good set stays); and through the real binary: a
 //! token's claims are the scope, an invalid one is 401 with nothing claimed
 //! and the token never echoed.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 mod support;
 

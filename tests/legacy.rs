@@ -2,6 +2,8 @@
 //! stores: keys taken from business identifiers (`key_from`), records kept
 //! forever, and observe mode. The real binary, a real upstream that counts
 //! side effects, and the store's final records.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 #[macro_use]
 mod support;

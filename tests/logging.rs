@@ -3,6 +3,8 @@
 //! mid-run (after the `listening` line) or before the first line. Either way
 //! a request is forwarded once and recorded, its retry is a replay, and
 //! SIGTERM drains and exits 0.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 mod support;
 

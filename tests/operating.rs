@@ -2,6 +2,8 @@
 //! access log, request ids and trace context, metrics present from the start,
 //! the drain that load balancers see, `idemgate healthcheck`, and finding a
 //! log line's record by its scope id.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 #[macro_use]
 mod support;

@@ -3,6 +3,8 @@
 //! to enable it, `--state` errors that name every state, and warnings that an
 //! outage repeats per request or per retry, logged a few times instead of
 //! flooding the log.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 mod support;
 

@@ -1,4 +1,6 @@
 //! Tests of the private-PostgreSQL harness in `tests/support/postgres.rs`.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 mod support;
 

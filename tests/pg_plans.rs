@@ -17,6 +17,8 @@
 //! connection does), and on a fresh connection. Any sequential scan of
 //! `idemgate_records` or `idemgate_events`, or any index of theirs the
 //! catalog does not name for the statement, fails the test.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 mod support;
 

@@ -6,6 +6,8 @@
 //! document grants; `check-config --connect` names missing migrations and
 //! missing privileges instead of saying "ok"; errors before `migrate` say to
 //! run it; and a start logs no PostgreSQL NOTICE.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 mod support;
 

@@ -1,6 +1,8 @@
 //! The HTTP contract (CONTRACT.md section 3), end to end: the real gateway
 //! binary, a real upstream that counts side effects, and each store. Every
 //! scenario runs against PostgreSQL and against the embedded SQLite store.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 #[macro_use]
 mod support;

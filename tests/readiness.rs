@@ -2,6 +2,8 @@
 //! cannot take a write (a full filesystem under the embedded store, a
 //! database role that lost its privileges) makes `/readyz`, and with it
 //! `idemgate healthcheck`, answer 503 until writes work again.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 mod support;
 

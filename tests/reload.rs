@@ -5,6 +5,8 @@
 //! once; routes and upstreams reload with identity; an invalid file is
 //! refused and the configuration in force keeps serving; `idemgate reload`
 //! validates before it signals; `serve --pid-file` writes and removes its pid.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 #[macro_use]
 mod support;

@@ -5,6 +5,8 @@
 //! during the resolution; cached replays still ask the authorizer and still
 //! read `refetch` routes again. Each case also shows the cache was in use:
 //! a cached replay makes no claim statement (the replica's store metrics).
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 mod support;
 

@@ -9,6 +9,8 @@
 //! `tests/pg_roles.rs`; blocks that start with `docker` need a container
 //! engine and are exercised by `tests/deploy.rs` instead. Any other shell
 //! block fails this test: a runbook command that is not run can rot.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 mod support;
 

@@ -1,6 +1,8 @@
 //! Signals on the real binary: SIGHUP never stops `serve` (it reloads the
 //! configuration, see tests/reload.rs) or `demo` (logged as ignored); SIGTERM
 //! still drains and exits 0.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 mod support;
 

@@ -60,6 +60,8 @@
 //! on the async routes; default 25), IDEMGATE_SOAK_SWEEP (replica 1's
 //! `store.sweep_interval`), IDEMGATE_SOAK_RELOAD=0 (no reload, no
 //! `/v1/reports`).
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 mod support;
 
@@ -172,12 +174,12 @@ async fn soak() {
     // Each replica reaches PostgreSQL through its own fault proxy.
     let mut proxies = Vec::new();
     let mut replicas = Vec::new();
-    for i in 0..2 {
+    for (i, sweep) in sweeps.iter().enumerate().take(2) {
         let proxy = FaultProxy::start(pg_addr).await;
         let proxied = url.replace(&format!(":{}/", pg.port()), &format!(":{}/", proxy.port()));
         let cfg = GatewayConfig::new(Backend::Postgres { url: proxied }, up.url())
             .timeout("1s")
-            .sweep_interval(sweeps[i])
+            .sweep_interval(sweep)
             .server(&format!("replica_id = \"soak-{i}\""))
             .route(&format!("lease = \"{LEASE_MS}ms\"\nretention = \"1h\"\n{probe}\n{}", events("orders")))
             .tail(&async_routes.tail(false));

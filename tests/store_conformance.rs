@@ -6,6 +6,8 @@
 //!
 //! Leases and retention are 150 ms with sleeps just past them; "live" ones
 //! are a minute, so no case depends on how fast this machine is.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 #[macro_use]
 mod support;
@@ -2137,7 +2139,7 @@ async fn probes_wait_until_the_attempt_cannot_be_at_the_upstream(backend: Backen
     assert_eq!(store.mark_sent(&t.claim).await.unwrap(), WriteOutcome::Written);
     tokio::time::sleep(PAST_SHORT).await;
     assert_eq!(store.reap_leases(10, &[]).await.unwrap(), Reaped { unknown: 2, requeued: 0 });
-    assert!(store.take_probes(&[route.clone()], SHORT, 10).await.unwrap().is_empty(), "both may still be at the upstream");
+    assert!(store.take_probes(std::slice::from_ref(&route), SHORT, 10).await.unwrap().is_empty(), "both may still be at the upstream");
     tokio::time::sleep(at_upstream.saturating_sub(sent.elapsed()) + Duration::from_millis(100)).await;
     let taken = store.take_probes(&[route], SHORT, 10).await.unwrap();
     assert_eq!(key_set(&taken.iter().map(|p| p.record.clone()).collect::<Vec<_>>()), set(&["sync", "async"]));

@@ -3,6 +3,8 @@
 //! duration, open connections beside their limit, upstream errors by kind;
 //! request ids that are the same at the client, in the access log and at
 //! the upstream; the access log's fields, and the runbook's `grep` over it.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 mod support;
 

@@ -2,6 +2,8 @@
 //! listener, the handshake deadline, certificate reload on SIGHUP, HTTPS on
 //! the admin listener, and configuration errors naming file and TOML path.
 //! Certificates come from a private CA generated per test (rcgen).
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 #[macro_use]
 mod support;

@@ -8,6 +8,8 @@
 //!   "never sent": 503 and released, never `unknown`.
 //!
 //! Every case checks the record, the audit trail and the upstream's ledger.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 #[macro_use]
 mod support;

@@ -14,6 +14,8 @@
 //! environment variables.
 //!
 //! Under `cargo test --all-targets` (no `--bench` argument) it does nothing.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
 
 #[path = "../../tests/support/postgres.rs"]
 mod pg_harness;

@@ -326,7 +326,7 @@ impl Drop for Service {
 pub fn process_alive(pid: u32) -> bool {
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
     let state = stat.rfind(')').and_then(|i| stat[i + 1..].split_whitespace().next());
-    !matches!(state, None | Some("Z") | Some("X"))
+    !matches!(state, None | Some("Z" | "X"))
 }
 
 pub fn read_lossy(path: &Path) -> String {

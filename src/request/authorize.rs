@@ -8,7 +8,8 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use http::{HeaderMap, HeaderName, Method, Request, Uri};
 use hyper_rustls::HttpsConnector;

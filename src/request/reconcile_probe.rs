@@ -134,9 +134,8 @@ impl ProbeTarget {
                 pieces.push(Piece::Literal(rest[..open].to_owned()));
             }
             let after = &rest[open..];
-            let close = match after.strip_prefix('{').and_then(|a| a.find('}')) {
-                Some(close) => close,
-                None => return Err(format!("unbalanced braces in {target:?}")),
+            let Some(close) = after.strip_prefix('{').and_then(|a| a.find('}')) else {
+                return Err(format!("unbalanced braces in {target:?}"));
             };
             let name = &after[1..=close];
             pieces.push(match name {
@@ -159,7 +158,8 @@ impl ProbeTarget {
         }
         let t = ProbeTarget { source: target.to_owned(), pieces };
         let names = |p: &Piece| t.pieces.contains(p);
-        if !names(&Piece::DerivedKey) && !(names(&Piece::Key) && names(&Piece::Tenant) && names(&Piece::Principal)) {
+        let one_scope = names(&Piece::DerivedKey) || (names(&Piece::Key) && names(&Piece::Tenant) && names(&Piece::Principal));
+        if !one_scope {
             return Err(format!(
                 "the target {target:?} does not name one scope's operation: use {{derived_key}}, or {{key}} together with \
                  {{tenant}} and {{principal}} (a lookup by the client's key alone could find another tenant's operation \

@@ -115,7 +115,7 @@ impl Server {
         let admin_tls = tls("admin", &config.admin.as_ref().and_then(|a| a.tls.clone()), vec![b"http/1.1"])?;
         let proxy = bind_workers(config.server.listen, config.server.workers, config.server.reuse_port)?;
         let admin = match &config.admin {
-            Some(a) => Some(bind("admin.listen", a.listen).await?),
+            Some(a) => Some(bind("admin.listen", a.listen)?),
             None => None,
         };
         let tracker = TaskTracker::new();
@@ -442,7 +442,7 @@ fn bind_hint(setting: &str, error: &std::io::Error, reuse_port: bool) -> String 
 const ADMIN_MAX_CONNECTIONS: usize = 256;
 
 /// The admin listener, bound exclusively.
-async fn bind(setting: &'static str, addr: SocketAddr) -> Result<TcpListener, ServeError> {
+fn bind(setting: &'static str, addr: SocketAddr) -> Result<TcpListener, ServeError> {
     listen(addr, false).map_err(|error| ServeError::Bind { setting, addr, error, reuse_port: false })
 }
 

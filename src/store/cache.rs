@@ -35,7 +35,8 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::Scope;

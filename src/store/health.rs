@@ -15,7 +15,8 @@
 //! the failing path and nothing on the succeeding one.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 /// A successful probe stands for this long while no write fails.
 pub const PROBE_EVERY: Duration = Duration::from_secs(10);

@@ -25,7 +25,8 @@ mod startup;
 use std::future::Future;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use tokio_util::task::TaskTracker;
 use uuid::Uuid;

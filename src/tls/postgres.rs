@@ -95,7 +95,7 @@ pub fn parse_with(url: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<PgC
             // address is the name (nothing checks it in this mode).
             if config.get_hosts().is_empty() {
                 for addr in config.get_hostaddrs().to_vec() {
-                    config.host(&addr.to_string());
+                    config.host(addr.to_string());
                 }
             }
             Some(client_config(mode, None).map_err(PgTlsError::Roots)?)

@@ -251,7 +251,7 @@ impl Upstream {
 
     /// Sends the request and waits for the response head, bounded by `deadline`.
     pub async fn send(&self, req: Request<Body>, deadline: tokio::time::Instant) -> Result<Response<ResponseBody>, UpstreamError> {
-        let started = std::time::Instant::now();
+        let started = tokio::time::Instant::now();
         let sending = async {
             match &self.http1 {
                 Some(pool) if req.method() != Method::CONNECT => pool.send(req, &self.config.name).await,
@@ -548,7 +548,7 @@ mod tests {
         let (listener, _fillers) = full_accept_queue();
         let u = upstream(&format!("http://{}", listener.local_addr().unwrap()));
         let req = Request::post(u.uri_for(None).unwrap()).body(Body::full("x")).unwrap();
-        let started = std::time::Instant::now();
+        let started = tokio::time::Instant::now();
         let err = u.send(req, tokio::time::Instant::now() + Duration::from_secs(1)).await.unwrap_err();
         assert!(matches!(err, UpstreamError::Connect { .. }), "{err}");
         assert_eq!(err.executed(), Executed::No, "{err}");

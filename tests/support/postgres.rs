@@ -332,7 +332,7 @@ impl PgServer {
         }
         match self.spawn_and_wait() {
             Ok(()) => Ok(()),
-            Err(SpawnError::PortTaken(e)) | Err(SpawnError::Other(e)) => Err(e),
+            Err(SpawnError::PortTaken(e) | SpawnError::Other(e)) => Err(e),
         }
     }
 
@@ -392,7 +392,7 @@ impl PgServer {
                 server.port = port;
                 match server.spawn_and_wait() {
                     Ok(()) => server.startup = began.elapsed(),
-                    Err(SpawnError::PortTaken(e)) | Err(SpawnError::Other(e)) => return Err(e),
+                    Err(SpawnError::PortTaken(e) | SpawnError::Other(e)) => return Err(e),
                 }
             }
             None => server.start_on_free_port(began)?,

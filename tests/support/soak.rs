@@ -98,12 +98,9 @@ pub fn spawn_clients(clients: u64, urls: &[String], deadline: Instant, seen: &Se
                     )
                     .await;
                     let retry_pause = Duration::from_millis(20 + rng.below(200));
-                    let r = match r {
-                        Ok(r) => r,
-                        Err(_) => {
-                            tokio::time::sleep(retry_pause).await;
-                            continue;
-                        }
+                    let Ok(r) = r else {
+                        tokio::time::sleep(retry_pause).await;
+                        continue;
                     };
                     match r.status {
                         200..=299 => {

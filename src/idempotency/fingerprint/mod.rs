@@ -408,7 +408,7 @@ fn put_header(out: &mut impl Sink, headers: &HeaderMap, name: &HeaderName) {
     let values = headers.get_all(name);
     let mut count = 0usize;
     let mut total = 0usize;
-    for value in values.iter() {
+    for value in &values {
         count += 1;
         total += value.len();
     }

@@ -13,7 +13,8 @@
 
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use http::{HeaderMap, HeaderName, Uri};
 use http_body_util::BodyExt;

@@ -16,7 +16,8 @@ use std::net::SocketAddr;
 use std::pin::pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
@@ -325,7 +326,7 @@ impl Conn {
                     break conn.await;
                 }
                 _ = wake.as_mut() => {
-                    if !activity.deadline(timeout).is_some_and(|d| d <= tokio::time::Instant::now()) {
+                    if activity.deadline(timeout).is_none_or(|d| d > tokio::time::Instant::now()) {
                         continue;
                     }
                     if !activity.any_request() {

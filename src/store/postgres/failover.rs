@@ -21,13 +21,17 @@
 //!   are closed at once, and connections in use then are discarded when they
 //!   would next be handed out (a `pre_recycle` hook), so the pool reconnects to
 //!   whichever host is the primary now, without a restart.
+// deadpool stamps its connections with std's clock; the flush mark must be
+// comparable with them, so this module keeps std's `Instant`.
+#![allow(clippy::disallowed_types)]
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::Poll;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use std::time::Instant;
 
 use deadpool_postgres::{Connect, Hook, HookError, Pool};
 use tokio::task::JoinHandle;
