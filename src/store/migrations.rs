@@ -13,69 +13,35 @@ pub struct Migration {
     pub sql: &'static str,
 }
 
-pub const POSTGRES: &[Migration] = &[
-    Migration { version: 1, name: "0001_records", sql: include_str!("../../migrations/postgres/0001_records.sql") },
-    Migration {
-        version: 2,
-        name: "0002_generations_settings_audit",
-        sql: include_str!("../../migrations/postgres/0002_generations_settings_audit.sql"),
-    },
-    Migration { version: 3, name: "0003_async_operations", sql: include_str!("../../migrations/postgres/0003_async_operations.sql") },
-    Migration {
-        version: 4,
-        name: "0004_reconciliation_probes",
-        sql: include_str!("../../migrations/postgres/0004_reconciliation_probes.sql"),
-    },
-    Migration { version: 5, name: "0005_scope_id", sql: include_str!("../../migrations/postgres/0005_scope_id.sql") },
-    Migration { version: 6, name: "0006_key_source_forever", sql: include_str!("../../migrations/postgres/0006_key_source_forever.sql") },
-    Migration { version: 7, name: "0007_outbox", sql: include_str!("../../migrations/postgres/0007_outbox.sql") },
-    Migration { version: 8, name: "0008_plans_replay_cache", sql: include_str!("../../migrations/postgres/0008_plans_replay_cache.sql") },
-    Migration { version: 9, name: "0009_scope_collation_c", sql: include_str!("../../migrations/postgres/0009_scope_collation_c.sql") },
-    Migration {
-        version: 10,
-        name: "0010_key_first_primary_key",
-        sql: include_str!("../../migrations/postgres/0010_key_first_primary_key.sql"),
-    },
-    Migration {
-        version: 11,
-        name: "0011_scope_id_leads_primary_key",
-        sql: include_str!("../../migrations/postgres/0011_scope_id_leads_primary_key.sql"),
-    },
-    Migration { version: 12, name: "0012_audit_caller", sql: include_str!("../../migrations/postgres/0012_audit_caller.sql") },
-    Migration { version: 13, name: "0013_console_reads", sql: include_str!("../../migrations/postgres/0013_console_reads.sql") },
-];
+/// Lists every migration once, by version and name; each store's SQL is
+/// `migrations/<store>/<name>.sql` (both stores have every version: a version
+/// that changes nothing on one store says so in its file).
+macro_rules! migrations {
+    ($($version:literal $name:literal,)*) => {
+        /// PostgreSQL's migrations, in order.
+        pub const POSTGRES: &[Migration] =
+            &[$(Migration { version: $version, name: $name, sql: include_str!(concat!("../../migrations/postgres/", $name, ".sql")) },)*];
+        /// SQLite's migrations, in order.
+        pub const SQLITE: &[Migration] =
+            &[$(Migration { version: $version, name: $name, sql: include_str!(concat!("../../migrations/sqlite/", $name, ".sql")) },)*];
+    };
+}
 
-pub const SQLITE: &[Migration] = &[
-    Migration { version: 1, name: "0001_records", sql: include_str!("../../migrations/sqlite/0001_records.sql") },
-    Migration {
-        version: 2,
-        name: "0002_generations_settings_audit",
-        sql: include_str!("../../migrations/sqlite/0002_generations_settings_audit.sql"),
-    },
-    Migration { version: 3, name: "0003_async_operations", sql: include_str!("../../migrations/sqlite/0003_async_operations.sql") },
-    Migration {
-        version: 4,
-        name: "0004_reconciliation_probes",
-        sql: include_str!("../../migrations/sqlite/0004_reconciliation_probes.sql"),
-    },
-    Migration { version: 5, name: "0005_scope_id", sql: include_str!("../../migrations/sqlite/0005_scope_id.sql") },
-    Migration { version: 6, name: "0006_key_source_forever", sql: include_str!("../../migrations/sqlite/0006_key_source_forever.sql") },
-    Migration { version: 7, name: "0007_outbox", sql: include_str!("../../migrations/sqlite/0007_outbox.sql") },
-    Migration { version: 8, name: "0008_plans_replay_cache", sql: include_str!("../../migrations/sqlite/0008_plans_replay_cache.sql") },
-    Migration { version: 9, name: "0009_scope_collation_c", sql: include_str!("../../migrations/sqlite/0009_scope_collation_c.sql") },
-    Migration {
-        version: 10,
-        name: "0010_key_first_primary_key",
-        sql: include_str!("../../migrations/sqlite/0010_key_first_primary_key.sql"),
-    },
-    Migration {
-        version: 11,
-        name: "0011_scope_id_leads_primary_key",
-        sql: include_str!("../../migrations/sqlite/0011_scope_id_leads_primary_key.sql"),
-    },
-    Migration { version: 12, name: "0012_audit_caller", sql: include_str!("../../migrations/sqlite/0012_audit_caller.sql") },
-    Migration { version: 13, name: "0013_console_reads", sql: include_str!("../../migrations/sqlite/0013_console_reads.sql") },
-];
+migrations! {
+    1 "0001_records",
+    2 "0002_generations_settings_audit",
+    3 "0003_async_operations",
+    4 "0004_reconciliation_probes",
+    5 "0005_scope_id",
+    6 "0006_key_source_forever",
+    7 "0007_outbox",
+    8 "0008_plans_replay_cache",
+    9 "0009_scope_collation_c",
+    10 "0010_key_first_primary_key",
+    11 "0011_scope_id_leads_primary_key",
+    12 "0012_audit_caller",
+    13 "0013_console_reads",
+}
 
 /// The `idemgate_settings` row holding the derived-key secret.
 pub const DERIVED_KEY_SECRET: &str = "derived_key_secret";
@@ -104,14 +70,26 @@ mod tests {
     }
 
     #[test]
-    fn lists_are_sorted_unique_and_alike() {
+    fn the_list_is_sorted_and_named_by_version() {
         for list in [POSTGRES, SQLITE] {
             assert!(list.windows(2).all(|w| w[0].version < w[1].version), "versions must increase");
             for m in list {
                 assert!(m.name.starts_with(&format!("{:04}_", m.version)), "{} is not version {}", m.name, m.version);
             }
         }
-        let names = |l: &[Migration]| l.iter().map(|m| m.name).collect::<Vec<_>>();
-        assert_eq!(names(POSTGRES), names(SQLITE), "both stores have the same migrations");
+    }
+
+    #[test]
+    fn every_migration_file_is_listed() {
+        for (store, list) in [("postgres", POSTGRES), ("sqlite", SQLITE)] {
+            let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations").join(store);
+            let mut files: Vec<String> = std::fs::read_dir(&dir)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().trim_end_matches(".sql").to_owned())
+                .collect();
+            files.sort();
+            let listed: Vec<String> = list.iter().map(|m| m.name.to_owned()).collect();
+            assert_eq!(files, listed, "migrations/{store}/ and the list differ");
+        }
     }
 }
