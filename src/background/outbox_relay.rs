@@ -12,10 +12,6 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures_util::future::join_all;
 use http::{HeaderValue, Method, Request, Uri};
-use hyper_rustls::HttpsConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -24,6 +20,7 @@ use crate::request::route::Route;
 use crate::store::Store;
 use crate::telemetry::metrics::Metrics;
 use crate::upstream::body::Body;
+use crate::upstream::side_client::{self, SideClient};
 
 /// Events taken per round.
 const BATCH: u32 = 128;
@@ -40,7 +37,7 @@ pub struct Relay {
     metrics: Arc<Metrics>,
     /// Routes that emit events, by operation.
     routes: HashMap<Arc<str>, Arc<EventsConfig>>,
-    client: Client<HttpsConnector<HttpConnector>, Body>,
+    client: SideClient,
     /// Destinations that failed lately: not tried before the instant.
     backoff: HashMap<Uri, (tokio::time::Instant, u32)>,
 }
@@ -53,13 +50,7 @@ impl Relay {
         if routes.is_empty() {
             return None;
         }
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(Duration::from_secs(5)));
-        connector.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_timer(TokioTimer::new())
-            .timer(TokioTimer::new())
-            .build(crate::tls::client::connector(connector, crate::tls::client::system_default()));
+        let client = side_client::build(Duration::from_secs(5));
         Some(Relay { store, metrics, routes, client, backoff: HashMap::new() })
     }
 

@@ -12,14 +12,11 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use http::{HeaderMap, HeaderName, Method, Request, Uri};
-use hyper_rustls::HttpsConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 use serde_json::json;
 
 use crate::request::identity::Identity;
 use crate::upstream::body::Body;
+use crate::upstream::side_client::{self, SideClient};
 
 /// Most cached positive decisions per route.
 const CACHE_CAP: usize = 10_000;
@@ -51,19 +48,13 @@ pub enum Decision {
 #[derive(Debug, Clone)]
 pub struct Authorizer {
     pub config: AuthorizeConfig,
-    client: Client<HttpsConnector<HttpConnector>, Body>,
+    client: SideClient,
     cache: Arc<Mutex<HashMap<String, Instant>>>,
 }
 
 impl Authorizer {
     pub fn new(config: AuthorizeConfig) -> Authorizer {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(config.timeout));
-        connector.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_timer(TokioTimer::new())
-            .timer(TokioTimer::new())
-            .build(crate::tls::client::connector(connector, crate::tls::client::system_default()));
+        let client = side_client::build(config.timeout);
         Authorizer { config, client, cache: Arc::default() }
     }
 

@@ -33,6 +33,7 @@ use crate::upstream::headers::strip_hop_by_hop;
 pub mod body;
 pub mod headers;
 mod pool;
+pub mod side_client;
 
 pub use crate::upstream::body::ResponseBody;
 

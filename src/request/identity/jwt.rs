@@ -18,10 +18,6 @@ use tokio::time::Instant;
 
 use http::{HeaderMap, HeaderName, Uri};
 use http_body_util::BodyExt;
-use hyper_rustls::HttpsConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 use jsonwebtoken::jwk::{AlgorithmParameters, JwkSet};
 use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 use tokio::sync::Mutex;
@@ -29,6 +25,7 @@ use tokio::sync::Mutex;
 use crate::idempotency::key::Identity;
 use crate::secret::Secret;
 use crate::upstream::body::Body;
+use crate::upstream::side_client::{self, SideClient};
 
 /// A token with an unknown `kid` triggers a refresh at most this often.
 const UNKNOWN_KID_REFRESH: Duration = Duration::from_secs(10);
@@ -145,7 +142,7 @@ pub struct JwtVerifier {
     hmac: Option<DecodingKey>,
     /// Serializes refreshes and rate-limits the ones forced by unknown kids.
     last_forced: Mutex<Option<Instant>>,
-    client: Client<HttpsConnector<HttpConnector>, Body>,
+    client: SideClient,
 }
 
 impl std::fmt::Debug for JwtVerifier {
@@ -168,15 +165,12 @@ impl JwtVerifier {
             KeySource::Url(_) | KeySource::None => Keyring::default(),
         };
         let hmac = config.secret.as_ref().map(|s| DecodingKey::from_secret(s.expose().as_bytes()));
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(FETCH_TIMEOUT));
         Ok(JwtVerifier {
             config,
             keyring: RwLock::new(Arc::new(keyring)),
             hmac,
             last_forced: Mutex::new(None),
-            client: Client::builder(TokioExecutor::new())
-                .build(crate::tls::client::connector(connector, crate::tls::client::system_default())),
+            client: side_client::build(FETCH_TIMEOUT),
         })
     }
 
