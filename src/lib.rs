@@ -23,7 +23,8 @@
 //! - [`idempotency`]: the protocol's words as pure code: the key and its
 //!   scope ([`idempotency::key`]), the request fingerprint
 //!   ([`idempotency::fingerprint`]), the record and its state machine
-//!   ([`idempotency::record`]).
+//!   ([`idempotency::record`]), and how requests, async attempts and probes
+//!   end ([`idempotency::outcome`], the words metrics count).
 //! - [`store`]: one contract ([`store::contract`]) over PostgreSQL and
 //!   embedded SQLite, with the audit trail ([`store::audit`]).
 //! - [`executor`]: one attempt of a claimed request, forwarded and recorded

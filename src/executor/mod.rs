@@ -21,13 +21,14 @@ use http::{HeaderValue, Response, request};
 use tokio_util::task::TaskTracker;
 
 use crate::executor::waiters::{Recording, Waiters};
+use crate::idempotency::outcome::{AttemptOutcome, Outcome};
 use crate::idempotency::record::StoredResponse;
 use crate::problem::GatewayError;
 use crate::request::async_op::StoredRequest;
 use crate::request::route::{ForwardKey, ReplayMode, Route};
 use crate::secret::DerivedKeySecret;
 use crate::store::{Claim, RetryNote, Store, Taken, WriteOutcome};
-use crate::telemetry::metrics::{AttemptOutcome, Metrics, Outcome};
+use crate::telemetry::metrics::Metrics;
 use crate::upstream::body::{Body, Streamed};
 use crate::upstream::headers::{self, strip_hop_by_hop};
 use crate::upstream::{ResponseBody, Upstream, UpstreamError, error_chain};

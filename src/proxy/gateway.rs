@@ -23,6 +23,7 @@ use crate::executor::waiters::Waiters;
 use crate::executor::{Executor, ResultWrite, refetch};
 use crate::idempotency::fingerprint::{self, RequestParts};
 use crate::idempotency::key::Scope;
+use crate::idempotency::outcome::Outcome;
 use crate::idempotency::record::{Decision, Record, State, StoredResponse};
 use crate::problem::{self, GatewayError};
 use crate::proxy::access::{self, Pending, REQUEST_ID, RequestIds, RequestSeries, RouteLabel, Trace};
@@ -37,7 +38,7 @@ use crate::request::key_source::{FromHeaders, KeySource, KeySourceError};
 use crate::request::route::{InFlightPolicy, ReplayMode, Retention, Route, RouteMatch, RouteMode, Router, ScopeMode, UpstreamId};
 use crate::secret::DerivedKeySecret;
 use crate::store::{Acceptance, Claim, ClaimOutcome, ClaimRequest, Store, WriteOutcome};
-use crate::telemetry::metrics::{Metrics, Outcome};
+use crate::telemetry::metrics::Metrics;
 use crate::upstream::Upstream;
 use crate::upstream::body::Body;
 

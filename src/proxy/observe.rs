@@ -40,6 +40,7 @@ use uuid::Uuid;
 
 use crate::idempotency::fingerprint::{self, RequestParts};
 use crate::idempotency::key::Scope;
+use crate::idempotency::outcome::{Refusal, Would};
 use crate::idempotency::record::{Decision, Record, StoredResponse, Timestamp};
 use crate::problem::{self, GatewayError};
 use crate::proxy::admission::decide_with_legacy;
@@ -48,7 +49,7 @@ use crate::request::identity::Identity;
 use crate::request::key_source::{FromHeaders, KeySourceError};
 use crate::request::route::{Route, ScopeMode};
 use crate::store::{Claim, ClaimOutcome, ClaimRequest, Store, WriteOutcome};
-use crate::telemetry::metrics::{Metrics, Refusal, Would};
+use crate::telemetry::metrics::Metrics;
 use crate::upstream::Upstream;
 use crate::upstream::body::{Body, BoxError, Streamed};
 use crate::upstream::headers::{self, strip_hop_by_hop};
