@@ -10,8 +10,9 @@
 //!   SIGHUP ([`server::reload`]), process signals ([`server::signals`]), and
 //!   the background tasks that follow the routes ([`server::route_tasks`]).
 //! - [`proxy`]: the request path: request ids and the access log
-//!   ([`proxy::access`]), the enforcing path ([`proxy::gateway`]) and what a
-//!   found record means for a request ([`proxy::admission`]), observe mode
+//!   ([`proxy::access`]), the enforcing path ([`proxy::gateway`]), the one
+//!   admission step of every front and what a found record means for a
+//!   request ([`proxy::admission`]), observe mode
 //!   ([`proxy::observe`]), pass-through ([`proxy::passthrough`]), answers
 //!   from a record ([`proxy::replay`]).
 //! - [`request`]: what a request asks for: its route ([`request::route`]),

@@ -3,9 +3,10 @@
 //! upstream's answer, streamed, is the client's answer: never a 409, never a
 //! replay), while idemgate works out what enforcing would have done:
 //!
-//! 1. It identifies the caller, finds the key (`key_from`) and reads the body
-//!    (bounded by `server.max_request_body`; a larger or slower body passes
-//!    on unobserved) to fingerprint it, exactly as enforcing would.
+//! 1. It admits the request by enforcing's own steps
+//!    ([`crate::proxy::admission`]: identity, key, fingerprint, scope, claim
+//!    request), reading the body within `server.max_request_body` (a larger
+//!    or slower body passes on unobserved).
 //! 2. It claims the scope as an ordinary synchronous claim would, on a tracked
 //!    task, and waits for the claim at most the route's `observe_budget`. A
 //!    claim that finds a record is decided by [`crate::idempotency::record::decide`] and
@@ -36,18 +37,14 @@ use http_body_util::BodyExt;
 use hyper::body::{Frame, Incoming, SizeHint};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
 use tokio_util::task::TaskTracker;
-use uuid::Uuid;
 
-use crate::idempotency::fingerprint::{self, RequestParts};
-use crate::idempotency::key::Scope;
 use crate::idempotency::outcome::{Refusal, Would};
 use crate::idempotency::record::{Decision, Record, StoredResponse, Timestamp};
 use crate::problem::{self, GatewayError};
-use crate::proxy::admission::decide_with_legacy;
+use crate::proxy::admission::{self, NotAdmitted, decide_with_legacy};
 use crate::proxy::passthrough;
 use crate::request::identity::Identity;
-use crate::request::key_source::{FromHeaders, KeySourceError};
-use crate::request::route::{Route, ScopeMode};
+use crate::request::route::Route;
 use crate::store::{Claim, ClaimOutcome, ClaimRequest, Store, WriteOutcome};
 use crate::telemetry::metrics::Metrics;
 use crate::upstream::Upstream;
@@ -131,21 +128,19 @@ impl Observer {
         identity: Option<Identity>,
         upstream: &Upstream,
     ) -> Response<Body> {
-        let Some(identity) = identity else {
-            self.refused(route, Refusal::Unauthenticated);
-            return passthrough::pass_through(upstream, req, self.request_body_timeout).await;
-        };
-        let early = match route.key_from.from_headers(req.headers()) {
-            Ok(FromHeaders::Found(found)) => Some(found),
-            Ok(FromHeaders::NeedBody) => None,
-            Ok(FromHeaders::Absent) => {
-                if route.key_required {
-                    self.refused(route, Refusal::MissingKey);
-                }
+        // The same admission as enforcing: what it would refuse is counted
+        // and passed on.
+        let identity = match admission::identified(identity) {
+            Ok(identity) => identity,
+            Err(r) => {
+                self.refused(route, r.reason);
                 return passthrough::pass_through(upstream, req, self.request_body_timeout).await;
             }
-            Err(_) => {
-                self.refused(route, Refusal::InvalidKey);
+        };
+        let early = match admission::key_in_headers(route, req.headers()) {
+            Ok(early) => early,
+            Err(not) => {
+                self.not_admitted(route, not);
                 return passthrough::pass_through(upstream, req, self.request_body_timeout).await;
             }
         };
@@ -166,48 +161,15 @@ impl Observer {
                 return problem::response(&GatewayError::BadGateway);
             }
         };
-        let found = match early {
-            Some(found) => found,
-            None => match route.key_from.from_request(&parts.headers, &body) {
-                Ok(Some(found)) => found,
-                Ok(None) => {
-                    if route.key_required {
-                        self.refused(route, Refusal::MissingKey);
-                    }
-                    return passthrough::forward(upstream, parts, Body::full(body)).await;
-                }
-                Err(e) => {
-                    self.refused(route, if matches!(e, KeySourceError::Key(_)) { Refusal::InvalidKey } else { Refusal::InvalidBody });
-                    return passthrough::forward(upstream, parts, Body::full(body)).await;
-                }
-            },
+        let claim = match admission::admit(route, &identity, early, self.replica_id.clone(), &params, &parts, &body) {
+            Ok(claim) => claim,
+            Err(not) => {
+                self.not_admitted(route, not);
+                return passthrough::forward(upstream, parts, Body::full(body)).await;
+            }
         };
-        let request = RequestParts {
-            method: &parts.method,
-            operation: &route.operation,
-            path_params: &params,
-            query: parts.uri.query(),
-            headers: &parts.headers,
-            body: &body,
-        };
-        let Ok(request_hash) = fingerprint::fingerprint(&route.fingerprint, &request) else {
-            self.refused(route, Refusal::InvalidBody);
-            return passthrough::forward(upstream, parts, Body::full(body)).await;
-        };
-        let claim = ClaimRequest {
-            scope: match route.scope {
-                ScopeMode::Principal => Scope::new(&identity, &route.operation, found.key),
-                ScopeMode::Tenant => Scope::tenant_wide(&identity, &route.operation, found.key),
-            },
-            request_hash,
-            owner: self.replica_id.clone(),
-            lease: route.lease,
-            upstream_idempotent: route.upstream_idempotent,
-            claim_token: Uuid::new_v4(),
-            acceptance: None,
-            key_source: found.source,
-            request_head: crate::request::async_op::request_head(route, &parts),
-        };
+        let request_hash = claim.request_hash;
+        let request = admission::request_parts(route, &params, &parts, &body);
         let log_id = claim.scope.log_id();
         let (decided_tx, decided_rx) = oneshot::channel();
         let (captured_tx, captured_rx) = oneshot::channel();
@@ -239,6 +201,14 @@ impl Observer {
         };
         let capture = capture.then(|| Capture { tx: Some(captured_tx), sent: false });
         forward(route, upstream, parts, Body::full(body), capture).await
+    }
+
+    /// Counts what enforcing would have refused; a request without a key on
+    /// a route that does not require one is not observed (nothing to count).
+    fn not_admitted(&self, route: &Route, not: NotAdmitted) {
+        if let NotAdmitted::Refused(r) = not {
+            self.refused(route, r.reason);
+        }
     }
 
     fn refused(&self, route: &Route, reason: Refusal) {
