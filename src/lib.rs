@@ -29,7 +29,8 @@
 //! - [`store`]: one contract ([`store::contract`]) over PostgreSQL and
 //!   embedded SQLite, with the audit trail ([`store::audit`]).
 //! - [`executor`]: one attempt of a claimed request, forwarded and recorded
-//!   fenced, for every front; [`executor::waiters`] wakes the duplicates
+//!   fenced, for every front, classified by [`executor::classify`] (which
+//!   observe mode shares); [`executor::waiters`] wakes the duplicates
 //!   waiting on it.
 //! - [`upstream`]: the HTTP client whose errors say whether the upstream may
 //!   have executed a request, its pool, the body type ([`upstream::body`]) and

@@ -14,7 +14,8 @@
 //!    scope hashed, never the key). Over budget or store down: the request
 //!    passes and `idemgate_observe_skipped_total` counts it.
 //! 3. A request whose claim succeeded (even after the budget) has the
-//!    upstream's answer recorded as the executor would record it: completed
+//!    upstream's answer classified by the executor's own classifier
+//!    ([`crate::executor::classify`]) and recorded as it would be: completed
 //!    (the body kept up to `max_stored_response`), released (a
 //!    `release_on_status` status, `Idempotency-Policy: no-store`, or a request
 //!    that never left), or `unknown` (sent, answer lost). The answer is copied
@@ -38,6 +39,7 @@ use hyper::body::{Frame, Incoming, SizeHint};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
 use tokio_util::task::TaskTracker;
 
+use crate::executor::classify::{self, Class, SyncWrite};
 use crate::idempotency::outcome::{Refusal, Would};
 use crate::idempotency::record::{Decision, Record, StoredResponse, Timestamp};
 use crate::problem::{self, GatewayError};
@@ -49,7 +51,7 @@ use crate::store::{Claim, ClaimOutcome, ClaimRequest, Store, WriteOutcome};
 use crate::telemetry::metrics::Metrics;
 use crate::upstream::Upstream;
 use crate::upstream::body::{Body, BoxError, Streamed};
-use crate::upstream::headers::{self, strip_hop_by_hop};
+use crate::upstream::headers;
 
 /// Observations (claim, then recording) running at once in this process;
 /// beyond it requests pass unobserved. Bounds the tasks and the answers held
@@ -96,6 +98,18 @@ enum Captured {
     NotSent,
     /// It was sent, and the answer is lost (timeout, broken connection).
     MaybeExecuted,
+}
+
+impl Captured {
+    /// The executor's class of this answer.
+    fn class(&self) -> Class {
+        match self {
+            Captured::Answered(_) => Class::Answered,
+            Captured::Declined => Class::Declined { no_store: false },
+            Captured::NotSent => Class::NotSent,
+            Captured::MaybeExecuted => Class::MaybeExecuted,
+        }
+    }
 }
 
 impl Observer {
@@ -280,13 +294,16 @@ async fn observation(
 /// synchronous attempt's.
 async fn record(store: &Store, route: &Route, held: &Claim, answer: Captured) {
     let scope = held.scope.log_id();
-    let written = match &answer {
-        Captured::Answered(stored) => store.complete(held, &crate::executor::stored_form(route, stored.clone()), route.retention).await,
-        Captured::MaybeExecuted => {
+    // What the executor writes for the same class of answer.
+    let written = match (&answer, answer.class().sync_write()) {
+        (Captured::Answered(stored), SyncWrite::Complete) => {
+            store.complete(held, &crate::executor::stored_form(route, stored.clone()), route.retention).await
+        }
+        (_, SyncWrite::MarkUnknown) => {
             tracing::warn!(route = %route.operation, scope = %scope, "observe: upstream outcome unknown; recorded as unknown");
             store.mark_unknown(held).await
         }
-        Captured::Declined | Captured::NotSent => release(store, route, held).await,
+        (_, SyncWrite::Release | SyncWrite::Complete) => release(store, route, held).await,
     };
     match written {
         Ok(WriteOutcome::Written) => tracing::debug!(route = %route.operation, scope = %scope, ?answer, "observe: recorded"),
@@ -327,21 +344,18 @@ async fn forward(route: &Route, upstream: &Upstream, parts: request::Parts, body
         Ok(resp) => resp,
         Err(e) => {
             if let Some(c) = capture {
-                c.finish(if e.may_have_executed() { Captured::MaybeExecuted } else { Captured::NotSent });
+                c.finish(if classify::failure(&e) == Class::MaybeExecuted { Captured::MaybeExecuted } else { Captured::NotSent });
             }
             return passthrough::failed(upstream, &e);
         }
     };
     let (mut head, body) = resp.into_parts();
-    strip_hop_by_hop(&mut head.headers);
-    let no_store = head
-        .headers
-        .remove(headers::IDEMPOTENCY_POLICY)
-        .is_some_and(|v| v.to_str().is_ok_and(|s| s.split(',').any(|t| t.trim().eq_ignore_ascii_case("no-store"))));
+    // The executor's classification: the head is made ready to forward the same way.
+    let class = classify::head(&route.release_on_status, &mut head);
     let body = Body::stream(body, upstream.config.timeout);
     let body = match capture {
         None => body,
-        Some(c) if no_store || route.release_on_status.contains(&head.status) => {
+        Some(c) if matches!(class, Class::Declined { .. }) => {
             c.finish(Captured::Declined);
             body
         }
