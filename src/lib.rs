@@ -10,8 +10,9 @@
 //!   SIGHUP ([`server::reload`]), process signals ([`server::signals`]), and
 //!   the background tasks that follow the routes ([`server::route_tasks`]).
 //! - [`proxy`]: the request path: request ids and the access log
-//!   ([`proxy::access`]), the enforcing path ([`proxy::gateway`]) and what a
-//!   found record means for a request ([`proxy::admission`]), observe mode
+//!   ([`proxy::access`]), the enforcing path ([`proxy::gateway`]), the one
+//!   admission step of every front and what a found record means for a
+//!   request ([`proxy::admission`]), observe mode
 //!   ([`proxy::observe`]), pass-through ([`proxy::passthrough`]), answers
 //!   from a record ([`proxy::replay`]).
 //! - [`request`]: what a request asks for: its route ([`request::route`]),
@@ -23,11 +24,13 @@
 //! - [`idempotency`]: the protocol's words as pure code: the key and its
 //!   scope ([`idempotency::key`]), the request fingerprint
 //!   ([`idempotency::fingerprint`]), the record and its state machine
-//!   ([`idempotency::record`]).
+//!   ([`idempotency::record`]), and how requests, async attempts and probes
+//!   end ([`idempotency::outcome`], the words metrics count).
 //! - [`store`]: one contract ([`store::contract`]) over PostgreSQL and
 //!   embedded SQLite, with the audit trail ([`store::audit`]).
 //! - [`executor`]: one attempt of a claimed request, forwarded and recorded
-//!   fenced, for every front; [`executor::waiters`] wakes the duplicates
+//!   fenced, for every front, classified by [`executor::classify`] (which
+//!   observe mode shares); [`executor::waiters`] wakes the duplicates
 //!   waiting on it.
 //! - [`upstream`]: the HTTP client whose errors say whether the upstream may
 //!   have executed a request, its pool, the body type ([`upstream::body`]) and

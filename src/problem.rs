@@ -9,7 +9,7 @@ use std::time::Duration;
 use http::{HeaderValue, Response, StatusCode, header};
 
 use crate::idempotency::key::KeyError;
-use crate::telemetry::metrics::Outcome;
+use crate::idempotency::outcome::Outcome;
 use crate::upstream::body::Body;
 
 /// Why idempotent handling ended without an upstream or stored response.

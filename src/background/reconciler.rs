@@ -46,6 +46,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
 use crate::executor::stored_form;
+use crate::idempotency::outcome::ProbeOutcome;
 use crate::idempotency::record::Refused;
 use crate::idempotency::record::StoredResponse;
 use crate::ops::keys::{self, ResolveAction, ResolveError, ResolveRequest};
@@ -54,7 +55,7 @@ use crate::request::route::Route;
 use crate::secret::DerivedKeySecret;
 use crate::store::audit::Actor;
 use crate::store::{ProbeRoute, Probing, Store, StoreError, WriteOutcome};
-use crate::telemetry::metrics::{Metrics, ProbeOutcome};
+use crate::telemetry::metrics::Metrics;
 use crate::upstream::Upstream;
 use crate::upstream::body::Body;
 use crate::upstream::headers;

@@ -10,6 +10,7 @@
 //! refused connection frees a synchronous key but re-queues an async
 //! operation); the exchange itself and its classification are one code path.
 
+pub mod classify;
 pub mod waiters;
 
 use std::sync::Arc;
@@ -20,14 +21,16 @@ use bytes::Bytes;
 use http::{HeaderValue, Response, request};
 use tokio_util::task::TaskTracker;
 
+use crate::executor::classify::Class;
 use crate::executor::waiters::{Recording, Waiters};
+use crate::idempotency::outcome::{AttemptOutcome, Outcome};
 use crate::idempotency::record::StoredResponse;
 use crate::problem::GatewayError;
 use crate::request::async_op::StoredRequest;
 use crate::request::route::{ForwardKey, ReplayMode, Route};
 use crate::secret::DerivedKeySecret;
 use crate::store::{Claim, RetryNote, Store, Taken, WriteOutcome};
-use crate::telemetry::metrics::{AttemptOutcome, Metrics, Outcome};
+use crate::telemetry::metrics::Metrics;
 use crate::upstream::body::{Body, Streamed};
 use crate::upstream::headers::{self, strip_hop_by_hop};
 use crate::upstream::{ResponseBody, Upstream, UpstreamError, error_chain};
@@ -413,16 +416,11 @@ impl Executor {
             Ok(resp) => resp,
             Err(e) => {
                 self.metrics.observe_upstream(upstream.name(), started.elapsed());
-                return classify(e);
+                return failed(e);
             }
         };
         let (mut head, body) = resp.into_parts();
-        strip_hop_by_hop(&mut head.headers);
-        let no_store = head
-            .headers
-            .remove(headers::IDEMPOTENCY_POLICY)
-            .is_some_and(|v| v.to_str().is_ok_and(|s| s.split(',').any(|t| t.trim().eq_ignore_ascii_case("no-store"))));
-        if no_store || route.release_on_status.contains(&head.status) {
+        if let Class::Declined { no_store } = classify::head(&route.release_on_status, &mut head) {
             self.metrics.observe_upstream(upstream.name(), started.elapsed());
             return Exchange::Declined { head, body, no_store };
         }
@@ -432,7 +430,7 @@ impl Executor {
             Ok(body) => Exchange::Answered { head, body },
             Err(e) => {
                 upstream.count_error(&e);
-                classify(e)
+                failed(e)
             }
         }
     }
@@ -538,9 +536,12 @@ pub async fn refetch(upstream: &Upstream, stored: &StoredResponse, caller: &http
     Ok(Response::from_parts(head, Body::stream(body, upstream.config.timeout)))
 }
 
-/// The typed fact decides: never sent, or may have executed.
-fn classify(e: UpstreamError) -> Exchange {
-    if e.may_have_executed() { Exchange::MaybeExecuted(e) } else { Exchange::NotSent(e) }
+/// A failed exchange, as [`classify::failure`] says.
+fn failed(e: UpstreamError) -> Exchange {
+    match classify::failure(&e) {
+        Class::MaybeExecuted => Exchange::MaybeExecuted(e),
+        _ => Exchange::NotSent(e),
+    }
 }
 
 /// Reads an upstream response body up to `limit` bytes, within `deadline`.

@@ -16,28 +16,27 @@ use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use tokio::sync::{Notify, oneshot};
 use tokio_util::task::TaskTracker;
-use uuid::Uuid;
 
 use crate::config::Config;
 use crate::executor::waiters::Waiters;
 use crate::executor::{Executor, ResultWrite, refetch};
-use crate::idempotency::fingerprint::{self, RequestParts};
-use crate::idempotency::key::Scope;
+use crate::idempotency::fingerprint::RequestParts;
+use crate::idempotency::outcome::Outcome;
 use crate::idempotency::record::{Decision, Record, State, StoredResponse};
 use crate::problem::{self, GatewayError};
 use crate::proxy::access::{self, Pending, REQUEST_ID, RequestIds, RequestSeries, RouteLabel, Trace};
-use crate::proxy::admission::decide_with_legacy;
+use crate::proxy::admission::{self, NotAdmitted, decide_with_legacy};
 use crate::proxy::observe::Observer;
 use crate::proxy::passthrough;
 use crate::proxy::replay::replay;
-use crate::request::async_op::{OPERATIONS_PATH, StoredRequest, new_operation_id, prefers_async, status_document};
+use crate::request::async_op::{OPERATIONS_PATH, status_document};
 use crate::request::authorize::{Authorizer, Decision as AuthzDecision};
 use crate::request::identity::{Identifier, Identity, IdentitySource};
-use crate::request::key_source::{FromHeaders, KeySource, KeySourceError};
-use crate::request::route::{InFlightPolicy, ReplayMode, Retention, Route, RouteMatch, RouteMode, Router, ScopeMode, UpstreamId};
+use crate::request::key_source::KeySource;
+use crate::request::route::{InFlightPolicy, ReplayMode, Retention, Route, RouteMatch, RouteMode, Router, UpstreamId};
 use crate::secret::DerivedKeySecret;
-use crate::store::{Acceptance, Claim, ClaimOutcome, ClaimRequest, Store, WriteOutcome};
-use crate::telemetry::metrics::{Metrics, Outcome};
+use crate::store::{Claim, ClaimOutcome, ClaimRequest, Store, WriteOutcome};
+use crate::telemetry::metrics::Metrics;
 use crate::upstream::Upstream;
 use crate::upstream::body::Body;
 
@@ -423,71 +422,29 @@ impl Gateway {
             let resp = self.observer.handle(route, params, req, identity, self.executor.upstream(route.upstream)).await;
             return Ok((resp, Outcome::PassThrough));
         }
-        let identity = self.admit(&mut req, peer).await.ok_or(GatewayError::Unauthenticated)?;
+        let identity = admission::identified(self.admit(&mut req, peer).await).map_err(|r| r.error)?;
         self.authorized(&route.operation, req.method(), req.uri().path(), &identity, req.headers()).await?;
-        let missing = || GatewayError::MissingKey { header: route.key_from.describe() };
         // A key in a header is known before the body is read: a request
         // without one costs no body read.
-        let early = match route.key_from.from_headers(req.headers()) {
-            Ok(FromHeaders::Found(found)) => Some(found),
-            Ok(FromHeaders::NeedBody) => None,
-            Ok(FromHeaders::Absent) if !route.key_required => {
-                return Ok((self.pass_through(route.upstream, req, trace).await?, Outcome::PassThrough));
-            }
-            Ok(FromHeaders::Absent) => return Err(missing()),
-            Err(e) => return Err(GatewayError::InvalidKey(e)),
+        let early = match admission::key_in_headers(route, req.headers()) {
+            Ok(early) => early,
+            Err(NotAdmitted::NoKey) => return Ok((self.pass_through(route.upstream, req, trace).await?, Outcome::PassThrough)),
+            Err(NotAdmitted::Refused(r)) => return Err(r.error),
         };
         let (parts, body) = req.into_parts();
         let body = read_body(body, &parts.headers, self.max_request_body, self.request_body_timeout).await?;
         trace.bytes_in = Some(body.len() as u64);
-        let found = match early {
-            Some(found) => found,
-            None => match route.key_from.from_request(&parts.headers, &body) {
-                Ok(Some(found)) => found,
-                Ok(None) if !route.key_required => {
-                    let upstream = self.executor.upstream(route.upstream);
-                    let answer = passthrough::try_forward(upstream, parts, Body::full(body)).await;
-                    self.metrics.passed_through(upstream.name(), answer.as_ref().err().map(GatewayError::type_name));
-                    return Ok((answer?, Outcome::PassThrough));
-                }
-                Ok(None) => return Err(missing()),
-                Err(KeySourceError::Key(e)) => return Err(GatewayError::InvalidKey(e)),
-                Err(KeySourceError::Body(e)) => return Err(GatewayError::InvalidBody(e.to_string())),
-            },
+        let claim = match admission::admit(route, &identity, early, self.replica_id.clone(), &params, &parts, &body) {
+            Ok(claim) => claim,
+            Err(NotAdmitted::NoKey) => {
+                let upstream = self.executor.upstream(route.upstream);
+                let answer = passthrough::try_forward(upstream, parts, Body::full(body)).await;
+                self.metrics.passed_through(upstream.name(), answer.as_ref().err().map(GatewayError::type_name));
+                return Ok((answer?, Outcome::PassThrough));
+            }
+            Err(NotAdmitted::Refused(r)) => return Err(r.error),
         };
-        let request_hash = fingerprint::fingerprint(
-            &route.fingerprint,
-            &RequestParts {
-                method: &parts.method,
-                operation: &route.operation,
-                path_params: &params,
-                query: parts.uri.query(),
-                headers: &parts.headers,
-                body: &body,
-            },
-        )
-        .map_err(|e| GatewayError::InvalidBody(e.to_string()))?;
-        let scope = match route.scope {
-            ScopeMode::Principal => Scope::new(&identity, &route.operation, found.key),
-            ScopeMode::Tenant => Scope::tenant_wide(&identity, &route.operation, found.key),
-        };
-        trace.scope = Some(scope.scope_id());
-        // Async: the claim accepts the operation and stores the request for
-        // the workers; the client gets 202 and an operation id.
-        let is_async = route.mode == RouteMode::Async || (route.allow_async && prefers_async(&parts.headers));
-        let acceptance = is_async
-            .then(|| Acceptance { operation_id: new_operation_id(), request: StoredRequest::capture(&parts, &body).encode().into() });
-        let claim = ClaimRequest {
-            scope,
-            request_hash,
-            owner: self.replica_id.clone(),
-            lease: route.lease,
-            upstream_idempotent: route.upstream_idempotent,
-            claim_token: Uuid::new_v4(),
-            acceptance,
-            key_source: found.source,
-            request_head: crate::request::async_op::request_head(route, &parts),
-        };
+        trace.scope = Some(claim.scope.scope_id());
         // From the claim on, the work runs on the tracker: a client that goes
         // away can no longer cancel it between a committed claim and its
         // forward, nor between the forward and the recording of its result.
@@ -520,14 +477,7 @@ impl Gateway {
         // A result this replica answered and is still writing comes first:
         // its client's retry is replayed, not told "in flight".
         self.waiters.settled(&claim.scope, self.store.timeout()).await;
-        let request = RequestParts {
-            method: &parts.method,
-            operation: &route.operation,
-            path_params: &params,
-            query: parts.uri.query(),
-            headers: &parts.headers,
-            body: &body,
-        };
+        let request = admission::request_parts(route, &params, &parts, &body);
         match self.claim_or_answer(route, &claim, &parts, &request).await {
             Ok(Claimed::Answered(answer)) => (Ok(answer), None),
             Ok(Claimed::Run(c)) => self.executor.run_sync(route, &c, parts, body).await,

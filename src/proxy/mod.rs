@@ -3,7 +3,8 @@
 //! - [`access`]: the request id and the access-log line of every answer.
 //! - [`gateway`]: route, identify, authorize, key, fingerprint, claim, then
 //!   hand the attempt to the [`crate::executor`] or answer from the record.
-//! - [`admission`]: what the record a claim found means for this request.
+//! - [`admission`]: one admission step for every front (a claim request or
+//!   a refusal), and what the record a claim found means for this request.
 //! - [`observe`]: observe mode, pass-through that works out what enforcing
 //!   would have done.
 //! - [`passthrough`]: requests without idempotency, streamed both ways.

@@ -3,9 +3,10 @@
 //! upstream's answer, streamed, is the client's answer: never a 409, never a
 //! replay), while idemgate works out what enforcing would have done:
 //!
-//! 1. It identifies the caller, finds the key (`key_from`) and reads the body
-//!    (bounded by `server.max_request_body`; a larger or slower body passes
-//!    on unobserved) to fingerprint it, exactly as enforcing would.
+//! 1. It admits the request by enforcing's own steps
+//!    ([`crate::proxy::admission`]: identity, key, fingerprint, scope, claim
+//!    request), reading the body within `server.max_request_body` (a larger
+//!    or slower body passes on unobserved).
 //! 2. It claims the scope as an ordinary synchronous claim would, on a tracked
 //!    task, and waits for the claim at most the route's `observe_budget`. A
 //!    claim that finds a record is decided by [`crate::idempotency::record::decide`] and
@@ -13,7 +14,8 @@
 //!    scope hashed, never the key). Over budget or store down: the request
 //!    passes and `idemgate_observe_skipped_total` counts it.
 //! 3. A request whose claim succeeded (even after the budget) has the
-//!    upstream's answer recorded as the executor would record it: completed
+//!    upstream's answer classified by the executor's own classifier
+//!    ([`crate::executor::classify`]) and recorded as it would be: completed
 //!    (the body kept up to `max_stored_response`), released (a
 //!    `release_on_status` status, `Idempotency-Policy: no-store`, or a request
 //!    that never left), or `unknown` (sent, answer lost). The answer is copied
@@ -36,22 +38,20 @@ use http_body_util::BodyExt;
 use hyper::body::{Frame, Incoming, SizeHint};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
 use tokio_util::task::TaskTracker;
-use uuid::Uuid;
 
-use crate::idempotency::fingerprint::{self, RequestParts};
-use crate::idempotency::key::Scope;
+use crate::executor::classify::{self, Class, SyncWrite};
+use crate::idempotency::outcome::{Refusal, Would};
 use crate::idempotency::record::{Decision, Record, StoredResponse, Timestamp};
 use crate::problem::{self, GatewayError};
-use crate::proxy::admission::decide_with_legacy;
+use crate::proxy::admission::{self, NotAdmitted, decide_with_legacy};
 use crate::proxy::passthrough;
 use crate::request::identity::Identity;
-use crate::request::key_source::{FromHeaders, KeySourceError};
-use crate::request::route::{Route, ScopeMode};
+use crate::request::route::Route;
 use crate::store::{Claim, ClaimOutcome, ClaimRequest, Store, WriteOutcome};
-use crate::telemetry::metrics::{Metrics, Refusal, Would};
+use crate::telemetry::metrics::Metrics;
 use crate::upstream::Upstream;
 use crate::upstream::body::{Body, BoxError, Streamed};
-use crate::upstream::headers::{self, strip_hop_by_hop};
+use crate::upstream::headers;
 
 /// Observations (claim, then recording) running at once in this process;
 /// beyond it requests pass unobserved. Bounds the tasks and the answers held
@@ -100,6 +100,18 @@ enum Captured {
     MaybeExecuted,
 }
 
+impl Captured {
+    /// The executor's class of this answer.
+    fn class(&self) -> Class {
+        match self {
+            Captured::Answered(_) => Class::Answered,
+            Captured::Declined => Class::Declined { no_store: false },
+            Captured::NotSent => Class::NotSent,
+            Captured::MaybeExecuted => Class::MaybeExecuted,
+        }
+    }
+}
+
 impl Observer {
     pub fn new(
         store: Store,
@@ -130,21 +142,19 @@ impl Observer {
         identity: Option<Identity>,
         upstream: &Upstream,
     ) -> Response<Body> {
-        let Some(identity) = identity else {
-            self.refused(route, Refusal::Unauthenticated);
-            return passthrough::pass_through(upstream, req, self.request_body_timeout).await;
-        };
-        let early = match route.key_from.from_headers(req.headers()) {
-            Ok(FromHeaders::Found(found)) => Some(found),
-            Ok(FromHeaders::NeedBody) => None,
-            Ok(FromHeaders::Absent) => {
-                if route.key_required {
-                    self.refused(route, Refusal::MissingKey);
-                }
+        // The same admission as enforcing: what it would refuse is counted
+        // and passed on.
+        let identity = match admission::identified(identity) {
+            Ok(identity) => identity,
+            Err(r) => {
+                self.refused(route, r.reason);
                 return passthrough::pass_through(upstream, req, self.request_body_timeout).await;
             }
-            Err(_) => {
-                self.refused(route, Refusal::InvalidKey);
+        };
+        let early = match admission::key_in_headers(route, req.headers()) {
+            Ok(early) => early,
+            Err(not) => {
+                self.not_admitted(route, not);
                 return passthrough::pass_through(upstream, req, self.request_body_timeout).await;
             }
         };
@@ -165,48 +175,15 @@ impl Observer {
                 return problem::response(&GatewayError::BadGateway);
             }
         };
-        let found = match early {
-            Some(found) => found,
-            None => match route.key_from.from_request(&parts.headers, &body) {
-                Ok(Some(found)) => found,
-                Ok(None) => {
-                    if route.key_required {
-                        self.refused(route, Refusal::MissingKey);
-                    }
-                    return passthrough::forward(upstream, parts, Body::full(body)).await;
-                }
-                Err(e) => {
-                    self.refused(route, if matches!(e, KeySourceError::Key(_)) { Refusal::InvalidKey } else { Refusal::InvalidBody });
-                    return passthrough::forward(upstream, parts, Body::full(body)).await;
-                }
-            },
+        let claim = match admission::admit(route, &identity, early, self.replica_id.clone(), &params, &parts, &body) {
+            Ok(claim) => claim,
+            Err(not) => {
+                self.not_admitted(route, not);
+                return passthrough::forward(upstream, parts, Body::full(body)).await;
+            }
         };
-        let request = RequestParts {
-            method: &parts.method,
-            operation: &route.operation,
-            path_params: &params,
-            query: parts.uri.query(),
-            headers: &parts.headers,
-            body: &body,
-        };
-        let Ok(request_hash) = fingerprint::fingerprint(&route.fingerprint, &request) else {
-            self.refused(route, Refusal::InvalidBody);
-            return passthrough::forward(upstream, parts, Body::full(body)).await;
-        };
-        let claim = ClaimRequest {
-            scope: match route.scope {
-                ScopeMode::Principal => Scope::new(&identity, &route.operation, found.key),
-                ScopeMode::Tenant => Scope::tenant_wide(&identity, &route.operation, found.key),
-            },
-            request_hash,
-            owner: self.replica_id.clone(),
-            lease: route.lease,
-            upstream_idempotent: route.upstream_idempotent,
-            claim_token: Uuid::new_v4(),
-            acceptance: None,
-            key_source: found.source,
-            request_head: crate::request::async_op::request_head(route, &parts),
-        };
+        let request_hash = claim.request_hash;
+        let request = admission::request_parts(route, &params, &parts, &body);
         let log_id = claim.scope.log_id();
         let (decided_tx, decided_rx) = oneshot::channel();
         let (captured_tx, captured_rx) = oneshot::channel();
@@ -238,6 +215,14 @@ impl Observer {
         };
         let capture = capture.then(|| Capture { tx: Some(captured_tx), sent: false });
         forward(route, upstream, parts, Body::full(body), capture).await
+    }
+
+    /// Counts what enforcing would have refused; a request without a key on
+    /// a route that does not require one is not observed (nothing to count).
+    fn not_admitted(&self, route: &Route, not: NotAdmitted) {
+        if let NotAdmitted::Refused(r) = not {
+            self.refused(route, r.reason);
+        }
     }
 
     fn refused(&self, route: &Route, reason: Refusal) {
@@ -309,13 +294,16 @@ async fn observation(
 /// synchronous attempt's.
 async fn record(store: &Store, route: &Route, held: &Claim, answer: Captured) {
     let scope = held.scope.log_id();
-    let written = match &answer {
-        Captured::Answered(stored) => store.complete(held, &crate::executor::stored_form(route, stored.clone()), route.retention).await,
-        Captured::MaybeExecuted => {
+    // What the executor writes for the same class of answer.
+    let written = match (&answer, answer.class().sync_write()) {
+        (Captured::Answered(stored), SyncWrite::Complete) => {
+            store.complete(held, &crate::executor::stored_form(route, stored.clone()), route.retention).await
+        }
+        (_, SyncWrite::MarkUnknown) => {
             tracing::warn!(route = %route.operation, scope = %scope, "observe: upstream outcome unknown; recorded as unknown");
             store.mark_unknown(held).await
         }
-        Captured::Declined | Captured::NotSent => release(store, route, held).await,
+        (_, SyncWrite::Release | SyncWrite::Complete) => release(store, route, held).await,
     };
     match written {
         Ok(WriteOutcome::Written) => tracing::debug!(route = %route.operation, scope = %scope, ?answer, "observe: recorded"),
@@ -356,21 +344,18 @@ async fn forward(route: &Route, upstream: &Upstream, parts: request::Parts, body
         Ok(resp) => resp,
         Err(e) => {
             if let Some(c) = capture {
-                c.finish(if e.may_have_executed() { Captured::MaybeExecuted } else { Captured::NotSent });
+                c.finish(if classify::failure(&e) == Class::MaybeExecuted { Captured::MaybeExecuted } else { Captured::NotSent });
             }
             return passthrough::failed(upstream, &e);
         }
     };
     let (mut head, body) = resp.into_parts();
-    strip_hop_by_hop(&mut head.headers);
-    let no_store = head
-        .headers
-        .remove(headers::IDEMPOTENCY_POLICY)
-        .is_some_and(|v| v.to_str().is_ok_and(|s| s.split(',').any(|t| t.trim().eq_ignore_ascii_case("no-store"))));
+    // The executor's classification: the head is made ready to forward the same way.
+    let class = classify::head(&route.release_on_status, &mut head);
     let body = Body::stream(body, upstream.config.timeout);
     let body = match capture {
         None => body,
-        Some(c) if no_store || route.release_on_status.contains(&head.status) => {
+        Some(c) if matches!(class, Class::Declined { .. }) => {
             c.finish(Captured::Declined);
             body
         }

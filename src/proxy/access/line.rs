@@ -238,8 +238,8 @@ fn timestamp(buf: &mut Vec<u8>, at: SystemTime) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::idempotency::outcome::Outcome;
     use crate::proxy::access::{RouteLabel, Trace};
-    use crate::telemetry::metrics::Outcome;
     use http::{HeaderValue, Method};
 
     /// Calls `f` with the sample request's line (a POST answered 201).

@@ -32,8 +32,9 @@ use hyper::body::{Frame, SizeHint};
 use ipnet::IpNet;
 
 use crate::idempotency::key::ScopeId;
+use crate::idempotency::outcome::Outcome;
 use crate::telemetry::logging;
-use crate::telemetry::metrics::{Metrics, Outcome, RouteSeries};
+use crate::telemetry::metrics::{Metrics, RouteSeries};
 use crate::upstream::body::{Body, BoxError};
 use crate::upstream::{UpstreamAddr, UpstreamLatency};
 
