@@ -98,7 +98,21 @@ impl TestUpstream {
     }
 
     pub async fn start_on(addr: SocketAddr) -> TestUpstream {
-        let listener = tokio::net::TcpListener::bind(addr).await.expect("bind test upstream");
+        // A fixed address (a test that reserved a port, then freed it) may be
+        // held for a moment by a connection's ephemeral end: retry briefly.
+        let mut tries = 0;
+        let listener = loop {
+            let socket = if addr.is_ipv4() { tokio::net::TcpSocket::new_v4() } else { tokio::net::TcpSocket::new_v6() }.expect("socket");
+            socket.set_reuseaddr(true).expect("SO_REUSEADDR");
+            match socket.bind(addr).and_then(|()| socket.listen(1024)) {
+                Ok(l) => break l,
+                Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && addr.port() != 0 && tries < 50 => {
+                    tries += 1;
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+                Err(e) => panic!("bind test upstream on {addr}: {e}"),
+            }
+        };
         let addr = listener.local_addr().unwrap();
         let state = Arc::new(State::default());
         let (received, _) = broadcast::channel(1024);
