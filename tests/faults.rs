@@ -44,8 +44,10 @@ async fn metric(gw: &Gateway, name: &str) -> f64 {
 async fn gateway_killed_after_forward_before_record_ends_unknown() {
     let backend = postgres_backend();
     let up = TestUpstream::start().await;
-    // No lease reaper: the retry itself must find the expired claim and refuse
-    // to forward it again (the reaper would otherwise turn it unknown first).
+    // Whichever comes first after the lease, the retry finding the expired
+    // claim or the reaper woken at its expiry, it becomes unknown and is never
+    // forwarded again. (The read-side expiry alone is the store conformance
+    // case expire_lease_only_turns_expired_in_flight_into_unknown.)
     let mut gw =
         Gateway::start(GatewayConfig::new(backend.clone(), up.url()).timeout("500ms").route("lease = \"1s\"").sweep_interval("1h"));
     let store = backend.open().await;
