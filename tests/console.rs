@@ -659,3 +659,32 @@ async fn an_inconclusive_probe_shows_its_last_answer_and_the_request_line(backen
     assert_eq!(up.total(), 1, "the write ran once; probes are reads");
     assert_eq!(store.get(&scope_for(PRINCIPAL, "account_order", "k5")).await.unwrap().unwrap().0.state, State::Unknown);
 }
+
+/// A credential an identity source reads from a header of its own naming
+/// (here `x-client-id`, not a credential by its name alone) is masked in the
+/// stored request the record page shows, like `Authorization`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configured_credential_header_is_masked_on_the_record_page() {
+    let key_hash = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(support::gateway::API_KEY.as_bytes()));
+    let sources = format!(
+        "[[identity.sources]]\nkind = \"api_key\"\nheader = \"x-client-id\"\n\
+         keys = [ {{ sha256 = \"{key_hash}\", tenant = \"{TENANT}\", principal = \"{PRINCIPAL}\" }} ]\n"
+    );
+    let queued_route = queued_route();
+    let (_up, gw, store, _dir) = setup(sqlite_backend(), |c| c.identity(&sources).tail(&queued_route)).await;
+    let r = send(
+        "POST",
+        &gw.url("/v1/queued"),
+        &[("x-client-id", support::gateway::API_KEY), ("content-type", "application/json"), ("idempotency-key", "q1")],
+        ORDER.to_owned(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status, 202, "{r:?}");
+    requeued(&store, "q1").await;
+    let q = admin(&gw, "GET", &format!("/admin/records/{}/{}/queue_order/q1/inspect", enc(TENANT), enc(PRINCIPAL)), "").await;
+    assert_eq!(q.status, 200, "{q:?}");
+    let headers = q.json()["request"]["headers"].as_array().unwrap().clone();
+    assert!(headers.contains(&json!(["x-client-id", "(masked: 8 bytes)"])), "{headers:?}");
+    assert!(!q.body.windows(8).any(|w| w == support::gateway::API_KEY.as_bytes()), "the credential is never in the answer");
+}

@@ -79,13 +79,16 @@ pub struct Admin {
     routes: Vec<Route>,
     /// Shows the derived key of records (what the upstream was sent).
     derived_key_secret: Option<DerivedKeySecret>,
+    /// Headers the identity sources read credentials from: masked wherever
+    /// the API shows stored headers.
+    credential_headers: Vec<http::HeaderName>,
     /// Cancelled when the process starts draining: `/readyz` then answers 503.
     draining: Option<CancellationToken>,
 }
 
 impl Admin {
     pub fn new(store: Store, metrics: Arc<Metrics>, token: Option<Secret>) -> Admin {
-        Admin { store, metrics, token, routes: Vec::new(), derived_key_secret: None, draining: None }
+        Admin { store, metrics, token, routes: Vec::new(), derived_key_secret: None, credential_headers: Vec::new(), draining: None }
     }
 
     /// The configured routes (the default retention of completions).
@@ -95,6 +98,12 @@ impl Admin {
     }
 
     /// The deployment's derived-key secret, to show each record's derived key.
+    /// The headers the identity sources read credentials from.
+    pub fn with_credential_headers(mut self, headers: Vec<http::HeaderName>) -> Admin {
+        self.credential_headers = headers;
+        self
+    }
+
     pub fn with_derived_key_secret(mut self, secret: DerivedKeySecret) -> Admin {
         self.derived_key_secret = Some(secret);
         self
@@ -182,7 +191,10 @@ impl Admin {
             (Endpoint::Inspect(scope), Method::GET) => {
                 no_query(&query)?;
                 match self.store.inspect(&scope, crate::ops::console::inspect::AUDIT_ROWS).await.map_err(store_error)? {
-                    Some(found) => Ok(json_response(StatusCode::OK, &crate::ops::console::inspect::json(&found, self.secret()))),
+                    Some(found) => Ok(json_response(
+                        StatusCode::OK,
+                        &crate::ops::console::inspect::json(&found, self.secret(), &self.credential_headers),
+                    )),
                     None => Err(AdminError::NoRecord),
                 }
             }

@@ -244,6 +244,7 @@ impl Server {
             let admin_state = Arc::new(
                 Admin::new(gateway.store().clone(), metrics.clone(), config.admin.as_ref().and_then(|a| a.token.clone()))
                     .with_routes(config.routes.clone())
+                    .with_credential_headers(config.identity.iter().filter_map(|s| s.credential_header().cloned()).collect())
                     .with_derived_key_secret(secret.clone())
                     .with_draining(shutdown.clone()),
             );

@@ -19,11 +19,12 @@ pub const AUDIT_ROWS: u32 = 100;
 pub const MAX_BODY_SHOWN: usize = 256 * 1024;
 
 /// The page's document.
-pub fn json(i: &Inspection, secret: Option<&[u8]>) -> Value {
+/// `credentials`: the headers the identity sources read credentials from.
+pub fn json(i: &Inspection, secret: Option<&[u8]>, credentials: &[http::HeaderName]) -> Value {
     let r = &i.record;
     let mut record = keys::record_json(r, false, secret);
     if let Some(resp) = &r.response {
-        record["response"]["headers"] = mask::headers_json(&resp.headers);
+        record["response"]["headers"] = mask::headers_json(&resp.headers, credentials);
         record["response"]["body"] = match &resp.body {
             Some(b) => body_json(b),
             None => Value::Null,
@@ -33,7 +34,7 @@ pub fn json(i: &Inspection, secret: Option<&[u8]>) -> Value {
         Ok(req) => json!({
             "method": req.method,
             "path": req.path_and_query,
-            "headers": mask::headers_json(&req.headers),
+            "headers": mask::headers_json(&req.headers, credentials),
             // A sync record keeps the request line only (for its probe).
             "headers_stored": !req.headers.is_empty() || r.operation_id.is_some(),
             "body_bytes": req.body.len(),

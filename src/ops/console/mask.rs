@@ -6,16 +6,23 @@
 //! the upstream's headers. Operators need to see which headers there were,
 //! not the secrets in them.
 
+use http::HeaderName;
+
 /// Header names whose values are credentials, compared case-insensitively.
 const CREDENTIAL_HEADERS: [&str; 6] = ["authorization", "proxy-authorization", "cookie", "set-cookie", "x-api-key", "api-key"];
 
 /// Name fragments that mark a header as carrying a credential.
 const CREDENTIAL_FRAGMENTS: [&str; 9] = ["auth", "token", "secret", "password", "passwd", "session", "apikey", "api-key", "signature"];
 
-/// Whether a header's value is a credential and must not be shown.
-pub fn is_credential(name: &str) -> bool {
+/// Whether a header's value is a credential and must not be shown: a
+/// well-known credential name, a name with a credential fragment, or one of
+/// `configured`, the headers the configured identity sources read a
+/// credential from (an `api_key` source's own header, a JWT source's).
+pub fn is_credential(name: &str, configured: &[HeaderName]) -> bool {
     let name = name.to_ascii_lowercase();
-    CREDENTIAL_HEADERS.contains(&name.as_str()) || CREDENTIAL_FRAGMENTS.iter().any(|f| name.contains(f))
+    CREDENTIAL_HEADERS.contains(&name.as_str())
+        || CREDENTIAL_FRAGMENTS.iter().any(|f| name.contains(f))
+        || configured.iter().any(|h| h.as_str() == name)
 }
 
 /// What is shown instead of a credential's value: its size only.
@@ -25,11 +32,11 @@ pub fn masked(value: &[u8]) -> String {
 
 /// Headers as `[[name, value], ...]`, credentials masked, other values as
 /// (lossy) UTF-8 text.
-pub fn headers_json(headers: &[(String, Vec<u8>)]) -> serde_json::Value {
+pub fn headers_json(headers: &[(String, Vec<u8>)], configured: &[HeaderName]) -> serde_json::Value {
     headers
         .iter()
         .map(|(name, value)| {
-            let shown = if is_credential(name) { masked(value) } else { String::from_utf8_lossy(value).into_owned() };
+            let shown = if is_credential(name, configured) { masked(value) } else { String::from_utf8_lossy(value).into_owned() };
             serde_json::json!([name, shown])
         })
         .collect()
@@ -53,14 +60,23 @@ mod tests {
             "x-session-id",
             "idemgate-signature",
         ] {
-            assert!(is_credential(name), "{name}");
+            assert!(is_credential(name, &[]), "{name}");
         }
         for name in ["idempotency-key", "content-type", "location", "x-request-id", "x-tenant-id"] {
-            assert!(!is_credential(name), "{name}");
+            assert!(!is_credential(name, &[]), "{name}");
         }
         let shown =
-            headers_json(&[("authorization".into(), b"Bearer hunter2".to_vec()), ("x-note".into(), b"javascript:alert(1)".to_vec())]);
+            headers_json(&[("authorization".into(), b"Bearer hunter2".to_vec()), ("x-note".into(), b"javascript:alert(1)".to_vec())], &[]);
         assert_eq!(shown, serde_json::json!([["authorization", "(masked: 14 bytes)"], ["x-note", "javascript:alert(1)"]]));
         assert!(!shown.to_string().contains("hunter2"));
+    }
+
+    #[test]
+    fn headers_an_identity_source_reads_a_credential_from_are_masked() {
+        let configured = [HeaderName::from_static("x-client-id")];
+        assert!(!is_credential("x-client-id", &[]), "not a credential by its name alone");
+        assert!(is_credential("X-Client-Id", &configured));
+        let shown = headers_json(&[("x-client-id".into(), b"live-key-123".to_vec())], &configured);
+        assert_eq!(shown, serde_json::json!([["x-client-id", "(masked: 12 bytes)"]]));
     }
 }

@@ -51,6 +51,16 @@ pub enum IdentitySource {
 }
 
 impl IdentitySource {
+    /// The request header this source reads a credential from, if any (a
+    /// trusted header names an identity, not a secret; mTLS reads none).
+    pub fn credential_header(&self) -> Option<&HeaderName> {
+        match self {
+            IdentitySource::ApiKey { header, .. } => Some(header),
+            IdentitySource::Jwt(verifier) => Some(&verifier.config.header),
+            IdentitySource::TrustedHeader { .. } | IdentitySource::Mtls(_) => None,
+        }
+    }
+
     /// The request headers this source reads.
     fn headers(&self) -> Vec<&HeaderName> {
         match self {
