@@ -22,16 +22,20 @@ async fn claim_survives_sigkill() {
     let backend = sqlite_backend();
     let up = TestUpstream::start().await;
     // The lease covers a restart on a busy machine (the in-progress check
-    // below must run before it ends); the wait after it is measured from the claim.
-    let mut gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).timeout("500ms").route("lease = \"4s\""));
+    // below must run before it ends); the wait after it is measured from the
+    // claim. The timeout leaves this test's thread 3 s to kill the gateway.
+    let mut gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).timeout("3s").route("lease = \"4s\""));
     let mut received = up.subscribe();
     let url = gw.url("/v1/orders");
     let u = url.clone();
-    let client = tokio::spawn(async move { post(&u, "k", ORDER, &[("x-test-sleep-ms", "300")]).await });
+    // The upstream answers long after the kill: the gateway dies with the
+    // attempt in flight however slowly this test's thread is scheduled.
+    let client = tokio::spawn(async move { try_post(&u, "k", ORDER, &[("x-test-sleep-ms", "5000")]).await });
     received.recv().await.unwrap();
     let claimed = std::time::Instant::now();
     gw.kill9();
-    let _ = client.await; // the client's connection died with the gateway
+    let died = client.await.unwrap();
+    assert!(died.is_err(), "the client's connection dies with the gateway: {:?}", died.map(|r| r.status));
     gw.restart();
     let store = backend.open().await;
     let rec = record(&store, "k").await.expect("the acknowledged claim survived the kill");

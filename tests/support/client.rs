@@ -55,7 +55,12 @@ pub async fn send(method: &str, url: &str, headers: &[(&str, &str)], body: impl 
 
 /// A POST with an API key, an idempotency key and a JSON body.
 pub async fn post(url: &str, key: &str, body: &str, extra: &[(&str, &str)]) -> Resp {
+    try_post(url, key, body, extra).await.unwrap_or_else(|e| panic!("POST {url} failed: {e}"))
+}
+
+/// [`post`], for a request that may fail on purpose (its gateway is killed).
+pub async fn try_post(url: &str, key: &str, body: &str, extra: &[(&str, &str)]) -> Result<Resp, String> {
     let mut h = vec![("authorization", "Bearer test-key"), ("content-type", "application/json"), ("idempotency-key", key)];
     h.extend_from_slice(extra);
-    send("POST", url, &h, body.to_owned()).await.unwrap_or_else(|e| panic!("POST {url} failed: {e}"))
+    send("POST", url, &h, body.to_owned()).await
 }

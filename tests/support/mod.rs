@@ -46,7 +46,7 @@ use idemgate::idempotency::key::{IdempotencyKey, Scope};
 use idemgate::idempotency::record::Record;
 use idemgate::store::Store;
 
-pub use client::{Resp, post, send};
+pub use client::{Resp, post, send, try_post};
 pub use gateway::{Backend, Gateway, GatewayConfig, PRINCIPAL, TENANT, TEST_SECRET};
 pub use upstream::TestUpstream;
 
