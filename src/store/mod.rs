@@ -33,8 +33,9 @@ use uuid::Uuid;
 
 pub use crate::telemetry::stats::{EventStats, ForeverCount, StateCount};
 pub use contract::{
-    Acceptance, Claim, ClaimOutcome, ClaimRequest, Inspection, ListCursor, ListFilter, ProbeFence, ProbeRoute, Probing, RawClaim, Reaped,
-    RecordStore, Resolution, ResolveOutcome, RetryNote, Taken, WorkerRoute, WriteOutcome,
+    Acceptance, Claim, ClaimOutcome, ClaimRequest, Events, Inspection, Lifecycle, ListCursor, ListFilter, ProbeFence, ProbeRoute, Probing,
+    Queue, RawClaim, Reaped, Reconcile, RecordStore, Records, Resolution, ResolveOutcome, RetryNote, Taken, Trail, WorkerRoute,
+    WriteOutcome,
 };
 pub use error::StoreError;
 pub use health::NotReady;

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
-use crate::store::StoreError;
+use super::*;
 
 struct Job<I, O> {
     item: I,
@@ -137,5 +137,288 @@ mod tests {
     async fn a_failed_batch_fails_every_item() {
         let batcher = Batcher::start("test", 8, 1, |_items: Vec<u32>| async { Err::<Vec<u32>, _>(StoreError::Ambiguous("lost".into())) });
         assert!(matches!(batcher.submit(1).await, Err(StoreError::Ambiguous(_))));
+    }
+}
+
+/// One claim waiting for its batch.
+pub(super) struct ClaimItem {
+    pub(super) scope: Scope,
+    pub(super) request_hash: Fingerprint,
+    pub(super) token: Uuid,
+    pub(super) owner: Arc<str>,
+    pub(super) lease_us: i64,
+    pub(super) acceptance: Option<Acceptance>,
+    pub(super) key_source: Arc<str>,
+    pub(super) request_head: Option<Bytes>,
+}
+
+/// What the batched claim found for one item.
+pub(super) enum BatchClaim {
+    Inserted {
+        generation: Generation,
+        lease_expires_at: Timestamp,
+    },
+    /// The row seen, the database clock, and whether it may be cached.
+    Existing(Box<Record>, Timestamp, bool),
+    /// Inserted concurrently by another statement, after this one's snapshot.
+    Conflict,
+    /// The batch statement deadlocked with another: use the single-row path.
+    Retry,
+}
+
+/// One result write waiting for its batch.
+pub(super) struct CompleteItem {
+    pub(super) scope: Scope,
+    pub(super) attempt: Attempt,
+    pub(super) status: i32,
+    pub(super) headers: Vec<u8>,
+    pub(super) body: Option<Bytes>,
+    /// NULL: forever (see `retention_us`).
+    pub(super) retention_us: Option<i64>,
+    pub(super) emit: Emit,
+}
+
+/// A claim or a result write waiting for its batch.
+pub(super) enum WriteItem {
+    Claim(ClaimItem),
+    Complete(CompleteItem),
+}
+
+pub(super) enum WriteOut {
+    Claim(BatchClaim),
+    Complete(BatchWrite),
+}
+
+pub(super) enum BatchWrite {
+    Written,
+    Fenced,
+    Retry,
+}
+
+/// Whether a change writes its event, and with the response body.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Emit {
+    pub(super) event: bool,
+    pub(super) body: bool,
+}
+
+impl Emit {
+    pub(super) fn of(events: &EventPolicies, operation: &str, event: EventType) -> Emit {
+        let on = events.emits(operation, event);
+        Emit { event: on, body: on && events.include_body(operation) }
+    }
+}
+
+/// The primary-key columns of a batch, as the arrays its statement unnests.
+pub(super) struct PkColumns<'a> {
+    pub(super) tenants: Vec<&'a str>,
+    pub(super) principals: Vec<&'a str>,
+    pub(super) operations: Vec<&'a str>,
+    pub(super) keys: Vec<&'a str>,
+    /// The primary key's first column (`Scope::scope_id`).
+    pub(super) scope_ids: Vec<i64>,
+}
+
+impl<'a> PkColumns<'a> {
+    pub(super) fn of(scopes: impl ExactSizeIterator<Item = &'a Scope>) -> PkColumns<'a> {
+        let mut c = PkColumns {
+            tenants: Vec::with_capacity(scopes.len()),
+            principals: Vec::with_capacity(scopes.len()),
+            operations: Vec::with_capacity(scopes.len()),
+            keys: Vec::with_capacity(scopes.len()),
+            scope_ids: Vec::with_capacity(scopes.len()),
+        };
+        for s in scopes {
+            c.tenants.push(&s.tenant);
+            c.principals.push(&s.principal);
+            c.operations.push(&s.operation);
+            c.keys.push(s.key.as_str());
+            c.scope_ids.push(s.scope_id().to_i64());
+        }
+        c
+    }
+}
+
+/// PostgreSQL's "deadlock detected": the statement was rolled back.
+pub(super) fn is_deadlock(e: &StoreError) -> bool {
+    matches!(e, StoreError::Unavailable(m) if m.contains("40P01"))
+}
+
+impl Db {
+    /// A write statement under the batch timeout; a timeout is ambiguous.
+    pub(super) async fn bounded_query(
+        &self,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<Vec<Row>, StoreError> {
+        match tokio::time::timeout(self.timeout, self.query(sql, params, true)).await {
+            Ok(r) => r,
+            Err(_) => Err(StoreError::Ambiguous(format!("batched statement timed out after {:?}", self.timeout))),
+        }
+    }
+
+    /// One statement, one commit, for a batch of claims and result writes:
+    /// `CLAIM_BATCH`, `COMPLETE_BATCH`, or both in `WRITE_BATCH`. A result
+    /// write of one request and the claim of the next then share a commit.
+    pub(super) async fn write_batch(&self, items: Vec<WriteItem>) -> Result<Vec<WriteOut>, StoreError> {
+        let n = items.len();
+        let mut claims: Vec<(usize, ClaimItem)> = Vec::new();
+        let mut completes: Vec<(usize, CompleteItem)> = Vec::new();
+        for (i, item) in items.into_iter().enumerate() {
+            match item {
+                WriteItem::Claim(c) => claims.push((i, c)),
+                WriteItem::Complete(c) => completes.push((i, c)),
+            }
+        }
+        let claim_cols = ClaimColumns::of(claims.iter().map(|(_, c)| c));
+        let complete_cols = CompleteColumns::of(completes.iter().map(|(_, c)| c));
+        let (statement, params): (&str, Vec<&(dyn tokio_postgres::types::ToSql + Sync)>) = match (claims.is_empty(), completes.is_empty()) {
+            (_, true) => (&super::records::CLAIM_BATCH, claim_cols.params()),
+            (true, false) => (&super::records::COMPLETE_BATCH, complete_cols.params()),
+            (false, false) => (&super::records::WRITE_BATCH, claim_cols.params().into_iter().chain(complete_cols.params()).collect()),
+        };
+        let rows = match self.bounded_query(statement, &params).await {
+            Ok(rows) => rows,
+            Err(e) if is_deadlock(&e) => {
+                let mut out: Vec<WriteOut> = (0..n).map(|_| WriteOut::Complete(BatchWrite::Retry)).collect();
+                for (i, _) in &claims {
+                    out[*i] = WriteOut::Claim(BatchClaim::Retry);
+                }
+                return Ok(out);
+            }
+            Err(e) => return Err(e),
+        };
+        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+        let mut out: Vec<WriteOut> = (0..n).map(|_| WriteOut::Complete(BatchWrite::Fenced)).collect();
+        // The ordinals (from 1) of the result writes that took effect.
+        let written: Vec<i64> = match (claims.is_empty(), completes.is_empty()) {
+            (_, true) => Vec::new(),
+            (true, false) => rows.iter().map(|row| row.try_get::<_, i64>(0)).collect::<Result<_, _>>().map_err(c)?,
+            (false, false) => match rows.first() {
+                Some(row) => row.try_get::<_, Option<Vec<i64>>>(NCOLS + 4).map_err(c)?.unwrap_or_default(),
+                None => return Err(StoreError::Corrupt("batched write returned no rows".into())),
+            },
+        };
+        for ord in written {
+            if let Some((i, _)) = usize::try_from(ord).ok().and_then(|o| o.checked_sub(1)).and_then(|o| completes.get(o)) {
+                out[*i] = WriteOut::Complete(BatchWrite::Written);
+            }
+        }
+        if !claims.is_empty() {
+            if rows.len() != claims.len() {
+                return Err(StoreError::Corrupt(format!("batched claim of {} returned {} rows", claims.len(), rows.len())));
+            }
+            for ((i, _), row) in claims.iter().zip(&rows) {
+                out[*i] = WriteOut::Claim(decode_batch_claim(row)?);
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// One claim's row of `CLAIM_BATCH` / `WRITE_BATCH`.
+pub(super) fn decode_batch_claim(row: &Row) -> Result<BatchClaim, StoreError> {
+    let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+    let generation: Option<i64> = row.try_get(NCOLS + 1).map_err(c)?;
+    let lease: Option<Timestamp> = row.try_get(NCOLS + 2).map_err(c)?;
+    if let (Some(g), Some(lease)) = (generation, lease) {
+        return Ok(BatchClaim::Inserted { generation: Generation(g), lease_expires_at: lease });
+    }
+    if row.try_get::<_, Option<&str>>(0).map_err(c)?.is_none() {
+        return Ok(BatchClaim::Conflict);
+    }
+    let now: Timestamp = row.try_get(NCOLS).map_err(c)?;
+    let cacheable: bool = row.try_get::<_, Option<bool>>(NCOLS + 3).map_err(c)?.unwrap_or(false);
+    Ok(BatchClaim::Existing(Box::new(decode(row)?), now, cacheable))
+}
+
+/// The claims of a batch as the arrays `CLAIM_INPUT` unnests.
+pub(super) struct ClaimColumns<'a> {
+    pub(super) pk: PkColumns<'a>,
+    pub(super) hashes: Vec<&'a [u8]>,
+    pub(super) tokens: Vec<Uuid>,
+    pub(super) owners: Vec<&'a str>,
+    pub(super) leases: Vec<i64>,
+    pub(super) operation_ids: Vec<Option<&'a str>>,
+    pub(super) requests: Vec<Option<&'a [u8]>>,
+    pub(super) key_sources: Vec<&'a str>,
+}
+
+impl<'a> ClaimColumns<'a> {
+    pub(super) fn of(items: impl ExactSizeIterator<Item = &'a ClaimItem> + Clone) -> ClaimColumns<'a> {
+        ClaimColumns {
+            pk: PkColumns::of(items.clone().map(|i| &i.scope)),
+            hashes: items.clone().map(|i| &i.request_hash.0[..]).collect(),
+            tokens: items.clone().map(|i| i.token).collect(),
+            owners: items.clone().map(|i| &*i.owner).collect(),
+            leases: items.clone().map(|i| i.lease_us).collect(),
+            operation_ids: items.clone().map(|i| i.acceptance.as_ref().map(|a| a.operation_id.as_str())).collect(),
+            requests: items.clone().map(|i| i.acceptance.as_ref().map(|a| &a.request[..]).or(i.request_head.as_deref())).collect(),
+            key_sources: items.map(|i| &*i.key_source).collect(),
+        }
+    }
+
+    pub(super) fn params(&self) -> Vec<&(dyn tokio_postgres::types::ToSql + Sync)> {
+        vec![
+            &self.pk.tenants,
+            &self.pk.principals,
+            &self.pk.operations,
+            &self.pk.keys,
+            &self.hashes,
+            &self.tokens,
+            &self.owners,
+            &self.leases,
+            &self.operation_ids,
+            &self.requests,
+            &self.key_sources,
+            &self.pk.scope_ids,
+        ]
+    }
+}
+
+/// The result writes of a batch as the arrays `complete_parts` unnests.
+pub(super) struct CompleteColumns<'a> {
+    pub(super) pk: PkColumns<'a>,
+    pub(super) generations: Vec<i64>,
+    pub(super) statuses: Vec<i32>,
+    pub(super) headers: Vec<&'a [u8]>,
+    pub(super) bodies: Vec<Option<&'a [u8]>>,
+    pub(super) retentions: Vec<Option<i64>>,
+    pub(super) tokens: Vec<Uuid>,
+    pub(super) emit: Vec<bool>,
+    pub(super) with_body: Vec<bool>,
+}
+
+impl<'a> CompleteColumns<'a> {
+    pub(super) fn of(items: impl ExactSizeIterator<Item = &'a CompleteItem> + Clone) -> CompleteColumns<'a> {
+        CompleteColumns {
+            pk: PkColumns::of(items.clone().map(|i| &i.scope)),
+            generations: items.clone().map(|i| i.attempt.generation.0).collect(),
+            statuses: items.clone().map(|i| i.status).collect(),
+            headers: items.clone().map(|i| &i.headers[..]).collect(),
+            bodies: items.clone().map(|i| i.body.as_deref()).collect(),
+            retentions: items.clone().map(|i| i.retention_us).collect(),
+            tokens: items.clone().map(|i| i.attempt.claim_token).collect(),
+            emit: items.clone().map(|i| i.emit.event).collect(),
+            with_body: items.map(|i| i.emit.body).collect(),
+        }
+    }
+
+    pub(super) fn params(&self) -> Vec<&(dyn tokio_postgres::types::ToSql + Sync)> {
+        vec![
+            &self.pk.tenants,
+            &self.pk.principals,
+            &self.pk.operations,
+            &self.pk.keys,
+            &self.generations,
+            &self.statuses,
+            &self.headers,
+            &self.bodies,
+            &self.retentions,
+            &self.tokens,
+            &self.emit,
+            &self.with_body,
+            &self.pk.scope_ids,
+        ]
     }
 }

@@ -1,0 +1,41 @@
+//! The outbox: events written with final states, leased to relays, delivered, parked.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use uuid::Uuid;
+
+use crate::outbox::{Delivery, OutboxEvent};
+use crate::store::StoreError;
+use crate::telemetry::stats::EventStats;
+
+/// The outbox: events written with final states, leased to relays, delivered, parked.
+#[async_trait]
+pub trait Events: Send + Sync + std::fmt::Debug {
+    /// Outbox: leases up to `limit` deliverable events of `operations` to the
+    /// relay holding `token` for `lease`: pending, due, not leased by another
+    /// relay, and with no earlier pending event of the same scope (order per
+    /// scope). `FOR UPDATE SKIP LOCKED` / the single writer: two relays never
+    /// hold one event.
+    async fn take_events(&self, operations: &[&str], limit: u32, lease: Duration, token: Uuid) -> Result<Vec<OutboxEvent>, StoreError>;
+
+    /// Outbox: receivers answered 2xx to these events; marks them sent in one
+    /// statement and returns the ones this relay still held (the others were
+    /// taken over after their lease ran out, and will be delivered again).
+    async fn events_delivered(&self, seqs: &[i64], token: Uuid) -> Result<Vec<i64>, StoreError>;
+
+    /// Outbox: a delivery failed; due again after `retry_after`, or parked.
+    async fn event_failed(&self, seq: i64, token: Uuid, error: &str, retry_after: Duration, park: bool) -> Result<bool, StoreError>;
+
+    /// Outbox: events, newest first, optionally only those in one delivery state.
+    async fn events(&self, delivery: Option<Delivery>, limit: u32) -> Result<Vec<OutboxEvent>, StoreError>;
+
+    /// Outbox: a parked (or sent) event delivered again, from its first attempt.
+    async fn redeliver(&self, event_id: Uuid) -> Result<bool, StoreError>;
+
+    /// Outbox: deletes up to `batch` delivered events sent more than `older_than` ago.
+    async fn sweep_events(&self, batch: u32, older_than: Duration) -> Result<u64, StoreError>;
+
+    /// Outbox: pending and parked counts, and when the oldest pending was written.
+    async fn event_stats(&self) -> Result<EventStats, StoreError>;
+}

@@ -1,0 +1,153 @@
+//! PostgreSQL: the outbox (the [`Events`] part of the store's contract).
+
+use super::sql::{EVENT_COLUMNS, EVENT_INSERT, prefixed};
+use super::*;
+use std::sync::LazyLock;
+
+pub(super) static EVENT_INSERT_ONE: LazyLock<String> =
+    LazyLock::new(|| format!("INSERT INTO idemgate_events {EVENT_INSERT} VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"));
+
+pub(super) static TAKE_EVENTS: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH due AS (
+            SELECT e.seq FROM idemgate_events e
+            WHERE e.delivery = 'pending' AND e.next_attempt_at <= now() AND (e.lease_until IS NULL OR e.lease_until <= now())
+              AND e.operation = ANY($1::text[])
+              AND NOT EXISTS (SELECT 1 FROM idemgate_events p
+                              WHERE p.delivery = 'pending' AND p.tenant = e.tenant AND p.principal = e.principal
+                                AND p.operation = e.operation AND p.idempotency_key = e.idempotency_key AND p.seq < e.seq)
+              -- A parked event holds the later ones of its scope (through the
+              -- parked events' own index: there are few).
+              AND NOT EXISTS (SELECT 1 FROM idemgate_events q
+                              WHERE q.delivery = 'parked' AND q.seq < e.seq AND q.tenant = e.tenant AND q.principal = e.principal
+                                AND q.operation = e.operation AND q.idempotency_key = e.idempotency_key)
+            ORDER BY e.next_attempt_at LIMIT $2 FOR UPDATE SKIP LOCKED)
+        UPDATE idemgate_events e SET lease_token = $3, lease_until = now() + $4::int8 * interval '1 microsecond'
+        FROM due WHERE e.seq = due.seq
+        RETURNING {}",
+        prefixed(EVENT_COLUMNS, "e.")
+    )
+});
+
+pub(super) const EVENTS_DELIVERED: &str = "UPDATE idemgate_events SET delivery = 'sent', sent_at = now(), lease_token = NULL, \
+     lease_until = NULL WHERE seq = ANY($1::int8[]) AND lease_token = $2 AND CASE delivery WHEN 'pending' THEN true ELSE false END \
+     RETURNING seq";
+
+pub(super) const EVENT_FAILED: &str = "UPDATE idemgate_events SET attempts = attempts + 1, last_error = $3, \
+     next_attempt_at = now() + $4::int8 * interval '1 microsecond', \
+     delivery = CASE WHEN $5 THEN 'parked' ELSE 'pending' END, lease_token = NULL, lease_until = NULL \
+     WHERE seq = $1 AND lease_token = $2 AND CASE delivery WHEN 'pending' THEN true ELSE false END RETURNING 1";
+
+/// Events newest first, of one delivery state (`$1`) or all.
+pub(super) static EVENTS: LazyLock<String> =
+    LazyLock::new(|| format!("SELECT {EVENT_COLUMNS} FROM idemgate_events ORDER BY seq DESC LIMIT $1"));
+
+pub(super) static EVENTS_BY_DELIVERY: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT {EVENT_COLUMNS} FROM idemgate_events \
+         WHERE CASE delivery WHEN $1 THEN true ELSE false END ORDER BY seq DESC LIMIT $2"
+    )
+});
+
+pub(super) const REDELIVER: &str = "UPDATE idemgate_events SET delivery = 'pending', attempts = 0, next_attempt_at = now(), \
+     lease_token = NULL, lease_until = NULL, last_error = NULL, sent_at = NULL WHERE event_id = $1 RETURNING 1";
+
+pub(super) const SWEEP_EVENTS: &str = "DELETE FROM idemgate_events WHERE seq IN (
+        SELECT seq FROM idemgate_events
+        WHERE delivery = 'sent' AND sent_at <= now() - $2::int8 * interval '1 microsecond'
+        ORDER BY sent_at LIMIT $1)
+    RETURNING 1";
+
+/// Pending events through their index, parked ones through theirs.
+pub(super) const EVENT_STATS: &str = "SELECT \
+     (SELECT count(*) FROM idemgate_events WHERE delivery = 'pending'), \
+     (SELECT count(*) FROM idemgate_events WHERE delivery = 'parked'), \
+     (SELECT min(at) FROM idemgate_events WHERE delivery = 'pending'), \
+     (SELECT count(*) FROM idemgate_events q JOIN idemgate_events e ON e.delivery = 'pending' AND e.tenant = q.tenant \
+        AND e.principal = q.principal AND e.operation = q.operation AND e.idempotency_key = q.idempotency_key AND e.seq > q.seq \
+      WHERE q.delivery = 'parked')";
+
+#[async_trait]
+impl Events for PgStore {
+    async fn take_events(&self, operations: &[&str], limit: u32, lease: Duration, token: Uuid) -> Result<Vec<OutboxEvent>, StoreError> {
+        self.events_where(&TAKE_EVENTS, &[&operations, &i64::from(limit), &token, &micros(lease)], true).await
+    }
+
+    async fn events_delivered(&self, seqs: &[i64], token: Uuid) -> Result<Vec<i64>, StoreError> {
+        let rows = self.query(EVENTS_DELIVERED, &[&seqs, &token], true).await?;
+        rows.iter().map(|r| r.try_get::<_, i64>(0).map_err(|e| StoreError::Corrupt(e.to_string()))).collect()
+    }
+
+    async fn event_failed(&self, seq: i64, token: Uuid, error: &str, retry_after: Duration, park: bool) -> Result<bool, StoreError> {
+        Ok(!self.query(EVENT_FAILED, &[&seq, &token, &error, &micros(retry_after), &park], true).await?.is_empty())
+    }
+
+    async fn events(&self, delivery: Option<Delivery>, limit: u32) -> Result<Vec<OutboxEvent>, StoreError> {
+        let limit = i64::from(limit);
+        match delivery {
+            Some(d) => self.events_where(&EVENTS_BY_DELIVERY, &[&d.as_str(), &limit], false).await,
+            None => self.events_where(&EVENTS, &[&limit], false).await,
+        }
+    }
+
+    async fn redeliver(&self, event_id: Uuid) -> Result<bool, StoreError> {
+        Ok(!self.query(REDELIVER, &[&event_id], true).await?.is_empty())
+    }
+
+    async fn sweep_events(&self, batch: u32, older_than: Duration) -> Result<u64, StoreError> {
+        Ok(self.query(SWEEP_EVENTS, &[&i64::from(batch), &micros(older_than)], true).await?.len() as u64)
+    }
+
+    async fn event_stats(&self) -> Result<EventStats, StoreError> {
+        let rows = self.query(EVENT_STATS, &[], false).await?;
+        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+        let row = rows.first().ok_or_else(|| StoreError::Corrupt("event stats returned no row".into()))?;
+        Ok(EventStats {
+            pending: row.try_get(0).map_err(c)?,
+            parked: row.try_get(1).map_err(c)?,
+            oldest_pending_at: row.try_get(2).map_err(c)?,
+            held: row.try_get(3).map_err(c)?,
+        })
+    }
+}
+
+fn decode_event(row: &Row) -> Result<OutboxEvent, StoreError> {
+    let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+    let key: &str = row.try_get(6).map_err(c)?;
+    let key = IdempotencyKey::new(key).map_err(|e| StoreError::Corrupt(format!("event idempotency_key: {e}")))?;
+    let (tenant, principal, operation): (&str, &str, &str) =
+        (row.try_get(3).map_err(c)?, row.try_get(4).map_err(c)?, row.try_get(5).map_err(c)?);
+    let kind: &str = row.try_get(2).map_err(c)?;
+    let delivery: &str = row.try_get(13).map_err(c)?;
+    Ok(OutboxEvent {
+        seq: row.try_get(0).map_err(c)?,
+        id: row.try_get(1).map_err(c)?,
+        event_type: EventType::parse(kind).ok_or_else(|| StoreError::Corrupt(format!("event type {kind:?}")))?,
+        scope: Scope { tenant: tenant.into(), principal: principal.into(), operation: operation.into(), key },
+        generation: row.try_get::<_, Option<i64>>(7).map_err(c)?.map(Generation),
+        status: row.try_get::<_, Option<i32>>(8).map_err(c)?.and_then(|s| u16::try_from(s).ok()),
+        operation_id: row.try_get(9).map_err(c)?,
+        actor: row.try_get(10).map_err(c)?,
+        at: row.try_get(11).map_err(c)?,
+        body: row.try_get(12).map_err(c)?,
+        delivery: Delivery::parse(delivery).ok_or_else(|| StoreError::Corrupt(format!("event delivery {delivery:?}")))?,
+        attempts: row.try_get(14).map_err(c)?,
+        next_attempt_at: row.try_get(15).map_err(c)?,
+        last_error: row.try_get(16).map_err(c)?,
+        sent_at: row.try_get(17).map_err(c)?,
+    })
+}
+
+impl PgStore {
+    async fn events_where(
+        &self,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+        write: bool,
+    ) -> Result<Vec<OutboxEvent>, StoreError> {
+        let rows = self.query(sql, params, write).await?;
+        let mut events = rows.iter().map(decode_event).collect::<Result<Vec<_>, _>>()?;
+        events.sort_by_key(|e| e.seq);
+        Ok(events)
+    }
+}

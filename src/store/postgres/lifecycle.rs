@@ -1,0 +1,112 @@
+//! PostgreSQL: its kind, migrations, health, clock and the deployment's secret (the [`Lifecycle`] part of the store's contract).
+
+use super::*;
+
+pub(super) const SETTING: &str = "SELECT value FROM idemgate_settings WHERE name = $1";
+
+/// The readiness write probe: `txid_current()` takes a transaction id, so
+/// the statement's commit is written and flushed (the write path of every
+/// claim, without a row), and the grants a claim needs are read.
+pub(super) const PROBE_WRITE: &str = "SELECT txid_current(), \
+     has_table_privilege('idemgate_records', 'INSERT') \
+     AND has_table_privilege('idemgate_records', 'UPDATE') \
+     AND has_table_privilege('idemgate_records', 'DELETE')";
+
+#[async_trait]
+impl Lifecycle for PgStore {
+    fn kind(&self) -> &'static str {
+        KIND
+    }
+
+    async fn migrate(&self) -> Result<Vec<String>, StoreError> {
+        let mut conn = self.conn().await?;
+        // Up to date: nothing is locked, created or written, so a runtime
+        // role without the right to change the schema starts (and the server
+        // sends no "already exists, skipping" notice at every start).
+        if up_to_date(&conn).await? {
+            conn.done();
+            return Ok(Vec::new());
+        }
+        let tx = conn.client_mut().transaction().await.map_err(|e| migration_error("", &e))?;
+        let m = |e: tokio_postgres::Error| migration_error("", &e);
+        // Migrations may take longer than one protocol statement.
+        tx.batch_execute("SET LOCAL statement_timeout = 0").await.map_err(m)?;
+        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&PG_LOCK_KEY]).await.map_err(m)?;
+        tx.batch_execute(
+            "CREATE TABLE IF NOT EXISTS idemgate_schema_migrations (
+                version bigint PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())",
+        )
+        .await
+        .map_err(m)?;
+        let done: Vec<i64> =
+            tx.query("SELECT version FROM idemgate_schema_migrations", &[]).await.map_err(m)?.iter().map(|r| r.get(0)).collect();
+        let mut applied = Vec::new();
+        for mig in POSTGRES.iter().filter(|mig| !done.contains(&mig.version)) {
+            tx.batch_execute(mig.sql).await.map_err(|e| migration_error(mig.name, &e))?;
+            tx.execute("INSERT INTO idemgate_schema_migrations (version, name) VALUES ($1, $2)", &[&mig.version, &mig.name])
+                .await
+                .map_err(m)?;
+            applied.push(mig.name.to_owned());
+        }
+        // The derived-key secret, once per deployment: every replica reads
+        // the same row.
+        let secret = fresh_secret()?;
+        tx.execute(
+            "INSERT INTO idemgate_settings (name, value) VALUES ($1, $2) ON CONFLICT (name) DO NOTHING",
+            &[&DERIVED_KEY_SECRET, &&secret[..]],
+        )
+        .await
+        .map_err(m)?;
+        tx.commit().await.map_err(m)?;
+        conn.done();
+        Ok(applied)
+    }
+
+    /// Ready means connected to a primary that takes writes, within
+    /// `PING_BOUND`. A ping that runs out of time, or reaches a read-only
+    /// server, lets go of the pooled connections (see `failover`).
+    async fn ping(&self) -> Result<(), StoreError> {
+        let probe = self.query("SELECT pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on'", &[], false);
+        let Ok(rows) = tokio::time::timeout(PING_BOUND, probe).await else {
+            self.db.flush.now(&self.db.pool, "the database did not answer a ping in time");
+            return Err(StoreError::Unavailable(format!("the database did not answer a ping within {PING_BOUND:?}")));
+        };
+        let rows = rows?;
+        let read_only: bool = rows.first().and_then(|r| r.try_get(0).ok()).unwrap_or(true);
+        if read_only {
+            self.db.flush.now(&self.db.pool, "the server is read-only");
+            return Err(StoreError::Unavailable("connected to a read-only server (a standby, or a fenced primary)".into()));
+        }
+        Ok(())
+    }
+
+    /// One autocommit statement that takes a transaction id (so its commit
+    /// is written and flushed like a claim's) and asks whether this role may
+    /// write the records.
+    async fn probe_write(&self) -> Result<(), StoreError> {
+        let rows = self.query(PROBE_WRITE, &[], true).await?;
+        let may_write: bool = rows.first().and_then(|r| r.try_get(1).ok()).unwrap_or(false);
+        if !may_write {
+            return Err(StoreError::Unavailable(
+                "the database role may not insert, update and delete in idemgate_records (see the grants in docs/operations.md)".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    async fn now(&self) -> Result<Timestamp, StoreError> {
+        let rows = self.query("SELECT now()", &[], false).await?;
+        let row = rows.first().ok_or_else(|| StoreError::Corrupt("SELECT now() returned no row".into()))?;
+        row.try_get(0).map_err(|e| StoreError::Corrupt(e.to_string()))
+    }
+
+    async fn derived_key_secret(&self) -> Result<Option<Vec<u8>>, StoreError> {
+        let rows = self.query(SETTING, &[&DERIVED_KEY_SECRET], false).await;
+        match rows {
+            Ok(rows) => rows.first().map(|r| r.try_get(0).map_err(|e| StoreError::Corrupt(e.to_string()))).transpose(),
+            // Before migration 2 the table does not exist: no secret yet.
+            Err(StoreError::Unavailable(m)) if m.contains("42P01") => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+}

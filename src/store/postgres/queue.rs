@@ -1,0 +1,155 @@
+//! PostgreSQL: the async queue (the [`Queue`] part of the store's contract).
+
+use super::sql::{COLUMNS, EVENT_INSERT, EXPIRES_7, FENCE, PK, prefixed};
+use super::*;
+use std::sync::LazyLock;
+
+/// A worker takes the oldest due operation of its routes: the row is locked
+/// with `SKIP LOCKED` (a concurrent worker takes the next one), drawn a new
+/// generation and token, and leased for its route's lease.
+pub(super) static TAKE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "\
+WITH routes AS (
+    SELECT * FROM unnest($1::text[], $2::int8[]) AS ro(operation, lease_us)
+), expired AS (
+    -- A take-over: an attempt whose lease ran out (its worker died or is
+    -- frozen) and that may run again: it never sent, or its upstream
+    -- deduplicates ($5). Sent attempts of other routes are the reaper's
+    -- (they become unknown). The locking read rechecks all this on the
+    -- latest row version.
+    SELECT r.scope_id, r.tenant, r.principal, r.operation, r.idempotency_key,
+           (SELECT max(ro.lease_us) FROM routes ro WHERE ro.operation = r.operation) AS lease_us, true AS took_over
+    FROM idemgate_records r
+    WHERE r.state = 'processing' AND r.lease_expires_at <= now() AND r.operation = ANY($1::text[])
+      AND (r.sent_at IS NULL OR r.operation = ANY($5::text[]))
+    ORDER BY r.lease_expires_at
+    LIMIT 1
+    FOR UPDATE OF r SKIP LOCKED
+), due AS (
+    SELECT r.scope_id, r.tenant, r.principal, r.operation, r.idempotency_key,
+           (SELECT max(ro.lease_us) FROM routes ro WHERE ro.operation = r.operation) AS lease_us, false AS took_over
+    FROM idemgate_records r
+    WHERE r.state = 'queued' AND r.next_attempt_at <= now() AND r.operation = ANY($1::text[])
+    ORDER BY r.next_attempt_at
+    LIMIT 1
+    FOR UPDATE OF r SKIP LOCKED
+), next AS (
+    -- Take-overs first; `due` is not read (nor locked) when one is found.
+    SELECT * FROM expired UNION ALL SELECT * FROM due LIMIT 1
+)
+-- The route's lease comes with the row found: joining the routes here would
+-- let the planner look rows up by their operation alone.
+UPDATE idemgate_records r SET
+    state = 'processing', generation = nextval('idemgate_generation'), claim_token = $3, owner = $4,
+    lease_expires_at = now() + n.lease_us * interval '1 microsecond', attempts = r.attempts + 1, sent_at = NULL,
+    -- Taken over although it was sent: it may have executed.
+    maybe_executed = r.maybe_executed OR (r.state = 'processing' AND r.sent_at IS NOT NULL),
+    next_attempt_at = NULL, updated_at = now()
+FROM next n
+WHERE r.scope_id = n.scope_id AND r.tenant = n.tenant AND r.principal = n.principal AND r.operation = n.operation
+  AND r.idempotency_key = n.idempotency_key
+RETURNING {}, now(), r.request, n.took_over",
+        prefixed(COLUMNS, "r.")
+    )
+});
+
+pub(super) static HEARTBEAT: LazyLock<String> = LazyLock::new(|| {
+    format!("UPDATE idemgate_records SET lease_expires_at = now() + $7::int8 * interval '1 microsecond' WHERE {PK} AND {FENCE} RETURNING 1")
+});
+
+pub(super) static MARK_SENT: LazyLock<String> = LazyLock::new(|| {
+    format!("UPDATE idemgate_records SET sent_at = now() WHERE {PK} AND {FENCE} AND lease_expires_at > now() RETURNING 1")
+});
+
+pub(super) static REQUEUE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE idemgate_records SET state = 'queued', lease_expires_at = NULL, sent_at = NULL, \
+         next_attempt_at = now() + $7::int8 * interval '1 microsecond', last_status = $8, \
+         maybe_executed = maybe_executed OR $9, updated_at = now() WHERE {PK} AND {FENCE} RETURNING 1"
+    )
+});
+
+/// record::transition's Fail: never "failed_retryable" once an attempt may have run.
+pub(super) static FAIL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH upd AS (UPDATE idemgate_records SET \
+         state = CASE WHEN maybe_executed OR $9 THEN 'unknown' ELSE 'failed_retryable' END, \
+         maybe_executed = maybe_executed OR $9, lease_expires_at = NULL, \
+         expires_at = {EXPIRES_7}, last_status = $8, updated_at = now(), \
+         request = CASE WHEN maybe_executed OR $9 THEN request END \
+         WHERE {PK} AND {FENCE} \
+         RETURNING tenant, principal, operation, idempotency_key, generation, state, last_status, operation_id), \
+         ev AS (INSERT INTO idemgate_events {EVENT_INSERT} \
+         SELECT state, tenant, principal, operation, idempotency_key, generation, last_status, operation_id, NULL, NULL FROM upd \
+         WHERE (state = 'unknown' AND $10) OR (state = 'failed_retryable' AND $11)) \
+         SELECT 1 FROM upd"
+    )
+});
+
+pub(super) static OPERATION: LazyLock<String> =
+    LazyLock::new(|| format!("SELECT {COLUMNS}, now() FROM idemgate_records WHERE tenant = $1 AND operation_id = $2"));
+
+#[async_trait]
+impl Queue for PgStore {
+    async fn take(&self, routes: &[WorkerRoute], owner: &str, claim_token: Uuid) -> Result<Option<Taken>, StoreError> {
+        let ops: Vec<&str> = routes.iter().map(|r| &*r.operation).collect();
+        let leases: Vec<i64> = routes.iter().map(|r| micros(r.lease)).collect();
+        let reforwardable: Vec<&str> = routes.iter().filter(|r| r.reforwardable).map(|r| &*r.operation).collect();
+        let rows = self.query(&TAKE, &[&ops, &leases, &claim_token, &owner, &reforwardable], true).await?;
+        let Some(row) = rows.first() else { return Ok(None) };
+        let record = decode(row)?;
+        let request: Vec<u8> = row.try_get(NCOLS + 1).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        let lease_expired: bool = row.try_get(NCOLS + 2).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        let claim = Claim {
+            scope: record.scope.clone(),
+            generation: record.generation,
+            claim_token: record.claim_token,
+            lease_expires_at: record.lease_expires_at.unwrap_or(record.updated_at),
+            took_over: true,
+        };
+        Ok(Some(Taken { record, request: request.into(), claim, lease_expired }))
+    }
+
+    async fn heartbeat(&self, scope: &Scope, attempt: Attempt, lease: Duration) -> Result<bool, StoreError> {
+        self.fenced_update(&HEARTBEAT, scope, attempt, &[&micros(lease)]).await
+    }
+
+    async fn mark_sent(&self, scope: &Scope, attempt: Attempt) -> Result<bool, StoreError> {
+        self.fenced_update(&MARK_SENT, scope, attempt, &[]).await
+    }
+
+    async fn requeue(&self, scope: &Scope, attempt: Attempt, delay: Duration, retry: RetryNote) -> Result<bool, StoreError> {
+        self.fenced_update(&REQUEUE, scope, attempt, &[&micros(delay), &retry.last_status.map(i32::from), &retry.maybe_executed]).await
+    }
+
+    async fn fail(
+        &self,
+        scope: &Scope,
+        attempt: Attempt,
+        retention: Retention,
+        retry: RetryNote,
+        events: &EventPolicies,
+    ) -> Result<bool, StoreError> {
+        let (unknown, failed) =
+            (events.emits(&scope.operation, EventType::Unknown), events.emits(&scope.operation, EventType::FailedRetryable));
+        self.fenced_update(
+            &FAIL,
+            scope,
+            attempt,
+            &[&retention_us(retention), &retry.last_status.map(i32::from), &retry.maybe_executed, &unknown, &failed],
+        )
+        .await
+    }
+
+    async fn operation(&self, tenant: &str, operation_id: &str) -> Result<Option<(Record, Timestamp)>, StoreError> {
+        let rows = self.query(&OPERATION, &[&tenant, &operation_id], false).await?;
+        match rows.first() {
+            None => Ok(None),
+            Some(row) => {
+                let now: Timestamp = row.try_get(NCOLS).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+                Ok(Some((decode(row)?, now)))
+            }
+        }
+    }
+}

@@ -1,0 +1,152 @@
+//! SQLite: the outbox (the [`Events`] part of the store's contract).
+
+use super::*;
+
+#[async_trait]
+impl Events for SqliteStore {
+    async fn take_events(&self, operations: &[&str], limit: u32, lease: Duration, token: Uuid) -> Result<Vec<OutboxEvent>, StoreError> {
+        let operations: Vec<String> = operations.iter().map(|o| (*o).to_owned()).collect();
+        self.write(move |tx, now| {
+            // The single writer serializes relays: an event is leased to one.
+            let candidates = {
+                let sql = format!(
+                    "SELECT {EVENT_COLUMNS} FROM idemgate_events e WHERE delivery = 'pending' AND next_attempt_at <= ?1 \
+                     AND (lease_until IS NULL OR lease_until <= ?1) \
+                     AND NOT EXISTS (SELECT 1 FROM idemgate_events p WHERE p.delivery = 'pending' AND p.tenant = e.tenant \
+                       AND p.principal = e.principal AND p.operation = e.operation AND p.idempotency_key = e.idempotency_key \
+                       AND p.seq < e.seq) \
+                     AND NOT EXISTS (SELECT 1 FROM idemgate_events q WHERE q.delivery = 'parked' AND q.seq < e.seq \
+                       AND q.tenant = e.tenant AND q.principal = e.principal AND q.operation = e.operation \
+                       AND q.idempotency_key = e.idempotency_key) \
+                     ORDER BY next_attempt_at"
+                );
+                let mut st = tx.prepare_cached(&sql).map_err(err)?;
+                let mut rows = st.query(params![now.0]).map_err(err)?;
+                let mut out = Vec::new();
+                while let Some(row) = rows.next().map_err(err)? {
+                    let e = decode_event(row)?;
+                    if operations.iter().any(|o| **o == *e.scope.operation) {
+                        out.push(e);
+                        if out.len() >= limit as usize {
+                            break;
+                        }
+                    }
+                }
+                // Handed out in seq order, like PostgreSQL's.
+                out.sort_by_key(|e| e.seq);
+                out
+            };
+            for e in &candidates {
+                tx.prepare_cached("UPDATE idemgate_events SET lease_token = ?2, lease_until = ?3 WHERE seq = ?1")
+                    .and_then(|mut st| st.execute(params![e.seq, token.as_bytes(), now.plus(lease).0]))
+                    .map_err(err)?;
+            }
+            Ok(candidates)
+        })
+        .await
+    }
+
+    async fn events_delivered(&self, seqs: &[i64], token: Uuid) -> Result<Vec<i64>, StoreError> {
+        let seqs = seqs.to_vec();
+        self.write(move |tx, now| {
+            let mut st = tx
+                .prepare_cached(
+                    "UPDATE idemgate_events SET delivery = 'sent', sent_at = ?3, lease_token = NULL, lease_until = NULL \
+                     WHERE seq = ?1 AND lease_token = ?2 AND delivery = 'pending'",
+                )
+                .map_err(err)?;
+            let mut marked = Vec::new();
+            for seq in seqs {
+                if st.execute(params![seq, token.as_bytes(), now.0]).map_err(err)? > 0 {
+                    marked.push(seq);
+                }
+            }
+            Ok(marked)
+        })
+        .await
+    }
+
+    async fn event_failed(&self, seq: i64, token: Uuid, error: &str, retry_after: Duration, park: bool) -> Result<bool, StoreError> {
+        let error = error.to_owned();
+        self.write(move |tx, now| {
+            let n = tx
+                .prepare_cached(
+                    "UPDATE idemgate_events SET attempts = attempts + 1, last_error = ?3, next_attempt_at = ?4, \
+                     delivery = CASE WHEN ?5 THEN 'parked' ELSE 'pending' END, lease_token = NULL, lease_until = NULL \
+                     WHERE seq = ?1 AND lease_token = ?2 AND delivery = 'pending'",
+                )
+                .and_then(|mut st| st.execute(params![seq, token.as_bytes(), error, now.plus(retry_after).0, park]))
+                .map_err(err)?;
+            Ok(n > 0)
+        })
+        .await
+    }
+
+    async fn events(&self, delivery: Option<Delivery>, limit: u32) -> Result<Vec<OutboxEvent>, StoreError> {
+        self.write(move |conn, _| {
+            let sql = format!("SELECT {EVENT_COLUMNS} FROM idemgate_events WHERE (?1 IS NULL OR delivery = ?1) ORDER BY seq DESC LIMIT ?2");
+            let mut st = conn.prepare_cached(&sql).map_err(err)?;
+            let mut rows = st.query(params![delivery.map(Delivery::as_str), i64::from(limit)]).map_err(err)?;
+            let mut out = Vec::new();
+            while let Some(row) = rows.next().map_err(err)? {
+                out.push(decode_event(row)?);
+            }
+            out.reverse();
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn redeliver(&self, event_id: Uuid) -> Result<bool, StoreError> {
+        self.write(move |tx, now| {
+            let n = tx
+                .prepare_cached(
+                    "UPDATE idemgate_events SET delivery = 'pending', attempts = 0, next_attempt_at = ?2, lease_token = NULL, \
+                     lease_until = NULL, last_error = NULL, sent_at = NULL WHERE event_id = ?1",
+                )
+                .and_then(|mut st| st.execute(params![event_id.as_bytes(), now.0]))
+                .map_err(err)?;
+            Ok(n > 0)
+        })
+        .await
+    }
+
+    async fn sweep_events(&self, batch: u32, older_than: Duration) -> Result<u64, StoreError> {
+        self.write(move |tx, now| {
+            let cutoff = Timestamp(now.0.saturating_sub(i64::try_from(older_than.as_micros()).unwrap_or(i64::MAX)));
+            let n = tx
+                .execute(
+                    "DELETE FROM idemgate_events WHERE seq IN (SELECT seq FROM idemgate_events WHERE delivery = 'sent' \
+                     AND sent_at <= ?1 ORDER BY sent_at LIMIT ?2)",
+                    params![cutoff.0, i64::from(batch)],
+                )
+                .map_err(err)?;
+            Ok(n as u64)
+        })
+        .await
+    }
+
+    async fn event_stats(&self) -> Result<EventStats, StoreError> {
+        self.write(move |conn, _| {
+            conn.query_row(
+                "SELECT count(*) FILTER (WHERE delivery = 'pending'), count(*) FILTER (WHERE delivery = 'parked'), \
+                 min(at) FILTER (WHERE delivery = 'pending'), \
+                 (SELECT count(*) FROM idemgate_events q JOIN idemgate_events e ON e.delivery = 'pending' \
+                    AND e.tenant = q.tenant AND e.principal = q.principal AND e.operation = q.operation \
+                    AND e.idempotency_key = q.idempotency_key AND e.seq > q.seq WHERE q.delivery = 'parked') \
+                 FROM idemgate_events WHERE delivery <> 'sent'",
+                [],
+                |row| {
+                    Ok(EventStats {
+                        pending: row.get(0)?,
+                        parked: row.get(1)?,
+                        oldest_pending_at: row.get::<_, Option<i64>>(2)?.map(Timestamp),
+                        held: row.get(3)?,
+                    })
+                },
+            )
+            .map_err(err)
+        })
+        .await
+    }
+}

@@ -1,0 +1,66 @@
+//! SQLite: the audit trail and one scope's inspection (the [`Trail`] part of the store's contract).
+
+use super::*;
+
+#[async_trait]
+impl Trail for SqliteStore {
+    async fn audit(&self, limit: u32) -> Result<Vec<AuditEntry>, StoreError> {
+        self.write(move |conn, _| {
+            let mut st = conn
+                .prepare_cached(
+                    "SELECT id, at, actor, tenant, principal, operation, idempotency_key, from_state, to_state, reason, forced, generation, \
+                     peer, token_label FROM idemgate_audit ORDER BY id DESC LIMIT ?1",
+                )
+                .map_err(err)?;
+            let mut rows = st.query(params![i64::from(limit)]).map_err(err)?;
+            let mut out = Vec::new();
+            while let Some(row) = rows.next().map_err(err)? {
+                out.push(decode_audit(row)?);
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn inspect(&self, scope: &Scope, audit_limit: u32) -> Result<Option<Inspection>, StoreError> {
+        let scope = scope.clone();
+        self.write(move |conn, now| {
+            let c = |e: rusqlite::Error| StoreError::Corrupt(e.to_string());
+            let sql = format!(
+                "SELECT {COLUMNS}, request, CASE WHEN probe_generation = generation THEN probe_attempts ELSE 0 END, next_probe_at, \
+                 CASE WHEN probe_generation = generation THEN probe_last_answer END FROM idemgate_records WHERE {PK}"
+            );
+            let mut st = conn.prepare_cached(&sql).map_err(err)?;
+            let mut rows = st.query(pk(&scope)).map_err(err)?;
+            let Some(row) = rows.next().map_err(err)? else { return Ok(None) };
+            let record = decode(row)?;
+            let request: Option<Vec<u8>> = row.get(NCOLS).map_err(c)?;
+            let probe_attempts: i32 = row.get(NCOLS + 1).map_err(c)?;
+            let next_probe_at: Option<i64> = row.get(NCOLS + 2).map_err(c)?;
+            let probe_last_answer: Option<String> = row.get(NCOLS + 3).map_err(c)?;
+            let mut st = conn
+                .prepare_cached(
+                    "SELECT id, at, actor, tenant, principal, operation, idempotency_key, from_state, to_state, reason, forced, generation, \
+                     peer, token_label FROM idemgate_audit WHERE tenant = ?1 AND principal = ?2 AND operation = ?3 AND idempotency_key = ?4 \
+                     ORDER BY id DESC LIMIT ?5",
+                )
+                .map_err(err)?;
+            let [t, p, o, k] = pk(&scope);
+            let mut rows = st.query(params![t, p, o, k, i64::from(audit_limit)]).map_err(err)?;
+            let mut audit = Vec::new();
+            while let Some(row) = rows.next().map_err(err)? {
+                audit.push(decode_audit(row)?);
+            }
+            Ok(Some(Inspection {
+                record,
+                now,
+                request: request.map(Bytes::from),
+                probe_attempts,
+                next_probe_at: next_probe_at.map(Timestamp),
+                probe_last_answer,
+                audit,
+            }))
+        })
+        .await
+    }
+}
