@@ -60,8 +60,8 @@ async fn a_repeated_field_in_another_order_is_another_request() {
 /// `body` (as the previous release wrote it), answered `{"seeded":<n>}`.
 async fn seed_v1(store: &idemgate::store::Store, key: &str, content_type: &str, query: &str, body: &[u8], n: u32) {
     use idemgate::idempotency::fingerprint::{FingerprintSpec, RequestParts, legacy_fingerprint};
+    use idemgate::idempotency::record::Retention;
     use idemgate::idempotency::record::StoredResponse;
-    use idemgate::request::route::Retention;
     use idemgate::store::{ClaimOutcome, ClaimRequest};
     let mut headers = http::HeaderMap::new();
     headers.insert("content-type", content_type.parse().unwrap());

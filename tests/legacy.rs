@@ -511,8 +511,8 @@ const COST_RECORDS: usize = 20_000;
 /// gateway writes them (claim, then complete), with or without a body.
 async fn fill(store: &idemgate::store::Store, tag: &str, body: Option<&'static [u8]>) {
     use futures_util::StreamExt;
+    use idemgate::idempotency::record::Retention;
     use idemgate::idempotency::record::StoredResponse;
-    use idemgate::request::route::Retention;
     use idemgate::store::{ClaimOutcome, ClaimRequest};
     let headers = vec![
         ("content-type".to_owned(), b"application/json".to_vec()),

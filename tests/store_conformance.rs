@@ -21,9 +21,9 @@ use bytes::Bytes;
 use idemgate::config::{Secret, StoreBackend, StoreConfig};
 use idemgate::idempotency::fingerprint::Fingerprint;
 use idemgate::idempotency::key::{IdempotencyKey, Scope};
+use idemgate::idempotency::record::Retention;
 use idemgate::idempotency::record::{self, Generation, Record, Refused, State, StoredResponse, Timestamp};
 use idemgate::outbox::{Delivery, EventPolicies, EventType, EventsConfig, OutboxEvent};
-use idemgate::request::route::Retention;
 use idemgate::store::audit::{Actor, AuditNote};
 use idemgate::store::{
     Acceptance, Claim, ClaimOutcome, ClaimRequest, ListFilter, ProbeRoute, Reaped, Resolution, ResolveOutcome, RetryNote, Store,

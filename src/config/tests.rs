@@ -1,7 +1,8 @@
 use std::time::Duration;
 
 use super::*;
-use crate::request::route::{ForwardKey, InFlightPolicy, Retention, RouteMode};
+use crate::idempotency::record::Retention;
+use crate::request::route::{ForwardKey, InFlightPolicy, RouteMode};
 
 const KEY_HASH: &str = "0000000000000000000000000000000000000000000000000000000000000000";
 

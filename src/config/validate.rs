@@ -17,12 +17,13 @@ use super::file::{
 use super::hardening::{Hardening, Warnings};
 use super::{AdminConfig, Config, DEFAULT_SQLITE_PATH, Secret, ServerConfig, StoreBackend, StoreConfig, UpstreamConfig, WorkersConfig};
 use crate::idempotency::fingerprint::{FingerprintSpec, JsonPointer};
+use crate::idempotency::record::Retention;
 use crate::outbox::{EventType, EventsConfig};
 use crate::request::authorize::AuthorizeConfig;
 use crate::request::identity::{Identity, IdentitySource};
 use crate::request::key_source::{KeySource, KeySources};
 use crate::request::reconcile_probe::{Probe, ProbeTarget};
-use crate::request::route::{ForwardKey, InFlightPolicy, PathTemplate, ReplayMode, Retention, RetryPolicy, Route, RouteMode, ScopeMode};
+use crate::request::route::{ForwardKey, InFlightPolicy, PathTemplate, ReplayMode, RetryPolicy, Route, RouteMode, ScopeMode};
 use crate::store::UnreachableAtStart;
 use crate::tls::client::ClientTls;
 use crate::tls::server::{ClientAuth, ListenerTls};

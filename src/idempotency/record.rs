@@ -407,10 +407,57 @@ pub fn transition(record: &Record, event: Event, now: Timestamp) -> Result<Next,
     }
 }
 
+/// How long a completed record is replayed before the sweeper deletes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retention {
+    For(Duration),
+    /// Never swept (`retention = "forever"`): for operations that must never
+    /// run twice whatever the delay between a request and its retry.
+    Forever,
+}
+
+impl Retention {
+    /// When a record completed at `now` stops being replayed.
+    pub fn expires_at(self, now: Timestamp) -> Timestamp {
+        match self {
+            Retention::For(d) => now.plus(d),
+            Retention::Forever => Timestamp::FOREVER,
+        }
+    }
+
+    /// The duration, unless forever.
+    pub fn finite(self) -> Option<Duration> {
+        match self {
+            Retention::For(d) => Some(d),
+            Retention::Forever => None,
+        }
+    }
+}
+
+/// `24h`, or `forever`.
+impl fmt::Display for Retention {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Retention::For(d) => write!(f, "{}", humantime::format_duration(*d)),
+            Retention::Forever => f.write_str("forever"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::idempotency::key::IdempotencyKey;
+
+    #[test]
+    fn retention_forever_never_expires() {
+        let now = Timestamp(1_000_000);
+        assert_eq!(Retention::For(Duration::from_secs(1)).expires_at(now), Timestamp(2_000_000));
+        assert_eq!(Retention::Forever.expires_at(now), Timestamp::FOREVER);
+        assert_eq!(Retention::Forever.to_string(), "forever");
+        assert_eq!(Retention::For(Duration::from_secs(86400)).to_string(), "1day");
+        assert_eq!(Retention::Forever.finite(), None);
+    }
 
     const NOW: Timestamp = Timestamp(1_000_000_000);
 

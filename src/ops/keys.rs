@@ -10,8 +10,8 @@ use bytes::Bytes;
 use serde_json::json;
 
 use crate::idempotency::key::{IdempotencyKey, Scope};
+use crate::idempotency::record::Retention;
 use crate::idempotency::record::{Record, Refused, State, StoredResponse, Timestamp};
-use crate::request::route::Retention;
 use crate::store::audit::{Actor, AuditEntry, AuditNote, Caller};
 use crate::store::{ListCursor, ListFilter, ProbeFence, Resolution, ResolveOutcome, Store, StoreError};
 

@@ -8,8 +8,9 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, request};
 use serde_json::json;
 
+use crate::idempotency::record::Retention;
 use crate::idempotency::record::{Record, State};
-use crate::request::route::{Retention, Route};
+use crate::request::route::Route;
 use crate::upstream::headers::is_hop_by_hop;
 
 /// Where clients poll an operation (on the proxy listener).

@@ -42,9 +42,9 @@ pub use health::NotReady;
 pub use startup::{Retry, StartError};
 
 use crate::idempotency::key::{Scope, ScopeId};
+use crate::idempotency::record::Retention;
 use crate::idempotency::record::{Attempt, Record, State, StoredResponse, Timestamp};
 use crate::outbox::{Delivery, EventPolicies, OutboxEvent};
-use crate::request::route::Retention;
 use crate::secret::Secret;
 use crate::store::audit::{AuditEntry, AuditNote};
 use crate::telemetry::metrics::Metrics;

@@ -6,14 +6,13 @@
 //! pass-through to some upstream, or no match. Requests are routed by their
 //! normal form, and spellings that have none are refused ([`normal`]).
 
-use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
 use http::{HeaderName, Method, StatusCode};
 
 use crate::idempotency::fingerprint::FingerprintSpec;
-use crate::idempotency::record::Timestamp;
+use crate::idempotency::record::Retention;
 use crate::request::key_source::KeySources;
 
 mod normal;
@@ -215,43 +214,6 @@ pub enum RouteMode {
     /// as `Sync` would, within `observe_budget`, and counts what enforcing
     /// would have changed (see `crate::proxy::observe`).
     Observe,
-}
-
-/// How long a completed record is replayed before the sweeper deletes it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Retention {
-    For(Duration),
-    /// Never swept (`retention = "forever"`): for operations that must never
-    /// run twice whatever the delay between a request and its retry.
-    Forever,
-}
-
-impl Retention {
-    /// When a record completed at `now` stops being replayed.
-    pub fn expires_at(self, now: Timestamp) -> Timestamp {
-        match self {
-            Retention::For(d) => now.plus(d),
-            Retention::Forever => Timestamp::FOREVER,
-        }
-    }
-
-    /// The duration, unless forever.
-    pub fn finite(self) -> Option<Duration> {
-        match self {
-            Retention::For(d) => Some(d),
-            Retention::Forever => None,
-        }
-    }
-}
-
-/// `24h`, or `forever`.
-impl fmt::Display for Retention {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Retention::For(d) => write!(f, "{}", humantime::format_duration(*d)),
-            Retention::Forever => f.write_str("forever"),
-        }
-    }
 }
 
 /// Retries of an async operation whose attempt was refused or declined.
@@ -532,16 +494,6 @@ mod tests {
             observe_budget: Duration::from_millis(50),
             reconcile: None,
         }
-    }
-
-    #[test]
-    fn retention_forever_never_expires() {
-        let now = Timestamp(1_000_000);
-        assert_eq!(Retention::For(Duration::from_secs(1)).expires_at(now), Timestamp(2_000_000));
-        assert_eq!(Retention::Forever.expires_at(now), Timestamp::FOREVER);
-        assert_eq!(Retention::Forever.to_string(), "forever");
-        assert_eq!(Retention::For(Duration::from_secs(86400)).to_string(), "1day");
-        assert_eq!(Retention::Forever.finite(), None);
     }
 
     #[test]

@@ -9,9 +9,9 @@ use uuid::Uuid;
 
 use super::records::Claim;
 use crate::idempotency::key::Scope;
+use crate::idempotency::record::Retention;
 use crate::idempotency::record::{Attempt, Record, Timestamp};
 use crate::outbox::EventPolicies;
-use crate::request::route::Retention;
 use crate::store::StoreError;
 
 /// An async operation route a worker serves, with the lease its attempts get.

@@ -8,9 +8,9 @@ use bytes::Bytes;
 use uuid::Uuid;
 
 use crate::idempotency::key::Scope;
+use crate::idempotency::record::Retention;
 use crate::idempotency::record::{Generation, Record, Refused, State, StoredResponse};
 use crate::outbox::EventPolicies;
-use crate::request::route::Retention;
 use crate::store::StoreError;
 use crate::store::audit::AuditNote;
 

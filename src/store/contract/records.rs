@@ -9,9 +9,9 @@ use uuid::Uuid;
 
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::{Scope, ScopeId};
+use crate::idempotency::record::Retention;
 use crate::idempotency::record::{Attempt, Generation, Record, State, StoredResponse, Timestamp};
 use crate::outbox::EventPolicies;
-use crate::request::route::Retention;
 use crate::store::StoreError;
 use crate::telemetry::stats::{ForeverCount, StateCount};
 

@@ -19,9 +19,9 @@ use super::{
 };
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::{IdempotencyKey, Scope, ScopeId};
+use crate::idempotency::record::Retention;
 use crate::idempotency::record::{Attempt, Generation, Next, Record, Refused, State, StoredResponse, Timestamp, may_take_over, transition};
 use crate::outbox::{Delivery, EventPolicies, EventType, OutboxEvent};
-use crate::request::route::Retention;
 use crate::store::audit::{self, AuditEntry, AuditNote};
 use crate::telemetry::logging::ErrorChain;
 use async_trait::async_trait;

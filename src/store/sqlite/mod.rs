@@ -39,11 +39,11 @@ use super::{
 };
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::{IdempotencyKey, Scope, ScopeId};
+use crate::idempotency::record::Retention;
 use crate::idempotency::record::{
     Attempt, Event, Generation, Next, Record, Refused, State, StoredResponse, Timestamp, may_take_over, transition,
 };
 use crate::outbox::{Delivery, EventPolicies, EventType, OutboxEvent};
-use crate::request::route::Retention;
 use crate::store::audit::{self, AuditEntry, AuditNote};
 use async_trait::async_trait;
 
