@@ -1,8 +1,9 @@
 //! The store: one contract, two backends (PostgreSQL for several replicas,
 //! embedded SQLite for one), one protocol.
 //!
-//! - [`contract`]: the [`RecordStore`] trait each backend implements (single
-//!   protocol steps) and the types it speaks.
+//! - [`contract`]: the traits each backend implements, one per concern
+//!   ([`Lifecycle`], [`Records`], [`Queue`], [`Reconcile`], [`Events`],
+//!   [`Trail`]; [`RecordStore`] is their sum), and the types they speak.
 //! - [`postgres::PgStore`] and [`sqlite::SqliteStore`]: the two backends.
 //! - [`Store`] (here): what must not differ between them — bounded operation
 //!   time, reading a row back after an ambiguous write (the `claim_token`

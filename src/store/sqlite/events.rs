@@ -150,3 +150,33 @@ impl Events for SqliteStore {
         .await
     }
 }
+
+const EVENT_COLUMNS: &str = "seq, event_id, event_type, tenant, principal, operation, idempotency_key, generation, status, operation_id, \
+     actor, at, body, delivery, attempts, next_attempt_at, last_error, sent_at";
+
+fn decode_event(row: &rusqlite::Row<'_>) -> Result<OutboxEvent, StoreError> {
+    let c = |e: rusqlite::Error| StoreError::Corrupt(e.to_string());
+    let key: String = row.get(6).map_err(c)?;
+    let key = IdempotencyKey::new(&key).map_err(|e| StoreError::Corrupt(format!("event idempotency_key: {e}")))?;
+    let id: Vec<u8> = row.get(1).map_err(c)?;
+    let kind: String = row.get(2).map_err(c)?;
+    let delivery: String = row.get(13).map_err(c)?;
+    let (tenant, principal, operation): (String, String, String) = (row.get(3).map_err(c)?, row.get(4).map_err(c)?, row.get(5).map_err(c)?);
+    Ok(OutboxEvent {
+        seq: row.get(0).map_err(c)?,
+        id: Uuid::from_slice(&id).map_err(|_| StoreError::Corrupt("event_id is not 16 bytes".into()))?,
+        event_type: EventType::parse(&kind).ok_or_else(|| StoreError::Corrupt(format!("event type {kind:?}")))?,
+        scope: Scope { tenant: tenant.into(), principal: principal.into(), operation: operation.into(), key },
+        generation: row.get::<_, Option<i64>>(7).map_err(c)?.map(Generation),
+        status: row.get::<_, Option<i64>>(8).map_err(c)?.and_then(|s| u16::try_from(s).ok()),
+        operation_id: row.get(9).map_err(c)?,
+        actor: row.get(10).map_err(c)?,
+        at: Timestamp(row.get(11).map_err(c)?),
+        body: row.get(12).map_err(c)?,
+        delivery: Delivery::parse(&delivery).ok_or_else(|| StoreError::Corrupt(format!("event delivery {delivery:?}")))?,
+        attempts: row.get(14).map_err(c)?,
+        next_attempt_at: Timestamp(row.get(15).map_err(c)?),
+        last_error: row.get(16).map_err(c)?,
+        sent_at: row.get::<_, Option<i64>>(17).map_err(c)?.map(Timestamp),
+    })
+}

@@ -241,19 +241,6 @@ impl SqliteStore {
     }
 }
 
-/// Whether the probe identified by `fence` still holds `record`: unknown, at
-/// the generation probed, marked with the probe's token.
-fn probe_holds(tx: &Connection, scope: &Scope, record: &Record, fence: ProbeFence) -> Result<bool, StoreError> {
-    if record.state != State::Unknown || record.generation != fence.generation {
-        return Ok(false);
-    }
-    let token: Option<Vec<u8>> = tx
-        .prepare_cached(&format!("SELECT probe_token FROM idemgate_records WHERE {PK}"))
-        .and_then(|mut st| st.query_row(pk(scope), |r| r.get(0)))
-        .map_err(err)?;
-    Ok(token.as_deref() == Some(fence.token.as_bytes().as_slice()))
-}
-
 /// The writer thread: takes every job queued, runs them in one `BEGIN
 /// IMMEDIATE` transaction (each under a savepoint, so one failing job does not
 /// undo the others), commits once, then delivers each result. Ends when the
@@ -471,9 +458,6 @@ fn write_response(
         .map(drop)
 }
 
-const EVENT_COLUMNS: &str = "seq, event_id, event_type, tenant, principal, operation, idempotency_key, generation, status, operation_id, \
-     actor, at, body, delivery, attempts, next_attempt_at, last_error, sent_at";
-
 /// An event to write with a state change.
 struct NewEvent<'a> {
     kind: EventType,
@@ -511,33 +495,6 @@ fn insert_event(tx: &Connection, e: &NewEvent<'_>, generation: Option<Generation
     .map(drop)
 }
 
-fn decode_event(row: &rusqlite::Row<'_>) -> Result<OutboxEvent, StoreError> {
-    let c = |e: rusqlite::Error| StoreError::Corrupt(e.to_string());
-    let key: String = row.get(6).map_err(c)?;
-    let key = IdempotencyKey::new(&key).map_err(|e| StoreError::Corrupt(format!("event idempotency_key: {e}")))?;
-    let id: Vec<u8> = row.get(1).map_err(c)?;
-    let kind: String = row.get(2).map_err(c)?;
-    let delivery: String = row.get(13).map_err(c)?;
-    let (tenant, principal, operation): (String, String, String) = (row.get(3).map_err(c)?, row.get(4).map_err(c)?, row.get(5).map_err(c)?);
-    Ok(OutboxEvent {
-        seq: row.get(0).map_err(c)?,
-        id: Uuid::from_slice(&id).map_err(|_| StoreError::Corrupt("event_id is not 16 bytes".into()))?,
-        event_type: EventType::parse(&kind).ok_or_else(|| StoreError::Corrupt(format!("event type {kind:?}")))?,
-        scope: Scope { tenant: tenant.into(), principal: principal.into(), operation: operation.into(), key },
-        generation: row.get::<_, Option<i64>>(7).map_err(c)?.map(Generation),
-        status: row.get::<_, Option<i64>>(8).map_err(c)?.and_then(|s| u16::try_from(s).ok()),
-        operation_id: row.get(9).map_err(c)?,
-        actor: row.get(10).map_err(c)?,
-        at: Timestamp(row.get(11).map_err(c)?),
-        body: row.get(12).map_err(c)?,
-        delivery: Delivery::parse(&delivery).ok_or_else(|| StoreError::Corrupt(format!("event delivery {delivery:?}")))?,
-        attempts: row.get(14).map_err(c)?,
-        next_attempt_at: Timestamp(row.get(15).map_err(c)?),
-        last_error: row.get(16).map_err(c)?,
-        sent_at: row.get::<_, Option<i64>>(17).map_err(c)?.map(Timestamp),
-    })
-}
-
 /// Draws the next generation (store-wide, strictly increasing) inside the
 /// caller's transaction.
 fn next_generation(tx: &Connection) -> Result<Generation, StoreError> {
@@ -545,28 +502,6 @@ fn next_generation(tx: &Connection) -> Result<Generation, StoreError> {
         .and_then(|mut st| st.query_row([], |r| r.get(0)))
         .map(Generation)
         .map_err(err)
-}
-
-fn decode_audit(row: &rusqlite::Row<'_>) -> Result<AuditEntry, StoreError> {
-    let c = |e: rusqlite::Error| StoreError::Corrupt(e.to_string());
-    let key: String = row.get(6).map_err(c)?;
-    let key = IdempotencyKey::new(&key).map_err(|e| StoreError::Corrupt(format!("audit idempotency_key: {e}")))?;
-    let tenant: String = row.get(3).map_err(c)?;
-    let principal: String = row.get(4).map_err(c)?;
-    let operation: String = row.get(5).map_err(c)?;
-    Ok(AuditEntry {
-        id: row.get(0).map_err(c)?,
-        at: Timestamp(row.get(1).map_err(c)?),
-        actor: row.get(2).map_err(c)?,
-        scope: Scope { tenant: tenant.into(), principal: principal.into(), operation: operation.into(), key },
-        from_state: row.get(7).map_err(c)?,
-        to_state: row.get(8).map_err(c)?,
-        reason: row.get(9).map_err(c)?,
-        forced: row.get(10).map_err(c)?,
-        generation: row.get::<_, Option<i64>>(11).map_err(c)?.map(Generation),
-        peer: row.get(12).map_err(c)?,
-        token: row.get(13).map_err(c)?,
-    })
 }
 
 fn decode(row: &rusqlite::Row<'_>) -> Result<Record, StoreError> {

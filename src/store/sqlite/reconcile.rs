@@ -169,3 +169,16 @@ impl Reconcile for SqliteStore {
         .await
     }
 }
+
+/// Whether the probe identified by `fence` still holds `record`: unknown, at
+/// the generation probed, marked with the probe's token.
+fn probe_holds(tx: &Connection, scope: &Scope, record: &Record, fence: ProbeFence) -> Result<bool, StoreError> {
+    if record.state != State::Unknown || record.generation != fence.generation {
+        return Ok(false);
+    }
+    let token: Option<Vec<u8>> = tx
+        .prepare_cached(&format!("SELECT probe_token FROM idemgate_records WHERE {PK}"))
+        .and_then(|mut st| st.query_row(pk(scope), |r| r.get(0)))
+        .map_err(err)?;
+    Ok(token.as_deref() == Some(fence.token.as_bytes().as_slice()))
+}

@@ -64,3 +64,25 @@ impl Trail for SqliteStore {
         .await
     }
 }
+
+fn decode_audit(row: &rusqlite::Row<'_>) -> Result<AuditEntry, StoreError> {
+    let c = |e: rusqlite::Error| StoreError::Corrupt(e.to_string());
+    let key: String = row.get(6).map_err(c)?;
+    let key = IdempotencyKey::new(&key).map_err(|e| StoreError::Corrupt(format!("audit idempotency_key: {e}")))?;
+    let tenant: String = row.get(3).map_err(c)?;
+    let principal: String = row.get(4).map_err(c)?;
+    let operation: String = row.get(5).map_err(c)?;
+    Ok(AuditEntry {
+        id: row.get(0).map_err(c)?,
+        at: Timestamp(row.get(1).map_err(c)?),
+        actor: row.get(2).map_err(c)?,
+        scope: Scope { tenant: tenant.into(), principal: principal.into(), operation: operation.into(), key },
+        from_state: row.get(7).map_err(c)?,
+        to_state: row.get(8).map_err(c)?,
+        reason: row.get(9).map_err(c)?,
+        forced: row.get(10).map_err(c)?,
+        generation: row.get::<_, Option<i64>>(11).map_err(c)?.map(Generation),
+        peer: row.get(12).map_err(c)?,
+        token: row.get(13).map_err(c)?,
+    })
+}
