@@ -51,6 +51,7 @@
 //!   warnings thinned during an outage ([`telemetry::throttle`]).
 //! - [`config`]: the TOML file, validated into typed values (two stages).
 //! - [`tls`]: rustls on the listeners, towards upstreams and PostgreSQL.
+//! - [`retry`]: the one backoff and the one "until the lease runs out" loop.
 //! - [`secret`]: values that never reach a log or an answer.
 //! - [`demo`]: `idemgate demo`, the real gateway in front of a small service.
 
@@ -66,6 +67,7 @@ pub mod outbox;
 pub mod problem;
 pub mod proxy;
 pub mod request;
+pub mod retry;
 pub mod secret;
 pub mod server;
 pub mod store;

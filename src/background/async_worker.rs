@@ -14,11 +14,11 @@ use tokio_util::task::TaskTracker;
 
 use crate::executor::Executor;
 use crate::request::route::Route;
+use crate::retry::Backoff;
 use crate::store::{Store, WorkerRoute};
 
-/// Poll interval bounds for idle workers.
-const IDLE_MIN: Duration = Duration::from_millis(20);
-const IDLE_MAX: Duration = Duration::from_millis(500);
+/// The poll interval of an idle worker.
+const IDLE: Backoff = Backoff::new(Duration::from_millis(20), Duration::from_millis(500));
 /// Pause after a store error before taking again.
 const ERROR_PAUSE: Duration = Duration::from_secs(1);
 
@@ -59,11 +59,11 @@ impl AsyncWorkers {
 
     async fn run(&self, index: usize, executor: Executor, shutdown: CancellationToken) {
         tracing::debug!(worker = index, "async worker started");
-        let mut idle = IDLE_MIN;
+        let mut idle_rounds = 1;
         while !shutdown.is_cancelled() {
             match self.store.take(&self.take, &self.owner).await {
                 Ok(Some(taken)) => {
-                    idle = IDLE_MIN;
+                    idle_rounds = 1;
                     let Some(route) = self.routes.iter().find(|r| r.operation == taken.record.scope.operation) else { continue };
                     tracing::debug!(worker = index, route = %route.operation, scope = %taken.claim.scope.log_id(),
                         generation = %taken.claim.generation, attempt = taken.record.attempts, "took an operation");
@@ -72,8 +72,8 @@ impl AsyncWorkers {
                 Ok(None) => {
                     tokio::select! {
                         _ = shutdown.cancelled() => break,
-                        _ = self.wake.notified() => idle = IDLE_MIN,
-                        _ = tokio::time::sleep(idle) => idle = (idle * 2).min(IDLE_MAX),
+                        _ = self.wake.notified() => idle_rounds = 1,
+                        _ = tokio::time::sleep(IDLE.after(idle_rounds)) => idle_rounds += 1,
                     }
                 }
                 Err(e) => {

@@ -17,6 +17,7 @@ use uuid::Uuid;
 
 use crate::outbox::{EventsConfig, OutboxEvent, payload, signature};
 use crate::request::route::Route;
+use crate::retry::Backoff;
 use crate::store::Store;
 use crate::telemetry::metrics::Metrics;
 use crate::upstream::body::Body;
@@ -24,13 +25,11 @@ use crate::upstream::side_client::{self, SideClient};
 
 /// Events taken per round.
 const BATCH: u32 = 128;
-/// Poll interval bounds when nothing is deliverable.
-const IDLE_MIN: Duration = Duration::from_millis(50);
-const IDLE_MAX: Duration = Duration::from_secs(1);
-/// Backoff of an event (and its destination) after a failure: doubling from
-/// this, capped at `BACKOFF_MAX`.
-const BACKOFF_MIN: Duration = Duration::from_millis(200);
-const BACKOFF_MAX: Duration = Duration::from_secs(60);
+/// The poll interval while nothing is deliverable.
+const IDLE: Backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+/// The wait of an event (and its destination) after a failure, jittered:
+/// relays of several replicas do not return to a receiver in step.
+const RETRY: Backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(60));
 
 pub struct Relay {
     store: Store,
@@ -62,7 +61,7 @@ impl Relay {
         // crashed relay's events are soon delivered by another.
         let timeout = self.routes.values().map(|e| e.timeout).max().unwrap_or(Duration::from_secs(5));
         let lease = timeout + timeout.max(Duration::from_secs(1));
-        let mut idle = IDLE_MIN;
+        let mut idle_rounds = 1;
         while !shutdown.is_cancelled() {
             let now = tokio::time::Instant::now();
             self.backoff.retain(|_, (until, _)| *until > now);
@@ -70,7 +69,7 @@ impl Relay {
             let taken = if ready.is_empty() { Ok(Vec::new()) } else { self.store.take_events(&ready, BATCH, lease, token).await };
             match taken {
                 Ok(events) if !events.is_empty() => {
-                    idle = IDLE_MIN;
+                    idle_rounds = 1;
                     // At most one event per scope is deliverable at a time, so the
                     // batch can go out concurrently without reordering a scope.
                     let outcomes = join_all(events.iter().map(|e| self.deliver(e))).await;
@@ -88,14 +87,14 @@ impl Relay {
                 Ok(_) => {
                     tokio::select! {
                         _ = shutdown.cancelled() => break,
-                        _ = tokio::time::sleep(idle) => idle = (idle * 2).min(IDLE_MAX),
+                        _ = tokio::time::sleep(IDLE.after(idle_rounds)) => idle_rounds += 1,
                     }
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "outbox relay could not take events");
                     tokio::select! {
                         _ = shutdown.cancelled() => break,
-                        _ = tokio::time::sleep(IDLE_MAX) => {}
+                        _ = tokio::time::sleep(IDLE.max) => {}
                     }
                 }
             }
@@ -156,9 +155,9 @@ impl Relay {
         let Some(dest) = self.routes.get(&event.scope.operation).cloned() else { return };
         let attempts = u32::try_from(event.attempts).unwrap_or(0) + 1;
         let park = attempts >= dest.max_attempts;
-        let retry_after = backoff(attempts);
+        let retry_after = RETRY.jittered(attempts);
         let failures = self.backoff.get(&dest.url).map_or(0, |(_, n)| *n) + 1;
-        self.backoff.insert(dest.url.clone(), (tokio::time::Instant::now() + backoff(failures), failures));
+        self.backoff.insert(dest.url.clone(), (tokio::time::Instant::now() + RETRY.jittered(failures), failures));
         tracing::warn!(event = %event.id, scope = %event.scope.log_id(), error = %why, attempts, park, "event delivery failed");
         self.metrics.event_delivery(if park { "parked" } else { "failed" });
         match self.store.event_failed(event.seq, token, &why, retry_after, park).await {
@@ -166,21 +165,5 @@ impl Relay {
             Ok(false) => tracing::warn!(event = %event.id, "event lease lost before it was marked"),
             Err(e) => tracing::warn!(event = %event.id, error = %e, "could not mark the event"),
         }
-    }
-}
-
-fn backoff(attempts: u32) -> Duration {
-    BACKOFF_MIN.saturating_mul(1 << attempts.saturating_sub(1).min(20)).min(BACKOFF_MAX)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn backoff_doubles_and_is_capped() {
-        assert_eq!(backoff(1), BACKOFF_MIN);
-        assert_eq!(backoff(2), BACKOFF_MIN * 2);
-        assert_eq!(backoff(30), BACKOFF_MAX);
     }
 }

@@ -29,6 +29,7 @@ use crate::idempotency::record::StoredResponse;
 use crate::problem::GatewayError;
 use crate::request::async_op::StoredRequest;
 use crate::request::route::{ForwardKey, ReplayMode, Route};
+use crate::retry;
 use crate::secret::DerivedKeySecret;
 use crate::store::{Claim, RetryNote, Store, Taken, WriteOutcome};
 use crate::telemetry::metrics::Metrics;
@@ -446,14 +447,11 @@ impl Executor {
         let (store, claim, lease) = (self.store.clone(), claim.clone(), route.lease);
         self.tracker.spawn(async move {
             let deadline = tokio::time::Instant::now() + lease;
-            while tokio::time::Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(250)).await;
-                if store.release(&claim).await.is_ok() {
-                    tracing::info!(scope = %claim.scope.log_id(), "key released after the store came back");
-                    return;
-                }
+            if retry::while_leased(deadline, true, || async { store.release(&claim).await.ok() }).await.is_some() {
+                tracing::info!(scope = %claim.scope.log_id(), "key released after the store came back");
+            } else {
+                tracing::error!(scope = %claim.scope.log_id(), "could not release the key; its lease will turn it unknown");
             }
-            tracing::error!(scope = %claim.scope.log_id(), "could not release the key; its lease will turn it unknown");
         });
     }
 
@@ -466,18 +464,11 @@ impl Executor {
         // clock; a retry past it is fenced off, never harmful).
         let deadline = tokio::time::Instant::now() + route.lease;
         self.tracker.spawn(async move {
-            while tokio::time::Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(250)).await;
-                match store.complete(&claim, &stored, retention).await {
-                    Ok(WriteOutcome::Written) => {
-                        tracing::info!(scope = %claim.scope.log_id(), "result recorded after the store came back");
-                        return;
-                    }
-                    Ok(WriteOutcome::Fenced) => return,
-                    Err(_) => {}
-                }
+            match retry::while_leased(deadline, true, || async { store.complete(&claim, &stored, retention).await.ok() }).await {
+                Some(WriteOutcome::Written) => tracing::info!(scope = %claim.scope.log_id(), "result recorded after the store came back"),
+                Some(WriteOutcome::Fenced) => {}
+                None => tracing::error!(scope = %claim.scope.log_id(), "could not record the result; its lease will turn it unknown"),
             }
-            tracing::error!(scope = %claim.scope.log_id(), "could not record the result; its lease will turn it unknown");
         });
     }
 

@@ -11,6 +11,7 @@
 //! ([`Waiters::settled`]): a client that retries on the replica that
 //! answered it is replayed the answer it got, not told "in flight".
 
+use crate::retry::Backoff;
 use std::collections::HashMap;
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
@@ -119,7 +120,7 @@ impl Waiters {
 
     /// Sleeps until woken, a poll interval passes (growing with `round`), or the deadline.
     pub async fn wait(&self, scope: &Scope, round: usize, deadline: tokio::time::Instant) {
-        let poll = WAIT_POLL_MIN.saturating_mul(1 << round.min(5)).min(WAIT_POLL_MAX);
+        let poll = Backoff::new(WAIT_POLL_MIN, WAIT_POLL_MAX).after(u32::try_from(round).unwrap_or(u32::MAX).saturating_add(1));
         let until = (tokio::time::Instant::now() + poll).min(deadline);
         tokio::select! {
             _ = self.shard(scope).notified() => {}

@@ -316,14 +316,16 @@ async fn record(store: &Store, route: &Route, held: &Claim, answer: Captured) {
 /// background task), so a request that never reached the upstream does not
 /// end up `unknown` because the store blinked.
 async fn release(store: &Store, route: &Route, held: &Claim) -> Result<WriteOutcome, crate::store::StoreError> {
+    match store.release(held).await {
+        Err(_) => {}
+        written => return written,
+    }
     let deadline = tokio::time::Instant::now() + route.lease;
-    loop {
-        match store.release(held).await {
-            Err(_) if tokio::time::Instant::now() + Duration::from_millis(250) < deadline => {
-                tokio::time::sleep(Duration::from_millis(250)).await;
-            }
-            other => return other,
-        }
+    let retried = crate::retry::while_leased(deadline, true, || async { store.release(held).await.ok() }).await;
+    // Out of lease: one last try, whose error is the answer.
+    match retried {
+        Some(written) => Ok(written),
+        None => store.release(held).await,
     }
 }
 

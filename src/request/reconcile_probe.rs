@@ -49,8 +49,7 @@ impl Probe {
     /// `interval`, doubling, at most [`MAX_PROBE_BACKOFF`] (never less than
     /// `interval`).
     pub fn backoff(&self, attempts: i32) -> Duration {
-        let doublings = u32::try_from(attempts.saturating_sub(1)).unwrap_or(0).min(30);
-        self.interval.saturating_mul(1 << doublings).min(MAX_PROBE_BACKOFF).max(self.interval)
+        crate::retry::Backoff::new(self.interval, MAX_PROBE_BACKOFF).after(u32::try_from(attempts).unwrap_or(0))
     }
 }
 

@@ -345,14 +345,15 @@ impl Store {
         let (store, scope) = (self.clone(), scope.clone());
         tracker.spawn(async move {
             let deadline = tokio::time::Instant::now() + lease;
-            while tokio::time::Instant::now() < deadline {
-                if let Ok(true) = store.abandon(&scope, claim_token).await {
-                    tracing::info!(scope = %scope.log_id(), "unconfirmed claim abandoned");
-                    return;
-                }
-                tokio::time::sleep(Duration::from_millis(250)).await;
+            let abandoned = crate::retry::while_leased(deadline, false, || async {
+                // Ok(false): nothing to abandon yet; the claim may still commit.
+                store.abandon(&scope, claim_token).await.ok().filter(|deleted| *deleted)
+            });
+            if abandoned.await.is_some() {
+                tracing::info!(scope = %scope.log_id(), "unconfirmed claim abandoned");
+            } else {
+                tracing::debug!(scope = %scope.log_id(), "no unconfirmed claim appeared before its lease would have run out");
             }
-            tracing::debug!(scope = %scope.log_id(), "no unconfirmed claim appeared before its lease would have run out");
         });
     }
 

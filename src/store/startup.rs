@@ -10,6 +10,7 @@
 //! is served), and [`Retry`] tries again with jittered exponential backoff
 //! until the store answers; then the migrations run and the store opens.
 
+use crate::retry::Backoff;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -18,9 +19,10 @@ use tokio_util::sync::CancellationToken;
 use super::{Store, StoreError};
 use crate::secret::DerivedKeySecret;
 
-/// The first wait between two attempts, and the longest.
-const FIRST_RETRY: Duration = Duration::from_millis(250);
-const MAX_RETRY: Duration = Duration::from_secs(10);
+/// The waits between two attempts: a quarter second doubling to ten,
+/// jittered so that replicas that lost the store together do not come back in
+/// step.
+const RETRY: Backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
 
 /// Why the store could not be brought up.
 #[derive(Debug, thiserror::Error)]
@@ -96,7 +98,7 @@ impl Retry {
     pub async fn run(self, shutdown: CancellationToken) {
         let mut attempt = 0u32;
         loop {
-            let wait = backoff(attempt, jitter());
+            let wait = RETRY.jittered(attempt.saturating_add(1));
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = tokio::time::sleep(wait) => {}
@@ -107,7 +109,7 @@ impl Retry {
                     return;
                 }
                 Err(e) => {
-                    let next = backoff(attempt + 1, 1.0);
+                    let next = RETRY.after(attempt.saturating_add(2));
                     if e.unreachable() {
                         tracing::warn!(error = %e, retry_within = ?next, "store still unreachable; idempotent routes answer 503, pass-through is served");
                     } else {
@@ -118,19 +120,6 @@ impl Retry {
             attempt = attempt.saturating_add(1);
         }
     }
-}
-
-/// The wait before attempt `attempt + 1`: `FIRST_RETRY` doubling up to
-/// `MAX_RETRY`, scaled by `jitter` (in `0.5..=1.0`, so replicas that lost the
-/// store together do not come back in step).
-fn backoff(attempt: u32, jitter: f64) -> Duration {
-    FIRST_RETRY.saturating_mul(1 << attempt.min(16)).min(MAX_RETRY).mul_f64(jitter.clamp(0.5, 1.0))
-}
-
-/// A factor in `0.5..1.0`, from the random bits of a fresh UUID.
-fn jitter() -> f64 {
-    let bits = uuid::Uuid::new_v4().as_u128() as u64;
-    0.5 + (bits >> 11) as f64 / (1u64 << 53) as f64 / 2.0
 }
 
 #[cfg(test)]
@@ -146,17 +135,5 @@ mod tests {
         assert!(!unavailable(r#"no database connection: db error: FATAL: password authentication failed for user "u" (SQLSTATE 28P01)"#));
         assert!(!StartError::NoSecret.unreachable());
         assert!(!StartError::Store(StoreError::Migration("0003: syntax error".into())).unreachable());
-    }
-
-    #[test]
-    fn backoff_doubles_to_its_cap_with_jitter() {
-        let full: Vec<u128> = (0..8).map(|a| backoff(a, 1.0).as_millis()).collect();
-        assert_eq!(full, vec![250, 500, 1000, 2000, 4000, 8000, 10_000, 10_000]);
-        assert_eq!(backoff(u32::MAX, 1.0), MAX_RETRY);
-        assert_eq!(backoff(2, 0.5).as_millis(), 500);
-        for _ in 0..100 {
-            let j = jitter();
-            assert!((0.5..1.0).contains(&j), "{j}");
-        }
     }
 }

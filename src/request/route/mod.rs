@@ -14,6 +14,7 @@ use http::{HeaderName, Method, StatusCode};
 use crate::idempotency::fingerprint::FingerprintSpec;
 use crate::idempotency::record::Retention;
 use crate::request::key_source::KeySources;
+use crate::retry::Backoff;
 
 mod normal;
 #[cfg(test)]
@@ -229,9 +230,9 @@ impl RetryPolicy {
     pub const MAX_BACKOFF: Duration = Duration::from_secs(60);
 
     /// The delay after attempt number `attempts` (1-based) failed.
+    /// (Not jittered: the schedule is the route's, as configured.)
     pub fn delay(&self, attempts: i32) -> Duration {
-        let doublings = u32::try_from(attempts.saturating_sub(1)).unwrap_or(0).min(20);
-        self.backoff.saturating_mul(1 << doublings).min(Self::MAX_BACKOFF)
+        Backoff::new(self.backoff, Self::MAX_BACKOFF).after(u32::try_from(attempts).unwrap_or(0)).min(Self::MAX_BACKOFF)
     }
 }
 

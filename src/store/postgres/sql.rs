@@ -21,7 +21,7 @@
 //!   batch of up to 128 keys should cost against a table of any size.
 //! - **Statement shape**: a statement that finds its row by the primary key
 //!   tests `state` (or an event's `delivery`) with `CASE`
-//!   ([`state_is`]-style text below), which the planner can neither use as
+//!   (`CASE state WHEN ... THEN true ELSE false END`), which the planner can neither use as
 //!   an index condition nor use to prove a partial index's predicate. So the
 //!   primary key is the only index such a statement can use, and a table full
 //!   of dead `in_flight` entries in the `open` index cannot be scanned
