@@ -22,7 +22,7 @@ use bytes::Bytes;
 use http::{HeaderValue, Response, request};
 use tokio_util::task::TaskTracker;
 
-use crate::executor::classify::Class;
+use crate::executor::classify::{Class, SyncWrite};
 use crate::executor::waiters::{Recording, Waiters};
 use crate::idempotency::outcome::{AttemptOutcome, Outcome};
 use crate::idempotency::record::StoredResponse;
@@ -68,6 +68,18 @@ pub enum Exchange {
     /// The request was sent; the upstream may have executed it, but its
     /// answer is lost.
     MaybeExecuted(UpstreamError),
+}
+
+impl Exchange {
+    /// The classifier's word on this exchange.
+    pub fn class(&self) -> Class {
+        match self {
+            Exchange::Answered { .. } => Class::Answered,
+            Exchange::Declined { no_store, .. } => Class::Declined { no_store: *no_store },
+            Exchange::NotSent(_) => Class::NotSent,
+            Exchange::MaybeExecuted(_) => Class::MaybeExecuted,
+        }
+    }
 }
 
 /// An upstream response body as read for recording.
@@ -192,19 +204,29 @@ impl Executor {
         body: Bytes,
     ) -> Result<(Response<Body>, Outcome, Option<ResultWrite<'a>>), GatewayError> {
         let upstream_timeout = self.upstreams[route.upstream].config.timeout;
-        match self.exchange(route, claim, parts, body).await {
+        let exchange = self.exchange(route, claim, parts, body).await;
+        // What the record becomes is the classifier's word (observe mode
+        // writes by the same table); a completion is written after the
+        // answer, by `ResultWrite`.
+        let write = exchange.class().sync_write();
+        match (write, &exchange) {
+            (SyncWrite::Release, _) => self.release(route, claim).await,
+            (SyncWrite::MarkUnknown, Exchange::NotSent(e) | Exchange::MaybeExecuted(e)) => self.record_unknown(route, claim, e).await,
+            (SyncWrite::MarkUnknown, _) => {
+                if let Err(se) = self.store.mark_unknown(claim).await {
+                    tracing::error!(scope = %claim.scope.log_id(), error = %se, "could not record unknown; the lease expiry will");
+                }
+            }
+            (SyncWrite::Complete, _) => {}
+        }
+        match exchange {
             Exchange::NotSent(e) => {
-                tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "upstream not reached; key released");
-                self.release(route, claim).await;
+                tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "upstream not reached");
                 Err(GatewayError::UpstreamUnavailable)
             }
-            Exchange::MaybeExecuted(e) => {
-                self.record_unknown(route, claim, &e).await;
-                Err(GatewayError::OutcomeUnknown)
-            }
+            Exchange::MaybeExecuted(_) => Err(GatewayError::OutcomeUnknown),
             Exchange::Declined { head, body, no_store } => {
-                self.release(route, claim).await;
-                tracing::debug!(scope = %claim.scope.log_id(), status = head.status.as_u16(), no_store, "key released");
+                tracing::debug!(scope = %claim.scope.log_id(), status = head.status.as_u16(), no_store, ?write, "upstream declined recording");
                 Ok((Response::from_parts(head, Body::stream(body, upstream_timeout)), Outcome::Released, None))
             }
             Exchange::Answered { head, body } => {
@@ -222,9 +244,14 @@ impl Executor {
                 );
                 // Listed before the client can have its answer, so that its
                 // retry on this replica waits for the write.
-                let recording = self.waiters.recording(&claim.scope);
-                let write = ResultWrite { executor: self, route, claim: claim.clone(), stored, _recording: recording };
-                Ok((Response::from_parts(head, client_body), Outcome::Forwarded, Some(write)))
+                let result = (write == SyncWrite::Complete).then(|| ResultWrite {
+                    executor: self,
+                    route,
+                    claim: claim.clone(),
+                    stored,
+                    _recording: self.waiters.recording(&claim.scope),
+                });
+                Ok((Response::from_parts(head, client_body), Outcome::Forwarded, result))
             }
         }
     }
