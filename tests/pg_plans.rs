@@ -1,6 +1,6 @@
 //! Plans that are right from the first request, whatever the statistics
 //! (issue #9). Every statement the PostgreSQL store sends
-//! (`idemgate::store::postgres::sql::catalog()`, the store's own texts) is
+//! (`idemgate::store::postgres::catalog::catalog()`, the store's own texts) is
 //! prepared with the gateway's own session settings and explained as the
 //! generic plan the gateway runs, on:
 //!
@@ -27,7 +27,8 @@ use std::time::Duration;
 
 use idemgate::config::{Secret, StoreBackend, StoreConfig};
 use idemgate::idempotency::key::{IdempotencyKey, Scope};
-use idemgate::store::postgres::sql::{SESSION_SETTINGS, Statement, catalog};
+use idemgate::store::postgres::catalog::{Statement, catalog};
+use idemgate::store::postgres::sql::SESSION_SETTINGS;
 use idemgate::store::{Access, Store};
 use serde_json::Value;
 use support::postgres as pg;

@@ -52,6 +52,7 @@ mod records;
 mod trail;
 
 mod batch;
+pub mod catalog;
 mod failover;
 pub mod sql;
 

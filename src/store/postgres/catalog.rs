@@ -1,0 +1,88 @@
+//! Every statement the PostgreSQL store sends during operation (migrations
+//! aside), with the indexes each may use: `tests/pg_plans.rs` runs `EXPLAIN`
+//! on each of them (see [`super::sql`] for why the plans must not depend on
+//! statistics).
+
+use super::events::{
+    EVENT_FAILED, EVENT_INSERT_ONE, EVENT_STATS, EVENTS, EVENTS_BY_DELIVERY, EVENTS_DELIVERED, REDELIVER, SWEEP_EVENTS, TAKE_EVENTS,
+};
+use super::lifecycle::{PROBE_WRITE, SETTING};
+use super::queue::{FAIL, HEARTBEAT, MARK_SENT, OPERATION, REQUEUE, TAKE};
+use super::reconcile::{PROBE_FAILED, RESOLVE_COMPLETE, RESOLVE_DELETE, RESOLVE_HOLD, RESOLVE_LOCK, RESOLVE_REQUEUE, TAKE_PROBES};
+use super::records::{
+    ABANDON, BY_SCOPE_ID, CLAIM, CLAIM_BATCH, COMPLETE, COMPLETE_BATCH, FOREVER_COUNTS, GET, ListShape, MARK_UNKNOWN, REAP_LEASES, RELEASE,
+    STATS, SWEEP, WRITE_BATCH,
+};
+use super::trail::{AUDIT_INSERT, AUDIT_LIST, AUDIT_OF_SCOPE, INSPECT};
+
+/// One statement of the catalog: what it is called, its text, and the
+/// indexes of `idemgate_records` and `idemgate_events` it may use (any other
+/// access to those tables, a sequential scan above all, is a wrong plan).
+#[derive(Debug, Clone)]
+pub struct Statement {
+    pub name: String,
+    pub sql: String,
+    pub indexes: &'static [&'static str],
+}
+
+const PKEY: &[&str] = &["idemgate_records_pkey"];
+
+/// Every statement the store sends during operation (migrations aside),
+/// with the indexes each may use. `tests/pg_plans.rs` checks their plans.
+pub fn catalog() -> Vec<Statement> {
+    let s = |name: &str, sql: &str, indexes: &'static [&'static str]| Statement { name: name.to_owned(), sql: sql.to_owned(), indexes };
+    let mut all = vec![
+        s("claim", &CLAIM, PKEY),
+        s("claim_batch", &CLAIM_BATCH, PKEY),
+        s("complete_batch", &COMPLETE_BATCH, PKEY),
+        s("write_batch", &WRITE_BATCH, PKEY),
+        s("complete", &COMPLETE, PKEY),
+        s("get", &GET, PKEY),
+        s("release", &RELEASE, PKEY),
+        s("abandon", &ABANDON, PKEY),
+        s("mark_unknown", &MARK_UNKNOWN, PKEY),
+        s("resolve_lock", &RESOLVE_LOCK, PKEY),
+        s("resolve_hold", &RESOLVE_HOLD, PKEY),
+        s("resolve_delete", &RESOLVE_DELETE, PKEY),
+        s("resolve_complete", &RESOLVE_COMPLETE, PKEY),
+        s("resolve_requeue", &RESOLVE_REQUEUE, PKEY),
+        s("by_scope_id", &BY_SCOPE_ID, PKEY),
+        s("audit_insert", AUDIT_INSERT, &[]),
+        s("event_insert", &EVENT_INSERT_ONE, &[]),
+        s("audit_list", AUDIT_LIST, &[]),
+        s("inspect", &INSPECT, PKEY),
+        s("audit_of_scope", AUDIT_OF_SCOPE, &["idemgate_audit_scope"]),
+        s("setting", SETTING, &[]),
+        s("probe_write", PROBE_WRITE, &[]),
+        s("sweep", SWEEP, &["idemgate_records_sweep", "idemgate_records_pkey"]),
+        s("reap_leases", &REAP_LEASES, &["idemgate_records_open", "idemgate_records_pkey"]),
+        // Queued records through their own index or through the open states' index, which holds them too.
+        s("take", &TAKE, &["idemgate_records_queue", "idemgate_records_open", "idemgate_records_pkey"]),
+        s("heartbeat", &HEARTBEAT, PKEY),
+        s("mark_sent", &MARK_SENT, PKEY),
+        s("requeue", &REQUEUE, PKEY),
+        s("fail", &FAIL, PKEY),
+        s("operation", &OPERATION, &["idemgate_records_operation_id"]),
+        s(
+            "take_events",
+            &TAKE_EVENTS,
+            &["idemgate_events_pending", "idemgate_events_scope", "idemgate_events_parked", "idemgate_events_pkey"],
+        ),
+        s("events_delivered", EVENTS_DELIVERED, &["idemgate_events_pkey"]),
+        s("event_failed", EVENT_FAILED, &["idemgate_events_pkey"]),
+        s("events", &EVENTS, &["idemgate_events_pkey"]),
+        s("events_by_delivery", &EVENTS_BY_DELIVERY, &["idemgate_events_pkey"]),
+        s("redeliver", REDELIVER, &["idemgate_events_event_id"]),
+        s("sweep_events", SWEEP_EVENTS, &["idemgate_events_sent", "idemgate_events_pkey"]),
+        // Pending events through either of the indexes that hold just them.
+        s("event_stats", EVENT_STATS, &["idemgate_events_pending", "idemgate_events_scope", "idemgate_events_parked"]),
+        s("stats", STATS, &["idemgate_records_open"]),
+        s("forever_counts", FOREVER_COUNTS, &["idemgate_records_forever"]),
+        s("take_probes", &TAKE_PROBES, &["idemgate_records_open", "idemgate_records_pkey"]),
+        s("probe_failed", &PROBE_FAILED, PKEY),
+    ];
+    for shape in ListShape::all() {
+        all.push(Statement { name: format!("list {shape:?}"), sql: shape.sql(), indexes: shape.indexes() });
+    }
+    all
+}
