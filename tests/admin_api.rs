@@ -12,6 +12,7 @@ mod support;
 use std::collections::BTreeSet;
 
 use idemgate::idempotency::record::State;
+use support::admin::{enc, record_path};
 use support::*;
 
 on_both_stores!(listing_pages_through_every_record_with_a_cursor, resolutions_conflicts_and_the_audit_trail,);
@@ -24,29 +25,11 @@ async fn setup(
     backend: Backend,
     f: impl FnOnce(GatewayConfig) -> GatewayConfig,
 ) -> (TestUpstream, Gateway, idemgate::store::Store, tempfile::TempDir) {
-    let up = TestUpstream::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let token_file = dir.path().join("admin-token");
-    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
-    let cfg = GatewayConfig::new(backend.clone(), up.url()).admin(&format!("token_file = \"{}\"", token_file.display()));
-    let gw = Gateway::start(f(cfg));
-    let store = backend.open().await;
-    (up, gw, store, dir)
+    support::admin::setup(backend, TOKEN, f).await
 }
 
 async fn admin(gw: &Gateway, method: &str, path: &str, body: &str) -> Resp {
-    let auth = format!("Bearer {TOKEN}");
-    send(method, &gw.admin_url(path), &[("authorization", &auth), ("content-type", "application/json")], body.to_owned())
-        .await
-        .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
-}
-
-fn enc(s: &str) -> String {
-    percent_encoding::utf8_percent_encode(s, percent_encoding::NON_ALPHANUMERIC).to_string()
-}
-
-fn record_path(tenant: &str, principal: &str, operation: &str, key: &str) -> String {
-    format!("/admin/records/{}/{}/{}/{}", enc(tenant), enc(principal), enc(operation), enc(key))
+    support::admin::request(gw, method, path, Some(TOKEN), body).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -35,12 +35,7 @@ async fn setup(backend: Backend) -> (TestUpstream, Gateway, idemgate::store::Sto
 }
 
 async fn admin(gw: &Gateway, method: &str, path: &str, token: Option<&str>, body: &str) -> Resp {
-    let auth = token.map(|t| format!("Bearer {t}"));
-    let mut h = vec![("content-type", "application/json")];
-    if let Some(a) = &auth {
-        h.push(("authorization", a.as_str()));
-    }
-    send(method, &gw.admin_url(path), &h, body.to_owned()).await.unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+    support::admin::request(gw, method, path, token, body).await
 }
 
 /// The label the audit trail and the access log give `TOKEN`.
@@ -76,24 +71,7 @@ async fn a_forced_admin_rewrite_is_audited_with_the_peer_and_the_token_label(bac
     // A CLI resolution has neither (it came from no network peer).
     let slow = post(&gw.url("/v1/orders"), "k-cli", ORDER, &[("x-test-sleep-ms", "3000")]).await;
     assert_eq!(slow.problem(), "outcome-unknown");
-    let (code, _, err) = cli(
-        &gw,
-        &[
-            "keys",
-            "resolve",
-            "--tenant",
-            TENANT,
-            "--principal",
-            PRINCIPAL,
-            "--operation",
-            "create_order",
-            "--key",
-            "k-cli",
-            "--release",
-            "--reason",
-            "checked",
-        ],
-    );
+    let (code, _, err) = cli_keys(&gw, "resolve", "k-cli", &["--release", "--reason", "checked"]);
     assert_eq!(code, 0, "{err}");
     let rows = store.audit(10).await.unwrap();
     assert_eq!((rows[0].actor.as_str(), rows[0].peer.as_deref(), rows[0].token.as_deref()), ("cli", None, None));

@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 use fantoccini::{Client, ClientBuilder, Locator};
 use idemgate::idempotency::record::State;
 use serde_json::json;
+use support::admin::enc;
 use support::gateway::free_local_addr;
 use support::*;
 
@@ -40,18 +41,12 @@ const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-
 
 // ---------- harness: gateway with the admin API on, and a browser ----------
 
+/// A gateway whose admin API is on (token in a file), and its store.
 async fn setup(
     backend: Backend,
     f: impl FnOnce(GatewayConfig) -> GatewayConfig,
 ) -> (TestUpstream, Gateway, idemgate::store::Store, tempfile::TempDir) {
-    let up = TestUpstream::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let token_file = dir.path().join("admin-token");
-    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
-    let cfg = GatewayConfig::new(backend.clone(), up.url()).admin(&format!("token_file = \"{}\"", token_file.display()));
-    let gw = Gateway::start(f(cfg));
-    let store = backend.open().await;
-    (up, gw, store, dir)
+    support::admin::setup(backend, TOKEN, f).await
 }
 
 /// A timed-out request: the upstream executed it, the gateway could not
@@ -63,18 +58,11 @@ async fn unknown_record(gw: &Gateway, store: &idemgate::store::Store, key: &str)
 }
 
 async fn admin(gw: &Gateway, method: &str, path: &str, body: &str) -> Resp {
-    let auth = format!("Bearer {TOKEN}");
-    send(method, &gw.admin_url(path), &[("authorization", &auth), ("content-type", "application/json")], body.to_owned())
-        .await
-        .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
-}
-
-fn enc(s: &str) -> String {
-    percent_encoding::utf8_percent_encode(s, percent_encoding::NON_ALPHANUMERIC).to_string()
+    support::admin::request(gw, method, path, Some(TOKEN), body).await
 }
 
 fn record_path(key: &str) -> String {
-    format!("/admin/records/{}/{}/create_order/{}", enc(TENANT), enc(PRINCIPAL), enc(key))
+    support::admin::record_path(TENANT, PRINCIPAL, "create_order", key)
 }
 
 /// chromedriver on a free loopback port, and one headless Chromium session

@@ -63,24 +63,7 @@ async fn final_state_changes_are_delivered_signed_once_each(backend: Backend) {
     assert!(post(&url, "k1", ORDER, &[]).await.replayed(), "a replay changes nothing: no event");
     assert_eq!(post(&url, "slow", ORDER, &[("x-test-sleep-ms", "1500")]).await.status, 504);
     assert!(delivered(&hook, 2).await, "{}", gw.logs());
-    let (code, _, err) = cli(
-        &gw,
-        &[
-            "keys",
-            "resolve",
-            "--tenant",
-            TENANT,
-            "--principal",
-            PRINCIPAL,
-            "--operation",
-            "create_order",
-            "--key",
-            "slow",
-            "--release",
-            "--reason",
-            "not in the ledger",
-        ],
-    );
+    let (code, _, err) = cli_keys(&gw, "resolve", "slow", &["--release", "--reason", "not in the ledger"]);
     assert_eq!(code, 0, "{err}");
     assert!(delivered(&hook, 3).await, "{}", gw.logs());
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -116,24 +99,7 @@ async fn a_receiver_that_is_down_gets_everything_later_in_order(backend: Backend
     let url = gw.url("/v1/orders");
     // Per scope: unknown, then released by an operator; plus other keys.
     assert_eq!(post(&url, "a", ORDER, &[("x-test-sleep-ms", "1500")]).await.status, 504);
-    let (code, _, err) = cli(
-        &gw,
-        &[
-            "keys",
-            "resolve",
-            "--tenant",
-            TENANT,
-            "--principal",
-            PRINCIPAL,
-            "--operation",
-            "create_order",
-            "--key",
-            "a",
-            "--release",
-            "--reason",
-            "not in the ledger",
-        ],
-    );
+    let (code, _, err) = cli_keys(&gw, "resolve", "a", &["--release", "--reason", "not in the ledger"]);
     assert_eq!(code, 0, "{err}");
     for k in ["b", "c", "d"] {
         assert_eq!(post(&url, k, ORDER, &[]).await.status, 201);

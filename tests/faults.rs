@@ -702,24 +702,7 @@ async fn gateway_killed_after_claim_before_forward_ends_unknown() {
     assert_eq!(post(&target, "k", ORDER, &[]).await.problem(), "outcome-unknown");
     assert_eq!(settled_record(&store, "k").await.unwrap().state, State::Unknown);
     assert_eq!(up.total(), 0, "the request never reached the upstream");
-    let (code, _, err) = cli(
-        &gw,
-        &[
-            "keys",
-            "resolve",
-            "--tenant",
-            TENANT,
-            "--principal",
-            PRINCIPAL,
-            "--operation",
-            "create_order",
-            "--key",
-            "k",
-            "--release",
-            "--reason",
-            "never reached the upstream",
-        ],
-    );
+    let (code, _, err) = cli_keys(&gw, "resolve", "k", &["--release", "--reason", "never reached the upstream"]);
     assert_eq!(code, 0, "{err}");
     assert_eq!(post(&target, "k", ORDER, &[]).await.status, 201);
     assert_eq!(up.total(), 1);

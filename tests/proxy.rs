@@ -319,19 +319,11 @@ async fn upstream_timeout_is_unknown_until_resolved(backend: Backend) {
     // The operator learns the order was created and records the answer.
     let body_file = gw.dir().join("resolved.json");
     std::fs::write(&body_file, r#"{"order":1,"resolved":true}"#).unwrap();
-    let (code, out, err) = cli(
+    let (code, out, err) = cli_keys(
         &gw,
+        "resolve",
+        "slow",
         &[
-            "keys",
-            "resolve",
-            "--tenant",
-            TENANT,
-            "--principal",
-            PRINCIPAL,
-            "--operation",
-            "create_order",
-            "--key",
-            "slow",
             "--complete",
             "--status",
             "201",
@@ -361,27 +353,9 @@ async fn unknown_record_released_by_operator_can_be_retried(backend: Backend) {
     let url = gw.url("/v1/orders");
     assert_eq!(post(&url, "k", ORDER, &[("x-test-abort", "1")]).await.problem(), "outcome-unknown");
     assert_eq!(settled_record(&store, "k").await.unwrap().state, State::Unknown);
-    let (code, _, err) =
-        cli(&gw, &["keys", "show", "--tenant", TENANT, "--principal", PRINCIPAL, "--operation", "create_order", "--key", "k"]);
+    let (code, _, err) = cli_keys(&gw, "show", "k", &[]);
     assert_eq!(code, 0, "{err}");
-    let (code, _, err) = cli(
-        &gw,
-        &[
-            "keys",
-            "resolve",
-            "--tenant",
-            TENANT,
-            "--principal",
-            PRINCIPAL,
-            "--operation",
-            "create_order",
-            "--key",
-            "k",
-            "--release",
-            "--reason",
-            "checked the ledger",
-        ],
-    );
+    let (code, _, err) = cli_keys(&gw, "resolve", "k", &["--release", "--reason", "checked the ledger"]);
     assert_eq!(code, 0, "{err}");
     assert!(settled_record(&store, "k").await.is_none());
     let r = post(&url, "k", ORDER, &[]).await;
@@ -389,24 +363,7 @@ async fn unknown_record_released_by_operator_can_be_retried(backend: Backend) {
     assert!(!r.replayed());
     assert_eq!(up.side_effects(&derived("k")), 2, "the operator decided the first did not count");
     // Resolving a record that does not exist is an error.
-    let (code, _, _) = cli(
-        &gw,
-        &[
-            "keys",
-            "resolve",
-            "--tenant",
-            TENANT,
-            "--principal",
-            PRINCIPAL,
-            "--operation",
-            "create_order",
-            "--key",
-            "nope",
-            "--release",
-            "--reason",
-            "r",
-        ],
-    );
+    let (code, _, _) = cli_keys(&gw, "resolve", "nope", &["--release", "--reason", "r"]);
     assert_eq!(code, 1);
 }
 
@@ -635,8 +592,7 @@ async fn derived_key_secret_keys_the_forwarded_key(backend: Backend) {
     let seen = &up.requests()[0].key;
     assert_eq!(*seen, scope("k").derived_key(Some(b"s3cret-shared-by-replicas")), "an HMAC under the configured secret");
     assert_ne!(*seen, scope("k").derived_key(None), "not the unkeyed hash anyone could compute");
-    let (code, out, err) =
-        cli(&gw, &["keys", "show", "--tenant", TENANT, "--principal", PRINCIPAL, "--operation", "create_order", "--key", "k"]);
+    let (code, out, err) = cli_keys(&gw, "show", "k", &[]);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains(seen.as_str()), "keys show prints the key the upstream saw:\n{out}");
 }
@@ -656,8 +612,7 @@ async fn generated_secret_keys_the_forwarded_key_and_survives_restarts(backend: 
     assert_eq!(seen, vec![scope("a").derived_key(Some(&secret)), scope("b").derived_key(Some(&secret))]);
     assert_ne!(seen[0], scope("a").derived_key(None), "not the unkeyed hash");
     assert_eq!(store.derived_key_secret().await.unwrap(), Some(secret), "migrate never replaces the secret");
-    let (code, out, err) =
-        cli(&gw, &["keys", "show", "--tenant", TENANT, "--principal", PRINCIPAL, "--operation", "create_order", "--key", "a"]);
+    let (code, out, err) = cli_keys(&gw, "show", "a", &[]);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains(seen[0].as_str()), "keys show prints the key the upstream saw:\n{out}");
 }

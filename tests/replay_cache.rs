@@ -28,10 +28,7 @@ fn resolve_path(key: &str) -> String {
 }
 
 async fn admin(gw: &Gateway, path: &str, body: serde_json::Value) -> Resp {
-    let auth = format!("Bearer {TOKEN}");
-    send("POST", &gw.admin_url(path), &[("authorization", &auth), ("content-type", "application/json")], body.to_string())
-        .await
-        .unwrap_or_else(|e| panic!("POST {path}: {e}"))
+    support::admin::request(gw, "POST", path, Some(TOKEN), &body.to_string()).await
 }
 
 /// Claim statements this gateway has made (its store metrics).

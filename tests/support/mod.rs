@@ -27,6 +27,7 @@ macro_rules! on_both_stores {
     };
 }
 
+pub mod admin;
 pub mod client;
 pub mod faultproxy;
 pub mod gateway;
@@ -148,6 +149,14 @@ where
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// `idemgate keys VERB` for one key of the test tenant and principal on
+/// `create_order`, then `extra` (e.g. `--release --reason ...`).
+pub fn cli_keys(gateway: &Gateway, verb: &str, key: &str, extra: &[&str]) -> (i32, String, String) {
+    let mut args = vec!["keys", verb, "--tenant", TENANT, "--principal", PRINCIPAL, "--operation", "create_order", "--key", key];
+    args.extend_from_slice(extra);
+    cli(gateway, &args)
 }
 
 /// Runs an `idemgate` CLI command against a gateway's config; returns (exit code, stdout, stderr).
