@@ -62,6 +62,7 @@ on_both_stores!(
     lease_expiry_requeues_what_was_never_sent_or_may_run_again,
     retries_wait_their_backoff_then_fail_and_are_swept_after_retention,
     stats_count_records_that_are_not_completed,
+    unknown_records_are_counted_by_age_in_one_grouped_count,
     final_state_changes_write_their_events_and_nothing_else_does,
     a_change_and_its_event_commit_or_fail_together,
     relays_hold_each_event_alone_in_order_per_scope,
@@ -1228,6 +1229,30 @@ async fn stats_count_records_that_are_not_completed(backend: Backend) {
     for c in store.stats().await.unwrap() {
         assert!(c.oldest_created_at <= before && c.oldest_updated_at <= before);
     }
+}
+
+async fn unknown_records_are_counted_by_age_in_one_grouped_count(backend: Backend) {
+    let store = open(&backend).await;
+    let unknown = |k: &str| {
+        let (store, k) = (&store, k.to_owned());
+        async move {
+            let c = claim(store, &req(&key(&k), 1, LONG, false)).await;
+            store.mark_unknown(&c).await.unwrap();
+        }
+    };
+    let bounds = [Duration::from_millis(400), Duration::from_secs(3600)];
+    assert_eq!(store.unknown_by_age(&bounds).await.unwrap(), vec![0, 0, 0], "nothing unknown yet");
+    unknown("old-1").await;
+    unknown("old-2").await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    unknown("young").await;
+    // Neither an in-flight nor a completed record is counted.
+    claim(&store, &req(&key("in-flight"), 1, LONG, false)).await;
+    let d = claim(&store, &req(&key("done"), 1, LONG, false)).await;
+    store.complete(&d, &response(201, b"x"), Retention::For(LONG)).await.unwrap();
+    assert_eq!(store.unknown_by_age(&bounds).await.unwrap(), vec![1, 2, 0]);
+    assert_eq!(store.unknown_by_age(&[]).await.unwrap(), vec![3], "no bounds: one bucket");
+    assert_eq!(store.unknown_by_age(&[Duration::ZERO]).await.unwrap(), vec![0, 3], "every age reaches zero");
 }
 
 async fn records_kept_forever_are_never_taken_over_swept_or_expired(backend: Backend) {

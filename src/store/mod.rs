@@ -425,6 +425,11 @@ impl Store {
         self.bounded("stats", false, self.backend.stats()).await
     }
 
+    /// `unknown` records by age bucket (see `Records::unknown_by_age`).
+    pub async fn unknown_by_age(&self, bounds: &[Duration]) -> Result<Vec<u64>, StoreError> {
+        self.bounded("unknown_by_age", false, self.backend.unknown_by_age(bounds)).await
+    }
+
     /// Records kept forever, by operation.
     pub async fn forever_counts(&self) -> Result<Vec<ForeverCount>, StoreError> {
         self.bounded("forever_counts", false, self.backend.forever_counts()).await

@@ -4,29 +4,26 @@
 //! async queue, the outbox backlog, and this replica's refused reloads and
 //! fenced writes since it started.
 
+use std::time::Duration;
+
 use serde_json::{Value, json};
 
 use crate::idempotency::record::{State, Timestamp};
-use crate::ops::keys;
-use crate::store::{ListFilter, Store, StoreError};
+use crate::store::{Store, StoreError};
 use crate::telemetry::metrics::Metrics;
 use crate::telemetry::stats::StateCount;
 
-/// Unknown records counted by age, at most this many (the rest are reported
-/// as not counted).
-pub const MAX_UNKNOWN_COUNTED: usize = 10_000;
-const PAGE: u32 = 500;
-
-/// The age buckets of the unknown backlog: upper bound in seconds, label.
-const BUCKETS: [(i64, &str); 4] =
-    [(300, "under 5 minutes"), (3600, "5 to 60 minutes"), (86_400, "1 to 24 hours"), (i64::MAX, "over 24 hours")];
+/// The unknown backlog's age buckets: where each but the first starts, and
+/// their labels. The store counts them in one statement.
+const BOUNDS: [Duration; 3] = [Duration::from_secs(300), Duration::from_secs(3600), Duration::from_secs(86_400)];
+const LABELS: [&str; 4] = ["under 5 minutes", "5 to 60 minutes", "1 to 24 hours", "over 24 hours"];
 
 /// The overview document.
 pub async fn overview(store: &Store, metrics: &Metrics) -> Result<Value, StoreError> {
     let now = store.now().await?;
     let counts = store.stats().await?;
     let events = store.event_stats().await?;
-    let (ages, counted_all) = unknown_ages(store, now).await?;
+    let ages = store.unknown_by_age(&BOUNDS).await?;
     let (refused_reloads, fenced_writes) = metrics.refusals();
     let records: Vec<Value> = counts
         .iter()
@@ -49,8 +46,7 @@ pub async fn overview(store: &Store, metrics: &Metrics) -> Result<Value, StoreEr
         "now": now.to_string(),
         "records": records,
         "totals": totals,
-        "unknown_by_age": BUCKETS.iter().zip(ages).map(|((_, label), n)| json!({ "age": label, "count": n })).collect::<Vec<_>>(),
-        "unknown_counted_all": counted_all,
+        "unknown_by_age": LABELS.iter().zip(ages).map(|(label, n)| json!({ "age": label, "count": n })).collect::<Vec<_>>(),
         "async": {
             "queued": total(State::Queued),
             "processing": total(State::Processing),
@@ -72,39 +68,4 @@ pub async fn overview(store: &Store, metrics: &Metrics) -> Result<Value, StoreEr
 fn age_of(c: &StateCount, now: Timestamp) -> f64 {
     let since = if c.state == State::Queued { c.oldest_created_at } else { c.oldest_updated_at };
     since.until(now).as_secs_f64()
-}
-
-/// Unknown records per bucket (age since they last changed), and whether
-/// all were counted (at most [`MAX_UNKNOWN_COUNTED`]).
-async fn unknown_ages(store: &Store, now: Timestamp) -> Result<([u64; 4], bool), StoreError> {
-    let mut ages = [0u64; 4];
-    let mut filter = ListFilter { state: Some(State::Unknown), limit: PAGE, ..ListFilter::default() };
-    let mut seen = 0usize;
-    loop {
-        let page = keys::list(store, &filter).await?;
-        for r in &page.records {
-            ages[bucket(r.updated_at.until(now).as_secs())] += 1;
-        }
-        seen += page.records.len();
-        match (page.next_cursor, page.records.last()) {
-            (Some(_), Some(last)) if seen < MAX_UNKNOWN_COUNTED => filter.cursor = Some(crate::store::ListCursor::after(last)),
-            (Some(_), _) => return Ok((ages, false)),
-            (None, _) => return Ok((ages, true)),
-        }
-    }
-}
-
-fn bucket(age_secs: u64) -> usize {
-    let age = i64::try_from(age_secs).unwrap_or(i64::MAX);
-    BUCKETS.iter().position(|(limit, _)| age < *limit).unwrap_or(BUCKETS.len() - 1)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ages_fall_in_buckets() {
-        assert_eq!([0, 299, 300, 3599, 3600, 86_399, 86_400, u64::MAX].map(bucket), [0, 0, 1, 1, 2, 2, 3, 3]);
-    }
 }

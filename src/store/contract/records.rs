@@ -205,6 +205,13 @@ pub trait Records: Send + Sync + std::fmt::Debug {
     /// Records that are not `completed`, counted by operation and state.
     async fn stats(&self) -> Result<Vec<StateCount>, StoreError>;
 
+    /// `unknown` records counted by how long ago they last changed, in
+    /// `bounds.len() + 1` buckets: younger than `bounds[0]`, then from each
+    /// bound (included) to the next, then `bounds[last]` or older. `bounds`
+    /// ascend. One count over the open states' index, however long the
+    /// backlog.
+    async fn unknown_by_age(&self, bounds: &[Duration]) -> Result<Vec<u64>, StoreError>;
+
     /// Records kept forever, counted by operation (a partial index holds
     /// exactly these rows).
     async fn forever_counts(&self) -> Result<Vec<ForeverCount>, StoreError>;

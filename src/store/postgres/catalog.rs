@@ -11,7 +11,7 @@ use super::queue::{FAIL, HEARTBEAT, MARK_SENT, OPERATION, REQUEUE, TAKE};
 use super::reconcile::{PROBE_FAILED, RESOLVE_COMPLETE, RESOLVE_DELETE, RESOLVE_HOLD, RESOLVE_LOCK, RESOLVE_REQUEUE, TAKE_PROBES};
 use super::records::{
     ABANDON, BY_SCOPE_ID, CLAIM, CLAIM_BATCH, COMPLETE, COMPLETE_BATCH, FOREVER_COUNTS, GET, ListShape, MARK_UNKNOWN, REAP_LEASES, RELEASE,
-    STATS, SWEEP, WRITE_BATCH,
+    STATS, SWEEP, UNKNOWN_BY_AGE, WRITE_BATCH,
 };
 use super::trail::{AUDIT_INSERT, AUDIT_LIST, AUDIT_OF_SCOPE, INSPECT};
 
@@ -77,6 +77,7 @@ pub fn catalog() -> Vec<Statement> {
         // Pending events through either of the indexes that hold just them.
         s("event_stats", EVENT_STATS, &["idemgate_events_pending", "idemgate_events_scope", "idemgate_events_parked"]),
         s("stats", STATS, &["idemgate_records_open"]),
+        s("unknown_by_age", UNKNOWN_BY_AGE, &["idemgate_records_open"]),
         s("forever_counts", FOREVER_COUNTS, &["idemgate_records_forever"]),
         s("take_probes", &TAKE_PROBES, &["idemgate_records_open", "idemgate_records_pkey"]),
         s("probe_failed", &PROBE_FAILED, PKEY),

@@ -388,6 +388,12 @@ const REQUEUE_IF: &str = "(r.state = 'processing' AND (r.sent_at IS NULL OR r.op
 pub(super) const STATS: &str = "SELECT operation, state, count(*), min(created_at), min(updated_at), min(lease_expires_at) FROM idemgate_records \
      WHERE state <> 'completed' GROUP BY operation, state";
 
+/// `unknown` records by age bucket (`width_bucket` over the bounds in
+/// microseconds, `$1`): bucket `i` holds the records whose age reached `i`
+/// bounds.
+pub(super) const UNKNOWN_BY_AGE: &str = "SELECT width_bucket(extract(epoch FROM now() - updated_at) * 1000000, $1::float8[]), count(*) \
+     FROM idemgate_records WHERE state = 'unknown' GROUP BY 1";
+
 /// The literal matches the partial index's predicate, so this counts over
 /// that index alone.
 pub(super) const FOREVER_COUNTS: &str = "SELECT operation, count(*) FROM idemgate_records WHERE expires_at = 'infinity' GROUP BY operation";
@@ -589,6 +595,19 @@ impl Records for PgStore {
                 })
             })
             .collect()
+    }
+
+    async fn unknown_by_age(&self, bounds: &[Duration]) -> Result<Vec<u64>, StoreError> {
+        let micros: Vec<f64> = bounds.iter().map(|b| b.as_micros() as f64).collect();
+        let rows = self.query(UNKNOWN_BY_AGE, &[&micros], false).await?;
+        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+        let mut counts = vec![0u64; bounds.len() + 1];
+        for row in rows {
+            let (bucket, count): (i32, i64) = (row.try_get(0).map_err(c)?, row.try_get(1).map_err(c)?);
+            let slot = usize::try_from(bucket).unwrap_or(0).min(bounds.len());
+            counts[slot] += u64::try_from(count).unwrap_or(0);
+        }
+        Ok(counts)
     }
 
     async fn forever_counts(&self) -> Result<Vec<ForeverCount>, StoreError> {

@@ -265,6 +265,31 @@ impl Records for SqliteStore {
         .await
     }
 
+    async fn unknown_by_age(&self, bounds: &[Duration]) -> Result<Vec<u64>, StoreError> {
+        let n = bounds.len();
+        // The oldest change each bucket but the last admits, in bucket
+        // order: `CASE WHEN updated_at > ?1 THEN 0 WHEN updated_at > ?2 ...`.
+        let whens: String = (0..n).map(|i| format!(" WHEN updated_at > ?{} THEN {i}", i + 1)).collect();
+        let bucket = if n == 0 { "0".to_owned() } else { format!("CASE{whens} ELSE {n} END") };
+        let sql = format!("SELECT {bucket}, count(*) FROM idemgate_records WHERE state = 'unknown' GROUP BY 1");
+        let cutoffs: Vec<i64> = {
+            let now = now();
+            bounds.iter().map(|b| now.0.saturating_sub(i64::try_from(b.as_micros()).unwrap_or(i64::MAX))).collect()
+        };
+        self.write(move |conn, _| {
+            let mut st = conn.prepare(&sql).map_err(err)?;
+            let mut rows = st.query(rusqlite::params_from_iter(cutoffs.iter())).map_err(err)?;
+            let mut counts = vec![0u64; n + 1];
+            while let Some(row) = rows.next().map_err(err)? {
+                let c = |e: rusqlite::Error| StoreError::Corrupt(e.to_string());
+                let (bucket, count): (i64, i64) = (row.get(0).map_err(c)?, row.get(1).map_err(c)?);
+                counts[usize::try_from(bucket).unwrap_or(0).min(n)] += u64::try_from(count).unwrap_or(0);
+            }
+            Ok(counts)
+        })
+        .await
+    }
+
     async fn forever_counts(&self) -> Result<Vec<ForeverCount>, StoreError> {
         self.write(move |conn, _| {
             // The literal matches the partial index's predicate.

@@ -269,7 +269,6 @@
     const cols = el('div', { class: 'columns' });
     const backlog = el('div', {}, el('h2', {}, 'Unknown backlog by age'),
       table(['Unknown for', 'Records'], doc.unknown_by_age.map((b) => row([b.age, b.count])), 'narrow'));
-    if (!doc.unknown_counted_all) backlog.appendChild(el('p', { class: 'muted' }, 'Only the newest 10000 unknown records were counted.'));
     cols.appendChild(backlog);
     cols.appendChild(el('div', {}, el('h2', {}, 'Async queue'), dl([
       ['Queued', doc.async.queued],
