@@ -517,10 +517,13 @@ impl Report {
             format!("{name}={value}")
         };
         format!(
-            "replay_jwt_vs_apikey={} replay_authz_vs_apikey={} authz_uncached_cpu_over_apikey_us={} first_events_vs_plain={} {} \
+            "replay_jwt_vs_apikey={} replay_jwt_cpu_vs_apikey={} replay_authz_vs_apikey={} authz_uncached_cpu_over_apikey_us={} \
+             first_events_vs_plain={} {} \
              {} async_accept_vs_sync_first={} async_completions_per_s={} async_accept_vs_sync_first_sqlite={} \
              async_completions_per_s_sqlite={} [features: medians of interleaved rounds]",
             rps_ratio((PG, JWT), (PG, REPLAY)),
+            // The gateway's CPU per request, steadier than req/s on a busy machine.
+            self.per_conns((PG, JWT), (PG, REPLAY), |a, b| Some(a.server_cpu_us? / b.server_cpu_us?), false),
             rps_ratio((PG, AUTHZ), (PG, REPLAY)),
             self.per_conns((PG, AUTHZ_UNCACHED), (PG, REPLAY), |a, b| Some(a.server_cpu_us? - b.server_cpu_us?), false),
             rps_ratio((PG, EVENTS), (PG, FIRST)),
