@@ -259,3 +259,161 @@ async fn a_token_with_critical_extensions_is_refused() {
     assert_eq!(with(&plain, "c2").await.status, 201);
     assert_eq!(up.total(), 1);
 }
+
+/// Sleeps until the wall clock (the verifier's, in whole seconds) is past `exp`.
+async fn until_past(exp: u64) {
+    while jwt::now() <= exp {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+/// The cache of verified tokens (issue 32) answers a token seen before
+/// without verifying it again, but never once a fresh verification would
+/// refuse it: past its `exp` (leeway 0 here), or once the key that signed it
+/// left the key set or was replaced under the same `kid`. A token differing
+/// in its signature is another token: never a hit.
+#[tokio::test]
+async fn a_cached_token_is_refused_once_expired() {
+    let key = jwt::es256("k");
+    let server = JwksServer::start(jwt::jwks(&[&key])).await;
+    let id = identifier(&format!("jwks_url = \"{}\"\njwks_refresh = \"1h\"\nleeway = \"0s\"", server.url()), &[]);
+    let source = &id.jwks_urls()[0];
+    assert!(source.refresh().await);
+    let mut c = jwt::claims("acme", "alice", ISS, AUD);
+    let exp = jwt::now() + 2;
+    c["exp"] = json!(exp);
+    let token = jwt::token(&key, &c);
+    assert_eq!(who(&id, &token).await, acme_alice());
+    assert_eq!(who(&id, &token).await, acme_alice());
+    assert_eq!(source.cache_hits(), 1, "the second one was answered from the cache");
+    until_past(exp).await;
+    assert_eq!(who(&id, &token).await, None, "expired, although cached");
+    assert_eq!(source.cache_hits(), 1);
+    // A fresh token of the same key is verified and cached again.
+    let fresh = jwt::token(&key, &jwt::claims("acme", "alice", ISS, AUD));
+    assert_eq!(who(&id, &fresh).await, acme_alice());
+    assert_eq!(who(&id, &fresh).await, acme_alice());
+    assert_eq!(source.cache_hits(), 2);
+}
+
+#[tokio::test]
+async fn a_cached_token_is_refused_once_its_key_leaves_the_key_set_or_changes() {
+    let (old, new) = (jwt::rs256("old"), jwt::es256("new"));
+    let server = JwksServer::start(jwt::jwks(&[&old, &new])).await;
+    let id = identifier(&format!("jwks_url = \"{}\"\njwks_refresh = \"1h\"", server.url()), &[]);
+    let source = &id.jwks_urls()[0];
+    assert!(source.refresh().await);
+    let c = jwt::claims("acme", "alice", ISS, AUD);
+    let (by_old, by_new) = (jwt::token(&old, &c), jwt::token(&new, &c));
+    for t in [&by_old, &by_new, &by_old, &by_new] {
+        assert_eq!(who(&id, t).await, acme_alice());
+    }
+    assert_eq!(source.cache_hits(), 2);
+    // An unchanged key set keeps the entries.
+    assert!(source.refresh().await);
+    assert_eq!(who(&id, &by_old).await, acme_alice());
+    assert_eq!(source.cache_hits(), 3);
+    // "old" leaves the set: its token is refused, although cached; "new" stays.
+    server.set(jwt::jwks(&[&new]));
+    assert!(source.refresh().await);
+    assert_eq!(who(&id, &by_old).await, None, "signed by a key no longer in the set");
+    assert_eq!(who(&id, &by_new).await, acme_alice());
+    assert_eq!(source.cache_hits(), 4);
+    // "new" is replaced by another key under the same kid.
+    server.set(jwt::jwks(&[&jwt::es256("new")]));
+    assert!(source.refresh().await);
+    assert_eq!(who(&id, &by_new).await, None, "its kid now names another key");
+    assert_eq!(source.cache_hits(), 4);
+}
+
+#[tokio::test]
+async fn a_token_with_another_signature_is_never_a_cache_hit() {
+    let key = jwt::es256("k");
+    let server = JwksServer::start(jwt::jwks(&[&key])).await;
+    let id = identifier(&format!("jwks_url = \"{}\"\njwks_refresh = \"1h\"", server.url()), &[]);
+    let source = &id.jwks_urls()[0];
+    assert!(source.refresh().await);
+    let c = jwt::claims("acme", "alice", ISS, AUD);
+    let token = jwt::token(&key, &c);
+    assert_eq!(who(&id, &token).await, acme_alice());
+    assert_eq!(who(&id, &token).await, acme_alice());
+    assert_eq!(source.cache_hits(), 1);
+    let (signed, _) = token.rsplit_once('.').unwrap();
+    // The same header and claims signed by another key under the same kid.
+    let forged = jwt::token(&jwt::es256("k"), &c);
+    assert_eq!(forged.rsplit_once('.').unwrap().0, signed, "same signing input");
+    assert_eq!(who(&id, &forged).await, None, "another key's signature");
+    // The signature changed in one character.
+    let sig: Vec<char> = token.rsplit_once('.').unwrap().1.chars().collect();
+    let mut altered = sig.clone();
+    altered[10] = if sig[10] == 'A' { 'B' } else { 'A' };
+    let altered = format!("{signed}.{}", altered.into_iter().collect::<String>());
+    assert_eq!(who(&id, &altered).await, None, "a changed signature");
+    assert_eq!(source.cache_hits(), 1, "neither was a hit");
+    // ES256 signatures are randomized: a second valid signature of the same
+    // input is another token, verified (not a hit) and accepted.
+    let resigned = jwt::token(&key, &c);
+    assert_ne!(resigned, token);
+    assert_eq!(who(&id, &resigned).await, acme_alice());
+    assert_eq!(source.cache_hits(), 1);
+    assert_eq!(who(&id, &token).await, acme_alice(), "the cached token still is");
+    assert_eq!(source.cache_hits(), 2);
+}
+
+/// Through the real binary, the JWKS refreshed every second and no leeway:
+/// tokens seen before are answered again (replays), but a cached token past
+/// its `exp`, or signed by a key the last refresh removed from the set, is
+/// 401 like any invalid token: nothing claimed, nothing forwarded, the
+/// stored response not replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_refuses_cached_tokens_once_expired_or_their_key_is_gone() {
+    let backend = sqlite_backend();
+    let up = TestUpstream::start().await;
+    let (k1, k2) = (jwt::es256("k1"), jwt::es256("k2"));
+    let server = JwksServer::start(jwt::jwks(&[&k1, &k2])).await;
+    let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).identity(&format!(
+        "[[identity.sources]]\nkind = \"jwt\"\njwks_url = \"{}\"\njwks_refresh = \"1s\"\nleeway = \"0s\"\nissuer = \"{ISS}\"\naudience = \"{AUD}\"\n",
+        server.url()
+    )));
+    let store = backend.open().await;
+    let post = |token: &str, key: &'static str| {
+        let auth = format!("Bearer {token}");
+        let url = gw.url("/v1/orders");
+        async move { send("POST", &url, &[("authorization", auth.as_str()), ("idempotency-key", key)], r#"{"item":"book"}"#).await.unwrap() }
+    };
+    let by_k1 = jwt::token(&k1, &jwt::claims("acme", "billing", ISS, AUD));
+    let mut short = jwt::claims("acme", "billing", ISS, AUD);
+    let exp = jwt::now() + 5;
+    short["exp"] = json!(exp);
+    let by_k2_short = jwt::token(&k2, &short);
+    for (token, key) in [(&by_k1, "a"), (&by_k2_short, "b")] {
+        let first = post(token, key).await;
+        assert_eq!(first.status, 201, "{first:?}\n{}", gw.logs());
+        assert!(post(token, key).await.replayed(), "the token again (from the cache): a replay");
+    }
+    let unauthenticated = |r: &Resp| r.status == 401 && r.problem() == "unauthenticated";
+
+    // Past its exp: refused, the replay included.
+    until_past(exp).await;
+    assert!(unauthenticated(&post(&by_k2_short, "b").await), "an expired token's replay");
+    assert!(unauthenticated(&post(&by_k2_short, "c").await), "an expired token's first write");
+
+    // k1 leaves the key set: once the gateway has fetched it, k1's token is refused.
+    let before = server.fetches();
+    server.set(jwt::jwks(&[&k2]));
+    assert!(eventually(std::time::Duration::from_secs(15), || async { server.fetches() >= before + 2 }).await, "JWKS refreshed");
+    assert!(unauthenticated(&post(&by_k1, "a").await), "a removed key's token, replay");
+    assert!(unauthenticated(&post(&by_k1, "d").await), "a removed key's token, first write");
+    // k2 stays: a fresh token of it works.
+    let by_k2 = jwt::token(&k2, &jwt::claims("acme", "billing", ISS, AUD));
+    assert!(post(&by_k2, "a").await.replayed());
+
+    for key in ["a", "b"] {
+        let rec = settled_record(&store, key).await.expect("recorded");
+        assert_eq!(rec.state, idemgate::idempotency::record::State::Completed, "{key}");
+    }
+    for key in ["c", "d"] {
+        assert!(settled_record(&store, key).await.is_none(), "{key}: nothing claimed");
+    }
+    assert_eq!(up.total(), 2, "only the two first writes reached the upstream");
+}

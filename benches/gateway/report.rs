@@ -35,6 +35,9 @@ pub struct Row {
 pub struct Report {
     pub rows: Vec<Row>,
     pub lines: Vec<String>,
+    /// Named figures for the closing line that are not a row's (the
+    /// features' medians of per-round figures).
+    pub figures: Vec<(String, String)>,
 }
 
 impl Report {
@@ -159,11 +162,6 @@ struct VsNginx {
 /// figure's range over the runs.
 pub fn median_row(rows: &[Row]) -> Option<Row> {
     let first = rows.first()?;
-    let median = |mut v: Vec<f64>| -> f64 {
-        v.sort_by(f64::total_cmp);
-        let n = v.len();
-        if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
-    };
     let range = |v: Vec<f64>, fmt: &dyn Fn(f64) -> String| {
         let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
         let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -173,6 +171,7 @@ pub fn median_row(rows: &[Row]) -> Option<Row> {
     let p50: Vec<f64> = rows.iter().map(|r| r.result.p50_us).collect();
     let p99: Vec<f64> = rows.iter().map(|r| r.result.p99_us).collect();
     let cpu: Vec<f64> = rows.iter().filter_map(|r| r.server_cpu_us).collect();
+    let db_cpu: Vec<f64> = rows.iter().filter_map(|r| r.db_cpu_us).collect();
     let mut note = format!(
         "median of {}: req/s {} p99 {}",
         rows.len(),
@@ -197,9 +196,19 @@ pub fn median_row(rows: &[Row]) -> Option<Row> {
         },
         peak_rss_kib: rows.iter().filter_map(|r| r.peak_rss_kib).max(),
         server_cpu_us: (!cpu.is_empty()).then(|| median(cpu)),
-        db_cpu_us: None,
+        db_cpu_us: (!db_cpu.is_empty()).then(|| median(db_cpu)),
         note,
     })
+}
+
+/// The median of `v` (NaN when empty).
+pub fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
 }
 
 fn header() -> String {

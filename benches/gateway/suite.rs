@@ -91,7 +91,7 @@ pub fn measure(
 }
 
 /// One warmed-up, measured run and its table row (not added to the report).
-fn measure_once(
+pub fn measure_once(
     ctx: &Ctx,
     (target, scenario, conns): (&str, &str, u32),
     watch: &Watch,
@@ -158,6 +158,7 @@ pub fn run(opts: &Options, dir: &Path, extra: Option<Section>) -> Result<()> {
         gateway::binary().display()
     ));
     ctx.report.line(format!("load average at the start: {}", load_average()));
+    let cpu_at_start = cpu_times();
     let upstream = Upstream::start(dir)?;
     if opts.wants("upstream") {
         plain_get(&mut ctx, "upstream", upstream.addr, upstream.cpu())?;
@@ -201,6 +202,16 @@ pub fn run(opts: &Options, dir: &Path, extra: Option<Section>) -> Result<()> {
         section(&mut ctx, upstream.addr)?;
     }
     ctx.report.line(format!("load average at the end: {}", load_average()));
+    if let (Some(start), Some(end)) = (cpu_at_start, cpu_times()) {
+        let total: u64 = end.iter().zip(&start).map(|(e, s)| e.saturating_sub(*s)).sum();
+        let share = |i: usize| 100.0 * end[i].saturating_sub(start[i]) as f64 / total.max(1) as f64;
+        ctx.report.line(format!(
+            "machine over the run (/proc/stat, all CPUs): steal {:.1}%, iowait {:.1}%, idle {:.1}%",
+            share(7),
+            share(4),
+            share(3)
+        ));
+    }
     ctx.progress("done");
     println!("\n{}", ctx.report.table());
     println!(
@@ -213,6 +224,14 @@ pub fn run(opts: &Options, dir: &Path, extra: Option<Section>) -> Result<()> {
     );
     println!("{}", ctx.report.ratio_line());
     Ok(())
+}
+
+/// The first line of `/proc/stat`: user, nice, system, idle, iowait, irq,
+/// softirq, steal (clock ticks, all CPUs).
+fn cpu_times() -> Option<Vec<u64>> {
+    let text = std::fs::read_to_string("/proc/stat").ok()?;
+    let fields: Vec<u64> = text.lines().next()?.split_whitespace().skip(1).take(8).filter_map(|v| v.parse().ok()).collect();
+    (fields.len() == 8).then_some(fields)
 }
 
 /// `/proc/loadavg`'s first three fields.

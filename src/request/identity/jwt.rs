@@ -10,6 +10,10 @@
 //! such a token is refused. The key set is replaced whole on a successful refresh
 //! and kept when a refresh fails; a token whose `kid` is not in the set
 //! triggers one refresh, at most once per `UNKNOWN_KID_REFRESH`.
+//!
+//! A verified token is remembered ([`super::token_cache`]) by the SHA-256 of
+//! its bytes, and served again only inside its `nbf`/`exp` window and while
+//! the key that verified it is still the key set's key for its `kid`.
 
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
@@ -23,6 +27,7 @@ use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 use tokio::sync::Mutex;
 
 use crate::idempotency::key::Identity;
+use crate::request::identity::token_cache::{self, Signer, TokenCache, Verified};
 use crate::secret::Secret;
 use crate::upstream::body::Body;
 use crate::upstream::side_client::{self, SideClient};
@@ -81,8 +86,17 @@ pub enum JwtError {
 /// The verification keys in force.
 #[derive(Default)]
 struct Keyring {
-    /// (kid, algorithm family the key is for, key).
-    keys: Vec<(Option<String>, KeyFamily, DecodingKey)>,
+    keys: Vec<RingKey>,
+}
+
+struct RingKey {
+    kid: Option<String>,
+    /// The algorithm family the key is for.
+    family: KeyFamily,
+    key: DecodingKey,
+    /// SHA-256 of the JWK as parsed: a key replaced under the same `kid`
+    /// has another fingerprint.
+    fingerprint: [u8; 32],
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -113,8 +127,10 @@ impl Keyring {
                 // Symmetric keys are never taken from a key set: HS256 uses the configured secret.
                 AlgorithmParameters::OctetKey(_) => continue,
             };
+            let Ok(json) = serde_json::to_vec(jwk) else { continue };
+            let fingerprint = token_cache::digest_bytes(&json);
             match DecodingKey::from_jwk(jwk) {
-                Ok(k) => keys.push((jwk.common.key_id.clone(), fam, k)),
+                Ok(key) => keys.push(RingKey { kid: jwk.common.key_id.clone(), family: fam, key, fingerprint }),
                 Err(e) => tracing::warn!(kid = ?jwk.common.key_id, error = %e, "JWKS key skipped"),
             }
         }
@@ -122,15 +138,23 @@ impl Keyring {
     }
 
     /// The key for a token: by `kid`, else the only key of the family.
-    fn find(&self, kid: Option<&str>, fam: KeyFamily) -> Option<&DecodingKey> {
-        let of_family = self.keys.iter().filter(|(_, f, _)| *f == fam);
+    fn find(&self, kid: Option<&str>, fam: KeyFamily) -> Option<&RingKey> {
+        let mut of_family = self.keys.iter().filter(|k| k.family == fam);
         match kid {
-            Some(kid) => of_family.into_iter().find(|(k, _, _)| k.as_deref() == Some(kid)).map(|(_, _, key)| key),
+            Some(kid) => of_family.find(|k| k.kid.as_deref() == Some(kid)),
             None => {
-                let mut it = of_family;
-                let first = it.next();
-                if it.next().is_some() { None } else { first.map(|(_, _, k)| k) }
+                let first = of_family.next();
+                if of_family.next().is_some() { None } else { first }
             }
+        }
+    }
+
+    /// Whether `signer` is still the key this set gives for its `kid`
+    /// (the configured secret always is).
+    fn still_signs(&self, signer: &Signer<KeyFamily>) -> bool {
+        match signer {
+            Signer::Secret => true,
+            Signer::Jwk { kid, family, fingerprint } => self.find(kid.as_deref(), *family).is_some_and(|k| k.fingerprint == *fingerprint),
         }
     }
 }
@@ -143,6 +167,8 @@ pub struct JwtVerifier {
     /// Serializes refreshes and rate-limits the ones forced by unknown kids.
     last_forced: Mutex<Option<Instant>>,
     client: SideClient,
+    /// Tokens verified before.
+    cache: TokenCache<KeyFamily>,
 }
 
 impl std::fmt::Debug for JwtVerifier {
@@ -171,6 +197,7 @@ impl JwtVerifier {
             hmac,
             last_forced: Mutex::new(None),
             client: side_client::build(FETCH_TIMEOUT),
+            cache: TokenCache::new(token_cache::CAPACITY),
         })
     }
 
@@ -186,9 +213,15 @@ impl JwtVerifier {
         (token.split('.').count() == 3).then_some(token)
     }
 
-    /// Verifies `token`; refreshes the key set once if its `kid` is unknown.
+    /// Verifies `token` (or finds it verified before, see the module
+    /// documentation); refreshes the key set once if its `kid` is unknown.
     pub async fn verify(&self, token: &str) -> Result<Identity, JwtError> {
-        match self.verify_now(token) {
+        let digest = token_cache::digest(token);
+        let keyring = self.keyring();
+        if let Some(identity) = self.cache.get(&digest, jsonwebtoken::get_current_timestamp(), |s| keyring.still_signs(s)) {
+            return Ok(identity);
+        }
+        let verified = match self.verify_now(token) {
             Err(JwtError::UnknownKey(kid)) if matches!(self.config.keys, KeySource::Url(_)) => {
                 if self.forced_refresh().await {
                     self.verify_now(token)
@@ -197,10 +230,22 @@ impl JwtVerifier {
                 }
             }
             other => other,
-        }
+        }?;
+        let identity = verified.identity.clone();
+        self.cache.insert(digest, verified);
+        Ok(identity)
     }
 
-    fn verify_now(&self, token: &str) -> Result<Identity, JwtError> {
+    /// Tokens answered from the cache of verified tokens so far.
+    pub fn cache_hits(&self) -> u64 {
+        self.cache.hits()
+    }
+
+    fn keyring(&self) -> Arc<Keyring> {
+        self.keyring.read().map(|k| k.clone()).unwrap_or_default()
+    }
+
+    fn verify_now(&self, token: &str) -> Result<Verified<KeyFamily>, JwtError> {
         let header = jsonwebtoken::decode_header(token).map_err(|_| JwtError::Malformed)?;
         if has_crit(token)? {
             return Err(JwtError::Critical);
@@ -209,10 +254,12 @@ impl JwtVerifier {
             return Err(JwtError::Algorithm(header.alg));
         }
         let fam = family(header.alg);
-        let keyring = self.keyring.read().map(|k| k.clone()).unwrap_or_default();
-        let key = match fam {
-            KeyFamily::Hmac => self.hmac.as_ref(),
-            _ => keyring.find(header.kid.as_deref(), fam),
+        let keyring = self.keyring();
+        let (key, signer) = match fam {
+            KeyFamily::Hmac => self.hmac.as_ref().map(|k| (k, Signer::Secret)),
+            _ => keyring
+                .find(header.kid.as_deref(), fam)
+                .map(|k| (&k.key, Signer::Jwk { kid: header.kid.clone(), family: fam, fingerprint: k.fingerprint })),
         }
         .ok_or_else(|| JwtError::UnknownKey(header.kid.clone()))?;
         let mut v = Validation::new(header.alg);
@@ -237,7 +284,21 @@ impl JwtVerifier {
                 _ => Err(JwtError::Claim(pointer.to_owned())),
             }
         };
-        Ok(Identity { tenant: claim(&self.config.tenant_claim)?, principal: claim(&self.config.principal_claim)? })
+        let identity = Identity { tenant: claim(&self.config.tenant_claim)?, principal: claim(&self.config.principal_claim)? };
+        // The window the crate's validation accepts (with the leeway), read
+        // from the claims it accepted; rounded inwards.
+        let leeway = self.config.leeway.as_secs();
+        let (valid_from, valid_until) = match (data.claims.get("nbf"), data.claims.get("exp").and_then(|v| epoch_secs(v, false))) {
+            (None, Some(exp)) => (0, exp.saturating_add(leeway)),
+            (Some(nbf), Some(exp)) => match epoch_secs(nbf, true) {
+                Some(nbf) => (nbf.saturating_sub(leeway), exp.saturating_add(leeway)),
+                // An `nbf` the crate could not read: never served from the cache.
+                None => (1, 0),
+            },
+            // `exp` is required: not reached, but never cached either.
+            (_, None) => (1, 0),
+        };
+        Ok(Verified { identity, signer, valid_from, valid_until })
     }
 
     /// Refreshes the key set now and then every `jwks_refresh`, until
@@ -261,11 +322,13 @@ impl JwtVerifier {
         let KeySource::Url(url) = &self.config.keys else { return true };
         match self.fetch(url).await {
             Ok(set) => {
-                let ring = Keyring::from_jwks(&set);
+                let ring = Arc::new(Keyring::from_jwks(&set));
                 tracing::debug!(url = %url, keys = ring.keys.len(), "JWKS refreshed");
                 if let Ok(mut k) = self.keyring.write() {
-                    *k = Arc::new(ring);
+                    *k = ring.clone();
                 }
+                // Entries of keys gone or replaced are misses already; drop them.
+                self.cache.retain_signers(jsonwebtoken::get_current_timestamp(), |s| ring.still_signs(s));
                 true
             }
             Err(e) => {
@@ -302,6 +365,22 @@ impl JwtVerifier {
             .to_bytes();
         serde_json::from_slice(&bytes).map_err(|e| format!("not a JWKS: {e}"))
     }
+}
+
+/// A NumericDate claim as seconds since the epoch, as the `jsonwebtoken`
+/// crate reads it (an integer, or a finite non-negative number it rounds),
+/// rounded up for a start (`up`) and down for an end, so a cached window is
+/// never wider than the verified one.
+fn epoch_secs(value: &serde_json::Value, up: bool) -> Option<u64> {
+    if let Some(n) = value.as_u64() {
+        return Some(n);
+    }
+    let f = value.as_f64()?;
+    if !(f.is_finite() && f >= 0.0 && f < u64::MAX as f64) {
+        return None;
+    }
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    Some(if up { f.ceil() as u64 } else { f.floor() as u64 })
 }
 
 /// Whether the token's JOSE header has a `crit` parameter (any value: an

@@ -17,6 +17,7 @@
 
 pub mod jwt;
 pub mod mtls;
+pub mod token_cache;
 
 use std::collections::HashMap;
 use std::net::IpAddr;
