@@ -75,6 +75,7 @@ on_both_stores!(
     probes_wait_until_the_attempt_cannot_be_at_the_upstream,
     a_released_operation_starts_a_fresh_attempt_budget,
     a_parked_event_holds_the_later_events_of_its_scope,
+    events_held_back_beyond_any_window_do_not_hide_deliverable_ones,
     workers_take_over_expired_attempts_that_may_run_again,
     stored_requests_are_dropped_once_the_operation_is_final,
 );
@@ -2190,6 +2191,35 @@ async fn a_released_operation_starts_a_fresh_attempt_budget(backend: Backend) {
     assert_eq!((queued.state, queued.attempts, queued.maybe_executed, queued.sent_at), (State::Queued, 0, false, None));
     let again = take(&store, &routes, "w").await.expect("runs again");
     assert_eq!(again.record.attempts, 1, "the first attempt of a fresh budget");
+}
+
+/// The relay's take may look at the oldest due events first (PostgreSQL
+/// reads a window of a few batches): more held-back events than that at the
+/// front of the queue must not hide a deliverable one behind them.
+async fn events_held_back_beyond_any_window_do_not_hide_deliverable_ones(backend: Backend) {
+    let store = open_with_events(&backend).await;
+    let ops = ["create_order"];
+    let relay = Uuid::new_v4();
+    let n = AuditNote { actor: Actor::Cli, reason: "it happened".into(), forced: false, caller: None };
+    // 12 scopes, each an `unknown` event parked and a later `completed` held behind it.
+    for i in 0..12 {
+        let k = key(&format!("held-{i}"));
+        let c = claim(&store, &req(&k, 1, LONG, false)).await;
+        store.mark_unknown(&c).await.unwrap();
+        let first = store.take_events(&ops, 1, LONG, relay).await.unwrap();
+        assert_eq!(first.len(), 1);
+        assert!(store.event_failed(first[0].seq, relay, "answered 500", Duration::ZERO, true).await.unwrap(), "parked");
+        let done = Resolution::Complete { response: response(201, b"x"), retention: Retention::For(LONG), force: false };
+        assert!(matches!(store.resolve(&k, &done, &n).await.unwrap(), ResolveOutcome::Resolved { .. }));
+    }
+    // Then one scope nothing holds back.
+    let free = key("free");
+    let c = claim(&store, &req(&free, 1, LONG, false)).await;
+    store.complete(&c, &response(201, b"f"), Retention::For(LONG)).await.unwrap();
+    let taken = store.take_events(&ops, 1, LONG, relay).await.unwrap();
+    let seen: Vec<(&str, &str)> = taken.iter().map(|e| (e.scope.key.as_str(), e.event_type.as_str())).collect();
+    assert_eq!(seen, vec![("free", "completed")], "12 held-back events ahead of it, a batch of 1");
+    assert_eq!(store.event_stats().await.unwrap().held, 12);
 }
 
 /// Order per scope survives parking: once an event is parked, the later

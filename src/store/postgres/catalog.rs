@@ -5,6 +5,7 @@
 
 use super::events::{
     EVENT_FAILED, EVENT_INSERT_ONE, EVENT_STATS, EVENTS, EVENTS_BY_DELIVERY, EVENTS_DELIVERED, REDELIVER, SWEEP_EVENTS, TAKE_EVENTS,
+    TAKE_EVENTS_WINDOW,
 };
 use super::lifecycle::{PROBE_WRITE, SETTING};
 use super::queue::{FAIL, HEARTBEAT, MARK_SENT, OPERATION, REQUEUE, TAKE};
@@ -66,6 +67,11 @@ pub fn catalog() -> Vec<Statement> {
         s(
             "take_events",
             &TAKE_EVENTS,
+            &["idemgate_events_pending", "idemgate_events_scope", "idemgate_events_parked", "idemgate_events_pkey"],
+        ),
+        s(
+            "take_events_window",
+            &TAKE_EVENTS_WINDOW,
             &["idemgate_events_pending", "idemgate_events_scope", "idemgate_events_parked", "idemgate_events_pkey"],
         ),
         s("events_delivered", EVENTS_DELIVERED, &["idemgate_events_pkey"]),
