@@ -92,6 +92,7 @@ const LONG: Duration = Duration::from_secs(60);
 fn store_config(backend: &Backend, timeout: Duration, pool_size: usize) -> StoreConfig {
     let backend = match backend {
         Backend::Postgres { url } => StoreBackend::Postgres { url: Secret::new(url.clone()), pool_size },
+        Backend::Citus { url } => StoreBackend::Citus { url: Secret::new(url.clone()), pool_size },
         Backend::Sqlite { path, .. } => StoreBackend::Sqlite { path: path.clone() },
     };
     StoreConfig {
@@ -930,7 +931,7 @@ async fn abandon_deletes_only_an_in_flight_claim_with_its_token(backend: Backend
 async fn stored_request(backend: &Backend, s: &Scope) -> Option<Option<Vec<u8>>> {
     let k = s.key.as_str().to_owned();
     match backend {
-        Backend::Postgres { url } => {
+        Backend::Postgres { url } | Backend::Citus { url } => {
             let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.expect("connect");
             let task = tokio::spawn(conn);
             let rows = client.query("SELECT request FROM idemgate_records WHERE idempotency_key = $1", &[&k]).await.expect("select");
@@ -1557,6 +1558,14 @@ async fn a_change_and_its_event_commit_or_fail_together(backend: Backend) {
     let before = row(&store, &s).await;
     // Make every event insert fail, from outside the store.
     let (fail, heal) = match &backend {
+        // Citus runs a distributed table's triggers on its shards, and only
+        // when told that they are safe there (this one touches no table).
+        Backend::Citus { .. } => (
+            "SET citus.enable_unsafe_triggers = on;
+             CREATE FUNCTION idemgate_test_fail() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'injected'; END $$;
+             CREATE TRIGGER idemgate_test_fail BEFORE INSERT ON idemgate_events FOR EACH ROW EXECUTE FUNCTION idemgate_test_fail();",
+            "DROP TRIGGER idemgate_test_fail ON idemgate_events; DROP FUNCTION idemgate_test_fail();",
+        ),
         Backend::Postgres { .. } => (
             "CREATE FUNCTION idemgate_test_fail() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'injected'; END $$;
              CREATE TRIGGER idemgate_test_fail BEFORE INSERT ON idemgate_events FOR EACH ROW EXECUTE FUNCTION idemgate_test_fail();",
@@ -1585,7 +1594,7 @@ async fn a_change_and_its_event_commit_or_fail_together(backend: Backend) {
 /// Runs SQL against the backend's database from outside the store.
 async fn raw_sql(backend: &Backend, sql: &str) {
     match backend {
-        Backend::Postgres { url } => {
+        Backend::Postgres { url } | Backend::Citus { url } => {
             let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.expect("connect");
             let task = tokio::spawn(conn);
             client.batch_execute(sql).await.expect("raw sql");
@@ -2053,7 +2062,7 @@ async fn the_reaper_decides_from_the_row_it_locked(backend: Backend) {
     let t_sent = take(&store, &routes, "w2").await.expect("second");
     assert_eq!((t_first.record.scope.clone(), t_sent.record.scope.clone()), (first.clone(), sent.clone()));
     match &backend {
-        Backend::Postgres { url } => {
+        Backend::Postgres { url } | Backend::Citus { url } => {
             let (gate, gate_task) = hold_the_reaper_after(url, "reaped-first").await;
             // The worker's row is busy (a lock held from outside) when its
             // mark_sent starts, inside the lease.

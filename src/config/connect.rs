@@ -71,12 +71,19 @@ pub async fn check_connections(config: &Config) -> Vec<ConnectCheck> {
 async fn check_store(store: &StoreConfig) -> Vec<ConnectCheck> {
     let line = |subject: &str, outcome| ConnectCheck { subject: subject.to_owned(), outcome };
     match &store.backend {
-        StoreBackend::Postgres { url, .. } => match check_postgres(url, store.operation_timeout.max(MIN_STORE_BOUND)).await {
-            Ok(found) => {
-                vec![line("store", Ok(Some(format!("postgres, as role {}", found.role)))), found.schema(store.migrate), found.privileges()]
+        StoreBackend::Postgres { url, .. } | StoreBackend::Citus { url, .. } => {
+            match check_postgres(url, store.operation_timeout.max(MIN_STORE_BOUND)).await {
+                Ok(found) => {
+                    let kind = if matches!(store.backend, StoreBackend::Citus { .. }) { "citus" } else { "postgres" };
+                    vec![
+                        line("store", Ok(Some(format!("{kind}, as role {}", found.role)))),
+                        found.schema(store.migrate),
+                        found.privileges(),
+                    ]
+                }
+                Err(e) => vec![line("store", Err(e))],
             }
-            Err(e) => vec![line("store", Err(e))],
-        },
+        }
         StoreBackend::Sqlite { path } => {
             let (path, migrate) = (path.clone(), store.migrate);
             let outcome = match tokio::task::spawn_blocking(move || check_sqlite(&path, migrate)).await {

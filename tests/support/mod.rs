@@ -27,6 +27,29 @@ macro_rules! on_both_stores {
     };
 }
 
+/// [`on_both_stores!`], and a third module running each case on a Citus
+/// cluster (`support::citus`: a fresh database on the shared cluster). The
+/// Citus cases step aside with one line on stderr when Citus is not
+/// installed (see `citus::skip_unless_installed`).
+#[allow(unused_macros)]
+macro_rules! on_all_stores {
+    ($($name:ident),* $(,)?) => {
+        on_both_stores!($($name),*);
+        mod on_citus {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    if super::support::citus::skip_unless_installed() {
+                        return;
+                    }
+                    super::$name(super::support::citus_backend()).await
+                }
+            )*
+        }
+    };
+}
+
+pub mod citus;
 pub mod client;
 pub mod faultproxy;
 pub mod gateway;
@@ -56,6 +79,13 @@ pub fn postgres_backend() -> Backend {
     let name = format!("t{}_{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst));
     let url = postgres::shared().create_database(&name).expect("create test database");
     Backend::Postgres { url }
+}
+
+/// A fresh database on this test binary's private Citus cluster (Citus must
+/// be installed: see `citus::skip_unless_installed`).
+pub fn citus_backend() -> Backend {
+    let url = citus::shared().create_unique_database("c").expect("create Citus test database");
+    Backend::Citus { url }
 }
 
 /// The collation of each scope column (`tenant`, `principal`, `operation`,

@@ -40,11 +40,12 @@ impl<'a> FromSql<'a> for Timestamp {
     }
 }
 
-const KIND: &str = "postgres";
-
 mod batch;
+pub mod citus;
 mod failover;
 pub mod sql;
+
+pub use citus::Flavor;
 
 use batch::Batcher;
 use failover::{Flush, HostWalk, Verdict};
@@ -125,6 +126,8 @@ pub struct PgStore {
     /// Concurrent claims and result writes share one statement and one
     /// commit (see `batch`).
     writes: Batcher<WriteItem, WriteOut>,
+    /// PostgreSQL or a Citus coordinator (see `citus`).
+    flavor: Flavor,
 }
 
 /// Bound on a readiness ping: `/readyz` must answer within about a second
@@ -232,6 +235,11 @@ fn retention_us(r: Retention) -> Option<i64> {
 
 impl PgStore {
     pub fn connect(url: &str, pool_size: usize, timeout: Duration) -> Result<PgStore, StoreError> {
+        PgStore::connect_as(url, pool_size, timeout, Flavor::Postgres)
+    }
+
+    /// [`connect`](Self::connect) to a server of this flavor.
+    pub fn connect_as(url: &str, pool_size: usize, timeout: Duration, flavor: Flavor) -> Result<PgStore, StoreError> {
         // sslmode and sslrootcert as libpq reads them (see crate::tls::postgres).
         let parsed =
             crate::tls::postgres::parse(url).map_err(|e| StoreError::Unavailable(format!("invalid database URL: {}", ErrorChain(&e))))?;
@@ -283,7 +291,7 @@ impl PgStore {
                 async move { db.write_batch(items).await }
             })
         };
-        Ok(PgStore { db, writes })
+        Ok(PgStore { db, writes, flavor })
     }
 
     async fn conn(&self) -> Result<Conn, StoreError> {
@@ -383,7 +391,7 @@ impl PgStore {
 
 /// Whether every migration of this version is applied and the derived-key
 /// secret exists: reads only, so any role that may read the tables can ask.
-async fn up_to_date(conn: &Conn) -> Result<bool, StoreError> {
+async fn up_to_date(conn: &Conn, flavor: Flavor) -> Result<bool, StoreError> {
     let m = |e: tokio_postgres::Error| migration_error("", &e);
     let client = conn.client();
     let row = client
@@ -398,6 +406,9 @@ async fn up_to_date(conn: &Conn) -> Result<bool, StoreError> {
     if POSTGRES.iter().any(|mig| !done.contains(&mig.version)) {
         return Ok(false);
     }
+    if flavor == Flavor::Citus && citus::CITUS.iter().any(|mig| !done.contains(&mig.version)) {
+        return Ok(false);
+    }
     let secret = client.query("SELECT 1 FROM idemgate_settings WHERE name = $1", &[&DERIVED_KEY_SECRET]).await.map_err(m)?;
     Ok(!secret.is_empty())
 }
@@ -405,15 +416,19 @@ async fn up_to_date(conn: &Conn) -> Result<bool, StoreError> {
 #[async_trait]
 impl RecordStore for PgStore {
     fn kind(&self) -> &'static str {
-        KIND
+        self.flavor.kind()
     }
 
     async fn migrate(&self) -> Result<Vec<String>, StoreError> {
         let mut conn = self.conn().await?;
+        // The right kind of server and schema for this flavor, or the
+        // start-up error that says which (see `citus`).
+        let found = citus::inspect(conn.client()).await.map_err(|e| migration_error("", &e))?;
+        citus::check(self.flavor, found)?;
         // Up to date: nothing is locked, created or written, so a runtime
         // role without the right to change the schema starts (and the server
         // sends no "already exists, skipping" notice at every start).
-        if up_to_date(&conn).await? {
+        if up_to_date(&conn, self.flavor).await? {
             conn.done();
             return Ok(Vec::new());
         }
@@ -437,6 +452,9 @@ impl RecordStore for PgStore {
                 .await
                 .map_err(m)?;
             applied.push(mig.name.to_owned());
+        }
+        if self.flavor == Flavor::Citus {
+            applied.extend(citus::migrate(&tx, &done).await.map_err(|(name, e)| migration_error(&name, &e))?);
         }
         // The derived-key secret, once per deployment: every replica reads
         // the same row.
