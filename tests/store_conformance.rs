@@ -78,6 +78,31 @@ on_both_stores!(
     stored_requests_are_dropped_once_the_operation_is_final,
 );
 
+// The same cases on a Citus cluster (issue 30): those whose statements are
+// all single-shard so far. Not yet here: the cases of background work
+// (sweeper, lease reaper, workers' take, probes' take, outbox relay), whose
+// statements scan every tenant under `FOR UPDATE SKIP LOCKED`.
+on_citus!(
+    attempts_from_an_earlier_life_of_a_record_are_fenced,
+    claim_inserts_and_second_claim_sees_the_winner,
+    resolve_of_a_completed_record_needs_force_and_is_audited,
+    concurrent_claims_have_exactly_one_winner,
+    scopes_never_see_each_other,
+    complete_round_trips_the_response_exactly,
+    writes_under_another_generation_are_fenced,
+    take_over_fences_the_previous_generation,
+    take_over_follows_may_take_over,
+    expire_lease_only_turns_expired_in_flight_into_unknown,
+    list_filters_orders_and_limits,
+    resolve_releases_completes_and_refuses_live_claims,
+    times_come_from_the_store_clock,
+    claim_resent_with_the_same_token_is_recognised_as_ours,
+    abandon_deletes_only_an_in_flight_claim_with_its_token,
+    key_source_is_kept_by_claims_and_take_overs,
+    list_pages_with_a_cursor_cover_every_record_once,
+    stats_count_records_that_are_not_completed,
+);
+
 // ---------------------------------------------------------------------------
 // Helpers
 

@@ -27,14 +27,14 @@ macro_rules! on_both_stores {
     };
 }
 
-/// [`on_both_stores!`], and a third module running each case on a Citus
-/// cluster (`support::citus`: a fresh database on the shared cluster). The
+/// Runs each named `async fn(Backend)` on a Citus cluster too (a fresh
+/// database on this binary's shared cluster, `support::citus`), in a module
+/// `on_citus`, beside [`on_both_stores!`]'s PostgreSQL and SQLite runs. The
 /// Citus cases step aside with one line on stderr when Citus is not
 /// installed (see `citus::skip_unless_installed`).
 #[allow(unused_macros)]
-macro_rules! on_all_stores {
+macro_rules! on_citus {
     ($($name:ident),* $(,)?) => {
-        on_both_stores!($($name),*);
         mod on_citus {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,10 +7,12 @@
 //! PostgreSQL statement in `sql`), plus what `migrate` does here: the schema
 //! of the PostgreSQL migrations, then [`CITUS`], which distributes it.
 
-use tokio_postgres::Transaction;
+use tokio_postgres::{Row, Transaction};
 
-use super::super::StoreError;
 use super::super::migrations::Migration;
+use super::super::{Claim, ClaimRequest, RawClaim, RecordStore, StoreError};
+use super::{NCOLS, decode, micros, sql};
+use crate::idempotency::record::{Generation, Timestamp, may_take_over};
 
 /// Which server the PostgreSQL backend talks to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -104,4 +106,68 @@ pub async fn migrate(tx: &Transaction<'_>, done: &[i64]) -> Result<Vec<String>, 
         applied.push(mig.name.to_owned());
     }
     Ok(applied)
+}
+
+impl super::PgStore {
+    /// The claim on Citus (see `sql::CITUS_CLAIM_READ`): read, insert, or
+    /// take over, each a router statement on the scope's shard.
+    pub(super) async fn claim_citus(&self, req: &ClaimRequest) -> Result<RawClaim, StoreError> {
+        let s = &req.scope;
+        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+        let pk: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&&*s.tenant, &&*s.principal, &&*s.operation, &s.key.as_str()];
+        let rows = self.query(&sql::CITUS_CLAIM_READ, &pk, false).await?;
+        let lease = micros(req.lease);
+        let may_take = req.upstream_idempotent && req.acceptance.is_none();
+        let operation_id = req.acceptance.as_ref().map(|a| a.operation_id.as_str());
+        let request = req.acceptance.as_ref().map(|a| &a.request[..]).or(req.request_head.as_deref());
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 12] = [
+            pk[0],
+            pk[1],
+            pk[2],
+            pk[3],
+            &&req.request_hash.0[..],
+            &req.claim_token,
+            &&*req.owner,
+            &lease,
+            &may_take,
+            &operation_id,
+            &request,
+            &&*req.key_source,
+        ];
+        let claimed = |row: &Row, took_over: bool| -> Result<RawClaim, StoreError> {
+            let generation: i64 = row.try_get(0).map_err(c)?;
+            let lease: Option<Timestamp> = row.try_get(1).map_err(c)?;
+            let updated: Timestamp = row.try_get(2).map_err(c)?;
+            Ok(RawClaim::Claimed(Claim {
+                scope: s.clone(),
+                generation: Generation(generation),
+                claim_token: req.claim_token,
+                lease_expires_at: lease.unwrap_or(updated),
+                took_over,
+            }))
+        };
+        let Some(row) = rows.first() else {
+            let rows = self.query(&sql::CITUS_CLAIM_INSERT, &params, true).await?;
+            return match rows.first() {
+                Some(row) => claimed(row, false),
+                // Inserted concurrently by another claim since the read.
+                None => Ok(RawClaim::Conflict),
+            };
+        };
+        let record = decode(row)?;
+        let now: Timestamp = row.try_get(NCOLS).map_err(c)?;
+        let cacheable: bool = row.try_get(NCOLS + 1).map_err(c)?;
+        if may_take_over(&record, &req.request_hash, now, req.upstream_idempotent) {
+            let rows = self.query(&sql::CITUS_TAKE_OVER, &params, true).await?;
+            if let Some(row) = rows.first() {
+                return claimed(row, true);
+            }
+            // Moved on since the read: what it is now.
+            return match self.get(s).await? {
+                Some((record, now)) => Ok(RawClaim::Existing(record, now)),
+                None => Ok(RawClaim::Conflict),
+            };
+        }
+        Ok(if cacheable { RawClaim::Cacheable(record, now) } else { RawClaim::Existing(record, now) })
+    }
 }

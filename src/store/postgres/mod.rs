@@ -62,9 +62,17 @@ struct Db {
     /// Set when a statement shows the server is no longer the writable
     /// primary: connections opened before are not reused (see `failover`).
     flush: Arc<Flush>,
+    /// PostgreSQL or a Citus coordinator: on Citus every statement is sent
+    /// as `sql::for_citus` writes it.
+    flavor: Flavor,
 }
 
 impl Db {
+    /// `sql` as this flavor sends it.
+    fn text<'a>(&self, sql: &'a str) -> &'a str {
+        if self.flavor == Flavor::Citus { sql::for_citus(sql) } else { sql }
+    }
+
     async fn conn(&self) -> Result<Conn, StoreError> {
         match self.pool.get().await {
             Ok(c) => Ok(Conn(Some(c))),
@@ -90,7 +98,7 @@ impl Db {
         write: bool,
     ) -> Result<Vec<Row>, (StoreError, Verdict)> {
         let conn = self.conn().await.map_err(|e| (e, Verdict::Keep))?;
-        let stmt = match conn.client().prepare_cached(sql).await {
+        let stmt = match conn.client().prepare_cached(self.text(sql)).await {
             Ok(stmt) => stmt,
             Err(e) => return Err(self.failed(conn, e, false)),
         };
@@ -254,7 +262,7 @@ impl PgStore {
         // statement_timeout: a statement the gateway gave up on (its operation
         // timed out, so it answered and may have abandoned a claim) must not
         // go on and commit later; the server cancels it at the same bound.
-        let mut ours: String = sql::SESSION_SETTINGS.iter().map(|(name, value)| format!("-c {name}={value} ")).collect();
+        let mut ours: String = sql::session_settings(flavor).iter().map(|(name, value)| format!("-c {name}={value} ")).collect();
         ours.push_str(&format!("-c statement_timeout={}", timeout.as_millis().max(1)));
         let options = match pg.get_options() {
             Some(o) if !o.is_empty() => format!("{o} {ours}"),
@@ -282,7 +290,7 @@ impl PgStore {
             .pre_recycle(Flush::hook(flush.clone()))
             .build()
             .map_err(|e| StoreError::Unavailable(format!("cannot build the connection pool: {e}")))?;
-        let db = Db { pool, timeout, flush };
+        let db = Db { pool, timeout, flush, flavor };
         let writes = {
             let db = db.clone();
             let concurrency = std::env::var("IDEMGATE_PG_BATCH_CONCURRENCY").ok().and_then(|v| v.parse().ok()).unwrap_or(BATCH_CONCURRENCY);
@@ -367,7 +375,7 @@ impl PgStore {
         let body: Option<&[u8]> = response.body.as_deref();
         let rows = self
             .query(
-                &sql::COMPLETE,
+                self.pick(&sql::COMPLETE, &sql::CITUS_COMPLETE),
                 &[
                     &&*scope.tenant,
                     &&*scope.principal,
@@ -512,6 +520,9 @@ impl RecordStore for PgStore {
     /// record that the batch found and that may be taken over goes through the
     /// single-row statement, which re-checks and takes it over atomically.
     async fn claim(&self, req: &ClaimRequest) -> Result<RawClaim, StoreError> {
+        if self.flavor == Flavor::Citus {
+            return self.claim_citus(req).await;
+        }
         let token = req.claim_token;
         let s = &req.scope;
         let item = ClaimItem {
@@ -563,6 +574,10 @@ impl RecordStore for PgStore {
         events: &EventPolicies,
     ) -> Result<bool, StoreError> {
         let emit = Emit::of(events, &scope.operation, EventType::Completed);
+        if self.flavor == Flavor::Citus {
+            // Not batched across scopes on Citus (see `sql::catalog_for`).
+            return self.complete_one(scope, attempt, response, retention, emit).await;
+        }
         let item = CompleteItem {
             scope: scope.clone(),
             attempt,
@@ -791,7 +806,7 @@ impl RecordStore for PgStore {
         let (unknown, failed) =
             (events.emits(&scope.operation, EventType::Unknown), events.emits(&scope.operation, EventType::FailedRetryable));
         self.fenced_update(
-            &sql::FAIL,
+            self.pick(&sql::FAIL, &sql::CITUS_FAIL),
             scope,
             attempt,
             &[&retention_us(retention), &retry.last_status.map(i32::from), &retry.maybe_executed, &unknown, &failed],
@@ -933,7 +948,7 @@ impl PgStore {
         let tx = conn.client_mut().transaction().await.map_err(w)?;
         let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
             [&&*scope.tenant, &&*scope.principal, &&*scope.operation, &scope.key.as_str()];
-        let rows = tx.query(&*sql::RESOLVE_LOCK, &params).await.map_err(w)?;
+        let rows = tx.query(self.db.text(&sql::RESOLVE_LOCK), &params).await.map_err(w)?;
         let Some(row) = rows.first() else {
             tx.rollback().await.map_err(w)?;
             return Ok(Round::Done(ResolveOutcome::NotFound));
@@ -960,7 +975,7 @@ impl PgStore {
             }
             Ok(_) if record.state == State::Completed && !hold_in_place => {
                 let rows = tx
-                    .query(&*sql::RESOLVE_HOLD, &[params[0], params[1], params[2], params[3], &micros(super::cache::HOLD)])
+                    .query(self.db.text(&sql::RESOLVE_HOLD), &[params[0], params[1], params[2], params[3], &micros(super::cache::HOLD)])
                     .await
                     .map_err(w)?;
                 let hold: Timestamp = rows
@@ -971,12 +986,13 @@ impl PgStore {
                 return Ok(Round::Held((hold, record.generation)));
             }
             Ok(Next::Deleted) => {
-                tx.execute(&*sql::RESOLVE_DELETE, &params).await.map_err(w)?;
+                tx.execute(self.db.text(&sql::RESOLVE_DELETE), &params).await.map_err(w)?;
                 (None, None)
             }
             Ok(Next::State { state: State::Queued, .. }) => {
                 // An async operation released: it runs again, under a new generation.
-                let rows = tx.query(&*sql::RESOLVE_REQUEUE, &params).await.map_err(w)?;
+                let rows =
+                    tx.query(self.db.text(self.pick(&sql::RESOLVE_REQUEUE, &sql::CITUS_RESOLVE_REQUEUE)), &params).await.map_err(w)?;
                 let Some(row) = rows.first() else {
                     // The row is locked: only a dropped request stops the update.
                     tx.rollback().await.map_err(w)?;
@@ -993,7 +1009,7 @@ impl PgStore {
                 let body: Option<&[u8]> = response.body.as_deref();
                 let rows = tx
                     .query(
-                        &*sql::RESOLVE_COMPLETE,
+                        self.db.text(self.pick(&sql::RESOLVE_COMPLETE, &sql::CITUS_RESOLVE_COMPLETE)),
                         &[
                             params[0],
                             params[1],
@@ -1013,7 +1029,7 @@ impl PgStore {
             }
         };
         tx.execute(
-            sql::AUDIT_INSERT,
+            self.db.text(sql::AUDIT_INSERT),
             &[
                 &note.actor.as_str(),
                 params[0],
@@ -1040,7 +1056,7 @@ impl PgStore {
                 Resolution::Release { .. } => (None, None),
             };
             tx.execute(
-                &*sql::EVENT_INSERT_ONE,
+                self.db.text(&sql::EVENT_INSERT_ONE),
                 &[
                     &event.as_str(),
                     params[0],
@@ -1071,6 +1087,11 @@ enum Round {
 }
 
 impl PgStore {
+    /// The statement of this flavor: PostgreSQL's, or Citus's where it differs.
+    fn pick<'a>(&self, postgres: &'a str, citus: &'a str) -> &'a str {
+        if self.flavor == Flavor::Citus { citus } else { postgres }
+    }
+
     async fn events_where(
         &self,
         sql: &str,

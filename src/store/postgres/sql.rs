@@ -44,6 +44,21 @@ pub const SESSION_SETTINGS: &[(&str, &str)] = &[
     ("enable_mergejoin", "off"),
 ];
 
+/// [`SESSION_SETTINGS`] as a store of `flavor` sends them. Citus plans a
+/// statement with data-modifying CTEs for one shard only once its
+/// parameters are known (a generic plan of one is refused: "could not
+/// create distributed plan"), so its sessions plan each execution; the
+/// shard's own plan is made on the worker, for the statement with its values.
+pub fn session_settings(flavor: super::Flavor) -> Vec<(&'static str, &'static str)> {
+    SESSION_SETTINGS
+        .iter()
+        .map(|&(name, value)| match (flavor, name) {
+            (super::Flavor::Citus, "plan_cache_mode") => (name, "force_custom_plan"),
+            _ => (name, value),
+        })
+        .collect()
+}
+
 /// The record columns every reading statement returns, in `decode`'s order.
 pub(super) const COLUMNS: &str = "tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner, \
      lease_expires_at, response_status, response_headers, response_body, created_at, updated_at, expires_at, \
@@ -64,6 +79,13 @@ const FENCE: &str = "generation = $5 AND claim_token = $6 AND CASE state WHEN 'p
 const EXPIRES_7: &str = "coalesce(now() + $7::int8 * interval '1 microsecond', 'infinity')";
 const EXPIRES_8: &str = "coalesce(now() + $8::int8 * interval '1 microsecond', 'infinity')";
 const EXPIRES_9: &str = "coalesce(now() + $9::int8 * interval '1 microsecond', 'infinity')";
+
+/// [`EXPIRES_7`]-style expiry from `$n` for Citus, which refuses `now()`
+/// inside `coalesce` (or `CASE`) in a distributed `UPDATE`: `greatest`
+/// ignores the NULL of a forever retention and of the parameter-only `CASE`.
+fn citus_expires(n: usize) -> String {
+    format!("greatest(now() + ${n}::int8 * interval '1 microsecond', CASE WHEN ${n}::int8 IS NULL THEN 'infinity'::timestamptz END)")
+}
 
 /// The columns of an event row as written (`INSERT INTO idemgate_events {EVENT_INSERT} ...`).
 const EVENT_INSERT: &str = "(event_type, tenant, principal, operation, idempotency_key, generation, status, operation_id, actor, body)";
@@ -129,6 +151,62 @@ SELECT {}, now(),
        NOT coalesce(cur.cache_hold_until > now(), false)
 FROM (SELECT 1) AS one LEFT JOIN cur ON true",
         prefixed(COLUMNS, "cur.")
+    )
+});
+
+/// Citus's claim: the take-over branch of [`CLAIM`] needs a new generation,
+/// and Citus refuses a volatile function (`nextval`) in a distributed
+/// `UPDATE` and a stable one (`now()`) inside `CASE` in one; its data-modifying
+/// CTEs are planned step by step. So on Citus a claim is up to three router
+/// statements on the scope's shard, each autocommitted, with the parameters
+/// of `CLAIM` (the read only `$1`..`$4`; the insert returns `$9` so that its
+/// parameters are those of `CLAIM`): [`CITUS_CLAIM_READ`] (a replay ends here),
+/// [`CITUS_CLAIM_INSERT`] (a first write ends here), and, for a record that
+/// `record::may_take_over` allows, [`CITUS_TAKE_OVER`], which re-checks that
+/// condition on the latest row version. A lost insert is `RawClaim::Conflict`,
+/// as with the batch (the facade reads the winner).
+pub(super) static CITUS_CLAIM_READ: LazyLock<String> =
+    LazyLock::new(|| format!("SELECT {COLUMNS}, now(), NOT coalesce(cache_hold_until > now(), false) FROM idemgate_records WHERE {PK}"));
+
+/// See [`CITUS_CLAIM_READ`]. The generation is drawn in the `INSERT`'s
+/// values, which Citus evaluates on the coordinator; the lease and the due
+/// time are `now()` plus an interval that a parameter-only `CASE` makes NULL
+/// (Citus refuses `now()` inside a `CASE` of a modification).
+pub(super) static CITUS_CLAIM_INSERT: LazyLock<String> = LazyLock::new(|| {
+    "INSERT INTO idemgate_records
+        (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
+         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, key_source, scope_id)
+     VALUES ($1, $2, $3, $4, $5, CASE WHEN $10::text IS NULL THEN 'in_flight' ELSE 'queued' END, nextval('idemgate_generation'), $6, $7,
+             now() + (CASE WHEN $10::text IS NULL THEN $8::int8 END) * interval '1 microsecond', now(), now(),
+             now() + $8::int8 * interval '1 microsecond', $10, $11, now() + (CASE WHEN $10::text IS NOT NULL THEN 0 END) * interval '1 microsecond',
+             $12, idemgate_scope_id($1, $2, $3, $4))
+     ON CONFLICT ON CONSTRAINT idemgate_records_pkey DO NOTHING
+     RETURNING generation, lease_expires_at, updated_at, $9::bool"
+        .to_owned()
+});
+
+/// See [`CITUS_CLAIM_READ`]. The generation comes from a `SELECT` (Citus
+/// draws it on the coordinator, before the `UPDATE` runs on the shard) and
+/// never goes below the record's own (`greatest`), whatever a sequence does.
+pub(super) static CITUS_TAKE_OVER: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "\
+WITH gen AS (SELECT nextval('idemgate_generation') AS g)
+UPDATE idemgate_records r SET
+    request_hash = $5, state = CASE WHEN $10::text IS NULL THEN 'in_flight' ELSE 'queued' END,
+    generation = greatest(gen.g, r.generation + 1), claim_token = $6, owner = $7,
+    lease_expires_at = now() + (CASE WHEN $10::text IS NULL THEN $8::int8 END) * interval '1 microsecond',
+    response_status = NULL, response_headers = NULL, response_body = NULL,
+    created_at = now(), updated_at = now(), expires_at = now() + $8::int8 * interval '1 microsecond',
+    operation_id = $10, request = $11, attempts = 0,
+    next_attempt_at = now() + (CASE WHEN $10::text IS NOT NULL THEN 0 END) * interval '1 microsecond',
+    sent_at = NULL, last_status = NULL, maybe_executed = false, key_source = $12
+FROM gen
+WHERE {PK}
+  AND ((r.state IN ('completed', 'failed_retryable') AND r.expires_at <= now())
+       OR (r.state = 'unknown' AND $9::bool AND r.request_hash = $5)
+       OR (r.state = 'in_flight' AND $9::bool AND r.request_hash = $5 AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())))
+RETURNING r.generation, r.lease_expires_at, r.updated_at"
     )
 });
 
@@ -261,6 +339,11 @@ pub(super) static COMPLETE: LazyLock<String> = LazyLock::new(|| {
          SELECT 1 FROM upd"
     )
 });
+
+/// [`COMPLETE`] on Citus: `expires_at` without `now()` inside `coalesce`
+/// (refused in a distributed `UPDATE`): `greatest` of the finite expiry
+/// (NULL for forever) and `'infinity'` when the retention is forever.
+pub(super) static CITUS_COMPLETE: LazyLock<String> = LazyLock::new(|| COMPLETE.replace(EXPIRES_9, &citus_expires(9)));
 
 pub(super) static GET: LazyLock<String> = LazyLock::new(|| format!("SELECT {COLUMNS}, now() FROM idemgate_records WHERE {PK}"));
 
@@ -415,6 +498,16 @@ pub(super) static RESOLVE_REQUEUE: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
+/// [`RESOLVE_REQUEUE`] on Citus: the generation from a `SELECT` (see [`CITUS_TAKE_OVER`]).
+pub(super) static CITUS_RESOLVE_REQUEUE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH gen AS (SELECT nextval('idemgate_generation') AS g) \
+         UPDATE idemgate_records r SET state = 'queued', generation = greatest(gen.g, r.generation + 1), lease_expires_at = NULL, \
+         sent_at = NULL, next_attempt_at = now(), attempts = 0, maybe_executed = false, response_status = NULL, response_headers = NULL, \
+         response_body = NULL, updated_at = now(), cache_hold_until = NULL FROM gen WHERE {PK} AND request IS NOT NULL RETURNING r.generation"
+    )
+});
+
 /// The records a log line's scope id names (`$1`), through the primary
 /// key's first column.
 pub(super) static BY_SCOPE_ID: LazyLock<String> = LazyLock::new(|| format!("SELECT {COLUMNS} FROM idemgate_records WHERE scope_id = $1"));
@@ -426,6 +519,18 @@ pub(super) static RESOLVE_COMPLETE: LazyLock<String> = LazyLock::new(|| {
         "UPDATE idemgate_records SET state = 'completed', generation = nextval('idemgate_generation'), response_status = $5, \
          response_headers = $6, response_body = $7, lease_expires_at = NULL, updated_at = now(), \
          expires_at = {EXPIRES_8}, cache_hold_until = NULL, request = NULL WHERE {PK} RETURNING generation"
+    )
+});
+
+/// [`RESOLVE_COMPLETE`] on Citus: the generation from a `SELECT` (see
+/// [`CITUS_TAKE_OVER`]), the expiry as in [`CITUS_COMPLETE`].
+pub(super) static CITUS_RESOLVE_COMPLETE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH gen AS (SELECT nextval('idemgate_generation') AS g) \
+         UPDATE idemgate_records r SET state = 'completed', generation = greatest(gen.g, r.generation + 1), response_status = $5, \
+         response_headers = $6, response_body = $7, lease_expires_at = NULL, updated_at = now(), \
+         expires_at = {}, cache_hold_until = NULL, request = NULL FROM gen WHERE {PK} RETURNING r.generation",
+        citus_expires(8)
     )
 });
 
@@ -602,6 +707,9 @@ pub(super) static FAIL: LazyLock<String> = LazyLock::new(|| {
          SELECT 1 FROM upd"
     )
 });
+
+/// [`FAIL`] on Citus: the expiry as in [`CITUS_COMPLETE`].
+pub(super) static CITUS_FAIL: LazyLock<String> = LazyLock::new(|| FAIL.replace(EXPIRES_7, &citus_expires(7)));
 
 pub(super) static OPERATION: LazyLock<String> =
     LazyLock::new(|| format!("SELECT {COLUMNS}, now() FROM idemgate_records WHERE tenant = $1 AND operation_id = $2"));
@@ -796,4 +904,132 @@ pub fn catalog() -> Vec<Statement> {
         all.push(Statement { name: format!("list {shape:?}"), sql: shape.sql(), indexes: shape.indexes() });
     }
     all
+}
+
+/// [`catalog`] as a store of `flavor` sends it: on Citus, the statements of
+/// another shape in place of the PostgreSQL ones (see `citus`).
+pub fn catalog_for(flavor: super::Flavor) -> Vec<Statement> {
+    let mut all = catalog();
+    if flavor == super::Flavor::Citus {
+        // Claims and result writes are not batched across scopes on Citus
+        // (a batch's arrays name tenants Citus cannot route by): the claim
+        // is `CITUS_CLAIM_READ`, `CITUS_CLAIM_INSERT`, `CITUS_TAKE_OVER`.
+        all.retain(|s| !matches!(s.name.as_str(), "claim" | "claim_batch" | "complete_batch" | "write_batch"));
+        for s in &mut all {
+            if let Some(sql) = citus_statement(&s.name) {
+                s.sql = sql.to_owned();
+            }
+        }
+        let pkey: &'static [&'static str] = PKEY;
+        for (name, sql) in
+            [("claim_read", &*CITUS_CLAIM_READ), ("claim_insert", &*CITUS_CLAIM_INSERT), ("claim_take_over", &*CITUS_TAKE_OVER)]
+        {
+            all.push(Statement { name: name.to_owned(), sql: sql.clone(), indexes: pkey });
+        }
+        for s in &mut all {
+            s.sql = for_citus(&s.sql).to_owned();
+        }
+    }
+    all
+}
+
+/// The Citus statement that replaces the catalog's statement `name`, if any.
+fn citus_statement(name: &str) -> Option<&'static str> {
+    Some(match name {
+        "complete" => &CITUS_COMPLETE,
+        "resolve_complete" => &CITUS_RESOLVE_COMPLETE,
+        "resolve_requeue" => &CITUS_RESOLVE_REQUEUE,
+        "fail" => &CITUS_FAIL,
+        _ => return None,
+    })
+}
+
+/// A statement as a Citus store sends it: every simple `CASE col WHEN 'a'
+/// THEN true ... ELSE false END` test (the PostgreSQL statements' way of
+/// keeping a partial index out of a plan, see the module documentation)
+/// written as `col IN ('a', ...)`. Citus mis-deparses the simple `CASE`
+/// form in a modification it sends to a shard (its tested value becomes
+/// `NULL::boolean`: "operator does not exist: text = boolean"); on a shard
+/// the primary key serves these statements anyway. Memoized: the store's
+/// statements are a fixed set.
+pub fn for_citus(sql: &str) -> &'static str {
+    static DONE: LazyLock<std::sync::Mutex<std::collections::HashMap<String, &'static str>>> = LazyLock::new(Default::default);
+    let mut done = DONE.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some(text) = done.get(sql) {
+        return text;
+    }
+    let text: &'static str = Box::leak(rewrite_simple_cases(sql).into_boxed_str());
+    done.insert(sql.to_owned(), text);
+    text
+}
+
+/// See [`for_citus`]: `CASE x WHEN 'a' THEN true WHEN 'b' THEN true ELSE
+/// false END` becomes `x IN ('a', 'b')`; any other `CASE` stays.
+fn rewrite_simple_cases(sql: &str) -> String {
+    let mut out = String::with_capacity(sql.len());
+    let mut rest = sql;
+    while let Some(at) = rest.find("CASE ") {
+        out.push_str(&rest[..at]);
+        let after = &rest[at + 5..];
+        match simple_case(after) {
+            Some((column, values, used)) => {
+                out.push_str(&format!("{column} IN ({})", values.join(", ")));
+                rest = &after[used..];
+            }
+            None => {
+                out.push_str("CASE ");
+                rest = after;
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+/// `x WHEN 'a' THEN true ... ELSE false END` at the start of `s`: the
+/// column, the quoted values, and how many bytes that took.
+fn simple_case(s: &str) -> Option<(&str, Vec<&str>, usize)> {
+    let column_end = s.find(' ')?;
+    let column = &s[..column_end];
+    if column.is_empty() || !column.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.') {
+        return None;
+    }
+    let mut pos = column_end + 1;
+    let mut values = Vec::new();
+    loop {
+        let tail = &s[pos..];
+        if let Some(t) = tail.strip_prefix("ELSE false END") {
+            let _ = t;
+            return (!values.is_empty()).then_some((column, values, pos + "ELSE false END".len()));
+        }
+        let t = tail.strip_prefix("WHEN '")?;
+        let close = t.find('\'')?;
+        let value = &tail[5..5 + close + 2];
+        let t = t[close + 1..].strip_prefix(" THEN true ")?;
+        values.push(value);
+        pos = s.len() - t.len();
+    }
+}
+
+#[cfg(test)]
+mod citus_tests {
+    use super::*;
+
+    #[test]
+    fn simple_state_tests_become_in_lists_for_citus() {
+        assert_eq!(
+            rewrite_simple_cases("a AND CASE r.state WHEN 'in_flight' THEN true WHEN 'processing' THEN true ELSE false END RETURNING 1"),
+            "a AND r.state IN ('in_flight', 'processing') RETURNING 1"
+        );
+        assert_eq!(rewrite_simple_cases("CASE delivery WHEN 'pending' THEN true ELSE false END"), "delivery IN ('pending')");
+        // Anything else stays as it is.
+        for kept in [
+            "CASE WHEN $10::text IS NULL THEN 'in_flight' ELSE 'queued' END",
+            "CASE delivery WHEN $1 THEN true ELSE false END",
+            "CASE r.state WHEN 'completed' THEN r.expires_at <= now() ELSE false END",
+        ] {
+            assert_eq!(rewrite_simple_cases(kept), kept);
+        }
+        assert!(std::ptr::eq(for_citus("CASE x WHEN 'a' THEN true ELSE false END"), for_citus("CASE x WHEN 'a' THEN true ELSE false END")));
+    }
 }
