@@ -8,6 +8,7 @@
 //! of the PostgreSQL migrations, then [`CITUS`], which distributes it.
 
 use tokio_postgres::{Row, Transaction};
+use uuid::Uuid;
 
 use super::super::migrations::Migration;
 use super::super::{Claim, ClaimRequest, RawClaim, RecordStore, StoreError};
@@ -169,5 +170,109 @@ impl super::PgStore {
             };
         }
         Ok(if cacheable { RawClaim::Cacheable(record, now) } else { RawClaim::Existing(record, now) })
+    }
+}
+
+/// How many tenants one round of background work looks at, the longest
+/// waiting first. A round that finds nothing to do in these ends; the next
+/// round asks again, so a tenant whose work became due is reached once the
+/// ones before it are served.
+const TENANTS_PER_ROUND: i64 = 32;
+
+/// Background work on Citus. `FOR UPDATE SKIP LOCKED` and a `LIMIT` under a
+/// row lock run on one shard only ("could not run distributed query with
+/// FOR UPDATE/SHARE commands" otherwise), so each of these first reads,
+/// without locks, which tenants have work (one read of every shard), then
+/// runs PostgreSQL's statement with a `tenant = $n` filter, a router query
+/// on that tenant's shard where `SKIP LOCKED` and `LIMIT` work as on one
+/// node, tenant by tenant until the batch is full.
+impl super::PgStore {
+    async fn tenants(&self, sql: &str, params: &[&(dyn tokio_postgres::types::ToSql + Sync)]) -> Result<Vec<String>, StoreError> {
+        let rows = self.query(sql, params, false).await?;
+        rows.iter().map(|r| r.try_get::<_, String>(0).map_err(|e| StoreError::Corrupt(e.to_string()))).collect()
+    }
+
+    /// `TAKE`: the first due operation of the longest-waiting tenant that has one free.
+    pub(super) async fn take_rows_citus(
+        &self,
+        ops: &[&str],
+        leases: &[i64],
+        claim_token: Uuid,
+        owner: &str,
+        reforwardable: &[&str],
+    ) -> Result<Vec<Row>, StoreError> {
+        for tenant in self.tenants(sql::CITUS_TENANTS_TO_TAKE, &[&ops, &reforwardable, &TENANTS_PER_ROUND]).await? {
+            let rows = self.query(&sql::CITUS_TAKE, &[&ops, &leases, &claim_token, &owner, &reforwardable, &tenant], true).await?;
+            if !rows.is_empty() {
+                return Ok(rows);
+            }
+        }
+        Ok(Vec::new())
+    }
+
+    /// `SWEEP`, tenant by tenant until `batch` records are gone.
+    pub(super) async fn sweep_citus(&self, batch: u32) -> Result<u64, StoreError> {
+        let mut swept = 0u64;
+        for tenant in self.tenants(sql::CITUS_TENANTS_TO_SWEEP, &[&TENANTS_PER_ROUND]).await? {
+            let left = i64::from(batch) - swept as i64;
+            if left <= 0 {
+                break;
+            }
+            swept += self.query(&sql::CITUS_SWEEP, &[&left, &tenant], true).await?.len() as u64;
+        }
+        Ok(swept)
+    }
+
+    /// `REAP_LEASES`, tenant by tenant until `batch` attempts are ended.
+    pub(super) async fn reap_rows_citus(&self, batch: u32, ops: &[&str], emitting: &[&str]) -> Result<Vec<Row>, StoreError> {
+        let mut all = Vec::new();
+        for tenant in self.tenants(sql::CITUS_TENANTS_TO_REAP, &[&TENANTS_PER_ROUND]).await? {
+            let left = i64::from(batch) - all.len() as i64;
+            if left <= 0 {
+                break;
+            }
+            all.extend(self.query(&sql::CITUS_REAP_LEASES, &[&left, &ops, &emitting, &tenant], true).await?);
+        }
+        Ok(all)
+    }
+
+    /// `TAKE_PROBES`, tenant by tenant until `limit` records are taken.
+    pub(super) async fn take_probe_rows_citus(
+        &self,
+        ops: &[&str],
+        settles: &[i64],
+        token: Uuid,
+        hold_us: i64,
+        limit: u32,
+        at_upstream: &[i64],
+    ) -> Result<Vec<Row>, StoreError> {
+        let mut all = Vec::new();
+        for tenant in self.tenants(sql::CITUS_TENANTS_TO_PROBE, &[&ops, &TENANTS_PER_ROUND]).await? {
+            let left = i64::from(limit) - all.len() as i64;
+            if left <= 0 {
+                break;
+            }
+            all.extend(self.query(&sql::CITUS_TAKE_PROBES, &[&ops, &settles, &token, &hold_us, &left, &at_upstream, &tenant], true).await?);
+        }
+        Ok(all)
+    }
+
+    /// `TAKE_EVENTS`, tenant by tenant until `limit` events are leased.
+    pub(super) async fn take_event_rows_citus(
+        &self,
+        operations: &[&str],
+        limit: u32,
+        lease_us: i64,
+        token: Uuid,
+    ) -> Result<Vec<Row>, StoreError> {
+        let mut all = Vec::new();
+        for tenant in self.tenants(sql::CITUS_TENANTS_WITH_EVENTS, &[&operations, &TENANTS_PER_ROUND]).await? {
+            let left = i64::from(limit) - all.len() as i64;
+            if left <= 0 {
+                break;
+            }
+            all.extend(self.query(&sql::CITUS_TAKE_EVENTS, &[&operations, &left, &token, &lease_us, &tenant], true).await?);
+        }
+        Ok(all)
     }
 }

@@ -746,13 +746,19 @@ impl RecordStore for PgStore {
     }
 
     async fn sweep(&self, batch: u32) -> Result<u64, StoreError> {
+        if self.flavor == Flavor::Citus {
+            return self.sweep_citus(batch).await;
+        }
         Ok(self.query(sql::SWEEP, &[&i64::from(batch)], true).await?.len() as u64)
     }
 
     async fn reap_leases(&self, batch: u32, reforwardable: &[Arc<str>], events: &EventPolicies) -> Result<Reaped, StoreError> {
         let ops: Vec<&str> = reforwardable.iter().map(|o| &**o).collect();
         let emitting = events.operations_emitting(EventType::Unknown);
-        let rows = self.query(&sql::REAP_LEASES, &[&i64::from(batch), &ops, &emitting], true).await?;
+        let rows = match self.flavor {
+            Flavor::Citus => self.reap_rows_citus(batch, &ops, &emitting).await?,
+            Flavor::Postgres => self.query(&sql::REAP_LEASES, &[&i64::from(batch), &ops, &emitting], true).await?,
+        };
         let mut reaped = Reaped::default();
         for row in &rows {
             if row.try_get::<_, bool>(0).map_err(|e| StoreError::Corrupt(e.to_string()))? {
@@ -768,7 +774,10 @@ impl RecordStore for PgStore {
         let ops: Vec<&str> = routes.iter().map(|r| &*r.operation).collect();
         let leases: Vec<i64> = routes.iter().map(|r| micros(r.lease)).collect();
         let reforwardable: Vec<&str> = routes.iter().filter(|r| r.reforwardable).map(|r| &*r.operation).collect();
-        let rows = self.query(&sql::TAKE, &[&ops, &leases, &claim_token, &owner, &reforwardable], true).await?;
+        let rows = match self.flavor {
+            Flavor::Citus => self.take_rows_citus(&ops, &leases, claim_token, owner, &reforwardable).await?,
+            Flavor::Postgres => self.query(&sql::TAKE, &[&ops, &leases, &claim_token, &owner, &reforwardable], true).await?,
+        };
         let Some(row) = rows.first() else { return Ok(None) };
         let record = decode(row)?;
         let request: Vec<u8> = row.try_get(NCOLS + 1).map_err(|e| StoreError::Corrupt(e.to_string()))?;
@@ -826,6 +835,12 @@ impl RecordStore for PgStore {
     }
 
     async fn take_events(&self, operations: &[&str], limit: u32, lease: Duration, token: Uuid) -> Result<Vec<OutboxEvent>, StoreError> {
+        if self.flavor == Flavor::Citus {
+            let rows = self.take_event_rows_citus(operations, limit, micros(lease), token).await?;
+            let mut events = rows.iter().map(decode_event).collect::<Result<Vec<_>, _>>()?;
+            events.sort_by_key(|e| e.seq);
+            return Ok(events);
+        }
         self.events_where(&sql::TAKE_EVENTS, &[&operations, &i64::from(limit), &token, &micros(lease)], true).await
     }
 
@@ -904,7 +919,12 @@ impl RecordStore for PgStore {
         let ops: Vec<&str> = routes.iter().map(|r| &*r.operation).collect();
         let settles: Vec<i64> = routes.iter().map(|r| micros(r.settle)).collect();
         let at_upstream: Vec<i64> = routes.iter().map(|r| micros(r.at_upstream)).collect();
-        let rows = self.query(&sql::TAKE_PROBES, &[&ops, &settles, &token, &micros(hold), &i64::from(limit), &at_upstream], true).await?;
+        let rows = match self.flavor {
+            Flavor::Citus => self.take_probe_rows_citus(&ops, &settles, token, micros(hold), limit, &at_upstream).await?,
+            Flavor::Postgres => {
+                self.query(&sql::TAKE_PROBES, &[&ops, &settles, &token, &micros(hold), &i64::from(limit), &at_upstream], true).await?
+            }
+        };
         let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
         rows.iter()
             .map(|row| {

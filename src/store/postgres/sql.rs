@@ -579,6 +579,28 @@ WHERE r.scope_id = d.scope_id AND r.tenant = d.tenant AND r.principal = d.princi
   AND CASE r.state WHEN 'completed' THEN true WHEN 'failed_retryable' THEN true ELSE false END
 RETURNING 1";
 
+/// [`SWEEP`] on Citus, for one tenant (`$2`): `FOR UPDATE SKIP LOCKED` and a
+/// `LIMIT` run on one shard only, so the sweeper goes tenant by tenant
+/// ([`CITUS_TENANTS_TO_SWEEP`]), each statement a router query.
+pub(super) static CITUS_SWEEP: LazyLock<String> = LazyLock::new(|| {
+    citus_replace(
+        SWEEP,
+        &[
+            (
+                "    WHERE state IN ('completed', 'failed_retryable')",
+                "    WHERE tenant = $2 AND state IN ('completed', 'failed_retryable')",
+            ),
+            ("WHERE r.scope_id = d.scope_id", "WHERE r.tenant = $2 AND r.scope_id = d.scope_id"),
+        ],
+    )
+});
+
+/// The tenants with records to sweep, the longest expired first (`$1` of
+/// them): a read of every shard without locks (Citus groups by the
+/// distribution column on each shard).
+pub(super) const CITUS_TENANTS_TO_SWEEP: &str = "SELECT tenant FROM idemgate_records \
+     WHERE state IN ('completed', 'failed_retryable') AND expires_at <= now() GROUP BY tenant ORDER BY min(expires_at) LIMIT $1";
+
 /// record::transition's LeaseExpired, in SQL: sync attempts become unknown;
 /// async ones go back to the queue when they never sent (no sent_at) or
 /// their upstream deduplicates, else unknown.
@@ -619,6 +641,28 @@ RETURNING r.state = 'queued' AS requeue, r.tenant, r.principal, r.operation, r.i
 SELECT requeue FROM upd"
     )
 });
+
+/// [`REAP_LEASES`] on Citus, for one tenant (`$4`, see [`CITUS_SWEEP`]); the
+/// re-queue's due time is the locking read's `now()` (Citus refuses `now()`
+/// inside a `CASE` of a distributed `UPDATE`).
+pub(super) static CITUS_REAP_LEASES: LazyLock<String> = LazyLock::new(|| {
+    citus_replace(
+        &REAP_LEASES,
+        &[
+            (
+                "SELECT scope_id, tenant, principal, operation, idempotency_key FROM idemgate_records\n    WHERE state IN ('in_flight', 'processing')",
+                "SELECT scope_id, tenant, principal, operation, idempotency_key, now() AS now FROM idemgate_records\n    WHERE tenant = $4 AND state IN ('in_flight', 'processing')",
+            ),
+            ("THEN now() ELSE r.next_attempt_at END", "THEN d.now ELSE r.next_attempt_at END"),
+            ("FROM stale d\nWHERE r.scope_id", "FROM stale d\nWHERE r.tenant = $4 AND r.scope_id"),
+        ],
+    )
+});
+
+/// The tenants with attempts whose lease ran out, the longest expired first (`$1` of them).
+pub(super) const CITUS_TENANTS_TO_REAP: &str = "SELECT tenant FROM idemgate_records \
+     WHERE state IN ('in_flight', 'processing') AND (lease_expires_at IS NULL OR lease_expires_at <= now()) \
+     GROUP BY tenant ORDER BY min(lease_expires_at) NULLS FIRST LIMIT $1";
 
 /// The reaper's re-queue rule on the row being updated (`r`, its values
 /// before the update): an async attempt that never reached the upstream, or
@@ -674,6 +718,60 @@ RETURNING {}, now(), r.request, n.took_over",
         prefixed(COLUMNS, "r.")
     )
 });
+
+/// [`TAKE`] on Citus, for one tenant (`$6`, see [`CITUS_SWEEP`]): the
+/// generation from a `SELECT` (see [`CITUS_TAKE_OVER`]), the lease's end
+/// computed by the locking reads (Citus refuses `now()` applied to a column
+/// in a distributed `UPDATE`), and the row's `updated_at` where `TAKE`
+/// returns `now()` (Citus refuses `now()` in a modification's `RETURNING`).
+pub(super) static CITUS_TAKE: LazyLock<String> = LazyLock::new(|| {
+    let lease = "(SELECT max(ro.lease_us) FROM routes ro WHERE ro.operation = r.operation)";
+    format!(
+        "\
+WITH routes AS (
+    SELECT * FROM unnest($1::text[], $2::int8[]) AS ro(operation, lease_us)
+), expired AS (
+    SELECT r.scope_id, r.tenant, r.principal, r.operation, r.idempotency_key,
+           now() + {lease} * interval '1 microsecond' AS lease_until, true AS took_over
+    FROM idemgate_records r
+    WHERE r.tenant = $6 AND r.state = 'processing' AND r.lease_expires_at <= now() AND r.operation = ANY($1::text[])
+      AND (r.sent_at IS NULL OR r.operation = ANY($5::text[]))
+    ORDER BY r.lease_expires_at
+    LIMIT 1
+    FOR UPDATE OF r SKIP LOCKED
+), due AS (
+    SELECT r.scope_id, r.tenant, r.principal, r.operation, r.idempotency_key,
+           now() + {lease} * interval '1 microsecond' AS lease_until, false AS took_over
+    FROM idemgate_records r
+    WHERE r.tenant = $6 AND r.state = 'queued' AND r.next_attempt_at <= now() AND r.operation = ANY($1::text[])
+    ORDER BY r.next_attempt_at
+    LIMIT 1
+    FOR UPDATE OF r SKIP LOCKED
+), next AS (
+    SELECT * FROM expired UNION ALL SELECT * FROM due LIMIT 1
+), gen AS (
+    SELECT nextval('idemgate_generation') AS g
+)
+UPDATE idemgate_records r SET
+    state = 'processing', generation = greatest(gen.g, r.generation + 1), claim_token = $3, owner = $4,
+    lease_expires_at = n.lease_until, attempts = r.attempts + 1, sent_at = NULL,
+    maybe_executed = r.maybe_executed OR (r.state = 'processing' AND r.sent_at IS NOT NULL),
+    next_attempt_at = NULL, updated_at = now()
+FROM next n, gen
+WHERE r.tenant = $6 AND r.scope_id = n.scope_id AND r.tenant = n.tenant AND r.principal = n.principal AND r.operation = n.operation
+  AND r.idempotency_key = n.idempotency_key
+RETURNING {}, r.updated_at, r.request, n.took_over",
+        prefixed(COLUMNS, "r.")
+    )
+});
+
+/// The tenants with operations due for the workers (`$1` the routes'
+/// operations, `$2` those that may run again after a lost lease), the
+/// longest waiting first (`$3` of them).
+pub(super) const CITUS_TENANTS_TO_TAKE: &str = "SELECT tenant FROM idemgate_records \
+     WHERE operation = ANY($1::text[]) AND ((state = 'queued' AND next_attempt_at <= now()) \
+        OR (state = 'processing' AND lease_expires_at <= now() AND (sent_at IS NULL OR operation = ANY($2::text[])))) \
+     GROUP BY tenant ORDER BY min(CASE WHEN state = 'queued' THEN next_attempt_at ELSE lease_expires_at END) LIMIT $3";
 
 pub(super) static HEARTBEAT: LazyLock<String> = LazyLock::new(|| {
     format!("UPDATE idemgate_records SET lease_expires_at = now() + $7::int8 * interval '1 microsecond' WHERE {PK} AND {FENCE} RETURNING 1")
@@ -735,6 +833,24 @@ pub(super) static TAKE_EVENTS: LazyLock<String> = LazyLock::new(|| {
         prefixed(EVENT_COLUMNS, "e.")
     )
 });
+
+/// [`TAKE_EVENTS`] on Citus, for one tenant (`$5`, see [`CITUS_SWEEP`]). A
+/// scope's events sit on its tenant's shard, so their order holds.
+pub(super) static CITUS_TAKE_EVENTS: LazyLock<String> = LazyLock::new(|| {
+    citus_replace(
+        &TAKE_EVENTS,
+        &[
+            ("WHERE e.delivery = 'pending' AND e.next_attempt_at", "WHERE e.tenant = $5 AND e.delivery = 'pending' AND e.next_attempt_at"),
+            ("FROM due WHERE e.seq = due.seq", "FROM due WHERE e.tenant = $5 AND e.seq = due.seq"),
+        ],
+    )
+});
+
+/// The tenants with deliverable events of these operations (`$1`), the
+/// longest waiting first (`$2` of them).
+pub(super) const CITUS_TENANTS_WITH_EVENTS: &str = "SELECT tenant FROM idemgate_events \
+     WHERE delivery = 'pending' AND next_attempt_at <= now() AND (lease_until IS NULL OR lease_until <= now()) \
+       AND operation = ANY($1::text[]) GROUP BY tenant ORDER BY min(next_attempt_at) LIMIT $2";
 
 pub(super) const EVENTS_DELIVERED: &str = "UPDATE idemgate_events SET delivery = 'sent', sent_at = now(), lease_token = NULL, \
      lease_until = NULL WHERE seq = ANY($1::int8[]) AND lease_token = $2 AND CASE delivery WHEN 'pending' THEN true ELSE false END \
@@ -820,6 +936,25 @@ RETURNING {}, now(), r.request, r.probe_attempts",
         prefixed(COLUMNS, "r.")
     )
 });
+
+/// [`TAKE_PROBES`] on Citus, for one tenant (`$7`, see [`CITUS_SWEEP`]),
+/// returning the row's `updated_at` where it returns `now()` (see [`CITUS_TAKE`]).
+pub(super) static CITUS_TAKE_PROBES: LazyLock<String> = LazyLock::new(|| {
+    citus_replace(
+        &TAKE_PROBES,
+        &[
+            ("    WHERE r.state = 'unknown'\n", "    WHERE r.tenant = $7 AND r.state = 'unknown'\n"),
+            ("FROM due d\nWHERE r.scope_id", "FROM due d\nWHERE r.tenant = $7 AND r.scope_id"),
+            (", now(), r.request, r.probe_attempts", ", r.updated_at, r.request, r.probe_attempts"),
+        ],
+    )
+});
+
+/// The tenants with `unknown` records of these operations (`$1`) that no
+/// live probe holds, the longest unknown first (`$2` of them).
+pub(super) const CITUS_TENANTS_TO_PROBE: &str = "SELECT tenant FROM idemgate_records \
+     WHERE state = 'unknown' AND operation = ANY($1::text[]) AND (probe_until IS NULL OR probe_until <= now()) \
+     GROUP BY tenant ORDER BY min(updated_at) LIMIT $2";
 
 pub(super) static PROBE_FAILED: LazyLock<String> = LazyLock::new(|| {
     format!(
@@ -944,6 +1079,12 @@ fn citus_statement(name: &str) -> Option<&'static str> {
     })
 }
 
+/// `sql` with each `(from, to)` replaced once. A `from` that is missing is a
+/// bug in these texts; `tests::citus_variants_differ_where_they_must` catches it.
+fn citus_replace(sql: &str, edits: &[(&str, &str)]) -> String {
+    edits.iter().fold(sql.to_owned(), |text, (from, to)| text.replacen(from, to, 1))
+}
+
 /// A statement as a Citus store sends it: every simple `CASE col WHEN 'a'
 /// THEN true ... ELSE false END` test (the PostgreSQL statements' way of
 /// keeping a partial index out of a plan, see the module documentation)
@@ -1031,5 +1172,27 @@ mod citus_tests {
             assert_eq!(rewrite_simple_cases(kept), kept);
         }
         assert!(std::ptr::eq(for_citus("CASE x WHEN 'a' THEN true ELSE false END"), for_citus("CASE x WHEN 'a' THEN true ELSE false END")));
+    }
+
+    #[test]
+    fn citus_variants_differ_where_they_must() {
+        let tenant_filters = [
+            (&*CITUS_SWEEP, "tenant = $2", 2),
+            (&*CITUS_REAP_LEASES, "tenant = $4", 2),
+            (&*CITUS_TAKE, "tenant = $6", 3),
+            (&*CITUS_TAKE_EVENTS, "tenant = $5", 2),
+            (&*CITUS_TAKE_PROBES, "tenant = $7", 2),
+        ];
+        for (sql, filter, n) in tenant_filters {
+            assert_eq!(sql.matches(filter).count(), n, "{sql}");
+        }
+        assert!(CITUS_REAP_LEASES.contains("THEN d.now ELSE"));
+        assert!(CITUS_TAKE_PROBES.contains(", r.updated_at, r.request, r.probe_attempts"));
+        for sql in [&*CITUS_COMPLETE, &*CITUS_FAIL, &*CITUS_RESOLVE_COMPLETE] {
+            assert!(sql.contains("greatest(now()") && !sql.contains("coalesce(now()"), "{sql}");
+        }
+        for sql in [&*CITUS_TAKE, &*CITUS_TAKE_OVER, &*CITUS_RESOLVE_COMPLETE, &*CITUS_RESOLVE_REQUEUE] {
+            assert!(sql.contains("gen AS (") && sql.contains("greatest(gen.g, r.generation + 1)"), "{sql}");
+        }
     }
 }
