@@ -310,3 +310,93 @@ async fn events_and_audit_rows_of_every_tenant_sit_with_their_records() {
     let pending = store.event_stats().await.unwrap().pending;
     assert_eq!(pending, 0);
 }
+
+/// A worker dies mid-traffic: claims of the tenants whose shards it holds
+/// fail closed (an error, nothing claimed, nothing to forward), the other
+/// worker's tenants keep being served; once it is back, the failed claims
+/// succeed once and nothing is doubled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_worker_fails_its_tenants_claims_closed_and_the_others_keep_serving() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let mut cluster = citus::CitusCluster::start(2).expect("a cluster of its own");
+    let url = cluster.create_database("faults").expect("database");
+    let store = {
+        let config = StoreConfig {
+            backend: StoreBackend::Citus { url: Secret::new(url.clone()), pool_size: 4 },
+            migrate: true,
+            unreachable_at_start: Default::default(),
+            operation_timeout: Duration::from_secs(3),
+            sweep_interval: Duration::from_secs(1),
+            sweep_batch: 100,
+            events_retention: Duration::from_secs(3600),
+        };
+        let store = Store::open(&config, Access::Migrate).await.expect("store");
+        store.migrate().await.expect("migrate");
+        store
+    };
+    // Which worker holds each tenant's shard.
+    let db = client(&url).await;
+    let mut on: BTreeMap<i64, Vec<String>> = BTreeMap::new();
+    for t in tenants(16) {
+        let port: i64 = db
+            .query_one(
+                "SELECT nodeport::int8 FROM pg_dist_shard_placement \
+                 WHERE shardid = get_shard_id_for_distribution_column('idemgate_records', $1::text)",
+                &[&t],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        on.entry(port).or_default().push(t);
+    }
+    let dead_port = i64::from(cluster.workers[0].port());
+    let (dead, alive) = (on[&dead_port].clone(), on.iter().find(|(p, _)| **p != dead_port).map(|(_, t)| t.clone()).unwrap());
+    assert!(!dead.is_empty() && !alive.is_empty(), "{on:?}");
+
+    cluster.workers[0].kill9().expect("kill the worker");
+    for t in &dead {
+        let out = store.claim(&req(&scope(t, "during"), LONG, false)).await;
+        assert!(out.is_err(), "{t}: a claim on the dead worker's shard must fail closed: {out:?}");
+    }
+    for t in &alive {
+        match store.claim(&req(&scope(t, "during"), LONG, false)).await.expect("claim on the live worker") {
+            ClaimOutcome::Claimed(c) => {
+                assert_eq!(store.complete(&c, &response(b"ok"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Written)
+            }
+            other => panic!("{t}: {other:?}"),
+        }
+    }
+
+    cluster.workers[0].start_again().expect("the worker comes back");
+    let mut retried = 0;
+    for t in &dead {
+        let s = scope(t, "during");
+        // The first statements after the restart may still meet a broken
+        // cached connection: a client retries, as it would after a 503.
+        let mut outcome = None;
+        for _ in 0..20 {
+            match store.claim(&req(&s, LONG, false)).await {
+                Ok(o) => {
+                    outcome = Some(o);
+                    break;
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
+            }
+        }
+        match outcome.expect("claims succeed once the worker is back") {
+            ClaimOutcome::Claimed(c) => {
+                assert_eq!(store.complete(&c, &response(b"ok"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Written);
+                retried += 1;
+            }
+            other => panic!("{t}: the failed claim left a record behind: {other:?}"),
+        }
+    }
+    assert_eq!(retried, dead.len());
+    // One record per scope, every one completed once.
+    let n: i64 = db.query_one("SELECT count(*) FROM idemgate_records", &[]).await.unwrap().get(0);
+    assert_eq!(n as usize, dead.len() + alive.len());
+    let completed: i64 = db.query_one("SELECT count(*) FROM idemgate_records WHERE state = 'completed'", &[]).await.unwrap().get(0);
+    assert_eq!(completed, n);
+}

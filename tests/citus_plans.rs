@@ -91,6 +91,28 @@ fn task_counts(plan: &Value) -> Vec<u64> {
     found
 }
 
+/// How many distributed subplans a plan runs first: a CTE or subquery Citus
+/// executes on its own, whose result it then sends to the nodes of the
+/// next step (possibly every node: a completion then failed while a worker
+/// holding none of its rows was down).
+fn subplans(plan: &Value) -> usize {
+    let mut n = 0;
+    let mut stack = vec![plan];
+    while let Some(v) = stack.pop() {
+        match v {
+            Value::Array(items) => stack.extend(items),
+            Value::Object(map) => {
+                if let Some(Value::Array(s)) = map.get("Subplans") {
+                    n += s.len();
+                }
+                stack.extend(map.values());
+            }
+            _ => {}
+        }
+    }
+    n
+}
+
 async fn session(url: &str) -> Client {
     let (client, connection) = tokio_postgres::connect(url, NoTls).await.expect("connect");
     tokio::spawn(connection);
@@ -146,7 +168,12 @@ async fn every_request_path_statement_is_one_task_on_one_shard() {
             Err(e) => failures.push(format!("{name}: {e}")),
             Ok(plan) => {
                 let tasks = task_counts(&plan);
-                if tasks.is_empty() {
+                let steps = subplans(&plan);
+                if steps > 0 {
+                    failures.push(format!(
+                        "{name}: {steps} distributed subplan(s) run before it (intermediate results may go to every node):\n{plan:#}"
+                    ));
+                } else if tasks.is_empty() {
                     failures.push(format!("{name}: no distributed step (tasks {tasks:?}):\n{plan:#}"));
                 } else if tasks.iter().any(|&n| n != 1) {
                     failures.push(format!("{name}: a step with more than one task (tasks {tasks:?}):\n{plan:#}"));
@@ -169,4 +196,5 @@ fn the_checker_counts_tasks_in_every_step() {
     assert_eq!(counts, vec![1, 8]);
     let router = serde_json::json!([{ "Plan": { "Node Type": "Custom Scan", "Distributed Query": { "Job": { "Task Count": 1 } } } }]);
     assert_eq!(task_counts(&router), vec![1]);
+    assert_eq!((subplans(&multi), subplans(&router)), (1, 0));
 }

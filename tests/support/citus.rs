@@ -116,8 +116,23 @@ impl CitusCluster {
         let c = &self.coordinator;
         c.simple_query(name, &format!("SELECT citus_set_coordinator_host('127.0.0.1', {})", c.port()))?;
         for w in &self.workers {
-            c.simple_query(name, &format!("SELECT citus_add_node('127.0.0.1', {})", w.port()))
-                .map_err(|e| annotate(e, &format!("citus_add_node(127.0.0.1, {})", w.port())))?;
+            // Adding a node syncs metadata over new connections to every
+            // node; with many test databases set up at once on a loaded
+            // machine one of them can fail ("failure on connection marked as
+            // essential"). The call is idempotent: try again a few times.
+            let add = format!("SELECT citus_add_node('127.0.0.1', {})", w.port());
+            let mut attempt = 0;
+            loop {
+                match c.simple_query(name, &add) {
+                    Ok(_) => break,
+                    Err(e) if attempt < 4 => {
+                        attempt += 1;
+                        eprintln!("citus_add_node(127.0.0.1, {}) failed, retrying: {e}", w.port());
+                        std::thread::sleep(Duration::from_millis(500));
+                    }
+                    Err(e) => return Err(annotate(e, &format!("citus_add_node(127.0.0.1, {})", w.port()))),
+                }
+            }
         }
         Ok(c.url(name))
     }

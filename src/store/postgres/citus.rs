@@ -12,8 +12,9 @@ use uuid::Uuid;
 
 use super::super::migrations::Migration;
 use super::super::{Claim, ClaimRequest, RawClaim, RecordStore, StoreError};
-use super::{NCOLS, decode, micros, sql};
+use super::{NCOLS, classify, decode, micros, sql};
 use crate::idempotency::record::{Generation, Timestamp, may_take_over};
+use crate::outbox::EventType;
 
 /// Which server the PostgreSQL backend talks to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -159,7 +160,10 @@ impl super::PgStore {
         let now: Timestamp = row.try_get(NCOLS).map_err(c)?;
         let cacheable: bool = row.try_get(NCOLS + 1).map_err(c)?;
         if may_take_over(&record, &req.request_hash, now, req.upstream_idempotent) {
-            let rows = self.query(&sql::CITUS_TAKE_OVER, &params, true).await?;
+            let generation = self.next_generation().await?;
+            let mut with_generation = params.to_vec();
+            with_generation.push(&generation);
+            let rows = self.query(&sql::CITUS_TAKE_OVER, &with_generation, true).await?;
             if let Some(row) = rows.first() {
                 return claimed(row, true);
             }
@@ -201,8 +205,15 @@ impl super::PgStore {
         owner: &str,
         reforwardable: &[&str],
     ) -> Result<Vec<Row>, StoreError> {
-        for tenant in self.tenants(sql::CITUS_TENANTS_TO_TAKE, &[&ops, &reforwardable, &TENANTS_PER_ROUND]).await? {
-            let rows = self.query(&sql::CITUS_TAKE, &[&ops, &leases, &claim_token, &owner, &reforwardable, &tenant], true).await?;
+        let tenants = self.tenants(sql::CITUS_TENANTS_TO_TAKE, &[&ops, &reforwardable, &TENANTS_PER_ROUND]).await?;
+        if tenants.is_empty() {
+            return Ok(Vec::new());
+        }
+        // One new generation, used by the first tenant whose take finds an operation.
+        let generation = self.next_generation().await?;
+        for tenant in tenants {
+            let rows =
+                self.query(&sql::CITUS_TAKE, &[&ops, &leases, &claim_token, &owner, &reforwardable, &tenant, &generation], true).await?;
             if !rows.is_empty() {
                 return Ok(rows);
             }
@@ -274,5 +285,62 @@ impl super::PgStore {
             all.extend(self.query(&sql::CITUS_TAKE_EVENTS, &[&operations, &left, &token, &lease_us, &tenant], true).await?);
         }
         Ok(all)
+    }
+}
+
+impl super::PgStore {
+    /// A new generation, drawn on the coordinator (see `sql::CITUS_TAKE_OVER`).
+    pub(super) async fn next_generation(&self) -> Result<i64, StoreError> {
+        let rows = self.query(sql::CITUS_NEXT_GENERATION, &[], true).await?;
+        rows.first().and_then(|r| r.try_get::<_, i64>(0).ok()).ok_or_else(|| StoreError::Corrupt("nextval returned no generation".into()))
+    }
+
+    /// A final state change and its event on Citus: `update` (one of
+    /// `sql::CITUS_COMPLETE`, `CITUS_MARK_UNKNOWN`, `CITUS_FAIL`, each
+    /// returning tenant, principal, operation, key, generation, status,
+    /// operation id, body and the new state), then, when `event` names one
+    /// for the new state, the event row, in one transaction on the scope's
+    /// shard. Without an event to write it is the `UPDATE` alone,
+    /// autocommitted. Returns whether the fenced `UPDATE` matched.
+    pub(super) async fn write_with_event(
+        &self,
+        update: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+        may_emit: bool,
+        event: impl Fn(&str) -> Option<EventType>,
+        with_body: bool,
+    ) -> Result<bool, StoreError> {
+        if !may_emit {
+            return Ok(!self.query(update, params, true).await?.is_empty());
+        }
+        let w = |e| classify(e, true);
+        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+        let mut conn = self.db.conn().await?;
+        let tx = conn.client_mut().transaction().await.map_err(w)?;
+        let rows = tx.query(self.db.text(update), params).await.map_err(w)?;
+        let Some(row) = rows.first() else {
+            tx.rollback().await.map_err(w)?;
+            conn.done();
+            return Ok(false);
+        };
+        let state: &str = row.try_get(8).map_err(c)?;
+        if let Some(event) = event(state) {
+            let (t, p, o, k): (&str, &str, &str, &str) =
+                (row.try_get(0).map_err(c)?, row.try_get(1).map_err(c)?, row.try_get(2).map_err(c)?, row.try_get(3).map_err(c)?);
+            let generation: Option<i64> = row.try_get(4).map_err(c)?;
+            let status: Option<i32> = row.try_get(5).map_err(c)?;
+            let operation_id: Option<&str> = row.try_get(6).map_err(c)?;
+            let body: Option<&[u8]> = if with_body { row.try_get(7).map_err(c)? } else { None };
+            let actor: Option<&str> = None;
+            tx.execute(
+                self.db.text(&sql::EVENT_INSERT_ONE),
+                &[&event.as_str(), &t, &p, &o, &k, &generation, &status, &operation_id, &actor, &body],
+            )
+            .await
+            .map_err(w)?;
+        }
+        tx.commit().await.map_err(w)?;
+        conn.done();
+        Ok(true)
     }
 }

@@ -373,9 +373,16 @@ impl PgStore {
     ) -> Result<bool, StoreError> {
         let headers = encode_headers(&response.headers);
         let body: Option<&[u8]> = response.body.as_deref();
+        if self.flavor == Flavor::Citus {
+            let (t, p, o, k) = (&*scope.tenant, &*scope.principal, &*scope.operation, scope.key.as_str());
+            let (status, retention) = (i32::from(response.status), retention_us(retention));
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 10] =
+                [&t, &p, &o, &k, &attempt.generation.0, &status, &headers, &body, &retention, &attempt.claim_token];
+            return self.write_with_event(&sql::CITUS_COMPLETE, &params, emit.event, |_| Some(EventType::Completed), emit.body).await;
+        }
         let rows = self
             .query(
-                self.pick(&sql::COMPLETE, &sql::CITUS_COMPLETE),
+                &sql::COMPLETE,
                 &[
                     &&*scope.tenant,
                     &&*scope.principal,
@@ -630,6 +637,12 @@ impl RecordStore for PgStore {
         events: &EventPolicies,
     ) -> Result<bool, StoreError> {
         let emit = events.emits(&scope.operation, EventType::Unknown);
+        if self.flavor == Flavor::Citus {
+            let (t, p, o, k) = (&*scope.tenant, &*scope.principal, &*scope.operation, scope.key.as_str());
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] =
+                [&t, &p, &o, &k, &attempt.generation.0, &only_if_lease_expired, &attempt.claim_token];
+            return self.write_with_event(&sql::CITUS_MARK_UNKNOWN, &params, emit, |_| Some(EventType::Unknown), false).await;
+        }
         let rows = self
             .query(
                 &sql::MARK_UNKNOWN,
@@ -814,8 +827,20 @@ impl RecordStore for PgStore {
     ) -> Result<bool, StoreError> {
         let (unknown, failed) =
             (events.emits(&scope.operation, EventType::Unknown), events.emits(&scope.operation, EventType::FailedRetryable));
+        if self.flavor == Flavor::Citus {
+            let (t, p, o, k) = (&*scope.tenant, &*scope.principal, &*scope.operation, scope.key.as_str());
+            let (retention, last_status) = (retention_us(retention), retry.last_status.map(i32::from));
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 9] =
+                [&t, &p, &o, &k, &attempt.generation.0, &attempt.claim_token, &retention, &last_status, &retry.maybe_executed];
+            let event = |state: &str| match state {
+                "unknown" if unknown => Some(EventType::Unknown),
+                "failed_retryable" if failed => Some(EventType::FailedRetryable),
+                _ => None,
+            };
+            return self.write_with_event(&sql::CITUS_FAIL, &params, unknown || failed, event, false).await;
+        }
         self.fenced_update(
-            self.pick(&sql::FAIL, &sql::CITUS_FAIL),
+            &sql::FAIL,
             scope,
             attempt,
             &[&retention_us(retention), &retry.last_status.map(i32::from), &retry.maybe_executed, &unknown, &failed],
@@ -1011,8 +1036,15 @@ impl PgStore {
             }
             Ok(Next::State { state: State::Queued, .. }) => {
                 // An async operation released: it runs again, under a new generation.
-                let rows =
-                    tx.query(self.db.text(self.pick(&sql::RESOLVE_REQUEUE, &sql::CITUS_RESOLVE_REQUEUE)), &params).await.map_err(w)?;
+                let rows = match self.flavor {
+                    Flavor::Citus => {
+                        let generation = self.next_generation().await?;
+                        let with: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
+                            [params[0], params[1], params[2], params[3], &generation];
+                        tx.query(self.db.text(&sql::CITUS_RESOLVE_REQUEUE), &with).await.map_err(w)?
+                    }
+                    Flavor::Postgres => tx.query(&*sql::RESOLVE_REQUEUE, &params).await.map_err(w)?,
+                };
                 let Some(row) = rows.first() else {
                     // The row is locked: only a dropped request stops the update.
                     tx.rollback().await.map_err(w)?;
@@ -1027,22 +1059,18 @@ impl PgStore {
                 };
                 let headers = encode_headers(&response.headers);
                 let body: Option<&[u8]> = response.body.as_deref();
-                let rows = tx
-                    .query(
-                        self.db.text(self.pick(&sql::RESOLVE_COMPLETE, &sql::CITUS_RESOLVE_COMPLETE)),
-                        &[
-                            params[0],
-                            params[1],
-                            params[2],
-                            params[3],
-                            &i32::from(response.status),
-                            &headers,
-                            &body,
-                            &retention_us(*retention),
-                        ],
-                    )
-                    .await
-                    .map_err(w)?;
+                let (status, retention) = (i32::from(response.status), retention_us(*retention));
+                let mut values: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
+                    vec![params[0], params[1], params[2], params[3], &status, &headers, &body, &retention];
+                let generation = match self.flavor {
+                    Flavor::Citus => Some(self.next_generation().await?),
+                    Flavor::Postgres => None,
+                };
+                if let Some(g) = &generation {
+                    values.push(g);
+                }
+                let rows =
+                    tx.query(self.db.text(self.pick(&sql::RESOLVE_COMPLETE, &sql::CITUS_RESOLVE_COMPLETE)), &values).await.map_err(w)?;
                 let generation: i64 =
                     rows.first().and_then(|r| r.try_get(0).ok()).ok_or_else(|| StoreError::Corrupt("resolve: no generation".into()))?;
                 (Some(state), Some(generation))

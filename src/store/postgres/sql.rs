@@ -168,6 +168,9 @@ FROM (SELECT 1) AS one LEFT JOIN cur ON true",
 pub(super) static CITUS_CLAIM_READ: LazyLock<String> =
     LazyLock::new(|| format!("SELECT {COLUMNS}, now(), NOT coalesce(cache_hold_until > now(), false) FROM idemgate_records WHERE {PK}"));
 
+/// A new generation, on the coordinator (see [`CITUS_TAKE_OVER`]).
+pub(super) const CITUS_NEXT_GENERATION: &str = "SELECT nextval('idemgate_generation')";
+
 /// See [`CITUS_CLAIM_READ`]. The generation is drawn in the `INSERT`'s
 /// values, which Citus evaluates on the coordinator; the lease and the due
 /// time are `now()` plus an interval that a parameter-only `CASE` makes NULL
@@ -185,23 +188,23 @@ pub(super) static CITUS_CLAIM_INSERT: LazyLock<String> = LazyLock::new(|| {
         .to_owned()
 });
 
-/// See [`CITUS_CLAIM_READ`]. The generation comes from a `SELECT` (Citus
-/// draws it on the coordinator, before the `UPDATE` runs on the shard) and
-/// never goes below the record's own (`greatest`), whatever a sequence does.
+/// See [`CITUS_CLAIM_READ`]. The new generation is `$13`, drawn before by
+/// [`CITUS_NEXT_GENERATION`] (Citus refuses `nextval()` in a distributed
+/// `UPDATE`, and a `SELECT` CTE drawing it would be a subplan whose result
+/// Citus may send to every node); it never goes below the record's own
+/// (`greatest`), whatever the counter does.
 pub(super) static CITUS_TAKE_OVER: LazyLock<String> = LazyLock::new(|| {
     format!(
         "\
-WITH gen AS (SELECT nextval('idemgate_generation') AS g)
 UPDATE idemgate_records r SET
     request_hash = $5, state = CASE WHEN $10::text IS NULL THEN 'in_flight' ELSE 'queued' END,
-    generation = greatest(gen.g, r.generation + 1), claim_token = $6, owner = $7,
+    generation = greatest($13::int8, r.generation + 1), claim_token = $6, owner = $7,
     lease_expires_at = now() + (CASE WHEN $10::text IS NULL THEN $8::int8 END) * interval '1 microsecond',
     response_status = NULL, response_headers = NULL, response_body = NULL,
     created_at = now(), updated_at = now(), expires_at = now() + $8::int8 * interval '1 microsecond',
     operation_id = $10, request = $11, attempts = 0,
     next_attempt_at = now() + (CASE WHEN $10::text IS NOT NULL THEN 0 END) * interval '1 microsecond',
     sent_at = NULL, last_status = NULL, maybe_executed = false, key_source = $12
-FROM gen
 WHERE {PK}
   AND ((r.state IN ('completed', 'failed_retryable') AND r.expires_at <= now())
        OR (r.state = 'unknown' AND $9::bool AND r.request_hash = $5)
@@ -340,10 +343,20 @@ pub(super) static COMPLETE: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-/// [`COMPLETE`] on Citus: `expires_at` without `now()` inside `coalesce`
-/// (refused in a distributed `UPDATE`): `greatest` of the finite expiry
-/// (NULL for forever) and `'infinity'` when the retention is forever.
-pub(super) static CITUS_COMPLETE: LazyLock<String> = LazyLock::new(|| COMPLETE.replace(EXPIRES_9, &citus_expires(9)));
+/// [`COMPLETE`] on Citus (`$1`..`$10`): `expires_at` without `now()` inside
+/// `coalesce` (refused in a distributed `UPDATE`): `greatest` of the finite
+/// expiry (NULL for forever) and `'infinity'` when the retention is forever.
+/// The `UPDATE` alone, returning what its event needs: an `INSERT ...
+/// SELECT` from a CTE would run as subplans whose results Citus may send to
+/// every node, so a completion would fail while any worker is down. The
+/// event is written in the same (single-shard) transaction by
+/// `citus::write_with_event`.
+pub(super) static CITUS_COMPLETE: LazyLock<String> = LazyLock::new(|| {
+    citus_update_only(
+        &COMPLETE.replace(EXPIRES_9, &citus_expires(9)),
+        "tenant, principal, operation, idempotency_key, generation, response_status, operation_id, response_body, state",
+    )
+});
 
 pub(super) static GET: LazyLock<String> = LazyLock::new(|| format!("SELECT {COLUMNS}, now() FROM idemgate_records WHERE {PK}"));
 
@@ -498,13 +511,12 @@ pub(super) static RESOLVE_REQUEUE: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-/// [`RESOLVE_REQUEUE`] on Citus: the generation from a `SELECT` (see [`CITUS_TAKE_OVER`]).
+/// [`RESOLVE_REQUEUE`] on Citus: the new generation is `$5` (see [`CITUS_TAKE_OVER`]).
 pub(super) static CITUS_RESOLVE_REQUEUE: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "WITH gen AS (SELECT nextval('idemgate_generation') AS g) \
-         UPDATE idemgate_records r SET state = 'queued', generation = greatest(gen.g, r.generation + 1), lease_expires_at = NULL, \
+        "UPDATE idemgate_records r SET state = 'queued', generation = greatest($5::int8, r.generation + 1), lease_expires_at = NULL, \
          sent_at = NULL, next_attempt_at = now(), attempts = 0, maybe_executed = false, response_status = NULL, response_headers = NULL, \
-         response_body = NULL, updated_at = now(), cache_hold_until = NULL FROM gen WHERE {PK} AND request IS NOT NULL RETURNING r.generation"
+         response_body = NULL, updated_at = now(), cache_hold_until = NULL WHERE {PK} AND request IS NOT NULL RETURNING r.generation"
     )
 });
 
@@ -522,14 +534,13 @@ pub(super) static RESOLVE_COMPLETE: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-/// [`RESOLVE_COMPLETE`] on Citus: the generation from a `SELECT` (see
+/// [`RESOLVE_COMPLETE`] on Citus: the new generation is `$9` (see
 /// [`CITUS_TAKE_OVER`]), the expiry as in [`CITUS_COMPLETE`].
 pub(super) static CITUS_RESOLVE_COMPLETE: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "WITH gen AS (SELECT nextval('idemgate_generation') AS g) \
-         UPDATE idemgate_records r SET state = 'completed', generation = greatest(gen.g, r.generation + 1), response_status = $5, \
+        "UPDATE idemgate_records r SET state = 'completed', generation = greatest($9::int8, r.generation + 1), response_status = $5, \
          response_headers = $6, response_body = $7, lease_expires_at = NULL, updated_at = now(), \
-         expires_at = {}, cache_hold_until = NULL, request = NULL FROM gen WHERE {PK} RETURNING r.generation",
+         expires_at = {}, cache_hold_until = NULL, request = NULL WHERE {PK} RETURNING r.generation",
         citus_expires(8)
     )
 });
@@ -719,8 +730,8 @@ RETURNING {}, now(), r.request, n.took_over",
     )
 });
 
-/// [`TAKE`] on Citus, for one tenant (`$6`, see [`CITUS_SWEEP`]): the
-/// generation from a `SELECT` (see [`CITUS_TAKE_OVER`]), the lease's end
+/// [`TAKE`] on Citus, for one tenant (`$6`, see [`CITUS_SWEEP`]): the new
+/// generation is `$7` (see [`CITUS_TAKE_OVER`]), the lease's end
 /// computed by the locking reads (Citus refuses `now()` applied to a column
 /// in a distributed `UPDATE`), and the row's `updated_at` where `TAKE`
 /// returns `now()` (Citus refuses `now()` in a modification's `RETURNING`).
@@ -749,15 +760,13 @@ WITH routes AS (
     FOR UPDATE OF r SKIP LOCKED
 ), next AS (
     SELECT * FROM expired UNION ALL SELECT * FROM due LIMIT 1
-), gen AS (
-    SELECT nextval('idemgate_generation') AS g
 )
 UPDATE idemgate_records r SET
-    state = 'processing', generation = greatest(gen.g, r.generation + 1), claim_token = $3, owner = $4,
+    state = 'processing', generation = greatest($7::int8, r.generation + 1), claim_token = $3, owner = $4,
     lease_expires_at = n.lease_until, attempts = r.attempts + 1, sent_at = NULL,
     maybe_executed = r.maybe_executed OR (r.state = 'processing' AND r.sent_at IS NOT NULL),
     next_attempt_at = NULL, updated_at = now()
-FROM next n, gen
+FROM next n
 WHERE r.tenant = $6 AND r.scope_id = n.scope_id AND r.tenant = n.tenant AND r.principal = n.principal AND r.operation = n.operation
   AND r.idempotency_key = n.idempotency_key
 RETURNING {}, r.updated_at, r.request, n.took_over",
@@ -806,8 +815,22 @@ pub(super) static FAIL: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-/// [`FAIL`] on Citus: the expiry as in [`CITUS_COMPLETE`].
-pub(super) static CITUS_FAIL: LazyLock<String> = LazyLock::new(|| FAIL.replace(EXPIRES_7, &citus_expires(7)));
+/// [`FAIL`] on Citus (`$1`..`$9`): the `UPDATE` alone (see [`CITUS_COMPLETE`]),
+/// the expiry as there.
+pub(super) static CITUS_FAIL: LazyLock<String> = LazyLock::new(|| {
+    citus_update_only(
+        &FAIL.replace(EXPIRES_7, &citus_expires(7)),
+        "tenant, principal, operation, idempotency_key, generation, last_status, operation_id, NULL::bytea, state",
+    )
+});
+
+/// [`MARK_UNKNOWN`] on Citus (`$1`..`$7`): the `UPDATE` alone (see [`CITUS_COMPLETE`]).
+pub(super) static CITUS_MARK_UNKNOWN: LazyLock<String> = LazyLock::new(|| {
+    citus_update_only(
+        &MARK_UNKNOWN,
+        "tenant, principal, operation, idempotency_key, generation, NULL::int4, operation_id, NULL::bytea, state",
+    )
+});
 
 pub(super) static OPERATION: LazyLock<String> =
     LazyLock::new(|| format!("SELECT {COLUMNS}, now() FROM idemgate_records WHERE tenant = $1 AND operation_id = $2"));
@@ -1075,8 +1098,17 @@ fn citus_statement(name: &str) -> Option<&'static str> {
         "resolve_complete" => &CITUS_RESOLVE_COMPLETE,
         "resolve_requeue" => &CITUS_RESOLVE_REQUEUE,
         "fail" => &CITUS_FAIL,
+        "mark_unknown" => &CITUS_MARK_UNKNOWN,
         _ => return None,
     })
+}
+
+/// The `UPDATE` inside `WITH upd AS (UPDATE ... RETURNING ...), ev AS ...`,
+/// returning `returning` instead.
+fn citus_update_only(sql: &str, returning: &str) -> String {
+    let start = sql.find("WITH upd AS (").map_or(0, |i| i + "WITH upd AS (".len());
+    let end = sql[start..].find(" RETURNING ").map_or(sql.len(), |i| start + i);
+    format!("{} RETURNING {returning}", &sql[start..end])
 }
 
 /// `sql` with each `(from, to)` replaced once. A `from` that is missing is a
@@ -1191,8 +1223,14 @@ mod citus_tests {
         for sql in [&*CITUS_COMPLETE, &*CITUS_FAIL, &*CITUS_RESOLVE_COMPLETE] {
             assert!(sql.contains("greatest(now()") && !sql.contains("coalesce(now()"), "{sql}");
         }
-        for sql in [&*CITUS_TAKE, &*CITUS_TAKE_OVER, &*CITUS_RESOLVE_COMPLETE, &*CITUS_RESOLVE_REQUEUE] {
-            assert!(sql.contains("gen AS (") && sql.contains("greatest(gen.g, r.generation + 1)"), "{sql}");
+        for (sql, p) in [(&*CITUS_TAKE, 7), (&*CITUS_TAKE_OVER, 13), (&*CITUS_RESOLVE_COMPLETE, 9), (&*CITUS_RESOLVE_REQUEUE, 5)] {
+            assert!(sql.contains(&format!("greatest(${p}::int8, r.generation + 1)")) && !sql.contains("nextval"), "{sql}");
+        }
+        for sql in [&*CITUS_COMPLETE, &*CITUS_MARK_UNKNOWN, &*CITUS_FAIL] {
+            assert!(
+                sql.starts_with("UPDATE idemgate_records SET") && !sql.contains("idemgate_events") && sql.ends_with(", state"),
+                "{sql}"
+            );
         }
     }
 }
