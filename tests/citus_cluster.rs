@@ -166,3 +166,48 @@ async fn a_store_kind_that_does_not_match_the_server_is_refused_at_start() {
     let e = migrate(&citus_store(&single)).await.expect_err("kind = citus on a single-node schema");
     assert!(e.to_string().contains("holds an idemgate schema that is not distributed"), "{e}");
 }
+
+/// `check-config --connect` on kind = "citus" reports the cluster: the
+/// active workers and whether the schema is distributed (before and after
+/// `migrate`), and the start-up error on a server without the extension.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_config_connect_reports_the_nodes_and_the_distributed_schema() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let cluster = citus::shared();
+    let url = cluster.create_unique_database("check").expect("database");
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let check = |url: &str| {
+        let config = format!(
+            "[store]\nkind = \"citus\"\nurl = \"{url}\"\n\
+             [[identity.sources]]\nkind = \"api_key\"\nkeys = [ {{ sha256 = \"{}\", tenant = \"t\", principal = \"p\" }} ]\n\
+             [[upstreams]]\nname = \"u\"\nurl = \"http://{}\"\n\
+             [[routes]]\noperation = \"op\"\nmethod = \"POST\"\npath = \"/op\"\nupstream = \"u\"\n",
+            "0".repeat(64),
+            upstream.local_addr().unwrap()
+        );
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, config).unwrap();
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+            .args(["check-config", "--connect", "--config"])
+            .arg(&path)
+            .env_remove("IDEMGATE_CONFIG")
+            .env("IDEMGATE_LOG", "warn")
+            .output()
+            .expect("run idemgate");
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
+    };
+    let before = check(&url);
+    assert!(before.contains("store cluster: ok (a coordinator and 2 active worker node(s); no idemgate schema yet"), "{before}");
+    migrate(&citus_store(&url)).await.expect("migrate");
+    let after = check(&url);
+    assert!(
+        after.contains("store cluster: ok (a coordinator and 2 active worker node(s); the schema is distributed by tenant)"),
+        "{after}"
+    );
+    let plain = cluster.plain_database(&format!("plain_check_{}", std::process::id())).expect("database");
+    let refused = check(&plain);
+    assert!(refused.contains("store cluster: ") && refused.contains("has no Citus extension"), "{refused}");
+}
