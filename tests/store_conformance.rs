@@ -80,6 +80,53 @@ on_both_stores!(
     stored_requests_are_dropped_once_the_operation_is_final,
 );
 
+// The same cases on a Citus cluster (issue 30). Not here:
+// the_reaper_decides_from_the_row_it_locked, which holds the reaper inside
+// its statement with a trigger waiting on an advisory lock and watches
+// pg_locks of the server it connects to; on Citus the reaper's statement
+// runs on a worker, where that lock is taken.
+on_citus!(
+    attempts_from_an_earlier_life_of_a_record_are_fenced,
+    claim_inserts_and_second_claim_sees_the_winner,
+    generations_grow_across_lives_of_a_scope,
+    resolve_of_a_completed_record_needs_force_and_is_audited,
+    concurrent_claims_have_exactly_one_winner,
+    scopes_never_see_each_other,
+    complete_round_trips_the_response_exactly,
+    writes_under_another_generation_are_fenced,
+    take_over_fences_the_previous_generation,
+    take_over_follows_may_take_over,
+    expire_lease_only_turns_expired_in_flight_into_unknown,
+    sweep_deletes_only_expired_completed_records_in_batches,
+    reap_leases_turns_only_expired_in_flight_into_unknown,
+    list_filters_orders_and_limits,
+    resolve_releases_completes_and_refuses_live_claims,
+    times_come_from_the_store_clock,
+    claim_resent_with_the_same_token_is_recognised_as_ours,
+    abandon_deletes_only_an_in_flight_claim_with_its_token,
+    acceptance_queues_the_operation_with_its_request,
+    racing_workers_take_one_operation_once_each_under_a_new_generation,
+    a_worker_whose_lease_was_taken_over_cannot_act,
+    lease_expiry_requeues_what_was_never_sent_or_may_run_again,
+    retries_wait_their_backoff_then_fail_and_are_swept_after_retention,
+    stats_count_records_that_are_not_completed,
+    final_state_changes_write_their_events_and_nothing_else_does,
+    a_change_and_its_event_commit_or_fail_together,
+    relays_hold_each_event_alone_in_order_per_scope,
+    records_kept_forever_are_never_taken_over_swept_or_expired,
+    key_source_is_kept_by_claims_and_take_overs,
+    list_pages_with_a_cursor_cover_every_record_once,
+    probes_take_due_unknown_records_and_their_writes_are_fenced,
+    racing_reconcilers_take_each_record_once,
+    probes_wait_until_the_attempt_cannot_be_at_the_upstream,
+    a_released_operation_starts_a_fresh_attempt_budget,
+    a_parked_event_holds_the_later_events_of_its_scope,
+    workers_take_over_expired_attempts_that_may_run_again,
+    stored_requests_are_dropped_once_the_operation_is_final,
+    unknown_records_are_counted_by_age_in_one_grouped_count,
+    events_held_back_beyond_any_window_do_not_hide_deliverable_ones,
+);
+
 // ---------------------------------------------------------------------------
 // Helpers
 
@@ -94,6 +141,7 @@ const LONG: Duration = Duration::from_secs(60);
 fn store_config(backend: &Backend, timeout: Duration, pool_size: usize) -> StoreConfig {
     let backend = match backend {
         Backend::Postgres { url } => StoreBackend::Postgres { url: Secret::new(url.clone()), pool_size },
+        Backend::Citus { url } => StoreBackend::Citus { url: Secret::new(url.clone()), pool_size },
         Backend::Sqlite { path, .. } => StoreBackend::Sqlite { path: path.clone() },
     };
     StoreConfig {
@@ -932,7 +980,7 @@ async fn abandon_deletes_only_an_in_flight_claim_with_its_token(backend: Backend
 async fn stored_request(backend: &Backend, s: &Scope) -> Option<Option<Vec<u8>>> {
     let k = s.key.as_str().to_owned();
     match backend {
-        Backend::Postgres { url } => {
+        Backend::Postgres { url } | Backend::Citus { url } => {
             let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.expect("connect");
             let task = tokio::spawn(conn);
             let rows = client.query("SELECT request FROM idemgate_records WHERE idempotency_key = $1", &[&k]).await.expect("select");
@@ -1583,7 +1631,8 @@ async fn a_change_and_its_event_commit_or_fail_together(backend: Backend) {
     let before = row(&store, &s).await;
     // Make every event insert fail, from outside the store.
     let (fail, heal) = match &backend {
-        Backend::Postgres { .. } => (
+        // (On Citus the test cluster allows triggers on distributed tables.)
+        Backend::Postgres { .. } | Backend::Citus { .. } => (
             "CREATE FUNCTION idemgate_test_fail() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'injected'; END $$;
              CREATE TRIGGER idemgate_test_fail BEFORE INSERT ON idemgate_events FOR EACH ROW EXECUTE FUNCTION idemgate_test_fail();",
             "DROP TRIGGER idemgate_test_fail ON idemgate_events; DROP FUNCTION idemgate_test_fail();",
@@ -1611,10 +1660,22 @@ async fn a_change_and_its_event_commit_or_fail_together(backend: Backend) {
 /// Runs SQL against the backend's database from outside the store.
 async fn raw_sql(backend: &Backend, sql: &str) {
     match backend {
-        Backend::Postgres { url } => {
+        Backend::Postgres { url } | Backend::Citus { url } => {
             let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.expect("connect");
             let task = tokio::spawn(conn);
-            client.batch_execute(sql).await.expect("raw sql");
+            if matches!(backend, Backend::Citus { .. }) {
+                // Citus propagates DDL statement by statement, not from a
+                // multi-statement query: one statement per line, or per
+                // `; ` outside a function body.
+                for line in sql.lines().filter(|l| !l.trim().is_empty()) {
+                    let statements: Vec<&str> = if line.contains("$$") { vec![line] } else { line.split("; ").collect() };
+                    for statement in statements {
+                        client.batch_execute(statement).await.expect("raw sql");
+                    }
+                }
+            } else {
+                client.batch_execute(sql).await.expect("raw sql");
+            }
             drop(client);
             let _ = task.await;
         }
@@ -2079,7 +2140,7 @@ async fn the_reaper_decides_from_the_row_it_locked(backend: Backend) {
     let t_sent = take(&store, &routes, "w2").await.expect("second");
     assert_eq!((t_first.record.scope.clone(), t_sent.record.scope.clone()), (first.clone(), sent.clone()));
     match &backend {
-        Backend::Postgres { url } => {
+        Backend::Postgres { url } | Backend::Citus { url } => {
             let (gate, gate_task) = hold_the_reaper_after(url, "reaped-first").await;
             // The worker's row is busy (a lock held from outside) when its
             // mark_sent starts, inside the lease.
@@ -2156,13 +2217,16 @@ async fn probes_wait_until_the_attempt_cannot_be_at_the_upstream(backend: Backen
     let (sync, queued) = (key("sync"), key("async"));
     let at_upstream = Duration::from_millis(1200);
     let route = ProbeRoute { operation: "create_order".into(), settle: Duration::ZERO, at_upstream };
-    let sent = Instant::now();
     // A synchronous attempt whose lease (150 ms) ran out: unknown at once.
     claim(&store, &req(&sync, 1, SHORT, false)).await;
     // An async attempt marked sent, then its lease ran out: unknown too.
     claim(&store, &accept_req(&queued, 1)).await;
     let t = take(&store, &[worker_route("create_order", SHORT)], "w").await.expect("taken");
     assert_eq!(store.mark_sent(&t.claim).await.unwrap(), WriteOutcome::Written);
+    // The last send: both attempts may be at the upstream until
+    // `at_upstream` after it (measured from here, not from before the
+    // claims: on a slower store those take a noticeable part of it).
+    let sent = Instant::now();
     tokio::time::sleep(PAST_SHORT).await;
     assert_eq!(store.reap_leases(10, &[]).await.unwrap(), Reaped { unknown: 2, requeued: 0 });
     assert!(store.take_probes(std::slice::from_ref(&route), SHORT, 10).await.unwrap().is_empty(), "both may still be at the upstream");
@@ -2272,9 +2336,12 @@ async fn workers_take_over_expired_attempts_that_may_run_again(backend: Backend)
     for s in [&unsent, &dedup, &sent] {
         claim(&store, &accept_req(s, 1)).await;
     }
+    // Long enough for three takes in a row on the slowest store (a take on
+    // Citus is two statements), short enough to wait out.
+    let lease = Duration::from_millis(600);
     let routes = [
-        WorkerRoute { operation: "create_order".into(), lease: SHORT, reforwardable: false },
-        WorkerRoute { operation: "charge".into(), lease: SHORT, reforwardable: true },
+        WorkerRoute { operation: "create_order".into(), lease, reforwardable: false },
+        WorkerRoute { operation: "charge".into(), lease, reforwardable: true },
     ];
     let mut held = Vec::new();
     while let Some(t) = take(&store, &routes, "w1").await {
@@ -2286,7 +2353,7 @@ async fn workers_take_over_expired_attempts_that_may_run_again(backend: Backend)
     }
     assert_eq!(held.len(), 3);
     claim(&store, &accept_req(&queued, 1)).await;
-    tokio::time::sleep(PAST_SHORT).await;
+    tokio::time::sleep(lease + Duration::from_millis(100)).await;
     let mut taken_over = BTreeSet::new();
     for _ in 0..2 {
         let t = take(&store, &routes, "w2").await.expect("an expired attempt");

@@ -71,12 +71,23 @@ pub async fn check_connections(config: &Config) -> Vec<ConnectCheck> {
 async fn check_store(store: &StoreConfig) -> Vec<ConnectCheck> {
     let line = |subject: &str, outcome| ConnectCheck { subject: subject.to_owned(), outcome };
     match &store.backend {
-        StoreBackend::Postgres { url, .. } => match check_postgres(url, store.operation_timeout.max(MIN_STORE_BOUND)).await {
-            Ok(found) => {
-                vec![line("store", Ok(Some(format!("postgres, as role {}", found.role)))), found.schema(store.migrate), found.privileges()]
+        StoreBackend::Postgres { url, .. } | StoreBackend::Citus { url, .. } => {
+            match check_postgres(url, &store.backend, store.operation_timeout.max(MIN_STORE_BOUND)).await {
+                Ok(found) => {
+                    let kind = if matches!(store.backend, StoreBackend::Citus { .. }) { "citus" } else { "postgres" };
+                    let mut lines = vec![
+                        line("store", Ok(Some(format!("{kind}, as role {}", found.role)))),
+                        found.schema(store.migrate),
+                        found.privileges(),
+                    ];
+                    if let Some(cluster) = &found.cluster {
+                        lines.push(line("store cluster", cluster.clone()));
+                    }
+                    lines
+                }
+                Err(e) => vec![line("store", Err(e))],
             }
-            Err(e) => vec![line("store", Err(e))],
-        },
+        }
         StoreBackend::Sqlite { path } => {
             let (path, migrate) = (path.clone(), store.migrate);
             let outcome = match tokio::task::spawn_blocking(move || check_sqlite(&path, migrate)).await {
@@ -88,7 +99,7 @@ async fn check_store(store: &StoreConfig) -> Vec<ConnectCheck> {
     }
 }
 
-async fn check_postgres(url: &Secret, bound: Duration) -> Result<PgFindings, String> {
+async fn check_postgres(url: &Secret, backend: &StoreBackend, bound: Duration) -> Result<PgFindings, String> {
     // Validation already parsed it; a failure here would be a bug, reported without the URL.
     let parsed = crate::tls::postgres::parse(url.expose()).map_err(|_| "the PostgreSQL connection string does not parse".to_owned())?;
     let (mut pg, tls) = (parsed.config, parsed.tls);
@@ -108,7 +119,10 @@ async fn check_postgres(url: &Secret, bound: Duration) -> Result<PgFindings, Str
                 (client, tokio::spawn(async move { drop(connection.await) }))
             }
         };
-        let found = PgFindings::read(&client).await;
+        let mut found = PgFindings::read(&client).await;
+        if let (Ok(found), StoreBackend::Citus { .. }) = (&mut found, backend) {
+            found.cluster = Some(citus_cluster(&client).await);
+        }
         driver.abort();
         found
     };
@@ -118,9 +132,28 @@ async fn check_postgres(url: &Secret, bound: Duration) -> Result<PgFindings, Str
     }
 }
 
+/// `store cluster` for `kind = "citus"`: the coordinator's active worker
+/// nodes and whether the idemgate schema is distributed (or the start-up
+/// error the store would give).
+async fn citus_cluster(client: &tokio_postgres::Client) -> Result<Option<String>, String> {
+    use crate::store::postgres::citus::{Flavor, check, inspect};
+    let found = inspect(client).await.map_err(|e| error_chain(&e))?;
+    check(Flavor::Citus, found).map_err(|e| e.to_string())?;
+    let workers: i64 = client
+        .query_one("SELECT count(*) FROM citus_get_active_worker_nodes()", &[])
+        .await
+        .map_err(|e| error_chain(&e))?
+        .try_get(0)
+        .map_err(|e| error_chain(&e))?;
+    let schema = if found.distributed { "the schema is distributed by tenant" } else { "no idemgate schema yet (migrate distributes it)" };
+    Ok(Some(format!("a coordinator and {workers} active worker node(s); {schema}")))
+}
+
 /// What `check-config --connect` reads from PostgreSQL, as the configured role.
 #[derive(Debug, Default)]
 struct PgFindings {
+    /// `kind = "citus"`: the `store cluster` line.
+    cluster: Option<Result<Option<String>, String>>,
     role: String,
     /// `current_schema()`: where the unqualified idemgate tables are.
     schema: String,

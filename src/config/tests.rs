@@ -743,3 +743,23 @@ fn check_config_explains_when_a_probe_may_first_ask() {
     assert!(notes[0].contains("lease (1s) is shorter") && notes[0].contains("about 3s more"), "{}", notes[0]);
     assert!(parse(&minimal("")).unwrap().notes().is_empty(), "no probe, nothing to explain");
 }
+
+#[test]
+fn citus_store_takes_the_postgres_keys() {
+    let citus = |extra: &str| parse(&(minimal("") + &format!("\n[store]\nkind = \"citus\"\n{extra}")));
+    let c = citus("url_env = \"DB_URL\"\npool_size = 4\nunreachable_at_start = \"exit\"").unwrap();
+    match &c.store.backend {
+        StoreBackend::Citus { url, pool_size } => {
+            assert_eq!(url.expose(), "postgres://u@127.0.0.1:5432/db");
+            assert_eq!(*pool_size, 4);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(c.store.unreachable_at_start, crate::store::UnreachableAtStart::Exit);
+    let e = citus("").unwrap_err();
+    assert!(issue(&e, "store.url_env").contains("kind = \"citus\" needs url_env"), "{e}");
+    let e = citus("url_env = \"DB_URL\"\npath = \"x.db\"").unwrap_err();
+    assert!(e.mentions("store.path"), "{e}");
+    let e = parse("[store]\nkind = \"sqlite\"\nurl = \"postgres://u@h/db\"\n").unwrap_err();
+    assert!(issue(&e, "store.url").contains("\"postgres\" or \"citus\""), "{e}");
+}

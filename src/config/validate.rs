@@ -433,7 +433,7 @@ impl Validator<'_> {
             }
         };
         let backend = match s.kind.as_deref().unwrap_or("sqlite") {
-            "postgres" => {
+            kind @ ("postgres" | "citus") => {
                 if s.path.is_some() {
                     self.issues.push("store.path", "only for kind = \"sqlite\"");
                 }
@@ -447,12 +447,13 @@ impl Validator<'_> {
                 let url = match self.secret("store.url", s.url.as_deref(), s.url_env.as_deref(), s.url_file.as_deref()) {
                     Some(Some(url)) => self.postgres_url(s, url),
                     Some(None) => {
-                        self.issues.push("store.url_env", "kind = \"postgres\" needs url_env, url_file or url");
+                        self.issues.push("store.url_env", format!("kind = \"{kind}\" needs url_env, url_file or url"));
                         None
                     }
                     None => None,
                 };
                 match (url, pool_size) {
+                    (Some(url), Some(pool_size)) if kind == "citus" => Some(StoreBackend::Citus { url, pool_size }),
                     (Some(url), Some(pool_size)) => Some(StoreBackend::Postgres { url, pool_size }),
                     _ => None,
                 }
@@ -466,7 +467,7 @@ impl Validator<'_> {
                     ("store.unreachable_at_start", s.unreachable_at_start.is_some()),
                 ] {
                     if set {
-                        self.issues.push(field, "only for kind = \"postgres\"");
+                        self.issues.push(field, "only for kind = \"postgres\" or \"citus\"");
                     }
                 }
                 let path = s.path.as_deref().unwrap_or(DEFAULT_SQLITE_PATH);
@@ -478,7 +479,7 @@ impl Validator<'_> {
                 }
             }
             other => {
-                self.issues.push("store.kind", format!("unknown store kind {other:?}: use \"postgres\" or \"sqlite\""));
+                self.issues.push("store.kind", format!("unknown store kind {other:?}: use \"postgres\", \"citus\" or \"sqlite\""));
                 None
             }
         };

@@ -94,7 +94,11 @@ impl Server {
         };
         let store_retry = match store.bring_up(config.store.migrate, &secret).await {
             Ok(()) => None,
-            Err(e) if e.unreachable() && store.kind() == "postgres" && config.store.unreachable_at_start == UnreachableAtStart::Retry => {
+            Err(e)
+                if e.unreachable()
+                    && matches!(store.kind(), "postgres" | "citus")
+                    && config.store.unreachable_at_start == UnreachableAtStart::Retry =>
+            {
                 tracing::warn!(error = %e, "the store cannot be reached: starting anyway; idempotent routes answer 503 and pass-through is served until it answers (store.unreachable_at_start = \"exit\" exits instead)");
                 store.hold();
                 Some(Retry { store: store.clone(), migrate: config.store.migrate, secret: secret.clone() })

@@ -84,8 +84,19 @@ pub enum UnreachableAtStart {
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum StoreBackend {
-    Postgres { url: Secret, pool_size: usize },
-    Sqlite { path: PathBuf },
+    Postgres {
+        url: Secret,
+        pool_size: usize,
+    },
+    /// A Citus coordinator (`store.kind = "citus"`): the PostgreSQL backend
+    /// with the Citus flavor (see `postgres::citus`).
+    Citus {
+        url: Secret,
+        pool_size: usize,
+    },
+    Sqlite {
+        path: PathBuf,
+    },
 }
 
 /// What a fenced write leaves behind, for reading it back after an
@@ -183,6 +194,10 @@ impl Store {
             StoreBackend::Postgres { url, pool_size } => {
                 (Arc::new(postgres::PgStore::connect(url.expose(), *pool_size, config.operation_timeout)?), Some(Arc::default()))
             }
+            StoreBackend::Citus { url, pool_size } => (
+                Arc::new(postgres::PgStore::connect_as(url.expose(), *pool_size, config.operation_timeout, postgres::Flavor::Citus)?),
+                Some(Arc::default()),
+            ),
             // The embedded store's file can be resolved by `idemgate keys`
             // beside the gateway, outside the protocol the cache relies on.
             StoreBackend::Sqlite { path } => (Arc::new(sqlite::SqliteStore::open(path, access).await?), None),

@@ -27,6 +27,10 @@ pub enum Backend {
     Postgres {
         url: String,
     },
+    /// A database on a Citus coordinator (`support::citus`).
+    Citus {
+        url: String,
+    },
     Sqlite {
         path: PathBuf,
         /// Deleted when the last clone of the backend is dropped.
@@ -40,6 +44,9 @@ impl Backend {
             Backend::Postgres { url } => format!(
                 "[store]\nkind = \"postgres\"\nurl = \"{url}\"\npool_size = 8\noperation_timeout = \"2s\"\nsweep_interval = \"{sweep_interval}\"\n"
             ),
+            Backend::Citus { url } => format!(
+                "[store]\nkind = \"citus\"\nurl = \"{url}\"\npool_size = 8\noperation_timeout = \"2s\"\nsweep_interval = \"{sweep_interval}\"\n"
+            ),
             Backend::Sqlite { path, .. } => format!(
                 "[store]\nkind = \"sqlite\"\npath = \"{}\"\noperation_timeout = \"2s\"\nsweep_interval = \"{sweep_interval}\"\n",
                 path.display()
@@ -51,6 +58,7 @@ impl Backend {
     pub async fn open(&self) -> Store {
         let backend = match self {
             Backend::Postgres { url } => StoreBackend::Postgres { url: idemgate::config::Secret::new(url.clone()), pool_size: 4 },
+            Backend::Citus { url } => StoreBackend::Citus { url: idemgate::config::Secret::new(url.clone()), pool_size: 4 },
             Backend::Sqlite { path, .. } => StoreBackend::Sqlite { path: path.clone() },
         };
         let config = StoreConfig {

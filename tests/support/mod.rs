@@ -27,7 +27,30 @@ macro_rules! on_both_stores {
     };
 }
 
+/// Runs each named `async fn(Backend)` on a Citus cluster too (a fresh
+/// database on this binary's shared cluster, `support::citus`), in a module
+/// `on_citus`, beside [`on_both_stores!`]'s PostgreSQL and SQLite runs. The
+/// Citus cases step aside with one line on stderr when Citus is not
+/// installed (see `citus::skip_unless_installed`).
+#[allow(unused_macros)]
+macro_rules! on_citus {
+    ($($name:ident),* $(,)?) => {
+        mod on_citus {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    if super::support::citus::skip_unless_installed() {
+                        return;
+                    }
+                    super::$name(super::support::citus_backend()).await
+                }
+            )*
+        }
+    };
+}
+
 pub mod admin;
+pub mod citus;
 pub mod client;
 pub mod faultproxy;
 pub mod gateway;
@@ -57,6 +80,13 @@ pub fn postgres_backend() -> Backend {
     let name = format!("t{}_{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst));
     let url = postgres::shared().create_database(&name).expect("create test database");
     Backend::Postgres { url }
+}
+
+/// A fresh database on this test binary's private Citus cluster (Citus must
+/// be installed: see `citus::skip_unless_installed`).
+pub fn citus_backend() -> Backend {
+    let url = citus::shared().create_unique_database("c").expect("create Citus test database");
+    Backend::Citus { url }
 }
 
 /// The collation of each scope column (`tenant`, `principal`, `operation`,

@@ -122,6 +122,9 @@ pub struct PgServer {
     running: Option<Running>,
     /// Time `start()` took (initdb + first start), for reports.
     startup: Duration,
+    /// Server settings of this cluster beyond the harness's own (`name=value`,
+    /// given on the command line at every start), e.g. `shared_preload_libraries=citus`.
+    settings: Vec<String>,
 }
 
 /// A started server: the watchdog we talk to and the postmaster it supervises.
@@ -150,8 +153,15 @@ impl PgServer {
     /// Creates a new cluster (`initdb`: trust auth, superuser `idemgate`, UTF8,
     /// `--no-sync`) and starts it on a free port, waiting until it answers a query.
     pub fn start() -> io::Result<PgServer> {
+        PgServer::start_with_settings(&[])
+    }
+
+    /// Like [`start`](Self::start), with server settings of its own
+    /// (`name=value`, on the command line at every start of this cluster).
+    pub fn start_with_settings(settings: &[&str]) -> io::Result<PgServer> {
         let began = Instant::now();
         let mut server = PgServer::prepare_dirs()?;
+        server.settings = settings.iter().map(|s| (*s).to_owned()).collect();
         server.initdb()?;
         server.start_on_free_port(began)?;
         Ok(server)
@@ -222,6 +232,7 @@ impl PgServer {
             port: 0,
             running: None,
             startup: Duration::ZERO,
+            settings: Vec::new(),
         })
     }
 
@@ -601,6 +612,9 @@ impl PgServer {
         ] {
             cmd.arg("-c").arg(setting);
         }
+        for setting in &self.settings {
+            cmd.arg("-c").arg(setting);
+        }
         // Extra server settings (later ones win), e.g. the benchmark's
         // `shared_buffers=512MB max_wal_size=4GB`: whitespace-separated name=value.
         if let Ok(extra) = std::env::var("IDEMGATE_TEST_PG_SETTINGS") {
@@ -823,6 +837,19 @@ fn stop_stale_postmaster(data_dir: &Path) {
             return;
         }
     }
+}
+
+/// The directory of the server's loadable modules (`pkglibdir`, where an
+/// extension such as Citus installs its `.so`) for the binaries the harness uses.
+pub fn pkglibdir() -> io::Result<PathBuf> {
+    let bin = find_bin_dir()?;
+    let out = Command::new(bin.join("pg_config")).arg("--pkglibdir").stdin(Stdio::null()).output();
+    if let Ok(out) = out
+        && out.status.success()
+    {
+        return Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()));
+    }
+    bin.parent().map(|p| p.join("lib")).ok_or_else(|| io::Error::other(format!("no lib directory beside {}", bin.display())))
 }
 
 /// Where cluster directories go: `$IDEMGATE_TEST_PG_TMPDIR`, else the std temp dir.

@@ -26,7 +26,7 @@ pub struct Statement {
     pub indexes: &'static [&'static str],
 }
 
-const PKEY: &[&str] = &["idemgate_records_pkey"];
+pub(super) const PKEY: &[&str] = &["idemgate_records_pkey"];
 
 /// Every statement the store sends during operation (migrations aside),
 /// with the indexes each may use. `tests/pg_plans.rs` checks their plans.

@@ -109,6 +109,12 @@ pub(super) const EVENT_STATS: &str = "SELECT \
 #[async_trait]
 impl Events for PgStore {
     async fn take_events(&self, operations: &[&str], limit: u32, lease: Duration, token: Uuid) -> Result<Vec<OutboxEvent>, StoreError> {
+        if self.flavor == Flavor::Citus {
+            let rows = self.take_event_rows_citus(operations, limit, micros(lease), token).await?;
+            let mut events = rows.iter().map(decode_event).collect::<Result<Vec<_>, _>>()?;
+            events.sort_by_key(|e| e.seq);
+            return Ok(events);
+        }
         let mut taken = self.events_where(&TAKE_EVENTS_WINDOW, &[&operations, &i64::from(limit), &token, &micros(lease)], true).await?;
         // Less than a batch: the backlog is small (the full take is cheap)
         // or the window was held back; either way the rest comes from all of

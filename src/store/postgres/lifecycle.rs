@@ -15,15 +15,19 @@ pub(super) const PROBE_WRITE: &str = "SELECT txid_current(), \
 #[async_trait]
 impl Lifecycle for PgStore {
     fn kind(&self) -> &'static str {
-        KIND
+        self.flavor.kind()
     }
 
     async fn migrate(&self) -> Result<Vec<String>, StoreError> {
         let mut conn = self.conn().await?;
+        // The right kind of server and schema for this flavor, or the
+        // start-up error that says which (see `citus`).
+        let found = citus::inspect(conn.client()).await.map_err(|e| migration_error("", &e))?;
+        citus::check(self.flavor, found)?;
         // Up to date: nothing is locked, created or written, so a runtime
         // role without the right to change the schema starts (and the server
         // sends no "already exists, skipping" notice at every start).
-        if up_to_date(&conn).await? {
+        if up_to_date(&conn, self.flavor).await? {
             conn.done();
             return Ok(Vec::new());
         }
@@ -47,6 +51,9 @@ impl Lifecycle for PgStore {
                 .await
                 .map_err(m)?;
             applied.push(mig.name.to_owned());
+        }
+        if self.flavor == Flavor::Citus {
+            applied.extend(citus::migrate(&tx, &done).await.map_err(|(name, e)| migration_error(&name, &e))?);
         }
         // The derived-key secret, once per deployment: every replica reads
         // the same row.

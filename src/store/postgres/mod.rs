@@ -41,8 +41,6 @@ impl<'a> FromSql<'a> for Timestamp {
     }
 }
 
-const KIND: &str = "postgres";
-
 // One file per concern of the store contract, one impl each.
 mod events;
 mod lifecycle;
@@ -53,8 +51,12 @@ mod trail;
 
 mod batch;
 pub mod catalog;
+pub mod citus;
+pub mod citus_sql;
 mod failover;
 pub mod sql;
+
+pub use citus::Flavor;
 
 use batch::{BatchClaim, BatchWrite, Batcher, ClaimItem, CompleteItem, Emit, WriteItem, WriteOut};
 use failover::{Flush, HostWalk, Verdict};
@@ -71,9 +73,17 @@ struct Db {
     /// Set when a statement shows the server is no longer the writable
     /// primary: connections opened before are not reused (see `failover`).
     flush: Arc<Flush>,
+    /// PostgreSQL or a Citus coordinator: on Citus every statement is sent
+    /// as `sql::for_citus` writes it.
+    flavor: Flavor,
 }
 
 impl Db {
+    /// `sql` as this flavor sends it.
+    fn text<'a>(&self, sql: &'a str) -> &'a str {
+        if self.flavor == Flavor::Citus { citus_sql::for_citus(sql) } else { sql }
+    }
+
     async fn conn(&self) -> Result<Conn, StoreError> {
         match self.pool.get().await {
             Ok(c) => Ok(Conn(Some(c))),
@@ -99,7 +109,7 @@ impl Db {
         write: bool,
     ) -> Result<Vec<Row>, (StoreError, Verdict)> {
         let conn = self.conn().await.map_err(|e| (e, Verdict::Keep))?;
-        let stmt = match conn.client().prepare_cached(sql).await {
+        let stmt = match conn.client().prepare_cached(self.text(sql)).await {
             Ok(stmt) => stmt,
             Err(e) => return Err(self.failed(conn, e, false)),
         };
@@ -135,6 +145,8 @@ pub struct PgStore {
     /// Concurrent claims and result writes share one statement and one
     /// commit (see `batch`).
     writes: Batcher<WriteItem, WriteOut>,
+    /// PostgreSQL or a Citus coordinator (see `citus`).
+    flavor: Flavor,
 }
 
 /// Bound on a readiness ping: `/readyz` must answer within about a second
@@ -242,6 +254,11 @@ fn retention_us(r: Retention) -> Option<i64> {
 
 impl PgStore {
     pub fn connect(url: &str, pool_size: usize, timeout: Duration) -> Result<PgStore, StoreError> {
+        PgStore::connect_as(url, pool_size, timeout, Flavor::Postgres)
+    }
+
+    /// [`connect`](Self::connect) to a server of this flavor.
+    pub fn connect_as(url: &str, pool_size: usize, timeout: Duration, flavor: Flavor) -> Result<PgStore, StoreError> {
         // sslmode and sslrootcert as libpq reads them (see crate::tls::postgres).
         let parsed =
             crate::tls::postgres::parse(url).map_err(|e| StoreError::Unavailable(format!("invalid database URL: {}", ErrorChain(&e))))?;
@@ -256,7 +273,7 @@ impl PgStore {
         // statement_timeout: a statement the gateway gave up on (its operation
         // timed out, so it answered and may have abandoned a claim) must not
         // go on and commit later; the server cancels it at the same bound.
-        let mut ours: String = sql::SESSION_SETTINGS.iter().map(|(name, value)| format!("-c {name}={value} ")).collect();
+        let mut ours: String = sql::session_settings(flavor).iter().map(|(name, value)| format!("-c {name}={value} ")).collect();
         ours.push_str(&format!("-c statement_timeout={}", timeout.as_millis().max(1)));
         let options = match pg.get_options() {
             Some(o) if !o.is_empty() => format!("{o} {ours}"),
@@ -284,7 +301,7 @@ impl PgStore {
             .pre_recycle(Flush::hook(flush.clone()))
             .build()
             .map_err(|e| StoreError::Unavailable(format!("cannot build the connection pool: {e}")))?;
-        let db = Db { pool, timeout, flush };
+        let db = Db { pool, timeout, flush, flavor };
         let writes = {
             let db = db.clone();
             let concurrency = std::env::var("IDEMGATE_PG_BATCH_CONCURRENCY").ok().and_then(|v| v.parse().ok()).unwrap_or(BATCH_CONCURRENCY);
@@ -293,7 +310,7 @@ impl PgStore {
                 async move { db.write_batch(items).await }
             })
         };
-        Ok(PgStore { db, writes })
+        Ok(PgStore { db, writes, flavor })
     }
 
     async fn conn(&self) -> Result<Conn, StoreError> {
@@ -367,6 +384,13 @@ impl PgStore {
     ) -> Result<bool, StoreError> {
         let headers = encode_headers(&response.headers);
         let body: Option<&[u8]> = response.body.as_deref();
+        if self.flavor == Flavor::Citus {
+            let (t, p, o, k) = (&*scope.tenant, &*scope.principal, &*scope.operation, scope.key.as_str());
+            let (status, retention) = (i32::from(response.status), retention_us(retention));
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 10] =
+                [&t, &p, &o, &k, &attempt.generation.0, &status, &headers, &body, &retention, &attempt.claim_token];
+            return self.write_with_event(&citus_sql::CITUS_COMPLETE, &params, emit.event, |_| Some(EventType::Completed), emit.body).await;
+        }
         let rows = self
             .query(
                 &records::COMPLETE,
@@ -393,7 +417,7 @@ impl PgStore {
 
 /// Whether every migration of this version is applied and the derived-key
 /// secret exists: reads only, so any role that may read the tables can ask.
-async fn up_to_date(conn: &Conn) -> Result<bool, StoreError> {
+async fn up_to_date(conn: &Conn, flavor: Flavor) -> Result<bool, StoreError> {
     let m = |e: tokio_postgres::Error| migration_error("", &e);
     let client = conn.client();
     let row = client
@@ -408,11 +432,19 @@ async fn up_to_date(conn: &Conn) -> Result<bool, StoreError> {
     if POSTGRES.iter().any(|mig| !done.contains(&mig.version)) {
         return Ok(false);
     }
+    if flavor == Flavor::Citus && citus::CITUS.iter().any(|mig| !done.contains(&mig.version)) {
+        return Ok(false);
+    }
     let secret = client.query("SELECT 1 FROM idemgate_settings WHERE name = $1", &[&DERIVED_KEY_SECRET]).await.map_err(m)?;
     Ok(!secret.is_empty())
 }
 
 impl PgStore {
+    /// The statement of this flavor: PostgreSQL's, or Citus's where it differs.
+    fn pick<'a>(&self, postgres: &'a str, citus: &'a str) -> &'a str {
+        if self.flavor == Flavor::Citus { citus } else { postgres }
+    }
+
     /// An async write fenced by the attempt (`$5` generation, `$6` token,
     /// state `processing`); `extra` are `$7...`.
     async fn fenced_update(

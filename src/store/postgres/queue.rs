@@ -96,7 +96,10 @@ impl Queue for PgStore {
         let ops: Vec<&str> = routes.iter().map(|r| &*r.operation).collect();
         let leases: Vec<i64> = routes.iter().map(|r| micros(r.lease)).collect();
         let reforwardable: Vec<&str> = routes.iter().filter(|r| r.reforwardable).map(|r| &*r.operation).collect();
-        let rows = self.query(&TAKE, &[&ops, &leases, &claim_token, &owner, &reforwardable], true).await?;
+        let rows = match self.flavor {
+            Flavor::Citus => self.take_rows_citus(&ops, &leases, claim_token, owner, &reforwardable).await?,
+            Flavor::Postgres => self.query(&TAKE, &[&ops, &leases, &claim_token, &owner, &reforwardable], true).await?,
+        };
         let Some(row) = rows.first() else { return Ok(None) };
         let record = decode(row)?;
         let request: Vec<u8> = row.try_get(NCOLS + 1).map_err(|e| StoreError::Corrupt(e.to_string()))?;
@@ -133,6 +136,18 @@ impl Queue for PgStore {
     ) -> Result<bool, StoreError> {
         let (unknown, failed) =
             (events.emits(&scope.operation, EventType::Unknown), events.emits(&scope.operation, EventType::FailedRetryable));
+        if self.flavor == Flavor::Citus {
+            let (t, p, o, k) = (&*scope.tenant, &*scope.principal, &*scope.operation, scope.key.as_str());
+            let (retention, last_status) = (retention_us(retention), retry.last_status.map(i32::from));
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 9] =
+                [&t, &p, &o, &k, &attempt.generation.0, &attempt.claim_token, &retention, &last_status, &retry.maybe_executed];
+            let event = |state: &str| match state {
+                "unknown" if unknown => Some(EventType::Unknown),
+                "failed_retryable" if failed => Some(EventType::FailedRetryable),
+                _ => None,
+            };
+            return self.write_with_event(&citus_sql::CITUS_FAIL, &params, unknown || failed, event, false).await;
+        }
         self.fenced_update(
             &FAIL,
             scope,

@@ -92,7 +92,12 @@ impl Reconcile for PgStore {
         let ops: Vec<&str> = routes.iter().map(|r| &*r.operation).collect();
         let settles: Vec<i64> = routes.iter().map(|r| micros(r.settle)).collect();
         let at_upstream: Vec<i64> = routes.iter().map(|r| micros(r.at_upstream)).collect();
-        let rows = self.query(&TAKE_PROBES, &[&ops, &settles, &token, &micros(hold), &i64::from(limit), &at_upstream], true).await?;
+        let rows = match self.flavor {
+            Flavor::Citus => self.take_probe_rows_citus(&ops, &settles, token, micros(hold), limit, &at_upstream).await?,
+            Flavor::Postgres => {
+                self.query(&TAKE_PROBES, &[&ops, &settles, &token, &micros(hold), &i64::from(limit), &at_upstream], true).await?
+            }
+        };
         let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
         rows.iter()
             .map(|row| {
@@ -166,7 +171,7 @@ impl PgStore {
         let tx = conn.client_mut().transaction().await.map_err(w)?;
         let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
             [&&*scope.tenant, &&*scope.principal, &&*scope.operation, &scope.key.as_str()];
-        let rows = tx.query(&*RESOLVE_LOCK, &params).await.map_err(w)?;
+        let rows = tx.query(self.db.text(&RESOLVE_LOCK), &params).await.map_err(w)?;
         let Some(row) = rows.first() else {
             tx.rollback().await.map_err(w)?;
             return Ok(Round::Done(ResolveOutcome::NotFound));
@@ -193,7 +198,7 @@ impl PgStore {
             }
             Ok(_) if record.state == State::Completed && !hold_in_place => {
                 let rows = tx
-                    .query(&*RESOLVE_HOLD, &[params[0], params[1], params[2], params[3], &micros(crate::store::cache::HOLD)])
+                    .query(self.db.text(&RESOLVE_HOLD), &[params[0], params[1], params[2], params[3], &micros(crate::store::cache::HOLD)])
                     .await
                     .map_err(w)?;
                 let hold: Timestamp = rows
@@ -204,12 +209,20 @@ impl PgStore {
                 return Ok(Round::Held((hold, record.generation)));
             }
             Ok(Next::Deleted) => {
-                tx.execute(&*RESOLVE_DELETE, &params).await.map_err(w)?;
+                tx.execute(self.db.text(&RESOLVE_DELETE), &params).await.map_err(w)?;
                 (None, None)
             }
             Ok(Next::State { state: State::Queued, .. }) => {
                 // An async operation released: it runs again, under a new generation.
-                let rows = tx.query(&*RESOLVE_REQUEUE, &params).await.map_err(w)?;
+                let rows = match self.flavor {
+                    Flavor::Citus => {
+                        let generation = self.next_generation().await?;
+                        let with: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
+                            [params[0], params[1], params[2], params[3], &generation];
+                        tx.query(self.db.text(&citus_sql::CITUS_RESOLVE_REQUEUE), &with).await.map_err(w)?
+                    }
+                    Flavor::Postgres => tx.query(&*RESOLVE_REQUEUE, &params).await.map_err(w)?,
+                };
                 let Some(row) = rows.first() else {
                     // The row is locked: only a dropped request stops the update.
                     tx.rollback().await.map_err(w)?;
@@ -224,29 +237,25 @@ impl PgStore {
                 };
                 let headers = encode_headers(&response.headers);
                 let body: Option<&[u8]> = response.body.as_deref();
-                let rows = tx
-                    .query(
-                        &*RESOLVE_COMPLETE,
-                        &[
-                            params[0],
-                            params[1],
-                            params[2],
-                            params[3],
-                            &i32::from(response.status),
-                            &headers,
-                            &body,
-                            &retention_us(*retention),
-                        ],
-                    )
-                    .await
-                    .map_err(w)?;
+                let (status, retention) = (i32::from(response.status), retention_us(*retention));
+                let mut values: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
+                    vec![params[0], params[1], params[2], params[3], &status, &headers, &body, &retention];
+                let generation = match self.flavor {
+                    Flavor::Citus => Some(self.next_generation().await?),
+                    Flavor::Postgres => None,
+                };
+                if let Some(g) = &generation {
+                    values.push(g);
+                }
+                let rows =
+                    tx.query(self.db.text(self.pick(&RESOLVE_COMPLETE, &citus_sql::CITUS_RESOLVE_COMPLETE)), &values).await.map_err(w)?;
                 let generation: i64 =
                     rows.first().and_then(|r| r.try_get(0).ok()).ok_or_else(|| StoreError::Corrupt("resolve: no generation".into()))?;
                 (Some(state), Some(generation))
             }
         };
         tx.execute(
-            super::trail::AUDIT_INSERT,
+            self.db.text(super::trail::AUDIT_INSERT),
             &[
                 &note.actor.as_str(),
                 params[0],
@@ -273,7 +282,7 @@ impl PgStore {
                 Resolution::Release { .. } => (None, None),
             };
             tx.execute(
-                &*super::events::EVENT_INSERT_ONE,
+                self.db.text(&super::events::EVENT_INSERT_ONE),
                 &[
                     &event.as_str(),
                     params[0],

@@ -415,6 +415,9 @@ impl Records for PgStore {
     /// record that the batch found and that may be taken over goes through the
     /// single-row statement, which re-checks and takes it over atomically.
     async fn claim(&self, req: &ClaimRequest) -> Result<RawClaim, StoreError> {
+        if self.flavor == Flavor::Citus {
+            return self.claim_citus(req).await;
+        }
         let token = req.claim_token;
         let s = &req.scope;
         let item = ClaimItem {
@@ -461,6 +464,10 @@ impl Records for PgStore {
         events: &EventPolicies,
     ) -> Result<bool, StoreError> {
         let emit = Emit::of(events, &scope.operation, EventType::Completed);
+        if self.flavor == Flavor::Citus {
+            // Not batched across scopes on Citus (see `citus_sql::catalog_for`).
+            return self.complete_one(scope, attempt, response, retention, emit).await;
+        }
         let item = CompleteItem {
             scope: scope.clone(),
             attempt,
@@ -506,6 +513,12 @@ impl Records for PgStore {
         events: &EventPolicies,
     ) -> Result<bool, StoreError> {
         let emit = events.emits(&scope.operation, EventType::Unknown);
+        if self.flavor == Flavor::Citus {
+            let (t, p, o, k) = (&*scope.tenant, &*scope.principal, &*scope.operation, scope.key.as_str());
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] =
+                [&t, &p, &o, &k, &attempt.generation.0, &only_if_lease_expired, &attempt.claim_token];
+            return self.write_with_event(&citus_sql::CITUS_MARK_UNKNOWN, &params, emit, |_| Some(EventType::Unknown), false).await;
+        }
         let rows = self
             .query(
                 &MARK_UNKNOWN,
@@ -561,13 +574,19 @@ impl Records for PgStore {
     }
 
     async fn sweep(&self, batch: u32) -> Result<u64, StoreError> {
+        if self.flavor == Flavor::Citus {
+            return self.sweep_citus(batch).await;
+        }
         Ok(self.query(SWEEP, &[&i64::from(batch)], true).await?.len() as u64)
     }
 
     async fn reap_leases(&self, batch: u32, reforwardable: &[Arc<str>], events: &EventPolicies) -> Result<Reaped, StoreError> {
         let ops: Vec<&str> = reforwardable.iter().map(|o| &**o).collect();
         let emitting = events.operations_emitting(EventType::Unknown);
-        let rows = self.query(&REAP_LEASES, &[&i64::from(batch), &ops, &emitting], true).await?;
+        let rows = match self.flavor {
+            Flavor::Citus => self.reap_rows_citus(batch, &ops, &emitting).await?,
+            Flavor::Postgres => self.query(&REAP_LEASES, &[&i64::from(batch), &ops, &emitting], true).await?,
+        };
         let mut reaped = Reaped::default();
         for row in &rows {
             if row.try_get::<_, bool>(0).map_err(|e| StoreError::Corrupt(e.to_string()))? {

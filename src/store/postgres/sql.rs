@@ -44,6 +44,21 @@ pub const SESSION_SETTINGS: &[(&str, &str)] = &[
     ("enable_mergejoin", "off"),
 ];
 
+/// [`SESSION_SETTINGS`] as a store of `flavor` sends them. Citus plans a
+/// statement with data-modifying CTEs for one shard only once its
+/// parameters are known (a generic plan of one is refused: "could not
+/// create distributed plan"), so its sessions plan each execution; the
+/// shard's own plan is made on the worker, for the statement with its values.
+pub fn session_settings(flavor: super::Flavor) -> Vec<(&'static str, &'static str)> {
+    SESSION_SETTINGS
+        .iter()
+        .map(|&(name, value)| match (flavor, name) {
+            (super::Flavor::Citus, "plan_cache_mode") => (name, "force_custom_plan"),
+            _ => (name, value),
+        })
+        .collect()
+}
+
 /// The record columns every reading statement returns, in `decode`'s order.
 pub(super) const COLUMNS: &str = "tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner, \
      lease_expires_at, response_status, response_headers, response_body, created_at, updated_at, expires_at, \

@@ -1,0 +1,350 @@
+//! Citus: the PostgreSQL backend on a Citus coordinator, every table
+//! distributed by `tenant` (docs/scaling.md).
+//!
+//! Citus speaks PostgreSQL's protocol, so this is the PostgreSQL backend with
+//! a [`Flavor`]: the same pool, failover handling and statements, except
+//! where Citus needs a statement of another shape (kept beside the
+//! PostgreSQL statement in `sql`), plus what `migrate` does here: the schema
+//! of the PostgreSQL migrations, then [`CITUS`], which distributes it.
+
+use tokio_postgres::{Row, Transaction};
+use uuid::Uuid;
+
+use super::super::migrations::Migration;
+use super::super::{Claim, ClaimRequest, RawClaim, Records, StoreError};
+use super::{NCOLS, classify, decode, micros};
+use crate::idempotency::record::{Generation, Timestamp, may_take_over};
+use crate::outbox::EventType;
+
+/// Which server the PostgreSQL backend talks to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Flavor {
+    /// One PostgreSQL (with standbys): `store.kind = "postgres"`.
+    #[default]
+    Postgres,
+    /// A Citus coordinator: `store.kind = "citus"`.
+    Citus,
+}
+
+impl Flavor {
+    /// `store.kind`, as logs and metrics name the store.
+    pub fn kind(self) -> &'static str {
+        match self {
+            Flavor::Postgres => "postgres",
+            Flavor::Citus => "citus",
+        }
+    }
+}
+
+/// Citus's migrations, applied after every PostgreSQL migration, recorded in
+/// the same `idemgate_schema_migrations` under versions of their own.
+pub const CITUS: &[Migration] =
+    &[Migration { version: 1_000_001, name: "citus_0001_distribute", sql: include_str!("../../../migrations/citus/0001_distribute.sql") }];
+
+/// What the server and the database hold, for the checks at start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Found {
+    /// The Citus extension is created in this database.
+    pub extension: bool,
+    /// `idemgate_records` exists.
+    pub records: bool,
+    /// `idemgate_records` is a Citus distributed table.
+    pub distributed: bool,
+}
+
+/// Reads [`Found`]. Plain SQL on any PostgreSQL: `pg_dist_partition` is only
+/// looked at when the extension exists.
+pub async fn inspect(client: &tokio_postgres::Client) -> Result<Found, tokio_postgres::Error> {
+    let row = client
+        .query_one("SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus'), to_regclass('idemgate_records') IS NOT NULL", &[])
+        .await?;
+    let (extension, records): (bool, bool) = (row.get(0), row.get(1));
+    let distributed = if extension && records {
+        client
+            .query_one("SELECT EXISTS (SELECT 1 FROM pg_dist_partition WHERE logicalrelid = 'idemgate_records'::regclass)", &[])
+            .await?
+            .get(0)
+    } else {
+        false
+    };
+    Ok(Found { extension, records, distributed })
+}
+
+/// Whether a store of `flavor` may use a database holding `found`; if not,
+/// the start-up error saying which.
+pub fn check(flavor: Flavor, found: Found) -> Result<(), StoreError> {
+    match flavor {
+        Flavor::Postgres if found.distributed => Err(StoreError::Migration(
+            "store.kind = \"postgres\", but this database's idemgate schema is distributed by Citus \
+             (idemgate_records is a distributed table): set store.kind = \"citus\""
+                .into(),
+        )),
+        Flavor::Citus if !found.extension => Err(StoreError::Migration(
+            "store.kind = \"citus\", but this server has no Citus extension in this database: \
+             the URL must name a Citus coordinator's database with `CREATE EXTENSION citus` done and its workers added \
+             (docs/scaling.md), or set store.kind = \"postgres\""
+                .into(),
+        )),
+        Flavor::Citus if found.records && !found.distributed => Err(StoreError::Migration(
+            "store.kind = \"citus\", but this database holds an idemgate schema that is not distributed \
+             (idemgate_records is a plain table, migrated as kind = \"postgres\"): idemgate does not convert a \
+             single-node store; migrate an empty database on the coordinator with kind = \"citus\" (docs/scaling.md)"
+                .into(),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Citus's part of `migrate`, inside the migration's transaction (after the
+/// PostgreSQL migrations): the migrations of [`CITUS`] not yet in `done`.
+/// Returns the names applied.
+pub async fn migrate(tx: &Transaction<'_>, done: &[i64]) -> Result<Vec<String>, (String, tokio_postgres::Error)> {
+    let mut applied = Vec::new();
+    for mig in CITUS.iter().filter(|mig| !done.contains(&mig.version)) {
+        tx.batch_execute(mig.sql).await.map_err(|e| (mig.name.to_owned(), e))?;
+        tx.execute("INSERT INTO idemgate_schema_migrations (version, name) VALUES ($1, $2)", &[&mig.version, &mig.name])
+            .await
+            .map_err(|e| (mig.name.to_owned(), e))?;
+        applied.push(mig.name.to_owned());
+    }
+    Ok(applied)
+}
+
+impl super::PgStore {
+    /// The claim on Citus (see `super::citus_sql::CITUS_CLAIM_READ`): read, insert, or
+    /// take over, each a router statement on the scope's shard.
+    pub(super) async fn claim_citus(&self, req: &ClaimRequest) -> Result<RawClaim, StoreError> {
+        let s = &req.scope;
+        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+        let pk: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&&*s.tenant, &&*s.principal, &&*s.operation, &s.key.as_str()];
+        let rows = self.query(&super::citus_sql::CITUS_CLAIM_READ, &pk, false).await?;
+        let lease = micros(req.lease);
+        let may_take = req.upstream_idempotent && req.acceptance.is_none();
+        let operation_id = req.acceptance.as_ref().map(|a| a.operation_id.as_str());
+        let request = req.acceptance.as_ref().map(|a| &a.request[..]).or(req.request_head.as_deref());
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 12] = [
+            pk[0],
+            pk[1],
+            pk[2],
+            pk[3],
+            &&req.request_hash.0[..],
+            &req.claim_token,
+            &&*req.owner,
+            &lease,
+            &may_take,
+            &operation_id,
+            &request,
+            &&*req.key_source,
+        ];
+        let claimed = |row: &Row, took_over: bool| -> Result<RawClaim, StoreError> {
+            let generation: i64 = row.try_get(0).map_err(c)?;
+            let lease: Option<Timestamp> = row.try_get(1).map_err(c)?;
+            let updated: Timestamp = row.try_get(2).map_err(c)?;
+            Ok(RawClaim::Claimed(Claim {
+                scope: s.clone(),
+                generation: Generation(generation),
+                claim_token: req.claim_token,
+                lease_expires_at: lease.unwrap_or(updated),
+                took_over,
+            }))
+        };
+        let Some(row) = rows.first() else {
+            let rows = self.query(&super::citus_sql::CITUS_CLAIM_INSERT, &params, true).await?;
+            return match rows.first() {
+                Some(row) => claimed(row, false),
+                // Inserted concurrently by another claim since the read.
+                None => Ok(RawClaim::Conflict),
+            };
+        };
+        let record = decode(row)?;
+        let now: Timestamp = row.try_get(NCOLS).map_err(c)?;
+        let cacheable: bool = row.try_get(NCOLS + 1).map_err(c)?;
+        if may_take_over(&record, &req.request_hash, now, req.upstream_idempotent) {
+            let generation = self.next_generation().await?;
+            let mut with_generation = params.to_vec();
+            with_generation.push(&generation);
+            let rows = self.query(&super::citus_sql::CITUS_TAKE_OVER, &with_generation, true).await?;
+            if let Some(row) = rows.first() {
+                return claimed(row, true);
+            }
+            // Moved on since the read: what it is now.
+            return match self.get(s).await? {
+                Some((record, now)) => Ok(RawClaim::Existing(record, now)),
+                None => Ok(RawClaim::Conflict),
+            };
+        }
+        Ok(if cacheable { RawClaim::Cacheable(record, now) } else { RawClaim::Existing(record, now) })
+    }
+}
+
+/// How many tenants one round of background work looks at, the longest
+/// waiting first. A round that finds nothing to do in these ends; the next
+/// round asks again, so a tenant whose work became due is reached once the
+/// ones before it are served.
+const TENANTS_PER_ROUND: i64 = 32;
+
+/// Background work on Citus. `FOR UPDATE SKIP LOCKED` and a `LIMIT` under a
+/// row lock run on one shard only ("could not run distributed query with
+/// FOR UPDATE/SHARE commands" otherwise), so each of these first reads,
+/// without locks, which tenants have work (one read of every shard), then
+/// runs PostgreSQL's statement with a `tenant = $n` filter, a router query
+/// on that tenant's shard where `SKIP LOCKED` and `LIMIT` work as on one
+/// node, tenant by tenant until the batch is full.
+impl super::PgStore {
+    async fn tenants(&self, sql: &str, params: &[&(dyn tokio_postgres::types::ToSql + Sync)]) -> Result<Vec<String>, StoreError> {
+        let rows = self.query(sql, params, false).await?;
+        rows.iter().map(|r| r.try_get::<_, String>(0).map_err(|e| StoreError::Corrupt(e.to_string()))).collect()
+    }
+
+    /// `TAKE`: the first due operation of the longest-waiting tenant that has one free.
+    pub(super) async fn take_rows_citus(
+        &self,
+        ops: &[&str],
+        leases: &[i64],
+        claim_token: Uuid,
+        owner: &str,
+        reforwardable: &[&str],
+    ) -> Result<Vec<Row>, StoreError> {
+        let tenants = self.tenants(super::citus_sql::CITUS_TENANTS_TO_TAKE, &[&ops, &reforwardable, &TENANTS_PER_ROUND]).await?;
+        if tenants.is_empty() {
+            return Ok(Vec::new());
+        }
+        // One new generation, used by the first tenant whose take finds an operation.
+        let generation = self.next_generation().await?;
+        for tenant in tenants {
+            let rows = self
+                .query(&super::citus_sql::CITUS_TAKE, &[&ops, &leases, &claim_token, &owner, &reforwardable, &tenant, &generation], true)
+                .await?;
+            if !rows.is_empty() {
+                return Ok(rows);
+            }
+        }
+        Ok(Vec::new())
+    }
+
+    /// `SWEEP`, tenant by tenant until `batch` records are gone.
+    pub(super) async fn sweep_citus(&self, batch: u32) -> Result<u64, StoreError> {
+        let mut swept = 0u64;
+        for tenant in self.tenants(super::citus_sql::CITUS_TENANTS_TO_SWEEP, &[&TENANTS_PER_ROUND]).await? {
+            let left = i64::from(batch) - swept as i64;
+            if left <= 0 {
+                break;
+            }
+            swept += self.query(&super::citus_sql::CITUS_SWEEP, &[&left, &tenant], true).await?.len() as u64;
+        }
+        Ok(swept)
+    }
+
+    /// `REAP_LEASES`, tenant by tenant until `batch` attempts are ended.
+    pub(super) async fn reap_rows_citus(&self, batch: u32, ops: &[&str], emitting: &[&str]) -> Result<Vec<Row>, StoreError> {
+        let mut all = Vec::new();
+        for tenant in self.tenants(super::citus_sql::CITUS_TENANTS_TO_REAP, &[&TENANTS_PER_ROUND]).await? {
+            let left = i64::from(batch) - all.len() as i64;
+            if left <= 0 {
+                break;
+            }
+            all.extend(self.query(&super::citus_sql::CITUS_REAP_LEASES, &[&left, &ops, &emitting, &tenant], true).await?);
+        }
+        Ok(all)
+    }
+
+    /// `TAKE_PROBES`, tenant by tenant until `limit` records are taken.
+    pub(super) async fn take_probe_rows_citus(
+        &self,
+        ops: &[&str],
+        settles: &[i64],
+        token: Uuid,
+        hold_us: i64,
+        limit: u32,
+        at_upstream: &[i64],
+    ) -> Result<Vec<Row>, StoreError> {
+        let mut all = Vec::new();
+        for tenant in self.tenants(super::citus_sql::CITUS_TENANTS_TO_PROBE, &[&ops, &TENANTS_PER_ROUND]).await? {
+            let left = i64::from(limit) - all.len() as i64;
+            if left <= 0 {
+                break;
+            }
+            all.extend(
+                self.query(&super::citus_sql::CITUS_TAKE_PROBES, &[&ops, &settles, &token, &hold_us, &left, &at_upstream, &tenant], true)
+                    .await?,
+            );
+        }
+        Ok(all)
+    }
+
+    /// `TAKE_EVENTS`, tenant by tenant until `limit` events are leased.
+    pub(super) async fn take_event_rows_citus(
+        &self,
+        operations: &[&str],
+        limit: u32,
+        lease_us: i64,
+        token: Uuid,
+    ) -> Result<Vec<Row>, StoreError> {
+        let mut all = Vec::new();
+        for tenant in self.tenants(super::citus_sql::CITUS_TENANTS_WITH_EVENTS, &[&operations, &TENANTS_PER_ROUND]).await? {
+            let left = i64::from(limit) - all.len() as i64;
+            if left <= 0 {
+                break;
+            }
+            all.extend(self.query(&super::citus_sql::CITUS_TAKE_EVENTS, &[&operations, &left, &token, &lease_us, &tenant], true).await?);
+        }
+        Ok(all)
+    }
+}
+
+impl super::PgStore {
+    /// A new generation, drawn on the coordinator (see `super::citus_sql::CITUS_TAKE_OVER`).
+    pub(super) async fn next_generation(&self) -> Result<i64, StoreError> {
+        let rows = self.query(super::citus_sql::CITUS_NEXT_GENERATION, &[], true).await?;
+        rows.first().and_then(|r| r.try_get::<_, i64>(0).ok()).ok_or_else(|| StoreError::Corrupt("nextval returned no generation".into()))
+    }
+
+    /// A final state change and its event on Citus: `update` (one of
+    /// `super::citus_sql::CITUS_COMPLETE`, `CITUS_MARK_UNKNOWN`, `CITUS_FAIL`, each
+    /// returning tenant, principal, operation, key, generation, status,
+    /// operation id, body and the new state), then, when `event` names one
+    /// for the new state, the event row, in one transaction on the scope's
+    /// shard. Without an event to write it is the `UPDATE` alone,
+    /// autocommitted. Returns whether the fenced `UPDATE` matched.
+    pub(super) async fn write_with_event(
+        &self,
+        update: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+        may_emit: bool,
+        event: impl Fn(&str) -> Option<EventType>,
+        with_body: bool,
+    ) -> Result<bool, StoreError> {
+        if !may_emit {
+            return Ok(!self.query(update, params, true).await?.is_empty());
+        }
+        let w = |e| classify(e, true);
+        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+        let mut conn = self.db.conn().await?;
+        let tx = conn.client_mut().transaction().await.map_err(w)?;
+        let rows = tx.query(self.db.text(update), params).await.map_err(w)?;
+        let Some(row) = rows.first() else {
+            tx.rollback().await.map_err(w)?;
+            conn.done();
+            return Ok(false);
+        };
+        let state: &str = row.try_get(8).map_err(c)?;
+        if let Some(event) = event(state) {
+            let (t, p, o, k): (&str, &str, &str, &str) =
+                (row.try_get(0).map_err(c)?, row.try_get(1).map_err(c)?, row.try_get(2).map_err(c)?, row.try_get(3).map_err(c)?);
+            let generation: Option<i64> = row.try_get(4).map_err(c)?;
+            let status: Option<i32> = row.try_get(5).map_err(c)?;
+            let operation_id: Option<&str> = row.try_get(6).map_err(c)?;
+            let body: Option<&[u8]> = if with_body { row.try_get(7).map_err(c)? } else { None };
+            let actor: Option<&str> = None;
+            tx.execute(
+                self.db.text(&super::events::EVENT_INSERT_ONE),
+                &[&event.as_str(), &t, &p, &o, &k, &generation, &status, &operation_id, &actor, &body],
+            )
+            .await
+            .map_err(w)?;
+        }
+        tx.commit().await.map_err(w)?;
+        conn.done();
+        Ok(true)
+    }
+}

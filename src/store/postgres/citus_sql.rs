@@ -1,0 +1,437 @@
+//! The statements a Citus coordinator gets where PostgreSQL's cannot be
+//! router queries on one shard, or where Citus refuses what PostgreSQL
+//! accepts (see `citus.rs` and docs/scaling.md): each is PostgreSQL's
+//! statement of the same name, changed as its comment says. [`for_citus`]
+//! gives the text a Citus session sends for any statement;
+//! [`catalog_for`] lists the statements of either flavor for the plan tests.
+
+use std::sync::LazyLock;
+
+use super::catalog::{PKEY, Statement, catalog};
+use super::events::*;
+use super::queue::*;
+use super::reconcile::*;
+use super::records::*;
+use super::sql::*;
+
+/// [`EXPIRES_7`]-style expiry from `$n` for Citus, which refuses `now()`
+/// inside `coalesce` (or `CASE`) in a distributed `UPDATE`: `greatest`
+/// ignores the NULL of a forever retention and of the parameter-only `CASE`.
+fn citus_expires(n: usize) -> String {
+    format!("greatest(now() + ${n}::int8 * interval '1 microsecond', CASE WHEN ${n}::int8 IS NULL THEN 'infinity'::timestamptz END)")
+}
+
+/// Citus's claim: the take-over branch of [`CLAIM`] needs a new generation,
+/// and Citus refuses a volatile function (`nextval`) in a distributed
+/// `UPDATE` and a stable one (`now()`) inside `CASE` in one; its data-modifying
+/// CTEs are planned step by step. So on Citus a claim is up to three router
+/// statements on the scope's shard, each autocommitted, with the parameters
+/// of `CLAIM` (the read only `$1`..`$4`; the insert returns `$9` so that its
+/// parameters are those of `CLAIM`): [`CITUS_CLAIM_READ`] (a replay ends here),
+/// [`CITUS_CLAIM_INSERT`] (a first write ends here), and, for a record that
+/// `record::may_take_over` allows, [`CITUS_TAKE_OVER`], which re-checks that
+/// condition on the latest row version. A lost insert is `RawClaim::Conflict`,
+/// as with the batch (the facade reads the winner).
+pub(super) static CITUS_CLAIM_READ: LazyLock<String> =
+    LazyLock::new(|| format!("SELECT {COLUMNS}, now(), NOT coalesce(cache_hold_until > now(), false) FROM idemgate_records WHERE {PK}"));
+
+/// A new generation, on the coordinator (see [`CITUS_TAKE_OVER`]).
+pub(super) const CITUS_NEXT_GENERATION: &str = "SELECT nextval('idemgate_generation')";
+
+/// See [`CITUS_CLAIM_READ`]. The generation is drawn in the `INSERT`'s
+/// values, which Citus evaluates on the coordinator; the lease and the due
+/// time are `now()` plus an interval that a parameter-only `CASE` makes NULL
+/// (Citus refuses `now()` inside a `CASE` of a modification).
+pub(super) static CITUS_CLAIM_INSERT: LazyLock<String> = LazyLock::new(|| {
+    "INSERT INTO idemgate_records
+        (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
+         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, key_source, scope_id)
+     VALUES ($1, $2, $3, $4, $5, CASE WHEN $10::text IS NULL THEN 'in_flight' ELSE 'queued' END, nextval('idemgate_generation'), $6, $7,
+             now() + (CASE WHEN $10::text IS NULL THEN $8::int8 END) * interval '1 microsecond', now(), now(),
+             now() + $8::int8 * interval '1 microsecond', $10, $11, now() + (CASE WHEN $10::text IS NOT NULL THEN 0 END) * interval '1 microsecond',
+             $12, idemgate_scope_id($1, $2, $3, $4))
+     ON CONFLICT ON CONSTRAINT idemgate_records_pkey DO NOTHING
+     RETURNING generation, lease_expires_at, updated_at, $9::bool"
+        .to_owned()
+});
+
+/// See [`CITUS_CLAIM_READ`]. The new generation is `$13`, drawn before by
+/// [`CITUS_NEXT_GENERATION`] (Citus refuses `nextval()` in a distributed
+/// `UPDATE`, and a `SELECT` CTE drawing it would be a subplan whose result
+/// Citus may send to every node); it never goes below the record's own
+/// (`greatest`), whatever the counter does.
+pub(super) static CITUS_TAKE_OVER: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "\
+UPDATE idemgate_records r SET
+    request_hash = $5, state = CASE WHEN $10::text IS NULL THEN 'in_flight' ELSE 'queued' END,
+    generation = greatest($13::int8, r.generation + 1), claim_token = $6, owner = $7,
+    lease_expires_at = now() + (CASE WHEN $10::text IS NULL THEN $8::int8 END) * interval '1 microsecond',
+    response_status = NULL, response_headers = NULL, response_body = NULL,
+    created_at = now(), updated_at = now(), expires_at = now() + $8::int8 * interval '1 microsecond',
+    operation_id = $10, request = $11, attempts = 0,
+    next_attempt_at = now() + (CASE WHEN $10::text IS NOT NULL THEN 0 END) * interval '1 microsecond',
+    sent_at = NULL, last_status = NULL, maybe_executed = false, key_source = $12
+WHERE {PK}
+  AND ((r.state IN ('completed', 'failed_retryable') AND r.expires_at <= now())
+       OR (r.state = 'unknown' AND $9::bool AND r.request_hash = $5)
+       OR (r.state = 'in_flight' AND $9::bool AND r.request_hash = $5 AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())))
+RETURNING r.generation, r.lease_expires_at, r.updated_at"
+    )
+});
+
+/// [`COMPLETE`] on Citus (`$1`..`$10`): `expires_at` without `now()` inside
+/// `coalesce` (refused in a distributed `UPDATE`): `greatest` of the finite
+/// expiry (NULL for forever) and `'infinity'` when the retention is forever.
+/// The `UPDATE` alone, returning what its event needs: an `INSERT ...
+/// SELECT` from a CTE would run as subplans whose results Citus may send to
+/// every node, so a completion would fail while any worker is down. The
+/// event is written in the same (single-shard) transaction by
+/// `citus::write_with_event`.
+pub(super) static CITUS_COMPLETE: LazyLock<String> = LazyLock::new(|| {
+    citus_update_only(
+        &COMPLETE.replace(EXPIRES_9, &citus_expires(9)),
+        "tenant, principal, operation, idempotency_key, generation, response_status, operation_id, response_body, state",
+    )
+});
+
+/// [`RESOLVE_REQUEUE`] on Citus: the new generation is `$5` (see [`CITUS_TAKE_OVER`]).
+pub(super) static CITUS_RESOLVE_REQUEUE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE idemgate_records r SET state = 'queued', generation = greatest($5::int8, r.generation + 1), lease_expires_at = NULL, \
+         sent_at = NULL, next_attempt_at = now(), attempts = 0, maybe_executed = false, response_status = NULL, response_headers = NULL, \
+         response_body = NULL, updated_at = now(), cache_hold_until = NULL WHERE {PK} AND request IS NOT NULL RETURNING r.generation"
+    )
+});
+
+/// [`RESOLVE_COMPLETE`] on Citus: the new generation is `$9` (see
+/// [`CITUS_TAKE_OVER`]), the expiry as in [`CITUS_COMPLETE`].
+pub(super) static CITUS_RESOLVE_COMPLETE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE idemgate_records r SET state = 'completed', generation = greatest($9::int8, r.generation + 1), response_status = $5, \
+         response_headers = $6, response_body = $7, lease_expires_at = NULL, updated_at = now(), \
+         expires_at = {}, cache_hold_until = NULL, request = NULL WHERE {PK} RETURNING r.generation",
+        citus_expires(8)
+    )
+});
+
+/// [`SWEEP`] on Citus, for one tenant (`$2`): `FOR UPDATE SKIP LOCKED` and a
+/// `LIMIT` run on one shard only, so the sweeper goes tenant by tenant
+/// ([`CITUS_TENANTS_TO_SWEEP`]), each statement a router query.
+pub(super) static CITUS_SWEEP: LazyLock<String> = LazyLock::new(|| {
+    citus_replace(
+        SWEEP,
+        &[
+            (
+                "    WHERE state IN ('completed', 'failed_retryable')",
+                "    WHERE tenant = $2 AND state IN ('completed', 'failed_retryable')",
+            ),
+            ("WHERE r.scope_id = d.scope_id", "WHERE r.tenant = $2 AND r.scope_id = d.scope_id"),
+        ],
+    )
+});
+
+/// The tenants with records to sweep, the longest expired first (`$1` of
+/// them): a read of every shard without locks (Citus groups by the
+/// distribution column on each shard).
+pub(super) const CITUS_TENANTS_TO_SWEEP: &str = "SELECT tenant FROM idemgate_records \
+     WHERE state IN ('completed', 'failed_retryable') AND expires_at <= now() GROUP BY tenant ORDER BY min(expires_at) LIMIT $1";
+
+/// [`REAP_LEASES`] on Citus, for one tenant (`$4`, see [`CITUS_SWEEP`]); the
+/// re-queue's due time is the locking read's `now()` (Citus refuses `now()`
+/// inside a `CASE` of a distributed `UPDATE`).
+pub(super) static CITUS_REAP_LEASES: LazyLock<String> = LazyLock::new(|| {
+    citus_replace(
+        &REAP_LEASES,
+        &[
+            (
+                "SELECT scope_id, tenant, principal, operation, idempotency_key FROM idemgate_records\n    WHERE state IN ('in_flight', 'processing')",
+                "SELECT scope_id, tenant, principal, operation, idempotency_key, now() AS now FROM idemgate_records\n    WHERE tenant = $4 AND state IN ('in_flight', 'processing')",
+            ),
+            ("THEN now() ELSE r.next_attempt_at END", "THEN d.now ELSE r.next_attempt_at END"),
+            ("FROM stale d\nWHERE r.scope_id", "FROM stale d\nWHERE r.tenant = $4 AND r.scope_id"),
+        ],
+    )
+});
+
+/// The tenants with attempts whose lease ran out, the longest expired first (`$1` of them).
+pub(super) const CITUS_TENANTS_TO_REAP: &str = "SELECT tenant FROM idemgate_records \
+     WHERE state IN ('in_flight', 'processing') AND (lease_expires_at IS NULL OR lease_expires_at <= now()) \
+     GROUP BY tenant ORDER BY min(lease_expires_at) NULLS FIRST LIMIT $1";
+
+/// [`TAKE`] on Citus, for one tenant (`$6`, see [`CITUS_SWEEP`]): the new
+/// generation is `$7` (see [`CITUS_TAKE_OVER`]), the lease's end
+/// computed by the locking reads (Citus refuses `now()` applied to a column
+/// in a distributed `UPDATE`), and the row's `updated_at` where `TAKE`
+/// returns `now()` (Citus refuses `now()` in a modification's `RETURNING`).
+pub(super) static CITUS_TAKE: LazyLock<String> = LazyLock::new(|| {
+    let lease = "(SELECT max(ro.lease_us) FROM routes ro WHERE ro.operation = r.operation)";
+    format!(
+        "\
+WITH routes AS (
+    SELECT * FROM unnest($1::text[], $2::int8[]) AS ro(operation, lease_us)
+), expired AS (
+    SELECT r.scope_id, r.tenant, r.principal, r.operation, r.idempotency_key,
+           now() + {lease} * interval '1 microsecond' AS lease_until, true AS took_over
+    FROM idemgate_records r
+    WHERE r.tenant = $6 AND r.state = 'processing' AND r.lease_expires_at <= now() AND r.operation = ANY($1::text[])
+      AND (r.sent_at IS NULL OR r.operation = ANY($5::text[]))
+    ORDER BY r.lease_expires_at
+    LIMIT 1
+    FOR UPDATE OF r SKIP LOCKED
+), due AS (
+    SELECT r.scope_id, r.tenant, r.principal, r.operation, r.idempotency_key,
+           now() + {lease} * interval '1 microsecond' AS lease_until, false AS took_over
+    FROM idemgate_records r
+    WHERE r.tenant = $6 AND r.state = 'queued' AND r.next_attempt_at <= now() AND r.operation = ANY($1::text[])
+    ORDER BY r.next_attempt_at
+    LIMIT 1
+    FOR UPDATE OF r SKIP LOCKED
+), next AS (
+    SELECT * FROM expired UNION ALL SELECT * FROM due LIMIT 1
+)
+UPDATE idemgate_records r SET
+    state = 'processing', generation = greatest($7::int8, r.generation + 1), claim_token = $3, owner = $4,
+    lease_expires_at = n.lease_until, attempts = r.attempts + 1, sent_at = NULL,
+    maybe_executed = r.maybe_executed OR (r.state = 'processing' AND r.sent_at IS NOT NULL),
+    next_attempt_at = NULL, updated_at = now()
+FROM next n
+WHERE r.tenant = $6 AND r.scope_id = n.scope_id AND r.tenant = n.tenant AND r.principal = n.principal AND r.operation = n.operation
+  AND r.idempotency_key = n.idempotency_key
+RETURNING {}, r.updated_at, r.request, n.took_over",
+        prefixed(COLUMNS, "r.")
+    )
+});
+
+/// The tenants with operations due for the workers (`$1` the routes'
+/// operations, `$2` those that may run again after a lost lease), the
+/// longest waiting first (`$3` of them).
+pub(super) const CITUS_TENANTS_TO_TAKE: &str = "SELECT tenant FROM idemgate_records \
+     WHERE operation = ANY($1::text[]) AND ((state = 'queued' AND next_attempt_at <= now()) \
+        OR (state = 'processing' AND lease_expires_at <= now() AND (sent_at IS NULL OR operation = ANY($2::text[])))) \
+     GROUP BY tenant ORDER BY min(CASE WHEN state = 'queued' THEN next_attempt_at ELSE lease_expires_at END) LIMIT $3";
+
+/// [`FAIL`] on Citus (`$1`..`$9`): the `UPDATE` alone (see [`CITUS_COMPLETE`]),
+/// the expiry as there.
+pub(super) static CITUS_FAIL: LazyLock<String> = LazyLock::new(|| {
+    citus_update_only(
+        &FAIL.replace(EXPIRES_7, &citus_expires(7)),
+        "tenant, principal, operation, idempotency_key, generation, last_status, operation_id, NULL::bytea, state",
+    )
+});
+
+/// [`MARK_UNKNOWN`] on Citus (`$1`..`$7`): the `UPDATE` alone (see [`CITUS_COMPLETE`]).
+pub(super) static CITUS_MARK_UNKNOWN: LazyLock<String> = LazyLock::new(|| {
+    citus_update_only(
+        &MARK_UNKNOWN,
+        "tenant, principal, operation, idempotency_key, generation, NULL::int4, operation_id, NULL::bytea, state",
+    )
+});
+
+/// [`TAKE_EVENTS`] on Citus, for one tenant (`$5`, see [`CITUS_SWEEP`]). A
+/// scope's events sit on its tenant's shard, so their order holds.
+pub(super) static CITUS_TAKE_EVENTS: LazyLock<String> = LazyLock::new(|| {
+    citus_replace(
+        &TAKE_EVENTS,
+        &[
+            ("WHERE e.delivery = 'pending' AND e.next_attempt_at", "WHERE e.tenant = $5 AND e.delivery = 'pending' AND e.next_attempt_at"),
+            ("FROM due WHERE e.seq = due.seq", "FROM due WHERE e.tenant = $5 AND e.seq = due.seq"),
+        ],
+    )
+});
+
+/// The tenants with deliverable events of these operations (`$1`), the
+/// longest waiting first (`$2` of them).
+pub(super) const CITUS_TENANTS_WITH_EVENTS: &str = "SELECT tenant FROM idemgate_events \
+     WHERE delivery = 'pending' AND next_attempt_at <= now() AND (lease_until IS NULL OR lease_until <= now()) \
+       AND operation = ANY($1::text[]) GROUP BY tenant ORDER BY min(next_attempt_at) LIMIT $2";
+
+/// [`TAKE_PROBES`] on Citus, for one tenant (`$7`, see [`CITUS_SWEEP`]),
+/// returning the row's `updated_at` where it returns `now()` (see [`CITUS_TAKE`]).
+pub(super) static CITUS_TAKE_PROBES: LazyLock<String> = LazyLock::new(|| {
+    citus_replace(
+        &TAKE_PROBES,
+        &[
+            ("    WHERE r.state = 'unknown'\n", "    WHERE r.tenant = $7 AND r.state = 'unknown'\n"),
+            ("FROM due d\nWHERE r.scope_id", "FROM due d\nWHERE r.tenant = $7 AND r.scope_id"),
+            (", now(), r.request, r.probe_attempts", ", r.updated_at, r.request, r.probe_attempts"),
+        ],
+    )
+});
+
+/// The tenants with `unknown` records of these operations (`$1`) that no
+/// live probe holds, the longest unknown first (`$2` of them).
+pub(super) const CITUS_TENANTS_TO_PROBE: &str = "SELECT tenant FROM idemgate_records \
+     WHERE state = 'unknown' AND operation = ANY($1::text[]) AND (probe_until IS NULL OR probe_until <= now()) \
+     GROUP BY tenant ORDER BY min(updated_at) LIMIT $2";
+
+/// [`catalog`] as a store of `flavor` sends it: on Citus, the statements of
+/// another shape in place of the PostgreSQL ones (see `citus`).
+pub fn catalog_for(flavor: super::Flavor) -> Vec<Statement> {
+    let mut all = catalog();
+    if flavor == super::Flavor::Citus {
+        // Claims and result writes are not batched across scopes on Citus
+        // (a batch's arrays name tenants Citus cannot route by): the claim
+        // is `CITUS_CLAIM_READ`, `CITUS_CLAIM_INSERT`, `CITUS_TAKE_OVER`.
+        all.retain(|s| !matches!(s.name.as_str(), "claim" | "claim_batch" | "complete_batch" | "write_batch"));
+        for s in &mut all {
+            if let Some(sql) = citus_statement(&s.name) {
+                s.sql = sql.to_owned();
+            }
+        }
+        let pkey: &'static [&'static str] = PKEY;
+        for (name, sql) in
+            [("claim_read", &*CITUS_CLAIM_READ), ("claim_insert", &*CITUS_CLAIM_INSERT), ("claim_take_over", &*CITUS_TAKE_OVER)]
+        {
+            all.push(Statement { name: name.to_owned(), sql: sql.clone(), indexes: pkey });
+        }
+        for s in &mut all {
+            s.sql = for_citus(&s.sql).to_owned();
+        }
+    }
+    all
+}
+
+/// The Citus statement that replaces the catalog's statement `name`, if any.
+fn citus_statement(name: &str) -> Option<&'static str> {
+    Some(match name {
+        "complete" => &CITUS_COMPLETE,
+        "resolve_complete" => &CITUS_RESOLVE_COMPLETE,
+        "resolve_requeue" => &CITUS_RESOLVE_REQUEUE,
+        "fail" => &CITUS_FAIL,
+        "mark_unknown" => &CITUS_MARK_UNKNOWN,
+        _ => return None,
+    })
+}
+
+/// The `UPDATE` inside `WITH upd AS (UPDATE ... RETURNING ...), ev AS ...`,
+/// returning `returning` instead.
+fn citus_update_only(sql: &str, returning: &str) -> String {
+    let start = sql.find("WITH upd AS (").map_or(0, |i| i + "WITH upd AS (".len());
+    let end = sql[start..].find(" RETURNING ").map_or(sql.len(), |i| start + i);
+    format!("{} RETURNING {returning}", &sql[start..end])
+}
+
+/// `sql` with each `(from, to)` replaced once. A `from` that is missing is a
+/// bug in these texts; `tests::citus_variants_differ_where_they_must` catches it.
+fn citus_replace(sql: &str, edits: &[(&str, &str)]) -> String {
+    edits.iter().fold(sql.to_owned(), |text, (from, to)| text.replacen(from, to, 1))
+}
+
+/// A statement as a Citus store sends it: every simple `CASE col WHEN 'a'
+/// THEN true ... ELSE false END` test (the PostgreSQL statements' way of
+/// keeping a partial index out of a plan, see the module documentation)
+/// written as `col IN ('a', ...)`. Citus mis-deparses the simple `CASE`
+/// form in a modification it sends to a shard (its tested value becomes
+/// `NULL::boolean`: "operator does not exist: text = boolean"); on a shard
+/// the primary key serves these statements anyway. Memoized: the store's
+/// statements are a fixed set.
+pub fn for_citus(sql: &str) -> &'static str {
+    static DONE: LazyLock<std::sync::Mutex<std::collections::HashMap<String, &'static str>>> = LazyLock::new(Default::default);
+    let mut done = DONE.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some(text) = done.get(sql) {
+        return text;
+    }
+    let text: &'static str = Box::leak(rewrite_simple_cases(sql).into_boxed_str());
+    done.insert(sql.to_owned(), text);
+    text
+}
+
+/// See [`for_citus`]: `CASE x WHEN 'a' THEN true WHEN 'b' THEN true ELSE
+/// false END` becomes `x IN ('a', 'b')`; any other `CASE` stays.
+fn rewrite_simple_cases(sql: &str) -> String {
+    let mut out = String::with_capacity(sql.len());
+    let mut rest = sql;
+    while let Some(at) = rest.find("CASE ") {
+        out.push_str(&rest[..at]);
+        let after = &rest[at + 5..];
+        match simple_case(after) {
+            Some((column, values, used)) => {
+                out.push_str(&format!("{column} IN ({})", values.join(", ")));
+                rest = &after[used..];
+            }
+            None => {
+                out.push_str("CASE ");
+                rest = after;
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+/// `x WHEN 'a' THEN true ... ELSE false END` at the start of `s`: the
+/// column, the quoted values, and how many bytes that took.
+fn simple_case(s: &str) -> Option<(&str, Vec<&str>, usize)> {
+    let column_end = s.find(' ')?;
+    let column = &s[..column_end];
+    if column.is_empty() || !column.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.') {
+        return None;
+    }
+    let mut pos = column_end + 1;
+    let mut values = Vec::new();
+    loop {
+        let tail = &s[pos..];
+        if let Some(t) = tail.strip_prefix("ELSE false END") {
+            let _ = t;
+            return (!values.is_empty()).then_some((column, values, pos + "ELSE false END".len()));
+        }
+        let t = tail.strip_prefix("WHEN '")?;
+        let close = t.find('\'')?;
+        let value = &tail[5..5 + close + 2];
+        let t = t[close + 1..].strip_prefix(" THEN true ")?;
+        values.push(value);
+        pos = s.len() - t.len();
+    }
+}
+
+#[cfg(test)]
+mod citus_tests {
+    use super::*;
+
+    #[test]
+    fn simple_state_tests_become_in_lists_for_citus() {
+        assert_eq!(
+            rewrite_simple_cases("a AND CASE r.state WHEN 'in_flight' THEN true WHEN 'processing' THEN true ELSE false END RETURNING 1"),
+            "a AND r.state IN ('in_flight', 'processing') RETURNING 1"
+        );
+        assert_eq!(rewrite_simple_cases("CASE delivery WHEN 'pending' THEN true ELSE false END"), "delivery IN ('pending')");
+        // Anything else stays as it is.
+        for kept in [
+            "CASE WHEN $10::text IS NULL THEN 'in_flight' ELSE 'queued' END",
+            "CASE delivery WHEN $1 THEN true ELSE false END",
+            "CASE r.state WHEN 'completed' THEN r.expires_at <= now() ELSE false END",
+        ] {
+            assert_eq!(rewrite_simple_cases(kept), kept);
+        }
+        assert!(std::ptr::eq(for_citus("CASE x WHEN 'a' THEN true ELSE false END"), for_citus("CASE x WHEN 'a' THEN true ELSE false END")));
+    }
+
+    #[test]
+    fn citus_variants_differ_where_they_must() {
+        let tenant_filters = [
+            (&*CITUS_SWEEP, "tenant = $2", 2),
+            (&*CITUS_REAP_LEASES, "tenant = $4", 2),
+            (&*CITUS_TAKE, "tenant = $6", 3),
+            (&*CITUS_TAKE_EVENTS, "tenant = $5", 2),
+            (&*CITUS_TAKE_PROBES, "tenant = $7", 2),
+        ];
+        for (sql, filter, n) in tenant_filters {
+            assert_eq!(sql.matches(filter).count(), n, "{sql}");
+        }
+        assert!(CITUS_REAP_LEASES.contains("THEN d.now ELSE"));
+        assert!(CITUS_TAKE_PROBES.contains(", r.updated_at, r.request, r.probe_attempts"));
+        for sql in [&*CITUS_COMPLETE, &*CITUS_FAIL, &*CITUS_RESOLVE_COMPLETE] {
+            assert!(sql.contains("greatest(now()") && !sql.contains("coalesce(now()"), "{sql}");
+        }
+        for (sql, p) in [(&*CITUS_TAKE, 7), (&*CITUS_TAKE_OVER, 13), (&*CITUS_RESOLVE_COMPLETE, 9), (&*CITUS_RESOLVE_REQUEUE, 5)] {
+            assert!(sql.contains(&format!("greatest(${p}::int8, r.generation + 1)")) && !sql.contains("nextval"), "{sql}");
+        }
+        for sql in [&*CITUS_COMPLETE, &*CITUS_MARK_UNKNOWN, &*CITUS_FAIL] {
+            assert!(
+                sql.starts_with("UPDATE idemgate_records SET") && !sql.contains("idemgate_events") && sql.ends_with(", state"),
+                "{sql}"
+            );
+        }
+    }
+}

@@ -1,0 +1,213 @@
+//! The store on a Citus cluster (issue 30, CONTRACT.md section 10): the
+//! test cluster itself, what `idemgate migrate` creates there, and the
+//! start-up errors of a store kind that does not match the server.
+//!
+//! Every test steps aside, with one line on stderr, when Citus is not
+//! installed (`IDEMGATE_TEST_CITUS=required` makes that a failure).
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
+
+mod support;
+
+use std::time::Duration;
+
+use idemgate::config::{Secret, StoreBackend, StoreConfig};
+use idemgate::store::{Access, Store, StoreError};
+use support::citus;
+
+fn config(backend: StoreBackend) -> StoreConfig {
+    StoreConfig {
+        backend,
+        migrate: true,
+        unreachable_at_start: Default::default(),
+        operation_timeout: Duration::from_secs(30),
+        sweep_interval: Duration::from_secs(1),
+        sweep_batch: 100,
+        events_retention: Duration::from_secs(3600),
+    }
+}
+
+fn citus_store(url: &str) -> StoreConfig {
+    config(StoreBackend::Citus { url: Secret::new(url.to_owned()), pool_size: 2 })
+}
+
+fn postgres_store(url: &str) -> StoreConfig {
+    config(StoreBackend::Postgres { url: Secret::new(url.to_owned()), pool_size: 2 })
+}
+
+async fn migrate(config: &StoreConfig) -> Result<Vec<String>, StoreError> {
+    Store::open(config, Access::Migrate).await?.migrate().await
+}
+
+async fn client(url: &str) -> tokio_postgres::Client {
+    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.expect("connect");
+    tokio::spawn(conn);
+    client
+}
+
+/// The harness: a coordinator and two workers, each test database with the
+/// extension on every node and both workers active.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_test_cluster_has_a_coordinator_and_two_active_workers() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let cluster = citus::shared();
+    eprintln!("cluster started in {:?}", cluster.startup_time());
+    let url = cluster.create_unique_database("harness").expect("database");
+    let db = client(&url).await;
+    let workers: Vec<i64> =
+        db.query("SELECT node_port FROM citus_get_active_worker_nodes() ORDER BY 1", &[]).await.unwrap().iter().map(|r| r.get(0)).collect();
+    let mut expected: Vec<i64> = cluster.workers.iter().map(|w| i64::from(w.port())).collect();
+    expected.sort();
+    assert_eq!(workers, expected);
+    let version: String = db.query_one("SELECT extversion FROM pg_extension WHERE extname = 'citus'", &[]).await.unwrap().get(0);
+    assert!(version.starts_with("13."), "{version}");
+}
+
+/// `migrate` with kind = "citus": records, events and audit distributed by
+/// tenant and colocated, settings a reference table, the events and audit
+/// keys with the tenant; a second run applies nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_distributes_the_schema_by_tenant() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let url = citus::shared().create_unique_database("migrate").expect("database");
+    let applied = migrate(&citus_store(&url)).await.expect("migrate");
+    assert!(applied.iter().any(|m| m == "citus_0001_distribute"), "{applied:?}");
+    assert_eq!(migrate(&citus_store(&url)).await.expect("second migrate"), Vec::<String>::new());
+
+    let db = client(&url).await;
+    let tables: Vec<(String, String, Option<String>, i32)> = db
+        .query(
+            "SELECT table_name::text, citus_table_type, distribution_column, colocation_id FROM citus_tables \
+             WHERE table_name::text LIKE 'idemgate%' ORDER BY 1",
+            &[],
+        )
+        .await
+        .expect("citus_tables")
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect();
+    let names: Vec<&str> = tables.iter().map(|t| t.0.as_str()).collect();
+    assert_eq!(names, ["idemgate_audit", "idemgate_events", "idemgate_records", "idemgate_settings"], "{tables:?}");
+    for (name, kind, column, colocation) in &tables {
+        if name == "idemgate_settings" {
+            assert_eq!(kind, "reference", "{name}");
+        } else {
+            assert_eq!((kind.as_str(), column.as_deref()), ("distributed", Some("tenant")), "{name}");
+            assert_eq!(*colocation, tables[2].3, "{name} is colocated with the records");
+        }
+    }
+    // The unique keys of the outbox and the audit trail contain the tenant.
+    let keys: Vec<(String, String)> = db
+        .query(
+            "SELECT c.relname::text, pg_get_indexdef(i.indexrelid) FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid \
+             JOIN pg_class t ON t.oid = i.indrelid WHERE i.indisunique AND t.relname IN ('idemgate_events', 'idemgate_audit') ORDER BY 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(keys.len(), 3, "{keys:?}");
+    for (name, def) in &keys {
+        assert!(def.contains("tenant"), "{name}: {def}");
+    }
+    // The migrations' bookkeeping stays on the coordinator.
+    let local: i64 =
+        db.query_one("SELECT count(*) FROM citus_tables WHERE table_name::text = 'idemgate_schema_migrations'", &[]).await.unwrap().get(0);
+    assert_eq!(local, 0);
+}
+
+/// Two `migrate`s at once on the coordinator: serialized (the advisory
+/// lock), each migration applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_migrations_are_serialized_on_the_coordinator() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let url = citus::shared().create_unique_database("race").expect("database");
+    let (ca, cb) = (citus_store(&url), citus_store(&url));
+    let (a, b) = tokio::join!(migrate(&ca), migrate(&cb));
+    let (a, b) = (a.expect("first migrate"), b.expect("second migrate"));
+    assert!(a.is_empty() != b.is_empty(), "exactly one run applies the migrations: {a:?} / {b:?}");
+    let db = client(&url).await;
+    let n: i64 = db.query_one("SELECT count(*) FROM idemgate_schema_migrations", &[]).await.unwrap().get(0);
+    assert_eq!(n as usize, a.len().max(b.len()));
+}
+
+/// The start-up errors: kind = "citus" on a server without the extension,
+/// kind = "postgres" on a distributed schema, and kind = "citus" on a
+/// single-node schema (not converted), each saying which.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_kind_that_does_not_match_the_server_is_refused_at_start() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let cluster = citus::shared();
+    let plain = cluster.plain_database(&format!("plain_{}", std::process::id())).expect("database");
+    let e = migrate(&citus_store(&plain)).await.expect_err("kind = citus without the extension");
+    assert!(matches!(e, StoreError::Migration(_)), "{e:?}");
+    assert!(e.to_string().contains("store.kind = \"citus\", but this server has no Citus extension"), "{e}");
+    let tables: i64 =
+        client(&plain).await.query_one("SELECT count(*) FROM pg_class WHERE relname LIKE 'idemgate%'", &[]).await.unwrap().get(0);
+    assert_eq!(tables, 0, "nothing was created");
+
+    let distributed = cluster.create_unique_database("dist").expect("database");
+    migrate(&citus_store(&distributed)).await.expect("migrate as citus");
+    let e = migrate(&postgres_store(&distributed)).await.expect_err("kind = postgres on a distributed schema");
+    assert!(e.to_string().contains("store.kind = \"postgres\", but this database's idemgate schema is distributed by Citus"), "{e}");
+
+    let single = cluster.create_unique_database("single").expect("database");
+    migrate(&postgres_store(&single)).await.expect("migrate as postgres on a Citus server");
+    let e = migrate(&citus_store(&single)).await.expect_err("kind = citus on a single-node schema");
+    assert!(e.to_string().contains("holds an idemgate schema that is not distributed"), "{e}");
+}
+
+/// `check-config --connect` on kind = "citus" reports the cluster: the
+/// active workers and whether the schema is distributed (before and after
+/// `migrate`), and the start-up error on a server without the extension.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_config_connect_reports_the_nodes_and_the_distributed_schema() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let cluster = citus::shared();
+    let url = cluster.create_unique_database("check").expect("database");
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let check = |url: &str| {
+        let config = format!(
+            "[store]\nkind = \"citus\"\nurl = \"{url}\"\n\
+             [[identity.sources]]\nkind = \"api_key\"\nkeys = [ {{ sha256 = \"{}\", tenant = \"t\", principal = \"p\" }} ]\n\
+             [[upstreams]]\nname = \"u\"\nurl = \"http://{}\"\n\
+             [[routes]]\noperation = \"op\"\nmethod = \"POST\"\npath = \"/op\"\nupstream = \"u\"\n",
+            "0".repeat(64),
+            upstream.local_addr().unwrap()
+        );
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, config).unwrap();
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+            .args(["check-config", "--connect", "--config"])
+            .arg(&path)
+            .env_remove("IDEMGATE_CONFIG")
+            .env("IDEMGATE_LOG", "warn")
+            .output()
+            .expect("run idemgate");
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
+    };
+    let before = check(&url);
+    assert!(before.contains("store cluster: ok (a coordinator and 2 active worker node(s); no idemgate schema yet"), "{before}");
+    migrate(&citus_store(&url)).await.expect("migrate");
+    let after = check(&url);
+    assert!(
+        after.contains("store cluster: ok (a coordinator and 2 active worker node(s); the schema is distributed by tenant)"),
+        "{after}"
+    );
+    let plain = cluster.plain_database(&format!("plain_check_{}", std::process::id())).expect("database");
+    let refused = check(&plain);
+    assert!(refused.contains("store cluster: ") && refused.contains("has no Citus extension"), "{refused}");
+}

@@ -1,0 +1,402 @@
+//! The Citus hazards of issue 30 (docs/scaling.md, "What does not work as
+//! is"), each on the test cluster through the library `Store`, with many
+//! tenants (so several shards on both workers):
+//!
+//! - a batch of claims that mixes tenants;
+//! - background takes (`FOR UPDATE SKIP LOCKED`) across shards, by several
+//!   replicas at once;
+//! - generations drawn with `nextval()`, which Citus refuses in a
+//!   distributed `UPDATE`, and which must still grow per scope when the
+//!   counter is behind (a shard moved to a node whose counter is lower);
+//! - the outbox's and the audit trail's keys, which must contain the tenant.
+//!
+//! Each test steps aside, with one line on stderr, when Citus is not installed.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use idemgate::config::{Secret, StoreBackend, StoreConfig};
+use idemgate::idempotency::fingerprint::Fingerprint;
+use idemgate::idempotency::key::{IdempotencyKey, Scope};
+use idemgate::idempotency::record::Retention;
+use idemgate::idempotency::record::{Generation, State, StoredResponse};
+use idemgate::outbox::{EventPolicies, EventType, EventsConfig};
+use idemgate::store::audit::{Actor, AuditNote};
+use idemgate::store::{Acceptance, Access, ClaimOutcome, ClaimRequest, Resolution, ResolveOutcome, Store, WorkerRoute, WriteOutcome};
+use support::citus;
+use uuid::Uuid;
+
+const LONG: Duration = Duration::from_secs(60);
+const SHORT: Duration = Duration::from_millis(150);
+
+async fn store(url: &str) -> Store {
+    let config = StoreConfig {
+        backend: StoreBackend::Citus { url: Secret::new(url.to_owned()), pool_size: 8 },
+        migrate: true,
+        unreachable_at_start: Default::default(),
+        operation_timeout: Duration::from_secs(10),
+        sweep_interval: Duration::from_secs(1),
+        sweep_batch: 100,
+        events_retention: Duration::from_secs(3600),
+    };
+    let store = Store::open(&config, Access::Migrate).await.expect("store");
+    store.migrate().await.expect("migrate");
+    store
+}
+
+fn scope(tenant: &str, key: &str) -> Scope {
+    Scope { tenant: tenant.into(), principal: "billing".into(), operation: "create_order".into(), key: IdempotencyKey::new(key).unwrap() }
+}
+
+fn req(scope: &Scope, lease: Duration, upstream_idempotent: bool) -> ClaimRequest {
+    ClaimRequest {
+        scope: scope.clone(),
+        request_hash: Fingerprint([7; 32]),
+        owner: "replica-a".into(),
+        lease,
+        upstream_idempotent,
+        claim_token: Uuid::new_v4(),
+        acceptance: None,
+        key_source: "header:idempotency-key".into(),
+        request_head: None,
+    }
+}
+
+fn response(body: &'static [u8]) -> StoredResponse {
+    StoredResponse { status: 201, headers: vec![], body: Some(Bytes::from_static(body)) }
+}
+
+fn tenants(n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("tenant-{i:02}")).collect()
+}
+
+async fn client(url: &str) -> tokio_postgres::Client {
+    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.expect("connect");
+    tokio::spawn(conn);
+    client
+}
+
+/// Claims of many tenants arriving together (the PostgreSQL store puts them
+/// in one batched statement, whose arrays Citus cannot route: "could not
+/// create distributed plan"): each is claimed once, in its own tenant's
+/// shard, and completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_of_many_tenants_at_once_each_route_to_their_shard() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let url = citus::shared().create_unique_database("mixed").expect("database");
+    let store = store(&url).await;
+    let scopes: Vec<Scope> = tenants(16).iter().flat_map(|t| (0..3).map(move |k| scope(t, &format!("k{k}")))).collect();
+    let barrier = Arc::new(tokio::sync::Barrier::new(scopes.len()));
+    let mut tasks = Vec::new();
+    for s in &scopes {
+        let (store, barrier, r) = (store.clone(), barrier.clone(), req(s, LONG, false));
+        tasks.push(tokio::spawn(async move {
+            barrier.wait().await;
+            let claim = match store.claim(&r).await.expect("claim") {
+                ClaimOutcome::Claimed(c) => c,
+                other => panic!("{:?}: {other:?}", r.scope),
+            };
+            assert_eq!(store.complete(&claim, &response(b"done"), Retention::For(LONG)).await.expect("complete"), WriteOutcome::Written);
+            claim
+        }));
+    }
+    let mut generations = BTreeSet::new();
+    for t in tasks {
+        let c = t.await.expect("task");
+        assert!(generations.insert(c.generation), "generation {:?} drawn twice", c.generation);
+    }
+    for s in &scopes {
+        let (record, _) = store.get(s).await.expect("get").expect("record");
+        assert_eq!(
+            (record.state, record.response.as_ref().and_then(|r| r.body.clone())),
+            (State::Completed, Some(Bytes::from_static(b"done")))
+        );
+    }
+    // Each tenant's records sit on one shard; the tenants spread over both workers.
+    let db = client(&url).await;
+    let nodes: i64 = db
+        .query_one(
+            "SELECT count(DISTINCT nodeport) FROM pg_dist_shard_placement p JOIN pg_dist_shard s USING (shardid) \
+             WHERE s.logicalrelid = 'idemgate_records'::regclass \
+               AND shardid IN (SELECT get_shard_id_for_distribution_column('idemgate_records', t) FROM unnest($1::text[]) t)",
+            &[&tenants(16)],
+        )
+        .await
+        .expect("placements")
+        .get(0);
+    assert_eq!(nodes, 2, "16 tenants land on both workers");
+}
+
+/// Several replicas' workers take queued operations of many tenants at once
+/// (the PostgreSQL take is one `FOR UPDATE SKIP LOCKED` over all tenants,
+/// which Citus refuses across shards): every operation is taken exactly
+/// once, none is left behind, each under its own new generation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_workers_of_several_replicas_take_every_tenants_operations_once() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let url = citus::shared().create_unique_database("take").expect("database");
+    let replicas = [store(&url).await, store(&url).await, store(&url).await];
+    let mut queued = BTreeSet::new();
+    for (i, t) in tenants(12).iter().enumerate() {
+        for k in 0..2 {
+            let s = scope(t, &format!("op{k}"));
+            let r = ClaimRequest {
+                acceptance: Some(Acceptance { operation_id: format!("op_{i}_{k}"), request: Bytes::from_static(b"stored request") }),
+                ..req(&s, LONG, false)
+            };
+            assert!(matches!(replicas[0].claim(&r).await.expect("accept"), ClaimOutcome::Claimed(_)));
+            queued.insert(format!("{}/{}", s.tenant, s.key.as_str()));
+        }
+    }
+    let routes = [WorkerRoute { operation: "create_order".into(), lease: LONG, reforwardable: false }];
+    let mut workers = Vec::new();
+    for (n, replica) in replicas.iter().enumerate() {
+        for w in 0..2 {
+            let (store, routes) = (replica.clone(), routes.clone());
+            workers.push(tokio::spawn(async move {
+                let mut taken = Vec::new();
+                while let Some(t) = store.take(&routes, &format!("r{n}-w{w}")).await.expect("take") {
+                    taken.push(t);
+                }
+                taken
+            }));
+        }
+    }
+    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+    let mut generations = BTreeSet::new();
+    for w in workers {
+        for t in w.await.expect("worker") {
+            *seen.entry(format!("{}/{}", t.record.scope.tenant, t.record.scope.key.as_str())).or_default() += 1;
+            assert!(generations.insert(t.claim.generation), "generation {:?} twice", t.claim.generation);
+            assert_eq!((t.record.state, t.record.attempts), (State::Processing, 1));
+        }
+    }
+    assert!(seen.values().all(|&n| n == 1), "each operation taken once: {seen:?}");
+    assert_eq!(seen.keys().cloned().collect::<BTreeSet<_>>(), queued, "none left behind");
+}
+
+/// Take-overs and resolutions draw new generations without `nextval()` in
+/// a distributed `UPDATE` (Citus: "functions used in UPDATE queries on
+/// distributed tables must not be VOLATILE"), and a scope's generation
+/// grows even when the counter is behind the record (as after a shard moved
+/// to a node whose counter is lower): the old holder stays fenced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generations_grow_per_scope_without_a_volatile_update_even_with_the_counter_behind() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let url = citus::shared().create_unique_database("gens").expect("database");
+    let store = store(&url).await;
+    let s = scope("tenant-gen", "k");
+    let first = match store.claim(&req(&s, SHORT, true)).await.expect("claim") {
+        ClaimOutcome::Claimed(c) => c,
+        other => panic!("{other:?}"),
+    };
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let second = match store.claim(&req(&s, SHORT, true)).await.expect("take over") {
+        ClaimOutcome::Claimed(c) => c,
+        other => panic!("{other:?}"),
+    };
+    assert!(second.took_over && second.generation > first.generation);
+    assert_eq!(store.complete(&first, &response(b"old"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Fenced);
+
+    // The counter falls behind every record.
+    let db = client(&url).await;
+    db.batch_execute("SELECT setval('idemgate_generation', 1)").await.expect("setval");
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let third = match store.claim(&req(&s, SHORT, true)).await.expect("take over") {
+        ClaimOutcome::Claimed(c) => c,
+        other => panic!("{other:?}"),
+    };
+    assert!(third.generation > second.generation, "{:?} after {:?}", third.generation, second.generation);
+    assert_eq!(store.complete(&second, &response(b"old"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(store.complete(&third, &response(b"new"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Written);
+
+    // An operator's resolution draws one too.
+    let note = AuditNote { actor: Actor::Cli, reason: "corrected by hand".into(), forced: true, caller: None };
+    let resolution = Resolution::Complete { response: response(b"fixed"), retention: Retention::For(LONG), force: true };
+    assert_eq!(store.resolve(&s, &resolution, &note).await.unwrap(), ResolveOutcome::Resolved { from: State::Completed });
+    let (record, _) = store.get(&s).await.unwrap().unwrap();
+    assert!(record.generation > third.generation, "{:?} after {:?}", record.generation, third.generation);
+    assert!(record.generation > Generation(0));
+}
+
+/// Events and audit rows of many tenants live on their tenants' shards
+/// under keys that include the tenant (a distributed table's unique keys
+/// must): a final state writes its event, a resolution its audit row, in
+/// the change's own single-shard transaction; the relay leases and
+/// delivers every tenant's events once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_and_audit_rows_of_every_tenant_sit_with_their_records() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let url = citus::shared().create_unique_database("outbox").expect("database");
+    let config = EventsConfig {
+        url: "http://127.0.0.1:9/hook".parse().unwrap(),
+        secret: None,
+        timeout: Duration::from_secs(1),
+        max_attempts: 3,
+        emit: EventType::ALL.to_vec(),
+        include_key: false,
+        include_body: false,
+    };
+    let op: Arc<str> = "create_order".into();
+    let store = store(&url).await.with_events(EventPolicies::new([(&op, &config)]));
+    let note = AuditNote { actor: Actor::Cli, reason: "released by hand".into(), forced: false, caller: None };
+    for t in tenants(8) {
+        let done = scope(&t, "done");
+        let c = match store.claim(&req(&done, LONG, false)).await.unwrap() {
+            ClaimOutcome::Claimed(c) => c,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(store.complete(&c, &response(b"ok"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Written);
+        let lost = scope(&t, "lost");
+        let c = match store.claim(&req(&lost, LONG, false)).await.unwrap() {
+            ClaimOutcome::Claimed(c) => c,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(store.mark_unknown(&c).await.unwrap(), WriteOutcome::Written);
+        let out = store.resolve(&lost, &Resolution::Release { force: false }, &note).await.unwrap();
+        assert_eq!(out, ResolveOutcome::Resolved { from: State::Unknown });
+    }
+    // Each tenant's rows on the node of its records' shard (colocation).
+    let db = client(&url).await;
+    let node_of = |table: &'static str, tenant: String| {
+        let db = &db;
+        async move {
+            let row = db
+                .query_one(
+                    "SELECT nodeport::int8 FROM pg_dist_shard_placement WHERE shardid = get_shard_id_for_distribution_column($1::text::regclass, $2::text)",
+                    &[&table, &tenant],
+                )
+                .await
+                .expect("placement");
+            row.get::<_, i64>(0)
+        }
+    };
+    for t in tenants(8) {
+        let records = node_of("idemgate_records", t.clone()).await;
+        for table in ["idemgate_events", "idemgate_audit"] {
+            let n: i64 = db.query_one(&format!("SELECT count(*) FROM {table} WHERE tenant = $1"), &[&t]).await.unwrap().get(0);
+            assert!(n > 0, "{table} has rows of {t}");
+            assert_eq!(node_of(table, t.clone()).await, records, "{table} of {t} beside its records");
+        }
+    }
+    let audit = store.audit(100).await.unwrap();
+    assert_eq!(audit.len(), 8);
+    // The relay leases every tenant's events (completed, unknown, released), delivers them, and none is left.
+    let relay = Uuid::new_v4();
+    let mut delivered = 0;
+    loop {
+        let events = store.take_events(&["create_order"], 5, LONG, relay).await.unwrap();
+        if events.is_empty() {
+            break;
+        }
+        let seqs: Vec<i64> = events.iter().map(|e| e.seq).collect();
+        delivered += store.events_delivered(&seqs, relay).await.unwrap().len();
+    }
+    assert_eq!(delivered, 24);
+    let pending = store.event_stats().await.unwrap().pending;
+    assert_eq!(pending, 0);
+}
+
+/// A worker dies mid-traffic: claims of the tenants whose shards it holds
+/// fail closed (an error, nothing claimed, nothing to forward), the other
+/// worker's tenants keep being served; once it is back, the failed claims
+/// succeed once and nothing is doubled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_worker_fails_its_tenants_claims_closed_and_the_others_keep_serving() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let mut cluster = citus::CitusCluster::start(2).expect("a cluster of its own");
+    let url = cluster.create_database("faults").expect("database");
+    let store = {
+        let config = StoreConfig {
+            backend: StoreBackend::Citus { url: Secret::new(url.clone()), pool_size: 4 },
+            migrate: true,
+            unreachable_at_start: Default::default(),
+            operation_timeout: Duration::from_secs(3),
+            sweep_interval: Duration::from_secs(1),
+            sweep_batch: 100,
+            events_retention: Duration::from_secs(3600),
+        };
+        let store = Store::open(&config, Access::Migrate).await.expect("store");
+        store.migrate().await.expect("migrate");
+        store
+    };
+    // Which worker holds each tenant's shard.
+    let db = client(&url).await;
+    let mut on: BTreeMap<i64, Vec<String>> = BTreeMap::new();
+    for t in tenants(16) {
+        let port: i64 = db
+            .query_one(
+                "SELECT nodeport::int8 FROM pg_dist_shard_placement \
+                 WHERE shardid = get_shard_id_for_distribution_column('idemgate_records', $1::text)",
+                &[&t],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        on.entry(port).or_default().push(t);
+    }
+    let dead_port = i64::from(cluster.workers[0].port());
+    let (dead, alive) = (on[&dead_port].clone(), on.iter().find(|(p, _)| **p != dead_port).map(|(_, t)| t.clone()).unwrap());
+    assert!(!dead.is_empty() && !alive.is_empty(), "{on:?}");
+
+    cluster.workers[0].kill9().expect("kill the worker");
+    for t in &dead {
+        let out = store.claim(&req(&scope(t, "during"), LONG, false)).await;
+        assert!(out.is_err(), "{t}: a claim on the dead worker's shard must fail closed: {out:?}");
+    }
+    for t in &alive {
+        match store.claim(&req(&scope(t, "during"), LONG, false)).await.expect("claim on the live worker") {
+            ClaimOutcome::Claimed(c) => {
+                assert_eq!(store.complete(&c, &response(b"ok"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Written)
+            }
+            other => panic!("{t}: {other:?}"),
+        }
+    }
+
+    cluster.workers[0].start_again().expect("the worker comes back");
+    let mut retried = 0;
+    for t in &dead {
+        let s = scope(t, "during");
+        // The first statements after the restart may still meet a broken
+        // cached connection: a client retries, as it would after a 503.
+        let mut outcome = None;
+        for _ in 0..20 {
+            match store.claim(&req(&s, LONG, false)).await {
+                Ok(o) => {
+                    outcome = Some(o);
+                    break;
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
+            }
+        }
+        match outcome.expect("claims succeed once the worker is back") {
+            ClaimOutcome::Claimed(c) => {
+                assert_eq!(store.complete(&c, &response(b"ok"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Written);
+                retried += 1;
+            }
+            other => panic!("{t}: the failed claim left a record behind: {other:?}"),
+        }
+    }
+    assert_eq!(retried, dead.len());
+    // One record per scope, every one completed once.
+    let n: i64 = db.query_one("SELECT count(*) FROM idemgate_records", &[]).await.unwrap().get(0);
+    assert_eq!(n as usize, dead.len() + alive.len());
+    let completed: i64 = db.query_one("SELECT count(*) FROM idemgate_records WHERE state = 'completed'", &[]).await.unwrap().get(0);
+    assert_eq!(completed, n);
+}

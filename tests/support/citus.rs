@@ -1,0 +1,168 @@
+//! A private Citus cluster for integration tests: a coordinator and two
+//! workers, each a private PostgreSQL cluster of `support::postgres` (fresh
+//! `initdb` as an unprivileged account when root, loopback ports, the pipe
+//! watchdog that stops it when the test process goes away) started with
+//! `shared_preload_libraries = 'citus'`.
+//!
+//! * [`installed`] says whether the Citus extension is installed for the
+//!   PostgreSQL the harness uses; [`skip_unless_installed`] is how a test
+//!   steps aside when it is not (loudly, and never when
+//!   `IDEMGATE_TEST_CITUS=required`, which CI sets after installing Citus).
+//! * [`shared()`] is one cluster per test binary, started lazily, like
+//!   `postgres::shared()`. Tests isolate themselves with
+//!   [`CitusCluster::create_database`]: Citus keeps its metadata (the nodes,
+//!   the shards) per database, so each test database gets the extension on
+//!   every node and its own `citus_set_coordinator_host` / `citus_add_node`.
+//! * [`CitusCluster::start`] gives a test a cluster of its own (for tests
+//!   that stop or kill a node).
+#![allow(dead_code)] // each test binary uses a different part of this module
+
+use std::io;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use super::postgres::{PgServer, pkglibdir};
+
+/// Settings of every node. Shards per distributed table: 8 by default here
+/// (Citus's default is 32) so that each test database's migration stays
+/// short; `IDEMGATE_TEST_CITUS_SHARDS` overrides it.
+fn settings() -> Vec<String> {
+    let shards = std::env::var("IDEMGATE_TEST_CITUS_SHARDS").ok().and_then(|v| v.parse::<u32>().ok()).unwrap_or(8);
+    vec![
+        "shared_preload_libraries=citus".to_owned(),
+        format!("citus.shard_count={shards}"),
+        // Plain loopback connections between the nodes: the nodes run as an
+        // unprivileged account that cannot read the calling user's
+        // ~/.postgresql client certificates, which libpq would otherwise try.
+        "citus.node_conninfo=sslmode=disable".to_owned(),
+        // The conformance case whose change must fail with its event injects
+        // the failure with a trigger, which Citus allows on a distributed
+        // table only when told to (idemgate itself uses no triggers).
+        "citus.enable_unsafe_triggers=on".to_owned(),
+        // The test machine is small: fewer background connections per node.
+        "citus.max_adaptive_executor_pool_size=4".to_owned(),
+    ]
+}
+
+/// What to run to install Citus (for skip messages).
+pub const INSTALL_HINT: &str =
+    "install Citus for this PostgreSQL (Citus's own packages; on the project's test machines `bash ../shared/vendor/citus/build`)";
+
+/// Whether the Citus extension is installed for the PostgreSQL the harness runs.
+pub fn installed() -> bool {
+    pkglibdir().is_ok_and(|dir| dir.join("citus.so").is_file())
+}
+
+/// `true` (after one line on stderr) when Citus is not installed and not
+/// required: the calling test returns at once. Panics when
+/// `IDEMGATE_TEST_CITUS=required` and Citus is missing.
+pub fn skip_unless_installed() -> bool {
+    if installed() {
+        return false;
+    }
+    if std::env::var("IDEMGATE_TEST_CITUS").is_ok_and(|v| v == "required") {
+        panic!("IDEMGATE_TEST_CITUS=required but Citus is not installed: {INSTALL_HINT}");
+    }
+    eprintln!("SKIPPED: Citus is not installed; {INSTALL_HINT}");
+    true
+}
+
+/// A coordinator and its workers.
+pub struct CitusCluster {
+    pub coordinator: PgServer,
+    pub workers: Vec<PgServer>,
+    startup: Duration,
+}
+
+impl CitusCluster {
+    /// Starts a coordinator and `workers` workers (each `initdb` + start).
+    pub fn start(workers: usize) -> io::Result<CitusCluster> {
+        if !installed() {
+            return Err(io::Error::new(io::ErrorKind::NotFound, format!("Citus is not installed: {INSTALL_HINT}")));
+        }
+        let began = Instant::now();
+        let settings = settings();
+        let settings: Vec<&str> = settings.iter().map(String::as_str).collect();
+        // The nodes start one after the other: on two cores, parallel initdbs
+        // gain little and make a slow start slower to read in the logs.
+        let coordinator = PgServer::start_with_settings(&settings)?;
+        let mut nodes = Vec::with_capacity(workers);
+        for _ in 0..workers {
+            nodes.push(PgServer::start_with_settings(&settings)?);
+        }
+        Ok(CitusCluster { coordinator, workers: nodes, startup: began.elapsed() })
+    }
+
+    /// How long `start` took.
+    pub fn startup_time(&self) -> Duration {
+        self.startup
+    }
+
+    /// Every node: the coordinator first.
+    pub fn nodes(&self) -> impl Iterator<Item = &PgServer> {
+        std::iter::once(&self.coordinator).chain(self.workers.iter())
+    }
+
+    /// Creates database `name` on every node with the Citus extension, makes
+    /// the workers this database's worker nodes, and returns the
+    /// coordinator's URL for it.
+    pub fn create_database(&self, name: &str) -> io::Result<String> {
+        for node in self.nodes() {
+            node.create_database(name)?;
+            node.simple_query(name, "CREATE EXTENSION citus")
+                .map_err(|e| annotate(e, &format!("CREATE EXTENSION citus on port {}", node.port())))?;
+        }
+        let c = &self.coordinator;
+        c.simple_query(name, &format!("SELECT citus_set_coordinator_host('127.0.0.1', {})", c.port()))?;
+        for w in &self.workers {
+            // Adding a node syncs metadata over new connections to every
+            // node; with many test databases set up at once on a loaded
+            // machine one of them can fail ("failure on connection marked as
+            // essential"). The call is idempotent: try again a few times.
+            let add = format!("SELECT citus_add_node('127.0.0.1', {})", w.port());
+            let mut attempt = 0;
+            loop {
+                match c.simple_query(name, &add) {
+                    Ok(_) => break,
+                    Err(e) if attempt < 4 => {
+                        attempt += 1;
+                        eprintln!("citus_add_node(127.0.0.1, {}) failed, retrying: {e}", w.port());
+                        std::thread::sleep(Duration::from_millis(500));
+                    }
+                    Err(e) => return Err(annotate(e, &format!("citus_add_node(127.0.0.1, {})", w.port()))),
+                }
+            }
+        }
+        Ok(c.url(name))
+    }
+
+    /// [`create_database`](Self::create_database) with a unique name `{prefix}_{n}`.
+    pub fn create_unique_database(&self, prefix: &str) -> io::Result<String> {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        self.create_database(&format!("{prefix}_{}_{n}", std::process::id()))
+    }
+
+    /// A database on the coordinator alone, without the extension (for the
+    /// start-up error of `kind = "citus"` on a plain server).
+    pub fn plain_database(&self, name: &str) -> io::Result<String> {
+        self.coordinator.create_database(name)
+    }
+}
+
+fn annotate(e: io::Error, what: &str) -> io::Error {
+    io::Error::new(e.kind(), format!("{what}: {e}"))
+}
+
+/// The cluster of this test binary (a coordinator and two workers), started
+/// on first use and stopped by the nodes' watchdogs when the process exits.
+///
+/// Panics if it cannot be started, with the reason, in every test that asks.
+pub fn shared() -> &'static CitusCluster {
+    static SHARED: OnceLock<Result<CitusCluster, String>> = OnceLock::new();
+    match SHARED.get_or_init(|| CitusCluster::start(2).map_err(|e| e.to_string())) {
+        Ok(cluster) => cluster,
+        Err(e) => panic!("could not start the shared test Citus cluster: {e}"),
+    }
+}
