@@ -221,7 +221,7 @@ impl Executor {
         }
         match exchange {
             Exchange::NotSent(e) => {
-                tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "upstream not reached");
+                tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "upstream not reached; key released");
                 Err(GatewayError::UpstreamUnavailable)
             }
             Exchange::MaybeExecuted(_) => Err(GatewayError::OutcomeUnknown),
