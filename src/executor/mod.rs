@@ -80,6 +80,14 @@ impl Exchange {
             Exchange::MaybeExecuted(_) => Class::MaybeExecuted,
         }
     }
+
+    /// The failure, when the exchange failed.
+    pub fn error(&self) -> Option<&UpstreamError> {
+        match self {
+            Exchange::NotSent(e) | Exchange::MaybeExecuted(e) => Some(e),
+            Exchange::Answered { .. } | Exchange::Declined { .. } => None,
+        }
+    }
 }
 
 /// An upstream response body as read for recording.
@@ -209,15 +217,10 @@ impl Executor {
         // writes by the same table); a completion is written after the
         // answer, by `ResultWrite`.
         let write = exchange.class().sync_write();
-        match (write, &exchange) {
-            (SyncWrite::Release, _) => self.release(route, claim).await,
-            (SyncWrite::MarkUnknown, Exchange::NotSent(e) | Exchange::MaybeExecuted(e)) => self.record_unknown(route, claim, e).await,
-            (SyncWrite::MarkUnknown, _) => {
-                if let Err(se) = self.store.mark_unknown(claim).await {
-                    tracing::error!(scope = %claim.scope.log_id(), error = %se, "could not record unknown; the lease expiry will");
-                }
-            }
-            (SyncWrite::Complete, _) => {}
+        match write {
+            SyncWrite::Release => self.release(route, claim).await,
+            SyncWrite::MarkUnknown => self.record_unknown(route, claim, exchange.error()).await,
+            SyncWrite::Complete => {}
         }
         match exchange {
             Exchange::NotSent(e) => {
@@ -500,8 +503,8 @@ impl Executor {
     }
 
     /// The upstream may have executed the request and its answer is lost.
-    async fn record_unknown(&self, route: &Route, claim: &Claim, e: &UpstreamError) {
-        tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "upstream outcome unknown");
+    async fn record_unknown(&self, route: &Route, claim: &Claim, e: Option<&UpstreamError>) {
+        tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), error = e.map(tracing::field::display), "upstream outcome unknown");
         if let Err(se) = self.store.mark_unknown(claim).await {
             tracing::error!(scope = %claim.scope.log_id(), error = %se, "could not record unknown; the lease expiry will");
         }
