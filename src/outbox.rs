@@ -89,6 +89,23 @@ pub struct EventsConfig {
     pub include_key: bool,
     /// Put the stored response body in the event (base64).
     pub include_body: bool,
+    /// Events per delivery: 1 POSTs each event alone (its id in
+    /// `Idemgate-Event-Id`); more POSTs `{"events": [...]}` with up to this
+    /// many, every time (see [`batch_payload`]).
+    pub batch: usize,
+}
+
+impl EventsConfig {
+    /// Whether events for `self` and `other` can share one delivery: the
+    /// same receiver, signed with the same key, in the same shape, under
+    /// the same bound.
+    pub fn same_destination(&self, other: &EventsConfig) -> bool {
+        self.url == other.url
+            && self.secret.as_ref().map(Secret::expose) == other.secret.as_ref().map(Secret::expose)
+            && self.include_key == other.include_key
+            && self.timeout == other.timeout
+            && self.batch == other.batch
+    }
 }
 
 /// Which operations emit which events: what the store consults when it
@@ -212,6 +229,12 @@ pub fn payload(e: &OutboxEvent, include_key: bool) -> serde_json::Value {
     doc
 }
 
+/// The JSON of a delivery of several events (a route with `batch` > 1):
+/// `{"events": [...]}`, each as [`payload`] writes it, in `seq` order.
+pub fn batch_payload(events: &[&OutboxEvent], include_key: bool) -> serde_json::Value {
+    json!({ "events": events.iter().map(|e| payload(e, include_key)).collect::<Vec<_>>() })
+}
+
 /// One event as operators see it (`idemgate events list --json`,
 /// `GET /admin/events`): delivery state included, the body never.
 pub fn event_json(e: &OutboxEvent) -> serde_json::Value {
@@ -304,6 +327,7 @@ mod tests {
             emit: vec![EventType::Completed, EventType::Released],
             include_key: false,
             include_body: true,
+            batch: 1,
         };
         let op: Arc<str> = "create_order".into();
         let p = EventPolicies::new([(&op, &cfg)]);

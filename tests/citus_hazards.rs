@@ -250,6 +250,7 @@ async fn events_and_audit_rows_of_every_tenant_sit_with_their_records() {
         emit: EventType::ALL.to_vec(),
         include_key: false,
         include_body: false,
+        batch: 1,
     };
     let op: Arc<str> = "create_order".into();
     let store = store(&url).await.with_events(EventPolicies::new([(&op, &config)]));

@@ -22,6 +22,7 @@ on_both_stores!(
     a_receiver_that_is_down_gets_everything_later_in_order,
     a_relay_killed_before_marking_redelivers_the_same_id,
     parked_events_are_kept_listed_and_redelivered,
+    batched_deliveries_carry_several_events_in_order_per_scope,
 );
 
 const ORDER: &str = r#"{"item":"book","qty":1}"#;
@@ -206,4 +207,46 @@ async fn two_relays_never_deliver_one_event_at_once() {
     assert_eq!(hook.distinct().len(), 30);
     assert_eq!(hook.overlaps(), 0, "no event delivered by two relays at once");
     assert!(hook.counts().values().all(|n| *n == 1), "no duplicates without a crash: {:?}", hook.counts());
+}
+
+async fn batched_deliveries_carry_several_events_in_order_per_scope(backend: Backend) {
+    let (up, hook, gw, store) = setup(backend, "events.batch = 50\nevents.max_attempts = 1000").await;
+    hook.answer(503);
+    let url = gw.url("/v1/orders");
+    // Two events of one scope (unknown, then released by an operator) and
+    // twelve of other scopes, while the receiver fails.
+    assert_eq!(post(&url, "a", ORDER, &[("x-test-sleep-ms", "1500")]).await.status, 504);
+    let (code, _, err) = cli_keys(&gw, "resolve", "a", &["--release", "--reason", "not in the ledger"]);
+    assert_eq!(code, 0, "{err}");
+    for k in 0..12 {
+        assert_eq!(post(&url, &format!("k{k}"), ORDER, &[]).await.status, 201);
+    }
+    let refused = eventually(Duration::from_secs(10), || async { hook.deliveries().iter().any(|d| d.events().len() > 1) }).await;
+    assert!(refused, "a batch reached the failing receiver: {}", gw.logs());
+    assert_eq!(store.event_stats().await.unwrap().pending, 14, "nothing is marked sent while the receiver fails");
+    hook.answer(200);
+    let healed = eventually(Duration::from_secs(30), || async { store.event_stats().await.unwrap().pending == 0 }).await;
+    assert!(healed, "{}", gw.logs());
+    let all = hook.deliveries();
+    let mut ids = std::collections::HashSet::new();
+    for d in &all {
+        verify_signature(d);
+        assert!(d.id.is_empty(), "a batched delivery has no Idemgate-Event-Id");
+        let events = d.events();
+        assert!((1..=50).contains(&events.len()), "{} events in one POST", events.len());
+        assert_eq!(d.count.as_deref(), Some(&*events.len().to_string()), "Idemgate-Event-Count");
+        let in_post: std::collections::HashSet<String> = events.iter().map(|e| e["id"].as_str().unwrap().to_owned()).collect();
+        assert_eq!(in_post.len(), events.len(), "each event once per POST");
+        ids.extend(in_post);
+    }
+    assert_eq!(ids.len(), 14, "every event arrived");
+    // Order per scope: a's unknown was in an earlier POST than its release
+    // (never in one POST: at most one event of a scope is deliverable).
+    let a_released = all.iter().position(|d| d.events().iter().any(|e| e["type"] == "idemgate.record.released")).unwrap();
+    let a_unknown = all.iter().rposition(|d| d.events().iter().any(|e| e["type"] == "idemgate.record.unknown")).unwrap();
+    assert!(a_unknown < a_released, "in order per scope");
+    assert_eq!(up.total(), 13);
+    let m = send("GET", &gw.admin_url("/metrics"), &[], "").await.unwrap();
+    let text = String::from_utf8_lossy(&m.body).into_owned();
+    assert!(text.contains("idemgate_event_deliveries_total{outcome=\"delivered\"} 14"), "{text}");
 }

@@ -1549,6 +1549,7 @@ fn events_config(include_body: bool) -> EventsConfig {
         emit: EventType::ALL.to_vec(),
         include_key: false,
         include_body,
+        batch: 1,
     }
 }
 

@@ -259,7 +259,8 @@ fn events(ctx: &mut Ctx, base: &Spec, pg: &Pg, upstream: SocketAddr) -> Result<(
     let plain = Gateway::start(base, ctx.dir)?;
     let mut spec = base.clone();
     spec.name = format!("{}-events", base.name);
-    spec.route_extra = format!("[routes.events]\nurl = \"http://{upstream}/hooks\"\n");
+    let batch: u32 = crate::env_num("IDEMGATE_BENCH_EVENTS_BATCH", 100)?;
+    spec.route_extra = format!("[routes.events]\nurl = \"http://{upstream}/hooks\"\nbatch = {batch}\n");
     let with_events = Gateway::start(&spec, ctx.dir)?;
     // The last event before a run: the run's events are those after it.
     let started = std::cell::Cell::new(0u64);
@@ -285,7 +286,7 @@ fn events(ctx: &mut Ctx, base: &Spec, pg: &Pg, upstream: SocketAddr) -> Result<(
         Contender {
             scenario: EVENTS,
             gw: &with_events,
-            note: "[routes.events] to the bench upstream (201)".into(),
+            note: format!("[routes.events] to the bench upstream (201), batch = {batch}"),
             run: Box::new(|ctx: &Ctx, conns, secs| first_write_run(ctx, &with_events, conns, secs)),
             before: Some(Box::new(|| {
                 drained()?;

@@ -15,7 +15,7 @@ use http::{HeaderValue, Method, Request, Uri};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::outbox::{EventsConfig, OutboxEvent, payload, signature};
+use crate::outbox::{EventsConfig, OutboxEvent, batch_payload, payload, signature};
 use crate::request::route::Route;
 use crate::retry::Backoff;
 use crate::store::Store;
@@ -71,16 +71,30 @@ impl Relay {
                 Ok(events) if !events.is_empty() => {
                     idle_rounds = 1;
                     // At most one event per scope is deliverable at a time, so the
-                    // batch can go out concurrently without reordering a scope.
-                    let outcomes = join_all(events.iter().map(|e| self.deliver(e))).await;
+                    // deliveries can go out concurrently (and several events of
+                    // different scopes share one) without reordering a scope.
+                    let deliveries = group(&self.routes, &events);
+                    let outcomes = join_all(deliveries.iter().map(|d| self.deliver(d))).await;
                     // The delivered ones are marked in one statement (one
-                    // commit per round, not one per event); failures one by one.
+                    // commit per round, not one per event); failures one by one,
+                    // and each failing destination is backed off once a round.
                     let mut delivered = Vec::new();
-                    for (event, outcome) in events.iter().zip(outcomes) {
+                    let mut failing: Vec<Uri> = Vec::new();
+                    for (d, outcome) in deliveries.iter().zip(outcomes) {
                         match outcome {
-                            Ok(()) => delivered.push(event),
-                            Err(why) => self.failed(event, why, token).await,
+                            Ok(()) => delivered.extend(d.events.iter().copied()),
+                            Err(why) => {
+                                if !failing.contains(&d.dest.url) {
+                                    failing.push(d.dest.url.clone());
+                                }
+                                for event in &d.events {
+                                    self.failed(event, &why, token).await;
+                                }
+                            }
                         }
+                    }
+                    for url in failing {
+                        self.back_off(url);
                     }
                     self.mark_delivered(&delivered, token).await;
                 }
@@ -102,18 +116,27 @@ impl Relay {
         tracing::debug!("outbox relay stopped");
     }
 
-    /// One delivery: `Ok(())` on a 2xx, else why not.
-    async fn deliver(&self, event: &OutboxEvent) -> Result<(), String> {
-        let Some(dest) = self.routes.get(&event.scope.operation) else {
-            return Err("the route no longer has [routes.events]".into());
+    /// One delivery (one POST): `Ok(())` on a 2xx, else why not.
+    async fn deliver(&self, d: &Delivery<'_>) -> Result<(), String> {
+        let dest = &d.dest;
+        let single = match d.events[..] {
+            [event] if dest.batch == 1 => Some(event),
+            _ => None,
         };
-        let body = payload(event, dest.include_key).to_string();
+        let body = match single {
+            Some(event) => payload(event, dest.include_key),
+            None => batch_payload(&d.events, dest.include_key),
+        }
+        .to_string();
         let mut req = Request::builder()
             .method(Method::POST)
             .uri(dest.url.clone())
             .header(http::header::CONTENT_TYPE, "application/json")
-            .header("idemgate-event-id", event.id.to_string())
             .header(http::header::USER_AGENT, concat!("idemgate/", env!("CARGO_PKG_VERSION")));
+        req = match single {
+            Some(event) => req.header("idemgate-event-id", event.id.to_string()),
+            None => req.header("idemgate-event-count", d.events.len()),
+        };
         if let Some(secret) = &dest.secret {
             let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
             let sig = signature(secret.expose().as_bytes(), now, body.as_bytes());
@@ -151,19 +174,134 @@ impl Relay {
         }
     }
 
-    async fn failed(&mut self, event: &OutboxEvent, why: String, token: Uuid) {
-        let Some(dest) = self.routes.get(&event.scope.operation).cloned() else { return };
+    /// Records a failed delivery of `event`: backed off, or parked after its
+    /// route's `max_attempts`.
+    async fn failed(&self, event: &OutboxEvent, why: &str, token: Uuid) {
+        let Some(dest) = self.routes.get(&event.scope.operation) else { return };
         let attempts = u32::try_from(event.attempts).unwrap_or(0) + 1;
         let park = attempts >= dest.max_attempts;
         let retry_after = RETRY.jittered(attempts);
-        let failures = self.backoff.get(&dest.url).map_or(0, |(_, n)| *n) + 1;
-        self.backoff.insert(dest.url.clone(), (tokio::time::Instant::now() + RETRY.jittered(failures), failures));
         tracing::warn!(event = %event.id, scope = %event.scope.log_id(), error = %why, attempts, park, "event delivery failed");
         self.metrics.event_delivery(if park { "parked" } else { "failed" });
-        match self.store.event_failed(event.seq, token, &why, retry_after, park).await {
+        match self.store.event_failed(event.seq, token, why, retry_after, park).await {
             Ok(true) => {}
             Ok(false) => tracing::warn!(event = %event.id, "event lease lost before it was marked"),
             Err(e) => tracing::warn!(event = %event.id, error = %e, "could not mark the event"),
         }
+    }
+
+    /// A destination that failed in a round is not tried again for a while,
+    /// longer after each failing round.
+    fn back_off(&mut self, url: Uri) {
+        let failures = self.backoff.get(&url).map_or(0, |(_, n)| *n) + 1;
+        self.backoff.insert(url, (tokio::time::Instant::now() + RETRY.jittered(failures), failures));
+    }
+}
+
+/// One POST: events for one destination (one event, or up to its `batch`).
+struct Delivery<'a> {
+    dest: Arc<EventsConfig>,
+    events: Vec<&'a OutboxEvent>,
+}
+
+/// A round's events as deliveries: those whose routes share a destination
+/// ([`EventsConfig::same_destination`]) go together, up to its `batch` per
+/// POST, in the order taken. Events of a route that no longer emits are left
+/// to their lease.
+fn group<'a>(routes: &HashMap<Arc<str>, Arc<EventsConfig>>, events: &'a [OutboxEvent]) -> Vec<Delivery<'a>> {
+    let mut deliveries: Vec<Delivery<'a>> = Vec::new();
+    for event in events {
+        let Some(dest) = routes.get(&event.scope.operation) else { continue };
+        let open = deliveries.iter_mut().rev().find(|d| d.dest.same_destination(dest) && d.events.len() < dest.batch);
+        match open {
+            Some(d) => d.events.push(event),
+            None => deliveries.push(Delivery { dest: dest.clone(), events: vec![event] }),
+        }
+    }
+    deliveries
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::idempotency::key::{IdempotencyKey, Scope};
+    use crate::idempotency::record::Timestamp;
+    use crate::outbox::{Delivery as State, EventType};
+
+    fn dest(url: &str, batch: usize) -> Arc<EventsConfig> {
+        Arc::new(EventsConfig {
+            url: url.parse().unwrap(),
+            secret: None,
+            timeout: Duration::from_secs(1),
+            max_attempts: 3,
+            emit: EventType::ALL.to_vec(),
+            include_key: false,
+            include_body: false,
+            batch,
+        })
+    }
+
+    fn event(seq: i64, operation: &str) -> OutboxEvent {
+        OutboxEvent {
+            seq,
+            id: Uuid::new_v4(),
+            event_type: EventType::Completed,
+            scope: Scope {
+                tenant: "t".into(),
+                principal: "p".into(),
+                operation: operation.into(),
+                key: IdempotencyKey::new(&format!("k{seq}")).unwrap(),
+            },
+            generation: None,
+            status: Some(201),
+            operation_id: None,
+            actor: None,
+            at: Timestamp(0),
+            body: None,
+            delivery: State::Pending,
+            attempts: 0,
+            next_attempt_at: Timestamp(0),
+            last_error: None,
+            sent_at: None,
+        }
+    }
+
+    fn shape(deliveries: &[Delivery<'_>]) -> Vec<Vec<i64>> {
+        deliveries.iter().map(|d| d.events.iter().map(|e| e.seq).collect()).collect()
+    }
+
+    #[test]
+    fn one_event_per_post_unless_the_route_batches() {
+        let routes = HashMap::from([(Arc::from("a"), dest("http://h/a", 1))]);
+        let events: Vec<OutboxEvent> = (1..=3).map(|s| event(s, "a")).collect();
+        assert_eq!(shape(&group(&routes, &events)), vec![vec![1], vec![2], vec![3]]);
+    }
+
+    #[test]
+    fn routes_sharing_a_destination_share_posts_up_to_the_batch() {
+        let routes = HashMap::from([
+            (Arc::from("a"), dest("http://h/hook", 2)),
+            (Arc::from("b"), dest("http://h/hook", 2)),
+            (Arc::from("c"), dest("http://other/hook", 2)),
+        ]);
+        let events = vec![event(1, "a"), event(2, "c"), event(3, "b"), event(4, "a"), event(5, "c"), event(6, "gone")];
+        // 6's route emits no more: left to its lease.
+        assert_eq!(shape(&group(&routes, &events)), vec![vec![1, 3], vec![2, 5], vec![4]]);
+    }
+
+    #[test]
+    fn a_different_key_shape_or_bound_is_another_destination() {
+        let mut signed = (*dest("http://h/hook", 5)).clone();
+        signed.secret = Some(crate::secret::Secret::new("k".to_owned()));
+        let mut keyed = (*dest("http://h/hook", 5)).clone();
+        keyed.include_key = true;
+        let routes = HashMap::from([
+            (Arc::from("a"), dest("http://h/hook", 5)),
+            (Arc::from("b"), Arc::new(signed)),
+            (Arc::from("c"), Arc::new(keyed)),
+            (Arc::from("d"), dest("http://h/hook", 4)),
+        ]);
+        let events = vec![event(1, "a"), event(2, "b"), event(3, "c"), event(4, "d"), event(5, "a")];
+        assert_eq!(shape(&group(&routes, &events)), vec![vec![1, 5], vec![2], vec![3], vec![4]]);
     }
 }

@@ -435,6 +435,7 @@ pub struct EventsSection {
     pub emit: Option<Vec<String>>,
     pub include_key: Option<bool>,
     pub include_body: Option<bool>,
+    pub batch: Option<i64>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -763,3 +763,15 @@ fn citus_store_takes_the_postgres_keys() {
     let e = parse("[store]\nkind = \"sqlite\"\nurl = \"postgres://u@h/db\"\n").unwrap_err();
     assert!(issue(&e, "store.url").contains("\"postgres\" or \"citus\""), "{e}");
 }
+
+#[test]
+fn event_batches_default_to_one_and_are_bounded() {
+    let c = parse(&minimal("[routes.events]\nurl = \"http://hooks.internal/idemgate\"")).unwrap();
+    assert_eq!(c.routes[0].events.as_ref().unwrap().batch, 1, "one event per POST unless asked");
+    let c = parse(&minimal("[routes.events]\nurl = \"http://hooks.internal/idemgate\"\nbatch = 100")).unwrap();
+    assert_eq!(c.routes[0].events.as_ref().unwrap().batch, 100);
+    for bad in ["0", "1001", "-1"] {
+        let e = parse(&minimal(&format!("[routes.events]\nurl = \"http://hooks.internal/idemgate\"\nbatch = {bad}"))).unwrap_err();
+        assert!(issue(&e, "routes[0].events.batch").contains("1-1000"), "{e}");
+    }
+}

@@ -536,6 +536,13 @@ impl Validator<'_> {
                 None
             }
         };
+        let batch = match e.batch.unwrap_or(1) {
+            n @ 1..=1000 => Some(n as usize),
+            n => {
+                self.issues.push(format!("{p}.batch"), format!("must be 1-1000 events per delivery, not {n}"));
+                None
+            }
+        };
         let mut emit = Vec::new();
         match &e.emit {
             None => emit.extend(EventType::ALL),
@@ -560,6 +567,7 @@ impl Validator<'_> {
             emit,
             include_key: e.include_key.unwrap_or(false),
             include_body: e.include_body.unwrap_or(false),
+            batch: batch?,
         })
     }
 

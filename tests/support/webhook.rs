@@ -21,14 +21,22 @@ use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, Clone)]
 pub struct Delivery {
+    /// `Idemgate-Event-Id` (empty on a batched delivery).
     pub id: String,
     pub signature: Option<String>,
+    /// `Idemgate-Event-Count` (batched deliveries only).
+    pub count: Option<String>,
     pub body: Bytes,
 }
 
 impl Delivery {
     pub fn json(&self) -> serde_json::Value {
         serde_json::from_slice(&self.body).expect("event JSON")
+    }
+
+    /// The events of a batched delivery (`{"events": [...]}`).
+    pub fn events(&self) -> Vec<serde_json::Value> {
+        self.json()["events"].as_array().expect("a batched delivery's events").clone()
     }
 }
 
@@ -118,8 +126,13 @@ async fn handle(
     let (parts, body) = req.into_parts();
     let body = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
     let header = |n: &str| parts.headers.get(n).and_then(|v| v.to_str().ok()).map(str::to_owned);
-    let d = Delivery { id: header("idemgate-event-id").unwrap_or_default(), signature: header("idemgate-signature"), body };
-    if !state.in_flight.lock().unwrap().insert(d.id.clone()) {
+    let d = Delivery {
+        id: header("idemgate-event-id").unwrap_or_default(),
+        signature: header("idemgate-signature"),
+        count: header("idemgate-event-count"),
+        body,
+    };
+    if !d.id.is_empty() && !state.in_flight.lock().unwrap().insert(d.id.clone()) {
         state.overlaps.fetch_add(1, Ordering::SeqCst);
     }
     state.deliveries.lock().unwrap().push(d.clone());

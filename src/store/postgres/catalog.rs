@@ -4,8 +4,8 @@
 //! statistics).
 
 use super::events::{
-    EVENT_FAILED, EVENT_INSERT_ONE, EVENT_STATS, EVENTS, EVENTS_BY_DELIVERY, EVENTS_DELIVERED, REDELIVER, SWEEP_EVENTS, TAKE_EVENTS,
-    TAKE_EVENTS_WINDOW,
+    EVENT_FAILED, EVENT_INSERT_ONE, EVENT_STATS, EVENTS, EVENTS_BY_DELIVERY, EVENTS_DELIVERED, EVENTS_WINDOW_FULL, REDELIVER, SWEEP_EVENTS,
+    TAKE_EVENTS, TAKE_EVENTS_WINDOW,
 };
 use super::lifecycle::{PROBE_WRITE, SETTING};
 use super::queue::{FAIL, HEARTBEAT, MARK_SENT, OPERATION, REQUEUE, TAKE};
@@ -74,6 +74,7 @@ pub fn catalog() -> Vec<Statement> {
             &TAKE_EVENTS_WINDOW,
             &["idemgate_events_pending", "idemgate_events_scope", "idemgate_events_parked", "idemgate_events_pkey"],
         ),
+        s("events_window_full", &EVENTS_WINDOW_FULL, &["idemgate_events_pending", "idemgate_events_scope"]),
         s("events_delivered", EVENTS_DELIVERED, &["idemgate_events_pkey"]),
         s("event_failed", EVENT_FAILED, &["idemgate_events_pkey"]),
         s("events", &EVENTS, &["idemgate_events_pkey"]),

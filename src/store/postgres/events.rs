@@ -45,6 +45,23 @@ pub(super) static TAKE_EVENTS_WINDOW: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
+/// Whether the window of [`TAKE_EVENTS_WINDOW`] could have missed a due
+/// event: it is full (`$2 * WINDOW_PER_EVENT` candidates). When it is not,
+/// the window saw every due, unleased pending event, and the full take
+/// would find nothing more, so the relay skips it: with thousands of events
+/// pending and a window held back by a few leases, the full take cost
+/// seconds per round on a database never analyzed (a sort of the whole
+/// pending set), and a relay behind a burst fell further behind.
+pub(super) static EVENTS_WINDOW_FULL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT count(*) >= $2::int8 * {WINDOW_PER_EVENT} FROM (
+            SELECT 1 FROM idemgate_events w
+            WHERE w.delivery = 'pending' AND w.next_attempt_at <= now() AND (w.lease_until IS NULL OR w.lease_until <= now())
+              AND w.operation = ANY($1::text[])
+            LIMIT $2::int8 * {WINDOW_PER_EVENT}) c"
+    )
+});
+
 /// The relay's take over every due pending event (see [`TAKE_EVENTS_WINDOW`]).
 pub(super) static TAKE_EVENTS: LazyLock<String> = LazyLock::new(|| {
     format!(
@@ -120,7 +137,7 @@ impl Events for PgStore {
         // or the window was held back; either way the rest comes from all of
         // it. (What the window took is leased now, so not taken twice.)
         let rest = limit.saturating_sub(u32::try_from(taken.len()).unwrap_or(u32::MAX));
-        if rest > 0 {
+        if rest > 0 && self.window_full(operations, limit).await? {
             taken.extend(self.events_where(&TAKE_EVENTS, &[&operations, &i64::from(rest), &token, &micros(lease)], true).await?);
             taken.sort_by_key(|e| e.seq);
         }
@@ -203,5 +220,14 @@ impl PgStore {
         let mut events = rows.iter().map(decode_event).collect::<Result<Vec<_>, _>>()?;
         events.sort_by_key(|e| e.seq);
         Ok(events)
+    }
+}
+
+impl PgStore {
+    /// See [`EVENTS_WINDOW_FULL`].
+    async fn window_full(&self, operations: &[&str], limit: u32) -> Result<bool, StoreError> {
+        let rows = self.query(&EVENTS_WINDOW_FULL, &[&operations, &i64::from(limit)], false).await?;
+        let row = rows.first().ok_or_else(|| StoreError::Corrupt("the window check returned no row".into()))?;
+        row.try_get(0).map_err(|e| StoreError::Corrupt(e.to_string()))
     }
 }
