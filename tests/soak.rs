@@ -154,8 +154,8 @@ impl AsyncRoutes {
 }
 
 /// Clients' load on one async route: a third of the keys are slow.
-fn load(path: &str, prefix: &str) -> AsyncLoad {
-    AsyncLoad { path: path.to_owned(), prefix: prefix.to_owned(), slow_percent: 33, slow_ms: SLOW_MS }
+fn load(path: &str, prefix: &str, tenants: &Tenants) -> AsyncLoad {
+    AsyncLoad { path: path.to_owned(), prefix: prefix.to_owned(), slow_percent: 33, slow_ms: SLOW_MS, tenants: tenants.clone() }
 }
 
 /// What the soak's store runs on.
@@ -227,35 +227,10 @@ impl Db {
 }
 
 /// The tenants of the Citus soak: three whose shards are on each worker
-/// (asked of the cluster: `get_shard_id_for_distribution_column` and the
-/// shard's placement), so that every worker's death is felt by clients.
-/// Returns them with a line saying where they live.
-async fn tenants_on_every_worker(url: &str, cluster: &CitusCluster) -> (Tenants, String) {
-    let (db, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.expect("connect to the coordinator");
-    let conn = tokio::spawn(conn);
-    let mut on: Vec<Vec<String>> = vec![Vec::new(); cluster.workers.len()];
-    for i in 0..256 {
-        if on.iter().all(|t| t.len() >= 3) {
-            break;
-        }
-        let tenant = format!("tenant-{i:02}");
-        let port: i32 = db
-            .query_one(
-                "SELECT nodeport FROM pg_dist_shard_placement \
-                 WHERE shardid = get_shard_id_for_distribution_column('idemgate_records', $1::text)",
-                &[&tenant],
-            )
-            .await
-            .expect("the placement of a tenant's shard")
-            .get(0);
-        let worker = cluster.workers.iter().position(|w| i32::from(w.port()) == port).expect("a tenant's shard is on a worker");
-        if on[worker].len() < 3 {
-            on[worker].push(tenant);
-        }
-    }
-    drop(db);
-    let _ = conn.await;
-    assert!(on.iter().all(|t| t.len() == 3), "three tenants on each worker: {on:?}");
+/// (asked of the cluster), so that every worker's death is felt by clients;
+/// with a line saying where they live.
+fn tenants_on_every_worker(cluster: &CitusCluster) -> (Tenants, String) {
+    let on = cluster.tenants_on_workers("soak", 3).expect("three tenants on each worker");
     let line = on.iter().enumerate().map(|(w, t)| format!("worker {}: {}", w + 1, t.join(", "))).collect::<Vec<_>>().join("; ");
     (Tenants::named(on.concat()), line)
 }
@@ -323,7 +298,7 @@ async fn run(on_citus: bool) {
     let store = db.backend(url.clone()).open().await;
     let (tenants, tenants_line) = match &db {
         Db::Postgres(_) => (Tenants::one(), format!("one ({TENANT})")),
-        Db::Citus(cluster) => tenants_on_every_worker(&url, cluster).await,
+        Db::Citus(cluster) => tokio::task::block_in_place(|| tenants_on_every_worker(cluster)),
     };
     let nodes = db.node_names();
     let mut restarts = vec![0u64; nodes.len()];
@@ -346,22 +321,13 @@ async fn run(on_citus: bool) {
     let jobs_clients = async_clients.div_ceil(2);
     let posting = Arc::new(Posting::default());
     let routes: Vec<(&'static str, AsyncLoad, SeenAsyncMap)> = vec![
-        ("create_job", load("/v1/jobs", "j"), Arc::default()),
-        ("create_idem_job", load("/v1/idem-jobs", "i"), Arc::default()),
-        ("create_report", load("/v1/reports", "r"), Arc::default()),
+        ("create_job", load("/v1/jobs", "j", &tenants), Arc::default()),
+        ("create_idem_job", load("/v1/idem-jobs", "i", &tenants), Arc::default()),
+        ("create_report", load("/v1/reports", "r", &tenants), Arc::default()),
     ];
     let sync_tasks = spawn_clients(clients - async_clients, &urls, deadline, &seen, &tenants);
-    let mut async_tasks = spawn_async_clients(jobs_clients, 0, &bases, &routes[0].1, deadline, &routes[0].2, &posting, &tenants);
-    async_tasks.extend(spawn_async_clients(
-        async_clients - jobs_clients,
-        100,
-        &bases,
-        &routes[1].1,
-        deadline,
-        &routes[1].2,
-        &posting,
-        &tenants,
-    ));
+    let mut async_tasks = spawn_async_clients(jobs_clients, 0, &bases, &routes[0].1, deadline, &routes[0].2, &posting);
+    async_tasks.extend(spawn_async_clients(async_clients - jobs_clients, 100, &bases, &routes[1].1, deadline, &routes[1].2, &posting));
 
     // The nemesis, in this task (it owns the PostgreSQL server or the Citus
     // nodes, and the proxies).
@@ -396,7 +362,7 @@ async fn run(on_citus: bool) {
                 }
             }
             // Clients use the added route from now on.
-            async_tasks.extend(spawn_async_clients(jobs_clients, 200, &bases, &routes[2].1, deadline, &routes[2].2, &posting, &tenants));
+            async_tasks.extend(spawn_async_clients(jobs_clients, 200, &bases, &routes[2].1, deadline, &routes[2].2, &posting));
             // The upstream stops deduplicating once every replica runs the
             // new configuration (a moment for attempts decided before it).
             tokio::time::sleep(Duration::from_secs(2)).await;
@@ -567,7 +533,7 @@ async fn run(on_citus: bool) {
     let restarted = match &db {
         Db::Postgres(_) => format!("PostgreSQL restarts={pg_restarts}"),
         Db::Citus(_) => {
-            let each: Vec<String> = nodes.iter().zip(&restarts).map(|(n, r)| format!("{n} {r}")).collect();
+            let each: Vec<String> = nodes.iter().zip(&restarts).map(|(n, r)| format!("{n}: {r}")).collect();
             format!("Citus node restarts={pg_restarts}: {}", each.join(", "))
         }
     };

@@ -357,6 +357,8 @@ pub struct AsyncLoad {
     /// `slow_ms.0..slow_ms.1` ms (`x-test-sleep-ms`); the rest 0-29 ms.
     pub slow_percent: u64,
     pub slow_ms: (u64, u64),
+    /// Whose keys they are.
+    pub tenants: Tenants,
 }
 
 /// When the clients stopped sending writes: an async client counts itself
@@ -404,11 +406,10 @@ pub fn spawn_async_clients(
     deadline: Instant,
     seen: &SeenAsyncMap,
     posting: &Arc<Posting>,
-    tenants: &Tenants,
 ) -> Vec<JoinHandle<()>> {
     let mut tasks = Vec::new();
     for c in first..first + clients {
-        let (bases, seen, load, posting, tenants) = (bases.to_vec(), seen.clone(), load.clone(), posting.clone(), tenants.clone());
+        let (bases, seen, load, posting) = (bases.to_vec(), seen.clone(), load.clone(), posting.clone());
         tasks.push(tokio::spawn(async move {
             let mut rng = Rng(0xA5A5_5A5A_1234_5678 ^ (c + 7));
             let mut n = 0u64;
@@ -422,7 +423,7 @@ pub fn spawn_async_clients(
                 n += 1;
                 let key = format!("{}{c}-{n}", load.prefix);
                 let body = format!(r#"{{"job":{c},"n":{n},"key":"{key}"}}"#);
-                let identity = tenants.headers(&key);
+                let identity = load.tenants.headers(&key);
                 let auth = with(&identity, &[]);
                 let sleep = if rng.below(100) < load.slow_percent {
                     load.slow_ms.0 + rng.below(load.slow_ms.1.saturating_sub(load.slow_ms.0))
