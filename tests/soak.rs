@@ -484,6 +484,7 @@ async fn run(on_citus: bool) {
     for t in async_tasks {
         t.await.expect("async client task");
     }
+    phases.push(("clients done", started.elapsed()));
     // Quiesce: leases run out and the reaper settles them.
     tokio::time::sleep(Duration::from_millis(LEASE_MS + 1500)).await;
     // Reconciliation: the probes settle every unknown record (after SETTLE).
@@ -491,9 +492,36 @@ async fn run(on_citus: bool) {
         store.list(&ListFilter { state: Some(State::Unknown), limit: 100_000, ..Default::default() }).await.map_or(usize::MAX, |l| l.len())
     };
     let reconcile_deadline = Instant::now() + Duration::from_secs(90);
+    // What is left after 20 s of waiting, to tell a slow settlement from a normal one.
+    let mut slow = Vec::new();
+    let waiting = Instant::now();
     while unknown_left().await > 0 && Instant::now() < reconcile_deadline {
+        if slow.is_empty() && waiting.elapsed() > Duration::from_secs(20) {
+            let now = store.now().await.expect("store clock");
+            let left = store.list(&ListFilter { state: Some(State::Unknown), limit: 20, ..Default::default() }).await.unwrap_or_default();
+            let at = |t: Option<idemgate::idempotency::record::Timestamp>| {
+                t.map_or("-".to_owned(), |t| format!("{:+.1}s", (t.0 - now.0) as f64 / 1e6))
+            };
+            slow = left
+                .iter()
+                .map(|r| {
+                    format!(
+                        "{} {} {} (owner {}, generation {}, attempts {}, due {}, updated {})",
+                        r.scope.tenant,
+                        r.scope.operation,
+                        r.scope.key.as_str(),
+                        r.owner,
+                        r.generation,
+                        r.attempts,
+                        at(r.next_attempt_at),
+                        at(Some(r.updated_at))
+                    )
+                })
+                .collect();
+        }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    phases.push(("probes settled", started.elapsed()));
     // Async operations still queued or processing are run to the end.
     let open_left = || async {
         let mut n = 0;
@@ -506,6 +534,7 @@ async fn run(on_citus: bool) {
     while open_left().await > 0 && Instant::now() < open_deadline {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    phases.push(("operations run", started.elapsed()));
     while unknown_left().await > 0 && Instant::now() < reconcile_deadline {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
@@ -547,6 +576,9 @@ async fn run(on_citus: bool) {
     }
     let phases: Vec<String> = phases.iter().map(|(what, at)| format!("{what} {:.1}s", at.as_secs_f64())).collect();
     println!("  after the start:           {}", phases.join(", "));
+    for l in &slow {
+        println!("  unknown 20 s into the settlement: {l}");
+    }
     verdict.print_counts();
     println!("  settled by the probes:     {reconciled}");
     for (i, g) in replicas.iter().enumerate() {
