@@ -142,6 +142,7 @@ async fn a_worker_stopped_mid_request_fails_its_tenants_closed_and_the_others_ke
         let r = order(&url, t, "during", 0).await.expect("an answer");
         assert_eq!(r.status, 503, "{t}: a claim on the stopped worker's shard must fail closed: {:?}", r.body);
         assert_eq!(r.problem(), "store-unavailable", "{t}");
+        assert!(r.header("retry-after").is_some(), "{t}: told when to retry");
         assert_eq!(r.json()["retryable"], true);
         assert_eq!(up.side_effects(&derived_of(t, "during")), 0, "{t}: nothing forwarded without a claim");
     }
