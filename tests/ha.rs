@@ -43,7 +43,7 @@ use idemgate::idempotency::record::State;
 use idemgate::store::{ClaimOutcome, ClaimRequest, StoreError};
 use support::faultproxy::{Fault, FaultProxy};
 use support::postgres::{PgServer, SUPERUSER, replication_binaries};
-use support::soak::{Seen, Verdict, check, env_u64, spawn_clients};
+use support::soak::{Seen, Tenants, Verdict, check, env_u64, spawn_clients};
 use support::*;
 use uuid::Uuid;
 
@@ -181,7 +181,7 @@ async fn failover_run(sync: bool) -> (u64, Verdict) {
     let start = Instant::now();
     let deadline = start + Duration::from_secs(secs);
     let seen: Arc<Mutex<HashMap<String, Seen>>> = Arc::default();
-    let tasks = spawn_clients(clients, &urls, deadline, &seen);
+    let tasks = spawn_clients(clients, &urls, deadline, &seen, &Tenants::one());
 
     // The orchestrator, in this task: failovers spread over the run, each
     // leaving time for the clients to go on against the new primary.
@@ -205,7 +205,7 @@ async fn failover_run(sync: bool) -> (u64, Verdict) {
 
     let store = Backend::Postgres { url: format!("{url}&application_name=ha_checker") }.open().await;
     let seen = seen.lock().unwrap().clone();
-    let verdict = check(&seen, &up, &store).await;
+    let verdict = check(&seen, &up, &store, &Tenants::one()).await;
     let kind = if sync { "synchronous" } else { "asynchronous" };
     println!(
         "ha: {secs}s, {clients} clients, 2 replicas, {kind} standby, failovers={done}, whole test {:.1}s",

@@ -54,6 +54,14 @@
 //! found their request. Each duplicate is listed with the generations the
 //! upstream saw and when.
 //!
+//! On Citus (`citus_soak`, `scripts/soak --citus`): the same soak on a
+//! coordinator and two workers, the replicas on `kind = "citus"` reaching the
+//! coordinator through their fault proxies; the clients' keys spread over six
+//! tenants, three on each worker's shards (a tenant's records live on one
+//! worker), and the restart round takes the nodes in turn (worker 1, the
+//! coordinator, worker 2). A second line `citus: nodes=3 keys=N ...` repeats
+//! the closing line's fields; the same counts must be 0.
+//!
 //! Not part of the default test run: `scripts/soak` (60 s of traffic) or
 //! `scripts/soak --long` (10 min). Tunables: IDEMGATE_SOAK_SECS,
 //! IDEMGATE_SOAK_CLIENTS, IDEMGATE_SOAK_ASYNC_PERCENT (share of the clients
@@ -72,11 +80,12 @@ use std::time::{Duration, Instant};
 
 use idemgate::idempotency::record::State;
 use idemgate::store::{ListFilter, Store};
+use support::citus::{self, CitusCluster};
 use support::faultproxy::{Fault, FaultProxy};
 use support::postgres::PgServer;
 use support::soak::{
-    AsyncLoad, AsyncVerdict, Posting, SeenAsync, SeenAsyncMap, check, check_async, env_u64, open_operations, rss_kib, spawn_async_clients,
-    spawn_clients,
+    AsyncLoad, AsyncVerdict, Posting, SeenAsync, SeenAsyncMap, Tenants, check, check_async, env_u64, open_operations, rss_kib,
+    spawn_async_clients, spawn_clients,
 };
 use support::webhook::Webhook;
 use support::*;
@@ -145,13 +154,109 @@ impl AsyncRoutes {
 }
 
 /// Clients' load on one async route: a third of the keys are slow.
-fn load(path: &str, prefix: &str) -> AsyncLoad {
-    AsyncLoad { path: path.to_owned(), prefix: prefix.to_owned(), slow_percent: 33, slow_ms: SLOW_MS }
+fn load(path: &str, prefix: &str, tenants: &Tenants) -> AsyncLoad {
+    AsyncLoad { path: path.to_owned(), prefix: prefix.to_owned(), slow_percent: 33, slow_ms: SLOW_MS, tenants: tenants.clone() }
+}
+
+/// What the soak's store runs on.
+enum Db {
+    /// One PostgreSQL server.
+    Postgres(PgServer),
+    /// A Citus coordinator and two workers; the gateways reach the coordinator.
+    Citus(CitusCluster),
+}
+
+impl Db {
+    fn start(on_citus: bool) -> Db {
+        if on_citus {
+            Db::Citus(CitusCluster::start(2).expect("a Citus coordinator and two workers"))
+        } else {
+            Db::Postgres(PgServer::start().expect("PostgreSQL"))
+        }
+    }
+
+    /// The server the gateways connect to (through their fault proxies).
+    fn entry(&self) -> &PgServer {
+        match self {
+            Db::Postgres(pg) => pg,
+            Db::Citus(cluster) => &cluster.coordinator,
+        }
+    }
+
+    fn create_database(&self, name: &str) -> String {
+        match self {
+            Db::Postgres(pg) => pg.create_database(name),
+            Db::Citus(cluster) => cluster.create_database(name),
+        }
+        .expect("database")
+    }
+
+    fn backend(&self, url: String) -> Backend {
+        match self {
+            Db::Postgres(_) => Backend::Postgres { url },
+            Db::Citus(_) => Backend::Citus { url },
+        }
+    }
+
+    fn node_names(&self) -> Vec<&'static str> {
+        match self {
+            Db::Postgres(_) => vec!["PostgreSQL"],
+            Db::Citus(cluster) => ["coordinator", "worker 1", "worker 2"].into_iter().take(1 + cluster.workers.len()).collect(),
+        }
+    }
+
+    /// The nemesis's restart round `n`: an immediate restart of the server,
+    /// or on Citus of the next node in turn: worker 1, the coordinator,
+    /// worker 2. (A worker first: the short soak of CI has time for one
+    /// restart round, 60 s for two, `--long` for all.) Returns the node's
+    /// index in [`node_names`](Self::node_names).
+    fn restart_immediate(&mut self, n: u64) -> usize {
+        match self {
+            Db::Postgres(pg) => {
+                pg.restart_immediate().expect("restart PostgreSQL");
+                0
+            }
+            Db::Citus(cluster) => {
+                let i = [1, 0, 2][(n % 3) as usize].min(cluster.workers.len());
+                let node = if i == 0 { &mut cluster.coordinator } else { &mut cluster.workers[i - 1] };
+                node.restart_immediate().unwrap_or_else(|e| panic!("restart Citus node {i}: {e}"));
+                i
+            }
+        }
+    }
+}
+
+/// The tenants of the Citus soak: three whose shards are on each worker
+/// (asked of the cluster), so that every worker's death is felt by clients;
+/// with a line saying where they live.
+fn tenants_on_every_worker(cluster: &CitusCluster) -> (Tenants, String) {
+    let on = cluster.tenants_on_workers("soak", 3).expect("three tenants on each worker");
+    let line = on.iter().enumerate().map(|(w, t)| format!("worker {}: {}", w + 1, t.join(", "))).collect::<Vec<_>>().join("; ");
+    (Tenants::named(on.concat()), line)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "the chaos soak runs with scripts/soak"]
 async fn soak() {
+    run(false).await;
+}
+
+/// The same soak on a Citus cluster (a coordinator and two workers): the
+/// replicas run `kind = "citus"` against the coordinator through their fault
+/// proxies, the clients' keys are spread over six tenants (three on each
+/// worker's shards), and the restart round takes the nodes in turn:
+/// worker 1, the coordinator, worker 2. Ends with
+/// `citus: nodes=3 keys=N ...` (the same fields as `soak:`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the Citus chaos soak runs with scripts/soak --citus"]
+async fn citus_soak() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    run(true).await;
+}
+
+async fn run(on_citus: bool) {
     let secs = env_u64("IDEMGATE_SOAK_SECS", 60);
     let clients = env_u64("IDEMGATE_SOAK_CLIENTS", 16);
     let reload = env_u64("IDEMGATE_SOAK_RELOAD", 1) == 1;
@@ -159,9 +264,10 @@ async fn soak() {
     // IDEMGATE_SOAK_SWEEP (default 1 s).
     let slow_sweep: &'static str = Box::leak(std::env::var("IDEMGATE_SOAK_SWEEP").unwrap_or_else(|_| "1s".to_owned()).into_boxed_str());
     let sweeps = ["200ms", slow_sweep];
-    let mut pg = PgServer::start().expect("PostgreSQL");
-    let url = pg.create_database("soak").expect("database");
-    let pg_addr: SocketAddr = format!("127.0.0.1:{}", pg.port()).parse().unwrap();
+    let mut db = tokio::task::block_in_place(|| Db::start(on_citus));
+    let url = tokio::task::block_in_place(|| db.create_database("soak"));
+    let pg_port = db.entry().port();
+    let pg_addr: SocketAddr = format!("127.0.0.1:{pg_port}").parse().unwrap();
     let up = TestUpstream::start().await;
     up.set_commit_at_end(true);
     up.set_dedupe_path("/v1/idem-jobs", true);
@@ -176,8 +282,8 @@ async fn soak() {
     let mut replicas = Vec::new();
     for (i, sweep) in sweeps.iter().enumerate().take(2) {
         let proxy = FaultProxy::start(pg_addr).await;
-        let proxied = url.replace(&format!(":{}/", pg.port()), &format!(":{}/", proxy.port()));
-        let cfg = GatewayConfig::new(Backend::Postgres { url: proxied }, up.url())
+        let proxied = url.replace(&format!(":{pg_port}/"), &format!(":{}/", proxy.port()));
+        let cfg = GatewayConfig::new(db.backend(proxied), up.url())
             .timeout("1s")
             .sweep_interval(sweep)
             .server(&format!("replica_id = \"soak-{i}\""))
@@ -189,7 +295,13 @@ async fn soak() {
     }
     let urls: Vec<String> = replicas.iter().map(|g| g.lock().unwrap().url("/v1/orders")).collect();
     let bases: Vec<String> = replicas.iter().map(|g| g.lock().unwrap().url("")).collect();
-    let store = Backend::Postgres { url: url.clone() }.open().await;
+    let store = db.backend(url.clone()).open().await;
+    let (tenants, tenants_line) = match &db {
+        Db::Postgres(_) => (Tenants::one(), format!("one ({TENANT})")),
+        Db::Citus(cluster) => tokio::task::block_in_place(|| tenants_on_every_worker(cluster)),
+    };
+    let nodes = db.node_names();
+    let mut restarts = vec![0u64; nodes.len()];
     let start_rss: Vec<(u32, u64)> = replicas
         .iter()
         .map(|g| {
@@ -209,15 +321,16 @@ async fn soak() {
     let jobs_clients = async_clients.div_ceil(2);
     let posting = Arc::new(Posting::default());
     let routes: Vec<(&'static str, AsyncLoad, SeenAsyncMap)> = vec![
-        ("create_job", load("/v1/jobs", "j"), Arc::default()),
-        ("create_idem_job", load("/v1/idem-jobs", "i"), Arc::default()),
-        ("create_report", load("/v1/reports", "r"), Arc::default()),
+        ("create_job", load("/v1/jobs", "j", &tenants), Arc::default()),
+        ("create_idem_job", load("/v1/idem-jobs", "i", &tenants), Arc::default()),
+        ("create_report", load("/v1/reports", "r", &tenants), Arc::default()),
     ];
-    let sync_tasks = spawn_clients(clients - async_clients, &urls, deadline, &seen);
+    let sync_tasks = spawn_clients(clients - async_clients, &urls, deadline, &seen, &tenants);
     let mut async_tasks = spawn_async_clients(jobs_clients, 0, &bases, &routes[0].1, deadline, &routes[0].2, &posting);
     async_tasks.extend(spawn_async_clients(async_clients - jobs_clients, 100, &bases, &routes[1].1, deadline, &routes[1].2, &posting));
 
-    // The nemesis, in this task (it owns the PostgreSQL server and the proxies).
+    // The nemesis, in this task (it owns the PostgreSQL server or the Citus
+    // nodes, and the proxies).
     let mut rounds = 0u64;
     let mut pg_restarts = 0;
     let mut at_upstream_faults = 0;
@@ -265,9 +378,9 @@ async fn soak() {
             // other replica's workers must take it over within the lease.
             let idempotent = if reloaded { "create_report" } else { "create_idem_job" };
             let prefer = |a: &AtUpstream| a.victim == 0 && a.operation == idempotent;
-            let found = match at_upstream(&up, &store, &routes, Duration::from_secs(3), prefer).await {
+            let found = match at_upstream(&up, &store, &routes, &tenants, Duration::from_secs(3), prefer).await {
                 Some(a) => Some(a),
-                None => at_upstream(&up, &store, &routes, Duration::from_secs(2), |a| a.victim == 0).await,
+                None => at_upstream(&up, &store, &routes, &tenants, Duration::from_secs(2), |a| a.victim == 0).await,
             };
             let g = replicas[0].clone();
             tokio::task::spawn_blocking(move || g.lock().unwrap().kill9()).await.unwrap();
@@ -310,12 +423,15 @@ async fn soak() {
                 log.push(format!("blackhole PostgreSQL replies to replica {victim} for 1500 ms"));
             }
             3 => {
-                let restarted = tokio::task::block_in_place(|| pg.restart_immediate());
-                restarted.expect("restart PostgreSQL");
+                let node = tokio::task::block_in_place(|| db.restart_immediate(pg_restarts));
                 pg_restarts += 1;
-                log.push("PostgreSQL immediate restart".to_owned());
+                restarts[node] += 1;
+                log.push(match &db {
+                    Db::Postgres(_) => "PostgreSQL immediate restart".to_owned(),
+                    Db::Citus(_) => format!("Citus {} immediate restart", nodes[node]),
+                });
             }
-            4 => match at_upstream(&up, &store, &routes, Duration::from_secs(4), |_| true).await {
+            4 => match at_upstream(&up, &store, &routes, &tenants, Duration::from_secs(4), |_| true).await {
                 Some(a) => {
                     replicas[a.victim].lock().unwrap().signal("STOP");
                     tokio::time::sleep(Duration::from_millis(PAUSE_AT_UPSTREAM_MS)).await;
@@ -326,7 +442,7 @@ async fn soak() {
                 }
                 None => log.push("no slow async request reached the upstream within 4 s: nobody paused".to_owned()),
             },
-            _ => match at_upstream(&up, &store, &routes, Duration::from_secs(4), |a| killable(a.victim)).await {
+            _ => match at_upstream(&up, &store, &routes, &tenants, Duration::from_secs(4), |a| killable(a.victim)).await {
                 Some(a) => {
                     let g = replicas[a.victim].clone();
                     tokio::task::spawn_blocking(move || {
@@ -368,6 +484,7 @@ async fn soak() {
     for t in async_tasks {
         t.await.expect("async client task");
     }
+    phases.push(("clients done", started.elapsed()));
     // Quiesce: leases run out and the reaper settles them.
     tokio::time::sleep(Duration::from_millis(LEASE_MS + 1500)).await;
     // Reconciliation: the probes settle every unknown record (after SETTLE).
@@ -375,9 +492,36 @@ async fn soak() {
         store.list(&ListFilter { state: Some(State::Unknown), limit: 100_000, ..Default::default() }).await.map_or(usize::MAX, |l| l.len())
     };
     let reconcile_deadline = Instant::now() + Duration::from_secs(90);
+    // What is left after 20 s of waiting, to tell a slow settlement from a normal one.
+    let mut slow = Vec::new();
+    let waiting = Instant::now();
     while unknown_left().await > 0 && Instant::now() < reconcile_deadline {
+        if slow.is_empty() && waiting.elapsed() > Duration::from_secs(20) {
+            let now = store.now().await.expect("store clock");
+            let left = store.list(&ListFilter { state: Some(State::Unknown), limit: 20, ..Default::default() }).await.unwrap_or_default();
+            let at = |t: Option<idemgate::idempotency::record::Timestamp>| {
+                t.map_or("-".to_owned(), |t| format!("{:+.1}s", (t.0 - now.0) as f64 / 1e6))
+            };
+            slow = left
+                .iter()
+                .map(|r| {
+                    format!(
+                        "{} {} {} (owner {}, generation {}, attempts {}, due {}, updated {})",
+                        r.scope.tenant,
+                        r.scope.operation,
+                        r.scope.key.as_str(),
+                        r.owner,
+                        r.generation,
+                        r.attempts,
+                        at(r.next_attempt_at),
+                        at(Some(r.updated_at))
+                    )
+                })
+                .collect();
+        }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    phases.push(("probes settled", started.elapsed()));
     // Async operations still queued or processing are run to the end.
     let open_left = || async {
         let mut n = 0;
@@ -390,6 +534,7 @@ async fn soak() {
     while open_left().await > 0 && Instant::now() < open_deadline {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    phases.push(("operations run", started.elapsed()));
     while unknown_left().await > 0 && Instant::now() < reconcile_deadline {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
@@ -404,25 +549,36 @@ async fn soak() {
     phases.push(("events delivered", started.elapsed()));
     // The checker.
     let seen = seen.lock().unwrap().clone();
-    let verdict = check(&seen, &up, &store).await;
+    let verdict = check(&seen, &up, &store, &tenants).await;
     let mut async_verdicts = Vec::new();
     for (operation, load, seen_async) in &routes {
         let seen_async: HashMap<String, SeenAsync> = seen_async.lock().unwrap().clone();
         let keys = seen_async.len();
-        async_verdicts.push((*operation, load.path.clone(), keys, check_async(&seen_async, &up, &store, operation).await));
+        async_verdicts.push((*operation, load.path.clone(), keys, check_async(&seen_async, &up, &store, operation, &tenants).await));
     }
     let (events_missing, events_total, redeliveries) = check_events(&hook, &store).await;
     phases.push(("checked", started.elapsed()));
 
+    let restarted = match &db {
+        Db::Postgres(_) => format!("PostgreSQL restarts={pg_restarts}"),
+        Db::Citus(_) => {
+            let each: Vec<String> = nodes.iter().zip(&restarts).map(|(n, r)| format!("{n}: {r}")).collect();
+            format!("Citus node restarts={pg_restarts}: {}", each.join(", "))
+        }
+    };
     println!(
-        "soak: {secs}s, {clients} clients ({async_clients} async), 2 replicas (sweep_interval {} and {}), nemesis rounds={rounds} (PostgreSQL restarts={pg_restarts})",
+        "soak: {secs}s, {clients} clients ({async_clients} async), 2 replicas (sweep_interval {} and {}), nemesis rounds={rounds} ({restarted})",
         sweeps[0], sweeps[1]
     );
+    println!("  tenants:                   {tenants_line}");
     for l in &log {
         println!("  nemesis: {l}");
     }
     let phases: Vec<String> = phases.iter().map(|(what, at)| format!("{what} {:.1}s", at.as_secs_f64())).collect();
     println!("  after the start:           {}", phases.join(", "));
+    for l in &slow {
+        println!("  unknown 20 s into the settlement: {l}");
+    }
     verdict.print_counts();
     println!("  settled by the probes:     {reconciled}");
     for (i, g) in replicas.iter().enumerate() {
@@ -473,12 +629,12 @@ async fn soak() {
         seen.join(", ")
     };
     for d in &verdict.duplicates {
-        println!("    arrivals of {}: {}", d.0, arrivals(derived(&d.0)));
+        println!("    arrivals of {}: {}", d.0, arrivals(tenants.derived("create_order", &d.0)));
     }
     for (operation, _, _, v) in &async_verdicts {
         for d in &v.duplicates {
             println!("  DUPLICATE (async): {} executed {} times", d.0, d.1);
-            println!("    arrivals: {}", arrivals(scope_for(PRINCIPAL, operation, &d.0).derived_key(Some(TEST_SECRET.as_bytes()))));
+            println!("    arrivals: {}", arrivals(tenants.derived(operation, &d.0)));
         }
         for l in &v.lost {
             println!("  LOST (async): {l}");
@@ -489,8 +645,8 @@ async fn soak() {
     let duplicates = verdict.duplicates.len() + sum(&|v| v.duplicates.len());
     let lost = verdict.lost_count() + sum(&|v| v.lost.len());
     let stuck = verdict.stuck + async_stuck.len();
-    println!(
-        "soak: keys={} side_effects={} duplicates={duplicates} lost={lost} stuck={stuck} unknown={} reconciled={reconciled} async={} \
+    let ledger = format!(
+        "keys={} side_effects={} duplicates={duplicates} lost={lost} stuck={stuck} unknown={} reconciled={reconciled} async={} \
          events={events_total} events_missing={events_missing} redeliveries={redeliveries} async_stuck={} at_upstream={at_upstream_faults}",
         verdict.keys + async_keys,
         verdict.side_effects,
@@ -498,6 +654,10 @@ async fn soak() {
         sum(&|v| v.accepted),
         async_stuck.len()
     );
+    println!("soak: {ledger}");
+    if let Db::Citus(_) = &db {
+        println!("citus: nodes={} {ledger} tenants={} node_restarts={pg_restarts}", nodes.len(), tenants.count());
+    }
     assert!(reloaded || !reload, "the run was long enough for the reload");
     verdict.assert_clean();
     assert_eq!(duplicates, 0, "duplicates");
@@ -537,6 +697,7 @@ async fn at_upstream(
     up: &TestUpstream,
     store: &Store,
     routes: &[(&'static str, AsyncLoad, SeenAsyncMap)],
+    tenants: &Tenants,
     within: Duration,
     accept: impl Fn(&AtUpstream) -> bool,
 ) -> Option<AtUpstream> {
@@ -557,7 +718,7 @@ async fn at_upstream(
         }
         let body: serde_json::Value = serde_json::from_slice(&r.body).unwrap_or_default();
         let Some(key) = body["key"].as_str() else { continue };
-        let Ok(Some((record, _))) = store.get(&scope_for(PRINCIPAL, operation, key)).await else { continue };
+        let Ok(Some((record, _))) = store.get(&tenants.scope(operation, key)).await else { continue };
         let Some(victim) = (0..2).find(|i| record.owner == format!("soak-{i}")) else { continue };
         if record.state != State::Processing {
             continue;

@@ -144,6 +144,32 @@ impl CitusCluster {
         self.create_database(&format!("{prefix}_{}_{n}", std::process::id()))
     }
 
+    /// `per_worker` tenants named `tenant-NN` whose shard of
+    /// `idemgate_records` is placed on each worker, in the workers' order, as
+    /// the coordinator of database `db` (migrated) says
+    /// (`get_shard_id_for_distribution_column` and the shard's placement).
+    /// Errors when the first 256 names do not give every worker its share.
+    pub fn tenants_on_workers(&self, db: &str, per_worker: usize) -> io::Result<Vec<Vec<String>>> {
+        let rows = self.coordinator.simple_query(
+            db,
+            "SELECT s.t, p.nodeport FROM (SELECT i, 'tenant-' || lpad(i::text, 2, '0') AS t FROM generate_series(0, 255) i) s \
+             JOIN pg_dist_shard_placement p ON p.shardid = get_shard_id_for_distribution_column('idemgate_records', s.t) ORDER BY s.i",
+        )?;
+        let mut on: Vec<Vec<String>> = vec![Vec::new(); self.workers.len()];
+        for row in rows {
+            let (Some(Some(tenant)), Some(Some(port))) = (row.first(), row.get(1)) else { continue };
+            if let Some(w) = self.workers.iter().position(|w| w.port().to_string() == *port)
+                && on[w].len() < per_worker
+            {
+                on[w].push(tenant.clone());
+            }
+        }
+        if on.iter().any(|t| t.len() < per_worker) {
+            return Err(io::Error::other(format!("not {per_worker} tenants on every worker among tenant-00..tenant-255: {on:?}")));
+        }
+        Ok(on)
+    }
+
     /// A database on the coordinator alone, without the extension (for the
     /// start-up error of `kind = "citus"` on a plain server).
     pub fn plain_database(&self, name: &str) -> io::Result<String> {

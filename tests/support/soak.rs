@@ -9,11 +9,77 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use idemgate::idempotency::key::{IdempotencyKey, Scope};
 use idemgate::idempotency::record::{Record, State};
 use idemgate::store::{ListFilter, Store};
 use tokio::task::JoinHandle;
 
-use super::{TestUpstream, derived, record, send};
+use super::{PRINCIPAL, TENANT, TEST_SECRET, TestUpstream, send};
+
+/// The tenants the clients spread their keys over. The default soak and the
+/// failover test: one, the test API key's (`TENANT`). The Citus soak: a few
+/// named tenants, asserted by trusted headers (the test gateways trust
+/// loopback peers), because a tenant's records live on one shard and one
+/// worker: without several tenants only one worker would see traffic.
+/// Which tenant a key belongs to is a function of the key, so the checker
+/// finds its record without asking the client.
+#[derive(Debug, Clone)]
+pub struct Tenants(Vec<String>);
+
+impl Tenants {
+    /// Every key is `TENANT`'s, identified by the test API key.
+    pub fn one() -> Tenants {
+        Tenants(Vec::new())
+    }
+
+    /// Keys spread over `names` (principal `PRINCIPAL`), by trusted headers.
+    pub fn named(names: Vec<String>) -> Tenants {
+        Tenants(names)
+    }
+
+    /// The tenant of `key`.
+    pub fn of(&self, key: &str) -> &str {
+        if self.0.is_empty() {
+            return TENANT;
+        }
+        // FNV-1a: stable across runs and processes.
+        let h = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+        &self.0[(h % self.0.len() as u64) as usize]
+    }
+
+    /// The identity headers of a request for `key`.
+    pub fn headers(&self, key: &str) -> Vec<(&'static str, String)> {
+        if self.0.is_empty() {
+            return vec![("authorization", "Bearer test-key".to_owned())];
+        }
+        vec![("x-tenant-id", self.of(key).to_owned()), ("x-principal-id", PRINCIPAL.to_owned())]
+    }
+
+    /// The scope of `key` on `operation`.
+    pub fn scope(&self, operation: &str, key: &str) -> Scope {
+        Scope {
+            tenant: self.of(key).into(),
+            principal: PRINCIPAL.into(),
+            operation: operation.into(),
+            key: IdempotencyKey::new(key).expect("soak keys are valid"),
+        }
+    }
+
+    /// The key the upstream sees for `key` on `operation`.
+    pub fn derived(&self, operation: &str, key: &str) -> String {
+        self.scope(operation, key).derived_key(Some(TEST_SECRET.as_bytes()))
+    }
+
+    /// How many tenants (1 for [`Tenants::one`]).
+    pub fn count(&self) -> usize {
+        self.0.len().max(1)
+    }
+}
+
+/// `headers` plus `extra`, as `send` takes them.
+fn with<'a>(headers: &'a [(&'static str, String)], extra: &[(&'a str, &'a str)]) -> Vec<(&'a str, &'a str)> {
+    headers.iter().map(|(k, v)| (*k, v.as_str())).chain(extra.iter().copied()).collect()
+}
 
 /// What one client saw for one key.
 #[derive(Debug, Default, Clone)]
@@ -60,11 +126,12 @@ impl Rng {
 /// until a final answer: a 2xx, or `outcome-unknown`. 3% of first attempts ask
 /// the upstream to be slower than its timeout, so honest unknowns occur; 20%
 /// of keys are sent once more after their 2xx to check the replay.
-pub fn spawn_clients(clients: u64, urls: &[String], deadline: Instant, seen: &SeenMap) -> Vec<JoinHandle<()>> {
+pub fn spawn_clients(clients: u64, urls: &[String], deadline: Instant, seen: &SeenMap, tenants: &Tenants) -> Vec<JoinHandle<()>> {
     let mut tasks = Vec::new();
     for c in 0..clients {
         let urls = urls.to_vec();
         let seen = seen.clone();
+        let tenants = tenants.clone();
         tasks.push(tokio::spawn(async move {
             let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ (c + 1));
             let mut n = 0u64;
@@ -72,6 +139,7 @@ pub fn spawn_clients(clients: u64, urls: &[String], deadline: Instant, seen: &Se
                 n += 1;
                 let key = format!("c{c}-{n}");
                 let body = format!(r#"{{"client":{c},"n":{n},"item":"book"}}"#);
+                let identity = tenants.headers(&key);
                 let mut s = Seen::default();
                 // 3% of requests are slower than the upstream timeout: honest unknowns.
                 let slow = rng.below(100) < 3;
@@ -85,18 +153,9 @@ pub fn spawn_clients(clients: u64, urls: &[String], deadline: Instant, seen: &Se
                     }
                     let url = &urls[rng.below(urls.len() as u64) as usize];
                     let sleep = if slow && attempts == 1 { "1500".to_owned() } else { rng.below(30).to_string() };
-                    let r = send(
-                        "POST",
-                        url,
-                        &[
-                            ("authorization", "Bearer test-key"),
-                            ("content-type", "application/json"),
-                            ("idempotency-key", &key),
-                            ("x-test-sleep-ms", &sleep),
-                        ],
-                        body.clone(),
-                    )
-                    .await;
+                    let headers =
+                        with(&identity, &[("content-type", "application/json"), ("idempotency-key", &key), ("x-test-sleep-ms", &sleep)]);
+                    let r = send("POST", url, &headers, body.clone()).await;
                     let retry_pause = Duration::from_millis(20 + rng.below(200));
                     let Ok(r) = r else {
                         tokio::time::sleep(retry_pause).await;
@@ -166,7 +225,7 @@ pub struct Verdict {
 }
 
 /// Compares what the clients saw with the upstream's ledger and the store.
-pub async fn check(seen: &HashMap<String, Seen>, up: &TestUpstream, store: &Store) -> Verdict {
+pub async fn check(seen: &HashMap<String, Seen>, up: &TestUpstream, store: &Store, tenants: &Tenants) -> Verdict {
     let ledger = up.ledger();
     let mut duplicates = Vec::new();
     let mut lost = Vec::new();
@@ -175,7 +234,7 @@ pub async fn check(seen: &HashMap<String, Seen>, up: &TestUpstream, store: &Stor
     let mut unknown_after_answer = 0;
     let mut gave_up = 0;
     for (key, s) in seen {
-        let effects = ledger.get(&derived(key)).copied().unwrap_or(0);
+        let effects = ledger.get(&tenants.derived("create_order", key)).copied().unwrap_or(0);
         if effects > 1 {
             duplicates.push((key.clone(), effects));
         }
@@ -183,7 +242,7 @@ pub async fn check(seen: &HashMap<String, Seen>, up: &TestUpstream, store: &Stor
         gave_up += u32::from(s.gave_up);
         if let Some((status, body)) = &s.first {
             answered += 1;
-            match record(store, key).await {
+            match store.get(&tenants.scope("create_order", key)).await.expect("store get").map(|(r, _)| r) {
                 None => lost.push(format!("{key}: answered {status} but no record")),
                 Some(r) if r.state == State::Completed => {
                     let stored = r.response.as_ref().and_then(|resp| resp.body.clone());
@@ -298,6 +357,8 @@ pub struct AsyncLoad {
     /// `slow_ms.0..slow_ms.1` ms (`x-test-sleep-ms`); the rest 0-29 ms.
     pub slow_percent: u64,
     pub slow_ms: (u64, u64),
+    /// Whose keys they are.
+    pub tenants: Tenants,
 }
 
 /// When the clients stopped sending writes: an async client counts itself
@@ -352,7 +413,6 @@ pub fn spawn_async_clients(
         tasks.push(tokio::spawn(async move {
             let mut rng = Rng(0xA5A5_5A5A_1234_5678 ^ (c + 7));
             let mut n = 0u64;
-            let auth = [("authorization", "Bearer test-key")];
             let path = &load.path;
             loop {
                 posting.enter();
@@ -363,6 +423,8 @@ pub fn spawn_async_clients(
                 n += 1;
                 let key = format!("{}{c}-{n}", load.prefix);
                 let body = format!(r#"{{"job":{c},"n":{n},"key":"{key}"}}"#);
+                let identity = load.tenants.headers(&key);
+                let auth = with(&identity, &[]);
                 let sleep = if rng.below(100) < load.slow_percent {
                     load.slow_ms.0 + rng.below(load.slow_ms.1.saturating_sub(load.slow_ms.0))
                 } else {
@@ -378,7 +440,7 @@ pub fn spawn_async_clients(
                     let r = send(
                         "POST",
                         &format!("{base}{path}"),
-                        &[auth[0], ("content-type", "application/json"), ("idempotency-key", &key), ("x-test-sleep-ms", &sleep)],
+                        &with(&identity, &[("content-type", "application/json"), ("idempotency-key", &key), ("x-test-sleep-ms", &sleep)]),
                         body.clone(),
                     )
                     .await;
@@ -467,12 +529,18 @@ pub struct AsyncVerdict {
 /// Compares what async clients saw with the ledger and the store (after the
 /// run quiesced): every accepted operation must be final, executed at most
 /// once, and (if the client read `completed`) completed in the store.
-pub async fn check_async(seen: &HashMap<String, SeenAsync>, up: &TestUpstream, store: &Store, operation: &str) -> AsyncVerdict {
+pub async fn check_async(
+    seen: &HashMap<String, SeenAsync>,
+    up: &TestUpstream,
+    store: &Store,
+    operation: &str,
+    tenants: &Tenants,
+) -> AsyncVerdict {
     let ledger = up.ledger();
     let mut v = AsyncVerdict { accepted: 0, completed: 0, unknown: 0, failed: 0, duplicates: Vec::new(), lost: Vec::new() };
     for (key, s) in seen {
-        let scope = super::scope_for(super::PRINCIPAL, operation, key);
-        let effects = ledger.get(&scope.derived_key(Some(super::TEST_SECRET.as_bytes()))).copied().unwrap_or(0);
+        let scope = tenants.scope(operation, key);
+        let effects = ledger.get(&scope.derived_key(Some(TEST_SECRET.as_bytes()))).copied().unwrap_or(0);
         if effects > 1 {
             v.duplicates.push((key.clone(), effects));
         }
