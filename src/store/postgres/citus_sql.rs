@@ -236,6 +236,11 @@ pub(super) static CITUS_TAKE_EVENTS: LazyLock<String> = LazyLock::new(|| {
         &[
             ("WHERE e.delivery = 'pending' AND e.next_attempt_at", "WHERE e.tenant = $5 AND e.delivery = 'pending' AND e.next_attempt_at"),
             ("FROM due WHERE e.seq = due.seq", "FROM due WHERE e.tenant = $5 AND e.seq = due.seq"),
+            // The order checks name the shard too: a subquery correlated only
+            // through `e.tenant` makes the statement a multi-shard one, which
+            // refuses FOR UPDATE.
+            ("p.tenant = e.tenant", "p.tenant = $5"),
+            ("q.tenant = e.tenant", "q.tenant = $5"),
         ],
     )
 });

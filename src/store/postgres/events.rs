@@ -7,6 +7,26 @@ use std::sync::LazyLock;
 pub(super) static EVENT_INSERT_ONE: LazyLock<String> =
     LazyLock::new(|| format!("INSERT INTO idemgate_events {EVENT_INSERT} VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"));
 
+/// The condition that event `{e}` is deliverable in order: no earlier
+/// pending event of its scope, and no earlier parked one (a parked event
+/// holds the later ones of its scope; through the parked events' own index:
+/// there are few). Each is a scalar subquery with `LIMIT 1`, which the
+/// planner cannot turn into a join: as `NOT EXISTS`, an anti join planned
+/// on an empty, never-analyzed table read the whole scope index once per
+/// candidate (`tests/pg_plans.rs` checks for it), 23 s for a window of 512
+/// with 40,000 events pending; as a subquery each check descends the index
+/// by the candidate's scope.
+fn not_held_back(e: &str) -> String {
+    format!(
+        "(SELECT p.seq FROM idemgate_events p
+               WHERE p.delivery = 'pending' AND p.tenant = {e}.tenant AND p.principal = {e}.principal
+                 AND p.operation = {e}.operation AND p.idempotency_key = {e}.idempotency_key AND p.seq < {e}.seq LIMIT 1) IS NULL
+              AND (SELECT q.seq FROM idemgate_events q
+               WHERE q.delivery = 'parked' AND q.seq < {e}.seq AND q.tenant = {e}.tenant AND q.principal = {e}.principal
+                 AND q.operation = {e}.operation AND q.idempotency_key = {e}.idempotency_key LIMIT 1) IS NULL"
+    )
+}
+
 /// How many of the oldest due events [`TAKE_EVENTS_WINDOW`] considers, per
 /// event it may take.
 const WINDOW_PER_EVENT: i64 = 4;
@@ -31,16 +51,12 @@ pub(super) static TAKE_EVENTS_WINDOW: LazyLock<String> = LazyLock::new(|| {
         ), due AS (
             SELECT e.seq FROM idemgate_events e JOIN win ON e.seq = win.seq
             WHERE CASE e.delivery WHEN 'pending' THEN true ELSE false END AND (e.lease_until IS NULL OR e.lease_until <= now())
-              AND NOT EXISTS (SELECT 1 FROM idemgate_events p
-                              WHERE p.delivery = 'pending' AND p.tenant = win.tenant AND p.principal = win.principal
-                                AND p.operation = win.operation AND p.idempotency_key = win.idempotency_key AND p.seq < win.seq)
-              AND NOT EXISTS (SELECT 1 FROM idemgate_events q
-                              WHERE q.delivery = 'parked' AND q.seq < win.seq AND q.tenant = win.tenant AND q.principal = win.principal
-                                AND q.operation = win.operation AND q.idempotency_key = win.idempotency_key)
+              AND {}
             ORDER BY win.next_attempt_at LIMIT $2 FOR UPDATE OF e SKIP LOCKED)
         UPDATE idemgate_events e SET lease_token = $3, lease_until = now() + $4::int8 * interval '1 microsecond'
         FROM due WHERE e.seq = due.seq
         RETURNING {}",
+        not_held_back("win"),
         prefixed(EVENT_COLUMNS, "e.")
     )
 });
@@ -69,18 +85,12 @@ pub(super) static TAKE_EVENTS: LazyLock<String> = LazyLock::new(|| {
             SELECT e.seq FROM idemgate_events e
             WHERE e.delivery = 'pending' AND e.next_attempt_at <= now() AND (e.lease_until IS NULL OR e.lease_until <= now())
               AND e.operation = ANY($1::text[])
-              AND NOT EXISTS (SELECT 1 FROM idemgate_events p
-                              WHERE p.delivery = 'pending' AND p.tenant = e.tenant AND p.principal = e.principal
-                                AND p.operation = e.operation AND p.idempotency_key = e.idempotency_key AND p.seq < e.seq)
-              -- A parked event holds the later ones of its scope (through the
-              -- parked events' own index: there are few).
-              AND NOT EXISTS (SELECT 1 FROM idemgate_events q
-                              WHERE q.delivery = 'parked' AND q.seq < e.seq AND q.tenant = e.tenant AND q.principal = e.principal
-                                AND q.operation = e.operation AND q.idempotency_key = e.idempotency_key)
+              AND {}
             ORDER BY e.next_attempt_at LIMIT $2 FOR UPDATE SKIP LOCKED)
         UPDATE idemgate_events e SET lease_token = $3, lease_until = now() + $4::int8 * interval '1 microsecond'
         FROM due WHERE e.seq = due.seq
         RETURNING {}",
+        not_held_back("e"),
         prefixed(EVENT_COLUMNS, "e.")
     )
 });
@@ -114,13 +124,16 @@ pub(super) const SWEEP_EVENTS: &str = "DELETE FROM idemgate_events WHERE seq IN 
         ORDER BY sent_at LIMIT $1)
     RETURNING 1";
 
-/// Pending events through their index, parked ones through theirs.
+/// Pending events through their index, parked ones through theirs; the held
+/// ones (pending behind a parked event of their scope) by a lateral subquery
+/// per parked event that descends the scope index (see [`not_held_back`]).
 pub(super) const EVENT_STATS: &str = "SELECT \
      (SELECT count(*) FROM idemgate_events WHERE delivery = 'pending'), \
      (SELECT count(*) FROM idemgate_events WHERE delivery = 'parked'), \
      (SELECT min(at) FROM idemgate_events WHERE delivery = 'pending'), \
-     (SELECT count(*) FROM idemgate_events q JOIN idemgate_events e ON e.delivery = 'pending' AND e.tenant = q.tenant \
-        AND e.principal = q.principal AND e.operation = q.operation AND e.idempotency_key = q.idempotency_key AND e.seq > q.seq \
+     (SELECT count(*) FROM idemgate_events q CROSS JOIN LATERAL (SELECT 1 FROM idemgate_events e \
+        WHERE e.delivery = 'pending' AND e.tenant = q.tenant AND e.principal = q.principal AND e.operation = q.operation \
+          AND e.idempotency_key = q.idempotency_key AND e.seq > q.seq OFFSET 0) held \
       WHERE q.delivery = 'parked')";
 
 #[async_trait]
