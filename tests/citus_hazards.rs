@@ -486,7 +486,7 @@ async fn one_tenants_concurrent_claims_share_statements_and_keep_the_rules() {
         let seen: Vec<_> =
             outcomes.iter().filter_map(|o| if let ClaimOutcome::Existing { record, .. } = o { Some(record) } else { None }).collect();
         match key.chars().next() {
-            Some('n') | Some('x') => {
+            Some('n' | 'x') => {
                 let [winner] = claimed[..] else { panic!("{key}: not exactly one winner: {outcomes:?}") };
                 assert_eq!(winner.took_over, key.starts_with('x'), "{key}: {winner:?}");
                 if let Some(old) = expired.get(key) {
