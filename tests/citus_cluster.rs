@@ -211,3 +211,204 @@ async fn check_config_connect_reports_the_nodes_and_the_distributed_schema() {
     let refused = check(&plain);
     assert!(refused.contains("store cluster: ") && refused.contains("has no Citus extension"), "{refused}");
 }
+
+mod isolation {
+    //! A big tenant given a shard of its own and moved to another worker.
+    use super::*;
+    use bytes::Bytes;
+    use idemgate::idempotency::fingerprint::Fingerprint;
+    use idemgate::idempotency::key::{IdempotencyKey, Scope};
+    use idemgate::idempotency::record::{Retention, State, StoredResponse};
+    use idemgate::store::postgres::Flavor;
+    use idemgate::store::postgres::citus_sql::catalog_for;
+    use idemgate::store::postgres::sql::session_settings;
+    use idemgate::store::{ClaimOutcome, ClaimRequest, WriteOutcome};
+    use uuid::Uuid;
+
+    const LONG: Duration = Duration::from_secs(600);
+
+    fn scope(tenant: &str, key: &str) -> Scope {
+        Scope {
+            tenant: tenant.into(),
+            principal: "billing".into(),
+            operation: "create_order".into(),
+            key: IdempotencyKey::new(key).unwrap(),
+        }
+    }
+
+    fn req(scope: &Scope) -> ClaimRequest {
+        ClaimRequest {
+            scope: scope.clone(),
+            request_hash: Fingerprint([7; 32]),
+            owner: "replica-a".into(),
+            lease: LONG,
+            upstream_idempotent: false,
+            claim_token: Uuid::new_v4(),
+            acceptance: None,
+            key_source: "header:idempotency-key".into(),
+            request_head: None,
+        }
+    }
+
+    fn body(key: &str) -> Bytes {
+        Bytes::from(format!("done {key}"))
+    }
+
+    /// Claims `key` of `tenant` (it must be new) and records its response.
+    async fn first_write(store: &Store, tenant: &str, key: &str) {
+        let claim = match store.claim(&req(&scope(tenant, key))).await.expect("claim") {
+            ClaimOutcome::Claimed(c) => c,
+            other => panic!("{tenant}/{key}: a new key was not claimed: {other:?}"),
+        };
+        let response = StoredResponse { status: 201, headers: vec![], body: Some(body(key)) };
+        assert_eq!(store.complete(&claim, &response, Retention::For(LONG)).await.expect("complete"), WriteOutcome::Written);
+    }
+
+    /// The shard of `tenant`'s records and the worker port holding it.
+    async fn placement(db: &tokio_postgres::Client, tenant: &str) -> (i64, i32) {
+        let row = db
+            .query_one(
+                "SELECT s.shardid, s.nodeport FROM citus_shards s \
+                 WHERE s.shardid = get_shard_id_for_distribution_column('idemgate_records', $1::text)",
+                &[&tenant],
+            )
+            .await
+            .expect("placement");
+        (row.get(0), row.get(1))
+    }
+
+    /// The request path's statements for `tenant` (every text parameter
+    /// `tenant`), as a gateway session plans them: each must be one task on
+    /// `shard`.
+    async fn assert_one_task_on(url: &str, tenant: &str, shard: i64) {
+        let db = client(url).await;
+        for (name, value) in session_settings(Flavor::Citus) {
+            db.batch_execute(&format!("SET {name} = '{value}'")).await.expect("session setting");
+        }
+        let catalog = catalog_for(Flavor::Citus);
+        for (i, name) in ["claim_read", "claim_insert", "claim_take_over", "complete", "get"].into_iter().enumerate() {
+            let s = catalog.iter().find(|s| s.name == name).expect("statement in the catalog");
+            db.batch_execute(&format!("PREPARE isolated_{i} AS {}", s.sql)).await.expect("prepare");
+            let types: Vec<String> = db
+                .query_one(
+                    "SELECT coalesce(parameter_types::text[], '{}') FROM pg_prepared_statements WHERE name = $1",
+                    &[&format!("isolated_{i}")],
+                )
+                .await
+                .expect("parameter types")
+                .get(0);
+            let args: Vec<String> = types
+                .iter()
+                .map(|t| match t.as_str() {
+                    "text" => format!("'{tenant}'::text"),
+                    "bigint" => "1::int8".into(),
+                    "integer" => "200::int4".into(),
+                    "bytea" => "'\\x00'::bytea".into(),
+                    "uuid" => "'00000000-0000-0000-0000-000000000001'::uuid".into(),
+                    "boolean" => "false".into(),
+                    other => format!("NULL::{other}"),
+                })
+                .collect();
+            let plan: Vec<String> = db
+                .query(&format!("EXPLAIN EXECUTE isolated_{i}({})", args.join(", ")), &[])
+                .await
+                .expect("explain")
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            let plan = plan.join("\n");
+            let tasks: Vec<&str> = plan.lines().filter(|l| l.contains("Task Count:")).collect();
+            assert!(!tasks.is_empty() && tasks.iter().all(|l| l.trim_end().ends_with("Task Count: 1")), "{name}:\n{plan}");
+            assert!(plan.contains(&format!("idemgate_records_{shard} ")), "{name} does not run on shard {shard}:\n{plan}");
+        }
+    }
+
+    /// `tenant`'s completed keys replay, a new key is claimed and completed.
+    async fn assert_served(store: &Store, tenant: &str, keys: &[&str], new_key: &str) {
+        for key in keys {
+            match store.claim(&req(&scope(tenant, key))).await.expect("claim") {
+                ClaimOutcome::Existing { record, .. } => {
+                    assert_eq!(record.state, State::Completed, "{tenant}/{key}");
+                    assert_eq!(record.response.and_then(|r| r.body), Some(body(key)), "{tenant}/{key}");
+                }
+                other => panic!("{tenant}/{key}: a completed key was not replayed: {other:?}"),
+            }
+            let (record, _) = store.get(&scope(tenant, key)).await.expect("get").expect("record");
+            assert_eq!(record.state, State::Completed);
+        }
+        first_write(store, tenant, new_key).await;
+        let (record, _) = store.get(&scope(tenant, new_key)).await.expect("get").expect("record");
+        assert_eq!((record.state, record.response.and_then(|r| r.body)), (State::Completed, Some(body(new_key))));
+    }
+
+    /// docs/scaling.md's guide: `isolate_tenant_to_new_shard` (with
+    /// `CASCADE` for the colocated events and audit trail, and
+    /// `shard_transfer_mode => 'block_writes'`: the default needs `wal_level =
+    /// logical`) gives the tenant a shard of its own, and
+    /// `citus_move_shard_placement` moves it to the other worker. Before and
+    /// after each step the tenant's records replay, a new key is claimed and
+    /// completed, and the request path's statements are one task on the
+    /// tenant's shard; the other tenant stays where it was.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_isolated_and_moved_tenant_is_served_by_one_task_plans_on_its_shard() {
+        if citus::skip_unless_installed() {
+            return;
+        }
+        let url = citus::shared().create_unique_database("isolate").expect("database");
+        let store = Store::open(&citus_store(&url), Access::Migrate).await.expect("store");
+        store.migrate().await.expect("migrate");
+        let keys = ["k0", "k1", "k2"];
+        for tenant in ["big", "small"] {
+            for key in keys {
+                first_write(&store, tenant, key).await;
+            }
+        }
+        let db = client(&url).await;
+        let (shared_shard, _) = placement(&db, "big").await;
+        let small_before = placement(&db, "small").await;
+
+        let isolated: i64 = db
+            .query_one(
+                "SELECT isolate_tenant_to_new_shard('idemgate_records', 'big', 'CASCADE', shard_transfer_mode => 'block_writes')",
+                &[],
+            )
+            .await
+            .expect("isolate_tenant_to_new_shard")
+            .get(0);
+        let (shard, from) = placement(&db, "big").await;
+        assert_eq!(shard, isolated);
+        assert_ne!(shard, shared_shard, "the tenant has a shard of its own");
+        let range =
+            db.query_one("SELECT shardminvalue, shardmaxvalue FROM pg_dist_shard WHERE shardid = $1", &[&shard]).await.expect("range");
+        let (min, max): (String, String) = (range.get(0), range.get(1));
+        assert_eq!(min, max, "one hash value: one tenant");
+        assert_served(&store, "big", &keys, "k3").await;
+        assert_one_task_on(&url, "big", shard).await;
+
+        let to = citus::shared().workers.iter().map(|w| i32::from(w.port())).find(|p| *p != from).expect("another worker");
+        db.execute(
+            "SELECT citus_move_shard_placement($1, '127.0.0.1', $2, '127.0.0.1', $3, shard_transfer_mode => 'block_writes')",
+            &[&shard, &from, &to],
+        )
+        .await
+        .expect("citus_move_shard_placement");
+        assert_eq!(placement(&db, "big").await, (shard, to));
+        assert_served(&store, "big", &["k0", "k1", "k2", "k3"], "k4").await;
+        assert_one_task_on(&url, "big", shard).await;
+
+        // (The isolation split the shared shard: the other tenant's shard has
+        // a new id, on the same worker.)
+        assert_eq!(placement(&db, "small").await.1, small_before.1, "the other tenant stays on its worker");
+        assert_served(&store, "small", &keys, "k3").await;
+        let events_and_audit: i64 = db
+            .query_one(
+                "SELECT count(*) FROM citus_shards WHERE table_name::text IN ('idemgate_events', 'idemgate_audit') \
+                 AND nodeport = $1 AND shardid IN (SELECT shardid FROM pg_dist_shard WHERE shardminvalue = $2)",
+                &[&to, &min],
+            )
+            .await
+            .expect("colocated shards")
+            .get(0);
+        assert_eq!(events_and_audit, 2, "the tenant's events and audit shards moved with its records");
+    }
+}

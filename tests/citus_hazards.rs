@@ -401,3 +401,119 @@ async fn a_dead_worker_fails_its_tenants_claims_closed_and_the_others_keep_servi
     let completed: i64 = db.query_one("SELECT count(*) FROM idemgate_records WHERE state = 'completed'", &[]).await.unwrap().get(0);
     assert_eq!(completed, n);
 }
+
+/// One tenant's concurrent claims share statements on Citus (the tenant's
+/// read and insert queues, `src/store/postgres/citus_batch.rs`) and keep
+/// the claim's rules. A transaction holds an uncommitted row of one key, so
+/// the first claim's insert of that key waits, and the claims arriving
+/// meanwhile queue behind it and go in as one multi-row insert: new keys
+/// claimed twice at once (one wins, the other sees the winner's attempt),
+/// completed keys (replayed), expired attempts claimed twice by requests
+/// that may take them over (one takes over under a higher generation, the
+/// other sees its attempt), and the held key itself (its insert lost: the
+/// claim sees the other transaction's row).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenants_concurrent_claims_share_statements_and_keep_the_rules() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let url = citus::shared().create_unique_database("batched").expect("database");
+    let store = store(&url).await;
+    let tenant = "solo";
+    for k in 0..4 {
+        let claim = match store.claim(&req(&scope(tenant, &format!("c{k}")), LONG, false)).await.expect("claim") {
+            ClaimOutcome::Claimed(c) => c,
+            other => panic!("c{k}: {other:?}"),
+        };
+        assert_eq!(store.complete(&claim, &response(b"done"), Retention::For(LONG)).await.expect("complete"), WriteOutcome::Written);
+    }
+    let mut expired = BTreeMap::new();
+    for k in 0..3 {
+        match store.claim(&req(&scope(tenant, &format!("x{k}")), SHORT, true)).await.expect("claim") {
+            ClaimOutcome::Claimed(c) => expired.insert(format!("x{k}"), c.generation),
+            other => panic!("x{k}: {other:?}"),
+        };
+    }
+    tokio::time::sleep(SHORT * 3).await;
+
+    let holder = client(&url).await;
+    holder.batch_execute("BEGIN").await.expect("begin");
+    holder
+        .execute(
+            "INSERT INTO idemgate_records (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, \
+             owner, lease_expires_at, created_at, updated_at, expires_at, key_source, scope_id) \
+             VALUES ('solo', 'billing', 'create_order', 'held', decode(repeat('07', 32), 'hex'), 'in_flight', nextval('idemgate_generation'), \
+             gen_random_uuid(), 'another-replica', now() + interval '1 hour', now(), now(), now() + interval '1 hour', \
+             'header:idempotency-key', idemgate_scope_id('solo', 'billing', 'create_order', 'held'))",
+            &[],
+        )
+        .await
+        .expect("the held row");
+    let spawn = |key: String, upstream_idempotent: bool| {
+        let store = store.clone();
+        tokio::spawn(async move {
+            let outcome = store.claim(&req(&scope("solo", &key), LONG, upstream_idempotent)).await.expect("claim");
+            (key, outcome)
+        })
+    };
+    let mut tasks = vec![spawn("held".into(), false)];
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for k in 0..8 {
+        tasks.push(spawn(format!("n{k}"), false));
+        tasks.push(spawn(format!("n{k}"), false));
+    }
+    for k in 0..4 {
+        tasks.push(spawn(format!("c{k}"), false));
+    }
+    for k in 0..3 {
+        tasks.push(spawn(format!("x{k}"), true));
+        tasks.push(spawn(format!("x{k}"), true));
+    }
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    holder.batch_execute("COMMIT").await.expect("commit");
+
+    let mut by_key: BTreeMap<String, Vec<ClaimOutcome>> = BTreeMap::new();
+    for t in tasks {
+        let (key, outcome) = t.await.expect("task");
+        by_key.entry(key).or_default().push(outcome);
+    }
+    match &by_key["held"][..] {
+        [ClaimOutcome::Existing { record, .. }] => assert_eq!((&*record.owner, record.state), ("another-replica", State::InFlight)),
+        other => panic!("held: {other:?}"),
+    }
+    let mut generations = BTreeSet::new();
+    for (key, outcomes) in &by_key {
+        let claimed: Vec<_> = outcomes.iter().filter_map(|o| if let ClaimOutcome::Claimed(c) = o { Some(c) } else { None }).collect();
+        let seen: Vec<_> =
+            outcomes.iter().filter_map(|o| if let ClaimOutcome::Existing { record, .. } = o { Some(record) } else { None }).collect();
+        match key.chars().next() {
+            Some('n' | 'x') => {
+                let [winner] = claimed[..] else { panic!("{key}: not exactly one winner: {outcomes:?}") };
+                assert_eq!(winner.took_over, key.starts_with('x'), "{key}: {winner:?}");
+                if let Some(old) = expired.get(key) {
+                    assert!(winner.generation > *old, "{key}: taken over under {:?}, not above {old:?}", winner.generation);
+                }
+                let [other] = seen[..] else { panic!("{key}: {outcomes:?}") };
+                assert_eq!(
+                    (other.state, other.claim_token, other.generation),
+                    (State::InFlight, winner.claim_token, winner.generation),
+                    "{key}"
+                );
+                assert!(generations.insert(winner.generation), "{key}: generation {:?} drawn twice", winner.generation);
+                assert_eq!(store.complete(winner, &response(b"new"), Retention::For(LONG)).await.expect("complete"), WriteOutcome::Written);
+            }
+            Some('c') => {
+                let [record] = seen[..] else { panic!("{key}: {outcomes:?}") };
+                assert_eq!(
+                    (record.state, record.response.as_ref().and_then(|r| r.body.clone())),
+                    (State::Completed, Some(Bytes::from_static(b"done")))
+                );
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(generations.len(), 8 + 3);
+    let rows: i64 =
+        client(&url).await.query_one("SELECT count(*) FROM idemgate_records WHERE tenant = 'solo'", &[]).await.expect("count").get(0);
+    assert_eq!(rows, 4 + 3 + 8 + 1, "one row per scope");
+}

@@ -32,6 +32,8 @@ const REQUEST_PATH: &[&str] = &[
     "claim_read",
     "claim_insert",
     "claim_take_over",
+    "claim_read_batch",
+    "claim_insert_batch",
     "complete",
     "get",
     "release",

@@ -130,7 +130,15 @@ fn interleave(ctx: &mut Ctx, pg: &Pg, db: &str, contenders: &[Contender]) -> Res
                 if let Some(before) = &c.before {
                     before()?;
                 }
-                let watch = Watch { gateway: Some(c.gw), server: Some(c.gw.cpu()), db: pg.cpu(), pg: Some(pg), pg_db: db, analyze: true };
+                let watch = Watch {
+                    gateway: Some(c.gw),
+                    server: Some(c.gw.cpu()),
+                    db: pg.cpu(),
+                    pg: Some(pg),
+                    pg_db: db,
+                    analyze: true,
+                    nodes: &[],
+                };
                 let note = format!("round {}{}{}", round + 1, if c.note.is_empty() { "" } else { "; " }, c.note);
                 let (_, mut row) = measure_once(ctx, (PG, c.scenario, conns), &watch, &note, |ctx, secs| (c.run)(ctx, conns, secs))?;
                 if let Some(after) = &c.after {
@@ -362,7 +370,8 @@ fn async_rounds(ctx: &mut Ctx, base: &Spec, pg: &Pg) -> Result<()> {
             for k in 0..contenders.len() {
                 let i = (k + round) % contenders.len();
                 let (scenario, gw, note) = contenders[i];
-                let watch = Watch { gateway: Some(gw), server: Some(gw.cpu()), db: pg.cpu(), pg: Some(pg), pg_db: DB, analyze: true };
+                let watch =
+                    Watch { gateway: Some(gw), server: Some(gw.cpu()), db: pg.cpu(), pg: Some(pg), pg_db: DB, analyze: true, nodes: &[] };
                 let note = format!("round {}{}{note}", round + 1, if note.is_empty() { "" } else { "; " });
                 let (m, row) =
                     measure_once(ctx, (PG_ASYNC, scenario, conns), &watch, &note, |ctx, secs| first_write_run(ctx, gw, conns, secs))?;
@@ -419,7 +428,8 @@ fn async_mode(ctx: &mut Ctx, target: &str, base: &Spec, pg: Option<&Pg>) -> Resu
     };
     let gw = Gateway::start(&front, ctx.dir)?;
     ctx.progress(&format!("{target}: async acceptance"));
-    let watch = Watch { gateway: Some(&gw), server: Some(gw.cpu()), db: pg.and_then(Pg::cpu), pg, pg_db: "bench", analyze: true };
+    let watch =
+        Watch { gateway: Some(&gw), server: Some(gw.cpu()), db: pg.and_then(Pg::cpu), pg, pg_db: "bench", analyze: true, nodes: &[] };
     first_writes(ctx, target, ACCEPT, &gw, &watch, note)?;
     gw.stop()?;
     drain(ctx, target, &front, pg.map(|pg| (pg, "bench"))).map(drop)

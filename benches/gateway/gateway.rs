@@ -36,15 +36,24 @@ pub fn binary() -> PathBuf {
 
 #[derive(Debug, Clone)]
 pub enum Store {
-    Postgres { url: String },
-    Sqlite { path: PathBuf },
+    Postgres {
+        url: String,
+    },
+    /// A Citus node's database (`kind = "citus"`).
+    Citus {
+        url: String,
+    },
+    Sqlite {
+        path: PathBuf,
+    },
 }
 
 impl Store {
     fn toml(&self, sweep_interval: &str) -> String {
         match self {
-            Store::Postgres { .. } => format!(
-                "[store]\nkind = \"postgres\"\nurl_env = \"{DATABASE_URL_ENV}\"\npool_size = 16\nmigrate = false\nsweep_interval = \"{sweep_interval}\"\n"
+            Store::Postgres { .. } | Store::Citus { .. } => format!(
+                "[store]\nkind = \"{}\"\nurl_env = \"{DATABASE_URL_ENV}\"\npool_size = 16\nmigrate = false\nsweep_interval = \"{sweep_interval}\"\n",
+                if matches!(self, Store::Citus { .. }) { "citus" } else { "postgres" }
             ),
             Store::Sqlite { path } => {
                 format!(
@@ -57,7 +66,7 @@ impl Store {
 
     fn env(&self) -> Vec<(&'static str, String)> {
         match self {
-            Store::Postgres { url } => vec![(DATABASE_URL_ENV, url.clone())],
+            Store::Postgres { url } | Store::Citus { url } => vec![(DATABASE_URL_ENV, url.clone())],
             Store::Sqlite { .. } => Vec::new(),
         }
     }
@@ -80,6 +89,9 @@ pub struct Spec {
     pub route_extra: String,
     /// Top-level tables after the route (`[workers]`).
     pub extra: String,
+    /// Another gateway binary than [`binary()`] (citus.rs: a build from
+    /// before a change, measured beside the current one).
+    pub binary: Option<PathBuf>,
 }
 
 /// The gateway's default sweeper settings (interval, batch), from its own
@@ -104,7 +116,12 @@ impl Spec {
             identity: None,
             route_extra: String::new(),
             extra: String::new(),
+            binary: None,
         }
+    }
+
+    fn binary(&self) -> PathBuf {
+        self.binary.clone().unwrap_or_else(binary)
     }
 
     fn toml(&self) -> String {
@@ -176,7 +193,7 @@ upstream = "app"
 
     fn cli(&self, dir: &Path, args: &[&str]) -> Result<Vec<u8>> {
         let config = self.write(dir)?;
-        let mut cmd = Command::new(binary());
+        let mut cmd = Command::new(self.binary());
         cmd.args(args).arg("--config").arg(&config);
         for (k, v) in self.store.env() {
             cmd.env(k, v);
@@ -201,7 +218,7 @@ impl Gateway {
         env.push(("IDEMGATE_LOG", "info".into()));
         let args = ["serve".as_ref(), "--config".as_ref(), config.as_os_str()];
         let log = dir.join(format!("{}.log", spec.name));
-        let service = Service::spawn(&spec.name, &log, &binary(), &args, &env)?;
+        let service = Service::spawn(&spec.name, &log, &spec.binary(), &args, &env)?;
         let (addr, admin) = service.wait_for_log("\"listening\"", Duration::from_secs(30), listening)?;
         Ok(Gateway { addr, admin, service })
     }

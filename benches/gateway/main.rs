@@ -17,9 +17,15 @@
 // Real processes, real sockets: these tests wait on the wall clock.
 #![allow(clippy::disallowed_types)]
 
+/// The integration tests' harness: private PostgreSQL clusters, and Citus
+/// clusters (which reach the first as `super::postgres`).
+#[path = "../../tests/support/citus.rs"]
+mod citus_harness;
 #[path = "../../tests/support/postgres.rs"]
-mod pg_harness;
+mod postgres;
+use postgres as pg_harness;
 
+mod citus;
 mod client;
 mod cpu;
 mod features;
@@ -72,17 +78,21 @@ fn run(opts: &Options) -> Result<()> {
     if opts.scale {
         scale::run(opts, &dir)
     } else {
-        suite::run(opts, &dir, (features::wanted(opts) || tls::wanted(opts)).then_some(sections as suite::Section))
+        suite::run(opts, &dir, (features::wanted(opts) || tls::wanted(opts) || citus::wanted(opts)).then_some(sections as suite::Section))
     }
 }
 
-/// The optional sections after the built-in runs: features.rs, tls.rs.
+/// The optional sections after the built-in runs: features.rs, tls.rs,
+/// citus.rs.
 fn sections(ctx: &mut suite::Ctx, upstream: std::net::SocketAddr) -> Result<()> {
     if features::wanted(ctx.opts) {
         features::run(ctx, upstream)?;
     }
     if tls::wanted(ctx.opts) {
         tls::run(ctx, upstream)?;
+    }
+    if citus::wanted(ctx.opts) {
+        citus::run(ctx, upstream)?;
     }
     Ok(())
 }
@@ -118,7 +128,8 @@ pub struct Options {
     /// New keys in wrk runs: "spread" over the index (like UUIDs) or "sequential".
     pub key_order: String,
     /// Groups to run (upstream, nginx, pg, accesslog, pgbench, sqlite, features or its
-    /// parts async, events, identity, tls); all when unset.
+    /// parts async, events, identity, tls); all when unset. `citus` runs only
+    /// when named (`scripts/bench --citus`).
     pub only: Option<Vec<String>>,
     /// Record counts for `--scale`.
     pub scale_rows: Vec<u64>,

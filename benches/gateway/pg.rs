@@ -120,7 +120,7 @@ fn first_line(sql: &str) -> &str {
 
 /// `$IDEMGATE_TEST_PG_BINDIR/NAME`, else NAME on PATH, else the newest
 /// `/usr/lib/postgresql/*/bin/NAME`.
-fn find_pg_tool(name: &str) -> Result<PathBuf> {
+pub fn find_pg_tool(name: &str) -> Result<PathBuf> {
     let candidates = std::env::var_os("IDEMGATE_TEST_PG_BINDIR")
         .map(PathBuf::from)
         .into_iter()

@@ -38,6 +38,8 @@ pub struct Report {
     /// Named figures for the closing line that are not a row's (the
     /// features' medians of per-round figures).
     pub figures: Vec<(String, String)>,
+    /// Closing lines printed after the `ratios:` line (`citus: ...`).
+    pub summaries: Vec<String>,
 }
 
 impl Report {

@@ -129,7 +129,7 @@ fn at_size(ctx: &mut Ctx, gw: &Gateway, pg: &Pg, rows: u64) -> Result<AtSize> {
     let target = format!("idemgate-pg@{label}");
     ctx.progress(&target);
     // As before: populated with SQL and analyzed (VACUUM ANALYZE before each run).
-    let watch = Watch { gateway: Some(gw), server: Some(gw.cpu()), db: pg.cpu(), pg: Some(pg), pg_db: "bench", analyze: true };
+    let watch = Watch { gateway: Some(gw), server: Some(gw.cpu()), db: pg.cpu(), pg: Some(pg), pg_db: "bench", analyze: true, nodes: &[] };
     let url = format!("http://{}{}", gw.addr, gateway::ROUTE_PATH);
     let mut first = Vec::new();
     let mut replay = Vec::new();

@@ -67,6 +67,9 @@ pub struct Watch<'a> {
     pub pg_db: &'a str,
     /// Also `VACUUM ANALYZE` before each run (steady-state statistics).
     pub analyze: bool,
+    /// Further sets of processes whose CPU seconds during the run are
+    /// reported one by one (`Measured::nodes_cpu`: a Citus cluster's nodes).
+    pub nodes: &'a [Cpu],
 }
 
 /// A measured run and the gateway's metrics around it (warm-up excluded).
@@ -74,6 +77,8 @@ pub struct Measured {
     pub result: LoadResult,
     pub before: Metrics,
     pub after: Metrics,
+    /// CPU seconds of each of `Watch::nodes` during the measured run.
+    pub nodes_cpu: Vec<f64>,
 }
 
 /// Warms up (if configured), runs `run` measured, and adds a table row with
@@ -108,7 +113,9 @@ pub fn measure_once(
     let before = watch.gateway.map(Gateway::metrics).transpose()?.unwrap_or_default();
     let reset = watch.gateway.is_some_and(Gateway::reset_peak_rss);
     let cpu_before = (watch.server.map(|c| c.seconds()), watch.db.map(|c| c.seconds()));
+    let nodes_before: Vec<f64> = watch.nodes.iter().map(Cpu::seconds).collect();
     let result = run(ctx, ctx.opts.secs)?;
+    let nodes_cpu: Vec<f64> = watch.nodes.iter().zip(&nodes_before).map(|(c, b)| c.seconds() - b).collect();
     let per_request = |before: Option<f64>, now: Option<f64>| match (before, now) {
         (Some(b), Some(a)) if result.requests > 0 => Some((a - b) * 1e6 / result.requests as f64),
         _ => None,
@@ -135,7 +142,7 @@ pub fn measure_once(
         db_cpu_us,
         note: notes.iter().filter(|n| !n.is_empty()).cloned().collect::<Vec<_>>().join(" "),
     };
-    Ok((Measured { result, before, after }, row))
+    Ok((Measured { result, before, after, nodes_cpu }, row))
 }
 
 fn outcome_shares(outcomes: &[(String, u64)]) -> Vec<String> {
@@ -223,6 +230,9 @@ pub fn run(opts: &Options, dir: &Path, extra: Option<Section>) -> Result<()> {
         opts.rounds
     );
     println!("{}", ctx.report.ratio_line());
+    for line in &ctx.report.summaries {
+        println!("{line}");
+    }
     Ok(())
 }
 
@@ -375,8 +385,15 @@ fn without_access_log(ctx: &mut Ctx, pg: &Pg, url: &str, upstream: SocketAddr) -
     let target = "idemgate-pg-nolog";
     ctx.progress(target);
     let url = format!("http://{}{}", gw.addr, gateway::ROUTE_PATH);
-    let watch =
-        Watch { gateway: Some(&gw), server: Some(gw.cpu()), db: pg.cpu(), pg: Some(pg), pg_db: "bench_nolog", analyze: ctx.opts.steady };
+    let watch = Watch {
+        gateway: Some(&gw),
+        server: Some(gw.cpu()),
+        db: pg.cpu(),
+        pg: Some(pg),
+        pg_db: "bench_nolog",
+        analyze: ctx.opts.steady,
+        nodes: &[],
+    };
     for (name, scenario) in [("first write", Scenario::FirstWrite), ("replay", Scenario::Replay)] {
         for conns in ctx.opts.conns.clone() {
             let env = || replay_env(ctx.opts);
@@ -400,7 +417,15 @@ fn prepared_gateway(ctx: &Ctx, spec: &Spec) -> Result<Gateway> {
 fn gateway_scenarios(ctx: &mut Ctx, target: &str, gw: &Gateway, pg: Option<&Pg>) -> Result<()> {
     ctx.progress(target);
     let url = format!("http://{}{}", gw.addr, gateway::ROUTE_PATH);
-    let watch = Watch { gateway: Some(gw), server: Some(gw.cpu()), db: pg.and_then(Pg::cpu), pg, pg_db: "bench", analyze: ctx.opts.steady };
+    let watch = Watch {
+        gateway: Some(gw),
+        server: Some(gw.cpu()),
+        db: pg.and_then(Pg::cpu),
+        pg,
+        pg_db: "bench",
+        analyze: ctx.opts.steady,
+        nodes: &[],
+    };
     for (name, scenario) in [("first write", Scenario::FirstWrite), ("replay", Scenario::Replay), ("mix", Scenario::Mix)] {
         for conns in ctx.opts.conns.clone() {
             let env = || replay_env(ctx.opts);

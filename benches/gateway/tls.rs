@@ -72,7 +72,7 @@ pub fn run(ctx: &mut Ctx, upstream: SocketAddr) -> Result<()> {
 /// wrk first writes (a new key per request) at each connection count.
 fn first_writes(ctx: &mut Ctx, target: &str, gw: &Gateway, pg: &Pg, scheme: &str) -> Result<()> {
     let url = format!("{scheme}://{}{}", gw.addr, gateway::ROUTE_PATH);
-    let watch = Watch { gateway: Some(gw), server: Some(gw.cpu()), db: pg.cpu(), pg: Some(pg), pg_db: "bench", analyze: true };
+    let watch = Watch { gateway: Some(gw), server: Some(gw.cpu()), db: pg.cpu(), pg: Some(pg), pg_db: "bench", analyze: true, nodes: &[] };
     let note = if scheme == "https" { "TLS, HTTP/1.1" } else { "plain HTTP, same database" };
     for conns in ctx.opts.conns.clone() {
         measure(ctx, (target, FIRST, conns), &watch, note, |ctx, secs| {

@@ -25,9 +25,19 @@ function setup(thread)
    threads = threads + 1
 end
 
+-- BENCH_API_KEYS (comma-separated, optional): requests take the keys in
+-- turn, one tenant each (benches/gateway/citus.rs).
+local auths = {}
+for k in string.gmatch(os.getenv("BENCH_API_KEYS") or "", "[^,]+") do
+   auths[#auths + 1] = "Bearer " .. k
+end
+
 local counter = 0
 function request()
    counter = counter + 1
+   if #auths > 0 then
+      headers["Authorization"] = auths[(counter + tid) % #auths + 1]
+   end
    headers["Idempotency-Key"] = key(counter)
    return wrk.format("POST", path, headers, body)
 end

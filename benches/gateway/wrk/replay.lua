@@ -12,6 +12,13 @@ local headers = {
    ["Content-Type"] = "application/json",
 }
 
+-- BENCH_API_KEYS (comma-separated, optional): key n is replayed with API
+-- key n % count, as benches/gateway/citus.rs populated it (one tenant each).
+local auths = {}
+for k in string.gmatch(os.getenv("BENCH_API_KEYS") or "", "[^,]+") do
+   auths[#auths + 1] = "Bearer " .. k
+end
+
 local threads = 0
 function setup(thread)
    thread:set("tid", threads)
@@ -31,6 +38,9 @@ function request()
    else
       n = i
       i = (i + 1) % count
+   end
+   if #auths > 0 then
+      headers["Authorization"] = auths[n % #auths + 1]
    end
    headers["Idempotency-Key"] = string.format(fmt, first + n)
    return wrk.format("POST", path, headers, body)

@@ -12,8 +12,9 @@ use uuid::Uuid;
 
 use super::super::migrations::Migration;
 use super::super::{Claim, ClaimRequest, RawClaim, Records, StoreError};
-use super::{NCOLS, classify, decode, micros};
-use crate::idempotency::record::{Generation, Timestamp, may_take_over};
+use super::citus_batch::{InsertItem, Inserted, Seen};
+use super::{classify, micros};
+use crate::idempotency::record::{Generation, may_take_over};
 use crate::outbox::EventType;
 
 /// Which server the PostgreSQL backend talks to.
@@ -112,21 +113,51 @@ pub async fn migrate(tx: &Transaction<'_>, done: &[i64]) -> Result<Vec<String>, 
 
 impl super::PgStore {
     /// The claim on Citus (see `super::citus_sql::CITUS_CLAIM_READ`): read, insert, or
-    /// take over, each a router statement on the scope's shard.
+    /// take over, each a router statement on the scope's shard; the reads
+    /// and inserts of a tenant's concurrent claims share statements
+    /// (`super::citus_batch`).
     pub(super) async fn claim_citus(&self, req: &ClaimRequest) -> Result<RawClaim, StoreError> {
         let s = &req.scope;
+        let claimed = |(generation, lease, updated): Inserted, took_over: bool| {
+            RawClaim::Claimed(Claim {
+                scope: s.clone(),
+                generation: Generation(generation),
+                claim_token: req.claim_token,
+                lease_expires_at: lease.unwrap_or(updated),
+                took_over,
+            })
+        };
+        let Some(Seen { record, now, cacheable }) = self.citus_claims.read(&self.db, s).await? else {
+            let item = InsertItem {
+                scope: s.clone(),
+                request_hash: req.request_hash.0,
+                token: req.claim_token,
+                owner: req.owner.clone(),
+                lease_us: micros(req.lease),
+                operation_id: req.acceptance.as_ref().map(|a| a.operation_id.as_str().to_owned()),
+                request: req.acceptance.as_ref().map(|a| a.request.clone()).or_else(|| req.request_head.clone()),
+                key_source: req.key_source.clone(),
+            };
+            return Ok(match self.citus_claims.insert(&self.db, item).await? {
+                Some(inserted) => claimed(inserted, false),
+                // Inserted concurrently by another claim since the read.
+                None => RawClaim::Conflict,
+            });
+        };
+        if !may_take_over(&record, &req.request_hash, now, req.upstream_idempotent) {
+            return Ok(if cacheable { RawClaim::Cacheable(record, now) } else { RawClaim::Existing(record, now) });
+        }
         let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
-        let pk: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&&*s.tenant, &&*s.principal, &&*s.operation, &s.key.as_str()];
-        let rows = self.query(&super::citus_sql::CITUS_CLAIM_READ, &pk, false).await?;
         let lease = micros(req.lease);
         let may_take = req.upstream_idempotent && req.acceptance.is_none();
         let operation_id = req.acceptance.as_ref().map(|a| a.operation_id.as_str());
         let request = req.acceptance.as_ref().map(|a| &a.request[..]).or(req.request_head.as_deref());
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 12] = [
-            pk[0],
-            pk[1],
-            pk[2],
-            pk[3],
+        let generation = self.next_generation().await?;
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 13] = [
+            &&*s.tenant,
+            &&*s.principal,
+            &&*s.operation,
+            &s.key.as_str(),
             &&req.request_hash.0[..],
             &req.claim_token,
             &&*req.owner,
@@ -135,45 +166,17 @@ impl super::PgStore {
             &operation_id,
             &request,
             &&*req.key_source,
+            &generation,
         ];
-        let claimed = |row: &Row, took_over: bool| -> Result<RawClaim, StoreError> {
-            let generation: i64 = row.try_get(0).map_err(c)?;
-            let lease: Option<Timestamp> = row.try_get(1).map_err(c)?;
-            let updated: Timestamp = row.try_get(2).map_err(c)?;
-            Ok(RawClaim::Claimed(Claim {
-                scope: s.clone(),
-                generation: Generation(generation),
-                claim_token: req.claim_token,
-                lease_expires_at: lease.unwrap_or(updated),
-                took_over,
-            }))
-        };
-        let Some(row) = rows.first() else {
-            let rows = self.query(&super::citus_sql::CITUS_CLAIM_INSERT, &params, true).await?;
-            return match rows.first() {
-                Some(row) => claimed(row, false),
-                // Inserted concurrently by another claim since the read.
-                None => Ok(RawClaim::Conflict),
-            };
-        };
-        let record = decode(row)?;
-        let now: Timestamp = row.try_get(NCOLS).map_err(c)?;
-        let cacheable: bool = row.try_get(NCOLS + 1).map_err(c)?;
-        if may_take_over(&record, &req.request_hash, now, req.upstream_idempotent) {
-            let generation = self.next_generation().await?;
-            let mut with_generation = params.to_vec();
-            with_generation.push(&generation);
-            let rows = self.query(&super::citus_sql::CITUS_TAKE_OVER, &with_generation, true).await?;
-            if let Some(row) = rows.first() {
-                return claimed(row, true);
-            }
-            // Moved on since the read: what it is now.
-            return match self.get(s).await? {
-                Some((record, now)) => Ok(RawClaim::Existing(record, now)),
-                None => Ok(RawClaim::Conflict),
-            };
+        let rows = self.query(&super::citus_sql::CITUS_TAKE_OVER, &params, true).await?;
+        if let Some(row) = rows.first() {
+            return Ok(claimed((row.try_get(0).map_err(c)?, row.try_get(1).map_err(c)?, row.try_get(2).map_err(c)?), true));
         }
-        Ok(if cacheable { RawClaim::Cacheable(record, now) } else { RawClaim::Existing(record, now) })
+        // Moved on since the read: what it is now.
+        match self.get(s).await? {
+            Some((record, now)) => Ok(RawClaim::Existing(record, now)),
+            None => Ok(RawClaim::Conflict),
+        }
     }
 }
 

@@ -55,6 +55,57 @@ pub(super) static CITUS_CLAIM_INSERT: LazyLock<String> = LazyLock::new(|| {
         .to_owned()
 });
 
+/// [`CITUS_CLAIM_READ`] for several claims of one tenant (`$1`): the rows
+/// of these scope ids (`$2`) and keys (`$3`), a router query on the
+/// tenant's shard (see `citus_batch`); the caller matches rows to claims by
+/// their whole scope.
+pub(super) static CITUS_CLAIM_READ_BATCH: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT {COLUMNS}, now(), NOT coalesce(cache_hold_until > now(), false) FROM idemgate_records \
+         WHERE tenant = $1 AND scope_id = ANY($2::int8[]) AND idempotency_key = ANY($3::text[])"
+    )
+});
+
+/// [`CITUS_CLAIM_INSERT`] for `n` claims of one tenant (see `citus_batch`):
+/// one multi-row `INSERT`, which Citus routes to the tenant's shard and
+/// whose `VALUES` it evaluates on the coordinator (`nextval`, `now()`).
+/// Eleven parameters per row, in `CLAIM`'s order without `$9`: tenant,
+/// principal, operation, key, request hash, claim token, owner, lease (us),
+/// operation id, request, key source. Returns the claim token of each row
+/// inserted, its generation, lease end and `updated_at`. The caller sends
+/// the rows in primary-key order, so that two batches never wait on each
+/// other in a cycle.
+pub(super) fn claim_insert_batch(n: usize) -> String {
+    let rows: Vec<String> = (0..n)
+        .map(|k| {
+            let p = |i: usize| format!("${}", 11 * k + i);
+            let (t, pr, o, key, op_id, lease) = (p(1), p(2), p(3), p(4), p(9), p(8));
+            format!(
+                "({t}::text, {pr}::text, {o}::text, {key}::text, {}::bytea, CASE WHEN {op_id}::text IS NULL THEN 'in_flight' ELSE 'queued' END, \
+                 nextval('idemgate_generation'), {}::uuid, {}::text, \
+                 now() + (CASE WHEN {op_id}::text IS NULL THEN {lease}::int8 END) * interval '1 microsecond', now(), now(), \
+                 now() + {lease}::int8 * interval '1 microsecond', {op_id}::text, {}::bytea, \
+                 now() + (CASE WHEN {op_id}::text IS NOT NULL THEN 0 END) * interval '1 microsecond', {}::text, \
+                 idemgate_scope_id({t}::text, {pr}::text, {o}::text, {key}::text))",
+                p(5),
+                p(6),
+                p(7),
+                p(10),
+                p(11),
+            )
+        })
+        .collect();
+    format!(
+        "INSERT INTO idemgate_records
+        (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
+         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, key_source, scope_id)
+     VALUES {}
+     ON CONFLICT ON CONSTRAINT idemgate_records_pkey DO NOTHING
+     RETURNING claim_token, generation, lease_expires_at, updated_at",
+        rows.join(",\n            ")
+    )
+}
+
 /// See [`CITUS_CLAIM_READ`]. The new generation is `$13`, drawn before by
 /// [`CITUS_NEXT_GENERATION`] (Citus refuses `nextval()` in a distributed
 /// `UPDATE`, and a `SELECT` CTE drawing it would be a subplan whose result
@@ -275,9 +326,10 @@ pub(super) const CITUS_TENANTS_TO_PROBE: &str = "SELECT tenant FROM idemgate_rec
 pub fn catalog_for(flavor: super::Flavor) -> Vec<Statement> {
     let mut all = catalog();
     if flavor == super::Flavor::Citus {
-        // Claims and result writes are not batched across scopes on Citus
+        // Claims and result writes are not batched across tenants on Citus
         // (a batch's arrays name tenants Citus cannot route by): the claim
-        // is `CITUS_CLAIM_READ`, `CITUS_CLAIM_INSERT`, `CITUS_TAKE_OVER`.
+        // is `CITUS_CLAIM_READ`, `CITUS_CLAIM_INSERT`, `CITUS_TAKE_OVER`, or
+        // a tenant's batch of reads or inserts (`citus_batch`).
         all.retain(|s| !matches!(s.name.as_str(), "claim" | "claim_batch" | "complete_batch" | "write_batch"));
         for s in &mut all {
             if let Some(sql) = citus_statement(&s.name) {
@@ -290,6 +342,9 @@ pub fn catalog_for(flavor: super::Flavor) -> Vec<Statement> {
         {
             all.push(Statement { name: name.to_owned(), sql: sql.clone(), indexes: pkey });
         }
+        // A tenant's concurrent claims share these (see `citus_batch`).
+        all.push(Statement { name: "claim_read_batch".into(), sql: CITUS_CLAIM_READ_BATCH.clone(), indexes: pkey });
+        all.push(Statement { name: "claim_insert_batch".into(), sql: claim_insert_batch(3), indexes: pkey });
         for s in &mut all {
             s.sql = for_citus(&s.sql).to_owned();
         }

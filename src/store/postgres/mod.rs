@@ -52,6 +52,7 @@ mod trail;
 mod batch;
 pub mod catalog;
 pub mod citus;
+mod citus_batch;
 pub mod citus_sql;
 mod failover;
 pub mod sql;
@@ -147,6 +148,8 @@ pub struct PgStore {
     writes: Batcher<WriteItem, WriteOut>,
     /// PostgreSQL or a Citus coordinator (see `citus`).
     flavor: Flavor,
+    /// On Citus: each tenant's concurrent claims share statements (see `citus_batch`).
+    citus_claims: citus_batch::TenantClaims,
 }
 
 /// Bound on a readiness ping: `/readyz` must answer within about a second
@@ -310,7 +313,7 @@ impl PgStore {
                 async move { db.write_batch(items).await }
             })
         };
-        Ok(PgStore { db, writes, flavor })
+        Ok(PgStore { db, writes, flavor, citus_claims: Default::default() })
     }
 
     async fn conn(&self) -> Result<Conn, StoreError> {
