@@ -1186,7 +1186,10 @@ async fn lease_expiry_requeues_what_was_never_sent_or_may_run_again(backend: Bac
     for s in [&sent, &unsent, &dedup] {
         claim(&store, &accept_req(s, 1)).await;
     }
-    let routes = [worker_route("create_order", SHORT), worker_route("charge", SHORT)];
+    // Leases of a second, not SHORT: the live-lease checks below must not
+    // see a lease run out on a loaded machine (with 150 ms they did).
+    let lease = Duration::from_secs(1);
+    let routes = [worker_route("create_order", lease), worker_route("charge", lease)];
     let mut held = Vec::new();
     while let Some(t) = take(&store, &routes, "w").await {
         if t.record.scope != unsent {
@@ -1197,7 +1200,7 @@ async fn lease_expiry_requeues_what_was_never_sent_or_may_run_again(backend: Bac
     assert_eq!(held.len(), 3);
     // A live lease is left alone.
     assert_eq!(store.reap_leases(10, &["charge".into()]).await.unwrap(), Reaped::default());
-    tokio::time::sleep(PAST_SHORT).await;
+    tokio::time::sleep(lease + Duration::from_millis(100)).await;
     // `charge` deduplicates upstream: its sent attempt may run again.
     assert_eq!(store.reap_leases(10, &["charge".into()]).await.unwrap(), Reaped { unknown: 1, requeued: 2 });
     assert_eq!(row(&store, &sent).await.state, State::Unknown, "sent to an upstream that does not deduplicate");
