@@ -473,7 +473,8 @@ mod citus_tests {
             (&*CITUS_SWEEP, "tenant = $2", 2),
             (&*CITUS_REAP_LEASES, "tenant = $4", 2),
             (&*CITUS_TAKE, "tenant = $6", 3),
-            (&*CITUS_TAKE_EVENTS, "tenant = $5", 2),
+            // The take, its update and its two order checks.
+            (&*CITUS_TAKE_EVENTS, "tenant = $5", 4),
             (&*CITUS_TAKE_PROBES, "tenant = $7", 2),
         ];
         for (sql, filter, n) in tenant_filters {
