@@ -245,15 +245,19 @@ pub(super) fn is_deadlock(e: &StoreError) -> bool {
 }
 
 impl Db {
-    /// A write statement under the batch timeout; a timeout is ambiguous.
+    /// A batched statement under the batch timeout (a batch outlives any one
+    /// caller): a write that timed out is ambiguous, a read unavailable.
     pub(super) async fn bounded_query(
         &self,
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+        write: bool,
     ) -> Result<Vec<Row>, StoreError> {
-        match tokio::time::timeout(self.timeout, self.query(sql, params, true)).await {
+        match tokio::time::timeout(self.timeout, self.query(sql, params, write)).await {
             Ok(r) => r,
-            Err(_) => Err(StoreError::Ambiguous(format!("batched statement timed out after {:?}", self.timeout))),
+            // A write that timed out may have committed; a read changed nothing.
+            Err(_) if write => Err(StoreError::Ambiguous(format!("batched statement timed out after {:?}", self.timeout))),
+            Err(_) => Err(StoreError::Unavailable(format!("batched read timed out after {:?}", self.timeout))),
         }
     }
 
@@ -277,7 +281,7 @@ impl Db {
             (true, false) => (&super::records::COMPLETE_BATCH, complete_cols.params()),
             (false, false) => (&super::records::WRITE_BATCH, claim_cols.params().into_iter().chain(complete_cols.params()).collect()),
         };
-        let rows = match self.bounded_query(statement, &params).await {
+        let rows = match self.bounded_query(statement, &params, true).await {
             Ok(rows) => rows,
             Err(e) if is_deadlock(&e) => {
                 let mut out: Vec<WriteOut> = (0..n).map(|_| WriteOut::Complete(BatchWrite::Retry)).collect();

@@ -133,25 +133,17 @@ fn found(row: &Row) -> Result<Seen, StoreError> {
     Ok(Seen { record: decode(row)?, now: row.try_get(NCOLS).map_err(corrupt)?, cacheable: row.try_get(NCOLS + 1).map_err(corrupt)? })
 }
 
-/// A read under the store's bound (a batch outlives any one caller).
-async fn bounded_read(db: &Db, sql: &str, params: &[&(dyn tokio_postgres::types::ToSql + Sync)]) -> Result<Vec<Row>, StoreError> {
-    match tokio::time::timeout(db.timeout, db.query(sql, params, false)).await {
-        Ok(r) => r,
-        Err(_) => Err(StoreError::Unavailable(format!("batched read timed out after {:?}", db.timeout))),
-    }
-}
-
 /// One tenant's reads: one statement for all of them.
 async fn read_batch(db: &Db, scopes: Vec<Scope>) -> Result<Vec<Option<Seen>>, StoreError> {
     let Some(first) = scopes.first() else { return Ok(Vec::new()) };
     if let [s] = &scopes[..] {
         let pk: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&&*s.tenant, &&*s.principal, &&*s.operation, &s.key.as_str()];
-        let rows = bounded_read(db, &citus_sql::CITUS_CLAIM_READ, &pk).await?;
+        let rows = db.bounded_query(&citus_sql::CITUS_CLAIM_READ, &pk, false).await?;
         return Ok(vec![rows.first().map(found).transpose()?]);
     }
     let ids: Vec<i64> = scopes.iter().map(|s| s.scope_id().to_i64()).collect();
     let keys: Vec<&str> = scopes.iter().map(|s| s.key.as_str()).collect();
-    let rows = bounded_read(db, &citus_sql::CITUS_CLAIM_READ_BATCH, &[&&*first.tenant, &ids, &keys]).await?;
+    let rows = db.bounded_query(&citus_sql::CITUS_CLAIM_READ_BATCH, &[&&*first.tenant, &ids, &keys], false).await?;
     let found: Vec<Seen> = rows.iter().map(found).collect::<Result<_, _>>()?;
     // Rows are matched to claims by their whole scope (the ids and keys
     // match as two lists, not as pairs).
@@ -210,14 +202,14 @@ async fn insert_batch(db: &Db, items: Vec<InsertItem>) -> Result<Vec<Option<Inse
         params.extend_from_slice(&[&operation_ids[j], &requests[j], &key_sources[j]]);
     }
     if items.len() == 1 {
-        let rows = db.bounded_query(&citus_sql::CITUS_CLAIM_INSERT, &params).await?;
+        let rows = db.bounded_query(&citus_sql::CITUS_CLAIM_INSERT, &params, true).await?;
         let inserted = match rows.first() {
             Some(r) => Some((col(r, 0)?, col(r, 1)?, col(r, 2)?)),
             None => None,
         };
         return Ok(vec![inserted]);
     }
-    let rows = db.bounded_query(&citus_sql::claim_insert_batch(items.len()), &params).await?;
+    let rows = db.bounded_query(&citus_sql::claim_insert_batch(items.len()), &params, true).await?;
     let mut inserted: Vec<(Uuid, Inserted)> = Vec::with_capacity(rows.len());
     for r in &rows {
         inserted.push((col(r, 0)?, (col(r, 1)?, col(r, 2)?, col(r, 3)?)));
