@@ -474,6 +474,10 @@ async fn observe_mode_passes_with_postgres_stopped_or_hung() {
     let store = Backend::Postgres { url: direct }.open().await;
     settled(&store, "before", State::Completed).await;
     drop(store);
+    // The first claim opens the pool's connection and may itself outlast the
+    // 50 ms budget on a loaded machine (it is then counted as skipped and
+    // recorded in the background, as it was above): count from here on.
+    let skipped_before = metric(&gw, SKIPPED).await;
 
     // Hung: statements never get an answer.
     proxy.set(support::faultproxy::Fault::BlackholeDownstream);
@@ -495,7 +499,7 @@ async fn observe_mode_passes_with_postgres_stopped_or_hung() {
         assert!(started.elapsed() < Duration::from_secs(10), "waited for the store: {:?}", started.elapsed());
     }
     assert_eq!(up.total(), 7, "every request reached the upstream");
-    assert_eq!(metric(&gw, SKIPPED).await, 6.0);
+    assert_eq!(metric(&gw, SKIPPED).await - skipped_before, 6.0, "each request with the store hung or down is skipped");
     assert_eq!(metric(&gw, r#"idemgate_observe_would_total"#).await, 0.0);
 }
 
