@@ -58,6 +58,7 @@ on_both_stores!(
     abandon_deletes_only_an_in_flight_claim_with_its_token,
     acceptance_queues_the_operation_with_its_request,
     racing_workers_take_one_operation_once_each_under_a_new_generation,
+    a_take_for_several_workers_draws_each_operation_once_and_their_sends_are_fenced_each,
     a_worker_whose_lease_was_taken_over_cannot_act,
     lease_expiry_requeues_what_was_never_sent_or_may_run_again,
     retries_wait_their_backoff_then_fail_and_are_swept_after_retention,
@@ -106,6 +107,7 @@ on_citus!(
     abandon_deletes_only_an_in_flight_claim_with_its_token,
     acceptance_queues_the_operation_with_its_request,
     racing_workers_take_one_operation_once_each_under_a_new_generation,
+    a_take_for_several_workers_draws_each_operation_once_and_their_sends_are_fenced_each,
     a_worker_whose_lease_was_taken_over_cannot_act,
     lease_expiry_requeues_what_was_never_sent_or_may_run_again,
     retries_wait_their_backoff_then_fail_and_are_swept_after_retention,
@@ -1139,6 +1141,81 @@ async fn racing_workers_take_one_operation_once_each_under_a_new_generation(back
         let r = row(&store, &t.record.scope).await;
         assert_eq!((r.state, r.generation, r.claim_token), (State::Processing, t.claim.generation, t.claim.claim_token));
     }
+}
+
+/// One take draws for several idle workers (on Citus one operation per
+/// take): oldest first, each operation once, each with its own generation and
+/// token. Their `mark_sent`s, sent at once (on PostgreSQL they share one
+/// statement), are fenced each by its own attempt.
+async fn a_take_for_several_workers_draws_each_operation_once_and_their_sends_are_fenced_each(backend: Backend) {
+    const N: usize = 9;
+    let store = open(&backend).await;
+    let citus = matches!(backend, Backend::Citus { .. });
+    let routes = [worker_route("create_order", LONG)];
+    let mut accepted = Vec::new();
+    for i in 0..N {
+        let s = key(&format!("many-{i}"));
+        claim(&store, &accept_req(&s, 1)).await;
+        accepted.push(s.key.as_str().to_owned());
+    }
+    // The first take: the three oldest, in order.
+    let first = store.take_up_to(&routes, "w0", 3).await.expect("take");
+    let keys: Vec<&str> = first.iter().map(|t| t.record.scope.key.as_str()).collect();
+    if citus {
+        assert_eq!(keys, &accepted[..1], "one per take on Citus");
+    } else {
+        assert_eq!(keys, &accepted[..3], "the oldest due, oldest first");
+    }
+    // Racing takes of up to four drain the rest: nothing taken twice.
+    let mut tasks = Vec::new();
+    for w in 1..=4 {
+        let (store, routes) = (store.clone(), routes.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut mine = Vec::new();
+            loop {
+                let got = store.take_up_to(&routes, &format!("w{w}"), 4).await.expect("take");
+                assert!(got.len() <= 4);
+                if got.is_empty() {
+                    return mine;
+                }
+                mine.extend(got);
+            }
+        }));
+    }
+    let mut taken = first;
+    for t in tasks {
+        taken.extend(t.await.unwrap());
+    }
+    let keys: BTreeSet<&str> = taken.iter().map(|t| t.record.scope.key.as_str()).collect();
+    assert_eq!((taken.len(), keys.len()), (N, N), "every operation taken exactly once");
+    let generations: BTreeSet<Generation> = taken.iter().map(|t| t.claim.generation).collect();
+    let tokens: BTreeSet<Uuid> = taken.iter().map(|t| t.claim.claim_token).collect();
+    assert_eq!((generations.len(), tokens.len()), (N, N), "a generation and a token of its own each");
+    for t in &taken {
+        let r = row(&store, &t.record.scope).await;
+        assert_eq!((r.state, r.generation, r.claim_token, r.attempts), (State::Processing, t.claim.generation, t.claim.claim_token, 1));
+        assert_eq!(r, t.record);
+    }
+    // Every taken attempt sends at once, and two that must not: one under a
+    // generation that is not the record's, one whose lease ran out.
+    let stale = key("many-stale");
+    claim(&store, &accept_req(&stale, 1)).await;
+    let short = take(&store, &[worker_route("create_order", SHORT)], "w5").await.expect("due");
+    tokio::time::sleep(PAST_SHORT).await;
+    let mut forged = taken[N / 2].claim.clone();
+    forged.generation = Generation(forged.generation.0 + 1_000_000);
+    let mut claims: Vec<Claim> = taken.iter().map(|t| t.claim.clone()).collect();
+    claims.push(forged);
+    claims.push(short.claim.clone());
+    let sent = futures_util::future::join_all(claims.iter().map(|c| store.mark_sent(c))).await;
+    for (i, (c, outcome)) in claims.iter().zip(&sent).enumerate() {
+        let expected = if i < N { WriteOutcome::Written } else { WriteOutcome::Fenced };
+        assert_eq!(outcome.as_ref().expect("mark_sent"), &expected, "{}", c.scope.key.as_str());
+    }
+    for t in &taken {
+        assert!(row(&store, &t.record.scope).await.sent_at.is_some(), "sent: {}", t.record.scope.key.as_str());
+    }
+    assert_eq!(row(&store, &stale).await.sent_at, None, "a lease that ran out does not send");
 }
 
 async fn a_worker_whose_lease_was_taken_over_cannot_act(backend: Backend) {

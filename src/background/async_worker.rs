@@ -1,24 +1,29 @@
-//! Async workers: each takes the oldest due `queued` operation of this
-//! replica's async routes (under a lease, with a new generation), runs one
-//! attempt through the [`Executor`], and takes the next. Any replica's workers
-//! may take any operation; the store guarantees one holder per generation.
-//! Idle workers poll with a growing interval, and are woken at once when this
-//! replica accepts an operation.
+//! Async workers: `count` attempts at a time, each running one due `queued`
+//! operation of this replica's async routes (under a lease, with a new
+//! generation) through the [`Executor`]. One taker draws operations for all
+//! idle workers in one take (one statement and one commit on PostgreSQL):
+//! while a take runs, the attempts that finish free their workers, and the
+//! next take draws for all of them, so takes grow with the load as batched
+//! claims do. Any replica's workers may take any operation; the store
+//! guarantees one holder per generation. An idle taker polls with a growing
+//! interval, and is woken at once when this replica accepts an operation.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::Notify;
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::executor::Executor;
 use crate::request::route::Route;
 use crate::retry::Backoff;
-use crate::store::{Store, WorkerRoute};
+use crate::store::{Store, Taken, WorkerRoute};
 
 /// The poll interval of an idle worker.
 const IDLE: Backoff = Backoff::new(Duration::from_millis(20), Duration::from_millis(500));
+/// Most operations one take draws.
+const MAX_TAKE: usize = 32;
 /// Pause after a store error before taking again.
 const ERROR_PAUSE: Duration = Duration::from_secs(1);
 
@@ -45,31 +50,47 @@ impl AsyncWorkers {
     }
 
     /// Starts `count` workers on `tracker`; they stop taking work when
-    /// `shutdown` fires and finish the attempt they hold (the drain waits).
+    /// `shutdown` fires and finish the attempts they hold (the drain waits).
     pub fn spawn(self, count: usize, executor: &Executor, tracker: &TaskTracker, shutdown: CancellationToken) {
         if self.take.is_empty() || count == 0 {
             return;
         }
-        let shared = Arc::new(self);
-        for i in 0..count {
-            let (shared, executor, shutdown) = (shared.clone(), executor.with_own_pools(), shutdown.clone());
-            tracker.spawn(async move { shared.run(i, executor, shutdown).await });
-        }
+        let executor = Arc::new(executor.with_own_pools());
+        let attempts = tracker.clone();
+        tracker.spawn(async move { self.run(count, executor, attempts, shutdown).await });
     }
 
-    async fn run(&self, index: usize, executor: Executor, shutdown: CancellationToken) {
-        tracing::debug!(worker = index, "async worker started");
+    /// The taker: waits for a free worker, takes for every free one, and
+    /// runs each operation taken as an attempt on `attempts`.
+    async fn run(self, count: usize, executor: Arc<Executor>, attempts: TaskTracker, shutdown: CancellationToken) {
+        tracing::debug!(workers = count, "async workers started");
+        let workers = Arc::new(Semaphore::new(count));
         let mut idle_rounds = 1;
-        while !shutdown.is_cancelled() {
-            match self.store.take(&self.take, &self.owner).await {
-                Ok(Some(taken)) => {
-                    idle_rounds = 1;
-                    let Some(route) = self.routes.iter().find(|r| r.operation == taken.record.scope.operation) else { continue };
-                    tracing::debug!(worker = index, route = %route.operation, scope = %taken.claim.scope.log_id(),
-                        generation = %taken.claim.generation, attempt = taken.record.attempts, "took an operation");
-                    executor.run_async(route, &taken).await;
+        loop {
+            let first = tokio::select! {
+                _ = shutdown.cancelled() => break,
+                free = workers.clone().acquire_owned() => match free {
+                    Ok(free) => free,
+                    Err(_) => break,
+                },
+            };
+            let mut free = vec![first];
+            while free.len() < MAX_TAKE {
+                match workers.clone().try_acquire_owned() {
+                    Ok(more) => free.push(more),
+                    Err(_) => break,
                 }
-                Ok(None) => {
+            }
+            match self.store.take_up_to(&self.take, &self.owner, free.len()).await {
+                Ok(taken) if !taken.is_empty() => {
+                    idle_rounds = 1;
+                    // Workers left over go back with `free`'s remainder.
+                    for (taken, worker) in taken.into_iter().zip(free) {
+                        self.start(taken, worker, &executor, &attempts);
+                    }
+                }
+                Ok(_) => {
+                    drop(free);
                     tokio::select! {
                         _ = shutdown.cancelled() => break,
                         _ = self.wake.notified() => idle_rounds = 1,
@@ -77,7 +98,8 @@ impl AsyncWorkers {
                     }
                 }
                 Err(e) => {
-                    tracing::warn!(worker = index, error = %e, "could not take an operation");
+                    drop(free);
+                    tracing::warn!(error = %e, "could not take an operation");
                     tokio::select! {
                         _ = shutdown.cancelled() => break,
                         _ = tokio::time::sleep(ERROR_PAUSE) => {}
@@ -85,6 +107,18 @@ impl AsyncWorkers {
                 }
             }
         }
-        tracing::debug!(worker = index, "async worker stopped");
+        tracing::debug!("async workers stopped taking");
+    }
+
+    /// Runs one attempt on a worker, which is free again when it ends.
+    fn start(&self, taken: Taken, worker: OwnedSemaphorePermit, executor: &Arc<Executor>, attempts: &TaskTracker) {
+        let Some(route) = self.routes.iter().find(|r| r.operation == taken.record.scope.operation).cloned() else { return };
+        tracing::debug!(route = %route.operation, scope = %taken.claim.scope.log_id(), generation = %taken.claim.generation,
+            attempt = taken.record.attempts, "took an operation");
+        let executor = executor.clone();
+        attempts.spawn(async move {
+            executor.run_async(&route, &taken).await;
+            drop(worker);
+        });
     }
 }

@@ -424,10 +424,18 @@ impl Store {
 
     /// Async: takes the next due operation of `routes` for a worker.
     pub async fn take(&self, routes: &[WorkerRoute], owner: &str) -> Result<Option<Taken>, StoreError> {
-        // A take whose answer is lost leaves an operation `processing` under
-        // a token nobody holds: its lease runs out and the reaper re-queues it
-        // (it was never sent). Reading it back is not needed.
-        self.bounded("take", true, self.backend.take(routes, owner, Uuid::new_v4())).await
+        Ok(self.take_up_to(routes, owner, 1).await?.pop())
+    }
+
+    /// Async: takes up to `limit` due operations of `routes` in one commit,
+    /// for that many idle workers (fewer when fewer are due; on Citus at
+    /// most one).
+    pub async fn take_up_to(&self, routes: &[WorkerRoute], owner: &str, limit: usize) -> Result<Vec<Taken>, StoreError> {
+        // A take whose answer is lost leaves operations `processing` under
+        // tokens nobody holds: their leases run out and the reaper re-queues
+        // them (they were never sent). Reading them back is not needed.
+        let tokens: Vec<Uuid> = (0..limit).map(|_| Uuid::new_v4()).collect();
+        self.bounded("take", true, self.backend.take(routes, owner, &tokens)).await
     }
 
     /// Async: the operation with this id in this tenant.

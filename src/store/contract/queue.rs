@@ -53,11 +53,13 @@ pub struct RetryNote {
 /// The async queue: workers take operations, heartbeat, send, retry and fail them.
 #[async_trait]
 pub trait Queue: Send + Sync + std::fmt::Debug {
-    /// Async: takes the oldest due `queued` operation of `routes` (never one
-    /// another worker is taking: `FOR UPDATE SKIP LOCKED` or the single
-    /// writer), draws a new generation for it, and makes it `processing`
-    /// under `claim_token` and the route's lease.
-    async fn take(&self, routes: &[WorkerRoute], owner: &str, claim_token: Uuid) -> Result<Option<Taken>, StoreError>;
+    /// Async: takes the oldest due `queued` operations of `routes`, at most
+    /// one per token of `claim_tokens` and perhaps fewer (never one another
+    /// worker is taking: `FOR UPDATE SKIP LOCKED` or the single writer),
+    /// draws a new generation for each, and makes each `processing` under
+    /// its own token (the `i`-th taken gets `claim_tokens[i]`) and its
+    /// route's lease. One commit for all of them.
+    async fn take(&self, routes: &[WorkerRoute], owner: &str, claim_tokens: &[Uuid]) -> Result<Vec<Taken>, StoreError>;
 
     /// Async: renews the attempt's lease; `false` when fenced (lost it).
     async fn heartbeat(&self, scope: &Scope, attempt: Attempt, lease: Duration) -> Result<bool, StoreError>;

@@ -8,7 +8,7 @@ use super::events::{
     TAKE_EVENTS, TAKE_EVENTS_WINDOW,
 };
 use super::lifecycle::{PROBE_WRITE, SETTING};
-use super::queue::{FAIL, HEARTBEAT, MARK_SENT, OPERATION, REQUEUE, TAKE};
+use super::queue::{FAIL, HEARTBEAT, MARK_SENT, MARK_SENT_BATCH, OPERATION, REQUEUE, TAKE};
 use super::reconcile::{PROBE_FAILED, RESOLVE_COMPLETE, RESOLVE_DELETE, RESOLVE_HOLD, RESOLVE_LOCK, RESOLVE_REQUEUE, TAKE_PROBES};
 use super::records::{
     ABANDON, BY_SCOPE_ID, CLAIM, CLAIM_BATCH, COMPLETE, COMPLETE_BATCH, FOREVER_COUNTS, GET, ListShape, MARK_UNKNOWN, REAP_LEASES, RELEASE,
@@ -61,6 +61,7 @@ pub fn catalog() -> Vec<Statement> {
         s("take", &TAKE, &["idemgate_records_queue", "idemgate_records_open", "idemgate_records_pkey"]),
         s("heartbeat", &HEARTBEAT, PKEY),
         s("mark_sent", &MARK_SENT, PKEY),
+        s("mark_sent_batch", MARK_SENT_BATCH, PKEY),
         s("requeue", &REQUEUE, PKEY),
         s("fail", &FAIL, PKEY),
         s("operation", &OPERATION, &["idemgate_records_operation_id"]),

@@ -146,6 +146,9 @@ pub struct PgStore {
     /// Concurrent claims and result writes share one statement and one
     /// commit (see `batch`).
     writes: Batcher<WriteItem, WriteOut>,
+    /// Concurrent async attempts about to send share one `mark_sent`
+    /// statement and commit (see `queue`); single-row on Citus.
+    sends: Option<Batcher<(Scope, Attempt), bool>>,
     /// PostgreSQL or a Citus coordinator (see `citus`).
     flavor: Flavor,
     /// On Citus: each tenant's concurrent claims share statements (see `citus_batch`).
@@ -313,7 +316,14 @@ impl PgStore {
                 async move { db.write_batch(items).await }
             })
         };
-        Ok(PgStore { db, writes, flavor, citus_claims: Default::default() })
+        let sends = (flavor == Flavor::Postgres).then(|| {
+            let db = db.clone();
+            Batcher::start("sends", MAX_BATCH, BATCH_CONCURRENCY, move |items| {
+                let db = db.clone();
+                async move { db.mark_sent_batch(items).await }
+            })
+        });
+        Ok(PgStore { db, writes, sends, flavor, citus_claims: Default::default() })
     }
 
     async fn conn(&self) -> Result<Conn, StoreError> {

@@ -1,12 +1,14 @@
 //! PostgreSQL: the async queue (the [`Queue`] part of the store's contract).
 
+use super::batch::{PkColumns, is_deadlock};
 use super::sql::{COLUMNS, EVENT_INSERT, EXPIRES_7, FENCE, PK, prefixed};
 use super::*;
 use std::sync::LazyLock;
 
-/// A worker takes the oldest due operation of its routes: the row is locked
-/// with `SKIP LOCKED` (a concurrent worker takes the next one), drawn a new
-/// generation and token, and leased for its route's lease.
+/// Workers take the oldest due operations of their routes, up to `$6` in
+/// one statement and one commit: each row is locked with `SKIP LOCKED` (a
+/// concurrent take takes the next ones), drawn a new generation and its own
+/// token (`$3[i]` for the `i`-th row taken), and leased for its route's lease.
 pub(super) static TAKE: LazyLock<String> = LazyLock::new(|| {
     format!(
         "\
@@ -24,7 +26,7 @@ WITH routes AS (
     WHERE r.state = 'processing' AND r.lease_expires_at <= now() AND r.operation = ANY($1::text[])
       AND (r.sent_at IS NULL OR r.operation = ANY($5::text[]))
     ORDER BY r.lease_expires_at
-    LIMIT 1
+    LIMIT $6
     FOR UPDATE OF r SKIP LOCKED
 ), due AS (
     SELECT r.scope_id, r.tenant, r.principal, r.operation, r.idempotency_key,
@@ -32,16 +34,16 @@ WITH routes AS (
     FROM idemgate_records r
     WHERE r.state = 'queued' AND r.next_attempt_at <= now() AND r.operation = ANY($1::text[])
     ORDER BY r.next_attempt_at
-    LIMIT 1
+    LIMIT $6
     FOR UPDATE OF r SKIP LOCKED
 ), next AS (
-    -- Take-overs first; `due` is not read (nor locked) when one is found.
-    SELECT * FROM expired UNION ALL SELECT * FROM due LIMIT 1
+    -- Take-overs first; `due` is not read (nor locked) when they fill the take.
+    SELECT x.*, row_number() OVER () AS ord FROM (SELECT * FROM expired UNION ALL SELECT * FROM due LIMIT $6) x
 )
 -- The route's lease comes with the row found: joining the routes here would
 -- let the planner look rows up by their operation alone.
 UPDATE idemgate_records r SET
-    state = 'processing', generation = nextval('idemgate_generation'), claim_token = $3, owner = $4,
+    state = 'processing', generation = nextval('idemgate_generation'), claim_token = ($3::uuid[])[n.ord], owner = $4,
     lease_expires_at = now() + n.lease_us * interval '1 microsecond', attempts = r.attempts + 1, sent_at = NULL,
     -- Taken over although it was sent: it may have executed.
     maybe_executed = r.maybe_executed OR (r.state = 'processing' AND r.sent_at IS NOT NULL),
@@ -54,6 +56,22 @@ RETURNING {}, now(), r.request, n.took_over",
     )
 });
 
+/// One row of `TAKE` (or `CITUS_TAKE`): the record, the database clock, the
+/// stored request and whether it was a take-over.
+fn taken(row: &Row) -> Result<Taken, StoreError> {
+    let record = decode(row)?;
+    let request: Vec<u8> = row.try_get(NCOLS + 1).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+    let lease_expired: bool = row.try_get(NCOLS + 2).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+    let claim = Claim {
+        scope: record.scope.clone(),
+        generation: record.generation,
+        claim_token: record.claim_token,
+        lease_expires_at: record.lease_expires_at.unwrap_or(record.updated_at),
+        took_over: true,
+    };
+    Ok(Taken { record, request: request.into(), claim, lease_expired })
+}
+
 pub(super) static HEARTBEAT: LazyLock<String> = LazyLock::new(|| {
     format!("UPDATE idemgate_records SET lease_expires_at = now() + $7::int8 * interval '1 microsecond' WHERE {PK} AND {FENCE} RETURNING 1")
 });
@@ -61,6 +79,55 @@ pub(super) static HEARTBEAT: LazyLock<String> = LazyLock::new(|| {
 pub(super) static MARK_SENT: LazyLock<String> = LazyLock::new(|| {
     format!("UPDATE idemgate_records SET sent_at = now() WHERE {PK} AND {FENCE} AND lease_expires_at > now() RETURNING 1")
 });
+
+/// [`MARK_SENT`] for a batch of attempts (`$1`..`$7`, one array per
+/// column, the scope ids last), each fenced by its own: the ordinals (from
+/// 1) of those written. Concurrent attempts about to send share one commit.
+pub(super) static MARK_SENT_BATCH: &str = "\
+WITH v AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int8[], $6::uuid[], $7::int8[])
+        WITH ORDINALITY AS v(tenant, principal, operation, idempotency_key, generation, claim_token, scope_id, ord)
+)
+UPDATE idemgate_records r SET sent_at = now()
+FROM v
+WHERE r.scope_id = v.scope_id AND r.idempotency_key = v.idempotency_key
+  AND r.tenant = v.tenant AND r.principal = v.principal AND r.operation = v.operation
+  AND r.generation = v.generation AND r.claim_token = v.claim_token
+  AND CASE r.state WHEN 'processing' THEN true ELSE false END AND r.lease_expires_at > now()
+RETURNING v.ord";
+
+impl Db {
+    /// `MARK_SENT_BATCH`; when it deadlocked (rolled back), each attempt by
+    /// the single-row `MARK_SENT`.
+    pub(super) async fn mark_sent_batch(&self, items: Vec<(Scope, Attempt)>) -> Result<Vec<bool>, StoreError> {
+        let cols = PkColumns::of(items.iter().map(|(s, _)| s));
+        let generations: Vec<i64> = items.iter().map(|(_, a)| a.generation.0).collect();
+        let tokens: Vec<Uuid> = items.iter().map(|(_, a)| a.claim_token).collect();
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] =
+            [&cols.tenants, &cols.principals, &cols.operations, &cols.keys, &generations, &tokens, &cols.scope_ids];
+        let rows = match self.bounded_query(MARK_SENT_BATCH, &params, true).await {
+            Ok(rows) => rows,
+            Err(e) if is_deadlock(&e) => {
+                let mut out = Vec::with_capacity(items.len());
+                for (scope, attempt) in &items {
+                    let (t, p, o, k) = (&*scope.tenant, &*scope.principal, &*scope.operation, scope.key.as_str());
+                    let rows = self.bounded_query(&MARK_SENT, &[&t, &p, &o, &k, &attempt.generation.0, &attempt.claim_token], true).await?;
+                    out.push(!rows.is_empty());
+                }
+                return Ok(out);
+            }
+            Err(e) => return Err(e),
+        };
+        let mut out = vec![false; items.len()];
+        for row in &rows {
+            let ord: i64 = row.try_get(0).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+            if let Some(written) = usize::try_from(ord).ok().and_then(|o| o.checked_sub(1)).and_then(|o| out.get_mut(o)) {
+                *written = true;
+            }
+        }
+        Ok(out)
+    }
+}
 
 pub(super) static REQUEUE: LazyLock<String> = LazyLock::new(|| {
     format!(
@@ -92,26 +159,20 @@ pub(super) static OPERATION: LazyLock<String> =
 
 #[async_trait]
 impl Queue for PgStore {
-    async fn take(&self, routes: &[WorkerRoute], owner: &str, claim_token: Uuid) -> Result<Option<Taken>, StoreError> {
+    async fn take(&self, routes: &[WorkerRoute], owner: &str, claim_tokens: &[Uuid]) -> Result<Vec<Taken>, StoreError> {
+        let Some(&first_token) = claim_tokens.first() else { return Ok(Vec::new()) };
         let ops: Vec<&str> = routes.iter().map(|r| &*r.operation).collect();
         let leases: Vec<i64> = routes.iter().map(|r| micros(r.lease)).collect();
         let reforwardable: Vec<&str> = routes.iter().filter(|r| r.reforwardable).map(|r| &*r.operation).collect();
         let rows = match self.flavor {
-            Flavor::Citus => self.take_rows_citus(&ops, &leases, claim_token, owner, &reforwardable).await?,
-            Flavor::Postgres => self.query(&TAKE, &[&ops, &leases, &claim_token, &owner, &reforwardable], true).await?,
+            // One operation per take on Citus: its take goes tenant by tenant.
+            Flavor::Citus => self.take_rows_citus(&ops, &leases, first_token, owner, &reforwardable).await?,
+            Flavor::Postgres => {
+                let limit = i64::try_from(claim_tokens.len()).unwrap_or(i64::MAX);
+                self.query(&TAKE, &[&ops, &leases, &claim_tokens, &owner, &reforwardable, &limit], true).await?
+            }
         };
-        let Some(row) = rows.first() else { return Ok(None) };
-        let record = decode(row)?;
-        let request: Vec<u8> = row.try_get(NCOLS + 1).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-        let lease_expired: bool = row.try_get(NCOLS + 2).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-        let claim = Claim {
-            scope: record.scope.clone(),
-            generation: record.generation,
-            claim_token: record.claim_token,
-            lease_expires_at: record.lease_expires_at.unwrap_or(record.updated_at),
-            took_over: true,
-        };
-        Ok(Some(Taken { record, request: request.into(), claim, lease_expired }))
+        rows.iter().map(taken).collect()
     }
 
     async fn heartbeat(&self, scope: &Scope, attempt: Attempt, lease: Duration) -> Result<bool, StoreError> {
@@ -119,7 +180,10 @@ impl Queue for PgStore {
     }
 
     async fn mark_sent(&self, scope: &Scope, attempt: Attempt) -> Result<bool, StoreError> {
-        self.fenced_update(&MARK_SENT, scope, attempt, &[]).await
+        match &self.sends {
+            Some(sends) => sends.submit((scope.clone(), attempt)).await,
+            None => self.fenced_update(&MARK_SENT, scope, attempt, &[]).await,
+        }
     }
 
     async fn requeue(&self, scope: &Scope, attempt: Attempt, delay: Duration, retry: RetryNote) -> Result<bool, StoreError> {

@@ -4,56 +4,21 @@ use super::*;
 
 #[async_trait]
 impl Queue for SqliteStore {
-    async fn take(&self, routes: &[WorkerRoute], owner: &str, claim_token: Uuid) -> Result<Option<Taken>, StoreError> {
+    async fn take(&self, routes: &[WorkerRoute], owner: &str, claim_tokens: &[Uuid]) -> Result<Vec<Taken>, StoreError> {
         let routes = routes.to_vec();
         let owner = owner.to_owned();
+        let claim_tokens = claim_tokens.to_vec();
         self.write(move |tx, now| {
             // The one writer thread serializes takes: no two workers can take
             // one operation.
-            let mut found: Option<(Record, Vec<u8>)> = None;
-            // Take-overs first (an expired attempt that may run again: never
-            // sent, or its upstream deduplicates), then the queue.
-            for sql in [
-                format!(
-                    "SELECT {COLUMNS}, request FROM idemgate_records WHERE state = 'processing' AND lease_expires_at <= ?1 \
-                     ORDER BY lease_expires_at"
-                ),
-                format!("SELECT {COLUMNS}, request FROM idemgate_records WHERE state = 'queued' AND next_attempt_at <= ?1 ORDER BY next_attempt_at"),
-            ] {
-                let mut st = tx.prepare_cached(&sql).map_err(err)?;
-                let mut rows = st.query(params![now.0]).map_err(err)?;
-                while let Some(row) = rows.next().map_err(err)? {
-                    let record = decode(row)?;
-                    let Some(route) = routes.iter().find(|r| *r.operation == *record.scope.operation) else { continue };
-                    if record.state == State::Processing && record.sent_at.is_some() && !route.reforwardable {
-                        continue;
-                    }
-                    let request: Vec<u8> = row.get(23).map_err(err)?;
-                    found = Some((record, request));
-                    break;
-                }
-                if found.is_some() {
-                    break;
+            let mut all = Vec::with_capacity(claim_tokens.len());
+            for claim_token in claim_tokens {
+                match take_one(tx, now, &routes, &owner, claim_token)? {
+                    Some(taken) => all.push(taken),
+                    None => break,
                 }
             }
-            let Some((record, request)) = found else { return Ok(None) };
-            let lease_expired = record.state == State::Processing;
-            // Taken over although it was sent: it may have executed.
-            let maybe_executed = record.maybe_executed || (lease_expired && record.sent_at.is_some());
-            let lease = routes.iter().find(|r| *r.operation == *record.scope.operation).map_or(Duration::ZERO, |r| r.lease);
-            let generation = next_generation(tx)?;
-            let [t, p, o, k] = pk(&record.scope);
-            tx.prepare_cached(&format!(
-                "UPDATE idemgate_records SET state = 'processing', generation = ?5, claim_token = ?6, owner = ?7, lease_expires_at = ?8, \
-                 attempts = attempts + 1, sent_at = NULL, next_attempt_at = NULL, updated_at = ?9, maybe_executed = ?10 WHERE {PK}"
-            ))
-            .and_then(|mut st| {
-                st.execute(params![t, p, o, k, generation.0, claim_token.as_bytes(), owner, now.plus(lease).0, now.0, maybe_executed])
-            })
-            .map_err(err)?;
-            let record = get_tx(tx, &record.scope)?.ok_or_else(|| StoreError::Corrupt("taken operation vanished".into()))?;
-            let claim = Claim { scope: record.scope.clone(), generation, claim_token, lease_expires_at: now.plus(lease), took_over: true };
-            Ok(Some(Taken { record, request: request.into(), claim, lease_expired }))
+            Ok(all)
         })
         .await
     }
@@ -136,4 +101,57 @@ impl Queue for SqliteStore {
         })
         .await
     }
+}
+
+/// The next due operation of `routes` (take-overs first, then the queue),
+/// taken under `claim_token` within the writer's transaction.
+fn take_one(
+    tx: &Connection,
+    now: Timestamp,
+    routes: &[WorkerRoute],
+    owner: &str,
+    claim_token: Uuid,
+) -> Result<Option<Taken>, StoreError> {
+    let mut found: Option<(Record, Vec<u8>)> = None;
+    // Take-overs first (an expired attempt that may run again: never
+    // sent, or its upstream deduplicates), then the queue.
+    for sql in [
+        format!(
+            "SELECT {COLUMNS}, request FROM idemgate_records WHERE state = 'processing' AND lease_expires_at <= ?1 \
+             ORDER BY lease_expires_at"
+        ),
+        format!("SELECT {COLUMNS}, request FROM idemgate_records WHERE state = 'queued' AND next_attempt_at <= ?1 ORDER BY next_attempt_at"),
+    ] {
+        let mut st = tx.prepare_cached(&sql).map_err(err)?;
+        let mut rows = st.query(params![now.0]).map_err(err)?;
+        while let Some(row) = rows.next().map_err(err)? {
+            let record = decode(row)?;
+            let Some(route) = routes.iter().find(|r| *r.operation == *record.scope.operation) else { continue };
+            if record.state == State::Processing && record.sent_at.is_some() && !route.reforwardable {
+                continue;
+            }
+            let request: Vec<u8> = row.get(23).map_err(err)?;
+            found = Some((record, request));
+            break;
+        }
+        if found.is_some() {
+            break;
+        }
+    }
+    let Some((record, request)) = found else { return Ok(None) };
+    let lease_expired = record.state == State::Processing;
+    // Taken over although it was sent: it may have executed.
+    let maybe_executed = record.maybe_executed || (lease_expired && record.sent_at.is_some());
+    let lease = routes.iter().find(|r| *r.operation == *record.scope.operation).map_or(Duration::ZERO, |r| r.lease);
+    let generation = next_generation(tx)?;
+    let [t, p, o, k] = pk(&record.scope);
+    tx.prepare_cached(&format!(
+        "UPDATE idemgate_records SET state = 'processing', generation = ?5, claim_token = ?6, owner = ?7, lease_expires_at = ?8, \
+         attempts = attempts + 1, sent_at = NULL, next_attempt_at = NULL, updated_at = ?9, maybe_executed = ?10 WHERE {PK}"
+    ))
+    .and_then(|mut st| st.execute(params![t, p, o, k, generation.0, claim_token.as_bytes(), owner, now.plus(lease).0, now.0, maybe_executed]))
+    .map_err(err)?;
+    let record = get_tx(tx, &record.scope)?.ok_or_else(|| StoreError::Corrupt("taken operation vanished".into()))?;
+    let claim = Claim { scope: record.scope.clone(), generation, claim_token, lease_expires_at: now.plus(lease), took_over: true };
+    Ok(Some(Taken { record, request: request.into(), claim, lease_expired }))
 }
