@@ -1,6 +1,7 @@
 //! SQLite: the async queue (the [`Queue`] part of the store's contract).
 
 use super::*;
+use std::sync::LazyLock;
 
 #[async_trait]
 impl Queue for SqliteStore {
@@ -103,6 +104,22 @@ impl Queue for SqliteStore {
     }
 }
 
+/// Expired attempts, oldest lease first. (`state <> 'completed'` repeats
+/// the open records' partial index's condition: SQLite uses a partial
+/// index only when the query states its condition, and otherwise scans
+/// the whole table for every take.)
+pub(super) static TAKE_OVERS: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT {COLUMNS}, request FROM idemgate_records WHERE state = 'processing' AND state <> 'completed' \
+         AND lease_expires_at <= ?1 ORDER BY lease_expires_at"
+    )
+});
+
+/// Due queued operations, oldest first.
+pub(super) static TAKE_DUE: LazyLock<String> = LazyLock::new(|| {
+    format!("SELECT {COLUMNS}, request FROM idemgate_records WHERE state = 'queued' AND next_attempt_at <= ?1 ORDER BY next_attempt_at")
+});
+
 /// The next due operation of `routes` (take-overs first, then the queue),
 /// taken under `claim_token` within the writer's transaction.
 fn take_one(
@@ -115,14 +132,8 @@ fn take_one(
     let mut found: Option<(Record, Vec<u8>)> = None;
     // Take-overs first (an expired attempt that may run again: never
     // sent, or its upstream deduplicates), then the queue.
-    for sql in [
-        format!(
-            "SELECT {COLUMNS}, request FROM idemgate_records WHERE state = 'processing' AND lease_expires_at <= ?1 \
-             ORDER BY lease_expires_at"
-        ),
-        format!("SELECT {COLUMNS}, request FROM idemgate_records WHERE state = 'queued' AND next_attempt_at <= ?1 ORDER BY next_attempt_at"),
-    ] {
-        let mut st = tx.prepare_cached(&sql).map_err(err)?;
+    for sql in [&*TAKE_OVERS, &*TAKE_DUE] {
+        let mut st = tx.prepare_cached(sql).map_err(err)?;
         let mut rows = st.query(params![now.0]).map_err(err)?;
         while let Some(row) = rows.next().map_err(err)? {
             let record = decode(row)?;

@@ -1,6 +1,7 @@
 //! SQLite: the probe's take and bookkeeping, and resolutions (the [`Reconcile`] part of the store's contract).
 
 use super::*;
+use std::sync::LazyLock;
 
 #[async_trait]
 impl Reconcile for SqliteStore {
@@ -19,15 +20,7 @@ impl Reconcile for SqliteStore {
                 // Sent (or, synchronous, claimed) long enough ago that the
                 // attempt cannot still be at the upstream.
                 let finished = ago(route.at_upstream.saturating_add(route.settle));
-                let sql = format!(
-                    "SELECT {COLUMNS}, request, CASE WHEN probe_generation = generation THEN probe_attempts ELSE 0 END \
-                     FROM idemgate_records WHERE state = 'unknown' AND operation = ?1 AND updated_at <= ?2 \
-                     AND coalesce(sent_at, created_at) <= ?5 \
-                     AND (probe_generation IS NOT generation \
-                          OR ((next_probe_at IS NULL OR next_probe_at <= ?3) AND (probe_until IS NULL OR probe_until <= ?3))) \
-                     ORDER BY updated_at LIMIT ?4"
-                );
-                let mut st = tx.prepare_cached(&sql).map_err(err)?;
+                let mut st = tx.prepare_cached(&PROBES_DUE).map_err(err)?;
                 let mut rows = st.query(params![&*route.operation, settled.0, now.0, left, finished.0]).map_err(err)?;
                 while let Some(row) = rows.next().map_err(err)? {
                     let record = decode(row)?;
@@ -182,3 +175,16 @@ fn probe_holds(tx: &Connection, scope: &Scope, record: &Record, fence: ProbeFenc
         .map_err(err)?;
     Ok(token.as_deref() == Some(fence.token.as_bytes().as_slice()))
 }
+
+/// A route's `unknown` records due for a probe, oldest change first
+/// (`state <> 'completed'`: see `queue::TAKE_OVERS`).
+pub(super) static PROBES_DUE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT {COLUMNS}, request, CASE WHEN probe_generation = generation THEN probe_attempts ELSE 0 END \
+         FROM idemgate_records WHERE state = 'unknown' AND state <> 'completed' AND operation = ?1 AND updated_at <= ?2 \
+         AND coalesce(sent_at, created_at) <= ?5 \
+         AND (probe_generation IS NOT generation \
+              OR ((next_probe_at IS NULL OR next_probe_at <= ?3) AND (probe_until IS NULL OR probe_until <= ?3))) \
+         ORDER BY updated_at LIMIT ?4"
+    )
+});

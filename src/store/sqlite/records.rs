@@ -1,6 +1,7 @@
 //! SQLite: the claim, fenced results, reads, lists, retention and leases (the [`Records`] part of the store's contract).
 
 use super::*;
+use std::sync::LazyLock;
 
 #[async_trait]
 impl Records for SqliteStore {
@@ -179,12 +180,7 @@ impl Records for SqliteStore {
     async fn sweep(&self, batch: u32) -> Result<u64, StoreError> {
         self.write(move |tx, now| {
             let n = tx
-                .execute(
-                    "DELETE FROM idemgate_records WHERE (tenant, principal, operation, idempotency_key) IN (
-                        SELECT tenant, principal, operation, idempotency_key FROM idemgate_records
-                        WHERE state IN ('completed', 'failed_retryable') AND expires_at <= ?1 ORDER BY expires_at LIMIT ?2)",
-                    params![now.0, i64::from(batch)],
-                )
+                .execute(SWEEP, params![now.0, i64::from(batch)])
                 .map_err(err)?;
             Ok(n as u64)
         })
@@ -196,11 +192,7 @@ impl Records for SqliteStore {
         let events = events.clone();
         self.write(move |tx, now| {
             let stale: Vec<Record> = {
-                let sql = format!(
-                    "SELECT {COLUMNS} FROM idemgate_records WHERE state IN ('in_flight', 'processing') \
-                     AND (lease_expires_at IS NULL OR lease_expires_at <= ?1) ORDER BY lease_expires_at LIMIT ?2"
-                );
-                let mut st = tx.prepare_cached(&sql).map_err(err)?;
+                let mut st = tx.prepare_cached(&REAP_STALE).map_err(err)?;
                 let mut rows = st.query(params![now.0, i64::from(batch)]).map_err(err)?;
                 let mut out = Vec::new();
                 while let Some(row) = rows.next().map_err(err)? {
@@ -241,10 +233,7 @@ impl Records for SqliteStore {
     async fn stats(&self) -> Result<Vec<StateCount>, StoreError> {
         self.write(move |conn, _| {
             let mut st = conn
-                .prepare_cached(
-                    "SELECT operation, state, count(*), min(created_at), min(updated_at), min(lease_expires_at) FROM idemgate_records \
-                     WHERE state <> 'completed' GROUP BY operation, state",
-                )
+                .prepare_cached(STATS)
                 .map_err(err)?;
             let mut rows = st.query([]).map_err(err)?;
             let mut out = Vec::new();
@@ -271,7 +260,7 @@ impl Records for SqliteStore {
         // order: `CASE WHEN updated_at > ?1 THEN 0 WHEN updated_at > ?2 ...`.
         let whens: String = (0..n).map(|i| format!(" WHEN updated_at > ?{} THEN {i}", i + 1)).collect();
         let bucket = if n == 0 { "0".to_owned() } else { format!("CASE{whens} ELSE {n} END") };
-        let sql = format!("SELECT {bucket}, count(*) FROM idemgate_records WHERE state = 'unknown' GROUP BY 1");
+        let sql = unknown_by_age_sql(&bucket);
         let cutoffs: Vec<i64> = {
             let now = now();
             bounds.iter().map(|b| now.0.saturating_sub(i64::try_from(b.as_micros()).unwrap_or(i64::MAX))).collect()
@@ -344,3 +333,26 @@ impl Records for SqliteStore {
         .await
     }
 }
+
+/// Attempts whose lease ran out (or, in flight, that have none), oldest
+/// first (`state <> 'completed'`: see `queue::TAKE_OVERS`).
+pub(super) static REAP_STALE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT {COLUMNS} FROM idemgate_records WHERE state IN ('in_flight', 'processing') AND state <> 'completed' \
+         AND (lease_expires_at IS NULL OR lease_expires_at <= ?1) ORDER BY lease_expires_at LIMIT ?2"
+    )
+});
+
+/// `unknown` records counted by `bucket` (`state <> 'completed'`: see `queue::TAKE_OVERS`).
+pub(super) fn unknown_by_age_sql(bucket: &str) -> String {
+    format!("SELECT {bucket}, count(*) FROM idemgate_records WHERE state = 'unknown' AND state <> 'completed' GROUP BY 1")
+}
+
+/// Expired completed and failed records, oldest first, `?2` of them.
+pub(super) const SWEEP: &str = "DELETE FROM idemgate_records WHERE (tenant, principal, operation, idempotency_key) IN (
+    SELECT tenant, principal, operation, idempotency_key FROM idemgate_records
+    WHERE state IN ('completed', 'failed_retryable') AND expires_at <= ?1 ORDER BY expires_at LIMIT ?2)";
+
+/// Records not yet completed, counted by operation and state.
+pub(super) const STATS: &str = "SELECT operation, state, count(*), min(created_at), min(updated_at), min(lease_expires_at) \
+    FROM idemgate_records WHERE state <> 'completed' GROUP BY operation, state";
