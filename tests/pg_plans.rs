@@ -102,6 +102,18 @@ fn problems(s: &Statement, plan: &Value) -> Vec<String> {
                     let index = map.get("Index Name").and_then(Value::as_str).unwrap_or("");
                     found.push(format!("{node} using {index} on the inner side of a join without an index condition"));
                 }
+                // A nested loop that joins by a filter, one of whose sides
+                // reads a whole index of ours (no index condition), pairs
+                // every row of the table with every row of the other side.
+                if node == "Nested Loop" && map.contains_key("Join Filter") {
+                    for child in map.get("Plans").and_then(Value::as_array).into_iter().flatten() {
+                        let name = child.get("Index Name").and_then(Value::as_str).unwrap_or("");
+                        let relation = child.get("Relation Name").and_then(Value::as_str).unwrap_or("");
+                        if TABLES.contains(&relation) && child.get("Index Cond").is_none() {
+                            found.push(format!("Nested Loop joining every row of {relation} (read whole through {name:?}) by a filter"));
+                        }
+                    }
+                }
                 if map.get("Index Name").and_then(Value::as_str) == Some("idemgate_records_pkey")
                     && !map.get("Index Cond").and_then(Value::as_str).is_some_and(|c| c.contains("scope_id ="))
                 {
@@ -199,6 +211,44 @@ async fn every_statement_uses_its_index_whatever_the_statistics() {
         report.join("\n"),
         plans.join("\n")
     );
+}
+
+/// Known and not yet fixed (issue 32's closing note, docs/performance.md
+/// "Plans made on an emptied table"): a table that was emptied and then
+/// vacuumed has zero pages and zero tuples in `pg_class`, which the planner
+/// believes, unlike a never-vacuumed one's. Generic plans prepared then, by a
+/// new pooled connection, join by filters over whole-index reads, and are
+/// kept until an ANALYZE of the table invalidates them (autovacuum's, about
+/// a minute after the table starts filling with default settings). In the
+/// events bench the relay's window take planned so took 19.8 s with 15,000
+/// events pending (3.0 million scope checks). Run with `--ignored` to list
+/// every statement affected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known: plans prepared on emptied, vacuumed tables (see the doc comment)"]
+async fn statements_planned_on_emptied_vacuumed_tables_use_their_indexes() {
+    let url = migrated_database("emptied").await;
+    let statements = catalog();
+    let admin = session(&url, &[]).await;
+    let kept = session(&url, &statements).await;
+    let mut failures = Failures::default();
+    for sql in [
+        &*populate_sql(20_000),
+        "DELETE FROM idemgate_records",
+        "DELETE FROM idemgate_events",
+        "VACUUM idemgate_records",
+        "VACUUM idemgate_events",
+    ] {
+        admin.batch_execute(sql).await.unwrap_or_else(|e| panic!("{sql}: {e:?}"));
+    }
+    let pages: i32 =
+        admin.query_one("SELECT relpages FROM pg_class WHERE relname = 'idemgate_events'", &[]).await.expect("pg_class").get(0);
+    assert_eq!(pages, 0, "vacuum truncates an emptied table to zero pages");
+    let fresh = session(&url, &statements).await;
+    check_all("emptied and vacuumed", &kept, &fresh, &statements, &mut failures).await;
+    let Failures { failures, plans } = failures;
+    let report: Vec<String> = failures.iter().map(|(k, v)| format!("{k}: {}", v.join(", "))).collect();
+    let plans: Vec<String> = plans.iter().map(|(k, v)| format!("== {k}:\n{v}")).collect();
+    assert!(failures.is_empty(), "{} plans are wrong:\n{}\n\nOne per statement:\n{}", failures.len(), report.join("\n"), plans.join("\n"));
 }
 
 /// Scope columns compare byte for byte (`COLLATE "C"`, migration 0009), so
