@@ -47,6 +47,7 @@ mod lifecycle;
 mod queue;
 mod reconcile;
 mod records;
+mod replan;
 mod trail;
 
 mod batch;
@@ -74,6 +75,9 @@ struct Db {
     /// Set when a statement shows the server is no longer the writable
     /// primary: connections opened before are not reused (see `failover`).
     flush: Arc<Flush>,
+    /// Set when a table's statistics start saying "empty" while it fills:
+    /// connections plan their statements again (see `replan`).
+    replan: Arc<replan::Replan>,
     /// PostgreSQL or a Citus coordinator: on Citus every statement is sent
     /// as `sql::for_citus` writes it.
     flavor: Flavor,
@@ -298,6 +302,7 @@ impl PgStore {
             None => Manager::from_connect(pg.clone(), HostWalk::new(&pg, timeout, NoTls), recycling),
         };
         let flush = Arc::new(Flush::default());
+        let replan = Arc::new(replan::Replan::default());
         let pool = Pool::builder(manager)
             .max_size(pool_size)
             .runtime(Runtime::Tokio1)
@@ -305,9 +310,10 @@ impl PgStore {
             .create_timeout(Some(timeout))
             .recycle_timeout(Some(timeout))
             .pre_recycle(Flush::hook(flush.clone()))
+            .pre_recycle(replan::Replan::hook(replan.clone()))
             .build()
             .map_err(|e| StoreError::Unavailable(format!("cannot build the connection pool: {e}")))?;
-        let db = Db { pool, timeout, flush, flavor };
+        let db = Db { pool, timeout, flush, replan, flavor };
         let writes = {
             let db = db.clone();
             let concurrency = std::env::var("IDEMGATE_PG_BATCH_CONCURRENCY").ok().and_then(|v| v.parse().ok()).unwrap_or(BATCH_CONCURRENCY);
@@ -332,6 +338,19 @@ impl PgStore {
 
     async fn query(&self, sql: &str, params: &[&(dyn tokio_postgres::types::ToSql + Sync)], write: bool) -> Result<Vec<Row>, StoreError> {
         self.db.query(sql, params, write).await
+    }
+
+    /// See `replan`: a failed look changes nothing (the next round looks again).
+    async fn look_for_believed_empty_tables(&self) {
+        match self.query(replan::BELIEVED_EMPTY, &[], false).await {
+            Ok(rows) => {
+                let flags = rows.first().and_then(|r| Some([r.try_get::<_, bool>(0).ok()?, r.try_get::<_, bool>(1).ok()?]));
+                if let Some(flags) = flags {
+                    self.db.replan.saw(flags);
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, "could not read the tables' statistics"),
+        }
     }
 
     /// The single-row claim: used when a batch found a record that may be taken over.
