@@ -52,7 +52,11 @@ impl Replan {
         *last = now;
         if started && let Ok(mut since) = self.since.lock() {
             *since = Some(Instant::now());
-            tracing::info!(records = now[0], events = now[1], "a table's statistics say it is empty but it is filling: pooled connections plan their statements again");
+            tracing::info!(
+                records = now[0],
+                events = now[1],
+                "a table's statistics say it is empty but it is filling: pooled connections plan their statements again"
+            );
         }
     }
 

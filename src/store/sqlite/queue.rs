@@ -122,13 +122,7 @@ pub(super) static TAKE_DUE: LazyLock<String> = LazyLock::new(|| {
 
 /// The next due operation of `routes` (take-overs first, then the queue),
 /// taken under `claim_token` within the writer's transaction.
-fn take_one(
-    tx: &Connection,
-    now: Timestamp,
-    routes: &[WorkerRoute],
-    owner: &str,
-    claim_token: Uuid,
-) -> Result<Option<Taken>, StoreError> {
+fn take_one(tx: &Connection, now: Timestamp, routes: &[WorkerRoute], owner: &str, claim_token: Uuid) -> Result<Option<Taken>, StoreError> {
     let mut found: Option<(Record, Vec<u8>)> = None;
     // Take-overs first (an expired attempt that may run again: never
     // sent, or its upstream deduplicates), then the queue.
@@ -160,7 +154,9 @@ fn take_one(
         "UPDATE idemgate_records SET state = 'processing', generation = ?5, claim_token = ?6, owner = ?7, lease_expires_at = ?8, \
          attempts = attempts + 1, sent_at = NULL, next_attempt_at = NULL, updated_at = ?9, maybe_executed = ?10 WHERE {PK}"
     ))
-    .and_then(|mut st| st.execute(params![t, p, o, k, generation.0, claim_token.as_bytes(), owner, now.plus(lease).0, now.0, maybe_executed]))
+    .and_then(|mut st| {
+        st.execute(params![t, p, o, k, generation.0, claim_token.as_bytes(), owner, now.plus(lease).0, now.0, maybe_executed])
+    })
     .map_err(err)?;
     let record = get_tx(tx, &record.scope)?.ok_or_else(|| StoreError::Corrupt("taken operation vanished".into()))?;
     let claim = Claim { scope: record.scope.clone(), generation, claim_token, lease_expires_at: now.plus(lease), took_over: true };

@@ -179,9 +179,7 @@ impl Records for SqliteStore {
 
     async fn sweep(&self, batch: u32) -> Result<u64, StoreError> {
         self.write(move |tx, now| {
-            let n = tx
-                .execute(SWEEP, params![now.0, i64::from(batch)])
-                .map_err(err)?;
+            let n = tx.execute(SWEEP, params![now.0, i64::from(batch)]).map_err(err)?;
             Ok(n as u64)
         })
         .await
@@ -232,9 +230,7 @@ impl Records for SqliteStore {
 
     async fn stats(&self) -> Result<Vec<StateCount>, StoreError> {
         self.write(move |conn, _| {
-            let mut st = conn
-                .prepare_cached(STATS)
-                .map_err(err)?;
+            let mut st = conn.prepare_cached(STATS).map_err(err)?;
             let mut rows = st.query([]).map_err(err)?;
             let mut out = Vec::new();
             while let Some(row) = rows.next().map_err(err)? {
