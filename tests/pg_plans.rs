@@ -255,7 +255,7 @@ async fn statements_planned_on_emptied_vacuumed_tables_use_their_indexes() {
 /// The fix for the state above (`store::postgres::replan`): a store whose
 /// connection planned the relay's take on the emptied, vacuumed events table
 /// plans it again once the record counter's look (`stats`) sees the table
-/// believed empty while it fills. One connection, so the take runs on the
+/// believed empty while it fills (`refresh_plans`). One connection, so the take runs on the
 /// connection that made the plan; 20,000 events pending. With the plan made
 /// on the empty table, this take ran into its 3 s statement timeout (without
 /// the discard: `replan::Replan::hook` returning early, it failed so).
@@ -285,7 +285,7 @@ async fn a_store_plans_again_once_an_emptied_table_fills() {
         )
         .await
         .expect("events");
-    store.stats().await.expect("the record counter's round");
+    store.refresh_plans().await.expect("the record counter's round");
     let taken = store.take_events(&ops, 128, lease, uuid::Uuid::new_v4()).await.expect("take, planned again");
     assert_eq!(taken.len(), 128);
     assert!(taken.windows(2).all(|w| w[0].seq < w[1].seq));

@@ -118,6 +118,9 @@ pub fn spawn_all(
         let (store, metrics, leases) = (store.clone(), metrics.clone(), leases.clone());
         async move {
             let (counts, events, now) = (store.stats().await?, store.event_stats().await?, store.now().await?);
+            // A table believed empty while it fills: connections plan again
+            // (PostgreSQL; see `store::postgres::replan`).
+            store.refresh_plans().await?;
             leases.saw(crate::telemetry::stats::earliest_live_lease(&counts), now);
             metrics.set_record_counts(&counts, now);
             metrics.set_event_stats(&events, now);

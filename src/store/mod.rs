@@ -443,6 +443,12 @@ impl Store {
         self.bounded("operation", false, self.backend.operation(tenant, operation_id)).await
     }
 
+    /// Keeps the sessions' cached plans fit for the tables' sizes (see
+    /// `Lifecycle::refresh_plans`); the record counter calls it each round.
+    pub async fn refresh_plans(&self) -> Result<(), StoreError> {
+        self.bounded("refresh_plans", false, self.backend.refresh_plans()).await
+    }
+
     /// Records not yet `completed`, by operation and state.
     pub async fn stats(&self) -> Result<Vec<StateCount>, StoreError> {
         self.bounded("stats", false, self.backend.stats()).await

@@ -116,4 +116,17 @@ impl Lifecycle for PgStore {
             Err(e) => Err(e),
         }
     }
+
+    /// See `replan`. Citus plans each execution and keeps its tables on
+    /// the workers: nothing to look at.
+    async fn refresh_plans(&self) -> Result<(), StoreError> {
+        if self.flavor != Flavor::Postgres {
+            return Ok(());
+        }
+        let rows = self.query(replan::BELIEVED_EMPTY, &[], false).await?;
+        let row = rows.first().ok_or_else(|| StoreError::Corrupt("the tables' statistics returned no row".into()))?;
+        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+        self.db.replan.saw([row.try_get(0).map_err(c)?, row.try_get(1).map_err(c)?]);
+        Ok(())
+    }
 }

@@ -340,19 +340,6 @@ impl PgStore {
         self.db.query(sql, params, write).await
     }
 
-    /// See `replan`: a failed look changes nothing (the next round looks again).
-    async fn look_for_believed_empty_tables(&self) {
-        match self.query(replan::BELIEVED_EMPTY, &[], false).await {
-            Ok(rows) => {
-                let flags = rows.first().and_then(|r| Some([r.try_get::<_, bool>(0).ok()?, r.try_get::<_, bool>(1).ok()?]));
-                if let Some(flags) = flags {
-                    self.db.replan.saw(flags);
-                }
-            }
-            Err(e) => tracing::debug!(error = %e, "could not read the tables' statistics"),
-        }
-    }
-
     /// The single-row claim: used when a batch found a record that may be taken over.
     async fn claim_one(&self, req: &ClaimRequest, token: Uuid) -> Result<RawClaim, StoreError> {
         let s = &req.scope;

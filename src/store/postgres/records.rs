@@ -600,12 +600,6 @@ impl Records for PgStore {
 
     async fn stats(&self) -> Result<Vec<StateCount>, StoreError> {
         let rows = self.query(STATS, &[], false).await?;
-        // The record counter's round also looks at the tables' statistics
-        // (see `replan`); Citus plans each execution and keeps its tables
-        // on the workers.
-        if self.flavor == Flavor::Postgres {
-            self.look_for_believed_empty_tables().await;
-        }
         let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
         rows.iter()
             .map(|row| {

@@ -10,7 +10,7 @@
 //! autovacuum's next ANALYZE, about a minute later. The relay's take so
 //! planned took 19.8 s with 15,000 events pending.
 //!
-//! The record counter asks every few seconds whether the statistics of a
+//! The record counter (`Lifecycle::refresh_plans`) asks every few seconds whether the statistics of a
 //! table still say "empty" while it has pages again. When one starts to, every
 //! pooled connection discards its cached plans at its next checkout
 //! (`DISCARD PLANS`; the statements stay prepared), so they are planned again
