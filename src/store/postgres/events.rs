@@ -140,10 +140,7 @@ pub(super) const EVENT_STATS: &str = "SELECT \
 impl Events for PgStore {
     async fn take_events(&self, operations: &[&str], limit: u32, lease: Duration, token: Uuid) -> Result<Vec<OutboxEvent>, StoreError> {
         if self.flavor == Flavor::Citus {
-            let rows = self.take_event_rows_citus(operations, limit, micros(lease), token).await?;
-            let mut events = rows.iter().map(decode_event).collect::<Result<Vec<_>, _>>()?;
-            events.sort_by_key(|e| e.seq);
-            return Ok(events);
+            return decode_events(&self.take_event_rows_citus(operations, limit, micros(lease), token).await?);
         }
         let mut taken = self.events_where(&TAKE_EVENTS_WINDOW, &[&operations, &i64::from(limit), &token, &micros(lease)], true).await?;
         // Less than a batch: the backlog is small (the full take is cheap)
@@ -195,6 +192,13 @@ impl Events for PgStore {
     }
 }
 
+/// Event rows, in `seq` order.
+fn decode_events(rows: &[Row]) -> Result<Vec<OutboxEvent>, StoreError> {
+    let mut events = rows.iter().map(decode_event).collect::<Result<Vec<_>, _>>()?;
+    events.sort_by_key(|e| e.seq);
+    Ok(events)
+}
+
 fn decode_event(row: &Row) -> Result<OutboxEvent, StoreError> {
     let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
     let key: &str = row.try_get(6).map_err(c)?;
@@ -229,14 +233,9 @@ impl PgStore {
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
         write: bool,
     ) -> Result<Vec<OutboxEvent>, StoreError> {
-        let rows = self.query(sql, params, write).await?;
-        let mut events = rows.iter().map(decode_event).collect::<Result<Vec<_>, _>>()?;
-        events.sort_by_key(|e| e.seq);
-        Ok(events)
+        decode_events(&self.query(sql, params, write).await?)
     }
-}
 
-impl PgStore {
     /// See [`EVENTS_WINDOW_FULL`].
     async fn window_full(&self, operations: &[&str], limit: u32) -> Result<bool, StoreError> {
         let rows = self.query(&EVENTS_WINDOW_FULL, &[&operations, &i64::from(limit)], false).await?;
