@@ -330,7 +330,12 @@ pub fn catalog_for(flavor: super::Flavor) -> Vec<Statement> {
         // (a batch's arrays name tenants Citus cannot route by): the claim
         // is `CITUS_CLAIM_READ`, `CITUS_CLAIM_INSERT`, `CITUS_TAKE_OVER`, or
         // a tenant's batch of reads or inserts (`citus_batch`).
-        all.retain(|s| !matches!(s.name.as_str(), "claim" | "claim_batch" | "complete_batch" | "write_batch"));
+        // Nor are the sends of async attempts (single-row `mark_sent`), and
+        // Citus plans each execution, so nothing looks at `pg_class` for
+        // stale plans (`replan`).
+        all.retain(|s| {
+            !matches!(s.name.as_str(), "claim" | "claim_batch" | "complete_batch" | "write_batch" | "mark_sent_batch" | "believed_empty")
+        });
         for s in &mut all {
             if let Some(sql) = citus_statement(&s.name) {
                 s.sql = sql.to_owned();
