@@ -152,6 +152,33 @@ pub(super) struct ClaimItem {
     pub(super) request_head: Option<Bytes>,
 }
 
+impl ClaimItem {
+    /// `req`'s claim under `token` (the claim's own token, or a fresh one for a retry).
+    pub(super) fn of(req: &ClaimRequest, token: Uuid) -> ClaimItem {
+        ClaimItem {
+            scope: req.scope.clone(),
+            request_hash: req.request_hash,
+            token,
+            owner: req.owner.clone(),
+            lease_us: micros(req.lease),
+            acceptance: req.acceptance.clone(),
+            key_source: req.key_source.clone(),
+            request_head: req.request_head.clone(),
+        }
+    }
+
+    /// The operation id of an async acceptance.
+    pub(super) fn operation_id(&self) -> Option<&str> {
+        self.acceptance.as_ref().map(|a| a.operation_id.as_str())
+    }
+
+    /// What the row keeps of the request: an acceptance's whole request, or
+    /// a synchronous claim's request line for probes.
+    pub(super) fn stored_request(&self) -> Option<&[u8]> {
+        self.acceptance.as_ref().map(|a| &a.request[..]).or(self.request_head.as_deref())
+    }
+}
+
 /// What the batched claim found for one item.
 pub(super) enum BatchClaim {
     Inserted {
@@ -356,8 +383,8 @@ impl<'a> ClaimColumns<'a> {
             tokens: items.clone().map(|i| i.token).collect(),
             owners: items.clone().map(|i| &*i.owner).collect(),
             leases: items.clone().map(|i| i.lease_us).collect(),
-            operation_ids: items.clone().map(|i| i.acceptance.as_ref().map(|a| a.operation_id.as_str())).collect(),
-            requests: items.clone().map(|i| i.acceptance.as_ref().map(|a| &a.request[..]).or(i.request_head.as_deref())).collect(),
+            operation_ids: items.clone().map(ClaimItem::operation_id).collect(),
+            requests: items.clone().map(ClaimItem::stored_request).collect(),
             key_sources: items.map(|i| &*i.key_source).collect(),
         }
     }

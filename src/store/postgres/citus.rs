@@ -12,7 +12,8 @@ use uuid::Uuid;
 
 use super::super::migrations::Migration;
 use super::super::{Claim, ClaimRequest, RawClaim, Records, StoreError};
-use super::citus_batch::{InsertItem, Inserted, Seen};
+use super::batch::ClaimItem;
+use super::citus_batch::{Inserted, Seen};
 use super::{classify, micros};
 use crate::idempotency::record::{Generation, may_take_over};
 use crate::outbox::EventType;
@@ -128,17 +129,7 @@ impl super::PgStore {
             })
         };
         let Some(Seen { record, now, cacheable }) = self.citus_claims.read(&self.db, s).await? else {
-            let item = InsertItem {
-                scope: s.clone(),
-                request_hash: req.request_hash.0,
-                token: req.claim_token,
-                owner: req.owner.clone(),
-                lease_us: micros(req.lease),
-                operation_id: req.acceptance.as_ref().map(|a| a.operation_id.as_str().to_owned()),
-                request: req.acceptance.as_ref().map(|a| a.request.clone()).or_else(|| req.request_head.clone()),
-                key_source: req.key_source.clone(),
-            };
-            return Ok(match self.citus_claims.insert(&self.db, item).await? {
+            return Ok(match self.citus_claims.insert(&self.db, ClaimItem::of(req, req.claim_token)).await? {
                 Some(inserted) => claimed(inserted, false),
                 // Inserted concurrently by another claim since the read.
                 None => RawClaim::Conflict,

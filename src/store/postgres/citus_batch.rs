@@ -20,11 +20,10 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use bytes::Bytes;
 use tokio_postgres::Row;
 use uuid::Uuid;
 
-use super::batch::Batcher;
+use super::batch::{Batcher, ClaimItem};
 use super::{Db, NCOLS, citus_sql, decode};
 use crate::idempotency::key::Scope;
 use crate::idempotency::record::{Record, Timestamp};
@@ -45,18 +44,6 @@ pub(super) struct Seen {
     pub(super) cacheable: bool,
 }
 
-/// One claim's insert, owning its parameters.
-pub(super) struct InsertItem {
-    pub(super) scope: Scope,
-    pub(super) request_hash: [u8; 32],
-    pub(super) token: Uuid,
-    pub(super) owner: Arc<str>,
-    pub(super) lease_us: i64,
-    pub(super) operation_id: Option<String>,
-    pub(super) request: Option<Bytes>,
-    pub(super) key_source: Arc<str>,
-}
-
 /// What an insert wrote: generation, lease end (none for a queued
 /// acceptance) and the row's `updated_at`.
 pub(super) type Inserted = (i64, Option<Timestamp>, Timestamp);
@@ -67,7 +54,7 @@ type Queues<I, O> = Mutex<HashMap<Arc<str>, Arc<Batcher<I, O>>>>;
 #[derive(Default)]
 pub(super) struct TenantClaims {
     reads: Queues<Scope, Option<Seen>>,
-    inserts: Queues<InsertItem, Option<Inserted>>,
+    inserts: Queues<ClaimItem, Option<Inserted>>,
 }
 
 impl std::fmt::Debug for TenantClaims {
@@ -109,7 +96,7 @@ impl TenantClaims {
 
     /// Inserts the claim's record in a batch of its tenant's claims; `None`:
     /// the scope's row exists (inserted by another claim since the read).
-    pub(super) async fn insert(&self, db: &Db, item: InsertItem) -> Result<Option<Inserted>, StoreError> {
+    pub(super) async fn insert(&self, db: &Db, item: ClaimItem) -> Result<Option<Inserted>, StoreError> {
         let db = db.clone();
         let q = queue(&self.inserts, &item.scope.tenant, || {
             Batcher::start("citus claim inserts", MAX_BATCH, 1, move |items| {
@@ -163,14 +150,14 @@ async fn read_batch(db: &Db, scopes: Vec<Scope>) -> Result<Vec<Option<Seen>>, St
 
 /// One tenant's inserts: one statement for all of them; each claim learns
 /// whether its own row went in (by its token).
-async fn insert_batch(db: &Db, items: Vec<InsertItem>) -> Result<Vec<Option<Inserted>>, StoreError> {
+async fn insert_batch(db: &Db, items: Vec<ClaimItem>) -> Result<Vec<Option<Inserted>>, StoreError> {
     // Rows in primary-key order (scope id, key, tenant, principal,
     // operation; the text columns compare bytewise): two batches inserting
     // the same scopes never wait on each other in a cycle.
     let callers: Vec<Uuid> = items.iter().map(|i| i.token).collect();
-    let mut order: Vec<&InsertItem> = items.iter().collect();
+    let mut order: Vec<&ClaimItem> = items.iter().collect();
     order.sort_by(|a, b| {
-        let pk = |i: &InsertItem| {
+        let pk = |i: &ClaimItem| {
             (
                 i.scope.scope_id().to_i64(),
                 i.scope.key.as_str().to_owned(),
@@ -186,10 +173,10 @@ async fn insert_batch(db: &Db, items: Vec<InsertItem>) -> Result<Vec<Option<Inse
     let principals: Vec<&str> = items.iter().map(|i| &*i.scope.principal).collect();
     let operations: Vec<&str> = items.iter().map(|i| &*i.scope.operation).collect();
     let keys: Vec<&str> = items.iter().map(|i| i.scope.key.as_str()).collect();
-    let hashes: Vec<&[u8]> = items.iter().map(|i| &i.request_hash[..]).collect();
+    let hashes: Vec<&[u8]> = items.iter().map(|i| &i.request_hash.0[..]).collect();
     let owners: Vec<&str> = items.iter().map(|i| &*i.owner).collect();
-    let operation_ids: Vec<Option<&str>> = items.iter().map(|i| i.operation_id.as_deref()).collect();
-    let requests: Vec<Option<&[u8]>> = items.iter().map(|i| i.request.as_deref()).collect();
+    let operation_ids: Vec<Option<&str>> = items.iter().map(|i| i.operation_id()).collect();
+    let requests: Vec<Option<&[u8]>> = items.iter().map(|i| i.stored_request()).collect();
     let key_sources: Vec<&str> = items.iter().map(|i| &*i.key_source).collect();
     let unused = false;
     let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = Vec::with_capacity(items.len() * 12);

@@ -420,16 +420,7 @@ impl Records for PgStore {
         }
         let token = req.claim_token;
         let s = &req.scope;
-        let item = ClaimItem {
-            scope: s.clone(),
-            request_hash: req.request_hash,
-            token,
-            owner: req.owner.clone(),
-            lease_us: micros(req.lease),
-            acceptance: req.acceptance.clone(),
-            key_source: req.key_source.clone(),
-            request_head: req.request_head.clone(),
-        };
+        let item = ClaimItem::of(req, token);
         let WriteOut::Claim(out) = self.writes.submit(WriteItem::Claim(item)).await? else {
             return Err(StoreError::Corrupt("batched write: a claim answered as a result write".into()));
         };
