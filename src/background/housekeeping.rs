@@ -107,6 +107,22 @@ pub fn spawn_all(
             }
         }));
     }
+    // Tables whose statistics say they are tiny while they fill: analyzed,
+    // or their plans made again (PostgreSQL; see `store::postgres::replan`).
+    {
+        let (store, shutdown) = (store.clone(), shutdown.clone());
+        tracker.spawn(periodic("plan_keeper", PLAN_LOOK_INTERVAL, shutdown, move || {
+            let store = store.clone();
+            async move {
+                // Every second: its failures are thinned, as a request's are
+                // (the other background passes say that the store is down).
+                if let Err(e) = store.refresh_plans().await {
+                    crate::telemetry::throttle::warn_throttled!(error = %e, "looking at the tables' statistics failed");
+                }
+                Ok(0)
+            }
+        }));
+    }
     // The record gauges (unknown backlog, queue depth, oldest ages): a grouped
     // count over the records that are not completed (a partial index). It
     // also tells the reaper when the earliest live lease runs out.
@@ -118,9 +134,6 @@ pub fn spawn_all(
         let (store, metrics, leases) = (store.clone(), metrics.clone(), leases.clone());
         async move {
             let (counts, events, now) = (store.stats().await?, store.event_stats().await?, store.now().await?);
-            // A table believed empty while it fills: connections plan again
-            // (PostgreSQL; see `store::postgres::replan`).
-            store.refresh_plans().await?;
             leases.saw(crate::telemetry::stats::earliest_live_lease(&counts), now);
             metrics.set_record_counts(&counts, now);
             metrics.set_event_stats(&events, now);
@@ -209,6 +222,10 @@ where
 
 /// How often the record gauges are refreshed (at most).
 const STATS_INTERVAL: Duration = Duration::from_secs(5);
+/// How often the tables' statistics are looked at for plans made on a tiny
+/// table: a plan made while a table's statistics said it was empty is used
+/// at most this long after the table starts to fill (plus one statement).
+const PLAN_LOOK_INTERVAL: Duration = Duration::from_secs(1);
 /// How often `idemgate_forever_records` is refreshed (at most).
 const FOREVER_STATS_INTERVAL: Duration = Duration::from_secs(60);
 

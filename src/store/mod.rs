@@ -444,7 +444,7 @@ impl Store {
     }
 
     /// Keeps the sessions' cached plans fit for the tables' sizes (see
-    /// `Lifecycle::refresh_plans`); the record counter calls it each round.
+    /// `Lifecycle::refresh_plans`); the plan keeper calls it every second.
     pub async fn refresh_plans(&self) -> Result<(), StoreError> {
         self.bounded("refresh_plans", false, self.backend.refresh_plans()).await
     }

@@ -30,8 +30,8 @@ pub trait Lifecycle: Send + Sync + std::fmt::Debug {
     /// before the store was migrated).
     async fn derived_key_secret(&self) -> Result<Option<Vec<u8>>, StoreError>;
 
-    /// Keeps the sessions' cached plans fit for the tables' sizes; called by
-    /// the record counter's round. Nothing to do for a store that plans each
+    /// Keeps the sessions' cached plans fit for the tables' sizes; called
+    /// every second by the plan keeper. Nothing to do for a store that plans each
     /// statement as it runs (SQLite, Citus).
     async fn refresh_plans(&self) -> Result<(), StoreError> {
         Ok(())

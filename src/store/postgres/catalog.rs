@@ -85,8 +85,8 @@ pub fn catalog() -> Vec<Statement> {
         // Pending events through either of the indexes that hold just them.
         s("event_stats", EVENT_STATS, &["idemgate_events_pending", "idemgate_events_scope", "idemgate_events_parked"]),
         s("stats", STATS, &["idemgate_records_open"]),
-        // The record counter's look at the tables' statistics (`replan`; pg_class only).
-        s("believed_empty", super::replan::BELIEVED_EMPTY, &[]),
+        // The look at the tables' statistics and sizes (`replan`; catalogs only).
+        s("table_look", super::replan::TABLE_LOOK, &[]),
         s("unknown_by_age", UNKNOWN_BY_AGE, &["idemgate_records_open"]),
         s("forever_counts", FOREVER_COUNTS, &["idemgate_records_forever"]),
         s("take_probes", &TAKE_PROBES, &["idemgate_records_open", "idemgate_records_pkey"]),

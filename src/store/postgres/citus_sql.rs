@@ -334,7 +334,7 @@ pub fn catalog_for(flavor: super::Flavor) -> Vec<Statement> {
         // Citus plans each execution, so nothing looks at `pg_class` for
         // stale plans (`replan`).
         all.retain(|s| {
-            !matches!(s.name.as_str(), "claim" | "claim_batch" | "complete_batch" | "write_batch" | "mark_sent_batch" | "believed_empty")
+            !matches!(s.name.as_str(), "claim" | "claim_batch" | "complete_batch" | "write_batch" | "mark_sent_batch" | "table_look")
         });
         for s in &mut all {
             if let Some(sql) = citus_statement(&s.name) {

@@ -123,10 +123,27 @@ impl Lifecycle for PgStore {
         if self.flavor != Flavor::Postgres {
             return Ok(());
         }
-        let rows = self.query(replan::BELIEVED_EMPTY, &[], false).await?;
-        let row = rows.first().ok_or_else(|| StoreError::Corrupt("the tables' statistics returned no row".into()))?;
         let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
-        self.db.replan.saw([row.try_get(0).map_err(c)?, row.try_get(1).map_err(c)?]);
+        let looks = self
+            .query(replan::TABLE_LOOK, &[], false)
+            .await?
+            .iter()
+            .map(|row| {
+                Ok(replan::Look {
+                    table: row.try_get(0).map_err(c)?,
+                    rows: row.try_get(1).map_err(c)?,
+                    pages: row.try_get(2).map_err(c)?,
+                    changed: row.try_get(3).map_err(c)?,
+                    may_analyze: row.try_get(4).map_err(c)?,
+                })
+            })
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        for table in self.db.replan.saw(&looks) {
+            // A table that another session is vacuuming or analyzing is
+            // skipped (a notice, not an error); the next look tries again.
+            self.db.utility(&format!("ANALYZE (SKIP_LOCKED) {table}")).await?;
+            tracing::info!(table, "analyzed a table whose statistics said it was tiny while it filled");
+        }
         Ok(())
     }
 }

@@ -107,6 +107,19 @@ impl Db {
         }
     }
 
+    /// Runs a statement that cannot be prepared (a utility statement such
+    /// as `ANALYZE`) on a pooled connection.
+    async fn utility(&self, sql: &str) -> Result<(), StoreError> {
+        let conn = self.conn().await?;
+        match conn.client().batch_execute(sql).await {
+            Ok(()) => {
+                conn.done();
+                Ok(())
+            }
+            Err(e) => Err(self.failed(conn, e, false).0),
+        }
+    }
+
     async fn query_once(
         &self,
         sql: &str,

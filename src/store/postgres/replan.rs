@@ -1,21 +1,28 @@
-//! Plans made on an emptied table (docs/performance.md, "Plans made on an
-//! emptied table").
+//! Plans made while a table's statistics say it is tiny (docs/performance.md,
+//! "Plans made on an emptied table").
 //!
 //! Every session plans each statement once (generic plans, see `sql`) and
-//! keeps the plan until the table's statistics change. A VACUUM of an emptied
-//! table leaves zero pages and zero tuples in `pg_class`, which the planner
-//! believes, and invalidates every session's plans: the next use of each
-//! statement plans it for an empty table (nested loops that join by a filter
-//! over a whole index), and that plan stays while the table fills, until
-//! autovacuum's next ANALYZE, about a minute later. The relay's take so
-//! planned took 19.8 s with 15,000 events pending.
+//! keeps the plan until the table's statistics change. When the statistics
+//! say a table holds almost nothing (a VACUUM of an emptied table leaves zero
+//! pages and zero tuples in `pg_class`; an ANALYZE of a table of a few dozen
+//! rows says as much), every index read costs about the same, and the
+//! planner may join by a filter over a whole index. Such a plan stays while
+//! the table fills, until autovacuum's next ANALYZE, up to a minute later.
+//! The relay's take so planned took 19.8 s with 15,000 events pending.
 //!
-//! The record counter (`Lifecycle::refresh_plans`) asks every few seconds whether the statistics of a
-//! table still say "empty" while it has pages again. When one starts to, every
-//! pooled connection discards its cached plans at its next checkout
-//! (`DISCARD PLANS`; the statements stay prepared), so they are planned again
-//! with the table's real size (the planner reads the current number of pages
-//! when the statistics have none).
+//! Each look (`Lifecycle::refresh_plans`, every second) reads each table's
+//! statistics, size and changes since its last ANALYZE, and:
+//!
+//! - **analyzes** a table the statistics call tiny once it has changed
+//!   enough (`ANALYZE (SKIP_LOCKED)`, when the gateway's role may: the
+//!   owner's). New statistics invalidate every session's plans of that table,
+//!   on every replica; PostgreSQL plans them again with the table's real size.
+//! - otherwise, **discards** the plans of every pooled connection at its
+//!   next checkout (`DISCARD PLANS`; the statements stay prepared) each time
+//!   such a table doubles in pages: the planner scales the statistics' rows
+//!   per page by the pages the table has now (or estimates rows per page from
+//!   the row width when the statistics have no pages). This is what a runtime
+//!   role that does not own the tables gets.
 
 // The pool's metrics are `std::time::Instant`s; marks must be comparable
 // with them, so this module keeps std's `Instant` (as `failover` does).
@@ -26,38 +33,86 @@ use std::time::Instant;
 
 use deadpool_postgres::{Hook, HookError};
 
-/// `[records, events]`: whether `pg_class` says the table is empty (zero
-/// pages, zero tuples) while it has pages.
-pub(super) const BELIEVED_EMPTY: &str = "\
-SELECT coalesce(bool_or(c.relname = 'idemgate_records'), false), coalesce(bool_or(c.relname = 'idemgate_events'), false)
-FROM pg_class c
-WHERE c.oid IN (to_regclass('idemgate_records'), to_regclass('idemgate_events'))
-  AND c.relpages = 0 AND c.reltuples = 0 AND pg_relation_size(c.oid) > 0";
+/// The tables whose statistics are watched.
+pub(super) const TABLES: [&str; 2] = ["idemgate_records", "idemgate_events"];
+
+/// Per table of [`TABLES`]: its name, its statistics' rows
+/// (`reltuples`; -1 before its first VACUUM or ANALYZE), its pages now,
+/// rows changed since its last ANALYZE, and whether this role may ANALYZE it.
+pub(super) const TABLE_LOOK: &str = "\
+SELECT c.relname::text, c.reltuples::float8, (pg_relation_size(c.oid) / current_setting('block_size')::int8)::int8,
+       coalesce(s.n_mod_since_analyze, 0)::int8, pg_has_role(c.relowner, 'USAGE')
+FROM pg_class c LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
+WHERE c.oid IN (to_regclass('idemgate_records'), to_regclass('idemgate_events'))";
+
+/// Statistics of fewer rows than this call the table tiny. In
+/// `tests/pg_plans.rs`' experiments, statistics of 2 rows gave ten
+/// statements a whole-index join, of 20 and 60 rows one (`mark_sent_batch`),
+/// of 200 rows none.
+const TINY_ROWS: f64 = 1000.0;
+
+/// Rows changed since the last ANALYZE after which a tiny table is analyzed.
+const ANALYZE_AFTER_CHANGES: i64 = 100;
+
+/// One look at one table (a row of [`TABLE_LOOK`]).
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct Look {
+    pub(super) table: String,
+    pub(super) rows: f64,
+    pub(super) pages: i64,
+    pub(super) changed: i64,
+    pub(super) may_analyze: bool,
+}
+
+impl Look {
+    /// Statistics that say the table is tiny. Before a table's first
+    /// VACUUM or ANALYZE (`rows` -1) the planner assumes ten pages of
+    /// rows, and plans right (`tests/pg_plans.rs`).
+    fn tiny(&self) -> bool {
+        (0.0..TINY_ROWS).contains(&self.rows)
+    }
+
+    /// The table's pages as a power of two (0 for no pages), while its
+    /// statistics say it is tiny; 0 otherwise.
+    fn level(&self) -> u32 {
+        if self.tiny() { u64::BITS - (self.pages.max(0) as u64).leading_zeros() } else { 0 }
+    }
+}
 
 #[derive(Debug, Default)]
 pub(super) struct Replan {
     /// Connections last handed out before this discard their plans.
     since: Mutex<Option<Instant>>,
-    /// What the last look saw, per table.
-    believed_empty: Mutex<[bool; 2]>,
+    /// Per table of [`TABLES`]: its `Look::level` at the last look.
+    levels: Mutex<[u32; 2]>,
 }
 
 impl Replan {
-    /// What the record counter's look found (`[records, events]`). A table
-    /// that starts being believed empty while it has pages makes every
-    /// connection's plans stale.
-    pub(super) fn saw(&self, now: [bool; 2]) {
-        let Ok(mut last) = self.believed_empty.lock() else { return };
-        let started = last.iter().zip(now).any(|(was, is)| !*was && is);
-        *last = now;
-        if started && let Ok(mut since) = self.since.lock() {
-            *since = Some(Instant::now());
-            tracing::info!(
-                records = now[0],
-                events = now[1],
-                "a table's statistics say it is empty but it is filling: pooled connections plan their statements again"
-            );
+    /// What a look found. Returns the tables to ANALYZE; a tiny table that
+    /// doubled in pages since the last look makes every connection's plans
+    /// stale.
+    pub(super) fn saw(&self, looks: &[Look]) -> Vec<&'static str> {
+        let Ok(mut levels) = self.levels.lock() else { return Vec::new() };
+        let mut analyze = Vec::new();
+        let mut grew = Vec::new();
+        for look in looks {
+            let Some(i) = TABLES.iter().position(|t| *t == look.table) else { continue };
+            let level = look.level();
+            if level > levels[i] {
+                grew.push(TABLES[i]);
+            }
+            levels[i] = level;
+            if look.tiny() && look.may_analyze && look.changed >= ANALYZE_AFTER_CHANGES {
+                analyze.push(TABLES[i]);
+            }
         }
+        if !grew.is_empty()
+            && let Ok(mut since) = self.since.lock()
+        {
+            *since = Some(Instant::now());
+            tracing::info!(tables = ?grew, "statistics say a table is tiny while it fills: pooled connections plan their statements again");
+        }
+        analyze
     }
 
     fn stale(&self, last_handed_out: Instant) -> bool {
@@ -83,19 +138,48 @@ impl Replan {
 mod tests {
     use super::*;
 
+    fn look(table: &str, rows: f64, pages: i64, changed: i64, may_analyze: bool) -> Look {
+        Look { table: table.into(), rows, pages, changed, may_analyze }
+    }
+
     #[test]
-    fn only_a_table_starting_to_be_believed_empty_marks_the_plans_stale() {
+    fn a_tiny_table_doubling_in_pages_marks_the_plans_stale() {
         let r = Replan::default();
         let before = Instant::now();
-        r.saw([false, false]);
-        assert!(!r.stale(before), "nothing seen yet");
-        r.saw([false, true]);
-        assert!(r.stale(before), "the events table is believed empty while it has pages");
+        r.saw(&[look("idemgate_records", 5000.0, 300, 0, false), look("idemgate_events", 0.0, 0, 0, false)]);
+        assert!(!r.stale(before), "nothing tiny has pages");
+        r.saw(&[look("idemgate_events", 0.0, 1, 10, false)]);
+        assert!(r.stale(before), "the events' statistics say empty while the table has a page");
         let after = Instant::now();
-        r.saw([false, true]);
-        assert!(!r.stale(after), "still believed empty: connections handed out since planned with its pages");
-        r.saw([false, false]);
-        r.saw([true, false]);
-        assert!(r.stale(after), "the records table starts to be");
+        r.saw(&[look("idemgate_events", 0.0, 1, 10, false)]);
+        assert!(!r.stale(after), "no new page: connections handed out since planned with it");
+        r.saw(&[look("idemgate_events", 0.0, 3, 10, false)]);
+        assert!(r.stale(after), "two pages more: the table doubled");
+        let after = Instant::now();
+        r.saw(&[look("idemgate_events", 0.0, 3, 10, false)]);
+        r.saw(&[look("idemgate_records", -1.0, 4000, 0, false)]);
+        assert!(!r.stale(after), "no doubling, and statistics never taken are not tiny");
+        r.saw(&[look("idemgate_records", 999.0, 4000, 0, false)]);
+        assert!(r.stale(after), "the records' statistics say 999 rows of 4,000 pages");
+        let after = Instant::now();
+        r.saw(&[look("idemgate_records", 1000.0, 8000, 0, false)]);
+        assert!(!r.stale(after), "1,000 rows are not tiny");
+        r.saw(&[look("idemgate_records", 0.0, 0, 0, false)]);
+        r.saw(&[look("idemgate_records", 0.0, 1, 0, false)]);
+        assert!(r.stale(after), "emptied, truncated and filling again");
+    }
+
+    #[test]
+    fn a_tiny_table_that_changed_enough_is_analyzed_by_a_role_that_may() {
+        let r = Replan::default();
+        assert!(r.saw(&[look("idemgate_records", 0.0, 9, 99, true)]).is_empty(), "99 changes");
+        assert_eq!(r.saw(&[look("idemgate_records", 0.0, 9, 100, true)]), ["idemgate_records"]);
+        assert_eq!(r.saw(&[look("idemgate_records", 999.0, 9, 5000, true)]), ["idemgate_records"]);
+        assert!(r.saw(&[look("idemgate_records", 0.0, 9, 100, false)]).is_empty(), "not the owner");
+        assert!(r.saw(&[look("idemgate_records", 1000.0, 9, 5000, true)]).is_empty(), "not tiny");
+        assert!(r.saw(&[look("idemgate_records", -1.0, 9, 5000, true)]).is_empty(), "never analyzed: not tiny");
+        assert!(r.saw(&[look("idemgate_other", 0.0, 9, 5000, true)]).is_empty(), "not ours");
+        let both = r.saw(&[look("idemgate_records", 10.0, 9, 500, true), look("idemgate_events", 0.0, 0, 100, true)]);
+        assert_eq!(both, ["idemgate_records", "idemgate_events"]);
     }
 }
