@@ -45,10 +45,11 @@ SELECT c.relname::text, c.reltuples::float8, (pg_relation_size(c.oid) / current_
 FROM pg_class c LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
 WHERE c.oid IN (to_regclass('idemgate_records'), to_regclass('idemgate_events'))";
 
-/// Statistics of fewer rows than this call the table tiny. In
-/// `tests/pg_plans.rs`' experiments, statistics of 2 rows gave ten
-/// statements a whole-index join, of 20 and 60 rows one (`mark_sent_batch`),
-/// of 200 rows none.
+/// Statistics of fewer rows than this call the table tiny. Generic plans
+/// checked by `tests/pg_plans.rs`' rules on tables VACUUM ANALYZEd with a
+/// few rows (docs/performance.md): statistics of 2 rows gave ten statements
+/// a whole-index join, of 20 and 60 rows one (`mark_sent_batch`), of 200
+/// rows and more none.
 const TINY_ROWS: f64 = 1000.0;
 
 /// Rows changed since the last ANALYZE after which a tiny table is analyzed.
