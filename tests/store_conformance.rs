@@ -38,6 +38,7 @@ use tokio::net::{TcpListener, TcpStream};
 use uuid::Uuid;
 
 on_both_stores!(
+    only_a_store_whose_sessions_keep_plans_has_a_plan_keeper,
     attempts_from_an_earlier_life_of_a_record_are_fenced,
     claim_inserts_and_second_claim_sees_the_winner,
     generations_grow_across_lives_of_a_scope,
@@ -87,6 +88,7 @@ on_both_stores!(
 // pg_locks of the server it connects to; on Citus the reaper's statement
 // runs on a worker, where that lock is taken.
 on_citus!(
+    only_a_store_whose_sessions_keep_plans_has_a_plan_keeper,
     attempts_from_an_earlier_life_of_a_record_are_fenced,
     claim_inserts_and_second_claim_sees_the_winner,
     generations_grow_across_lives_of_a_scope,
@@ -854,6 +856,16 @@ async fn generations_grow_across_lives_of_a_scope(backend: Backend) {
     // Another scope's claims in between do not break the order either.
     let other = claim(&store, &req(&key("neighbour"), 1, LONG, false)).await;
     assert!(other.generation > *seen.last().unwrap());
+}
+
+/// PostgreSQL sessions keep generic plans, which the plan keeper keeps fit
+/// for the tables' sizes (`store::postgres::replan`); SQLite and Citus plan
+/// each statement as it runs, so their gateways run no plan keeper, and
+/// its look does nothing there.
+async fn only_a_store_whose_sessions_keep_plans_has_a_plan_keeper(backend: Backend) {
+    let store = open(&backend).await;
+    assert_eq!(store.caches_plans(), matches!(backend, Backend::Postgres { .. }), "{backend:?}");
+    store.refresh_plans().await.expect("a look");
 }
 
 async fn times_come_from_the_store_clock(backend: Backend) {

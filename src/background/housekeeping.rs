@@ -109,7 +109,7 @@ pub fn spawn_all(
     }
     // Tables whose statistics say they are tiny while they fill: analyzed,
     // or their plans made again (PostgreSQL; see `store::postgres::replan`).
-    {
+    if store.caches_plans() {
         let (store, shutdown) = (store.clone(), shutdown.clone());
         tracker.spawn(periodic("plan_keeper", PLAN_LOOK_INTERVAL, shutdown, move || {
             let store = store.clone();

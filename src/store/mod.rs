@@ -443,6 +443,11 @@ impl Store {
         self.bounded("operation", false, self.backend.operation(tenant, operation_id)).await
     }
 
+    /// Whether the store needs a plan keeper (`Lifecycle::caches_plans`).
+    pub fn caches_plans(&self) -> bool {
+        self.backend.caches_plans()
+    }
+
     /// Keeps the sessions' cached plans fit for the tables' sizes (see
     /// `Lifecycle::refresh_plans`); the plan keeper calls it every second.
     pub async fn refresh_plans(&self) -> Result<(), StoreError> {

@@ -30,9 +30,15 @@ pub trait Lifecycle: Send + Sync + std::fmt::Debug {
     /// before the store was migrated).
     async fn derived_key_secret(&self) -> Result<Option<Vec<u8>>, StoreError>;
 
+    /// Whether sessions keep plans made for the tables' sizes, which
+    /// [`Lifecycle::refresh_plans`] must keep fit (PostgreSQL). A store that
+    /// plans each statement as it runs (SQLite, Citus) has no plan keeper.
+    fn caches_plans(&self) -> bool {
+        false
+    }
+
     /// Keeps the sessions' cached plans fit for the tables' sizes; called
-    /// every second by the plan keeper. Nothing to do for a store that plans each
-    /// statement as it runs (SQLite, Citus).
+    /// every second by the plan keeper when [`Lifecycle::caches_plans`].
     async fn refresh_plans(&self) -> Result<(), StoreError> {
         Ok(())
     }

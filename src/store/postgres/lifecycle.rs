@@ -117,10 +117,15 @@ impl Lifecycle for PgStore {
         }
     }
 
-    /// See `replan`. Citus plans each execution and keeps its tables on
-    /// the workers: nothing to look at.
+    /// Citus plans each execution and keeps its tables on the workers:
+    /// nothing to keep fit there.
+    fn caches_plans(&self) -> bool {
+        self.flavor == Flavor::Postgres
+    }
+
+    /// See `replan`.
     async fn refresh_plans(&self) -> Result<(), StoreError> {
-        if self.flavor != Flavor::Postgres {
+        if !self.caches_plans() {
             return Ok(());
         }
         let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());

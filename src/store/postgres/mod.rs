@@ -75,8 +75,8 @@ struct Db {
     /// Set when a statement shows the server is no longer the writable
     /// primary: connections opened before are not reused (see `failover`).
     flush: Arc<Flush>,
-    /// Set when a table's statistics start saying "empty" while it fills:
-    /// connections plan their statements again (see `replan`).
+    /// Marked when a table whose statistics say it is tiny doubles in
+    /// pages: connections plan their statements again (see `replan`).
     replan: Arc<replan::Replan>,
     /// PostgreSQL or a Citus coordinator: on Citus every statement is sent
     /// as `sql::for_citus` writes it.
