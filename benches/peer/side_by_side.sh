@@ -6,13 +6,19 @@
 # Same nginx upstream, same wrk scripts, same body; targets interleaved per phase.
 #
 #   IDEMGATE_BIN=/path/to/target/release/idemgate ./side_by_side.sh
+#   IDEMGATE_BASE_BIN=/path/to/an/older/idemgate ...   # adds target `base`: that binary
+#       on the same PostgreSQL, interleaved with the others, and `*_pg_vs_base` ratios
 #
 # Prints per run: rps p50 p99, upstream requests seen (must equal first writes),
 # cpu_us/r (the CPU time per request of the target's whole stack: the peer's Node
 # process and Redis; idemgate and every PostgreSQL process; idemgate on SQLite),
 # then `ratios: first_pg_vs_peer=X replay_pg_vs_peer=Y first_sqlite_vs_peer=Z
 # replay_sqlite_vs_peer=W` per connection count, and a closing `ratios:` line at the
-# highest one. After each PostgreSQL run: seq_scan+N, the sequential scans of
+# highest one. ROUNDS (default 3) repeats the measured phases, the targets
+# interleaved within each round; every figure on the `ratios` lines is the median
+# over the rounds of that round's figure, and `cpu_first_pg_vs_peer` is the median
+# of the rounds' whole-stack CPU per first write, idemgate on PostgreSQL over the
+# peer. After each PostgreSQL run: seq_scan+N, the sequential scans of
 # idemgate_records during it (pg_stat_user_tables; backends report at most once
 # a second, so a count can lag into the next run).
 set -euo pipefail
@@ -22,7 +28,9 @@ PEER_DIR="$HERE/node-peer"; WRK_DIR="$HERE/wrk"
 BIN="${IDEMGATE_BIN:?set IDEMGATE_BIN to the idemgate release binary}"
 DURATION="${DURATION:-10s}"; CONNS="${CONNS:-16 64}"; WRK_THREADS="${WRK_THREADS:-2}"
 REDIS_DURABILITY="${REDIS_DURABILITY:-always}"; REPLAY_KEYS="${REPLAY_KEYS:-1000}"
-TARGETS="${TARGETS:-peer pg sqlite}"
+BASE_BIN="${IDEMGATE_BASE_BIN:-}"
+TARGETS="${TARGETS:-peer pg${BASE_BIN:+ base} sqlite}"
+ROUNDS="${ROUNDS:-3}"
 export ORDER_BODY='{"item":"widget","qty":1}'
 API_KEY="side-by-side-key"
 for b in node redis-server redis-cli nginx wrk curl initdb pg_ctl; do
@@ -47,7 +55,7 @@ free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0)
 wait_until() { local w=$1 t=$2; shift 2; for _ in $(seq "$t"); do "$@" >/dev/null 2>&1 && return 0; sleep 0.1; done; echo "timeout: $w" >&2; return 1; }
 
 # ---- redis + nginx upstream + peer ------------------------------------------
-RP=$(free_port); UP=$(free_port); PP=$(free_port); PGP=$(free_port); GP=$(free_port); GA=$(free_port); SP=$(free_port); SA=$(free_port)
+RP=$(free_port); UP=$(free_port); PP=$(free_port); PGP=$(free_port); GP=$(free_port); GA=$(free_port); SP=$(free_port); SA=$(free_port); BP=$(free_port); BA=$(free_port)
 redis-server --port "$RP" --bind 127.0.0.1 --daemonize no --dir "$RUN" --logfile "$RUN/redis.log" "${RARGS[@]}" &
 PIDS+=($!); REDIS_PID=$!; wait_until redis 50 redis-cli -p "$RP" ping
 NGX="$RUN/nginx"; mkdir -p "$NGX/tmp"; chmod 755 "$NGX"
@@ -109,7 +117,12 @@ path = \"$RUN/idemgate.db\""
 "$BIN" serve --config "$RUN/sqlite.toml" > "$RUN/gw-sqlite.log" 2>&1 & PIDS+=($!); GW_SQLITE_PID=$!
 wait_until idemgate-pg 100 curl -fsS "http://127.0.0.1:$GA/readyz"
 wait_until idemgate-sqlite 100 curl -fsS "http://127.0.0.1:$SA/readyz"
-declare -A URL=([peer]="http://127.0.0.1:$PP" [pg]="http://127.0.0.1:$GP" [sqlite]="http://127.0.0.1:$SP")
+if [[ -n $BASE_BIN ]]; then
+  mkcfg "$RUN/base.toml" "$BP" "$BA" $'kind = "postgres"\nurl_env = "IDEMGATE_DATABASE_URL"'
+  "$BASE_BIN" serve --config "$RUN/base.toml" > "$RUN/gw-base.log" 2>&1 & PIDS+=($!); GW_BASE_PID=$!
+  wait_until idemgate-base 100 curl -fsS "http://127.0.0.1:$BA/readyz"
+fi
+declare -A URL=([peer]="http://127.0.0.1:$PP" [pg]="http://127.0.0.1:$GP" [sqlite]="http://127.0.0.1:$SP" [base]="http://127.0.0.1:$BP")
 export AUTH_HEADER_VALUE="Bearer $API_KEY"
 ups() { curl -fsS "http://127.0.0.1:$UP/__nginx_status" | awk 'NR==3{print $3}'; }
 seqscans() { runuser -u postgres -- psql -h "$RUN/pglog" -p "$PGP" -qAt \
@@ -125,6 +138,7 @@ pg_pids() { local pm; pm=$(head -n 1 "$PGDATA_DIR/postmaster.pid"); echo "$pm" $
 cpu_parts() { case $1 in
   peer) echo "node $(ticks "$NODE_PID") redis $(ticks "$REDIS_PID")" ;;
   pg) echo "idemgate $(ticks "$GW_PG_PID") postgres $(ticks $(pg_pids))" ;;
+  base) echo "idemgate $(ticks "$GW_BASE_PID") postgres $(ticks $(pg_pids))" ;;
   sqlite) echo "idemgate $(ticks "$GW_SQLITE_PID")" ;; esac; }
 # "cpu_us/r=T (a A + b B)" from two cpu_parts readings and a request count.
 cpu_per_request() { python3 - "$1" "$2" "$3" "$(getconf CLK_TCK)" <<'PY'
@@ -135,16 +149,20 @@ print("cpu_us/r=%d (%s)" % (sum(u for _, u in us), " + ".join("%s %d" % (name, u
 PY
 }
 
-declare -A RPS
-run() { # run <target> <phase> <script> <conns> <dur>
-  local t=$1 ph=$2 s=$3 c=$4 d=$5 u0 u1 res seq="" s0=0
-  u0=$(ups); [[ $t == pg ]] && s0=$(seqscans); local c0; c0=$(cpu_parts "$t")
+# Per round: RPS[target-phase-conns-round], CPU[...] (whole-stack us per request) and
+# GWCPU[...] (idemgate's own us per request).
+declare -A RPS CPU GWCPU
+run() { # run <target> <phase> <script> <conns> <dur> <round>
+  local t=$1 ph=$2 s=$3 c=$4 d=$5 r=${6:-0} u0 u1 res seq="" s0=0 cpu
+  u0=$(ups); [[ $t == pg || $t == base ]] && s0=$(seqscans); local c0; c0=$(cpu_parts "$t")
   LABEL="$t-$ph-c$c" KEY_PREFIX="$t-$ph-$c-$RANDOM$RANDOM" REPLAY_PREFIX="replay-$t-" REPLAY_KEYS="$REPLAY_KEYS" \
     timeout $(( ${d%s} + 20 )) wrk -t"$WRK_THREADS" -c"$c" -d"$d" --timeout 5s -s "$s" "${URL[$t]}" > "$RUN/wrk-$t-$ph-$c.txt" 2>&1
-  local c1; c1=$(cpu_parts "$t"); u1=$(ups); if [[ $t == pg ]]; then sleep 1; local s1; s1=$(seqscans); seq=" seq_scan+$((s1 - s0)) (total $s1)"; fi; res=$(grep '^RESULT' "$RUN/wrk-$t-$ph-$c.txt" | sed 's/^RESULT //')
-  RPS[$t-$ph-$c]=$(echo "$res" | grep -o 'rps=[0-9.]*' | cut -d= -f2)
-  printf '%-8s %-6s c=%-3s %s upstream+%s%s %s\n' "$t" "$ph" "$c" "$(echo "$res" | grep -o 'requests=.*p99_ms=[0-9.]*') $(echo "$res" | grep -o 'status_ge400=[0-9]*')" "$((u1 - u0 - 1))" "$seq" \
-    "$(cpu_per_request "$c0" "$c1" "$(echo "$res" | grep -o 'requests=[0-9]*' | cut -d= -f2)")"
+  local c1; c1=$(cpu_parts "$t"); u1=$(ups); if [[ $t == pg || $t == base ]]; then sleep 1; local s1; s1=$(seqscans); seq=" seq_scan+$((s1 - s0)) (total $s1)"; fi; res=$(grep '^RESULT' "$RUN/wrk-$t-$ph-$c.txt" | sed 's/^RESULT //')
+  RPS[$t-$ph-$c-$r]=$(echo "$res" | grep -o 'rps=[0-9.]*' | cut -d= -f2)
+  cpu=$(cpu_per_request "$c0" "$c1" "$(echo "$res" | grep -o 'requests=[0-9]*' | cut -d= -f2)")
+  CPU[$t-$ph-$c-$r]=$(echo "$cpu" | sed 's/^cpu_us\/r=\([0-9]*\).*/\1/')
+  GWCPU[$t-$ph-$c-$r]=$(echo "$cpu" | grep -o '(idemgate [0-9]*' | grep -o '[0-9]*$' || true)
+  printf '%-8s %-6s c=%-3s r=%s %s upstream+%s%s %s\n' "$t" "$ph" "$c" "$r" "$(echo "$res" | grep -o 'requests=.*p99_ms=[0-9.]*') $(echo "$res" | grep -o 'status_ge400=[0-9]*')" "$((u1 - u0 - 1))" "$seq" "$cpu"
 }
 for t in $TARGETS; do run "$t" warm "$WRK_DIR/first_writes.lua" 16 3s >/dev/null; done
 # STEADY=1: what autovacuum does after the first minute, done at once (ANALYZE), so that the
@@ -155,16 +173,26 @@ if [[ "${STEADY:-1}" == 1 ]]; then
 else
   echo "cold: no ANALYZE (fresh database)"
 fi
-for c in $CONNS; do for t in $TARGETS; do run "$t" first "$WRK_DIR/first_writes.lua" "$c" "$DURATION"; done; done
+for r in $(seq "$ROUNDS"); do for c in $CONNS; do for t in $TARGETS; do run "$t" first "$WRK_DIR/first_writes.lua" "$c" "$DURATION" "$r"; done; done; done
 for t in $TARGETS; do
   TARGET_URL="${URL[$t]}" REPLAY_PREFIX="replay-$t-" REPLAY_KEYS="$REPLAY_KEYS" timeout 90 node "$PEER_DIR/prewarm.js" > "$RUN/prewarm-$t.txt" 2>&1 \
     || { echo "prewarm failed for $t:"; cat "$RUN/prewarm-$t.txt"; exit 1; }
 done
-for c in $CONNS; do for t in $TARGETS; do run "$t" replay "$WRK_DIR/replays.lua" "$c" "$DURATION"; done; done
-ratio() { python3 -c "import sys;a,b=sys.argv[1:];print('%.2f'%(float(a)/float(b)) if a and b else 'n/a')" "${RPS[$1]:-}" "${RPS[$2]:-}"; }
+for r in $(seq "$ROUNDS"); do for c in $CONNS; do for t in $TARGETS; do run "$t" replay "$WRK_DIR/replays.lua" "$c" "$DURATION" "$r"; done; done; done
+# ratio <table> <a> <b>: the median over the rounds of a/b (a, b: target-phase-conns).
+ratio() { local -n tab=$1; local vals=() r
+  for r in $(seq "$ROUNDS"); do vals+=("${tab[$2-$r]:-}" "${tab[$3-$r]:-}"); done
+  python3 -c "
+import sys, statistics
+v = sys.argv[1:]
+pairs = [(float(a), float(b)) for a, b in zip(v[::2], v[1::2]) if a and b and float(b) > 0]
+print('%.2f' % statistics.median(a / b for a, b in pairs) if pairs else 'n/a')" "${vals[@]}"; }
 for c in $CONNS; do
-  echo "ratios@c$c: first_pg_vs_peer=$(ratio pg-first-$c peer-first-$c) replay_pg_vs_peer=$(ratio pg-replay-$c peer-replay-$c) first_sqlite_vs_peer=$(ratio sqlite-first-$c peer-first-$c) replay_sqlite_vs_peer=$(ratio sqlite-replay-$c peer-replay-$c)"
+  echo "ratios@c$c: first_pg_vs_peer=$(ratio RPS pg-first-$c peer-first-$c) replay_pg_vs_peer=$(ratio RPS pg-replay-$c peer-replay-$c) first_sqlite_vs_peer=$(ratio RPS sqlite-first-$c peer-first-$c) replay_sqlite_vs_peer=$(ratio RPS sqlite-replay-$c peer-replay-$c) cpu_first_pg_vs_peer=$(ratio CPU pg-first-$c peer-first-$c) cpu_first_sqlite_vs_peer=$(ratio CPU sqlite-first-$c peer-first-$c)"
 done
-echo "redis_durability=$REDIS_DURABILITY nproc=$(nproc) duration=$DURATION steady=${STEADY:-1}"
+if [[ -n $BASE_BIN ]]; then for c in $CONNS; do
+  echo "base@c$c: first_pg_vs_base=$(ratio RPS pg-first-$c base-first-$c) replay_pg_vs_base=$(ratio RPS pg-replay-$c base-replay-$c) cpu_first_pg_vs_base=$(ratio CPU pg-first-$c base-first-$c) cpu_replay_pg_vs_base=$(ratio CPU pg-replay-$c base-replay-$c) gw_cpu_first_pg_vs_base=$(ratio GWCPU pg-first-$c base-first-$c) gw_cpu_replay_pg_vs_base=$(ratio GWCPU pg-replay-$c base-replay-$c)"
+done; fi
+echo "redis_durability=$REDIS_DURABILITY nproc=$(nproc) duration=$DURATION steady=${STEADY:-1} rounds=$ROUNDS"
 top=$(printf '%s\n' $CONNS | sort -n | tail -n 1)
-echo "ratios: first_pg_vs_peer=$(ratio pg-first-$top peer-first-$top) replay_pg_vs_peer=$(ratio pg-replay-$top peer-replay-$top) (at $top connections)"
+echo "ratios: first_pg_vs_peer=$(ratio RPS pg-first-$top peer-first-$top) replay_pg_vs_peer=$(ratio RPS pg-replay-$top peer-replay-$top) cpu_first_pg_vs_peer=$(ratio CPU pg-first-$top peer-first-$top) (at $top connections; medians of $ROUNDS interleaved rounds)"
