@@ -222,7 +222,9 @@ impl Gateway {
         headers: &HeaderMap,
     ) -> Result<(), GatewayError> {
         let Some(authorizer) = self.authorizers.get(operation) else { return Ok(()) };
-        match authorizer.check(method, path, operation, identity, headers).await {
+        // Boxed: an authorizer call (an HTTP exchange) would otherwise make every
+        // idempotent request's future as large, authorizer or not.
+        match Box::pin(authorizer.check(method, path, operation, identity, headers)).await {
             AuthzDecision::Allowed => Ok(()),
             AuthzDecision::Denied => Err(GatewayError::Forbidden),
             AuthzDecision::Unavailable => Err(GatewayError::AuthorizerUnavailable),
@@ -372,7 +374,7 @@ impl Gateway {
                 self.send_request_id(&mut req, request_id);
                 trace.route = RouteLabel::PassThrough;
                 trace.outcome = Some(Outcome::PassThrough);
-                self.pass_through(upstream, req, trace).await
+                Box::pin(self.pass_through(upstream, req, trace)).await
             }
             RouteMatch::NotFound => Err(GatewayError::NotFound),
         }
@@ -421,7 +423,7 @@ impl Gateway {
             // Observe mode changes no answer: nothing is refused, so the
             // route's authorizer is not asked either.
             let identity = self.admit(&mut req, peer).await;
-            let resp = self.observer.handle(route, params, req, identity, self.executor.upstream(route.upstream)).await;
+            let resp = Box::pin(self.observer.handle(route, params, req, identity, self.executor.upstream(route.upstream))).await;
             return Ok((resp, Outcome::PassThrough));
         }
         let identity = admission::identified(self.admit(&mut req, peer).await).map_err(|r| r.error)?;
@@ -430,7 +432,7 @@ impl Gateway {
         // without one costs no body read.
         let early = match admission::key_in_headers(route, req.headers()) {
             Ok(early) => early,
-            Err(NotAdmitted::NoKey) => return Ok((self.pass_through(route.upstream, req, trace).await?, Outcome::PassThrough)),
+            Err(NotAdmitted::NoKey) => return Ok((Box::pin(self.pass_through(route.upstream, req, trace)).await?, Outcome::PassThrough)),
             Err(NotAdmitted::Refused(r)) => return Err(r.error),
         };
         let (parts, body) = req.into_parts();
@@ -440,7 +442,7 @@ impl Gateway {
             Ok(claim) => claim,
             Err(NotAdmitted::NoKey) => {
                 let upstream = self.executor.upstream(route.upstream);
-                let answer = passthrough::try_forward(upstream, parts, Body::full(body)).await;
+                let answer = Box::pin(passthrough::try_forward(upstream, parts, Body::full(body))).await;
                 self.metrics.passed_through(upstream.name(), answer.as_ref().err().map(GatewayError::type_name));
                 return Ok((answer?, Outcome::PassThrough));
             }
@@ -453,7 +455,7 @@ impl Gateway {
         let (tx, rx) = oneshot::channel();
         let gw = self.clone();
         let route = route.clone();
-        self.tracker.spawn(async move {
+        self.tracker.spawn(Box::pin(async move {
             let (out, write) = gw.claim_and_forward(&route, claim, params, parts, body).await;
             // The client may be gone; the record is written either way. The
             // answer goes first: the result write then runs while it travels.
@@ -461,7 +463,7 @@ impl Gateway {
             if let Some(write) = write {
                 write.finish().await;
             }
-        });
+        }));
         rx.await.unwrap_or(Err(GatewayError::Internal))
     }
 
@@ -735,5 +737,26 @@ async fn read_body(body: Incoming, headers: &HeaderMap, limit: u64, timeout: Dur
         Ok(Ok(collected)) => Ok(collected.to_bytes()),
         Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => Err(GatewayError::BodyTooLarge { limit }),
         Ok(Err(_)) => Err(GatewayError::BodyRead),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The size of the future `f` returns, without calling it.
+    fn future_size<A, F: std::future::Future>(_f: impl FnOnce(A) -> F) -> usize {
+        std::mem::size_of::<F>()
+    }
+
+    /// Every request's future is built, then moved as a whole into the
+    /// worker's box. The branches a first write does not take (pass-through,
+    /// the authorizer's call, observe mode) are boxed so that it stays small:
+    /// inline, they made it 9.8 KB, copied several times per request
+    /// (docs/performance.md, issue 32).
+    #[test]
+    fn a_requests_future_stays_small() {
+        let size = future_size(|(gw, req, peer): (Arc<Gateway>, Request<Incoming>, SocketAddr)| gw.handle(req, peer));
+        assert!(size <= 4096, "Gateway::handle's future is {size} bytes");
     }
 }

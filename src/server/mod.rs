@@ -366,7 +366,10 @@ impl Worker {
                 let http1 = req.version() < http::Version::HTTP_2;
                 let answer = gw.get().handle(req, peer);
                 let draining = draining.clone();
-                async move {
+                // Boxed: hyper stores and moves the service's future; on the
+                // heap it moves as a pointer instead of a few kilobytes
+                // (docs/performance.md, issue 32).
+                Box::pin(async move {
                     let mut response = answer.await;
                     // During the drain delay keep-alive clients are told to
                     // reconnect (to a replica that is not leaving) while this
@@ -376,7 +379,7 @@ impl Worker {
                         response.headers_mut().insert(http::header::CONNECTION, http::HeaderValue::from_static("close"));
                     }
                     response
-                }
+                })
             })
             .await;
             // This thread's event loop drives its connections and forwards:
