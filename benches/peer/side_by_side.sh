@@ -152,12 +152,15 @@ PY
 # Per round: RPS[target-phase-conns-round], CPU[...] (whole-stack us per request) and
 # GWCPU[...] (idemgate's own us per request).
 declare -A RPS CPU GWCPU
+# The targets whose store is the private PostgreSQL.
+on_pg() { [[ $1 == pg || $1 == base ]]; }
 run() { # run <target> <phase> <script> <conns> <dur> <round>
   local t=$1 ph=$2 s=$3 c=$4 d=$5 r=${6:-0} u0 u1 res seq="" s0=0 cpu
-  u0=$(ups); [[ $t == pg || $t == base ]] && s0=$(seqscans); local c0; c0=$(cpu_parts "$t")
+  local out="$RUN/wrk-$t-$ph-$c-r$r.txt"
+  u0=$(ups); on_pg "$t" && s0=$(seqscans); local c0; c0=$(cpu_parts "$t")
   LABEL="$t-$ph-c$c" KEY_PREFIX="$t-$ph-$c-$RANDOM$RANDOM" REPLAY_PREFIX="replay-$t-" REPLAY_KEYS="$REPLAY_KEYS" \
-    timeout $(( ${d%s} + 20 )) wrk -t"$WRK_THREADS" -c"$c" -d"$d" --timeout 5s -s "$s" "${URL[$t]}" > "$RUN/wrk-$t-$ph-$c.txt" 2>&1
-  local c1; c1=$(cpu_parts "$t"); u1=$(ups); if [[ $t == pg || $t == base ]]; then sleep 1; local s1; s1=$(seqscans); seq=" seq_scan+$((s1 - s0)) (total $s1)"; fi; res=$(grep '^RESULT' "$RUN/wrk-$t-$ph-$c.txt" | sed 's/^RESULT //')
+    timeout $(( ${d%s} + 20 )) wrk -t"$WRK_THREADS" -c"$c" -d"$d" --timeout 5s -s "$s" "${URL[$t]}" > "$out" 2>&1
+  local c1; c1=$(cpu_parts "$t"); u1=$(ups); if on_pg "$t"; then sleep 1; local s1; s1=$(seqscans); seq=" seq_scan+$((s1 - s0)) (total $s1)"; fi; res=$(grep '^RESULT' "$out" | sed 's/^RESULT //')
   RPS[$t-$ph-$c-$r]=$(echo "$res" | grep -o 'rps=[0-9.]*' | cut -d= -f2)
   cpu=$(cpu_per_request "$c0" "$c1" "$(echo "$res" | grep -o 'requests=[0-9]*' | cut -d= -f2)")
   CPU[$t-$ph-$c-$r]=$(echo "$cpu" | sed 's/^cpu_us\/r=\([0-9]*\).*/\1/')

@@ -73,7 +73,10 @@ impl Authorizer {
                 return Decision::Allowed;
             }
         }
-        let decision = self.ask(method, path, operation, identity, headers).await;
+        // Boxed: the HTTP exchange would otherwise make every idempotent
+        // request's future as large, authorizer or not (docs/performance.md,
+        // issue 32); a cached decision allocates nothing.
+        let decision = Box::pin(self.ask(method, path, operation, identity, headers)).await;
         if decision == Decision::Allowed && !self.config.cache.is_zero() {
             let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
             if cache.len() >= CACHE_CAP {
