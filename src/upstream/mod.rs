@@ -32,6 +32,7 @@ use crate::upstream::headers::strip_hop_by_hop;
 
 pub mod body;
 pub mod headers;
+pub mod limit;
 mod pool;
 pub mod side_client;
 
