@@ -21,11 +21,13 @@
 //! The lock is a std mutex held for a few arithmetic steps, never across an
 //! await.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use tokio::sync::Notify;
 use tokio::time::Instant;
+
+use crate::telemetry::metrics::LimitGauges;
 
 /// Where the adaptive limit starts.
 pub const DEFAULT_INITIAL: u32 = 20;
@@ -58,7 +60,8 @@ impl Default for LimitPolicy {
 }
 
 impl LimitPolicy {
-    fn queue_timeout(&self) -> Duration {
+    /// How long a request may wait for a slot.
+    pub fn queue_timeout(&self) -> Duration {
         match self {
             LimitPolicy::Unlimited => Duration::ZERO,
             LimitPolicy::Fixed { queue_timeout, .. } | LimitPolicy::Adaptive { queue_timeout, .. } => *queue_timeout,
@@ -175,6 +178,8 @@ pub struct Limit {
     state: Mutex<State>,
     /// Wakes a request waiting for a slot when one is freed.
     freed: Notify,
+    /// Where the limit, the slots held and the refusals are shown.
+    gauges: OnceLock<LimitGauges>,
 }
 
 /// Why no slot was given.
@@ -187,7 +192,42 @@ impl Limit {
             LimitPolicy::Adaptive { initial, ceiling, .. } => Some(Controller::new(initial, ceiling)),
             LimitPolicy::Unlimited | LimitPolicy::Fixed { .. } => None,
         };
-        Arc::new(Limit { policy, state: Mutex::new(State { in_flight: 0, controller, refusals: 0 }), freed: Notify::new() })
+        Arc::new(Limit {
+            policy,
+            state: Mutex::new(State { in_flight: 0, controller, refusals: 0 }),
+            freed: Notify::new(),
+            gauges: OnceLock::new(),
+        })
+    }
+
+    /// Shows this limit in `gauges` from now on (the first call wins).
+    pub fn report_to(&self, gauges: LimitGauges) {
+        let state = self.state();
+        self.show(&gauges, &state);
+        drop(state);
+        let _ = self.gauges.set(gauges);
+    }
+
+    fn show(&self, gauges: &LimitGauges, state: &State) {
+        gauges.in_flight.set(i64::from(state.in_flight));
+        if let (Some(gauge), Some(limit)) = (&gauges.limit, self.limit_of(state)) {
+            gauge.set(i64::from(limit));
+        }
+    }
+
+    /// Updates the gauges after a change of `state`.
+    fn changed(&self, state: &State) {
+        if let Some(gauges) = self.gauges.get() {
+            self.show(gauges, state);
+        }
+    }
+
+    /// Counts a refusal (or a deferral of background work).
+    pub fn refused(&self) {
+        self.state().refusals += 1;
+        if let Some(gauges) = self.gauges.get() {
+            gauges.refusals.inc();
+        }
     }
 
     pub fn policy(&self) -> LimitPolicy {
@@ -236,6 +276,7 @@ impl Limit {
         let free = self.limit_of(&state).is_none_or(|limit| state.in_flight < limit);
         free.then(|| {
             state.in_flight += 1;
+            self.changed(&state);
             Permit { limit: self.clone(), in_flight: state.in_flight, sample: None }
         })
     }
@@ -253,7 +294,7 @@ impl Limit {
             if Instant::now() >= deadline || tokio::time::timeout_at(deadline, freed).await.is_err() {
                 // One last look: a slot may have been freed as the deadline passed.
                 return self.try_acquire().ok_or_else(|| {
-                    self.state().refusals += 1;
+                    self.refused();
                     Overloaded
                 });
             }
@@ -266,6 +307,7 @@ impl Limit {
         if let (Some(sample), Some(controller)) = (sample, state.controller.as_mut()) {
             controller.learn(sample, in_flight);
         }
+        self.changed(&state);
         drop(state);
         self.freed.notify_one();
     }
@@ -291,6 +333,38 @@ impl Permit {
 impl Drop for Permit {
     fn drop(&mut self) {
         self.limit.release(self.in_flight, self.sample.take());
+    }
+}
+
+/// The slots one forward holds: its upstream's, and its route's when the
+/// route has a cap of its own.
+#[derive(Debug)]
+pub struct Slot {
+    upstream: Permit,
+    _route: Option<Permit>,
+}
+
+impl Slot {
+    /// A slot of `route`'s cap (if any) and of `upstream`'s limit, each
+    /// waiting up to its `queue_timeout`.
+    pub async fn acquire(upstream: &Arc<Limit>, route: Option<&Arc<Limit>>) -> Result<Slot, Overloaded> {
+        let route = match route {
+            Some(limit) => Some(limit.acquire().await?),
+            None => None,
+        };
+        Ok(Slot { upstream: upstream.acquire().await?, _route: route })
+    }
+
+    /// What the upstream did with the request (teaches the upstream's limit).
+    pub fn record(&mut self, sample: Sample) {
+        self.upstream.record(sample);
+    }
+}
+
+impl From<Permit> for Slot {
+    /// A slot of the upstream's limit alone.
+    fn from(upstream: Permit) -> Slot {
+        Slot { upstream, _route: None }
     }
 }
 
