@@ -1,0 +1,220 @@
+//! Admission under overload (contract section 12): a request over an
+//! upstream's concurrency limit, or an async route's queue bound, is refused
+//! before its claim (503 `overloaded`, `Retry-After`), claims nothing and
+//! never reaches the upstream; so an overload no longer turns into `unknown`
+//! records. Counts decide, not timings: what the upstream executed, what the
+//! store recorded, what each client was told.
+
+mod support;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use idemgate::idempotency::record::State;
+use support::overloaded::OverloadedUpstream;
+use support::{Gateway, GatewayConfig, TestUpstream, derived, post, record, send, sqlite_backend};
+
+/// What the clients of a load run were told, by key.
+#[derive(Default)]
+struct Told {
+    /// Keys answered 201.
+    created: Vec<String>,
+    /// Keys refused 503 `overloaded` with a `Retry-After`.
+    refused: Vec<String>,
+    /// Keys answered 504 `outcome-unknown`.
+    unknown: Vec<String>,
+    /// Anything else: (key, status, body).
+    other: Vec<(String, u16, String)>,
+}
+
+/// `clients` clients, each sending first writes with fresh keys one after
+/// another until `run` has passed; a refused client waits `pause` before its
+/// next request (real clients back off; this keeps the load bounded).
+async fn load(gw: &Gateway, clients: usize, run: Duration, pause: Duration) -> (Told, Duration) {
+    let told = Arc::new(std::sync::Mutex::new(Told::default()));
+    let started = Instant::now();
+    let url = gw.url("/v1/orders");
+    let tasks: Vec<_> = (0..clients)
+        .map(|c| {
+            let (told, url) = (told.clone(), url.clone());
+            tokio::spawn(async move {
+                let mut n = 0;
+                while started.elapsed() < run {
+                    n += 1;
+                    let key = format!("c{c}-{n}-{}", uuid::Uuid::new_v4());
+                    let resp = post(&url, &key, r#"{"item":"book"}"#, &[]).await;
+                    let refused = {
+                        let mut t = told.lock().unwrap();
+                        match resp.status {
+                            201 => t.created.push(key),
+                            503 if resp.problem() == "overloaded" && resp.header("retry-after").is_some() => t.refused.push(key),
+                            504 if resp.problem() == "outcome-unknown" => t.unknown.push(key),
+                            status => t.other.push((key, status, String::from_utf8_lossy(&resp.body).into_owned())),
+                        }
+                        resp.status == 503
+                    };
+                    if refused {
+                        tokio::time::sleep(pause).await;
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.expect("client task");
+    }
+    let elapsed = started.elapsed();
+    let told = Arc::try_unwrap(told).ok().expect("clients done").into_inner().unwrap();
+    (told, elapsed)
+}
+
+/// The issue's scenario, shortened: an upstream that serves 4 requests at a
+/// time in 100 ms each (40 per second), a 1 s upstream timeout, and 64
+/// clients (about 15 times what it can do) on the embedded store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overloaded_upstream_gets_refusals_before_the_claim_not_unknown_records() {
+    let up = OverloadedUpstream::start(4, Duration::from_millis(100)).await;
+    let backend = sqlite_backend();
+    let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).timeout("1s"));
+    let store = backend.open().await;
+    let (told, elapsed) = load(&gw, 64, Duration::from_secs(6), Duration::from_millis(20)).await;
+    assert!(told.other.is_empty(), "answers other than 201, 503 overloaded and 504: {:?}", &told.other[..told.other.len().min(5)]);
+
+    // Every refusal claimed nothing and reached nothing.
+    let executions = up.executions();
+    for key in &told.refused {
+        assert!(record(&store, key).await.is_none(), "a refused request left a record: {key}");
+        assert!(!executions.contains_key(&derived(key)), "a refused request reached the upstream: {key}");
+    }
+    // Every execution is recorded, once; none is lost or doubled.
+    let mut states: HashMap<State, usize> = HashMap::new();
+    for key in told.created.iter().chain(&told.unknown) {
+        let rec = support::settled_record(&store, key).await.unwrap_or_else(|| panic!("no record for answered key {key}"));
+        *states.entry(rec.state).or_default() += 1;
+    }
+    let executed = up.executed();
+    assert!(executions.values().all(|&n| n == 1), "an operation executed twice");
+    let (completed, unknown) = (states.get(&State::Completed).copied().unwrap_or(0), states.get(&State::Unknown).copied().unwrap_or(0));
+    eprintln!(
+        "overload: {elapsed:?}, executed={executed} completed={completed} unknown={unknown} refused={} capacity={:.0}",
+        told.refused.len(),
+        40.0 * elapsed.as_secs_f64()
+    );
+    // Forwarded requests whose client got an answer are all accounted for.
+    assert_eq!(completed + unknown, told.created.len() + told.unknown.len());
+    assert!(executed >= completed as u64, "recorded more than executed");
+    assert!(unknown as u64 * 100 <= executed, "unknown {unknown} is more than 1% of {executed} executed");
+    // Goodput: the upstream was kept busy with requests that completed.
+    let capacity = 40.0 * elapsed.as_secs_f64();
+    assert!(completed as f64 >= 0.8 * capacity, "completed {completed}, less than 0.8 of the upstream's capacity {capacity:.0}");
+    assert!(!told.refused.is_empty(), "15 times the capacity and nothing refused");
+}
+
+/// At the upstream's capacity (as many clients as it serves at a time),
+/// nothing is refused: the limit costs the normal case nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_capacity_nothing_is_refused() {
+    let up = OverloadedUpstream::start(4, Duration::from_millis(50)).await;
+    let backend = sqlite_backend();
+    let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).timeout("1s"));
+    let (told, _) = load(&gw, 4, Duration::from_secs(3), Duration::ZERO).await;
+    assert!(told.refused.is_empty() && told.unknown.is_empty() && told.other.is_empty(), "refused {}", told.refused.len());
+    assert_eq!(up.executed(), told.created.len() as u64);
+    assert!(told.created.len() >= 40, "only {} requests in 3 s", told.created.len());
+}
+
+/// A fixed limit (`max_in_flight`): the request over it is refused at once
+/// (no `queue_timeout` wait), claims nothing, and its retry with the same key
+/// runs once a slot is free. The limit and the refusal are metrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fixed_limit_refuses_the_request_over_it_and_its_retry_runs_once() {
+    let up = TestUpstream::start().await;
+    let backend = sqlite_backend();
+    let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).upstream("max_in_flight = 1\nqueue_timeout = \"0s\""));
+    let store = backend.open().await;
+    let url = gw.url("/v1/orders");
+    let slow = tokio::spawn({
+        let url = url.clone();
+        async move { post(&url, "first", r#"{"n":1}"#, &[("x-test-sleep-ms", "1500")]).await }
+    });
+    assert!(support::eventually(Duration::from_secs(5), || async { up.total() == 1 }).await, "the first request never arrived");
+    let over = post(&url, "second", r#"{"n":2}"#, &[]).await;
+    assert_eq!((over.status, over.problem().as_str()), (503, "overloaded"), "{:?}", over.body);
+    assert_eq!(over.header("retry-after"), Some("1"));
+    assert_eq!(over.json()["retryable"], true);
+    assert!(record(&store, "second").await.is_none(), "the refused request was claimed");
+    assert_eq!(up.total(), 1, "the refused request reached the upstream");
+
+    let metrics = send("GET", &gw.admin_url("/metrics"), &[], "").await.expect("metrics");
+    let text = String::from_utf8_lossy(&metrics.body);
+    for line in [
+        r#"idemgate_upstream_limit{upstream="orders"} 1"#,
+        r#"idemgate_upstream_in_flight{upstream="orders"} 1"#,
+        r#"idemgate_upstream_refusals_total{upstream="orders"} 1"#,
+        r#"idemgate_requests_total{operation="create_order",outcome="overloaded"} 1"#,
+    ] {
+        assert!(text.contains(line), "{line} missing from\n{text}");
+    }
+
+    assert_eq!(slow.await.expect("first").status, 201);
+    let retry = post(&url, "second", r#"{"n":2}"#, &[]).await;
+    assert_eq!(retry.status, 201);
+    assert_eq!(up.side_effects(&derived("second")), 1);
+    assert_eq!(support::settled_record(&store, "second").await.map(|r| r.state), Some(State::Completed));
+}
+
+/// `adaptive = false` without `max_in_flight`: no limit at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_limit_when_adaptation_is_off_and_no_maximum_is_set() {
+    let up = TestUpstream::start().await;
+    let gw = Gateway::start(GatewayConfig::new(sqlite_backend(), up.url()).upstream("adaptive = false"));
+    let url = gw.url("/v1/orders");
+    let keys: Vec<String> = (0..30).map(|i| format!("k{i}")).collect();
+    let answers = futures_util::future::join_all(keys.iter().map(|k| post(&url, k, r#"{"n":1}"#, &[("x-test-sleep-ms", "300")]))).await;
+    assert!(answers.iter().all(|r| r.status == 201));
+    let text = String::from_utf8_lossy(&send("GET", &gw.admin_url("/metrics"), &[], "").await.expect("metrics").body).into_owned();
+    assert!(!text.contains("idemgate_upstream_limit{"), "{text}");
+}
+
+/// A route's own cap (`routes.max_in_flight`) within its upstream's limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_routes_own_cap_refuses_before_the_claim() {
+    let up = TestUpstream::start().await;
+    let backend = sqlite_backend();
+    let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).upstream("queue_timeout = \"0s\"").route("max_in_flight = 1"));
+    let store = backend.open().await;
+    let url = gw.url("/v1/orders");
+    let slow = tokio::spawn({
+        let url = url.clone();
+        async move { post(&url, "first", r#"{"n":1}"#, &[("x-test-sleep-ms", "1000")]).await }
+    });
+    assert!(support::eventually(Duration::from_secs(5), || async { up.total() == 1 }).await);
+    let over = post(&url, "second", r#"{"n":2}"#, &[]).await;
+    assert_eq!((over.status, over.problem().as_str()), (503, "overloaded"));
+    assert!(record(&store, "second").await.is_none());
+    assert_eq!(slow.await.expect("first").status, 201);
+    assert_eq!(up.total(), 1);
+}
+
+/// An async route's queue bound (`max_queued`): past it an acceptance is
+/// refused before anything is claimed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_async_queue_refuses_acceptances_before_the_claim() {
+    let up = TestUpstream::start().await;
+    let backend = support::postgres_backend();
+    // No workers (a pure front replica): accepted operations stay queued.
+    let gw = Gateway::start(
+        GatewayConfig::new(backend.clone(), up.url()).route("mode = \"async\"\nmax_queued = 2").tail("[workers]\ncount = 0"),
+    );
+    let store = backend.open().await;
+    let url = gw.url("/v1/orders");
+    for key in ["a", "b"] {
+        assert_eq!(post(&url, key, r#"{"n":1}"#, &[]).await.status, 202);
+    }
+    let full = post(&url, "c", r#"{"n":1}"#, &[]).await;
+    assert_eq!((full.status, full.problem().as_str()), (503, "overloaded"), "{:?}", full.body);
+    assert!(full.header("retry-after").is_some());
+    assert!(record(&store, "c").await.is_none(), "the refused acceptance was claimed");
+    assert_eq!(up.total(), 0);
+}
