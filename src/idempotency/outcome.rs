@@ -224,6 +224,7 @@ mod tests {
                 "store_unavailable",
                 "passthrough",
                 "accepted",
+                "overloaded",
                 "polled"
             ]
         );
