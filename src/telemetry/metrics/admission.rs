@@ -19,6 +19,18 @@ pub(super) struct AdmissionMetrics {
     limit: Family<UpstreamLabels, Gauge>,
     in_flight: Family<UpstreamLabels, Gauge>,
     refusals: Family<UpstreamLabels, Counter>,
+    /// The upstreams whose series exist, in the order they were declared.
+    upstreams: std::sync::Mutex<Vec<String>>,
+}
+
+/// One upstream's limit as this replica sees it now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LimitReading {
+    pub upstream: String,
+    /// `None`: no limit (`adaptive = false` without `max_in_flight`).
+    pub limit: Option<i64>,
+    pub in_flight: i64,
+    pub refusals: u64,
 }
 
 impl AdmissionMetrics {
@@ -56,10 +68,33 @@ impl Metrics {
     /// it has one (`idemgate_upstream_limit` exists only then).
     pub fn limit_gauges(&self, upstream: &str, limited: bool) -> LimitGauges {
         let labels = UpstreamLabels { upstream: upstream.to_owned() };
+        {
+            let mut known = self.admission.upstreams.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if !known.iter().any(|u| u == upstream) {
+                known.push(upstream.to_owned());
+            }
+        }
         LimitGauges {
             limit: limited.then(|| self.admission.limit.get_or_create(&labels).clone()),
             in_flight: self.admission.in_flight.get_or_create(&labels).clone(),
             refusals: self.admission.refusals.get_or_create(&labels).clone(),
         }
+    }
+
+    /// Every upstream's limit, slots held and refusals (the console's overview).
+    pub fn limits(&self) -> Vec<LimitReading> {
+        let known = self.admission.upstreams.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        known
+            .into_iter()
+            .map(|upstream| {
+                let labels = UpstreamLabels { upstream };
+                LimitReading {
+                    limit: self.admission.limit.get(&labels).map(|g| g.get()),
+                    in_flight: self.admission.in_flight.get(&labels).map_or(0, |g| g.get()),
+                    refusals: self.admission.refusals.get(&labels).map_or(0, |c| c.get()),
+                    upstream: labels.upstream,
+                }
+            })
+            .collect()
     }
 }

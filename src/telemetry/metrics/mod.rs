@@ -575,7 +575,7 @@ mod admission;
 mod http;
 mod process;
 mod tls;
-pub use admission::LimitGauges;
+pub use admission::{LimitGauges, LimitReading};
 pub use http::{RouteSeries, UpstreamErrorKind};
 
 #[cfg(test)]
