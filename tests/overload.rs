@@ -15,6 +15,11 @@ use idemgate::idempotency::record::State;
 use support::overloaded::OverloadedUpstream;
 use support::{Gateway, GatewayConfig, TestUpstream, derived, post, record, send, sqlite_backend};
 
+/// The two load runs take the machine's cores: never both at once (a test
+/// binary runs its tests in parallel), or each would starve the other's
+/// gateway and upstream.
+static LOAD: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// What the clients of a load run were told, by key.
 #[derive(Default)]
 struct Told {
@@ -74,11 +79,12 @@ async fn load(gw: &Gateway, clients: usize, run: Duration, pause: Duration) -> (
 /// clients (about 15 times what it can do) on the embedded store.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_overloaded_upstream_gets_refusals_before_the_claim_not_unknown_records() {
+    let _alone = LOAD.lock().await;
     let up = OverloadedUpstream::start(4, Duration::from_millis(100)).await;
     let backend = sqlite_backend();
     let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).timeout("1s"));
     let store = backend.open().await;
-    let (told, elapsed) = load(&gw, 64, Duration::from_secs(6), Duration::from_millis(20)).await;
+    let (told, elapsed) = load(&gw, 64, Duration::from_secs(6), Duration::from_millis(100)).await;
     assert!(told.other.is_empty(), "answers other than 201, 503 overloaded and 504: {:?}", &told.other[..told.other.len().min(5)]);
 
     // Every refusal claimed nothing and reached nothing.
@@ -115,6 +121,7 @@ async fn an_overloaded_upstream_gets_refusals_before_the_claim_not_unknown_recor
 /// nothing is refused: the limit costs the normal case nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn at_capacity_nothing_is_refused() {
+    let _alone = LOAD.lock().await;
     let up = OverloadedUpstream::start(4, Duration::from_millis(50)).await;
     let backend = sqlite_backend();
     let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).timeout("1s"));
@@ -217,4 +224,75 @@ async fn a_full_async_queue_refuses_acceptances_before_the_claim() {
     assert!(full.header("retry-after").is_some());
     assert!(record(&store, "c").await.is_none(), "the refused acceptance was claimed");
     assert_eq!(up.total(), 0);
+}
+
+/// The soak's shape under overload: two replicas on one PostgreSQL in front
+/// of an upstream that serves 4 at a time, 48 clients that each retry their
+/// key (alternating replicas, backing off on a retryable answer) until it is
+/// answered for good. Nothing runs twice, nothing executed is lost, and
+/// `unknown` stays within 1% of what the upstream executed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retrying_clients_on_two_replicas_under_overload_run_each_operation_once() {
+    let _alone = LOAD.lock().await;
+    let up = OverloadedUpstream::start(4, Duration::from_millis(100)).await;
+    let backend = support::postgres_backend();
+    let config = GatewayConfig::new(backend.clone(), up.url()).timeout("1s");
+    let replicas = [Gateway::start(config.clone()), Gateway::start(config)];
+    let store = backend.open().await;
+    let urls: Arc<Vec<String>> = Arc::new(replicas.iter().map(|g| g.url("/v1/orders")).collect());
+    let started = Instant::now();
+    let run = Duration::from_secs(8);
+    // (key, final status, problem) per operation.
+    let done = Arc::new(std::sync::Mutex::new(Vec::<(String, u16, String)>::new()));
+    let clients: Vec<_> = (0..48)
+        .map(|c| {
+            let (urls, done) = (urls.clone(), done.clone());
+            tokio::spawn(async move {
+                let mut n = 0;
+                while started.elapsed() < run {
+                    n += 1;
+                    let key = format!("soak-{c}-{n}");
+                    for attempt in 0usize.. {
+                        let url = &urls[(c + attempt) % urls.len()];
+                        let resp = post(url, &key, r#"{"item":"book"}"#, &[]).await;
+                        let problem = if resp.status >= 400 { resp.problem() } else { String::new() };
+                        if resp.status == 201 || !resp.json()["retryable"].as_bool().unwrap_or(false) {
+                            done.lock().unwrap().push((key.clone(), resp.status, problem));
+                            break;
+                        }
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            })
+        })
+        .collect();
+    for c in clients {
+        c.await.expect("client");
+    }
+    let done = Arc::try_unwrap(done).ok().expect("clients done").into_inner().unwrap();
+    let executions = up.executions();
+    let duplicates = executions.values().filter(|&&n| n > 1).count();
+    let mut lost = 0;
+    let mut unknown = 0;
+    for (key, status, problem) in &done {
+        let rec = support::settled_record(&store, key).await;
+        match (status, rec.as_ref().map(|r| r.state)) {
+            (201, Some(State::Completed)) => {
+                if executions.get(&derived(key)).copied() != Some(1) {
+                    lost += 1;
+                }
+            }
+            (_, Some(State::Unknown)) => unknown += 1,
+            other => panic!("key {key}: answered {status} {problem}, record {other:?}"),
+        }
+    }
+    let executed = up.executed();
+    println!(
+        "overload soak: keys={} executed={executed} duplicates={duplicates} lost={lost} unknown={unknown} ({:.1}% of executed)",
+        done.len(),
+        100.0 * unknown as f64 / executed.max(1) as f64
+    );
+    assert_eq!((duplicates, lost), (0, 0));
+    assert!(unknown as u64 * 100 <= executed, "unknown {unknown} is more than 1% of {executed} executed");
+    assert!(done.len() >= 100, "only {} operations answered", done.len());
 }

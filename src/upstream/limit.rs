@@ -29,8 +29,11 @@ use tokio::time::Instant;
 
 use crate::telemetry::metrics::LimitGauges;
 
-/// Where the adaptive limit starts.
-pub const DEFAULT_INITIAL: u32 = 20;
+/// Where the adaptive limit starts: low, as TCP's slow start does (it grows
+/// by several requests per answer while latency stays at its minimum), so
+/// that replicas starting together in front of a slow upstream do not queue
+/// it past its timeout before the first answers arrive.
+pub const DEFAULT_INITIAL: u32 = 8;
 /// The adaptive limit's ceiling unless `max_in_flight` sets one.
 pub const DEFAULT_CEILING: u32 = 1000;
 /// How long a request may wait for a slot by default.
@@ -49,13 +52,21 @@ pub enum LimitPolicy {
     Unlimited,
     /// A fixed number of requests in flight.
     Fixed { max_in_flight: u32, queue_timeout: Duration },
-    /// Follows the upstream's latency, between 1 and `ceiling`.
-    Adaptive { initial: u32, ceiling: u32, queue_timeout: Duration },
+    /// Follows the upstream's latency, between 1 and `ceiling`. An answer
+    /// that took `too_slow` or longer (half the upstream's timeout) counts as
+    /// a sign of overload, as a timeout does: the limit shrinks before
+    /// requests start to wait past the timeout.
+    Adaptive { initial: u32, ceiling: u32, queue_timeout: Duration, too_slow: Duration },
 }
 
 impl Default for LimitPolicy {
     fn default() -> LimitPolicy {
-        LimitPolicy::Adaptive { initial: DEFAULT_INITIAL, ceiling: DEFAULT_CEILING, queue_timeout: DEFAULT_QUEUE_TIMEOUT }
+        LimitPolicy::Adaptive {
+            initial: DEFAULT_INITIAL,
+            ceiling: DEFAULT_CEILING,
+            queue_timeout: DEFAULT_QUEUE_TIMEOUT,
+            too_slow: Duration::from_secs(5),
+        }
     }
 }
 
@@ -86,6 +97,8 @@ pub struct Controller {
     ceiling: f64,
     /// The upstream's latency without a queue: the lowest seen.
     min_latency: Option<Duration>,
+    /// An answer this slow counts as a drop.
+    too_slow: Option<Duration>,
     /// The lowest latency seen under light load (at most half the limit in
     /// flight, so no queue of ours) since the last re-read.
     light_min: Option<Duration>,
@@ -97,7 +110,13 @@ impl Controller {
     pub fn new(initial: u32, ceiling: u32) -> Controller {
         let ceiling = f64::from(ceiling.max(1));
         let limit = f64::from(initial.max(1)).min(ceiling);
-        Controller { limit, ceiling, min_latency: None, light_min: None, samples: 0, reread_at: reread_after(limit) }
+        Controller { limit, ceiling, too_slow: None, min_latency: None, light_min: None, samples: 0, reread_at: reread_after(limit) }
+    }
+
+    /// Answers that take `too_slow` or longer count as drops.
+    pub fn too_slow(mut self, too_slow: Duration) -> Controller {
+        self.too_slow = Some(too_slow);
+        self
     }
 
     /// The number of requests that may be in flight now.
@@ -112,11 +131,11 @@ impl Controller {
     /// (itself included) did.
     pub fn learn(&mut self, sample: Sample, in_flight: u32) {
         let latency = match sample {
-            Sample::Dropped => {
+            Sample::Answered(latency) if self.too_slow.is_none_or(|slow| latency < slow) => latency.max(Duration::from_micros(1)),
+            Sample::Answered(_) | Sample::Dropped => {
                 self.limit = (self.limit * 0.9).max(1.0);
                 return;
             }
-            Sample::Answered(latency) => latency.max(Duration::from_micros(1)),
         };
         // Too few requests in flight to tell whether the limit is the
         // bottleneck; but such a request met no queue of ours.
@@ -189,7 +208,7 @@ pub struct Overloaded;
 impl Limit {
     pub fn new(policy: LimitPolicy) -> Arc<Limit> {
         let controller = match policy {
-            LimitPolicy::Adaptive { initial, ceiling, .. } => Some(Controller::new(initial, ceiling)),
+            LimitPolicy::Adaptive { initial, ceiling, too_slow, .. } => Some(Controller::new(initial, ceiling).too_slow(too_slow)),
             LimitPolicy::Unlimited | LimitPolicy::Fixed { .. } => None,
         };
         Arc::new(Limit {
@@ -449,6 +468,16 @@ mod tests {
     }
 
     #[test]
+    fn answers_near_the_timeout_shrink_the_limit_as_timeouts_do() {
+        let mut c = Controller::new(40, DEFAULT_CEILING).too_slow(500 * MS);
+        c.learn(Sample::Answered(600 * MS), 40);
+        assert_eq!(c.limit(), 36);
+        // Below it, an answer is a latency like any other.
+        c.learn(Sample::Answered(499 * MS), 36);
+        assert!(c.limit() >= 36);
+    }
+
+    #[test]
     fn the_limit_never_passes_its_ceiling() {
         let mut c = Controller::new(50, 64);
         for _ in 0..500 {
@@ -474,7 +503,7 @@ mod tests {
     fn a_sustained_overload_never_takes_a_queued_latency_for_the_minimum() {
         let mut c = Controller::new(DEFAULT_INITIAL, DEFAULT_CEILING);
         let highest = run(&mut c, 4, 100 * MS, 50_000, |_| false);
-        assert!(c.limit() <= 16 && highest <= DEFAULT_INITIAL + 4, "limit {}, highest {highest}", c.limit());
+        assert!(c.limit() <= 16 && highest <= 24, "limit {}, highest {highest}", c.limit());
     }
 
     #[tokio::test]
@@ -517,7 +546,12 @@ mod tests {
 
     #[tokio::test]
     async fn a_recorded_sample_teaches_the_adaptive_limit() {
-        let limit = Limit::new(LimitPolicy::Adaptive { initial: 10, ceiling: 100, queue_timeout: Duration::ZERO });
+        let limit = Limit::new(LimitPolicy::Adaptive {
+            initial: 10,
+            ceiling: 100,
+            queue_timeout: Duration::ZERO,
+            too_slow: Duration::from_secs(5),
+        });
         let mut permit = limit.try_acquire().expect("slot");
         permit.record(Sample::Dropped);
         drop(permit);
