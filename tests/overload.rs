@@ -15,9 +15,9 @@ use idemgate::idempotency::record::State;
 use support::overloaded::OverloadedUpstream;
 use support::{Gateway, GatewayConfig, TestUpstream, derived, post, record, send, sqlite_backend};
 
-/// The two load runs take the machine's cores: never both at once (a test
-/// binary runs its tests in parallel), or each would starve the other's
-/// gateway and upstream.
+/// The load runs take the machine's cores, and the tests that wait for a
+/// background task need it to run on time: one at a time (a test binary
+/// runs its tests in parallel).
 static LOAD: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// What the clients of a load run were told, by key.
@@ -84,7 +84,8 @@ async fn an_overloaded_upstream_gets_refusals_before_the_claim_not_unknown_recor
     let backend = sqlite_backend();
     let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).timeout("1s"));
     let store = backend.open().await;
-    let (told, elapsed) = load(&gw, 64, Duration::from_secs(6), Duration::from_millis(100)).await;
+    let run = Duration::from_secs(6);
+    let (told, elapsed) = load(&gw, 64, run, Duration::from_millis(100)).await;
     assert!(told.other.is_empty(), "answers other than 201, 503 overloaded and 504: {:?}", &told.other[..told.other.len().min(5)]);
 
     // Every refusal claimed nothing and reached nothing.
@@ -105,14 +106,15 @@ async fn an_overloaded_upstream_gets_refusals_before_the_claim_not_unknown_recor
     eprintln!(
         "overload: {elapsed:?}, executed={executed} completed={completed} unknown={unknown} refused={} capacity={:.0}",
         told.refused.len(),
-        40.0 * elapsed.as_secs_f64()
+        40.0 * run.as_secs_f64()
     );
     // Forwarded requests whose client got an answer are all accounted for.
     assert_eq!(completed + unknown, told.created.len() + told.unknown.len());
     assert!(executed >= completed as u64, "recorded more than executed");
     assert!(unknown as u64 * 100 <= executed, "unknown {unknown} is more than 1% of {executed} executed");
-    // Goodput: the upstream was kept busy with requests that completed.
-    let capacity = 40.0 * elapsed.as_secs_f64();
+    // Goodput: the upstream was kept busy with requests that completed
+    // (over the run; the last requests sent finish a little after it).
+    let capacity = 40.0 * run.as_secs_f64();
     assert!(completed as f64 >= 0.8 * capacity, "completed {completed}, less than 0.8 of the upstream's capacity {capacity:.0}");
     assert!(!told.refused.is_empty(), "15 times the capacity and nothing refused");
 }
@@ -295,4 +297,83 @@ async fn retrying_clients_on_two_replicas_under_overload_run_each_operation_once
     assert_eq!((duplicates, lost), (0, 0));
     assert!(unknown as u64 * 100 <= executed, "unknown {unknown} is more than 1% of {executed} executed");
     assert!(done.len() >= 100, "only {} operations answered", done.len());
+}
+
+/// Two slow requests that hold both slots of an upstream limited to 2
+/// (each takes `hold_ms`; the upstream's timeout is 3 s).
+fn hold_both_slots(url: &str, hold_ms: &'static str) -> Vec<tokio::task::JoinHandle<support::Resp>> {
+    (0..2)
+        .map(|i| {
+            let url = url.to_owned();
+            tokio::spawn(async move { post(&url, &format!("holder-{i}"), r#"{"n":1}"#, &[("x-test-sleep-ms", hold_ms)]).await })
+        })
+        .collect()
+}
+
+/// A record made `unknown` by an upstream that answers after the timeout.
+async fn unknown_record(url: &str, key: &str) {
+    let resp = post(url, key, r#"{"n":1}"#, &[("x-test-sleep-ms", "3500")]).await;
+    assert_eq!((resp.status, resp.problem().as_str()), (504, "outcome-unknown"));
+}
+
+/// Reconcile probes count against the upstream's limit: none is sent while
+/// requests hold every slot, and the probe goes once one is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probes_wait_while_the_upstream_is_at_its_limit() {
+    let _alone = LOAD.lock().await;
+    let up = TestUpstream::start().await;
+    let backend = sqlite_backend();
+    let gw = Gateway::start(
+        GatewayConfig::new(backend.clone(), up.url()).timeout("3s").upstream("max_in_flight = 2\nqueue_timeout = \"0s\"").route(
+            "[routes.reconcile]\nprobe = \"GET /v1/orders/by-key/{derived_key}\"\nfound_as = 201\nsettle = \"300ms\"\ninterval = \"100ms\"",
+        ),
+    );
+    let store = backend.open().await;
+    let url = gw.url("/v1/orders");
+    unknown_record(&url, "lost").await;
+    // The probe may go 300 ms after the timeout; the slots are taken first.
+    let holders = hold_both_slots(&url, "2500");
+    assert!(support::eventually(Duration::from_secs(5), || async { up.total() == 3 }).await, "the holders never arrived");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(up.probes_of(&derived("lost")), 0, "a probe was sent while the upstream was at its limit");
+    for h in holders {
+        assert_eq!(h.await.expect("holder").status, 201);
+    }
+    let settled = support::eventually(Duration::from_secs(10), || async {
+        record(&store, "lost").await.is_some_and(|r| r.state == State::Completed)
+    })
+    .await;
+    assert!(settled, "the probe never went once a slot was free:\n{}", gw.logs());
+    assert_eq!(up.probes_of(&derived("lost")), 1);
+}
+
+/// Event deliveries to an upstream's address count against its limit: an
+/// event made while requests hold every slot waits for a free one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn event_deliveries_to_an_upstream_wait_while_it_is_at_its_limit() {
+    let _alone = LOAD.lock().await;
+    let (up, gw, store, _dir) = support::admin::setup(sqlite_backend(), "admin-token-overload", |c| {
+        let events = format!("events.url = \"http://{}/events\"\nevents.timeout = \"2s\"", c.upstream_url.trim_start_matches("http://"));
+        c.timeout("3s").upstream("max_in_flight = 2\nqueue_timeout = \"0s\"").route(&events)
+    })
+    .await;
+    let url = gw.url("/v1/orders");
+    let events = || up.requests().iter().filter(|r| r.path == "/events").count();
+    unknown_record(&url, "lost").await;
+    assert!(support::eventually(Duration::from_secs(5), || async { events() == 1 }).await, "the unknown event was not delivered");
+    let holders = hold_both_slots(&url, "2500");
+    assert!(support::eventually(Duration::from_secs(5), || async { up.total() == 4 }).await, "the holders never arrived");
+    // An operator releases the record: its event is written at once.
+    let path = support::admin::record_path(support::TENANT, support::PRINCIPAL, "create_order", "lost");
+    let body = serde_json::json!({ "action": "release", "reason": "checked: never happened" }).to_string();
+    let released = support::admin::request(&gw, "POST", &format!("{path}/resolve"), Some("admin-token-overload"), &body).await;
+    assert_eq!(released.status, 200, "{:?}", released.body);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert_eq!(events(), 1, "an event was delivered while the upstream was at its limit");
+    for h in holders {
+        assert_eq!(h.await.expect("holder").status, 201);
+    }
+    // The release's event, then the holders' completions.
+    assert!(support::eventually(Duration::from_secs(10), || async { events() >= 2 }).await, "the event never went once a slot was free");
+    assert!(record(&store, "lost").await.is_none());
 }

@@ -94,16 +94,21 @@ impl AsyncWorkers {
             }
             let (mut took, mut failed) = (false, false);
             for (upstream, take) in &self.takes {
+                // Slots are looked at, not held, while the store is asked: a
+                // request arriving meanwhile must not find them taken by a
+                // take that may find nothing.
                 let limit = executor.upstream(*upstream).limit();
-                let slots: Vec<Permit> = std::iter::from_fn(|| limit.try_acquire()).take(free.len()).collect();
-                if slots.is_empty() {
+                let n = free.len().min(usize::try_from(limit.available()).unwrap_or(usize::MAX));
+                if n == 0 {
                     continue;
                 }
-                match self.store.take_up_to(take, &self.owner, slots.len()).await {
+                match self.store.take_up_to(take, &self.owner, n).await {
                     Ok(taken) => {
-                        for ((taken, slot), worker) in taken.into_iter().zip(slots).zip(std::iter::from_fn(|| free.pop())) {
+                        for (taken, worker) in taken.into_iter().zip(std::iter::from_fn(|| free.pop())) {
                             took = true;
-                            self.start(taken, worker, slot, &executor, &attempts);
+                            // A slot a request took meanwhile is not waited
+                            // for: the operation is taken, and runs.
+                            self.start(taken, worker, limit.try_acquire(), &executor, &attempts);
                         }
                     }
                     Err(e) => {
@@ -132,13 +137,13 @@ impl AsyncWorkers {
     }
 
     /// Runs one attempt on a worker, which is free again when it ends.
-    fn start(&self, taken: Taken, worker: OwnedSemaphorePermit, slot: Permit, executor: &Arc<Executor>, attempts: &TaskTracker) {
+    fn start(&self, taken: Taken, worker: OwnedSemaphorePermit, slot: Option<Permit>, executor: &Arc<Executor>, attempts: &TaskTracker) {
         let Some(route) = self.routes.iter().find(|r| r.operation == taken.record.scope.operation).cloned() else { return };
         tracing::debug!(route = %route.operation, scope = %taken.claim.scope.log_id(), generation = %taken.claim.generation,
             attempt = taken.record.attempts, "took an operation");
         let executor = executor.clone();
         attempts.spawn(async move {
-            executor.run_async(&route, &taken, Some(Slot::from(slot))).await;
+            executor.run_async(&route, &taken, slot.map(Slot::from)).await;
             drop(worker);
         });
     }

@@ -70,7 +70,7 @@ impl Relay {
 
     /// Takes this round's events: up to a batch for destinations that are
     /// no upstream, and for each upstream's, no more than its limit has
-    /// slots free (held in `slots` until the round's deliveries end).
+    /// slots free (then taken into `slots` until the round's deliveries end).
     async fn take(
         &self,
         ready: &[&str],
@@ -89,14 +89,19 @@ impl Relay {
             }
         }
         for (limit, ops) in limited {
-            let mine: Vec<Permit> = std::iter::from_fn(|| limit.try_acquire()).take(BATCH as usize).collect();
-            if mine.is_empty() {
+            // Slots are looked at, not held, while the store is asked: a
+            // request arriving meanwhile must not find them taken by a take
+            // that may find nothing.
+            let free = limit.available().min(BATCH);
+            if free == 0 {
                 limit.refused();
                 continue;
             }
-            let n = u32::try_from(mine.len()).unwrap_or(BATCH);
-            slots.extend(mine);
-            events.extend(self.store.take_events(&ops, n, lease, token).await?);
+            let taken = self.store.take_events(&ops, free, lease, token).await?;
+            // One slot per event (deliveries are at most as many); one that
+            // another took meanwhile is not waited for.
+            slots.extend(taken.iter().filter_map(|_| limit.try_acquire()));
+            events.extend(taken);
         }
         Ok(events)
     }

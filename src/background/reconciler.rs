@@ -167,19 +167,22 @@ impl Reconciler {
             // Probes count against the upstream's concurrency limit: a pass
             // takes no more records than it has slots free, and none while
             // the upstream is at its limit (they wait for the next interval).
+            // (Slots are looked at, not held, while the store is asked.)
             let limit = probed.upstream.limit();
-            let slots: Vec<Permit> = std::iter::from_fn(|| limit.try_acquire()).take(BATCH as usize).collect();
-            if slots.is_empty() {
+            let free = limit.available().min(BATCH);
+            if free == 0 {
                 limit.refused();
                 tracing::debug!(task = "reconciler", route = %probed.route.operation, "the upstream is at its limit; probes wait");
                 return Ok(total);
             }
-            let want = slots.len();
-            let batch = self.store.take_probes(&routes, probed.hold, u32::try_from(want).unwrap_or(BATCH)).await?;
+            let batch = self.store.take_probes(&routes, probed.hold, free).await?;
             let n = batch.len();
-            stream::iter(batch.into_iter().zip(slots)).for_each_concurrent(want, |(p, _slot)| self.settle(probed, p)).await;
+            // Each probe holds a slot while it runs (one that a request took
+            // meanwhile is not waited for: the record is already taken).
+            let slotted: Vec<(Probing, Option<Permit>)> = batch.into_iter().map(|p| (p, limit.try_acquire())).collect();
+            stream::iter(slotted).for_each_concurrent(BATCH as usize, |(p, _slot)| self.settle(probed, p)).await;
             total += n as u64;
-            if n < want || want < BATCH as usize {
+            if n < free as usize || free < BATCH {
                 return Ok(total);
             }
         }
