@@ -379,3 +379,31 @@ async fn event_deliveries_to_an_upstream_wait_while_it_is_at_its_limit() {
     assert!(support::eventually(Duration::from_secs(10), || async { events() >= 2 }).await, "the event never went once a slot was free");
     assert!(record(&store, "lost").await.is_none());
 }
+
+/// Over the limit, a request whose key has a record is answered from it as
+/// ever (nothing is claimed or forwarded either way): a duplicate of one in
+/// flight 409 `request-in-progress`, a replay, a changed request 409.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_the_limit_a_key_with_a_record_is_answered_from_it() {
+    let up = TestUpstream::start().await;
+    let backend = sqlite_backend();
+    let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).upstream("max_in_flight = 1\nqueue_timeout = \"0s\""));
+    let url = gw.url("/v1/orders");
+    assert_eq!(post(&url, "done", r#"{"n":1}"#, &[]).await.status, 201);
+    let slow = tokio::spawn({
+        let url = url.clone();
+        async move { post(&url, "slow", r#"{"n":1}"#, &[("x-test-sleep-ms", "1500")]).await }
+    });
+    assert!(support::eventually(Duration::from_secs(5), || async { up.total() == 2 }).await);
+    let duplicate = post(&url, "slow", r#"{"n":1}"#, &[]).await;
+    assert_eq!((duplicate.status, duplicate.problem().as_str()), (409, "request-in-progress"));
+    let replay = post(&url, "done", r#"{"n":1}"#, &[]).await;
+    assert_eq!(replay.status, 201);
+    assert!(replay.replayed());
+    let changed = post(&url, "done", r#"{"n":2}"#, &[]).await;
+    assert_eq!((changed.status, changed.problem().as_str()), (409, "idempotency-key-reused"));
+    let fresh = post(&url, "fresh", r#"{"n":1}"#, &[]).await;
+    assert_eq!((fresh.status, fresh.problem().as_str()), (503, "overloaded"));
+    assert_eq!(slow.await.expect("slow").status, 201);
+    assert_eq!(up.total(), 2);
+}

@@ -463,7 +463,11 @@ impl Gateway {
             Err(NotAdmitted::Refused(r)) => return Err(r.error),
         };
         trace.scope = Some(claim.scope.scope_id());
-        let slot = self.admitted_under_load(route, &claim).await?;
+        let slot = match self.admitted_under_load(route, &claim).await {
+            Ok(slot) => slot,
+            // Boxed: a rare branch that should not grow every request's future.
+            Err(refused) => return Box::pin(self.answer_overloaded(route, &claim, &params, &parts, &body, refused)).await,
+        };
         // From the claim on, the work runs on the tracker: a client that goes
         // away can no longer cancel it between a committed claim and its
         // forward, nor between the forward and the recording of its result.
@@ -502,6 +506,35 @@ impl Gateway {
                 tracing::debug!(route = %route.operation, limit = upstream.current(), "upstream limit reached; refused before the claim");
                 Err(GatewayError::Overloaded)
             }
+        }
+    }
+
+    /// Over the limit nothing may be claimed, but a request whose key already
+    /// has a record is answered from it as its claim would have been: a
+    /// replay, a duplicate of one in flight (409, as ever), a mismatch, an
+    /// unknown outcome, an accepted operation. Only a request that would be
+    /// forwarded (no record, or one a claim would take over) gets `refused`.
+    async fn answer_overloaded(
+        &self,
+        route: &Route,
+        claim: &ClaimRequest,
+        params: &[(String, String)],
+        parts: &request::Parts,
+        body: &Bytes,
+        refused: GatewayError,
+    ) -> Result<(Response<Body>, Outcome), GatewayError> {
+        let Ok(Some((record, now))) = self.store.get(&claim.scope).await else { return Err(refused) };
+        let request = admission::request_parts(route, params, parts, body);
+        match decide_with_legacy(route, &record, &claim.request_hash, &request, now) {
+            Decision::Replay => {
+                let stored = record.response.as_ref().ok_or(GatewayError::Internal)?;
+                self.answer_from(route, stored, &parts.headers).await.map(|r| (r, Outcome::Replayed))
+            }
+            Decision::Mismatch => Err(GatewayError::KeyReused { status: route.mismatch_status }),
+            Decision::Accepted => Ok((self.accepted(route, &record), Outcome::Accepted)),
+            Decision::Unknown => Err(GatewayError::RecordUnknown),
+            Decision::InProgress { .. } => Err(GatewayError::InProgress { retry_after: IN_PROGRESS_RETRY_AFTER }),
+            Decision::LeaseExpired | Decision::Expired => Err(refused),
         }
     }
 
