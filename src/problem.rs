@@ -63,6 +63,11 @@ pub enum GatewayError {
     /// Async: the operation's result was asked for before it completed.
     #[error("operation not completed")]
     OperationNotCompleted { state: crate::idempotency::record::State, retry_after: Duration },
+    /// Admission under overload: the upstream's (or the route's) limit of
+    /// requests in flight, or an async route's queue bound, was reached.
+    /// Refused before the claim: nothing claimed, nothing forwarded.
+    #[error("overloaded")]
+    Overloaded,
     /// Pass-through only: the upstream failed (no record is involved).
     #[error("bad gateway")]
     BadGateway,
@@ -106,6 +111,7 @@ impl GatewayError {
             E::OperationNotCompleted { state, .. } => {
                 k("operation-not-completed", "Operation not completed", StatusCode::CONFLICT, crate::request::async_op::is_pending(*state))
             }
+            E::Overloaded => k("overloaded", "Overloaded", StatusCode::SERVICE_UNAVAILABLE, true),
             E::BadGateway => k("bad-gateway", "Bad gateway", StatusCode::BAD_GATEWAY, true),
             E::GatewayTimeout => k("gateway-timeout", "Gateway timeout", StatusCode::GATEWAY_TIMEOUT, true),
             E::Internal => k("internal", "Internal error", StatusCode::INTERNAL_SERVER_ERROR, false),
@@ -139,6 +145,7 @@ impl GatewayError {
                 "The operation is {}; its result can be read once it is completed. Poll the operation for its state.",
                 state.as_str()
             ),
+            E::Overloaded => "The upstream has as many requests in flight as it can take; this one was not claimed or forwarded. Retry with the same key after the indicated time.".into(),
             E::BadGateway => "The upstream could not be reached or failed.".into(),
             E::GatewayTimeout => "The upstream did not answer in time.".into(),
             E::Internal => "The gateway failed unexpectedly.".into(),
@@ -154,6 +161,7 @@ impl GatewayError {
             GatewayError::StoreUnavailable | GatewayError::UpstreamUnavailable | GatewayError::AuthorizerUnavailable => {
                 Some(Duration::from_secs(1))
             }
+            GatewayError::Overloaded => Some(crate::upstream::limit::RETRY_AFTER),
             _ => None,
         }
     }
@@ -179,6 +187,7 @@ impl GatewayError {
             E::OutcomeUnknown | E::RecordUnknown => Outcome::Unknown,
             E::KeyReused { .. } => Outcome::Mismatch,
             E::InProgress { .. } => Outcome::InFlight,
+            E::Overloaded => Outcome::Overloaded,
             E::ResponseNotStored { .. } => Outcome::Replayed,
             E::BadGateway | E::GatewayTimeout => Outcome::PassThrough,
         }

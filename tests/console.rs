@@ -554,6 +554,15 @@ async fn the_admin_api_endpoints_the_console_reads(backend: Backend) {
     assert!(doc["async"]["oldest_queued_age_seconds"].as_f64().is_some());
     assert_eq!(doc["events"]["parked"], 0);
     assert_eq!(doc["this_replica"], json!({ "refused_reloads": 0, "fenced_writes": 0 }));
+    // Each upstream's adaptive limit (it starts at 10; the timeouts and
+    // refused connections above brought it down), and no refusal.
+    let upstreams = doc["upstreams"].as_array().expect("upstreams");
+    let names: Vec<&str> = upstreams.iter().filter_map(|u| u["upstream"].as_str()).collect();
+    assert_eq!(names, ["orders", "down"], "{doc}");
+    for u in upstreams {
+        assert!(u["limit"].as_i64().is_some_and(|l| (1..10).contains(&l)), "{u}");
+        assert_eq!((&u["in_flight"], &u["refusals"]), (&json!(0), &json!(0)), "{u}");
+    }
     let rows: Vec<(String, String, i64)> = doc["records"]
         .as_array()
         .unwrap()

@@ -92,6 +92,10 @@ pub struct Spec {
     /// Another gateway binary than [`binary()`] (citus.rs: a build from
     /// before a change, measured beside the current one).
     pub binary: Option<PathBuf>,
+    /// The upstream's `timeout`.
+    pub upstream_timeout: &'static str,
+    /// Lines added to the upstream's table (overload.rs: `adaptive = false`).
+    pub upstream_extra: String,
 }
 
 /// The gateway's default sweeper settings (interval, batch), from its own
@@ -117,6 +121,8 @@ impl Spec {
             route_extra: String::new(),
             extra: String::new(),
             binary: None,
+            upstream_timeout: "10s",
+            upstream_extra: String::new(),
         }
     }
 
@@ -144,7 +150,8 @@ listen = "127.0.0.1:0"
 [[upstreams]]
 name = "app"
 url = "http://{upstream}"
-timeout = "10s"
+timeout = "{upstream_timeout}"
+{upstream_extra}
 
 {identity}
 [[routes]]
@@ -160,6 +167,8 @@ upstream = "app"
             identity = self.identity.as_deref().unwrap_or(&api_key),
             route_extra = self.route_extra,
             extra = self.extra,
+            upstream_timeout = self.upstream_timeout,
+            upstream_extra = self.upstream_extra,
         )
     }
 

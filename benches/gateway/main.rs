@@ -31,6 +31,7 @@ mod cpu;
 mod features;
 mod gateway;
 mod nginx;
+mod overload;
 mod pg;
 mod pgbench;
 mod procs;
@@ -50,7 +51,11 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if let Some(i) = args.iter().position(|a| a == "--upstream") {
         let addr = args.get(i + 1).map(String::as_str).unwrap_or("127.0.0.1:0");
-        return exit_code(upstream::serve(addr));
+        let value = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).and_then(|v| v.parse::<u64>().ok());
+        let capacity = value("--capacity")
+            .zip(value("--service-ms"))
+            .map(|(n, ms)| (usize::try_from(n).unwrap_or(1), std::time::Duration::from_millis(ms)));
+        return exit_code(upstream::serve(addr, capacity));
     }
     if !args.iter().any(|a| a == "--bench") {
         println!("benches/gateway: not run in test mode; use scripts/bench (or cargo bench --bench gateway)");
@@ -78,18 +83,22 @@ fn run(opts: &Options) -> Result<()> {
     if opts.scale {
         scale::run(opts, &dir)
     } else {
-        suite::run(opts, &dir, (features::wanted(opts) || tls::wanted(opts) || citus::wanted(opts)).then_some(sections as suite::Section))
+        let any = features::wanted(opts) || tls::wanted(opts) || citus::wanted(opts) || overload::wanted(opts);
+        suite::run(opts, &dir, any.then_some(sections as suite::Section))
     }
 }
 
 /// The optional sections after the built-in runs: features.rs, tls.rs,
-/// citus.rs.
+/// overload.rs, citus.rs.
 fn sections(ctx: &mut suite::Ctx, upstream: std::net::SocketAddr) -> Result<()> {
     if features::wanted(ctx.opts) {
         features::run(ctx, upstream)?;
     }
     if tls::wanted(ctx.opts) {
         tls::run(ctx, upstream)?;
+    }
+    if overload::wanted(ctx.opts) {
+        overload::run(ctx)?;
     }
     if citus::wanted(ctx.opts) {
         citus::run(ctx, upstream)?;

@@ -94,7 +94,7 @@ impl Report {
             _ => "n/a".to_owned(),
         };
         format!(
-            "ratios: first_write_vs_pg_ceiling={} replay_vs_pg_lookup={} {} access_log_first_write={} access_log_replay={} {} {}",
+            "ratios: first_write_vs_pg_ceiling={} replay_vs_pg_lookup={} {} access_log_first_write={} access_log_replay={} {} {} {}",
             ratio(self.best_rps("idemgate-pg", "first write"), self.best_rps("pgbench", "first write")),
             ratio(self.best_rps("idemgate-pg", "replay"), self.best_rps("pgbench", "pk lookup")),
             self.passthrough_ratios(),
@@ -103,6 +103,7 @@ impl Report {
             ratio(self.best_rps("idemgate-pg", "replay"), self.best_rps("idemgate-pg-nolog", "replay")),
             self.feature_ratios(),
             self.tls_ratios(),
+            self.overload_ratios(),
         )
     }
 

@@ -7,6 +7,9 @@
 //! claims do. Any replica's workers may take any operation; the store
 //! guarantees one holder per generation. An idle taker polls with a growing
 //! interval, and is woken at once when this replica accepts an operation.
+//! A take draws no more operations than their upstream's concurrency limit
+//! has slots free (contract: workers never add to an upstream's overload);
+//! each attempt holds its slot until the upstream answers.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,9 +19,10 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::executor::Executor;
-use crate::request::route::Route;
+use crate::request::route::{Route, UpstreamId};
 use crate::retry::Backoff;
 use crate::store::{Store, Taken, WorkerRoute};
+use crate::upstream::limit::{Permit, Slot};
 
 /// The poll interval of an idle worker.
 const IDLE: Backoff = Backoff::new(Duration::from_millis(20), Duration::from_millis(500));
@@ -31,7 +35,9 @@ const ERROR_PAUSE: Duration = Duration::from_secs(1);
 #[derive(Debug)]
 pub struct AsyncWorkers {
     routes: Vec<Arc<Route>>,
-    take: Vec<WorkerRoute>,
+    /// The routes to take from, by upstream: a take draws no more than the
+    /// upstream's limit has slots free (so workers never add to an overload).
+    takes: Vec<(UpstreamId, Vec<WorkerRoute>)>,
     store: Store,
     owner: Arc<str>,
     /// Notified when this replica accepts an operation.
@@ -42,17 +48,21 @@ impl AsyncWorkers {
     /// `routes`: the routes whose operations may be async (`mode = "async"`
     /// or `allow_async`).
     pub fn new(routes: Vec<Arc<Route>>, store: Store, owner: Arc<str>, wake: Arc<Notify>) -> AsyncWorkers {
-        let take = routes
-            .iter()
-            .map(|r| WorkerRoute { operation: r.operation.clone(), lease: r.lease, reforwardable: r.upstream_idempotent })
-            .collect();
-        AsyncWorkers { routes, take, store, owner, wake }
+        let mut takes: Vec<(UpstreamId, Vec<WorkerRoute>)> = Vec::new();
+        for r in &routes {
+            let take = WorkerRoute { operation: r.operation.clone(), lease: r.lease, reforwardable: r.upstream_idempotent };
+            match takes.iter_mut().find(|(u, _)| *u == r.upstream) {
+                Some((_, list)) => list.push(take),
+                None => takes.push((r.upstream, vec![take])),
+            }
+        }
+        AsyncWorkers { routes, takes, store, owner, wake }
     }
 
     /// Starts `count` workers on `tracker`; they stop taking work when
     /// `shutdown` fires and finish the attempts they hold (the drain waits).
     pub fn spawn(self, count: usize, executor: &Executor, tracker: &TaskTracker, shutdown: CancellationToken) {
-        if self.take.is_empty() || count == 0 {
+        if self.takes.is_empty() || count == 0 {
             return;
         }
         let executor = Arc::new(executor.with_own_pools());
@@ -60,8 +70,9 @@ impl AsyncWorkers {
         tracker.spawn(async move { self.run(count, executor, attempts, shutdown).await });
     }
 
-    /// The taker: waits for a free worker, takes for every free one, and
-    /// runs each operation taken as an attempt on `attempts`.
+    /// The taker: waits for a free worker, takes for every free one (within
+    /// each upstream's free slots), and runs each operation taken as an
+    /// attempt on `attempts`.
     async fn run(self, count: usize, executor: Arc<Executor>, attempts: TaskTracker, shutdown: CancellationToken) {
         tracing::debug!(workers = count, "async workers started");
         let workers = Arc::new(Semaphore::new(count));
@@ -81,43 +92,58 @@ impl AsyncWorkers {
                     Err(_) => break,
                 }
             }
-            match self.store.take_up_to(&self.take, &self.owner, free.len()).await {
-                Ok(taken) if !taken.is_empty() => {
-                    idle_rounds = 1;
-                    // Workers left over go back with `free`'s remainder.
-                    for (taken, worker) in taken.into_iter().zip(free) {
-                        self.start(taken, worker, &executor, &attempts);
+            let (mut took, mut failed) = (false, false);
+            for (upstream, take) in &self.takes {
+                // Slots are looked at, not held, while the store is asked: a
+                // request arriving meanwhile must not find them taken by a
+                // take that may find nothing.
+                let limit = executor.upstream(*upstream).limit();
+                let n = free.len().min(usize::try_from(limit.available()).unwrap_or(usize::MAX));
+                if n == 0 {
+                    continue;
+                }
+                match self.store.take_up_to(take, &self.owner, n).await {
+                    Ok(taken) => {
+                        for (taken, worker) in taken.into_iter().zip(std::iter::from_fn(|| free.pop())) {
+                            took = true;
+                            // A slot a request took meanwhile is not waited
+                            // for: the operation is taken, and runs.
+                            self.start(taken, worker, limit.try_acquire(), &executor, &attempts);
+                        }
+                    }
+                    Err(e) => {
+                        failed = true;
+                        tracing::warn!(error = %e, "could not take an operation");
                     }
                 }
-                Ok(_) => {
-                    drop(free);
-                    tokio::select! {
-                        _ = shutdown.cancelled() => break,
-                        _ = self.wake.notified() => idle_rounds = 1,
-                        _ = tokio::time::sleep(IDLE.after(idle_rounds)) => idle_rounds += 1,
-                    }
+                if free.is_empty() {
+                    break;
                 }
-                Err(e) => {
-                    drop(free);
-                    tracing::warn!(error = %e, "could not take an operation");
-                    tokio::select! {
-                        _ = shutdown.cancelled() => break,
-                        _ = tokio::time::sleep(ERROR_PAUSE) => {}
-                    }
-                }
+            }
+            // Workers left over go back.
+            drop(free);
+            if took {
+                idle_rounds = 1;
+                continue;
+            }
+            let pause = if failed { ERROR_PAUSE } else { IDLE.after(idle_rounds) };
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = self.wake.notified(), if !failed => idle_rounds = 1,
+                _ = tokio::time::sleep(pause) => idle_rounds += 1,
             }
         }
         tracing::debug!("async workers stopped taking");
     }
 
     /// Runs one attempt on a worker, which is free again when it ends.
-    fn start(&self, taken: Taken, worker: OwnedSemaphorePermit, executor: &Arc<Executor>, attempts: &TaskTracker) {
+    fn start(&self, taken: Taken, worker: OwnedSemaphorePermit, slot: Option<Permit>, executor: &Arc<Executor>, attempts: &TaskTracker) {
         let Some(route) = self.routes.iter().find(|r| r.operation == taken.record.scope.operation).cloned() else { return };
         tracing::debug!(route = %route.operation, scope = %taken.claim.scope.log_id(), generation = %taken.claim.generation,
             attempt = taken.record.attempts, "took an operation");
         let executor = executor.clone();
         attempts.spawn(async move {
-            executor.run_async(&route, &taken).await;
+            executor.run_async(&route, &taken, slot.map(Slot::from)).await;
             drop(worker);
         });
     }

@@ -4,7 +4,8 @@
 //! HMAC signature, and marks it sent only after a 2xx. A failure backs the
 //! event and its destination off exponentially; after `max_attempts` the
 //! event is parked (kept, listed, redeliverable), never dropped. A crash
-//! between a delivery and its marking re-delivers the same id.
+//! between a delivery and its marking re-delivers the same id. A destination
+//! that is one of the upstreams shares that upstream's concurrency limit.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -20,7 +21,9 @@ use crate::request::route::Route;
 use crate::retry::Backoff;
 use crate::store::Store;
 use crate::telemetry::metrics::Metrics;
+use crate::upstream::Upstream;
 use crate::upstream::body::Body;
+use crate::upstream::limit::{Limit, Permit};
 use crate::upstream::side_client::{self, SideClient};
 
 /// Events taken per round.
@@ -39,18 +42,68 @@ pub struct Relay {
     client: SideClient,
     /// Destinations that failed lately: not tried before the instant.
     backoff: HashMap<Uri, (tokio::time::Instant, u32)>,
+    /// Routes whose destination is one of the upstreams (same scheme, host
+    /// and port): deliveries there count against that upstream's
+    /// concurrency limit, so events never add to its overload.
+    limits: HashMap<Arc<str>, Arc<Limit>>,
 }
 
 impl Relay {
-    /// `None` when no route emits events.
-    pub fn new(routes: &[Arc<Route>], store: Store, metrics: Arc<Metrics>) -> Option<Relay> {
+    /// `None` when no route emits events. `upstreams`: whose limits a
+    /// delivery to the same origin shares.
+    pub fn new(routes: &[Arc<Route>], upstreams: &[Upstream], store: Store, metrics: Arc<Metrics>) -> Option<Relay> {
         let routes: HashMap<Arc<str>, Arc<EventsConfig>> =
             routes.iter().filter_map(|r| r.events.as_ref().map(|e| (r.operation.clone(), Arc::new(e.clone())))).collect();
         if routes.is_empty() {
             return None;
         }
+        let limits = routes
+            .iter()
+            .filter_map(|(op, e)| {
+                let upstream = upstreams.iter().find(|u| same_origin(&u.config.url, &e.url))?;
+                Some((op.clone(), upstream.limit().clone()))
+            })
+            .collect();
         let client = side_client::build(Duration::from_secs(5));
-        Some(Relay { store, metrics, routes, client, backoff: HashMap::new() })
+        Some(Relay { store, metrics, routes, client, backoff: HashMap::new(), limits })
+    }
+
+    /// Takes this round's events: up to a batch for destinations that are
+    /// no upstream, and for each upstream's, no more than its limit has
+    /// slots free (then taken into `slots` until the round's deliveries end).
+    async fn take(
+        &self,
+        ready: &[&str],
+        lease: Duration,
+        token: Uuid,
+        slots: &mut Vec<Permit>,
+    ) -> Result<Vec<OutboxEvent>, crate::store::StoreError> {
+        let free: Vec<&str> = ready.iter().copied().filter(|op| !self.limits.contains_key(*op)).collect();
+        let mut events = if free.is_empty() { Vec::new() } else { self.store.take_events(&free, BATCH, lease, token).await? };
+        let mut limited: Vec<(&Arc<Limit>, Vec<&str>)> = Vec::new();
+        for op in ready {
+            let Some(limit) = self.limits.get(*op) else { continue };
+            match limited.iter_mut().find(|(l, _)| Arc::ptr_eq(l, limit)) {
+                Some((_, ops)) => ops.push(op),
+                None => limited.push((limit, vec![op])),
+            }
+        }
+        for (limit, ops) in limited {
+            // Slots are looked at, not held, while the store is asked: a
+            // request arriving meanwhile must not find them taken by a take
+            // that may find nothing.
+            let free = limit.available().min(BATCH);
+            if free == 0 {
+                limit.refused();
+                continue;
+            }
+            let taken = self.store.take_events(&ops, free, lease, token).await?;
+            // One slot per event (deliveries are at most as many); one that
+            // another took meanwhile is not waited for.
+            slots.extend(taken.iter().filter_map(|_| limit.try_acquire()));
+            events.extend(taken);
+        }
+        Ok(events)
     }
 
     /// Delivers until `shutdown`.
@@ -66,7 +119,8 @@ impl Relay {
             let now = tokio::time::Instant::now();
             self.backoff.retain(|_, (until, _)| *until > now);
             let ready: Vec<&str> = self.routes.iter().filter(|(_, e)| !self.backoff.contains_key(&e.url)).map(|(op, _)| &**op).collect();
-            let taken = if ready.is_empty() { Ok(Vec::new()) } else { self.store.take_events(&ready, BATCH, lease, token).await };
+            let mut slots = Vec::new();
+            let taken = if ready.is_empty() { Ok(Vec::new()) } else { self.take(&ready, lease, token, &mut slots).await };
             match taken {
                 Ok(events) if !events.is_empty() => {
                     idle_rounds = 1;
@@ -93,6 +147,7 @@ impl Relay {
                             }
                         }
                     }
+                    drop(slots);
                     for url in failing {
                         self.back_off(url);
                     }
@@ -198,6 +253,18 @@ impl Relay {
     }
 }
 
+/// Whether two URLs name the same server (scheme, host and port).
+fn same_origin(a: &Uri, b: &Uri) -> bool {
+    let port = |u: &Uri| {
+        u.port_u16().or_else(|| match u.scheme_str() {
+            Some("https") => Some(443),
+            Some("http") => Some(80),
+            _ => None,
+        })
+    };
+    a.scheme() == b.scheme() && a.host().map(str::to_ascii_lowercase) == b.host().map(str::to_ascii_lowercase) && port(a) == port(b)
+}
+
 /// One POST: events for one destination (one event, or up to its `batch`).
 struct Delivery<'a> {
     dest: Arc<EventsConfig>,
@@ -268,6 +335,15 @@ mod tests {
 
     fn shape(deliveries: &[Delivery<'_>]) -> Vec<Vec<i64>> {
         deliveries.iter().map(|d| d.events.iter().map(|e| e.seq).collect()).collect()
+    }
+
+    #[test]
+    fn an_origin_is_scheme_host_and_port() {
+        let u = |s: &str| s.parse::<Uri>().unwrap();
+        assert!(same_origin(&u("http://Orders:80/api"), &u("http://orders/hooks")));
+        assert!(same_origin(&u("https://h/x"), &u("https://h:443/y")));
+        assert!(!same_origin(&u("http://h:8080/"), &u("http://h:8081/")));
+        assert!(!same_origin(&u("http://h/"), &u("https://h/")));
     }
 
     #[test]

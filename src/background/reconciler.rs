@@ -45,7 +45,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
-use crate::executor::stored_form;
+use crate::executor::{Executor, stored_form};
 use crate::idempotency::outcome::ProbeOutcome;
 use crate::idempotency::record::Refused;
 use crate::idempotency::record::StoredResponse;
@@ -59,6 +59,7 @@ use crate::telemetry::metrics::Metrics;
 use crate::upstream::Upstream;
 use crate::upstream::body::Body;
 use crate::upstream::headers;
+use crate::upstream::limit::Permit;
 
 pub use crate::request::reconcile_probe::{MAX_PROBE_BACKOFF, Probe, ProbeError, ProbeTarget, ProbeValues, Verdict};
 
@@ -98,13 +99,15 @@ enum Answer {
 
 impl Reconciler {
     /// `None` when no route has a probe: nothing to run.
-    pub fn new(config: &Config, store: Store, metrics: Arc<Metrics>, secret: DerivedKeySecret) -> Option<Reconciler> {
+    /// Probes go to the upstreams of `executor` (sharing their concurrency
+    /// limits with the requests).
+    pub fn new(config: &Config, executor: &Executor, store: Store, metrics: Arc<Metrics>, secret: DerivedKeySecret) -> Option<Reconciler> {
         let routes: Vec<Probed> = config
             .routes
             .iter()
             .filter_map(|r| {
                 let probe = r.reconcile.clone()?;
-                let upstream = Upstream::new(config.upstreams.get(r.upstream)?.clone()).counted_by(metrics.clone());
+                let upstream = executor.upstreams().get(r.upstream)?.with_own_pool();
                 let hold = upstream.config.timeout + config.store.operation_timeout * 2 + Duration::from_secs(1);
                 Some(Probed { route: Arc::new(r.clone()), probe, upstream, hold })
             })
@@ -161,11 +164,25 @@ impl Reconciler {
         }];
         let mut total = 0;
         loop {
-            let batch = self.store.take_probes(&routes, probed.hold, BATCH).await?;
+            // Probes count against the upstream's concurrency limit: a pass
+            // takes no more records than it has slots free, and none while
+            // the upstream is at its limit (they wait for the next interval).
+            // (Slots are looked at, not held, while the store is asked.)
+            let limit = probed.upstream.limit();
+            let free = limit.available().min(BATCH);
+            if free == 0 {
+                limit.refused();
+                tracing::debug!(task = "reconciler", route = %probed.route.operation, "the upstream is at its limit; probes wait");
+                return Ok(total);
+            }
+            let batch = self.store.take_probes(&routes, probed.hold, free).await?;
             let n = batch.len();
-            stream::iter(batch).for_each_concurrent(BATCH as usize, |p| self.settle(probed, p)).await;
+            // Each probe holds a slot while it runs (one that a request took
+            // meanwhile is not waited for: the record is already taken).
+            let slotted: Vec<(Probing, Option<Permit>)> = batch.into_iter().map(|p| (p, limit.try_acquire())).collect();
+            stream::iter(slotted).for_each_concurrent(BATCH as usize, |(p, _slot)| self.settle(probed, p)).await;
             total += n as u64;
-            if n < BATCH as usize {
+            if n < free as usize || free < BATCH {
                 return Ok(total);
             }
         }

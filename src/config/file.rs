@@ -273,6 +273,15 @@ pub struct UpstreamSection {
     /// https upstreams: a client certificate (chain) and its key.
     pub client_cert_file: Option<String>,
     pub client_key_file: Option<String>,
+    /// Admission under overload: the requests in flight to this upstream
+    /// (per replica). Set, it fixes the limit (unless `adaptive = true`
+    /// makes it the adaptive limit's ceiling).
+    pub max_in_flight: Option<i64>,
+    /// Whether the limit follows the upstream's latency (default true;
+    /// false without `max_in_flight`: no limit).
+    pub adaptive: Option<bool>,
+    /// How long a request may wait for a slot before it is refused.
+    pub queue_timeout: Option<String>,
 }
 
 /// One `[[identity.sources]]` entry; `kind` selects which fields apply.
@@ -385,6 +394,11 @@ pub struct RouteSection {
     pub fingerprint: FingerprintSection,
     /// `[routes.reconcile]`: the probe that settles `unknown` records.
     pub reconcile: Option<ReconcileSection>,
+    /// Admission: this route's requests in flight to its upstream (per
+    /// replica), within the upstream's own limit.
+    pub max_in_flight: Option<i64>,
+    /// Async routes: the most operations queued before acceptances are refused.
+    pub max_queued: Option<i64>,
 }
 
 /// `[routes.reconcile]`, see `crate::request::reconcile_probe::Probe`.

@@ -27,6 +27,7 @@ use crate::request::route::{ForwardKey, InFlightPolicy, PathTemplate, ReplayMode
 use crate::store::UnreachableAtStart;
 use crate::tls::client::ClientTls;
 use crate::tls::server::{ClientAuth, ListenerTls};
+use crate::upstream::limit::{self, LimitPolicy};
 
 /// Longest accepted duration: beyond it, database interval arithmetic and
 /// timestamps overflow (PostgreSQL refuses the claim; SQLite would not).
@@ -45,6 +46,9 @@ const LEASE_MARGIN: Duration = Duration::from_secs(5);
 /// room for the claim before the forward and the result write after it.
 const LEASE_WRITE_ROOM: Duration = Duration::from_millis(500);
 
+/// `routes[].max_queued` when absent: async operations queued per route
+/// before acceptances are refused.
+const DEFAULT_MAX_QUEUED: i64 = 10_000;
 /// `upstreams[].connect_timeout` when absent (capped at half the timeout).
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -719,6 +723,7 @@ impl Validator<'_> {
                     }
                 };
                 let tls = self.upstream_tls(&p, u, url.as_ref());
+                let limit = self.upstream_limit(&p, u, timeout);
                 let config = (|| {
                     Some(UpstreamConfig {
                         name: name.clone()?,
@@ -728,11 +733,58 @@ impl Validator<'_> {
                         timeout: timeout?,
                         pool_idle_timeout: pool_idle_timeout?,
                         pool_max_idle: pool_max_idle?,
+                        limit: limit?,
                     })
                 })();
                 Upstream { name: name.unwrap_or_default(), config }
             })
             .collect()
+    }
+
+    /// `max_in_flight`, `adaptive` and `queue_timeout`: how the upstream's
+    /// concurrency limit is set (see [`LimitPolicy`]). The wait for a slot
+    /// must end well before the upstream's timeout.
+    fn upstream_limit(&mut self, p: &str, u: &UpstreamSection, timeout: Option<Duration>) -> Option<LimitPolicy> {
+        let max_in_flight = match u.max_in_flight {
+            None => Some(None),
+            Some(n @ 1..=100_000) => Some(Some(n as u32)),
+            Some(n) => {
+                self.issues.push(format!("{p}.max_in_flight"), format!("must be between 1 and 100000, not {n}"));
+                None
+            }
+        };
+        let path = format!("{p}.queue_timeout");
+        let queue_timeout = match u.queue_timeout.as_deref() {
+            None => timeout.map(|t| limit::DEFAULT_QUEUE_TIMEOUT.min(t / 4)),
+            Some(value) => {
+                let wait = self.duration(&path, Some(value), "");
+                if let (Some(w), Some(t)) = (wait, timeout)
+                    && w > t / 2
+                {
+                    self.issues.push(
+                        path,
+                        format!(
+                            "must be at most half of {p}.timeout ({}): a request waiting for a slot holds its client",
+                            humantime::format_duration(t)
+                        ),
+                    );
+                    return None;
+                }
+                wait
+            }
+        };
+        let (max_in_flight, queue_timeout, timeout) = (max_in_flight?, queue_timeout?, timeout?);
+        let too_slow = timeout / 2;
+        Some(match (u.adaptive, max_in_flight) {
+            (Some(false), None) => LimitPolicy::Unlimited,
+            (None | Some(false), Some(max_in_flight)) => LimitPolicy::Fixed { max_in_flight, queue_timeout },
+            (None | Some(true), None) => {
+                LimitPolicy::Adaptive { initial: limit::DEFAULT_INITIAL, ceiling: limit::DEFAULT_CEILING, queue_timeout, too_slow }
+            }
+            (Some(true), Some(ceiling)) => {
+                LimitPolicy::Adaptive { initial: limit::DEFAULT_INITIAL.min(ceiling), ceiling, queue_timeout, too_slow }
+            }
+        })
     }
 
     /// An https URL of a service without TLS settings of its own (webhook,
@@ -1262,6 +1314,24 @@ impl Validator<'_> {
             }
         };
         let fingerprint = self.fingerprint(&p, &r.fingerprint);
+        let max_in_flight = match r.max_in_flight {
+            None => Some(None),
+            Some(n @ 1..=100_000) => Some(Some(n as u32)),
+            Some(n) => {
+                self.issues.push(format!("{p}.max_in_flight"), format!("must be between 1 and 100000, not {n}"));
+                None
+            }
+        };
+        if r.max_queued.is_some() && !is_async {
+            self.issues.push(format!("{p}.max_queued"), "applies to async routes: set mode = \"async\" or allow_async = true");
+        }
+        let max_queued = match r.max_queued.unwrap_or(DEFAULT_MAX_QUEUED) {
+            n @ 1..=100_000_000 => Some(n as u64),
+            n => {
+                self.issues.push(format!("{p}.max_queued"), format!("must be between 1 and 100000000, not {n}"));
+                None
+            }
+        };
         let reconcile = match &r.reconcile {
             None => Some(None),
             Some(section) => self.probe(&p, section, path.as_ref(), forward_key).map(|probe| Some(std::sync::Arc::new(probe))),
@@ -1314,6 +1384,8 @@ impl Validator<'_> {
             },
             observe_budget: observe_budget?,
             reconcile: reconcile?,
+            max_in_flight: max_in_flight?,
+            max_queued: max_queued?,
         })
     }
 

@@ -35,6 +35,7 @@ use crate::store::{Claim, RetryNote, Store, Taken, WriteOutcome};
 use crate::telemetry::metrics::Metrics;
 use crate::upstream::body::{Body, Streamed};
 use crate::upstream::headers::{self, strip_hop_by_hop};
+use crate::upstream::limit::{Sample, Slot};
 use crate::upstream::{ResponseBody, Upstream, UpstreamError, error_chain};
 
 /// Executes and records attempts. One per proxy worker thread (its upstream
@@ -86,6 +87,21 @@ impl Exchange {
         match self {
             Exchange::NotSent(e) | Exchange::MaybeExecuted(e) => Some(e),
             Exchange::Answered { .. } | Exchange::Declined { .. } => None,
+        }
+    }
+
+    /// What this exchange, `elapsed` long, tells the upstream's concurrency
+    /// limit: an answer's latency, or a sign of overload (a timeout, a
+    /// connection refused or broken, 429 or 503). A request that could not
+    /// be built says nothing.
+    pub fn sample(&self, elapsed: Duration) -> Option<Sample> {
+        let overloaded =
+            |status: http::StatusCode| matches!(status, http::StatusCode::TOO_MANY_REQUESTS | http::StatusCode::SERVICE_UNAVAILABLE);
+        match self {
+            Exchange::Answered { head, .. } | Exchange::Declined { head, .. } if overloaded(head.status) => Some(Sample::Dropped),
+            Exchange::Answered { .. } | Exchange::Declined { .. } => Some(Sample::Answered(elapsed)),
+            Exchange::NotSent(UpstreamError::InvalidRequest(_)) => None,
+            Exchange::NotSent(_) | Exchange::MaybeExecuted(_) => Some(Sample::Dropped),
         }
     }
 }
@@ -160,7 +176,7 @@ impl Executor {
 
     pub fn with_own_pools(&self) -> Executor {
         Executor {
-            upstreams: self.upstreams.iter().map(|u| Upstream::new(u.config.clone()).counted_by(self.metrics.clone())).collect(),
+            upstreams: self.upstreams.iter().map(Upstream::with_own_pool).collect(),
             store: self.store.clone(),
             metrics: self.metrics.clone(),
             tracker: self.tracker.clone(),
@@ -173,6 +189,11 @@ impl Executor {
         &self.upstreams[id]
     }
 
+    /// Every upstream, by id.
+    pub fn upstreams(&self) -> &[Upstream] {
+        &self.upstreams
+    }
+
     pub fn store(&self) -> &Store {
         &self.store
     }
@@ -183,15 +204,18 @@ impl Executor {
     /// record ends `completed` (or, for a response over the storage limit,
     /// completed without a body), released (the request never left, or the
     /// upstream declined recording), or `unknown`.
+    /// `slot` is the one its admission took: freed once the upstream
+    /// answered (or failed), having taught the limit what it took.
     pub async fn run_sync<'a>(
         &'a self,
         route: &'a Route,
         claim: &Claim,
         parts: request::Parts,
         body: Bytes,
+        slot: Option<Slot>,
     ) -> (Result<(Response<Body>, Outcome), GatewayError>, Option<ResultWrite<'a>>) {
         self.metrics.forward_started();
-        let (answer, write) = match self.sync_attempt(route, claim, parts, body).await {
+        let (answer, write) = match self.sync_attempt(route, claim, parts, body, slot).await {
             Ok((response, outcome, write)) => (Ok((response, outcome)), write),
             Err(e) => (Err(e), None),
         };
@@ -210,9 +234,10 @@ impl Executor {
         claim: &Claim,
         parts: request::Parts,
         body: Bytes,
+        slot: Option<Slot>,
     ) -> Result<(Response<Body>, Outcome, Option<ResultWrite<'a>>), GatewayError> {
         let upstream_timeout = self.upstreams[route.upstream].config.timeout;
-        let exchange = self.exchange(route, claim, parts, body).await;
+        let exchange = self.exchange_in(slot, route, claim, parts, body).await;
         // What the record becomes is the classifier's word (observe mode
         // writes by the same table); a completion is written after the
         // answer, by `ResultWrite`.
@@ -273,7 +298,9 @@ impl Executor {
     /// heartbeat fenced off by that very write (it ran just after it) is not
     /// a lost lease, and the write's own outcome (written or fenced) says
     /// what happened.
-    pub async fn run_async(&self, route: &Route, taken: &Taken) -> AttemptOutcome {
+    /// `slot`: the upstream's slot the worker took it with, freed once the
+    /// upstream answered.
+    pub async fn run_async(&self, route: &Route, taken: &Taken, slot: Option<Slot>) -> AttemptOutcome {
         let claim = &taken.claim;
         if taken.lease_expired {
             // Counted like the reaper's re-queues: an attempt that lost its lease and runs again.
@@ -284,7 +311,7 @@ impl Executor {
         let recording = AtomicBool::new(false);
         self.metrics.forward_started();
         let outcome = tokio::select! {
-            outcome = self.async_attempt(route, taken, &recording) => outcome,
+            outcome = self.async_attempt(route, taken, &recording, slot) => outcome,
             () = self.heartbeats(claim, route.lease, &recording) => {
                 tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), generation = %claim.generation,
                     "lost the lease to a newer attempt; this attempt stops and records nothing");
@@ -316,7 +343,7 @@ impl Executor {
         }
     }
 
-    async fn async_attempt(&self, route: &Route, taken: &Taken, recording: &AtomicBool) -> AttemptOutcome {
+    async fn async_attempt(&self, route: &Route, taken: &Taken, recording: &AtomicBool, slot: Option<Slot>) -> AttemptOutcome {
         let claim = &taken.claim;
         let attempts = taken.record.attempts;
         let request = match StoredRequest::decode(&taken.request).and_then(|r| Ok((r.parts()?, r.body))) {
@@ -354,7 +381,7 @@ impl Executor {
             }
         }
         let (parts, body) = request;
-        let exchanged = self.exchange(route, claim, parts, body).await;
+        let exchanged = self.exchange_in(slot, route, claim, parts, body).await;
         // From here on, every branch writes the attempt's outcome.
         recording.store(true, Ordering::Release);
         match exchanged {
@@ -420,6 +447,17 @@ impl Executor {
                 AttemptOutcome::StoreUnavailable
             }
         }
+    }
+
+    /// [`Executor::exchange`] holding `slot` (if any), which then learns
+    /// what the exchange took and is freed.
+    pub async fn exchange_in(&self, slot: Option<Slot>, route: &Route, claim: &Claim, parts: request::Parts, body: Bytes) -> Exchange {
+        let started = Instant::now();
+        let exchange = self.exchange(route, claim, parts, body).await;
+        if let (Some(mut slot), Some(sample)) = (slot, exchange.sample(started.elapsed())) {
+            slot.record(sample);
+        }
+        exchange
     }
 
     /// Forwards the claimed request once and classifies what came back.

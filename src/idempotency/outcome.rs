@@ -34,6 +34,9 @@ pub enum Outcome {
     PassThrough,
     /// Async: accepted (or the acceptance answered again): 202 and an operation id.
     Accepted,
+    /// Refused before the claim: the upstream's limit (or the async queue's
+    /// bound) was reached (503 `overloaded`).
+    Overloaded,
     /// Async: an operation's status document was read (access log only; polls
     /// are not counted per route).
     Polled,
@@ -42,7 +45,7 @@ pub enum Outcome {
 impl Outcome {
     /// The outcomes a request on a route can have, each a series of
     /// `idemgate_requests_total` from the start.
-    pub const OF_ROUTES: [Outcome; 11] = [
+    pub const OF_ROUTES: [Outcome; 12] = [
         Outcome::Forwarded,
         Outcome::Replayed,
         Outcome::Mismatch,
@@ -54,6 +57,7 @@ impl Outcome {
         Outcome::StoreUnavailable,
         Outcome::PassThrough,
         Outcome::Accepted,
+        Outcome::Overloaded,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -69,6 +73,7 @@ impl Outcome {
             Outcome::StoreUnavailable => "store_unavailable",
             Outcome::PassThrough => "passthrough",
             Outcome::Accepted => "accepted",
+            Outcome::Overloaded => "overloaded",
             Outcome::Polled => "polled",
         }
     }
@@ -219,6 +224,7 @@ mod tests {
                 "store_unavailable",
                 "passthrough",
                 "accepted",
+                "overloaded",
                 "polled"
             ]
         );

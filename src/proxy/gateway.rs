@@ -41,6 +41,7 @@ use crate::store::{Claim, ClaimOutcome, ClaimRequest, Store, WriteOutcome};
 use crate::telemetry::metrics::Metrics;
 use crate::upstream::Upstream;
 use crate::upstream::body::Body;
+use crate::upstream::limit::{Limit, LimitPolicy, Overloaded, Slot};
 
 /// Retry-After for a duplicate of an in-flight request.
 const IN_PROGRESS_RETRY_AFTER: Duration = Duration::from_secs(1);
@@ -90,6 +91,9 @@ pub struct Gateway {
     /// Operations whose key may come from `X-Request-Id` (`key_from`): their
     /// requests are forwarded without an id the client did not send.
     request_id_is_a_key: Arc<HashSet<Arc<str>>>,
+    /// Routes with a `max_in_flight` of their own: their caps, shared by the
+    /// worker threads (the upstreams' limits are the executor's).
+    route_limits: Arc<HashMap<Arc<str>, Arc<Limit>>>,
 }
 
 /// What a gateway hands on to the one that replaces it on a reload.
@@ -208,6 +212,17 @@ impl Gateway {
                     .map(|r| r.operation.clone())
                     .collect(),
             ),
+            route_limits: Arc::new(
+                config
+                    .routes
+                    .iter()
+                    .filter_map(|r| {
+                        let max_in_flight = r.max_in_flight?;
+                        let queue_timeout = config.upstreams.get(r.upstream).map_or(Duration::ZERO, |u| u.limit.queue_timeout());
+                        Some((r.operation.clone(), Limit::new(LimitPolicy::Fixed { max_in_flight, queue_timeout })))
+                    })
+                    .collect(),
+            ),
         }
     }
 
@@ -281,6 +296,7 @@ impl Gateway {
             access_log: self.access_log,
             challenge: self.challenge.clone(),
             request_id_is_a_key: self.request_id_is_a_key.clone(),
+            route_limits: self.route_limits.clone(),
         }
     }
 
@@ -447,6 +463,11 @@ impl Gateway {
             Err(NotAdmitted::Refused(r)) => return Err(r.error),
         };
         trace.scope = Some(claim.scope.scope_id());
+        let slot = match self.admitted_under_load(route, &claim).await {
+            Ok(slot) => slot,
+            // Boxed: a rare branch that should not grow every request's future.
+            Err(refused) => return Box::pin(self.answer_overloaded(route, &claim, &params, &parts, &body, refused)).await,
+        };
         // From the claim on, the work runs on the tracker: a client that goes
         // away can no longer cancel it between a committed claim and its
         // forward, nor between the forward and the recording of its result.
@@ -454,7 +475,7 @@ impl Gateway {
         let gw = self.clone();
         let route = route.clone();
         self.tracker.spawn(Box::pin(async move {
-            let (out, write) = gw.claim_and_forward(&route, claim, params, parts, body).await;
+            let (out, write) = gw.claim_and_forward(&route, claim, params, parts, body, slot).await;
             // The client may be gone; the record is written either way. The
             // answer goes first: the result write then runs while it travels.
             let _ = tx.send(out);
@@ -463,6 +484,58 @@ impl Gateway {
             }
         }));
         rx.await.unwrap_or(Err(GatewayError::Internal))
+    }
+
+    /// Admission under overload, before the claim: a refusal claims
+    /// nothing, so the client's retry with the same key is safe. A forward
+    /// needs a slot of its route's cap and its upstream's limit (held until
+    /// the upstream answers); an acceptance needs room in its route's queue.
+    async fn admitted_under_load(&self, route: &Route, claim: &ClaimRequest) -> Result<Option<Slot>, GatewayError> {
+        if claim.acceptance.is_some() {
+            let queued = self.metrics.queued(&route.operation);
+            if u64::try_from(queued).unwrap_or(0) >= route.max_queued {
+                tracing::debug!(route = %route.operation, queued, max_queued = route.max_queued, "async queue full; acceptance refused");
+                return Err(GatewayError::Overloaded);
+            }
+            return Ok(None);
+        }
+        let upstream = self.executor.upstream(route.upstream).limit();
+        match Slot::acquire(upstream, self.route_limits.get(&route.operation)).await {
+            Ok(slot) => Ok(Some(slot)),
+            Err(Overloaded) => {
+                tracing::debug!(route = %route.operation, limit = upstream.current(), "upstream limit reached; refused before the claim");
+                Err(GatewayError::Overloaded)
+            }
+        }
+    }
+
+    /// Over the limit nothing may be claimed, but a request whose key already
+    /// has a record is answered from it as its claim would have been: a
+    /// replay, a duplicate of one in flight (409, as ever), a mismatch, an
+    /// unknown outcome, an accepted operation. Only a request that would be
+    /// forwarded (no record, or one a claim would take over) gets `refused`.
+    async fn answer_overloaded(
+        &self,
+        route: &Route,
+        claim: &ClaimRequest,
+        params: &[(String, String)],
+        parts: &request::Parts,
+        body: &Bytes,
+        refused: GatewayError,
+    ) -> Result<(Response<Body>, Outcome), GatewayError> {
+        let Ok(Some((record, now))) = self.store.get(&claim.scope).await else { return Err(refused) };
+        let request = admission::request_parts(route, params, parts, body);
+        match decide_with_legacy(route, &record, &claim.request_hash, &request, now) {
+            Decision::Replay => {
+                let stored = record.response.as_ref().ok_or(GatewayError::Internal)?;
+                self.answer_from(route, stored, &parts.headers).await.map(|r| (r, Outcome::Replayed))
+            }
+            Decision::Mismatch => Err(GatewayError::KeyReused { status: route.mismatch_status }),
+            Decision::Accepted => Ok((self.accepted(route, &record), Outcome::Accepted)),
+            Decision::Unknown => Err(GatewayError::RecordUnknown),
+            Decision::InProgress { .. } => Err(GatewayError::InProgress { retry_after: IN_PROGRESS_RETRY_AFTER }),
+            Decision::LeaseExpired | Decision::Expired => Err(refused),
+        }
     }
 
     /// Claims the scope and forwards, or answers from the record it found.
@@ -475,6 +548,7 @@ impl Gateway {
         params: Vec<(String, String)>,
         parts: request::Parts,
         body: Bytes,
+        slot: Option<Slot>,
     ) -> (Result<(Response<Body>, Outcome), GatewayError>, Option<ResultWrite<'a>>) {
         // A result this replica answered and is still writing comes first:
         // its client's retry is replayed, not told "in flight".
@@ -482,7 +556,7 @@ impl Gateway {
         let request = admission::request_parts(route, &params, &parts, &body);
         match self.claim_or_answer(route, &claim, &parts, &request).await {
             Ok(Claimed::Answered(answer)) => (Ok(answer), None),
-            Ok(Claimed::Run(c)) => self.executor.run_sync(route, &c, parts, body).await,
+            Ok(Claimed::Run(c)) => self.executor.run_sync(route, &c, parts, body, slot).await,
             Err(e) => (Err(e), None),
         }
     }
@@ -520,6 +594,7 @@ impl Gateway {
             };
             let (record, now) = match outcome {
                 ClaimOutcome::Claimed(c) if claim.acceptance.is_some() => {
+                    self.metrics.accepted(&route.operation);
                     self.wake_workers.notify_waiters();
                     return Ok(Claimed::Answered((self.accepted(route, &accepted_record(claim, &c)), Outcome::Accepted)));
                 }

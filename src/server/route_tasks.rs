@@ -73,10 +73,10 @@ impl RouteTasks {
             self.leases.clone(),
             stop.clone(),
         );
-        if let Some(relay) = Relay::new(&gateway.routes(), store.clone(), self.metrics.clone()) {
+        if let Some(relay) = Relay::new(&gateway.routes(), gateway.executor().upstreams(), store.clone(), self.metrics.clone()) {
             self.background.spawn(relay.run(stop.clone()));
         }
-        if let Some(reconciler) = Reconciler::new(config, store.clone(), self.metrics.clone(), self.secret.clone()) {
+        if let Some(reconciler) = Reconciler::new(config, gateway.executor(), store.clone(), self.metrics.clone(), self.secret.clone()) {
             reconciler.spawn(&self.background, stop.clone());
         }
         let replica: Arc<str> = config.server.replica_id.as_str().into();

@@ -32,6 +32,7 @@ use crate::upstream::headers::strip_hop_by_hop;
 
 pub mod body;
 pub mod headers;
+pub mod limit;
 mod pool;
 pub mod side_client;
 
@@ -51,6 +52,8 @@ pub struct UpstreamConfig {
     pub timeout: Duration,
     pub pool_idle_timeout: Duration,
     pub pool_max_idle: usize,
+    /// Admission under overload (`max_in_flight`, `adaptive`, `queue_timeout`).
+    pub limit: limit::LimitPolicy,
 }
 
 /// Whether the upstream may have executed the request.
@@ -160,10 +163,28 @@ pub struct Upstream {
     client: Client<BoundedConnect<HttpsConnector<HttpConnector>>, Body>,
     /// Plain `http://` upstreams.
     http1: Option<pool::Http1Pool>,
+    /// The concurrency limit, shared by every copy of this upstream (each
+    /// worker thread's, the async workers', the reconciler's).
+    limit: std::sync::Arc<limit::Limit>,
 }
 
 impl Upstream {
     pub fn new(config: UpstreamConfig) -> Upstream {
+        let limit = limit::Limit::new(config.limit);
+        Upstream::with_limit(config, None, limit)
+    }
+
+    /// A copy with its own connection pools (for another event loop),
+    /// counting errors where this one does and sharing its concurrency limit.
+    pub fn with_own_pool(&self) -> Upstream {
+        Upstream::with_limit(self.config.clone(), self.errors.clone(), self.limit.clone())
+    }
+
+    fn with_limit(
+        config: UpstreamConfig,
+        errors: Option<std::sync::Arc<crate::telemetry::metrics::Metrics>>,
+        limit: std::sync::Arc<limit::Limit>,
+    ) -> Upstream {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(config.connect_timeout));
         connector.set_nodelay(true);
@@ -180,11 +201,18 @@ impl Upstream {
             .pool_idle_timeout(config.pool_idle_timeout)
             .pool_max_idle_per_host(config.pool_max_idle)
             .build(connector);
-        Upstream { config, errors: None, client, http1 }
+        Upstream { config, errors, client, http1, limit }
+    }
+
+    /// The concurrency limit requests to this upstream are admitted under.
+    pub fn limit(&self) -> &std::sync::Arc<limit::Limit> {
+        &self.limit
     }
 
     /// Counts this upstream's failed exchanges in `metrics`.
+    /// Counts this upstream's errors in `metrics`, and shows its limit there.
     pub fn counted_by(mut self, metrics: std::sync::Arc<crate::telemetry::metrics::Metrics>) -> Upstream {
+        self.limit.report_to(metrics.limit_gauges(&self.config.name, self.limit.current().is_some()));
         self.errors = Some(metrics);
         self
     }
@@ -358,6 +386,7 @@ mod tests {
             timeout: Duration::from_secs(1),
             pool_idle_timeout: Duration::from_secs(1),
             pool_max_idle: 1,
+            limit: limit::LimitPolicy::Unlimited,
         })
     }
 

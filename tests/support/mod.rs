@@ -55,6 +55,7 @@ pub mod client;
 pub mod faultproxy;
 pub mod gateway;
 pub mod jwt;
+pub mod overloaded;
 pub mod postgres;
 pub mod serve;
 pub mod soak;

@@ -1,8 +1,8 @@
 //! `GET /admin/overview`: what the console's first page shows. Records by
 //! operation and state (the store's count behind the `idemgate_records`
 //! gauge: every state but `completed`), the unknown backlog by age, the
-//! async queue, the outbox backlog, and this replica's refused reloads and
-//! fenced writes since it started.
+//! async queue, the outbox backlog, this replica's refused reloads and
+//! fenced writes since it started, and its upstreams' concurrency limits.
 
 use std::time::Duration;
 
@@ -60,6 +60,14 @@ pub async fn overview(store: &Store, metrics: &Metrics) -> Result<Value, StoreEr
             "oldest_pending_age_seconds": events.oldest_pending_at.map(|at| at.until(now).as_secs_f64()),
         },
         "this_replica": { "refused_reloads": refused_reloads, "fenced_writes": fenced_writes },
+        // Admission under overload, on this replica: each upstream's
+        // concurrency limit now, the slots held and the refusals since start.
+        "upstreams": metrics.limits().into_iter().map(|l| json!({
+            "upstream": l.upstream,
+            "limit": l.limit,
+            "in_flight": l.in_flight,
+            "refusals": l.refusals,
+        })).collect::<Vec<_>>(),
     }))
 }
 

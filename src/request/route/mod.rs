@@ -298,6 +298,11 @@ pub struct Route {
     pub observe_budget: Duration,
     /// `[routes.reconcile]`: the probe that settles this route's `unknown` records.
     pub reconcile: Option<Arc<crate::request::reconcile_probe::Probe>>,
+    /// Admission: this route's own cap on requests in flight (per replica),
+    /// within its upstream's limit.
+    pub max_in_flight: Option<u32>,
+    /// Async: acceptances are refused once this many operations are queued.
+    pub max_queued: u64,
 }
 
 /// What a completed record keeps and how it is answered again.
@@ -494,6 +499,8 @@ mod tests {
             replay: ReplayMode::Stored,
             observe_budget: Duration::from_millis(50),
             reconcile: None,
+            max_in_flight: None,
+            max_queued: 10_000,
         }
     }
 

@@ -166,6 +166,7 @@ pub struct Metrics {
     reloads: Family<ResultLabels, Counter>,
     tls: tls::TlsMetrics,
     http: http::HttpMetrics,
+    admission: admission::AdmissionMetrics,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -281,6 +282,7 @@ impl Metrics {
         }
         let tls = tls::TlsMetrics::register(registry);
         let http = http::HttpMetrics::register(registry);
+        let admission = admission::AdmissionMetrics::register(registry);
         let build = prometheus_client::metrics::info::Info::new(VersionLabels { version: env!("CARGO_PKG_VERSION") });
         registry.register("build", "The running version", build);
         for reason in REJECTION_REASONS {
@@ -326,6 +328,7 @@ impl Metrics {
             reloads,
             tls,
             http,
+            admission,
         }
     }
 
@@ -478,6 +481,20 @@ impl Metrics {
         }
     }
 
+    /// The operations of `operation` waiting in the queue: the record
+    /// counter's last count, plus the acceptances this replica counted since
+    /// ([`Metrics::accepted`]).
+    pub fn queued(&self, operation: &str) -> i64 {
+        let labels = StateLabels { operation: operation.to_owned(), state: crate::idempotency::record::State::Queued.as_str() };
+        self.records.get(&labels).map_or(0, |g| g.get())
+    }
+
+    /// An operation of `operation` was accepted into the queue.
+    pub fn accepted(&self, operation: &str) {
+        let labels = StateLabels { operation: operation.to_owned(), state: crate::idempotency::record::State::Queued.as_str() };
+        self.records.get_or_create(&labels).inc();
+    }
+
     pub fn attempt(&self, operation: &str, outcome: AttemptOutcome) {
         self.attempts.get_or_create(&AttemptLabels { operation: operation.to_owned(), outcome: outcome.as_str() }).inc();
     }
@@ -554,9 +571,11 @@ impl Metrics {
     }
 }
 
+mod admission;
 mod http;
 mod process;
 mod tls;
+pub use admission::{LimitGauges, LimitReading};
 pub use http::{RouteSeries, UpstreamErrorKind};
 
 #[cfg(test)]

@@ -287,6 +287,10 @@
       ['Fenced writes', doc.this_replica.fenced_writes],
     ])));
     v.appendChild(cols);
+    v.appendChild(el('h2', {}, 'Upstream limits (this replica)'));
+    v.appendChild(el('p', { class: 'muted' }, 'Requests over a limit are refused before their claim (503 overloaded).'));
+    v.appendChild(table(['Upstream', 'Limit', 'In flight', 'Refused since start'], doc.upstreams.map((u) =>
+      row([u.upstream, u.limit === null ? 'none' : u.limit, u.in_flight, u.refusals])), 'narrow'));
     refreshTimer = setTimeout(() => { if (parseHash().parts[0] === 'overview' || parseHash().parts[0] === '') route(); }, REFRESH_MS);
   }
 

@@ -1,0 +1,563 @@
+//! An upstream's concurrency limit: admission under overload.
+//!
+//! A request over the limit is refused *before its claim* (503 `overloaded`
+//! with `Retry-After`): nothing is claimed, nothing is forwarded, and the
+//! client's retry with the same key is safe. The alternative, forwarding
+//! everything to an upstream that cannot keep up, turns each request that
+//! queues past the upstream's timeout into an `unknown` record an operator
+//! must reconcile.
+//!
+//! The limit is adaptive by default: a Vegas-style controller (as in
+//! TCP Vegas and Netflix's concurrency-limits) compares each answer's
+//! latency with the lowest latency seen (the upstream without a queue). While
+//! the estimated queue at the upstream (`limit × (1 − min/latency)`) stays
+//! small the limit grows; when it grows past a few requests the limit
+//! shrinks; a timeout, a refused connection or a 429/503 from the upstream
+//! shrinks it by a tenth at once. `max_in_flight` fixes it instead.
+//!
+//! One [`Limit`] is shared by every worker thread of a replica (and by the
+//! async workers and the reconciler's probes); replicas do not share theirs
+//! (docs/reference.md says how to size a fixed limit for several replicas).
+//! The lock is a std mutex held for a few arithmetic steps, never across an
+//! await.
+
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::telemetry::metrics::LimitGauges;
+
+/// Where the adaptive limit starts, before any answer says what the
+/// upstream can take. Per replica: replicas starting together in front of a
+/// slow upstream must not queue it past its timeout before the first answers
+/// arrive (two at 20 each gave 4 unknown records of 354 against an upstream
+/// serving 4 at a time; at 10, none). It grows by several requests per answer
+/// while latency stays at its minimum, and an answer taking half the timeout
+/// cuts it.
+pub const DEFAULT_INITIAL: u32 = 10;
+/// The adaptive limit's ceiling unless `max_in_flight` sets one.
+pub const DEFAULT_CEILING: u32 = 1000;
+/// How long a request may wait for a slot by default.
+pub const DEFAULT_QUEUE_TIMEOUT: Duration = Duration::from_millis(50);
+/// The `Retry-After` of a refusal.
+pub const RETRY_AFTER: Duration = Duration::from_secs(1);
+/// After this many samples per unit of limit, the lowest latency is read
+/// again from requests that met no queue, so that an upstream that became
+/// slower for good is not taken to be overloaded for ever.
+const REREAD_SAMPLES_PER_SLOT: f64 = 30.0;
+
+/// How an upstream's limit is set (`[upstreams.limit]`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LimitPolicy {
+    /// No limit: every request is forwarded (in-flight requests are still counted).
+    Unlimited,
+    /// A fixed number of requests in flight.
+    Fixed { max_in_flight: u32, queue_timeout: Duration },
+    /// Follows the upstream's latency, between 1 and `ceiling`. An answer
+    /// that took `too_slow` or longer (half the upstream's timeout) counts as
+    /// a sign of overload, as a timeout does: the limit shrinks before
+    /// requests start to wait past the timeout.
+    Adaptive { initial: u32, ceiling: u32, queue_timeout: Duration, too_slow: Duration },
+}
+
+impl Default for LimitPolicy {
+    fn default() -> LimitPolicy {
+        LimitPolicy::Adaptive {
+            initial: DEFAULT_INITIAL,
+            ceiling: DEFAULT_CEILING,
+            queue_timeout: DEFAULT_QUEUE_TIMEOUT,
+            too_slow: Duration::from_secs(5),
+        }
+    }
+}
+
+impl LimitPolicy {
+    /// How long a request may wait for a slot.
+    pub fn queue_timeout(&self) -> Duration {
+        match self {
+            LimitPolicy::Unlimited => Duration::ZERO,
+            LimitPolicy::Fixed { queue_timeout, .. } | LimitPolicy::Adaptive { queue_timeout, .. } => *queue_timeout,
+        }
+    }
+}
+
+/// What became of a request that held a slot, for the adaptive limit.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Sample {
+    /// The upstream answered after `Duration` (its whole answer).
+    Answered(Duration),
+    /// The upstream is overloaded: it timed out, refused the connection, or
+    /// answered 429 or 503.
+    Dropped,
+}
+
+/// The controller's state: pure arithmetic, no clock and no I/O.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Controller {
+    limit: f64,
+    ceiling: f64,
+    /// The upstream's latency without a queue: the lowest seen.
+    min_latency: Option<Duration>,
+    /// An answer this slow counts as a drop.
+    too_slow: Option<Duration>,
+    /// The lowest latency seen under light load (at most half the limit in
+    /// flight, so no queue of ours) since the last re-read.
+    light_min: Option<Duration>,
+    samples: u64,
+    reread_at: u64,
+}
+
+impl Controller {
+    pub fn new(initial: u32, ceiling: u32) -> Controller {
+        let ceiling = f64::from(ceiling.max(1));
+        let limit = f64::from(initial.max(1)).min(ceiling);
+        Controller { limit, ceiling, too_slow: None, min_latency: None, light_min: None, samples: 0, reread_at: reread_after(limit) }
+    }
+
+    /// Answers that take `too_slow` or longer count as drops.
+    pub fn too_slow(mut self, too_slow: Duration) -> Controller {
+        self.too_slow = Some(too_slow);
+        self
+    }
+
+    /// The number of requests that may be in flight now.
+    pub fn limit(&self) -> u32 {
+        // The limit stays within [1, ceiling], which fits a u32.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let limit = self.limit.floor() as u32;
+        limit.max(1)
+    }
+
+    /// Learns from one request that held a slot while `in_flight` requests
+    /// (itself included) did.
+    pub fn learn(&mut self, sample: Sample, in_flight: u32) {
+        let latency = match sample {
+            Sample::Answered(latency) if self.too_slow.is_none_or(|slow| latency < slow) => latency.max(Duration::from_micros(1)),
+            Sample::Answered(_) | Sample::Dropped => {
+                self.limit = (self.limit * 0.9).max(1.0);
+                return;
+            }
+        };
+        // Too few requests in flight to tell whether the limit is the
+        // bottleneck; but such a request met no queue of ours.
+        let light = f64::from(in_flight) * 2.0 < self.limit;
+        if light {
+            self.light_min = Some(self.light_min.map_or(latency, |m| m.min(latency)));
+        }
+        self.samples += 1;
+        if self.samples >= self.reread_at {
+            // An upstream that became slower for good is learned again, but
+            // only from requests that met no queue: under a sustained
+            // overload every latency includes the queue, and taking one of
+            // those for the minimum would let the limit (and the queue) grow.
+            self.samples = 0;
+            self.reread_at = reread_after(self.limit);
+            if let Some(light_min) = self.light_min.take() {
+                self.min_latency = Some(light_min);
+            }
+        }
+        let min = match self.min_latency {
+            Some(min) if min <= latency => min,
+            _ => *self.min_latency.insert(latency),
+        };
+        if light {
+            return;
+        }
+        let log = self.limit.log10().max(1.0);
+        let (alpha, beta) = (3.0 * log, 6.0 * log);
+        let queue = (self.limit * (1.0 - min.as_secs_f64() / latency.as_secs_f64())).ceil();
+        if queue <= log {
+            self.limit += beta;
+        } else if queue < alpha {
+            self.limit += log;
+        } else if queue > beta {
+            self.limit -= log;
+        }
+        self.limit = self.limit.clamp(1.0, self.ceiling);
+    }
+}
+
+fn reread_after(limit: f64) -> u64 {
+    // A whole number of samples, at least 30.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let n = (limit.max(1.0) * REREAD_SAMPLES_PER_SLOT) as u64;
+    n
+}
+
+#[derive(Debug)]
+struct State {
+    in_flight: u32,
+    controller: Option<Controller>,
+    refusals: u64,
+}
+
+/// One upstream's (or route's) concurrency limit.
+#[derive(Debug)]
+pub struct Limit {
+    policy: LimitPolicy,
+    state: Mutex<State>,
+    /// Wakes a request waiting for a slot when one is freed.
+    freed: Notify,
+    /// Where the limit, the slots held and the refusals are shown.
+    gauges: OnceLock<LimitGauges>,
+}
+
+/// Why no slot was given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Overloaded;
+
+impl Limit {
+    pub fn new(policy: LimitPolicy) -> Arc<Limit> {
+        let controller = match policy {
+            LimitPolicy::Adaptive { initial, ceiling, too_slow, .. } => Some(Controller::new(initial, ceiling).too_slow(too_slow)),
+            LimitPolicy::Unlimited | LimitPolicy::Fixed { .. } => None,
+        };
+        Arc::new(Limit {
+            policy,
+            state: Mutex::new(State { in_flight: 0, controller, refusals: 0 }),
+            freed: Notify::new(),
+            gauges: OnceLock::new(),
+        })
+    }
+
+    /// Shows this limit in `gauges` from now on (the first call wins).
+    pub fn report_to(&self, gauges: LimitGauges) {
+        let state = self.state();
+        self.show(&gauges, &state);
+        drop(state);
+        let _ = self.gauges.set(gauges);
+    }
+
+    fn show(&self, gauges: &LimitGauges, state: &State) {
+        gauges.in_flight.set(i64::from(state.in_flight));
+        if let (Some(gauge), Some(limit)) = (&gauges.limit, self.limit_of(state)) {
+            gauge.set(i64::from(limit));
+        }
+    }
+
+    /// Updates the gauges after a change of `state`.
+    fn changed(&self, state: &State) {
+        if let Some(gauges) = self.gauges.get() {
+            self.show(gauges, state);
+        }
+    }
+
+    /// Counts a refusal (or a deferral of background work).
+    pub fn refused(&self) {
+        self.state().refusals += 1;
+        if let Some(gauges) = self.gauges.get() {
+            gauges.refusals.inc();
+        }
+    }
+
+    pub fn policy(&self) -> LimitPolicy {
+        self.policy
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        // A panic while the lock was held cannot leave the counts torn (each
+        // update is one statement); keep serving.
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The number of requests that may be in flight now (`None`: no limit).
+    pub fn current(&self) -> Option<u32> {
+        let state = self.state();
+        self.limit_of(&state)
+    }
+
+    fn limit_of(&self, state: &State) -> Option<u32> {
+        match (self.policy, &state.controller) {
+            (LimitPolicy::Fixed { max_in_flight, .. }, _) => Some(max_in_flight),
+            (LimitPolicy::Adaptive { .. }, Some(c)) => Some(c.limit()),
+            _ => None,
+        }
+    }
+
+    /// Requests holding a slot now.
+    pub fn in_flight(&self) -> u32 {
+        self.state().in_flight
+    }
+
+    /// Slots free now (`u32::MAX` without a limit).
+    pub fn available(&self) -> u32 {
+        let state = self.state();
+        self.limit_of(&state).map_or(u32::MAX, |limit| limit.saturating_sub(state.in_flight))
+    }
+
+    /// Refusals since start.
+    pub fn refusals(&self) -> u64 {
+        self.state().refusals
+    }
+
+    /// A slot now, or none.
+    pub fn try_acquire(self: &Arc<Self>) -> Option<Permit> {
+        let mut state = self.state();
+        let free = self.limit_of(&state).is_none_or(|limit| state.in_flight < limit);
+        free.then(|| {
+            state.in_flight += 1;
+            self.changed(&state);
+            Permit { limit: self.clone(), in_flight: state.in_flight, sample: None }
+        })
+    }
+
+    /// A slot, waiting for one up to the policy's `queue_timeout`; counted as
+    /// a refusal when none came.
+    pub async fn acquire(self: &Arc<Self>) -> Result<Permit, Overloaded> {
+        let deadline = Instant::now() + self.policy.queue_timeout();
+        loop {
+            // Registered before looking, so a slot freed in between is not missed.
+            let freed = self.freed.notified();
+            if let Some(permit) = self.try_acquire() {
+                return Ok(permit);
+            }
+            if Instant::now() >= deadline || tokio::time::timeout_at(deadline, freed).await.is_err() {
+                // One last look: a slot may have been freed as the deadline passed.
+                return self.try_acquire().ok_or_else(|| {
+                    self.refused();
+                    Overloaded
+                });
+            }
+        }
+    }
+
+    fn release(&self, in_flight: u32, sample: Option<Sample>) {
+        let mut state = self.state();
+        state.in_flight = state.in_flight.saturating_sub(1);
+        if let (Some(sample), Some(controller)) = (sample, state.controller.as_mut()) {
+            controller.learn(sample, in_flight);
+        }
+        self.changed(&state);
+        drop(state);
+        self.freed.notify_one();
+    }
+}
+
+/// A slot held: freed when dropped, teaching the limit what
+/// [`Permit::record`] says of the request.
+#[derive(Debug)]
+pub struct Permit {
+    limit: Arc<Limit>,
+    /// Requests in flight when this one took its slot (itself included).
+    in_flight: u32,
+    sample: Option<Sample>,
+}
+
+impl Permit {
+    /// What the upstream did with the request this slot was held for.
+    pub fn record(&mut self, sample: Sample) {
+        self.sample = Some(sample);
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.limit.release(self.in_flight, self.sample.take());
+    }
+}
+
+/// The slots one forward holds: its upstream's, and its route's when the
+/// route has a cap of its own.
+#[derive(Debug)]
+pub struct Slot {
+    upstream: Permit,
+    _route: Option<Permit>,
+}
+
+impl Slot {
+    /// A slot of `route`'s cap (if any) and of `upstream`'s limit, each
+    /// waiting up to its `queue_timeout`.
+    pub async fn acquire(upstream: &Arc<Limit>, route: Option<&Arc<Limit>>) -> Result<Slot, Overloaded> {
+        let route = match route {
+            Some(limit) => Some(limit.acquire().await?),
+            None => None,
+        };
+        Ok(Slot { upstream: upstream.acquire().await?, _route: route })
+    }
+
+    /// What the upstream did with the request (teaches the upstream's limit).
+    pub fn record(&mut self, sample: Sample) {
+        self.upstream.record(sample);
+    }
+}
+
+impl From<Permit> for Slot {
+    /// A slot of the upstream's limit alone.
+    fn from(upstream: Permit) -> Slot {
+        Slot { upstream, _route: None }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    /// An upstream that serves `capacity` requests at a time in `service`
+    /// each, first come first served, behind a gateway whose clients keep
+    /// as many requests in flight as the limit allows (quieter when
+    /// `quiet(round)` says so: one request at a time). Returns the highest
+    /// limit seen.
+    fn run(c: &mut Controller, capacity: usize, service: Duration, rounds: usize, quiet: impl Fn(usize) -> bool) -> u32 {
+        use std::cmp::Reverse;
+        use std::collections::{BinaryHeap, VecDeque};
+        let mut now = Duration::ZERO;
+        // (arrival, in flight when it took its slot)
+        let mut waiting: VecDeque<(Duration, u32)> = VecDeque::new();
+        let mut serving: BinaryHeap<Reverse<(Duration, Duration, u32)>> = BinaryHeap::new();
+        let mut in_flight = 0u32;
+        let mut highest = c.limit();
+        for round in 0..rounds {
+            let want = if quiet(round) { 1 } else { c.limit() };
+            while in_flight < want {
+                in_flight += 1;
+                waiting.push_back((now, in_flight));
+            }
+            while serving.len() < capacity {
+                let Some((arrival, n)) = waiting.pop_front() else { break };
+                serving.push(Reverse((now + service, arrival, n)));
+            }
+            let Some(Reverse((done, arrival, n))) = serving.pop() else { break };
+            now = done;
+            in_flight -= 1;
+            c.learn(Sample::Answered(now - arrival), n);
+            highest = highest.max(c.limit());
+        }
+        highest
+    }
+
+    #[test]
+    fn the_limit_settles_near_what_the_upstream_can_serve() {
+        let mut c = Controller::new(DEFAULT_INITIAL, DEFAULT_CEILING);
+        run(&mut c, 4, 100 * MS, 5_000, |_| false);
+        let settled = c.limit();
+        // 4 served at a time: a limit a little above 4 keeps the upstream
+        // busy with a short queue; far above it, requests wait several
+        // service times and, past the timeout, become unknown.
+        assert!((4..=16).contains(&settled), "settled at {settled}");
+    }
+
+    #[test]
+    fn the_limit_grows_while_latency_stays_at_its_minimum() {
+        let mut c = Controller::new(5, DEFAULT_CEILING);
+        for _ in 0..200 {
+            let n = c.limit();
+            c.learn(Sample::Answered(10 * MS), n);
+        }
+        assert!(c.limit() > 100, "grew to {}", c.limit());
+    }
+
+    #[test]
+    fn an_idle_upstream_does_not_raise_the_limit() {
+        let mut c = Controller::new(20, DEFAULT_CEILING);
+        for _ in 0..1000 {
+            c.learn(Sample::Answered(10 * MS), 2);
+        }
+        assert_eq!(c.limit(), 20);
+    }
+
+    #[test]
+    fn drops_shrink_the_limit_by_a_tenth_down_to_one() {
+        let mut c = Controller::new(100, DEFAULT_CEILING);
+        c.learn(Sample::Dropped, 100);
+        assert_eq!(c.limit(), 90);
+        for _ in 0..100 {
+            c.learn(Sample::Dropped, 1);
+        }
+        assert_eq!(c.limit(), 1);
+    }
+
+    #[test]
+    fn answers_near_the_timeout_shrink_the_limit_as_timeouts_do() {
+        let mut c = Controller::new(40, DEFAULT_CEILING).too_slow(500 * MS);
+        c.learn(Sample::Answered(600 * MS), 40);
+        assert_eq!(c.limit(), 36);
+        // Below it, an answer is a latency like any other.
+        c.learn(Sample::Answered(499 * MS), 36);
+        assert!(c.limit() >= 36);
+    }
+
+    #[test]
+    fn the_limit_never_passes_its_ceiling() {
+        let mut c = Controller::new(50, 64);
+        for _ in 0..500 {
+            let n = c.limit();
+            c.learn(Sample::Answered(MS), n);
+        }
+        assert_eq!(c.limit(), 64);
+    }
+
+    #[test]
+    fn a_permanently_slower_upstream_is_learned_again_from_quiet_moments() {
+        let mut c = Controller::new(DEFAULT_INITIAL, DEFAULT_CEILING);
+        run(&mut c, 32, 10 * MS, 5_000, |_| false);
+        let before = c.limit();
+        // The same capacity, each request now ten times slower, with quiet
+        // moments between busy ones: the limit comes back to what it was.
+        run(&mut c, 32, 100 * MS, 50_000, |round| round % 1000 < 20);
+        let after = c.limit();
+        assert!(after * 2 >= before, "before {before}, after {after}");
+    }
+
+    #[test]
+    fn a_sustained_overload_never_takes_a_queued_latency_for_the_minimum() {
+        let mut c = Controller::new(DEFAULT_INITIAL, DEFAULT_CEILING);
+        let highest = run(&mut c, 4, 100 * MS, 50_000, |_| false);
+        assert!(c.limit() <= 16 && highest <= 24, "limit {}, highest {highest}", c.limit());
+    }
+
+    #[tokio::test]
+    async fn a_fixed_limit_refuses_past_it_and_counts() {
+        let limit = Limit::new(LimitPolicy::Fixed { max_in_flight: 2, queue_timeout: Duration::ZERO });
+        let a = limit.try_acquire().expect("first");
+        let _b = limit.acquire().await.expect("second");
+        assert_eq!(limit.acquire().await.unwrap_err(), Overloaded);
+        assert_eq!((limit.in_flight(), limit.available(), limit.refusals()), (2, 0, 1));
+        drop(a);
+        assert_eq!(limit.available(), 1);
+        assert!(limit.acquire().await.is_ok());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_waiting_request_gets_a_slot_freed_within_its_queue_timeout() {
+        let limit = Limit::new(LimitPolicy::Fixed { max_in_flight: 1, queue_timeout: Duration::from_millis(50) });
+        let held = limit.try_acquire().expect("first");
+        let waiter = tokio::spawn({
+            let limit = limit.clone();
+            async move { limit.acquire().await.map(|_| ()) }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        drop(held);
+        assert_eq!(waiter.await.expect("joined"), Ok(()));
+        // Nobody frees one now: refused at the deadline.
+        let _held = limit.try_acquire().expect("free again");
+        assert_eq!(limit.acquire().await.unwrap_err(), Overloaded);
+        assert_eq!(limit.refusals(), 1);
+    }
+
+    #[tokio::test]
+    async fn no_limit_admits_everything_and_still_counts() {
+        let limit = Limit::new(LimitPolicy::Unlimited);
+        let permits: Vec<_> = (0..100).map(|_| limit.try_acquire().expect("unlimited")).collect();
+        assert_eq!((limit.in_flight(), limit.current()), (100, None));
+        drop(permits);
+        assert_eq!(limit.in_flight(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_recorded_sample_teaches_the_adaptive_limit() {
+        let limit = Limit::new(LimitPolicy::Adaptive {
+            initial: 10,
+            ceiling: 100,
+            queue_timeout: Duration::ZERO,
+            too_slow: Duration::from_secs(5),
+        });
+        let mut permit = limit.try_acquire().expect("slot");
+        permit.record(Sample::Dropped);
+        drop(permit);
+        assert_eq!(limit.current(), Some(9));
+    }
+}
