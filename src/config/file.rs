@@ -214,6 +214,8 @@ pub struct ServerSection {
     pub drain_delay: Option<String>,
     /// Peers (CIDRs) whose `X-Request-Id` is kept.
     pub trusted_proxies: Option<Vec<String>>,
+    /// Request header names with `_`: "drop" (default), "refuse" or "allow".
+    pub headers_with_underscores: Option<String>,
     /// Open client connections at most (all workers together).
     pub max_connections: Option<i64>,
     /// Bind the proxy port with SO_REUSEPORT (other processes may share it).

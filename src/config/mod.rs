@@ -101,6 +101,9 @@ pub struct ServerConfig {
     /// Bind the proxy port with SO_REUSEPORT, so that other gateways that set
     /// it too can listen on it (off: the port is this process's alone).
     pub reuse_port: bool,
+    /// Request header names with `_`: dropped (default), refused, or let
+    /// through (guarded names' `_` spellings are removed in every case).
+    pub headers_with_underscores: crate::upstream::headers::UnderscoreHeaders,
 }
 
 #[derive(Debug, Clone, PartialEq)]

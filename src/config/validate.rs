@@ -27,6 +27,7 @@ use crate::request::route::{ForwardKey, InFlightPolicy, PathTemplate, ReplayMode
 use crate::store::UnreachableAtStart;
 use crate::tls::client::ClientTls;
 use crate::tls::server::{ClientAuth, ListenerTls};
+use crate::upstream::headers::UnderscoreHeaders;
 
 /// Longest accepted duration: beyond it, database interval arithmetic and
 /// timestamps overflow (PostgreSQL refuses the claim; SQLite would not).
@@ -387,7 +388,18 @@ impl Validator<'_> {
             Some(t) => self.listener_tls("server.tls", t, &[b"h2", b"http/1.1"]).map(Some),
             None => Some(None),
         };
+        let headers_with_underscores = match s.headers_with_underscores.as_deref() {
+            None | Some("drop") => Some(UnderscoreHeaders::Drop),
+            Some("refuse") => Some(UnderscoreHeaders::Refuse),
+            Some("allow") => Some(UnderscoreHeaders::Allow),
+            Some(other) => {
+                self.issues
+                    .push("server.headers_with_underscores", format!("unknown value {other:?}: use \"drop\", \"refuse\" or \"allow\""));
+                None
+            }
+        };
         Some(ServerConfig {
+            headers_with_underscores: headers_with_underscores?,
             max_connections: max_connections?,
             tls: tls?,
             access_log: s.access_log.unwrap_or(true),

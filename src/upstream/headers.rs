@@ -14,6 +14,114 @@ pub const IDEMPOTENCY_GENERATION: HeaderName = HeaderName::from_static("x-idempo
 /// The header carrying the key upstream.
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 
+/// What becomes of a request header whose name contains `_`
+/// (`server.headers_with_underscores`). CGI-style servers (WSGI, Rack, PHP)
+/// read `X_Tenant_Id` and `X-Tenant-Id` as one `HTTP_X_TENANT_ID`, so such a
+/// name can stand in for a header the gateway strips or sets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum UnderscoreHeaders {
+    /// Removed before anything reads the request (the default; as nginx).
+    #[default]
+    Drop,
+    /// The request is refused with 400 `invalid-request`.
+    Refuse,
+    /// Forwarded, except those that fold into a guarded name
+    /// ([`HeaderScreen`]).
+    Allow,
+}
+
+/// The first rule a request's headers meet, before identity, routing or
+/// anything else reads them: names with `_` dropped (or the request refused,
+/// or let through), and in every case no spelling of a guarded header (an
+/// identity source's, a key's, idemgate's own control and forwarding
+/// headers) other than its own reaches anything: `X_Tenant_Id` is never
+/// `X-Tenant-Id`.
+#[derive(Debug, Clone, Default)]
+pub struct HeaderScreen {
+    underscores: UnderscoreHeaders,
+    /// Lower case, with `-`: the names whose other spellings are removed.
+    guarded: Vec<String>,
+}
+
+/// Headers every gateway guards, besides those its configuration reads and
+/// the method-override headers ([`is_override_header`]).
+pub const ALWAYS_GUARDED: [&str; 8] = [
+    "idempotency-key",
+    "x-idempotency-generation",
+    "idempotency-policy",
+    "x-request-id",
+    "authorization",
+    "x-forwarded-for",
+    "x-real-ip",
+    "forwarded",
+];
+
+/// The headers frameworks read an overriding method from, lower case.
+pub const OVERRIDE_HEADERS: [&str; 3] = ["x-http-method-override", "x-http-method", "x-method-override"];
+
+/// Why [`HeaderScreen::apply`] refused a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UnderscoreRefused;
+
+impl HeaderScreen {
+    /// `guarded`: the names the configuration reads (identity sources, key
+    /// headers); [`ALWAYS_GUARDED`] is added.
+    pub fn new<'a>(underscores: UnderscoreHeaders, guarded: impl IntoIterator<Item = &'a str>) -> HeaderScreen {
+        let mut names: Vec<String> = ALWAYS_GUARDED.iter().map(|n| (*n).to_owned()).collect();
+        for name in guarded {
+            let folded = fold(name);
+            if !names.contains(&folded) {
+                names.push(folded);
+            }
+        }
+        HeaderScreen { underscores, guarded: names }
+    }
+
+    /// Applies the screen to a request's headers in place.
+    pub fn apply(&self, headers: &mut HeaderMap) -> Result<(), UnderscoreRefused> {
+        // Nearly every request has no such name: one pass says so.
+        if !headers.keys().any(|n| n.as_str().contains('_')) {
+            return Ok(());
+        }
+        let doomed: Vec<HeaderName> = match self.underscores {
+            UnderscoreHeaders::Refuse => return Err(UnderscoreRefused),
+            UnderscoreHeaders::Drop => headers.keys().filter(|n| n.as_str().contains('_')).cloned().collect(),
+            UnderscoreHeaders::Allow => headers
+                .keys()
+                .filter(|n| {
+                    let n = n.as_str();
+                    n.contains('_') && (self.guarded.iter().any(|g| folds_to(n, g)) || is_override_header(n))
+                })
+                .cloned()
+                .collect(),
+        };
+        for name in doomed {
+            headers.remove(&name);
+        }
+        Ok(())
+    }
+}
+
+/// A header name as CGI-style servers fold it: lower case, `_` as `-`.
+fn fold(name: &str) -> String {
+    name.bytes().map(|b| if b == b'_' { '-' } else { char::from(b.to_ascii_lowercase()) }).collect()
+}
+
+/// Whether `name` is `expected` (lower case, with `-`) as a server that
+/// folds letter case and `_` into `-` reads it.
+pub fn folds_to(name: &str, expected: &str) -> bool {
+    name.len() == expected.len()
+        && name.bytes().zip(expected.bytes()).all(|(a, b)| {
+            let a = if a == b'_' { b'-' } else { a.to_ascii_lowercase() };
+            a == b
+        })
+}
+
+/// A method-override header, in any spelling [`folds_to`] one.
+pub fn is_override_header(name: &str) -> bool {
+    OVERRIDE_HEADERS.iter().any(|h| folds_to(name, h))
+}
+
 /// Hop-by-hop headers (RFC 9110 section 7.6.1) plus the ones named in
 /// `Connection`: never forwarded, never stored, never replayed.
 pub fn is_hop_by_hop(name: &HeaderName, connection_listed: &[HeaderName]) -> bool {
@@ -89,6 +197,38 @@ mod tests {
         strip_hop_by_hop(&mut h);
         let names: Vec<&str> = h.keys().map(|n| n.as_str()).collect();
         assert_eq!(names, vec!["content-type"]);
+    }
+
+    fn names(h: &HeaderMap) -> Vec<&str> {
+        let mut names: Vec<&str> = h.keys().map(|n| n.as_str()).collect();
+        names.sort_unstable();
+        names
+    }
+
+    fn with_underscores() -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for name in ["x_tenant_id", "x-tenant-id", "idempotency_key", "x_idempotency_generation", "x_custom", "x_http_method", "accept"] {
+            h.insert(HeaderName::from_bytes(name.as_bytes()).unwrap(), HeaderValue::from_static("v"));
+        }
+        h
+    }
+
+    #[test]
+    fn underscore_names_are_dropped_refused_or_screened_for_guarded_spellings() {
+        let screen = |u| HeaderScreen::new(u, ["X-Tenant-Id", "x-principal-id"]);
+        let mut h = with_underscores();
+        assert_eq!(screen(UnderscoreHeaders::Drop).apply(&mut h), Ok(()));
+        assert_eq!(names(&h), ["accept", "x-tenant-id"]);
+        let mut h = with_underscores();
+        assert_eq!(screen(UnderscoreHeaders::Refuse).apply(&mut h), Err(UnderscoreRefused));
+        let mut h = with_underscores();
+        assert_eq!(screen(UnderscoreHeaders::Allow).apply(&mut h), Ok(()));
+        assert_eq!(names(&h), ["accept", "x-tenant-id", "x_custom"]);
+        // Nothing to do: nothing changes, whatever the setting.
+        let mut plain = HeaderMap::new();
+        plain.insert("x-tenant-id", HeaderValue::from_static("acme"));
+        assert_eq!(screen(UnderscoreHeaders::Refuse).apply(&mut plain), Ok(()));
+        assert_eq!(names(&plain), ["x-tenant-id"]);
     }
 
     #[test]
