@@ -275,3 +275,44 @@ async fn identity_and_control_headers_spelled_with_underscores_never_reach_the_u
         assert_eq!((&*record.scope.tenant, &*record.scope.principal), (TENANT, PRINCIPAL));
     }
 }
+
+/// Forwarding headers as a proxy writes them: from a peer that is not a
+/// trusted proxy, a client's `X-Forwarded-For`, `Forwarded` and `X-Real-IP`
+/// never reach the upstream, which gets the real peer in each instead; from
+/// a trusted proxy the peer is appended to the chain and its `X-Real-IP` kept.
+/// On an idempotent route and on a pass-through alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwarding_headers_name_the_real_peer() {
+    let forged = [("x-forwarded-for", "203.0.113.7"), ("forwarded", "for=203.0.113.7;proto=https"), ("x-real-ip", "203.0.113.7")];
+    for trusted in [false, true] {
+        let up = TestUpstream::start().await;
+        let mut config = GatewayConfig::new(sqlite_backend(), up.url()).server("default_upstream = \"orders\"");
+        if trusted {
+            config = config.server("trusted_proxies = [\"127.0.0.1/32\"]");
+        }
+        let gw = Gateway::start(config);
+        let request = |case: &'static str, key: Option<&'static str>| {
+            let mut h: Vec<(&str, &str)> =
+                vec![("authorization", "Bearer test-key"), ("content-type", "application/json"), ("x-case", case)];
+            h.extend(forged);
+            h.extend(key.map(|k| ("idempotency-key", k)));
+            h
+        };
+        let sync = send("POST", &gw.url("/v1/orders"), &request("sync", Some("k-fwd")), ORDER).await.unwrap();
+        let pass = send("DELETE", &gw.url("/v1/elsewhere"), &request("pass", None), "").await.unwrap();
+        assert_eq!((sync.status, pass.status), (201, 201), "{sync:?} {pass:?}");
+        for case in ["sync", "pass"] {
+            let h = upstream_saw(&up, case).await;
+            let all = |name: &str| h.get_all(name).iter().map(|v| v.to_str().unwrap().to_owned()).collect::<Vec<_>>();
+            if trusted {
+                assert_eq!(all("x-forwarded-for"), ["203.0.113.7, 127.0.0.1"], "{case}");
+                assert_eq!(all("forwarded"), ["for=203.0.113.7;proto=https, for=127.0.0.1"], "{case}");
+                assert_eq!(all("x-real-ip"), ["203.0.113.7"], "{case}");
+            } else {
+                assert_eq!(all("x-forwarded-for"), ["127.0.0.1"], "{case}");
+                assert_eq!(all("forwarded"), ["for=127.0.0.1"], "{case}");
+                assert_eq!(all("x-real-ip"), ["127.0.0.1"], "{case}");
+            }
+        }
+    }
+}

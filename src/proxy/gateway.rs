@@ -359,6 +359,8 @@ impl Gateway {
         // Header names with `_` (and every other spelling of a guarded
         // header) are gone before anything reads the headers.
         self.header_screen.apply(req.headers_mut()).map_err(|_| GatewayError::InvalidRequest(InvalidRequest::UnderscoreHeader))?;
+        let peer_ip = crate::proxy::access::canonical(peer.ip());
+        crate::upstream::headers::write_forwarded(req.headers_mut(), peer_ip, self.request_ids.trusts(peer_ip));
         // Two values of a credential: which one identifies the request is
         // ambiguous, and the upstream would get both. Refused before anything.
         if let Some(name) = self.identifier.ambiguous(req.headers()) {

@@ -122,6 +122,52 @@ pub fn is_override_header(name: &str) -> bool {
     OVERRIDE_HEADERS.iter().any(|h| folds_to(name, h))
 }
 
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_REAL_IP: HeaderName = HeaderName::from_static("x-real-ip");
+
+/// Writes the forwarding headers as a proxy does (`peer`: the connection's
+/// address). From a peer that is not a trusted proxy, the client's
+/// `X-Forwarded-For`, `Forwarded` and `X-Real-IP` are dropped and each
+/// names the peer alone; from a trusted proxy the peer is appended to the
+/// first two (their values joined into one) and its `X-Real-IP` is kept (or,
+/// absent, set to the peer).
+pub fn write_forwarded(headers: &mut HeaderMap, peer: std::net::IpAddr, trusted: bool) {
+    let node = match peer {
+        std::net::IpAddr::V4(v4) => format!("for={v4}"),
+        std::net::IpAddr::V6(v6) => format!("for=\"[{v6}]\""),
+    };
+    let peer = peer.to_string();
+    let chain = |headers: &HeaderMap, name: &HeaderName, last: &str| -> String {
+        let earlier: Vec<&str> = if trusted {
+            headers.get_all(name).iter().filter_map(|v| v.to_str().ok()).map(str::trim).filter(|v| !v.is_empty()).collect()
+        } else {
+            Vec::new()
+        };
+        earlier.into_iter().chain(std::iter::once(last)).collect::<Vec<_>>().join(", ")
+    };
+    let xff = chain(headers, &X_FORWARDED_FOR, &peer);
+    let forwarded = chain(headers, &header::FORWARDED, &node);
+    let real_ip = headers.get(&X_REAL_IP).filter(|_| trusted).cloned();
+    for (name, value) in [(X_FORWARDED_FOR, xff), (header::FORWARDED, forwarded)] {
+        match header::HeaderValue::from_str(&value) {
+            Ok(v) => {
+                headers.insert(name, v);
+            }
+            Err(_) => {
+                headers.remove(name);
+            }
+        }
+    }
+    match real_ip.or_else(|| header::HeaderValue::from_str(&peer).ok()) {
+        Some(v) => {
+            headers.insert(X_REAL_IP, v);
+        }
+        None => {
+            headers.remove(X_REAL_IP);
+        }
+    }
+}
+
 /// Hop-by-hop headers (RFC 9110 section 7.6.1) plus the ones named in
 /// `Connection`: never forwarded, never stored, never replayed.
 pub fn is_hop_by_hop(name: &HeaderName, connection_listed: &[HeaderName]) -> bool {
@@ -229,6 +275,33 @@ mod tests {
         plain.insert("x-tenant-id", HeaderValue::from_static("acme"));
         assert_eq!(screen(UnderscoreHeaders::Refuse).apply(&mut plain), Ok(()));
         assert_eq!(names(&plain), ["x-tenant-id"]);
+    }
+
+    #[test]
+    fn forwarding_headers_name_the_peer_and_keep_a_trusted_proxys_chain() {
+        let client = || {
+            let mut h = HeaderMap::new();
+            h.append("x-forwarded-for", HeaderValue::from_static("1.2.3.4"));
+            h.append("x-forwarded-for", HeaderValue::from_static("5.6.7.8"));
+            h.append("forwarded", HeaderValue::from_static("for=1.2.3.4"));
+            h.append("x-real-ip", HeaderValue::from_static("1.2.3.4"));
+            h
+        };
+        let peer: std::net::IpAddr = "10.0.0.9".parse().unwrap();
+        let mut h = client();
+        write_forwarded(&mut h, peer, false);
+        assert_eq!(h.get_all("x-forwarded-for").iter().collect::<Vec<_>>(), ["10.0.0.9"]);
+        assert_eq!(h.get_all("forwarded").iter().collect::<Vec<_>>(), ["for=10.0.0.9"]);
+        assert_eq!(h.get_all("x-real-ip").iter().collect::<Vec<_>>(), ["10.0.0.9"]);
+        let mut h = client();
+        write_forwarded(&mut h, peer, true);
+        assert_eq!(h.get_all("x-forwarded-for").iter().collect::<Vec<_>>(), ["1.2.3.4, 5.6.7.8, 10.0.0.9"]);
+        assert_eq!(h.get_all("forwarded").iter().collect::<Vec<_>>(), ["for=1.2.3.4, for=10.0.0.9"]);
+        assert_eq!(h.get_all("x-real-ip").iter().collect::<Vec<_>>(), ["1.2.3.4"]);
+        let mut h = HeaderMap::new();
+        write_forwarded(&mut h, "2001:db8::1".parse().unwrap(), true);
+        assert_eq!(h.get("forwarded").unwrap(), "for=\"[2001:db8::1]\"");
+        assert_eq!(h.get("x-forwarded-for").unwrap(), "2001:db8::1");
     }
 
     #[test]
