@@ -258,6 +258,11 @@ pub struct AdminSection {
     pub listen: Option<String>,
     pub token_env: Option<String>,
     pub token_file: Option<String>,
+    /// What logs and the audit trail call the admin token (default: a keyed hash).
+    pub token_label: Option<String>,
+    /// Query parameters masked where a stored request is shown, besides the
+    /// built-in credential names.
+    pub masked_query_params: Option<Vec<String>>,
     pub tls: Option<TlsSection>,
 }
 

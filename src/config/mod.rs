@@ -113,6 +113,12 @@ pub struct AdminConfig {
     pub token: Option<Secret>,
     /// `[admin.tls]`: the admin listener speaks HTTPS.
     pub tls: Option<ListenerTls>,
+    /// What logs and the audit trail call the token; default: a keyed hash
+    /// of it ([`crate::store::audit::token_label`]).
+    pub token_label: Option<String>,
+    /// Query parameters masked where a stored request is shown, besides the
+    /// built-in credential names ([`crate::ops::console::mask`]).
+    pub masked_query_params: Vec<String>,
 }
 
 impl Config {
