@@ -119,11 +119,14 @@ const MULTIPART: Body =
     Some(("multipart/form-data; boundary=XyZ", "--XyZ\r\ncontent-disposition: form-data; name=\"_method\"\r\n\r\nDELETE\r\n--XyZ--\r\n"));
 const FORM_PLAIN: Body = Some(("application/x-www-form-urlencoded", "item=book&method=DELETE"));
 
+/// One case: method, target, extra headers, body, expectation.
+type Case = (&'static str, &'static str, &'static [(&'static str, &'static str)], Body, Expect);
+
 /// Method-override signals: (method, target, headers, body, expectation).
 /// The path `/v1/orders/42` has only PUT and DELETE routes, so a POST there
 /// without a signal is passed through; with one, frameworks (Rack, Laravel,
 /// Symfony, Express's method-override) would run the protected method.
-const OVERRIDES: &[(&str, &str, &[(&str, &str)], Body, Expect)] = &[
+const OVERRIDES: &[Case] = &[
     ("POST", "/v1/orders/42", &[("x-http-method-override", "DELETE")], None, Refused),
     ("POST", "/v1/orders/42", &[("X-HTTP-Method", "PUT")], None, Refused),
     ("POST", "/v1/orders/42", &[("x-method-override", "delete")], None, Refused),
@@ -232,8 +235,7 @@ async fn send_one(
 /// Runs every case without credentials (the attack) and then with an API key
 /// and an idempotency key; returns the failures, one line each.
 async fn run_table(proto: Proto) -> Vec<String> {
-    let cases: Vec<(&str, &str, &[(&str, &str)], Body, Expect)> =
-        CASES.iter().map(|&(m, t, e)| (m, t, &[][..], None, e)).chain(OVERRIDES.iter().copied()).collect();
+    let cases: Vec<Case> = CASES.iter().map(|&(m, t, e)| (m, t, &[][..], None, e)).chain(OVERRIDES.iter().copied()).collect();
     let pki = Pki::new("edge CA");
     let cert = pki.server(Alg::EcdsaP256);
     let up = TestUpstream::start().await;

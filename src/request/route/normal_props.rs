@@ -172,7 +172,7 @@ fn lenient(path: &str) -> Vec<Vec<u8>> {
     if let Some(last) = segments.last_mut() {
         let text = String::from_utf8_lossy(last).into_owned();
         if let Some(cut) = text.find(|c: char| c == '.' || c.is_whitespace() || c.is_control()).filter(|&i| i > 0) {
-            *last = text[..cut].as_bytes().to_vec();
+            *last = text.as_bytes()[..cut].to_vec();
         }
     }
     segments
