@@ -38,9 +38,14 @@ async fn admin(gw: &Gateway, method: &str, path: &str, token: Option<&str>, body
     support::admin::request(gw, method, path, token, body).await
 }
 
-/// The label the audit trail and the access log give `TOKEN`.
+/// The label the audit trail and the access log give `TOKEN`: a keyed hash
+/// (the deployment's derived-key secret keys it), not a bare SHA-256 prefix
+/// that a word list turns back into the token offline.
 fn label() -> String {
-    format!("sha256:{}", &hex::encode(Sha256::digest(TOKEN.as_bytes()))[..8])
+    let label = idemgate::store::audit::token_label(TOKEN, TEST_SECRET.as_bytes());
+    assert!(label.starts_with("hmac:") && label.len() == 17, "{label}");
+    assert!(!label.contains(&hex::encode(Sha256::digest(TOKEN.as_bytes()))[..8]), "not the bare SHA-256 prefix");
+    label
 }
 
 async fn a_forced_admin_rewrite_is_audited_with_the_peer_and_the_token_label(backend: Backend) {
@@ -90,6 +95,8 @@ async fn every_admin_call_is_in_the_access_log_failed_logins_included() {
         ("POST", "/admin/records/a/b/c/d/resolve", Some("guess"), 401, "invalid"),
         ("GET", "/admin/audit", Some(TOKEN), 200, "label"),
         ("GET", "/admin/nothing-here", Some(TOKEN), 404, "label"),
+        ("GET", "/admin/records/acme/billing/create_order/SECRET-KEY-123", Some(TOKEN), 404, "label"),
+        ("POST", "/admin/records/acme/billing/create_order/SECRET-KEY-123/resolve", Some("guess"), 401, "invalid"),
     ];
     for (method, path, token, status, _) in calls {
         assert_eq!(admin(&gw, method, path, token, "{}").await.status, status, "{method} {path}");
@@ -103,8 +110,30 @@ async fn every_admin_call_is_in_the_access_log_failed_logins_included() {
     };
     assert!(eventually(Duration::from_secs(5), || async { admin_lines().len() >= calls.len() }).await, "{}", gw.logs());
     let lines = admin_lines();
+    // A path naming a scope is logged with the scope's id, never the key.
+    let scope_id = scope_for(PRINCIPAL, "create_order", "SECRET-KEY-123").scope_id().to_string();
     for (method, path, _, status, token) in calls {
         let token = if token == "label" { label() } else { token.to_owned() };
+        let abcd = idemgate::idempotency::key::Scope {
+            tenant: "a".into(),
+            principal: "b".into(),
+            operation: "c".into(),
+            key: idemgate::idempotency::key::IdempotencyKey::new("d").unwrap(),
+        }
+        .scope_id()
+        .to_string();
+        let (path, scope) = match (
+            path.strip_prefix("/admin/records/acme/billing/create_order/SECRET-KEY-123"),
+            path.strip_prefix("/admin/records/a/b/c/d"),
+        ) {
+            (Some(action), _) => (format!("/admin/records/{{scope}}{action}"), Some(scope_id.as_str())),
+            (_, Some(action)) => (format!("/admin/records/{{scope}}{action}"), Some(abcd.as_str())),
+            _ => (path.to_owned(), None),
+        };
+        assert!(
+            scope.is_none() || lines.iter().any(|l| l["path"] == path.as_str() && l["scope"] == scope.unwrap_or_default()),
+            "no line names scope {scope:?} for {path}: {lines:?}"
+        );
         assert!(
             lines.iter().any(|l| l["method"] == method
                 && l["path"] == path
@@ -115,6 +144,64 @@ async fn every_admin_call_is_in_the_access_log_failed_logins_included() {
         );
     }
     assert!(!gw.logs().contains(TOKEN) && !gw.logs().contains("Bearer guess"), "tokens are never logged");
+    assert!(!gw.logs().contains("SECRET-KEY-123"), "keys are never logged");
+}
+
+/// `[admin] token_label`: the operator names the token; the access log and
+/// the audit trail use that name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_configured_token_label_names_the_token() {
+    let up = TestUpstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("admin-token");
+    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
+    let backend = sqlite_backend();
+    let cfg = GatewayConfig::new(backend.clone(), up.url())
+        .admin(&format!("token_file = \"{}\"\ntoken_label = \"oncall-2026\"", token_file.display()));
+    let gw = Gateway::start(cfg);
+    let store = backend.open().await;
+    let slow = post(&gw.url("/v1/orders"), "k-label", ORDER, &[("x-test-sleep-ms", "3000")]).await;
+    assert_eq!(slow.problem(), "outcome-unknown");
+    let body = r#"{"action":"release","reason":"not in the ledger"}"#;
+    let r = admin(&gw, "POST", "/admin/records/acme/billing/create_order/k-label/resolve", Some(TOKEN), body).await;
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(store.audit(1).await.unwrap()[0].token.as_deref(), Some("oncall-2026"));
+    assert!(eventually(Duration::from_secs(5), || async { gw.logs().contains("\"token\":\"oncall-2026\"") }).await, "{}", gw.logs());
+}
+
+/// A resolution reason with a control character (an escape sequence that
+/// would erase a line or forge a row on an operator's terminal) is refused
+/// with 400 by the API and by `keys resolve`, and nothing is resolved; rows
+/// written before the check are printed escaped by `keys audit`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_characters_in_reasons_are_refused_and_escaped_where_printed() {
+    let backend = sqlite_backend();
+    let (_up, gw, store, _dir) = setup(backend).await;
+    let slow = post(&gw.url("/v1/orders"), "k-esc", ORDER, &[("x-test-sleep-ms", "3000")]).await;
+    assert_eq!(slow.problem(), "outcome-unknown");
+    let forged = "ok\u{1b}[2K\r2026-01-01 cli released acme/billing/create_order/other";
+    let body = serde_json::json!({ "action": "release", "reason": forged }).to_string();
+    let r = admin(&gw, "POST", "/admin/records/acme/billing/create_order/k-esc/resolve", Some(TOKEN), &body).await;
+    assert_eq!((r.status, r.problem().as_str()), (400, "invalid-request"), "{r:?}");
+    let scope = ["--tenant", TENANT, "--principal", PRINCIPAL, "--operation", "create_order", "--key", "k-esc"];
+    let mut args = vec!["keys", "resolve"];
+    args.extend_from_slice(&scope);
+    args.extend_from_slice(&["--release", "--reason", "line one\nline two"]);
+    let (code, _, err) = cli(&gw, &args);
+    assert_ne!(code, 0, "{err}");
+    assert!(err.contains("control character"), "{err}");
+    assert_eq!(record(&store, "k-esc").await.unwrap().state, State::Unknown, "nothing resolved");
+
+    // A row from before the check: written to the store directly.
+    use idemgate::store::audit::{Actor, AuditNote};
+    let note = AuditNote { actor: Actor::Cli, reason: forged.to_owned(), forced: false, caller: None };
+    let resolved =
+        store.resolve(&scope_for(PRINCIPAL, "create_order", "k-esc"), &idemgate::store::Resolution::Release { force: false }, &note).await;
+    assert!(matches!(resolved, Ok(idemgate::store::ResolveOutcome::Resolved { .. })), "{resolved:?}");
+    let (code, out, err) = cli(&gw, &["keys", "audit"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(!out.contains('\u{1b}') && !out.contains('\r'), "printed raw: {out:?}");
+    assert!(out.contains("ok\\u{1b}[2K\\r2026-01-01"), "printed escaped: {out}");
 }
 
 /// `keys resolve` without `--reason` is a usage error (exit 2), as a

@@ -247,7 +247,7 @@ async fn an_operator_completes_an_unknown_record_in_the_browser() {
     assert_eq!(audit.len(), 1);
     let row = &audit[0];
     assert_eq!((row.actor.as_str(), row.from_state.as_str(), row.to_state.as_str()), ("console", "unknown", "completed"));
-    assert_eq!(row.token.as_deref(), Some(idemgate::store::audit::token_label(TOKEN).as_str()));
+    assert_eq!(row.token.as_deref(), Some(idemgate::store::audit::token_label(TOKEN, TEST_SECRET.as_bytes()).as_str()));
     assert_eq!(row.reason, "order 4711 is in the upstream's ledger");
     assert!(row.peer.as_deref().is_some_and(|p| p.starts_with("127.0.0.1:")), "{row:?}");
 
@@ -280,7 +280,7 @@ async fn an_operator_releases_an_unknown_record_and_the_retry_runs_again() {
     assert!(settled_record(&store, "never-happened").await.is_none(), "released: the record is gone");
     let audit = store.audit(10).await.unwrap();
     assert_eq!((audit[0].actor.as_str(), audit[0].to_state.as_str()), ("console", "released"));
-    assert_eq!(audit[0].token.as_deref(), Some(idemgate::store::audit::token_label(TOKEN).as_str()));
+    assert_eq!(audit[0].token.as_deref(), Some(idemgate::store::audit::token_label(TOKEN, TEST_SECRET.as_bytes()).as_str()));
     let before = up.side_effects(&derived("never-happened"));
     let retry = post(&gw.url("/v1/orders"), "never-happened", ORDER, &[]).await;
     assert_eq!((retry.status, retry.replayed()), (201, false));
@@ -685,4 +685,25 @@ async fn a_configured_credential_header_is_masked_on_the_record_page() {
     let headers = q.json()["request"]["headers"].as_array().unwrap().clone();
     assert!(headers.contains(&json!(["x-client-id", "(masked: 8 bytes)"])), "{headers:?}");
     assert!(!q.body.windows(8).any(|w| w == support::gateway::API_KEY.as_bytes()), "the credential is never in the answer");
+}
+
+/// Query parameters with credential names (`access_token`, `api_key`,
+/// `signature`...) and those listed in `[admin] masked_query_params` are
+/// masked in the stored request the record page shows; other parameters are
+/// kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credential_query_parameters_are_masked_on_the_record_page() {
+    let queued_route = queued_route();
+    let (_up, gw, store, _dir) = setup(sqlite_backend(), |c| c.admin("masked_query_params = [\"ticket\"]").tail(&queued_route)).await;
+    let target = "/v1/queued?access_token=SEKRIT-TOKEN-1&page=2&ticket=SEKRIT-TICKET&X-Amz-Signature=SEKRIT-SIG";
+    let r = post(&gw.url(target), "q1", ORDER, &[]).await;
+    assert_eq!(r.status, 202, "{r:?}");
+    requeued(&store, "q1").await;
+    let q = admin(&gw, "GET", &format!("/admin/records/{}/{}/queue_order/q1/inspect", enc(TENANT), enc(PRINCIPAL)), "").await;
+    assert_eq!(q.status, 200, "{q:?}");
+    assert_eq!(
+        q.json()["request"]["path"].as_str(),
+        Some("/v1/queued?access_token=(masked: 14 bytes)&page=2&ticket=(masked: 13 bytes)&X-Amz-Signature=(masked: 10 bytes)")
+    );
+    assert!(!String::from_utf8_lossy(&q.body).contains("SEKRIT"), "no credential in the answer: {:?}", q.body);
 }

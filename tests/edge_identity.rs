@@ -217,3 +217,102 @@ async fn a_credential_header_given_twice_is_refused() {
         assert!(record(&store, key).await.is_none(), "{key} was not claimed");
     }
 }
+
+/// CGI-style upstreams (WSGI, Rack, PHP) read `X_Tenant_Id` as
+/// `X-Tenant-Id`: header names with `_` never reach the upstream by default,
+/// on an idempotent route and on a pass-through, so a client cannot assert a
+/// tenant, a principal, an idempotency key or a generation under another
+/// spelling. With `headers_with_underscores = "refuse"` such a request is
+/// refused (400, nothing forwarded); with `"allow"` other names pass but no
+/// guarded name's `_` spelling does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn identity_and_control_headers_spelled_with_underscores_never_reach_the_upstream() {
+    let spelled: [(&str, &str); 6] = [
+        ("x_tenant_id", "globex"),
+        ("X_Principal_Id", "root"),
+        ("idempotency_key", "forged"),
+        ("x_idempotency_generation", "999999"),
+        ("x_forwarded_for", "10.9.9.9"),
+        ("x_custom_thing", "kept-when-allowed"),
+    ];
+    let guarded = ["x_tenant_id", "x_principal_id", "idempotency_key", "x_idempotency_generation", "x_forwarded_for"];
+    for setting in
+        ["", "headers_with_underscores = \"drop\"", "headers_with_underscores = \"refuse\"", "headers_with_underscores = \"allow\""]
+    {
+        let up = TestUpstream::start().await;
+        let backend = sqlite_backend();
+        let config = GatewayConfig::new(backend.clone(), up.url()).server("default_upstream = \"orders\"").server(setting);
+        let gw = Gateway::start(config);
+        let store = backend.open().await;
+        let request = |case: &'static str, key: Option<&'static str>| {
+            let mut h: Vec<(&str, &str)> =
+                vec![("authorization", "Bearer test-key"), ("content-type", "application/json"), ("x-case", case)];
+            h.extend(spelled);
+            h.extend(key.map(|k| ("idempotency-key", k)));
+            h
+        };
+        let sync = send("POST", &gw.url("/v1/orders"), &request("sync", Some("k-under")), ORDER).await.unwrap();
+        let pass = send("DELETE", &gw.url("/v1/elsewhere"), &request("pass", None), "").await.unwrap();
+        if setting.contains("refuse") {
+            for r in [&sync, &pass] {
+                assert_eq!(r.status, 400, "{setting}: {r:?}");
+                assert!(String::from_utf8_lossy(&r.body).contains("invalid-request"), "{r:?}");
+            }
+            assert_eq!(up.total(), 0, "{setting}: nothing forwarded");
+            assert!(store.get(&scope_for(PRINCIPAL, "create_order", "k-under")).await.unwrap().is_none(), "nothing claimed");
+            continue;
+        }
+        assert_eq!((sync.status, pass.status), (201, 201), "{setting}: {sync:?} {pass:?}");
+        for case in ["sync", "pass"] {
+            let h = upstream_saw(&up, case).await;
+            for name in guarded {
+                assert!(!h.contains_key(name), "{setting} {case}: the upstream received {name}: {:?}", names(&h));
+            }
+            assert_eq!(h.contains_key("x_custom_thing"), setting.contains("allow"), "{setting} {case}: {:?}", names(&h));
+        }
+        // The record is the API key's own scope, not globex's or root's.
+        let record = settled_record(&store, "k-under").await.expect("claimed under the API key's scope");
+        assert_eq!((&*record.scope.tenant, &*record.scope.principal), (TENANT, PRINCIPAL));
+    }
+}
+
+/// Forwarding headers as a proxy writes them: from a peer that is not a
+/// trusted proxy, a client's `X-Forwarded-For`, `Forwarded` and `X-Real-IP`
+/// never reach the upstream, which gets the real peer in each instead; from
+/// a trusted proxy the peer is appended to the chain and its `X-Real-IP` kept.
+/// On an idempotent route and on a pass-through alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwarding_headers_name_the_real_peer() {
+    let forged = [("x-forwarded-for", "203.0.113.7"), ("forwarded", "for=203.0.113.7;proto=https"), ("x-real-ip", "203.0.113.7")];
+    for trusted in [false, true] {
+        let up = TestUpstream::start().await;
+        let mut config = GatewayConfig::new(sqlite_backend(), up.url()).server("default_upstream = \"orders\"");
+        if trusted {
+            config = config.server("trusted_proxies = [\"127.0.0.1/32\"]");
+        }
+        let gw = Gateway::start(config);
+        let request = |case: &'static str, key: Option<&'static str>| {
+            let mut h: Vec<(&str, &str)> =
+                vec![("authorization", "Bearer test-key"), ("content-type", "application/json"), ("x-case", case)];
+            h.extend(forged);
+            h.extend(key.map(|k| ("idempotency-key", k)));
+            h
+        };
+        let sync = send("POST", &gw.url("/v1/orders"), &request("sync", Some("k-fwd")), ORDER).await.unwrap();
+        let pass = send("DELETE", &gw.url("/v1/elsewhere"), &request("pass", None), "").await.unwrap();
+        assert_eq!((sync.status, pass.status), (201, 201), "{sync:?} {pass:?}");
+        for case in ["sync", "pass"] {
+            let h = upstream_saw(&up, case).await;
+            let all = |name: &str| h.get_all(name).iter().map(|v| v.to_str().unwrap().to_owned()).collect::<Vec<_>>();
+            if trusted {
+                assert_eq!(all("x-forwarded-for"), ["203.0.113.7, 127.0.0.1"], "{case}");
+                assert_eq!(all("forwarded"), ["for=203.0.113.7;proto=https, for=127.0.0.1"], "{case}");
+                assert_eq!(all("x-real-ip"), ["203.0.113.7"], "{case}");
+            } else {
+                assert_eq!(all("x-forwarded-for"), ["127.0.0.1"], "{case}");
+                assert_eq!(all("forwarded"), ["for=127.0.0.1"], "{case}");
+                assert_eq!(all("x-real-ip"), ["127.0.0.1"], "{case}");
+            }
+        }
+    }
+}

@@ -300,3 +300,59 @@ async fn store_files_are_private_to_their_owner() {
     assert!(post(&gw.url("/v1/orders"), "k", ORDER, &[]).await.replayed(), "the record is intact");
     assert_eq!(up.total(), 1);
 }
+
+/// A completed async operation's stored request (its credentials with it) is
+/// set to NULL, and a record past its retention is deleted by the sweeper;
+/// with `secure_delete` the freed bytes are zeroed in the database, and the
+/// sweeper's checkpoint empties the WAL of the page images that held them:
+/// after a sweep, neither file has them (while other records stay).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stored_requests_leave_the_database_files_once_done_with() {
+    let backend = sqlite_backend();
+    let Backend::Sqlite { path, .. } = &backend else { unreachable!() };
+    let path = path.clone();
+    let up = TestUpstream::start().await;
+    let config = GatewayConfig::new(backend.clone(), up.url())
+        .route("mode = \"async\"\nretention = \"1s\"")
+        .tail("[[routes]]\noperation = \"kept\"\nmethod = \"POST\"\npath = \"/v1/kept\"\nupstream = \"orders\"\nmode = \"async\"\n")
+        .sweep_interval("200ms");
+    let gw = Gateway::start(config);
+    let store = backend.open().await;
+    let marker = format!("SECRET-MARKER-{}", uuid::Uuid::new_v4().simple());
+    // Slow work, so that sweeps checkpoint the stored requests into the
+    // database file while they are live; long, so that they spill onto
+    // overflow pages that are freed whole.
+    let padding = "p".repeat(6000);
+    for i in 0..6 {
+        let (path, key) = if i % 2 == 0 { ("/v1/orders", format!("k-secure-{i}")) } else { ("/v1/kept", format!("k-kept-{i}")) };
+        let headers = [("x-secret-marker", marker.as_str()), ("x-padding", padding.as_str()), ("x-test-sleep-ms", "1200")];
+        let r = post(&gw.url(path), &key, ORDER, &headers).await;
+        assert_eq!(r.status, 202, "{r:?}");
+    }
+    let settled = eventually(Duration::from_secs(20), || async {
+        let mut all = true;
+        for i in 0..6 {
+            let scope = if i % 2 == 0 { scope(&format!("k-secure-{i}")) } else { scope_for(PRINCIPAL, "kept", &format!("k-kept-{i}")) };
+            let found = store.inspect(&scope, 1).await.unwrap();
+            all &= match (i % 2, found) {
+                // Swept once its second of retention ran out.
+                (0, found) => found.is_none(),
+                // Completed, its stored request set to NULL.
+                (_, Some(f)) => f.record.state == State::Completed && f.request.is_none(),
+                (_, None) => false,
+            };
+        }
+        all
+    })
+    .await;
+    assert!(settled, "the operations completed, their requests set to NULL, the short-lived ones swept: {}", gw.logs());
+    assert_eq!(up.total(), 6);
+    let in_files = || {
+        ["", "-wal"].iter().any(|suffix| {
+            std::fs::read(format!("{}{suffix}", path.display()))
+                .is_ok_and(|bytes| bytes.windows(marker.len()).any(|w| w == marker.as_bytes()))
+        })
+    };
+    let gone = eventually(Duration::from_secs(10), || async { !in_files() }).await;
+    assert!(gone, "the stored requests' bytes are still in {} or its -wal", path.display());
+}

@@ -1,6 +1,8 @@
 //! Repeated query and form fields on the real binary: the order of one name's
 //! values is part of the request (frameworks read them as ordered lists), the
-//! order of different names is not.
+//! order of different names is not; nor is the body's media type (the same
+//! bytes as `application/json` and `application/merge-patch+json` are two
+//! requests). Records of earlier fingerprint versions replay their retries.
 // Real processes, real sockets: these tests wait on the wall clock.
 #![allow(clippy::disallowed_types)]
 
@@ -59,7 +61,12 @@ async fn a_repeated_field_in_another_order_is_another_request() {
 /// A completed record with the hash fingerprint version 1 gave `query` and
 /// `body` (as the previous release wrote it), answered `{"seeded":<n>}`.
 async fn seed_v1(store: &idemgate::store::Store, key: &str, content_type: &str, query: &str, body: &[u8], n: u32) {
-    use idemgate::idempotency::fingerprint::{FingerprintSpec, RequestParts, legacy_fingerprint};
+    seed(store, key, content_type, query, body, n, 1).await
+}
+
+/// The same, with the hash of fingerprint `version` (1 or 2).
+async fn seed(store: &idemgate::store::Store, key: &str, content_type: &str, query: &str, body: &[u8], n: u32, version: usize) {
+    use idemgate::idempotency::fingerprint::{FingerprintSpec, RequestParts, legacy_fingerprints};
     use idemgate::idempotency::record::Retention;
     use idemgate::idempotency::record::StoredResponse;
     use idemgate::store::{ClaimOutcome, ClaimRequest};
@@ -75,7 +82,10 @@ async fn seed_v1(store: &idemgate::store::Store, key: &str, content_type: &str, 
     };
     let req = ClaimRequest {
         scope: scope(key),
-        request_hash: legacy_fingerprint(&FingerprintSpec::default(), &parts).expect("v1 fingerprint"),
+        request_hash: legacy_fingerprints(&FingerprintSpec::default(), &parts)
+            .nth(2 - version)
+            .expect("a version")
+            .expect("an earlier fingerprint"),
         owner: "previous-release".into(),
         lease: std::time::Duration::from_secs(60),
         upstream_idempotent: false,
@@ -125,4 +135,47 @@ async fn records_of_fingerprint_version_1_still_replay_their_own_retries() {
 
     assert_eq!(up.total(), 0, "nothing was executed again");
     assert_eq!((hash("old-q").await, hash("old-f").await), (hash_q, hash_f), "the records keep their version-1 hash");
+}
+
+/// The body's media type is part of the request: the same bytes and key as
+/// `application/json` and then as `application/merge-patch+json` are refused
+/// as a reused key (they were one request: the second was replayed the first
+/// one's answer), while `Application/JSON; charset=utf-8` is the first again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_bytes_as_another_media_type_are_another_request() {
+    let backend = sqlite_backend();
+    let up = TestUpstream::start().await;
+    let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()));
+    let store = backend.open().await;
+    let with = |ct: &'static str| vec![("authorization", "Bearer test-key"), ("content-type", ct), ("idempotency-key", "m")];
+    let first = send_ok("POST", &gw.url("/v1/orders"), &with("application/json"), ORDER).await;
+    assert_eq!(first.status, 201);
+    let patch = send_ok("POST", &gw.url("/v1/orders"), &with("application/merge-patch+json"), ORDER).await;
+    assert_eq!((patch.status, patch.problem().as_str()), (409, "idempotency-key-reused"), "{:?}", patch.body);
+    let same = send_ok("POST", &gw.url("/v1/orders"), &with("Application/JSON; charset=utf-8"), ORDER).await;
+    assert_eq!((same.status, same.replayed()), (201, true), "{:?}", same.body);
+    assert_eq!(up.side_effects(&derived("m")), 1);
+    assert_eq!(settled_record(&store, "m").await.expect("record").state, idemgate::idempotency::record::State::Completed);
+}
+
+/// Records written by fingerprint version 2 (no media type) replay their own
+/// retries after the upgrade to version 3. Version 2 could not tell media
+/// types apart, so for those records a retry as another media type is still
+/// replayed; new records refuse it (above).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_of_fingerprint_version_2_still_replay_their_own_retries() {
+    let backend = sqlite_backend();
+    let up = TestUpstream::start().await;
+    let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()));
+    let store = backend.open().await;
+    seed(&store, "v2", "application/json", "tag=b&tag=a", ORDER.as_bytes(), 7, 2).await;
+    let retry = send_ok("POST", &gw.url("/v1/orders?tag=b&tag=a"), &json_headers("v2"), ORDER).await;
+    assert_eq!((retry.status, retry.replayed(), retry.json()["seeded"].as_u64()), (201, true, Some(7)), "{:?}", retry.body);
+    let patch = vec![("authorization", "Bearer test-key"), ("content-type", "application/merge-patch+json"), ("idempotency-key", "v2")];
+    let other_type = send_ok("POST", &gw.url("/v1/orders?tag=b&tag=a"), &patch, ORDER).await;
+    assert_eq!((other_type.status, other_type.replayed()), (201, true), "version 2 did not hash the media type: {:?}", other_type.body);
+    // Version 2 kept one name's values in order.
+    let reordered = send_ok("POST", &gw.url("/v1/orders?tag=a&tag=b"), &json_headers("v2"), ORDER).await;
+    assert_eq!((reordered.status, reordered.problem().as_str()), (409, "idempotency-key-reused"));
+    assert_eq!(up.total(), 0, "nothing was executed again");
 }

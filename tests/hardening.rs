@@ -64,17 +64,42 @@ fn text(o: &Output) -> (String, String) {
     (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
 }
 
-/// Everything the review found, in one file.
+/// A file with `text`, readable by everyone (as a default umask leaves it).
+fn world_readable(path: &Path, text: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, text).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).unwrap();
+}
+
+/// Everything the reviews found, in one file.
 fn insecure(dir: &Path) -> String {
     let secret = dir.join("admin-token");
-    std::fs::write(&secret, "x\n").unwrap();
+    world_readable(&secret, "x\n");
+    world_readable(&dir.join("hs256-secret"), &format!("{}\n", "h".repeat(40)));
+    world_readable(&dir.join("derived-key-secret"), &format!("{}\n", "d".repeat(40)));
+    let pki = support::tls::Pki::new("hardening CA");
+    let cert = pki.server(support::tls::Alg::EcdsaP256);
+    // Copied: the PKI's own directory goes with it.
+    let (ca, cert_file, key_file) = (dir.join("client-ca.pem"), dir.join("server.crt"), dir.join("server.key"));
+    std::fs::copy(&pki.ca_file, &ca).unwrap();
+    std::fs::copy(&cert.cert_file, &cert_file).unwrap();
+    std::fs::copy(&cert.key_file, &key_file).unwrap();
     format!(
-        r#"[store]
+        r#"[server]
+derived_key_secret_file = "{dir}/derived-key-secret"
+
+[server.tls]
+cert_file = "{cert_file}"
+key_file = "{key_file}"
+client_ca_file = "{ca}"
+client_auth = "optional"
+
+[store]
 kind = "postgres"
 url = "postgres://idemgate:hunter2@db.internal:5432/idemgate?sslmode=disable"
 
 [admin]
-listen = "127.0.0.1:0"
+listen = "0.0.0.0:9090"
 token_file = "{secret}"
 
 [[upstreams]]
@@ -98,21 +123,47 @@ jwks_url = "http://idp.internal/.well-known/jwks.json"
 issuer = "https://idp.example"
 audience = "orders-api"
 
+[[identity.sources]]
+kind = "jwt"
+algorithms = ["HS256"]
+secret_file = "{dir}/hs256-secret"
+issuer = "https://idp.example"
+audience = "orders-api"
+leeway = "1d"
+
+[[identity.sources]]
+kind = "mtls"
+tenant_from = "san_dns"
+tenant_regex = "acme-(\\w+)"
+principal_from = "subject_cn"
+
 [[routes]]
 operation = "create_order"
 method = "POST"
 path = "/v1/orders"
 upstream = "orders"
+forward_key = "client"
 "#,
-        secret = secret.display()
+        secret = secret.display(),
+        dir = dir.display(),
+        cert_file = cert_file.display(),
+        key_file = key_file.display(),
+        ca = ca.display(),
     )
 }
 
 /// (TOML path, a word of the risk) for each warning `insecure` must give.
-const EXPECTED: [(&str, &str); 9] = [
+const EXPECTED: [(&str, &str); 16] = [
     ("store.url", "sslmode=disable"),
     ("store.url", "written in the configuration file"),
     ("admin.token_file", "1 byte"),
+    ("admin.token_file", "readable by its group or by others"),
+    ("admin.listen", "without [admin.tls]"),
+    ("server.derived_key_secret_file", "readable by its group or by others"),
+    ("identity.sources[3].secret_file", "readable by its group or by others"),
+    ("identity.sources[3].leeway", "1day"),
+    ("identity.sources[4].tenant_regex", "not anchored"),
+    ("routes[0].forward_key", "own key"),
     ("identity.sources[0].trusted_peers[1]", "0.0.0.0/0"),
     ("identity.sources[0].trusted_peers[2]", "::/0"),
     ("identity.sources[1].secret_env", "3 byte"),
@@ -174,7 +225,16 @@ fn the_same_file_hardened_has_no_warnings() {
         .replace(", \"0.0.0.0/0\", \"::/0\"", "")
         .replace("secret_env = \"HS_SECRET\"", "secret_env = \"HS_SECRET\"\nissuer = \"https://idp.example\"\naudience = \"orders-api\"")
         .replace("http://idp.internal", "https://idp.internal");
+    let fixed = fixed
+        .replace("listen = \"0.0.0.0:9090\"", "listen = \"127.0.0.1:9090\"")
+        .replace("leeway = \"1d\"", "leeway = \"30s\"")
+        .replace("tenant_regex = \"acme-(\\\\w+)\"", "tenant_regex = \"^acme-(\\\\w+)$\"")
+        .replace("forward_key = \"client\"\n", "");
     std::fs::write(dir.path().join("admin-token"), "0123456789abcdef0123456789abcdef\n").unwrap();
+    for secret in ["admin-token", "hs256-secret", "derived-key-secret"] {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dir.path().join(secret), std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
     let file = dir.path().join("fixed.toml");
     std::fs::write(&file, fixed).unwrap();
     let long = "s".repeat(32);

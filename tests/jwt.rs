@@ -103,12 +103,34 @@ async fn time_issuer_audience_and_claims_are_checked() {
     let mut no_exp = ok.clone();
     no_exp.as_object_mut().unwrap().remove("exp");
     assert_eq!(who(&id, &jwt::token(&key, &no_exp)).await, None, "exp is required");
-    // Nested claims by JSON Pointer, numbers as decimal.
+    // Nested claims by JSON Pointer, numbers marked as numbers.
     let nested = identifier(&format!("jwks_file = \"{file}\"\ntenant_claim = \"/org/id\"\nprincipal_claim = \"uid\""), &[]);
     let c = json!({"org": {"id": 42}, "uid": "u-1", "exp": jwt::now() + 60});
-    assert_eq!(who(&nested, &jwt::token(&key, &c)).await, Some(Identity { tenant: "42".into(), principal: "u-1".into() }));
+    assert_eq!(who(&nested, &jwt::token(&key, &c)).await, Some(Identity { tenant: "#42".into(), principal: "u-1".into() }));
     // Not a JWT at all: not this source's business.
     assert_eq!(who(&id, "not-a-jwt").await, None);
+}
+
+/// A claim keeps its JSON type: `{"sub": 123}` and `{"sub": "123"}` are two
+/// principals (they were one, so the second token was replayed the first
+/// one's answers), and a string cannot spell the number's principal.
+#[tokio::test]
+async fn claims_of_different_json_types_never_name_one_principal() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = jwt::es256("k");
+    let file = jwks_file(&dir, &[&key]);
+    let id = identifier(&format!("jwks_file = \"{file}\""), &[]);
+    let with_sub = |sub: serde_json::Value| jwt::token(&key, &json!({"tenant": "acme", "sub": sub, "exp": jwt::now() + 60}));
+    let number = who(&id, &with_sub(json!(123))).await.expect("a number is a principal");
+    let string = who(&id, &with_sub(json!("123"))).await.expect("a string is a principal");
+    assert_ne!(number, string, "a number and a string never collide");
+    assert_eq!(&*string.principal, "123");
+    assert_eq!(who(&id, &with_sub(json!(123))).await, Some(number.clone()), "stable");
+    assert_eq!(who(&id, &with_sub(json!(format!("{}", number.principal)))).await, None, "a string spelling the number's principal");
+    assert_eq!(who(&id, &with_sub(json!("#not-a-number"))).await.map(|i| i.principal), Some("#not-a-number".into()));
+    for other in [json!(true), json!(null), json!([1]), json!({"a": 1}), json!("")] {
+        assert_eq!(who(&id, &with_sub(other.clone())).await, None, "{other}");
+    }
 }
 
 #[tokio::test]

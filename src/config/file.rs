@@ -214,6 +214,8 @@ pub struct ServerSection {
     pub drain_delay: Option<String>,
     /// Peers (CIDRs) whose `X-Request-Id` is kept.
     pub trusted_proxies: Option<Vec<String>>,
+    /// Request header names with `_`: "drop" (default), "refuse" or "allow".
+    pub headers_with_underscores: Option<String>,
     /// Open client connections at most (all workers together).
     pub max_connections: Option<i64>,
     /// Bind the proxy port with SO_REUSEPORT (other processes may share it).
@@ -256,6 +258,11 @@ pub struct AdminSection {
     pub listen: Option<String>,
     pub token_env: Option<String>,
     pub token_file: Option<String>,
+    /// What logs and the audit trail call the admin token (default: a keyed hash).
+    pub token_label: Option<String>,
+    /// Query parameters masked where a stored request is shown, besides the
+    /// built-in credential names.
+    pub masked_query_params: Option<Vec<String>>,
     pub tls: Option<TlsSection>,
 }
 

@@ -11,6 +11,9 @@ use ipnet::IpNet;
 /// Secrets shorter than this many bytes are worth a warning.
 pub const MIN_SECRET_BYTES: usize = 32;
 
+/// A JWT leeway longer than this keeps expired tokens alive too long.
+pub const MAX_JWT_LEEWAY: std::time::Duration = std::time::Duration::from_secs(300);
+
 /// A trusted network with a shorter prefix than this is "very wide" (an
 /// IPv4 /7 is two /8s; `10.0.0.0/8` and IPv6 `fd00::/8` are usual).
 const MIN_TRUSTED_PREFIX: u8 = 8;
@@ -22,6 +25,8 @@ pub enum Hardening {
     Secrets,
     Database,
     Jwt,
+    ClientCertificates,
+    KeysUpstream,
 }
 
 impl Hardening {
@@ -32,6 +37,8 @@ impl Hardening {
             Hardening::Secrets => "Tokens and secrets",
             Hardening::Database => "Database connection",
             Hardening::Jwt => "JWT sources",
+            Hardening::ClientCertificates => "Client certificates",
+            Hardening::KeysUpstream => "Keys sent upstream",
         }
     }
 }
@@ -99,6 +106,23 @@ impl Warnings {
     }
 }
 
+/// Whether a file's mode lets its group or others read it (so another
+/// account on the machine can read the secret in it). `None`: unknown.
+pub(crate) fn readable_by_others(path: &str) -> Option<bool> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path).ok().map(|m| m.permissions().mode() & 0o077 != 0)
+}
+
+/// Whether a certificate pattern can match a field it should not: not
+/// anchored at the start (`^` or `\\A`: `acme` matches `evil-acme`), or,
+/// when the whole match is the value (`groups` false), not anchored at the
+/// end either (`^acme` matches `acme-evil`).
+pub(crate) fn unanchored(pattern: &str, groups: bool) -> bool {
+    let start = pattern.starts_with('^') || pattern.starts_with("\\A");
+    let end = (pattern.ends_with('$') && !pattern.ends_with("\\$")) || pattern.ends_with("\\z");
+    !start || (!groups && !end)
+}
+
 /// Whether every host of a PostgreSQL connection is this machine (a Unix
 /// socket, `localhost` or a loopback address).
 pub(crate) fn database_is_local(config: &tokio_postgres::Config) -> bool {
@@ -130,6 +154,18 @@ mod tests {
         let paths: Vec<&str> = w.list.iter().map(|w| w.path.as_str()).collect();
         assert_eq!(paths, ["p[2]", "p[3]", "p[4]"]);
         assert!(w.list.iter().all(|w| w.hardening == Hardening::TrustedPeers));
+    }
+
+    #[test]
+    fn unanchored_patterns() {
+        for (pattern, groups) in [("^acme-(\\w+)$", true), ("\\A(.*)\\z", true), ("^spiffe://([^/]+)/", true), ("^acme$", false)] {
+            assert!(!unanchored(pattern, groups), "{pattern}");
+        }
+        for (pattern, groups) in
+            [("acme-(\\w+)", true), ("spiffe://([^/]+)/", true), ("^acme", false), ("acme$", false), ("^acme\\$", false)]
+        {
+            assert!(unanchored(pattern, groups), "{pattern}");
+        }
     }
 
     #[test]

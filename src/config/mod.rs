@@ -101,6 +101,9 @@ pub struct ServerConfig {
     /// Bind the proxy port with SO_REUSEPORT, so that other gateways that set
     /// it too can listen on it (off: the port is this process's alone).
     pub reuse_port: bool,
+    /// Request header names with `_`: dropped (default), refused, or let
+    /// through (guarded names' `_` spellings are removed in every case).
+    pub headers_with_underscores: crate::upstream::headers::UnderscoreHeaders,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -110,6 +113,12 @@ pub struct AdminConfig {
     pub token: Option<Secret>,
     /// `[admin.tls]`: the admin listener speaks HTTPS.
     pub tls: Option<ListenerTls>,
+    /// What logs and the audit trail call the token; default: a keyed hash
+    /// of it ([`crate::store::audit::token_label`]).
+    pub token_label: Option<String>,
+    /// Query parameters masked where a stored request is shown, besides the
+    /// built-in credential names ([`crate::ops::console::mask`]).
+    pub masked_query_params: Vec<String>,
 }
 
 impl Config {

@@ -27,6 +27,7 @@ use crate::request::route::{ForwardKey, InFlightPolicy, PathTemplate, ReplayMode
 use crate::store::UnreachableAtStart;
 use crate::tls::client::ClientTls;
 use crate::tls::server::{ClientAuth, ListenerTls};
+use crate::upstream::headers::UnderscoreHeaders;
 use crate::upstream::limit::{self, LimitPolicy};
 
 /// Longest accepted duration: beyond it, database interval arithmetic and
@@ -326,6 +327,13 @@ impl Validator<'_> {
             };
         }
         if let Some(f) = file {
+            if super::hardening::readable_by_others(f) == Some(true) {
+                self.warnings.push(
+                    format!("{path}_file"),
+                    Hardening::Secrets,
+                    format!("{f} is readable by its group or by others: another account on this machine can read the secret; chmod 600 it"),
+                );
+            }
             return match std::fs::read_to_string(f) {
                 Ok(v) if !v.trim().is_empty() => Some(Some(Secret::new(v.trim().to_owned()))),
                 Ok(_) => {
@@ -391,7 +399,18 @@ impl Validator<'_> {
             Some(t) => self.listener_tls("server.tls", t, &[b"h2", b"http/1.1"]).map(Some),
             None => Some(None),
         };
+        let headers_with_underscores = match s.headers_with_underscores.as_deref() {
+            None | Some("drop") => Some(UnderscoreHeaders::Drop),
+            Some("refuse") => Some(UnderscoreHeaders::Refuse),
+            Some("allow") => Some(UnderscoreHeaders::Allow),
+            Some(other) => {
+                self.issues
+                    .push("server.headers_with_underscores", format!("unknown value {other:?}: use \"drop\", \"refuse\" or \"allow\""));
+                None
+            }
+        };
         Some(ServerConfig {
+            headers_with_underscores: headers_with_underscores?,
             max_connections: max_connections?,
             tls: tls?,
             access_log: s.access_log.unwrap_or(true),
@@ -655,7 +674,26 @@ impl Validator<'_> {
             Some(t) => self.listener_tls("admin.tls", t, &[b"http/1.1"]).map(Some),
             None => Some(None),
         };
-        Some(AdminConfig { listen: listen?, token: token?, tls: tls? })
+        if let (Some(addr), Some(Some(_)), None) = (listen, &token, &a.tls)
+            && !addr.ip().is_loopback()
+        {
+            self.warnings.push(
+                "admin.listen",
+                Hardening::Secrets,
+                format!(
+                    "the admin API listens on {addr} without [admin.tls]: its token and every record it shows cross the network in clear; add [admin.tls] or listen on a loopback address"
+                ),
+            );
+        }
+        let token_label = match a.token_label.as_deref() {
+            Some(l) if l.is_empty() || l.len() > 64 || !l.bytes().all(|b| b.is_ascii_graphic()) => {
+                self.issues.push("admin.token_label", "must be 1-64 visible ASCII characters (letters, digits, punctuation; no spaces)");
+                None
+            }
+            other => Some(other.map(str::to_owned)),
+        };
+        let masked_query_params = a.masked_query_params.clone().unwrap_or_default();
+        Some(AdminConfig { listen: listen?, token: token?, tls: tls?, token_label: token_label?, masked_query_params })
     }
 
     /// `[server.tls]` / `[admin.tls]`: the files are read now, so a missing
@@ -1073,6 +1111,16 @@ impl Validator<'_> {
         let refresh = self.duration(&format!("{p}.jwks_refresh"), s.jwks_refresh.as_deref(), "5m");
         let refresh = self.at_least(&format!("{p}.jwks_refresh"), refresh, Duration::from_secs(1));
         let leeway = self.duration(&format!("{p}.leeway"), s.leeway.as_deref(), "30s");
+        if let Some(l) = leeway.filter(|l| *l > super::hardening::MAX_JWT_LEEWAY) {
+            self.warnings.push(
+                format!("{p}.leeway"),
+                Hardening::Jwt,
+                format!(
+                    "a leeway of {} keeps a token valid that long after it expired (and before it is valid): a stolen or revoked token stays usable; keep it to a few seconds, at most 5m",
+                    humantime::format_duration(l)
+                ),
+            );
+        }
         let claim = |c: Option<&str>, default: &str| -> String {
             let c = c.unwrap_or(default);
             if c.starts_with('/') { c.to_owned() } else { format!("/{c}") }
@@ -1129,10 +1177,19 @@ impl Validator<'_> {
                 }
                 None => None,
             };
-            let pattern = match regex.map(regex::Regex::new) {
+            let pattern = match regex.map(|r| (r, regex::Regex::new(r))) {
                 None => Some(None),
-                Some(Ok(re)) => Some(Some(re)),
-                Some(Err(e)) => {
+                Some((source, Ok(re))) => {
+                    if super::hardening::unanchored(source, re.captures_len() > 1) {
+                        self.warnings.push(
+                            format!("{p}.{regex_key}"),
+                            Hardening::ClientCertificates,
+                            "the pattern is not anchored (^ at its start, and $ at its end when it has no capture group): it matches inside a longer certificate field, so a certificate whose field merely contains the expected text is taken for one that is it",
+                        );
+                    }
+                    Some(Some(re))
+                }
+                Some((_, Err(e))) => {
                     self.issues.push(format!("{p}.{regex_key}"), format!("invalid regular expression: {e}"));
                     None
                 }
@@ -1307,7 +1364,14 @@ impl Validator<'_> {
         };
         let forward_key = match r.forward_key.as_deref().unwrap_or("derived") {
             "derived" => Some(ForwardKey::Derived),
-            "client" => Some(ForwardKey::Client),
+            "client" => {
+                self.warnings.push(
+                    format!("{p}.forward_key"),
+                    Hardening::KeysUpstream,
+                    "the upstream gets each client's own key: two tenants or principals that pick the same key are one request to an upstream that deduplicates by key (one is answered the other's result); keep the derived key unless the upstream scopes keys itself",
+                );
+                Some(ForwardKey::Client)
+            }
             other => {
                 self.issues.push(format!("{p}.forward_key"), format!("unknown value {other:?}: use \"derived\" or \"client\""));
                 None

@@ -24,8 +24,10 @@
 //! `idemgate::proxy::access`, `route = "admin"`, whatever `server.access_log`
 //! says): method, path without the query, status, the caller's address and
 //! which token it presented (`none`, `invalid`, or the configured token's
-//! label, [`crate::store::audit::token_label`]). A resolution's audit row records
-//! the same address and label.
+//! label: `[admin] token_label`, else [`crate::store::audit::token_label`]).
+//! A path that names a scope is logged with the scope's id in its place
+//! (`/admin/records/{scope}/resolve`, `scope = <id>`), never the key. A
+//! resolution's audit row records the same address and label.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -82,13 +84,52 @@ pub struct Admin {
     /// Headers the identity sources read credentials from: masked wherever
     /// the API shows stored headers.
     credential_headers: Vec<http::HeaderName>,
+    /// `[admin] masked_query_params`: masked in a stored request's path.
+    masked_query_params: Vec<String>,
+    /// `[admin] token_label`: the token's name in logs and the audit trail.
+    token_label: Option<String>,
+    /// Keys the token's label until the derived-key secret is known.
+    process_key: [u8; 32],
     /// Cancelled when the process starts draining: `/readyz` then answers 503.
     draining: Option<CancellationToken>,
 }
 
 impl Admin {
     pub fn new(store: Store, metrics: Arc<Metrics>, token: Option<Secret>) -> Admin {
-        Admin { store, metrics, token, routes: Vec::new(), derived_key_secret: None, credential_headers: Vec::new(), draining: None }
+        let mut process_key = [0u8; 32];
+        process_key[..16].copy_from_slice(uuid::Uuid::new_v4().as_bytes());
+        process_key[16..].copy_from_slice(uuid::Uuid::new_v4().as_bytes());
+        Admin {
+            store,
+            metrics,
+            token,
+            routes: Vec::new(),
+            derived_key_secret: None,
+            credential_headers: Vec::new(),
+            masked_query_params: Vec::new(),
+            token_label: None,
+            process_key,
+            draining: None,
+        }
+    }
+
+    /// `[admin] token_label` and `masked_query_params`.
+    pub fn with_settings(mut self, token_label: Option<String>, masked_query_params: Vec<String>) -> Admin {
+        self.token_label = token_label;
+        self.masked_query_params = masked_query_params;
+        self
+    }
+
+    /// What logs and the audit trail call the configured token: the
+    /// operator's label, else a keyed hash of it (keyed by the derived-key
+    /// secret, the same on every replica and restart; by a key of this
+    /// process until that is known).
+    fn label(&self, token: &Secret) -> String {
+        if let Some(label) = &self.token_label {
+            return label.clone();
+        }
+        let key = self.secret().unwrap_or(&self.process_key);
+        audit::token_label(token.expose(), key)
     }
 
     /// The configured routes (the default retention of completions).
@@ -126,7 +167,8 @@ impl Admin {
                 Ok(resp) => (resp, None),
                 Err(e) => (problem(&e), Some(e.type_name())),
             };
-            log_call(&method, &path, peer, resp.status(), started.elapsed(), &presented, problem_name);
+            let (logged, scope) = logged_path(&path);
+            log_call(&method, &logged, scope, peer, resp.status(), started.elapsed(), &presented, problem_name);
             return resp;
         }
         // The operator console: only while the admin API is on; otherwise
@@ -172,7 +214,7 @@ impl Admin {
         // it is off, and how an operator turns it on).
         let token = self.token.as_ref().ok_or(AdminError::Disabled)?;
         authorize(req.headers(), token)?;
-        let label = audit::token_label(token.expose());
+        let label = self.label(token);
         *presented = Presented::Valid(label.clone());
         let caller = Caller { peer: peer.to_string(), token: label };
         let actor = crate::ops::console::actor_of(req.headers()).map_err(AdminError::BadRequest)?;
@@ -193,7 +235,7 @@ impl Admin {
                 match self.store.inspect(&scope, crate::ops::console::inspect::AUDIT_ROWS).await.map_err(store_error)? {
                     Some(found) => Ok(json_response(
                         StatusCode::OK,
-                        &crate::ops::console::inspect::json(&found, self.secret(), &self.credential_headers),
+                        &crate::ops::console::inspect::json(&found, self.secret(), &self.credential_headers, &self.masked_query_params),
                     )),
                     None => Err(AdminError::NoRecord),
                 }
@@ -508,11 +550,29 @@ impl Presented {
     }
 }
 
+/// An admin path as the access log shows it: a path naming a scope has
+/// `{scope}` in place of its four segments, and the scope's id beside it
+/// (`None` when they do not name one), so that no key reaches the log.
+fn logged_path(path: &str) -> (String, Option<String>) {
+    let Some(rest) = path.strip_prefix("/admin/records/") else { return (path.to_owned(), None) };
+    let segments: Vec<&str> = rest.split('/').collect();
+    let (scope, action) = match segments.as_slice() {
+        [t, p, o, k] => ([*t, *p, *o, *k], None),
+        [t, p, o, k, action] => ([*t, *p, *o, *k], Some(*action)),
+        _ => return ("/admin/records/...".to_owned(), None),
+    };
+    let id = scope_of(scope).ok().map(|s| s.scope_id().to_string());
+    let action = action.filter(|a| matches!(*a, "resolve" | "inspect")).map_or(String::new(), |a| format!("/{a}"));
+    (format!("/admin/records/{{scope}}{action}"), id)
+}
+
 /// The access-log line of an admin API call (admin calls are rare: a plain
 /// `tracing` event, under the access log's target).
+#[allow(clippy::too_many_arguments)]
 fn log_call(
     method: &Method,
     path: &str,
+    scope: Option<String>,
     peer: SocketAddr,
     status: StatusCode,
     latency: Duration,
@@ -523,6 +583,7 @@ fn log_call(
         target: "idemgate::access",
         method = %method,
         path,
+        scope,
         route = "admin",
         status = status.as_u16(),
         latency_ms = (latency.as_micros() as f64) / 1000.0,

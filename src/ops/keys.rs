@@ -259,6 +259,13 @@ pub async fn resolve_by(
     let Some(reason) = req.reason.as_deref().map(str::trim).filter(|r| !r.is_empty()) else {
         return Err(ResolveError::Invalid("a resolution needs a reason (it is kept in the audit trail)".into()));
     };
+    // A reason is printed on terminals and screens: an escape sequence in
+    // it could rewrite what an operator sees (erase a line, forge a row).
+    if reason.chars().any(char::is_control) {
+        return Err(ResolveError::Invalid(
+            "the reason has a control character (a newline, a tab, an escape sequence): write it on one line of plain text".into(),
+        ));
+    }
     let resolution = match req.action {
         ResolveAction::Release => Resolution::Release { force: req.force },
         ResolveAction::Complete { status, headers, body, retention } => {
@@ -328,7 +335,8 @@ pub fn audit_table(entries: &[AuditEntry]) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "{:<27} {:<10} {:<10} {:<10} {:<40} REASON", "AT", "ACTOR", "FROM", "TO", "SCOPE");
     for a in entries {
-        let scope = format!("{}/{}/{}/{}", a.scope.tenant, a.scope.principal, a.scope.operation, a.scope.key.as_str());
+        let scope =
+            printable(&format!("{}/{}/{}/{}", a.scope.tenant, a.scope.principal, a.scope.operation, a.scope.key.as_str())).into_owned();
         // An admin API change names its caller: `admin@10.0.0.7:51234`.
         let actor = match &a.peer {
             Some(peer) => format!("{}@{peer}", a.actor),
@@ -343,8 +351,17 @@ pub fn audit_table(entries: &[AuditEntry]) -> String {
             a.to_state,
             scope,
             if a.forced { "[forced] " } else { "" },
-            a.reason
+            printable(&a.reason)
         );
     }
     out
+}
+
+/// Text as a terminal may print it: control characters (rows written before
+/// reasons were checked may have them) escaped as `\n`, `\u{1b}`.
+pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
+    if !s.chars().any(char::is_control) {
+        return std::borrow::Cow::Borrowed(s);
+    }
+    std::borrow::Cow::Owned(s.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect())
 }

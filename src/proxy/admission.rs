@@ -145,9 +145,10 @@ fn invalid_body(detail: String) -> Refused {
     Refused { reason: Refusal::InvalidBody, error: GatewayError::InvalidBody(detail) }
 }
 
-/// [`decide`], recognising a record written by fingerprint version 1 for this
-/// request: its hash is compared with the request's version-1 fingerprint,
-/// computed only when the current one differs (see `fingerprint::legacy_fingerprint`).
+/// [`decide`], recognising a record written by an earlier fingerprint version
+/// for this request: its hash is compared with the request's version-2, then
+/// version-1 fingerprint, computed only when the current one differs (see
+/// `fingerprint::legacy_fingerprints`).
 pub fn decide_with_legacy(
     route: &Route,
     record: &Record,
@@ -156,8 +157,11 @@ pub fn decide_with_legacy(
     now: crate::idempotency::record::Timestamp,
 ) -> Decision {
     match decide(record, request_hash, now) {
-        Decision::Mismatch if fingerprint::legacy_fingerprint(&route.fingerprint, request).is_ok_and(|v1| v1 == record.request_hash) => {
-            tracing::debug!(route = %route.operation, scope = %record.scope.log_id(), "the record has this request's version-1 fingerprint");
+        Decision::Mismatch
+            if fingerprint::legacy_fingerprints(&route.fingerprint, request)
+                .any(|earlier| earlier.is_ok_and(|earlier| earlier == record.request_hash)) =>
+        {
+            tracing::debug!(route = %route.operation, scope = %record.scope.log_id(), "the record has this request's fingerprint of an earlier version");
             decide(record, &record.request_hash, now)
         }
         decision => decision,

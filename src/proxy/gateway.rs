@@ -35,12 +35,14 @@ use crate::request::async_op::{OPERATIONS_PATH, status_document};
 use crate::request::authorize::{Authorizer, Decision as AuthzDecision};
 use crate::request::identity::{Identifier, Identity, IdentitySource};
 use crate::request::key_source::KeySource;
-use crate::request::route::{InFlightPolicy, ReplayMode, Route, RouteMatch, RouteMode, Router, UpstreamId};
+use crate::request::route::method_override::{self, BodyKind};
+use crate::request::route::{InFlightPolicy, InvalidRequest, ReplayMode, Route, RouteMatch, RouteMode, Router, UpstreamId};
 use crate::secret::DerivedKeySecret;
 use crate::store::{Claim, ClaimOutcome, ClaimRequest, Store, WriteOutcome};
 use crate::telemetry::metrics::Metrics;
 use crate::upstream::Upstream;
 use crate::upstream::body::Body;
+use crate::upstream::headers::HeaderScreen;
 use crate::upstream::limit::{Limit, LimitPolicy, Overloaded, Slot};
 
 /// Retry-After for a duplicate of an in-flight request.
@@ -61,6 +63,9 @@ enum Claimed {
 pub struct Gateway {
     router: Router,
     identifier: Identifier,
+    /// Header names with `_`, and other spellings of guarded headers:
+    /// applied before anything reads a request.
+    header_screen: Arc<HeaderScreen>,
     /// Forwards and records claimed attempts; owns this worker's upstream pools.
     executor: Executor,
     store: Store,
@@ -178,9 +183,25 @@ impl Gateway {
         let request_series =
             Arc::new(RequestSeries::new(&metrics, config.routes.iter().map(|r| &r.operation), config.server.tls.is_some()));
         let _ = metrics.connections("proxy", config.server.max_connections);
+        let identifier = Identifier::new(config.identity.clone());
+        let guarded: Vec<String> = identifier
+            .read_headers()
+            .map(|h| h.as_str().to_owned())
+            .chain(config.routes.iter().flat_map(|r| {
+                r.key_from
+                    .sources()
+                    .iter()
+                    .filter_map(|s| match s {
+                        KeySource::Header(h) => Some(h.as_str().to_owned()),
+                        _ => None,
+                    })
+                    .chain(std::iter::once(r.key_header.as_str().to_owned()))
+            }))
+            .collect();
         Gateway {
             router: Router::new(config.routes.clone(), config.server.default_upstream),
-            identifier: Identifier::new(config.identity.clone()),
+            header_screen: Arc::new(HeaderScreen::new(config.server.headers_with_underscores, guarded.iter().map(String::as_str))),
+            identifier,
             executor,
             store,
             metrics,
@@ -279,6 +300,7 @@ impl Gateway {
     pub fn for_worker(&self) -> Gateway {
         Gateway {
             router: self.router.clone(),
+            header_screen: self.header_screen.clone(),
             identifier: self.identifier.clone(),
             executor: self.executor.with_own_pools(),
             store: self.store.clone(),
@@ -313,13 +335,17 @@ impl Gateway {
         // the client goes away first.
         let mut pending = Pending::new(self.access_log, &req, peer.ip(), request_id, Some(self.request_series.clone()));
         let id = pending.request_id().clone();
+        let head = req.method() == Method::HEAD;
         let mut resp = match self.dispatch(req, peer, pending.trace(), &id).await {
             Ok(resp) => resp,
             Err(e) => {
                 let trace = pending.trace();
                 trace.problem = Some(e.type_name());
                 trace.outcome.get_or_insert(e.outcome());
-                self.problem(&e, &id)
+                let resp = self.problem(&e, &id);
+                // An answer to HEAD has no content (over HTTP/2 a client
+                // resets a stream that has some).
+                if head { resp.map(|_| Body::empty()) } else { resp }
             }
         };
         let trace = pending.trace();
@@ -346,6 +372,11 @@ impl Gateway {
         if let Cow::Owned(normal) = normal {
             *req.uri_mut() = with_path(req.uri(), &normal)?;
         }
+        // Header names with `_` (and every other spelling of a guarded
+        // header) are gone before anything reads the headers.
+        self.header_screen.apply(req.headers_mut()).map_err(|_| GatewayError::InvalidRequest(InvalidRequest::UnderscoreHeader))?;
+        let peer_ip = crate::proxy::access::canonical(peer.ip());
+        crate::upstream::headers::write_forwarded(req.headers_mut(), peer_ip, self.request_ids.trusts(peer_ip));
         // Two values of a credential: which one identifies the request is
         // ambiguous, and the upstream would get both. Refused before anything.
         if let Some(name) = self.identifier.ambiguous(req.headers()) {
@@ -359,7 +390,8 @@ impl Gateway {
             trace.outcome = Some(outcome);
             return Ok(resp);
         }
-        match self.router.route_normal(req.method(), req.uri().path()).map_err(GatewayError::InvalidRequest)? {
+        let overridden = method_override::in_head(req.headers(), req.uri().query());
+        match self.router.route_normal(req.method(), req.uri().path(), overridden).map_err(GatewayError::InvalidRequest)? {
             RouteMatch::Operation { route, params } => {
                 let route = route.clone();
                 trace.route = RouteLabel::Operation(route.operation.clone());
@@ -452,6 +484,9 @@ impl Gateway {
         let (parts, body) = req.into_parts();
         let body = read_body(body, &parts.headers, self.max_request_body, self.request_body_timeout).await?;
         trace.bytes_in = Some(body.len() as u64);
+        if method_override::body_kind(&parts.headers).is_some_and(|kind| method_override::in_body(kind, &body)) {
+            return Err(GatewayError::InvalidRequest(InvalidRequest::MethodOverride));
+        }
         let claim = match admission::admit(route, &identity, early, self.replica_id.clone(), &params, &parts, &body) {
             Ok(claim) => claim,
             Err(NotAdmitted::NoKey) => {
@@ -737,13 +772,39 @@ impl Gateway {
         Ok((resp, Outcome::Polled))
     }
 
-    /// Proxies without idempotency, streaming both ways.
+    /// Proxies without idempotency, streaming both ways; except that on a
+    /// path a route protects, a body a framework may read `_method` from is
+    /// read whole first (within `max_request_body`) and a request whose
+    /// body names one is refused.
     async fn pass_through(&self, upstream: UpstreamId, req: Request<Incoming>, trace: &mut Trace) -> Result<Response<Body>, GatewayError> {
         let upstream = self.executor.upstream(upstream);
-        let bytes_in = self.access_log.then(|| trace.count_bytes_in());
-        let answer = passthrough::try_pass_through(upstream, req, self.request_body_timeout, bytes_in).await;
+        let answer = match self.body_may_override(&req) {
+            None => {
+                let bytes_in = self.access_log.then(|| trace.count_bytes_in());
+                passthrough::try_pass_through(upstream, req, self.request_body_timeout, bytes_in).await
+            }
+            Some(kind) => {
+                let (parts, body) = req.into_parts();
+                let body = read_body(body, &parts.headers, self.max_request_body, self.request_body_timeout).await?;
+                trace.bytes_in = Some(body.len() as u64);
+                if method_override::in_body(kind, &body) {
+                    return Err(GatewayError::InvalidRequest(InvalidRequest::MethodOverride));
+                }
+                passthrough::try_forward(upstream, parts, Body::full(body)).await
+            }
+        };
         self.metrics.passed_through(upstream.name(), answer.as_ref().err().map(GatewayError::type_name));
         answer
+    }
+
+    /// The kind of body `req` has, if a framework could read `_method` from
+    /// it and its path is one a route protects ([`Router::protects`]).
+    fn body_may_override(&self, req: &Request<Incoming>) -> Option<BodyKind> {
+        if hyper::body::Body::is_end_stream(req.body()) {
+            return None;
+        }
+        let kind = method_override::body_kind(req.headers())?;
+        self.router.protects(req.uri().path(), None).then_some(kind)
     }
 }
 

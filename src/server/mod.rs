@@ -250,6 +250,10 @@ impl Server {
                     .with_routes(config.routes.clone())
                     .with_credential_headers(config.identity.iter().filter_map(|s| s.credential_header().cloned()).collect())
                     .with_derived_key_secret(secret.clone())
+                    .with_settings(
+                        config.admin.as_ref().and_then(|a| a.token_label.clone()),
+                        config.admin.as_ref().map(|a| a.masked_query_params.clone()).unwrap_or_default(),
+                    )
                     .with_draining(shutdown.clone()),
             );
             let http = http.clone();

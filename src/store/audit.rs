@@ -67,12 +67,18 @@ pub struct Caller {
     pub token: String,
 }
 
-/// A label that tells tokens apart without revealing them: `sha256:` and
-/// the first 8 hex digits of the token's SHA-256.
-pub fn token_label(token: &str) -> String {
-    use sha2::{Digest, Sha256};
-    let digest = Sha256::digest(token.as_bytes());
-    format!("sha256:{}", hex::encode(&digest[..4]))
+/// A label that tells tokens apart without revealing them: `hmac:` and the
+/// first 12 hex digits of the HMAC-SHA256 of the token under `key` (the
+/// deployment's derived-key secret, or a key of the process when it is not
+/// known). Unlike a bare hash, a label cannot be turned back into a
+/// guessable token offline by whoever reads a log line.
+pub fn token_label(token: &str, key: &[u8]) -> String {
+    use hmac::{Hmac, KeyInit, Mac};
+    let Ok(mut mac) = <Hmac<sha2::Sha256> as KeyInit>::new_from_slice(key) else { return "hmac:?".to_owned() };
+    mac.update(b"idemgate admin token label\0");
+    mac.update(token.as_bytes());
+    let tag = mac.finalize().into_bytes();
+    format!("hmac:{}", hex::encode(tag.get(..6).unwrap_or_default()))
 }
 
 /// The state a record is left in by a change: a state, or deleted.

@@ -7,7 +7,7 @@
 //! written as an 8-byte big-endian length followed by its bytes, every list as an 8-byte
 //! count followed by its items. In order:
 //!
-//! 1. the version tag `idemgate-fp-v2`;
+//! 1. the version tag `idemgate-fp-v3`;
 //! 2. the method (`POST`);
 //! 3. the operation (`create_order`);
 //! 4. the path parameters, in template order: count, then name and value of each;
@@ -19,7 +19,12 @@
 //!    the request lacks it, or `1` and all its values joined with `", "` in order (so two
 //!    `X: a` / `X: b` lines equal one `X: a, b` line, as HTTP says they do, while an
 //!    absent header differs from an empty one);
-//! 7. a body-kind tag (`raw`, `json` or `form`) and the body:
+//! 7. the body's media type: the `Content-Type` essence (type and subtype, lower case,
+//!    parameters such as `charset` dropped: `Application/JSON; charset=utf-8` is
+//!    `application/json`), empty when the header is absent or the body is empty. The
+//!    same bytes sent as `application/json` and as `application/merge-patch+json` are
+//!    two requests: an upstream may read them differently;
+//! 8. a body-kind tag (`raw`, `json` or `form`) and the body:
 //!    - `json` (`application/json` or any `*/*+json`, parameters ignored): the
 //!      RFC 8785 canonical form after `defaults` and `exclude` are applied, streamed
 //!      into the hasher. It is the last field, so it needs no length prefix;
@@ -32,13 +37,15 @@
 //!
 //! # Versions
 //!
-//! Version 1 (`idemgate-fp-v1`) was the same but for the order of query and form pairs,
-//! sorted by (name, value), which took one name's values in another order for the same
+//! Version 2 (`idemgate-fp-v2`) was version 3 without the media type (field 7). Version
+//! 1 (`idemgate-fp-v1`) was version 2 but for the order of query and form pairs, sorted
+//! by (name, value), which took one name's values in another order for the same
 //! request. A record keeps only its hash, not the version that made it, so
-//! [`legacy_fingerprint`] computes what version 1 gave a request: the gateway asks for it
-//! only when a record's hash differs from the request's, and a record that matches it
-//! was written by version 1 for this request (up to the order of one name's values,
-//! which version 1 did not keep).
+//! [`legacy_fingerprints`] computes what versions 2 and 1 gave a request: the gateway
+//! asks for them only when a record's hash differs from the request's, and a record
+//! that matches one was written by that version for this request (up to what that
+//! version did not tell apart: the media type, and for version 1 the order of one
+//! name's values).
 //!
 //! # JSON bodies
 //!
@@ -72,10 +79,13 @@ pub use pointer::{JsonPointer, PointerError};
 pub const MAX_DEPTH: usize = 64;
 
 /// Tag that starts every hash input; bump it whenever the encoding changes (and keep
-/// the previous encoding as [`legacy_fingerprint`] while records it wrote may exist).
-const VERSION_TAG: &[u8] = b"idemgate-fp-v2";
+/// the previous encodings in [`legacy_fingerprints`] while records they wrote may exist).
+const VERSION_TAG: &[u8] = b"idemgate-fp-v3";
 
-/// Version 1's tag: pairs sorted by (name, value).
+/// Version 2's tag: no media type.
+const V2_TAG: &[u8] = b"idemgate-fp-v2";
+
+/// Version 1's tag: no media type, pairs sorted by (name, value).
 const V1_TAG: &[u8] = b"idemgate-fp-v1";
 
 /// One encoding of the hash input.
@@ -83,21 +93,27 @@ const V1_TAG: &[u8] = b"idemgate-fp-v1";
 enum Version {
     V1,
     V2,
+    V3,
 }
 
 impl Version {
     fn tag(self) -> &'static [u8] {
         match self {
             Version::V1 => V1_TAG,
-            Version::V2 => VERSION_TAG,
+            Version::V2 => V2_TAG,
+            Version::V3 => VERSION_TAG,
         }
     }
 
     fn pair_order(self) -> form::PairOrder {
         match self {
             Version::V1 => form::PairOrder::NameThenValue,
-            Version::V2 => form::PairOrder::Name,
+            Version::V2 | Version::V3 => form::PairOrder::Name,
         }
+    }
+
+    fn hashes_media_type(self) -> bool {
+        self == Version::V3
     }
 }
 
@@ -258,13 +274,32 @@ pub fn body_kind(headers: &HeaderMap) -> BodyKind {
 ///
 /// The body is validated before anything is hashed, so an invalid body costs no hashing.
 pub fn fingerprint(spec: &FingerprintSpec, parts: &RequestParts<'_>) -> Result<Fingerprint, FingerprintError> {
-    fingerprint_as(Version::V2, spec, parts)
+    fingerprint_as(Version::V3, spec, parts)
+}
+
+/// The fingerprints earlier versions gave this request, newest first (version 2:
+/// no media type; version 1: nor pairs in request order), computed one at a time
+/// as the iterator is read: for recognising records written by them, nothing else.
+pub fn legacy_fingerprints<'a>(
+    spec: &'a FingerprintSpec,
+    parts: &'a RequestParts<'a>,
+) -> impl Iterator<Item = Result<Fingerprint, FingerprintError>> + 'a {
+    [Version::V2, Version::V1].into_iter().map(move |version| fingerprint_as(version, spec, parts))
 }
 
 /// The fingerprint version 1 gave this request (query and form pairs sorted by
-/// (name, value)): for recognising records written before version 2, nothing else.
+/// (name, value)).
 pub fn legacy_fingerprint(spec: &FingerprintSpec, parts: &RequestParts<'_>) -> Result<Fingerprint, FingerprintError> {
     fingerprint_as(Version::V1, spec, parts)
+}
+
+/// The media type a request's body is sent as: the `Content-Type` essence,
+/// lower case, without parameters; empty without the header.
+fn media_type(headers: &HeaderMap) -> String {
+    headers
+        .get(CONTENT_TYPE)
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).split(';').next().unwrap_or_default().trim().to_ascii_lowercase())
+        .unwrap_or_default()
 }
 
 fn fingerprint_as(version: Version, spec: &FingerprintSpec, parts: &RequestParts<'_>) -> Result<Fingerprint, FingerprintError> {
@@ -283,6 +318,10 @@ fn fingerprint_as(version: Version, spec: &FingerprintSpec, parts: &RequestParts
     put_len(&mut out, spec.headers.len());
     for name in &spec.headers {
         put_header(&mut out, parts.headers, name);
+    }
+    if version.hashes_media_type() {
+        let media = if parts.body.is_empty() { String::new() } else { media_type(parts.headers) };
+        put_field(&mut out, media.as_bytes());
     }
     match &mut body {
         Body::Raw(bytes) => {

@@ -389,7 +389,12 @@ fn other_content_types_hash_raw_bytes() {
     let r = |ct: Option<&str>, body: &str| Req::new(ct, body.as_bytes()).fp(&none());
     assert_ne!(r(Some("text/plain"), r#"{"a":1,"b":2}"#), r(Some("text/plain"), r#"{"b":2,"a":1}"#));
     assert_ne!(r(None, "{\"a\":1}"), r(None, "{\"a\": 1}"));
-    assert_eq!(r(None, "abc"), r(Some("application/octet-stream"), "abc"));
+    // The media type enters the hash: no content type is not octet-stream
+    // (Rack reads a POST without one as a form).
+    assert_ne!(r(None, "abc"), r(Some("application/octet-stream"), "abc"));
+    assert_ne!(r(Some(JSON), "{\"a\":1}"), r(Some("application/merge-patch+json"), "{\"a\":1}"));
+    assert_ne!(r(Some("text/plain"), "abc"), r(Some("text/csv"), "abc"));
+    assert_eq!(r(Some("Application/JSON ; charset=UTF-8"), "{\"a\":1}"), r(Some(JSON), "{\"a\":1}"));
     assert_ne!(r(None, "abc"), r(None, "abd"));
     // Canonical JSON and raw bytes never collide, thanks to the body-kind tag.
     assert_ne!(r(Some(JSON), "{\"a\":1}"), r(None, "{\"a\":1}"));
@@ -495,7 +500,7 @@ fn encoding_matches_the_documented_layout() {
         s.extend_from_slice(&n.to_be_bytes());
     }
     let mut s = Vec::new();
-    field(&mut s, b"idemgate-fp-v2");
+    field(&mut s, b"idemgate-fp-v3");
     field(&mut s, b"POST");
     field(&mut s, b"create_order");
     count(&mut s, 1);
@@ -511,6 +516,7 @@ fn encoding_matches_the_documented_layout() {
     field(&mut s, b"v1, v2");
     field(&mut s, b"x-absent");
     s.push(0);
+    field(&mut s, b"application/json");
     field(&mut s, b"json");
     s.extend_from_slice(br#"{"a":[true,1.5],"b":"\u0001"}"#);
     let expected: [u8; 32] = Sha256::digest(&s).into();
@@ -525,12 +531,13 @@ fn encoding_matches_the_documented_layout() {
 
     // Raw bodies are length-prefixed.
     let mut s = Vec::new();
-    field(&mut s, b"idemgate-fp-v2");
+    field(&mut s, b"idemgate-fp-v3");
     field(&mut s, b"GET");
     field(&mut s, b"op");
     count(&mut s, 0);
     count(&mut s, 0);
     count(&mut s, 0);
+    field(&mut s, b"");
     field(&mut s, b"raw");
     field(&mut s, b"hello");
     let expected: [u8; 32] = Sha256::digest(&s).into();
@@ -607,7 +614,10 @@ fn the_legacy_fingerprint_is_version_1s_encoding() {
     };
     let v1 = legacy_fingerprint(&none(), &parts).expect("v1");
     assert_eq!(v1, layout(b"idemgate-fp-v1", &[b"tag", b"a", b"tag", b"b"], &[b"k", b"1", b"k", b"2"]));
-    assert_eq!(req.fp(&none()), layout(b"idemgate-fp-v2", &[b"tag", b"b", b"tag", b"a"], &[b"k", b"2", b"k", b"1"]));
+    let earlier: Vec<Fingerprint> = legacy_fingerprints(&none(), &parts).map(|fp| fp.expect("earlier")).collect();
+    let v2 = layout(b"idemgate-fp-v2", &[b"tag", b"b", b"tag", b"a"], &[b"k", b"2", b"k", b"1"]);
+    assert_eq!(earlier, [v2, v1]);
+    assert_ne!(req.fp(&none()), v2, "version 3 hashes the media type too");
     // Without a repeated name the two differ by their tag only.
     let plain = Req::json("{}").query(Some("b=1&a=2"));
     let parts = RequestParts { query: plain.query.as_deref(), headers: &plain.headers, body: &plain.body, ..parts };

@@ -2,7 +2,7 @@
 //! page shows it. Unlike `GET /admin/records/{scope}` it carries the stored
 //! response body (as text, or base64 when it is not UTF-8; the console shows
 //! either as text, never as HTML), the stored request's method, path and
-//! headers (credentials masked, body size only), the async attempt fields,
+//! headers (credentials masked, in headers and query parameters; body size only), the async attempt fields,
 //! the reconciler's probes of this generation, and the scope's audit rows.
 
 use base64::Engine as _;
@@ -19,8 +19,9 @@ pub const AUDIT_ROWS: u32 = 100;
 pub const MAX_BODY_SHOWN: usize = 256 * 1024;
 
 /// The page's document.
-/// `credentials`: the headers the identity sources read credentials from.
-pub fn json(i: &Inspection, secret: Option<&[u8]>, credentials: &[http::HeaderName]) -> Value {
+/// `credentials`: the headers the identity sources read credentials from;
+/// `masked_params`: query parameters masked besides the built-in ones.
+pub fn json(i: &Inspection, secret: Option<&[u8]>, credentials: &[http::HeaderName], masked_params: &[String]) -> Value {
     let r = &i.record;
     let mut record = keys::record_json(r, false, secret);
     if let Some(resp) = &r.response {
@@ -33,7 +34,7 @@ pub fn json(i: &Inspection, secret: Option<&[u8]>, credentials: &[http::HeaderNa
     let request = i.request.as_deref().map(|bytes| match StoredRequest::decode(bytes) {
         Ok(req) => json!({
             "method": req.method,
-            "path": req.path_and_query,
+            "path": mask::path_and_query(&req.path_and_query, masked_params),
             "headers": mask::headers_json(&req.headers, credentials),
             // A sync record keeps the request line only (for its probe).
             "headers_stored": !req.headers.is_empty() || r.operation_id.is_some(),

@@ -30,6 +30,59 @@ pub fn masked(value: &[u8]) -> String {
     format!("(masked: {} bytes)", value.len())
 }
 
+/// Query parameter names whose values are credentials (OAuth's
+/// `access_token`, API keys, signed URLs' signatures), compared
+/// case-insensitively after percent-decoding.
+const CREDENTIAL_PARAMS: [&str; 16] = [
+    "access_token",
+    "refresh_token",
+    "id_token",
+    "token",
+    "api_key",
+    "apikey",
+    "key",
+    "password",
+    "passwd",
+    "pwd",
+    "secret",
+    "client_secret",
+    "signature",
+    "sig",
+    "code",
+    "x-amz-credential",
+];
+
+/// Whether a query parameter's value is a credential: a built-in name, a
+/// name with a credential fragment (as for headers, `_` read as `-`), or
+/// one of `configured` (`[admin] masked_query_params`).
+pub fn is_credential_param(name: &str, configured: &[String]) -> bool {
+    let name = name.trim().to_ascii_lowercase();
+    let dashed = name.replace('_', "-");
+    CREDENTIAL_PARAMS.contains(&name.as_str())
+        || CREDENTIAL_FRAGMENTS.iter().any(|f| dashed.contains(f))
+        || configured.iter().any(|c| c.eq_ignore_ascii_case(&name))
+}
+
+/// A stored request's path and query as shown: each query parameter whose
+/// name is a credential's ([`is_credential_param`]) has its value replaced
+/// by `(masked: N bytes)`; the rest is kept as sent.
+pub fn path_and_query(target: &str, configured: &[String]) -> String {
+    let Some((path, query)) = target.split_once('?') else { return target.to_owned() };
+    let pairs: Vec<String> = query
+        .split('&')
+        .map(|pair| {
+            let (raw_name, value) = pair.split_once('=').unwrap_or((pair, ""));
+            let name: String = form_urlencoded::parse(raw_name.as_bytes()).next().map(|(n, _)| n.into_owned()).unwrap_or_default();
+            if !value.is_empty() && is_credential_param(&name, configured) {
+                format!("{raw_name}={}", masked(value.as_bytes()))
+            } else {
+                pair.to_owned()
+            }
+        })
+        .collect();
+    format!("{path}?{}", pairs.join("&"))
+}
+
 /// Headers as `[[name, value], ...]`, credentials masked, other values as
 /// (lossy) UTF-8 text.
 pub fn headers_json(headers: &[(String, Vec<u8>)], configured: &[HeaderName]) -> serde_json::Value {
@@ -45,6 +98,18 @@ pub fn headers_json(headers: &[(String, Vec<u8>)], configured: &[HeaderName]) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn credential_query_parameters_are_masked_and_the_rest_is_kept() {
+        let shown =
+            path_and_query("/v1/orders?access_token=abc123&page=2&API_KEY=k&x%5Fauth%5Ftoken=t&sig=s&ticket=T&empty=", &["Ticket".into()]);
+        assert_eq!(
+            shown,
+            "/v1/orders?access_token=(masked: 6 bytes)&page=2&API_KEY=(masked: 1 bytes)&x%5Fauth%5Ftoken=(masked: 1 bytes)&sig=(masked: 1 bytes)&ticket=(masked: 1 bytes)&empty="
+        );
+        assert_eq!(path_and_query("/v1/orders", &[]), "/v1/orders");
+        assert_eq!(path_and_query("/v1/orders?page=1&sort=asc", &[]), "/v1/orders?page=1&sort=asc");
+    }
 
     #[test]
     fn credentials_are_masked_and_the_rest_is_kept() {

@@ -63,9 +63,14 @@ impl RequestIds {
         RequestIds { trusted, prefix: random & 0xffff_ffff_ffff, next: AtomicU64::new(1) }
     }
 
+    /// Whether `peer` is one of `server.trusted_proxies`.
+    pub fn trusts(&self, peer: IpAddr) -> bool {
+        !self.trusted.is_empty() && self.trusted.iter().any(|n| n.contains(&canonical(peer)))
+    }
+
     /// The id for a request from `peer` with `headers`.
     pub fn assign(&self, headers: &HeaderMap, peer: IpAddr) -> HeaderValue {
-        if !self.trusted.is_empty() && self.trusted.iter().any(|n| n.contains(&canonical(peer))) {
+        if self.trusts(peer) {
             let mut values = headers.get_all(&REQUEST_ID).iter();
             if let (Some(v), None) = (values.next(), values.next())
                 && valid_id(v.as_bytes())
@@ -92,7 +97,7 @@ impl RequestIds {
 }
 
 /// An IPv4-mapped IPv6 peer (`::ffff:10.0.0.1`) is matched as IPv4.
-fn canonical(ip: IpAddr) -> IpAddr {
+pub(crate) fn canonical(ip: IpAddr) -> IpAddr {
     match ip {
         IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
         v4 => v4,

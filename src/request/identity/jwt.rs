@@ -77,7 +77,7 @@ pub enum JwtError {
     UnknownKey(Option<String>),
     #[error("invalid token: {0}")]
     Invalid(String),
-    #[error("claim {0} is missing or not a string")]
+    #[error("claim {0} is missing, not a string or a number, or a string spelling a number's principal")]
     Claim(String),
     #[error("the header lists critical extensions (crit), which are not supported")]
     Critical,
@@ -275,15 +275,7 @@ impl JwtVerifier {
             None => v.validate_aud = false,
         }
         let data = jsonwebtoken::decode::<serde_json::Value>(token, key, &v).map_err(|e| JwtError::Invalid(e.kind_name()))?;
-        let claim = |pointer: &str| -> Result<Arc<str>, JwtError> {
-            match data.claims.pointer(pointer) {
-                Some(serde_json::Value::String(s)) if !s.is_empty() && s.len() <= 255 && !s.chars().any(char::is_control) => {
-                    Ok(s.as_str().into())
-                }
-                Some(serde_json::Value::Number(n)) => Ok(n.to_string().into()),
-                _ => Err(JwtError::Claim(pointer.to_owned())),
-            }
-        };
+        let claim = |pointer: &str| typed_claim(data.claims.pointer(pointer)).ok_or_else(|| JwtError::Claim(pointer.to_owned()));
         let identity = Identity { tenant: claim(&self.config.tenant_claim)?, principal: claim(&self.config.principal_claim)? };
         // The window the crate's validation accepts (with the leeway), read
         // from the claims it accepted; rounded inwards.
@@ -364,6 +356,26 @@ impl JwtVerifier {
             .map_err(|e| e.to_string())?
             .to_bytes();
         serde_json::from_slice(&bytes).map_err(|e| format!("not a JWKS: {e}"))
+    }
+}
+
+/// Marks a tenant or principal that was a JSON number in the token.
+const NUMBER_MARK: char = '#';
+
+/// A tenant or principal claim as the scope carries it, keeping its JSON
+/// type: a string as it is (non-empty, at most 255 bytes, no control
+/// characters), a number as `#` and its decimal text (`{"sub": 123}` is
+/// `#123`), so that a number and a string never name one principal. A string
+/// that reads as a marked number (`"#123"`) is refused: it would be that
+/// number's principal. Anything else is no identity.
+fn typed_claim(value: Option<&serde_json::Value>) -> Option<Arc<str>> {
+    match value? {
+        serde_json::Value::String(s) if !s.is_empty() && s.len() <= 255 && !s.chars().any(char::is_control) => {
+            let marked_number = s.strip_prefix(NUMBER_MARK).is_some_and(|rest| serde_json::from_str::<serde_json::Number>(rest).is_ok());
+            (!marked_number).then(|| s.as_str().into())
+        }
+        serde_json::Value::Number(n) => Some(format!("{NUMBER_MARK}{n}").into()),
+        _ => None,
     }
 }
 

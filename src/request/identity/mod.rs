@@ -192,6 +192,11 @@ impl Identifier {
         found.map(|(identity, _)| identity)
     }
 
+    /// Every header some source reads.
+    pub fn read_headers(&self) -> impl Iterator<Item = &HeaderName> {
+        self.read.iter().map(|(name, _)| name)
+    }
+
     /// The first header some source reads that the request carries more
     /// than once: which value identifies it is ambiguous (and the upstream
     /// would get both), so such a request is refused.

@@ -16,6 +16,7 @@ use crate::idempotency::record::Retention;
 use crate::request::key_source::KeySources;
 use crate::retry::Backoff;
 
+pub mod method_override;
 mod normal;
 #[cfg(test)]
 mod normal_props;
@@ -184,12 +185,13 @@ impl PathTemplate {
     }
 
     /// Whether a lenient server could read a path (as [`normal::loose`] gives
-    /// it) as this template's: literals compared as read, a parameter filled
-    /// by any non-empty segment.
+    /// it) as this template's: literals compared as [`normal::names_loosely`]
+    /// reads them, a parameter filled by any non-empty segment.
     fn matches_loosely(&self, path: &[Vec<u8>]) -> bool {
+        let last = self.loose.len().saturating_sub(1);
         self.loose.len() == path.len()
-            && self.loose.iter().zip(path).all(|(seg, part)| match seg {
-                Some(lit) => lit == part,
+            && self.loose.iter().zip(path).enumerate().all(|(i, (seg, part))| match seg {
+                Some(lit) => normal::names_loosely(lit, part, i == last),
                 None => !part.is_empty(),
             })
     }
@@ -375,27 +377,51 @@ impl Router {
         normalise_path(path)
     }
 
-    /// Routes a normal path ([`Router::normalise`]). A path that is not an
-    /// operation of `method` but that a lenient server would read as the path
-    /// of one of its routes (other letter case, a trailing `/` added or
-    /// removed, `;` parameters) is refused rather than passed through.
-    pub fn route_normal(&self, method: &Method, path: &str) -> Result<RouteMatch<'_>, InvalidRequest> {
+    /// Routes a normal path ([`Router::normalise`]) by the one rule for what
+    /// may reach an upstream unidentified: a request an upstream could run as
+    /// one of the routes' operations is that operation (an exact match of
+    /// method and path) or refused, never passed through. Refused:
+    /// - a method override (`overridden`: [`method_override::in_head`]) on
+    ///   any path a route [`protects`](Router::protects), whatever the
+    ///   method (the upstream would run another than the one routed);
+    /// - a path that is not an operation of `method` but that a lenient
+    ///   server would read as the path of one of its routes
+    ///   ([`normal::loose`], [`normal::names_loosely`]);
+    /// - HEAD where a GET route protects the path (frameworks run the GET
+    ///   handler for HEAD).
+    pub fn route_normal(&self, method: &Method, path: &str, overridden: bool) -> Result<RouteMatch<'_>, InvalidRequest> {
+        if overridden && self.protects(path, None) {
+            return Err(InvalidRequest::MethodOverride);
+        }
         let found = self.route(method, path);
-        if matches!(found, RouteMatch::Operation { .. }) || !self.methods.contains(method) {
+        if matches!(found, RouteMatch::Operation { .. }) {
             return Ok(found);
         }
-        let loose = normal::loose(path);
-        if self.by_specificity.iter().any(|r| r.method == *method && r.path.matches_loosely(&loose)) {
+        if self.methods.contains(method) && self.protects(path, Some(method)) {
             return Err(InvalidRequest::Ambiguous);
+        }
+        if method == Method::HEAD && self.methods.contains(&Method::GET) && self.protects(path, Some(&Method::GET)) {
+            return Err(InvalidRequest::HeadOfGet);
         }
         Ok(found)
     }
 
-    /// [`Router::normalise`], then [`Router::route_normal`]: the path the
-    /// request is routed (and forwarded) as, and where it goes.
+    /// Whether an upstream could read `path` (normal) as the path of a route
+    /// of `method` (of any method when `None`): exactly, or as a lenient
+    /// server reads paths. This is the one predicate for "could this request
+    /// be a protected operation" that routing and the method-override checks
+    /// (headers, query, body) share.
+    pub fn protects(&self, path: &str, method: Option<&Method>) -> bool {
+        let loose = normal::loose(path);
+        self.by_specificity.iter().any(|r| method.is_none_or(|m| r.method == *m) && r.path.matches_loosely(&loose))
+    }
+
+    /// [`Router::normalise`], then [`Router::route_normal`] (without an
+    /// override): the path the request is routed (and forwarded) as, and
+    /// where it goes.
     pub fn resolve<'p>(&self, method: &Method, path: &'p str) -> Result<(std::borrow::Cow<'p, str>, RouteMatch<'_>), InvalidRequest> {
         let normal = self.normalise(method, path)?;
-        let found = self.route_normal(method, &normal)?;
+        let found = self.route_normal(method, &normal, false)?;
         Ok((normal, found))
     }
 

@@ -16,8 +16,10 @@
 //!   and a target that is not an absolute path.
 //! - A normal path that routes nowhere for its method, but that a lenient
 //!   server would read as a route's path of that method (letter case, a
-//!   trailing `/` added or removed, `;` parameters, raw or encoded, stripped),
-//!   is refused, so it cannot reach an upstream without identity ([`loose`]).
+//!   trailing `/` added or removed, `;` parameters, raw or encoded, stripped,
+//!   trailing whitespace, control characters or dots trimmed from a segment,
+//!   a format suffix such as `.json` after the last one), is refused, so it
+//!   cannot reach an upstream without identity ([`loose`], [`names_loosely`]).
 //!
 //! The gateway forwards the normal path it routed; the query is forwarded as
 //! the client sent it.
@@ -47,8 +49,16 @@ pub enum InvalidRequest {
     DotSegment,
     #[error("the path has an empty segment ('//')")]
     EmptySegment,
-    #[error("the path is a route's path spelled differently (letter case, a trailing '/', or ';' parameters)")]
+    #[error(
+        "the path is a route's path spelled differently (letter case, a trailing '/', ';' parameters, a format suffix or trailing characters)"
+    )]
     Ambiguous,
+    #[error("the request carries a method override (a header or '_method') on a path a route protects")]
+    MethodOverride,
+    #[error("HEAD on the path of a GET route; send GET")]
+    HeadOfGet,
+    #[error("a header name contains '_'")]
+    UnderscoreHeader,
 }
 
 /// The methods RFC 9110 and RFC 5789 define: a request spelling one of these in
@@ -187,6 +197,32 @@ fn loose_segment(segment: &str) -> Vec<u8> {
     decoded
 }
 
+/// Whether a lenient server could take `part`, a request path's segment as
+/// [`loose`] reads it, for `literal`, a template's segment read the same way:
+/// the same, or the same once trailing whitespace (Unicode's too), control
+/// characters and dots are trimmed (`orders%20`, `orders%09`, `orders.`);
+/// the `last` segment also with anything after a `.` or such a character
+/// (a format suffix: `orders.json`, `orders.tar.gz`, as Rails' `(.:format)`
+/// routes it).
+pub(crate) fn names_loosely(literal: &[u8], part: &[u8], last: bool) -> bool {
+    if part == literal {
+        return true;
+    }
+    let Some(rest) = part.strip_prefix(literal) else { return false };
+    let rest = String::from_utf8_lossy(rest);
+    let mut chars = rest.chars();
+    let Some(first) = chars.next() else { return false };
+    if !is_trimmed(first) {
+        return false;
+    }
+    last || chars.all(is_trimmed)
+}
+
+/// What servers and frameworks trim from the end of a path or a segment.
+fn is_trimmed(c: char) -> bool {
+    c == '.' || c.is_whitespace() || c.is_control()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -273,5 +309,35 @@ mod tests {
         assert_eq!(l("/v1/orders%3Bx=1"), ["v1", "orders"]);
         assert_eq!(l("/v1/ord%45rs"), ["v1", "orders"]);
         assert_eq!(l("/"), [""]);
+    }
+
+    #[test]
+    fn a_segment_is_read_without_trailing_junk_and_the_last_without_a_format_suffix() {
+        for (part, last) in [
+            ("orders", false),
+            ("orders.", false),
+            ("orders \t.", false),
+            ("orders\u{a0}", false),
+            ("orders\u{3000}", false),
+            ("orders\u{b}", false),
+            ("orders.json", true),
+            ("orders.tar.gz", true),
+            ("orders .json", true),
+            ("orders.json ", true),
+            ("orders\u{85}x", true),
+        ] {
+            assert!(names_loosely(b"orders", part.as_bytes(), last), "{part:?} last={last}");
+        }
+        for (part, last) in [
+            ("ordersx", true),
+            ("orders-archive.json", true),
+            ("order", true),
+            ("orders.json", false),
+            ("orders x", false),
+            ("xorders", true),
+            ("", true),
+        ] {
+            assert!(!names_loosely(b"orders", part.as_bytes(), last), "{part:?} last={last}");
+        }
     }
 }

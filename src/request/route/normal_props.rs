@@ -4,8 +4,8 @@
 //! each spelling (what a permissive upstream might make of it) says whether it
 //! names an idempotent route. The invariant: a request is refused, or routed
 //! exactly as its normal form; and when a lenient reading of it names a route
-//! of its method, it is refused or routed as an operation (identity, claim),
-//! never passed through or answered 404.
+//! of its method (of GET, for HEAD), it is refused or routed as an operation
+//! (identity, claim), never passed through or answered 404.
 
 use std::borrow::Cow;
 
@@ -47,6 +47,7 @@ fn routes() -> Vec<Route> {
         route("replace", Method::PUT, "/v1/orders/{id}", 4),
         route("items", Method::POST, "/api/items/", 5),
         route("Upper", Method::PATCH, "/V2/Things/{t}", 6),
+        route("report", Method::GET, "/v1/reports/{r}", 7),
     ]
 }
 
@@ -66,6 +67,7 @@ const BASES: &[(&str, &str)] = &[
     ("POST", "/v1"),
     ("POST", "/v1/orders/42/items"),
     ("GET", "/static/app.js"),
+    ("GET", "/v1/reports/9"),
 ];
 
 const METHODS: &[&str] = &["POST", "PUT", "PATCH", "GET", "DELETE", "HEAD", "PURGE"];
@@ -89,7 +91,7 @@ fn mutate(rng: &mut Rng, path: &str) -> String {
     let at = rng.below(path.len() + 1);
     let (before, after) = path.split_at(at);
     let (sb, sa) = path.split_at(at_slash);
-    match rng.below(16) {
+    match rng.below(18) {
         0 => format!("{sb}/{sa}"),
         1 => format!("{sb}/.{sa}"),
         2 => format!("{sb}/x/..{sa}"),
@@ -112,6 +114,9 @@ fn mutate(rng: &mut Rng, path: &str) -> String {
         },
         13 => path.chars().map(|c| if rng.chance(30) { c.to_ascii_uppercase() } else { c }).collect(),
         14 => format!("{before}{}{after}", rng.pick(&["%20", "%c3%a9", "%", "%4", "%00", ";", "~"])),
+        // A format suffix or trailing junk, at the end or before a slash.
+        16 => format!("{path}{}", rng.pick(&[".json", ".", "%20", "%09", "%0b", "%C2%A0", ".tar.gz", "%E3%80%80", ".x%20"])),
+        17 => format!("{sb}{}{sa}", rng.pick(&["%20", ".", "%09", ".json"])),
         _ => format!("{sb}/{sa}").replacen("//", "/;a/", 1),
     }
 }
@@ -141,9 +146,13 @@ fn decode_all(s: &str) -> Vec<u8> {
 
 /// The most lenient reading a permissive upstream could make of a path,
 /// written independently of the gateway's: fully decoded, `\` as `/`,
-/// `;` parameters dropped, empty segments merged, dot segments resolved
-/// (RFC 3986 section 5.2.4), letter case folded, no trailing `/`.
+/// `;` parameters dropped, trailing whitespace, control characters and dots
+/// trimmed from each segment (unless that leaves nothing), the last cut at
+/// its first `.` or whitespace (a format suffix), empty segments merged, dot
+/// segments resolved (RFC 3986 section 5.2.4), letter case folded, no
+/// trailing `/`.
 fn lenient(path: &str) -> Vec<Vec<u8>> {
+    let junk = |c: char| c == '.' || c.is_whitespace() || c.is_control();
     let decoded = decode_all(path);
     let mut segments: Vec<Vec<u8>> = Vec::new();
     for raw in decoded.split(|&b| b == b'/' || b == b'\\') {
@@ -153,7 +162,17 @@ fn lenient(path: &str) -> Vec<Vec<u8>> {
             b".." => {
                 segments.pop();
             }
-            _ => segments.push(name),
+            _ => {
+                let text = String::from_utf8_lossy(&name).into_owned();
+                let trimmed = text.trim_end_matches(junk);
+                segments.push(if trimmed.is_empty() { name } else { trimmed.as_bytes().to_vec() });
+            }
+        }
+    }
+    if let Some(last) = segments.last_mut() {
+        let text = String::from_utf8_lossy(last).into_owned();
+        if let Some(cut) = text.find(|c: char| c == '.' || c.is_whitespace() || c.is_control()).filter(|&i| i > 0) {
+            *last = text.as_bytes()[..cut].to_vec();
         }
     }
     segments
@@ -165,7 +184,7 @@ fn lenient_route<'a>(routes: &'a [Route], method: &str, path: &str) -> Option<&'
     let upper = method.to_ascii_uppercase();
     routes.iter().find(|r| {
         let tmpl: Vec<&str> = r.path.as_str().trim_start_matches('/').split('/').filter(|s| !s.is_empty()).collect();
-        r.method.as_str() == upper
+        (r.method.as_str() == upper || (upper == "HEAD" && r.method == Method::GET))
             && tmpl.len() == segs.len()
             && tmpl.iter().zip(&segs).all(|(t, s)| t.starts_with('{') || t.to_ascii_lowercase().as_bytes() == s.as_slice())
     })
@@ -260,6 +279,17 @@ fn normal_spellings_of_routes_are_never_refused() {
     assert_eq!(router.resolve(&post, "/v1/Orders").err(), Some(InvalidRequest::Ambiguous));
     assert_eq!(router.resolve(&Method::PATCH, "/v2/things/x").err(), Some(InvalidRequest::Ambiguous));
     assert!(matches!(router.resolve(&Method::GET, "/v1/orders/"), Ok((_, RouteMatch::NotFound))));
+    assert_eq!(router.resolve(&post, "/v1/orders.json").err(), Some(InvalidRequest::Ambiguous));
+    assert_eq!(router.resolve(&post, "/v1/orders%09").err(), Some(InvalidRequest::Ambiguous));
+    assert_eq!(router.resolve(&post, "/v1/orders/7/cancel.xml").err(), Some(InvalidRequest::Ambiguous));
+    assert_eq!(router.resolve(&Method::HEAD, "/v1/reports/1").err(), Some(InvalidRequest::HeadOfGet));
+    assert!(matches!(router.resolve(&Method::HEAD, "/v1/orders"), Ok((_, RouteMatch::PassThrough { upstream: 0 }))));
+    assert!(matches!(router.resolve(&post, "/v1/ordersx"), Ok((_, RouteMatch::NotFound))));
+    // An override signal on a path any route protects, whatever the method.
+    assert_eq!(router.route_normal(&Method::GET, "/v1/orders/7", true).err(), Some(InvalidRequest::MethodOverride));
+    assert_eq!(router.route_normal(&post, "/v1/orders", true).err(), Some(InvalidRequest::MethodOverride));
+    assert_eq!(router.route_normal(&post, "/v1/orders/7.json", true).err(), Some(InvalidRequest::MethodOverride));
+    assert!(matches!(router.route_normal(&post, "/v1/elsewhere", true), Ok(RouteMatch::NotFound)));
     assert!(matches!(
         router.resolve(&post, "/v1/%6Frders"),
         Ok((Cow::Owned(p), RouteMatch::Operation { route, .. })) if p == "/v1/orders" && &*route.operation == "create"

@@ -160,6 +160,11 @@ impl SqliteStore {
         // survives a process kill and a power loss.
         conn.pragma_update(None, "synchronous", "FULL").map_err(err)?;
         conn.pragma_update(None, "foreign_keys", "ON").map_err(err)?;
+        // Deleted and overwritten content (a stored request set to NULL, a
+        // swept record with its credentials) is zeroed, not left in free
+        // space; the sweeper's checkpoint then empties the WAL of the old
+        // page images (`SqliteStore::sweep`).
+        conn.pragma_update(None, "secure_delete", "ON").map_err(err)?;
         let (jobs, queue) = mpsc::sync_channel(capacity);
         std::thread::Builder::new()
             .name("idemgate-sqlite".into())

@@ -178,11 +178,22 @@ impl Records for SqliteStore {
     }
 
     async fn sweep(&self, batch: u32) -> Result<u64, StoreError> {
-        self.write(move |tx, now| {
-            let n = tx.execute(SWEEP, params![now.0, i64::from(batch)]).map_err(err)?;
-            Ok(n as u64)
+        let swept = self
+            .write(move |tx, now| {
+                let n = tx.execute(SWEEP, params![now.0, i64::from(batch)]).map_err(err)?;
+                Ok(n as u64)
+            })
+            .await?;
+        // The WAL keeps every page image written since its last reset,
+        // stored requests (credentials) included after they were set to
+        // NULL or deleted: copy it into the database (whose freed content
+        // `secure_delete` zeroes) and truncate it, once per sweep.
+        self.with(|conn| {
+            conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(())).map_err(err)?;
+            Ok(())
         })
-        .await
+        .await?;
+        Ok(swept)
     }
 
     async fn reap_leases(&self, batch: u32, reforwardable: &[Arc<str>], events: &EventPolicies) -> Result<Reaped, StoreError> {
