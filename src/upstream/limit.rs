@@ -39,8 +39,12 @@ use crate::telemetry::metrics::LimitGauges;
 pub const DEFAULT_INITIAL: u32 = 10;
 /// The adaptive limit's ceiling unless `max_in_flight` sets one.
 pub const DEFAULT_CEILING: u32 = 1000;
-/// How long a request may wait for a slot by default.
-pub const DEFAULT_QUEUE_TIMEOUT: Duration = Duration::from_millis(50);
+/// How long a request may wait for a slot by default (or a quarter of the
+/// upstream's timeout when that is shorter). Long enough for a burst on a
+/// healthy upstream to be served as slots free and the limit grows (32
+/// concurrent first writes were refused at 50 ms on a busy machine), short
+/// beside the timeout; nothing is claimed while a request waits.
+pub const DEFAULT_QUEUE_TIMEOUT: Duration = Duration::from_secs(1);
 /// The `Retry-After` of a refusal.
 pub const RETRY_AFTER: Duration = Duration::from_secs(1);
 /// After this many samples per unit of limit, the lowest latency is read
