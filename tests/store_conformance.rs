@@ -80,6 +80,7 @@ on_both_stores!(
     events_held_back_beyond_any_window_do_not_hide_deliverable_ones,
     workers_take_over_expired_attempts_that_may_run_again,
     stored_requests_are_dropped_once_the_operation_is_final,
+    a_requeue_that_may_have_executed_keeps_the_fact_and_its_backoff,
 );
 
 // The same cases on a Citus cluster (issue 30). Not here:
@@ -129,6 +130,7 @@ on_citus!(
     stored_requests_are_dropped_once_the_operation_is_final,
     unknown_records_are_counted_by_age_in_one_grouped_count,
     events_held_back_beyond_any_window_do_not_hide_deliverable_ones,
+    a_requeue_that_may_have_executed_keeps_the_fact_and_its_backoff,
 );
 
 // ---------------------------------------------------------------------------
@@ -1353,6 +1355,24 @@ async fn retries_wait_their_backoff_then_fail_and_are_swept_after_retention(back
     assert_eq!(row(&store, &fresh).await.operation_id.as_deref(), Some("op_renewed"));
     assert_eq!(store.sweep(10).await.unwrap(), 1, "the expired failed operation is swept");
     assert_eq!(get(&store, &s).await, None);
+}
+
+/// A re-queue of an attempt that may have executed (an `upstream_idempotent`
+/// route's retry after a lost answer) records that fact and waits its
+/// backoff like any other retry.
+async fn a_requeue_that_may_have_executed_keeps_the_fact_and_its_backoff(backend: Backend) {
+    let store = open(&backend).await;
+    let s = key("requeued-maybe");
+    claim(&store, &accept_req(&s, 1)).await;
+    let routes = [worker_route("create_order", LONG)];
+    let t1 = take(&store, &routes, "w").await.unwrap();
+    assert_eq!(store.mark_sent(&t1.claim).await.unwrap(), WriteOutcome::Written);
+    let lost = RetryNote { last_status: Some(504), maybe_executed: true };
+    assert_eq!(store.requeue(&t1.claim, Duration::from_millis(400), lost).await.unwrap(), WriteOutcome::Written);
+    let queued = row(&store, &s).await;
+    assert_eq!((queued.state, queued.last_status, queued.sent_at), (State::Queued, Some(504), None));
+    assert!(queued.maybe_executed, "the lost answer is remembered");
+    assert!(take(&store, &routes, "w").await.is_none(), "not due before its backoff");
 }
 
 async fn stats_count_records_that_are_not_completed(backend: Backend) {

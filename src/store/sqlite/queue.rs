@@ -40,16 +40,14 @@ impl Queue for SqliteStore {
     async fn requeue(&self, scope: &Scope, attempt: Attempt, delay: Duration, retry: RetryNote) -> Result<bool, StoreError> {
         let s = scope.clone();
         self.fenced(scope, Event::Requeue { attempt }, move |tx, now, _, _| {
-            update_state(
-                tx,
-                &s,
-                "state = 'queued', lease_expires_at = NULL, sent_at = NULL, next_attempt_at = ?5, last_status = ?6",
-                now.plus(delay),
-                retry.last_status,
-            )?;
-            if retry.maybe_executed {
-                update_state(tx, &s, "maybe_executed = 1", now, None)?;
-            }
+            // One statement binding ?5 and ?6 (an assignment using neither
+            // fails to bind them); the fact only ever turns on.
+            let assignments = format!(
+                "state = 'queued', lease_expires_at = NULL, sent_at = NULL, next_attempt_at = ?5, last_status = ?6, \
+                 maybe_executed = max(maybe_executed, {})",
+                i32::from(retry.maybe_executed)
+            );
+            update_state(tx, &s, &assignments, now.plus(delay), retry.last_status)?;
             touch(tx, &s, now)
         })
         .await
