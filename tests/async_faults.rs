@@ -294,3 +294,44 @@ async fn a_sent_attempt_of_a_dead_worker_turns_unknown_when_its_lease_runs_out()
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(up.total(), 1, "never sent again");
 }
+
+/// An async route with a reconcile probe, as two replicas run it during a
+/// rolling change of the upstream's `timeout`.
+fn probed_async_config(backend: &Backend, upstream: &TestUpstream, timeout: &'static str) -> GatewayConfig {
+    GatewayConfig::new(backend.clone(), upstream.url())
+        .timeout(timeout)
+        .route(
+            "mode = \"async\"\nlease = \"1s\"\nretry.backoff = \"50ms\"\n[routes.reconcile]\n\
+             probe = \"GET /v1/orders/by-key/{derived_key}\"\nfound_as = 201\nsettle = \"500ms\"\ninterval = \"100ms\"",
+        )
+        .tail("[workers]\ncount = 1")
+}
+
+/// Two replicas on one async route whose timeouts differ (a rolling change
+/// of `timeout`): A sends with 8 s and is killed while the upstream works
+/// (4 s, committing its order at the end); B's own timeout is 1 s. B's
+/// reaper makes the operation unknown when A's lease runs out, and B's probe
+/// must wait for the bound A recorded with its send (8 s), not B's 1 s: an
+/// "absent" answered while A's request still runs would release it and B
+/// would send it a second time. The probe finds the order: one execution.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_waits_for_the_timeout_the_attempt_was_sent_with() {
+    let backend = postgres_backend();
+    let up = TestUpstream::start().await;
+    up.set_commit_at_end(true);
+    let mut a = Gateway::start(probed_async_config(&backend, &up, "8s"));
+    let store = backend.open().await;
+    let mut received = up.subscribe();
+    let accepted = post(&a.url("/v1/orders"), "rolling", ORDER, &[("x-test-sleep-ms", "4000")]).await;
+    assert_eq!(accepted.status, 202);
+    received.recv().await.unwrap();
+    a.kill9();
+    let b = Gateway::start(probed_async_config(&backend, &up, "1s"));
+    let completed = eventually(Duration::from_secs(25), || async { state_of(&store, "rolling").await == Some(State::Completed) }).await;
+    assert!(completed, "{:?}\n{}", record(&store, "rolling").await, b.logs());
+    assert_eq!(up.side_effects(&derived("rolling")), 1, "the upstream executed it once:\n{}", b.logs());
+    assert!(up.probes_of(&derived("rolling")) >= 1, "completed by B's probe");
+    let trail = store.audit(10).await.unwrap();
+    assert_eq!(trail.len(), 1, "{trail:?}");
+    assert_eq!((trail[0].actor.as_str(), trail[0].to_state.as_str()), ("reconciler", "completed"));
+}

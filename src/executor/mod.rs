@@ -212,7 +212,7 @@ impl Executor {
         body: Bytes,
     ) -> Result<(Response<Body>, Outcome, Option<ResultWrite<'a>>), GatewayError> {
         let upstream_timeout = self.upstreams[route.upstream].config.timeout;
-        let exchange = self.exchange(route, claim, parts, body).await;
+        let exchange = self.exchange(route, claim, parts, body, tokio::time::Instant::now() + upstream_timeout).await;
         // What the record becomes is the classifier's word (observe mode
         // writes by the same table); a completion is written after the
         // answer, by `ResultWrite`.
@@ -343,7 +343,13 @@ impl Executor {
                 AttemptOutcome::Failed,
             );
         }
-        match self.store.mark_sent(claim).await {
+        // The exchange's deadline starts before the send is recorded, so
+        // that the bound recorded with it (`sent_at` plus the timeout, in
+        // the database's time, which is later) holds for the whole exchange,
+        // however long this process takes between the two.
+        let timeout = self.upstreams[route.upstream].config.timeout;
+        let deadline = tokio::time::Instant::now() + timeout;
+        match self.store.mark_sent(claim, timeout).await {
             Ok(WriteOutcome::Written) => {}
             Ok(WriteOutcome::Fenced) => return AttemptOutcome::LostLease,
             Err(e) => {
@@ -354,7 +360,7 @@ impl Executor {
             }
         }
         let (parts, body) = request;
-        let exchanged = self.exchange(route, claim, parts, body).await;
+        let exchanged = self.exchange(route, claim, parts, body, deadline).await;
         // From here on, every branch writes the attempt's outcome.
         recording.store(true, Ordering::Release);
         match exchanged {
@@ -422,12 +428,23 @@ impl Executor {
         }
     }
 
-    /// Forwards the claimed request once and classifies what came back.
-    /// Records nothing.
-    pub async fn exchange(&self, route: &Route, claim: &Claim, parts: request::Parts, body: Bytes) -> Exchange {
+    /// Forwards the claimed request once, by `deadline` (the upstream's
+    /// timeout from the start of the attempt), and classifies what came
+    /// back. Records nothing. A deadline already past sends nothing.
+    pub async fn exchange(
+        &self,
+        route: &Route,
+        claim: &Claim,
+        parts: request::Parts,
+        body: Bytes,
+        deadline: tokio::time::Instant,
+    ) -> Exchange {
         let upstream = &self.upstreams[route.upstream];
         let started = Instant::now();
-        let deadline = tokio::time::Instant::now() + upstream.config.timeout;
+        if tokio::time::Instant::now() >= deadline {
+            let detail = "the attempt's deadline passed before its request could leave".to_owned();
+            return Exchange::NotSent(UpstreamError::NotSent { upstream: upstream.name().to_owned(), detail });
+        }
         let key_value = match route.forward_key {
             ForwardKey::Derived => {
                 // Known before any claim can be made (see `secret::DerivedKeySecret`);

@@ -35,8 +35,8 @@ use uuid::Uuid;
 pub use crate::telemetry::stats::{EventStats, ForeverCount, StateCount};
 pub use contract::{
     Acceptance, Claim, ClaimOutcome, ClaimRequest, Events, Inspection, Lifecycle, ListCursor, ListFilter, ProbeFence, ProbeRoute, Probing,
-    Queue, RawClaim, Reaped, Reconcile, RecordStore, Records, Resolution, ResolveOutcome, RetryNote, Taken, Trail, WorkerRoute,
-    WriteOutcome,
+    Queue, RawClaim, Reaped, Reconcile, RecordStore, Records, Resolution, ResolveOutcome, RetryNote, Taken, Trail, UNRECORDED_AT_UPSTREAM,
+    WorkerRoute, WriteOutcome,
 };
 pub use error::StoreError;
 pub use health::NotReady;
@@ -399,10 +399,11 @@ impl Store {
         self.fenced_write("heartbeat", claim, Goal::Retry, || self.backend.heartbeat(&claim.scope, claim.attempt(), lease)).await
     }
 
-    /// Async: durably notes that the attempt is about to send. `Fenced` also
-    /// when the lease ran out: the attempt must not send.
-    pub async fn mark_sent(&self, claim: &Claim) -> Result<WriteOutcome, StoreError> {
-        self.fenced_write("mark_sent", claim, Goal::Sent, || self.backend.mark_sent(&claim.scope, claim.attempt())).await
+    /// Async: durably notes that the attempt is about to send, and that it
+    /// cannot be at the upstream past `at_upstream` (its timeout) from now.
+    /// `Fenced` also when the lease ran out: the attempt must not send.
+    pub async fn mark_sent(&self, claim: &Claim, at_upstream: Duration) -> Result<WriteOutcome, StoreError> {
+        self.fenced_write("mark_sent", claim, Goal::Sent, || self.backend.mark_sent(&claim.scope, claim.attempt(), at_upstream)).await
     }
 
     /// Async: the attempt did not reach the upstream (or was declined, or

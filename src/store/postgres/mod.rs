@@ -165,7 +165,7 @@ pub struct PgStore {
     writes: Batcher<WriteItem, WriteOut>,
     /// Concurrent async attempts about to send share one `mark_sent`
     /// statement and commit (see `queue`); single-row on Citus.
-    sends: Option<Batcher<(Scope, Attempt), bool>>,
+    sends: Option<Batcher<queue::Sending, bool>>,
     /// PostgreSQL or a Citus coordinator (see `citus`).
     flavor: Flavor,
     /// On Citus: each tenant's concurrent claims share statements (see `citus_batch`).

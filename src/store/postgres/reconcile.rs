@@ -2,6 +2,7 @@
 
 use super::sql::{COLUMNS, EXPIRES_8, PK, prefixed};
 use super::*;
+use crate::store::UNRECORDED_AT_UPSTREAM;
 use std::sync::LazyLock;
 
 /// The resolution's row, locked.
@@ -54,9 +55,13 @@ WITH routes AS (
     FROM idemgate_records r JOIN routes ro ON ro.operation = r.operation
     WHERE r.state = 'unknown'
       AND r.updated_at <= now() - ro.settle_us * interval '1 microsecond'
-      -- The attempt was sent (async: sent_at; sync: claimed, created_at) at
-      -- least the upstream's timeout plus settle ago: it cannot be running.
-      AND coalesce(r.sent_at, r.created_at) <= now() - (ro.at_upstream_us + ro.settle_us) * interval '1 microsecond'
+      -- The attempt's time at the upstream, as the attempt recorded it,
+      -- ended at least settle ago: it cannot be running (see ProbeRoute).
+      AND CASE
+            WHEN r.at_upstream_until IS NOT NULL THEN r.at_upstream_until
+            WHEN r.operation_id IS NULL THEN greatest(r.lease_expires_at, r.created_at + ro.at_upstream_us * interval '1 microsecond')
+            ELSE coalesce(r.sent_at, r.created_at) + greatest(ro.at_upstream_us, {unrecorded}) * interval '1 microsecond'
+          END <= now() - ro.settle_us * interval '1 microsecond'
       AND (r.probe_generation IS DISTINCT FROM r.generation
            OR ((r.next_probe_at IS NULL OR r.next_probe_at <= now()) AND (r.probe_until IS NULL OR r.probe_until <= now())))
     -- Oldest first, sorted after the open states' index found them (no index
@@ -74,7 +79,8 @@ WHERE r.scope_id = d.scope_id AND r.tenant = d.tenant AND r.principal = d.princi
   AND r.idempotency_key = d.idempotency_key
   AND CASE r.state WHEN 'unknown' THEN true ELSE false END
 RETURNING {}, now(), r.request, r.probe_attempts",
-        prefixed(COLUMNS, "r.")
+        prefixed(COLUMNS, "r."),
+        unrecorded = micros(UNRECORDED_AT_UPSTREAM),
     )
 });
 

@@ -32,9 +32,15 @@ impl Queue for SqliteStore {
         .await
     }
 
-    async fn mark_sent(&self, scope: &Scope, attempt: Attempt) -> Result<bool, StoreError> {
+    async fn mark_sent(&self, scope: &Scope, attempt: Attempt, at_upstream: Duration) -> Result<bool, StoreError> {
         let s = scope.clone();
-        self.fenced(scope, Event::MarkSent { attempt }, move |tx, now, _, _| update_state(tx, &s, "sent_at = ?5", now, None)).await
+        let at_upstream = i64::try_from(at_upstream.as_micros()).unwrap_or(i64::MAX);
+        self.fenced(scope, Event::MarkSent { attempt }, move |tx, now, _, _| {
+            // The latest bound of the record's attempts.
+            let assignments = format!("sent_at = ?5, at_upstream_until = max(coalesce(at_upstream_until, 0), ?5 + {at_upstream})");
+            update_state(tx, &s, &assignments, now, None)
+        })
+        .await
     }
 
     async fn requeue(&self, scope: &Scope, attempt: Attempt, delay: Duration, retry: RetryNote) -> Result<bool, StoreError> {
