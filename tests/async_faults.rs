@@ -335,3 +335,36 @@ async fn a_probe_waits_for_the_timeout_the_attempt_was_sent_with() {
     assert_eq!(trail.len(), 1, "{trail:?}");
     assert_eq!((trail[0].actor.as_str(), trail[0].to_state.as_str()), ("reconciler", "completed"));
 }
+
+/// A reload that turns a route's `upstream_idempotent` off stops every
+/// re-forward of an operation that may have executed. The first attempt's
+/// answer is lost to the 1 s timeout (the upstream takes 2 s) while the route
+/// deduplicates, so it is re-queued with the fact noted (backoff 3 s); the
+/// reload lands during the backoff. The workers of the new configuration
+/// take it and end it `unknown` without sending it: one execution.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_turning_upstream_idempotent_off_stops_the_re_forward() {
+    let backend = postgres_backend();
+    let up = TestUpstream::start().await;
+    let cfg = |idempotent: bool| {
+        GatewayConfig::new(backend.clone(), up.url())
+            .timeout("1s")
+            .route(&format!("mode = \"async\"\nlease = \"1s\"\nupstream_idempotent = {idempotent}\nretry.backoff = \"3s\""))
+            .tail("[workers]\ncount = 1")
+    };
+    let mut gw = Gateway::start(cfg(true));
+    let store = backend.open().await;
+    let accepted = post(&gw.url("/v1/orders"), "flip", ORDER, &[("x-test-sleep-ms", "2000")]).await;
+    assert_eq!(accepted.status, 202);
+    let requeued = eventually(Duration::from_secs(10), || async {
+        record(&store, "flip").await.is_some_and(|r| r.state == State::Queued && r.maybe_executed)
+    })
+    .await;
+    assert!(requeued, "{:?}\n{}", record(&store, "flip").await, gw.logs());
+    tokio::task::block_in_place(|| gw.reload(cfg(false), Duration::from_secs(10))).expect("reloaded");
+    let rec = wait_final(&store, "flip", Duration::from_secs(20)).await;
+    assert_eq!(rec.state, State::Unknown, "{}", gw.logs());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(up.side_effects(&derived("flip")), 1, "never sent again after the reload:\n{}", gw.logs());
+    assert_eq!(up.total(), 1);
+}

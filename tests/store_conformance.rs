@@ -76,6 +76,7 @@ on_both_stores!(
     the_reaper_decides_from_the_row_it_locked,
     probes_wait_until_the_attempt_cannot_be_at_the_upstream,
     probes_wait_for_the_bound_the_attempt_recorded,
+    an_operation_that_may_have_executed_runs_again_only_on_a_reforwardable_route,
     a_released_operation_starts_a_fresh_attempt_budget,
     a_parked_event_holds_the_later_events_of_its_scope,
     events_held_back_beyond_any_window_do_not_hide_deliverable_ones,
@@ -126,6 +127,7 @@ on_citus!(
     racing_reconcilers_take_each_record_once,
     probes_wait_until_the_attempt_cannot_be_at_the_upstream,
     probes_wait_for_the_bound_the_attempt_recorded,
+    an_operation_that_may_have_executed_runs_again_only_on_a_reforwardable_route,
     a_released_operation_starts_a_fresh_attempt_budget,
     a_parked_event_holds_the_later_events_of_its_scope,
     workers_take_over_expired_attempts_that_may_run_again,
@@ -1562,8 +1564,7 @@ async fn probes_take_due_unknown_records_and_their_writes_are_fenced(backend: Ba
     unknown(&store, &u2).await;
     claim(&store, &req(&key("live"), 1, LONG, false)).await;
     unknown(&store, &scope("acme", "billing", "not_probed", "u")).await;
-    // Their attempts may still be at the upstream (their leases run).
-    assert!(store.take_probes(&routes, LONG, 10).await.unwrap().is_empty());
+    // Their claims' leases bound their attempts: wait them out.
     tokio::time::sleep(PAST_SHORT).await;
 
     // Not settled yet: nothing.
@@ -2394,6 +2395,34 @@ async fn probes_wait_for_the_bound_the_attempt_recorded(backend: Backend) {
     let taken = store.take_probes(std::slice::from_ref(&route), SHORT, 10).await.unwrap();
     assert_eq!(key_set(&taken.iter().map(|p| p.record.clone()).collect::<Vec<_>>()), set(&["sync", "async"]));
     assert_eq!(idemgate::store::UNRECORDED_AT_UPSTREAM, Duration::from_secs(3600), "the legacy record waits an hour");
+}
+
+/// An operation that may have executed (an earlier attempt's answer was
+/// lost on a route that then deduplicated upstream) runs again only while
+/// the route in force is `upstream_idempotent`: once a reload turned that
+/// off, an expired attempt of it is neither taken over nor re-queued, even
+/// when that attempt itself never sent; the reaper makes it `unknown`.
+async fn an_operation_that_may_have_executed_runs_again_only_on_a_reforwardable_route(backend: Backend) {
+    let store = open(&backend).await;
+    let s = key("flipped");
+    claim(&store, &accept_req(&s, 1)).await;
+    let idempotent = [WorkerRoute { operation: "create_order".into(), lease: LONG, reforwardable: true }];
+    let t1 = take(&store, &idempotent, "w").await.unwrap();
+    assert_eq!(store.mark_sent(&t1.claim, AT_UPSTREAM).await.unwrap(), WriteOutcome::Written);
+    let lost = RetryNote { last_status: None, maybe_executed: true };
+    assert_eq!(store.requeue(&t1.claim, Duration::ZERO, lost).await.unwrap(), WriteOutcome::Written);
+    // The reload: the route no longer deduplicates. A worker takes the
+    // operation (its attempt decides not to send it) and dies before
+    // writing anything.
+    let plain = [WorkerRoute { operation: "create_order".into(), lease: SHORT, reforwardable: false }];
+    let t2 = take(&store, &plain, "w2").await.unwrap();
+    assert!(t2.record.maybe_executed);
+    assert!(!record::may_forward(&t2.record, false), "the attempt must not send it");
+    assert!(record::may_forward(&t2.record, true));
+    tokio::time::sleep(PAST_SHORT).await;
+    assert!(take(&store, &plain, "w3").await.is_none(), "not taken over");
+    assert_eq!(store.reap_leases(10, &[]).await.unwrap(), Reaped { unknown: 1, requeued: 0 });
+    assert_eq!(row(&store, &s).await.state, State::Unknown);
 }
 
 /// An operator (or a probe's "absent") who releases an async operation says

@@ -25,7 +25,7 @@ use tokio_util::task::TaskTracker;
 use crate::executor::classify::{Class, SyncWrite};
 use crate::executor::waiters::{Recording, Waiters};
 use crate::idempotency::outcome::{AttemptOutcome, Outcome};
-use crate::idempotency::record::StoredResponse;
+use crate::idempotency::record::{StoredResponse, may_forward};
 use crate::problem::GatewayError;
 use crate::request::async_op::StoredRequest;
 use crate::request::route::{ForwardKey, ReplayMode, Route};
@@ -333,6 +333,15 @@ impl Executor {
                 );
             }
         };
+        if !may_forward(&taken.record, route.upstream_idempotent) {
+            // An earlier attempt may have executed and the route in force no
+            // longer deduplicates upstream (a reload turned
+            // `upstream_idempotent` off): never sent again, unknown.
+            recording.store(true, Ordering::Release);
+            tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), generation = %claim.generation,
+                "an earlier attempt may have executed and the route is not upstream_idempotent: not forwarded again; unknown");
+            return self.record_async(route, claim, self.store.mark_unknown(claim).await, AttemptOutcome::Unknown);
+        }
         if attempts > i32::try_from(route.retry.max_attempts).unwrap_or(i32::MAX) {
             // Lease expiries re-queued it after the last allowed attempt took it.
             recording.store(true, Ordering::Release);

@@ -226,7 +226,7 @@ WITH routes AS (
            now() + {lease} * interval '1 microsecond' AS lease_until, true AS took_over
     FROM idemgate_records r
     WHERE r.tenant = $6 AND r.state = 'processing' AND r.lease_expires_at <= now() AND r.operation = ANY($1::text[])
-      AND (r.sent_at IS NULL OR r.operation = ANY($5::text[]))
+      AND ((r.sent_at IS NULL AND NOT r.maybe_executed) OR r.operation = ANY($5::text[]))
     ORDER BY r.lease_expires_at
     LIMIT 1
     FOR UPDATE OF r SKIP LOCKED
@@ -259,7 +259,7 @@ RETURNING {}, r.updated_at, r.request, n.took_over",
 /// longest waiting first (`$3` of them).
 pub(super) const CITUS_TENANTS_TO_TAKE: &str = "SELECT tenant FROM idemgate_records \
      WHERE operation = ANY($1::text[]) AND ((state = 'queued' AND next_attempt_at <= now()) \
-        OR (state = 'processing' AND lease_expires_at <= now() AND (sent_at IS NULL OR operation = ANY($2::text[])))) \
+        OR (state = 'processing' AND lease_expires_at <= now() AND ((sent_at IS NULL AND NOT maybe_executed) OR operation = ANY($2::text[])))) \
      GROUP BY tenant ORDER BY min(CASE WHEN state = 'queued' THEN next_attempt_at ELSE lease_expires_at END) LIMIT $3";
 
 /// [`FAIL`] on Citus (`$1`..`$9`): the `UPDATE` alone (see [`CITUS_COMPLETE`]),

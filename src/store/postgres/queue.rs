@@ -16,15 +16,15 @@ WITH routes AS (
     SELECT * FROM unnest($1::text[], $2::int8[]) AS ro(operation, lease_us)
 ), expired AS (
     -- A take-over: an attempt whose lease ran out (its worker died or is
-    -- frozen) and that may run again: it never sent, or its upstream
-    -- deduplicates ($5). Sent attempts of other routes are the reaper's
-    -- (they become unknown). The locking read rechecks all this on the
-    -- latest row version.
+    -- frozen) and that may run again (record::may_forward): nothing it was
+    -- sent as may have executed, or the route in force deduplicates
+    -- upstream ($5). The others are the reaper's (they become unknown). The
+    -- locking read rechecks all this on the latest row version.
     SELECT r.scope_id, r.tenant, r.principal, r.operation, r.idempotency_key,
            (SELECT max(ro.lease_us) FROM routes ro WHERE ro.operation = r.operation) AS lease_us, true AS took_over
     FROM idemgate_records r
     WHERE r.state = 'processing' AND r.lease_expires_at <= now() AND r.operation = ANY($1::text[])
-      AND (r.sent_at IS NULL OR r.operation = ANY($5::text[]))
+      AND ((r.sent_at IS NULL AND NOT r.maybe_executed) OR r.operation = ANY($5::text[]))
     ORDER BY r.lease_expires_at
     LIMIT $6
     FOR UPDATE OF r SKIP LOCKED

@@ -1,6 +1,7 @@
 //! SQLite: the async queue (the [`Queue`] part of the store's contract).
 
 use super::*;
+use crate::idempotency::record::may_forward;
 use std::sync::LazyLock;
 
 #[async_trait]
@@ -136,7 +137,8 @@ fn take_one(tx: &Connection, now: Timestamp, routes: &[WorkerRoute], owner: &str
         while let Some(row) = rows.next().map_err(err)? {
             let record = decode(row)?;
             let Some(route) = routes.iter().find(|r| *r.operation == *record.scope.operation) else { continue };
-            if record.state == State::Processing && record.sent_at.is_some() && !route.reforwardable {
+            // An expired attempt that may not run again is the reaper's.
+            if record.state == State::Processing && !may_forward(&record, route.reforwardable) {
                 continue;
             }
             let request: Vec<u8> = row.get(23).map_err(err)?;
