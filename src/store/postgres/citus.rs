@@ -43,6 +43,41 @@ impl Flavor {
 pub const CITUS: &[Migration] =
     &[Migration { version: 1_000_001, name: "citus_0001_distribute", sql: include_str!("../../../migrations/citus/0001_distribute.sql") }];
 
+/// Whether a coordinator's error is about a node behind it (a worker it
+/// sent the statement to), not about the coordinator's own session: Citus
+/// reports a worker it cannot reach or lost mid-statement as "connection to
+/// the remote node ... failed" (08006), relays a worker's own error with
+/// the context "while executing command on host:port", and reports a commit
+/// that failed on a worker as "could not commit transaction for shard".
+/// The coordinator's session is fine after such an error (see
+/// `failover::verdict`).
+pub(super) fn remote_node_error(db: &tokio_postgres::error::DbError) -> bool {
+    let message = db.message();
+    message.starts_with("connection to the remote node")
+        || message.starts_with("could not commit transaction for shard")
+        || db.where_().is_some_and(|w| w.contains("while executing command on"))
+}
+
+/// Whether a write that failed with `db` may still have taken effect: the
+/// session ended around it (a FATAL error: a backend terminated while it
+/// waited for a synchronous standby after committing locally), or a Citus
+/// worker went away around it (its connection broke, 08xxx, or it was shut
+/// down, 57P01/57P02, or its commit failed after the statement ran): the
+/// worker may have committed before the coordinator lost it. The caller
+/// reads the row back.
+pub(super) fn write_may_have_committed(db: &tokio_postgres::error::DbError) -> bool {
+    use tokio_postgres::error::{Severity, SqlState};
+    if matches!(db.parsed_severity(), Some(Severity::Fatal | Severity::Panic)) {
+        return true;
+    }
+    let code = db.code();
+    remote_node_error(db)
+        && (code.code().starts_with("08")
+            || *code == SqlState::ADMIN_SHUTDOWN
+            || *code == SqlState::CRASH_SHUTDOWN
+            || db.message().starts_with("could not commit transaction for shard"))
+}
+
 /// What the server and the database hold, for the checks at start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Found {

@@ -219,7 +219,12 @@ impl Drop for Conn {
 
 fn classify(e: tokio_postgres::Error, write: bool) -> StoreError {
     if let Some(db) = e.as_db_error() {
-        // The server answered with an error: the statement did not take effect.
+        // The server answered with an error: the statement did not take
+        // effect, unless the error says that the session, or the Citus
+        // worker behind it, went away around the commit.
+        if write && citus::write_may_have_committed(db) {
+            return StoreError::Ambiguous(describe(db));
+        }
         return StoreError::Unavailable(describe(db));
     }
     let text = ErrorChain(&e).to_string();
