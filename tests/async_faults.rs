@@ -368,3 +368,51 @@ async fn a_reload_turning_upstream_idempotent_off_stops_the_re_forward() {
     assert_eq!(up.side_effects(&derived("flip")), 1, "never sent again after the reload:\n{}", gw.logs());
     assert_eq!(up.total(), 1);
 }
+
+/// Measures (prints; asserts nothing about time) the window between an
+/// attempt's last lease check and its request's arrival at the upstream:
+/// async, from `sent_at` (the `mark_sent` that checks the lease) to the
+/// arrival; synchronous, from the claim (`created_at`, the statement that
+/// starts the lease) to the arrival. A process stopped inside that window for
+/// longer than what is left of its lease is the risk docs/faults.md bounds.
+/// `cargo test --test async_faults -- --ignored --nocapture measure_the_window`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement: prints the window, run by hand"]
+async fn measure_the_window_between_the_lease_check_and_the_send() {
+    let backend = postgres_backend();
+    let up = TestUpstream::start().await;
+    let sync = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).timeout("5s"));
+    let store = backend.open().await;
+    let (wall0, inst0) = (std::time::SystemTime::now(), std::time::Instant::now());
+    let wall_micros = |at: std::time::Instant| {
+        let wall = wall0 + at.duration_since(inst0);
+        wall.duration_since(std::time::UNIX_EPOCH).unwrap().as_micros() as i64
+    };
+    let n = 200;
+    let mut windows = Vec::new();
+    for i in 0..n {
+        let key = format!("sync-{i}");
+        assert_eq!(post(&sync.url("/v1/orders"), &key, ORDER, &[]).await.status, 201);
+        let rec = record(&store, &key).await.unwrap();
+        let arrived = up.requests().iter().find(|r| r.key == derived(&key)).unwrap().at;
+        windows.push(wall_micros(arrived) - rec.created_at.0);
+    }
+    drop(sync);
+    let gw = Gateway::start(async_config(&backend, &up, false, 2));
+    let mut async_windows = Vec::new();
+    for i in 0..n {
+        let key = format!("async-{i}");
+        assert_eq!(post(&gw.url("/v1/orders"), &key, ORDER, &[]).await.status, 202);
+    }
+    for i in 0..n {
+        let key = format!("async-{i}");
+        let rec = wait_final(&store, &key, Duration::from_secs(30)).await;
+        let arrived = up.requests().iter().find(|r| r.key == derived(&key)).unwrap().at;
+        async_windows.push(wall_micros(arrived) - rec.sent_at.expect("sent").0);
+    }
+    for (what, mut w) in [("synchronous (claim -> arrival)", windows), ("async (mark_sent -> arrival)", async_windows)] {
+        w.sort_unstable();
+        let q = |p: f64| w[((w.len() - 1) as f64 * p) as usize] as f64 / 1000.0;
+        println!("{what}: n={} p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms", w.len(), q(0.5), q(0.99), q(1.0));
+    }
+}

@@ -212,7 +212,12 @@ impl Executor {
         body: Bytes,
     ) -> Result<(Response<Body>, Outcome, Option<ResultWrite<'a>>), GatewayError> {
         let upstream_timeout = self.upstreams[route.upstream].config.timeout;
-        let exchange = self.exchange(route, claim, parts, body, tokio::time::Instant::now() + upstream_timeout).await;
+        // Never past the claim's lease: a process that learns of its claim
+        // late, or is stopped between its claim and its send, sends nothing
+        // once the lease may have run out (the reaper, a probe or a take-over
+        // may have acted by then). Otherwise the upstream's timeout from now.
+        let deadline = (tokio::time::Instant::now() + upstream_timeout).min(claim.asked_at + route.lease);
+        let exchange = self.exchange(route, claim, parts, body, deadline).await;
         // What the record becomes is the classifier's word (observe mode
         // writes by the same table); a completion is written after the
         // answer, by `ResultWrite`.

@@ -161,6 +161,7 @@ impl super::PgStore {
                 claim_token: req.claim_token,
                 lease_expires_at: lease.unwrap_or(updated),
                 took_over,
+                asked_at: tokio::time::Instant::now(),
             })
         };
         let Some(Seen { record, now, cacheable }) = self.citus_claims.read(&self.db, s).await? else {

@@ -390,6 +390,7 @@ impl PgStore {
                 claim_token: token,
                 lease_expires_at: lease,
                 took_over,
+                asked_at: tokio::time::Instant::now(),
             })
         };
         let pair = |i: usize| -> Result<Option<(i64, Timestamp)>, StoreError> {

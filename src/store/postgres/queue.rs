@@ -68,6 +68,7 @@ fn taken(row: &Row) -> Result<Taken, StoreError> {
         claim_token: record.claim_token,
         lease_expires_at: record.lease_expires_at.unwrap_or(record.updated_at),
         took_over: true,
+        asked_at: tokio::time::Instant::now(),
     };
     Ok(Taken { record, request: request.into(), claim, lease_expired })
 }

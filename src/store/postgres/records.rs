@@ -427,9 +427,14 @@ impl Records for PgStore {
             return Err(StoreError::Corrupt("batched write: a claim answered as a result write".into()));
         };
         match out {
-            BatchClaim::Inserted { generation, lease_expires_at } => {
-                Ok(RawClaim::Claimed(Claim { scope: s.clone(), generation, claim_token: token, lease_expires_at, took_over: false }))
-            }
+            BatchClaim::Inserted { generation, lease_expires_at } => Ok(RawClaim::Claimed(Claim {
+                scope: s.clone(),
+                generation,
+                claim_token: token,
+                lease_expires_at,
+                took_over: false,
+                asked_at: tokio::time::Instant::now(),
+            })),
             BatchClaim::Existing(record, now, _) if may_take_over(&record, &req.request_hash, now, req.upstream_idempotent) => {
                 self.claim_one(req, token).await
             }

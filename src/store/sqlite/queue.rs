@@ -165,6 +165,13 @@ fn take_one(tx: &Connection, now: Timestamp, routes: &[WorkerRoute], owner: &str
     })
     .map_err(err)?;
     let record = get_tx(tx, &record.scope)?.ok_or_else(|| StoreError::Corrupt("taken operation vanished".into()))?;
-    let claim = Claim { scope: record.scope.clone(), generation, claim_token, lease_expires_at: now.plus(lease), took_over: true };
+    let claim = Claim {
+        scope: record.scope.clone(),
+        generation,
+        claim_token,
+        lease_expires_at: now.plus(lease),
+        took_over: true,
+        asked_at: tokio::time::Instant::now(),
+    };
     Ok(Some(Taken { record, request: request.into(), claim, lease_expired }))
 }
