@@ -122,6 +122,33 @@ async fn migrate_distributes_the_schema_by_tenant() {
     assert_eq!(local, 0);
 }
 
+/// A schema distributed by an earlier version gets the later PostgreSQL
+/// migrations on its distributed tables (Citus propagates their `ALTER
+/// TABLE` to every shard): migration 14's column, dropped and forgotten here
+/// to stand for a cluster migrated before it existed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn later_migrations_reach_an_already_distributed_schema() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let url = citus::shared().create_unique_database("upgrade").expect("database");
+    migrate(&citus_store(&url)).await.expect("migrate");
+    let db = client(&url).await;
+    db.batch_execute("ALTER TABLE idemgate_records DROP COLUMN at_upstream_until").await.expect("drop the column");
+    db.execute("DELETE FROM idemgate_schema_migrations WHERE version = 14", &[]).await.expect("forget migration 14");
+    assert_eq!(migrate(&citus_store(&url)).await.expect("migrate again"), ["0014_attempt_bound"]);
+    let on_every_shard: bool = db
+        .query_one(
+            "SELECT bool_and(success) AND count(*) > 1 FROM run_command_on_shards('idemgate_records', \
+             $$SELECT count(at_upstream_until) FROM %s$$)",
+            &[],
+        )
+        .await
+        .expect("run_command_on_shards")
+        .get(0);
+    assert!(on_every_shard, "the column is on every shard");
+}
+
 /// Two `migrate`s at once on the coordinator: serialized (the advisory
 /// lock), each migration applied once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

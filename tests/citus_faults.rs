@@ -271,3 +271,53 @@ async fn a_replica_killed_at_the_upstream_leaves_unknown_records_the_survivor_ne
     }
     assert_eq!(up.total(), 2);
 }
+
+/// The worker commits a claim and its connection from the coordinator then
+/// breaks: the worker waited for a synchronous standby after committing
+/// locally (`synchronous_standby_names` naming one that never comes) and its
+/// backend was terminated. The coordinator reports the remote node's
+/// failure as an error; for a write that is ambiguous, so the store reads
+/// the row back, finds its own claim, and the request is forwarded once:
+/// 201, not 503 "not forwarded" with an `in_flight` claim nobody forwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_committed_on_a_worker_whose_connection_then_broke_is_read_back_and_forwarded() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let (cluster, backend, store, on) = cluster("remote_commit", 1).await;
+    let tenant = on[0][0].clone();
+    let worker = &cluster.workers[0];
+    let up = TestUpstream::start().await;
+    let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).route("lease = \"20s\""));
+    let url = gw.url("/v1/orders");
+    tokio::task::block_in_place(|| worker.set_and_reload("synchronous_standby_names", "nobody")).expect("wait for a standby");
+    // The upstream works a second, so that the standby setting is gone
+    // before the result is written.
+    let client = {
+        let (u, t) = (url.clone(), tenant.clone());
+        tokio::spawn(async move { order(&u, &t, "k", 1000).await })
+    };
+    let waiting = "SELECT pid FROM pg_stat_activity WHERE wait_event = 'SyncRep'";
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let rows = tokio::task::block_in_place(|| worker.simple_query("postgres", waiting)).expect("pg_stat_activity");
+        if !rows.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the claim never waited for the standby on the worker");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::task::block_in_place(|| {
+        worker.simple_query("postgres", "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE wait_event = 'SyncRep'")?;
+        worker.set_and_reload("synchronous_standby_names", "")
+    })
+    .expect("terminate the waiting backend");
+    let r = client.await.unwrap().expect("an answer");
+    assert_eq!((r.status, r.replayed()), (201, false), "the claim was committed: forwarded once: {:?}\n{}", r.body, gw.logs());
+    assert_eq!(up.side_effects(&derived_of(&tenant, "k")), 1);
+    let rec = settled(&store, &tenant, "k", Duration::from_secs(10)).await.expect("its record");
+    assert_eq!(rec.state, State::Completed);
+    let again = order(&url, &tenant, "k", 0).await.expect("an answer");
+    assert_eq!((again.status, again.replayed()), (201, true));
+    assert_eq!(up.side_effects(&derived_of(&tenant, "k")), 1);
+}

@@ -28,7 +28,9 @@ use idemgate::idempotency::record::Retention;
 use idemgate::idempotency::record::{Generation, State, StoredResponse};
 use idemgate::outbox::{EventPolicies, EventType, EventsConfig};
 use idemgate::store::audit::{Actor, AuditNote};
-use idemgate::store::{Acceptance, Access, ClaimOutcome, ClaimRequest, Resolution, ResolveOutcome, Store, WorkerRoute, WriteOutcome};
+use idemgate::store::{
+    Acceptance, Access, ClaimOutcome, ClaimRequest, ProbeRoute, Resolution, ResolveOutcome, Store, WorkerRoute, WriteOutcome,
+};
 use support::citus;
 use uuid::Uuid;
 
@@ -516,4 +518,150 @@ async fn one_tenants_concurrent_claims_share_statements_and_keep_the_rules() {
     let rows: i64 =
         client(&url).await.query_one("SELECT count(*) FROM idemgate_records WHERE tenant = 'solo'", &[]).await.expect("count").get(0);
     assert_eq!(rows, 4 + 3 + 8 + 1, "one row per scope");
+}
+
+fn scope_of(tenant: &str, operation: &str, key: &str) -> Scope {
+    Scope { tenant: tenant.into(), principal: "billing".into(), operation: operation.into(), key: IdempotencyKey::new(key).unwrap() }
+}
+
+async fn claimed(store: &Store, r: &ClaimRequest) -> idemgate::store::Claim {
+    match store.claim(r).await.expect("claim") {
+        ClaimOutcome::Claimed(c) => c,
+        other => panic!("{:?}: {other:?}", r.scope),
+    }
+}
+
+/// A synchronous attempt of `scope` that timed out: `unknown` (its claim's
+/// lease, `SHORT`, bounds it: probes take it once that ran out).
+async fn unknown(store: &Store, s: &Scope) {
+    let c = claimed(store, &req(s, SHORT, false)).await;
+    assert_eq!(store.mark_unknown(&c).await.unwrap(), WriteOutcome::Written);
+}
+
+/// An async acceptance of `s`, queued.
+async fn accepted(store: &Store, s: &Scope) {
+    let r = ClaimRequest {
+        acceptance: Some(Acceptance { operation_id: format!("op_{}_{}", s.tenant, s.key.as_str()), request: Bytes::from_static(b"req") }),
+        ..req(s, LONG, false)
+    };
+    claimed(store, &r).await;
+}
+
+/// A store on `url` whose `create_order` writes events (and `charge` none).
+async fn store_with_events(url: &str) -> Store {
+    let config = EventsConfig {
+        url: "http://127.0.0.1:9/hook".parse().unwrap(),
+        secret: None,
+        timeout: Duration::from_secs(1),
+        max_attempts: 3,
+        emit: EventType::ALL.to_vec(),
+        include_key: false,
+        include_body: false,
+        batch: 1,
+    };
+    let op: Arc<str> = "create_order".into();
+    store(url).await.with_events(EventPolicies::new([(&op, &config)]))
+}
+
+fn probe_route(operation: &str) -> ProbeRoute {
+    ProbeRoute { operation: operation.into(), settle: Duration::ZERO, at_upstream: Duration::ZERO }
+}
+
+/// The tenant lists of the background rounds (at most 32 tenants a round)
+/// apply what the per-tenant takes apply: 34 tenants whose only pending
+/// events are held behind parked ones of their scopes, and whose `unknown`
+/// records back off after inconclusive probes, all older than another
+/// tenant's work, do not fill the rounds: that tenant's event is delivered
+/// and its record probed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_that_cannot_proceed_never_fills_a_round_of_tenants() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let url = citus::shared().create_unique_database("starve").expect("database");
+    let store = store_with_events(&url).await;
+    let note = AuditNote { actor: Actor::Cli, reason: "it happened".into(), forced: false, caller: None };
+    let complete = Resolution::Complete { response: response(b"ok"), retention: Retention::For(LONG), force: false };
+    let blocked = tenants(34);
+    for t in &blocked {
+        unknown(&store, &scope_of(t, "create_order", "e")).await;
+        unknown(&store, &scope_of(t, "charge", "p")).await;
+    }
+    // Every blocked tenant's `unknown` event parked.
+    let relay = Uuid::new_v4();
+    let mut parked = 0;
+    while parked < blocked.len() {
+        let events = store.take_events(&["create_order"], 64, LONG, relay).await.unwrap();
+        assert!(!events.is_empty(), "{parked} parked, the rest not taken");
+        for e in events {
+            assert!(store.event_failed(e.seq, relay, "answered 500", Duration::ZERO, true).await.unwrap());
+            parked += 1;
+        }
+    }
+    // A later event of each scope, held back behind the parked one.
+    for t in &blocked {
+        let out = store.resolve(&scope_of(t, "create_order", "e"), &complete, &note).await.unwrap();
+        assert_eq!(out, ResolveOutcome::Resolved { from: State::Unknown });
+    }
+    // Every blocked tenant's record probed, inconclusively: backing off.
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let mut probed = 0;
+    while probed < blocked.len() {
+        let taken = store.take_probes(&[probe_route("charge")], LONG, 64).await.unwrap();
+        assert!(!taken.is_empty(), "{probed} probed, the rest not taken");
+        for p in taken {
+            assert_eq!(store.probe_failed(&p.record.scope, p.fence, LONG, "answered 503").await.unwrap(), WriteOutcome::Written);
+            probed += 1;
+        }
+    }
+    // The other tenant's work, newer than all of that.
+    let other = "tenant-other";
+    unknown(&store, &scope_of(other, "create_order", "e")).await;
+    unknown(&store, &scope_of(other, "charge", "p")).await;
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let events = store.take_events(&["create_order"], 8, LONG, Uuid::new_v4()).await.unwrap();
+    let tenants_of: BTreeSet<String> = events.iter().map(|e| e.scope.tenant.to_string()).collect();
+    assert_eq!(tenants_of, BTreeSet::from([other.to_owned()]), "only the other tenant's event is deliverable");
+    let taken = store.take_probes(&[probe_route("charge")], LONG, 8).await.unwrap();
+    let keys: Vec<String> = taken.iter().map(|p| p.record.scope.tenant.to_string()).collect();
+    assert_eq!(keys, [other], "only the other tenant's record is due for a probe");
+}
+
+/// A worker down stops the background work of its own tenants only: the
+/// tenant lists (one read of every shard) fail while it is down, so each
+/// round lists the tenants node by node instead, and the other worker's
+/// tenants' queued operations are taken, their unknown records probed,
+/// their events relayed and their expired leases reaped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_worker_stops_only_its_own_tenants_background_work() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let mut cluster = citus::CitusCluster::start(2).expect("a cluster of its own");
+    let url = cluster.create_database("background").expect("database");
+    let store = store_with_events(&url).await;
+    let on = cluster.tenants_on_workers("background", 1).expect("a tenant on each worker");
+    let (dead, alive) = (on[0][0].clone(), on[1][0].clone());
+    for t in [&dead, &alive] {
+        accepted(&store, &scope_of(t, "create_order", "queued")).await;
+        unknown(&store, &scope_of(t, "charge", "probe")).await;
+        unknown(&store, &scope_of(t, "create_order", "event")).await;
+        claimed(&store, &req(&scope_of(t, "charge", "lease"), SHORT, false)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    cluster.workers[0].kill9().expect("kill the worker");
+
+    let routes = [WorkerRoute { operation: "create_order".into(), lease: LONG, reforwardable: false }];
+    let taken = store.take(&routes, "w").await.expect("the take lists the live worker's tenants").expect("its operation");
+    assert_eq!((taken.record.scope.tenant.to_string(), taken.record.scope.key.as_str()), (alive.clone(), "queued"));
+    let probes = store.take_probes(&[probe_route("charge")], LONG, 8).await.expect("the probe take");
+    let probed: Vec<(String, String)> =
+        probes.iter().map(|p| (p.record.scope.tenant.to_string(), p.record.scope.key.as_str().to_owned())).collect();
+    assert!(probed.contains(&(alive.clone(), "probe".to_owned())), "{probed:?}");
+    let events = store.take_events(&["create_order"], 8, LONG, Uuid::new_v4()).await.expect("the relay's take");
+    assert!(events.iter().all(|e| *e.scope.tenant == *alive) && !events.is_empty(), "{events:?}");
+    let reaped = store.reap_leases(10, &[]).await.expect("the reaper");
+    assert!(reaped.unknown >= 1, "{reaped:?}");
+    let (lease, _) = store.get(&scope_of(&alive, "charge", "lease")).await.unwrap().unwrap();
+    assert_eq!(lease.state, State::Unknown);
 }

@@ -221,6 +221,8 @@ async fn an_operator_completes_an_unknown_record_in_the_browser() {
     open_unknown_record(&b, "order-lost").await;
     assert_eq!(b.text("#record-state").await, "unknown");
     assert!(b.text("#view").await.contains("Not stored"), "a sync record without a probe keeps no request");
+    let executed = b.text("#may-have-executed").await;
+    assert!(executed.starts_with("yes"), "an unknown record may have executed: {executed}");
     b.screenshot("record.png").await;
     // No reason: refused in the page, nothing sent.
     b.click("#resolve-review").await;
@@ -593,6 +595,14 @@ async fn the_admin_api_endpoints_the_console_reads(backend: Backend) {
     assert!(headers.contains(&json!(["authorization", "(masked: 15 bytes)"])), "{headers:?}");
     assert!(!q.body.windows(8).any(|w| w == b"test-key"), "the credential is never in the answer");
     assert_eq!(qd["request"]["body_bytes"], ORDER.len());
+    // Refused before anything was sent: it cannot have executed.
+    assert_eq!(qd["may_have_executed"], "no", "{qd}");
+    // A timed-out synchronous request: unknown, so it may well have executed,
+    // and a synchronous record keeps no send time.
+    let lost = admin(&gw, "GET", &format!("{}/inspect", record_path("lost-2")), "").await.json();
+    assert_eq!(lost["record"]["state"], "unknown", "{lost}");
+    assert!(lost["may_have_executed"].as_str().is_some_and(|s| s.starts_with("yes")), "{lost}");
+    assert_eq!(lost["sent_at_shown"], "not recorded for synchronous requests", "{lost}");
     // inspect: a completed record's body, and its audit rows.
     let resolve = json!({ "action": "complete", "status": 201, "reason": "by hand", "body_base64": base64_of(b"<b>done</b>") });
     assert_eq!(admin(&gw, "POST", &format!("{}/resolve", record_path("lost-1")), &resolve.to_string()).await.status, 200);

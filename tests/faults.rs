@@ -414,6 +414,46 @@ async fn claim_reply_lost_is_resolved_by_claim_token() {
     assert_eq!(up.total(), 2);
 }
 
+/// The gateway learns of its claim only after the claim's lease may have run
+/// out: the claim's statement takes 800 ms after it read the clock its lease
+/// starts from (a trigger sleeps in it, as a commit waiting for a slow
+/// synchronous standby does), lease 600 ms; this stands in for a process
+/// stopped between its claim and its send. By then a reaper, a probe or a
+/// take-over may have acted on the record, so it sends nothing: 503 not
+/// forwarded, the key released, the upstream untouched. (The check right
+/// after the claim refuses it; the exchange's deadline, never past the
+/// claim's start plus its lease, covers a stop after that check.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_learned_after_its_lease_could_have_run_out_is_never_sent() {
+    let (_pg, _proxy, url, proxied) = pg_behind_proxy("latelearned").await;
+    let up = TestUpstream::start().await;
+    let config = GatewayConfig::new(Backend::Postgres { url: proxied }, up.url()).timeout("100ms").route("lease = \"600ms\"");
+    let gw = Gateway::start(config.sweep_interval("1h"));
+    let store = Backend::Postgres { url: url.clone() }.open().await;
+    let target = gw.url("/v1/orders");
+    assert_eq!(post(&target, "warm", ORDER, &[]).await.status, 201);
+    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.expect("connect");
+    tokio::spawn(conn);
+    db.batch_execute(
+        "CREATE FUNCTION slow_claim() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(0.8); RETURN NEW; END $$;
+         CREATE TRIGGER slow_claim BEFORE INSERT ON idemgate_records FOR EACH ROW EXECUTE FUNCTION slow_claim();",
+    )
+    .await
+    .expect("a slow claim");
+    let r = post(&target, "late", ORDER, &[]).await;
+    db.batch_execute("DROP TRIGGER slow_claim ON idemgate_records").await.expect("drop the trigger");
+    // Refused as soon as the claim returns (what is left of the lease cannot
+    // cover the upstream's timeout); the exchange's own deadline, the claim's
+    // start plus the lease, would refuse it too if the process stopped after
+    // that check.
+    assert_eq!((r.status, r.problem().as_str()), (503, "store-unavailable"), "{r:?}\n{}", gw.logs());
+    assert_eq!(up.side_effects(&derived("late")), 0, "nothing sent once the lease may have run out");
+    assert_eq!(settled_record(&store, "late").await.map(|r| r.state), None, "released");
+    let again = post(&target, "late", ORDER, &[]).await;
+    assert_eq!((again.status, again.replayed()), (201, false));
+    assert_eq!(up.side_effects(&derived("late")), 1);
+}
+
 /// The PostgreSQL reply to the result write is lost: the read-back sees the
 /// write under our generation; the retry replays it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

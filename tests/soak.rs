@@ -15,7 +15,8 @@
 //! route's reconciliation probe; a slow write commits at the end of its work,
 //! so the lookup answers 404 while the work runs, as a real service's would):
 //! - `POST /v1/orders` (synchronous, lease 2 s, upstream timeout 1 s);
-//! - `POST /v1/jobs` (async, lease 1 s, upstream timeout 8 s, probe settle 1 s);
+//! - `POST /v1/jobs` (async, lease 1 s, upstream timeout 8 s on replica 0 and
+//!   6 s on replica 1, as during a rolling change of `timeout`; probe settle 1 s);
 //! - `POST /v1/idem-jobs` (the same, `upstream_idempotent = true`: the
 //!   upstream deduplicates that path);
 //! - the reload, 40% into the run: `/v1/jobs`' lease becomes 1.5 s,
@@ -25,7 +26,13 @@
 //!   from then on.
 //!
 //! A third of the async requests ask the upstream to work 2-5 s: longer than
-//! the lease, shorter than the timeout. Replica 0 runs its lease reaper every
+//! the lease, shorter than the timeout. A third replica, the prober, runs the
+//! same routes without workers and with a 2 s timeout for the async routes'
+//! upstream: its reconciler probes the others' attempts, and must wait for
+//! the bound each attempt recorded when it was sent (8 s or 6 s), not for its
+//! own 2 s plus settle, which ends while slow work still runs (a probe that
+//! asks then finds nothing, releases the operation, and it runs twice). It is
+//! reloaded with the others and never a victim. Replica 0 runs its lease reaper every
 //! 200 ms, replica 1 every IDEMGATE_SOAK_SWEEP (default 1 s). Take-over of
 //! an attempt that may run again is the workers' (a lease bounds it); a sent
 //! attempt on a plain upstream and a synchronous `in_flight` record still
@@ -59,8 +66,16 @@
 //! coordinator through their fault proxies; the clients' keys spread over six
 //! tenants, three on each worker's shards (a tenant's records live on one
 //! worker), and the restart round takes the nodes in turn (worker 1, the
-//! coordinator, worker 2). A second line `citus: nodes=3 keys=N ...` repeats
-//! the closing line's fields; the same counts must be 0.
+//! coordinator, worker 2), a worker staying down 3.5 s (past every lease)
+//! while the other worker's tenants' requests, async operations, probes and
+//! events go on. Before the replicas start, 34 more tenants (more than the 32
+//! a background round lists) are seeded with work that cannot proceed: a
+//! parked event with a pending one held behind it, and an `unknown` record
+//! backing off after an inconclusive probe, older than anything the clients
+//! do; a tenant list that counted them would starve the clients' events and
+//! probes (events missing, unknown records left). They are deleted before the
+//! final check. A second line `citus: nodes=3 keys=N ...` repeats the closing
+//! line's fields; the same counts must be 0.
 //!
 //! Not part of the default test run: `scripts/soak` (60 s of traffic) or
 //! `scripts/soak --long` (10 min). Tunables: IDEMGATE_SOAK_SECS,
@@ -101,8 +116,18 @@ const SETTLE: &str = "5s";
 /// The async routes' lease, and `/v1/jobs`' after the reload.
 const ASYNC_LEASE_MS: u64 = 1000;
 const RELOADED_LEASE_MS: u64 = 1500;
-/// The async routes' upstream timeout: far longer than their lease.
+/// The async routes' upstream timeout: far longer than their lease. The
+/// longest of the replicas' (replica 0's; see [`JOBS_TIMEOUTS_MS`]).
 const JOBS_TIMEOUT_MS: u64 = 8000;
+/// Each replica's timeout for the async routes' upstream: they differ (a
+/// rolling change of `timeout`), both longer than the slowest work.
+const JOBS_TIMEOUTS_MS: [u64; 2] = [JOBS_TIMEOUT_MS, 6000];
+/// The prober's timeout for that upstream: shorter than the slow work. The
+/// prober is a third replica without workers (it never sends an async
+/// attempt, so its short timeout never cuts one short): its reconciler must
+/// wait for the bound each attempt recorded with its send, not for its own
+/// timeout plus settle (which ends while a slow request is still worked on).
+const PROBER_JOBS_TIMEOUT_MS: u64 = 2000;
 /// Slow async requests make the upstream work this long (ms): past the lease,
 /// within the timeout.
 const SLOW_MS: (u64, u64) = (2000, 5000);
@@ -113,6 +138,8 @@ const SLOW_MS: (u64, u64) = (2000, 5000);
 /// (8 s). A probe timed from `unknown` plus settle, though, would ask while a
 /// slow request is still being worked on.
 const ASYNC_SETTLE: &str = "1s";
+/// How long the Citus soak keeps a worker down: past every lease.
+const WORKER_DOWN: Duration = Duration::from_millis(LEASE_MS + 1500);
 /// "Paused at the upstream": the sender is frozen this long, past its lease.
 const PAUSE_AT_UPSTREAM_MS: u64 = ASYNC_LEASE_MS + 1500;
 /// Accepted operations must be final this long after traffic stops: the
@@ -138,12 +165,11 @@ impl AsyncRoutes {
         )
     }
 
-    /// The `tail` of a replica's config, before or after the reload.
-    fn tail(&self, reloaded: bool) -> String {
-        let mut t = format!(
-            "[[upstreams]]\nname = \"jobs\"\nurl = \"{}\"\nconnect_timeout = \"500ms\"\ntimeout = \"{JOBS_TIMEOUT_MS}ms\"\n\n",
-            self.up
-        );
+    /// The `tail` of a replica's config, before or after the reload, with
+    /// the replica's timeout for the async routes' upstream.
+    fn tail(&self, reloaded: bool, timeout_ms: u64) -> String {
+        let mut t =
+            format!("[[upstreams]]\nname = \"jobs\"\nurl = \"{}\"\nconnect_timeout = \"500ms\"\ntimeout = \"{timeout_ms}ms\"\n\n", self.up);
         t.push_str(&self.route("create_job", "/v1/jobs", if reloaded { RELOADED_LEASE_MS } else { ASYNC_LEASE_MS }, false));
         t.push_str(&self.route("create_idem_job", "/v1/idem-jobs", ASYNC_LEASE_MS, !reloaded));
         if reloaded {
@@ -208,8 +234,10 @@ impl Db {
     /// The nemesis's restart round `n`: an immediate restart of the server,
     /// or on Citus of the next node in turn: worker 1, the coordinator,
     /// worker 2. (A worker first: the short soak of CI has time for one
-    /// restart round, 60 s for two, `--long` for all.) Returns the node's
-    /// index in [`node_names`](Self::node_names).
+    /// restart round, 60 s for two, `--long` for all.) A Citus worker stays
+    /// down [`WORKER_DOWN`], longer than every lease, while the other
+    /// worker's tenants' requests, async operations, probes and events go
+    /// on. Returns the node's index in [`node_names`](Self::node_names).
     fn restart_immediate(&mut self, n: u64) -> usize {
         match self {
             Db::Postgres(pg) => {
@@ -218,8 +246,14 @@ impl Db {
             }
             Db::Citus(cluster) => {
                 let i = [1, 0, 2][(n % 3) as usize].min(cluster.workers.len());
-                let node = if i == 0 { &mut cluster.coordinator } else { &mut cluster.workers[i - 1] };
-                node.restart_immediate().unwrap_or_else(|e| panic!("restart Citus node {i}: {e}"));
+                if i == 0 {
+                    cluster.coordinator.restart_immediate().unwrap_or_else(|e| panic!("restart the Citus coordinator: {e}"));
+                } else {
+                    let worker = &mut cluster.workers[i - 1];
+                    worker.stop_immediate().unwrap_or_else(|e| panic!("stop Citus worker {i}: {e}"));
+                    std::thread::sleep(WORKER_DOWN);
+                    worker.start_again().unwrap_or_else(|e| panic!("start Citus worker {i} again: {e}"));
+                }
                 i
             }
         }
@@ -277,6 +311,17 @@ async fn run(on_citus: bool) {
     let events = |op: &str| format!("[routes.events]\nurl = \"{}\"\ntimeout = \"1s\"\n# {op}", hook.url());
     let async_routes = AsyncRoutes { up: up.url(), hook: hook.url() };
 
+    // On Citus, more tenants than a background round lists, whose work
+    // cannot proceed (held events, backing-off probes), before anything runs.
+    let seeding = Instant::now();
+    let blocked = match &db {
+        Db::Citus(_) => {
+            let seeding = db.backend(url.clone()).open().await;
+            support::soak::seed_blocked_tenants(&seeding, "create_order", &hook.url()).await
+        }
+        Db::Postgres(_) => Vec::new(),
+    };
+    let seeding = seeding.elapsed();
     // Each replica reaches PostgreSQL through its own fault proxy.
     let mut proxies = Vec::new();
     let mut replicas = Vec::new();
@@ -288,11 +333,23 @@ async fn run(on_citus: bool) {
             .sweep_interval(sweep)
             .server(&format!("replica_id = \"soak-{i}\""))
             .route(&format!("lease = \"{LEASE_MS}ms\"\nretention = \"1h\"\n{probe}\n{}", events("orders")))
-            .tail(&async_routes.tail(false));
+            .tail(&async_routes.tail(false, JOBS_TIMEOUTS_MS[i]));
         let gw = Gateway::start(cfg);
         proxies.push(proxy);
         replicas.push(Arc::new(Mutex::new(gw)));
     }
+    // The prober: the same routes, no workers, a shorter timeout; never a
+    // victim of the nemesis, reloaded with the others.
+    let prober_backend = db.backend(url.clone());
+    let prober_config = |reloaded: bool| {
+        GatewayConfig::new(prober_backend.clone(), up.url())
+            .timeout("1s")
+            .sweep_interval("1s")
+            .server("replica_id = \"soak-prober\"")
+            .route(&format!("lease = \"{LEASE_MS}ms\"\nretention = \"1h\"\n{probe}\n{}", events("orders")))
+            .tail(&format!("{}\n[workers]\ncount = 0", async_routes.tail(reloaded, PROBER_JOBS_TIMEOUT_MS)))
+    };
+    let mut prober = Gateway::start(prober_config(false));
     let urls: Vec<String> = replicas.iter().map(|g| g.lock().unwrap().url("/v1/orders")).collect();
     let bases: Vec<String> = replicas.iter().map(|g| g.lock().unwrap().url("")).collect();
     let store = db.backend(url.clone()).open().await;
@@ -343,7 +400,7 @@ async fn run(on_citus: bool) {
             let at = started.elapsed();
             for (i, g) in replicas.iter().enumerate() {
                 let g = g.clone();
-                let tail = async_routes.tail(true);
+                let tail = async_routes.tail(true, JOBS_TIMEOUTS_MS[i]);
                 let said = tokio::task::spawn_blocking(move || {
                     let mut g = g.lock().unwrap();
                     let mut cfg = g.config.clone();
@@ -361,6 +418,9 @@ async fn run(on_citus: bool) {
                     Err(logs) => panic!("replica {i} did not reload:\n{logs}"),
                 }
             }
+            let reloaded_prober = prober_config(true);
+            tokio::task::block_in_place(|| prober.reload(reloaded_prober, Duration::from_secs(10)))
+                .unwrap_or_else(|logs| panic!("the prober did not reload:\n{logs}"));
             // Clients use the added route from now on.
             async_tasks.extend(spawn_async_clients(jobs_clients, 200, &bases, &routes[2].1, deadline, &routes[2].2, &posting));
             // The upstream stops deduplicating once every replica runs the
@@ -428,7 +488,10 @@ async fn run(on_citus: bool) {
                 restarts[node] += 1;
                 log.push(match &db {
                     Db::Postgres(_) => "PostgreSQL immediate restart".to_owned(),
-                    Db::Citus(_) => format!("Citus {} immediate restart", nodes[node]),
+                    Db::Citus(_) if node == 0 => format!("Citus {} immediate restart", nodes[node]),
+                    Db::Citus(_) => {
+                        format!("Citus {} stopped for {} ms (past every lease), started again", nodes[node], WORKER_DOWN.as_millis())
+                    }
                 });
             }
             4 => match at_upstream(&up, &store, &routes, &tenants, Duration::from_secs(4), |_| true).await {
@@ -477,6 +540,10 @@ async fn run(on_citus: bool) {
     tokio::time::sleep((traffic_stopped + FINAL_WITHIN).saturating_duration_since(Instant::now())).await;
     let now = store.now().await.expect("store clock");
     let async_stuck = open_operations(&store).await;
+    // The seeded tenants' work never proceeds (by design): out of the check.
+    if !blocked.is_empty() {
+        support::soak::remove_blocked_tenants(&url).await;
+    }
     // Replica 0 comes back for the rest of the check.
     let g = replicas[0].clone();
     tokio::task::spawn_blocking(move || g.lock().unwrap().restart()).await.unwrap();
@@ -571,6 +638,16 @@ async fn run(on_citus: bool) {
         sweeps[0], sweeps[1]
     );
     println!("  tenants:                   {tenants_line}");
+    if !blocked.is_empty() {
+        println!(
+            "  seeded:                    {} tenants with a parked event (one held behind it) and a backing-off probe each, in {:.1}s",
+            blocked.len(),
+            seeding.as_secs_f64()
+        );
+    }
+    println!(
+        "  prober:                    no workers, async upstream timeout {PROBER_JOBS_TIMEOUT_MS} ms (replicas: {JOBS_TIMEOUTS_MS:?} ms)"
+    );
     for l in &log {
         println!("  nemesis: {l}");
     }

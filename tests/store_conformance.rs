@@ -75,11 +75,14 @@ on_both_stores!(
     racing_reconcilers_take_each_record_once,
     the_reaper_decides_from_the_row_it_locked,
     probes_wait_until_the_attempt_cannot_be_at_the_upstream,
+    probes_wait_for_the_bound_the_attempt_recorded,
+    an_operation_that_may_have_executed_runs_again_only_on_a_reforwardable_route,
     a_released_operation_starts_a_fresh_attempt_budget,
     a_parked_event_holds_the_later_events_of_its_scope,
     events_held_back_beyond_any_window_do_not_hide_deliverable_ones,
     workers_take_over_expired_attempts_that_may_run_again,
     stored_requests_are_dropped_once_the_operation_is_final,
+    a_requeue_that_may_have_executed_keeps_the_fact_and_its_backoff,
 );
 
 // The same cases on a Citus cluster (issue 30). Not here:
@@ -123,12 +126,15 @@ on_citus!(
     probes_take_due_unknown_records_and_their_writes_are_fenced,
     racing_reconcilers_take_each_record_once,
     probes_wait_until_the_attempt_cannot_be_at_the_upstream,
+    probes_wait_for_the_bound_the_attempt_recorded,
+    an_operation_that_may_have_executed_runs_again_only_on_a_reforwardable_route,
     a_released_operation_starts_a_fresh_attempt_budget,
     a_parked_event_holds_the_later_events_of_its_scope,
     workers_take_over_expired_attempts_that_may_run_again,
     stored_requests_are_dropped_once_the_operation_is_final,
     unknown_records_are_counted_by_age_in_one_grouped_count,
     events_held_back_beyond_any_window_do_not_hide_deliverable_ones,
+    a_requeue_that_may_have_executed_keeps_the_fact_and_its_backoff,
 );
 
 // ---------------------------------------------------------------------------
@@ -141,6 +147,8 @@ const SHORT: Duration = Duration::from_millis(150);
 const PAST_SHORT: Duration = Duration::from_millis(250);
 /// A lease or retention that does not end within the test.
 const LONG: Duration = Duration::from_secs(60);
+/// The upstream timeout async attempts are marked sent with.
+const AT_UPSTREAM: Duration = Duration::from_secs(1);
 
 fn store_config(backend: &Backend, timeout: Duration, pool_size: usize) -> StoreConfig {
     let backend = match backend {
@@ -1030,7 +1038,7 @@ async fn stored_requests_are_dropped_once_the_operation_is_final(backend: Backen
     claim(&store, &accept_req(&done, 1)).await;
     assert_eq!(stored_request(&backend, &done).await, stored, "queued: kept");
     let t = take(&store, &routes, "w").await.unwrap();
-    assert_eq!(store.mark_sent(&t.claim).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(store.mark_sent(&t.claim, AT_UPSTREAM).await.unwrap(), WriteOutcome::Written);
     assert_eq!(stored_request(&backend, &done).await, stored, "processing: kept");
     assert_eq!(store.complete(&t.claim, &response(201, b"done"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Written);
     assert_eq!(row(&store, &done).await.state, State::Completed);
@@ -1049,7 +1057,7 @@ async fn stored_requests_are_dropped_once_the_operation_is_final(backend: Backen
     let unsure = key("req-unknown");
     claim(&store, &accept_req(&unsure, 1)).await;
     let t = take(&store, &routes, "w").await.unwrap();
-    assert_eq!(store.mark_sent(&t.claim).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(store.mark_sent(&t.claim, AT_UPSTREAM).await.unwrap(), WriteOutcome::Written);
     assert_eq!(store.fail(&t.claim, Retention::For(LONG), lost).await.unwrap(), WriteOutcome::Written);
     assert_eq!(row(&store, &unsure).await.state, State::Unknown);
     assert_eq!(stored_request(&backend, &unsure).await, stored, "unknown: kept");
@@ -1059,7 +1067,7 @@ async fn stored_requests_are_dropped_once_the_operation_is_final(backend: Backen
     );
     let again = take(&store, &routes, "w").await.expect("re-queued");
     assert_eq!(again.request, Bytes::from_static(b"stored request"));
-    assert_eq!(store.mark_sent(&again.claim).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(store.mark_sent(&again.claim, AT_UPSTREAM).await.unwrap(), WriteOutcome::Written);
     assert_eq!(store.fail(&again.claim, Retention::For(LONG), lost).await.unwrap(), WriteOutcome::Written);
     let by_hand = Resolution::Complete { response: response(201, b"by hand"), retention: Retention::For(LONG), force: false };
     assert_eq!(
@@ -1219,7 +1227,7 @@ async fn a_take_for_several_workers_draws_each_operation_once_and_their_sends_ar
     let mut claims: Vec<Claim> = taken.iter().map(|t| t.claim.clone()).collect();
     claims.push(forged);
     claims.push(short.claim.clone());
-    let sent = futures_util::future::join_all(claims.iter().map(|c| store.mark_sent(c))).await;
+    let sent = futures_util::future::join_all(claims.iter().map(|c| store.mark_sent(c, AT_UPSTREAM))).await;
     for (i, (c, outcome)) in claims.iter().zip(&sent).enumerate() {
         let expected = if i < N { WriteOutcome::Written } else { WriteOutcome::Fenced };
         assert_eq!(outcome.as_ref().expect("mark_sent"), &expected, "{}", c.scope.key.as_str());
@@ -1245,7 +1253,7 @@ async fn a_worker_whose_lease_was_taken_over_cannot_act(backend: Backend) {
     let held = row(&store, &s).await;
     // A wakes up: nothing it tries applies.
     assert_eq!(store.heartbeat(&a.claim, LONG).await.unwrap(), WriteOutcome::Fenced);
-    assert_eq!(store.mark_sent(&a.claim).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(store.mark_sent(&a.claim, AT_UPSTREAM).await.unwrap(), WriteOutcome::Fenced);
     assert_eq!(store.complete(&a.claim, &response(201, b"late"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Fenced);
     assert_eq!(store.requeue(&a.claim, Duration::ZERO, RetryNote::default()).await.unwrap(), WriteOutcome::Fenced);
     assert_eq!(store.fail(&a.claim, Retention::For(LONG), RetryNote::default()).await.unwrap(), WriteOutcome::Fenced);
@@ -1253,7 +1261,7 @@ async fn a_worker_whose_lease_was_taken_over_cannot_act(backend: Backend) {
     assert_eq!(row(&store, &s).await, held, "B's attempt is untouched");
     // B heartbeats, sends and completes.
     assert_eq!(store.heartbeat(&b.claim, LONG).await.unwrap(), WriteOutcome::Written);
-    assert_eq!(store.mark_sent(&b.claim).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(store.mark_sent(&b.claim, AT_UPSTREAM).await.unwrap(), WriteOutcome::Written);
     assert!(row(&store, &s).await.sent_at.is_some());
     assert_eq!(store.complete(&b.claim, &response(201, b"done"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Written);
     let done = row(&store, &s).await;
@@ -1264,7 +1272,7 @@ async fn a_worker_whose_lease_was_taken_over_cannot_act(backend: Backend) {
     claim(&store, &accept_req(&late, 1)).await;
     let l = take(&store, &routes_short, "worker-c").await.unwrap();
     tokio::time::sleep(PAST_SHORT).await;
-    assert_eq!(store.mark_sent(&l.claim).await.unwrap(), WriteOutcome::Fenced);
+    assert_eq!(store.mark_sent(&l.claim, AT_UPSTREAM).await.unwrap(), WriteOutcome::Fenced);
     assert_eq!(row(&store, &late).await.sent_at, None);
 }
 
@@ -1282,7 +1290,7 @@ async fn lease_expiry_requeues_what_was_never_sent_or_may_run_again(backend: Bac
     let mut held = Vec::new();
     while let Some(t) = take(&store, &routes, "w").await {
         if t.record.scope != unsent {
-            assert_eq!(store.mark_sent(&t.claim).await.unwrap(), WriteOutcome::Written);
+            assert_eq!(store.mark_sent(&t.claim, AT_UPSTREAM).await.unwrap(), WriteOutcome::Written);
         }
         held.push(t);
     }
@@ -1353,6 +1361,24 @@ async fn retries_wait_their_backoff_then_fail_and_are_swept_after_retention(back
     assert_eq!(row(&store, &fresh).await.operation_id.as_deref(), Some("op_renewed"));
     assert_eq!(store.sweep(10).await.unwrap(), 1, "the expired failed operation is swept");
     assert_eq!(get(&store, &s).await, None);
+}
+
+/// A re-queue of an attempt that may have executed (an `upstream_idempotent`
+/// route's retry after a lost answer) records that fact and waits its
+/// backoff like any other retry.
+async fn a_requeue_that_may_have_executed_keeps_the_fact_and_its_backoff(backend: Backend) {
+    let store = open(&backend).await;
+    let s = key("requeued-maybe");
+    claim(&store, &accept_req(&s, 1)).await;
+    let routes = [worker_route("create_order", LONG)];
+    let t1 = take(&store, &routes, "w").await.unwrap();
+    assert_eq!(store.mark_sent(&t1.claim, AT_UPSTREAM).await.unwrap(), WriteOutcome::Written);
+    let lost = RetryNote { last_status: Some(504), maybe_executed: true };
+    assert_eq!(store.requeue(&t1.claim, Duration::from_millis(400), lost).await.unwrap(), WriteOutcome::Written);
+    let queued = row(&store, &s).await;
+    assert_eq!((queued.state, queued.last_status, queued.sent_at), (State::Queued, Some(504), None));
+    assert!(queued.maybe_executed, "the lost answer is remembered");
+    assert!(take(&store, &routes, "w").await.is_none(), "not due before its backoff");
 }
 
 async fn stats_count_records_that_are_not_completed(backend: Backend) {
@@ -1514,8 +1540,11 @@ fn probe_route(operation: &str, settle: Duration) -> ProbeRoute {
     ProbeRoute { operation: operation.into(), settle, at_upstream: Duration::ZERO }
 }
 
+/// A synchronous attempt that timed out: `unknown`. Its claim's lease
+/// (`SHORT`) bounds its time at the upstream: probes take it once that has
+/// run out (sleep `PAST_SHORT`).
 async fn unknown(store: &Store, s: &Scope) -> Claim {
-    let c = claim(store, &req(s, 1, LONG, false)).await;
+    let c = claim(store, &req(s, 1, SHORT, false)).await;
     store.mark_unknown(&c).await.unwrap();
     c
 }
@@ -1535,6 +1564,8 @@ async fn probes_take_due_unknown_records_and_their_writes_are_fenced(backend: Ba
     unknown(&store, &u2).await;
     claim(&store, &req(&key("live"), 1, LONG, false)).await;
     unknown(&store, &scope("acme", "billing", "not_probed", "u")).await;
+    // Their claims' leases bound their attempts: wait them out.
+    tokio::time::sleep(PAST_SHORT).await;
 
     // Not settled yet: nothing.
     assert!(store.take_probes(&[probe_route("create_order", LONG)], LONG, 10).await.unwrap().is_empty());
@@ -1571,6 +1602,7 @@ async fn probes_take_due_unknown_records_and_their_writes_are_fenced(backend: Ba
     // cannot write to it, and it is due at once.
     let c2 = unknown(&store, &u2).await;
     assert_eq!(store.resolve_probed(&u2, &complete, &by_probe, f2).await.unwrap(), ResolveOutcome::Refused(Refused::Fenced));
+    tokio::time::sleep(PAST_SHORT).await;
     let fresh = store.take_probes(&routes, LONG, 10).await.unwrap();
     assert_eq!((fresh.len(), fresh[0].record.generation, fresh[0].attempts), (1, c2.generation, 0));
 
@@ -1578,6 +1610,7 @@ async fn probes_take_due_unknown_records_and_their_writes_are_fenced(backend: Ba
     // the first one's late write is fenced off.
     let u3 = key("u3");
     unknown(&store, &u3).await;
+    tokio::time::sleep(PAST_SHORT).await;
     let first = store.take_probes(&routes, SHORT, 10).await.unwrap();
     assert_eq!(keys_of(&first.iter().map(|t| t.record.clone()).collect::<Vec<_>>()), ["u3"]);
     tokio::time::sleep(PAST_SHORT).await;
@@ -1608,6 +1641,7 @@ async fn racing_reconcilers_take_each_record_once(backend: Backend) {
     for i in 0..30 {
         unknown(&store, &key(&format!("r{i:02}"))).await;
     }
+    tokio::time::sleep(PAST_SHORT).await;
     let routes = [probe_route("create_order", Duration::ZERO)];
     let taker = |store: Store| {
         let routes = routes.clone();
@@ -2247,7 +2281,7 @@ async fn the_reaper_decides_from_the_row_it_locked(backend: Backend) {
             let marking = {
                 let store = store.clone();
                 let claim = t_sent.claim.clone();
-                tokio::spawn(async move { store.mark_sent(&claim).await })
+                tokio::spawn(async move { store.mark_sent(&claim, AT_UPSTREAM).await })
             };
             // mark_sent is waiting for the row; its clock says the lease is valid.
             until_a_lock_is_awaited(&busy, "transactionid").await;
@@ -2273,7 +2307,7 @@ async fn the_reaper_decides_from_the_row_it_locked(backend: Backend) {
         Backend::Sqlite { .. } => {
             // One writer: mark_sent and the reaper cannot interleave; the
             // same decision from the order they commit in.
-            assert_eq!(store.mark_sent(&t_sent.claim).await.unwrap(), WriteOutcome::Written);
+            assert_eq!(store.mark_sent(&t_sent.claim, AT_UPSTREAM).await.unwrap(), WriteOutcome::Written);
             tokio::time::sleep(lease + Duration::from_millis(100)).await;
             assert_eq!(store.reap_leases(10, &[]).await.unwrap(), Reaped { unknown: 1, requeued: 1 });
         }
@@ -2315,7 +2349,7 @@ async fn probes_wait_until_the_attempt_cannot_be_at_the_upstream(backend: Backen
     // An async attempt marked sent, then its lease ran out: unknown too.
     claim(&store, &accept_req(&queued, 1)).await;
     let t = take(&store, &[worker_route("create_order", SHORT)], "w").await.expect("taken");
-    assert_eq!(store.mark_sent(&t.claim).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(store.mark_sent(&t.claim, at_upstream).await.unwrap(), WriteOutcome::Written);
     // The last send: both attempts may be at the upstream until
     // `at_upstream` after it (measured from here, not from before the
     // claims: on a slower store those take a noticeable part of it).
@@ -2328,6 +2362,69 @@ async fn probes_wait_until_the_attempt_cannot_be_at_the_upstream(backend: Backen
     assert_eq!(key_set(&taken.iter().map(|p| p.record.clone()).collect::<Vec<_>>()), set(&["sync", "async"]));
 }
 
+/// What bounds an attempt's time at the upstream is what the attempt
+/// recorded (async: the timeout it was marked sent with; synchronous: its
+/// claim's lease), not the probing replica's timeout: a prober whose own
+/// timeout is far shorter (a rolling change of `timeout`) waits for the
+/// recorded bound. An async record sent without a bound (before it was
+/// recorded) waits at least `UNRECORDED_AT_UPSTREAM`.
+async fn probes_wait_for_the_bound_the_attempt_recorded(backend: Backend) {
+    let store = open(&backend).await;
+    let (sync, queued, legacy) = (key("sync"), key("async"), key("legacy"));
+    let recorded = Duration::from_millis(1500);
+    // The prober's own timeout and settle: nothing.
+    let route = ProbeRoute { operation: "create_order".into(), settle: Duration::ZERO, at_upstream: Duration::ZERO };
+    // A synchronous attempt under a lease as long as its sender's timeout, timed out: unknown.
+    let c = claim(&store, &req(&sync, 1, recorded, false)).await;
+    assert_eq!(store.mark_unknown(&c).await.unwrap(), WriteOutcome::Written);
+    // Async attempts sent with that timeout, their leases run out: unknown.
+    for s in [&queued, &legacy] {
+        claim(&store, &accept_req(s, 1)).await;
+    }
+    for _ in 0..2 {
+        let t = take(&store, &[worker_route("create_order", SHORT)], "w").await.expect("taken");
+        assert_eq!(store.mark_sent(&t.claim, recorded).await.unwrap(), WriteOutcome::Written);
+    }
+    let sent = Instant::now();
+    // The legacy record: sent by a version that recorded no bound.
+    raw_sql(&backend, "UPDATE idemgate_records SET at_upstream_until = NULL WHERE idempotency_key = 'legacy'").await;
+    tokio::time::sleep(PAST_SHORT).await;
+    assert_eq!(store.reap_leases(10, &[]).await.unwrap(), Reaped { unknown: 2, requeued: 0 });
+    assert!(store.take_probes(std::slice::from_ref(&route), SHORT, 10).await.unwrap().is_empty(), "all may still be at the upstream");
+    tokio::time::sleep(recorded.saturating_sub(sent.elapsed()) + Duration::from_millis(200)).await;
+    let taken = store.take_probes(std::slice::from_ref(&route), SHORT, 10).await.unwrap();
+    assert_eq!(key_set(&taken.iter().map(|p| p.record.clone()).collect::<Vec<_>>()), set(&["sync", "async"]));
+    assert_eq!(idemgate::store::UNRECORDED_AT_UPSTREAM, Duration::from_secs(3600), "the legacy record waits an hour");
+}
+
+/// An operation that may have executed (an earlier attempt's answer was
+/// lost on a route that then deduplicated upstream) runs again only while
+/// the route in force is `upstream_idempotent`: once a reload turned that
+/// off, an expired attempt of it is neither taken over nor re-queued, even
+/// when that attempt itself never sent; the reaper makes it `unknown`.
+async fn an_operation_that_may_have_executed_runs_again_only_on_a_reforwardable_route(backend: Backend) {
+    let store = open(&backend).await;
+    let s = key("flipped");
+    claim(&store, &accept_req(&s, 1)).await;
+    let idempotent = [WorkerRoute { operation: "create_order".into(), lease: LONG, reforwardable: true }];
+    let t1 = take(&store, &idempotent, "w").await.unwrap();
+    assert_eq!(store.mark_sent(&t1.claim, AT_UPSTREAM).await.unwrap(), WriteOutcome::Written);
+    let lost = RetryNote { last_status: None, maybe_executed: true };
+    assert_eq!(store.requeue(&t1.claim, Duration::ZERO, lost).await.unwrap(), WriteOutcome::Written);
+    // The reload: the route no longer deduplicates. A worker takes the
+    // operation (its attempt decides not to send it) and dies before
+    // writing anything.
+    let plain = [WorkerRoute { operation: "create_order".into(), lease: SHORT, reforwardable: false }];
+    let t2 = take(&store, &plain, "w2").await.unwrap();
+    assert!(t2.record.maybe_executed);
+    assert!(!record::may_forward(&t2.record, false), "the attempt must not send it");
+    assert!(record::may_forward(&t2.record, true));
+    tokio::time::sleep(PAST_SHORT).await;
+    assert!(take(&store, &plain, "w3").await.is_none(), "not taken over");
+    assert_eq!(store.reap_leases(10, &[]).await.unwrap(), Reaped { unknown: 1, requeued: 0 });
+    assert_eq!(row(&store, &s).await.state, State::Unknown);
+}
+
 /// An operator (or a probe's "absent") who releases an async operation says
 /// "it did not happen, run it": the operation goes back to the queue with a
 /// fresh attempt budget. Keeping the used-up count failed it at the next take
@@ -2338,7 +2435,7 @@ async fn a_released_operation_starts_a_fresh_attempt_budget(backend: Backend) {
     claim(&store, &accept_req(&s, 1)).await;
     let routes = [worker_route("create_order", LONG)];
     let t = take(&store, &routes, "w").await.expect("taken");
-    assert_eq!(store.mark_sent(&t.claim).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(store.mark_sent(&t.claim, AT_UPSTREAM).await.unwrap(), WriteOutcome::Written);
     let timed_out = RetryNote { last_status: None, maybe_executed: true };
     assert_eq!(store.fail(&t.claim, Retention::For(LONG), timed_out).await.unwrap(), WriteOutcome::Written);
     assert_eq!((row(&store, &s).await.state, row(&store, &s).await.attempts), (State::Unknown, 1));
@@ -2440,7 +2537,7 @@ async fn workers_take_over_expired_attempts_that_may_run_again(backend: Backend)
     while let Some(t) = take(&store, &routes, "w1").await {
         assert!(!t.lease_expired, "from the queue");
         if t.record.scope != unsent {
-            assert_eq!(store.mark_sent(&t.claim).await.unwrap(), WriteOutcome::Written);
+            assert_eq!(store.mark_sent(&t.claim, AT_UPSTREAM).await.unwrap(), WriteOutcome::Written);
         }
         held.push(t);
     }
@@ -2455,7 +2552,7 @@ async fn workers_take_over_expired_attempts_that_may_run_again(backend: Backend)
         assert!(t.claim.generation > old.claim.generation);
         assert_eq!((t.record.attempts, t.record.sent_at), (2, None));
         assert_eq!(t.record.maybe_executed, t.record.scope == dedup, "sent before: it may have executed");
-        assert_eq!(store.mark_sent(&old.claim).await.unwrap(), WriteOutcome::Fenced, "the old holder is fenced");
+        assert_eq!(store.mark_sent(&old.claim, AT_UPSTREAM).await.unwrap(), WriteOutcome::Fenced, "the old holder is fenced");
         taken_over.insert(t.record.scope.key.as_str().to_owned());
     }
     assert_eq!(taken_over, set(&["unsent", "dedup"]));

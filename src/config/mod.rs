@@ -21,7 +21,7 @@ pub use error::{ConfigError, ConfigIssue};
 pub use hardening::{ConfigWarning, Hardening};
 
 use crate::request::identity::IdentitySource;
-use crate::request::route::{Route, UpstreamId};
+use crate::request::route::{Route, RouteMode, UpstreamId};
 pub use crate::secret::Secret;
 pub use crate::store::{StoreBackend, StoreConfig};
 use crate::tls::server::ListenerTls;
@@ -175,24 +175,42 @@ impl Config {
     /// Logs each warning (at start and after a reload).
     /// What `check-config` explains about the routes' numbers (not errors,
     /// not insecure): when a reconciliation probe may first ask about an
-    /// `unknown` record. A record is probed no sooner than the upstream's
-    /// timeout plus `settle` after its attempt was sent; on a route whose
-    /// lease is shorter than that timeout (async: heartbeats renew it), a
-    /// record turns `unknown` long before its first probe.
+    /// `unknown` record. An async attempt is probed no sooner than the
+    /// timeout it was sent with plus `settle` after its send; a synchronous
+    /// one no sooner than its claim's lease (which outlasts the upstream's
+    /// timeout) plus `settle` after its claim. On a route whose lease is
+    /// shorter than the timeout (async: heartbeats renew it), a record turns
+    /// `unknown` long before its first probe.
     pub fn notes(&self) -> Vec<String> {
         let mut notes = Vec::new();
         for (i, r) in self.routes.iter().enumerate() {
             let (Some(probe), Some(up)) = (&r.reconcile, self.upstreams.get(r.upstream)) else { continue };
             let first = up.timeout + probe.settle;
-            let mut note = format!(
-                "routes[{i}].reconcile: an unknown record of {} is probed no sooner than {} after its attempt was sent \
-                 (upstream {} timeout {} + settle {}): until then the request may still be at the upstream",
-                r.operation,
-                humantime::format_duration(first),
-                up.name,
-                humantime::format_duration(up.timeout),
-                humantime::format_duration(probe.settle),
-            );
+            let fmt = humantime::format_duration;
+            let mut note = if r.mode == RouteMode::Async {
+                format!(
+                    "routes[{i}].reconcile: an unknown operation of {} is probed no sooner than {} after its attempt was sent \
+                     (upstream {} timeout {} + settle {}; an attempt sent by a replica with another timeout waits for that one): \
+                     until then the request may still be at the upstream",
+                    r.operation,
+                    fmt(first),
+                    up.name,
+                    fmt(up.timeout),
+                    fmt(probe.settle),
+                )
+            } else {
+                format!(
+                    "routes[{i}].reconcile: an unknown record of {} is probed no sooner than {} after it was claimed \
+                     (its lease {}, which outlasts upstream {}'s timeout {}, + settle {}): until then the request may still be \
+                     at the upstream",
+                    r.operation,
+                    fmt(r.lease + probe.settle),
+                    fmt(r.lease),
+                    up.name,
+                    fmt(up.timeout),
+                    fmt(probe.settle),
+                )
+            };
             if r.lease < up.timeout {
                 note.push_str(&format!(
                     "; its lease ({}) is shorter than that timeout, so a lost attempt turns unknown after one lease and waits \

@@ -741,6 +741,9 @@ fn check_config_explains_when_a_probe_may_first_ask() {
         notes[0]
     );
     assert!(notes[0].contains("lease (1s) is shorter") && notes[0].contains("about 3s more"), "{}", notes[0]);
+    // Synchronous: the claim's lease (the default, timeout + 5s) bounds the attempt.
+    let sync = parse(&minimal("[routes.reconcile]\nprobe = \"GET /o/{derived_key}\"\nsettle = \"2s\"")).unwrap().notes();
+    assert!(sync[0].contains("no sooner than 9s after it was claimed") && sync[0].contains("its lease 7s"), "{}", sync[0]);
     assert!(parse(&minimal("")).unwrap().notes().is_empty(), "no probe, nothing to explain");
 }
 

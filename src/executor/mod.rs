@@ -25,7 +25,7 @@ use tokio_util::task::TaskTracker;
 use crate::executor::classify::{Class, SyncWrite};
 use crate::executor::waiters::{Recording, Waiters};
 use crate::idempotency::outcome::{AttemptOutcome, Outcome};
-use crate::idempotency::record::StoredResponse;
+use crate::idempotency::record::{StoredResponse, may_forward};
 use crate::problem::GatewayError;
 use crate::request::async_op::StoredRequest;
 use crate::request::route::{ForwardKey, ReplayMode, Route};
@@ -237,7 +237,12 @@ impl Executor {
         slot: Option<Slot>,
     ) -> Result<(Response<Body>, Outcome, Option<ResultWrite<'a>>), GatewayError> {
         let upstream_timeout = self.upstreams[route.upstream].config.timeout;
-        let exchange = self.exchange_in(slot, route, claim, parts, body).await;
+        // Never past the claim's lease: a process that learns of its claim
+        // late, or is stopped between its claim and its send, sends nothing
+        // once the lease may have run out (the reaper, a probe or a take-over
+        // may have acted by then). Otherwise the upstream's timeout from now.
+        let deadline = (tokio::time::Instant::now() + upstream_timeout).min(claim.asked_at + route.lease);
+        let exchange = self.exchange_in(slot, route, claim, parts, body, deadline).await;
         // What the record becomes is the classifier's word (observe mode
         // writes by the same table); a completion is written after the
         // answer, by `ResultWrite`.
@@ -360,6 +365,15 @@ impl Executor {
                 );
             }
         };
+        if !may_forward(&taken.record, route.upstream_idempotent) {
+            // An earlier attempt may have executed and the route in force no
+            // longer deduplicates upstream (a reload turned
+            // `upstream_idempotent` off): never sent again, unknown.
+            recording.store(true, Ordering::Release);
+            tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), generation = %claim.generation,
+                "an earlier attempt may have executed and the route is not upstream_idempotent: not forwarded again; unknown");
+            return self.record_async(route, claim, self.store.mark_unknown(claim).await, AttemptOutcome::Unknown);
+        }
         if attempts > i32::try_from(route.retry.max_attempts).unwrap_or(i32::MAX) {
             // Lease expiries re-queued it after the last allowed attempt took it.
             recording.store(true, Ordering::Release);
@@ -370,7 +384,13 @@ impl Executor {
                 AttemptOutcome::Failed,
             );
         }
-        match self.store.mark_sent(claim).await {
+        // The exchange's deadline starts before the send is recorded, so
+        // that the bound recorded with it (`sent_at` plus the timeout, in
+        // the database's time, which is later) holds for the whole exchange,
+        // however long this process takes between the two.
+        let timeout = self.upstreams[route.upstream].config.timeout;
+        let deadline = tokio::time::Instant::now() + timeout;
+        match self.store.mark_sent(claim, timeout).await {
             Ok(WriteOutcome::Written) => {}
             Ok(WriteOutcome::Fenced) => return AttemptOutcome::LostLease,
             Err(e) => {
@@ -381,7 +401,7 @@ impl Executor {
             }
         }
         let (parts, body) = request;
-        let exchanged = self.exchange_in(slot, route, claim, parts, body).await;
+        let exchanged = self.exchange_in(slot, route, claim, parts, body, deadline).await;
         // From here on, every branch writes the attempt's outcome.
         recording.store(true, Ordering::Release);
         match exchanged {
@@ -451,21 +471,40 @@ impl Executor {
 
     /// [`Executor::exchange`] holding `slot` (if any), which then learns
     /// what the exchange took and is freed.
-    pub async fn exchange_in(&self, slot: Option<Slot>, route: &Route, claim: &Claim, parts: request::Parts, body: Bytes) -> Exchange {
+    pub async fn exchange_in(
+        &self,
+        slot: Option<Slot>,
+        route: &Route,
+        claim: &Claim,
+        parts: request::Parts,
+        body: Bytes,
+        deadline: tokio::time::Instant,
+    ) -> Exchange {
         let started = Instant::now();
-        let exchange = self.exchange(route, claim, parts, body).await;
+        let exchange = self.exchange(route, claim, parts, body, deadline).await;
         if let (Some(mut slot), Some(sample)) = (slot, exchange.sample(started.elapsed())) {
             slot.record(sample);
         }
         exchange
     }
 
-    /// Forwards the claimed request once and classifies what came back.
-    /// Records nothing.
-    pub async fn exchange(&self, route: &Route, claim: &Claim, parts: request::Parts, body: Bytes) -> Exchange {
+    /// Forwards the claimed request once, by `deadline` (the upstream's
+    /// timeout from the start of the attempt), and classifies what came
+    /// back. Records nothing. A deadline already past sends nothing.
+    pub async fn exchange(
+        &self,
+        route: &Route,
+        claim: &Claim,
+        parts: request::Parts,
+        body: Bytes,
+        deadline: tokio::time::Instant,
+    ) -> Exchange {
         let upstream = &self.upstreams[route.upstream];
         let started = Instant::now();
-        let deadline = tokio::time::Instant::now() + upstream.config.timeout;
+        if tokio::time::Instant::now() >= deadline {
+            let detail = "the attempt's deadline passed before its request could leave".to_owned();
+            return Exchange::NotSent(UpstreamError::NotSent { upstream: upstream.name().to_owned(), detail });
+        }
         let key_value = match route.forward_key {
             ForwardKey::Derived => {
                 // Known before any claim can be made (see `secret::DerivedKeySecret`);

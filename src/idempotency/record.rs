@@ -274,6 +274,18 @@ pub fn may_take_over(record: &Record, request_hash: &Fingerprint, now: Timestamp
     }
 }
 
+/// Whether an async operation may be forwarded (again) by a new attempt:
+/// nothing it was sent as may have executed (no earlier attempt's answer was
+/// lost, `maybe_executed`, and the current attempt, if any, never sent), or
+/// the route in force now deduplicates upstream (`reforwardable`: its
+/// `upstream_idempotent`). Decided from the record's facts and the route as
+/// configured now, never from how the route was configured when an earlier
+/// attempt ran: a reload that turns `upstream_idempotent` off stops every
+/// re-forward from then on.
+pub fn may_forward(record: &Record, reforwardable: bool) -> bool {
+    reforwardable || (!record.maybe_executed && record.sent_at.is_none())
+}
+
 /// Something that changes a record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Event {
@@ -368,9 +380,10 @@ pub fn transition(record: &Record, event: Event, now: Timestamp) -> Result<Next,
         Event::LeaseExpired { reforwardable } => match record.state {
             State::InFlight | State::Processing if lease_live => Err(Refused::LeaseLive),
             State::InFlight => to(State::Unknown),
-            // Never sent (proved by the durable sent_at), or sent to an upstream
-            // that deduplicates: another attempt is safe. Else unknown.
-            State::Processing if record.sent_at.is_none() || reforwardable => to(State::Queued),
+            // Never sent (proved by the durable sent_at) and no earlier
+            // attempt may have executed, or the route in force deduplicates
+            // upstream: another attempt is safe. Else unknown.
+            State::Processing if may_forward(record, reforwardable) => to(State::Queued),
             State::Processing => to(State::Unknown),
             other => Err(Refused::NotAllowed(other)),
         },
@@ -640,6 +653,23 @@ mod tests {
         assert_eq!(expiry(true, true), to(State::Queued), "the upstream deduplicates by the derived key");
         let live = async_op(State::Processing, Some(5), true);
         assert_eq!(transition(&live, Event::LeaseExpired { reforwardable: true }, NOW), Err(Refused::LeaseLive));
+        // This attempt never sent, but an earlier one's answer was lost: only
+        // a route that deduplicates now may run it again.
+        let ran_before = Record { maybe_executed: true, ..async_op(State::Processing, Some(-1), false) };
+        let expiry = |reforwardable| transition(&ran_before, Event::LeaseExpired { reforwardable }, NOW);
+        assert_eq!(expiry(false), to(State::Unknown), "the route no longer deduplicates");
+        assert_eq!(expiry(true), to(State::Queued));
+    }
+
+    #[test]
+    fn an_operation_is_forwarded_again_only_if_nothing_of_it_may_have_executed_or_the_route_deduplicates() {
+        let queued = async_op(State::Queued, None, false);
+        assert!(may_forward(&queued, false) && may_forward(&queued, true));
+        let ran_before = Record { maybe_executed: true, ..queued.clone() };
+        assert!(!may_forward(&ran_before, false), "an earlier attempt may have executed");
+        assert!(may_forward(&ran_before, true), "the upstream deduplicates by the derived key");
+        let sent = async_op(State::Processing, Some(-1), true);
+        assert!(!may_forward(&sent, false) && may_forward(&sent, true));
     }
 
     #[test]

@@ -41,6 +41,7 @@ migrations! {
     11 "0011_scope_id_leads_primary_key",
     12 "0012_audit_caller",
     13 "0013_console_reads",
+    14 "0014_attempt_bound",
 }
 
 /// The `idemgate_settings` row holding the derived-key secret.

@@ -35,8 +35,8 @@ use uuid::Uuid;
 pub use crate::telemetry::stats::{EventStats, ForeverCount, StateCount};
 pub use contract::{
     Acceptance, Claim, ClaimOutcome, ClaimRequest, Events, Inspection, Lifecycle, ListCursor, ListFilter, ProbeFence, ProbeRoute, Probing,
-    Queue, RawClaim, Reaped, Reconcile, RecordStore, Records, Resolution, ResolveOutcome, RetryNote, Taken, Trail, WorkerRoute,
-    WriteOutcome,
+    Queue, RawClaim, Reaped, Reconcile, RecordStore, Records, Resolution, ResolveOutcome, RetryNote, Taken, Trail, UNRECORDED_AT_UPSTREAM,
+    WorkerRoute, WriteOutcome,
 };
 pub use error::StoreError;
 pub use health::NotReady;
@@ -174,7 +174,7 @@ fn own_claim(record: &Record, token: Uuid) -> bool {
 }
 
 /// The claim `req` holds, learned by reading its row back.
-fn claim_of(req: &ClaimRequest, record: Record) -> Claim {
+fn claim_of(req: &ClaimRequest, record: Record, asked_at: Instant) -> Claim {
     Claim {
         scope: req.scope.clone(),
         generation: record.generation,
@@ -183,6 +183,7 @@ fn claim_of(req: &ClaimRequest, record: Record) -> Claim {
         // Learned by reading the row back: whether the statement inserted or
         // took over is not recorded.
         took_over: false,
+        asked_at,
     }
 }
 
@@ -295,11 +296,16 @@ impl Store {
         }
         let mut last = StoreError::Unavailable("claim not attempted".into());
         let token = req.claim_token;
+        // Before the first statement: whichever of them made the claim, its
+        // lease started later.
+        let asked_at = Instant::now();
         for _ in 0..AMBIGUITY_ATTEMPTS {
             let sent = Instant::now();
             match self.bounded("claim", true, self.backend.claim(req)).await {
-                Ok(RawClaim::Claimed(claim)) => return Ok(ClaimOutcome::Claimed(claim)),
-                Ok(RawClaim::Cacheable(record, _)) if own_claim(&record, token) => return Ok(ClaimOutcome::Claimed(claim_of(req, record))),
+                Ok(RawClaim::Claimed(claim)) => return Ok(ClaimOutcome::Claimed(Claim { asked_at, ..claim })),
+                Ok(RawClaim::Cacheable(record, _)) if own_claim(&record, token) => {
+                    return Ok(ClaimOutcome::Claimed(claim_of(req, record, asked_at)));
+                }
                 Ok(RawClaim::Cacheable(record, now)) => {
                     // Kept for this request's fingerprint only (`cache::put`
                     // keeps completed records only).
@@ -311,14 +317,18 @@ impl Store {
                     return Ok(ClaimOutcome::Existing { record, now });
                 }
                 // Our own claim, re-sent: an earlier attempt committed late.
-                Ok(RawClaim::Existing(record, _)) if own_claim(&record, token) => return Ok(ClaimOutcome::Claimed(claim_of(req, record))),
+                Ok(RawClaim::Existing(record, _)) if own_claim(&record, token) => {
+                    return Ok(ClaimOutcome::Claimed(claim_of(req, record, asked_at)));
+                }
                 Ok(RawClaim::Existing(record, now)) => return Ok(ClaimOutcome::Existing { record, now }),
                 Ok(RawClaim::Conflict) => {
                     // Lost the insert: read the winner in a new statement. The
                     // winner may be this very request: an earlier attempt whose
                     // commit landed after its read-back found no row.
                     match self.get(&req.scope).await? {
-                        Some((record, _)) if own_claim(&record, token) => return Ok(ClaimOutcome::Claimed(claim_of(req, record))),
+                        Some((record, _)) if own_claim(&record, token) => {
+                            return Ok(ClaimOutcome::Claimed(claim_of(req, record, asked_at)));
+                        }
                         Some((record, now)) => return Ok(ClaimOutcome::Existing { record, now }),
                         // Deleted in between (released, swept): claim again.
                         None => continue,
@@ -328,7 +338,7 @@ impl Store {
                     crate::telemetry::throttle::warn_throttled!(scope = %req.scope.log_id(), error = %e, "claim outcome ambiguous; reading the row back");
                     match self.get(&req.scope).await {
                         Ok(Some((record, _))) if own_claim(&record, token) => {
-                            return Ok(ClaimOutcome::Claimed(claim_of(req, record)));
+                            return Ok(ClaimOutcome::Claimed(claim_of(req, record, asked_at)));
                         }
                         Ok(Some((record, now))) => return Ok(ClaimOutcome::Existing { record, now }),
                         Ok(None) => last = e,
@@ -399,10 +409,11 @@ impl Store {
         self.fenced_write("heartbeat", claim, Goal::Retry, || self.backend.heartbeat(&claim.scope, claim.attempt(), lease)).await
     }
 
-    /// Async: durably notes that the attempt is about to send. `Fenced` also
-    /// when the lease ran out: the attempt must not send.
-    pub async fn mark_sent(&self, claim: &Claim) -> Result<WriteOutcome, StoreError> {
-        self.fenced_write("mark_sent", claim, Goal::Sent, || self.backend.mark_sent(&claim.scope, claim.attempt())).await
+    /// Async: durably notes that the attempt is about to send, and that it
+    /// cannot be at the upstream past `at_upstream` (its timeout) from now.
+    /// `Fenced` also when the lease ran out: the attempt must not send.
+    pub async fn mark_sent(&self, claim: &Claim, at_upstream: Duration) -> Result<WriteOutcome, StoreError> {
+        self.fenced_write("mark_sent", claim, Goal::Sent, || self.backend.mark_sent(&claim.scope, claim.attempt(), at_upstream)).await
     }
 
     /// Async: the attempt did not reach the upstream (or was declined, or

@@ -564,3 +564,116 @@ pub async fn check_async(
     }
     v
 }
+
+/// The tenants [`seed_blocked_tenants`] makes: more than one background
+/// round's 32 on Citus.
+pub const BLOCKED_TENANTS: usize = 34;
+
+/// Seeds `BLOCKED_TENANTS` tenants (`seed-NN`, not the clients') whose
+/// background work cannot proceed, all older than anything the clients do:
+/// each holds, on `operation` (a route with events and a probe), a parked
+/// event with a pending one of its scope held behind it, and an `unknown`
+/// record whose last probe was inconclusive (backing off for an hour). A
+/// tenant list that counted such work would be filled by these tenants in
+/// every round and starve the clients' events and probes. Run before any
+/// replica starts (nothing else takes the events or probes meanwhile);
+/// [`remove_blocked_tenants`] deletes them before the final check.
+pub async fn seed_blocked_tenants(store: &Store, operation: &str, hook: &str) -> Vec<String> {
+    use idemgate::idempotency::fingerprint::Fingerprint;
+    use idemgate::idempotency::record::Retention;
+    use idemgate::outbox::{EventPolicies, EventType, EventsConfig};
+    use idemgate::store::audit::{Actor, AuditNote};
+    use idemgate::store::{ClaimOutcome, ClaimRequest, ProbeRoute, Resolution};
+    let config = EventsConfig {
+        url: hook.parse().expect("webhook url"),
+        secret: None,
+        timeout: Duration::from_secs(1),
+        max_attempts: 3,
+        emit: EventType::ALL.to_vec(),
+        include_key: false,
+        include_body: false,
+        batch: 1,
+    };
+    let op: Arc<str> = operation.into();
+    let store = store.clone().with_events(EventPolicies::new([(&op, &config)]));
+    let names: Vec<String> = (0..BLOCKED_TENANTS).map(|i| format!("seed-{i:02}")).collect();
+    let scope = |tenant: &str, key: &str| Scope {
+        tenant: tenant.into(),
+        principal: PRINCIPAL.into(),
+        operation: operation.into(),
+        key: IdempotencyKey::new(key).expect("key"),
+    };
+    let unknown = |s: Scope| {
+        let store = store.clone();
+        async move {
+            let req = ClaimRequest {
+                scope: s,
+                request_hash: Fingerprint([9; 32]),
+                owner: "seed".into(),
+                lease: Duration::from_millis(100),
+                upstream_idempotent: false,
+                claim_token: uuid::Uuid::new_v4(),
+                acceptance: None,
+                key_source: "header:idempotency-key".into(),
+                request_head: None,
+            };
+            match store.claim(&req).await.expect("seed claim") {
+                ClaimOutcome::Claimed(c) => store.mark_unknown(&c).await.expect("seed unknown"),
+                other => panic!("seed: {other:?}"),
+            };
+        }
+    };
+    for t in &names {
+        unknown(scope(t, "held")).await;
+    }
+    // Their `unknown` events parked.
+    let relay = uuid::Uuid::new_v4();
+    let mut parked = 0;
+    while parked < names.len() {
+        let events = store.take_events(&[operation], 64, Duration::from_secs(60), relay).await.expect("seed events");
+        assert!(!events.is_empty(), "seed: {parked} events parked, the rest not taken");
+        for e in events {
+            assert!(store.event_failed(e.seq, relay, "seeded: parked", Duration::ZERO, true).await.expect("park"));
+            parked += 1;
+        }
+    }
+    // A later event of each scope, held behind the parked one.
+    let note = AuditNote { actor: Actor::Cli, reason: "seeded".into(), forced: false, caller: None };
+    let complete = Resolution::Complete {
+        response: idemgate::idempotency::record::StoredResponse { status: 201, headers: vec![], body: None },
+        retention: Retention::For(Duration::from_secs(3600)),
+        force: false,
+    };
+    for t in &names {
+        store.resolve(&scope(t, "held"), &complete, &note).await.expect("seed resolve");
+    }
+    // `unknown` records whose probe was inconclusive: backing off. (Their
+    // own `unknown` events are deliverable and delivered.)
+    for t in &names {
+        unknown(scope(t, "probed")).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let route = ProbeRoute { operation: operation.into(), settle: Duration::ZERO, at_upstream: Duration::ZERO };
+    let mut probed = 0;
+    while probed < names.len() {
+        let taken = store.take_probes(std::slice::from_ref(&route), Duration::from_secs(60), 64).await.expect("seed probes");
+        assert!(!taken.is_empty(), "seed: {probed} probed, the rest not taken");
+        for p in taken {
+            store.probe_failed(&p.record.scope, p.fence, Duration::from_secs(3600), "seeded: inconclusive").await.expect("probe failed");
+            probed += 1;
+        }
+    }
+    names
+}
+
+/// Deletes what [`seed_blocked_tenants`] made (records and events), through
+/// a connection of its own to `url`.
+pub async fn remove_blocked_tenants(url: &str) {
+    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.expect("connect");
+    let task = tokio::spawn(conn);
+    for table in ["idemgate_events", "idemgate_records"] {
+        client.execute(&format!("DELETE FROM {table} WHERE tenant LIKE 'seed-%'"), &[]).await.expect("remove the seeded tenants");
+    }
+    drop(client);
+    let _ = task.await;
+}

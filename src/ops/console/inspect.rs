@@ -9,6 +9,7 @@ use base64::Engine as _;
 use serde_json::{Value, json};
 
 use super::mask;
+use crate::idempotency::record::{Record, State};
 use crate::ops::keys;
 use crate::request::async_op::StoredRequest;
 use crate::store::Inspection;
@@ -50,6 +51,8 @@ pub fn json(i: &Inspection, secret: Option<&[u8]>, credentials: &[http::HeaderNa
         "next_attempt_at": r.next_attempt_at.map(|t| t.to_string()),
         "last_status": r.last_status,
         "maybe_executed": r.maybe_executed,
+        "may_have_executed": may_have_executed(r),
+        "sent_at_shown": sent_at_shown(r),
         "lease_left_seconds": r.lease_expires_at.map(|l| i.now.until(l).as_secs_f64()),
         "probe": {
             "attempts": i.probe_attempts,
@@ -59,6 +62,32 @@ pub fn json(i: &Inspection, secret: Option<&[u8]>, credentials: &[http::HeaderNa
         "request": request,
         "audit": i.audit.iter().map(keys::audit_json).collect::<Vec<_>>(),
     })
+}
+
+/// Whether the upstream may have executed the record's request, in the
+/// words the record page shows an operator deciding how to resolve it. The
+/// stored `maybe_executed` flag only says that an earlier async attempt's
+/// answer was lost; the state says more (an `unknown` record is exactly one
+/// that may have executed).
+fn may_have_executed(r: &Record) -> &'static str {
+    match r.state {
+        State::Unknown => "yes: its outcome is unknown (the request may have reached the upstream)",
+        State::InFlight => "possibly: it is being forwarded now",
+        State::Completed => "yes: completed",
+        State::Processing if r.sent_at.is_some() => "possibly: this attempt was sent",
+        State::Queued | State::Processing | State::FailedRetryable if r.maybe_executed => "yes: an earlier attempt's answer was lost",
+        State::Queued | State::Processing | State::FailedRetryable => "no",
+    }
+}
+
+/// The send time as the page shows it: async attempts record it, a
+/// synchronous request does not (it is sent right after its claim).
+fn sent_at_shown(r: &Record) -> String {
+    match (r.sent_at, &r.operation_id) {
+        (Some(t), _) => t.to_string(),
+        (None, Some(_)) => "not sent by the current attempt".to_owned(),
+        (None, None) => "not recorded for synchronous requests".to_owned(),
+    }
 }
 
 /// A stored body: UTF-8 text, or base64; at most [`MAX_BODY_SHOWN`] bytes.

@@ -64,9 +64,12 @@ pub trait Queue: Send + Sync + std::fmt::Debug {
     /// Async: renews the attempt's lease; `false` when fenced (lost it).
     async fn heartbeat(&self, scope: &Scope, attempt: Attempt, lease: Duration) -> Result<bool, StoreError>;
 
-    /// Async: records that the attempt is about to send; `false` when fenced
-    /// or when its lease has run out (then it must not send).
-    async fn mark_sent(&self, scope: &Scope, attempt: Attempt) -> Result<bool, StoreError>;
+    /// Async: records that the attempt is about to send (`sent_at`) and
+    /// what bounds its time at the upstream: `at_upstream` (the timeout it
+    /// is sent with) from now, kept as the record's `at_upstream_until` (the
+    /// latest of its attempts'; the reconciler probes only past it). `false`
+    /// when fenced or when its lease has run out (then it must not send).
+    async fn mark_sent(&self, scope: &Scope, attempt: Attempt, at_upstream: Duration) -> Result<bool, StoreError>;
 
     /// Async: back to the queue, due after `delay`. `maybe_executed`: this
     /// attempt's answer was lost (the operation is re-run on a deduplicating

@@ -18,19 +18,39 @@ use crate::store::audit::AuditNote;
 /// record must have been unknown first.
 ///
 /// A record is probed only once its attempt can no longer be at the
-/// upstream: `settle` after it became unknown, and `at_upstream + settle`
-/// after the attempt was sent (`sent_at`; a synchronous attempt is sent as
-/// soon as it is claimed, `created_at`). An async lease may be far shorter
-/// than the upstream's timeout, so a record can turn unknown while the
-/// upstream is still working on it; an "absent" answer then would release an
-/// operation that is about to happen, and the retry would run it twice.
+/// upstream: `settle` after it became unknown, and `settle` after the end of
+/// the attempt's time at the upstream as the attempt itself recorded it (not
+/// as the probing replica's configuration says: a replica with a shorter
+/// timeout, during a rolling change, would probe an attempt another replica
+/// sent with a longer one while it still runs). An async lease may be far
+/// shorter than the upstream's timeout, so a record can turn unknown while
+/// the upstream is still working on it; an "absent" answer then would
+/// release an operation that is about to happen, and the retry would run it
+/// twice. What bounds the attempt:
+///
+/// - async: `at_upstream_until`, written with `sent_at` (the send's time
+///   plus the timeout it was sent with; the latest of the record's attempts);
+/// - synchronous: the claim's lease (`lease_expires_at`, set by the replica
+///   that claimed and sent it, whose configuration makes a synchronous lease
+///   outlast its upstream's timeout), and at least `at_upstream` after the
+///   claim (`created_at`);
+/// - an async record sent before `at_upstream_until` existed: the send (or
+///   the claim) plus the longer of `at_upstream` and
+///   [`UNRECORDED_AT_UPSTREAM`].
 #[derive(Debug, Clone)]
 pub struct ProbeRoute {
     pub operation: Arc<str>,
     pub settle: Duration,
-    /// How long an attempt may be at the upstream: its whole-response timeout.
+    /// The probing replica's whole-response timeout for the route's
+    /// upstream: only ever lengthens the wait (see above).
     pub at_upstream: Duration,
 }
+
+/// How long an async attempt sent without a recorded bound (by a version
+/// before `at_upstream_until`) is taken to be possibly at the upstream, at
+/// least: an hour, longer than any sensible upstream timeout. Such records
+/// are probed an hour after their send at the earliest.
+pub const UNRECORDED_AT_UPSTREAM: Duration = Duration::from_secs(3600);
 
 /// What a probe's result write must still find: the record `unknown` at the
 /// generation that was probed, and marked by this probe (`token`). An

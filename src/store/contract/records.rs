@@ -64,6 +64,12 @@ pub struct Claim {
     pub lease_expires_at: Timestamp,
     /// The claim replaced an expired record rather than inserting a new one.
     pub took_over: bool,
+    /// When this replica asked for the claim, on its own clock: no later
+    /// than the start of the lease (the database's clock read in the claim's
+    /// statement). A synchronous attempt's exchange ends by this plus the
+    /// lease, so it never sends after its lease may have run out, however
+    /// late it learned of its claim or long it was stopped before sending.
+    pub asked_at: tokio::time::Instant,
 }
 
 impl Claim {

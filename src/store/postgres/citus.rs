@@ -14,7 +14,7 @@ use super::super::migrations::Migration;
 use super::super::{Claim, ClaimRequest, RawClaim, Records, StoreError};
 use super::batch::ClaimItem;
 use super::citus_batch::{Inserted, Seen};
-use super::{classify, micros};
+use super::{citus_sql, classify, micros};
 use crate::idempotency::record::{Generation, may_take_over};
 use crate::outbox::EventType;
 
@@ -42,6 +42,41 @@ impl Flavor {
 /// the same `idemgate_schema_migrations` under versions of their own.
 pub const CITUS: &[Migration] =
     &[Migration { version: 1_000_001, name: "citus_0001_distribute", sql: include_str!("../../../migrations/citus/0001_distribute.sql") }];
+
+/// Whether a coordinator's error is about a node behind it (a worker it
+/// sent the statement to), not about the coordinator's own session: Citus
+/// reports a worker it cannot reach or lost mid-statement as "connection to
+/// the remote node ... failed" (08006), relays a worker's own error with
+/// the context "while executing command on host:port", and reports a commit
+/// that failed on a worker as "could not commit transaction for shard".
+/// The coordinator's session is fine after such an error (see
+/// `failover::verdict`).
+pub(super) fn remote_node_error(db: &tokio_postgres::error::DbError) -> bool {
+    let message = db.message();
+    message.starts_with("connection to the remote node")
+        || message.starts_with("could not commit transaction for shard")
+        || db.where_().is_some_and(|w| w.contains("while executing command on"))
+}
+
+/// Whether a write that failed with `db` may still have taken effect: the
+/// session ended around it (a FATAL error: a backend terminated while it
+/// waited for a synchronous standby after committing locally), or a Citus
+/// worker went away around it (its connection broke, 08xxx, or it was shut
+/// down, 57P01/57P02, or its commit failed after the statement ran): the
+/// worker may have committed before the coordinator lost it. The caller
+/// reads the row back.
+pub(super) fn write_may_have_committed(db: &tokio_postgres::error::DbError) -> bool {
+    use tokio_postgres::error::{Severity, SqlState};
+    if matches!(db.parsed_severity(), Some(Severity::Fatal | Severity::Panic)) {
+        return true;
+    }
+    let code = db.code();
+    remote_node_error(db)
+        && (code.code().starts_with("08")
+            || *code == SqlState::ADMIN_SHUTDOWN
+            || *code == SqlState::CRASH_SHUTDOWN
+            || db.message().starts_with("could not commit transaction for shard"))
+}
 
 /// What the server and the database hold, for the checks at start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -126,6 +161,7 @@ impl super::PgStore {
                 claim_token: req.claim_token,
                 lease_expires_at: lease.unwrap_or(updated),
                 took_over,
+                asked_at: tokio::time::Instant::now(),
             })
         };
         let Some(Seen { record, now, cacheable }) = self.citus_claims.read(&self.db, s).await? else {
@@ -177,6 +213,42 @@ impl super::PgStore {
 /// ones before it are served.
 const TENANTS_PER_ROUND: i64 = 32;
 
+/// A tenant list's parameter: bound as itself, or written into the text a
+/// node runs when the list is read node by node.
+#[derive(Debug, Clone, Copy)]
+enum Param<'a> {
+    Texts(&'a [&'a str]),
+    Ints(&'a [i64]),
+    Int(i64),
+}
+
+impl Param<'_> {
+    fn bound(&self) -> &(dyn tokio_postgres::types::ToSql + Sync) {
+        match self {
+            Param::Texts(v) => v,
+            Param::Ints(v) => v,
+            Param::Int(n) => n,
+        }
+    }
+
+    /// The value as PostgreSQL reads it from text (an array literal for an
+    /// array); quoted as a literal where it is used (`%L`).
+    fn text(&self) -> String {
+        match self {
+            Param::Texts(v) => {
+                let quoted: Vec<String> = v.iter().map(|s| format!("\"{}\"", s.replace('\\', "\\\\").replace('"', "\\\""))).collect();
+                format!("{{{}}}", quoted.join(","))
+            }
+            Param::Ints(v) => format!("{{{}}}", v.iter().map(i64::to_string).collect::<Vec<_>>().join(",")),
+            Param::Int(n) => n.to_string(),
+        }
+    }
+}
+
+/// The table a tenant list reads.
+const RECORDS: &str = "idemgate_records";
+const EVENTS: &str = "idemgate_events";
+
 /// Background work on Citus. `FOR UPDATE SKIP LOCKED` and a `LIMIT` under a
 /// row lock run on one shard only ("could not run distributed query with
 /// FOR UPDATE/SHARE commands" otherwise), so each of these first reads,
@@ -184,10 +256,55 @@ const TENANTS_PER_ROUND: i64 = 32;
 /// runs PostgreSQL's statement with a `tenant = $n` filter, a router query
 /// on that tenant's shard where `SKIP LOCKED` and `LIMIT` work as on one
 /// node, tenant by tenant until the batch is full.
+///
+/// Failing per tenant: a worker that cannot be reached fails the one read
+/// of every shard; the list is then read node by node
+/// ([`citus_sql::CITUS_TENANTS_BY_NODE`]), so that the tenants of the other
+/// workers are served, and a tenant whose own statement fails is skipped for
+/// the next one. A round reports an error only when it got nothing done and
+/// something failed.
 impl super::PgStore {
-    async fn tenants(&self, sql: &str, params: &[&(dyn tokio_postgres::types::ToSql + Sync)]) -> Result<Vec<String>, StoreError> {
-        let rows = self.query(sql, params, false).await?;
-        rows.iter().map(|r| r.try_get::<_, String>(0).map_err(|e| StoreError::Corrupt(e.to_string()))).collect()
+    async fn tenants(&self, list: &str, table: &str, params: &[Param<'_>]) -> Result<Vec<String>, StoreError> {
+        let bound: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = params.iter().map(Param::bound).collect();
+        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+        let e = match self.query(list, &bound, false).await {
+            Ok(rows) => return rows.iter().map(|r| r.try_get::<_, String>(0).map_err(c)).collect(),
+            Err(e) => e,
+        };
+        let texts: Vec<String> = params.iter().map(Param::text).collect();
+        let template = citus_sql::by_node(list, table);
+        let rows = match self.query(citus_sql::CITUS_TENANTS_BY_NODE, &[&table, &template, &texts], false).await {
+            Ok(rows) => rows,
+            Err(by_node) => return Err(StoreError::Unavailable(format!("{e}; node by node: {by_node}"))),
+        };
+        let mut lists = Vec::new();
+        let mut unreachable = Vec::new();
+        for row in &rows {
+            let (node, port, ok, answer): (String, i32, bool, Option<String>) =
+                (row.try_get(0).map_err(c)?, row.try_get(1).map_err(c)?, row.try_get(2).map_err(c)?, row.try_get(3).map_err(c)?);
+            let listed = answer.as_deref().filter(|_| ok).and_then(|a| serde_json::from_str::<Vec<String>>(a).ok());
+            match listed {
+                Some(tenants) => lists.push(tenants),
+                None => unreachable.push(format!("{node}:{port}: {}", answer.unwrap_or_default())),
+            }
+        }
+        if lists.is_empty() {
+            return Err(e);
+        }
+        crate::telemetry::throttle::warn_throttled!(error = %e, unreachable = ?unreachable,
+            "a tenant list failed; listed node by node: the tenants of the nodes that answered are served");
+        // The nodes' lists in turn, each in its own order.
+        let mut merged: Vec<String> = Vec::new();
+        let longest = lists.iter().map(Vec::len).max().unwrap_or(0);
+        for i in 0..longest {
+            for list in &lists {
+                if let Some(t) = list.get(i).filter(|t| !merged.contains(t)) {
+                    merged.push(t.clone());
+                }
+            }
+        }
+        merged.truncate(usize::try_from(TENANTS_PER_ROUND).unwrap_or(usize::MAX));
+        Ok(merged)
     }
 
     /// `TAKE`: the first due operation of the longest-waiting tenant that has one free.
@@ -199,47 +316,65 @@ impl super::PgStore {
         owner: &str,
         reforwardable: &[&str],
     ) -> Result<Vec<Row>, StoreError> {
-        let tenants = self.tenants(super::citus_sql::CITUS_TENANTS_TO_TAKE, &[&ops, &reforwardable, &TENANTS_PER_ROUND]).await?;
+        let params = [Param::Texts(ops), Param::Texts(reforwardable), Param::Int(TENANTS_PER_ROUND)];
+        let tenants = self.tenants(citus_sql::CITUS_TENANTS_TO_TAKE, RECORDS, &params).await?;
         if tenants.is_empty() {
             return Ok(Vec::new());
         }
         // One new generation, used by the first tenant whose take finds an operation.
         let generation = self.next_generation().await?;
+        let mut failed = None;
         for tenant in tenants {
-            let rows = self
-                .query(&super::citus_sql::CITUS_TAKE, &[&ops, &leases, &claim_token, &owner, &reforwardable, &tenant, &generation], true)
-                .await?;
-            if !rows.is_empty() {
-                return Ok(rows);
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] =
+                [&ops, &leases, &claim_token, &owner, &reforwardable, &tenant, &generation];
+            match self.query(&citus_sql::CITUS_TAKE, &params, true).await {
+                Ok(rows) if !rows.is_empty() => return Ok(rows),
+                Ok(_) => {}
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
             }
         }
-        Ok(Vec::new())
+        failed.map_or(Ok(Vec::new()), Err)
     }
 
     /// `SWEEP`, tenant by tenant until `batch` records are gone.
     pub(super) async fn sweep_citus(&self, batch: u32) -> Result<u64, StoreError> {
         let mut swept = 0u64;
-        for tenant in self.tenants(super::citus_sql::CITUS_TENANTS_TO_SWEEP, &[&TENANTS_PER_ROUND]).await? {
+        let mut failed = None;
+        for tenant in self.tenants(citus_sql::CITUS_TENANTS_TO_SWEEP, RECORDS, &[Param::Int(TENANTS_PER_ROUND)]).await? {
             let left = i64::from(batch) - swept as i64;
             if left <= 0 {
                 break;
             }
-            swept += self.query(&super::citus_sql::CITUS_SWEEP, &[&left, &tenant], true).await?.len() as u64;
+            match self.query(&citus_sql::CITUS_SWEEP, &[&left, &tenant], true).await {
+                Ok(rows) => swept += rows.len() as u64,
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+            }
         }
-        Ok(swept)
+        done_or(swept, swept > 0, failed)
     }
 
     /// `REAP_LEASES`, tenant by tenant until `batch` attempts are ended.
     pub(super) async fn reap_rows_citus(&self, batch: u32, ops: &[&str], emitting: &[&str]) -> Result<Vec<Row>, StoreError> {
         let mut all = Vec::new();
-        for tenant in self.tenants(super::citus_sql::CITUS_TENANTS_TO_REAP, &[&TENANTS_PER_ROUND]).await? {
+        let mut failed = None;
+        for tenant in self.tenants(citus_sql::CITUS_TENANTS_TO_REAP, RECORDS, &[Param::Int(TENANTS_PER_ROUND)]).await? {
             let left = i64::from(batch) - all.len() as i64;
             if left <= 0 {
                 break;
             }
-            all.extend(self.query(&super::citus_sql::CITUS_REAP_LEASES, &[&left, &ops, &emitting, &tenant], true).await?);
+            match self.reap_tenant(left, ops, emitting, &tenant).await {
+                Ok(rows) => all.extend(rows),
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+            }
         }
-        Ok(all)
+        let any = !all.is_empty();
+        done_or(all, any, failed)
     }
 
     /// `TAKE_PROBES`, tenant by tenant until `limit` records are taken.
@@ -253,17 +388,23 @@ impl super::PgStore {
         at_upstream: &[i64],
     ) -> Result<Vec<Row>, StoreError> {
         let mut all = Vec::new();
-        for tenant in self.tenants(super::citus_sql::CITUS_TENANTS_TO_PROBE, &[&ops, &TENANTS_PER_ROUND]).await? {
+        let mut failed = None;
+        let params = [Param::Texts(ops), Param::Ints(settles), Param::Ints(at_upstream), Param::Int(TENANTS_PER_ROUND)];
+        for tenant in self.tenants(&citus_sql::CITUS_TENANTS_TO_PROBE, RECORDS, &params).await? {
             let left = i64::from(limit) - all.len() as i64;
             if left <= 0 {
                 break;
             }
-            all.extend(
-                self.query(&super::citus_sql::CITUS_TAKE_PROBES, &[&ops, &settles, &token, &hold_us, &left, &at_upstream, &tenant], true)
-                    .await?,
-            );
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] = [&ops, &settles, &token, &hold_us, &left, &at_upstream, &tenant];
+            match self.query(&citus_sql::CITUS_TAKE_PROBES, &params, true).await {
+                Ok(rows) => all.extend(rows),
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+            }
         }
-        Ok(all)
+        let any = !all.is_empty();
+        done_or(all, any, failed)
     }
 
     /// `TAKE_EVENTS`, tenant by tenant until `limit` events are leased.
@@ -275,14 +416,64 @@ impl super::PgStore {
         token: Uuid,
     ) -> Result<Vec<Row>, StoreError> {
         let mut all = Vec::new();
-        for tenant in self.tenants(super::citus_sql::CITUS_TENANTS_WITH_EVENTS, &[&operations, &TENANTS_PER_ROUND]).await? {
+        let mut failed = None;
+        let params = [Param::Texts(operations), Param::Int(TENANTS_PER_ROUND)];
+        for tenant in self.tenants(&citus_sql::CITUS_TENANTS_WITH_EVENTS, EVENTS, &params).await? {
             let left = i64::from(limit) - all.len() as i64;
             if left <= 0 {
                 break;
             }
-            all.extend(self.query(&super::citus_sql::CITUS_TAKE_EVENTS, &[&operations, &left, &token, &lease_us, &tenant], true).await?);
+            match self.query(&citus_sql::CITUS_TAKE_EVENTS, &[&operations, &left, &token, &lease_us, &tenant], true).await {
+                Ok(rows) => all.extend(rows),
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+            }
         }
-        Ok(all)
+        let any = !all.is_empty();
+        done_or(all, any, failed)
+    }
+}
+
+impl super::PgStore {
+    /// `CITUS_REAP_LEASES` for one tenant and the `unknown` events of the
+    /// attempts it ended, in one transaction on the tenant's shard.
+    async fn reap_tenant(&self, left: i64, ops: &[&str], emitting: &[&str], tenant: &str) -> Result<Vec<Row>, StoreError> {
+        if emitting.is_empty() {
+            return self.query(&citus_sql::CITUS_REAP_LEASES, &[&left, &ops, &emitting, &tenant], true).await;
+        }
+        let w = |e| classify(e, true);
+        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+        let mut conn = self.db.conn().await?;
+        let tx = conn.client_mut().transaction().await.map_err(w)?;
+        let rows = tx.query(self.db.text(&citus_sql::CITUS_REAP_LEASES), &[&left, &ops, &emitting, &tenant]).await.map_err(w)?;
+        for row in &rows {
+            if !row.try_get::<_, bool>(7).map_err(c)? {
+                continue;
+            }
+            let (t, p, o, k): (&str, &str, &str, &str) =
+                (row.try_get(1).map_err(c)?, row.try_get(2).map_err(c)?, row.try_get(3).map_err(c)?, row.try_get(4).map_err(c)?);
+            let (generation, operation_id): (Option<i64>, Option<&str>) = (row.try_get(5).map_err(c)?, row.try_get(6).map_err(c)?);
+            let (status, actor, body): (Option<i32>, Option<&str>, Option<&[u8]>) = (None, None, None);
+            tx.execute(
+                self.db.text(&super::events::EVENT_INSERT_ONE),
+                &[&EventType::Unknown.as_str(), &t, &p, &o, &k, &generation, &status, &operation_id, &actor, &body],
+            )
+            .await
+            .map_err(w)?;
+        }
+        tx.commit().await.map_err(w)?;
+        conn.done();
+        Ok(rows)
+    }
+}
+
+/// A round's result: what it did, or, when it did nothing and a tenant's
+/// statement failed, that failure (the task logs it and tries again later).
+fn done_or<T>(done: T, any: bool, failed: Option<StoreError>) -> Result<T, StoreError> {
+    match failed {
+        Some(e) if !any => Err(e),
+        _ => Ok(done),
     }
 }
 
@@ -340,5 +531,18 @@ impl super::PgStore {
         tx.commit().await.map_err(w)?;
         conn.done();
         Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn list_parameters_are_written_as_postgres_reads_them() {
+        assert_eq!(Param::Texts(&["a", "b\"c", "d\\e", "it's"]).text(), r#"{"a","b\"c","d\\e","it's"}"#);
+        assert_eq!(Param::Texts(&[]).text(), "{}");
+        assert_eq!(Param::Ints(&[1, -2]).text(), "{1,-2}");
+        assert_eq!(Param::Int(32).text(), "32");
     }
 }

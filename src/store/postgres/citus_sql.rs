@@ -190,10 +190,21 @@ pub(super) const CITUS_TENANTS_TO_SWEEP: &str = "SELECT tenant FROM idemgate_rec
 
 /// [`REAP_LEASES`] on Citus, for one tenant (`$4`, see [`CITUS_SWEEP`]); the
 /// re-queue's due time is the locking read's `now()` (Citus refuses `now()`
-/// inside a `CASE` of a distributed `UPDATE`).
+/// inside a `CASE` of a distributed `UPDATE`). Without the events' insert:
+/// an `INSERT ... SELECT` from a modifying CTE runs through the coordinator,
+/// which sends the CTE's rows to every node, so one worker down failed the
+/// reaper for every tenant. It returns the rows ended and whether each
+/// writes an `unknown` event (of the operations `$3`); the reaper inserts
+/// those events in the same transaction, on the tenant's shard.
 pub(super) static CITUS_REAP_LEASES: LazyLock<String> = LazyLock::new(|| {
+    let ev_start = REAP_LEASES.find("), ev AS (").unwrap_or(REAP_LEASES.len());
+    let without_events = format!(
+        "{})\nSELECT requeue, tenant, principal, operation, idempotency_key, generation, operation_id, \
+         NOT requeue AND operation = ANY($3::text[]) AS emit FROM upd",
+        &REAP_LEASES[..ev_start]
+    );
     citus_replace(
-        &REAP_LEASES,
+        &without_events,
         &[
             (
                 "SELECT scope_id, tenant, principal, operation, idempotency_key FROM idemgate_records\n    WHERE state IN ('in_flight', 'processing')",
@@ -226,7 +237,7 @@ WITH routes AS (
            now() + {lease} * interval '1 microsecond' AS lease_until, true AS took_over
     FROM idemgate_records r
     WHERE r.tenant = $6 AND r.state = 'processing' AND r.lease_expires_at <= now() AND r.operation = ANY($1::text[])
-      AND (r.sent_at IS NULL OR r.operation = ANY($5::text[]))
+      AND ((r.sent_at IS NULL AND NOT r.maybe_executed) OR r.operation = ANY($5::text[]))
     ORDER BY r.lease_expires_at
     LIMIT 1
     FOR UPDATE OF r SKIP LOCKED
@@ -259,7 +270,7 @@ RETURNING {}, r.updated_at, r.request, n.took_over",
 /// longest waiting first (`$3` of them).
 pub(super) const CITUS_TENANTS_TO_TAKE: &str = "SELECT tenant FROM idemgate_records \
      WHERE operation = ANY($1::text[]) AND ((state = 'queued' AND next_attempt_at <= now()) \
-        OR (state = 'processing' AND lease_expires_at <= now() AND (sent_at IS NULL OR operation = ANY($2::text[])))) \
+        OR (state = 'processing' AND lease_expires_at <= now() AND ((sent_at IS NULL AND NOT maybe_executed) OR operation = ANY($2::text[])))) \
      GROUP BY tenant ORDER BY min(CASE WHEN state = 'queued' THEN next_attempt_at ELSE lease_expires_at END) LIMIT $3";
 
 /// [`FAIL`] on Citus (`$1`..`$9`): the `UPDATE` alone (see [`CITUS_COMPLETE`]),
@@ -297,10 +308,19 @@ pub(super) static CITUS_TAKE_EVENTS: LazyLock<String> = LazyLock::new(|| {
 });
 
 /// The tenants with deliverable events of these operations (`$1`), the
-/// longest waiting first (`$2` of them).
-pub(super) const CITUS_TENANTS_WITH_EVENTS: &str = "SELECT tenant FROM idemgate_events \
-     WHERE delivery = 'pending' AND next_attempt_at <= now() AND (lease_until IS NULL OR lease_until <= now()) \
-       AND operation = ANY($1::text[]) GROUP BY tenant ORDER BY min(next_attempt_at) LIMIT $2";
+/// longest waiting first (`$2` of them): due, unleased, and held back by no
+/// earlier pending or parked event of their scope (the relay's take's own
+/// test). A pending event behind a parked one keeps its old due time: a list
+/// that counted it would put its tenant first in every round.
+pub(super) static CITUS_TENANTS_WITH_EVENTS: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT e.tenant FROM idemgate_events e \
+         WHERE e.delivery = 'pending' AND e.next_attempt_at <= now() AND (e.lease_until IS NULL OR e.lease_until <= now()) \
+           AND e.operation = ANY($1::text[]) AND {} \
+         GROUP BY e.tenant ORDER BY min(e.next_attempt_at) LIMIT $2",
+        super::events::not_held_back("e")
+    )
+});
 
 /// [`TAKE_PROBES`] on Citus, for one tenant (`$7`, see [`CITUS_SWEEP`]),
 /// returning the row's `updated_at` where it returns `now()` (see [`CITUS_TAKE`]).
@@ -315,11 +335,72 @@ pub(super) static CITUS_TAKE_PROBES: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-/// The tenants with `unknown` records of these operations (`$1`) that no
-/// live probe holds, the longest unknown first (`$2` of them).
-pub(super) const CITUS_TENANTS_TO_PROBE: &str = "SELECT tenant FROM idemgate_records \
-     WHERE state = 'unknown' AND operation = ANY($1::text[]) AND (probe_until IS NULL OR probe_until <= now()) \
-     GROUP BY tenant ORDER BY min(updated_at) LIMIT $2";
+/// The tenants with `unknown` records due for a probe (of the routes `$1`
+/// with their settle `$2` and timeout `$3`, by the probe take's own test,
+/// [`PROBE_DUE`]: settled, not backing off, not held by a live probe), the
+/// longest unknown first (`$4` of them). Records that cannot be probed now
+/// must not fill the list: a tenant whose records all back off after
+/// inconclusive probes would come first in every round.
+pub(super) static CITUS_TENANTS_TO_PROBE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH routes AS (SELECT * FROM unnest($1::text[], $2::int8[], $3::int8[]) AS ro(operation, settle_us, at_upstream_us)) \
+         SELECT r.tenant FROM idemgate_records r JOIN routes ro ON ro.operation = r.operation \
+         WHERE {} GROUP BY r.tenant ORDER BY min(r.updated_at) LIMIT $4",
+        &*PROBE_DUE
+    )
+});
+
+/// A tenant list read node by node, for when one read of every shard fails
+/// (a worker down): `$2`, a list's text as [`by_node`] writes it, run on
+/// each node over the union of that node's shards of table `$1`, with the
+/// list's parameters `$3` (as text) in place of its own; each node answers
+/// on its own connection (`master_run_on_worker`), and a node that cannot be
+/// reached answers `success = false` without failing the others. Returns
+/// each node's answer: a JSON array of tenants, in the list's order.
+pub(super) const CITUS_TENANTS_BY_NODE: &str = "\
+WITH placements AS (
+    SELECT n.nodename, n.nodeport, shard_name($1::text::regclass, s.shardid) AS shard
+    FROM pg_dist_shard s
+    JOIN pg_dist_placement pl ON pl.shardid = s.shardid
+    JOIN pg_dist_node n ON n.groupid = pl.groupid AND n.noderole = 'primary' AND n.isactive
+    WHERE s.logicalrelid = $1::text::regclass
+), nodes AS (
+    SELECT nodename, nodeport,
+           format($2::text, VARIADIC ARRAY[string_agg(format('SELECT * FROM %s', shard), ' UNION ALL ')] || $3::text[]) AS command
+    FROM placements GROUP BY nodename, nodeport
+)
+SELECT r.node_name, r.node_port, r.success, r.result
+FROM master_run_on_worker(
+    ARRAY(SELECT nodename FROM nodes ORDER BY nodename, nodeport),
+    ARRAY(SELECT nodeport FROM nodes ORDER BY nodename, nodeport),
+    ARRAY(SELECT command FROM nodes ORDER BY nodename, nodeport),
+    true) r";
+
+/// A tenant list (one of the `CITUS_TENANTS_*` texts, reading `table`) as a
+/// template for [`CITUS_TENANTS_BY_NODE`]: every `FROM table` reads the
+/// node's shards (`%1$s`), each parameter `$n` becomes the literal `%{n+1}$L`,
+/// and the answer is one JSON array of the listed tenants.
+pub(super) fn by_node(list: &str, table: &str) -> String {
+    let from = format!("FROM {table} ");
+    let mut text = String::with_capacity(list.len() + 64);
+    let mut rest = list;
+    while let Some(at) = rest.find(&from) {
+        text.push_str(&rest[..at]);
+        let after = &rest[at + from.len()..];
+        let next = after.split_whitespace().next().unwrap_or("");
+        if ["WHERE", "GROUP", "JOIN", "ORDER", "LIMIT"].contains(&next) {
+            text.push_str(&format!("FROM (%1$s) AS {table} "));
+        } else {
+            text.push_str("FROM (%1$s) AS ");
+        }
+        rest = after;
+    }
+    text.push_str(rest);
+    for n in (1..=9).rev() {
+        text = text.replace(&format!("${n}"), &format!("%{}$L", n + 1));
+    }
+    format!("SELECT coalesce(json_agg(l.tenant), '[]')::text FROM ({text}) l")
+}
 
 /// [`catalog`] as a store of `flavor` sends it: on Citus, the statements of
 /// another shape in place of the PostgreSQL ones (see `citus`).
@@ -499,5 +580,41 @@ mod citus_tests {
                 "{sql}"
             );
         }
+        // The reaper writes its events itself (no INSERT ... SELECT through the coordinator).
+        assert!(
+            !CITUS_REAP_LEASES.contains("idemgate_events") && CITUS_REAP_LEASES.ends_with("AS emit FROM upd"),
+            "{}",
+            *CITUS_REAP_LEASES
+        );
+    }
+
+    /// The tenant lists apply the per-tenant takes' own tests.
+    #[test]
+    fn tenant_lists_apply_what_the_takes_apply() {
+        assert!(CITUS_TENANTS_TO_PROBE.contains(&*PROBE_DUE) && CITUS_TAKE_PROBES.contains(&*PROBE_DUE));
+        let held_back = super::super::events::not_held_back("e");
+        assert!(CITUS_TENANTS_WITH_EVENTS.contains(&held_back) && CITUS_TAKE_EVENTS.contains("q.tenant = $5"));
+        assert!(
+            CITUS_TENANTS_TO_TAKE.contains("(sent_at IS NULL AND NOT maybe_executed)")
+                && CITUS_TAKE.contains("(r.sent_at IS NULL AND NOT r.maybe_executed)")
+        );
+    }
+
+    /// A list read node by node: the node's shards in place of the table
+    /// (aliased or not, in subqueries too), literals in place of parameters.
+    #[test]
+    fn tenant_lists_are_rewritten_to_run_on_one_node() {
+        let text = by_node(CITUS_TENANTS_TO_SWEEP, "idemgate_records");
+        assert!(
+            text.starts_with("SELECT coalesce(json_agg(l.tenant), '[]')::text FROM (SELECT tenant FROM (%1$s) AS idemgate_records WHERE"),
+            "{text}"
+        );
+        assert!(text.contains("LIMIT %2$L") && !text.contains("$1"), "{text}");
+        let events = by_node(&CITUS_TENANTS_WITH_EVENTS, "idemgate_events");
+        assert_eq!(events.matches("FROM (%1$s) AS ").count(), 3, "the list and its two order checks: {events}");
+        assert!(events.contains("ANY(%2$L::text[])") && events.contains("LIMIT %3$L"), "{events}");
+        let probes = by_node(&CITUS_TENANTS_TO_PROBE, "idemgate_records");
+        assert!(probes.contains("FROM (%1$s) AS r JOIN routes ro") && probes.contains("unnest(%2$L::text[], %3$L::int8[], %4$L::int8[])"));
+        assert!(!probes.contains("idemgate_records"), "{probes}");
     }
 }

@@ -16,7 +16,7 @@ pub(super) static EVENT_INSERT_ONE: LazyLock<String> =
 /// candidate (`tests/pg_plans.rs` checks for it), 23 s for a window of 512
 /// with 40,000 events pending; as a subquery each check descends the index
 /// by the candidate's scope.
-fn not_held_back(e: &str) -> String {
+pub(super) fn not_held_back(e: &str) -> String {
     format!(
         "(SELECT p.seq FROM idemgate_events p
                WHERE p.delivery = 'pending' AND p.tenant = {e}.tenant AND p.principal = {e}.principal

@@ -20,7 +20,10 @@
 //!   primary. [`Flush`] marks that instant: idle connections opened before it
 //!   are closed at once, and connections in use then are discarded when they
 //!   would next be handed out (a `pre_recycle` hook), so the pool reconnects to
-//!   whichever host is the primary now, without a restart.
+//!   whichever host is the primary now, without a restart. A Citus
+//!   coordinator's error about one of its workers (`citus::remote_node_error`,
+//!   08006 "connection to the remote node ... failed" among them) is not one
+//!   of these: the coordinator answered and its session goes on serving.
 // deadpool stamps its connections with std's clock; the flush mark must be
 // comparable with them, so this module keeps std's `Instant`.
 #![allow(clippy::disallowed_types)]
@@ -65,6 +68,14 @@ pub(super) enum Verdict {
 /// Classifies a failed statement's error by what it says about the session.
 pub(super) fn verdict(e: &tokio_postgres::Error) -> Verdict {
     match e.code() {
+        // A Citus coordinator's error about one of its workers: the
+        // coordinator (this session's server) is fine, and so are the
+        // pooled sessions of every other tenant.
+        Some(_)
+            if e.as_db_error().is_some_and(|db| db.parsed_severity() == Some(Severity::Error) && super::citus::remote_node_error(db)) =>
+        {
+            Verdict::Keep
+        }
         Some(code) if failover_code(code) => Verdict::Failover,
         Some(code) if stale_plan(code, e) => Verdict::Stale,
         Some(_) => Verdict::Keep,

@@ -165,7 +165,7 @@ pub struct PgStore {
     writes: Batcher<WriteItem, WriteOut>,
     /// Concurrent async attempts about to send share one `mark_sent`
     /// statement and commit (see `queue`); single-row on Citus.
-    sends: Option<Batcher<(Scope, Attempt), bool>>,
+    sends: Option<Batcher<queue::Sending, bool>>,
     /// PostgreSQL or a Citus coordinator (see `citus`).
     flavor: Flavor,
     /// On Citus: each tenant's concurrent claims share statements (see `citus_batch`).
@@ -219,7 +219,12 @@ impl Drop for Conn {
 
 fn classify(e: tokio_postgres::Error, write: bool) -> StoreError {
     if let Some(db) = e.as_db_error() {
-        // The server answered with an error: the statement did not take effect.
+        // The server answered with an error: the statement did not take
+        // effect, unless the error says that the session, or the Citus
+        // worker behind it, went away around the commit.
+        if write && citus::write_may_have_committed(db) {
+            return StoreError::Ambiguous(describe(db));
+        }
         return StoreError::Unavailable(describe(db));
     }
     let text = ErrorChain(&e).to_string();
@@ -385,6 +390,7 @@ impl PgStore {
                 claim_token: token,
                 lease_expires_at: lease,
                 took_over,
+                asked_at: tokio::time::Instant::now(),
             })
         };
         let pair = |i: usize| -> Result<Option<(i64, Timestamp)>, StoreError> {

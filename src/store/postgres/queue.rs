@@ -16,15 +16,15 @@ WITH routes AS (
     SELECT * FROM unnest($1::text[], $2::int8[]) AS ro(operation, lease_us)
 ), expired AS (
     -- A take-over: an attempt whose lease ran out (its worker died or is
-    -- frozen) and that may run again: it never sent, or its upstream
-    -- deduplicates ($5). Sent attempts of other routes are the reaper's
-    -- (they become unknown). The locking read rechecks all this on the
-    -- latest row version.
+    -- frozen) and that may run again (record::may_forward): nothing it was
+    -- sent as may have executed, or the route in force deduplicates
+    -- upstream ($5). The others are the reaper's (they become unknown). The
+    -- locking read rechecks all this on the latest row version.
     SELECT r.scope_id, r.tenant, r.principal, r.operation, r.idempotency_key,
            (SELECT max(ro.lease_us) FROM routes ro WHERE ro.operation = r.operation) AS lease_us, true AS took_over
     FROM idemgate_records r
     WHERE r.state = 'processing' AND r.lease_expires_at <= now() AND r.operation = ANY($1::text[])
-      AND (r.sent_at IS NULL OR r.operation = ANY($5::text[]))
+      AND ((r.sent_at IS NULL AND NOT r.maybe_executed) OR r.operation = ANY($5::text[]))
     ORDER BY r.lease_expires_at
     LIMIT $6
     FOR UPDATE OF r SKIP LOCKED
@@ -68,6 +68,7 @@ fn taken(row: &Row) -> Result<Taken, StoreError> {
         claim_token: record.claim_token,
         lease_expires_at: record.lease_expires_at.unwrap_or(record.updated_at),
         took_over: true,
+        asked_at: tokio::time::Instant::now(),
     };
     Ok(Taken { record, request: request.into(), claim, lease_expired })
 }
@@ -76,19 +77,27 @@ pub(super) static HEARTBEAT: LazyLock<String> = LazyLock::new(|| {
     format!("UPDATE idemgate_records SET lease_expires_at = now() + $7::int8 * interval '1 microsecond' WHERE {PK} AND {FENCE} RETURNING 1")
 });
 
+/// The send's time, and the end of its time at the upstream (`$7`, its
+/// timeout, from now; the latest of the record's attempts').
 pub(super) static MARK_SENT: LazyLock<String> = LazyLock::new(|| {
-    format!("UPDATE idemgate_records SET sent_at = now() WHERE {PK} AND {FENCE} AND lease_expires_at > now() RETURNING 1")
+    format!(
+        "UPDATE idemgate_records SET sent_at = now(), \
+         at_upstream_until = greatest(at_upstream_until, now() + $7::int8 * interval '1 microsecond') \
+         WHERE {PK} AND {FENCE} AND lease_expires_at > now() RETURNING 1"
+    )
 });
 
-/// [`MARK_SENT`] for a batch of attempts (`$1`..`$7`, one array per
-/// column, the scope ids last), each fenced by its own: the ordinals (from
-/// 1) of those written. Concurrent attempts about to send share one commit.
+/// [`MARK_SENT`] for a batch of attempts (`$1`..`$8`, one array per
+/// column, the scope ids then the timeouts last), each fenced by its own:
+/// the ordinals (from 1) of those written. Concurrent attempts about to send
+/// share one commit.
 pub(super) static MARK_SENT_BATCH: &str = "\
 WITH v AS (
-    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int8[], $6::uuid[], $7::int8[])
-        WITH ORDINALITY AS v(tenant, principal, operation, idempotency_key, generation, claim_token, scope_id, ord)
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int8[], $6::uuid[], $7::int8[], $8::int8[])
+        WITH ORDINALITY AS v(tenant, principal, operation, idempotency_key, generation, claim_token, scope_id, at_upstream_us, ord)
 )
-UPDATE idemgate_records r SET sent_at = now()
+UPDATE idemgate_records r SET sent_at = now(),
+    at_upstream_until = greatest(r.at_upstream_until, now() + v.at_upstream_us * interval '1 microsecond')
 FROM v
 WHERE r.scope_id = v.scope_id AND r.idempotency_key = v.idempotency_key
   AND r.tenant = v.tenant AND r.principal = v.principal AND r.operation = v.operation
@@ -96,22 +105,33 @@ WHERE r.scope_id = v.scope_id AND r.idempotency_key = v.idempotency_key
   AND CASE r.state WHEN 'processing' THEN true ELSE false END AND r.lease_expires_at > now()
 RETURNING v.ord";
 
+/// An attempt about to send, and its timeout (see [`MARK_SENT`]).
+#[derive(Debug)]
+pub(super) struct Sending {
+    pub scope: Scope,
+    pub attempt: Attempt,
+    pub at_upstream: Duration,
+}
+
 impl Db {
     /// `MARK_SENT_BATCH`; when it deadlocked (rolled back), each attempt by
     /// the single-row `MARK_SENT`.
-    pub(super) async fn mark_sent_batch(&self, items: Vec<(Scope, Attempt)>) -> Result<Vec<bool>, StoreError> {
-        let cols = PkColumns::of(items.iter().map(|(s, _)| s));
-        let generations: Vec<i64> = items.iter().map(|(_, a)| a.generation.0).collect();
-        let tokens: Vec<Uuid> = items.iter().map(|(_, a)| a.claim_token).collect();
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] =
-            [&cols.tenants, &cols.principals, &cols.operations, &cols.keys, &generations, &tokens, &cols.scope_ids];
+    pub(super) async fn mark_sent_batch(&self, items: Vec<Sending>) -> Result<Vec<bool>, StoreError> {
+        let cols = PkColumns::of(items.iter().map(|s| &s.scope));
+        let generations: Vec<i64> = items.iter().map(|s| s.attempt.generation.0).collect();
+        let tokens: Vec<Uuid> = items.iter().map(|s| s.attempt.claim_token).collect();
+        let at_upstream: Vec<i64> = items.iter().map(|s| micros(s.at_upstream)).collect();
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 8] =
+            [&cols.tenants, &cols.principals, &cols.operations, &cols.keys, &generations, &tokens, &cols.scope_ids, &at_upstream];
         let rows = match self.bounded_query(MARK_SENT_BATCH, &params, true).await {
             Ok(rows) => rows,
             Err(e) if is_deadlock(&e) => {
                 let mut out = Vec::with_capacity(items.len());
-                for (scope, attempt) in &items {
+                for Sending { scope, attempt, at_upstream } in &items {
                     let (t, p, o, k) = (&*scope.tenant, &*scope.principal, &*scope.operation, scope.key.as_str());
-                    let rows = self.bounded_query(&MARK_SENT, &[&t, &p, &o, &k, &attempt.generation.0, &attempt.claim_token], true).await?;
+                    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] =
+                        [&t, &p, &o, &k, &attempt.generation.0, &attempt.claim_token, &micros(*at_upstream)];
+                    let rows = self.bounded_query(&MARK_SENT, &params, true).await?;
                     out.push(!rows.is_empty());
                 }
                 return Ok(out);
@@ -179,10 +199,10 @@ impl Queue for PgStore {
         self.fenced_update(&HEARTBEAT, scope, attempt, &[&micros(lease)]).await
     }
 
-    async fn mark_sent(&self, scope: &Scope, attempt: Attempt) -> Result<bool, StoreError> {
+    async fn mark_sent(&self, scope: &Scope, attempt: Attempt, at_upstream: Duration) -> Result<bool, StoreError> {
         match &self.sends {
-            Some(sends) => sends.submit((scope.clone(), attempt)).await,
-            None => self.fenced_update(&MARK_SENT, scope, attempt, &[]).await,
+            Some(sends) => sends.submit(Sending { scope: scope.clone(), attempt, at_upstream }).await,
+            None => self.fenced_update(&MARK_SENT, scope, attempt, &[&micros(at_upstream)]).await,
         }
     }
 

@@ -2,6 +2,7 @@
 
 use super::sql::{COLUMNS, EXPIRES_8, PK, prefixed};
 use super::*;
+use crate::store::UNRECORDED_AT_UPSTREAM;
 use std::sync::LazyLock;
 
 /// The resolution's row, locked.
@@ -52,13 +53,7 @@ WITH routes AS (
 ), due AS (
     SELECT r.scope_id, r.tenant, r.principal, r.operation, r.idempotency_key
     FROM idemgate_records r JOIN routes ro ON ro.operation = r.operation
-    WHERE r.state = 'unknown'
-      AND r.updated_at <= now() - ro.settle_us * interval '1 microsecond'
-      -- The attempt was sent (async: sent_at; sync: claimed, created_at) at
-      -- least the upstream's timeout plus settle ago: it cannot be running.
-      AND coalesce(r.sent_at, r.created_at) <= now() - (ro.at_upstream_us + ro.settle_us) * interval '1 microsecond'
-      AND (r.probe_generation IS DISTINCT FROM r.generation
-           OR ((r.next_probe_at IS NULL OR r.next_probe_at <= now()) AND (r.probe_until IS NULL OR r.probe_until <= now())))
+    WHERE {}
     -- Oldest first, sorted after the open states' index found them (no index
     -- provides this key, so none competes with that one).
     ORDER BY r.updated_at + interval '0 seconds'
@@ -74,7 +69,30 @@ WHERE r.scope_id = d.scope_id AND r.tenant = d.tenant AND r.principal = d.princi
   AND r.idempotency_key = d.idempotency_key
   AND CASE r.state WHEN 'unknown' THEN true ELSE false END
 RETURNING {}, now(), r.request, r.probe_attempts",
-        prefixed(COLUMNS, "r.")
+        &*PROBE_DUE,
+        prefixed(COLUMNS, "r."),
+    )
+});
+
+/// Which `unknown` records (`r`, of a route `ro` with its `settle_us` and
+/// `at_upstream_us`) are due for a probe: settled, their attempt no longer
+/// possibly at the upstream, not backing off after an inconclusive probe and
+/// not marked by a live one. The probe's take and, on Citus, its list of
+/// tenants (`citus_sql::CITUS_TENANTS_TO_PROBE`) apply the same test.
+pub(super) static PROBE_DUE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "r.state = 'unknown'
+      AND r.updated_at <= now() - ro.settle_us * interval '1 microsecond'
+      -- The attempt's time at the upstream, as the attempt recorded it,
+      -- ended at least settle ago: it cannot be running (see ProbeRoute).
+      AND CASE
+            WHEN r.at_upstream_until IS NOT NULL THEN r.at_upstream_until
+            WHEN r.operation_id IS NULL THEN greatest(r.lease_expires_at, r.created_at + ro.at_upstream_us * interval '1 microsecond')
+            ELSE coalesce(r.sent_at, r.created_at) + greatest(ro.at_upstream_us, {unrecorded}) * interval '1 microsecond'
+          END <= now() - ro.settle_us * interval '1 microsecond'
+      AND (r.probe_generation IS DISTINCT FROM r.generation
+           OR ((r.next_probe_at IS NULL OR r.next_probe_at <= now()) AND (r.probe_until IS NULL OR r.probe_until <= now())))",
+        unrecorded = micros(UNRECORDED_AT_UPSTREAM),
     )
 });
 

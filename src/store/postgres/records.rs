@@ -380,9 +380,11 @@ SELECT requeue FROM upd"
 });
 
 /// The reaper's re-queue rule on the row being updated (`r`, its values
-/// before the update): an async attempt that never reached the upstream, or
-/// one whose upstream deduplicates (`$2`, the re-forwardable operations).
-const REQUEUE_IF: &str = "(r.state = 'processing' AND (r.sent_at IS NULL OR r.operation = ANY($2::text[])))";
+/// before the update), `record::may_forward`: an async operation nothing of
+/// which may have executed (this attempt never reached the upstream, no
+/// earlier one's answer was lost), or one whose route in force deduplicates
+/// upstream (`$2`, the re-forwardable operations).
+const REQUEUE_IF: &str = "(r.state = 'processing' AND ((r.sent_at IS NULL AND NOT r.maybe_executed) OR r.operation = ANY($2::text[])))";
 
 /// Records not yet completed, through the partial index of open states.
 pub(super) const STATS: &str = "SELECT operation, state, count(*), min(created_at), min(updated_at), min(lease_expires_at) FROM idemgate_records \
@@ -425,9 +427,14 @@ impl Records for PgStore {
             return Err(StoreError::Corrupt("batched write: a claim answered as a result write".into()));
         };
         match out {
-            BatchClaim::Inserted { generation, lease_expires_at } => {
-                Ok(RawClaim::Claimed(Claim { scope: s.clone(), generation, claim_token: token, lease_expires_at, took_over: false }))
-            }
+            BatchClaim::Inserted { generation, lease_expires_at } => Ok(RawClaim::Claimed(Claim {
+                scope: s.clone(),
+                generation,
+                claim_token: token,
+                lease_expires_at,
+                took_over: false,
+                asked_at: tokio::time::Instant::now(),
+            })),
             BatchClaim::Existing(record, now, _) if may_take_over(&record, &req.request_hash, now, req.upstream_idempotent) => {
                 self.claim_one(req, token).await
             }

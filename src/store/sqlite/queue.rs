@@ -1,6 +1,7 @@
 //! SQLite: the async queue (the [`Queue`] part of the store's contract).
 
 use super::*;
+use crate::idempotency::record::may_forward;
 use std::sync::LazyLock;
 
 #[async_trait]
@@ -32,24 +33,28 @@ impl Queue for SqliteStore {
         .await
     }
 
-    async fn mark_sent(&self, scope: &Scope, attempt: Attempt) -> Result<bool, StoreError> {
+    async fn mark_sent(&self, scope: &Scope, attempt: Attempt, at_upstream: Duration) -> Result<bool, StoreError> {
         let s = scope.clone();
-        self.fenced(scope, Event::MarkSent { attempt }, move |tx, now, _, _| update_state(tx, &s, "sent_at = ?5", now, None)).await
+        let at_upstream = i64::try_from(at_upstream.as_micros()).unwrap_or(i64::MAX);
+        self.fenced(scope, Event::MarkSent { attempt }, move |tx, now, _, _| {
+            // The latest bound of the record's attempts.
+            let assignments = format!("sent_at = ?5, at_upstream_until = max(coalesce(at_upstream_until, 0), ?5 + {at_upstream})");
+            update_state(tx, &s, &assignments, now, None)
+        })
+        .await
     }
 
     async fn requeue(&self, scope: &Scope, attempt: Attempt, delay: Duration, retry: RetryNote) -> Result<bool, StoreError> {
         let s = scope.clone();
         self.fenced(scope, Event::Requeue { attempt }, move |tx, now, _, _| {
-            update_state(
-                tx,
-                &s,
-                "state = 'queued', lease_expires_at = NULL, sent_at = NULL, next_attempt_at = ?5, last_status = ?6",
-                now.plus(delay),
-                retry.last_status,
-            )?;
-            if retry.maybe_executed {
-                update_state(tx, &s, "maybe_executed = 1", now, None)?;
-            }
+            // One statement binding ?5 and ?6 (an assignment using neither
+            // fails to bind them); the fact only ever turns on.
+            let assignments = format!(
+                "state = 'queued', lease_expires_at = NULL, sent_at = NULL, next_attempt_at = ?5, last_status = ?6, \
+                 maybe_executed = max(maybe_executed, {})",
+                i32::from(retry.maybe_executed)
+            );
+            update_state(tx, &s, &assignments, now.plus(delay), retry.last_status)?;
             touch(tx, &s, now)
         })
         .await
@@ -132,7 +137,8 @@ fn take_one(tx: &Connection, now: Timestamp, routes: &[WorkerRoute], owner: &str
         while let Some(row) = rows.next().map_err(err)? {
             let record = decode(row)?;
             let Some(route) = routes.iter().find(|r| *r.operation == *record.scope.operation) else { continue };
-            if record.state == State::Processing && record.sent_at.is_some() && !route.reforwardable {
+            // An expired attempt that may not run again is the reaper's.
+            if record.state == State::Processing && !may_forward(&record, route.reforwardable) {
                 continue;
             }
             let request: Vec<u8> = row.get(23).map_err(err)?;
@@ -159,6 +165,13 @@ fn take_one(tx: &Connection, now: Timestamp, routes: &[WorkerRoute], owner: &str
     })
     .map_err(err)?;
     let record = get_tx(tx, &record.scope)?.ok_or_else(|| StoreError::Corrupt("taken operation vanished".into()))?;
-    let claim = Claim { scope: record.scope.clone(), generation, claim_token, lease_expires_at: now.plus(lease), took_over: true };
+    let claim = Claim {
+        scope: record.scope.clone(),
+        generation,
+        claim_token,
+        lease_expires_at: now.plus(lease),
+        took_over: true,
+        asked_at: tokio::time::Instant::now(),
+    };
     Ok(Some(Taken { record, request: request.into(), claim, lease_expired }))
 }

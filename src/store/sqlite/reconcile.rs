@@ -1,6 +1,7 @@
 //! SQLite: the probe's take and bookkeeping, and resolutions (the [`Reconcile`] part of the store's contract).
 
 use super::*;
+use crate::store::UNRECORDED_AT_UPSTREAM;
 use std::sync::LazyLock;
 
 #[async_trait]
@@ -17,11 +18,10 @@ impl Reconcile for SqliteStore {
                 }
                 let ago = |d: Duration| Timestamp(now.0.saturating_sub(i64::try_from(d.as_micros()).unwrap_or(i64::MAX)));
                 let settled = ago(route.settle);
-                // Sent (or, synchronous, claimed) long enough ago that the
-                // attempt cannot still be at the upstream.
-                let finished = ago(route.at_upstream.saturating_add(route.settle));
+                let micros = |d: Duration| i64::try_from(d.as_micros()).unwrap_or(i64::MAX);
+                let (at_upstream, unrecorded) = (micros(route.at_upstream), micros(UNRECORDED_AT_UPSTREAM));
                 let mut st = tx.prepare_cached(&PROBES_DUE).map_err(err)?;
-                let mut rows = st.query(params![&*route.operation, settled.0, now.0, left, finished.0]).map_err(err)?;
+                let mut rows = st.query(params![&*route.operation, settled.0, now.0, left, at_upstream, unrecorded]).map_err(err)?;
                 while let Some(row) = rows.next().map_err(err)? {
                     let record = decode(row)?;
                     let request: Option<Vec<u8>> = row.get(NCOLS).map_err(err)?;
@@ -177,12 +177,17 @@ fn probe_holds(tx: &Connection, scope: &Scope, record: &Record, fence: ProbeFenc
 }
 
 /// A route's `unknown` records due for a probe, oldest change first
-/// (`state <> 'completed'`: see `queue::TAKE_OVERS`).
+/// (`state <> 'completed'`: see `queue::TAKE_OVERS`): unknown since `?2`
+/// (settle ago) or longer, and their attempt's time at the upstream ended by
+/// then (see `ProbeRoute`; `?5` the prober's timeout, `?6`
+/// `UNRECORDED_AT_UPSTREAM`).
 pub(super) static PROBES_DUE: LazyLock<String> = LazyLock::new(|| {
     format!(
         "SELECT {COLUMNS}, request, CASE WHEN probe_generation = generation THEN probe_attempts ELSE 0 END \
          FROM idemgate_records WHERE state = 'unknown' AND state <> 'completed' AND operation = ?1 AND updated_at <= ?2 \
-         AND coalesce(sent_at, created_at) <= ?5 \
+         AND CASE WHEN at_upstream_until IS NOT NULL THEN at_upstream_until \
+                  WHEN operation_id IS NULL THEN max(coalesce(lease_expires_at, 0), created_at + ?5) \
+                  ELSE coalesce(sent_at, created_at) + max(?5, ?6) END <= ?2 \
          AND (probe_generation IS NOT generation \
               OR ((next_probe_at IS NULL OR next_probe_at <= ?3) AND (probe_until IS NULL OR probe_until <= ?3))) \
          ORDER BY updated_at LIMIT ?4"

@@ -59,7 +59,14 @@ impl Records for SqliteStore {
                 .map_err(err)?;
             // An acceptance has no lease yet: its claim carries the time it was accepted.
             let lease_expires_at = if req.acceptance.is_some() { now } else { lease };
-            Ok(RawClaim::Claimed(Claim { scope: req.scope.clone(), generation, claim_token: token, lease_expires_at, took_over }))
+            Ok(RawClaim::Claimed(Claim {
+                scope: req.scope.clone(),
+                generation,
+                claim_token: token,
+                lease_expires_at,
+                took_over,
+                asked_at: tokio::time::Instant::now(),
+            }))
         })
         .await
     }
