@@ -28,11 +28,11 @@ fn config(backend: StoreBackend) -> StoreConfig {
 }
 
 fn citus_store(url: &str) -> StoreConfig {
-    config(StoreBackend::Citus { url: Secret::new(url.to_owned()), pool_size: 2 })
+    config(StoreBackend::Citus { url: Secret::new(url.to_owned()), pool_size: 2, pooler: Default::default() })
 }
 
 fn postgres_store(url: &str) -> StoreConfig {
-    config(StoreBackend::Postgres { url: Secret::new(url.to_owned()), pool_size: 2 })
+    config(StoreBackend::Postgres { url: Secret::new(url.to_owned()), pool_size: 2, pooler: Default::default() })
 }
 
 async fn migrate(config: &StoreConfig) -> Result<Vec<String>, StoreError> {

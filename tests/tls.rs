@@ -573,7 +573,7 @@ async fn open_store(url: String) -> Result<(), String> {
 async fn opened_store(url: String) -> Result<idemgate::store::Store, String> {
     use idemgate::config::{Secret, StoreBackend, StoreConfig};
     let config = StoreConfig {
-        backend: StoreBackend::Postgres { url: Secret::new(url), pool_size: 1 },
+        backend: StoreBackend::Postgres { url: Secret::new(url), pool_size: 1, pooler: Default::default() },
         migrate: false,
         unreachable_at_start: Default::default(),
         operation_timeout: Duration::from_secs(3),

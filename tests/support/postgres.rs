@@ -924,6 +924,12 @@ fn find_bin_dir() -> io::Result<PathBuf> {
     })
 }
 
+/// `(uid, gid)` of the unprivileged account the servers run as when the
+/// tests run as root (`None` otherwise): PgBouncer refuses root too.
+pub fn server_ids() -> io::Result<Option<(u32, u32)>> {
+    Ok(server_account()?.map(|a| (a.uid, a.gid)))
+}
+
 /// `None` when not root; otherwise the account the server must run as.
 fn server_account() -> io::Result<Option<Account>> {
     if effective_uid()? != 0 {
