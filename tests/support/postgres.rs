@@ -581,7 +581,10 @@ impl PgServer {
         }
         if let Some(acct) = &self.run_as {
             cmd.uid(acct.uid).gid(acct.gid);
-            cmd.env("USER", &acct.name).env("LOGNAME", &acct.name);
+            // A home of its own, as an installed server has: libpq inside
+            // the server (Citus's connections between nodes, with TLS)
+            // looks in ~/.postgresql, and root's home is closed to it.
+            cmd.env("USER", &acct.name).env("LOGNAME", &acct.name).env("HOME", &self.base);
         }
     }
 
