@@ -171,7 +171,9 @@ async fn all_replicas_killed_with_operations_queued_then_restarted_finish_everyt
         up.set_dedupe(true);
         let mut a = Gateway::start(async_config(&backend, &up, true, 1));
         let mut b = match backend {
-            Backend::Postgres { .. } | Backend::Citus { .. } => Some(Gateway::start(async_config(&backend, &up, true, 1))),
+            Backend::Postgres { .. } | Backend::Citus { .. } | Backend::Pooled { .. } => {
+                Some(Gateway::start(async_config(&backend, &up, true, 1)))
+            }
             Backend::Sqlite { .. } => None,
         };
         let keys: Vec<String> = (0..6).map(|i| format!("op{i}")).collect();

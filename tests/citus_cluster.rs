@@ -28,11 +28,11 @@ fn config(backend: StoreBackend) -> StoreConfig {
 }
 
 fn citus_store(url: &str) -> StoreConfig {
-    config(StoreBackend::Citus { url: Secret::new(url.to_owned()), pool_size: 2 })
+    config(StoreBackend::Citus { url: Secret::new(url.to_owned()), pool_size: 2, pooler: Default::default() })
 }
 
 fn postgres_store(url: &str) -> StoreConfig {
-    config(StoreBackend::Postgres { url: Secret::new(url.to_owned()), pool_size: 2 })
+    config(StoreBackend::Postgres { url: Secret::new(url.to_owned()), pool_size: 2, pooler: Default::default() })
 }
 
 async fn migrate(config: &StoreConfig) -> Result<Vec<String>, StoreError> {
@@ -63,6 +63,26 @@ async fn the_test_cluster_has_a_coordinator_and_two_active_workers() {
     assert_eq!(workers, expected);
     let version: String = db.query_one("SELECT extversion FROM pg_extension WHERE extname = 'citus'", &[]).await.unwrap().get(0);
     assert!(version.starts_with("13."), "{version}");
+    // Citus's defaults: TLS on every node, with the certificate it made,
+    // and between the nodes.
+    for node in cluster.nodes() {
+        let name = url.rsplit('/').next().unwrap();
+        let rows = node.simple_query(name, "SELECT current_setting('ssl'), current_setting('citus.node_conninfo')").unwrap();
+        assert_eq!(rows[0], [Some("on".to_owned()), Some("sslmode=require".to_owned())], "node on port {}", node.port());
+    }
+    // The store, given the coordinator's URL without sslmode, speaks TLS to it.
+    let store = Store::open(&citus_store(&url), Access::Migrate).await.expect("store");
+    store.migrate().await.expect("migrate over TLS, with Citus's own certificate");
+    store.ping().await.expect("ping");
+    let encrypted: i64 = db
+        .query_one(
+            "SELECT count(*) FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) WHERE s.ssl AND a.application_name = 'idemgate'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(encrypted >= 1, "the store's sessions to the coordinator are encrypted");
 }
 
 /// `migrate` with kind = "citus": records, events and audit distributed by

@@ -39,7 +39,7 @@ const SHORT: Duration = Duration::from_millis(150);
 
 async fn store(url: &str) -> Store {
     let config = StoreConfig {
-        backend: StoreBackend::Citus { url: Secret::new(url.to_owned()), pool_size: 8 },
+        backend: StoreBackend::Citus { url: Secret::new(url.to_owned()), pool_size: 8, pooler: Default::default() },
         migrate: true,
         unreachable_at_start: Default::default(),
         operation_timeout: Duration::from_secs(10),
@@ -327,7 +327,7 @@ async fn a_dead_worker_fails_its_tenants_claims_closed_and_the_others_keep_servi
     let url = cluster.create_database("faults").expect("database");
     let store = {
         let config = StoreConfig {
-            backend: StoreBackend::Citus { url: Secret::new(url.clone()), pool_size: 4 },
+            backend: StoreBackend::Citus { url: Secret::new(url.clone()), pool_size: 4, pooler: Default::default() },
             migrate: true,
             unreachable_at_start: Default::default(),
             operation_timeout: Duration::from_secs(3),

@@ -149,7 +149,7 @@ async fn every_request_path_statement_is_one_task_on_one_shard() {
     }
     let url = citus::shared().create_unique_database("plans").expect("database");
     let config = StoreConfig {
-        backend: StoreBackend::Citus { url: Secret::new(url.clone()), pool_size: 2 },
+        backend: StoreBackend::Citus { url: Secret::new(url.clone()), pool_size: 2, pooler: Default::default() },
         migrate: true,
         unreachable_at_start: Default::default(),
         operation_timeout: Duration::from_secs(30),

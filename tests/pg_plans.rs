@@ -261,7 +261,7 @@ async fn one_connection_store(url: &str, role: Option<&str>) -> Store {
         None => url.to_owned(),
     };
     let config = StoreConfig {
-        backend: StoreBackend::Postgres { url: Secret::new(url), pool_size: 1 },
+        backend: StoreBackend::Postgres { url: Secret::new(url), pool_size: 1, pooler: Default::default() },
         migrate: false,
         unreachable_at_start: Default::default(),
         operation_timeout: Duration::from_secs(3),
@@ -421,7 +421,7 @@ async fn the_database_computes_the_gateways_scope_id() {
 async fn migrated_database(name: &str) -> String {
     let url = pg::shared().create_unique_database(name).expect("database");
     let config = StoreConfig {
-        backend: StoreBackend::Postgres { url: Secret::new(url.clone()), pool_size: 2 },
+        backend: StoreBackend::Postgres { url: Secret::new(url.clone()), pool_size: 2, pooler: Default::default() },
         migrate: true,
         unreachable_at_start: Default::default(),
         operation_timeout: Duration::from_secs(30),

@@ -85,6 +85,54 @@ on_both_stores!(
     a_requeue_that_may_have_executed_keeps_the_fact_and_its_backoff,
 );
 
+// The same cases through PgBouncer in transaction mode (store.pooler =
+// "transaction"): every statement and transaction of the store crosses the
+// pooler; the tests' own SQL goes to PostgreSQL directly.
+on_pgbouncer!(
+    only_a_store_whose_sessions_keep_plans_has_a_plan_keeper,
+    attempts_from_an_earlier_life_of_a_record_are_fenced,
+    claim_inserts_and_second_claim_sees_the_winner,
+    generations_grow_across_lives_of_a_scope,
+    resolve_of_a_completed_record_needs_force_and_is_audited,
+    concurrent_claims_have_exactly_one_winner,
+    scopes_never_see_each_other,
+    complete_round_trips_the_response_exactly,
+    writes_under_another_generation_are_fenced,
+    take_over_fences_the_previous_generation,
+    take_over_follows_may_take_over,
+    expire_lease_only_turns_expired_in_flight_into_unknown,
+    sweep_deletes_only_expired_completed_records_in_batches,
+    reap_leases_turns_only_expired_in_flight_into_unknown,
+    list_filters_orders_and_limits,
+    resolve_releases_completes_and_refuses_live_claims,
+    times_come_from_the_store_clock,
+    claim_resent_with_the_same_token_is_recognised_as_ours,
+    abandon_deletes_only_an_in_flight_claim_with_its_token,
+    acceptance_queues_the_operation_with_its_request,
+    racing_workers_take_one_operation_once_each_under_a_new_generation,
+    a_take_for_several_workers_draws_each_operation_once_and_their_sends_are_fenced_each,
+    a_worker_whose_lease_was_taken_over_cannot_act,
+    lease_expiry_requeues_what_was_never_sent_or_may_run_again,
+    retries_wait_their_backoff_then_fail_and_are_swept_after_retention,
+    stats_count_records_that_are_not_completed,
+    unknown_records_are_counted_by_age_in_one_grouped_count,
+    final_state_changes_write_their_events_and_nothing_else_does,
+    a_change_and_its_event_commit_or_fail_together,
+    relays_hold_each_event_alone_in_order_per_scope,
+    records_kept_forever_are_never_taken_over_swept_or_expired,
+    key_source_is_kept_by_claims_and_take_overs,
+    list_pages_with_a_cursor_cover_every_record_once,
+    probes_take_due_unknown_records_and_their_writes_are_fenced,
+    racing_reconcilers_take_each_record_once,
+    the_reaper_decides_from_the_row_it_locked,
+    probes_wait_until_the_attempt_cannot_be_at_the_upstream,
+    a_released_operation_starts_a_fresh_attempt_budget,
+    a_parked_event_holds_the_later_events_of_its_scope,
+    events_held_back_beyond_any_window_do_not_hide_deliverable_ones,
+    workers_take_over_expired_attempts_that_may_run_again,
+    stored_requests_are_dropped_once_the_operation_is_final,
+);
+
 // The same cases on a Citus cluster (issue 30). Not here:
 // the_reaper_decides_from_the_row_it_locked, which holds the reaper inside
 // its statement with a trigger waiting on an advisory lock and watches
@@ -152,8 +200,11 @@ const AT_UPSTREAM: Duration = Duration::from_secs(1);
 
 fn store_config(backend: &Backend, timeout: Duration, pool_size: usize) -> StoreConfig {
     let backend = match backend {
-        Backend::Postgres { url } => StoreBackend::Postgres { url: Secret::new(url.clone()), pool_size },
-        Backend::Citus { url } => StoreBackend::Citus { url: Secret::new(url.clone()), pool_size },
+        Backend::Postgres { url } => StoreBackend::Postgres { url: Secret::new(url.clone()), pool_size, pooler: Default::default() },
+        Backend::Citus { url } => StoreBackend::Citus { url: Secret::new(url.clone()), pool_size, pooler: Default::default() },
+        Backend::Pooled { url, pooler, .. } => {
+            StoreBackend::Postgres { url: Secret::new(url.clone()), pool_size, pooler: support::gateway::pooler_named(pooler) }
+        }
         Backend::Sqlite { path, .. } => StoreBackend::Sqlite { path: path.clone() },
     };
     StoreConfig {
@@ -1002,7 +1053,7 @@ async fn abandon_deletes_only_an_in_flight_claim_with_its_token(backend: Backend
 async fn stored_request(backend: &Backend, s: &Scope) -> Option<Option<Vec<u8>>> {
     let k = s.key.as_str().to_owned();
     match backend {
-        Backend::Postgres { url } | Backend::Citus { url } => {
+        Backend::Postgres { url } | Backend::Citus { url } | Backend::Pooled { direct: url, .. } => {
             let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.expect("connect");
             let task = tokio::spawn(conn);
             let rows = client.query("SELECT request FROM idemgate_records WHERE idempotency_key = $1", &[&k]).await.expect("select");
@@ -1759,7 +1810,7 @@ async fn a_change_and_its_event_commit_or_fail_together(backend: Backend) {
     // Make every event insert fail, from outside the store.
     let (fail, heal) = match &backend {
         // (On Citus the test cluster allows triggers on distributed tables.)
-        Backend::Postgres { .. } | Backend::Citus { .. } => (
+        Backend::Postgres { .. } | Backend::Citus { .. } | Backend::Pooled { .. } => (
             "CREATE FUNCTION idemgate_test_fail() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'injected'; END $$;
              CREATE TRIGGER idemgate_test_fail BEFORE INSERT ON idemgate_events FOR EACH ROW EXECUTE FUNCTION idemgate_test_fail();",
             "DROP TRIGGER idemgate_test_fail ON idemgate_events; DROP FUNCTION idemgate_test_fail();",
@@ -1787,7 +1838,7 @@ async fn a_change_and_its_event_commit_or_fail_together(backend: Backend) {
 /// Runs SQL against the backend's database from outside the store.
 async fn raw_sql(backend: &Backend, sql: &str) {
     match backend {
-        Backend::Postgres { url } | Backend::Citus { url } => {
+        Backend::Postgres { url } | Backend::Citus { url } | Backend::Pooled { direct: url, .. } => {
             let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.expect("connect");
             let task = tokio::spawn(conn);
             if matches!(backend, Backend::Citus { .. }) {
@@ -2267,7 +2318,7 @@ async fn the_reaper_decides_from_the_row_it_locked(backend: Backend) {
     let t_sent = take(&store, &routes, "w2").await.expect("second");
     assert_eq!((t_first.record.scope.clone(), t_sent.record.scope.clone()), (first.clone(), sent.clone()));
     match &backend {
-        Backend::Postgres { url } | Backend::Citus { url } => {
+        Backend::Postgres { url } | Backend::Citus { url } | Backend::Pooled { direct: url, .. } => {
             let (gate, gate_task) = hold_the_reaper_after(url, "reaped-first").await;
             // The worker's row is busy (a lock held from outside) when its
             // mark_sent starts, inside the lease.

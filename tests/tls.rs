@@ -469,7 +469,6 @@ async fn mtls_identities_of_two_certificates_never_see_each_others_records() {
 /// `verify-full` checks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_over_tls_honours_sslmode_and_sslrootcert() {
-    use idemgate::config::{Secret, StoreBackend, StoreConfig};
     let pki = Pki::new("database CA");
     let stranger = Pki::new("stranger CA");
     let cert = pki.server(Alg::EcdsaP256);
@@ -496,21 +495,7 @@ async fn postgres_over_tls_honours_sslmode_and_sslrootcert() {
     let n: u64 = tls_sessions[0][0].as_deref().unwrap().parse().unwrap();
     assert!(n >= 1, "the gateway's sessions are encrypted");
 
-    let open = |url: String| async move {
-        let config = StoreConfig {
-            backend: StoreBackend::Postgres { url: Secret::new(url), pool_size: 1 },
-            migrate: false,
-            unreachable_at_start: Default::default(),
-            operation_timeout: Duration::from_secs(3),
-            sweep_interval: Duration::from_secs(1),
-            sweep_batch: 10,
-            events_retention: Duration::from_secs(60),
-        };
-        match idemgate::store::Store::open(&config, idemgate::store::Access::Existing).await {
-            Ok(store) => store.ping().await.map_err(|e| e.to_string()),
-            Err(e) => Err(e.to_string()),
-        }
-    };
+    let open = open_store;
     let foreign = format!("{plain}?sslmode=verify-full&sslrootcert={}", stranger.ca_file.display());
     assert!(open(foreign).await.is_err(), "a server certificate of another CA is refused");
     let foreign_require = format!("{plain}?sslmode=require&sslrootcert={}", stranger.ca_file.display());
@@ -524,6 +509,81 @@ async fn postgres_over_tls_honours_sslmode_and_sslrootcert() {
     };
     assert!(open(renamed("verify-full")).await.is_err(), "verify-full checks the host name");
     assert!(open(renamed("verify-ca")).await.is_ok(), "verify-ca checks only the chain");
+}
+
+/// PostgreSQL presenting a self-signed X.509 version 1 certificate (what
+/// `CREATE EXTENSION citus` generates): `prefer` (no sslmode at all) and
+/// `require` connect over TLS as libpq does, under TLS 1.3 and TLS 1.2;
+/// `verify-ca` and `verify-full` refuse it, even with the certificate itself
+/// as `sslrootcert`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_with_a_version_1_certificate_is_served_with_prefer_and_require() {
+    let dir = tempfile::tempdir().unwrap();
+    let cert = support::tls::version_1_self_signed(dir.path());
+    let pg = support::postgres::PgServer::start_with_ssl(&cert.cert_pem, &cert.key_pem).expect("a PostgreSQL cluster with ssl = on");
+    let plain = pg.create_database("v1_store").unwrap();
+    let root = cert.cert_file.display().to_string();
+    let encrypted = || {
+        let rows = pg
+            .simple_query(
+                "v1_store",
+                "SELECT count(*) FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) WHERE s.ssl AND a.application_name = 'idemgate'",
+            )
+            .unwrap();
+        rows[0][0].as_deref().unwrap().parse::<u64>().unwrap()
+    };
+    let versions = || {
+        let rows = pg
+            .simple_query("v1_store", "SELECT DISTINCT s.version FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) WHERE s.ssl AND a.application_name = 'idemgate'")
+            .unwrap();
+        rows.into_iter().map(|r| r[0].clone().unwrap_or_default()).collect::<Vec<_>>()
+    };
+
+    // The gateway, with the URL a user writes (no sslmode: prefer).
+    let up = TestUpstream::start().await;
+    let gw = Gateway::start(GatewayConfig::new(Backend::Postgres { url: plain.clone() }, up.url()));
+    let first = post(&gw.url("/v1/orders"), "k-v1", ORDER, &[]).await;
+    assert_eq!(first.status, 201, "{first:?}\n{}", gw.logs());
+    assert!(post(&gw.url("/v1/orders"), "k-v1", ORDER, &[]).await.replayed());
+    assert_eq!(up.total(), 1);
+    assert!(encrypted() >= 1, "prefer encrypts when the server offers TLS");
+    drop(gw);
+
+    for version in ["TLSv1.3", "TLSv1.2"] {
+        pg.set_and_reload("ssl_max_protocol_version", version).unwrap();
+        for mode in ["prefer", "require"] {
+            let opened = opened_store(format!("{plain}?sslmode={mode}")).await;
+            assert!(opened.is_ok(), "{mode} over {version} accepts the version 1 certificate: {:?}", opened.err());
+            // (Sessions of the previous round may not have ended yet.)
+            assert!(versions().iter().any(|v| v == version), "{mode}: a session speaks {version}: {:?}", versions());
+        }
+        for mode in ["verify-ca", "verify-full"] {
+            let opened = open_store(format!("{plain}?sslmode={mode}&sslrootcert={root}")).await;
+            assert!(opened.is_err(), "{mode} over {version} refuses the version 1 certificate");
+        }
+    }
+}
+
+/// Opens an existing PostgreSQL store with one connection and pings it.
+async fn open_store(url: String) -> Result<(), String> {
+    opened_store(url).await.map(drop)
+}
+
+/// [`open_store`], keeping the store (and its connection) open.
+async fn opened_store(url: String) -> Result<idemgate::store::Store, String> {
+    use idemgate::config::{Secret, StoreBackend, StoreConfig};
+    let config = StoreConfig {
+        backend: StoreBackend::Postgres { url: Secret::new(url), pool_size: 1, pooler: Default::default() },
+        migrate: false,
+        unreachable_at_start: Default::default(),
+        operation_timeout: Duration::from_secs(3),
+        sweep_interval: Duration::from_secs(1),
+        sweep_batch: 10,
+        events_retention: Duration::from_secs(60),
+    };
+    let store = idemgate::store::Store::open(&config, idemgate::store::Access::Existing).await.map_err(|e| e.to_string())?;
+    store.ping().await.map_err(|e| e.to_string())?;
+    Ok(store)
 }
 
 /// server.max_connections: past the limit a new connection waits (in the

@@ -8,6 +8,10 @@
 #   IDEMGATE_BIN=/path/to/target/release/idemgate ./side_by_side.sh
 #   IDEMGATE_BASE_BIN=/path/to/an/older/idemgate ...   # adds target `base`: that binary
 #       on the same PostgreSQL, interleaved with the others, and `*_pg_vs_base` ratios
+#   PGBOUNCER=1 ...   # adds targets `pgbt` and `pgbs`: the gateway through PgBouncer
+#       (Debian's package) in transaction mode (store.pooler = "transaction") and in
+#       session mode, in front of the same PostgreSQL, and a `pgbouncer@cN:` line of
+#       their figures over the direct `pg` (PgBouncer's CPU counts in their stacks)
 #
 # Prints per run: rps p50 p99, upstream requests seen (must equal first writes),
 # cpu_us/r (the CPU time per request of the target's whole stack: the peer's Node
@@ -29,12 +33,16 @@ BIN="${IDEMGATE_BIN:?set IDEMGATE_BIN to the idemgate release binary}"
 DURATION="${DURATION:-10s}"; CONNS="${CONNS:-16 64}"; WRK_THREADS="${WRK_THREADS:-2}"
 REDIS_DURABILITY="${REDIS_DURABILITY:-always}"; REPLAY_KEYS="${REPLAY_KEYS:-1000}"
 BASE_BIN="${IDEMGATE_BASE_BIN:-}"
-TARGETS="${TARGETS:-peer pg${BASE_BIN:+ base} sqlite}"
+PGBOUNCER="${PGBOUNCER:-0}"
+POOLED=""; [[ $PGBOUNCER == 1 ]] && POOLED=" pgbt pgbs"
+TARGETS="${TARGETS:-peer pg${BASE_BIN:+ base}$POOLED sqlite}"
 ROUNDS="${ROUNDS:-3}"
 export ORDER_BODY='{"item":"widget","qty":1}'
 API_KEY="side-by-side-key"
 for b in node redis-server redis-cli nginx wrk curl initdb pg_ctl; do
   command -v "$b" >/dev/null || { echo "missing: $b" >&2; exit 1; }; done
+if [[ $PGBOUNCER == 1 ]] && ! command -v pgbouncer >/dev/null && [[ ! -x /usr/sbin/pgbouncer ]]; then
+  echo "missing: pgbouncer (PGBOUNCER=1)" >&2; exit 1; fi
 case "$REDIS_DURABILITY" in
   none) RARGS=(--save "" --appendonly no) ;;
   everysec) RARGS=(--save "" --appendonly yes --appendfsync everysec) ;;
@@ -48,6 +56,7 @@ stop_pid() { local p=$1; kill -TERM "$p" 2>/dev/null || true
   kill -KILL "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; }
 cleanup() { local rc=$?; set +e
   for (( i=${#PIDS[@]}-1; i>=0; i-- )); do stop_pid "${PIDS[$i]}"; done
+  for p in ${PGB_PID[@]:-}; do kill -INT "$p" 2>/dev/null; done
   [[ -n "${PGDATA_DIR:-}" ]] && runuser -u postgres -- pg_ctl -D "$PGDATA_DIR" -m immediate stop >/dev/null 2>&1
   exit $rc; }
 trap cleanup EXIT; trap 'exit 130' INT TERM
@@ -56,6 +65,7 @@ wait_until() { local w=$1 t=$2; shift 2; for _ in $(seq "$t"); do "$@" >/dev/nul
 
 # ---- redis + nginx upstream + peer ------------------------------------------
 RP=$(free_port); UP=$(free_port); PP=$(free_port); PGP=$(free_port); GP=$(free_port); GA=$(free_port); SP=$(free_port); SA=$(free_port); BP=$(free_port); BA=$(free_port)
+TXP=$(free_port); TXGP=$(free_port); TXGA=$(free_port); SSP=$(free_port); SSGP=$(free_port); SSGA=$(free_port)
 redis-server --port "$RP" --bind 127.0.0.1 --daemonize no --dir "$RUN" --logfile "$RUN/redis.log" "${RARGS[@]}" &
 PIDS+=($!); REDIS_PID=$!; wait_until redis 50 redis-cli -p "$RP" ping
 NGX="$RUN/nginx"; mkdir -p "$NGX/tmp"; chmod 755 "$NGX"
@@ -122,7 +132,37 @@ if [[ -n $BASE_BIN ]]; then
   "$BASE_BIN" serve --config "$RUN/base.toml" > "$RUN/gw-base.log" 2>&1 & PIDS+=($!); GW_BASE_PID=$!
   wait_until idemgate-base 100 curl -fsS "http://127.0.0.1:$BA/readyz"
 fi
-declare -A URL=([peer]="http://127.0.0.1:$PP" [pg]="http://127.0.0.1:$GP" [sqlite]="http://127.0.0.1:$SP" [base]="http://127.0.0.1:$BP")
+# PgBouncer as Debian ships it, plus the lines a user adds (docs/operations.md,
+# "Behind a connection pooler"); run as postgres (it refuses root).
+declare -A PGB_PID
+if [[ $PGBOUNCER == 1 ]]; then
+  PGB_BIN=$(command -v pgbouncer || echo /usr/sbin/pgbouncer)
+  mkdir -p "$RUN/pgb"; printf '"postgres" "bench"\n' > "$RUN/pgb/userlist.txt"
+  for mode in transaction session; do
+    port=$TXP; [[ $mode == session ]] && port=$SSP
+    printf '%s\n' "[databases]" "postgres = host=127.0.0.1 port=$PGP dbname=postgres" "[pgbouncer]" \
+      "logfile = $RUN/pgb/$mode.log" "pidfile = $RUN/pgb/$mode.pid" "listen_addr = 127.0.0.1" "listen_port = $port" \
+      "unix_socket_dir =" "auth_type = md5" "auth_file = $RUN/pgb/userlist.txt" "pool_mode = $mode" > "$RUN/pgb/$mode.ini"
+  done
+  chown -R postgres "$RUN/pgb"
+  for mode in transaction session; do
+    runuser -u postgres -- "$PGB_BIN" -d "$RUN/pgb/$mode.ini"
+    wait_until "pgbouncer $mode" 100 test -s "$RUN/pgb/$mode.pid"
+    PGB_PID[$mode]=$(cat "$RUN/pgb/$mode.pid")
+  done
+  for t in pgbt pgbs; do
+    mode=transaction; gp=$TXGP; ga=$TXGA; port=$TXP
+    [[ $t == pgbs ]] && { mode=session; gp=$SSGP; ga=$SSGA; port=$SSP; }
+    mkcfg "$RUN/$t.toml" "$gp" "$ga" "kind = \"postgres\"
+url = \"postgres://postgres:bench@127.0.0.1:$port/postgres\"
+pooler = \"$mode\""
+    "$BIN" serve --config "$RUN/$t.toml" > "$RUN/gw-$t.log" 2>&1 & PIDS+=($!)
+    if [[ $t == pgbt ]]; then GW_PGBT_PID=$!; else GW_PGBS_PID=$!; fi
+    wait_until "idemgate-$t" 100 curl -fsS "http://127.0.0.1:$ga/readyz"
+  done
+fi
+declare -A URL=([peer]="http://127.0.0.1:$PP" [pg]="http://127.0.0.1:$GP" [sqlite]="http://127.0.0.1:$SP" [base]="http://127.0.0.1:$BP" \
+  [pgbt]="http://127.0.0.1:$TXGP" [pgbs]="http://127.0.0.1:$SSGP")
 export AUTH_HEADER_VALUE="Bearer $API_KEY"
 ups() { curl -fsS "http://127.0.0.1:$UP/__nginx_status" | awk 'NR==3{print $3}'; }
 seqscans() { runuser -u postgres -- psql -h "$RUN/pglog" -p "$PGP" -qAt \
@@ -139,6 +179,8 @@ cpu_parts() { case $1 in
   peer) echo "node $(ticks "$NODE_PID") redis $(ticks "$REDIS_PID")" ;;
   pg) echo "idemgate $(ticks "$GW_PG_PID") postgres $(ticks $(pg_pids))" ;;
   base) echo "idemgate $(ticks "$GW_BASE_PID") postgres $(ticks $(pg_pids))" ;;
+  pgbt) echo "idemgate $(ticks "$GW_PGBT_PID") postgres $(ticks $(pg_pids)) pgbouncer $(ticks "${PGB_PID[transaction]}")" ;;
+  pgbs) echo "idemgate $(ticks "$GW_PGBS_PID") postgres $(ticks $(pg_pids)) pgbouncer $(ticks "${PGB_PID[session]}")" ;;
   sqlite) echo "idemgate $(ticks "$GW_SQLITE_PID")" ;; esac; }
 # "cpu_us/r=T (a A + b B)" from two cpu_parts readings and a request count.
 cpu_per_request() { python3 - "$1" "$2" "$3" "$(getconf CLK_TCK)" <<'PY'
@@ -153,7 +195,7 @@ PY
 # GWCPU[...] (idemgate's own us per request).
 declare -A RPS CPU GWCPU
 # The targets whose store is the private PostgreSQL.
-on_pg() { [[ $1 == pg || $1 == base ]]; }
+on_pg() { [[ $1 == pg || $1 == base || $1 == pgbt || $1 == pgbs ]]; }
 run() { # run <target> <phase> <script> <conns> <dur> <round>
   local t=$1 ph=$2 s=$3 c=$4 d=$5 r=${6:-0} u0 u1 res seq="" s0=0 cpu
   local out="$RUN/wrk-$t-$ph-$c-r$r.txt"
@@ -195,6 +237,9 @@ for c in $CONNS; do
 done
 if [[ -n $BASE_BIN ]]; then for c in $CONNS; do
   echo "base@c$c: first_pg_vs_base=$(ratio RPS pg-first-$c base-first-$c) replay_pg_vs_base=$(ratio RPS pg-replay-$c base-replay-$c) cpu_first_pg_vs_base=$(ratio CPU pg-first-$c base-first-$c) cpu_replay_pg_vs_base=$(ratio CPU pg-replay-$c base-replay-$c) gw_cpu_first_pg_vs_base=$(ratio GWCPU pg-first-$c base-first-$c) gw_cpu_replay_pg_vs_base=$(ratio GWCPU pg-replay-$c base-replay-$c)"
+done; fi
+if [[ $PGBOUNCER == 1 ]]; then for c in $CONNS; do
+  echo "pgbouncer@c$c: first_pgbt_vs_pg=$(ratio RPS pgbt-first-$c pg-first-$c) replay_pgbt_vs_pg=$(ratio RPS pgbt-replay-$c pg-replay-$c) cpu_first_pgbt_vs_pg=$(ratio CPU pgbt-first-$c pg-first-$c) cpu_replay_pgbt_vs_pg=$(ratio CPU pgbt-replay-$c pg-replay-$c) first_pgbs_vs_pg=$(ratio RPS pgbs-first-$c pg-first-$c) replay_pgbs_vs_pg=$(ratio RPS pgbs-replay-$c pg-replay-$c) cpu_first_pgbs_vs_pg=$(ratio CPU pgbs-first-$c pg-first-$c) cpu_replay_pgbs_vs_pg=$(ratio CPU pgbs-replay-$c pg-replay-$c)"
 done; fi
 echo "redis_durability=$REDIS_DURABILITY nproc=$(nproc) duration=$DURATION steady=${STEADY:-1} rounds=$ROUNDS"
 top=$(printf '%s\n' $CONNS | sort -n | tail -n 1)

@@ -6,7 +6,9 @@
 //!   `serve` will need: `store schema` names the migrations not applied yet (an
 //!   error unless `serve` will apply them itself: `store.migrate` on and a role
 //!   that may change the schema), `store privileges` names every privilege the
-//!   role lacks on the idemgate tables, sequences and functions.
+//!   role lacks on the idemgate tables, sequences and functions, and `store
+//!   sessions` reads back, on two of the store's own sessions, the settings it
+//!   relies on (see `store::postgres::pooler`).
 //! - **SQLite**: no connection is opened, so no lock (neither SQLite's nor `serve`'s
 //!   `<path>.lock`) is taken and no journal file appears. An existing file must open
 //!   for reading and writing and start with the SQLite header (an empty file is a new
@@ -83,6 +85,7 @@ async fn check_store(store: &StoreConfig) -> Vec<ConnectCheck> {
                     if let Some(cluster) = &found.cluster {
                         lines.push(line("store cluster", cluster.clone()));
                     }
+                    lines.push(line("store sessions", check_sessions(store).await));
                     lines
                 }
                 Err(e) => vec![line("store", Err(e))],
@@ -119,16 +122,35 @@ async fn check_postgres(url: &Secret, backend: &StoreBackend, bound: Duration) -
                 (client, tokio::spawn(async move { drop(connection.await) }))
             }
         };
+        // Read inside a transaction: each statement prepared for a read is
+        // closed on the server session that prepared it, behind a pooler in
+        // transaction mode too.
+        client.batch_execute("BEGIN READ ONLY").await.map_err(|e| error_chain(&e))?;
         let mut found = PgFindings::read(&client).await;
         if let (Ok(found), StoreBackend::Citus { .. }) = (&mut found, backend) {
             found.cluster = Some(citus_cluster(&client).await);
         }
+        drop(client.batch_execute("ROLLBACK").await);
         driver.abort();
         found
     };
     match tokio::time::timeout(bound, attempt).await {
         Ok(found) => found,
         Err(_) => Err(format!("no answer from PostgreSQL within {}", humantime::format_duration(bound))),
+    }
+}
+
+/// `store sessions`: the settings the store relies on, read back from its
+/// own sessions as `serve` makes them (`store.pooler`), and a pooler in
+/// transaction mode behind `pooler = "none"` or `"session"`. Only session
+/// settings are made, which end with the sessions.
+async fn check_sessions(store: &StoreConfig) -> Result<Option<String>, String> {
+    let opened = crate::store::Store::open(store, crate::store::Access::Existing).await.map_err(|e| e.to_string())?;
+    let report = opened.check_sessions().await.map_err(|e| e.to_string())?;
+    if report.problems.is_empty() {
+        Ok(Some(report.note))
+    } else {
+        Err(format!("{} (\"Behind a connection pooler\" in docs/operations.md)", report.problems.join("; ")))
     }
 }
 

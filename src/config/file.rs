@@ -244,6 +244,7 @@ pub struct StoreSection {
     pub url_file: Option<String>,
     pub path: Option<String>,
     pub pool_size: Option<i64>,
+    pub pooler: Option<String>,
     pub migrate: Option<bool>,
     pub unreachable_at_start: Option<String>,
     pub operation_timeout: Option<String>,

@@ -23,7 +23,7 @@ pub use hardening::{ConfigWarning, Hardening};
 use crate::request::identity::IdentitySource;
 use crate::request::route::{Route, RouteMode, UpstreamId};
 pub use crate::secret::Secret;
-pub use crate::store::{StoreBackend, StoreConfig};
+pub use crate::store::{Pooler, StoreBackend, StoreConfig};
 use crate::tls::server::ListenerTls;
 pub use crate::upstream::UpstreamConfig;
 

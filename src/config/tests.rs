@@ -82,7 +82,7 @@ fingerprint.headers = ["Api-Version"]"#
     );
     let c = parse(&text).unwrap();
     match &c.store.backend {
-        StoreBackend::Postgres { url, pool_size } => {
+        StoreBackend::Postgres { url, pool_size, .. } => {
             assert_eq!(url.expose(), "postgres://u@127.0.0.1:5432/db");
             assert_eq!(*pool_size, 4);
             assert!(!format!("{url:?}").contains("127.0.0.1"), "secrets are not printed");
@@ -752,7 +752,7 @@ fn citus_store_takes_the_postgres_keys() {
     let citus = |extra: &str| parse(&(minimal("") + &format!("\n[store]\nkind = \"citus\"\n{extra}")));
     let c = citus("url_env = \"DB_URL\"\npool_size = 4\nunreachable_at_start = \"exit\"").unwrap();
     match &c.store.backend {
-        StoreBackend::Citus { url, pool_size } => {
+        StoreBackend::Citus { url, pool_size, .. } => {
             assert_eq!(url.expose(), "postgres://u@127.0.0.1:5432/db");
             assert_eq!(*pool_size, 4);
         }

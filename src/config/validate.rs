@@ -24,7 +24,7 @@ use crate::request::identity::{Identity, IdentitySource};
 use crate::request::key_source::{KeySource, KeySources};
 use crate::request::reconcile_probe::{Probe, ProbeTarget};
 use crate::request::route::{ForwardKey, InFlightPolicy, PathTemplate, ReplayMode, RetryPolicy, Route, RouteMode, ScopeMode};
-use crate::store::UnreachableAtStart;
+use crate::store::{Pooler, UnreachableAtStart};
 use crate::tls::client::ClientTls;
 use crate::tls::server::{ClientAuth, ListenerTls};
 use crate::upstream::headers::UnderscoreHeaders;
@@ -475,9 +475,18 @@ impl Validator<'_> {
                     }
                     None => None,
                 };
-                match (url, pool_size) {
-                    (Some(url), Some(pool_size)) if kind == "citus" => Some(StoreBackend::Citus { url, pool_size }),
-                    (Some(url), Some(pool_size)) => Some(StoreBackend::Postgres { url, pool_size }),
+                let pooler = match s.pooler.as_deref() {
+                    None | Some("none") => Some(Pooler::None),
+                    Some("session") => Some(Pooler::Session),
+                    Some("transaction") => Some(Pooler::Transaction),
+                    Some(other) => {
+                        self.issues.push("store.pooler", format!("unknown value {other:?}: use \"none\", \"session\" or \"transaction\""));
+                        None
+                    }
+                };
+                match (url, pool_size, pooler) {
+                    (Some(url), Some(pool_size), Some(pooler)) if kind == "citus" => Some(StoreBackend::Citus { url, pool_size, pooler }),
+                    (Some(url), Some(pool_size), Some(pooler)) => Some(StoreBackend::Postgres { url, pool_size, pooler }),
                     _ => None,
                 }
             }
@@ -487,6 +496,7 @@ impl Validator<'_> {
                     ("store.url_env", s.url_env.is_some()),
                     ("store.url_file", s.url_file.is_some()),
                     ("store.pool_size", s.pool_size.is_some()),
+                    ("store.pooler", s.pooler.is_some()),
                     ("store.unreachable_at_start", s.unreachable_at_start.is_some()),
                 ] {
                     if set {

@@ -35,8 +35,8 @@ use uuid::Uuid;
 pub use crate::telemetry::stats::{EventStats, ForeverCount, StateCount};
 pub use contract::{
     Acceptance, Claim, ClaimOutcome, ClaimRequest, Events, Inspection, Lifecycle, ListCursor, ListFilter, ProbeFence, ProbeRoute, Probing,
-    Queue, RawClaim, Reaped, Reconcile, RecordStore, Records, Resolution, ResolveOutcome, RetryNote, Taken, Trail, UNRECORDED_AT_UPSTREAM,
-    WorkerRoute, WriteOutcome,
+    Queue, RawClaim, Reaped, Reconcile, RecordStore, Records, Resolution, ResolveOutcome, RetryNote, SessionReport, Taken, Trail,
+    UNRECORDED_AT_UPSTREAM, WorkerRoute, WriteOutcome,
 };
 pub use error::StoreError;
 pub use health::NotReady;
@@ -87,16 +87,34 @@ pub enum StoreBackend {
     Postgres {
         url: Secret,
         pool_size: usize,
+        pooler: Pooler,
     },
     /// A Citus coordinator (`store.kind = "citus"`): the PostgreSQL backend
     /// with the Citus flavor (see `postgres::citus`).
     Citus {
         url: Secret,
         pool_size: usize,
+        pooler: Pooler,
     },
     Sqlite {
         path: PathBuf,
     },
+}
+
+/// `store.pooler`: what sits between the store and PostgreSQL (see
+/// `postgres::pooler`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Pooler {
+    /// A direct connection: session settings and prepared statements are
+    /// kept for the connection's life.
+    #[default]
+    None,
+    /// A pooler in session mode (PgBouncer `pool_mode = session`): the same
+    /// as a direct connection.
+    Session,
+    /// A pooler in transaction mode: nothing is left on a server session
+    /// past one transaction (settings per transaction, unnamed statements).
+    Transaction,
 }
 
 /// What a fenced write leaves behind, for reading it back after an
@@ -192,11 +210,17 @@ impl Store {
     /// [`Access`]).
     pub async fn open(config: &StoreConfig, access: Access) -> Result<Store, StoreError> {
         let (backend, cache): (Arc<dyn RecordStore>, _) = match &config.backend {
-            StoreBackend::Postgres { url, pool_size } => {
-                (Arc::new(postgres::PgStore::connect(url.expose(), *pool_size, config.operation_timeout)?), Some(Arc::default()))
+            StoreBackend::Postgres { url, pool_size, pooler } => {
+                (Arc::new(postgres::PgStore::connect(url.expose(), *pool_size, config.operation_timeout, *pooler)?), Some(Arc::default()))
             }
-            StoreBackend::Citus { url, pool_size } => (
-                Arc::new(postgres::PgStore::connect_as(url.expose(), *pool_size, config.operation_timeout, postgres::Flavor::Citus)?),
+            StoreBackend::Citus { url, pool_size, pooler } => (
+                Arc::new(postgres::PgStore::connect_as(
+                    url.expose(),
+                    *pool_size,
+                    config.operation_timeout,
+                    *pooler,
+                    postgres::Flavor::Citus,
+                )?),
                 Some(Arc::default()),
             ),
             // The embedded store's file can be resolved by `idemgate keys`
@@ -262,6 +286,16 @@ impl Store {
 
     pub async fn ping(&self) -> Result<(), StoreError> {
         self.bounded("ping", false, self.backend.ping()).await
+    }
+
+    /// Whether the settings the store relies on are in force on its
+    /// sessions (see [`Lifecycle::check_sessions`]); run at start and by
+    /// `check-config --connect`.
+    pub async fn check_sessions(&self) -> Result<SessionReport, StoreError> {
+        match tokio::time::timeout(self.timeout, self.backend.check_sessions()).await {
+            Ok(r) => r,
+            Err(_) => Err(StoreError::Unavailable(format!("the session check timed out after {:?}", self.timeout))),
+        }
     }
 
     /// Whether this replica can serve idempotent requests: the store answers

@@ -29,6 +29,9 @@ const RETRY: Backoff = Backoff::new(Duration::from_millis(250), Duration::from_s
 pub enum StartError {
     #[error("store: {0}")]
     Store(#[from] StoreError),
+    /// A setting the store relies on is not in force on its sessions.
+    #[error("store: {0} (\"Behind a connection pooler\" in docs/operations.md)")]
+    Sessions(String),
     #[error(
         "the store has no derived-key secret (it was never migrated to this version): run `idemgate migrate`, or set server.derived_key_secret_env"
     )]
@@ -68,6 +71,15 @@ impl Store {
     /// from the store unless `secret` already holds one, then opens the
     /// store to requests.
     pub async fn bring_up(&self, migrate: bool, secret: &DerivedKeySecret) -> Result<(), StartError> {
+        // Before anything is written: every setting the store relies on in
+        // force, or the reason why not.
+        let sessions = self.check_sessions().await?;
+        if !sessions.problems.is_empty() {
+            return Err(StartError::Sessions(sessions.problems.join("; ")));
+        }
+        if !sessions.note.is_empty() {
+            tracing::debug!(settings = %sessions.note, "store sessions checked");
+        }
         if migrate {
             let applied = self.backend.migrate().await?;
             if !applied.is_empty() {
@@ -134,6 +146,7 @@ mod tests {
         assert!(!unavailable(r#"no database connection: db error: FATAL: database "x" does not exist (SQLSTATE 3D000)"#));
         assert!(!unavailable(r#"no database connection: db error: FATAL: password authentication failed for user "u" (SQLSTATE 28P01)"#));
         assert!(!StartError::NoSecret.unreachable());
+        assert!(!StartError::Sessions("statement_timeout is 0 instead of 5000".into()).unreachable());
         assert!(!StartError::Store(StoreError::Migration("0003: syntax error".into())).unreachable());
     }
 }

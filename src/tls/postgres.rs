@@ -9,7 +9,8 @@
 //! - `disable`: plaintext;
 //! - `prefer` (the default): TLS is asked for and used when the server
 //!   offers it, plaintext when it does not; the certificate is not checked
-//!   (as in libpq). Unlike libpq, a handshake that fails after the server
+//!   (as in libpq: any certificate, of any X.509 version, self-signed ones
+//!   included; the handshake's signature is checked against its key). Unlike libpq, a handshake that fails after the server
 //!   agreed to TLS is not retried in plaintext;
 //! - `require`: encrypted; the certificate is not checked (as in libpq),
 //!   unless `sslrootcert` is given, which makes it `verify-ca` (as in libpq);
@@ -24,7 +25,7 @@ use std::sync::Arc;
 
 use rustls::client::WebPkiServerVerifier;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::pki_types::{CertificateDer, ServerName, SubjectPublicKeyInfoDer, UnixTime};
 use rustls::{CertificateError, DigitallySignedStruct, RootCertStore, SignatureScheme};
 
 use super::{LoadError, at, provider, roots, system_roots};
@@ -209,8 +210,12 @@ impl ServerCertVerifier for ChainOnly {
     }
 }
 
-/// `require` without `sslrootcert`: encryption only (the handshake's
-/// signatures are still checked against the presented certificate).
+/// `prefer`, and `require` without `sslrootcert`: encryption only, as in
+/// libpq. Whatever certificate the server presents is taken, of any X.509
+/// version (webpki reads only version 3; PostgreSQL's own self-signed
+/// certificates, Citus's `citus-auto-ssl` among them, are version 1), but
+/// the handshake's signature is still checked against the public key the
+/// certificate presents, so the peer holds that certificate's key.
 #[derive(Debug)]
 struct Unchecked(Arc<rustls::crypto::CryptoProvider>);
 
@@ -232,7 +237,23 @@ impl ServerCertVerifier for Unchecked {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+        // As rustls's own check: TLS 1.2 names a scheme that maps to several
+        // algorithms; the first that fits the key decides.
+        let spki = presented_key(cert)?;
+        let key = webpki::RawPublicKeyEntity::try_from(&spki).map_err(key_error)?;
+        let candidates = self.0.signature_verification_algorithms.mapping.iter().find(|(scheme, _)| *scheme == dss.scheme);
+        let Some((_, algorithms)) = candidates else {
+            return Err(rustls::PeerMisbehaved::SignedHandshakeWithUnadvertisedSigScheme.into());
+        };
+        let mut unfit = None;
+        for algorithm in *algorithms {
+            match key.verify_signature(*algorithm, message, dss.signature()) {
+                Err(e @ webpki::Error::UnsupportedSignatureAlgorithmForPublicKeyContext(_)) => unfit = Some(e),
+                Err(e) => return Err(key_error(e)),
+                Ok(()) => return Ok(HandshakeSignatureValid::assertion()),
+            }
+        }
+        Err(unfit.map_or(rustls::PeerMisbehaved::SignedHandshakeWithUnadvertisedSigScheme.into(), key_error))
     }
 
     fn verify_tls13_signature(
@@ -241,11 +262,27 @@ impl ServerCertVerifier for Unchecked {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+        let spki = presented_key(cert)?;
+        rustls::crypto::verify_tls13_signature_with_raw_key(message, &spki, dss, &self.0.signature_verification_algorithms)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
         self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+/// The public key (SubjectPublicKeyInfo, DER) of a certificate of any X.509
+/// version, read with x509-parser.
+fn presented_key<'a>(cert: &'a CertificateDer<'_>) -> Result<SubjectPublicKeyInfoDer<'a>, rustls::Error> {
+    let (_, parsed) =
+        x509_parser::parse_x509_certificate(cert.as_ref()).map_err(|_| rustls::Error::InvalidCertificate(CertificateError::BadEncoding))?;
+    Ok(SubjectPublicKeyInfoDer::from(parsed.tbs_certificate.subject_pki.raw))
+}
+
+fn key_error(e: webpki::Error) -> rustls::Error {
+    match e {
+        webpki::Error::InvalidSignatureForPublicKey => rustls::Error::InvalidCertificate(CertificateError::BadSignature),
+        other => rustls::Error::InvalidCertificate(CertificateError::Other(rustls::OtherError(Arc::new(other)))),
     }
 }
 
@@ -282,6 +319,58 @@ mod tests {
             Err(PgTlsError::Roots(e)) => assert!(e.to_string().contains("/nonexistent/env-ca.pem"), "{e}"),
             other => panic!("{:?}", other.map(|c| c.mode)),
         }
+    }
+
+    /// A self-signed X.509 version 1 certificate (P-256) and its key, made
+    /// with `openssl x509 -req -signkey` (no extensions: version 1).
+    const V1_CERT: &str = "-----BEGIN CERTIFICATE-----
+MIIBJjCBzQIUZBPbVTsKCyN0wwdDphT79pVyV8kwCgYIKoZIzj0EAwIwFTETMBEG
+A1UEAwwKdjEtZml4dHVyZTAgFw0yNjEyMDQxODM3NTVaGA8yMTI2MTExMDE4Mzc1
+NVowFTETMBEGA1UEAwwKdjEtZml4dHVyZTBZMBMGByqGSM49AgEGCCqGSM49AwEH
+A0IABDfN4ZGWoWIdP+j2jTKnknaO0KrPgFny9KxNCx7t0aYnYmc3m5k/iyqZlC/0
+m85A+njUumJcETOImyY4AV5Mvm8wCgYIKoZIzj0EAwIDSAAwRQIgR8yd7LBT+Qtb
+h9xGwVqVzJEE4fhJZqkjUT4EQAaJi3cCIQC/M+8w4OvEZ/LxVJeO5F2HM1IzU5Dq
+gj60Pui0W8WLfg==
+-----END CERTIFICATE-----
+";
+    const V1_KEY: &str = "-----BEGIN PRIVATE KEY-----
+MIGHAgEAMBMGByqGSM49AgEGCCqGSM49AwEHBG0wawIBAQQgqpiz7Ej957vPhUjW
+6sa5hioNExSlp5eY/xQIFYTHVyehRANCAAQ3zeGRlqFiHT/o9o0yp5J2jtCqz4BZ
+8vSsTQse7dGmJ2JnN5uZP4sqmZQv9JvOQPp41LpiXBEziJsmOAFeTL5v
+-----END PRIVATE KEY-----
+";
+
+    /// `prefer`/`require` take a version 1 certificate, but the handshake's
+    /// signature must be made with its key: another message, or another
+    /// key, is refused, under TLS 1.3 and TLS 1.2.
+    #[test]
+    fn signatures_are_checked_against_the_key_of_a_version_1_certificate() {
+        use rustls::pki_types::PrivateKeyDer;
+        use rustls::pki_types::pem::PemObject;
+        let cert = CertificateDer::from_pem_slice(V1_CERT.as_bytes()).unwrap();
+        assert!(webpki::EndEntityCert::try_from(&cert).is_err(), "webpki does not read version 1");
+        let verifier = Unchecked(provider());
+        let sign = |key: PrivateKeyDer<'static>, message: &[u8]| {
+            let key = provider().key_provider.load_private_key(key).unwrap();
+            let signer = key.choose_scheme(&[SignatureScheme::ECDSA_NISTP256_SHA256]).unwrap();
+            // As the server's handshake message carries it: scheme, length, signature.
+            let signature = signer.sign(message).unwrap();
+            let mut wire = u16::from(signer.scheme()).to_be_bytes().to_vec();
+            wire.extend(u16::try_from(signature.len()).unwrap().to_be_bytes());
+            wire.extend(signature);
+            <DigitallySignedStruct as rustls::internal::msgs::codec::Codec>::read_bytes(&wire).unwrap()
+        };
+        let own = || PrivateKeyDer::from_pem_slice(V1_KEY.as_bytes()).unwrap();
+        let signed = sign(own(), b"handshake");
+        assert!(verifier.verify_tls13_signature(b"handshake", &cert, &signed).is_ok());
+        assert!(verifier.verify_tls12_signature(b"handshake", &cert, &signed).is_ok());
+        assert!(verifier.verify_tls13_signature(b"another", &cert, &signed).is_err());
+        assert!(verifier.verify_tls12_signature(b"another", &cert, &signed).is_err());
+        let other = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+        let foreign = sign(PrivateKeyDer::from_pem_slice(other.serialize_pem().as_bytes()).unwrap(), b"handshake");
+        assert!(verifier.verify_tls13_signature(b"handshake", &cert, &foreign).is_err(), "a key that is not the certificate's");
+        assert!(verifier.verify_tls12_signature(b"handshake", &cert, &foreign).is_err(), "a key that is not the certificate's");
+        assert!(verifier.verify_tls13_signature(b"handshake", &CertificateDer::from(&b"junk"[..]), &signed).is_err());
     }
 
     #[test]

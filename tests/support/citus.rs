@@ -2,7 +2,11 @@
 //! workers, each a private PostgreSQL cluster of `support::postgres` (fresh
 //! `initdb` as an unprivileged account when root, loopback ports, the pipe
 //! watchdog that stops it when the test process goes away) started with
-//! `shared_preload_libraries = 'citus'`.
+//! `shared_preload_libraries = 'citus'`, and otherwise Citus's defaults:
+//! `CREATE EXTENSION citus` turns `ssl` on with the self-signed (X.509
+//! version 1) certificate it generates, the nodes reach each other over TLS
+//! (`citus.node_conninfo = 'sslmode=require'`), and the URLs the tests hand
+//! idemgate name no `sslmode` (libpq's default, `prefer`: TLS).
 //!
 //! * [`installed`] says whether the Citus extension is installed for the
 //!   PostgreSQL the harness uses; [`skip_unless_installed`] is how a test
@@ -32,10 +36,6 @@ fn settings() -> Vec<String> {
     vec![
         "shared_preload_libraries=citus".to_owned(),
         format!("citus.shard_count={shards}"),
-        // Plain loopback connections between the nodes: the nodes run as an
-        // unprivileged account that cannot read the calling user's
-        // ~/.postgresql client certificates, which libpq would otherwise try.
-        "citus.node_conninfo=sslmode=disable".to_owned(),
         // The conformance case whose change must fail with its event injects
         // the failure with a trigger, which Citus allows on a distributed
         // table only when told to (idemgate itself uses no triggers).

@@ -31,6 +31,14 @@ pub enum Backend {
     Citus {
         url: String,
     },
+    /// PostgreSQL behind a connection pooler (`support::pgbouncer`): the
+    /// store reaches it through `url`, with `store.pooler = pooler`; the
+    /// tests' own SQL goes to the server directly (`direct`).
+    Pooled {
+        url: String,
+        direct: String,
+        pooler: &'static str,
+    },
     Sqlite {
         path: PathBuf,
         /// Deleted when the last clone of the backend is dropped.
@@ -47,6 +55,9 @@ impl Backend {
             Backend::Citus { url } => format!(
                 "[store]\nkind = \"citus\"\nurl = \"{url}\"\npool_size = 8\noperation_timeout = \"2s\"\nsweep_interval = \"{sweep_interval}\"\n"
             ),
+            Backend::Pooled { url, pooler, .. } => format!(
+                "[store]\nkind = \"postgres\"\nurl = \"{url}\"\npooler = \"{pooler}\"\npool_size = 8\noperation_timeout = \"2s\"\nsweep_interval = \"{sweep_interval}\"\n"
+            ),
             Backend::Sqlite { path, .. } => format!(
                 "[store]\nkind = \"sqlite\"\npath = \"{}\"\noperation_timeout = \"2s\"\nsweep_interval = \"{sweep_interval}\"\n",
                 path.display()
@@ -57,8 +68,15 @@ impl Backend {
     /// Opens the same store from the test process, to inspect records.
     pub async fn open(&self) -> Store {
         let backend = match self {
-            Backend::Postgres { url } => StoreBackend::Postgres { url: idemgate::config::Secret::new(url.clone()), pool_size: 4 },
-            Backend::Citus { url } => StoreBackend::Citus { url: idemgate::config::Secret::new(url.clone()), pool_size: 4 },
+            Backend::Postgres { url } => {
+                StoreBackend::Postgres { url: idemgate::config::Secret::new(url.clone()), pool_size: 4, pooler: Default::default() }
+            }
+            Backend::Citus { url } => {
+                StoreBackend::Citus { url: idemgate::config::Secret::new(url.clone()), pool_size: 4, pooler: Default::default() }
+            }
+            Backend::Pooled { url, pooler, .. } => {
+                StoreBackend::Postgres { url: idemgate::config::Secret::new(url.clone()), pool_size: 4, pooler: pooler_named(pooler) }
+            }
             Backend::Sqlite { path, .. } => StoreBackend::Sqlite { path: path.clone() },
         };
         let config = StoreConfig {
@@ -73,6 +91,15 @@ impl Backend {
         let store = Store::open(&config, idemgate::store::Access::Migrate).await.expect("open store for inspection");
         store.migrate().await.expect("migrate");
         store
+    }
+}
+
+/// `store.pooler` from its name (`"none"`, `"session"`, `"transaction"`).
+pub fn pooler_named(name: &str) -> idemgate::config::Pooler {
+    match name {
+        "transaction" => idemgate::config::Pooler::Transaction,
+        "session" => idemgate::config::Pooler::Session,
+        _ => idemgate::config::Pooler::None,
     }
 }
 

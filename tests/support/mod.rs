@@ -27,6 +27,23 @@ macro_rules! on_both_stores {
     };
 }
 
+/// Runs each named `async fn(Backend)` on PostgreSQL behind PgBouncer in
+/// transaction mode (`store.pooler = "transaction"`), in a module
+/// `on_pgbouncer`.
+#[allow(unused_macros)]
+macro_rules! on_pgbouncer {
+    ($($name:ident),* $(,)?) => {
+        mod on_pgbouncer {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::support::pgbouncer_backend()).await
+                }
+            )*
+        }
+    };
+}
+
 /// Runs each named `async fn(Backend)` on a Citus cluster too (a fresh
 /// database on this binary's shared cluster, `support::citus`), in a module
 /// `on_citus`, beside [`on_both_stores!`]'s PostgreSQL and SQLite runs. The
@@ -56,6 +73,7 @@ pub mod faultproxy;
 pub mod gateway;
 pub mod jwt;
 pub mod overloaded;
+pub mod pgbouncer;
 pub mod postgres;
 pub mod serve;
 pub mod soak;
@@ -81,6 +99,15 @@ pub fn postgres_backend() -> Backend {
     let name = format!("t{}_{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst));
     let url = postgres::shared().create_database(&name).expect("create test database");
     Backend::Postgres { url }
+}
+
+/// A fresh database on this test binary's private PostgreSQL cluster,
+/// reached through its PgBouncer in transaction mode (`support::pgbouncer`).
+pub fn pgbouncer_backend() -> Backend {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let name = format!("b{}_{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst));
+    let direct = postgres::shared().create_database(&name).expect("create test database");
+    Backend::Pooled { url: pgbouncer::shared_transaction().url(&name), direct, pooler: "transaction" }
 }
 
 /// A fresh database on this test binary's private Citus cluster (Citus must

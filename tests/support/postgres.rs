@@ -581,7 +581,10 @@ impl PgServer {
         }
         if let Some(acct) = &self.run_as {
             cmd.uid(acct.uid).gid(acct.gid);
-            cmd.env("USER", &acct.name).env("LOGNAME", &acct.name);
+            // A home of its own, as an installed server has: libpq inside
+            // the server (Citus's connections between nodes, with TLS)
+            // looks in ~/.postgresql, and root's home is closed to it.
+            cmd.env("USER", &acct.name).env("LOGNAME", &acct.name).env("HOME", &self.base);
         }
     }
 
@@ -922,6 +925,12 @@ fn find_bin_dir() -> io::Result<PathBuf> {
              /usr/lib/postgresql/*/bin; run scripts/ensure-postgres",
         )
     })
+}
+
+/// `(uid, gid)` of the unprivileged account the servers run as when the
+/// tests run as root (`None` otherwise): PgBouncer refuses root too.
+pub fn server_ids() -> io::Result<Option<(u32, u32)>> {
+    Ok(server_account()?.map(|a| (a.uid, a.gid)))
 }
 
 /// `None` when not root; otherwise the account the server must run as.

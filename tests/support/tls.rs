@@ -47,6 +47,53 @@ pub struct Issued {
     pub key_pem: String,
 }
 
+/// A self-signed X.509 **version 1** certificate and its RSA key, made as
+/// Citus makes its `citus-auto-ssl` certificate (and as `openssl x509 -req`
+/// without extensions does): rcgen only issues version 3. Checked with
+/// `openssl x509 -text`, so a change of openssl's default fails here.
+pub fn version_1_self_signed(dir: &std::path::Path) -> Issued {
+    let cert_file = dir.join("v1.crt");
+    let key_file = dir.join("v1.key");
+    let csr = dir.join("v1.csr");
+    let run = |args: &[&std::ffi::OsStr]| {
+        let out =
+            std::process::Command::new("openssl").args(args).output().expect("openssl (the test makes a version 1 certificate with it)");
+        assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let os = |s: &'static str| std::ffi::OsStr::new(s);
+    run(&[
+        os("req"),
+        os("-new"),
+        os("-newkey"),
+        os("rsa:2048"),
+        os("-nodes"),
+        os("-subj"),
+        os("/CN=citus-auto-ssl"),
+        os("-keyout"),
+        key_file.as_os_str(),
+        os("-out"),
+        csr.as_os_str(),
+    ]);
+    run(&[
+        os("x509"),
+        os("-req"),
+        os("-days"),
+        os("365"),
+        os("-in"),
+        csr.as_os_str(),
+        os("-signkey"),
+        key_file.as_os_str(),
+        os("-out"),
+        cert_file.as_os_str(),
+    ]);
+    let text = run(&[os("x509"), os("-noout"), os("-text"), os("-in"), cert_file.as_os_str()]);
+    assert!(text.contains("Version: 1 (0x0)"), "a version 1 certificate:\n{text}");
+    let cert_pem = std::fs::read_to_string(&cert_file).expect("read the certificate");
+    let key_pem = std::fs::read_to_string(&key_file).expect("read the key");
+    Issued { cert_file, key_file, cert_pem, key_pem }
+}
+
 /// A private CA and the directory its files live in.
 pub struct Pki {
     pub dir: tempfile::TempDir,

@@ -32,7 +32,7 @@ mod records;
 mod trail;
 
 pub use events::Events;
-pub use lifecycle::Lifecycle;
+pub use lifecycle::{Lifecycle, SessionReport};
 pub use queue::{Queue, RetryNote, Taken, WorkerRoute};
 pub use reconcile::{ProbeFence, ProbeRoute, Probing, Reconcile, Resolution, ResolveOutcome, UNRECORDED_AT_UPSTREAM};
 pub use records::{Acceptance, Claim, ClaimOutcome, ClaimRequest, ListCursor, ListFilter, RawClaim, Reaped, Records, WriteOutcome};

@@ -505,7 +505,7 @@ impl super::PgStore {
         let w = |e| classify(e, true);
         let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
         let mut conn = self.db.conn().await?;
-        let tx = conn.client_mut().transaction().await.map_err(w)?;
+        let tx = self.db.transaction(&mut conn).await.map_err(w)?;
         let rows = tx.query(self.db.text(update), params).await.map_err(w)?;
         let Some(row) = rows.first() else {
             tx.rollback().await.map_err(w)?;

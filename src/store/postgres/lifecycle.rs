@@ -20,19 +20,26 @@ impl Lifecycle for PgStore {
 
     async fn migrate(&self) -> Result<Vec<String>, StoreError> {
         let mut conn = self.conn().await?;
+        let m = |e: tokio_postgres::Error| migration_error("", &e);
+        // These reads prepare statements: inside a transaction, so that each
+        // is closed on the server session that prepared it, behind a pooler
+        // in transaction mode too. (On an early return the connection is
+        // discarded, never pooled mid-transaction.)
+        conn.client().batch_execute("BEGIN READ ONLY").await.map_err(m)?;
         // The right kind of server and schema for this flavor, or the
         // start-up error that says which (see `citus`).
-        let found = citus::inspect(conn.client()).await.map_err(|e| migration_error("", &e))?;
+        let found = citus::inspect(conn.client()).await.map_err(m)?;
         citus::check(self.flavor, found)?;
         // Up to date: nothing is locked, created or written, so a runtime
         // role without the right to change the schema starts (and the server
         // sends no "already exists, skipping" notice at every start).
-        if up_to_date(&conn, self.flavor).await? {
+        let current = up_to_date(&conn, self.flavor).await?;
+        conn.client().batch_execute("COMMIT").await.map_err(m)?;
+        if current {
             conn.done();
             return Ok(Vec::new());
         }
-        let tx = conn.client_mut().transaction().await.map_err(|e| migration_error("", &e))?;
-        let m = |e: tokio_postgres::Error| migration_error("", &e);
+        let tx = conn.client_mut().transaction().await.map_err(m)?;
         // Migrations may take longer than one protocol statement.
         tx.batch_execute("SET LOCAL statement_timeout = 0").await.map_err(m)?;
         tx.execute("SELECT pg_advisory_xact_lock($1)", &[&PG_LOCK_KEY]).await.map_err(m)?;
@@ -117,10 +124,50 @@ impl Lifecycle for PgStore {
         }
     }
 
-    /// Citus plans each execution and keeps its tables on the workers:
-    /// nothing to keep fit there.
+    /// Citus plans each execution and keeps its tables on the workers, and
+    /// behind a transaction-mode pooler each statement is planned as it
+    /// runs: nothing to keep fit there.
     fn caches_plans(&self) -> bool {
-        self.flavor == Flavor::Postgres
+        self.flavor == Flavor::Postgres && !self.db.sessions.per_transaction()
+    }
+
+    /// The settings read back on two sessions at once. Two sessions open at
+    /// the same time are two server sessions, directly or behind a pooler
+    /// in session mode; when both answer from one (same process, same
+    /// server start), a pooler in transaction mode is passing them around
+    /// and settings set once per session are not in force.
+    async fn check_sessions(&self) -> Result<crate::store::SessionReport, StoreError> {
+        let sessions = &self.db.sessions;
+        let mut report = crate::store::SessionReport { note: sessions.describe(), problems: Vec::new() };
+        let first = self.conn().await?;
+        // A pool of one has no second session to compare with.
+        let second = if self.db.pool.status().max_size > 1 { Some(self.conn().await?) } else { None };
+        let (mut servers, mut held) = (Vec::new(), Vec::new());
+        for conn in std::iter::once(first).chain(second) {
+            let look = match sessions.look(conn.client()).await {
+                Ok(look) => look,
+                Err(e) => return Err(self.db.failed(conn, e, false).0),
+            };
+            for problem in look.not_in_force {
+                if !report.problems.contains(&problem) {
+                    report.problems.push(problem);
+                }
+            }
+            servers.push(look.server);
+            // Both held until both have answered.
+            held.push(conn);
+        }
+        held.into_iter().for_each(Conn::done);
+        if !sessions.per_transaction() && servers.len() == 2 && servers[0] == servers[1] {
+            report.problems.insert(
+                0,
+                "two sessions open at once were served by one server session: a connection pooler in transaction mode sits \
+                 between idemgate and PostgreSQL, and settings made once per session are not in force; set \
+                 store.pooler = \"transaction\""
+                    .to_owned(),
+            );
+        }
+        Ok(report)
     }
 
     /// See `replan`.

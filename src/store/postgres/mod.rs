@@ -14,8 +14,8 @@ use super::codec::{decode_headers, encode_headers};
 use super::contract::{Events, Lifecycle, Queue, Reconcile, Records, Trail};
 use super::migrations::{DERIVED_KEY_SECRET, PG_LOCK_KEY, POSTGRES, fresh_secret};
 use super::{
-    Acceptance, Claim, ClaimRequest, EventStats, ForeverCount, Inspection, ListFilter, ProbeFence, ProbeRoute, Probing, RawClaim, Reaped,
-    Resolution, ResolveOutcome, RetryNote, StateCount, StoreError, Taken, WorkerRoute,
+    Acceptance, Claim, ClaimRequest, EventStats, ForeverCount, Inspection, ListFilter, Pooler, ProbeFence, ProbeRoute, Probing, RawClaim,
+    Reaped, Resolution, ResolveOutcome, RetryNote, StateCount, StoreError, Taken, WorkerRoute,
 };
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::{IdempotencyKey, Scope, ScopeId};
@@ -56,6 +56,7 @@ pub mod citus;
 mod citus_batch;
 pub mod citus_sql;
 mod failover;
+mod pooler;
 pub mod sql;
 
 pub use citus::Flavor;
@@ -81,6 +82,9 @@ struct Db {
     /// PostgreSQL or a Citus coordinator: on Citus every statement is sent
     /// as `sql::for_citus` writes it.
     flavor: Flavor,
+    /// The session settings, and how statements are sent (directly or
+    /// behind a pooler, see `pooler`).
+    sessions: Arc<pooler::Sessions>,
 }
 
 impl Db {
@@ -127,6 +131,15 @@ impl Db {
         write: bool,
     ) -> Result<Vec<Row>, (StoreError, Verdict)> {
         let conn = self.conn().await.map_err(|e| (e, Verdict::Keep))?;
+        if self.sessions.per_transaction() {
+            return match self.sessions.query(conn.client(), self.text(sql), params).await {
+                Ok(rows) => {
+                    conn.done();
+                    Ok(rows)
+                }
+                Err(e) => Err(self.failed(conn, e, write)),
+            };
+        }
         let stmt = match conn.client().prepare_cached(self.text(sql)).await {
             Ok(stmt) => stmt,
             Err(e) => return Err(self.failed(conn, e, false)),
@@ -138,6 +151,19 @@ impl Db {
             }
             Err(e) => Err(self.failed(conn, e, write)),
         }
+    }
+
+    /// Begins one of the store's own transactions on `conn`, with the
+    /// session settings when a transaction-mode pooler leaves them to each
+    /// transaction. Statements prepared inside it are closed as soon as they
+    /// have run (tokio-postgres closes a statement it prepared for one
+    /// query), so none outlives it.
+    async fn transaction<'c>(&self, conn: &'c mut Conn) -> Result<deadpool_postgres::Transaction<'c>, tokio_postgres::Error> {
+        let tx = conn.client_mut().transaction().await?;
+        if let Some(local) = self.sessions.local() {
+            tx.batch_execute(local).await?;
+        }
+        Ok(tx)
     }
 
     /// What a failed statement means for its connection (kept, discarded, or
@@ -247,12 +273,22 @@ fn describe(db: &tokio_postgres::error::DbError) -> String {
     if *db.code() == SqlState::INSUFFICIENT_PRIVILEGE {
         return format!("database error {code}: {message}: {PRIVILEGES_HINT}");
     }
+    if *db.code() == SqlState::INVALID_SQL_STATEMENT_NAME {
+        return format!("database error {code}: {message}: {POOLER_HINT}");
+    }
     format!("database error {code}: {message}")
 }
 
 /// What a permission error says to do.
 const PRIVILEGES_HINT: &str = "the database role lacks a privilege idemgate needs; `idemgate check-config --connect` names what is \
      missing, and \"PostgreSQL roles\" in docs/operations.md has the grants";
+
+/// What a prepared statement gone missing says to do: it happens behind a
+/// pooler in transaction mode, which hands each transaction another server
+/// session.
+const POOLER_HINT: &str = "a statement prepared on this connection is gone from its server session: a connection pooler in \
+     transaction mode sits between idemgate and PostgreSQL; set store.pooler = \"transaction\" (\"Behind a connection pooler\" \
+     in docs/operations.md)";
 
 /// A migration's failure; a permission error says how schema changes are meant to be made.
 fn migration_error(context: &str, e: &tokio_postgres::Error) -> StoreError {
@@ -281,12 +317,12 @@ fn retention_us(r: Retention) -> Option<i64> {
 }
 
 impl PgStore {
-    pub fn connect(url: &str, pool_size: usize, timeout: Duration) -> Result<PgStore, StoreError> {
-        PgStore::connect_as(url, pool_size, timeout, Flavor::Postgres)
+    pub fn connect(url: &str, pool_size: usize, timeout: Duration, pooler: Pooler) -> Result<PgStore, StoreError> {
+        PgStore::connect_as(url, pool_size, timeout, pooler, Flavor::Postgres)
     }
 
     /// [`connect`](Self::connect) to a server of this flavor.
-    pub fn connect_as(url: &str, pool_size: usize, timeout: Duration, flavor: Flavor) -> Result<PgStore, StoreError> {
+    pub fn connect_as(url: &str, pool_size: usize, timeout: Duration, pooler: Pooler, flavor: Flavor) -> Result<PgStore, StoreError> {
         // sslmode and sslrootcert as libpq reads them (see crate::tls::postgres).
         let parsed =
             crate::tls::postgres::parse(url).map_err(|e| StoreError::Unavailable(format!("invalid database URL: {}", ErrorChain(&e))))?;
@@ -296,18 +332,11 @@ impl PgStore {
             pg.application_name("idemgate");
         }
         // The session settings that keep every plan on its index whatever the
-        // statistics say (see `sql`).
-        //
-        // statement_timeout: a statement the gateway gave up on (its operation
-        // timed out, so it answered and may have abandoned a claim) must not
-        // go on and commit later; the server cancels it at the same bound.
-        let mut ours: String = sql::session_settings(flavor).iter().map(|(name, value)| format!("-c {name}={value} ")).collect();
-        ours.push_str(&format!("-c statement_timeout={}", timeout.as_millis().max(1)));
-        let options = match pg.get_options() {
-            Some(o) if !o.is_empty() => format!("{o} {ours}"),
-            _ => ours,
-        };
-        pg.options(&options);
+        // statistics say (see `sql`), and statement_timeout: set on each new
+        // connection, or in each transaction behind a transaction-mode
+        // pooler, never as the `options` startup parameter that poolers
+        // refuse (see `pooler`).
+        let sessions = Arc::new(pooler::Sessions::new(pooler, flavor, timeout));
         // Only a primary will do (see `failover`): a standby, or a primary
         // fenced read-only, refuses the session when it is opened.
         pg.target_session_attrs(TargetSessionAttrs::ReadWrite);
@@ -329,9 +358,10 @@ impl PgStore {
             .recycle_timeout(Some(timeout))
             .pre_recycle(Flush::hook(flush.clone()))
             .pre_recycle(replan::Replan::hook(replan.clone()))
+            .post_create(pooler::Sessions::hook(sessions.clone()))
             .build()
             .map_err(|e| StoreError::Unavailable(format!("cannot build the connection pool: {e}")))?;
-        let db = Db { pool, timeout, flush, replan, flavor };
+        let db = Db { pool, timeout, flush, replan, flavor, sessions };
         let writes = {
             let db = db.clone();
             let concurrency = std::env::var("IDEMGATE_PG_BATCH_CONCURRENCY").ok().and_then(|v| v.parse().ok()).unwrap_or(BATCH_CONCURRENCY);

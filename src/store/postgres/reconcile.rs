@@ -186,7 +186,7 @@ impl PgStore {
     ) -> Result<Round, StoreError> {
         let w = |e| classify(e, true);
         let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
-        let tx = conn.client_mut().transaction().await.map_err(w)?;
+        let tx = self.db.transaction(conn).await.map_err(w)?;
         let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
             [&&*scope.tenant, &&*scope.principal, &&*scope.operation, &scope.key.as_str()];
         let rows = tx.query(self.db.text(&RESOLVE_LOCK), &params).await.map_err(w)?;
