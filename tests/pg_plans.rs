@@ -36,7 +36,14 @@ use serde_json::Value;
 use support::postgres as pg;
 use tokio_postgres::{Client, NoTls};
 
-const TABLES: &[&str] = &["idemgate_records", "idemgate_events"];
+const TABLES: &[&str] = &[
+    "idemgate_records",
+    "idemgate_events",
+    "idemgate_event_log_0",
+    "idemgate_event_log_1",
+    "idemgate_event_log_2",
+    "idemgate_event_lanes",
+];
 
 /// A session like the gateway's: its settings, each statement prepared.
 async fn session(url: &str, statements: &[Statement]) -> Client {
@@ -165,6 +172,9 @@ fn populate_sql(n: i64) -> String {
          SELECT 'completed', 't' || (i % 50), 'p' || (i % 7), 'op' || (i % 5), 'k' || i, i, 201,
                 CASE i % 10 WHEN 0 THEN 'pending' WHEN 1 THEN 'parked' ELSE 'sent' END,
                 CASE WHEN i % 10 >= 2 THEN now() - i * interval '1 millisecond' END
+         FROM generate_series(1, {n} / 2) i;
+         INSERT INTO idemgate_event_log (event_type, tenant, principal, operation, idempotency_key, generation, status)
+         SELECT 'completed', 't' || (i % 50), 'p' || (i % 7), 'op' || (i % 5), 'k' || i, i, 201
          FROM generate_series(1, {n} / 2) i;"
     )
 }
@@ -183,7 +193,7 @@ async fn every_statement_uses_its_index_whatever_the_statistics() {
     let phases: [(&str, Option<String>); 5] = [
         ("empty, never analyzed", None),
         ("populated, never analyzed", Some(populate_sql(60_000))),
-        ("populated, analyzed", Some("ANALYZE idemgate_records; ANALYZE idemgate_events".into())),
+        ("populated, analyzed", Some("ANALYZE idemgate_records; ANALYZE idemgate_events; ANALYZE idemgate_event_log".into())),
         (
             "after a mass delete",
             Some(

@@ -305,7 +305,11 @@ fn events(ctx: &mut Ctx, base: &Spec, pg: &Pg, upstream: SocketAddr) -> Result<(
                 let (written, pending) = event_counts(pg, DB, started.get())?;
                 let share = if written == 0 { 1.0 } else { 1.0 - pending as f64 / written as f64 };
                 shares.borrow_mut().push((conns, share));
-                Ok(format!("events written {written}, {pending} of them pending at the end ({:.0}% delivered)", share * 100.0))
+                let dead = event_dead_tuples(pg, DB)?;
+                Ok(format!(
+                    "events written {written}, {pending} of them pending at the end ({:.0}% delivered); dead tuples: {dead}",
+                    share * 100.0
+                ))
             })),
         },
     ];
@@ -332,21 +336,49 @@ fn events(ctx: &mut Ctx, base: &Spec, pg: &Pg, upstream: SocketAddr) -> Result<(
     with_events.stop()
 }
 
-/// The `seq` of the last event written so far (0: none).
+/// The `seq` of the last event written so far (0: none): the outbox's
+/// sequence, which the PostgreSQL event log shares.
 fn last_event(pg: &Pg, db: &str) -> Result<u64> {
-    let out = pg.psql(db, "SELECT coalesce(max(seq), 0) FROM idemgate_events")?;
+    let out = pg.psql(db, "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM idemgate_events_seq_seq")?;
     out.trim().parse().with_context(|| format!("unexpected last event {out:?}"))
 }
 
-/// (events, pending events) after event `after` (a `seq`) in database `db`.
+/// (events, pending events) after event `after` (a `seq`) in database `db`:
+/// on PostgreSQL every event is in the log, pending until its lane passed it
+/// (and not copied into `idemgate_events`, whose pending rows count then);
+/// without the log (an earlier build), the outbox table's rows.
 fn event_counts(pg: &Pg, db: &str, after: u64) -> Result<(u64, u64)> {
-    let sql = format!("SELECT count(*) || ' ' || count(*) FILTER (WHERE delivery = 'pending') FROM idemgate_events WHERE seq > {after}");
+    let log = pg.psql(db, "SELECT to_regclass('idemgate_event_log') IS NOT NULL")? == "t";
+    let sql = if log {
+        format!(
+            "SELECT count(*) || ' ' || (count(*) FILTER (WHERE pending) \
+                 + (SELECT count(*) FROM idemgate_events WHERE seq > {after} AND delivery = 'pending')) \
+             FROM (SELECT NOT (pg_visible_in_snapshot(e.xid, l.done) OR (l.upto IS NOT NULL \
+                     AND pg_visible_in_snapshot(e.xid, l.upto) AND e.seq <= coalesce(l.after_seq, 0))) \
+                     AND NOT EXISTS (SELECT 1 FROM idemgate_events r WHERE r.seq = e.seq) AS pending \
+                   FROM idemgate_event_log e JOIN idemgate_event_lanes l ON l.lane = e.lane WHERE e.seq > {after}) x"
+        )
+    } else {
+        format!("SELECT count(*) || ' ' || count(*) FILTER (WHERE delivery = 'pending') FROM idemgate_events WHERE seq > {after}")
+    };
     let out = pg.psql(db, &sql)?;
     let mut it = out.split_whitespace().map(str::parse::<u64>);
     match (it.next(), it.next()) {
         (Some(Ok(total)), Some(Ok(pending))) => Ok((total, pending)),
         _ => bail!("unexpected event counts {out:?}"),
     }
+}
+
+/// Dead tuples of the event tables (`pg_stat_user_tables`, as the
+/// statistics collector last reported them), e.g. `idemgate_events 0,
+/// idemgate_event_log_0 0, ...`.
+fn event_dead_tuples(pg: &Pg, db: &str) -> Result<String> {
+    let out = pg.psql(
+        db,
+        "SELECT coalesce(string_agg(relname || ' ' || n_dead_tup, ', ' ORDER BY relname), '-') FROM pg_stat_user_tables \
+         WHERE relname = 'idemgate_events' OR relname LIKE 'idemgate\\_event\\_%'",
+    )?;
+    Ok(out.trim().to_owned())
 }
 
 /// Async mode on PostgreSQL in rounds: first writes on a plain route and

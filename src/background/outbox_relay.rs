@@ -68,42 +68,56 @@ impl Relay {
         Some(Relay { store, metrics, routes, client, backoff: HashMap::new(), limits })
     }
 
-    /// Takes this round's events: up to a batch for destinations that are
-    /// no upstream, and for each upstream's, no more than its limit has
-    /// slots free (then taken into `slots` until the round's deliveries end).
+    /// Takes this round's events in one take: up to a batch, of the routes
+    /// in `ready` whose destination is no upstream or is an upstream with a
+    /// slot free; each event for an upstream's destination takes a slot
+    /// (into `slots` until the round's deliveries end), and those beyond its
+    /// free slots are returned apart, to be deferred. (On PostgreSQL the
+    /// log's lanes are read in order, so routes left out of a take have
+    /// their events set aside; the routes of an upstream without a free
+    /// slot are left out, as before.)
     async fn take(
         &self,
         ready: &[&str],
         lease: Duration,
         token: Uuid,
         slots: &mut Vec<Permit>,
-    ) -> Result<Vec<OutboxEvent>, crate::store::StoreError> {
-        let free: Vec<&str> = ready.iter().copied().filter(|op| !self.limits.contains_key(*op)).collect();
-        let mut events = if free.is_empty() { Vec::new() } else { self.store.take_events(&free, BATCH, lease, token).await? };
-        let mut limited: Vec<(&Arc<Limit>, Vec<&str>)> = Vec::new();
-        for op in ready {
-            let Some(limit) = self.limits.get(*op) else { continue };
-            match limited.iter_mut().find(|(l, _)| Arc::ptr_eq(l, limit)) {
-                Some((_, ops)) => ops.push(op),
-                None => limited.push((limit, vec![op])),
+    ) -> Result<(Vec<OutboxEvent>, Vec<OutboxEvent>), crate::store::StoreError> {
+        // Slots are looked at, not held, while the store is asked: a request
+        // arriving meanwhile must not find them taken by a take that may
+        // find nothing.
+        let ops: Vec<&str> = ready
+            .iter()
+            .copied()
+            .filter(|op| match self.limits.get(*op) {
+                None => true,
+                Some(limit) if limit.available() > 0 => true,
+                Some(limit) => {
+                    limit.refused();
+                    false
+                }
+            })
+            .collect();
+        if ops.is_empty() {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        let taken = self.store.take_events(&ops, BATCH, lease, token).await?;
+        let (mut events, mut later) = (Vec::new(), Vec::new());
+        for event in taken {
+            match self.limits.get(&*event.scope.operation) {
+                None => events.push(event),
+                // One slot per event (deliveries are at most as many); one
+                // that another took meanwhile is not waited for.
+                Some(limit) => match limit.try_acquire() {
+                    Some(permit) => {
+                        slots.push(permit);
+                        events.push(event);
+                    }
+                    None => later.push(event),
+                },
             }
         }
-        for (limit, ops) in limited {
-            // Slots are looked at, not held, while the store is asked: a
-            // request arriving meanwhile must not find them taken by a take
-            // that may find nothing.
-            let free = limit.available().min(BATCH);
-            if free == 0 {
-                limit.refused();
-                continue;
-            }
-            let taken = self.store.take_events(&ops, free, lease, token).await?;
-            // One slot per event (deliveries are at most as many); one that
-            // another took meanwhile is not waited for.
-            slots.extend(taken.iter().filter_map(|_| limit.try_acquire()));
-            events.extend(taken);
-        }
-        Ok(events)
+        Ok((events, later))
     }
 
     /// Delivers until `shutdown`.
@@ -120,10 +134,11 @@ impl Relay {
             self.backoff.retain(|_, (until, _)| *until > now);
             let ready: Vec<&str> = self.routes.iter().filter(|(_, e)| !self.backoff.contains_key(&e.url)).map(|(op, _)| &**op).collect();
             let mut slots = Vec::new();
-            let taken = if ready.is_empty() { Ok(Vec::new()) } else { self.take(&ready, lease, token, &mut slots).await };
+            let taken = if ready.is_empty() { Ok(Default::default()) } else { self.take(&ready, lease, token, &mut slots).await };
             match taken {
-                Ok(events) if !events.is_empty() => {
+                Ok((events, later)) if !events.is_empty() || !later.is_empty() => {
                     idle_rounds = 1;
+                    self.defer(&later, token).await;
                     // At most one event per scope is deliverable at a time, so the
                     // deliveries can go out concurrently (and several events of
                     // different scopes share one) without reordering a scope.
@@ -226,6 +241,17 @@ impl Relay {
                 }
             }
             Err(e) => tracing::warn!(events = delivered.len(), error = %e, "could not mark delivered events; they will be delivered again"),
+        }
+    }
+
+    /// Events taken that wait for a slot of their upstream: due again shortly.
+    async fn defer(&self, later: &[OutboxEvent], token: Uuid) {
+        if later.is_empty() {
+            return;
+        }
+        let seqs: Vec<i64> = later.iter().map(|e| e.seq).collect();
+        if let Err(e) = self.store.events_deferred(&seqs, token, RETRY.first).await {
+            tracing::warn!(events = seqs.len(), error = %e, "could not defer events; their lease runs out");
         }
     }
 

@@ -42,6 +42,7 @@ migrations! {
     12 "0012_audit_caller",
     13 "0013_console_reads",
     14 "0014_attempt_bound",
+    15 "0015_event_log",
 }
 
 /// The `idemgate_settings` row holding the derived-key secret.

@@ -687,6 +687,10 @@ impl Store {
         self.bounded("event_failed", true, self.backend.event_failed(seq, token, error, retry_after, park)).await
     }
 
+    pub async fn events_deferred(&self, seqs: &[i64], token: Uuid, retry_after: Duration) -> Result<Vec<i64>, StoreError> {
+        self.bounded("events_deferred", true, self.backend.events_deferred(seqs, token, retry_after)).await
+    }
+
     pub async fn events(&self, delivery: Option<Delivery>, limit: u32) -> Result<Vec<OutboxEvent>, StoreError> {
         self.bounded("events", false, self.backend.events(delivery, limit)).await
     }

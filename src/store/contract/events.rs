@@ -22,10 +22,16 @@ pub trait Events: Send + Sync + std::fmt::Debug {
     /// Outbox: receivers answered 2xx to these events; marks them sent in one
     /// statement and returns the ones this relay still held (the others were
     /// taken over after their lease ran out, and will be delivered again).
+    /// (PostgreSQL: the relay's place in the log moves on past them.)
     async fn events_delivered(&self, seqs: &[i64], token: Uuid) -> Result<Vec<i64>, StoreError>;
 
     /// Outbox: a delivery failed; due again after `retry_after`, or parked.
     async fn event_failed(&self, seq: i64, token: Uuid, error: &str, retry_after: Duration, park: bool) -> Result<bool, StoreError>;
+
+    /// Outbox: events this relay took and does not deliver now (a
+    /// destination backed off or at its limit): released, due again after
+    /// `retry_after`, their attempts unchanged. Returns those it still held.
+    async fn events_deferred(&self, seqs: &[i64], token: Uuid, retry_after: Duration) -> Result<Vec<i64>, StoreError>;
 
     /// Outbox: events, newest first, optionally only those in one delivery state.
     async fn events(&self, delivery: Option<Delivery>, limit: u32) -> Result<Vec<OutboxEvent>, StoreError>;

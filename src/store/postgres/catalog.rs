@@ -3,6 +3,9 @@
 //! on each of them (see [`super::sql`] for why the plans must not depend on
 //! statistics).
 
+use super::event_log::{
+    LEASE_LANES, LOG_EVENTS, LOG_INSERT_ONE, LOG_PENDING, LOG_REDELIVER, LOG_SENT, LOG_STATS, RETRIES_DEFERRED, ROTATE, SETTLE, TAKE_LOG,
+};
 use super::events::{
     EVENT_FAILED, EVENT_INSERT_ONE, EVENT_STATS, EVENTS, EVENTS_BY_DELIVERY, EVENTS_DELIVERED, EVENTS_WINDOW_FULL, REDELIVER, SWEEP_EVENTS,
     TAKE_EVENTS, TAKE_EVENTS_WINDOW,
@@ -27,6 +30,12 @@ pub struct Statement {
 }
 
 pub(super) const PKEY: &[&str] = &["idemgate_records_pkey"];
+
+/// The event log's index, on each of its three slots (migration 0015).
+const LOG_0: &str = "idemgate_event_log_0_lane_xid_idx";
+const LOG_1: &str = "idemgate_event_log_1_lane_xid_idx";
+const LOG_2: &str = "idemgate_event_log_2_lane_xid_idx";
+const LANES_PKEY: &str = "idemgate_event_lanes_pkey";
 
 /// Every statement the store sends during operation (migrations aside),
 /// with the indexes each may use. `tests/pg_plans.rs` checks their plans.
@@ -84,6 +93,19 @@ pub fn catalog() -> Vec<Statement> {
         s("sweep_events", SWEEP_EVENTS, &["idemgate_events_sent", "idemgate_events_pkey"]),
         // Pending events through either of the indexes that hold just them.
         s("event_stats", EVENT_STATS, &["idemgate_events_pending", "idemgate_events_scope", "idemgate_events_parked"]),
+        // The event log: a lane's events through its index (one per slot),
+        // the lanes through their primary key, copies in idemgate_events by seq.
+        s("log_insert", &LOG_INSERT_ONE, &[]),
+        s("take_log", &TAKE_LOG, &[LOG_0, LOG_1, LOG_2, LANES_PKEY, "idemgate_events_scope", "idemgate_events_parked"]),
+        s("lease_lanes", &LEASE_LANES, &[LOG_0, LOG_1, LOG_2, LANES_PKEY, "idemgate_events_pkey"]),
+        s("settle", &SETTLE, &[LOG_0, LOG_1, LOG_2, LANES_PKEY, "idemgate_events_pkey"]),
+        s("retries_deferred", RETRIES_DEFERRED, &["idemgate_events_pkey"]),
+        s("log_events", &LOG_EVENTS, &[LOG_0, LOG_1, LOG_2, LANES_PKEY, "idemgate_events_pkey"]),
+        s("log_pending", &LOG_PENDING, &[LOG_0, LOG_1, LOG_2, LANES_PKEY, "idemgate_events_pkey"]),
+        s("log_sent", &LOG_SENT, &[LOG_0, LOG_1, LOG_2, LANES_PKEY, "idemgate_events_pkey"]),
+        s("log_stats", &LOG_STATS, &[LOG_0, LOG_1, LOG_2, LANES_PKEY, "idemgate_events_pkey"]),
+        s("log_redeliver", &LOG_REDELIVER, &[LOG_0, LOG_1, LOG_2]),
+        s("rotate", ROTATE, &[]),
         s("stats", STATS, &["idemgate_records_open"]),
         // The look at the tables' statistics and sizes (`replan`; catalogs only).
         s("table_look", super::replan::TABLE_LOOK, &[]),

@@ -414,8 +414,27 @@ pub fn catalog_for(flavor: super::Flavor) -> Vec<Statement> {
         // Nor are the sends of async attempts (single-row `mark_sent`), and
         // Citus plans each execution, so nothing looks at `pg_class` for
         // stale plans (`replan`).
+        // A coordinator keeps every event in `idemgate_events` (no log).
         all.retain(|s| {
-            !matches!(s.name.as_str(), "claim" | "claim_batch" | "complete_batch" | "write_batch" | "mark_sent_batch" | "table_look")
+            !matches!(
+                s.name.as_str(),
+                "claim"
+                    | "claim_batch"
+                    | "complete_batch"
+                    | "write_batch"
+                    | "mark_sent_batch"
+                    | "table_look"
+                    | "log_insert"
+                    | "take_log"
+                    | "lease_lanes"
+                    | "settle"
+                    | "log_events"
+                    | "log_pending"
+                    | "log_sent"
+                    | "log_stats"
+                    | "log_redeliver"
+                    | "rotate"
+            )
         });
         for s in &mut all {
             if let Some(sql) = citus_statement(&s.name) {

@@ -1,5 +1,12 @@
 //! PostgreSQL: the outbox (the [`Events`] part of the store's contract).
+//!
+//! On PostgreSQL new events are appended to a log (`event_log`) and
+//! `idemgate_events` holds the events being retried, parked or redelivered
+//! by an operator (and those written before the log); a take serves that
+//! table first, then the log. A Citus coordinator keeps every event in
+//! `idemgate_events`, distributed by tenant, with the statements below.
 
+use super::event_log::{LOG_REDELIVER, RETRIES_DEFERRED, ROTATE, log_xid};
 use super::sql::{EVENT_COLUMNS, EVENT_INSERT, prefixed};
 use super::*;
 use std::sync::LazyLock;
@@ -142,64 +149,111 @@ impl Events for PgStore {
         if self.flavor == Flavor::Citus {
             return decode_events(&self.take_event_rows_citus(operations, limit, micros(lease), token).await?);
         }
-        let mut taken = self.events_where(&TAKE_EVENTS_WINDOW, &[&operations, &i64::from(limit), &token, &micros(lease)], true).await?;
-        // Less than a batch: the backlog is small (the full take is cheap)
-        // or the window was held back; either way the rest comes from all of
-        // it. (What the window took is leased now, so not taken twice.)
-        let rest = limit.saturating_sub(u32::try_from(taken.len()).unwrap_or(u32::MAX));
-        if rest > 0 && self.window_full(operations, limit).await? {
-            taken.extend(self.events_where(&TAKE_EVENTS, &[&operations, &i64::from(rest), &token, &micros(lease)], true).await?);
+        // Events being retried first (usually none), then the log.
+        let mut taken = self.take_retries(operations, limit, lease, token).await?;
+        let room = limit.saturating_sub(u32::try_from(taken.len()).unwrap_or(u32::MAX));
+        if room > 0 {
+            taken.extend(self.take_log(operations, room, lease, token).await?);
             taken.sort_by_key(|e| e.seq);
         }
         Ok(taken)
     }
 
     async fn events_delivered(&self, seqs: &[i64], token: Uuid) -> Result<Vec<i64>, StoreError> {
-        let rows = self.query(EVENTS_DELIVERED, &[&seqs, &token], true).await?;
-        rows.iter().map(|r| r.try_get::<_, i64>(0).map_err(|e| StoreError::Corrupt(e.to_string()))).collect()
+        if self.flavor == Flavor::Citus {
+            let rows = self.query(EVENTS_DELIVERED, &[&seqs, &token], true).await?;
+            return rows.iter().map(|r| r.try_get::<_, i64>(0).map_err(|e| StoreError::Corrupt(e.to_string()))).collect();
+        }
+        self.settle(seqs, token, &[], None, Duration::ZERO, false, 0).await
     }
 
     async fn event_failed(&self, seq: i64, token: Uuid, error: &str, retry_after: Duration, park: bool) -> Result<bool, StoreError> {
-        Ok(!self.query(EVENT_FAILED, &[&seq, &token, &error, &micros(retry_after), &park], true).await?.is_empty())
+        if !self.query(EVENT_FAILED, &[&seq, &token, &error, &micros(retry_after), &park], true).await?.is_empty() {
+            return Ok(true);
+        }
+        if self.flavor == Flavor::Citus {
+            return Ok(false);
+        }
+        // A log event: copied into the retried events, its first attempt made.
+        Ok(!self.settle(&[], token, &[seq], Some(error), retry_after, park, 1).await?.is_empty())
+    }
+
+    async fn events_deferred(&self, seqs: &[i64], token: Uuid, retry_after: Duration) -> Result<Vec<i64>, StoreError> {
+        let rows = self.query(RETRIES_DEFERRED, &[&seqs, &token, &micros(retry_after)], true).await?;
+        let mut held: Vec<i64> =
+            rows.iter().map(|r| r.try_get::<_, i64>(0).map_err(|e| StoreError::Corrupt(e.to_string()))).collect::<Result<_, _>>()?;
+        if self.flavor != Flavor::Citus {
+            held.extend(self.settle(&[], token, seqs, None, retry_after, false, 0).await?);
+        }
+        Ok(held)
     }
 
     async fn events(&self, delivery: Option<Delivery>, limit: u32) -> Result<Vec<OutboxEvent>, StoreError> {
-        let limit = i64::from(limit);
-        match delivery {
-            Some(d) => self.events_where(&EVENTS_BY_DELIVERY, &[&d.as_str(), &limit], false).await,
-            None => self.events_where(&EVENTS, &[&limit], false).await,
+        let n = i64::from(limit);
+        let mut events = match delivery {
+            Some(d) => self.events_where(&EVENTS_BY_DELIVERY, &[&d.as_str(), &n], false).await?,
+            None => self.events_where(&EVENTS, &[&n], false).await?,
+        };
+        if self.flavor != Flavor::Citus {
+            events.extend(self.log_events(delivery, limit).await?);
+            // The newest `limit`, oldest first.
+            events.sort_by_key(|e| std::cmp::Reverse(e.seq));
+            events.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
+            events.sort_by_key(|e| e.seq);
         }
+        Ok(events)
     }
 
     async fn redeliver(&self, event_id: Uuid) -> Result<bool, StoreError> {
-        Ok(!self.query(REDELIVER, &[&event_id], true).await?.is_empty())
+        if !self.query(REDELIVER, &[&event_id], true).await?.is_empty() {
+            return Ok(true);
+        }
+        match log_xid(event_id) {
+            Some(xid) if self.flavor != Flavor::Citus => Ok(!self.query(&LOG_REDELIVER, &[&event_id, &xid], true).await?.is_empty()),
+            _ => Ok(false),
+        }
     }
 
     async fn sweep_events(&self, batch: u32, older_than: Duration) -> Result<u64, StoreError> {
-        Ok(self.query(SWEEP_EVENTS, &[&i64::from(batch), &micros(older_than)], true).await?.len() as u64)
+        let mut swept = self.query(SWEEP_EVENTS, &[&i64::from(batch), &micros(older_than)], true).await?.len() as u64;
+        if self.flavor != Flavor::Citus {
+            let rows = self.query(ROTATE, &[&micros(older_than)], true).await?;
+            let removed: i64 = rows.first().map(|r| r.try_get(0)).transpose().map_err(|e| StoreError::Corrupt(e.to_string()))?.unwrap_or(0);
+            swept += u64::try_from(removed).unwrap_or(0);
+        }
+        Ok(swept)
     }
 
     async fn event_stats(&self) -> Result<EventStats, StoreError> {
         let rows = self.query(EVENT_STATS, &[], false).await?;
         let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
         let row = rows.first().ok_or_else(|| StoreError::Corrupt("event stats returned no row".into()))?;
-        Ok(EventStats {
+        let mut stats = EventStats {
             pending: row.try_get(0).map_err(c)?,
             parked: row.try_get(1).map_err(c)?,
             oldest_pending_at: row.try_get(2).map_err(c)?,
             held: row.try_get(3).map_err(c)?,
-        })
+        };
+        if self.flavor != Flavor::Citus {
+            let (pending, oldest) = self.log_stats().await?;
+            stats.pending += pending;
+            stats.oldest_pending_at = match (stats.oldest_pending_at, oldest) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+        }
+        Ok(stats)
     }
 }
 
 /// Event rows, in `seq` order.
-fn decode_events(rows: &[Row]) -> Result<Vec<OutboxEvent>, StoreError> {
+pub(super) fn decode_events(rows: &[Row]) -> Result<Vec<OutboxEvent>, StoreError> {
     let mut events = rows.iter().map(decode_event).collect::<Result<Vec<_>, _>>()?;
     events.sort_by_key(|e| e.seq);
     Ok(events)
 }
 
-fn decode_event(row: &Row) -> Result<OutboxEvent, StoreError> {
+pub(super) fn decode_event(row: &Row) -> Result<OutboxEvent, StoreError> {
     let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
     let key: &str = row.try_get(6).map_err(c)?;
     let key = IdempotencyKey::new(key).map_err(|e| StoreError::Corrupt(format!("event idempotency_key: {e}")))?;
@@ -227,6 +281,20 @@ fn decode_event(row: &Row) -> Result<OutboxEvent, StoreError> {
 }
 
 impl PgStore {
+    /// The take over `idemgate_events` (events being retried; on Citus, all).
+    async fn take_retries(&self, operations: &[&str], limit: u32, lease: Duration, token: Uuid) -> Result<Vec<OutboxEvent>, StoreError> {
+        let mut taken = self.events_where(&TAKE_EVENTS_WINDOW, &[&operations, &i64::from(limit), &token, &micros(lease)], true).await?;
+        // Less than a batch: the backlog is small (the full take is cheap)
+        // or the window was held back; either way the rest comes from all of
+        // it. (What the window took is leased now, so not taken twice.)
+        let rest = limit.saturating_sub(u32::try_from(taken.len()).unwrap_or(u32::MAX));
+        if rest > 0 && self.window_full(operations, limit).await? {
+            taken.extend(self.events_where(&TAKE_EVENTS, &[&operations, &i64::from(rest), &token, &micros(lease)], true).await?);
+            taken.sort_by_key(|e| e.seq);
+        }
+        Ok(taken)
+    }
+
     async fn events_where(
         &self,
         sql: &str,

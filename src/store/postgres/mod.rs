@@ -42,6 +42,7 @@ impl<'a> FromSql<'a> for Timestamp {
 }
 
 // One file per concern of the store contract, one impl each.
+mod event_log;
 mod events;
 mod lifecycle;
 mod queue;

@@ -167,7 +167,7 @@ pub(super) static FAIL: LazyLock<String> = LazyLock::new(|| {
          request = CASE WHEN maybe_executed OR $9 THEN request END \
          WHERE {PK} AND {FENCE} \
          RETURNING tenant, principal, operation, idempotency_key, generation, state, last_status, operation_id), \
-         ev AS (INSERT INTO idemgate_events {EVENT_INSERT} \
+         ev AS (INSERT INTO idemgate_event_log {EVENT_INSERT} \
          SELECT state, tenant, principal, operation, idempotency_key, generation, last_status, operation_id, NULL, NULL FROM upd \
          WHERE (state = 'unknown' AND $10) OR (state = 'failed_retryable' AND $11)) \
          SELECT 1 FROM upd"

@@ -300,7 +300,7 @@ impl PgStore {
                 Resolution::Release { .. } => (None, None),
             };
             tx.execute(
-                self.db.text(&super::events::EVENT_INSERT_ONE),
+                self.db.text(self.pick(&super::event_log::LOG_INSERT_ONE, &super::events::EVENT_INSERT_ONE)),
                 &[
                     &event.as_str(),
                     params[0],

@@ -143,7 +143,7 @@ v AS (
     RETURNING v.ord, v.emit, v.with_body, r.tenant, r.principal, r.operation, r.idempotency_key, r.generation, r.response_status,
               r.operation_id, r.response_body
 ), ev AS (
-    INSERT INTO idemgate_events {EVENT_INSERT}
+    INSERT INTO idemgate_event_log {EVENT_INSERT}
     SELECT 'completed', tenant, principal, operation, idempotency_key, generation, response_status, operation_id, NULL,
            CASE WHEN with_body THEN response_body END
     FROM upd WHERE emit ORDER BY ord
@@ -187,7 +187,7 @@ pub(super) static COMPLETE: LazyLock<String> = LazyLock::new(|| {
          WHERE {PK} AND generation = $5 AND claim_token = $10 \
          AND CASE state WHEN 'in_flight' THEN true WHEN 'processing' THEN true ELSE false END \
          RETURNING tenant, principal, operation, idempotency_key, generation, response_status, operation_id, response_body), \
-         ev AS (INSERT INTO idemgate_events {EVENT_INSERT} \
+         ev AS (INSERT INTO idemgate_event_log {EVENT_INSERT} \
          SELECT 'completed', tenant, principal, operation, idempotency_key, generation, response_status, operation_id, NULL, \
          CASE WHEN $12 THEN response_body END FROM upd WHERE $11) \
          SELECT 1 FROM upd"
@@ -217,7 +217,7 @@ pub(super) static MARK_UNKNOWN: LazyLock<String> = LazyLock::new(|| {
          AND CASE state WHEN 'in_flight' THEN true WHEN 'processing' THEN true ELSE false END \
          AND (NOT $6::bool OR lease_expires_at IS NULL OR lease_expires_at <= now()) \
          RETURNING tenant, principal, operation, idempotency_key, generation, operation_id), \
-         ev AS (INSERT INTO idemgate_events {EVENT_INSERT} \
+         ev AS (INSERT INTO idemgate_event_log {EVENT_INSERT} \
          SELECT 'unknown', tenant, principal, operation, idempotency_key, generation, NULL, operation_id, NULL, NULL FROM upd WHERE $8) \
          SELECT 1 FROM upd"
     )
@@ -371,7 +371,7 @@ WHERE r.scope_id = d.scope_id AND r.tenant = d.tenant AND r.principal = d.princi
   AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())
 RETURNING r.state = 'queued' AS requeue, r.tenant, r.principal, r.operation, r.idempotency_key, r.generation, r.operation_id
 ), ev AS (
-    INSERT INTO idemgate_events {EVENT_INSERT}
+    INSERT INTO idemgate_event_log {EVENT_INSERT}
     SELECT 'unknown', tenant, principal, operation, idempotency_key, generation, NULL, operation_id, NULL, NULL
     FROM upd WHERE NOT requeue AND operation = ANY($3::text[])
 )

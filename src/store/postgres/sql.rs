@@ -48,6 +48,12 @@ pub const SESSION_SETTINGS: &[(&str, &str)] = &[
     // (48 ms, and growing with the backlog) where the index read in order
     // stops after 512 (16 ms, whatever the backlog).
     ("enable_bitmapscan", "off"),
+    // With sequential scans off, a plan that has one anyway (a statement
+    // inside a SQL function, a tiny table read whole) is costed past
+    // `jit_above_cost`, and PostgreSQL compiles it: hundreds of
+    // milliseconds to seconds, at every execution of a function's query.
+    // No statement here is large enough for JIT to pay.
+    ("jit", "off"),
 ];
 
 /// [`SESSION_SETTINGS`] as a store of `flavor` sends them. Citus plans a

@@ -82,6 +82,26 @@ impl Events for SqliteStore {
         .await
     }
 
+    async fn events_deferred(&self, seqs: &[i64], token: Uuid, retry_after: Duration) -> Result<Vec<i64>, StoreError> {
+        let seqs = seqs.to_vec();
+        self.write(move |tx, now| {
+            let mut st = tx
+                .prepare_cached(
+                    "UPDATE idemgate_events SET next_attempt_at = ?3, lease_token = NULL, lease_until = NULL \
+                     WHERE seq = ?1 AND lease_token = ?2 AND delivery = 'pending'",
+                )
+                .map_err(err)?;
+            let mut released = Vec::new();
+            for seq in seqs {
+                if st.execute(params![seq, token.as_bytes(), now.plus(retry_after).0]).map_err(err)? > 0 {
+                    released.push(seq);
+                }
+            }
+            Ok(released)
+        })
+        .await
+    }
+
     async fn events(&self, delivery: Option<Delivery>, limit: u32) -> Result<Vec<OutboxEvent>, StoreError> {
         self.write(move |conn, _| {
             let sql = format!("SELECT {EVENT_COLUMNS} FROM idemgate_events WHERE (?1 IS NULL OR delivery = ?1) ORDER BY seq DESC LIMIT ?2");

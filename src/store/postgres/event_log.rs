@@ -1,0 +1,460 @@
+//! PostgreSQL: completion events as a log read in batches bounded by
+//! transaction snapshots (migration 0015 describes the tables).
+//!
+//! A final state's statement appends its event to `idemgate_event_log`;
+//! while deliveries succeed, that insert is the only write the event costs.
+//! The log is split into [`LANES`] lanes by a hash of the idempotency key,
+//! so every event of one scope is in one lane. A lane's row says how far
+//! its events are delivered: `done`, a snapshot (every event whose
+//! transaction is visible in it is delivered), and the batch under way,
+//! `upto` (the events visible in it and not in `done`, in seq order, of
+//! which those up to `after_seq` are delivered). A transaction that commits
+//! after later events were delivered is not visible in `done`: its event
+//! comes in a later batch, never skipped.
+//!
+//! A relay's take ([`PgStore::take_log`]) reads the next events of a few
+//! free lanes (one statement), keeps of each lane the events before the
+//! second event of any scope (order per scope: one event of a scope at a
+//! time), then leases those lanes with one write that checks nothing moved
+//! meanwhile. Settling ([`SETTLE`]) advances each lane it holds over the
+//! events delivered or set aside, in one write per round. An event that
+//! cannot be delivered now (a failure, a destination backed off, an
+//! operation this relay does not deliver, an earlier event of its scope
+//! being retried or parked) is copied into `idemgate_events`, which keeps
+//! the retry, parking and redelivery of earlier releases; the log's lane
+//! goes on past it.
+
+use std::sync::LazyLock;
+
+use super::events::decode_event;
+use super::sql::{EVENT_INSERT, prefixed};
+use super::*;
+use crate::outbox::{Delivery, OutboxEvent};
+
+/// Lanes of the log (migration 0015: `hashtextextended(key) & 15`, 16 rows).
+pub(super) const LANES: i64 = 16;
+
+/// Lanes one take leases at most: several relays share the lanes.
+const LANES_PER_TAKE: i64 = 8;
+
+/// Events read per lane beyond the take's limit (those set aside do not count).
+const READ_MARGIN: i64 = 16;
+
+/// Takes in a row that only set events aside, before a take gives up.
+const TAKES_PAST_ASIDE: usize = 4;
+
+pub(super) static LOG_INSERT_ONE: LazyLock<String> =
+    LazyLock::new(|| format!("INSERT INTO idemgate_event_log {EVENT_INSERT} VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"));
+
+/// A log row read as an event row (`decode_event`'s columns): pending,
+/// never attempted.
+fn log_columns(e: &str) -> String {
+    format!(
+        "{e}.seq, {e}.event_id, {e}.event_type, {e}.tenant, {e}.principal, {e}.operation, {e}.idempotency_key, {e}.generation, \
+         {e}.status, {e}.operation_id, {e}.actor, {e}.at, {e}.body, 'pending'::text, 0::int4, {e}.at, NULL::text, NULL::timestamptz"
+    )
+}
+
+// Every statement reads `idemgate_event_lanes` through its primary key
+// (`lane >= 0` where it reads them all): under `enable_seqscan = off` a
+// sequential scan costs the plan so much that PostgreSQL compiles it with
+// JIT, seconds per statement on a busy machine.
+
+/// Event `{e}` belongs to the batch of lane row `{l}` (columns `lane`,
+/// `done`, `upto`, `after_seq`) and is not yet delivered: committed after
+/// `done`, visible in `upto`, past `after_seq`. The range on `xid` is what
+/// the lane's index reads.
+fn in_batch(e: &str, l: &str) -> String {
+    format!(
+        "{e}.lane = {l}.lane AND {e}.xid >= pg_snapshot_xmin({l}.done) AND {e}.xid < pg_snapshot_xmax({l}.upto) \
+         AND NOT pg_visible_in_snapshot({e}.xid, {l}.done) AND pg_visible_in_snapshot({e}.xid, {l}.upto) \
+         AND ({l}.after_seq IS NULL OR {e}.seq > {l}.after_seq)"
+    )
+}
+
+/// Event `{e}` of lane row `{l}` is delivered (or set aside): in `done`,
+/// or in the batch under way up to `after_seq`.
+fn consumed(e: &str, l: &str) -> String {
+    format!(
+        "(pg_visible_in_snapshot({e}.xid, {l}.done) OR ({l}.upto IS NOT NULL AND pg_visible_in_snapshot({e}.xid, {l}.upto) \
+         AND {e}.seq <= coalesce({l}.after_seq, 0)))"
+    )
+}
+
+/// Event `{e}` must wait behind an earlier event of its scope that is
+/// pending or parked in `idemgate_events` (being retried, parked, or
+/// redelivered; the same event redelivered by an operator counts too).
+fn held_back(e: &str) -> String {
+    format!(
+        "((SELECT p.seq FROM idemgate_events p
+               WHERE p.delivery = 'pending' AND p.tenant = {e}.tenant AND p.principal = {e}.principal
+                 AND p.operation = {e}.operation AND p.idempotency_key = {e}.idempotency_key AND p.seq <= {e}.seq LIMIT 1) IS NOT NULL
+          OR (SELECT q.seq FROM idemgate_events q
+               WHERE q.delivery = 'parked' AND q.seq <= {e}.seq AND q.tenant = {e}.tenant AND q.principal = {e}.principal
+                 AND q.operation = {e}.operation AND q.idempotency_key = {e}.idempotency_key LIMIT 1) IS NOT NULL)"
+    )
+}
+
+/// The take's read (`$1` events per lane, `$2` the relay's token, `$3` the
+/// lane to start from, `$4` lanes): up to `$4` lanes that are free (or
+/// this relay's) and have undelivered events, and their next events in seq
+/// order. A lane without a batch under way starts one ending at this
+/// statement's snapshot (`upto`, returned as text for the lease). Columns:
+/// the event's (`decode_event`), then lane, done, upto, fresh, after_seq,
+/// xid (as int8), held back.
+pub(super) static TAKE_LOG: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH l AS MATERIALIZED (
+            SELECT c.lane, c.done, coalesce(c.upto, pg_current_snapshot()) AS upto, c.after_seq, c.upto IS NULL AS fresh
+            FROM idemgate_event_lanes c
+            WHERE c.lane >= 0 AND (c.lease_until IS NULL OR c.lease_until <= now() OR c.lease_token = $2)
+        ), w AS (
+            SELECT l.* FROM l WHERE EXISTS (SELECT 1 FROM idemgate_event_log x WHERE {})
+            ORDER BY (l.lane + $3::int4) % {LANES} LIMIT $4::int8
+        )
+        SELECT {}, w.lane, w.done::text, w.upto::text, w.fresh, w.after_seq, e.xid::text::int8, {}
+        FROM w CROSS JOIN LATERAL (
+            SELECT * FROM idemgate_event_log e WHERE {} ORDER BY e.seq LIMIT $1::int8) e
+        ORDER BY (w.lane + $3::int4) % {LANES}, e.seq",
+        in_batch("x", "l"),
+        log_columns("e"),
+        held_back("e"),
+        in_batch("e", "w"),
+    )
+});
+
+/// The columns of an event row as `idemgate_events` stores it, for copies of
+/// log rows.
+const COPY_COLUMNS: &str =
+    "seq, event_id, event_type, tenant, principal, operation, idempotency_key, generation, status, operation_id, actor, at, body";
+
+/// The take's lease (one write): the lanes read (`$1` lane, `$2` its `done`
+/// and `$3` its `upto` as read, `$4` whether its batch starts now, `$5` its
+/// `after_seq` as read, `$6` whether the events held end the batch), leased
+/// to `$9` for `$10` us if nothing moved since the read, with the events
+/// each holds (`$7` lanes, `$8` seqs). The held events that wait behind
+/// their scope or that this relay does not deliver (`$11` lanes, `$12`
+/// xids, `$13` seqs) are copied into `idemgate_events` for the lanes
+/// leased, pending and due. Returns the lanes leased.
+pub(super) static LEASE_LANES: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH w AS (
+            SELECT * FROM unnest($1::int2[], $2::text[], $3::text[], $4::bool[], $5::int8[], $6::bool[])
+                AS w(lane, done, upto, fresh, after_seq, taken_all)
+        ), leased AS (
+            UPDATE idemgate_event_lanes c SET upto = w.upto::pg_snapshot, lease_token = $9,
+                lease_until = now() + $10::int8 * interval '1 microsecond', taken_all = w.taken_all,
+                taken = ARRAY(SELECT t.seq FROM unnest($7::int2[], $8::int8[]) AS t(lane, seq) WHERE t.lane = c.lane ORDER BY t.seq)
+            FROM w
+            WHERE c.lane = w.lane AND (c.lease_until IS NULL OR c.lease_until <= now() OR c.lease_token = $9)
+              AND c.done::text = w.done AND CASE WHEN w.fresh THEN c.upto IS NULL ELSE c.upto::text = w.upto END
+              AND c.after_seq IS NOT DISTINCT FROM w.after_seq
+            RETURNING c.lane
+        ), aside AS (
+            INSERT INTO idemgate_events ({COPY_COLUMNS})
+            SELECT {} FROM unnest($11::int2[], $12::int8[], $13::int8[]) AS a(lane, xid, seq)
+            JOIN idemgate_event_log e ON e.lane = a.lane AND e.xid = a.xid::text::xid8 AND e.seq = a.seq
+            WHERE a.lane IN (SELECT lane FROM leased)
+            ON CONFLICT (seq) DO NOTHING
+        )
+        SELECT lane FROM leased",
+        prefixed(COPY_COLUMNS, "e.")
+    )
+});
+
+/// Settles what a relay holds (`$2`), in one statement: the retried events
+/// it delivered (`$1`) are marked sent in `idemgate_events`; the log events
+/// of `$3` (a failure or a deferral) are copied there, `$7` attempts made,
+/// the last error `$4`, due after `$5` us, parked if `$6`; then each lane
+/// it holds advances over its events up to the first one neither delivered
+/// nor copied, and is released once all are (its batch ends when the
+/// events it held were the batch's last). Returns the seqs this relay still
+/// held of `$1` and `$3`.
+pub(super) static SETTLE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH r AS (
+            UPDATE idemgate_events SET delivery = 'sent', sent_at = now(), lease_token = NULL, lease_until = NULL
+            WHERE seq = ANY($1::int8[]) AND lease_token = $2 AND CASE delivery WHEN 'pending' THEN true ELSE false END
+            RETURNING seq
+        ), held AS (
+            SELECT c.lane, c.done, c.upto, c.taken, c.taken_all FROM idemgate_event_lanes c
+            WHERE c.lane >= 0 AND c.lease_token = $2 AND c.taken IS NOT NULL FOR UPDATE
+        ), moved AS (
+            INSERT INTO idemgate_events ({COPY_COLUMNS}, delivery, attempts, next_attempt_at, last_error)
+            SELECT {}, CASE WHEN $6::bool THEN 'parked' ELSE 'pending' END, $7::int4,
+                   now() + $5::int8 * interval '1 microsecond', $4::text
+            FROM held h JOIN idemgate_event_log e ON e.lane = h.lane AND e.xid >= pg_snapshot_xmin(h.done)
+                 AND e.xid < pg_snapshot_xmax(h.upto)
+            WHERE e.seq = ANY($3::int8[]) AND e.seq = ANY(h.taken)
+            ON CONFLICT (seq) DO NOTHING
+            RETURNING seq
+        ), marks AS (
+            SELECT h.lane, t.seq, t.ord,
+                   (t.seq = ANY($1::int8[]) OR t.seq IN (SELECT seq FROM moved)
+                    OR EXISTS (SELECT 1 FROM idemgate_events x WHERE x.seq = t.seq)) AS settled
+            FROM held h CROSS JOIN LATERAL unnest(h.taken) WITH ORDINALITY AS t(seq, ord)
+        ), open AS (
+            SELECT lane, min(ord) FILTER (WHERE NOT settled) AS first FROM marks GROUP BY lane
+        ), lanes AS (
+            SELECT m.lane, o.first, max(m.seq) FILTER (WHERE o.first IS NULL OR m.ord < o.first) AS through
+            FROM marks m JOIN open o ON o.lane = m.lane GROUP BY m.lane, o.first
+        ), upd AS (
+            UPDATE idemgate_event_lanes c SET
+                done = CASE WHEN l.first IS NULL AND h.taken_all THEN h.upto ELSE c.done END,
+                upto = CASE WHEN l.first IS NULL AND h.taken_all THEN NULL ELSE c.upto END,
+                after_seq = CASE WHEN l.first IS NULL AND h.taken_all THEN NULL ELSE coalesce(l.through, c.after_seq) END,
+                taken = CASE WHEN l.first IS NULL THEN NULL ELSE c.taken[l.first::int4:] END,
+                taken_all = CASE WHEN l.first IS NULL THEN false ELSE c.taken_all END,
+                lease_token = CASE WHEN l.first IS NULL THEN NULL ELSE c.lease_token END,
+                lease_until = CASE WHEN l.first IS NULL THEN NULL ELSE c.lease_until END
+            FROM lanes l JOIN held h ON h.lane = l.lane
+            WHERE c.lane = l.lane
+            RETURNING c.lane
+        )
+        SELECT seq FROM r
+        UNION SELECT seq FROM marks WHERE seq = ANY($1::int8[])
+        UNION SELECT seq FROM moved",
+        prefixed(COPY_COLUMNS, "e.")
+    )
+});
+
+/// Retried events a relay holds (`$1`, `$2`) and will not deliver now: due
+/// again after `$3` us, their attempts unchanged.
+pub(super) const RETRIES_DEFERRED: &str = "UPDATE idemgate_events SET lease_token = NULL, lease_until = NULL, \
+     next_attempt_at = now() + $3::int8 * interval '1 microsecond' \
+     WHERE seq = ANY($1::int8[]) AND lease_token = $2 AND CASE delivery WHEN 'pending' THEN true ELSE false END RETURNING seq";
+
+/// Log events newest first (by transaction, lane by lane), `$1` of each
+/// lane, as event rows with their delivery state; those copied into
+/// `idemgate_events` are listed from there. `filter`: `None` for all,
+/// `Some(pending)` for the undelivered or delivered ones.
+fn list(filter: Option<bool>) -> String {
+    let (range, cond) = match filter {
+        None => ("", "true".to_owned()),
+        Some(true) => (" AND e.xid >= pg_snapshot_xmin(l.done)", format!("NOT {}", consumed("e", "l"))),
+        Some(false) => ("", consumed("e", "l")),
+    };
+    format!(
+        "SELECT {} FROM idemgate_event_lanes l CROSS JOIN LATERAL (
+            SELECT e.*, CASE WHEN {} THEN 'sent' ELSE 'pending' END AS delivery FROM idemgate_event_log e
+            WHERE e.lane = l.lane{range} AND {cond} AND NOT EXISTS (SELECT 1 FROM idemgate_events x WHERE x.seq = e.seq)
+            ORDER BY e.xid DESC LIMIT $1::int8) e WHERE l.lane >= 0",
+        log_columns("e").replace("'pending'::text", "e.delivery"),
+        consumed("e", "l"),
+    )
+}
+
+pub(super) static LOG_EVENTS: LazyLock<String> = LazyLock::new(|| list(None));
+pub(super) static LOG_PENDING: LazyLock<String> = LazyLock::new(|| list(Some(true)));
+pub(super) static LOG_SENT: LazyLock<String> = LazyLock::new(|| list(Some(false)));
+
+/// The undelivered log events (not copied into `idemgate_events`): how many,
+/// and when the oldest was written.
+pub(super) static LOG_STATS: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT count(*), min(x.at) FROM idemgate_event_lanes l CROSS JOIN LATERAL (
+            SELECT e.at FROM idemgate_event_log e WHERE e.lane = l.lane AND e.xid >= pg_snapshot_xmin(l.done) AND NOT {}
+              AND NOT EXISTS (SELECT 1 FROM idemgate_events r WHERE r.seq = e.seq) OFFSET 0) x WHERE l.lane >= 0",
+        consumed("e", "l")
+    )
+});
+
+/// An operator's redelivery of a log event (`$1`, written by transaction
+/// `$2`): a copy in `idemgate_events`, pending from its first attempt.
+pub(super) static LOG_REDELIVER: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "INSERT INTO idemgate_events ({COPY_COLUMNS})
+         SELECT {} FROM idemgate_event_log e
+         WHERE e.lane = ANY(ARRAY(SELECT generate_series(0, {})::int2)) AND e.xid = $2::text::xid8 AND e.event_id = $1
+         ON CONFLICT (seq) DO NOTHING RETURNING 1",
+        prefixed(COPY_COLUMNS, "e."),
+        LANES - 1
+    )
+});
+
+/// The sweeper's turn of the log (migration 0015): `$1` is the retention in us.
+pub(super) const ROTATE: &str = "SELECT idemgate_rotate_event_log($1::int8)";
+
+/// What a take keeps of one lane's events.
+#[derive(Debug)]
+struct LaneTake {
+    lane: i16,
+    done: String,
+    upto: String,
+    fresh: bool,
+    after_seq: Option<i64>,
+    /// Every event held, in seq order: delivered ones and ones set aside.
+    taken: Vec<i64>,
+    /// Read: whether the lane had fewer events left than asked for.
+    read: usize,
+    /// Stopped before one of the events read (a scope's second, or the limit).
+    cut: bool,
+}
+
+/// The transaction id in a log event's id (its first 48 bits, version 8);
+/// `None` for any other id (events written before the log).
+pub(super) fn log_xid(id: Uuid) -> Option<i64> {
+    let b = id.as_bytes();
+    if b[6] >> 4 != 8 {
+        return None;
+    }
+    Some(b[..6].iter().fold(0i64, |x, byte| (x << 8) | i64::from(*byte)))
+}
+
+impl PgStore {
+    /// Takes up to `limit` deliverable log events for the relay `token` (see
+    /// the module documentation). Events of operations not in `operations`,
+    /// and events behind an earlier one of their scope in `idemgate_events`,
+    /// are copied there instead (the lane goes on past them).
+    pub(super) async fn take_log(
+        &self,
+        operations: &[&str],
+        limit: u32,
+        lease: Duration,
+        token: Uuid,
+    ) -> Result<Vec<OutboxEvent>, StoreError> {
+        // A take that only set events aside has made progress: the next may
+        // find events to deliver behind them.
+        for _ in 0..TAKES_PAST_ASIDE {
+            let (events, aside) = self.take_log_once(operations, limit, lease, token).await?;
+            if !events.is_empty() || aside == 0 {
+                return Ok(events);
+            }
+        }
+        Ok(Vec::new())
+    }
+
+    /// One take of [`Self::take_log`]: the events, and how many were set aside.
+    async fn take_log_once(
+        &self,
+        operations: &[&str],
+        limit: u32,
+        lease: Duration,
+        token: Uuid,
+    ) -> Result<(Vec<OutboxEvent>, usize), StoreError> {
+        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+        let start = i32::from(Uuid::new_v4().as_bytes()[0]) % i32::try_from(LANES).unwrap_or(16);
+        let room = usize::try_from(limit).unwrap_or(usize::MAX);
+        // Read a little more than a batch: events set aside do not count.
+        let read = i64::from(limit) + READ_MARGIN;
+        let rows = self.query(&TAKE_LOG, &[&read, &token, &start, &LANES_PER_TAKE], false).await?;
+        let mut lanes: Vec<LaneTake> = Vec::new();
+        let mut deliver: Vec<(i16, OutboxEvent)> = Vec::new();
+        let mut aside: (Vec<i16>, Vec<i64>, Vec<i64>) = Default::default();
+        let mut scopes: std::collections::HashSet<(i16, Scope)> = std::collections::HashSet::new();
+        for row in &rows {
+            let lane: i16 = row.try_get(18).map_err(c)?;
+            if lanes.last().is_none_or(|l| l.lane != lane) {
+                lanes.push(LaneTake {
+                    lane,
+                    done: row.try_get(19).map_err(c)?,
+                    upto: row.try_get(20).map_err(c)?,
+                    fresh: row.try_get(21).map_err(c)?,
+                    after_seq: row.try_get(22).map_err(c)?,
+                    taken: Vec::new(),
+                    read: 0,
+                    cut: false,
+                });
+            }
+            let Some(l) = lanes.last_mut() else { continue };
+            l.read += 1;
+            if l.cut {
+                continue;
+            }
+            let event = decode_event(row)?;
+            let (xid, held): (i64, bool) = (row.try_get(23).map_err(c)?, row.try_get(24).map_err(c)?);
+            if held || !operations.contains(&&*event.scope.operation) {
+                aside.0.push(lane);
+                aside.1.push(xid);
+                aside.2.push(event.seq);
+                l.taken.push(event.seq);
+                continue;
+            }
+            if deliver.len() >= room || !scopes.insert((lane, event.scope.clone())) {
+                l.cut = true;
+                continue;
+            }
+            l.taken.push(event.seq);
+            deliver.push((lane, event));
+        }
+        lanes.retain(|l| !l.taken.is_empty());
+        if lanes.is_empty() {
+            return Ok((Vec::new(), 0));
+        }
+        let read_all = |l: &LaneTake| !l.cut && i64::try_from(l.read).unwrap_or(i64::MAX) < read;
+        let (mut t_lane, mut t_seq) = (Vec::new(), Vec::new());
+        for l in &lanes {
+            t_lane.extend(l.taken.iter().map(|_| l.lane));
+            t_seq.extend(l.taken.iter().copied());
+        }
+        let lane: Vec<i16> = lanes.iter().map(|l| l.lane).collect();
+        let done: Vec<&str> = lanes.iter().map(|l| l.done.as_str()).collect();
+        let upto: Vec<&str> = lanes.iter().map(|l| l.upto.as_str()).collect();
+        let fresh: Vec<bool> = lanes.iter().map(|l| l.fresh).collect();
+        let after_seq: Vec<Option<i64>> = lanes.iter().map(|l| l.after_seq).collect();
+        let all: Vec<bool> = lanes.iter().map(read_all).collect();
+        let (a_lane, a_xid, a_seq) = &aside;
+        let leased = self
+            .query(
+                &LEASE_LANES,
+                &[&lane, &done, &upto, &fresh, &after_seq, &all, &t_lane, &t_seq, &token, &micros(lease), a_lane, a_xid, a_seq],
+                true,
+            )
+            .await?;
+        let leased: Vec<i16> = leased.iter().map(|r| r.try_get(0).map_err(c)).collect::<Result<_, _>>()?;
+        if !aside.2.is_empty() && !leased.is_empty() {
+            // The copies are settled: lanes that hold nothing else are released.
+            self.settle(&[], token, &[], None, Duration::ZERO, false, 0).await?;
+        }
+        let set_aside = aside.0.iter().filter(|lane| leased.contains(lane)).count();
+        Ok((deliver.into_iter().filter(|(lane, _)| leased.contains(lane)).map(|(_, e)| e).collect(), set_aside))
+    }
+
+    /// Runs [`SETTLE`]; returns the seqs this relay still held of `delivered` and `moved`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn settle(
+        &self,
+        delivered: &[i64],
+        token: Uuid,
+        moved: &[i64],
+        error: Option<&str>,
+        retry_after: Duration,
+        park: bool,
+        attempts: i32,
+    ) -> Result<Vec<i64>, StoreError> {
+        let rows = self.query(&SETTLE, &[&delivered, &token, &moved, &error, &micros(retry_after), &park, &attempts], true).await?;
+        rows.iter().map(|r| r.try_get::<_, i64>(0).map_err(|e| StoreError::Corrupt(e.to_string()))).collect()
+    }
+
+    /// Log events for a listing: `delivery` as [`Events::events`] has it
+    /// (parked ones are all in `idemgate_events`).
+    pub(super) async fn log_events(&self, delivery: Option<Delivery>, limit: u32) -> Result<Vec<OutboxEvent>, StoreError> {
+        let sql: &str = match delivery {
+            None => &LOG_EVENTS,
+            Some(Delivery::Pending) => &LOG_PENDING,
+            Some(Delivery::Sent) => &LOG_SENT,
+            Some(Delivery::Parked) => return Ok(Vec::new()),
+        };
+        self.query(sql, &[&i64::from(limit)], false).await?.iter().map(decode_event).collect()
+    }
+
+    /// Undelivered log events: how many, and the oldest's time.
+    pub(super) async fn log_stats(&self) -> Result<(i64, Option<Timestamp>), StoreError> {
+        let rows = self.query(&LOG_STATS, &[], false).await?;
+        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+        let row = rows.first().ok_or_else(|| StoreError::Corrupt("log stats returned no row".into()))?;
+        Ok((row.try_get(0).map_err(c)?, row.try_get(1).map_err(c)?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_log_events_id_names_its_transaction() {
+        let id: Uuid = "00000001-3201-89f0-9567-699acaa711fc".parse().unwrap();
+        assert_eq!(log_xid(id), Some(0x0001_3201));
+        assert_eq!(log_xid("0f8c7a1e-1111-4222-8333-444455556666".parse().unwrap()), None, "a v4 id is not the log's");
+    }
+}
