@@ -79,6 +79,84 @@ async fn killed_worker_is_taken_over_on_a_deduplicating_upstream() {
     assert!(metric(&b, "idemgate_requeued_leases_total").await >= 1.0);
 }
 
+/// Waits for the upstream to receive a request with `key`'s derived key.
+async fn received_key(received: &mut tokio::sync::broadcast::Receiver<support::upstream::Received>, key: &str) {
+    let want = derived(key);
+    let got = tokio::time::timeout(Duration::from_secs(15), async {
+        loop {
+            match received.recv().await {
+                Ok(r) if r.key == want => return,
+                Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                Err(e) => panic!("upstream: {e}"),
+            }
+        }
+    })
+    .await;
+    assert!(got.is_ok(), "{key} never reached the upstream");
+}
+
+/// A route whose upstream deduplicates is sent without a never-sent proof
+/// (no `mark_sent`): its take records the send. Wherever its worker dies,
+/// nothing is lost and the upstream acts once per operation: right after
+/// the take, before anything was sent (a worker that took it through the
+/// store and vanished); while the request is at the upstream; right after
+/// the upstream answered (around the completion's commit); after the
+/// completion. A replica started last finishes everything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deduplicating_route_loses_nothing_and_acts_once_wherever_its_worker_dies() {
+    let backend = postgres_backend();
+    let up = TestUpstream::start().await;
+    up.set_dedupe(true);
+    let store = backend.open().await;
+    let mut received = up.subscribe();
+    let front = Gateway::start(async_config(&backend, &up, true, 0));
+    let url = front.url("/v1/orders");
+    // 1. Taken, never sent: the take committed the send's record, then the worker died.
+    assert_eq!(post(&url, "taken", ORDER, &[]).await.status, 202);
+    let routes = [idemgate::store::WorkerRoute {
+        operation: "create_order".into(),
+        lease: Duration::from_secs(1),
+        reforwardable: true,
+        sent_on_take: Some(Duration::from_secs(5)),
+    }];
+    let taken = store.take_up_to(&routes, "a-worker-that-died", 1).await.expect("take");
+    assert_eq!(taken.len(), 1);
+    assert!(taken[0].record.sent_at.is_some(), "the take recorded the send");
+    // 2. Killed while the request is at the upstream.
+    let mut w = Gateway::start(async_config(&backend, &up, true, 1));
+    assert_eq!(post(&url, "at-upstream", ORDER, &[("x-test-sleep-ms", "3000")]).await.status, 202);
+    received_key(&mut received, "at-upstream").await;
+    w.kill9();
+    // 3. Killed as soon as the upstream has answered (its completion may or may not have committed).
+    let mut w = Gateway::start(async_config(&backend, &up, true, 1));
+    assert_eq!(post(&url, "answered", ORDER, &[]).await.status, 202);
+    received_key(&mut received, "answered").await;
+    w.kill9();
+    // 4. Killed after the completion. This worker also takes over what
+    // steps 1 and 2 left (one at a time): the kill waits for those, so
+    // that it cannot land in one of their sends and the counts below are
+    // exact.
+    let mut w = Gateway::start(async_config(&backend, &up, true, 1));
+    assert_eq!(post(&url, "completed", ORDER, &[]).await.status, 202);
+    for key in ["completed", "taken", "at-upstream"] {
+        assert_eq!(wait_final(&store, key, Duration::from_secs(15)).await.state, State::Completed, "{key}");
+    }
+    w.kill9();
+    // Another replica finishes what the dead ones left.
+    let last = Gateway::start(async_config(&backend, &up, true, 2));
+    for key in ["taken", "at-upstream", "answered", "completed"] {
+        let rec = wait_final(&store, key, Duration::from_secs(20)).await;
+        assert_eq!(rec.state, State::Completed, "{key}: {rec:?}\n{}", last.logs());
+        assert_eq!(up.side_effects(&derived(key)), 1, "{key}: the upstream acted once");
+    }
+    let sent = |key: &str| up.requests().iter().filter(|r| r.key == derived(key)).count();
+    assert_eq!(sent("taken"), 1, "the attempt that died before sending sent nothing; its take-over sent it once");
+    assert_eq!(sent("at-upstream"), 2, "sent again once after the kill");
+    assert_eq!(sent("completed"), 1, "a completed operation is never sent again");
+    assert_eq!(record(&store, "taken").await.unwrap().attempts, 2, "taken over");
+    drop(front);
+}
+
 /// The same kill on an upstream that does not deduplicate: the request was
 /// sent, so the operation becomes `unknown`; it is never run twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

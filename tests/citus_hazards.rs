@@ -160,7 +160,7 @@ async fn racing_workers_of_several_replicas_take_every_tenants_operations_once()
             queued.insert(format!("{}/{}", s.tenant, s.key.as_str()));
         }
     }
-    let routes = [WorkerRoute { operation: "create_order".into(), lease: LONG, reforwardable: false }];
+    let routes = [WorkerRoute { operation: "create_order".into(), lease: LONG, reforwardable: false, sent_on_take: None }];
     let mut workers = Vec::new();
     for (n, replica) in replicas.iter().enumerate() {
         for w in 0..2 {
@@ -651,7 +651,7 @@ async fn a_dead_worker_stops_only_its_own_tenants_background_work() {
     tokio::time::sleep(Duration::from_millis(250)).await;
     cluster.workers[0].kill9().expect("kill the worker");
 
-    let routes = [WorkerRoute { operation: "create_order".into(), lease: LONG, reforwardable: false }];
+    let routes = [WorkerRoute { operation: "create_order".into(), lease: LONG, reforwardable: false, sent_on_take: None }];
     let taken = store.take(&routes, "w").await.expect("the take lists the live worker's tenants").expect("its operation");
     assert_eq!((taken.record.scope.tenant.to_string(), taken.record.scope.key.as_str()), (alive.clone(), "queued"));
     let probes = store.take_probes(&[probe_route("charge")], LONG, 8).await.expect("the probe take");

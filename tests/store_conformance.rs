@@ -38,6 +38,7 @@ use tokio::net::{TcpListener, TcpStream};
 use uuid::Uuid;
 
 on_both_stores!(
+    a_take_for_a_deduplicating_upstream_records_the_send,
     only_a_store_whose_sessions_keep_plans_has_a_plan_keeper,
     attempts_from_an_earlier_life_of_a_record_are_fenced,
     claim_inserts_and_second_claim_sees_the_winner,
@@ -263,7 +264,7 @@ fn accept_req(scope: &Scope, hash: u8) -> ClaimRequest {
 }
 
 fn worker_route(operation: &str, lease: Duration) -> WorkerRoute {
-    WorkerRoute { operation: operation.into(), lease, reforwardable: false }
+    WorkerRoute { operation: operation.into(), lease, reforwardable: false, sent_on_take: None }
 }
 
 fn response(status: u16, body: &'static [u8]) -> StoredResponse {
@@ -2521,7 +2522,7 @@ async fn an_operation_that_may_have_executed_runs_again_only_on_a_reforwardable_
     let store = open(&backend).await;
     let s = key("flipped");
     claim(&store, &accept_req(&s, 1)).await;
-    let idempotent = [WorkerRoute { operation: "create_order".into(), lease: LONG, reforwardable: true }];
+    let idempotent = [WorkerRoute { operation: "create_order".into(), lease: LONG, reforwardable: true, sent_on_take: None }];
     let t1 = take(&store, &idempotent, "w").await.unwrap();
     assert_eq!(store.mark_sent(&t1.claim, AT_UPSTREAM).await.unwrap(), WriteOutcome::Written);
     let lost = RetryNote { last_status: None, maybe_executed: true };
@@ -2529,7 +2530,7 @@ async fn an_operation_that_may_have_executed_runs_again_only_on_a_reforwardable_
     // The reload: the route no longer deduplicates. A worker takes the
     // operation (its attempt decides not to send it) and dies before
     // writing anything.
-    let plain = [WorkerRoute { operation: "create_order".into(), lease: SHORT, reforwardable: false }];
+    let plain = [WorkerRoute { operation: "create_order".into(), lease: SHORT, reforwardable: false, sent_on_take: None }];
     let t2 = take(&store, &plain, "w2").await.unwrap();
     assert!(t2.record.maybe_executed);
     assert!(!record::may_forward(&t2.record, false), "the attempt must not send it");
@@ -2630,6 +2631,43 @@ async fn a_parked_event_holds_the_later_events_of_its_scope(backend: Backend) {
     assert_eq!(last.iter().map(|e| (e.scope.key.as_str(), e.event_type.as_str())).collect::<Vec<_>>(), vec![("a", "completed")]);
 }
 
+/// A route whose upstream deduplicates is sent without a never-sent proof:
+/// its take records the send (`sent_on_take`), so an attempt whose lease
+/// runs out is taken over as one that may have executed; a route with the
+/// proof is taken unsent, as ever.
+async fn a_take_for_a_deduplicating_upstream_records_the_send(backend: Backend) {
+    let store = open(&backend).await;
+    let (dedup, plain) = (scope("acme", "billing", "charge", "dedup"), key("plain"));
+    claim(&store, &accept_req(&dedup, 1)).await;
+    claim(&store, &accept_req(&plain, 1)).await;
+    let routes = [
+        WorkerRoute { operation: "charge".into(), lease: SHORT, reforwardable: true, sent_on_take: Some(LONG) },
+        WorkerRoute { operation: "create_order".into(), lease: LONG, reforwardable: false, sent_on_take: None },
+    ];
+    let before = store.now().await.unwrap();
+    let mut first = Vec::new();
+    while let Some(t) = take(&store, &routes, "w1").await {
+        first.push(t);
+    }
+    assert_eq!(first.len(), 2);
+    for t in &first {
+        let expected = if t.record.scope == dedup { Some(true) } else { Some(false) };
+        assert_eq!(Some(t.record.sent_at.is_some()), expected, "{t:?}");
+        assert!(!t.record.maybe_executed);
+    }
+    let sent = first.iter().find(|t| t.record.scope == dedup).unwrap();
+    assert!(sent.record.sent_at.unwrap() >= before, "sent at the take");
+    // Its worker dies: the lease runs out, and the take-over knows it may have executed.
+    tokio::time::sleep(PAST_SHORT).await;
+    let again = take(&store, &routes, "w2").await.expect("taken over");
+    assert_eq!((again.record.scope.clone(), again.lease_expired), (dedup.clone(), true));
+    assert!(again.record.maybe_executed, "taken over although it looked sent");
+    assert!(again.record.sent_at.is_some(), "the new attempt is recorded as sent too");
+    assert!(again.claim.generation > sent.claim.generation);
+    assert_eq!(store.complete(&again.claim, &response(201, b"once"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(row(&store, &dedup).await.state, State::Completed);
+}
+
 /// Take-over does not wait for the lease reaper: a worker's take serves,
 /// before the queue, an attempt whose lease ran out and that may run again
 /// (never sent, or sent to a deduplicating upstream: `maybe_executed`), under
@@ -2645,8 +2683,8 @@ async fn workers_take_over_expired_attempts_that_may_run_again(backend: Backend)
     // Citus is two statements), short enough to wait out.
     let lease = Duration::from_millis(600);
     let routes = [
-        WorkerRoute { operation: "create_order".into(), lease, reforwardable: false },
-        WorkerRoute { operation: "charge".into(), lease, reforwardable: true },
+        WorkerRoute { operation: "create_order".into(), lease, reforwardable: false, sent_on_take: None },
+        WorkerRoute { operation: "charge".into(), lease, reforwardable: true, sent_on_take: None },
     ];
     let mut held = Vec::new();
     while let Some(t) = take(&store, &routes, "w1").await {

@@ -33,6 +33,8 @@ use crate::{Options, procs};
 const PG: &str = "feat-pg";
 /// The async comparison's rows (a database of its own).
 const PG_ASYNC: &str = "feat-pg-async";
+/// The same on a route whose upstream deduplicates (no never-sent proof).
+const PG_ASYNC_IDEMPOTENT: &str = "feat-pg-async-idempotent";
 const SQLITE: &str = "feat-sqlite";
 const FIRST: &str = "first write";
 const REPLAY: &str = "replay";
@@ -81,7 +83,8 @@ fn postgres(ctx: &mut Ctx, upstream: SocketAddr) -> Result<()> {
         events(ctx, &spec("bench_events")?, &pg, upstream)?;
     }
     if wants(ctx.opts, "async") {
-        async_rounds(ctx, &spec("bench_async")?, &pg)?;
+        async_rounds(ctx, &spec("bench_async")?, &pg, false)?;
+        async_rounds(ctx, &spec("bench_async_idempotent")?, &pg, true)?;
     }
     Ok(())
 }
@@ -384,39 +387,49 @@ fn event_dead_tuples(pg: &Pg, db: &str) -> Result<String> {
 /// Async mode on PostgreSQL in rounds: first writes on a plain route and
 /// 202s on an async route's front replica (`[workers] count = 0`), then the
 /// backlog those runs left drained by a replica with workers; each round's
-/// completions per second over its best acceptances per second.
-fn async_rounds(ctx: &mut Ctx, base: &Spec, pg: &Pg) -> Result<()> {
-    const DB: &str = "bench_async";
+/// completions per second over its best acceptances per second, and over
+/// its best synchronous first writes per second. `idempotent`: the async
+/// route's upstream deduplicates (`upstream_idempotent = true`: its
+/// attempts are sent without a never-sent proof), figures suffixed
+/// `_idempotent`.
+fn async_rounds(ctx: &mut Ctx, base: &Spec, pg: &Pg, idempotent: bool) -> Result<()> {
+    let (target, db, suffix) =
+        if idempotent { (PG_ASYNC_IDEMPOTENT, "bench_async_idempotent", "_idempotent") } else { (PG_ASYNC, "bench_async", "") };
     let plain = Gateway::start(base, ctx.dir)?;
     let mut front_spec = base.clone();
     front_spec.name = format!("{}-async-front", base.name);
-    front_spec.route_extra = "mode = \"async\"\n".into();
+    front_spec.route_extra = format!("mode = \"async\"\nupstream_idempotent = {idempotent}\n");
     let front = Gateway::start(&front_spec, ctx.dir)?;
-    let mut ratios = Vec::new();
+    let (mut ratios, mut vs_sync) = (Vec::new(), Vec::new());
     let contenders = [(FIRST, &plain, ""), (ACCEPT, &front, "202s; front replica, [workers] count = 0")];
     let mut rows: Vec<Vec<Row>> = vec![Vec::new(); contenders.len() * ctx.opts.conns.len()];
     for round in 0..ctx.opts.rounds.max(1) as usize {
-        ctx.progress(&format!("{PG_ASYNC}: async round {}", round + 1));
-        let mut best_accept = 0.0f64;
+        ctx.progress(&format!("{target}: async round {}", round + 1));
+        let (mut best_accept, mut best_first) = (0.0f64, 0.0f64);
         for (c, conns) in ctx.opts.conns.clone().into_iter().enumerate() {
             for k in 0..contenders.len() {
                 let i = (k + round) % contenders.len();
                 let (scenario, gw, note) = contenders[i];
                 let watch =
-                    Watch { gateway: Some(gw), server: Some(gw.cpu()), db: pg.cpu(), pg: Some(pg), pg_db: DB, analyze: true, nodes: &[] };
+                    Watch { gateway: Some(gw), server: Some(gw.cpu()), db: pg.cpu(), pg: Some(pg), pg_db: db, analyze: true, nodes: &[] };
                 let note = format!("round {}{}{note}", round + 1, if note.is_empty() { "" } else { "; " });
                 let (m, row) =
-                    measure_once(ctx, (PG_ASYNC, scenario, conns), &watch, &note, |ctx, secs| first_write_run(ctx, gw, conns, secs))?;
+                    measure_once(ctx, (target, scenario, conns), &watch, &note, |ctx, secs| first_write_run(ctx, gw, conns, secs))?;
                 ctx.report.progress(&row);
                 rows[c * contenders.len() + i].push(row);
                 if scenario == ACCEPT {
                     best_accept = best_accept.max(m.result.rps);
+                } else {
+                    best_first = best_first.max(m.result.rps);
                 }
             }
         }
-        let completions = drain(ctx, PG_ASYNC, &front_spec, Some((pg, DB)))?;
+        let completions = drain(ctx, target, &front_spec, Some((pg, db)))?;
         if best_accept > 0.0 {
             ratios.push(completions / best_accept);
+        }
+        if best_first > 0.0 {
+            vs_sync.push(completions / best_first);
         }
     }
     plain.stop()?;
@@ -426,12 +439,17 @@ fn async_rounds(ctx: &mut Ctx, base: &Spec, pg: &Pg) -> Result<()> {
             ctx.report.add(row);
         }
     }
-    if !ratios.is_empty() {
-        let median = report::median(ratios.clone());
-        ctx.report.figures.push(("async_completions_vs_accepts".into(), format!("{median:.2}")));
+    for (name, what, values) in
+        [("async_completions_vs_accepts", "acceptances", ratios), ("async_completions_vs_sync_first", "synchronous first writes", vs_sync)]
+    {
+        if values.is_empty() {
+            continue;
+        }
+        let median = report::median(values.clone());
+        ctx.report.figures.push((format!("{name}{suffix}"), format!("{median:.2}")));
         ctx.report.line(format!(
-            "{PG_ASYNC}: completions/s over the round's best acceptances/s: median {median:.2} of {:?}",
-            ratios.iter().map(|r| format!("{r:.2}")).collect::<Vec<_>>()
+            "{target}: completions/s over the round's best {what}/s: median {median:.2} of {:?}",
+            values.iter().map(|r| format!("{r:.2}")).collect::<Vec<_>>()
         ));
     }
     Ok(())
@@ -562,8 +580,8 @@ impl Report {
         format!(
             "replay_jwt_vs_apikey={} replay_jwt_cpu_vs_apikey={} replay_authz_vs_apikey={} authz_uncached_cpu_over_apikey_us={} \
              first_events_vs_plain={} {} \
-             {} async_accept_vs_sync_first={} async_completions_per_s={} async_accept_vs_sync_first_sqlite={} \
-             async_completions_per_s_sqlite={} [features: medians of interleaved rounds]",
+             {} {} {} async_accept_vs_sync_first={} async_completions_per_s={} async_completions_per_s_idempotent={} \
+             async_accept_vs_sync_first_sqlite={} async_completions_per_s_sqlite={} [features: medians of interleaved rounds]",
             rps_ratio((PG, JWT), (PG, REPLAY)),
             // The gateway's CPU per request, steadier than req/s on a busy machine.
             self.per_conns((PG, JWT), (PG, REPLAY), |a, b| Some(a.server_cpu_us? / b.server_cpu_us?), false),
@@ -572,8 +590,11 @@ impl Report {
             rps_ratio((PG, EVENTS), (PG, FIRST)),
             figure("events_delivered_during_load"),
             figure("async_completions_vs_accepts"),
+            figure("async_completions_vs_sync_first"),
+            figure("async_completions_vs_sync_first_idempotent"),
             rps_ratio((PG_ASYNC, ACCEPT), (PG_ASYNC, FIRST)),
             rate(PG_ASYNC),
+            rate(PG_ASYNC_IDEMPOTENT),
             ratio(self.best_rps(SQLITE, ACCEPT), self.best_rps(SQLITE, FIRST)),
             rate(SQLITE),
         )

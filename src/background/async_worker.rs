@@ -50,7 +50,9 @@ impl AsyncWorkers {
     pub fn new(routes: Vec<Arc<Route>>, store: Store, owner: Arc<str>, wake: Arc<Notify>) -> AsyncWorkers {
         let mut takes: Vec<(UpstreamId, Vec<WorkerRoute>)> = Vec::new();
         for r in &routes {
-            let take = WorkerRoute { operation: r.operation.clone(), lease: r.lease, reforwardable: r.upstream_idempotent };
+            // `sent_on_take` is set from the upstream's timeout in `spawn`.
+            let take =
+                WorkerRoute { operation: r.operation.clone(), lease: r.lease, reforwardable: r.upstream_idempotent, sent_on_take: None };
             match takes.iter_mut().find(|(u, _)| *u == r.upstream) {
                 Some((_, list)) => list.push(take),
                 None => takes.push((r.upstream, vec![take])),
@@ -61,9 +63,18 @@ impl AsyncWorkers {
 
     /// Starts `count` workers on `tracker`; they stop taking work when
     /// `shutdown` fires and finish the attempts they hold (the drain waits).
-    pub fn spawn(self, count: usize, executor: &Executor, tracker: &TaskTracker, shutdown: CancellationToken) {
+    pub fn spawn(mut self, count: usize, executor: &Executor, tracker: &TaskTracker, shutdown: CancellationToken) {
         if self.takes.is_empty() || count == 0 {
             return;
+        }
+        // A route whose upstream deduplicates (by the key forwarded, the same
+        // on every attempt) is sent without a never-sent proof: the take
+        // records the send, bounded by the upstream's timeout (docs/async.md).
+        for (upstream, routes) in &mut self.takes {
+            let timeout = executor.upstream(*upstream).config.timeout;
+            for r in routes.iter_mut().filter(|r| r.reforwardable) {
+                r.sent_on_take = Some(timeout);
+            }
         }
         let executor = Arc::new(executor.with_own_pools());
         let attempts = tracker.clone();

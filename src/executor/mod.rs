@@ -389,17 +389,25 @@ impl Executor {
         // the database's time, which is later) holds for the whole exchange,
         // however long this process takes between the two.
         let timeout = self.upstreams[route.upstream].config.timeout;
-        let deadline = tokio::time::Instant::now() + timeout;
-        match self.store.mark_sent(claim, timeout).await {
-            Ok(WriteOutcome::Written) => {}
-            Ok(WriteOutcome::Fenced) => return AttemptOutcome::LostLease,
-            Err(e) => {
-                // Not sent. The lease runs out and the reaper re-queues it: no
-                // sent_at proves it never left.
-                crate::telemetry::throttle::warn_throttled!(scope = %claim.scope.log_id(), error = %e, "could not record the send; not sending");
-                return AttemptOutcome::StoreUnavailable;
+        let deadline = if taken.record.sent_at.is_some() {
+            // The take recorded the send (the upstream deduplicates: no
+            // never-sent proof is needed) and bounded it from before its
+            // statement, where this deadline starts too.
+            claim.asked_at + timeout
+        } else {
+            let deadline = tokio::time::Instant::now() + timeout;
+            match self.store.mark_sent(claim, timeout).await {
+                Ok(WriteOutcome::Written) => {}
+                Ok(WriteOutcome::Fenced) => return AttemptOutcome::LostLease,
+                Err(e) => {
+                    // Not sent. The lease runs out and the reaper re-queues it: no
+                    // sent_at proves it never left.
+                    crate::telemetry::throttle::warn_throttled!(scope = %claim.scope.log_id(), error = %e, "could not record the send; not sending");
+                    return AttemptOutcome::StoreUnavailable;
+                }
             }
-        }
+            deadline
+        };
         let (parts, body) = request;
         let exchanged = self.exchange_in(slot, route, claim, parts, body, deadline).await;
         // From here on, every branch writes the attempt's outcome.

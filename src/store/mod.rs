@@ -480,7 +480,11 @@ impl Store {
         // tokens nobody holds: their leases run out and the reaper re-queues
         // them (they were never sent). Reading them back is not needed.
         let tokens: Vec<Uuid> = (0..limit).map(|_| Uuid::new_v4()).collect();
-        self.bounded("take", true, self.backend.take(routes, owner, &tokens)).await
+        // Before the statement: an attempt whose take recorded its send
+        // bounds its exchange from here (`WorkerRoute::sent_on_take`).
+        let asked_at = Instant::now();
+        let taken = self.bounded("take", true, self.backend.take(routes, owner, &tokens)).await?;
+        Ok(taken.into_iter().map(|t| Taken { claim: Claim { asked_at, ..t.claim }, ..t }).collect())
     }
 
     /// Async: the operation with this id in this tenant.

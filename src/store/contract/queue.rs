@@ -22,6 +22,12 @@ pub struct WorkerRoute {
     /// The route's upstream deduplicates (`upstream_idempotent`): an attempt
     /// whose lease ran out after it was sent may be taken over and sent again.
     pub reforwardable: bool,
+    /// `Some(timeout)`: the route's upstream deduplicates, so its attempts
+    /// need no never-sent proof (`mark_sent`): the take itself records the
+    /// send (`sent_at`, and `at_upstream_until` this timeout after the take),
+    /// and the attempt is sent without a write of its own. A store that
+    /// cannot leaves `sent_at` empty and the worker marks the send as usual.
+    pub sent_on_take: Option<Duration>,
 }
 
 /// An operation a worker took: the record (now `processing` under the new

@@ -13,7 +13,7 @@ pub(super) static TAKE: LazyLock<String> = LazyLock::new(|| {
     format!(
         "\
 WITH routes AS (
-    SELECT * FROM unnest($1::text[], $2::int8[]) AS ro(operation, lease_us)
+    SELECT * FROM unnest($1::text[], $2::int8[], $7::int8[]) AS ro(operation, lease_us, sent_us)
 ), expired AS (
     -- A take-over: an attempt whose lease ran out (its worker died or is
     -- frozen) and that may run again (record::may_forward): nothing it was
@@ -21,7 +21,8 @@ WITH routes AS (
     -- upstream ($5). The others are the reaper's (they become unknown). The
     -- locking read rechecks all this on the latest row version.
     SELECT r.scope_id, r.tenant, r.principal, r.operation, r.idempotency_key,
-           (SELECT max(ro.lease_us) FROM routes ro WHERE ro.operation = r.operation) AS lease_us, true AS took_over
+           (SELECT max(ro.lease_us) FROM routes ro WHERE ro.operation = r.operation) AS lease_us,
+           (SELECT max(ro.sent_us) FROM routes ro WHERE ro.operation = r.operation) AS sent_us, true AS took_over
     FROM idemgate_records r
     WHERE r.state = 'processing' AND r.lease_expires_at <= now() AND r.operation = ANY($1::text[])
       AND ((r.sent_at IS NULL AND NOT r.maybe_executed) OR r.operation = ANY($5::text[]))
@@ -30,7 +31,8 @@ WITH routes AS (
     FOR UPDATE OF r SKIP LOCKED
 ), due AS (
     SELECT r.scope_id, r.tenant, r.principal, r.operation, r.idempotency_key,
-           (SELECT max(ro.lease_us) FROM routes ro WHERE ro.operation = r.operation) AS lease_us, false AS took_over
+           (SELECT max(ro.lease_us) FROM routes ro WHERE ro.operation = r.operation) AS lease_us,
+           (SELECT max(ro.sent_us) FROM routes ro WHERE ro.operation = r.operation) AS sent_us, false AS took_over
     FROM idemgate_records r
     WHERE r.state = 'queued' AND r.next_attempt_at <= now() AND r.operation = ANY($1::text[])
     ORDER BY r.next_attempt_at
@@ -44,7 +46,13 @@ WITH routes AS (
 -- let the planner look rows up by their operation alone.
 UPDATE idemgate_records r SET
     state = 'processing', generation = nextval('idemgate_generation'), claim_token = ($3::uuid[])[n.ord], owner = $4,
-    lease_expires_at = now() + n.lease_us * interval '1 microsecond', attempts = r.attempts + 1, sent_at = NULL,
+    lease_expires_at = now() + n.lease_us * interval '1 microsecond', attempts = r.attempts + 1,
+    -- A route whose upstream deduplicates is sent without a proof of its
+    -- own: the take records the send and bounds its time at the upstream
+    -- (`WorkerRoute::sent_on_take`, docs/async.md).
+    sent_at = CASE WHEN n.sent_us IS NULL THEN NULL ELSE now() END,
+    at_upstream_until = CASE WHEN n.sent_us IS NULL THEN r.at_upstream_until
+                             ELSE greatest(r.at_upstream_until, now() + n.sent_us * interval '1 microsecond') END,
     -- Taken over although it was sent: it may have executed.
     maybe_executed = r.maybe_executed OR (r.state = 'processing' AND r.sent_at IS NOT NULL),
     next_attempt_at = NULL, updated_at = now()
@@ -184,12 +192,13 @@ impl Queue for PgStore {
         let ops: Vec<&str> = routes.iter().map(|r| &*r.operation).collect();
         let leases: Vec<i64> = routes.iter().map(|r| micros(r.lease)).collect();
         let reforwardable: Vec<&str> = routes.iter().filter(|r| r.reforwardable).map(|r| &*r.operation).collect();
+        let sent_on_take: Vec<Option<i64>> = routes.iter().map(|r| r.sent_on_take.map(micros)).collect();
         let rows = match self.flavor {
             // One operation per take on Citus: its take goes tenant by tenant.
             Flavor::Citus => self.take_rows_citus(&ops, &leases, first_token, owner, &reforwardable).await?,
             Flavor::Postgres => {
                 let limit = i64::try_from(claim_tokens.len()).unwrap_or(i64::MAX);
-                self.query(&TAKE, &[&ops, &leases, &claim_tokens, &owner, &reforwardable, &limit], true).await?
+                self.query(&TAKE, &[&ops, &leases, &claim_tokens, &owner, &reforwardable, &limit, &sent_on_take], true).await?
             }
         };
         rows.iter().map(taken).collect()

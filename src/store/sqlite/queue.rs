@@ -153,15 +153,37 @@ fn take_one(tx: &Connection, now: Timestamp, routes: &[WorkerRoute], owner: &str
     let lease_expired = record.state == State::Processing;
     // Taken over although it was sent: it may have executed.
     let maybe_executed = record.maybe_executed || (lease_expired && record.sent_at.is_some());
-    let lease = routes.iter().find(|r| *r.operation == *record.scope.operation).map_or(Duration::ZERO, |r| r.lease);
+    let route = routes.iter().find(|r| *r.operation == *record.scope.operation);
+    let lease = route.map_or(Duration::ZERO, |r| r.lease);
+    // A route whose upstream deduplicates: the take records the send (see `WorkerRoute::sent_on_take`).
+    let sent_on_take = route.and_then(|r| r.sent_on_take);
+    let (sent_at, at_upstream_until) = match sent_on_take {
+        Some(timeout) => (Some(now.0), Some(now.plus(timeout).0)),
+        None => (None, None),
+    };
     let generation = next_generation(tx)?;
     let [t, p, o, k] = pk(&record.scope);
     tx.prepare_cached(&format!(
         "UPDATE idemgate_records SET state = 'processing', generation = ?5, claim_token = ?6, owner = ?7, lease_expires_at = ?8, \
-         attempts = attempts + 1, sent_at = NULL, next_attempt_at = NULL, updated_at = ?9, maybe_executed = ?10 WHERE {PK}"
+         attempts = attempts + 1, sent_at = ?11, \
+         at_upstream_until = CASE WHEN ?12 IS NULL THEN at_upstream_until ELSE max(coalesce(at_upstream_until, 0), ?12) END, next_attempt_at = NULL, \
+         updated_at = ?9, maybe_executed = ?10 WHERE {PK}"
     ))
     .and_then(|mut st| {
-        st.execute(params![t, p, o, k, generation.0, claim_token.as_bytes(), owner, now.plus(lease).0, now.0, maybe_executed])
+        st.execute(params![
+            t,
+            p,
+            o,
+            k,
+            generation.0,
+            claim_token.as_bytes(),
+            owner,
+            now.plus(lease).0,
+            now.0,
+            maybe_executed,
+            sent_at,
+            at_upstream_until
+        ])
     })
     .map_err(err)?;
     let record = get_tx(tx, &record.scope)?.ok_or_else(|| StoreError::Corrupt("taken operation vanished".into()))?;
