@@ -6,8 +6,8 @@
 //! in the order a request meets them:
 //!
 //! - [`server`]: the process around the request path: listeners and
-//!   connections ([`server::listener`]), the drain on shutdown, reload on
-//!   SIGHUP ([`server::reload`]), process signals ([`server::signals`]), and
+//!   connections ([`server::listener`]), the drain on shutdown, applying a
+//!   configuration ([`server::apply`]), reload on SIGHUP ([`server::reload`]), process signals ([`server::signals`]), and
 //!   the background tasks that follow the routes ([`server::route_tasks`]).
 //! - [`proxy`]: the request path: request ids and the access log
 //!   ([`proxy::access`]), the enforcing path ([`proxy::gateway`]), the one

@@ -15,7 +15,7 @@ use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri, request};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
-use tokio::sync::{Notify, oneshot};
+use tokio::sync::{Notify, Semaphore, oneshot};
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
@@ -28,7 +28,7 @@ use crate::idempotency::record::{Decision, Record, State, StoredResponse};
 use crate::problem::{self, GatewayError};
 use crate::proxy::access::{self, Pending, REQUEST_ID, RequestIds, RequestSeries, RouteLabel, Trace};
 use crate::proxy::admission::{self, NotAdmitted, decide_with_legacy};
-use crate::proxy::observe::Observer;
+use crate::proxy::observe::{MAX_OBSERVATIONS, Observer};
 use crate::proxy::passthrough;
 use crate::proxy::replay::replay;
 use crate::request::async_op::{OPERATIONS_PATH, status_document};
@@ -58,131 +58,87 @@ enum Claimed {
     Run(Claim),
 }
 
-/// Everything the request path needs, shared by all connections.
+/// What outlives every configuration: made once at start, and handed to
+/// each configuration applied after it (see [`Configured::new`]).
 #[derive(Debug)]
-pub struct Gateway {
+pub struct Shared {
+    /// The store as opened (a configuration adds its routes' event policies).
+    pub store: Store,
+    pub metrics: Arc<Metrics>,
+    /// Forwards run here, not in the connection's future, so a client that
+    /// disconnects never cancels a forward or the recording of its result.
+    pub tracker: TaskTracker,
+    /// Keys the `Idempotency-Key` sent upstream.
+    pub derived_key_secret: DerivedKeySecret,
+    /// Where duplicates wait for an in-flight result (`in_flight = "wait"`);
+    /// the executor wakes them.
+    pub waiters: Arc<Waiters>,
+    /// Wakes this replica's async workers when an operation is accepted.
+    pub wake_workers: Arc<Notify>,
+    /// Request ids (one counter per process; `server.trusted_proxies` is
+    /// restart-only).
+    pub request_ids: Arc<RequestIds>,
+    /// Observations running at once, over every configuration (observe mode).
+    pub observations: Arc<Semaphore>,
+}
+
+impl Shared {
+    pub fn new(config: &Config, store: Store, metrics: Arc<Metrics>, tracker: TaskTracker, derived_key_secret: DerivedKeySecret) -> Shared {
+        Shared {
+            store,
+            metrics,
+            tracker,
+            derived_key_secret,
+            waiters: Arc::new(Waiters::new()),
+            wake_workers: Arc::new(Notify::new()),
+            request_ids: Arc::new(RequestIds::new(config.server.trusted_proxies.clone())),
+            observations: Arc::new(Semaphore::new(MAX_OBSERVATIONS)),
+        }
+    }
+}
+
+/// What one configuration decides for the request path: built once per
+/// configuration applied (at start and on each reload) and shared by every
+/// worker's gateway. A reload replaces it whole.
+#[derive(Debug)]
+pub struct Configured {
+    /// The store, writing events for these routes' `[routes.events]`.
+    store: Store,
     router: Router,
     identifier: Identifier,
     /// Header names with `_`, and other spellings of guarded headers:
     /// applied before anything reads a request.
-    header_screen: Arc<HeaderScreen>,
-    /// Forwards and records claimed attempts; owns this worker's upstream pools.
-    executor: Executor,
-    store: Store,
-    metrics: Arc<Metrics>,
-    /// Forwards run here, not in the connection's future, so a client that
-    /// disconnects never cancels a forward or the recording of its result.
-    tracker: TaskTracker,
-    replica_id: Arc<str>,
-    max_request_body: u64,
-    request_body_timeout: Duration,
-    /// Where duplicates wait for an in-flight result (`in_flight = "wait"`);
-    /// the executor wakes them.
-    waiters: Arc<Waiters>,
-    /// Wakes this replica's async workers when an operation is accepted.
-    wake_workers: Arc<Notify>,
-    /// The routes' authorizers, by operation (this worker's clients).
+    header_screen: HeaderScreen,
+    /// The upstreams with their concurrency limits (each worker's copies
+    /// have pools of their own and share the limits).
+    upstreams: Vec<Upstream>,
+    /// The routes' authorizers, by operation (each worker's copies have
+    /// clients of their own).
     authorizers: HashMap<Arc<str>, Authorizer>,
     /// Observe-mode routes pass requests through and record what enforcing would do.
     observer: Observer,
-    /// Request ids (shared by the worker threads: one counter per process).
-    request_ids: Arc<RequestIds>,
     /// Requests by route, protocol and status class, and their duration.
     request_series: Arc<RequestSeries>,
+    replica_id: Arc<str>,
+    max_request_body: u64,
+    request_body_timeout: Duration,
     /// `server.access_log`.
     access_log: bool,
     /// `WWW-Authenticate` of a 401, when API keys are configured.
     challenge: Option<HeaderValue>,
     /// Operations whose key may come from `X-Request-Id` (`key_from`): their
     /// requests are forwarded without an id the client did not send.
-    request_id_is_a_key: Arc<HashSet<Arc<str>>>,
+    request_id_is_a_key: HashSet<Arc<str>>,
     /// Routes with a `max_in_flight` of their own: their caps, shared by the
     /// worker threads (the upstreams' limits are the executor's).
-    route_limits: Arc<HashMap<Arc<str>, Arc<Limit>>>,
+    route_limits: HashMap<Arc<str>, Arc<Limit>>,
 }
 
-/// What a gateway hands on to the one that replaces it on a reload.
-struct Lasting {
-    store: Store,
-    metrics: Arc<Metrics>,
-    tracker: TaskTracker,
-    derived_key_secret: DerivedKeySecret,
-    replica_id: Arc<str>,
-    waiters: Arc<Waiters>,
-    wake_workers: Arc<Notify>,
-    request_ids: Arc<RequestIds>,
-    observer: Observer,
-}
-
-impl Gateway {
-    /// `derived_key_secret` keys the `Idempotency-Key` sent upstream.
-    pub fn new(
-        config: &Config,
-        store: Store,
-        metrics: Arc<Metrics>,
-        tracker: TaskTracker,
-        derived_key_secret: DerivedKeySecret,
-    ) -> Gateway {
+impl Configured {
+    /// Builds what `config` decides, on what outlives it.
+    pub fn new(config: &Config, shared: &Shared) -> Configured {
+        let store = shared.store.clone().with_events(crate::request::route::event_policies(&config.routes));
         let replica_id: Arc<str> = config.server.replica_id.as_str().into();
-        let observer = Observer::new(
-            store.clone(),
-            metrics.clone(),
-            tracker.clone(),
-            replica_id.clone(),
-            config.server.max_request_body,
-            config.server.request_body_timeout,
-        );
-        let lasting = Lasting {
-            store,
-            metrics,
-            tracker,
-            derived_key_secret,
-            replica_id,
-            waiters: Arc::new(Waiters::new()),
-            wake_workers: Arc::new(Notify::new()),
-            request_ids: Arc::new(RequestIds::new(config.server.trusted_proxies.clone())),
-            observer,
-        };
-        Gateway::assemble(config, lasting)
-    }
-
-    /// The gateway for a reloaded configuration (SIGHUP): new identity
-    /// sources, routes, authorizers and upstreams (with new pools); the same
-    /// store, metrics, tracker, waiters, request ids and server settings.
-    /// Requests already running finish with the gateway they started on.
-    pub fn reloaded(&self, config: &Config) -> Gateway {
-        let lasting = Lasting {
-            // The same store, writing events for the reloaded routes' `[routes.events]`.
-            store: self.store.clone().with_events(crate::request::route::event_policies(&config.routes)),
-            metrics: self.metrics.clone(),
-            tracker: self.tracker.clone(),
-            derived_key_secret: self.executor.derived_key_secret(),
-            replica_id: self.replica_id.clone(),
-            waiters: self.waiters.clone(),
-            wake_workers: self.wake_workers.clone(),
-            request_ids: self.request_ids.clone(),
-            observer: self.observer.clone(),
-        };
-        Gateway::assemble(config, lasting)
-    }
-
-    fn assemble(config: &Config, lasting: Lasting) -> Gateway {
-        let Lasting { store, metrics, tracker, derived_key_secret, replica_id, waiters, wake_workers, request_ids, observer } = lasting;
-        let executor = Executor::new(
-            config.upstreams.iter().cloned().map(|u| Upstream::new(u).counted_by(metrics.clone())).collect(),
-            store.clone(),
-            metrics.clone(),
-            tracker.clone(),
-            waiters.clone(),
-            derived_key_secret,
-        );
-        metrics.declare_observed(config.routes.iter().filter(|r| r.mode == RouteMode::Observe).map(|r| &*r.operation));
-        metrics.declare_forever(config.routes.iter().filter(|r| r.retention == Retention::Forever).map(|r| &*r.operation));
-        // The proxy listener's series exist before it serves (it speaks
-        // HTTP/2 when it has TLS); its workers' accept loops use the same.
-        let request_series =
-            Arc::new(RequestSeries::new(&metrics, config.routes.iter().map(|r| &r.operation), config.server.tls.is_some()));
-        let _ = metrics.connections("proxy", config.server.max_connections);
         let identifier = Identifier::new(config.identity.clone());
         let guarded: Vec<String> = identifier
             .read_headers()
@@ -198,53 +154,102 @@ impl Gateway {
                     .chain(std::iter::once(r.key_header.as_str().to_owned()))
             }))
             .collect();
-        Gateway {
-            router: Router::new(config.routes.clone(), config.server.default_upstream),
-            header_screen: Arc::new(HeaderScreen::new(config.server.headers_with_underscores, guarded.iter().map(String::as_str))),
-            identifier,
-            executor,
+        Configured {
+            observer: Observer::new(
+                store.clone(),
+                shared.metrics.clone(),
+                shared.tracker.clone(),
+                replica_id.clone(),
+                config.server.max_request_body,
+                config.server.request_body_timeout,
+                shared.observations.clone(),
+            ),
             store,
-            metrics,
-            tracker,
-            replica_id,
-            max_request_body: config.server.max_request_body,
-            request_body_timeout: config.server.request_body_timeout,
-            waiters,
-            wake_workers,
+            router: Router::new(config.routes.clone(), config.server.default_upstream),
+            header_screen: HeaderScreen::new(config.server.headers_with_underscores, guarded.iter().map(String::as_str)),
+            identifier,
+            upstreams: config.upstreams.iter().cloned().map(|u| Upstream::new(u).counted_by(shared.metrics.clone())).collect(),
             authorizers: config
                 .routes
                 .iter()
                 .filter_map(|r| r.authorize.as_ref().map(|a| (r.operation.clone(), Authorizer::new(a.clone()))))
                 .collect(),
-            observer,
-            request_ids,
-            request_series,
+            // The proxy listener's series (it speaks HTTP/2 when it has TLS);
+            // its workers' accept loops use the same.
+            request_series: Arc::new(RequestSeries::new(
+                &shared.metrics,
+                config.routes.iter().map(|r| &r.operation),
+                config.server.tls.is_some(),
+            )),
+            replica_id,
+            max_request_body: config.server.max_request_body,
+            request_body_timeout: config.server.request_body_timeout,
             access_log: config.server.access_log,
             challenge: config
                 .identity
                 .iter()
                 .any(|s| matches!(s, IdentitySource::ApiKey { .. } | IdentitySource::Jwt(_)))
                 .then(|| HeaderValue::from_static("Bearer realm=\"idemgate\"")),
-            request_id_is_a_key: Arc::new(
-                config
-                    .routes
-                    .iter()
-                    .filter(|r| r.key_from.sources().iter().any(|s| matches!(s, KeySource::Header(h) if h == REQUEST_ID)))
-                    .map(|r| r.operation.clone())
-                    .collect(),
-            ),
-            route_limits: Arc::new(
-                config
-                    .routes
-                    .iter()
-                    .filter_map(|r| {
-                        let max_in_flight = r.max_in_flight?;
-                        let queue_timeout = config.upstreams.get(r.upstream).map_or(Duration::ZERO, |u| u.limit.queue_timeout());
-                        Some((r.operation.clone(), Limit::new(LimitPolicy::Fixed { max_in_flight, queue_timeout })))
-                    })
-                    .collect(),
-            ),
+            request_id_is_a_key: config
+                .routes
+                .iter()
+                .filter(|r| r.key_from.sources().iter().any(|s| matches!(s, KeySource::Header(h) if h == REQUEST_ID)))
+                .map(|r| r.operation.clone())
+                .collect(),
+            route_limits: config
+                .routes
+                .iter()
+                .filter_map(|r| {
+                    let max_in_flight = r.max_in_flight?;
+                    let queue_timeout = config.upstreams.get(r.upstream).map_or(Duration::ZERO, |u| u.limit.queue_timeout());
+                    Some((r.operation.clone(), Limit::new(LimitPolicy::Fixed { max_in_flight, queue_timeout })))
+                })
+                .collect(),
         }
+    }
+
+    pub fn routes(&self) -> &[Arc<Route>] {
+        self.router.routes()
+    }
+
+    /// The store, writing events for these routes' `[routes.events]`.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// JWT identity sources whose keys are fetched from a URL.
+    pub fn jwks_sources(&self) -> Vec<Arc<crate::request::identity::jwt::JwtVerifier>> {
+        self.identifier.jwks_urls()
+    }
+}
+
+/// The request path of one event loop: what outlives configurations, the
+/// configuration in force, and what this thread owns (its upstream pools
+/// and authorizer clients).
+#[derive(Debug)]
+pub struct Gateway {
+    shared: Arc<Shared>,
+    configured: Arc<Configured>,
+    /// Forwards and records claimed attempts; owns this thread's upstream pools.
+    executor: Executor,
+    /// The routes' authorizers, with this thread's clients.
+    authorizers: HashMap<Arc<str>, Authorizer>,
+}
+
+impl Gateway {
+    /// The gateway of one event loop for the configuration `configured`:
+    /// its own upstream pools and authorizer clients, everything else shared.
+    pub fn new(shared: Arc<Shared>, configured: Arc<Configured>) -> Gateway {
+        let executor = Executor::new(
+            configured.upstreams.iter().map(Upstream::with_own_pool).collect(),
+            configured.store.clone(),
+            shared.metrics.clone(),
+            shared.tracker.clone(),
+            shared.waiters.clone(),
+            shared.derived_key_secret.clone(),
+        );
+        let authorizers = configured.authorizers.iter().map(|(op, a)| (op.clone(), a.with_own_pool())).collect();
+        Gateway { shared, configured, executor, authorizers }
     }
 
     /// The route's authorizer, if it has one: `forbidden` or
@@ -266,74 +271,44 @@ impl Gateway {
     }
 
     /// The executor of this gateway (its upstream pools are this thread's).
+    /// The executor of this gateway (its upstream pools are this thread's).
     pub fn executor(&self) -> &Executor {
         &self.executor
     }
 
     /// What async workers are woken with when an operation is accepted.
     pub fn wake_workers(&self) -> Arc<Notify> {
-        self.wake_workers.clone()
-    }
-
-    /// JWT identity sources whose keys are fetched from a URL.
-    pub fn jwks_sources(&self) -> Vec<Arc<crate::request::identity::jwt::JwtVerifier>> {
-        self.identifier.jwks_urls()
+        self.shared.wake_workers.clone()
     }
 
     pub fn routes(&self) -> Vec<Arc<Route>> {
-        self.router.routes().to_vec()
+        self.configured.routes().to_vec()
     }
 
     /// The routes whose operations may run asynchronously.
     pub fn async_routes(&self) -> Vec<Arc<Route>> {
-        self.router.routes().iter().filter(|r| r.mode == RouteMode::Async || r.allow_async).cloned().collect()
+        self.configured.routes().iter().filter(|r| r.mode == RouteMode::Async || r.allow_async).cloned().collect()
     }
 
     /// The operations whose upstream deduplicates by the derived key.
     pub fn reforwardable_operations(&self) -> Vec<Arc<str>> {
-        self.router.routes().iter().filter(|r| r.upstream_idempotent).map(|r| r.operation.clone()).collect()
+        self.configured.routes().iter().filter(|r| r.upstream_idempotent).map(|r| r.operation.clone()).collect()
     }
 
-    /// A copy for another worker thread: the same store, metrics, tracker and
-    /// waiters, but its own upstream connection pools (so each worker's
-    /// connections are driven by its own event loop).
-    pub fn for_worker(&self) -> Gateway {
-        Gateway {
-            router: self.router.clone(),
-            header_screen: self.header_screen.clone(),
-            identifier: self.identifier.clone(),
-            executor: self.executor.with_own_pools(),
-            store: self.store.clone(),
-            metrics: self.metrics.clone(),
-            tracker: self.tracker.clone(),
-            replica_id: self.replica_id.clone(),
-            max_request_body: self.max_request_body,
-            request_body_timeout: self.request_body_timeout,
-            waiters: self.waiters.clone(),
-            wake_workers: self.wake_workers.clone(),
-            authorizers: self.authorizers.iter().map(|(op, a)| (op.clone(), a.with_own_pool())).collect(),
-            observer: self.observer.clone(),
-            request_ids: self.request_ids.clone(),
-            request_series: self.request_series.clone(),
-            access_log: self.access_log,
-            challenge: self.challenge.clone(),
-            request_id_is_a_key: self.request_id_is_a_key.clone(),
-            route_limits: self.route_limits.clone(),
-        }
-    }
-
+    /// The store, writing events for the routes of this configuration.
     pub fn store(&self) -> &Store {
-        &self.store
+        &self.configured.store
     }
 
     /// Handles one request; never fails (errors become problem responses).
     /// Every answer carries the request's id (`X-Request-Id`, also sent to
     /// the upstream) and gets exactly one access-log line.
     pub async fn handle(self: Arc<Self>, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
-        let request_id = self.request_ids.assign(req.headers(), peer.ip());
+        let request_id = self.shared.request_ids.assign(req.headers(), peer.ip());
         // Counts the request and logs its line when finished, or with 499 if
         // the client goes away first.
-        let mut pending = Pending::new(self.access_log, &req, peer.ip(), request_id, Some(self.request_series.clone()));
+        let mut pending =
+            Pending::new(self.configured.access_log, &req, peer.ip(), request_id, Some(self.configured.request_series.clone()));
         let id = pending.request_id().clone();
         let head = req.method() == Method::HEAD;
         let mut resp = match self.dispatch(req, peer, pending.trace(), &id).await {
@@ -350,7 +325,7 @@ impl Gateway {
         };
         let trace = pending.trace();
         if let (Some(reason), Some(Outcome::Rejected)) = (trace.problem, trace.outcome) {
-            self.metrics.rejected(reason);
+            self.shared.metrics.rejected(reason);
         }
         resp.headers_mut().insert(REQUEST_ID, id);
         pending.finish(resp)
@@ -368,18 +343,21 @@ impl Gateway {
         // Everything from here on (routing, the authorizer, the fingerprint's
         // path parameters, the upstream) sees the path in normal form, or the
         // request is refused before any of it.
-        let normal = self.router.normalise(req.method(), req.uri().path()).map_err(GatewayError::InvalidRequest)?;
+        let normal = self.configured.router.normalise(req.method(), req.uri().path()).map_err(GatewayError::InvalidRequest)?;
         if let Cow::Owned(normal) = normal {
             *req.uri_mut() = with_path(req.uri(), &normal)?;
         }
         // Header names with `_` (and every other spelling of a guarded
         // header) are gone before anything reads the headers.
-        self.header_screen.apply(req.headers_mut()).map_err(|_| GatewayError::InvalidRequest(InvalidRequest::UnderscoreHeader))?;
+        self.configured
+            .header_screen
+            .apply(req.headers_mut())
+            .map_err(|_| GatewayError::InvalidRequest(InvalidRequest::UnderscoreHeader))?;
         let peer_ip = crate::proxy::access::canonical(peer.ip());
-        crate::upstream::headers::write_forwarded(req.headers_mut(), peer_ip, self.request_ids.trusts(peer_ip));
+        crate::upstream::headers::write_forwarded(req.headers_mut(), peer_ip, self.shared.request_ids.trusts(peer_ip));
         // Two values of a credential: which one identifies the request is
         // ambiguous, and the upstream would get both. Refused before anything.
-        if let Some(name) = self.identifier.ambiguous(req.headers()) {
+        if let Some(name) = self.configured.identifier.ambiguous(req.headers()) {
             tracing::debug!(header = %name, "a header identity sources read was sent more than once; refused");
             return Err(GatewayError::Unauthenticated);
         }
@@ -391,11 +369,11 @@ impl Gateway {
             return Ok(resp);
         }
         let overridden = method_override::in_head(req.headers(), req.uri().query());
-        match self.router.route_normal(req.method(), req.uri().path(), overridden).map_err(GatewayError::InvalidRequest)? {
+        match self.configured.router.route_normal(req.method(), req.uri().path(), overridden).map_err(GatewayError::InvalidRequest)? {
             RouteMatch::Operation { route, params } => {
                 let route = route.clone();
                 trace.route = RouteLabel::Operation(route.operation.clone());
-                if self.request_id_is_a_key.is_empty() || !self.request_id_is_a_key.contains(&route.operation) {
+                if self.configured.request_id_is_a_key.is_empty() || !self.configured.request_id_is_a_key.contains(&route.operation) {
                     self.send_request_id(&mut req, request_id);
                 }
                 // Boxed: the idempotent path's future is large; pass-through requests
@@ -408,7 +386,7 @@ impl Gateway {
                 // A forwarded request is counted when its result write
                 // returned (`forwarded` or `fenced`; `ResultWrite::finish`).
                 if outcome != Outcome::Forwarded {
-                    self.metrics.request(&route.operation, outcome);
+                    self.shared.metrics.request(&route.operation, outcome);
                 }
                 trace.outcome = Some(outcome);
                 answer.map(|(resp, _)| resp)
@@ -442,7 +420,7 @@ impl Gateway {
     /// forwarded, stored, or shown to an authorizer.
     async fn admit(&self, req: &mut Request<Incoming>, peer: SocketAddr) -> Option<Identity> {
         let cert = req.extensions().get::<Arc<crate::tls::server::ClientCertificate>>().cloned();
-        self.identifier.admit(req.headers_mut(), peer.ip(), cert.as_deref()).await
+        self.configured.identifier.admit(req.headers_mut(), peer.ip(), cert.as_deref()).await
     }
 
     /// The problem answer for `e`, naming this request as its `instance`;
@@ -450,7 +428,7 @@ impl Gateway {
     fn problem(&self, e: &GatewayError, request_id: &HeaderValue) -> Response<Body> {
         let mut resp = problem::response_with_instance(e, access::problem_instance(request_id).as_deref());
         if matches!(e, GatewayError::Unauthenticated)
-            && let Some(challenge) = &self.challenge
+            && let Some(challenge) = &self.configured.challenge
         {
             resp.headers_mut().insert(http::header::WWW_AUTHENTICATE, challenge.clone());
         }
@@ -469,7 +447,8 @@ impl Gateway {
             // Observe mode changes no answer: nothing is refused, so the
             // route's authorizer is not asked either.
             let identity = self.admit(&mut req, peer).await;
-            let resp = Box::pin(self.observer.handle(route, params, req, identity, self.executor.upstream(route.upstream))).await;
+            let resp =
+                Box::pin(self.configured.observer.handle(route, params, req, identity, self.executor.upstream(route.upstream))).await;
             return Ok((resp, Outcome::PassThrough));
         }
         let identity = admission::identified(self.admit(&mut req, peer).await).map_err(|r| r.error)?;
@@ -482,17 +461,17 @@ impl Gateway {
             Err(NotAdmitted::Refused(r)) => return Err(r.error),
         };
         let (parts, body) = req.into_parts();
-        let body = read_body(body, &parts.headers, self.max_request_body, self.request_body_timeout).await?;
+        let body = read_body(body, &parts.headers, self.configured.max_request_body, self.configured.request_body_timeout).await?;
         trace.bytes_in = Some(body.len() as u64);
         if method_override::body_kind(&parts.headers).is_some_and(|kind| method_override::in_body(kind, &body)) {
             return Err(GatewayError::InvalidRequest(InvalidRequest::MethodOverride));
         }
-        let claim = match admission::admit(route, &identity, early, self.replica_id.clone(), &params, &parts, &body) {
+        let claim = match admission::admit(route, &identity, early, self.configured.replica_id.clone(), &params, &parts, &body) {
             Ok(claim) => claim,
             Err(NotAdmitted::NoKey) => {
                 let upstream = self.executor.upstream(route.upstream);
                 let answer = Box::pin(passthrough::try_forward(upstream, parts, Body::full(body))).await;
-                self.metrics.passed_through(upstream.name(), answer.as_ref().err().map(GatewayError::type_name));
+                self.shared.metrics.passed_through(upstream.name(), answer.as_ref().err().map(GatewayError::type_name));
                 return Ok((answer?, Outcome::PassThrough));
             }
             Err(NotAdmitted::Refused(r)) => return Err(r.error),
@@ -509,7 +488,7 @@ impl Gateway {
         let (tx, rx) = oneshot::channel();
         let gw = self.clone();
         let route = route.clone();
-        self.tracker.spawn(Box::pin(async move {
+        self.shared.tracker.spawn(Box::pin(async move {
             let (out, write) = gw.claim_and_forward(&route, claim, params, parts, body, slot).await;
             // The client may be gone; the record is written either way. The
             // answer goes first: the result write then runs while it travels.
@@ -527,7 +506,7 @@ impl Gateway {
     /// the upstream answers); an acceptance needs room in its route's queue.
     async fn admitted_under_load(&self, route: &Route, claim: &ClaimRequest) -> Result<Option<Slot>, GatewayError> {
         if claim.acceptance.is_some() {
-            let queued = self.metrics.queued(&route.operation);
+            let queued = self.shared.metrics.queued(&route.operation);
             if u64::try_from(queued).unwrap_or(0) >= route.max_queued {
                 tracing::debug!(route = %route.operation, queued, max_queued = route.max_queued, "async queue full; acceptance refused");
                 return Err(GatewayError::Overloaded);
@@ -535,7 +514,7 @@ impl Gateway {
             return Ok(None);
         }
         let upstream = self.executor.upstream(route.upstream).limit();
-        match Slot::acquire(upstream, self.route_limits.get(&route.operation)).await {
+        match Slot::acquire(upstream, self.configured.route_limits.get(&route.operation)).await {
             Ok(slot) => Ok(Some(slot)),
             Err(Overloaded) => {
                 tracing::debug!(route = %route.operation, limit = upstream.current(), "upstream limit reached; refused before the claim");
@@ -558,7 +537,7 @@ impl Gateway {
         body: &Bytes,
         refused: GatewayError,
     ) -> Result<(Response<Body>, Outcome), GatewayError> {
-        let Ok(Some((record, now))) = self.store.get(&claim.scope).await else { return Err(refused) };
+        let Ok(Some((record, now))) = self.configured.store.get(&claim.scope).await else { return Err(refused) };
         let request = admission::request_parts(route, params, parts, body);
         match decide_with_legacy(route, &record, &claim.request_hash, &request, now) {
             Decision::Replay => {
@@ -587,7 +566,7 @@ impl Gateway {
     ) -> (Result<(Response<Body>, Outcome), GatewayError>, Option<ResultWrite<'a>>) {
         // A result this replica answered and is still writing comes first:
         // its client's retry is replayed, not told "in flight".
-        self.waiters.settled(&claim.scope, self.store.timeout()).await;
+        self.shared.waiters.settled(&claim.scope, self.configured.store.timeout()).await;
         let request = admission::request_parts(route, &params, &parts, &body);
         match self.claim_or_answer(route, &claim, &parts, &request).await {
             Ok(Claimed::Answered(answer)) => (Ok(answer), None),
@@ -613,7 +592,7 @@ impl Gateway {
         let (mut expired_rounds, mut wait_rounds) = (0, 0);
         loop {
             let claim_started = Instant::now();
-            let outcome = match self.store.claim(claim).await {
+            let outcome = match self.configured.store.claim(claim).await {
                 Ok(outcome) => outcome,
                 Err(e) => {
                     crate::telemetry::throttle::warn_throttled!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "claim failed; nothing forwarded");
@@ -629,8 +608,8 @@ impl Gateway {
             };
             let (record, now) = match outcome {
                 ClaimOutcome::Claimed(c) if claim.acceptance.is_some() => {
-                    self.metrics.accepted(&route.operation);
-                    self.wake_workers.notify_waiters();
+                    self.shared.metrics.accepted(&route.operation);
+                    self.shared.wake_workers.notify_waiters();
                     return Ok(Claimed::Answered((self.accepted(route, &accepted_record(claim, &c)), Outcome::Accepted)));
                 }
                 ClaimOutcome::Claimed(c) => {
@@ -658,9 +637,9 @@ impl Gateway {
                 Decision::Accepted => return Ok(Claimed::Answered((self.accepted(route, &record), Outcome::Accepted))),
                 Decision::Unknown => return Err(GatewayError::RecordUnknown),
                 Decision::LeaseExpired => {
-                    match self.store.expire_lease(&record).await {
+                    match self.configured.store.expire_lease(&record).await {
                         Ok(WriteOutcome::Written) => {
-                            self.metrics.reaped(1);
+                            self.shared.metrics.reaped(1);
                             tracing::warn!(route = %route.operation, scope = %record.scope.log_id(), owner = %record.owner, "lease expired without a result; record is now unknown");
                         }
                         // The record moved on since it was read (its attempt
@@ -678,7 +657,7 @@ impl Gateway {
                     let Some(deadline) = wait_until.filter(|d| tokio::time::Instant::now() < *d) else {
                         return Err(GatewayError::InProgress { retry_after: IN_PROGRESS_RETRY_AFTER });
                     };
-                    self.waiters.wait(&claim.scope, wait_rounds, deadline).await;
+                    self.shared.waiters.wait(&claim.scope, wait_rounds, deadline).await;
                     wait_rounds += 1;
                 }
                 Decision::Expired => {
@@ -696,7 +675,7 @@ impl Gateway {
     /// the client's retry is not refused. Gives up when the lease would have
     /// expired (the record then shows as `unknown`, and the logs say why).
     fn abandon_later(&self, claim: &ClaimRequest, lease: Duration) {
-        self.store.abandon_later(&self.tracker, &claim.scope, claim.claim_token, lease);
+        self.configured.store.abandon_later(&self.shared.tracker, &claim.scope, claim.claim_token, lease);
     }
 
     /// A completed record's answer: the stored one, or read again from the
@@ -743,7 +722,7 @@ impl Gateway {
         }
         // A refetched result goes to the upstream with the caller's headers.
         let identity = self.admit(req, peer).await.ok_or(GatewayError::Unauthenticated)?;
-        let record = match self.store.operation(&identity.tenant, id).await {
+        let record = match self.configured.store.operation(&identity.tenant, id).await {
             Ok(Some((record, _))) if record.scope.admits(&identity) => record,
             Ok(_) => return Err(GatewayError::NotFound),
             Err(e) => {
@@ -753,7 +732,7 @@ impl Gateway {
         };
         // Reading a stored answer is asked again: a revoked principal gets 403.
         self.authorized(&record.scope.operation, req.method(), req.uri().path(), &identity, req.headers()).await?;
-        let route = self.router.route_for(&record.scope.operation);
+        let route = self.configured.router.route_for(&record.scope.operation);
         let (poll, retention) =
             route.map_or((Duration::from_secs(1), Retention::For(Duration::from_secs(24 * 3600))), |r| (r.poll_interval, r.retention));
         if want_result {
@@ -780,12 +759,12 @@ impl Gateway {
         let upstream = self.executor.upstream(upstream);
         let answer = match self.body_may_override(&req) {
             None => {
-                let bytes_in = self.access_log.then(|| trace.count_bytes_in());
-                passthrough::try_pass_through(upstream, req, self.request_body_timeout, bytes_in).await
+                let bytes_in = self.configured.access_log.then(|| trace.count_bytes_in());
+                passthrough::try_pass_through(upstream, req, self.configured.request_body_timeout, bytes_in).await
             }
             Some(kind) => {
                 let (parts, body) = req.into_parts();
-                let body = read_body(body, &parts.headers, self.max_request_body, self.request_body_timeout).await?;
+                let body = read_body(body, &parts.headers, self.configured.max_request_body, self.configured.request_body_timeout).await?;
                 trace.bytes_in = Some(body.len() as u64);
                 if method_override::in_body(kind, &body) {
                     return Err(GatewayError::InvalidRequest(InvalidRequest::MethodOverride));
@@ -793,7 +772,7 @@ impl Gateway {
                 passthrough::try_forward(upstream, parts, Body::full(body)).await
             }
         };
-        self.metrics.passed_through(upstream.name(), answer.as_ref().err().map(GatewayError::type_name));
+        self.shared.metrics.passed_through(upstream.name(), answer.as_ref().err().map(GatewayError::type_name));
         answer
     }
 
@@ -804,7 +783,7 @@ impl Gateway {
             return None;
         }
         let kind = method_override::body_kind(req.headers())?;
-        self.router.protects(req.uri().path(), None).then_some(kind)
+        self.configured.router.protects(req.uri().path(), None).then_some(kind)
     }
 }
 

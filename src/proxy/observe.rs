@@ -56,10 +56,10 @@ use crate::upstream::headers;
 /// Observations (claim, then recording) running at once in this process;
 /// beyond it requests pass unobserved. Bounds the tasks and the answers held
 /// for recording when the store is slow.
-const MAX_OBSERVATIONS: usize = 1024;
+pub const MAX_OBSERVATIONS: usize = 1024;
 
-/// What observe mode needs of the gateway; cheap to clone (one per proxy
-/// worker thread, sharing the store, metrics, tracker and slots).
+/// What observe mode needs of the gateway: one per configuration applied,
+/// sharing the store, metrics, tracker and slots.
 #[derive(Debug, Clone)]
 pub struct Observer {
     store: Store,
@@ -120,16 +120,9 @@ impl Observer {
         replica_id: Arc<str>,
         max_request_body: u64,
         request_body_timeout: Duration,
+        slots: Arc<Semaphore>,
     ) -> Observer {
-        Observer {
-            store,
-            metrics,
-            tracker,
-            replica_id,
-            max_request_body,
-            request_body_timeout,
-            slots: Arc::new(Semaphore::new(MAX_OBSERVATIONS)),
-        }
+        Observer { store, metrics, tracker, replica_id, max_request_body, request_body_timeout, slots }
     }
 
     /// Passes the request through to `upstream` and observes it. Never
