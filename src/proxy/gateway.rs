@@ -4,7 +4,7 @@
 //! the record the claim found.
 
 use std::borrow::Cow;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,35 +15,29 @@ use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri, request};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
-use tokio::sync::{Notify, Semaphore, oneshot};
-use tokio_util::task::TaskTracker;
+use tokio::sync::{Notify, oneshot};
 
-use crate::config::Config;
-use crate::executor::waiters::Waiters;
 use crate::executor::{Executor, ResultWrite, refetch};
 use crate::idempotency::fingerprint::RequestParts;
 use crate::idempotency::outcome::Outcome;
 use crate::idempotency::record::Retention;
 use crate::idempotency::record::{Decision, Record, State, StoredResponse};
 use crate::problem::{self, GatewayError};
-use crate::proxy::access::{self, Pending, REQUEST_ID, RequestIds, RequestSeries, RouteLabel, Trace};
-use crate::proxy::admission::{self, NotAdmitted, decide_with_legacy};
-use crate::proxy::observe::{MAX_OBSERVATIONS, Observer};
+use crate::proxy::access::{self, Pending, REQUEST_ID, RouteLabel, Trace};
+use crate::proxy::admission::{self, Admitted, Front, Held, Stop, decide_with_legacy};
+use crate::proxy::observe;
 use crate::proxy::passthrough;
 use crate::proxy::replay::replay;
+use crate::proxy::state::{Configured, Shared};
 use crate::request::async_op::{OPERATIONS_PATH, status_document};
 use crate::request::authorize::{Authorizer, Decision as AuthzDecision};
-use crate::request::identity::{Identifier, Identity, IdentitySource};
-use crate::request::key_source::KeySource;
+use crate::request::identity::Identity;
 use crate::request::route::method_override::{self, BodyKind};
-use crate::request::route::{InFlightPolicy, InvalidRequest, ReplayMode, Route, RouteMatch, RouteMode, Router, UpstreamId};
-use crate::secret::DerivedKeySecret;
+use crate::request::route::{InFlightPolicy, InvalidRequest, ReplayMode, Route, RouteMatch, RouteMode, UpstreamId};
 use crate::store::{Claim, ClaimOutcome, ClaimRequest, Store, WriteOutcome};
-use crate::telemetry::metrics::Metrics;
 use crate::upstream::Upstream;
 use crate::upstream::body::Body;
-use crate::upstream::headers::HeaderScreen;
-use crate::upstream::limit::{Limit, LimitPolicy, Overloaded, Slot};
+use crate::upstream::limit::{Overloaded, Slot};
 
 /// Retry-After for a duplicate of an in-flight request.
 const IN_PROGRESS_RETRY_AFTER: Duration = Duration::from_secs(1);
@@ -56,171 +50,6 @@ const MAX_CLAIM_ROUNDS: usize = 8;
 enum Claimed {
     Answered((Response<Body>, Outcome)),
     Run(Claim),
-}
-
-/// What outlives every configuration: made once at start, and handed to
-/// each configuration applied after it (see [`Configured::new`]).
-#[derive(Debug)]
-pub struct Shared {
-    /// The store as opened (a configuration adds its routes' event policies).
-    pub store: Store,
-    pub metrics: Arc<Metrics>,
-    /// Forwards run here, not in the connection's future, so a client that
-    /// disconnects never cancels a forward or the recording of its result.
-    pub tracker: TaskTracker,
-    /// Keys the `Idempotency-Key` sent upstream.
-    pub derived_key_secret: DerivedKeySecret,
-    /// Where duplicates wait for an in-flight result (`in_flight = "wait"`);
-    /// the executor wakes them.
-    pub waiters: Arc<Waiters>,
-    /// Wakes this replica's async workers when an operation is accepted.
-    pub wake_workers: Arc<Notify>,
-    /// Request ids (one counter per process; `server.trusted_proxies` is
-    /// restart-only).
-    pub request_ids: Arc<RequestIds>,
-    /// Observations running at once, over every configuration (observe mode).
-    pub observations: Arc<Semaphore>,
-}
-
-impl Shared {
-    pub fn new(config: &Config, store: Store, metrics: Arc<Metrics>, tracker: TaskTracker, derived_key_secret: DerivedKeySecret) -> Shared {
-        Shared {
-            store,
-            metrics,
-            tracker,
-            derived_key_secret,
-            waiters: Arc::new(Waiters::new()),
-            wake_workers: Arc::new(Notify::new()),
-            request_ids: Arc::new(RequestIds::new(config.server.trusted_proxies.clone())),
-            observations: Arc::new(Semaphore::new(MAX_OBSERVATIONS)),
-        }
-    }
-}
-
-/// What one configuration decides for the request path: built once per
-/// configuration applied (at start and on each reload) and shared by every
-/// worker's gateway. A reload replaces it whole.
-#[derive(Debug)]
-pub struct Configured {
-    /// The store, writing events for these routes' `[routes.events]`.
-    store: Store,
-    router: Router,
-    identifier: Identifier,
-    /// Header names with `_`, and other spellings of guarded headers:
-    /// applied before anything reads a request.
-    header_screen: HeaderScreen,
-    /// The upstreams with their concurrency limits (each worker's copies
-    /// have pools of their own and share the limits).
-    upstreams: Vec<Upstream>,
-    /// The routes' authorizers, by operation (each worker's copies have
-    /// clients of their own).
-    authorizers: HashMap<Arc<str>, Authorizer>,
-    /// Observe-mode routes pass requests through and record what enforcing would do.
-    observer: Observer,
-    /// Requests by route, protocol and status class, and their duration.
-    request_series: Arc<RequestSeries>,
-    replica_id: Arc<str>,
-    max_request_body: u64,
-    request_body_timeout: Duration,
-    /// `server.access_log`.
-    access_log: bool,
-    /// `WWW-Authenticate` of a 401, when API keys are configured.
-    challenge: Option<HeaderValue>,
-    /// Operations whose key may come from `X-Request-Id` (`key_from`): their
-    /// requests are forwarded without an id the client did not send.
-    request_id_is_a_key: HashSet<Arc<str>>,
-    /// Routes with a `max_in_flight` of their own: their caps, shared by the
-    /// worker threads (the upstreams' limits are the executor's).
-    route_limits: HashMap<Arc<str>, Arc<Limit>>,
-}
-
-impl Configured {
-    /// Builds what `config` decides, on what outlives it.
-    pub fn new(config: &Config, shared: &Shared) -> Configured {
-        let store = shared.store.clone().with_events(crate::request::route::event_policies(&config.routes));
-        let replica_id: Arc<str> = config.server.replica_id.as_str().into();
-        let identifier = Identifier::new(config.identity.clone());
-        let guarded: Vec<String> = identifier
-            .read_headers()
-            .map(|h| h.as_str().to_owned())
-            .chain(config.routes.iter().flat_map(|r| {
-                r.key_from
-                    .sources()
-                    .iter()
-                    .filter_map(|s| match s {
-                        KeySource::Header(h) => Some(h.as_str().to_owned()),
-                        _ => None,
-                    })
-                    .chain(std::iter::once(r.key_header.as_str().to_owned()))
-            }))
-            .collect();
-        Configured {
-            observer: Observer::new(
-                store.clone(),
-                shared.metrics.clone(),
-                shared.tracker.clone(),
-                replica_id.clone(),
-                config.server.max_request_body,
-                config.server.request_body_timeout,
-                shared.observations.clone(),
-            ),
-            store,
-            router: Router::new(config.routes.clone(), config.server.default_upstream),
-            header_screen: HeaderScreen::new(config.server.headers_with_underscores, guarded.iter().map(String::as_str)),
-            identifier,
-            upstreams: config.upstreams.iter().cloned().map(|u| Upstream::new(u).counted_by(shared.metrics.clone())).collect(),
-            authorizers: config
-                .routes
-                .iter()
-                .filter_map(|r| r.authorize.as_ref().map(|a| (r.operation.clone(), Authorizer::new(a.clone()))))
-                .collect(),
-            // The proxy listener's series (it speaks HTTP/2 when it has TLS);
-            // its workers' accept loops use the same.
-            request_series: Arc::new(RequestSeries::new(
-                &shared.metrics,
-                config.routes.iter().map(|r| &r.operation),
-                config.server.tls.is_some(),
-            )),
-            replica_id,
-            max_request_body: config.server.max_request_body,
-            request_body_timeout: config.server.request_body_timeout,
-            access_log: config.server.access_log,
-            challenge: config
-                .identity
-                .iter()
-                .any(|s| matches!(s, IdentitySource::ApiKey { .. } | IdentitySource::Jwt(_)))
-                .then(|| HeaderValue::from_static("Bearer realm=\"idemgate\"")),
-            request_id_is_a_key: config
-                .routes
-                .iter()
-                .filter(|r| r.key_from.sources().iter().any(|s| matches!(s, KeySource::Header(h) if h == REQUEST_ID)))
-                .map(|r| r.operation.clone())
-                .collect(),
-            route_limits: config
-                .routes
-                .iter()
-                .filter_map(|r| {
-                    let max_in_flight = r.max_in_flight?;
-                    let queue_timeout = config.upstreams.get(r.upstream).map_or(Duration::ZERO, |u| u.limit.queue_timeout());
-                    Some((r.operation.clone(), Limit::new(LimitPolicy::Fixed { max_in_flight, queue_timeout })))
-                })
-                .collect(),
-        }
-    }
-
-    pub fn routes(&self) -> &[Arc<Route>] {
-        self.router.routes()
-    }
-
-    /// The store, writing events for these routes' `[routes.events]`.
-    pub fn store(&self) -> &Store {
-        &self.store
-    }
-
-    /// JWT identity sources whose keys are fetched from a URL.
-    pub fn jwks_sources(&self) -> Vec<Arc<crate::request::identity::jwt::JwtVerifier>> {
-        self.identifier.jwks_urls()
-    }
 }
 
 /// The request path of one event loop: what outlives configurations, the
@@ -394,7 +223,7 @@ impl Gateway {
             RouteMatch::PassThrough { upstream } => {
                 // No identity is required here, but the upstream gets only
                 // the credentials of the source that identified the caller.
-                self.admit(&mut req, peer).await;
+                admission::identify(&self.configured.identifier, &mut req, peer).await;
                 self.send_request_id(&mut req, request_id);
                 trace.route = RouteLabel::PassThrough;
                 trace.outcome = Some(Outcome::PassThrough);
@@ -415,14 +244,6 @@ impl Gateway {
         req.headers_mut().insert(REQUEST_ID, request_id.clone());
     }
 
-    /// Identifies the request and removes the headers of every other
-    /// identity source (see [`Identifier::admit`]), before anything is
-    /// forwarded, stored, or shown to an authorizer.
-    async fn admit(&self, req: &mut Request<Incoming>, peer: SocketAddr) -> Option<Identity> {
-        let cert = req.extensions().get::<Arc<crate::tls::server::ClientCertificate>>().cloned();
-        self.configured.identifier.admit(req.headers_mut(), peer.ip(), cert.as_deref()).await
-    }
-
     /// The problem answer for `e`, naming this request as its `instance`;
     /// a 401 carries the challenge of the configured API keys.
     fn problem(&self, e: &GatewayError, request_id: &HeaderValue) -> Response<Body> {
@@ -435,53 +256,31 @@ impl Gateway {
         resp
     }
 
+    /// An idempotent operation: admitted by the pipeline every front runs
+    /// ([`admission::admit`]), then claimed and forwarded on the tracker.
     async fn operation(
         self: &Arc<Self>,
         route: &Arc<Route>,
         params: Vec<(String, String)>,
-        mut req: Request<Incoming>,
+        req: Request<Incoming>,
         peer: SocketAddr,
         trace: &mut Trace,
     ) -> Result<(Response<Body>, Outcome), GatewayError> {
+        let (shared, configured) = (&*self.shared, &*self.configured);
         if route.mode == RouteMode::Observe {
-            // Observe mode changes no answer: nothing is refused, so the
-            // route's authorizer is not asked either.
-            let identity = self.admit(&mut req, peer).await;
-            let resp =
-                Box::pin(self.configured.observer.handle(route, params, req, identity, self.executor.upstream(route.upstream))).await;
+            // Observe mode changes no answer: the upstream's is the client's.
+            let upstream = self.executor.upstream(route.upstream);
+            let resp = Box::pin(observe::observe(shared, configured, upstream, route, params, req, peer)).await;
             return Ok((resp, Outcome::PassThrough));
         }
-        let identity = admission::identified(self.admit(&mut req, peer).await).map_err(|r| r.error)?;
-        self.authorized(&route.operation, req.method(), req.uri().path(), &identity, req.headers()).await?;
-        // A key in a header is known before the body is read: a request
-        // without one costs no body read.
-        let early = match admission::key_in_headers(route, req.headers()) {
-            Ok(early) => early,
-            Err(NotAdmitted::NoKey) => return Ok((Box::pin(self.pass_through(route.upstream, req, trace)).await?, Outcome::PassThrough)),
-            Err(NotAdmitted::Refused(r)) => return Err(r.error),
-        };
-        let (parts, body) = req.into_parts();
-        let body = read_body(body, &parts.headers, self.configured.max_request_body, self.configured.request_body_timeout).await?;
-        trace.bytes_in = Some(body.len() as u64);
-        if method_override::body_kind(&parts.headers).is_some_and(|kind| method_override::in_body(kind, &body)) {
-            return Err(GatewayError::InvalidRequest(InvalidRequest::MethodOverride));
-        }
-        let claim = match admission::admit(route, &identity, early, self.configured.replica_id.clone(), &params, &parts, &body) {
-            Ok(claim) => claim,
-            Err(NotAdmitted::NoKey) => {
-                let upstream = self.executor.upstream(route.upstream);
-                let answer = Box::pin(passthrough::try_forward(upstream, parts, Body::full(body))).await;
-                self.shared.metrics.passed_through(upstream.name(), answer.as_ref().err().map(GatewayError::type_name));
-                return Ok((answer?, Outcome::PassThrough));
-            }
-            Err(NotAdmitted::Refused(r)) => return Err(r.error),
-        };
-        trace.scope = Some(claim.scope.scope_id());
-        let slot = match self.admitted_under_load(route, &claim).await {
-            Ok(slot) => slot,
-            // Boxed: a rare branch that should not grow every request's future.
-            Err(refused) => return Box::pin(self.answer_overloaded(route, &claim, &params, &parts, &body, refused)).await,
-        };
+        let mut front = Enforce { gateway: self, trace: &mut *trace };
+        let (admitted, slot) =
+            match admission::admit(&mut front, &configured.identifier, &configured.replica_id, route, params, req, peer).await {
+                Ok(admitted) => admitted,
+                // Boxed: rare branches that should not grow every request's future.
+                Err(stop) => return Box::pin(self.stopped(route, stop, trace)).await,
+            };
+        trace.scope = Some(admitted.claim.scope.scope_id());
         // From the claim on, the work runs on the tracker: a client that goes
         // away can no longer cancel it between a committed claim and its
         // forward, nor between the forward and the recording of its result.
@@ -489,7 +288,7 @@ impl Gateway {
         let gw = self.clone();
         let route = route.clone();
         self.shared.tracker.spawn(Box::pin(async move {
-            let (out, write) = gw.claim_and_forward(&route, claim, params, parts, body, slot).await;
+            let (out, write) = gw.claim_and_forward(&route, admitted, slot).await;
             // The client may be gone; the record is written either way. The
             // answer goes first: the result write then runs while it travels.
             let _ = tx.send(out);
@@ -498,6 +297,28 @@ impl Gateway {
             }
         }));
         rx.await.unwrap_or(Err(GatewayError::Internal))
+    }
+
+    /// What enforcing does with a request admission stopped before its
+    /// claim: a request without a key passes through; a refusal is
+    /// answered; over the limit, a request whose key has a record is
+    /// answered from it.
+    async fn stopped(&self, route: &Route, stop: Stop<GatewayError>, trace: &mut Trace) -> Result<(Response<Body>, Outcome), GatewayError> {
+        let held = match stop {
+            Stop::Refused(refused, _) => return Err(refused.error),
+            Stop::Halted(overloaded, Held::Admitted(admitted)) => return self.answer_overloaded(route, &admitted, overloaded).await,
+            Stop::Halted(error, _) => return Err(error),
+            Stop::NoKey(held) => held,
+        };
+        let (parts, body) = match held {
+            Held::Unread(req) => return Ok((self.pass_through(route.upstream, req, trace).await?, Outcome::PassThrough)),
+            Held::Read(parts, body) => (parts, body),
+            Held::Admitted(admitted) => (admitted.parts, Body::full(admitted.body)),
+        };
+        let upstream = self.executor.upstream(route.upstream);
+        let answer = passthrough::try_forward(upstream, parts, body).await;
+        self.shared.metrics.passed_through(upstream.name(), answer.as_ref().err().map(GatewayError::type_name));
+        Ok((answer?, Outcome::PassThrough))
     }
 
     /// Admission under overload, before the claim: a refusal claims
@@ -531,12 +352,10 @@ impl Gateway {
     async fn answer_overloaded(
         &self,
         route: &Route,
-        claim: &ClaimRequest,
-        params: &[(String, String)],
-        parts: &request::Parts,
-        body: &Bytes,
+        admitted: &Admitted,
         refused: GatewayError,
     ) -> Result<(Response<Body>, Outcome), GatewayError> {
+        let Admitted { claim, params, parts, body, .. } = admitted;
         let Ok(Some((record, now))) = self.configured.store.get(&claim.scope).await else { return Err(refused) };
         let request = admission::request_parts(route, params, parts, body);
         match decide_with_legacy(route, &record, &claim.request_hash, &request, now) {
@@ -558,12 +377,10 @@ impl Gateway {
     async fn claim_and_forward<'a>(
         &'a self,
         route: &'a Route,
-        claim: ClaimRequest,
-        params: Vec<(String, String)>,
-        parts: request::Parts,
-        body: Bytes,
+        admitted: Box<Admitted>,
         slot: Option<Slot>,
     ) -> (Result<(Response<Body>, Outcome), GatewayError>, Option<ResultWrite<'a>>) {
+        let Admitted { claim, params, parts, body, .. } = *admitted;
         // A result this replica answered and is still writing comes first:
         // its client's retry is replayed, not told "in flight".
         self.shared.waiters.settled(&claim.scope, self.configured.store.timeout()).await;
@@ -721,7 +538,7 @@ impl Gateway {
             return Err(GatewayError::NotFound);
         }
         // A refetched result goes to the upstream with the caller's headers.
-        let identity = self.admit(req, peer).await.ok_or(GatewayError::Unauthenticated)?;
+        let identity = admission::identify(&self.configured.identifier, req, peer).await.ok_or(GatewayError::Unauthenticated)?;
         let record = match self.configured.store.operation(&identity.tenant, id).await {
             Ok(Some((record, _))) if record.scope.admits(&identity) => record,
             Ok(_) => return Err(GatewayError::NotFound),
@@ -784,6 +601,46 @@ impl Gateway {
         }
         let kind = method_override::body_kind(req.headers())?;
         self.configured.router.protects(req.uri().path(), None).then_some(kind)
+    }
+}
+
+/// Enforcing's phases of admission (see [`crate::proxy::admission`]): the
+/// route's authorizer is asked, the body is read within its limits (a body
+/// naming another method is refused), and a forward needs room under its
+/// upstream's and its route's limits.
+struct Enforce<'a> {
+    gateway: &'a Gateway,
+    trace: &'a mut Trace,
+}
+
+impl Front for Enforce<'_> {
+    type Slot = Option<Slot>;
+    type Halt = GatewayError;
+
+    async fn authorize(&mut self, route: &Route, req: &Request<Incoming>, identity: &Identity) -> Result<(), GatewayError> {
+        self.gateway.authorized(&route.operation, req.method(), req.uri().path(), identity, req.headers()).await
+    }
+
+    async fn read_body(
+        &mut self,
+        _: &Route,
+        parts: request::Parts,
+        body: Incoming,
+    ) -> Result<(request::Parts, Bytes), (GatewayError, Held)> {
+        let c = &self.gateway.configured;
+        let body = match read_body(body, &parts.headers, c.max_request_body, c.request_body_timeout).await {
+            Ok(body) => body,
+            Err(e) => return Err((e, Held::Read(parts, Body::empty()))),
+        };
+        self.trace.bytes_in = Some(body.len() as u64);
+        if method_override::body_kind(&parts.headers).is_some_and(|kind| method_override::in_body(kind, &body)) {
+            return Err((GatewayError::InvalidRequest(InvalidRequest::MethodOverride), Held::Read(parts, Body::empty())));
+        }
+        Ok((parts, body))
+    }
+
+    async fn load(&mut self, route: &Route, claim: &ClaimRequest) -> Result<Option<Slot>, GatewayError> {
+        self.gateway.admitted_under_load(route, claim).await
     }
 }
 

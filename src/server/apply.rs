@@ -22,7 +22,8 @@ use tokio_util::task::TaskTracker;
 use crate::config::Config;
 use crate::idempotency::record::Retention;
 use crate::ops::admin::InForce;
-use crate::proxy::gateway::{Configured, Gateway, Shared};
+use crate::proxy::gateway::Gateway;
+use crate::proxy::state::{Configured, Shared};
 use crate::request::identity::jwt::JwtVerifier;
 use crate::request::route::RouteMode;
 use crate::server::route_tasks::RouteTasks;
@@ -108,7 +109,7 @@ impl Applied {
 /// Every series a configuration names exists before the admin listener
 /// serves a scrape of it.
 fn declare(shared: &Shared, config: &Config) {
-    let metrics = &shared.metrics;
+    let metrics = shared.metrics();
     metrics.declare_upstreams(config.upstreams.iter().map(|u| u.name.as_str()));
     metrics.declare_operations(config.routes.iter().map(|r| (&*r.operation, r.mode == RouteMode::Async || r.allow_async)));
     metrics.declare_observed(config.routes.iter().filter(|r| r.mode == RouteMode::Observe).map(|r| &*r.operation));

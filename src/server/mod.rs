@@ -21,7 +21,7 @@ use tokio_util::task::TaskTracker;
 use crate::background::housekeeping;
 use crate::config::Config;
 use crate::ops::admin::Admin;
-use crate::proxy::gateway::Shared;
+use crate::proxy::state::Shared;
 use crate::secret::DerivedKeySecret;
 use crate::server::apply::{Applier, WorkerGateway};
 use crate::server::listener::{ConnectionLimit, Http, Listener, accept_loop};
@@ -170,7 +170,7 @@ impl Server {
     }
 
     pub fn store(&self) -> &Store {
-        &self.shared.store
+        self.shared.store()
     }
 
     /// Serves until `shutdown` fires, then stops accepting, lets connections
@@ -190,7 +190,7 @@ impl Server {
             admin = %admin.as_ref().and_then(|a| a.local_addr().ok()).map(|a| a.to_string()).unwrap_or_default(),
             tls = proxy_tls.is_some(),
             admin_tls = admin_tls.is_some(),
-            store = shared.store.kind(),
+            store = shared.store().kind(),
             replica = %config.server.replica_id,
             workers = proxy.len(),
             "listening"
@@ -200,7 +200,7 @@ impl Server {
             background.spawn(retry.run(shutdown.clone()));
         }
         let leases = housekeeping::LeaseWatch::new();
-        housekeeping::spawn_all(&background, shared.store.clone(), metrics.clone(), &config.store, leases.clone(), shutdown.clone());
+        housekeeping::spawn_all(&background, shared.store().clone(), metrics.clone(), &config.store, leases.clone(), shutdown.clone());
         // The lease reaper, the outbox relay, the reconciler and the async
         // workers follow the routes in force: a reload restarts them. Workers
         // run on this runtime, on the connections' tracker: the drain waits
