@@ -39,7 +39,7 @@ use crate::problem::GatewayError;
 use crate::request::async_op::{StoredRequest, new_operation_id, prefers_async, request_head};
 use crate::request::identity::{Identifier, Identity};
 use crate::request::key_source::{FoundKey, FromHeaders, KeySourceError};
-use crate::request::route::{Route, RouteMode, ScopeMode};
+use crate::request::route::{Mode, Route, ScopeMode};
 use crate::store::{Acceptance, ClaimRequest};
 use crate::upstream::body::Body;
 
@@ -188,7 +188,7 @@ pub fn request_parts<'a>(route: &'a Route, params: &'a [(String, String)], parts
 
 /// Phase 3: the key, if a header source has it; `None` when the body decides.
 fn key_in_headers(route: &Route, headers: &http::HeaderMap) -> Result<Option<FoundKey>, NotAdmitted> {
-    match route.key_from.from_headers(headers) {
+    match route.key.from.from_headers(headers) {
         Ok(FromHeaders::Found(found)) => Ok(Some(found)),
         Ok(FromHeaders::NeedBody) => Ok(None),
         Ok(FromHeaders::Absent) => Err(no_key(route)),
@@ -211,31 +211,35 @@ fn claim_request(
 ) -> Result<ClaimRequest, NotAdmitted> {
     let found = match early {
         Some(found) => found,
-        None => match route.key_from.from_request(&parts.headers, body) {
+        None => match route.key.from.from_request(&parts.headers, body) {
             Ok(Some(found)) => found,
             Ok(None) => return Err(no_key(route)),
             Err(KeySourceError::Key(e)) => return Err(Refused { reason: Refusal::InvalidKey, error: GatewayError::InvalidKey(e) }.into()),
             Err(KeySourceError::Body(e)) => return Err(invalid_body(e.to_string()).into()),
         },
     };
-    let request_hash = fingerprint::fingerprint(&route.fingerprint, &request_parts(route, params, parts, body))
+    let request_hash = fingerprint::fingerprint(&route.key.fingerprint, &request_parts(route, params, parts, body))
         .map_err(|e| invalid_body(e.to_string()))?;
-    let scope = match route.scope {
+    let scope = match route.key.scope {
         ScopeMode::Principal => Scope::new(identity, &route.operation, found.key),
         ScopeMode::Tenant => Scope::tenant_wide(identity, &route.operation, found.key),
     };
     // Async: the claim accepts the operation and stores the request for the
     // workers. (An observe route is never async: the configuration refuses
     // `allow_async` there.)
-    let is_async = route.mode == RouteMode::Async || (route.allow_async && prefers_async(&parts.headers));
+    let is_async = match &route.execution.mode {
+        Mode::Async(_) => true,
+        Mode::Sync { respond_async } => respond_async.is_some() && prefers_async(&parts.headers),
+        Mode::Observe { .. } => false,
+    };
     let acceptance =
         is_async.then(|| Acceptance { operation_id: new_operation_id(), request: StoredRequest::capture(parts, body).encode().into() });
     Ok(ClaimRequest {
         scope,
         request_hash,
         owner,
-        lease: route.lease,
-        upstream_idempotent: route.upstream_idempotent,
+        lease: route.record.lease,
+        upstream_idempotent: route.execution.upstream_idempotent,
         claim_token: Uuid::new_v4(),
         acceptance,
         key_source: found.source,
@@ -245,8 +249,8 @@ fn claim_request(
 
 /// No key: refused if the route requires one, else no idempotency applies.
 fn no_key(route: &Route) -> NotAdmitted {
-    if route.key_required {
-        Refused { reason: Refusal::MissingKey, error: GatewayError::MissingKey { header: route.key_from.describe() } }.into()
+    if route.key.required {
+        Refused { reason: Refusal::MissingKey, error: GatewayError::MissingKey { header: route.key.from.describe() } }.into()
     } else {
         NotAdmitted::NoKey
     }
@@ -269,7 +273,7 @@ pub fn decide_with_legacy(
 ) -> Decision {
     match decide(record, request_hash, now) {
         Decision::Mismatch
-            if fingerprint::legacy_fingerprints(&route.fingerprint, request)
+            if fingerprint::legacy_fingerprints(&route.key.fingerprint, request)
                 .any(|earlier| earlier.is_ok_and(|earlier| earlier == record.request_hash)) =>
         {
             tracing::debug!(route = %route.operation, scope = %record.scope.log_id(), "the record has this request's fingerprint of an earlier version");

@@ -33,7 +33,7 @@ use crate::request::async_op::{OPERATIONS_PATH, status_document};
 use crate::request::authorize::{Authorizer, Decision as AuthzDecision};
 use crate::request::identity::Identity;
 use crate::request::route::method_override::{self, BodyKind};
-use crate::request::route::{InFlightPolicy, InvalidRequest, ReplayMode, Route, RouteMatch, RouteMode, UpstreamId};
+use crate::request::route::{InFlightPolicy, InvalidRequest, Mode, ReplayMode, Route, RouteMatch, UpstreamId};
 use crate::store::{Claim, ClaimOutcome, ClaimRequest, Store, WriteOutcome};
 use crate::upstream::Upstream;
 use crate::upstream::body::Body;
@@ -116,12 +116,12 @@ impl Gateway {
 
     /// The routes whose operations may run asynchronously.
     pub fn async_routes(&self) -> Vec<Arc<Route>> {
-        self.configured.routes().iter().filter(|r| r.mode == RouteMode::Async || r.allow_async).cloned().collect()
+        self.configured.routes().iter().filter(|r| r.may_run_async()).cloned().collect()
     }
 
     /// The operations whose upstream deduplicates by the derived key.
     pub fn reforwardable_operations(&self) -> Vec<Arc<str>> {
-        self.configured.routes().iter().filter(|r| r.upstream_idempotent).map(|r| r.operation.clone()).collect()
+        self.configured.routes().iter().filter(|r| r.execution.upstream_idempotent).map(|r| r.operation.clone()).collect()
     }
 
     /// The store, writing events for the routes of this configuration.
@@ -267,10 +267,10 @@ impl Gateway {
         trace: &mut Trace,
     ) -> Result<(Response<Body>, Outcome), GatewayError> {
         let (shared, configured) = (&*self.shared, &*self.configured);
-        if route.mode == RouteMode::Observe {
+        if let Mode::Observe { budget } = route.execution.mode {
             // Observe mode changes no answer: the upstream's is the client's.
             let upstream = self.executor.upstream(route.upstream);
-            let resp = Box::pin(observe::observe(shared, configured, upstream, route, params, req, peer)).await;
+            let resp = Box::pin(observe::observe(shared, configured, upstream, budget, route, params, req, peer)).await;
             return Ok((resp, Outcome::PassThrough));
         }
         let mut front = Enforce { gateway: self, trace: &mut *trace };
@@ -328,8 +328,8 @@ impl Gateway {
     async fn admitted_under_load(&self, route: &Route, claim: &ClaimRequest) -> Result<Option<Slot>, GatewayError> {
         if claim.acceptance.is_some() {
             let queued = self.shared.metrics.queued(&route.operation);
-            if u64::try_from(queued).unwrap_or(0) >= route.max_queued {
-                tracing::debug!(route = %route.operation, queued, max_queued = route.max_queued, "async queue full; acceptance refused");
+            if u64::try_from(queued).unwrap_or(0) >= route.queueing().max_queued {
+                tracing::debug!(route = %route.operation, queued, max_queued = route.queueing().max_queued, "async queue full; acceptance refused");
                 return Err(GatewayError::Overloaded);
             }
             return Ok(None);
@@ -363,7 +363,7 @@ impl Gateway {
                 let stored = record.response.as_ref().ok_or(GatewayError::Internal)?;
                 self.answer_from(route, stored, &parts.headers).await.map(|r| (r, Outcome::Replayed))
             }
-            Decision::Mismatch => Err(GatewayError::KeyReused { status: route.mismatch_status }),
+            Decision::Mismatch => Err(GatewayError::KeyReused { status: route.key.mismatch_status }),
             Decision::Accepted => Ok((self.accepted(route, &record), Outcome::Accepted)),
             Decision::Unknown => Err(GatewayError::RecordUnknown),
             Decision::InProgress { .. } => Err(GatewayError::InProgress { retry_after: IN_PROGRESS_RETRY_AFTER }),
@@ -402,7 +402,7 @@ impl Gateway {
         request: &RequestParts<'_>,
     ) -> Result<Claimed, GatewayError> {
         let request_hash = claim.request_hash;
-        let wait_until = match route.in_flight {
+        let wait_until = match route.record.in_flight {
             InFlightPolicy::Wait(d) => Some(tokio::time::Instant::now() + d),
             InFlightPolicy::Reject => None,
         };
@@ -418,7 +418,7 @@ impl Gateway {
                     // committed, a retry reads it back as accepted and a
                     // worker runs it once.
                     if e.is_ambiguous() && claim.acceptance.is_none() {
-                        self.abandon_later(claim, route.lease);
+                        self.abandon_later(claim, route.record.lease);
                     }
                     return Err(GatewayError::StoreUnavailable);
                 }
@@ -436,7 +436,7 @@ impl Gateway {
                     // result could not be recorded in time: give the key back
                     // instead of forwarding.
                     let upstream_timeout = self.executor.upstream(route.upstream).config.timeout;
-                    if claim_started.elapsed() + upstream_timeout >= route.lease {
+                    if claim_started.elapsed() + upstream_timeout >= route.record.lease {
                         tracing::warn!(route = %route.operation, scope = %c.scope.log_id(), "claim took too long to leave room for the upstream; released, nothing forwarded");
                         self.executor.release(route, &c).await;
                         return Err(GatewayError::StoreUnavailable);
@@ -450,7 +450,7 @@ impl Gateway {
                     let stored = record.response.as_ref().ok_or(GatewayError::Internal)?;
                     return self.answer_from(route, stored, &parts.headers).await.map(|r| Claimed::Answered((r, Outcome::Replayed)));
                 }
-                Decision::Mismatch => return Err(GatewayError::KeyReused { status: route.mismatch_status }),
+                Decision::Mismatch => return Err(GatewayError::KeyReused { status: route.key.mismatch_status }),
                 Decision::Accepted => return Ok(Claimed::Answered((self.accepted(route, &record), Outcome::Accepted))),
                 Decision::Unknown => return Err(GatewayError::RecordUnknown),
                 Decision::LeaseExpired => {
@@ -498,7 +498,7 @@ impl Gateway {
     /// A completed record's answer: the stored one, or read again from the
     /// upstream with the caller's credentials (`replay = "refetch"`).
     async fn answer_from(&self, route: &Route, stored: &StoredResponse, caller: &HeaderMap) -> Result<Response<Body>, GatewayError> {
-        match route.replay {
+        match route.record.replay {
             ReplayMode::Stored => replay(stored),
             ReplayMode::Refetch => refetch(self.executor.upstream(route.upstream), stored, caller).await,
         }
@@ -507,7 +507,7 @@ impl Gateway {
     /// The answer to an accepted operation (and to its retries): 202, where to
     /// poll, when, and the status document.
     fn accepted(&self, route: &Route, record: &Record) -> Response<Body> {
-        let doc = status_document(record, route.poll_interval, route.retention);
+        let doc = status_document(record, route.queueing().poll_interval, route.record.retention);
         let mut resp = json_response(StatusCode::ACCEPTED, &doc);
         let h = resp.headers_mut();
         if let Some(id) = &record.operation_id
@@ -515,7 +515,7 @@ impl Gateway {
         {
             h.insert(http::header::LOCATION, location);
         }
-        h.insert(http::header::RETRY_AFTER, HeaderValue::from(route.poll_interval.as_secs().max(1)));
+        h.insert(http::header::RETRY_AFTER, HeaderValue::from(route.queueing().poll_interval.as_secs().max(1)));
         resp
     }
 
@@ -550,8 +550,9 @@ impl Gateway {
         // Reading a stored answer is asked again: a revoked principal gets 403.
         self.authorized(&record.scope.operation, req.method(), req.uri().path(), &identity, req.headers()).await?;
         let route = self.configured.router.route_for(&record.scope.operation);
-        let (poll, retention) =
-            route.map_or((Duration::from_secs(1), Retention::For(Duration::from_secs(24 * 3600))), |r| (r.poll_interval, r.retention));
+        let (poll, retention) = route.map_or((Duration::from_secs(1), Retention::For(Duration::from_secs(24 * 3600))), |r| {
+            (r.queueing().poll_interval, r.record.retention)
+        });
         if want_result {
             return match (&record.state, &record.response, route) {
                 (State::Completed, Some(stored), Some(route)) => {

@@ -137,12 +137,15 @@ impl Front for Observe<'_> {
     }
 }
 
-/// Passes the request through to `upstream` and observes it. Never answers
+/// Passes the request through to `upstream` and observes it, waiting for
+/// the claim at most `budget` (the route's `observe_budget`). Never answers
 /// anything the upstream (or plain pass-through) would not.
+#[allow(clippy::too_many_arguments)]
 pub async fn observe(
     shared: &Shared,
     configured: &Configured,
     upstream: &Upstream,
+    budget: Duration,
     route: &Arc<Route>,
     params: Vec<(String, String)>,
     req: Request<Incoming>,
@@ -165,7 +168,7 @@ pub async fn observe(
     let (captured_tx, captured_rx) = oneshot::channel();
     let (store, tracker) = (configured.store.clone(), shared.tracker.clone());
     shared.tracker.spawn(observation(store, tracker, route.clone(), claim, decided_tx, captured_rx, slot));
-    let capture = match tokio::time::timeout(route.observe_budget, decided_rx).await {
+    let capture = match tokio::time::timeout(budget, decided_rx).await {
         Ok(Ok(Decided::Claimed)) => true,
         Ok(Ok(Decided::Found(found))) => {
             let (record, now) = *found;
@@ -264,7 +267,7 @@ async fn observation(
         Err(e) => {
             tracing::debug!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "observe: claim failed");
             if e.is_ambiguous() {
-                store.abandon_later(&tracker, &claim.scope, claim.claim_token, route.lease);
+                store.abandon_later(&tracker, &claim.scope, claim.claim_token, route.record.lease);
             }
             let _ = decided.send(Decided::Failed);
             return;
@@ -273,7 +276,7 @@ async fn observation(
     let _ = decided.send(Decided::Claimed);
     // The claim's lease bounds the wait: past it the lease reaper marks the
     // record unknown (the request may have been sent) and a late write is fenced.
-    let answer = match tokio::time::timeout(route.lease, captured).await {
+    let answer = match tokio::time::timeout(route.record.lease, captured).await {
         Ok(Ok(answer)) => answer,
         // The request path went away before it forwarded anything.
         Ok(Err(_)) => Captured::NotSent,
@@ -292,7 +295,7 @@ async fn record(store: &Store, route: &Route, held: &Claim, answer: Captured) {
     // What the executor writes for the same class of answer.
     let written = match (&answer, answer.class().sync_write()) {
         (Captured::Answered(stored), SyncWrite::Complete) => {
-            store.complete(held, &crate::executor::stored_form(route, stored.clone()), route.retention).await
+            store.complete(held, &crate::executor::stored_form(route, stored.clone()), route.record.retention).await
         }
         (_, SyncWrite::MarkUnknown) => {
             tracing::warn!(route = %route.operation, scope = %scope, "observe: upstream outcome unknown; recorded as unknown");
@@ -315,7 +318,7 @@ async fn release(store: &Store, route: &Route, held: &Claim) -> Result<WriteOutc
         Err(_) => {}
         written => return written,
     }
-    let deadline = tokio::time::Instant::now() + route.lease;
+    let deadline = tokio::time::Instant::now() + route.record.lease;
     let retried = crate::retry::while_leased(deadline, true, || async { store.release(held).await.ok() }).await;
     // Out of lease: one last try, whose error is the answer.
     match retried {
@@ -348,7 +351,7 @@ async fn forward(route: &Route, upstream: &Upstream, parts: request::Parts, body
     };
     let (mut head, body) = resp.into_parts();
     // The executor's classification: the head is made ready to forward the same way.
-    let class = classify::head(&route.release_on_status, &mut head);
+    let class = classify::head(&route.record.release_on_status, &mut head);
     let body = Body::stream(body, upstream.config.timeout);
     let body = match capture {
         None => body,
@@ -362,7 +365,7 @@ async fn forward(route: &Route, upstream: &Upstream, parts: request::Parts, body
             status: head.status.as_u16(),
             headers: headers::storable(&head.headers),
             buf: BytesMut::new(),
-            limit: route.max_stored_response,
+            limit: route.record.max_stored_response,
             over_limit: false,
         }),
     };

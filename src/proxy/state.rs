@@ -125,14 +125,15 @@ impl Configured {
             .read_headers()
             .map(|h| h.as_str().to_owned())
             .chain(config.routes.iter().flat_map(|r| {
-                r.key_from
+                r.key
+                    .from
                     .sources()
                     .iter()
                     .filter_map(|s| match s {
                         KeySource::Header(h) => Some(h.as_str().to_owned()),
                         _ => None,
                     })
-                    .chain(std::iter::once(r.key_header.as_str().to_owned()))
+                    .chain(std::iter::once(r.key.header.as_str().to_owned()))
             }))
             .collect();
         Configured {
@@ -144,7 +145,7 @@ impl Configured {
             authorizers: config
                 .routes
                 .iter()
-                .filter_map(|r| r.authorize.as_ref().map(|a| (r.operation.clone(), Authorizer::new(a.clone()))))
+                .filter_map(|r| r.execution.authorize.as_ref().map(|a| (r.operation.clone(), Authorizer::new(a.clone()))))
                 .collect(),
             // The proxy listener's series (it speaks HTTP/2 when it has TLS);
             // its workers' accept loops use the same.
@@ -165,14 +166,14 @@ impl Configured {
             request_id_is_a_key: config
                 .routes
                 .iter()
-                .filter(|r| r.key_from.sources().iter().any(|s| matches!(s, KeySource::Header(h) if h == REQUEST_ID)))
+                .filter(|r| r.key.from.sources().iter().any(|s| matches!(s, KeySource::Header(h) if h == REQUEST_ID)))
                 .map(|r| r.operation.clone())
                 .collect(),
             route_limits: config
                 .routes
                 .iter()
                 .filter_map(|r| {
-                    let max_in_flight = r.max_in_flight?;
+                    let max_in_flight = r.execution.max_in_flight?;
                     let queue_timeout = config.upstreams.get(r.upstream).map_or(Duration::ZERO, |u| u.limit.queue_timeout());
                     Some((r.operation.clone(), Limit::new(LimitPolicy::Fixed { max_in_flight, queue_timeout })))
                 })

@@ -25,7 +25,6 @@ use crate::ops::admin::InForce;
 use crate::proxy::gateway::Gateway;
 use crate::proxy::state::{Configured, Shared};
 use crate::request::identity::jwt::JwtVerifier;
-use crate::request::route::RouteMode;
 use crate::server::route_tasks::RouteTasks;
 
 /// Applies configurations: holds what outlives them and where each
@@ -111,9 +110,9 @@ impl Applied {
 fn declare(shared: &Shared, config: &Config) {
     let metrics = shared.metrics();
     metrics.declare_upstreams(config.upstreams.iter().map(|u| u.name.as_str()));
-    metrics.declare_operations(config.routes.iter().map(|r| (&*r.operation, r.mode == RouteMode::Async || r.allow_async)));
-    metrics.declare_observed(config.routes.iter().filter(|r| r.mode == RouteMode::Observe).map(|r| &*r.operation));
-    metrics.declare_forever(config.routes.iter().filter(|r| r.retention == Retention::Forever).map(|r| &*r.operation));
+    metrics.declare_operations(config.routes.iter().map(|r| (&*r.operation, r.may_run_async())));
+    metrics.declare_observed(config.routes.iter().filter(|r| r.is_observed()).map(|r| &*r.operation));
+    metrics.declare_forever(config.routes.iter().filter(|r| r.record.retention == Retention::Forever).map(|r| &*r.operation));
     let _ = metrics.connections("proxy", config.server.max_connections);
 }
 

@@ -34,7 +34,6 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
-use crate::request::route::RouteMode;
 use crate::server::apply::Applier;
 use crate::telemetry::metrics::Metrics;
 
@@ -120,7 +119,7 @@ fn keep_restart_only(running: &Config, new: &mut Config) -> Vec<&'static str> {
 }
 
 fn has_background_routes(config: &Config) -> bool {
-    config.routes.iter().any(|r| r.mode == RouteMode::Async || r.allow_async || r.reconcile.is_some() || r.events.is_some())
+    config.routes.iter().any(|r| r.may_run_async() || r.background.reconcile.is_some() || r.background.events.is_some())
 }
 
 /// `idemgate reload`: sends SIGHUP to the gateway whose pid is in `pid_file`

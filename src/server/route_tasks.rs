@@ -66,7 +66,7 @@ impl RouteTasks {
         self.current = self.shutdown.child_token();
         let stop = self.current.clone();
         let store = gateway.store().clone();
-        self.leases.set_shortest_lease(gateway.routes().iter().map(|r| r.lease).min());
+        self.leases.set_shortest_lease(gateway.routes().iter().map(|r| r.record.lease).min());
         housekeeping::spawn_reaper(
             &self.background,
             store.clone(),
