@@ -26,6 +26,7 @@ use crate::proxy::gateway::Gateway;
 use crate::proxy::state::{Configured, Shared};
 use crate::request::identity::jwt::JwtVerifier;
 use crate::server::route_tasks::RouteTasks;
+use crate::store::op;
 
 /// Applies configurations: holds what outlives them and where each
 /// consumer finds the one in force.
@@ -113,6 +114,9 @@ fn declare(shared: &Shared, config: &Config) {
     metrics.declare_operations(config.routes.iter().map(|r| (&*r.operation, r.may_run_async())));
     metrics.declare_observed(config.routes.iter().filter(|r| r.is_observed()).map(|r| &*r.operation));
     metrics.declare_forever(config.routes.iter().filter(|r| r.record.retention == Retention::Forever).map(|r| &*r.operation));
+    if config.routes.iter().any(|r| r.may_run_async()) {
+        metrics.declare_store_ops(op::names(&op::OF_ASYNC_ROUTES), op::names(&op::FENCED_ASYNC));
+    }
     let _ = metrics.connections("proxy", config.server.max_connections);
 }
 
