@@ -17,8 +17,8 @@
 //! `Authorization: Bearer <token>` (`[admin] token_env` / `token_file`),
 //! compared in constant time; without a configured token it is off (404,
 //! saying so and how to turn it on).
-//! Errors are RFC 9457 problems, in the style of `crate::problem`, and never
-//! echo the token.
+//! Errors are RFC 9457 problems, rendered by [`crate::problem::Problem`],
+//! and never echo the token.
 //!
 //! Every API call, a refused one included, gets an access-log line (target
 //! `idemgate::proxy::access`, `route = "admin"`, whatever `server.access_log`
@@ -52,6 +52,7 @@ use crate::idempotency::key::{IdempotencyKey, Scope};
 use crate::idempotency::record::{Refused, State};
 use crate::ops::keys::{self, ResolveAction, ResolveError, ResolveRequest};
 use crate::outbox::Delivery;
+use crate::problem::Problem;
 use crate::request::identity::IdentitySource;
 use crate::request::route::Route;
 use crate::secret::{DerivedKeySecret, Secret};
@@ -661,7 +662,8 @@ fn store_error(e: crate::store::StoreError) -> AdminError {
     AdminError::StoreUnavailable
 }
 
-/// The one place an admin API error becomes a response (RFC 9457).
+/// An admin API error as a problem ([`Problem`], the renderer the proxy's
+/// errors go through too).
 fn problem(e: &AdminError) -> Response<Body> {
     let name = e.type_name();
     let (title, status, detail) = match e {
@@ -703,27 +705,25 @@ fn problem(e: &AdminError) -> Response<Body> {
             ("Store unavailable", StatusCode::SERVICE_UNAVAILABLE, "The store could not be reached.".to_owned())
         }
     };
-    let body = json!({
-        "type": format!("urn:idemgate:problem:{name}"),
-        "title": title,
-        "status": status.as_u16(),
-        "detail": detail,
-        "retryable": matches!(e, AdminError::StoreUnavailable),
-    });
-    let mut resp = Response::new(Body::full(body.to_string()));
-    *resp.status_mut() = status;
+    let unavailable = matches!(e, AdminError::StoreUnavailable);
+    let mut resp = Problem {
+        name,
+        title,
+        status,
+        detail,
+        retryable: unavailable,
+        retry_after: unavailable.then_some(Duration::from_secs(1)),
+        instance: None,
+        original_status: None,
+    }
+    .response();
     let h = resp.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
-    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     match e {
         AdminError::Unauthorized => {
             h.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer realm=\"idemgate-admin\""));
         }
         AdminError::MethodNotAllowed(allow) => {
             h.insert(header::ALLOW, HeaderValue::from_static(allow));
-        }
-        AdminError::StoreUnavailable => {
-            h.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         _ => {}
     }
@@ -787,6 +787,21 @@ mod tests {
         assert!(matches!(Endpoint::parse("/admin/records/t/p/o/%FF"), Err(AdminError::BadRequest(_))));
         // Keys are visible ASCII: a space is refused as it is on the proxy.
         assert!(matches!(Endpoint::parse("/admin/records/t/p/o/a%20b"), Err(AdminError::BadRequest(_))));
+    }
+
+    /// Admin errors go through the proxy's problem renderer: the same
+    /// document and headers, with the admin API's own additions.
+    #[test]
+    fn admin_problems_are_rendered_as_the_proxys() {
+        let r = problem(&AdminError::StoreUnavailable);
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(r.headers()[header::CONTENT_TYPE], "application/problem+json");
+        assert_eq!(r.headers()[header::CACHE_CONTROL], "no-store");
+        assert_eq!(r.headers()[header::RETRY_AFTER], "1");
+        let r = problem(&AdminError::Unauthorized);
+        assert_eq!(r.headers()[header::WWW_AUTHENTICATE], "Bearer realm=\"idemgate-admin\"");
+        assert!(r.headers().get(header::RETRY_AFTER).is_none());
+        assert_eq!(problem(&AdminError::MethodNotAllowed("POST")).headers()[header::ALLOW], "POST");
     }
 
     #[test]
