@@ -2,7 +2,7 @@
 //! unknown keys rejected); [`Config`] is the validated, typed result. Every
 //! error names the file and the TOML path it is about, and validation reports
 //! all of them at once. Settings that are valid but insecure become
-//! [`ConfigWarning`]s ([`hardening`]). [`check_connections`] (`check-config
+//! [`ConfigWarning`]s (`hardening`). [`check_connections`] (`check-config
 //! --connect`) then reaches the store and the upstreams without changing
 //! anything.
 

@@ -1,6 +1,6 @@
 //! The request path (the synchronous front): route, identify, validate,
 //! fingerprint, claim — then hand the claimed attempt to the
-//! [`Executor`](crate::executor::Executor) on a tracked task, or answer from
+//! [`Executor`] on a tracked task, or answer from
 //! the record the claim found.
 
 use std::borrow::Cow;
@@ -724,7 +724,7 @@ mod tests {
     /// worker's box. The branches a first write does not take (pass-through,
     /// the authorizer's call, observe mode) are boxed so that it stays small:
     /// inline, they made it 9.8 KB, copied several times per request
-    /// (docs/performance.md, issue 32).
+    /// (docs/performance-notes.md, issue 32).
     #[test]
     fn a_requests_future_stays_small() {
         let size = future_size(|(gw, req, peer): (Arc<Gateway>, Request<Incoming>, SocketAddr)| gw.handle(req, peer));

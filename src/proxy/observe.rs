@@ -19,7 +19,7 @@
 //!    (the body kept up to `max_stored_response`), released (a
 //!    `release_on_status` status, `Idempotency-Policy: no-store`, or a request
 //!    that never left), or `unknown` (sent, answer lost). The answer is copied
-//!    as it streams to the client ([`Tee`]) and written by the tracked task
+//!    as it streams to the client (`Tee`) and written by the tracked task
 //!    afterwards, so recording never delays the client either. Switching the
 //!    route to enforcing later finds these records as valid history.
 //!

@@ -356,7 +356,7 @@ impl Worker {
                 let draining = draining.clone();
                 // Boxed: hyper stores and moves the service's future; on the
                 // heap it moves as a pointer instead of a few kilobytes
-                // (docs/performance.md, issue 32).
+                // (docs/performance-notes.md, issue 32).
                 Box::pin(async move {
                     let mut response = answer.await;
                     // During the drain delay keep-alive clients are told to

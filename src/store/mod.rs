@@ -1,16 +1,10 @@
-//! The store: one contract, two backends (PostgreSQL for several replicas,
-//! embedded SQLite for one), one protocol.
-//!
-//! - [`contract`]: the traits each backend implements, one per concern
-//!   ([`Lifecycle`], [`Records`], [`Queue`], [`Reconcile`], [`Events`],
-//!   [`Trail`]; [`RecordStore`] is their sum), and the types they speak.
-//! - [`postgres::PgStore`] and [`sqlite::SqliteStore`]: the two backends.
-//! - [`Store`] (here): what must not differ between them — bounded operation
-//!   time, reading a row back after an ambiguous write (the `claim_token`
-//!   protocol), and metrics. The rest of the gateway only sees `Store`.
-//!
-//! The conformance suite in `tests/store_conformance.rs` runs the same cases
-//! against both backends.
+//! The store: one contract ([`contract`]), two backends ([`postgres`] for
+//! several replicas, [`sqlite`] embedded for one), and [`Store`] here, the
+//! facade the rest of the gateway sees: what must not differ between the
+//! backends (bounded operation time, reading a row back after an ambiguous
+//! write, the replay cache, metrics), each operation named once in [`op`].
+//! How the concerns are laid out, and where a new statement goes:
+//! `docs/architecture.md`.
 
 pub mod audit;
 pub mod cache;

@@ -4,7 +4,7 @@
 //! `operation` of the key's scope) and its policy. The [`Router`] answers, for
 //! any request, one of: an idempotent operation (with its path parameters), a
 //! pass-through to some upstream, or no match. Requests are routed by their
-//! normal form, and spellings that have none are refused ([`normal`]).
+//! normal form, and spellings that have none are refused (`normal`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -454,7 +454,7 @@ impl Router {
     }
 
     /// The normal form of a request's path, or why the request is refused
-    /// before routing (its method or its path): see [`normal`].
+    /// before routing (its method or its path): see `normal`.
     pub fn normalise<'p>(&self, method: &Method, path: &'p str) -> Result<std::borrow::Cow<'p, str>, InvalidRequest> {
         check_method(method, &self.methods)?;
         normalise_path(path)
@@ -469,7 +469,7 @@ impl Router {
     ///   method (the upstream would run another than the one routed);
     /// - a path that is not an operation of `method` but that a lenient
     ///   server would read as the path of one of its routes
-    ///   ([`normal::loose`], [`normal::names_loosely`]);
+    ///   (`normal::loose`, `normal::names_loosely`);
     /// - HEAD where a GET route protects the path (frameworks run the GET
     ///   handler for HEAD).
     pub fn route_normal(&self, method: &Method, path: &str, overridden: bool) -> Result<RouteMatch<'_>, InvalidRequest> {
