@@ -137,7 +137,8 @@ async fn behind_pgbouncer(mode: PoolMode) {
     assert!(ledger.values().all(|n| *n == 1), "an operation ran twice: {:?}", ledger.iter().filter(|(_, n)| **n != 1).collect::<Vec<_>>());
     let rows = pg.simple_query("pooled", "SELECT state, count(*) FROM idemgate_records GROUP BY state").unwrap();
     if rows != vec![vec![Some("completed".to_owned()), Some("497".to_owned())]] {
-        let open = pg.simple_query("pooled", "SELECT key, state, generation::text FROM idemgate_records WHERE state <> 'completed'").unwrap();
+        let open =
+            pg.simple_query("pooled", "SELECT key, state, generation::text FROM idemgate_records WHERE state <> 'completed'").unwrap();
         panic!("records ({mode:?}): {rows:?}; not completed: {open:?}\n{}", gw.logs());
     }
     drop(gw);
