@@ -833,15 +833,14 @@ impl Validator<'_> {
             }
         };
         let (max_in_flight, queue_timeout, timeout) = (max_in_flight?, queue_timeout?, timeout?);
-        let too_slow = timeout / 2;
         Some(match (u.adaptive, max_in_flight) {
             (Some(false), None) => LimitPolicy::Unlimited,
             (None | Some(false), Some(max_in_flight)) => LimitPolicy::Fixed { max_in_flight, queue_timeout },
             (None | Some(true), None) => {
-                LimitPolicy::Adaptive { initial: limit::DEFAULT_INITIAL, ceiling: limit::DEFAULT_CEILING, queue_timeout, too_slow }
+                LimitPolicy::Adaptive { initial: limit::DEFAULT_INITIAL, ceiling: limit::DEFAULT_CEILING, queue_timeout, timeout }
             }
             (Some(true), Some(ceiling)) => {
-                LimitPolicy::Adaptive { initial: limit::DEFAULT_INITIAL.min(ceiling), ceiling, queue_timeout, too_slow }
+                LimitPolicy::Adaptive { initial: limit::DEFAULT_INITIAL.min(ceiling), ceiling, queue_timeout, timeout }
             }
         })
     }
