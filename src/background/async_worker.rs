@@ -51,8 +51,12 @@ impl AsyncWorkers {
         let mut takes: Vec<(UpstreamId, Vec<WorkerRoute>)> = Vec::new();
         for r in &routes {
             // `sent_on_take` is set from the upstream's timeout in `spawn`.
-            let take =
-                WorkerRoute { operation: r.operation.clone(), lease: r.lease, reforwardable: r.upstream_idempotent, sent_on_take: None };
+            let take = WorkerRoute {
+                operation: r.operation.clone(),
+                lease: r.record.lease,
+                reforwardable: r.execution.upstream_idempotent,
+                sent_on_take: None,
+            };
             match takes.iter_mut().find(|(u, _)| *u == r.upstream) {
                 Some((_, list)) => list.push(take),
                 None => takes.push((r.upstream, vec![take])),
