@@ -110,10 +110,17 @@ async fn claims_of_many_tenants_at_once_each_route_to_their_shard() {
             claim
         }));
     }
+    // Generations are drawn per tenant, on its shard (no counter is shared
+    // between tenants): distinct within each tenant.
     let mut generations = BTreeSet::new();
     for t in tasks {
         let c = t.await.expect("task");
-        assert!(generations.insert(c.generation), "generation {:?} drawn twice", c.generation);
+        assert!(
+            generations.insert((c.scope.tenant.clone(), c.generation)),
+            "generation {:?} of {} drawn twice",
+            c.generation,
+            c.scope.tenant
+        );
     }
     for s in &scopes {
         let (record, _) = store.get(s).await.expect("get").expect("record");
@@ -179,7 +186,12 @@ async fn racing_workers_of_several_replicas_take_every_tenants_operations_once()
     for w in workers {
         for t in w.await.expect("worker") {
             *seen.entry(format!("{}/{}", t.record.scope.tenant, t.record.scope.key.as_str())).or_default() += 1;
-            assert!(generations.insert(t.claim.generation), "generation {:?} twice", t.claim.generation);
+            assert!(
+                generations.insert((t.record.scope.tenant.clone(), t.claim.generation)),
+                "generation {:?} of {} twice",
+                t.claim.generation,
+                t.record.scope.tenant
+            );
             assert_eq!((t.record.state, t.record.attempts), (State::Processing, 1));
         }
     }
@@ -214,7 +226,7 @@ async fn generations_grow_per_scope_without_a_volatile_update_even_with_the_coun
 
     // The counter falls behind every record.
     let db = client(&url).await;
-    db.batch_execute("SELECT setval('idemgate_generation', 1)").await.expect("setval");
+    db.batch_execute("UPDATE idemgate_generations SET generation = 1 WHERE tenant = 'tenant-gen'").await.expect("counter set back");
     tokio::time::sleep(Duration::from_millis(250)).await;
     let third = match store.claim(&req(&s, SHORT, true)).await.expect("take over") {
         ClaimOutcome::Claimed(c) => c,
@@ -444,7 +456,7 @@ async fn one_tenants_concurrent_claims_share_statements_and_keep_the_rules() {
         .execute(
             "INSERT INTO idemgate_records (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, \
              owner, lease_expires_at, created_at, updated_at, expires_at, key_source, scope_id) \
-             VALUES ('solo', 'billing', 'create_order', 'held', decode(repeat('07', 32), 'hex'), 'in_flight', nextval('idemgate_generation'), \
+             VALUES ('solo', 'billing', 'create_order', 'held', decode(repeat('07', 32), 'hex'), 'in_flight', 1, \
              gen_random_uuid(), 'another-replica', now() + interval '1 hour', now(), now(), now() + interval '1 hour', \
              'header:idempotency-key', idemgate_scope_id('solo', 'billing', 'create_order', 'held'))",
             &[],
