@@ -677,3 +677,61 @@ async fn a_dead_worker_stops_only_its_own_tenants_background_work() {
     let (lease, _) = store.get(&scope_of(&alive, "charge", "lease")).await.unwrap().unwrap();
     assert_eq!(lease.state, State::Unknown);
 }
+
+/// Gateways connected to different nodes at once (issue 47): a scope's
+/// record claimed through one node, completed with a short retention,
+/// swept, and claimed again through another node, then released (the key
+/// given back) and claimed again through a third: each claim's generation
+/// (what the upstream gets as `X-Idempotency-Generation`) is above every
+/// earlier one of the scope, although nothing is drawn from a sequence on
+/// the coordinator. A store given every node (a multi-host URL, its
+/// tenants' statements sent to their shards' nodes) takes part, and so does
+/// a tenant new to every node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scope_claimed_again_through_another_node_after_a_sweep_gets_a_higher_generation() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let cluster = citus::shared();
+    let url = cluster.create_unique_database("anynode").expect("database");
+    let db = url.rsplit('/').next().expect("database name").to_owned();
+    let via_coordinator = store(&url).await;
+    let via_worker: Vec<Store> = {
+        let mut stores = Vec::new();
+        for w in &cluster.workers {
+            stores.push(store(&w.url(&db)).await);
+        }
+        stores
+    };
+    let hosts: Vec<String> = cluster.nodes().map(|n| format!("127.0.0.1:{}", n.port())).collect();
+    let every_node = store(&format!("postgres://idemgate@{}/{db}", hosts.join(","))).await;
+    let through: Vec<&Store> = vec![&via_coordinator, &via_worker[0], &every_node, &via_worker[1], &via_coordinator, &every_node];
+    for tenant in ["tenant-any", "tenant-new"] {
+        let s = scope(tenant, "again");
+        let mut last = Generation(0);
+        for (round, store) in through.iter().enumerate() {
+            let claim = match store.claim(&req(&s, LONG, false)).await.expect("claim") {
+                ClaimOutcome::Claimed(c) => c,
+                other => panic!("round {round}: {other:?}"),
+            };
+            assert!(claim.generation > last, "{tenant}, round {round}: generation {:?} after {:?}", claim.generation, last);
+            last = claim.generation;
+            if round % 2 == 0 {
+                // Completed with a retention that runs out at once, then swept.
+                assert_eq!(
+                    store.complete(&claim, &response(b"done"), Retention::For(Duration::from_millis(1))).await.unwrap(),
+                    WriteOutcome::Written
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                let mut swept = 0;
+                while swept == 0 {
+                    swept = through[(round + 1) % through.len()].sweep(100).await.expect("sweep");
+                }
+            } else {
+                // Given back (the request never reached the upstream).
+                assert_eq!(store.release(&claim).await.unwrap(), WriteOutcome::Written);
+            }
+            assert!(via_coordinator.get(&s).await.expect("get").is_none(), "{tenant}, round {round}: the record is gone");
+        }
+    }
+}

@@ -24,3 +24,8 @@ INSERT INTO idemgate_settings (name, value)
 SELECT 'citus_generation_floor', convert_to(last_value::text, 'UTF8') FROM idemgate_generation
 ON CONFLICT (name) DO NOTHING;
 DROP SEQUENCE idemgate_generation;
+
+-- Which migrations are applied, on every node: a replica whose URL names a
+-- worker finds the schema up to date there and starts without migrating
+-- (schema changes still go through the coordinator).
+SELECT create_reference_table('idemgate_schema_migrations');
