@@ -112,9 +112,13 @@ pub fn pgbouncer_backend() -> Backend {
 
 /// A fresh database on this test binary's private Citus cluster (Citus must
 /// be installed: see `citus::skip_unless_installed`).
+/// A Citus test database, its URL listing every node (the coordinator
+/// first): the store sends each tenant's statements to the node holding
+/// its shard, as a deployment whose gateways are given every node does.
 pub fn citus_backend() -> Backend {
-    let url = citus::shared().create_unique_database("c").expect("create Citus test database");
-    Backend::Citus { url }
+    let cluster = citus::shared();
+    let url = cluster.create_unique_database("c").expect("create Citus test database");
+    Backend::Citus { url: cluster.every_node_url(&url) }
 }
 
 /// The collation of each scope column (`tenant`, `principal`, `operation`,
