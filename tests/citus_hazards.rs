@@ -735,3 +735,57 @@ async fn a_scope_claimed_again_through_another_node_after_a_sweep_gets_a_higher_
         }
     }
 }
+
+/// The upgrade from before migration `citus_0002` (one generation sequence
+/// on the coordinator): a database migrated by this version is set back to
+/// that state by hand (the counters' table gone, the sequence back, having
+/// given generations up to 5000, a record holding 5000, the migration
+/// forgotten), then migrated again. Every generation drawn after it, for
+/// the scope that held 5000 (taken over once its retention ran out), for
+/// another scope of its tenant, and for a tenant new to the cluster, is
+/// above every number the sequence gave.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generations_after_the_upgrade_to_per_tenant_counters_are_above_the_old_sequences() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let url = citus::shared().create_unique_database("upgrade_gens").expect("database");
+    let before = store(&url).await;
+    let old = scope("tenant-old", "held");
+    let claim = match before.claim(&req(&old, LONG, false)).await.expect("claim") {
+        ClaimOutcome::Claimed(c) => c,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(before.complete(&claim, &response(b"old"), Retention::For(Duration::from_millis(1))).await.unwrap(), WriteOutcome::Written);
+    drop(before);
+    let db = client(&url).await;
+    db.batch_execute(
+        "DROP TABLE idemgate_generations;
+         SELECT undistribute_table('idemgate_schema_migrations');
+         CREATE SEQUENCE idemgate_generation AS bigint CACHE 1;
+         SELECT setval('idemgate_generation', 5000);
+         UPDATE idemgate_records SET generation = 5000 WHERE tenant = 'tenant-old';
+         DELETE FROM idemgate_settings WHERE name = 'citus_generation_floor';
+         DELETE FROM idemgate_schema_migrations WHERE name = 'citus_0002_generations_per_tenant';",
+    )
+    .await
+    .expect("the schema as before citus_0002");
+
+    let after = store(&url).await;
+    let floor: String = db
+        .query_one("SELECT convert_from(value, 'UTF8') FROM idemgate_settings WHERE name = 'citus_generation_floor'", &[])
+        .await
+        .expect("the floor")
+        .get(0);
+    assert_eq!(floor, "5000");
+    let sequence: Option<String> = db.query_one("SELECT to_regclass('idemgate_generation')::text", &[]).await.unwrap().get(0);
+    assert_eq!(sequence, None, "the sequence is gone");
+    for s in [old.clone(), scope("tenant-old", "other"), scope("tenant-brand-new", "first")] {
+        let c = match after.claim(&req(&s, LONG, false)).await.expect("claim") {
+            ClaimOutcome::Claimed(c) => c,
+            other => panic!("{}: {other:?}", s.key.as_str()),
+        };
+        assert!(c.generation > Generation(5000), "{}/{}: {:?}", s.tenant, s.key.as_str(), c.generation);
+        assert_eq!(c.took_over, s == old, "{}", s.key.as_str());
+    }
+}
