@@ -406,7 +406,12 @@ async fn scopes_never_see_each_other(backend: Backend) {
         // Same fingerprint, same key text: still a first claim in its own scope.
         let o = claim(&store, &req(s, 1, LONG, false)).await;
         assert!(!o.took_over, "{s:?}");
-        assert!(o.generation > c.generation, "{s:?}: generations come from one growing sequence");
+        // One sequence on PostgreSQL and SQLite; on Citus a counter per
+        // tenant (docs/scaling.md, "Generations"): distinct and growing
+        // within a tenant, not across tenants.
+        if !matches!(backend, Backend::Citus { .. }) || s.tenant == base.tenant {
+            assert!(o.generation > c.generation, "{s:?}: generations come from one growing sequence");
+        }
         assert_ne!(o.claim_token, c.claim_token);
         claims.push(o);
     }
@@ -427,7 +432,10 @@ async fn scopes_never_see_each_other(backend: Backend) {
     assert_eq!((seen.scope.clone(), seen.claim_token), (others[1].clone(), claims[1].claim_token));
     // The released neighbour can be claimed afresh; base is untouched by it.
     let again = claim(&store, &req(&others[0], 1, LONG, false)).await;
-    assert!(again.generation > claims.last().unwrap().generation, "a new life of a scope gets a new, larger generation");
+    assert!(again.generation > claims[0].generation, "a new life of a scope gets a new, larger generation");
+    if !matches!(backend, Backend::Citus { .. }) {
+        assert!(again.generation > claims.last().unwrap().generation, "generations come from one growing sequence");
+    }
     assert_eq!(row(&store, &base).await.generation, c.generation);
     assert_eq!(all(&store).await.len(), 7);
     let t2 = store.list(&ListFilter { tenant: Some("t2".into()), limit: 100, ..ListFilter::default() }).await.unwrap();
