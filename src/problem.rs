@@ -1,5 +1,6 @@
 //! Every way a request can end other than with an upstream's (or a stored)
-//! response, and the one function that turns it into an RFC 9457 problem.
+//! response, and the one renderer of an RFC 9457 problem ([`Problem`]),
+//! which the admin API's errors go through too.
 //!
 //! `detail` texts are written here, for clients: they never carry internal
 //! error text, secrets, or another scope's data. Internal causes go to logs.
@@ -209,33 +210,72 @@ pub fn response(err: &GatewayError) -> Response<Body> {
 /// report names the access-log line).
 pub fn response_with_instance(err: &GatewayError, instance: Option<&str>) -> Response<Body> {
     let kind = err.kind();
-    let mut body = serde_json::json!({
-        "type": format!("urn:idemgate:problem:{}", kind.name),
-        "title": kind.title,
-        "status": kind.status.as_u16(),
-        "detail": err.detail(),
-        "retryable": kind.retryable,
-    });
-    if let Some(instance) = instance {
-        body["instance"] = serde_json::json!(instance);
-    }
-    if let GatewayError::ResponseNotStored { original_status } = err {
-        body["original_status"] = serde_json::json!(original_status);
-    }
-    let bytes = serde_json::to_vec(&body).unwrap_or_default();
-    let mut resp = Response::new(Body::full(bytes));
-    *resp.status_mut() = kind.status;
-    let h = resp.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
-    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-    if let Some(after) = err.retry_after() {
-        let secs = after.as_secs_f64().ceil().max(1.0) as u64;
-        h.insert(header::RETRY_AFTER, HeaderValue::from(secs));
-    }
+    let problem = Problem {
+        name: kind.name,
+        title: kind.title,
+        status: kind.status,
+        detail: err.detail(),
+        retryable: kind.retryable,
+        retry_after: err.retry_after(),
+        instance,
+        original_status: match err {
+            GatewayError::ResponseNotStored { original_status } => Some(*original_status),
+            _ => None,
+        },
+    };
+    let mut resp = problem.response();
     if matches!(err, GatewayError::ResponseNotStored { .. }) {
-        h.insert(crate::upstream::headers::IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+        resp.headers_mut().insert(crate::upstream::headers::IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     }
     resp
+}
+
+/// An RFC 9457 problem document: `urn:idemgate:problem:<name>`, with
+/// `retryable`, and `Retry-After` when a retry should wait.
+#[derive(Debug)]
+pub struct Problem<'a> {
+    /// The problem type's last part, e.g. `request-in-progress`.
+    pub name: &'static str,
+    pub title: &'static str,
+    pub status: StatusCode,
+    /// Written for clients: never internal error text or secrets.
+    pub detail: String,
+    pub retryable: bool,
+    pub retry_after: Option<Duration>,
+    /// The URI of this occurrence.
+    pub instance: Option<&'a str>,
+    /// `response-not-stored`: the status the upstream answered with.
+    pub original_status: Option<u16>,
+}
+
+impl Problem<'_> {
+    /// The one place a problem becomes a response.
+    pub fn response(&self) -> Response<Body> {
+        let mut body = serde_json::json!({
+            "type": format!("urn:idemgate:problem:{}", self.name),
+            "title": self.title,
+            "status": self.status.as_u16(),
+            "detail": self.detail,
+            "retryable": self.retryable,
+        });
+        if let Some(instance) = self.instance {
+            body["instance"] = serde_json::json!(instance);
+        }
+        if let Some(original_status) = self.original_status {
+            body["original_status"] = serde_json::json!(original_status);
+        }
+        let bytes = serde_json::to_vec(&body).unwrap_or_default();
+        let mut resp = Response::new(Body::full(bytes));
+        *resp.status_mut() = self.status;
+        let h = resp.headers_mut();
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        if let Some(after) = self.retry_after {
+            let secs = after.as_secs_f64().ceil().max(1.0) as u64;
+            h.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        resp
+    }
 }
 
 #[cfg(test)]

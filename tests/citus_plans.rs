@@ -129,7 +129,7 @@ fn subplans(plan: &Value) -> usize {
 /// at each execution and reports as "Creating router plan" only); and
 /// whether, entering at the node holding its shard with that node's session
 /// settings, Citus plans the shard's statement there once (its local
-/// execution plan: no deparse and no second parse, docs/performance.md).
+/// execution plan: no deparse and no second parse, docs/performance-notes.md).
 const HOT: &[(&str, Planner, bool)] = &[
     ("claim_read", Planner::FastPath, true),
     ("claim_read_batch", Planner::FastPath, true),

@@ -213,7 +213,7 @@ async fn every_statement_uses_its_index_whatever_the_statistics() {
     );
 }
 
-/// Known, and handled outside the statements (docs/performance.md "Plans
+/// Known, and handled outside the statements (docs/performance-notes.md "Plans
 /// made on an emptied table"; `store::postgres::replan`, tested by the two
 /// tests below): a table that was emptied and then vacuumed has zero pages
 /// and zero tuples in `pg_class`, which the planner believes, unlike a

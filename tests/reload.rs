@@ -342,3 +342,95 @@ async fn upstream_idempotent_turned_off_by_a_reload_stops_re_forwarding() {
     assert_eq!(up.total(), 1, "sent once: the reload said the upstream does not deduplicate\n{}", b.logs());
     a.signal("CONT");
 }
+
+/// The admin listener follows the configuration in force as the proxy does:
+/// after a reload that adds a route and an identity source, a hand-made
+/// completion of the new route's record keeps it for that route's retention
+/// (not the day of a route the admin API never heard of), and the record
+/// page masks the credential header the new source reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_api_and_the_console_follow_a_reload() {
+    const TOKEN: &str = "reload-admin-token";
+    const CLIENT_KEY: &str = "client-key-9";
+    let (_up, mut gw, store, _dir) = support::admin::setup(sqlite_backend(), TOKEN, |c| c.timeout("500ms").route("lease = \"1s\"")).await;
+
+    // The reload: a sync route kept 30 days, an async route whose upstream
+    // is down (its operations stay queued with their stored request), and
+    // a second API key source reading `x-client-id`.
+    let down = support::gateway::free_local_addr();
+    let sources = format!(
+        "[[identity.sources]]\nkind = \"api_key\"\nkeys = [ {{ sha256 = \"{}\", tenant = \"{TENANT}\", principal = \"{PRINCIPAL}\" }} ]\n\n\
+         [[identity.sources]]\nkind = \"api_key\"\nheader = \"x-client-id\"\n\
+         keys = [ {{ sha256 = \"{}\", tenant = \"{TENANT}\", principal = \"{PRINCIPAL}\" }} ]\n",
+        hex::encode(Sha256::digest(support::gateway::API_KEY.as_bytes())),
+        hex::encode(Sha256::digest(CLIENT_KEY.as_bytes())),
+    );
+    let next = gw.config.clone().identity(&sources).tail(&format!(
+        "[[routes]]\noperation = \"create_refund\"\nmethod = \"POST\"\npath = \"/v1/refunds\"\nupstream = \"orders\"\n\
+         lease = \"1s\"\nretention = \"30d\"\n\n\
+         [[upstreams]]\nname = \"down\"\nurl = \"http://{down}\"\nconnect_timeout = \"300ms\"\ntimeout = \"1s\"\n\n\
+         [[routes]]\noperation = \"queue_order\"\nmethod = \"POST\"\npath = \"/v1/queued\"\nupstream = \"down\"\n\
+         mode = \"async\"\nretry.max_attempts = 10\nretry.backoff = \"1h\"\n"
+    ));
+    tokio::task::block_in_place(|| gw.reload(next, Duration::from_secs(10))).expect("the reload is applied");
+
+    // A refund the upstream executed after the gateway gave up: unknown.
+    let r = send(
+        "POST",
+        &gw.url("/v1/refunds"),
+        &[
+            ("authorization", "Bearer test-key"),
+            ("content-type", "application/json"),
+            ("idempotency-key", "r1"),
+            ("x-test-sleep-ms", "900"),
+        ],
+        ORDER,
+    )
+    .await
+    .unwrap();
+    assert_eq!((r.status, r.problem().as_str()), (504, "outcome-unknown"), "{r:?}");
+    let refund = scope_for(PRINCIPAL, "create_refund", "r1");
+    let unknown = eventually(Duration::from_secs(5), || async {
+        store.get(&refund).await.unwrap().is_some_and(|(r, _)| r.state == idemgate::idempotency::record::State::Unknown)
+    })
+    .await;
+    assert!(unknown, "the refund's record is unknown");
+
+    // Completed by hand without a retention: the new route's 30 days.
+    let resolve = support::admin::request(
+        &gw,
+        "POST",
+        &format!("{}/resolve", support::admin::record_path(TENANT, PRINCIPAL, "create_refund", "r1")),
+        Some(TOKEN),
+        r#"{"action":"complete","status":201,"reason":"the ledger shows the refund"}"#,
+    )
+    .await;
+    assert_eq!(resolve.status, 200, "{resolve:?}");
+    let (done, _) = store.get(&refund).await.unwrap().expect("the record stays");
+    assert_eq!(done.state, idemgate::idempotency::record::State::Completed);
+    let kept = Duration::from_micros(u64::try_from(done.expires_at.0 - done.updated_at.0).unwrap_or(0));
+    assert!(kept > Duration::from_secs(29 * 24 * 3600), "kept for the new route's retention, not a day: {kept:?}");
+
+    // An operation sent with the new source's credential: masked on the record page.
+    let q = send(
+        "POST",
+        &gw.url("/v1/queued"),
+        &[("x-client-id", CLIENT_KEY), ("content-type", "application/json"), ("idempotency-key", "q1")],
+        ORDER,
+    )
+    .await
+    .unwrap();
+    assert_eq!(q.status, 202, "{q:?}");
+    let page = support::admin::request(
+        &gw,
+        "GET",
+        &format!("{}/inspect", support::admin::record_path(TENANT, PRINCIPAL, "queue_order", "q1")),
+        Some(TOKEN),
+        "",
+    )
+    .await;
+    assert_eq!(page.status, 200, "{page:?}");
+    let headers = page.json()["request"]["headers"].as_array().cloned().unwrap_or_default();
+    assert!(headers.contains(&serde_json::json!(["x-client-id", "(masked: 12 bytes)"])), "{headers:?}");
+    assert!(!page.body.windows(CLIENT_KEY.len()).any(|w| w == CLIENT_KEY.as_bytes()), "the credential is never in the answer");
+}

@@ -302,7 +302,8 @@ async fn two_replicas_never_probe_and_write_one_record_twice() {
         sends.push(tokio::spawn(async move { post(&url, &k, ORDER, &[("x-test-sleep-ms", "900")]).await }));
     }
     for s in sends {
-        assert_eq!(s.await.unwrap().status, 504);
+        let r = s.await.unwrap();
+        assert_eq!(r.status, 504, "{r:?}");
     }
     let all_done = eventually(Duration::from_secs(30), || async {
         let mut n = 0;

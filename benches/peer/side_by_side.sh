@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The peer benchmark (`scripts/bench --peer`; see docs/performance.md).
+# The peer benchmark (`scripts/bench --peer`; see docs/performance-notes.md).
 # Side by side, in ONE run on one machine: the Node peer (@node-idempotency/core +
 # Redis, AOF fsync per REDIS_DURABILITY, default always) against idemgate on
 # PostgreSQL (fsync on, synchronous_commit on) and idemgate on its embedded SQLite store.

@@ -50,7 +50,8 @@ impl AsyncWorkers {
     pub fn new(routes: Vec<Arc<Route>>, store: Store, owner: Arc<str>, wake: Arc<Notify>) -> AsyncWorkers {
         let mut takes: Vec<(UpstreamId, Vec<WorkerRoute>)> = Vec::new();
         for r in &routes {
-            let take = WorkerRoute { operation: r.operation.clone(), lease: r.lease, reforwardable: r.upstream_idempotent };
+            let take =
+                WorkerRoute { operation: r.operation.clone(), lease: r.record.lease, reforwardable: r.execution.upstream_idempotent };
             match takes.iter_mut().find(|(u, _)| *u == r.upstream) {
                 Some((_, list)) => list.push(take),
                 None => takes.push((r.upstream, vec![take])),

@@ -53,7 +53,7 @@ impl Relay {
     /// delivery to the same origin shares.
     pub fn new(routes: &[Arc<Route>], upstreams: &[Upstream], store: Store, metrics: Arc<Metrics>) -> Option<Relay> {
         let routes: HashMap<Arc<str>, Arc<EventsConfig>> =
-            routes.iter().filter_map(|r| r.events.as_ref().map(|e| (r.operation.clone(), Arc::new(e.clone())))).collect();
+            routes.iter().filter_map(|r| r.background.events.as_ref().map(|e| (r.operation.clone(), Arc::new(e.clone())))).collect();
         if routes.is_empty() {
             return None;
         }

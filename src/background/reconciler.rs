@@ -106,7 +106,7 @@ impl Reconciler {
             .routes
             .iter()
             .filter_map(|r| {
-                let probe = r.reconcile.clone()?;
+                let probe = r.background.reconcile.clone()?;
                 let upstream = executor.upstreams().get(r.upstream)?.with_own_pool();
                 let hold = upstream.config.timeout + config.store.operation_timeout * 2 + Duration::from_secs(1);
                 Some(Probed { route: Arc::new(r.clone()), probe, upstream, hold })
@@ -231,7 +231,7 @@ impl Reconciler {
             return;
         };
         let request = ResolveRequest { action, reason: Some(reason), force: false, actor: Actor::Reconciler, fence: Some(taken.fence) };
-        match keys::resolve(&self.store, scope, request, probed.route.retention).await {
+        match keys::resolve(&self.store, scope, request, probed.route.record.retention).await {
             Ok(_) => tracing::info!(route, scope = %scope.log_id(), outcome = outcome.as_str(), "unknown record reconciled by its probe"),
             Err(ResolveError::Refused(Refused::Fenced) | ResolveError::NotFound) => tracing::info!(
                 route,
@@ -277,7 +277,7 @@ impl Reconciler {
             Verdict::Inconclusive => Ok(Answer::Inconclusive { status }),
             Verdict::Found => {
                 headers::strip_hop_by_hop(&mut head.headers);
-                let limit = usize::try_from(probed.route.max_stored_response).unwrap_or(usize::MAX);
+                let limit = usize::try_from(probed.route.record.max_stored_response).unwrap_or(usize::MAX);
                 let body = match tokio::time::timeout_at(deadline, Limited::new(body, limit).collect()).await {
                     Ok(Ok(collected)) => Some(collected.to_bytes()),
                     // Larger than the route stores: the outcome is known, the

@@ -2,7 +2,7 @@
 //! unknown keys rejected); [`Config`] is the validated, typed result. Every
 //! error names the file and the TOML path it is about, and validation reports
 //! all of them at once. Settings that are valid but insecure become
-//! [`ConfigWarning`]s ([`hardening`]). [`check_connections`] (`check-config
+//! [`ConfigWarning`]s (`hardening`). [`check_connections`] (`check-config
 //! --connect`) then reaches the store and the upstreams without changing
 //! anything.
 
@@ -21,7 +21,7 @@ pub use error::{ConfigError, ConfigIssue};
 pub use hardening::{ConfigWarning, Hardening};
 
 use crate::request::identity::IdentitySource;
-use crate::request::route::{Route, RouteMode, UpstreamId};
+use crate::request::route::{Route, UpstreamId};
 pub use crate::secret::Secret;
 pub use crate::store::{Pooler, StoreBackend, StoreConfig};
 use crate::tls::server::ListenerTls;
@@ -184,10 +184,10 @@ impl Config {
     pub fn notes(&self) -> Vec<String> {
         let mut notes = Vec::new();
         for (i, r) in self.routes.iter().enumerate() {
-            let (Some(probe), Some(up)) = (&r.reconcile, self.upstreams.get(r.upstream)) else { continue };
+            let (Some(probe), Some(up)) = (&r.background.reconcile, self.upstreams.get(r.upstream)) else { continue };
             let first = up.timeout + probe.settle;
             let fmt = humantime::format_duration;
-            let mut note = if r.mode == RouteMode::Async {
+            let mut note = if r.execution.mode.always_async() {
                 format!(
                     "routes[{i}].reconcile: an unknown operation of {} is probed no sooner than {} after its attempt was sent \
                      (upstream {} timeout {} + settle {}; an attempt sent by a replica with another timeout waits for that one): \
@@ -204,19 +204,19 @@ impl Config {
                      (its lease {}, which outlasts upstream {}'s timeout {}, + settle {}): until then the request may still be \
                      at the upstream",
                     r.operation,
-                    fmt(r.lease + probe.settle),
-                    fmt(r.lease),
+                    fmt(r.record.lease + probe.settle),
+                    fmt(r.record.lease),
                     up.name,
                     fmt(up.timeout),
                     fmt(probe.settle),
                 )
             };
-            if r.lease < up.timeout {
+            if r.record.lease < up.timeout {
                 note.push_str(&format!(
                     "; its lease ({}) is shorter than that timeout, so a lost attempt turns unknown after one lease and waits \
                      about {} more for its first probe",
-                    humantime::format_duration(r.lease),
-                    humantime::format_duration(first.saturating_sub(r.lease)),
+                    humantime::format_duration(r.record.lease),
+                    humantime::format_duration(first.saturating_sub(r.record.lease)),
                 ));
             }
             notes.push(note);

@@ -2,7 +2,7 @@ use std::time::Duration;
 
 use super::*;
 use crate::idempotency::record::Retention;
-use crate::request::route::{ForwardKey, InFlightPolicy, RouteMode};
+use crate::request::route::{ForwardKey, InFlightPolicy, Mode};
 
 const KEY_HASH: &str = "0000000000000000000000000000000000000000000000000000000000000000";
 
@@ -50,15 +50,15 @@ fn defaults_are_documented_values() {
     assert!(c.store.migrate);
     let r = &c.routes[0];
     assert_eq!(r.method, http::Method::POST);
-    assert_eq!(r.key_header.as_str(), "idempotency-key");
-    assert!(r.key_required);
-    assert_eq!(r.retention, Retention::For(Duration::from_secs(24 * 3600)));
-    assert_eq!(r.in_flight, InFlightPolicy::Reject);
+    assert_eq!(r.key.header.as_str(), "idempotency-key");
+    assert!(r.key.required);
+    assert_eq!(r.record.retention, Retention::For(Duration::from_secs(24 * 3600)));
+    assert_eq!(r.record.in_flight, InFlightPolicy::Reject);
     // Lease default: upstream timeout plus a margin.
-    assert_eq!(r.lease, Duration::from_secs(7));
-    assert_eq!(r.mismatch_status, http::StatusCode::CONFLICT);
-    assert_eq!(r.forward_key, ForwardKey::Derived);
-    assert_eq!(r.max_stored_response, 1024 * 1024);
+    assert_eq!(r.record.lease, Duration::from_secs(7));
+    assert_eq!(r.key.mismatch_status, http::StatusCode::CONFLICT);
+    assert_eq!(r.key.forward, ForwardKey::Derived);
+    assert_eq!(r.record.max_stored_response, 1024 * 1024);
 }
 
 #[test]
@@ -91,16 +91,16 @@ fingerprint.headers = ["Api-Version"]"#
     }
     assert_eq!(c.admin.as_ref().unwrap().token.as_ref().unwrap().expose(), "t0ken");
     let r = &c.routes[0];
-    assert_eq!(r.in_flight, InFlightPolicy::Wait(Duration::from_millis(250)));
-    assert_eq!(r.release_on_status, vec![http::StatusCode::TOO_MANY_REQUESTS, http::StatusCode::SERVICE_UNAVAILABLE]);
-    assert_eq!(r.max_stored_response, 64 * 1024);
-    assert!(r.upstream_idempotent);
-    assert_eq!(r.lease, Duration::from_secs(15));
-    assert_eq!(r.mismatch_status, http::StatusCode::UNPROCESSABLE_ENTITY);
-    assert_eq!(r.forward_key, ForwardKey::Client);
-    assert_eq!(r.fingerprint.exclude.len(), 1);
-    assert_eq!(r.fingerprint.defaults.len(), 2);
-    assert_eq!(r.fingerprint.headers[0].as_str(), "api-version");
+    assert_eq!(r.record.in_flight, InFlightPolicy::Wait(Duration::from_millis(250)));
+    assert_eq!(r.record.release_on_status, vec![http::StatusCode::TOO_MANY_REQUESTS, http::StatusCode::SERVICE_UNAVAILABLE]);
+    assert_eq!(r.record.max_stored_response, 64 * 1024);
+    assert!(r.execution.upstream_idempotent);
+    assert_eq!(r.record.lease, Duration::from_secs(15));
+    assert_eq!(r.key.mismatch_status, http::StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(r.key.forward, ForwardKey::Client);
+    assert_eq!(r.key.fingerprint.exclude.len(), 1);
+    assert_eq!(r.key.fingerprint.defaults.len(), 2);
+    assert_eq!(r.key.fingerprint.headers[0].as_str(), "api-version");
 }
 
 #[test]
@@ -344,7 +344,7 @@ fn retention_under_one_second_is_refused() {
         let e = parse(&minimal(&format!("retention = \"{bad}\""))).unwrap_err();
         assert!(issue(&e, "routes[0].retention").contains("at least 1s"), "{bad}: {e}");
     }
-    assert_eq!(parse(&minimal("retention = \"1s\"")).unwrap().routes[0].retention, Retention::For(Duration::from_secs(1)));
+    assert_eq!(parse(&minimal("retention = \"1s\"")).unwrap().routes[0].record.retention, Retention::For(Duration::from_secs(1)));
 }
 
 #[test]
@@ -472,7 +472,7 @@ fn an_entry_that_does_not_deserialize_still_takes_part_in_cross_checks() {
 
 #[test]
 fn key_from_takes_one_source_or_a_list() {
-    let labels = |c: &Config| c.routes[0].key_from.sources().iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let labels = |c: &Config| c.routes[0].key.from.sources().iter().map(|s| s.to_string()).collect::<Vec<_>>();
     // Default: key_header.
     assert_eq!(labels(&parse(&minimal("")).unwrap()), ["header:idempotency-key"]);
     assert_eq!(labels(&parse(&minimal("key_header = \"x-key\"")).unwrap()), ["header:x-key"]);
@@ -482,7 +482,7 @@ fn key_from_takes_one_source_or_a_list() {
     assert_eq!(labels(&list), ["header:x-client-order-id", "body:/order/id", "header:idempotency-key"]);
     // One header source is the header forward_key = "client" forwards.
     let client = parse(&minimal("key_from = \"header:x-request-id\"\nforward_key = \"client\"")).unwrap();
-    assert_eq!(client.routes[0].key_header.as_str(), "x-request-id");
+    assert_eq!(client.routes[0].key.header.as_str(), "x-request-id");
 }
 
 #[test]
@@ -506,11 +506,11 @@ fn bad_key_sources_are_reported_with_their_path() {
 #[test]
 fn forever_retention_and_a_zero_response_limit() {
     let c = parse(&minimal("retention = \"forever\"\nmax_stored_response = \"0\"")).unwrap();
-    assert_eq!(c.routes[0].retention, Retention::Forever);
-    assert_eq!(c.routes[0].max_stored_response, 0);
+    assert_eq!(c.routes[0].record.retention, Retention::Forever);
+    assert_eq!(c.routes[0].record.max_stored_response, 0);
     // A number of bytes is accepted too.
-    assert_eq!(parse(&minimal("max_stored_response = 0")).unwrap().routes[0].max_stored_response, 0);
-    assert_eq!(parse(&minimal("max_stored_response = 4096")).unwrap().routes[0].max_stored_response, 4096);
+    assert_eq!(parse(&minimal("max_stored_response = 0")).unwrap().routes[0].record.max_stored_response, 0);
+    assert_eq!(parse(&minimal("max_stored_response = 4096")).unwrap().routes[0].record.max_stored_response, 4096);
     let e = parse(&minimal("max_stored_response = -1")).unwrap_err();
     assert!(issue(&e, "routes[0].max_stored_response").contains("negative"), "{e}");
     let e = parse(&minimal("retention = \"always\"")).unwrap_err();
@@ -520,10 +520,9 @@ fn forever_retention_and_a_zero_response_limit() {
 #[test]
 fn observe_mode_and_its_budget() {
     let c = parse(&minimal("mode = \"observe\"")).unwrap();
-    assert_eq!(c.routes[0].mode, RouteMode::Observe);
-    assert_eq!(c.routes[0].observe_budget, Duration::from_millis(50));
+    assert_eq!(c.routes[0].execution.mode, Mode::Observe { budget: Duration::from_millis(50) });
     let c = parse(&minimal("mode = \"observe\"\nobserve_budget = \"20ms\"")).unwrap();
-    assert_eq!(c.routes[0].observe_budget, Duration::from_millis(20));
+    assert_eq!(c.routes[0].execution.mode, Mode::Observe { budget: Duration::from_millis(20) });
     let e = parse(&minimal("observe_budget = \"20ms\"")).unwrap_err();
     assert!(issue(&e, "routes[0].observe_budget").contains("mode = \"observe\""), "{e}");
     let e = parse(&minimal("mode = \"observe\"\nobserve_budget = \"0s\"")).unwrap_err();
@@ -555,7 +554,7 @@ fn a_sync_lease_leaves_room_for_the_claim_and_the_result_write() {
     let e = parse(&minimal("lease = \"2001ms\"")).unwrap_err();
     let msg = issue(&e, "routes[0].lease");
     assert!(msg.contains("at least 2s 500ms"), "{msg}");
-    assert_eq!(parse(&minimal("lease = \"2500ms\"")).unwrap().routes[0].lease, Duration::from_millis(2500));
+    assert_eq!(parse(&minimal("lease = \"2500ms\"")).unwrap().routes[0].record.lease, Duration::from_millis(2500));
     // Async routes renew their lease by heartbeats: shorter is fine.
     assert!(parse(&minimal("mode = \"async\"\nlease = \"1s\"")).is_ok());
 }
@@ -563,14 +562,14 @@ fn a_sync_lease_leaves_room_for_the_claim_and_the_result_write() {
 #[test]
 fn a_probe_is_parsed_with_its_defaults() {
     let c = parse(&minimal("[routes.reconcile]\nprobe = \"GET /v1/orders/by-key/{derived_key}\"")).unwrap();
-    let p = c.routes[0].reconcile.as_ref().expect("probe");
+    let p = c.routes[0].background.reconcile.as_ref().expect("probe");
     assert_eq!(p.method, http::Method::GET);
     assert_eq!(p.target.as_str(), "/v1/orders/by-key/{derived_key}");
     assert_eq!(p.found, vec![http::StatusCode::OK]);
     assert_eq!(p.found_as, None);
     assert_eq!(p.absent, vec![http::StatusCode::NOT_FOUND]);
     assert_eq!((p.settle, p.interval), (Duration::from_secs(30), Duration::from_secs(30)));
-    assert!(parse(&minimal("")).unwrap().routes[0].reconcile.is_none(), "no probe unless configured");
+    assert!(parse(&minimal("")).unwrap().routes[0].background.reconcile.is_none(), "no probe unless configured");
 
     let text = minimal(
         "[routes.reconcile]\nprobe = \"head /v1/orders/{id}/by-key?k={key}&t={tenant}&p={principal}\"\nfound = [200, 204]\nfound_as = 201\nabsent = [404, 410]\n\
@@ -578,7 +577,7 @@ fn a_probe_is_parsed_with_its_defaults() {
     )
     .replace("path = \"/v1/orders\"", "path = \"/v1/orders/{id}\"");
     let c = parse(&text).unwrap();
-    let p = c.routes[0].reconcile.as_ref().expect("probe");
+    let p = c.routes[0].background.reconcile.as_ref().expect("probe");
     assert_eq!(p.method, http::Method::HEAD);
     assert!(p.target.uses_params());
     assert_eq!(p.found_as, Some(http::StatusCode::CREATED));
@@ -770,9 +769,9 @@ fn citus_store_takes_the_postgres_keys() {
 #[test]
 fn event_batches_default_to_one_and_are_bounded() {
     let c = parse(&minimal("[routes.events]\nurl = \"http://hooks.internal/idemgate\"")).unwrap();
-    assert_eq!(c.routes[0].events.as_ref().unwrap().batch, 1, "one event per POST unless asked");
+    assert_eq!(c.routes[0].background.events.as_ref().unwrap().batch, 1, "one event per POST unless asked");
     let c = parse(&minimal("[routes.events]\nurl = \"http://hooks.internal/idemgate\"\nbatch = 100")).unwrap();
-    assert_eq!(c.routes[0].events.as_ref().unwrap().batch, 100);
+    assert_eq!(c.routes[0].background.events.as_ref().unwrap().batch, 100);
     for bad in ["0", "1001", "-1"] {
         let e = parse(&minimal(&format!("[routes.events]\nurl = \"http://hooks.internal/idemgate\"\nbatch = {bad}"))).unwrap_err();
         assert!(issue(&e, "routes[0].events.batch").contains("1-1000"), "{e}");

@@ -23,7 +23,10 @@ use crate::request::authorize::AuthorizeConfig;
 use crate::request::identity::{Identity, IdentitySource};
 use crate::request::key_source::{KeySource, KeySources};
 use crate::request::reconcile_probe::{Probe, ProbeTarget};
-use crate::request::route::{ForwardKey, InFlightPolicy, PathTemplate, ReplayMode, RetryPolicy, Route, RouteMode, ScopeMode};
+use crate::request::route::{
+    BackgroundPolicy, Execution, ForwardKey, InFlightPolicy, KeyPolicy, Mode, PathTemplate, Queueing, RecordPolicy, ReplayMode,
+    RetryPolicy, Route, ScopeMode,
+};
 use crate::store::{Pooler, UnreachableAtStart};
 use crate::tls::client::ClientTls;
 use crate::tls::server::{ClientAuth, ListenerTls};
@@ -47,9 +50,17 @@ const LEASE_MARGIN: Duration = Duration::from_secs(5);
 /// room for the claim before the forward and the result write after it.
 const LEASE_WRITE_ROOM: Duration = Duration::from_millis(500);
 
+/// `routes[].mode` as written, before its settings are gathered into a [`Mode`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ModeName {
+    Sync,
+    Async,
+    Observe,
+}
+
 /// `routes[].max_queued` when absent: async operations queued per route
 /// before acceptances are refused.
-const DEFAULT_MAX_QUEUED: i64 = 10_000;
+const DEFAULT_MAX_QUEUED: i64 = Queueing::DEFAULT.max_queued as i64;
 /// `upstreams[].connect_timeout` when absent (capped at half the timeout).
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -94,7 +105,7 @@ pub(super) fn validate(raw: FileConfig, issues: Issues, origin: &str, env: &dyn 
     // one would ever run what its async routes accept.
     if let (Some(store), Some(WorkersConfig { count: 0 })) = (&store, &workers)
         && matches!(store.backend, StoreBackend::Sqlite { .. })
-        && let Some(i) = routes.iter().position(|r| r.mode == RouteMode::Async || r.allow_async)
+        && let Some(i) = routes.iter().position(Route::may_run_async)
     {
         v.issues.push(
             "workers.count",
@@ -822,15 +833,14 @@ impl Validator<'_> {
             }
         };
         let (max_in_flight, queue_timeout, timeout) = (max_in_flight?, queue_timeout?, timeout?);
-        let too_slow = timeout / 2;
         Some(match (u.adaptive, max_in_flight) {
             (Some(false), None) => LimitPolicy::Unlimited,
             (None | Some(false), Some(max_in_flight)) => LimitPolicy::Fixed { max_in_flight, queue_timeout },
             (None | Some(true), None) => {
-                LimitPolicy::Adaptive { initial: limit::DEFAULT_INITIAL, ceiling: limit::DEFAULT_CEILING, queue_timeout, too_slow }
+                LimitPolicy::Adaptive { initial: limit::DEFAULT_INITIAL, ceiling: limit::DEFAULT_CEILING, queue_timeout, timeout }
             }
             (Some(true), Some(ceiling)) => {
-                LimitPolicy::Adaptive { initial: limit::DEFAULT_INITIAL.min(ceiling), ceiling, queue_timeout, too_slow }
+                LimitPolicy::Adaptive { initial: limit::DEFAULT_INITIAL.min(ceiling), ceiling, queue_timeout, timeout }
             }
         })
     }
@@ -1247,24 +1257,24 @@ impl Validator<'_> {
             }
         });
         let mode = match r.mode.as_deref() {
-            None | Some("sync") => Some(RouteMode::Sync),
-            Some("async") => Some(RouteMode::Async),
-            Some("observe") => Some(RouteMode::Observe),
+            None | Some("sync") => Some(ModeName::Sync),
+            Some("async") => Some(ModeName::Async),
+            Some("observe") => Some(ModeName::Observe),
             Some(other) => {
                 self.issues.push(format!("{p}.mode"), format!("unknown mode {other:?}: use \"sync\", \"async\" or \"observe\""));
                 None
             }
         };
-        if mode == Some(RouteMode::Observe) && r.allow_async == Some(true) {
+        if mode == Some(ModeName::Observe) && r.allow_async == Some(true) {
             self.issues.push(format!("{p}.allow_async"), "not with mode = \"observe\": observed requests always pass through");
         }
         let observe_budget = self.duration(&format!("{p}.observe_budget"), r.observe_budget.as_deref(), "50ms");
         let observe_budget = self.at_least(&format!("{p}.observe_budget"), observe_budget, Duration::from_millis(1));
-        if mode != Some(RouteMode::Observe) && r.observe_budget.is_some() {
+        if mode != Some(ModeName::Observe) && r.observe_budget.is_some() {
             self.issues.push(format!("{p}.observe_budget"), "applies to mode = \"observe\" only");
         }
-        let is_async = mode == Some(RouteMode::Async) || r.allow_async == Some(true);
-        if mode == Some(RouteMode::Async) && r.allow_async.is_some() {
+        let is_async = mode == Some(ModeName::Async) || r.allow_async == Some(true);
+        if mode == Some(ModeName::Async) && r.allow_async.is_some() {
             self.issues.push(format!("{p}.allow_async"), "only for sync routes (mode = \"async\" is always async)");
         }
         let poll_interval = self.duration(&format!("{p}.poll_interval"), r.poll_interval.as_deref(), "1s");
@@ -1341,7 +1351,7 @@ impl Validator<'_> {
                 // it), so there it may be shorter than the upstream's timeout;
                 // a request that is also served synchronously needs the lease to
                 // outlast the whole exchange.
-                if mode == Some(RouteMode::Async) {
+                if mode == Some(ModeName::Async) {
                     if lease.is_some_and(|l| l < Duration::from_millis(300)) {
                         self.issues.push(format!("{p}.lease"), "must be at least 300ms (heartbeats renew it every third)");
                     }
@@ -1410,56 +1420,72 @@ impl Validator<'_> {
             None => Some(None),
             Some(section) => self.probe(&p, section, path.as_ref(), forward_key).map(|probe| Some(std::sync::Arc::new(probe))),
         };
+        let queueing = || -> Option<Queueing> {
+            Some(Queueing {
+                poll_interval: poll_interval?,
+                retry: RetryPolicy { max_attempts: max_attempts?, backoff: backoff? },
+                max_queued: max_queued?,
+            })
+        };
+        let mode = match mode? {
+            ModeName::Sync if r.allow_async == Some(true) => Mode::Sync { respond_async: Some(queueing()?) },
+            ModeName::Sync => Mode::Sync { respond_async: None },
+            ModeName::Async => Mode::Async(queueing()?),
+            ModeName::Observe => Mode::Observe { budget: observe_budget? },
+        };
         Some(Route {
             index: i,
             operation: operation?.into(),
             method: method?,
             path: path?,
             upstream: upstream?,
-            key_header: key_header?,
-            key_from: key_from?,
-            key_required: r.key_required.unwrap_or(true),
-            retention: retention?,
-            in_flight: in_flight?,
-            release_on_status,
-            max_stored_response: max_stored_response?,
-            upstream_idempotent: r.upstream_idempotent.unwrap_or(false),
-            lease: lease?,
-            mismatch_status: mismatch_status?,
-            forward_key: forward_key?,
-            fingerprint: fingerprint?,
-            mode: mode?,
-            allow_async: r.allow_async.unwrap_or(false),
-            poll_interval: poll_interval?,
-            retry: RetryPolicy { max_attempts: max_attempts?, backoff: backoff? },
-            events: match &r.events {
-                None => None,
-                Some(e) => Some(self.events(&format!("{p}.events"), e)?),
+            key: KeyPolicy {
+                header: key_header?,
+                from: key_from?,
+                required: r.key_required.unwrap_or(true),
+                scope: match r.scope.as_deref().unwrap_or("principal") {
+                    "principal" => ScopeMode::Principal,
+                    "tenant" => ScopeMode::Tenant,
+                    other => {
+                        self.issues.push(format!("{p}.scope"), format!("unknown scope {other:?}: use \"principal\" or \"tenant\""));
+                        return None;
+                    }
+                },
+                forward: forward_key?,
+                fingerprint: fingerprint?,
+                mismatch_status: mismatch_status?,
             },
-            authorize: match &r.authorize {
-                None => None,
-                Some(a) => Some(self.authorize(&format!("{p}.authorize"), a)?),
+            record: RecordPolicy {
+                retention: retention?,
+                lease: lease?,
+                in_flight: in_flight?,
+                release_on_status,
+                max_stored_response: max_stored_response?,
+                replay: match r.replay.as_deref().unwrap_or("stored") {
+                    "stored" => ReplayMode::Stored,
+                    "refetch" => ReplayMode::Refetch,
+                    other => {
+                        self.issues.push(format!("{p}.replay"), format!("unknown replay {other:?}: use \"stored\" or \"refetch\""));
+                        return None;
+                    }
+                },
             },
-            replay: match r.replay.as_deref().unwrap_or("stored") {
-                "stored" => ReplayMode::Stored,
-                "refetch" => ReplayMode::Refetch,
-                other => {
-                    self.issues.push(format!("{p}.replay"), format!("unknown replay {other:?}: use \"stored\" or \"refetch\""));
-                    return None;
-                }
+            execution: Execution {
+                mode,
+                authorize: match &r.authorize {
+                    None => None,
+                    Some(a) => Some(self.authorize(&format!("{p}.authorize"), a)?),
+                },
+                max_in_flight: max_in_flight?,
+                upstream_idempotent: r.upstream_idempotent.unwrap_or(false),
             },
-            scope: match r.scope.as_deref().unwrap_or("principal") {
-                "principal" => ScopeMode::Principal,
-                "tenant" => ScopeMode::Tenant,
-                other => {
-                    self.issues.push(format!("{p}.scope"), format!("unknown scope {other:?}: use \"principal\" or \"tenant\""));
-                    return None;
-                }
+            background: BackgroundPolicy {
+                events: match &r.events {
+                    None => None,
+                    Some(e) => Some(self.events(&format!("{p}.events"), e)?),
+                },
+                reconcile: reconcile?,
             },
-            observe_budget: observe_budget?,
-            reconcile: reconcile?,
-            max_in_flight: max_in_flight?,
-            max_queued: max_queued?,
         })
     }
 

@@ -138,7 +138,7 @@ impl ResultWrite<'_> {
     /// (`idemgate_requests_total`), not when it was answered.
     pub async fn finish(self) {
         let ResultWrite { executor, route, claim, stored, _recording } = self;
-        let outcome = match executor.store.complete(&claim, &stored, route.retention).await {
+        let outcome = match executor.store.complete(&claim, &stored, route.record.retention).await {
             Ok(WriteOutcome::Written) => Outcome::Forwarded,
             Ok(WriteOutcome::Fenced) => Outcome::Fenced,
             Err(e) => {
@@ -241,7 +241,7 @@ impl Executor {
         // late, or is stopped between its claim and its send, sends nothing
         // once the lease may have run out (the reaper, a probe or a take-over
         // may have acted by then). Otherwise the upstream's timeout from now.
-        let deadline = (tokio::time::Instant::now() + upstream_timeout).min(claim.asked_at + route.lease);
+        let deadline = (tokio::time::Instant::now() + upstream_timeout).min(claim.asked_at + route.record.lease);
         let exchange = self.exchange_in(slot, route, claim, parts, body, deadline).await;
         // What the record becomes is the classifier's word (observe mode
         // writes by the same table); a completion is written after the
@@ -266,7 +266,7 @@ impl Executor {
                 let (stored_body, client_body) = match body {
                     UpstreamBody::Complete(bytes) => (Some(bytes.clone()), Body::full(bytes)),
                     UpstreamBody::TooLarge { prefix, rest } => {
-                        tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), limit = route.max_stored_response,
+                        tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), limit = route.record.max_stored_response,
                             "response larger than max_stored_response: recording status and headers only");
                         (None, Body::Prefixed { prefix: Some(prefix), rest: Streamed::new(rest, upstream_timeout) })
                     }
@@ -317,7 +317,7 @@ impl Executor {
         self.metrics.forward_started();
         let outcome = tokio::select! {
             outcome = self.async_attempt(route, taken, &recording, slot) => outcome,
-            () = self.heartbeats(claim, route.lease, &recording) => {
+            () = self.heartbeats(claim, route.record.lease, &recording) => {
                 tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), generation = %claim.generation,
                     "lost the lease to a newer attempt; this attempt stops and records nothing");
                 AttemptOutcome::LostLease
@@ -360,12 +360,12 @@ impl Executor {
                 return self.record_async(
                     route,
                     claim,
-                    self.store.fail(claim, route.retention, RetryNote::default()).await,
+                    self.store.fail(claim, route.record.retention, RetryNote::default()).await,
                     AttemptOutcome::Failed,
                 );
             }
         };
-        if !may_forward(&taken.record, route.upstream_idempotent) {
+        if !may_forward(&taken.record, route.execution.upstream_idempotent) {
             // An earlier attempt may have executed and the route in force no
             // longer deduplicates upstream (a reload turned
             // `upstream_idempotent` off): never sent again, unknown.
@@ -374,13 +374,13 @@ impl Executor {
                 "an earlier attempt may have executed and the route is not upstream_idempotent: not forwarded again; unknown");
             return self.record_async(route, claim, self.store.mark_unknown(claim).await, AttemptOutcome::Unknown);
         }
-        if attempts > i32::try_from(route.retry.max_attempts).unwrap_or(i32::MAX) {
+        if attempts > i32::try_from(route.queueing().retry.max_attempts).unwrap_or(i32::MAX) {
             // Lease expiries re-queued it after the last allowed attempt took it.
             recording.store(true, Ordering::Release);
             return self.record_async(
                 route,
                 claim,
-                self.store.fail(claim, route.retention, RetryNote::default()).await,
+                self.store.fail(claim, route.record.retention, RetryNote::default()).await,
                 AttemptOutcome::Failed,
             );
         }
@@ -412,13 +412,23 @@ impl Executor {
                 };
                 let stored =
                     stored_form(route, StoredResponse { status: head.status.as_u16(), headers: headers::storable(&head.headers), body });
-                self.record_async(route, claim, self.store.complete(claim, &stored, route.retention).await, AttemptOutcome::Completed)
+                self.record_async(
+                    route,
+                    claim,
+                    self.store.complete(claim, &stored, route.record.retention).await,
+                    AttemptOutcome::Completed,
+                )
             }
             // The upstream executed it but asked not to store the answer: the
             // outcome is known (completed), the body is not kept.
             Exchange::Declined { head, no_store: true, .. } => {
                 let stored = StoredResponse { status: head.status.as_u16(), headers: headers::storable(&head.headers), body: None };
-                self.record_async(route, claim, self.store.complete(claim, &stored, route.retention).await, AttemptOutcome::Completed)
+                self.record_async(
+                    route,
+                    claim,
+                    self.store.complete(claim, &stored, route.record.retention).await,
+                    AttemptOutcome::Completed,
+                )
             }
             Exchange::Declined { head, .. } => {
                 let note = RetryNote { last_status: Some(head.status.as_u16()), maybe_executed: false };
@@ -428,7 +438,7 @@ impl Executor {
                 tracing::info!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "upstream not reached; will retry");
                 self.retry_later(route, claim, attempts, RetryNote::default()).await
             }
-            Exchange::MaybeExecuted(e) if route.upstream_idempotent => {
+            Exchange::MaybeExecuted(e) if route.execution.upstream_idempotent => {
                 tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), error = %e,
                     "outcome lost; the upstream deduplicates by the derived key, so the operation runs again");
                 self.retry_later(route, claim, attempts, RetryNote { last_status: None, maybe_executed: true }).await
@@ -444,10 +454,10 @@ impl Executor {
     /// attempts are used up (`failed_retryable`, or `unknown` if an attempt
     /// may have executed).
     async fn retry_later(&self, route: &Route, claim: &Claim, attempts: i32, note: RetryNote) -> AttemptOutcome {
-        if attempts >= i32::try_from(route.retry.max_attempts).unwrap_or(i32::MAX) {
-            return self.record_async(route, claim, self.store.fail(claim, route.retention, note).await, AttemptOutcome::Failed);
+        if attempts >= i32::try_from(route.queueing().retry.max_attempts).unwrap_or(i32::MAX) {
+            return self.record_async(route, claim, self.store.fail(claim, route.record.retention, note).await, AttemptOutcome::Failed);
         }
-        let delay = route.retry.delay(attempts);
+        let delay = route.queueing().retry.delay(attempts);
         self.record_async(route, claim, self.store.requeue(claim, delay, note).await, AttemptOutcome::Requeued)
     }
 
@@ -505,7 +515,7 @@ impl Executor {
             let detail = "the attempt's deadline passed before its request could leave".to_owned();
             return Exchange::NotSent(UpstreamError::NotSent { upstream: upstream.name().to_owned(), detail });
         }
-        let key_value = match route.forward_key {
+        let key_value = match route.key.forward {
             ForwardKey::Derived => {
                 // Known before any claim can be made (see `secret::DerivedKeySecret`);
                 // without it nothing may be sent.
@@ -514,7 +524,7 @@ impl Executor {
                 };
                 HeaderValue::from_str(&claim.scope.derived_key(Some(secret))).ok()
             }
-            ForwardKey::Client => parts.headers.get(&route.key_header).cloned(),
+            ForwardKey::Client => parts.headers.get(&route.key.header).cloned(),
         };
         let stamp = key_value.map(|k| (k, HeaderValue::from(claim.generation.0)));
         let sent = match upstream.request(parts, Body::full(body), stamp) {
@@ -529,11 +539,11 @@ impl Executor {
             }
         };
         let (mut head, body) = resp.into_parts();
-        if let Class::Declined { no_store } = classify::head(&route.release_on_status, &mut head) {
+        if let Class::Declined { no_store } = classify::head(&route.record.release_on_status, &mut head) {
             self.metrics.observe_upstream(upstream.name(), started.elapsed());
             return Exchange::Declined { head, body, no_store };
         }
-        let read = read_upstream_body(body, route.max_stored_response, deadline).await;
+        let read = read_upstream_body(body, route.record.max_stored_response, deadline).await;
         self.metrics.observe_upstream(upstream.name(), started.elapsed());
         match read {
             Ok(body) => Exchange::Answered { head, body },
@@ -551,7 +561,7 @@ impl Executor {
         if self.store.release(claim).await.is_ok() {
             return;
         }
-        let (store, claim, lease) = (self.store.clone(), claim.clone(), route.lease);
+        let (store, claim, lease) = (self.store.clone(), claim.clone(), route.record.lease);
         self.tracker.spawn(async move {
             let deadline = tokio::time::Instant::now() + lease;
             if retry::while_leased(deadline, true, || async { store.release(&claim).await.ok() }).await.is_some() {
@@ -566,10 +576,10 @@ impl Executor {
     /// lease would run out (the write is fenced, so a late success can never
     /// overwrite another attempt's record).
     fn record_later(&self, claim: &Claim, stored: StoredResponse, route: &Route) {
-        let (store, claim, retention) = (self.store.clone(), claim.clone(), route.retention);
+        let (store, claim, retention) = (self.store.clone(), claim.clone(), route.record.retention);
         // The lease bounds the retries (its real expiry is on the store's
         // clock; a retry past it is fenced off, never harmful).
-        let deadline = tokio::time::Instant::now() + route.lease;
+        let deadline = tokio::time::Instant::now() + route.record.lease;
         self.tracker.spawn(async move {
             match retry::while_leased(deadline, true, || async { store.complete(&claim, &stored, retention).await.ok() }).await {
                 Some(WriteOutcome::Written) => tracing::info!(scope = %claim.scope.log_id(), "result recorded after the store came back"),
@@ -591,7 +601,7 @@ impl Executor {
 /// What a route keeps of an answer: all of it, or (`replay = "refetch"`)
 /// only the status and where to read the resource again.
 pub(crate) fn stored_form(route: &Route, full: StoredResponse) -> StoredResponse {
-    match route.replay {
+    match route.record.replay {
         ReplayMode::Stored => full,
         ReplayMode::Refetch => {
             StoredResponse { status: full.status, headers: full.headers.into_iter().filter(|(n, _)| n == "location").collect(), body: None }

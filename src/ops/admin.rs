@@ -17,8 +17,8 @@
 //! `Authorization: Bearer <token>` (`[admin] token_env` / `token_file`),
 //! compared in constant time; without a configured token it is off (404,
 //! saying so and how to turn it on).
-//! Errors are RFC 9457 problems, in the style of `crate::problem`, and never
-//! echo the token.
+//! Errors are RFC 9457 problems, rendered by [`crate::problem::Problem`],
+//! and never echo the token.
 //!
 //! Every API call, a refused one included, gets an access-log line (target
 //! `idemgate::proxy::access`, `route = "admin"`, whatever `server.access_log`
@@ -45,11 +45,15 @@ use serde::Deserialize;
 use serde_json::json;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 
 use crate::idempotency::key::{IdempotencyKey, Scope};
 use crate::idempotency::record::{Refused, State};
 use crate::ops::keys::{self, ResolveAction, ResolveError, ResolveRequest};
 use crate::outbox::Delivery;
+use crate::problem::Problem;
+use crate::request::identity::IdentitySource;
 use crate::request::route::Route;
 use crate::secret::{DerivedKeySecret, Secret};
 use crate::store::audit::{self, Actor, Caller};
@@ -64,7 +68,6 @@ const BODY_TIMEOUT: Duration = Duration::from_secs(30);
 /// `limit` when absent, and its largest value.
 const DEFAULT_LIMIT: u32 = 100;
 const MAX_LIMIT: u32 = 1000;
-use tokio_util::sync::CancellationToken;
 
 /// How long `/readyz` waits for the store. Shorter than the operation
 /// timeout: a load balancer or orchestrator should learn within about a second
@@ -72,18 +75,39 @@ use tokio_util::sync::CancellationToken;
 /// only server reachable is a standby).
 const READY_BOUND: Duration = Duration::from_secs(1);
 
-pub struct Admin {
+/// What the configuration in force decides for the admin API and the
+/// console: built from each configuration applied, at start and on every
+/// reload, and replaced whole.
+#[derive(Debug)]
+pub struct InForce {
+    /// The store, writing events for the routes' `[routes.events]` (a
+    /// resolution's final state).
     store: Store,
-    metrics: Arc<Metrics>,
-    /// Bearer token for the admin API (`None`: the API is off).
-    token: Option<Secret>,
     /// For the retention of hand-made completions (the route's).
     routes: Vec<Route>,
-    /// Shows the derived key of records (what the upstream was sent).
-    derived_key_secret: Option<DerivedKeySecret>,
     /// Headers the identity sources read credentials from: masked wherever
     /// the API shows stored headers.
     credential_headers: Vec<http::HeaderName>,
+}
+
+impl InForce {
+    pub fn new(store: Store, routes: &[Route], identity: &[IdentitySource]) -> InForce {
+        InForce {
+            store,
+            routes: routes.to_vec(),
+            credential_headers: identity.iter().filter_map(|s| s.credential_header().cloned()).collect(),
+        }
+    }
+}
+
+pub struct Admin {
+    metrics: Arc<Metrics>,
+    /// Bearer token for the admin API (`None`: the API is off).
+    token: Option<Secret>,
+    /// What the configuration in force decides here (a reload replaces it).
+    in_force: watch::Receiver<Arc<InForce>>,
+    /// Shows the derived key of records (what the upstream was sent).
+    derived_key_secret: Option<DerivedKeySecret>,
     /// `[admin] masked_query_params`: masked in a stored request's path.
     masked_query_params: Vec<String>,
     /// `[admin] token_label`: the token's name in logs and the audit trail.
@@ -95,17 +119,16 @@ pub struct Admin {
 }
 
 impl Admin {
-    pub fn new(store: Store, metrics: Arc<Metrics>, token: Option<Secret>) -> Admin {
+    /// The admin listener for the configuration `in_force` names (see [`InForce`]).
+    pub fn new(in_force: watch::Receiver<Arc<InForce>>, metrics: Arc<Metrics>, token: Option<Secret>) -> Admin {
         let mut process_key = [0u8; 32];
         process_key[..16].copy_from_slice(uuid::Uuid::new_v4().as_bytes());
         process_key[16..].copy_from_slice(uuid::Uuid::new_v4().as_bytes());
         Admin {
-            store,
             metrics,
             token,
-            routes: Vec::new(),
+            in_force,
             derived_key_secret: None,
-            credential_headers: Vec::new(),
             masked_query_params: Vec::new(),
             token_label: None,
             process_key,
@@ -132,19 +155,7 @@ impl Admin {
         audit::token_label(token.expose(), key)
     }
 
-    /// The configured routes (the default retention of completions).
-    pub fn with_routes(mut self, routes: Vec<Route>) -> Admin {
-        self.routes = routes;
-        self
-    }
-
     /// The deployment's derived-key secret, to show each record's derived key.
-    /// The headers the identity sources read credentials from.
-    pub fn with_credential_headers(mut self, headers: Vec<http::HeaderName>) -> Admin {
-        self.credential_headers = headers;
-        self
-    }
-
     pub fn with_derived_key_secret(mut self, secret: DerivedKeySecret) -> Admin {
         self.derived_key_secret = Some(secret);
         self
@@ -184,7 +195,7 @@ impl Admin {
             "/readyz" if self.draining.as_ref().is_some_and(CancellationToken::is_cancelled) => {
                 text(StatusCode::SERVICE_UNAVAILABLE, "draining\n")
             }
-            "/readyz" => match tokio::time::timeout(READY_BOUND, self.store.readiness()).await {
+            "/readyz" => match tokio::time::timeout(READY_BOUND, self.store().readiness()).await {
                 Ok(Ok(())) => text(StatusCode::OK, "ready\n"),
                 Ok(Err(e)) => {
                     crate::telemetry::throttle::warn_throttled!(error = %e, "readiness check failed");
@@ -232,24 +243,29 @@ impl Admin {
             }
             (Endpoint::Inspect(scope), Method::GET) => {
                 no_query(&query)?;
-                match self.store.inspect(&scope, crate::ops::console::inspect::AUDIT_ROWS).await.map_err(store_error)? {
+                match self.store().inspect(&scope, crate::ops::console::inspect::AUDIT_ROWS).await.map_err(store_error)? {
                     Some(found) => Ok(json_response(
                         StatusCode::OK,
-                        &crate::ops::console::inspect::json(&found, self.secret(), &self.credential_headers, &self.masked_query_params),
+                        &crate::ops::console::inspect::json(
+                            &found,
+                            self.secret(),
+                            &self.in_force().credential_headers,
+                            &self.masked_query_params,
+                        ),
                     )),
                     None => Err(AdminError::NoRecord),
                 }
             }
             (Endpoint::Overview, Method::GET) => {
                 no_query(&query)?;
-                let doc = crate::ops::console::overview::overview(&self.store, &self.metrics).await.map_err(store_error)?;
+                let doc = crate::ops::console::overview::overview(&self.store(), &self.metrics).await.map_err(store_error)?;
                 Ok(json_response(StatusCode::OK, &doc))
             }
             (Endpoint::Audit, Method::GET) => self.audit(&query).await,
             (Endpoint::Events, Method::GET) => self.events(&query).await,
             (Endpoint::Redeliver(id), Method::POST) => {
                 no_query(&query)?;
-                match self.store.redeliver(id).await.map_err(store_error)? {
+                match self.store().redeliver(id).await.map_err(store_error)? {
                     true => Ok(json_response(StatusCode::OK, &json!({ "id": id.to_string(), "delivery": "pending" }))),
                     false => Err(AdminError::NotFound),
                 }
@@ -257,6 +273,16 @@ impl Admin {
             (Endpoint::Resolve(_) | Endpoint::Redeliver(_), _) => Err(AdminError::MethodNotAllowed("POST")),
             (_, _) => Err(AdminError::MethodNotAllowed("GET")),
         }
+    }
+
+    /// What the configuration in force decides now.
+    fn in_force(&self) -> Arc<InForce> {
+        self.in_force.borrow().clone()
+    }
+
+    /// The store of the configuration in force.
+    fn store(&self) -> Store {
+        self.in_force.borrow().store.clone()
     }
 
     fn secret(&self) -> Option<&[u8]> {
@@ -287,12 +313,12 @@ impl Admin {
                 other => return Err(unknown_parameter(other, "state, tenant, operation, key_prefix, older_than, limit, cursor")),
             }
         }
-        let page = crate::ops::console::filter::list(&self.store, &filter, &extra).await.map_err(store_error)?;
+        let page = crate::ops::console::filter::list(&self.store(), &filter, &extra).await.map_err(store_error)?;
         Ok(json_response(StatusCode::OK, &keys::page_json(&page, self.secret())))
     }
 
     async fn show(&self, scope: &Scope) -> Result<Response<Body>, AdminError> {
-        match self.store.get(scope).await.map_err(store_error)? {
+        match self.store().get(scope).await.map_err(store_error)? {
             Some((record, _)) => Ok(json_response(StatusCode::OK, &keys::record_json(&record, false, self.secret()))),
             None => Err(AdminError::NoRecord),
         }
@@ -306,7 +332,7 @@ impl Admin {
                 other => return Err(unknown_parameter(other, "limit")),
             }
         }
-        let entries = self.store.audit(n).await.map_err(store_error)?;
+        let entries = self.store().audit(n).await.map_err(store_error)?;
         Ok(json_response(StatusCode::OK, &keys::audit_page_json(&entries)))
     }
 
@@ -323,8 +349,8 @@ impl Admin {
                 other => return Err(unknown_parameter(other, "delivery, limit")),
             }
         }
-        let events = self.store.events(delivery, n).await.map_err(store_error)?;
-        let stats = self.store.event_stats().await.map_err(store_error)?;
+        let events = self.store().events(delivery, n).await.map_err(store_error)?;
+        let stats = self.store().event_stats().await.map_err(store_error)?;
         Ok(json_response(
             StatusCode::OK,
             &json!({
@@ -348,9 +374,9 @@ impl Admin {
             ResolveAction::Release => audit::RELEASED,
             ResolveAction::Complete { .. } => State::Completed.as_str(),
         };
-        let retention = keys::default_retention(&self.routes, &scope.operation);
+        let retention = keys::default_retention(&self.in_force().routes, &scope.operation);
         let (peer, token) = (caller.peer.clone(), caller.token.clone());
-        match keys::resolve_by(&self.store, scope, request, retention, Some(caller)).await {
+        match keys::resolve_by(&self.store(), scope, request, retention, Some(caller)).await {
             Ok(from) => {
                 tracing::info!(scope = %scope.log_id(), actor = actor.as_str(), peer, token, from = %from, to, "record resolved through the admin API");
                 Ok(json_response(StatusCode::OK, &json!({ "scope": keys::scope_json(scope), "from_state": from.as_str(), "to_state": to })))
@@ -636,7 +662,8 @@ fn store_error(e: crate::store::StoreError) -> AdminError {
     AdminError::StoreUnavailable
 }
 
-/// The one place an admin API error becomes a response (RFC 9457).
+/// An admin API error as a problem ([`Problem`], the renderer the proxy's
+/// errors go through too).
 fn problem(e: &AdminError) -> Response<Body> {
     let name = e.type_name();
     let (title, status, detail) = match e {
@@ -678,27 +705,25 @@ fn problem(e: &AdminError) -> Response<Body> {
             ("Store unavailable", StatusCode::SERVICE_UNAVAILABLE, "The store could not be reached.".to_owned())
         }
     };
-    let body = json!({
-        "type": format!("urn:idemgate:problem:{name}"),
-        "title": title,
-        "status": status.as_u16(),
-        "detail": detail,
-        "retryable": matches!(e, AdminError::StoreUnavailable),
-    });
-    let mut resp = Response::new(Body::full(body.to_string()));
-    *resp.status_mut() = status;
+    let unavailable = matches!(e, AdminError::StoreUnavailable);
+    let mut resp = Problem {
+        name,
+        title,
+        status,
+        detail,
+        retryable: unavailable,
+        retry_after: unavailable.then_some(Duration::from_secs(1)),
+        instance: None,
+        original_status: None,
+    }
+    .response();
     let h = resp.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
-    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     match e {
         AdminError::Unauthorized => {
             h.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer realm=\"idemgate-admin\""));
         }
         AdminError::MethodNotAllowed(allow) => {
             h.insert(header::ALLOW, HeaderValue::from_static(allow));
-        }
-        AdminError::StoreUnavailable => {
-            h.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         _ => {}
     }
@@ -762,6 +787,21 @@ mod tests {
         assert!(matches!(Endpoint::parse("/admin/records/t/p/o/%FF"), Err(AdminError::BadRequest(_))));
         // Keys are visible ASCII: a space is refused as it is on the proxy.
         assert!(matches!(Endpoint::parse("/admin/records/t/p/o/a%20b"), Err(AdminError::BadRequest(_))));
+    }
+
+    /// Admin errors go through the proxy's problem renderer: the same
+    /// document and headers, with the admin API's own additions.
+    #[test]
+    fn admin_problems_are_rendered_as_the_proxys() {
+        let r = problem(&AdminError::StoreUnavailable);
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(r.headers()[header::CONTENT_TYPE], "application/problem+json");
+        assert_eq!(r.headers()[header::CACHE_CONTROL], "no-store");
+        assert_eq!(r.headers()[header::RETRY_AFTER], "1");
+        let r = problem(&AdminError::Unauthorized);
+        assert_eq!(r.headers()[header::WWW_AUTHENTICATE], "Bearer realm=\"idemgate-admin\"");
+        assert!(r.headers().get(header::RETRY_AFTER).is_none());
+        assert_eq!(problem(&AdminError::MethodNotAllowed("POST")).headers()[header::ALLOW], "POST");
     }
 
     #[test]

@@ -299,7 +299,7 @@ pub async fn resolve_by(
 /// The retention a hand-made completion gets when none is given: its route's,
 /// else a day.
 pub fn default_retention(routes: &[crate::request::route::Route], operation: &str) -> Retention {
-    routes.iter().find(|r| &*r.operation == operation).map_or(Retention::For(Duration::from_secs(24 * 3600)), |r| r.retention)
+    routes.iter().find(|r| &*r.operation == operation).map_or(Retention::For(Duration::from_secs(24 * 3600)), |r| r.record.retention)
 }
 
 /// A scope as JSON.

@@ -1,10 +1,10 @@
 //! The request path (the synchronous front): route, identify, validate,
 //! fingerprint, claim — then hand the claimed attempt to the
-//! [`Executor`](crate::executor::Executor) on a tracked task, or answer from
+//! [`Executor`] on a tracked task, or answer from
 //! the record the claim found.
 
 use std::borrow::Cow;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,34 +16,28 @@ use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri, r
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use tokio::sync::{Notify, oneshot};
-use tokio_util::task::TaskTracker;
 
-use crate::config::Config;
-use crate::executor::waiters::Waiters;
 use crate::executor::{Executor, ResultWrite, refetch};
 use crate::idempotency::fingerprint::RequestParts;
 use crate::idempotency::outcome::Outcome;
 use crate::idempotency::record::Retention;
 use crate::idempotency::record::{Decision, Record, State, StoredResponse};
 use crate::problem::{self, GatewayError};
-use crate::proxy::access::{self, Pending, REQUEST_ID, RequestIds, RequestSeries, RouteLabel, Trace};
-use crate::proxy::admission::{self, NotAdmitted, decide_with_legacy};
-use crate::proxy::observe::Observer;
+use crate::proxy::access::{self, Pending, REQUEST_ID, RouteLabel, Trace};
+use crate::proxy::admission::{self, Admitted, Front, Held, Stop, decide_with_legacy};
+use crate::proxy::observe;
 use crate::proxy::passthrough;
 use crate::proxy::replay::replay;
+use crate::proxy::state::{Configured, Shared};
 use crate::request::async_op::{OPERATIONS_PATH, status_document};
 use crate::request::authorize::{Authorizer, Decision as AuthzDecision};
-use crate::request::identity::{Identifier, Identity, IdentitySource};
-use crate::request::key_source::KeySource;
+use crate::request::identity::Identity;
 use crate::request::route::method_override::{self, BodyKind};
-use crate::request::route::{InFlightPolicy, InvalidRequest, ReplayMode, Route, RouteMatch, RouteMode, Router, UpstreamId};
-use crate::secret::DerivedKeySecret;
+use crate::request::route::{InFlightPolicy, InvalidRequest, Mode, ReplayMode, Route, RouteMatch, UpstreamId};
 use crate::store::{Claim, ClaimOutcome, ClaimRequest, Store, WriteOutcome};
-use crate::telemetry::metrics::Metrics;
 use crate::upstream::Upstream;
 use crate::upstream::body::Body;
-use crate::upstream::headers::HeaderScreen;
-use crate::upstream::limit::{Limit, LimitPolicy, Overloaded, Slot};
+use crate::upstream::limit::{Overloaded, Slot};
 
 /// Retry-After for a duplicate of an in-flight request.
 const IN_PROGRESS_RETRY_AFTER: Duration = Duration::from_secs(1);
@@ -58,193 +52,33 @@ enum Claimed {
     Run(Claim),
 }
 
-/// Everything the request path needs, shared by all connections.
+/// The request path of one event loop: what outlives configurations, the
+/// configuration in force, and what this thread owns (its upstream pools
+/// and authorizer clients).
 #[derive(Debug)]
 pub struct Gateway {
-    router: Router,
-    identifier: Identifier,
-    /// Header names with `_`, and other spellings of guarded headers:
-    /// applied before anything reads a request.
-    header_screen: Arc<HeaderScreen>,
-    /// Forwards and records claimed attempts; owns this worker's upstream pools.
+    shared: Arc<Shared>,
+    configured: Arc<Configured>,
+    /// Forwards and records claimed attempts; owns this thread's upstream pools.
     executor: Executor,
-    store: Store,
-    metrics: Arc<Metrics>,
-    /// Forwards run here, not in the connection's future, so a client that
-    /// disconnects never cancels a forward or the recording of its result.
-    tracker: TaskTracker,
-    replica_id: Arc<str>,
-    max_request_body: u64,
-    request_body_timeout: Duration,
-    /// Where duplicates wait for an in-flight result (`in_flight = "wait"`);
-    /// the executor wakes them.
-    waiters: Arc<Waiters>,
-    /// Wakes this replica's async workers when an operation is accepted.
-    wake_workers: Arc<Notify>,
-    /// The routes' authorizers, by operation (this worker's clients).
+    /// The routes' authorizers, with this thread's clients.
     authorizers: HashMap<Arc<str>, Authorizer>,
-    /// Observe-mode routes pass requests through and record what enforcing would do.
-    observer: Observer,
-    /// Request ids (shared by the worker threads: one counter per process).
-    request_ids: Arc<RequestIds>,
-    /// Requests by route, protocol and status class, and their duration.
-    request_series: Arc<RequestSeries>,
-    /// `server.access_log`.
-    access_log: bool,
-    /// `WWW-Authenticate` of a 401, when API keys are configured.
-    challenge: Option<HeaderValue>,
-    /// Operations whose key may come from `X-Request-Id` (`key_from`): their
-    /// requests are forwarded without an id the client did not send.
-    request_id_is_a_key: Arc<HashSet<Arc<str>>>,
-    /// Routes with a `max_in_flight` of their own: their caps, shared by the
-    /// worker threads (the upstreams' limits are the executor's).
-    route_limits: Arc<HashMap<Arc<str>, Arc<Limit>>>,
-}
-
-/// What a gateway hands on to the one that replaces it on a reload.
-struct Lasting {
-    store: Store,
-    metrics: Arc<Metrics>,
-    tracker: TaskTracker,
-    derived_key_secret: DerivedKeySecret,
-    replica_id: Arc<str>,
-    waiters: Arc<Waiters>,
-    wake_workers: Arc<Notify>,
-    request_ids: Arc<RequestIds>,
-    observer: Observer,
 }
 
 impl Gateway {
-    /// `derived_key_secret` keys the `Idempotency-Key` sent upstream.
-    pub fn new(
-        config: &Config,
-        store: Store,
-        metrics: Arc<Metrics>,
-        tracker: TaskTracker,
-        derived_key_secret: DerivedKeySecret,
-    ) -> Gateway {
-        let replica_id: Arc<str> = config.server.replica_id.as_str().into();
-        let observer = Observer::new(
-            store.clone(),
-            metrics.clone(),
-            tracker.clone(),
-            replica_id.clone(),
-            config.server.max_request_body,
-            config.server.request_body_timeout,
-        );
-        let lasting = Lasting {
-            store,
-            metrics,
-            tracker,
-            derived_key_secret,
-            replica_id,
-            waiters: Arc::new(Waiters::new()),
-            wake_workers: Arc::new(Notify::new()),
-            request_ids: Arc::new(RequestIds::new(config.server.trusted_proxies.clone())),
-            observer,
-        };
-        Gateway::assemble(config, lasting)
-    }
-
-    /// The gateway for a reloaded configuration (SIGHUP): new identity
-    /// sources, routes, authorizers and upstreams (with new pools); the same
-    /// store, metrics, tracker, waiters, request ids and server settings.
-    /// Requests already running finish with the gateway they started on.
-    pub fn reloaded(&self, config: &Config) -> Gateway {
-        let lasting = Lasting {
-            // The same store, writing events for the reloaded routes' `[routes.events]`.
-            store: self.store.clone().with_events(crate::request::route::event_policies(&config.routes)),
-            metrics: self.metrics.clone(),
-            tracker: self.tracker.clone(),
-            derived_key_secret: self.executor.derived_key_secret(),
-            replica_id: self.replica_id.clone(),
-            waiters: self.waiters.clone(),
-            wake_workers: self.wake_workers.clone(),
-            request_ids: self.request_ids.clone(),
-            observer: self.observer.clone(),
-        };
-        Gateway::assemble(config, lasting)
-    }
-
-    fn assemble(config: &Config, lasting: Lasting) -> Gateway {
-        let Lasting { store, metrics, tracker, derived_key_secret, replica_id, waiters, wake_workers, request_ids, observer } = lasting;
+    /// The gateway of one event loop for the configuration `configured`:
+    /// its own upstream pools and authorizer clients, everything else shared.
+    pub fn new(shared: Arc<Shared>, configured: Arc<Configured>) -> Gateway {
         let executor = Executor::new(
-            config.upstreams.iter().cloned().map(|u| Upstream::new(u).counted_by(metrics.clone())).collect(),
-            store.clone(),
-            metrics.clone(),
-            tracker.clone(),
-            waiters.clone(),
-            derived_key_secret,
+            configured.upstreams.iter().map(Upstream::with_own_pool).collect(),
+            configured.store.clone(),
+            shared.metrics.clone(),
+            shared.tracker.clone(),
+            shared.waiters.clone(),
+            shared.derived_key_secret.clone(),
         );
-        metrics.declare_observed(config.routes.iter().filter(|r| r.mode == RouteMode::Observe).map(|r| &*r.operation));
-        metrics.declare_forever(config.routes.iter().filter(|r| r.retention == Retention::Forever).map(|r| &*r.operation));
-        // The proxy listener's series exist before it serves (it speaks
-        // HTTP/2 when it has TLS); its workers' accept loops use the same.
-        let request_series =
-            Arc::new(RequestSeries::new(&metrics, config.routes.iter().map(|r| &r.operation), config.server.tls.is_some()));
-        let _ = metrics.connections("proxy", config.server.max_connections);
-        let identifier = Identifier::new(config.identity.clone());
-        let guarded: Vec<String> = identifier
-            .read_headers()
-            .map(|h| h.as_str().to_owned())
-            .chain(config.routes.iter().flat_map(|r| {
-                r.key_from
-                    .sources()
-                    .iter()
-                    .filter_map(|s| match s {
-                        KeySource::Header(h) => Some(h.as_str().to_owned()),
-                        _ => None,
-                    })
-                    .chain(std::iter::once(r.key_header.as_str().to_owned()))
-            }))
-            .collect();
-        Gateway {
-            router: Router::new(config.routes.clone(), config.server.default_upstream),
-            header_screen: Arc::new(HeaderScreen::new(config.server.headers_with_underscores, guarded.iter().map(String::as_str))),
-            identifier,
-            executor,
-            store,
-            metrics,
-            tracker,
-            replica_id,
-            max_request_body: config.server.max_request_body,
-            request_body_timeout: config.server.request_body_timeout,
-            waiters,
-            wake_workers,
-            authorizers: config
-                .routes
-                .iter()
-                .filter_map(|r| r.authorize.as_ref().map(|a| (r.operation.clone(), Authorizer::new(a.clone()))))
-                .collect(),
-            observer,
-            request_ids,
-            request_series,
-            access_log: config.server.access_log,
-            challenge: config
-                .identity
-                .iter()
-                .any(|s| matches!(s, IdentitySource::ApiKey { .. } | IdentitySource::Jwt(_)))
-                .then(|| HeaderValue::from_static("Bearer realm=\"idemgate\"")),
-            request_id_is_a_key: Arc::new(
-                config
-                    .routes
-                    .iter()
-                    .filter(|r| r.key_from.sources().iter().any(|s| matches!(s, KeySource::Header(h) if h == REQUEST_ID)))
-                    .map(|r| r.operation.clone())
-                    .collect(),
-            ),
-            route_limits: Arc::new(
-                config
-                    .routes
-                    .iter()
-                    .filter_map(|r| {
-                        let max_in_flight = r.max_in_flight?;
-                        let queue_timeout = config.upstreams.get(r.upstream).map_or(Duration::ZERO, |u| u.limit.queue_timeout());
-                        Some((r.operation.clone(), Limit::new(LimitPolicy::Fixed { max_in_flight, queue_timeout })))
-                    })
-                    .collect(),
-            ),
-        }
+        let authorizers = configured.authorizers.iter().map(|(op, a)| (op.clone(), a.with_own_pool())).collect();
+        Gateway { shared, configured, executor, authorizers }
     }
 
     /// The route's authorizer, if it has one: `forbidden` or
@@ -266,74 +100,44 @@ impl Gateway {
     }
 
     /// The executor of this gateway (its upstream pools are this thread's).
+    /// The executor of this gateway (its upstream pools are this thread's).
     pub fn executor(&self) -> &Executor {
         &self.executor
     }
 
     /// What async workers are woken with when an operation is accepted.
     pub fn wake_workers(&self) -> Arc<Notify> {
-        self.wake_workers.clone()
-    }
-
-    /// JWT identity sources whose keys are fetched from a URL.
-    pub fn jwks_sources(&self) -> Vec<Arc<crate::request::identity::jwt::JwtVerifier>> {
-        self.identifier.jwks_urls()
+        self.shared.wake_workers.clone()
     }
 
     pub fn routes(&self) -> Vec<Arc<Route>> {
-        self.router.routes().to_vec()
+        self.configured.routes().to_vec()
     }
 
     /// The routes whose operations may run asynchronously.
     pub fn async_routes(&self) -> Vec<Arc<Route>> {
-        self.router.routes().iter().filter(|r| r.mode == RouteMode::Async || r.allow_async).cloned().collect()
+        self.configured.routes().iter().filter(|r| r.may_run_async()).cloned().collect()
     }
 
     /// The operations whose upstream deduplicates by the derived key.
     pub fn reforwardable_operations(&self) -> Vec<Arc<str>> {
-        self.router.routes().iter().filter(|r| r.upstream_idempotent).map(|r| r.operation.clone()).collect()
+        self.configured.routes().iter().filter(|r| r.execution.upstream_idempotent).map(|r| r.operation.clone()).collect()
     }
 
-    /// A copy for another worker thread: the same store, metrics, tracker and
-    /// waiters, but its own upstream connection pools (so each worker's
-    /// connections are driven by its own event loop).
-    pub fn for_worker(&self) -> Gateway {
-        Gateway {
-            router: self.router.clone(),
-            header_screen: self.header_screen.clone(),
-            identifier: self.identifier.clone(),
-            executor: self.executor.with_own_pools(),
-            store: self.store.clone(),
-            metrics: self.metrics.clone(),
-            tracker: self.tracker.clone(),
-            replica_id: self.replica_id.clone(),
-            max_request_body: self.max_request_body,
-            request_body_timeout: self.request_body_timeout,
-            waiters: self.waiters.clone(),
-            wake_workers: self.wake_workers.clone(),
-            authorizers: self.authorizers.iter().map(|(op, a)| (op.clone(), a.with_own_pool())).collect(),
-            observer: self.observer.clone(),
-            request_ids: self.request_ids.clone(),
-            request_series: self.request_series.clone(),
-            access_log: self.access_log,
-            challenge: self.challenge.clone(),
-            request_id_is_a_key: self.request_id_is_a_key.clone(),
-            route_limits: self.route_limits.clone(),
-        }
-    }
-
+    /// The store, writing events for the routes of this configuration.
     pub fn store(&self) -> &Store {
-        &self.store
+        &self.configured.store
     }
 
     /// Handles one request; never fails (errors become problem responses).
     /// Every answer carries the request's id (`X-Request-Id`, also sent to
     /// the upstream) and gets exactly one access-log line.
     pub async fn handle(self: Arc<Self>, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
-        let request_id = self.request_ids.assign(req.headers(), peer.ip());
+        let request_id = self.shared.request_ids.assign(req.headers(), peer.ip());
         // Counts the request and logs its line when finished, or with 499 if
         // the client goes away first.
-        let mut pending = Pending::new(self.access_log, &req, peer.ip(), request_id, Some(self.request_series.clone()));
+        let mut pending =
+            Pending::new(self.configured.access_log, &req, peer.ip(), request_id, Some(self.configured.request_series.clone()));
         let id = pending.request_id().clone();
         let head = req.method() == Method::HEAD;
         let mut resp = match self.dispatch(req, peer, pending.trace(), &id).await {
@@ -350,7 +154,7 @@ impl Gateway {
         };
         let trace = pending.trace();
         if let (Some(reason), Some(Outcome::Rejected)) = (trace.problem, trace.outcome) {
-            self.metrics.rejected(reason);
+            self.shared.metrics.rejected(reason);
         }
         resp.headers_mut().insert(REQUEST_ID, id);
         pending.finish(resp)
@@ -368,18 +172,21 @@ impl Gateway {
         // Everything from here on (routing, the authorizer, the fingerprint's
         // path parameters, the upstream) sees the path in normal form, or the
         // request is refused before any of it.
-        let normal = self.router.normalise(req.method(), req.uri().path()).map_err(GatewayError::InvalidRequest)?;
+        let normal = self.configured.router.normalise(req.method(), req.uri().path()).map_err(GatewayError::InvalidRequest)?;
         if let Cow::Owned(normal) = normal {
             *req.uri_mut() = with_path(req.uri(), &normal)?;
         }
         // Header names with `_` (and every other spelling of a guarded
         // header) are gone before anything reads the headers.
-        self.header_screen.apply(req.headers_mut()).map_err(|_| GatewayError::InvalidRequest(InvalidRequest::UnderscoreHeader))?;
+        self.configured
+            .header_screen
+            .apply(req.headers_mut())
+            .map_err(|_| GatewayError::InvalidRequest(InvalidRequest::UnderscoreHeader))?;
         let peer_ip = crate::proxy::access::canonical(peer.ip());
-        crate::upstream::headers::write_forwarded(req.headers_mut(), peer_ip, self.request_ids.trusts(peer_ip));
+        crate::upstream::headers::write_forwarded(req.headers_mut(), peer_ip, self.shared.request_ids.trusts(peer_ip));
         // Two values of a credential: which one identifies the request is
         // ambiguous, and the upstream would get both. Refused before anything.
-        if let Some(name) = self.identifier.ambiguous(req.headers()) {
+        if let Some(name) = self.configured.identifier.ambiguous(req.headers()) {
             tracing::debug!(header = %name, "a header identity sources read was sent more than once; refused");
             return Err(GatewayError::Unauthenticated);
         }
@@ -391,11 +198,11 @@ impl Gateway {
             return Ok(resp);
         }
         let overridden = method_override::in_head(req.headers(), req.uri().query());
-        match self.router.route_normal(req.method(), req.uri().path(), overridden).map_err(GatewayError::InvalidRequest)? {
+        match self.configured.router.route_normal(req.method(), req.uri().path(), overridden).map_err(GatewayError::InvalidRequest)? {
             RouteMatch::Operation { route, params } => {
                 let route = route.clone();
                 trace.route = RouteLabel::Operation(route.operation.clone());
-                if self.request_id_is_a_key.is_empty() || !self.request_id_is_a_key.contains(&route.operation) {
+                if self.configured.request_id_is_a_key.is_empty() || !self.configured.request_id_is_a_key.contains(&route.operation) {
                     self.send_request_id(&mut req, request_id);
                 }
                 // Boxed: the idempotent path's future is large; pass-through requests
@@ -408,7 +215,7 @@ impl Gateway {
                 // A forwarded request is counted when its result write
                 // returned (`forwarded` or `fenced`; `ResultWrite::finish`).
                 if outcome != Outcome::Forwarded {
-                    self.metrics.request(&route.operation, outcome);
+                    self.shared.metrics.request(&route.operation, outcome);
                 }
                 trace.outcome = Some(outcome);
                 answer.map(|(resp, _)| resp)
@@ -416,7 +223,7 @@ impl Gateway {
             RouteMatch::PassThrough { upstream } => {
                 // No identity is required here, but the upstream gets only
                 // the credentials of the source that identified the caller.
-                self.admit(&mut req, peer).await;
+                admission::identify(&self.configured.identifier, &mut req, peer).await;
                 self.send_request_id(&mut req, request_id);
                 trace.route = RouteLabel::PassThrough;
                 trace.outcome = Some(Outcome::PassThrough);
@@ -437,80 +244,51 @@ impl Gateway {
         req.headers_mut().insert(REQUEST_ID, request_id.clone());
     }
 
-    /// Identifies the request and removes the headers of every other
-    /// identity source (see [`Identifier::admit`]), before anything is
-    /// forwarded, stored, or shown to an authorizer.
-    async fn admit(&self, req: &mut Request<Incoming>, peer: SocketAddr) -> Option<Identity> {
-        let cert = req.extensions().get::<Arc<crate::tls::server::ClientCertificate>>().cloned();
-        self.identifier.admit(req.headers_mut(), peer.ip(), cert.as_deref()).await
-    }
-
     /// The problem answer for `e`, naming this request as its `instance`;
     /// a 401 carries the challenge of the configured API keys.
     fn problem(&self, e: &GatewayError, request_id: &HeaderValue) -> Response<Body> {
         let mut resp = problem::response_with_instance(e, access::problem_instance(request_id).as_deref());
         if matches!(e, GatewayError::Unauthenticated)
-            && let Some(challenge) = &self.challenge
+            && let Some(challenge) = &self.configured.challenge
         {
             resp.headers_mut().insert(http::header::WWW_AUTHENTICATE, challenge.clone());
         }
         resp
     }
 
+    /// An idempotent operation: admitted by the pipeline every front runs
+    /// ([`admission::admit`]), then claimed and forwarded on the tracker.
     async fn operation(
         self: &Arc<Self>,
         route: &Arc<Route>,
         params: Vec<(String, String)>,
-        mut req: Request<Incoming>,
+        req: Request<Incoming>,
         peer: SocketAddr,
         trace: &mut Trace,
     ) -> Result<(Response<Body>, Outcome), GatewayError> {
-        if route.mode == RouteMode::Observe {
-            // Observe mode changes no answer: nothing is refused, so the
-            // route's authorizer is not asked either.
-            let identity = self.admit(&mut req, peer).await;
-            let resp = Box::pin(self.observer.handle(route, params, req, identity, self.executor.upstream(route.upstream))).await;
+        let (shared, configured) = (&*self.shared, &*self.configured);
+        if let Mode::Observe { budget } = route.execution.mode {
+            // Observe mode changes no answer: the upstream's is the client's.
+            let upstream = self.executor.upstream(route.upstream);
+            let resp = Box::pin(observe::observe(shared, configured, upstream, budget, route, params, req, peer)).await;
             return Ok((resp, Outcome::PassThrough));
         }
-        let identity = admission::identified(self.admit(&mut req, peer).await).map_err(|r| r.error)?;
-        self.authorized(&route.operation, req.method(), req.uri().path(), &identity, req.headers()).await?;
-        // A key in a header is known before the body is read: a request
-        // without one costs no body read.
-        let early = match admission::key_in_headers(route, req.headers()) {
-            Ok(early) => early,
-            Err(NotAdmitted::NoKey) => return Ok((Box::pin(self.pass_through(route.upstream, req, trace)).await?, Outcome::PassThrough)),
-            Err(NotAdmitted::Refused(r)) => return Err(r.error),
-        };
-        let (parts, body) = req.into_parts();
-        let body = read_body(body, &parts.headers, self.max_request_body, self.request_body_timeout).await?;
-        trace.bytes_in = Some(body.len() as u64);
-        if method_override::body_kind(&parts.headers).is_some_and(|kind| method_override::in_body(kind, &body)) {
-            return Err(GatewayError::InvalidRequest(InvalidRequest::MethodOverride));
-        }
-        let claim = match admission::admit(route, &identity, early, self.replica_id.clone(), &params, &parts, &body) {
-            Ok(claim) => claim,
-            Err(NotAdmitted::NoKey) => {
-                let upstream = self.executor.upstream(route.upstream);
-                let answer = Box::pin(passthrough::try_forward(upstream, parts, Body::full(body))).await;
-                self.metrics.passed_through(upstream.name(), answer.as_ref().err().map(GatewayError::type_name));
-                return Ok((answer?, Outcome::PassThrough));
-            }
-            Err(NotAdmitted::Refused(r)) => return Err(r.error),
-        };
-        trace.scope = Some(claim.scope.scope_id());
-        let slot = match self.admitted_under_load(route, &claim).await {
-            Ok(slot) => slot,
-            // Boxed: a rare branch that should not grow every request's future.
-            Err(refused) => return Box::pin(self.answer_overloaded(route, &claim, &params, &parts, &body, refused)).await,
-        };
+        let mut front = Enforce { gateway: self, trace: &mut *trace };
+        let (admitted, slot) =
+            match admission::admit(&mut front, &configured.identifier, &configured.replica_id, route, params, req, peer).await {
+                Ok(admitted) => admitted,
+                // Boxed: rare branches that should not grow every request's future.
+                Err(stop) => return Box::pin(self.stopped(route, stop, trace)).await,
+            };
+        trace.scope = Some(admitted.claim.scope.scope_id());
         // From the claim on, the work runs on the tracker: a client that goes
         // away can no longer cancel it between a committed claim and its
         // forward, nor between the forward and the recording of its result.
         let (tx, rx) = oneshot::channel();
         let gw = self.clone();
         let route = route.clone();
-        self.tracker.spawn(Box::pin(async move {
-            let (out, write) = gw.claim_and_forward(&route, claim, params, parts, body, slot).await;
+        self.shared.tracker.spawn(Box::pin(async move {
+            let (out, write) = gw.claim_and_forward(&route, admitted, slot).await;
             // The client may be gone; the record is written either way. The
             // answer goes first: the result write then runs while it travels.
             let _ = tx.send(out);
@@ -521,21 +299,43 @@ impl Gateway {
         rx.await.unwrap_or(Err(GatewayError::Internal))
     }
 
+    /// What enforcing does with a request admission stopped before its
+    /// claim: a request without a key passes through; a refusal is
+    /// answered; over the limit, a request whose key has a record is
+    /// answered from it.
+    async fn stopped(&self, route: &Route, stop: Stop<GatewayError>, trace: &mut Trace) -> Result<(Response<Body>, Outcome), GatewayError> {
+        let held = match stop {
+            Stop::Refused(refused, _) => return Err(refused.error),
+            Stop::Halted(overloaded, Held::Admitted(admitted)) => return self.answer_overloaded(route, &admitted, overloaded).await,
+            Stop::Halted(error, _) => return Err(error),
+            Stop::NoKey(held) => held,
+        };
+        let (parts, body) = match held {
+            Held::Unread(req) => return Ok((self.pass_through(route.upstream, req, trace).await?, Outcome::PassThrough)),
+            Held::Read(parts, body) => (parts, body),
+            Held::Admitted(admitted) => (admitted.parts, Body::full(admitted.body)),
+        };
+        let upstream = self.executor.upstream(route.upstream);
+        let answer = passthrough::try_forward(upstream, parts, body).await;
+        self.shared.metrics.passed_through(upstream.name(), answer.as_ref().err().map(GatewayError::type_name));
+        Ok((answer?, Outcome::PassThrough))
+    }
+
     /// Admission under overload, before the claim: a refusal claims
     /// nothing, so the client's retry with the same key is safe. A forward
     /// needs a slot of its route's cap and its upstream's limit (held until
     /// the upstream answers); an acceptance needs room in its route's queue.
     async fn admitted_under_load(&self, route: &Route, claim: &ClaimRequest) -> Result<Option<Slot>, GatewayError> {
         if claim.acceptance.is_some() {
-            let queued = self.metrics.queued(&route.operation);
-            if u64::try_from(queued).unwrap_or(0) >= route.max_queued {
-                tracing::debug!(route = %route.operation, queued, max_queued = route.max_queued, "async queue full; acceptance refused");
+            let queued = self.shared.metrics.queued(&route.operation);
+            if u64::try_from(queued).unwrap_or(0) >= route.queueing().max_queued {
+                tracing::debug!(route = %route.operation, queued, max_queued = route.queueing().max_queued, "async queue full; acceptance refused");
                 return Err(GatewayError::Overloaded);
             }
             return Ok(None);
         }
         let upstream = self.executor.upstream(route.upstream).limit();
-        match Slot::acquire(upstream, self.route_limits.get(&route.operation)).await {
+        match Slot::acquire(upstream, self.configured.route_limits.get(&route.operation)).await {
             Ok(slot) => Ok(Some(slot)),
             Err(Overloaded) => {
                 tracing::debug!(route = %route.operation, limit = upstream.current(), "upstream limit reached; refused before the claim");
@@ -552,20 +352,18 @@ impl Gateway {
     async fn answer_overloaded(
         &self,
         route: &Route,
-        claim: &ClaimRequest,
-        params: &[(String, String)],
-        parts: &request::Parts,
-        body: &Bytes,
+        admitted: &Admitted,
         refused: GatewayError,
     ) -> Result<(Response<Body>, Outcome), GatewayError> {
-        let Ok(Some((record, now))) = self.store.get(&claim.scope).await else { return Err(refused) };
+        let Admitted { claim, params, parts, body, .. } = admitted;
+        let Ok(Some((record, now))) = self.configured.store.get(&claim.scope).await else { return Err(refused) };
         let request = admission::request_parts(route, params, parts, body);
         match decide_with_legacy(route, &record, &claim.request_hash, &request, now) {
             Decision::Replay => {
                 let stored = record.response.as_ref().ok_or(GatewayError::Internal)?;
                 self.answer_from(route, stored, &parts.headers).await.map(|r| (r, Outcome::Replayed))
             }
-            Decision::Mismatch => Err(GatewayError::KeyReused { status: route.mismatch_status }),
+            Decision::Mismatch => Err(GatewayError::KeyReused { status: route.key.mismatch_status }),
             Decision::Accepted => Ok((self.accepted(route, &record), Outcome::Accepted)),
             Decision::Unknown => Err(GatewayError::RecordUnknown),
             Decision::InProgress { .. } => Err(GatewayError::InProgress { retry_after: IN_PROGRESS_RETRY_AFTER }),
@@ -579,15 +377,13 @@ impl Gateway {
     async fn claim_and_forward<'a>(
         &'a self,
         route: &'a Route,
-        claim: ClaimRequest,
-        params: Vec<(String, String)>,
-        parts: request::Parts,
-        body: Bytes,
+        admitted: Box<Admitted>,
         slot: Option<Slot>,
     ) -> (Result<(Response<Body>, Outcome), GatewayError>, Option<ResultWrite<'a>>) {
+        let Admitted { claim, params, parts, body, .. } = *admitted;
         // A result this replica answered and is still writing comes first:
         // its client's retry is replayed, not told "in flight".
-        self.waiters.settled(&claim.scope, self.store.timeout()).await;
+        self.shared.waiters.settled(&claim.scope, self.configured.store.timeout()).await;
         let request = admission::request_parts(route, &params, &parts, &body);
         match self.claim_or_answer(route, &claim, &parts, &request).await {
             Ok(Claimed::Answered(answer)) => (Ok(answer), None),
@@ -606,14 +402,14 @@ impl Gateway {
         request: &RequestParts<'_>,
     ) -> Result<Claimed, GatewayError> {
         let request_hash = claim.request_hash;
-        let wait_until = match route.in_flight {
+        let wait_until = match route.record.in_flight {
             InFlightPolicy::Wait(d) => Some(tokio::time::Instant::now() + d),
             InFlightPolicy::Reject => None,
         };
         let (mut expired_rounds, mut wait_rounds) = (0, 0);
         loop {
             let claim_started = Instant::now();
-            let outcome = match self.store.claim(claim).await {
+            let outcome = match self.configured.store.claim(claim).await {
                 Ok(outcome) => outcome,
                 Err(e) => {
                     crate::telemetry::throttle::warn_throttled!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "claim failed; nothing forwarded");
@@ -622,15 +418,15 @@ impl Gateway {
                     // committed, a retry reads it back as accepted and a
                     // worker runs it once.
                     if e.is_ambiguous() && claim.acceptance.is_none() {
-                        self.abandon_later(claim, route.lease);
+                        self.abandon_later(claim, route.record.lease);
                     }
                     return Err(GatewayError::StoreUnavailable);
                 }
             };
             let (record, now) = match outcome {
                 ClaimOutcome::Claimed(c) if claim.acceptance.is_some() => {
-                    self.metrics.accepted(&route.operation);
-                    self.wake_workers.notify_waiters();
+                    self.shared.metrics.accepted(&route.operation);
+                    self.shared.wake_workers.notify_waiters();
                     return Ok(Claimed::Answered((self.accepted(route, &accepted_record(claim, &c)), Outcome::Accepted)));
                 }
                 ClaimOutcome::Claimed(c) => {
@@ -640,7 +436,7 @@ impl Gateway {
                     // result could not be recorded in time: give the key back
                     // instead of forwarding.
                     let upstream_timeout = self.executor.upstream(route.upstream).config.timeout;
-                    if claim_started.elapsed() + upstream_timeout >= route.lease {
+                    if claim_started.elapsed() + upstream_timeout >= route.record.lease {
                         tracing::warn!(route = %route.operation, scope = %c.scope.log_id(), "claim took too long to leave room for the upstream; released, nothing forwarded");
                         self.executor.release(route, &c).await;
                         return Err(GatewayError::StoreUnavailable);
@@ -654,13 +450,13 @@ impl Gateway {
                     let stored = record.response.as_ref().ok_or(GatewayError::Internal)?;
                     return self.answer_from(route, stored, &parts.headers).await.map(|r| Claimed::Answered((r, Outcome::Replayed)));
                 }
-                Decision::Mismatch => return Err(GatewayError::KeyReused { status: route.mismatch_status }),
+                Decision::Mismatch => return Err(GatewayError::KeyReused { status: route.key.mismatch_status }),
                 Decision::Accepted => return Ok(Claimed::Answered((self.accepted(route, &record), Outcome::Accepted))),
                 Decision::Unknown => return Err(GatewayError::RecordUnknown),
                 Decision::LeaseExpired => {
-                    match self.store.expire_lease(&record).await {
+                    match self.configured.store.expire_lease(&record).await {
                         Ok(WriteOutcome::Written) => {
-                            self.metrics.reaped(1);
+                            self.shared.metrics.reaped(1);
                             tracing::warn!(route = %route.operation, scope = %record.scope.log_id(), owner = %record.owner, "lease expired without a result; record is now unknown");
                         }
                         // The record moved on since it was read (its attempt
@@ -678,7 +474,7 @@ impl Gateway {
                     let Some(deadline) = wait_until.filter(|d| tokio::time::Instant::now() < *d) else {
                         return Err(GatewayError::InProgress { retry_after: IN_PROGRESS_RETRY_AFTER });
                     };
-                    self.waiters.wait(&claim.scope, wait_rounds, deadline).await;
+                    self.shared.waiters.wait(&claim.scope, wait_rounds, deadline).await;
                     wait_rounds += 1;
                 }
                 Decision::Expired => {
@@ -696,13 +492,13 @@ impl Gateway {
     /// the client's retry is not refused. Gives up when the lease would have
     /// expired (the record then shows as `unknown`, and the logs say why).
     fn abandon_later(&self, claim: &ClaimRequest, lease: Duration) {
-        self.store.abandon_later(&self.tracker, &claim.scope, claim.claim_token, lease);
+        self.configured.store.abandon_later(&self.shared.tracker, &claim.scope, claim.claim_token, lease);
     }
 
     /// A completed record's answer: the stored one, or read again from the
     /// upstream with the caller's credentials (`replay = "refetch"`).
     async fn answer_from(&self, route: &Route, stored: &StoredResponse, caller: &HeaderMap) -> Result<Response<Body>, GatewayError> {
-        match route.replay {
+        match route.record.replay {
             ReplayMode::Stored => replay(stored),
             ReplayMode::Refetch => refetch(self.executor.upstream(route.upstream), stored, caller).await,
         }
@@ -711,7 +507,7 @@ impl Gateway {
     /// The answer to an accepted operation (and to its retries): 202, where to
     /// poll, when, and the status document.
     fn accepted(&self, route: &Route, record: &Record) -> Response<Body> {
-        let doc = status_document(record, route.poll_interval, route.retention);
+        let doc = status_document(record, route.queueing().poll_interval, route.record.retention);
         let mut resp = json_response(StatusCode::ACCEPTED, &doc);
         let h = resp.headers_mut();
         if let Some(id) = &record.operation_id
@@ -719,7 +515,7 @@ impl Gateway {
         {
             h.insert(http::header::LOCATION, location);
         }
-        h.insert(http::header::RETRY_AFTER, HeaderValue::from(route.poll_interval.as_secs().max(1)));
+        h.insert(http::header::RETRY_AFTER, HeaderValue::from(route.queueing().poll_interval.as_secs().max(1)));
         resp
     }
 
@@ -742,8 +538,8 @@ impl Gateway {
             return Err(GatewayError::NotFound);
         }
         // A refetched result goes to the upstream with the caller's headers.
-        let identity = self.admit(req, peer).await.ok_or(GatewayError::Unauthenticated)?;
-        let record = match self.store.operation(&identity.tenant, id).await {
+        let identity = admission::identify(&self.configured.identifier, req, peer).await.ok_or(GatewayError::Unauthenticated)?;
+        let record = match self.configured.store.operation(&identity.tenant, id).await {
             Ok(Some((record, _))) if record.scope.admits(&identity) => record,
             Ok(_) => return Err(GatewayError::NotFound),
             Err(e) => {
@@ -753,9 +549,10 @@ impl Gateway {
         };
         // Reading a stored answer is asked again: a revoked principal gets 403.
         self.authorized(&record.scope.operation, req.method(), req.uri().path(), &identity, req.headers()).await?;
-        let route = self.router.route_for(&record.scope.operation);
-        let (poll, retention) =
-            route.map_or((Duration::from_secs(1), Retention::For(Duration::from_secs(24 * 3600))), |r| (r.poll_interval, r.retention));
+        let route = self.configured.router.route_for(&record.scope.operation);
+        let (poll, retention) = route.map_or((Duration::from_secs(1), Retention::For(Duration::from_secs(24 * 3600))), |r| {
+            (r.queueing().poll_interval, r.record.retention)
+        });
         if want_result {
             return match (&record.state, &record.response, route) {
                 (State::Completed, Some(stored), Some(route)) => {
@@ -780,12 +577,12 @@ impl Gateway {
         let upstream = self.executor.upstream(upstream);
         let answer = match self.body_may_override(&req) {
             None => {
-                let bytes_in = self.access_log.then(|| trace.count_bytes_in());
-                passthrough::try_pass_through(upstream, req, self.request_body_timeout, bytes_in).await
+                let bytes_in = self.configured.access_log.then(|| trace.count_bytes_in());
+                passthrough::try_pass_through(upstream, req, self.configured.request_body_timeout, bytes_in).await
             }
             Some(kind) => {
                 let (parts, body) = req.into_parts();
-                let body = read_body(body, &parts.headers, self.max_request_body, self.request_body_timeout).await?;
+                let body = read_body(body, &parts.headers, self.configured.max_request_body, self.configured.request_body_timeout).await?;
                 trace.bytes_in = Some(body.len() as u64);
                 if method_override::in_body(kind, &body) {
                     return Err(GatewayError::InvalidRequest(InvalidRequest::MethodOverride));
@@ -793,7 +590,7 @@ impl Gateway {
                 passthrough::try_forward(upstream, parts, Body::full(body)).await
             }
         };
-        self.metrics.passed_through(upstream.name(), answer.as_ref().err().map(GatewayError::type_name));
+        self.shared.metrics.passed_through(upstream.name(), answer.as_ref().err().map(GatewayError::type_name));
         answer
     }
 
@@ -804,7 +601,47 @@ impl Gateway {
             return None;
         }
         let kind = method_override::body_kind(req.headers())?;
-        self.router.protects(req.uri().path(), None).then_some(kind)
+        self.configured.router.protects(req.uri().path(), None).then_some(kind)
+    }
+}
+
+/// Enforcing's phases of admission (see [`crate::proxy::admission`]): the
+/// route's authorizer is asked, the body is read within its limits (a body
+/// naming another method is refused), and a forward needs room under its
+/// upstream's and its route's limits.
+struct Enforce<'a> {
+    gateway: &'a Gateway,
+    trace: &'a mut Trace,
+}
+
+impl Front for Enforce<'_> {
+    type Slot = Option<Slot>;
+    type Halt = GatewayError;
+
+    async fn authorize(&mut self, route: &Route, req: &Request<Incoming>, identity: &Identity) -> Result<(), GatewayError> {
+        self.gateway.authorized(&route.operation, req.method(), req.uri().path(), identity, req.headers()).await
+    }
+
+    async fn read_body(
+        &mut self,
+        _: &Route,
+        parts: request::Parts,
+        body: Incoming,
+    ) -> Result<(request::Parts, Bytes), (GatewayError, Held)> {
+        let c = &self.gateway.configured;
+        let body = match read_body(body, &parts.headers, c.max_request_body, c.request_body_timeout).await {
+            Ok(body) => body,
+            Err(e) => return Err((e, Held::Read(parts, Body::empty()))),
+        };
+        self.trace.bytes_in = Some(body.len() as u64);
+        if method_override::body_kind(&parts.headers).is_some_and(|kind| method_override::in_body(kind, &body)) {
+            return Err((GatewayError::InvalidRequest(InvalidRequest::MethodOverride), Held::Read(parts, Body::empty())));
+        }
+        Ok((parts, body))
+    }
+
+    async fn load(&mut self, route: &Route, claim: &ClaimRequest) -> Result<Option<Slot>, GatewayError> {
+        self.gateway.admitted_under_load(route, claim).await
     }
 }
 
@@ -887,7 +724,7 @@ mod tests {
     /// worker's box. The branches a first write does not take (pass-through,
     /// the authorizer's call, observe mode) are boxed so that it stays small:
     /// inline, they made it 9.8 KB, copied several times per request
-    /// (docs/performance.md, issue 32).
+    /// (docs/performance-notes.md, issue 32).
     #[test]
     fn a_requests_future_stays_small() {
         let size = future_size(|(gw, req, peer): (Arc<Gateway>, Request<Incoming>, SocketAddr)| gw.handle(req, peer));

@@ -19,7 +19,7 @@
 //!    (the body kept up to `max_stored_response`), released (a
 //!    `release_on_status` status, `Idempotency-Policy: no-store`, or a request
 //!    that never left), or `unknown` (sent, answer lost). The answer is copied
-//!    as it streams to the client ([`Tee`]) and written by the tracked task
+//!    as it streams to the client (`Tee`) and written by the tracked task
 //!    afterwards, so recording never delays the client either. Switching the
 //!    route to enforcing later finds these records as valid history.
 //!
@@ -27,6 +27,7 @@
 //! invalid key, a body the fingerprint refuses) are counted in
 //! `idemgate_observe_would_refuse_total{reason}`.
 
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -36,15 +37,16 @@ use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, Request, Response, request};
 use http_body_util::BodyExt;
 use hyper::body::{Frame, Incoming, SizeHint};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
+use tokio::sync::{OwnedSemaphorePermit, oneshot};
 use tokio_util::task::TaskTracker;
 
 use crate::executor::classify::{self, Class, SyncWrite};
-use crate::idempotency::outcome::{Refusal, Would};
+use crate::idempotency::outcome::Would;
 use crate::idempotency::record::{Decision, Record, StoredResponse, Timestamp};
 use crate::problem::{self, GatewayError};
-use crate::proxy::admission::{self, NotAdmitted, decide_with_legacy};
+use crate::proxy::admission::{self, Admitted, Front, Held, Stop, decide_with_legacy};
 use crate::proxy::passthrough;
+use crate::proxy::state::{Configured, Shared};
 use crate::request::identity::Identity;
 use crate::request::route::Route;
 use crate::store::{Claim, ClaimOutcome, ClaimRequest, Store, WriteOutcome};
@@ -52,26 +54,6 @@ use crate::telemetry::metrics::Metrics;
 use crate::upstream::Upstream;
 use crate::upstream::body::{Body, BoxError, Streamed};
 use crate::upstream::headers;
-
-/// Observations (claim, then recording) running at once in this process;
-/// beyond it requests pass unobserved. Bounds the tasks and the answers held
-/// for recording when the store is slow.
-const MAX_OBSERVATIONS: usize = 1024;
-
-/// What observe mode needs of the gateway; cheap to clone (one per proxy
-/// worker thread, sharing the store, metrics, tracker and slots).
-#[derive(Debug, Clone)]
-pub struct Observer {
-    store: Store,
-    metrics: Arc<Metrics>,
-    /// Observations run here, so a client that goes away cancels neither a
-    /// claim nor the recording of its answer, and shutdown waits for them.
-    tracker: TaskTracker,
-    replica_id: Arc<str>,
-    max_request_body: u64,
-    request_body_timeout: Duration,
-    slots: Arc<Semaphore>,
-}
 
 /// What the claim found, as the request path learns it.
 #[derive(Debug)]
@@ -112,128 +94,144 @@ impl Captured {
     }
 }
 
-impl Observer {
-    pub fn new(
-        store: Store,
-        metrics: Arc<Metrics>,
-        tracker: TaskTracker,
-        replica_id: Arc<str>,
-        max_request_body: u64,
-        request_body_timeout: Duration,
-    ) -> Observer {
-        Observer {
-            store,
-            metrics,
-            tracker,
-            replica_id,
-            max_request_body,
-            request_body_timeout,
-            slots: Arc::new(Semaphore::new(MAX_OBSERVATIONS)),
-        }
+/// Observe mode's phases of admission (see [`crate::proxy::admission`]):
+/// no authorizer is asked (observe mode changes no answer), the body is read
+/// within `server.max_request_body` and `request_body_timeout` (past either
+/// the request passes on unobserved), and under load an observation needs
+/// one of this process's slots.
+struct Observe<'a> {
+    shared: &'a Shared,
+    configured: &'a Configured,
+}
+
+/// Why observe mode stopped observing a request.
+#[derive(Debug)]
+enum Skip {
+    /// Passed on unobserved.
+    Unobserved(&'static str),
+    /// The client's body broke off: pass-through would have failed the same way.
+    Broken,
+}
+
+impl Front for Observe<'_> {
+    type Slot = OwnedSemaphorePermit;
+    type Halt = Skip;
+
+    async fn authorize(&mut self, _: &Route, _: &Request<Incoming>, _: &Identity) -> Result<(), Skip> {
+        Ok(())
     }
 
-    /// Passes the request through to `upstream` and observes it. Never
-    /// answers anything the upstream (or plain pass-through) would not.
-    pub async fn handle(
-        &self,
-        route: &Arc<Route>,
-        params: Vec<(String, String)>,
-        req: Request<Incoming>,
-        identity: Option<Identity>,
-        upstream: &Upstream,
-    ) -> Response<Body> {
-        // The same admission as enforcing: what it would refuse is counted
-        // and passed on.
-        let identity = match admission::identified(identity) {
-            Ok(identity) => identity,
-            Err(r) => {
-                self.refused(route, r.reason);
-                return passthrough::pass_through(upstream, req, self.request_body_timeout).await;
-            }
-        };
-        let early = match admission::key_in_headers(route, req.headers()) {
-            Ok(early) => early,
-            Err(not) => {
-                self.not_admitted(route, not);
-                return passthrough::pass_through(upstream, req, self.request_body_timeout).await;
-            }
-        };
-        let Ok(slot) = self.slots.clone().try_acquire_owned() else {
-            self.skipped(route, "too many observations running");
-            return passthrough::pass_through(upstream, req, self.request_body_timeout).await;
-        };
-        let (parts, body) = req.into_parts();
-        let body = match read_within(body, &parts.headers, self.max_request_body, self.request_body_timeout).await {
-            Read::Whole(bytes) => bytes,
+    async fn read_body(&mut self, _: &Route, parts: request::Parts, body: Incoming) -> Result<(request::Parts, Bytes), (Skip, Held)> {
+        let c = self.configured;
+        match read_within(body, &parts.headers, c.max_request_body, c.request_body_timeout).await {
+            Read::Whole(bytes) => Ok((parts, bytes)),
             Read::Partial(body) => {
-                self.skipped(route, "request body over max_request_body or slower than request_body_timeout");
-                return passthrough::forward(upstream, parts, body).await;
+                Err((Skip::Unobserved("request body over max_request_body or slower than request_body_timeout"), Held::Read(parts, body)))
             }
-            Read::Broken => {
-                // Pass-through would have failed the same way, sending it on.
-                self.skipped(route, "request body broken off");
-                return problem::response(&GatewayError::BadGateway);
-            }
-        };
-        let claim = match admission::admit(route, &identity, early, self.replica_id.clone(), &params, &parts, &body) {
-            Ok(claim) => claim,
-            Err(not) => {
-                self.not_admitted(route, not);
-                return passthrough::forward(upstream, parts, Body::full(body)).await;
-            }
-        };
-        let request_hash = claim.request_hash;
-        let request = admission::request_parts(route, &params, &parts, &body);
-        let log_id = claim.scope.log_id();
-        let (decided_tx, decided_rx) = oneshot::channel();
-        let (captured_tx, captured_rx) = oneshot::channel();
-        self.tracker.spawn(observation(self.store.clone(), self.tracker.clone(), route.clone(), claim, decided_tx, captured_rx, slot));
-        let capture = match tokio::time::timeout(route.observe_budget, decided_rx).await {
-            Ok(Ok(Decided::Claimed)) => true,
-            Ok(Ok(Decided::Found(found))) => {
-                let (record, now) = *found;
-                match would(decide_with_legacy(route, &record, &request_hash, &request, now)) {
-                    Some(would) => {
-                        self.metrics.observe_would(&route.operation, would);
-                        tracing::info!(route = %route.operation, scope = %log_id, would = would.as_str(),
-                            "observe: enforcing would have answered differently; passed through");
-                    }
-                    None => self.skipped(route, "the record belongs to another mode"),
-                }
-                false
-            }
-            Ok(Ok(Decided::Failed) | Err(_)) => {
-                self.skipped(route, "store unavailable");
-                false
-            }
-            // The claim goes on in the background: if it is made after all,
-            // the answer captured below is recorded under it.
-            Err(_) => {
-                self.skipped(route, "the claim took longer than observe_budget");
-                true
-            }
-        };
-        let capture = capture.then(|| Capture { tx: Some(captured_tx), sent: false });
-        forward(route, upstream, parts, Body::full(body), capture).await
-    }
-
-    /// Counts what enforcing would have refused; a request without a key on
-    /// a route that does not require one is not observed (nothing to count).
-    fn not_admitted(&self, route: &Route, not: NotAdmitted) {
-        if let NotAdmitted::Refused(r) = not {
-            self.refused(route, r.reason);
+            Read::Broken => Err((Skip::Broken, Held::Read(parts, Body::empty()))),
         }
     }
 
-    fn refused(&self, route: &Route, reason: Refusal) {
-        self.metrics.observe_refused(&route.operation, reason);
-        tracing::info!(route = %route.operation, reason = reason.as_str(), "observe: enforcing would have refused this request; passed through");
+    async fn load(&mut self, _: &Route, _: &ClaimRequest) -> Result<OwnedSemaphorePermit, Skip> {
+        self.shared.observations.clone().try_acquire_owned().map_err(|_| Skip::Unobserved("too many observations running"))
     }
+}
 
-    fn skipped(&self, route: &Route, why: &'static str) {
-        self.metrics.observe_skipped(&route.operation);
-        tracing::debug!(route = %route.operation, why, "observe: request passed through unobserved");
+/// Passes the request through to `upstream` and observes it, waiting for
+/// the claim at most `budget` (the route's `observe_budget`). Never answers
+/// anything the upstream (or plain pass-through) would not.
+#[allow(clippy::too_many_arguments)]
+pub async fn observe(
+    shared: &Shared,
+    configured: &Configured,
+    upstream: &Upstream,
+    budget: Duration,
+    route: &Arc<Route>,
+    params: Vec<(String, String)>,
+    req: Request<Incoming>,
+    peer: SocketAddr,
+) -> Response<Body> {
+    // The same admission as enforcing: what it would refuse is counted and
+    // passed on.
+    let mut front = Observe { shared, configured };
+    let (admitted, slot) =
+        match admission::admit(&mut front, &configured.identifier, &configured.replica_id, route, params, req, peer).await {
+            Ok(admitted) => admitted,
+            Err(stop) => return pass_on(shared, configured, route, upstream, stop).await,
+        };
+    let Admitted { claim, params, parts, body, .. } = *admitted;
+    let metrics = &shared.metrics;
+    let request_hash = claim.request_hash;
+    let request = admission::request_parts(route, &params, &parts, &body);
+    let log_id = claim.scope.log_id();
+    let (decided_tx, decided_rx) = oneshot::channel();
+    let (captured_tx, captured_rx) = oneshot::channel();
+    let (store, tracker) = (configured.store.clone(), shared.tracker.clone());
+    shared.tracker.spawn(observation(store, tracker, route.clone(), claim, decided_tx, captured_rx, slot));
+    let capture = match tokio::time::timeout(budget, decided_rx).await {
+        Ok(Ok(Decided::Claimed)) => true,
+        Ok(Ok(Decided::Found(found))) => {
+            let (record, now) = *found;
+            match would(decide_with_legacy(route, &record, &request_hash, &request, now)) {
+                Some(would) => {
+                    metrics.observe_would(&route.operation, would);
+                    tracing::info!(route = %route.operation, scope = %log_id, would = would.as_str(),
+                        "observe: enforcing would have answered differently; passed through");
+                }
+                None => skipped(metrics, route, "the record belongs to another mode"),
+            }
+            false
+        }
+        Ok(Ok(Decided::Failed) | Err(_)) => {
+            skipped(metrics, route, "store unavailable");
+            false
+        }
+        // The claim goes on in the background: if it is made after all,
+        // the answer captured below is recorded under it.
+        Err(_) => {
+            skipped(metrics, route, "the claim took longer than observe_budget");
+            true
+        }
+    };
+    let capture = capture.then(|| Capture { tx: Some(captured_tx), sent: false });
+    forward(route, upstream, parts, Body::full(body), capture).await
+}
+
+/// What observe mode does with a request admission stopped: counts what
+/// enforcing would have refused, and passes it on as far as it was read. A
+/// request without a key on a route that does not require one is not
+/// observed (nothing to count).
+async fn pass_on(shared: &Shared, configured: &Configured, route: &Route, upstream: &Upstream, stop: Stop<Skip>) -> Response<Body> {
+    let metrics = &shared.metrics;
+    let held = match stop {
+        Stop::NoKey(held) => held,
+        Stop::Refused(r, held) => {
+            metrics.observe_refused(&route.operation, r.reason);
+            tracing::info!(route = %route.operation, reason = r.reason.as_str(), "observe: enforcing would have refused this request; passed through");
+            held
+        }
+        Stop::Halted(Skip::Unobserved(why), held) => {
+            skipped(metrics, route, why);
+            held
+        }
+        Stop::Halted(Skip::Broken, _) => {
+            skipped(metrics, route, "request body broken off");
+            return problem::response(&GatewayError::BadGateway);
+        }
+    };
+    match held {
+        Held::Unread(req) => passthrough::pass_through(upstream, req, configured.request_body_timeout).await,
+        Held::Read(parts, body) => passthrough::forward(upstream, parts, body).await,
+        Held::Admitted(admitted) => {
+            let Admitted { parts, body, .. } = *admitted;
+            passthrough::forward(upstream, parts, Body::full(body)).await
+        }
     }
+}
+
+fn skipped(metrics: &Metrics, route: &Route, why: &'static str) {
+    metrics.observe_skipped(&route.operation);
+    tracing::debug!(route = %route.operation, why, "observe: request passed through unobserved");
 }
 
 /// What enforcing would have answered from a record it found.
@@ -269,7 +267,7 @@ async fn observation(
         Err(e) => {
             tracing::debug!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "observe: claim failed");
             if e.is_ambiguous() {
-                store.abandon_later(&tracker, &claim.scope, claim.claim_token, route.lease);
+                store.abandon_later(&tracker, &claim.scope, claim.claim_token, route.record.lease);
             }
             let _ = decided.send(Decided::Failed);
             return;
@@ -278,7 +276,7 @@ async fn observation(
     let _ = decided.send(Decided::Claimed);
     // The claim's lease bounds the wait: past it the lease reaper marks the
     // record unknown (the request may have been sent) and a late write is fenced.
-    let answer = match tokio::time::timeout(route.lease, captured).await {
+    let answer = match tokio::time::timeout(route.record.lease, captured).await {
         Ok(Ok(answer)) => answer,
         // The request path went away before it forwarded anything.
         Ok(Err(_)) => Captured::NotSent,
@@ -297,7 +295,7 @@ async fn record(store: &Store, route: &Route, held: &Claim, answer: Captured) {
     // What the executor writes for the same class of answer.
     let written = match (&answer, answer.class().sync_write()) {
         (Captured::Answered(stored), SyncWrite::Complete) => {
-            store.complete(held, &crate::executor::stored_form(route, stored.clone()), route.retention).await
+            store.complete(held, &crate::executor::stored_form(route, stored.clone()), route.record.retention).await
         }
         (_, SyncWrite::MarkUnknown) => {
             tracing::warn!(route = %route.operation, scope = %scope, "observe: upstream outcome unknown; recorded as unknown");
@@ -320,7 +318,7 @@ async fn release(store: &Store, route: &Route, held: &Claim) -> Result<WriteOutc
         Err(_) => {}
         written => return written,
     }
-    let deadline = tokio::time::Instant::now() + route.lease;
+    let deadline = tokio::time::Instant::now() + route.record.lease;
     let retried = crate::retry::while_leased(deadline, true, || async { store.release(held).await.ok() }).await;
     // Out of lease: one last try, whose error is the answer.
     match retried {
@@ -353,7 +351,7 @@ async fn forward(route: &Route, upstream: &Upstream, parts: request::Parts, body
     };
     let (mut head, body) = resp.into_parts();
     // The executor's classification: the head is made ready to forward the same way.
-    let class = classify::head(&route.release_on_status, &mut head);
+    let class = classify::head(&route.record.release_on_status, &mut head);
     let body = Body::stream(body, upstream.config.timeout);
     let body = match capture {
         None => body,
@@ -367,7 +365,7 @@ async fn forward(route: &Route, upstream: &Upstream, parts: request::Parts, body
             status: head.status.as_u16(),
             headers: headers::storable(&head.headers),
             buf: BytesMut::new(),
-            limit: route.max_stored_response,
+            limit: route.record.max_stored_response,
             over_limit: false,
         }),
     };

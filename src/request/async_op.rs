@@ -182,7 +182,7 @@ pub fn status_document(record: &Record, poll_interval: Duration, retention: Rete
 /// as a [`StoredRequest`] without headers or body). `None` elsewhere: nothing
 /// extra is written.
 pub fn request_head(route: &Route, parts: &request::Parts) -> Option<Bytes> {
-    route.reconcile.as_ref().filter(|p| p.target.uses_params())?;
+    route.background.reconcile.as_ref().filter(|p| p.target.uses_params())?;
     let head = StoredRequest {
         method: parts.method.as_str().to_owned(),
         path_and_query: parts.uri.path_and_query().map_or("/", |pq| pq.as_str()).to_owned(),

@@ -74,7 +74,7 @@ impl Authorizer {
             }
         }
         // Boxed: the HTTP exchange would otherwise make every idempotent
-        // request's future as large, authorizer or not (docs/performance.md,
+        // request's future as large, authorizer or not (docs/performance-notes.md,
         // issue 32); a cached decision allocates nothing.
         let decision = Box::pin(self.ask(method, path, operation, identity, headers)).await;
         if decision == Decision::Allowed && !self.config.cache.is_zero() {

@@ -2,6 +2,7 @@
 //! connection and forward on one `TaskTracker`, background tasks supervised
 //! beside them, and a bounded drain on shutdown.
 
+pub mod apply;
 pub mod listener;
 pub mod reload;
 pub mod route_tasks;
@@ -20,12 +21,11 @@ use tokio_util::task::TaskTracker;
 use crate::background::housekeeping;
 use crate::config::Config;
 use crate::ops::admin::Admin;
-use crate::proxy::gateway::Gateway;
-use crate::request::identity::jwt::JwtVerifier;
-use crate::request::route::RouteMode;
+use crate::proxy::state::Shared;
 use crate::secret::DerivedKeySecret;
+use crate::server::apply::{Applier, WorkerGateway};
 use crate::server::listener::{ConnectionLimit, Http, Listener, accept_loop};
-use crate::server::reload::{LiveGateway, Reloader, WorkerGateway};
+use crate::server::reload::Reloader;
 use crate::server::route_tasks::RouteTasks;
 use crate::store::{Access, Retry, StartError, Store, StoreError, UnreachableAtStart};
 use crate::telemetry::metrics::Metrics;
@@ -53,7 +53,8 @@ pub enum ServeError {
 /// A bound, ready gateway; [`Server::run`] serves until shutdown.
 pub struct Server {
     config: Config,
-    gateway: Arc<Gateway>,
+    /// What outlives every configuration applied (see [`crate::server::apply`]).
+    shared: Arc<Shared>,
     metrics: Arc<Metrics>,
     /// One listener per worker: clones of one socket (its connections go to
     /// whichever worker accepts first), or, with `server.reuse_port`, sockets
@@ -81,10 +82,7 @@ impl Server {
     /// unreachable: see `store.unreachable_at_start` (`store::startup`).
     pub async fn bind(config: Config) -> Result<Server, ServeError> {
         let metrics = Arc::new(Metrics::new());
-        let store = Store::open(&config.store, Access::Serve)
-            .await?
-            .with_metrics(metrics.clone())
-            .with_events(crate::request::route::event_policies(&config.routes));
+        let store = Store::open(&config.store, Access::Serve).await?.with_metrics(metrics.clone());
         // The key derived for the upstream is an HMAC under the configured
         // secret, else under the one `migrate` generated for this deployment
         // (the same for every replica).
@@ -123,10 +121,10 @@ impl Server {
             None => None,
         };
         let tracker = TaskTracker::new();
-        let gateway = Arc::new(Gateway::new(&config, store, metrics.clone(), tracker.clone(), secret.clone()));
+        let shared = Arc::new(Shared::new(&config, store, metrics.clone(), tracker.clone(), secret.clone()));
         Ok(Server {
             config,
-            gateway,
+            shared,
             metrics,
             proxy,
             admin,
@@ -172,7 +170,7 @@ impl Server {
     }
 
     pub fn store(&self) -> &Store {
-        self.gateway.store()
+        self.shared.store()
     }
 
     /// Serves until `shutdown` fires, then stops accepting, lets connections
@@ -186,13 +184,13 @@ impl Server {
     /// admin listener, the background tasks and the store's batchers run on
     /// the main runtime.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), ServeError> {
-        let Server { config, gateway, metrics, proxy, admin, proxy_tls, admin_tls, hangups, tracker, secret, reload, store_retry } = self;
+        let Server { config, shared, metrics, proxy, admin, proxy_tls, admin_tls, hangups, tracker, secret, reload, store_retry } = self;
         tracing::info!(
             addr = %proxy.first().and_then(|l| l.local_addr().ok()).map(|a| a.to_string()).unwrap_or_default(),
             admin = %admin.as_ref().and_then(|a| a.local_addr().ok()).map(|a| a.to_string()).unwrap_or_default(),
             tls = proxy_tls.is_some(),
             admin_tls = admin_tls.is_some(),
-            store = gateway.store().kind(),
+            store = shared.store().kind(),
             replica = %config.server.replica_id,
             workers = proxy.len(),
             "listening"
@@ -201,33 +199,21 @@ impl Server {
         if let Some(retry) = store_retry {
             background.spawn(retry.run(shutdown.clone()));
         }
-        // Every series exists before the admin listener serves its first scrape.
-        metrics.declare_upstreams(config.upstreams.iter().map(|u| u.name.as_str()));
-        metrics.declare_operations(config.routes.iter().map(|r| (&*r.operation, r.mode == RouteMode::Async || r.allow_async)));
         let leases = housekeeping::LeaseWatch::new();
-        housekeeping::spawn_all(&background, gateway.store().clone(), metrics.clone(), &config.store, leases.clone(), shutdown.clone());
-        // JWKS URLs: fetched now and then every jwks_refresh; a failed fetch
-        // keeps the last good key set.
-        for verifier in gateway.jwks_sources() {
-            background.spawn(JwtVerifier::keep_fresh(Arc::downgrade(&verifier), shutdown.clone()));
-        }
+        housekeeping::spawn_all(&background, shared.store().clone(), metrics.clone(), &config.store, leases.clone(), shutdown.clone());
         // The lease reaper, the outbox relay, the reconciler and the async
         // workers follow the routes in force: a reload restarts them. Workers
         // run on this runtime, on the connections' tracker: the drain waits
         // for the attempts they hold.
-        let mut tasks = RouteTasks::new(metrics.clone(), secret.clone(), background.clone(), tracker.clone(), leases, shutdown.clone());
-        tasks.start(&gateway, &config);
-        // Requests are served by the gateway in force; a reload replaces it.
-        let live = LiveGateway::new(gateway.clone());
+        let tasks = RouteTasks::new(metrics.clone(), secret.clone(), background.clone(), tracker.clone(), leases, shutdown.clone());
+        // Every consumer of the configuration, built from it (every series
+        // exists before the admin listener serves its first scrape); a
+        // reload applies the next one the same way.
+        let applier = Applier::start(shared.clone(), tasks, background.clone(), shutdown.clone(), &config);
+        let live = applier.live().clone();
+        let in_force = applier.admin();
         if let Some((path, hangups)) = reload {
-            let reloader = Reloader {
-                path,
-                running: config.clone(),
-                live: live.clone(),
-                metrics: metrics.clone(),
-                background: background.clone(),
-                tasks,
-            };
+            let reloader = Reloader { path, running: config.clone(), applier, metrics: metrics.clone() };
             background.spawn(reloader.run(hangups, shutdown.clone()));
         }
         let tls_listeners: Vec<Arc<TlsListener>> = proxy_tls.iter().chain(admin_tls.iter()).cloned().collect();
@@ -246,9 +232,7 @@ impl Server {
         let admin_conns = TaskTracker::new();
         if let Some(admin) = admin {
             let admin_state = Arc::new(
-                Admin::new(gateway.store().clone(), metrics.clone(), config.admin.as_ref().and_then(|a| a.token.clone()))
-                    .with_routes(config.routes.clone())
-                    .with_credential_headers(config.identity.iter().filter_map(|s| s.credential_header().cloned()).collect())
+                Admin::new(in_force, metrics.clone(), config.admin.as_ref().and_then(|a| a.token.clone()))
                     .with_derived_key_secret(secret.clone())
                     .with_settings(
                         config.admin.as_ref().and_then(|a| a.token_label.clone()),
@@ -372,7 +356,7 @@ impl Worker {
                 let draining = draining.clone();
                 // Boxed: hyper stores and moves the service's future; on the
                 // heap it moves as a pointer instead of a few kilobytes
-                // (docs/performance.md, issue 32).
+                // (docs/performance-notes.md, issue 32).
                 Box::pin(async move {
                     let mut response = answer.await;
                     // During the drain delay keep-alive clients are told to

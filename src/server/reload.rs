@@ -4,11 +4,14 @@
 //!
 //! What a reload changes: identity sources (API keys, trusted headers, JWT
 //! keys and settings), routes (with their authorizers, key rules, retention,
-//! in-flight policy, replay mode) and upstreams (with new connection pools).
-//! A revoked API key or a removed JWT key is refused from the next request
-//! on, on open keep-alive connections too: every request asks its worker for
-//! the gateway in force ([`WorkerGateway::get`]). A request already running
-//! finishes with the gateway it started on.
+//! in-flight policy, replay mode) and upstreams (with new connection pools),
+//! applied as at start ([`crate::server::apply`]). A revoked API key or a
+//! removed JWT key is refused from the next request on, on open keep-alive
+//! connections too: every request asks its worker for the gateway in force
+//! ([`crate::server::apply::WorkerGateway::get`]). A request already running
+//! finishes with the gateway it started on. The admin API and the console
+//! follow too: a hand-made completion gets its reloaded route's retention,
+//! and the credential headers of reloaded identity sources are masked.
 //!
 //! Background work follows the routes in force: the async workers, the lease
 //! reaper, the reconciler and the event relay are restarted from the new
@@ -19,76 +22,20 @@
 //!
 //! What needs a restart: `[server]`, `[store]`, `[admin]` and `[workers]`
 //! (listeners, pools, the store itself); a reload that changes them applies
-//! the rest, keeps those sections as they are and says so in the log. The
-//! admin API keeps the routes it started with (its probe and resolve
-//! settings) until a restart.
+//! the rest, keeps those sections as they are and says so in the log.
 //!
 //! An invalid file is refused with its errors in the log; the configuration
 //! in force stays. `idemgate_config_reloads_total{result}` counts both.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::Arc;
 
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
-use crate::proxy::gateway::Gateway;
-use crate::request::identity::jwt::JwtVerifier;
-use crate::request::route::RouteMode;
-use crate::server::route_tasks::RouteTasks;
+use crate::server::apply::Applier;
 use crate::telemetry::metrics::Metrics;
-
-/// The gateway in force, replaced whole by a reload.
-#[derive(Debug)]
-pub struct LiveGateway {
-    current: RwLock<Arc<Gateway>>,
-    /// Bumped after each replacement; workers compare it on every request.
-    version: AtomicU64,
-}
-
-impl LiveGateway {
-    pub fn new(gateway: Arc<Gateway>) -> Arc<LiveGateway> {
-        Arc::new(LiveGateway { current: RwLock::new(gateway), version: AtomicU64::new(0) })
-    }
-
-    pub fn current(&self) -> Arc<Gateway> {
-        self.current.read().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-
-    fn replace(&self, gateway: Arc<Gateway>) {
-        *self.current.write().unwrap_or_else(|e| e.into_inner()) = gateway;
-        self.version.fetch_add(1, Ordering::Release);
-    }
-
-    /// The view of one worker thread, with its own upstream pools.
-    pub fn for_worker(self: &Arc<LiveGateway>) -> WorkerGateway {
-        let version = self.version.load(Ordering::Acquire);
-        WorkerGateway { live: self.clone(), local: Mutex::new((version, Arc::new(self.current().for_worker()))) }
-    }
-}
-
-/// One worker thread's copy of the gateway in force, rebuilt (with its own
-/// pools) when a reload has replaced it.
-#[derive(Debug)]
-pub struct WorkerGateway {
-    live: Arc<LiveGateway>,
-    local: Mutex<(u64, Arc<Gateway>)>,
-}
-
-impl WorkerGateway {
-    /// The gateway for the next request: one atomic load when nothing changed.
-    pub fn get(&self) -> Arc<Gateway> {
-        let version = self.live.version.load(Ordering::Acquire);
-        let mut local = self.local.lock().unwrap_or_else(|e| e.into_inner());
-        if local.0 != version {
-            *local = (version, Arc::new(self.live.current().for_worker()));
-        }
-        local.1.clone()
-    }
-}
 
 /// Reloads from `path` on every SIGHUP until shutdown.
 #[derive(Debug)]
@@ -96,12 +43,9 @@ pub struct Reloader {
     pub path: PathBuf,
     /// The configuration in force (as applied: restart-only sections kept).
     pub running: Config,
-    pub live: Arc<LiveGateway>,
+    /// Where each configuration read is applied.
+    pub applier: Applier,
     pub metrics: Arc<Metrics>,
-    /// Where the new JWT key refreshers run.
-    pub background: TaskTracker,
-    /// The workers, reaper, reconciler and relay: restarted with the new routes.
-    pub tasks: RouteTasks,
 }
 
 impl Reloader {
@@ -114,11 +58,11 @@ impl Reloader {
                 _ = shutdown.cancelled() => return,
                 changed = hangups.changed() => if changed.is_err() { return },
             }
-            self.reload(&shutdown);
+            self.reload();
         }
     }
 
-    fn reload(&mut self, shutdown: &CancellationToken) {
+    fn reload(&mut self) {
         let file = self.path.display().to_string();
         let mut config = match Config::load(&self.path) {
             Ok(c) => c,
@@ -133,14 +77,7 @@ impl Reloader {
         if !kept.is_empty() {
             tracing::warn!(file = %file, sections = ?kept, "these sections changed and need a restart; kept as they are");
         }
-        let gateway = Arc::new(self.live.current().reloaded(&config));
-        for verifier in gateway.jwks_sources() {
-            self.background.spawn(JwtVerifier::keep_fresh(Arc::downgrade(&verifier), shutdown.clone()));
-        }
-        self.metrics.declare_upstreams(config.upstreams.iter().map(|u| u.name.as_str()));
-        self.metrics.declare_operations(config.routes.iter().map(|r| (&*r.operation, r.mode == RouteMode::Async || r.allow_async)));
-        self.live.replace(gateway.clone());
-        self.tasks.restart(&gateway, &config);
+        self.applier.apply(&config);
         if has_background_routes(&self.running) || has_background_routes(&config) {
             tracing::info!("async workers, the lease reaper, the reconciler and the event relay restarted with the new routes");
         }
@@ -182,7 +119,7 @@ fn keep_restart_only(running: &Config, new: &mut Config) -> Vec<&'static str> {
 }
 
 fn has_background_routes(config: &Config) -> bool {
-    config.routes.iter().any(|r| r.mode == RouteMode::Async || r.allow_async || r.reconcile.is_some() || r.events.is_some())
+    config.routes.iter().any(|r| r.may_run_async() || r.background.reconcile.is_some() || r.background.events.is_some())
 }
 
 /// `idemgate reload`: sends SIGHUP to the gateway whose pid is in `pid_file`

@@ -3,7 +3,7 @@
 //! reconciler and the outbox relay.
 //!
 //! Each is built from a gateway and its configuration. A reload that
-//! replaces the gateway restarts them from the new one ([`RouteTasks::restart`]):
+//! replaces the gateway restarts them from the new one ([`RouteTasks::follow`]):
 //! the previous set is cancelled (a worker finishes the attempt it holds,
 //! with the route it took it under, then stops; a relay finishes its round;
 //! a reconciler's taken records stay marked until their hold runs out) and a
@@ -59,11 +59,14 @@ impl RouteTasks {
         RouteTasks { metrics, secret, background, attempts, leases, shutdown, current }
     }
 
-    /// Starts the tasks for `gateway` (built from `config`).
-    pub fn start(&mut self, gateway: &Gateway, config: &Config) {
+    /// Stops the running set, if any, and starts one for `gateway` (built
+    /// from `config`).
+    pub fn follow(&mut self, gateway: &Gateway, config: &Config) {
+        self.current.cancel();
+        self.current = self.shutdown.child_token();
         let stop = self.current.clone();
         let store = gateway.store().clone();
-        self.leases.set_shortest_lease(gateway.routes().iter().map(|r| r.lease).min());
+        self.leases.set_shortest_lease(gateway.routes().iter().map(|r| r.record.lease).min());
         housekeeping::spawn_reaper(
             &self.background,
             store.clone(),
@@ -86,12 +89,5 @@ impl RouteTasks {
             &self.attempts,
             stop,
         );
-    }
-
-    /// Stops the running set and starts one for the reloaded `gateway`.
-    pub fn restart(&mut self, gateway: &Gateway, config: &Config) {
-        self.current.cancel();
-        self.current = self.shutdown.child_token();
-        self.start(gateway, config);
     }
 }

@@ -1,16 +1,10 @@
-//! The store: one contract, two backends (PostgreSQL for several replicas,
-//! embedded SQLite for one), one protocol.
-//!
-//! - [`contract`]: the traits each backend implements, one per concern
-//!   ([`Lifecycle`], [`Records`], [`Queue`], [`Reconcile`], [`Events`],
-//!   [`Trail`]; [`RecordStore`] is their sum), and the types they speak.
-//! - [`postgres::PgStore`] and [`sqlite::SqliteStore`]: the two backends.
-//! - [`Store`] (here): what must not differ between them — bounded operation
-//!   time, reading a row back after an ambiguous write (the `claim_token`
-//!   protocol), and metrics. The rest of the gateway only sees `Store`.
-//!
-//! The conformance suite in `tests/store_conformance.rs` runs the same cases
-//! against both backends.
+//! The store: one contract ([`contract`]), two backends ([`postgres`] for
+//! several replicas, [`sqlite`] embedded for one), and [`Store`] here, the
+//! facade the rest of the gateway sees: what must not differ between the
+//! backends (bounded operation time, reading a row back after an ambiguous
+//! write, the replay cache, metrics), each operation named once in [`op`].
+//! How the concerns are laid out, and where a new statement goes:
+//! `docs/architecture.md`.
 
 pub mod audit;
 pub mod cache;
@@ -19,6 +13,7 @@ pub mod contract;
 mod error;
 mod health;
 pub mod migrations;
+pub mod op;
 pub mod postgres;
 pub mod sqlite;
 mod startup;
@@ -48,6 +43,7 @@ use crate::idempotency::record::{Attempt, Record, State, StoredResponse, Timesta
 use crate::outbox::{Delivery, EventPolicies, OutboxEvent};
 use crate::secret::Secret;
 use crate::store::audit::{AuditEntry, AuditNote};
+use crate::store::op::StoreOp;
 use crate::telemetry::metrics::Metrics;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -244,7 +240,10 @@ impl Store {
         self
     }
 
+    /// Times and counts every operation in `metrics` (whose series of the
+    /// operations every store runs exist from now on).
     pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Store {
+        metrics.declare_store_ops(op::names(&op::OF_EVERY_STORE), op::names(&op::FENCED));
         self.metrics = Some(metrics);
         self
     }
@@ -260,21 +259,26 @@ impl Store {
 
     /// Runs one backend operation under the timeout; a timed-out write is
     /// ambiguous, a timed-out read is unavailable.
-    async fn bounded<T>(&self, op: &'static str, write: bool, fut: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
+    async fn bounded<T>(&self, op: StoreOp, fut: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
+        self.bounded_by(op, self.timeout, fut).await
+    }
+
+    /// [`Store::bounded`] with a bound of its own.
+    async fn bounded_by<T>(&self, op: StoreOp, bound: Duration, fut: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
         let start = Instant::now();
         let out = if !self.is_up() {
             Err(not_up())
         } else {
-            match tokio::time::timeout(self.timeout, fut).await {
+            match tokio::time::timeout(bound, fut).await {
                 Ok(r) => r,
-                Err(_) if write => Err(StoreError::Ambiguous(format!("{op} timed out after {:?}", self.timeout))),
-                Err(_) => Err(StoreError::Unavailable(format!("{op} timed out after {:?}", self.timeout))),
+                Err(_) if op.write => Err(StoreError::Ambiguous(format!("{} timed out after {bound:?}", op.name))),
+                Err(_) => Err(StoreError::Unavailable(format!("{} timed out after {bound:?}", op.name))),
             }
         };
         if let Some(m) = &self.metrics {
-            m.observe_store(op, start.elapsed(), out.is_ok());
+            m.observe_store(op.name, start.elapsed(), out.is_ok());
         }
-        if write && matches!(out, Err(StoreError::Unavailable(_) | StoreError::Ambiguous(_))) {
+        if op.write && matches!(out, Err(StoreError::Unavailable(_) | StoreError::Ambiguous(_))) {
             self.writes.failed();
         }
         out
@@ -285,7 +289,7 @@ impl Store {
     }
 
     pub async fn ping(&self) -> Result<(), StoreError> {
-        self.bounded("ping", false, self.backend.ping()).await
+        self.bounded(op::PING, self.backend.ping()).await
     }
 
     /// Whether the settings the store relies on are in force on its
@@ -308,17 +312,17 @@ impl Store {
             return Ok(());
         }
         let started = self.writes.now();
-        self.bounded("write_probe", true, self.backend.probe_write()).await.map_err(NotReady::NotWritable)?;
+        self.bounded(op::WRITE_PROBE, self.backend.probe_write()).await.map_err(NotReady::NotWritable)?;
         self.writes.probed(started);
         Ok(())
     }
 
     pub async fn now(&self) -> Result<Timestamp, StoreError> {
-        self.bounded("now", false, self.backend.now()).await
+        self.bounded(op::NOW, self.backend.now()).await
     }
 
     pub async fn get(&self, scope: &Scope) -> Result<Option<(Record, Timestamp)>, StoreError> {
-        self.bounded("get", false, self.backend.get(scope)).await
+        self.bounded(op::GET, self.backend.get(scope)).await
     }
 
     /// Claims the scope with one atomic statement, committed before this
@@ -335,7 +339,7 @@ impl Store {
         let asked_at = Instant::now();
         for _ in 0..AMBIGUITY_ATTEMPTS {
             let sent = Instant::now();
-            match self.bounded("claim", true, self.backend.claim(req)).await {
+            match self.bounded(op::CLAIM, self.backend.claim(req)).await {
                 Ok(RawClaim::Claimed(claim)) => return Ok(ClaimOutcome::Claimed(Claim { asked_at, ..claim })),
                 Ok(RawClaim::Cacheable(record, _)) if own_claim(&record, token) => {
                     return Ok(ClaimOutcome::Claimed(claim_of(req, record, asked_at)));
@@ -392,7 +396,7 @@ impl Store {
     /// token (after a claim whose commit could not be confirmed). Returns
     /// whether a row was deleted; `Ok(false)` also means there was none.
     pub async fn abandon(&self, scope: &Scope, claim_token: Uuid) -> Result<bool, StoreError> {
-        self.bounded("abandon", true, self.backend.abandon(scope, claim_token)).await
+        self.bounded(op::ABANDON, self.backend.abandon(scope, claim_token)).await
     }
 
     /// Abandons, by its token, a claim whose commit could not be confirmed,
@@ -418,7 +422,7 @@ impl Store {
 
     /// Records the upstream's response under the claim's generation.
     pub async fn complete(&self, claim: &Claim, response: &StoredResponse, retention: Retention) -> Result<WriteOutcome, StoreError> {
-        self.fenced_write("complete", claim, Goal::State(State::Completed), || {
+        self.fenced_write(op::COMPLETE, claim, Goal::State(State::Completed), || {
             self.backend.complete(&claim.scope, claim.attempt(), response, retention, &self.events)
         })
         .await
@@ -427,12 +431,12 @@ impl Store {
     /// Frees the key: the request provably never reached the upstream, or the
     /// response must not be stored.
     pub async fn release(&self, claim: &Claim) -> Result<WriteOutcome, StoreError> {
-        self.fenced_write("release", claim, Goal::Deleted, || self.backend.release(&claim.scope, claim.attempt())).await
+        self.fenced_write(op::RELEASE, claim, Goal::Deleted, || self.backend.release(&claim.scope, claim.attempt())).await
     }
 
     /// The request may have reached the upstream but its outcome is lost.
     pub async fn mark_unknown(&self, claim: &Claim) -> Result<WriteOutcome, StoreError> {
-        self.fenced_write("mark_unknown", claim, Goal::State(State::Unknown), || {
+        self.fenced_write(op::MARK_UNKNOWN, claim, Goal::State(State::Unknown), || {
             self.backend.mark_unknown(&claim.scope, claim.attempt(), false, &self.events)
         })
         .await
@@ -440,21 +444,21 @@ impl Store {
 
     /// Async: renews the attempt's lease.
     pub async fn heartbeat(&self, claim: &Claim, lease: Duration) -> Result<WriteOutcome, StoreError> {
-        self.fenced_write("heartbeat", claim, Goal::Retry, || self.backend.heartbeat(&claim.scope, claim.attempt(), lease)).await
+        self.fenced_write(op::HEARTBEAT, claim, Goal::Retry, || self.backend.heartbeat(&claim.scope, claim.attempt(), lease)).await
     }
 
     /// Async: durably notes that the attempt is about to send, and that it
     /// cannot be at the upstream past `at_upstream` (its timeout) from now.
     /// `Fenced` also when the lease ran out: the attempt must not send.
     pub async fn mark_sent(&self, claim: &Claim, at_upstream: Duration) -> Result<WriteOutcome, StoreError> {
-        self.fenced_write("mark_sent", claim, Goal::Sent, || self.backend.mark_sent(&claim.scope, claim.attempt(), at_upstream)).await
+        self.fenced_write(op::MARK_SENT, claim, Goal::Sent, || self.backend.mark_sent(&claim.scope, claim.attempt(), at_upstream)).await
     }
 
     /// Async: the attempt did not reach the upstream (or was declined, or
     /// its answer was lost on the way from a deduplicating upstream): the
     /// operation is due again after `delay`.
     pub async fn requeue(&self, claim: &Claim, delay: Duration, retry: RetryNote) -> Result<WriteOutcome, StoreError> {
-        self.fenced_write("requeue", claim, Goal::State(State::Queued), || {
+        self.fenced_write(op::REQUEUE, claim, Goal::State(State::Queued), || {
             self.backend.requeue(&claim.scope, claim.attempt(), delay, retry)
         })
         .await
@@ -463,7 +467,7 @@ impl Store {
     /// Async: retries used up (`failed_retryable`, or `unknown` if an
     /// attempt may have executed).
     pub async fn fail(&self, claim: &Claim, retention: Retention, retry: RetryNote) -> Result<WriteOutcome, StoreError> {
-        self.fenced_write("fail", claim, Goal::Ended, || self.backend.fail(&claim.scope, claim.attempt(), retention, retry, &self.events))
+        self.fenced_write(op::FAIL, claim, Goal::Ended, || self.backend.fail(&claim.scope, claim.attempt(), retention, retry, &self.events))
             .await
     }
 
@@ -480,12 +484,12 @@ impl Store {
         // tokens nobody holds: their leases run out and the reaper re-queues
         // them (they were never sent). Reading them back is not needed.
         let tokens: Vec<Uuid> = (0..limit).map(|_| Uuid::new_v4()).collect();
-        self.bounded("take", true, self.backend.take(routes, owner, &tokens)).await
+        self.bounded(op::TAKE, self.backend.take(routes, owner, &tokens)).await
     }
 
     /// Async: the operation with this id in this tenant.
     pub async fn operation(&self, tenant: &str, operation_id: &str) -> Result<Option<(Record, Timestamp)>, StoreError> {
-        self.bounded("operation", false, self.backend.operation(tenant, operation_id)).await
+        self.bounded(op::OPERATION, self.backend.operation(tenant, operation_id)).await
     }
 
     /// Whether the store needs a plan keeper (`Lifecycle::caches_plans`).
@@ -496,22 +500,22 @@ impl Store {
     /// Keeps the sessions' cached plans fit for the tables' sizes (see
     /// `Lifecycle::refresh_plans`); the plan keeper calls it every second.
     pub async fn refresh_plans(&self) -> Result<(), StoreError> {
-        self.bounded("refresh_plans", false, self.backend.refresh_plans()).await
+        self.bounded(op::REFRESH_PLANS, self.backend.refresh_plans()).await
     }
 
     /// Records not yet `completed`, by operation and state.
     pub async fn stats(&self) -> Result<Vec<StateCount>, StoreError> {
-        self.bounded("stats", false, self.backend.stats()).await
+        self.bounded(op::STATS, self.backend.stats()).await
     }
 
     /// `unknown` records by age bucket (see `Records::unknown_by_age`).
     pub async fn unknown_by_age(&self, bounds: &[Duration]) -> Result<Vec<u64>, StoreError> {
-        self.bounded("unknown_by_age", false, self.backend.unknown_by_age(bounds)).await
+        self.bounded(op::UNKNOWN_BY_AGE, self.backend.unknown_by_age(bounds)).await
     }
 
     /// Records kept forever, by operation.
     pub async fn forever_counts(&self) -> Result<Vec<ForeverCount>, StoreError> {
-        self.bounded("forever_counts", false, self.backend.forever_counts()).await
+        self.bounded(op::FOREVER_COUNTS, self.backend.forever_counts()).await
     }
 
     /// A reader found an in-flight record whose lease expired: it becomes
@@ -519,8 +523,7 @@ impl Store {
     pub async fn expire_lease(&self, record: &Record) -> Result<WriteOutcome, StoreError> {
         let written = self
             .bounded(
-                "expire_lease",
-                true,
+                op::EXPIRE_LEASE,
                 self.backend.mark_unknown(
                     &record.scope,
                     Attempt { generation: record.generation, claim_token: record.claim_token },
@@ -537,18 +540,18 @@ impl Store {
     /// yet at `goal`) the write did not happen and is retried; if it shows
     /// the goal under our attempt, it did; anything else means another attempt
     /// owns the record now.
-    async fn fenced_write<F, Fut>(&self, op: &'static str, claim: &Claim, goal: Goal, attempt: F) -> Result<WriteOutcome, StoreError>
+    async fn fenced_write<F, Fut>(&self, op: StoreOp, claim: &Claim, goal: Goal, attempt: F) -> Result<WriteOutcome, StoreError>
     where
         F: Fn() -> Fut,
         Fut: Future<Output = Result<bool, StoreError>>,
     {
-        let mut last = StoreError::Unavailable(format!("{op} not attempted"));
+        let mut last = StoreError::Unavailable(format!("{} not attempted", op.name));
         for _ in 0..AMBIGUITY_ATTEMPTS {
-            match self.bounded(op, true, attempt()).await {
+            match self.bounded(op, attempt()).await {
                 Ok(true) => return Ok(WriteOutcome::Written),
                 Ok(false) => return Ok(self.fenced(op, claim)),
                 Err(e) if e.is_ambiguous() || matches!(e, StoreError::Unavailable(_)) => {
-                    crate::telemetry::throttle::warn_throttled!(scope = %claim.scope.log_id(), error = %e, op, "write failed; reading the row back");
+                    crate::telemetry::throttle::warn_throttled!(scope = %claim.scope.log_id(), error = %e, op = op.name, "write failed; reading the row back");
                     let ours = |r: &Record| r.generation == claim.generation && r.claim_token == claim.claim_token;
                     match self.get(&claim.scope).await {
                         Ok(Some((r, _))) if ours(&r) && goal.reached(&r) => return Ok(WriteOutcome::Written),
@@ -565,16 +568,16 @@ impl Store {
         Err(last)
     }
 
-    fn fenced(&self, op: &'static str, claim: &Claim) -> WriteOutcome {
-        tracing::warn!(scope = %claim.scope.log_id(), generation = %claim.generation, op, "write fenced off: the record belongs to another attempt");
+    fn fenced(&self, op: StoreOp, claim: &Claim) -> WriteOutcome {
+        tracing::warn!(scope = %claim.scope.log_id(), generation = %claim.generation, op = op.name, "write fenced off: the record belongs to another attempt");
         if let Some(m) = &self.metrics {
-            m.fenced_write(op);
+            m.fenced_write(op.name);
         }
         WriteOutcome::Fenced
     }
 
     pub async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>, StoreError> {
-        self.bounded("list", false, self.backend.list(filter)).await
+        self.bounded(op::LIST, self.backend.list(filter)).await
     }
 
     /// The records a log line's `scope=<id>` is about: by the stored scope id
@@ -583,10 +586,10 @@ impl Store {
     /// only, in batches).
     pub async fn find_scope_id(&self, id: ScopeId) -> Result<Vec<Record>, StoreError> {
         const BATCH: u32 = 5_000;
-        let mut found = self.bounded("by_scope_id", false, self.backend.by_scope_id(id)).await?;
+        let mut found = self.bounded(op::BY_SCOPE_ID, self.backend.by_scope_id(id)).await?;
         let mut after: Option<Scope> = None;
         loop {
-            let scopes = self.bounded("scopes_without_id", false, self.backend.scopes_without_id(after.as_ref(), BATCH)).await?;
+            let scopes = self.bounded(op::SCOPES_WITHOUT_ID, self.backend.scopes_without_id(after.as_ref(), BATCH)).await?;
             for scope in scopes.iter().filter(|s| s.scope_id() == id) {
                 if let Some((record, _)) = self.get(scope).await? {
                     found.push(record);
@@ -603,14 +606,8 @@ impl Store {
     /// A completed record is first held out of every replica's replay cache
     /// (see `cache`), which adds `cache::HOLD_WAIT` to its bound.
     pub async fn resolve(&self, scope: &Scope, resolution: &Resolution, note: &AuditNote) -> Result<ResolveOutcome, StoreError> {
-        if !self.is_up() {
-            return Err(not_up());
-        }
         let fut = self.backend.resolve(scope, resolution, note, &self.events, None);
-        let out = match tokio::time::timeout(self.timeout + cache::HOLD_WAIT * 2, fut).await {
-            Ok(r) => r,
-            Err(_) => Err(StoreError::Ambiguous(format!("resolve timed out after {:?}", self.timeout + cache::HOLD_WAIT * 2))),
-        };
+        let out = self.bounded_by(op::RESOLVE, self.timeout + cache::HOLD_WAIT * 2, fut).await;
         if let Some(cache) = &self.cache {
             cache.forget(scope);
         }
@@ -626,14 +623,14 @@ impl Store {
         note: &AuditNote,
         fence: ProbeFence,
     ) -> Result<ResolveOutcome, StoreError> {
-        self.bounded("resolve", true, self.backend.resolve(scope, resolution, note, &self.events, Some(fence))).await
+        self.bounded(op::RESOLVE, self.backend.resolve(scope, resolution, note, &self.events, Some(fence))).await
     }
 
     /// Takes `unknown` records for probing (see `RecordStore::take_probes`),
     /// marked with a fresh token until `hold` from now. A take whose answer
     /// is lost leaves marks nobody holds; they run out with the hold.
     pub async fn take_probes(&self, routes: &[ProbeRoute], hold: Duration, limit: u32) -> Result<Vec<Probing>, StoreError> {
-        self.bounded("take_probes", true, self.backend.take_probes(routes, Uuid::new_v4(), hold, limit)).await
+        self.bounded(op::TAKE_PROBES, self.backend.take_probes(routes, Uuid::new_v4(), hold, limit)).await
     }
 
     /// An inconclusive probe: due again after `retry_in`.
@@ -645,62 +642,62 @@ impl Store {
         answer: &str,
     ) -> Result<WriteOutcome, StoreError> {
         let answer = clip(answer, MAX_PROBE_ANSWER);
-        let written = self.bounded("probe_failed", true, self.backend.probe_failed(scope, fence, retry_in, answer)).await?;
+        let written = self.bounded(op::PROBE_FAILED, self.backend.probe_failed(scope, fence, retry_in, answer)).await?;
         Ok(if written { WriteOutcome::Written } else { WriteOutcome::Fenced })
     }
 
     /// A record and what the operator console shows beside it.
     pub async fn inspect(&self, scope: &Scope, audit_limit: u32) -> Result<Option<Inspection>, StoreError> {
-        self.bounded("inspect", false, self.backend.inspect(scope, audit_limit)).await
+        self.bounded(op::INSPECT, self.backend.inspect(scope, audit_limit)).await
     }
 
     /// The audit trail, newest first.
     pub async fn audit(&self, limit: u32) -> Result<Vec<AuditEntry>, StoreError> {
-        self.bounded("audit", false, self.backend.audit(limit)).await
+        self.bounded(op::AUDIT, self.backend.audit(limit)).await
     }
 
     /// The derived-key secret `migrate` generated for this deployment.
     pub async fn derived_key_secret(&self) -> Result<Option<Vec<u8>>, StoreError> {
-        self.bounded("derived_key_secret", false, self.backend.derived_key_secret()).await
+        self.bounded(op::DERIVED_KEY_SECRET, self.backend.derived_key_secret()).await
     }
 
     /// Deletes up to `batch` completed records past retention; returns how many.
     pub async fn sweep(&self, batch: u32) -> Result<u64, StoreError> {
-        self.bounded("sweep", true, self.backend.sweep(batch)).await
+        self.bounded(op::SWEEP, self.backend.sweep(batch)).await
     }
 
     /// Ends up to `batch` attempts whose lease expired (see `RecordStore::reap_leases`).
     pub async fn reap_leases(&self, batch: u32, reforwardable: &[Arc<str>]) -> Result<Reaped, StoreError> {
-        self.bounded("reap_leases", true, self.backend.reap_leases(batch, reforwardable, &self.events)).await
+        self.bounded(op::REAP_LEASES, self.backend.reap_leases(batch, reforwardable, &self.events)).await
     }
 
     /// Outbox: leases deliverable events to a relay (see `RecordStore::take_events`).
     pub async fn take_events(&self, operations: &[&str], limit: u32, lease: Duration, token: Uuid) -> Result<Vec<OutboxEvent>, StoreError> {
-        self.bounded("take_events", true, self.backend.take_events(operations, limit, lease, token)).await
+        self.bounded(op::TAKE_EVENTS, self.backend.take_events(operations, limit, lease, token)).await
     }
 
     pub async fn events_delivered(&self, seqs: &[i64], token: Uuid) -> Result<Vec<i64>, StoreError> {
-        self.bounded("events_delivered", true, self.backend.events_delivered(seqs, token)).await
+        self.bounded(op::EVENTS_DELIVERED, self.backend.events_delivered(seqs, token)).await
     }
 
     pub async fn event_failed(&self, seq: i64, token: Uuid, error: &str, retry_after: Duration, park: bool) -> Result<bool, StoreError> {
-        self.bounded("event_failed", true, self.backend.event_failed(seq, token, error, retry_after, park)).await
+        self.bounded(op::EVENT_FAILED, self.backend.event_failed(seq, token, error, retry_after, park)).await
     }
 
     pub async fn events(&self, delivery: Option<Delivery>, limit: u32) -> Result<Vec<OutboxEvent>, StoreError> {
-        self.bounded("events", false, self.backend.events(delivery, limit)).await
+        self.bounded(op::EVENTS, self.backend.events(delivery, limit)).await
     }
 
     pub async fn redeliver(&self, event_id: Uuid) -> Result<bool, StoreError> {
-        self.bounded("redeliver", true, self.backend.redeliver(event_id)).await
+        self.bounded(op::REDELIVER, self.backend.redeliver(event_id)).await
     }
 
     pub async fn sweep_events(&self, batch: u32, older_than: Duration) -> Result<u64, StoreError> {
-        self.bounded("sweep_events", true, self.backend.sweep_events(batch, older_than)).await
+        self.bounded(op::SWEEP_EVENTS, self.backend.sweep_events(batch, older_than)).await
     }
 
     pub async fn event_stats(&self) -> Result<EventStats, StoreError> {
-        self.bounded("event_stats", false, self.backend.event_stats()).await
+        self.bounded(op::EVENT_STATS, self.backend.event_stats()).await
     }
 }
 

@@ -59,11 +59,9 @@ pub enum LimitPolicy {
     Unlimited,
     /// A fixed number of requests in flight.
     Fixed { max_in_flight: u32, queue_timeout: Duration },
-    /// Follows the upstream's latency, between 1 and `ceiling`. An answer
-    /// that took `too_slow` or longer (half the upstream's timeout) counts as
-    /// a sign of overload, as a timeout does: the limit shrinks before
-    /// requests start to wait past the timeout.
-    Adaptive { initial: u32, ceiling: u32, queue_timeout: Duration, too_slow: Duration },
+    /// Follows the upstream's latency, between 1 and `ceiling`, judged
+    /// against the upstream's `timeout` (see [`Controller::for_timeout`]).
+    Adaptive { initial: u32, ceiling: u32, queue_timeout: Duration, timeout: Duration },
 }
 
 impl Default for LimitPolicy {
@@ -72,7 +70,7 @@ impl Default for LimitPolicy {
             initial: DEFAULT_INITIAL,
             ceiling: DEFAULT_CEILING,
             queue_timeout: DEFAULT_QUEUE_TIMEOUT,
-            too_slow: Duration::from_secs(5),
+            timeout: Duration::from_secs(10),
         }
     }
 }
@@ -106,6 +104,8 @@ pub struct Controller {
     min_latency: Option<Duration>,
     /// An answer this slow counts as a drop.
     too_slow: Option<Duration>,
+    /// Latency this far above the minimum is not taken for a queue.
+    tolerance: Duration,
     /// The lowest latency seen under light load (at most half the limit in
     /// flight, so no queue of ours) since the last re-read.
     light_min: Option<Duration>,
@@ -117,12 +117,29 @@ impl Controller {
     pub fn new(initial: u32, ceiling: u32) -> Controller {
         let ceiling = f64::from(ceiling.max(1));
         let limit = f64::from(initial.max(1)).min(ceiling);
-        Controller { limit, ceiling, too_slow: None, min_latency: None, light_min: None, samples: 0, reread_at: reread_after(limit) }
+        Controller {
+            limit,
+            ceiling,
+            too_slow: None,
+            tolerance: Duration::ZERO,
+            min_latency: None,
+            light_min: None,
+            samples: 0,
+            reread_at: reread_after(limit),
+        }
     }
 
-    /// Answers that take `too_slow` or longer count as drops.
-    pub fn too_slow(mut self, too_slow: Duration) -> Controller {
-        self.too_slow = Some(too_slow);
+    /// Judged against an upstream `timeout`: an answer that took half of it
+    /// or longer counts as a sign of overload, as a timeout does (the limit
+    /// shrinks before requests start to wait past the timeout); and latency
+    /// within a hundredth of it above the minimum is not taken for a queue.
+    /// Without that tolerance, an upstream answering in a fraction of a
+    /// millisecond had its limit cut to a handful by scheduling jitter alone
+    /// (a few milliseconds read as a queue of nearly the whole limit): 64
+    /// clients of a healthy upstream behind PgBouncer were refused.
+    pub fn for_timeout(mut self, timeout: Duration) -> Controller {
+        self.too_slow = Some(timeout / 2);
+        self.tolerance = timeout / 100;
         self
     }
 
@@ -171,7 +188,7 @@ impl Controller {
         }
         let log = self.limit.log10().max(1.0);
         let (alpha, beta) = (3.0 * log, 6.0 * log);
-        let queue = (self.limit * (1.0 - min.as_secs_f64() / latency.as_secs_f64())).ceil();
+        let queue = (self.limit * (1.0 - (min + self.tolerance).as_secs_f64() / latency.as_secs_f64())).ceil();
         if queue <= log {
             self.limit += beta;
         } else if queue < alpha {
@@ -215,7 +232,7 @@ pub struct Overloaded;
 impl Limit {
     pub fn new(policy: LimitPolicy) -> Arc<Limit> {
         let controller = match policy {
-            LimitPolicy::Adaptive { initial, ceiling, too_slow, .. } => Some(Controller::new(initial, ceiling).too_slow(too_slow)),
+            LimitPolicy::Adaptive { initial, ceiling, timeout, .. } => Some(Controller::new(initial, ceiling).for_timeout(timeout)),
             LimitPolicy::Unlimited | LimitPolicy::Fixed { .. } => None,
         };
         Arc::new(Limit {
@@ -435,7 +452,7 @@ mod tests {
 
     #[test]
     fn the_limit_settles_near_what_the_upstream_can_serve() {
-        let mut c = Controller::new(DEFAULT_INITIAL, DEFAULT_CEILING);
+        let mut c = Controller::new(DEFAULT_INITIAL, DEFAULT_CEILING).for_timeout(Duration::from_secs(1));
         run(&mut c, 4, 100 * MS, 5_000, |_| false);
         let settled = c.limit();
         // 4 served at a time: a limit a little above 4 keeps the upstream
@@ -476,12 +493,25 @@ mod tests {
 
     #[test]
     fn answers_near_the_timeout_shrink_the_limit_as_timeouts_do() {
-        let mut c = Controller::new(40, DEFAULT_CEILING).too_slow(500 * MS);
+        let mut c = Controller::new(40, DEFAULT_CEILING).for_timeout(1000 * MS);
         c.learn(Sample::Answered(600 * MS), 40);
         assert_eq!(c.limit(), 36);
         // Below it, an answer is a latency like any other.
         c.learn(Sample::Answered(499 * MS), 36);
         assert!(c.limit() >= 36);
+    }
+
+    #[test]
+    fn jitter_of_a_fast_upstream_is_not_a_queue() {
+        // An upstream answering in 0.3 ms at best, a few ms under a busy
+        // machine's scheduling, with a 2 s timeout: the limit must not shrink.
+        let mut c = Controller::new(DEFAULT_INITIAL, DEFAULT_CEILING).for_timeout(Duration::from_secs(2));
+        for i in 0..2_000u32 {
+            let n = c.limit();
+            let latency = Duration::from_micros(300 + u64::from(i % 7) * 1_500);
+            c.learn(Sample::Answered(latency), n);
+        }
+        assert!(c.limit() >= 500, "shrank to {}", c.limit());
     }
 
     #[test]
@@ -557,7 +587,7 @@ mod tests {
             initial: 10,
             ceiling: 100,
             queue_timeout: Duration::ZERO,
-            too_slow: Duration::from_secs(5),
+            timeout: Duration::from_secs(10),
         });
         let mut permit = limit.try_acquire().expect("slot");
         permit.record(Sample::Dropped);

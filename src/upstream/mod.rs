@@ -1,6 +1,6 @@
 //! Talking to upstreams: a pooled client per upstream (HTTP/1.1, or HTTP/2
 //! when an https upstream offers it by ALPN; plain `http://` upstreams use
-//! the leaner per-event-loop pool of [`pool`]), and an error
+//! the leaner per-event-loop pool of `pool`), and an error
 //! that says, as a typed fact, whether the upstream may have acted on the
 //! request. That fact alone decides between releasing a key and recording
 //! `unknown`.

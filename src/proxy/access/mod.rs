@@ -13,7 +13,7 @@
 //! it follows `IDEMGATE_LOG_FORMAT` (JSON or text) and can be filtered
 //! (`IDEMGATE_LOG=info,idemgate::proxy::access=off`) like any other line. The
 //! `idemgate` binary formats it by hand and writes it in batches
-//! ([`line`], [`crate::telemetry::logging::batched`]); elsewhere (a library user's
+//! ([`line`](mod@line), [`crate::telemetry::logging::batched`]); elsewhere (a library user's
 //! subscriber, a terminal with colour) it is a `tracing` event. It never
 //! carries keys, tokens, bodies or query strings: the scope appears as its
 //! id ([`crate::idempotency::key::ScopeId`]), the path without its query.

@@ -4,7 +4,7 @@
 //! `operation` of the key's scope) and its policy. The [`Router`] answers, for
 //! any request, one of: an idempotent operation (with its path parameters), a
 //! pass-through to some upstream, or no match. Requests are routed by their
-//! normal form, and spellings that have none are refused ([`normal`]).
+//! normal form, and spellings that have none are refused (`normal`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -206,19 +206,6 @@ pub enum InFlightPolicy {
     Wait(Duration),
 }
 
-/// How a route answers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RouteMode {
-    /// The client waits for the upstream's answer (or its replay).
-    Sync,
-    /// The request is accepted (202 and an operation id) and run by workers.
-    Async,
-    /// Every request passes through untouched; idemgate claims and records
-    /// as `Sync` would, within `observe_budget`, and counts what enforcing
-    /// would have changed (see `crate::proxy::observe`).
-    Observe,
-}
-
 /// Retries of an async operation whose attempt was refused or declined.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RetryPolicy {
@@ -248,7 +235,8 @@ pub enum ForwardKey {
     Client,
 }
 
-/// One `[[routes]]` entry after validation.
+/// One `[[routes]]` entry after validation: which requests it takes and
+/// where they go, then its policies, grouped by what they decide.
 #[derive(Debug, Clone)]
 pub struct Route {
     /// Position in the file, for log and error messages.
@@ -258,53 +246,148 @@ pub struct Route {
     pub method: Method,
     pub path: PathTemplate,
     pub upstream: UpstreamId,
+    /// Where the key comes from and what it is scoped and compared by.
+    pub key: KeyPolicy,
+    /// What a record keeps, for how long, and how it answers again.
+    pub record: RecordPolicy,
+    /// How a request runs.
+    pub execution: Execution,
+    /// What the background tasks do for the route.
+    pub background: BackgroundPolicy,
+}
+
+impl Route {
+    /// Whether an operation of this route may run asynchronously (always,
+    /// or when a request prefers it): the one predicate the async workers,
+    /// the metrics and the configuration's checks share.
+    pub fn may_run_async(&self) -> bool {
+        self.execution.mode.queueing().is_some()
+    }
+
+    /// How this route's operations are queued, retried and polled: the
+    /// configured settings if they may run asynchronously, else the
+    /// defaults (what an operation accepted under an earlier configuration
+    /// is polled and retried by).
+    pub fn queueing(&self) -> &Queueing {
+        self.execution.mode.queueing().unwrap_or(&Queueing::DEFAULT)
+    }
+
+    /// Whether the route is observed (`mode = "observe"`).
+    pub fn is_observed(&self) -> bool {
+        matches!(self.execution.mode, Mode::Observe { .. })
+    }
+}
+
+/// Where a route's key comes from and what it is scoped and compared by.
+#[derive(Debug, Clone)]
+pub struct KeyPolicy {
     /// The header `forward_key = "client"` forwards (the one header source).
-    pub key_header: HeaderName,
+    pub header: HeaderName,
     /// Where the key is taken from, first present wins (`key_from`; default:
     /// `key_header`).
-    pub key_from: KeySources,
-    pub key_required: bool,
+    pub from: KeySources,
+    pub required: bool,
+    /// Whose keys are these: one principal's (default), or every principal
+    /// of the tenant's (`scope = "tenant"`).
+    pub scope: ScopeMode,
+    /// Which `Idempotency-Key` value the upstream receives.
+    pub forward: ForwardKey,
+    /// What of a request its fingerprint reads.
+    pub fingerprint: FingerprintSpec,
+    /// Status for "same key, different request": 409 (default) or 422.
+    pub mismatch_status: StatusCode,
+}
+
+/// What a route's records keep, for how long, and how they answer again.
+#[derive(Debug, Clone)]
+pub struct RecordPolicy {
     /// How long a completed record is replayed.
     pub retention: Retention,
+    /// How long a claim is considered alive without a result.
+    pub lease: Duration,
+    /// What a duplicate of a request in flight gets.
     pub in_flight: InFlightPolicy,
     /// Upstream statuses that free the key instead of being replayed.
     pub release_on_status: Vec<StatusCode>,
     /// Responses up to this size are stored (and replayed) in full.
     pub max_stored_response: u64,
-    /// The upstream honours `Idempotency-Key` itself, so an expired in-flight
-    /// or unknown record may be forwarded again (with the same derived key).
-    pub upstream_idempotent: bool,
-    /// How long a claim is considered alive without a result.
-    pub lease: Duration,
-    /// Status for "same key, different request": 409 (default) or 422.
-    pub mismatch_status: StatusCode,
-    pub forward_key: ForwardKey,
-    pub fingerprint: FingerprintSpec,
-    pub mode: RouteMode,
-    /// `Prefer: respond-async` makes a request on this (sync) route async.
-    pub allow_async: bool,
-    /// Async: the 202's `Retry-After` and the status document's poll interval.
-    pub poll_interval: Duration,
-    pub retry: RetryPolicy,
-    /// Completion events for this route's final state changes (the outbox).
-    pub events: Option<crate::outbox::EventsConfig>,
-    /// Asked before every request on the route (replays included).
-    pub authorize: Option<crate::request::authorize::AuthorizeConfig>,
-    /// Whose keys are these: one principal's (default), or every principal
-    /// of the tenant's (`scope = "tenant"`).
-    pub scope: ScopeMode,
     /// How a completed record is replayed.
     pub replay: ReplayMode,
-    /// Observe mode: the longest the store may delay a request (the claim);
-    /// past it the request passes unobserved.
-    pub observe_budget: Duration,
-    /// `[routes.reconcile]`: the probe that settles this route's `unknown` records.
-    pub reconcile: Option<Arc<crate::request::reconcile_probe::Probe>>,
+}
+
+/// How a route's requests run.
+#[derive(Debug, Clone)]
+pub struct Execution {
+    /// Sync, async or observed, with the settings only that mode has.
+    pub mode: Mode,
+    /// Asked before every request on the route (replays included).
+    pub authorize: Option<crate::request::authorize::AuthorizeConfig>,
     /// Admission: this route's own cap on requests in flight (per replica),
     /// within its upstream's limit.
     pub max_in_flight: Option<u32>,
-    /// Async: acceptances are refused once this many operations are queued.
+    /// The upstream honours `Idempotency-Key` itself, so an expired in-flight
+    /// or unknown record may be forwarded again (with the same derived key).
+    pub upstream_idempotent: bool,
+}
+
+/// How a route answers: one choice, carrying the settings only it has, so
+/// that no combination means nothing (an observed route that runs async, an
+/// observe budget on an async route).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Mode {
+    /// The client waits for the upstream's answer (or its replay). With
+    /// `respond_async` (`allow_async = true`), a request that sends `Prefer:
+    /// respond-async` is accepted instead, as on an async route.
+    Sync { respond_async: Option<Queueing> },
+    /// The request is accepted (202 and an operation id) and run by workers.
+    Async(Queueing),
+    /// Every request passes through untouched; idemgate claims and records
+    /// as `Sync` would, waiting for the claim at most `budget`, and counts
+    /// what enforcing would have changed (see `crate::proxy::observe`).
+    Observe { budget: Duration },
+}
+
+impl Queueing {
+    /// The settings when the configuration gives none.
+    pub const DEFAULT: Queueing = Queueing {
+        poll_interval: Duration::from_secs(1),
+        retry: RetryPolicy { max_attempts: 5, backoff: Duration::from_secs(1) },
+        max_queued: 10_000,
+    };
+}
+
+impl Mode {
+    /// How operations are queued and polled, if they may run asynchronously.
+    pub fn queueing(&self) -> Option<&Queueing> {
+        match self {
+            Mode::Async(q) | Mode::Sync { respond_async: Some(q) } => Some(q),
+            Mode::Sync { respond_async: None } | Mode::Observe { .. } => None,
+        }
+    }
+
+    /// Whether every operation runs asynchronously (`mode = "async"`).
+    pub fn always_async(&self) -> bool {
+        matches!(self, Mode::Async(_))
+    }
+}
+
+/// How a route's async operations are queued, retried and polled.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Queueing {
+    /// The 202's `Retry-After` and the status document's poll interval.
+    pub poll_interval: Duration,
+    pub retry: RetryPolicy,
+    /// Acceptances are refused once this many operations are queued.
     pub max_queued: u64,
+}
+
+/// What the background tasks do for a route.
+#[derive(Debug, Clone, Default)]
+pub struct BackgroundPolicy {
+    /// Completion events for this route's final state changes (the outbox).
+    pub events: Option<crate::outbox::EventsConfig>,
+    /// `[routes.reconcile]`: the probe that settles this route's `unknown` records.
+    pub reconcile: Option<Arc<crate::request::reconcile_probe::Probe>>,
 }
 
 /// What a completed record keeps and how it is answered again.
@@ -371,7 +454,7 @@ impl Router {
     }
 
     /// The normal form of a request's path, or why the request is refused
-    /// before routing (its method or its path): see [`normal`].
+    /// before routing (its method or its path): see `normal`.
     pub fn normalise<'p>(&self, method: &Method, path: &'p str) -> Result<std::borrow::Cow<'p, str>, InvalidRequest> {
         check_method(method, &self.methods)?;
         normalise_path(path)
@@ -386,7 +469,7 @@ impl Router {
     ///   method (the upstream would run another than the one routed);
     /// - a path that is not an operation of `method` but that a lenient
     ///   server would read as the path of one of its routes
-    ///   ([`normal::loose`], [`normal::names_loosely`]);
+    ///   (`normal::loose`, `normal::names_loosely`);
     /// - HEAD where a GET route protects the path (frameworks run the GET
     ///   handler for HEAD).
     pub fn route_normal(&self, method: &Method, path: &str, overridden: bool) -> Result<RouteMatch<'_>, InvalidRequest> {
@@ -458,7 +541,7 @@ impl Router {
 
 /// The event policies of the routes that have `[routes.events]`.
 pub fn event_policies(routes: &[Route]) -> crate::outbox::EventPolicies {
-    crate::outbox::EventPolicies::new(routes.iter().filter_map(|r| r.events.as_ref().map(|e| (&r.operation, e))))
+    crate::outbox::EventPolicies::new(routes.iter().filter_map(|r| r.background.events.as_ref().map(|e| (&r.operation, e))))
 }
 
 #[cfg(test)]
@@ -503,30 +586,30 @@ mod tests {
             method,
             path: PathTemplate::parse(path).unwrap(),
             upstream,
-            key_header: HeaderName::from_static("idempotency-key"),
-            key_from: KeySources::header(HeaderName::from_static("idempotency-key")),
-            key_required: true,
-            retention: Retention::For(Duration::from_secs(60)),
-            in_flight: InFlightPolicy::Reject,
-            release_on_status: vec![],
-            max_stored_response: 1024,
-            upstream_idempotent: false,
-            lease: Duration::from_secs(5),
-            mismatch_status: StatusCode::CONFLICT,
-            forward_key: ForwardKey::Derived,
-            fingerprint: FingerprintSpec::default(),
-            mode: RouteMode::Sync,
-            allow_async: false,
-            poll_interval: Duration::from_secs(1),
-            retry: RetryPolicy { max_attempts: 5, backoff: Duration::from_secs(1) },
-            events: None,
-            authorize: None,
-            scope: ScopeMode::Principal,
-            replay: ReplayMode::Stored,
-            observe_budget: Duration::from_millis(50),
-            reconcile: None,
-            max_in_flight: None,
-            max_queued: 10_000,
+            key: KeyPolicy {
+                header: HeaderName::from_static("idempotency-key"),
+                from: KeySources::header(HeaderName::from_static("idempotency-key")),
+                required: true,
+                scope: ScopeMode::Principal,
+                forward: ForwardKey::Derived,
+                fingerprint: FingerprintSpec::default(),
+                mismatch_status: StatusCode::CONFLICT,
+            },
+            record: RecordPolicy {
+                retention: Retention::For(Duration::from_secs(60)),
+                lease: Duration::from_secs(5),
+                in_flight: InFlightPolicy::Reject,
+                release_on_status: vec![],
+                max_stored_response: 1024,
+                replay: ReplayMode::Stored,
+            },
+            execution: Execution {
+                mode: Mode::Sync { respond_async: None },
+                authorize: None,
+                max_in_flight: None,
+                upstream_idempotent: false,
+            },
+            background: BackgroundPolicy::default(),
         }
     }
 

@@ -8,7 +8,7 @@
 //! The TLS handshake has its own deadline and happens before hyper reads
 //! anything, so a client stuck in it never reaches a request or a claim.
 //! After it, the header timeout bounds the time to the first request and
-//! between requests on either protocol ([`activity`]); HTTP/2 connections
+//! between requests on either protocol (`activity`); HTTP/2 connections
 //! are also pinged, and closed when a ping goes unanswered.
 
 use std::convert::Infallible;
@@ -250,7 +250,7 @@ impl Conn {
         // A TLS connection runs in a future of its own, on the heap: inline,
         // its handshake and its HTTP/2-capable connection would make every
         // plain connection's task as large (6.9 KB instead of 2.3 KB;
-        // docs/performance.md, issue 9's sixth pass).
+        // docs/performance-notes.md, issue 9's sixth pass).
         Box::pin(self.serve_tls(sock, tls, handler)).await
     }
 

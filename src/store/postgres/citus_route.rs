@@ -6,7 +6,7 @@
 //! planned it (Citus's local execution), and, when it names its tenant as a
 //! constant, with a plan made once per connection: a read costs 1.4 times
 //! what it costs on one PostgreSQL, against 10-14 times through the
-//! coordinator (docs/performance.md, "Citus: what a statement costs").
+//! coordinator (docs/performance-notes.md, "Citus: what a statement costs").
 //!
 //! When `store.url` lists several hosts, a Citus store opens, beside its
 //! pool (which walks the hosts for a writable one, as on PostgreSQL), one

@@ -79,7 +79,7 @@ fn tenant_template(sql: &str) -> String {
 }
 
 /// `template` for `tenant`. On Citus the cheapest statement names its tenant
-/// as a constant (docs/performance.md, "Citus: what a statement costs"):
+/// as a constant (docs/performance-notes.md, "Citus: what a statement costs"):
 /// with a parameter, Citus prunes shards at each execution, deparses the
 /// statement for the shard and plans it again; with a constant, the node
 /// that holds the shard plans the shard's statement once per connection
@@ -144,7 +144,7 @@ pub(super) const CITUS_GENERATIONS: &str = "INSERT INTO idemgate_generations AS 
 /// caller sends the rows in primary-key order, so that two batches never
 /// wait on each other in a cycle. Sent unnamed (`query_typed`): Citus
 /// prunes an `INSERT` at each execution, and a prepared one it keeps would
-/// add a plan to its cache at every execution (docs/performance.md).
+/// add a plan to its cache at every execution (docs/performance-notes.md).
 pub(super) fn tenant_claim_insert(n: usize) -> String {
     let rows: Vec<String> = (0..n)
         .map(|k| {

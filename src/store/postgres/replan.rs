@@ -1,4 +1,4 @@
-//! Plans made while a table's statistics say it is tiny (docs/performance.md,
+//! Plans made while a table's statistics say it is tiny (docs/performance-notes.md,
 //! "Plans made on an emptied table").
 //!
 //! Every session plans each statement once (generic plans, see `sql`) and
@@ -47,7 +47,7 @@ WHERE c.oid IN (to_regclass('idemgate_records'), to_regclass('idemgate_events'))
 
 /// Statistics of fewer rows than this call the table tiny. Generic plans
 /// checked by `tests/pg_plans.rs`' rules on tables VACUUM ANALYZEd with a
-/// few rows (docs/performance.md): statistics of 2 rows gave ten statements
+/// few rows (docs/performance-notes.md): statistics of 2 rows gave ten statements
 /// a whole-index join, of 20 and 60 rows one (`mark_sent_batch`), of 200
 /// rows and more none.
 const TINY_ROWS: f64 = 1000.0;

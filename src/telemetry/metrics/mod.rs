@@ -74,30 +74,6 @@ struct VersionLabels {
     version: &'static str,
 }
 
-/// Store operations on the request path and in the background, each a series
-/// of `idemgate_store_duration_seconds` and `idemgate_store_errors_total`
-/// from the start.
-const STORE_OPS: [&str; 13] = [
-    "claim",
-    "get",
-    "complete",
-    "release",
-    "mark_unknown",
-    "expire_lease",
-    "abandon",
-    "sweep",
-    "reap_leases",
-    "stats",
-    "now",
-    "ping",
-    "write_probe",
-];
-/// Store operations only async routes use.
-const ASYNC_STORE_OPS: [&str; 7] = ["take", "heartbeat", "mark_sent", "requeue", "fail", "operation", "complete"];
-/// Fenced writes of synchronous attempts (`idemgate_fenced_writes_total{op}`).
-const FENCED_OPS: [&str; 3] = ["complete", "release", "mark_unknown"];
-/// ... and of async attempts.
-const ASYNC_FENCED_OPS: [&str; 5] = ["heartbeat", "mark_sent", "requeue", "fail", "complete"];
 /// Why a pass-through request failed (its problem type).
 const PASSTHROUGH_FAILURES: [&str; 2] = ["bad-gateway", "gateway-timeout"];
 
@@ -134,6 +110,8 @@ pub struct Metrics {
     store_errors: Family<OpLabels, Counter>,
     upstream_latency: HistogramFamily<UpstreamLabels>,
     fenced: Family<OpLabels, Counter>,
+    /// Every fenced write, whatever its op (the console's overview).
+    fenced_total: std::sync::atomic::AtomicU64,
     swept: Counter,
     reaped: Counter,
     in_flight: Gauge,
@@ -288,13 +266,6 @@ impl Metrics {
         for reason in REJECTION_REASONS {
             let _ = rejections.get_or_create(&ReasonLabels { reason });
         }
-        for op in STORE_OPS {
-            let _ = store_latency.get_or_create(&OpLabels { op });
-            let _ = store_errors.get_or_create(&OpLabels { op });
-        }
-        for op in FENCED_OPS {
-            let _ = fenced.get_or_create(&OpLabels { op });
-        }
         Metrics {
             registry: root,
             requests,
@@ -302,6 +273,7 @@ impl Metrics {
             store_errors,
             upstream_latency,
             fenced,
+            fenced_total: std::sync::atomic::AtomicU64::new(0),
             swept,
             reaped,
             in_flight,
@@ -424,11 +396,7 @@ impl Metrics {
     /// console's overview shows them.
     pub fn refusals(&self) -> (u64, u64) {
         let refused = self.reloads.get(&ResultLabels { result: "refused" }).map_or(0, |c| c.get());
-        let mut ops: Vec<&'static str> = FENCED_OPS.iter().chain(ASYNC_FENCED_OPS.iter()).copied().collect();
-        ops.sort_unstable();
-        ops.dedup();
-        let fenced = ops.into_iter().map(|op| self.fenced.get(&OpLabels { op }).map_or(0, |c| c.get())).sum();
-        (refused, fenced)
+        (refused, self.fenced_total.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// Creates the labelled series of the configured operations at zero, so
@@ -448,13 +416,6 @@ impl Metrics {
                 self.record_series.lock().unwrap_or_else(|p| p.into_inner()).insert(l);
             }
             if is_async {
-                for op in ASYNC_STORE_OPS {
-                    let _ = self.store_latency.get_or_create(&OpLabels { op });
-                    let _ = self.store_errors.get_or_create(&OpLabels { op });
-                }
-                for op in ASYNC_FENCED_OPS {
-                    let _ = self.fenced.get_or_create(&OpLabels { op });
-                }
                 for outcome in AttemptOutcome::ALL {
                     let _ = self.attempts.get_or_create(&AttemptLabels { operation: operation.to_owned(), outcome: outcome.as_str() });
                 }
@@ -544,6 +505,19 @@ impl Metrics {
 
     pub fn fenced_write(&self, op: &'static str) {
         self.fenced.get_or_create(&OpLabels { op }).inc();
+        self.fenced_total.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Creates the series of store operations (`ops`) and of fenced writes
+    /// (`fenced`) at zero; the store names them ([`crate::store::op`]).
+    pub fn declare_store_ops(&self, ops: impl IntoIterator<Item = &'static str>, fenced: impl IntoIterator<Item = &'static str>) {
+        for op in ops {
+            let _ = self.store_latency.get_or_create(&OpLabels { op });
+            let _ = self.store_errors.get_or_create(&OpLabels { op });
+        }
+        for op in fenced {
+            let _ = self.fenced.get_or_create(&OpLabels { op });
+        }
     }
 
     pub fn swept(&self, n: u64) {
@@ -594,8 +568,6 @@ mod tests {
             r#"idemgate_rejections_total{reason="unauthenticated"} 0"#,
             r#"idemgate_passthrough_requests_total{upstream="orders"} 0"#,
             r#"idemgate_passthrough_failures_total{upstream="orders",reason="bad-gateway"} 0"#,
-            r#"idemgate_store_errors_total{op="claim"} 0"#,
-            r#"idemgate_fenced_writes_total{op="complete"} 0"#,
             r#"idemgate_upstream_duration_seconds_count{upstream="orders"} 0"#,
             r#"idemgate_records{operation="create_order",state="unknown"} 0"#,
             "idemgate_draining 0",
