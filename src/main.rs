@@ -14,12 +14,12 @@ use clap::{Args, Parser, Subcommand};
 use idemgate::config::{Config, DEFAULT_CONFIG_PATH};
 use idemgate::idempotency::key::{IdempotencyKey, Scope, ScopeId};
 use idemgate::idempotency::record::State;
-use idemgate::ops::keys::{ResolveAction, ResolveError, ResolveRequest};
 use idemgate::outbox::Delivery;
 use idemgate::server::Server;
 use idemgate::server::reload::{PidFile, signal_reload};
 use idemgate::server::signals::Signals;
 use idemgate::store::audit::Actor;
+use idemgate::store::resolution::{ResolveAction, ResolveError, ResolveRequest};
 use idemgate::store::{Access, ListFilter, Store};
 use idemgate::telemetry::logging::{self, ErrorChain, LogSettings};
 
@@ -495,7 +495,7 @@ async fn keys(config: &Config, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
             };
             let request = ResolveRequest { action, reason: Some(args.reason), force: args.force, actor: Actor::Cli, fence: None };
             let retention = idemgate::ops::keys::default_retention(&config.routes, &s.operation);
-            match idemgate::ops::keys::resolve(&store, &s, request, retention).await {
+            match idemgate::store::resolution::resolve(&store, &s, request, retention).await {
                 Ok(from) => say(&format!("resolved (was {from})\n")),
                 Err(ResolveError::Store(e)) => return Err(e.into()),
                 Err(e @ ResolveError::Refused(idemgate::idempotency::record::Refused::NotAllowed(State::Completed))) => {

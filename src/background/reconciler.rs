@@ -14,7 +14,7 @@
 //!   (`Store::take_probes`);
 //! - it sends the probe (`GET /v1/orders/by-key/{derived_key}`) to the
 //!   route's upstream and applies the answer through the one resolution path
-//!   the CLI and the admin API use (`keys::resolve`), as actor `reconciler`,
+//!   the CLI and the admin API use (`store::resolution::resolve`), as actor `reconciler`,
 //!   fenced: only if the record is still `unknown`, at the generation probed,
 //!   and still marked by this probe (an operator's resolution in between
 //!   wins):
@@ -49,11 +49,11 @@ use crate::executor::{Executor, stored_form};
 use crate::idempotency::outcome::ProbeOutcome;
 use crate::idempotency::record::Refused;
 use crate::idempotency::record::StoredResponse;
-use crate::ops::keys::{self, ResolveAction, ResolveError, ResolveRequest};
 use crate::request::async_op::StoredRequest;
 use crate::request::route::Route;
 use crate::secret::DerivedKeySecret;
 use crate::store::audit::Actor;
+use crate::store::resolution::{self, ResolveAction, ResolveError, ResolveRequest};
 use crate::store::{ProbeRoute, Probing, Store, StoreError, WriteOutcome};
 use crate::telemetry::metrics::Metrics;
 use crate::upstream::Upstream;
@@ -200,7 +200,7 @@ impl Reconciler {
                 // status and where to read the resource again, no body).
                 let full = StoredResponse { status: recorded.as_u16(), headers: headers::storable(&response.headers), body: body.clone() };
                 let StoredResponse { headers, body, .. } = stored_form(&probed.route, full);
-                // Retention: the route's (keys::resolve's default below).
+                // Retention: the route's (resolution::resolve's default below).
                 let action = ResolveAction::Complete { status: recorded.as_u16(), headers, body, retention: None };
                 let reason = format!("probe {} answered {} (found); recorded as {}", probe.method, status.as_u16(), recorded.as_u16());
                 (ProbeOutcome::Found, Some(action), reason)
@@ -231,7 +231,7 @@ impl Reconciler {
             return;
         };
         let request = ResolveRequest { action, reason: Some(reason), force: false, actor: Actor::Reconciler, fence: Some(taken.fence) };
-        match keys::resolve(&self.store, scope, request, probed.route.record.retention).await {
+        match resolution::resolve(&self.store, scope, request, probed.route.record.retention).await {
             Ok(_) => tracing::info!(route, scope = %scope.log_id(), outcome = outcome.as_str(), "unknown record reconciled by its probe"),
             Err(ResolveError::Refused(Refused::Fenced) | ResolveError::NotFound) => tracing::info!(
                 route,

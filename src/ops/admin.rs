@@ -50,13 +50,14 @@ use tokio_util::sync::CancellationToken;
 
 use crate::idempotency::key::{IdempotencyKey, Scope};
 use crate::idempotency::record::{Refused, State};
-use crate::ops::keys::{self, ResolveAction, ResolveError, ResolveRequest};
+use crate::ops::keys;
 use crate::outbox::Delivery;
 use crate::problem::Problem;
 use crate::request::identity::IdentitySource;
 use crate::request::route::Route;
 use crate::secret::{DerivedKeySecret, Secret};
 use crate::store::audit::{self, Actor, Caller};
+use crate::store::resolution::{self, ResolveAction, ResolveError, ResolveRequest};
 use crate::store::{ListFilter, Store};
 use crate::telemetry::metrics::Metrics;
 use crate::upstream::body::Body;
@@ -376,7 +377,7 @@ impl Admin {
         };
         let retention = keys::default_retention(&self.in_force().routes, &scope.operation);
         let (peer, token) = (caller.peer.clone(), caller.token.clone());
-        match keys::resolve_by(&self.store(), scope, request, retention, Some(caller)).await {
+        match resolution::resolve_by(&self.store(), scope, request, retention, Some(caller)).await {
             Ok(from) => {
                 tracing::info!(scope = %scope.log_id(), actor = actor.as_str(), peer, token, from = %from, to, "record resolved through the admin API");
                 Ok(json_response(StatusCode::OK, &json!({ "scope": keys::scope_json(scope), "from_state": from.as_str(), "to_state": to })))
@@ -511,7 +512,7 @@ enum OneOrMany {
 }
 
 /// The resolution an API request asks for, checked as far as the request
-/// alone allows (`keys::resolve` checks the rest, as for the CLI).
+/// alone allows (`resolution::resolve` checks the rest, as for the CLI).
 fn resolve_request(body: &Bytes) -> Result<ResolveRequest, AdminError> {
     let bad = |why: String| AdminError::BadRequest(why);
     let b: ResolveBody = serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON body: {e}")))?;

@@ -15,6 +15,7 @@ mod health;
 pub mod migrations;
 pub mod op;
 pub mod postgres;
+pub mod resolution;
 pub mod sqlite;
 mod startup;
 
