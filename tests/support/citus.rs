@@ -170,6 +170,15 @@ impl CitusCluster {
         Ok(on)
     }
 
+    /// `url` (the coordinator's, as [`create_database`](Self::create_database)
+    /// returns it) listing every node, the coordinator first.
+    pub fn every_node_url(&self, url: &str) -> String {
+        let db = url.rsplit('/').next().unwrap_or_default();
+        let hosts: Vec<String> = self.nodes().map(|n| format!("127.0.0.1:{}", n.port())).collect();
+        let one = self.coordinator.url(db);
+        one.replacen(&format!("127.0.0.1:{}", self.coordinator.port()), &hosts.join(","), 1)
+    }
+
     /// A database on the coordinator alone, without the extension (for the
     /// start-up error of `kind = "citus"` on a plain server).
     pub fn plain_database(&self, name: &str) -> io::Result<String> {

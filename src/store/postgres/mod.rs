@@ -54,6 +54,7 @@ mod batch;
 pub mod catalog;
 pub mod citus;
 mod citus_batch;
+mod citus_route;
 pub mod citus_sql;
 mod failover;
 mod pooler;
@@ -130,9 +131,38 @@ impl Db {
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
         write: bool,
     ) -> Result<Vec<Row>, (StoreError, Verdict)> {
+        self.query_text(self.text(sql), params, write).await
+    }
+
+    /// A statement whose text names its tenant (`citus_sql::for_tenant`),
+    /// sent as it is: one text per tenant, so it is not memoized as the
+    /// store's fixed statements are (`citus_sql::for_citus`), and a
+    /// connection keeps at most [`MAX_PREPARED`] prepared statements (past
+    /// that its cache starts again; the server closes each one dropped).
+    async fn query_tenant(
+        &self,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+        write: bool,
+    ) -> Result<Vec<Row>, StoreError> {
+        match self.query_text(sql, params, write).await {
+            Err((_, Verdict::Stale)) => self.query_text(sql, params, write).await.map_err(|(e, _)| e),
+            r => r.map_err(|(e, _)| e),
+        }
+    }
+
+    async fn query_text(
+        &self,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+        write: bool,
+    ) -> Result<Vec<Row>, (StoreError, Verdict)> {
         let conn = self.conn().await.map_err(|e| (e, Verdict::Keep))?;
+        if self.flavor == Flavor::Citus && conn.client().statement_cache.size() >= MAX_PREPARED {
+            conn.client().statement_cache.clear();
+        }
         if self.sessions.per_transaction() {
-            return match self.sessions.query(conn.client(), self.text(sql), params).await {
+            return match self.sessions.query(conn.client(), sql, params).await {
                 Ok(rows) => {
                     conn.done();
                     Ok(rows)
@@ -140,7 +170,7 @@ impl Db {
                 Err(e) => Err(self.failed(conn, e, write)),
             };
         }
-        let stmt = match conn.client().prepare_cached(self.text(sql)).await {
+        let stmt = match conn.client().prepare_cached(sql).await {
             Ok(stmt) => stmt,
             Err(e) => return Err(self.failed(conn, e, false)),
         };
@@ -196,6 +226,8 @@ pub struct PgStore {
     flavor: Flavor,
     /// On Citus: each tenant's concurrent claims share statements (see `citus_batch`).
     citus_claims: citus_batch::TenantClaims,
+    /// On Citus: where each tenant's statements go (see `citus_route`).
+    reach: citus_batch::Reach,
 }
 
 /// Bound on a readiness ping: `/readyz` must answer within about a second
@@ -204,6 +236,10 @@ const PING_BOUND: Duration = Duration::from_millis(800);
 
 /// Most requests one batched statement carries.
 const MAX_BATCH: usize = 128;
+/// Most statements a Citus connection keeps prepared: its statements name
+/// their tenant (`Db::query_tenant`), so a connection would otherwise keep
+/// one per tenant it served.
+const MAX_PREPARED: usize = 256;
 /// Batched statements running at once. One: while it commits, the next
 /// batch fills, so batches are as full as the load makes them, and
 /// PostgreSQL's cost is mostly per statement (and two statements at once
@@ -327,6 +363,7 @@ impl PgStore {
         let parsed =
             crate::tls::postgres::parse(url).map_err(|e| StoreError::Unavailable(format!("invalid database URL: {}", ErrorChain(&e))))?;
         let tls = parsed.tls;
+        let routed_tls = tls.clone();
         let mut pg = parsed.config;
         if pg.get_application_name().is_none() {
             pg.application_name("idemgate");
@@ -344,7 +381,7 @@ impl PgStore {
         let manager = match tls {
             Some(tls) => {
                 let walk = HostWalk::new(&pg, timeout, tokio_postgres_rustls::MakeRustlsConnect::new(tls));
-                Manager::from_connect(pg, walk, recycling)
+                Manager::from_connect(pg.clone(), walk, recycling)
             }
             None => Manager::from_connect(pg.clone(), HostWalk::new(&pg, timeout, NoTls), recycling),
         };
@@ -377,7 +414,14 @@ impl PgStore {
                 async move { db.mark_sent_batch(items).await }
             })
         });
-        Ok(PgStore { db, writes, sends, flavor, citus_claims: Default::default() })
+        // On Citus with several nodes listed: a pool per node for the
+        // statements of the tenants whose shards it holds.
+        let route = match flavor {
+            Flavor::Citus => citus_route::Router::start(&pg, routed_tls.as_ref(), pool_size, timeout, pooler, &db)?,
+            Flavor::Postgres => None,
+        };
+        let reach = citus_batch::Reach { main: db.clone(), route, floor: Default::default() };
+        Ok(PgStore { db, writes, sends, flavor, citus_claims: Default::default(), reach })
     }
 
     async fn conn(&self) -> Result<Conn, StoreError> {
@@ -453,11 +497,14 @@ impl PgStore {
         let headers = encode_headers(&response.headers);
         let body: Option<&[u8]> = response.body.as_deref();
         if self.flavor == Flavor::Citus {
-            let (t, p, o, k) = (&*scope.tenant, &*scope.principal, &*scope.operation, scope.key.as_str());
+            // On the tenant's node, naming the tenant (see `citus_route`): `$1` the scope id.
+            let (id, p, o, k) = (scope.scope_id().to_i64(), &*scope.principal, &*scope.operation, scope.key.as_str());
             let (status, retention) = (i32::from(response.status), retention_us(retention));
             let params: [&(dyn tokio_postgres::types::ToSql + Sync); 10] =
-                [&t, &p, &o, &k, &attempt.generation.0, &status, &headers, &body, &retention, &attempt.claim_token];
-            return self.write_with_event(&citus_sql::CITUS_COMPLETE, &params, emit.event, |_| Some(EventType::Completed), emit.body).await;
+                [&id, &p, &o, &k, &attempt.generation.0, &status, &headers, &body, &retention, &attempt.claim_token];
+            let db = self.reach.db(&scope.tenant).await;
+            let update = citus_sql::for_tenant(&citus_sql::TENANT_COMPLETE, &scope.tenant);
+            return citus::write_with_event_on(db, &update, &params, emit.event, |_| Some(EventType::Completed), emit.body).await;
         }
         let rows = self
             .query(
