@@ -89,18 +89,22 @@ impl Relay {
             }
         }
         for (limit, ops) in limited {
-            // Slots are looked at, not held, while the store is asked: a
+            // Free slots are looked at, not held, while the store is asked: a
             // request arriving meanwhile must not find them taken by a take
-            // that may find nothing.
-            let free = limit.available().min(BATCH);
-            if free == 0 {
-                limit.refused();
-                continue;
-            }
+            // that may find nothing. With none free, the relay waits its turn
+            // for one, as a request would, and takes one event with it.
+            let (turn, free) = match limit.available().min(BATCH) {
+                0 => match limit.wait_turn().await {
+                    Some(turn) => (Some(turn), 1),
+                    None => continue,
+                },
+                free => (None, free),
+            };
             let taken = self.store.take_events(&ops, free, lease, token).await?;
             // One slot per event (deliveries are at most as many); one that
             // another took meanwhile is not waited for.
-            slots.extend(taken.iter().filter_map(|_| limit.try_acquire()));
+            let mut turn = turn;
+            slots.extend(taken.iter().filter_map(|_| turn.take().or_else(|| limit.try_acquire())));
             events.extend(taken);
         }
         Ok(events)
