@@ -89,22 +89,27 @@ impl Relay {
             }
         }
         for (limit, ops) in limited {
+            // A slot is one POST, which carries up to the routes' `batch`
+            // events (the smallest of the routes sharing the upstream).
+            let per_post = ops.iter().filter_map(|op| self.routes.get(*op)).map(|e| e.batch).min().unwrap_or(1).max(1);
+            let per_post = u32::try_from(per_post).unwrap_or(BATCH);
             // Free slots are looked at, not held, while the store is asked: a
             // request arriving meanwhile must not find them taken by a take
             // that may find nothing. With none free, the relay waits its turn
-            // for one, as a request would, and takes one event with it.
-            let (turn, free) = match limit.available().min(BATCH) {
+            // for one, as a request would, and takes one POST's events with it.
+            let (turn, free) = match limit.available() {
                 0 => match limit.wait_turn().await {
                     Some(turn) => (Some(turn), 1),
                     None => continue,
                 },
                 free => (None, free),
             };
-            let taken = self.store.take_events(&ops, free, lease, token).await?;
-            // One slot per event (deliveries are at most as many); one that
-            // another took meanwhile is not waited for.
+            let taken = self.store.take_events(&ops, free.saturating_mul(per_post).min(BATCH), lease, token).await?;
+            // One slot per POST these events make; one that another took
+            // meanwhile is not waited for.
+            let posts = u32::try_from(taken.len()).unwrap_or(u32::MAX).div_ceil(per_post);
             let mut turn = turn;
-            slots.extend(taken.iter().filter_map(|_| turn.take().or_else(|| limit.try_acquire())));
+            slots.extend((0..posts).filter_map(|_| turn.take().or_else(|| limit.try_acquire())));
             events.extend(taken);
         }
         Ok(events)
