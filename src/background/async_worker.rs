@@ -8,8 +8,9 @@
 //! guarantees one holder per generation. An idle taker polls with a growing
 //! interval, and is woken at once when this replica accepts an operation.
 //! A take draws no more operations than their upstream's concurrency limit
-//! has slots free (contract: workers never add to an upstream's overload);
-//! each attempt holds its slot until the upstream answers.
+//! has slots free, or one when it waits its turn for a slot at the limit
+//! (contract: workers count against an upstream's limit); each attempt holds
+//! its slot until the upstream answers.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -36,7 +37,7 @@ const ERROR_PAUSE: Duration = Duration::from_secs(1);
 pub struct AsyncWorkers {
     routes: Vec<Arc<Route>>,
     /// The routes to take from, by upstream: a take draws no more than the
-    /// upstream's limit has slots free (so workers never add to an overload).
+    /// upstream's limit has slots free, or one with a turn waited for.
     takes: Vec<(UpstreamId, Vec<WorkerRoute>)>,
     store: Store,
     owner: Arc<str>,

@@ -69,8 +69,9 @@ impl Relay {
     }
 
     /// Takes this round's events: up to a batch for destinations that are
-    /// no upstream, and for each upstream's, no more than its limit has
-    /// slots free (then taken into `slots` until the round's deliveries end).
+    /// no upstream, and for each upstream's, no more POSTs than its limit has
+    /// slots free, or one with a turn waited for (then taken into `slots`
+    /// until the round's deliveries end).
     async fn take(
         &self,
         ready: &[&str],
