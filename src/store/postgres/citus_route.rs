@@ -30,11 +30,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
 use std::time::Duration;
 
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
-use tokio_postgres::NoTls;
-
-use super::failover::{Flush, HostWalk, one_host};
-use super::{Db, Flavor, pooler, replan, sql};
+use super::failover::one_host;
+use super::{Db, Flavor, pooler, sql};
 use crate::store::{Pooler, StoreError};
 
 /// How often the shard map and the hosts' groups are read again.
@@ -88,27 +85,8 @@ impl Router {
         let mut nodes = Vec::with_capacity(hosts);
         for i in 0..hosts {
             let one = one_host(config, i);
-            let recycling = ManagerConfig { recycling_method: RecyclingMethod::Fast };
-            let manager = match tls {
-                Some(tls) => {
-                    let walk = HostWalk::new(&one, timeout, tokio_postgres_rustls::MakeRustlsConnect::new(tls.clone()));
-                    Manager::from_connect(one, walk, recycling)
-                }
-                None => Manager::from_connect(one.clone(), HostWalk::new(&one, timeout, NoTls), recycling),
-            };
-            let flush = Arc::new(Flush::default());
-            let replan = Arc::new(replan::Replan::default());
-            let pool = Pool::builder(manager)
-                .max_size(pool_size)
-                .runtime(Runtime::Tokio1)
-                .wait_timeout(Some(timeout))
-                .create_timeout(Some(timeout))
-                .recycle_timeout(Some(timeout))
-                .pre_recycle(Flush::hook(flush.clone()))
-                .post_create(pooler::Sessions::hook(sessions.clone()))
-                .build()
+            let db = Db::open(&one, tls, pool_size, timeout, Flavor::Citus, sessions.clone())
                 .map_err(|e| StoreError::Unavailable(format!("cannot build the connection pool of node {i}: {e}")))?;
-            let db = Db { pool, timeout, flush, replan, flavor: Flavor::Citus, sessions: sessions.clone() };
             nodes.push(Node { db, group: Mutex::new(None) });
         }
         let router = Arc::new(Router { nodes, shards: RwLock::default(), hashes: Mutex::default() });

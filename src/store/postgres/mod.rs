@@ -89,6 +89,40 @@ struct Db {
 }
 
 impl Db {
+    /// A pool of sessions to `config`'s hosts (the first writable one, see
+    /// `failover`), each given `sessions`' settings when opened, and dropped
+    /// on return after a failover (`flush`) or a re-plan mark (`replan`).
+    fn open(
+        config: &tokio_postgres::Config,
+        tls: Option<&rustls::ClientConfig>,
+        pool_size: usize,
+        timeout: Duration,
+        flavor: Flavor,
+        sessions: Arc<pooler::Sessions>,
+    ) -> Result<Db, deadpool_postgres::BuildError> {
+        let recycling = ManagerConfig { recycling_method: RecyclingMethod::Fast };
+        let manager = match tls {
+            Some(tls) => {
+                let walk = HostWalk::new(config, timeout, tokio_postgres_rustls::MakeRustlsConnect::new(tls.clone()));
+                Manager::from_connect(config.clone(), walk, recycling)
+            }
+            None => Manager::from_connect(config.clone(), HostWalk::new(config, timeout, NoTls), recycling),
+        };
+        let flush = Arc::new(Flush::default());
+        let replan = Arc::new(replan::Replan::default());
+        let pool = Pool::builder(manager)
+            .max_size(pool_size)
+            .runtime(Runtime::Tokio1)
+            .wait_timeout(Some(timeout))
+            .create_timeout(Some(timeout))
+            .recycle_timeout(Some(timeout))
+            .pre_recycle(Flush::hook(flush.clone()))
+            .pre_recycle(replan::Replan::hook(replan.clone()))
+            .post_create(pooler::Sessions::hook(sessions.clone()))
+            .build()?;
+        Ok(Db { pool, timeout, flush, replan, flavor, sessions })
+    }
+
     /// `sql` as this flavor sends it.
     fn text<'a>(&self, sql: &'a str) -> &'a str {
         if self.flavor == Flavor::Citus { citus_sql::for_citus(sql) } else { sql }
@@ -363,7 +397,6 @@ impl PgStore {
         let parsed =
             crate::tls::postgres::parse(url).map_err(|e| StoreError::Unavailable(format!("invalid database URL: {}", ErrorChain(&e))))?;
         let tls = parsed.tls;
-        let routed_tls = tls.clone();
         let mut pg = parsed.config;
         if pg.get_application_name().is_none() {
             pg.application_name("idemgate");
@@ -377,28 +410,8 @@ impl PgStore {
         // Only a primary will do (see `failover`): a standby, or a primary
         // fenced read-only, refuses the session when it is opened.
         pg.target_session_attrs(TargetSessionAttrs::ReadWrite);
-        let recycling = ManagerConfig { recycling_method: RecyclingMethod::Fast };
-        let manager = match tls {
-            Some(tls) => {
-                let walk = HostWalk::new(&pg, timeout, tokio_postgres_rustls::MakeRustlsConnect::new(tls));
-                Manager::from_connect(pg.clone(), walk, recycling)
-            }
-            None => Manager::from_connect(pg.clone(), HostWalk::new(&pg, timeout, NoTls), recycling),
-        };
-        let flush = Arc::new(Flush::default());
-        let replan = Arc::new(replan::Replan::default());
-        let pool = Pool::builder(manager)
-            .max_size(pool_size)
-            .runtime(Runtime::Tokio1)
-            .wait_timeout(Some(timeout))
-            .create_timeout(Some(timeout))
-            .recycle_timeout(Some(timeout))
-            .pre_recycle(Flush::hook(flush.clone()))
-            .pre_recycle(replan::Replan::hook(replan.clone()))
-            .post_create(pooler::Sessions::hook(sessions.clone()))
-            .build()
+        let db = Db::open(&pg, tls.as_ref(), pool_size, timeout, flavor, sessions)
             .map_err(|e| StoreError::Unavailable(format!("cannot build the connection pool: {e}")))?;
-        let db = Db { pool, timeout, flush, replan, flavor, sessions };
         let writes = {
             let db = db.clone();
             let concurrency = std::env::var("IDEMGATE_PG_BATCH_CONCURRENCY").ok().and_then(|v| v.parse().ok()).unwrap_or(BATCH_CONCURRENCY);
@@ -417,7 +430,7 @@ impl PgStore {
         // On Citus with several nodes listed: a pool per node for the
         // statements of the tenants whose shards it holds.
         let route = match flavor {
-            Flavor::Citus => citus_route::Router::start(&pg, routed_tls.as_ref(), pool_size, timeout, pooler, &db)?,
+            Flavor::Citus => citus_route::Router::start(&pg, tls.as_ref(), pool_size, timeout, pooler, &db)?,
             Flavor::Postgres => None,
         };
         let reach = citus_batch::Reach { main: db.clone(), route, floor: Default::default() };
