@@ -256,18 +256,7 @@ async fn events_and_audit_rows_of_every_tenant_sit_with_their_records() {
         return;
     }
     let url = citus::shared().create_unique_database("outbox").expect("database");
-    let config = EventsConfig {
-        url: "http://127.0.0.1:9/hook".parse().unwrap(),
-        secret: None,
-        timeout: Duration::from_secs(1),
-        max_attempts: 3,
-        emit: EventType::ALL.to_vec(),
-        include_key: false,
-        include_body: false,
-        batch: 1,
-    };
-    let op: Arc<str> = "create_order".into();
-    let store = store(&url).await.with_events(EventPolicies::new([(&op, &config)]));
+    let store = store_with_events(&url).await;
     let note = AuditNote { actor: Actor::Cli, reason: "released by hand".into(), forced: false, caller: None };
     for t in tenants(8) {
         let done = scope(&t, "done");
