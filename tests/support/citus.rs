@@ -119,13 +119,15 @@ impl CitusCluster {
             // Adding a node syncs metadata over new connections to every
             // node; with many test databases set up at once on a loaded
             // machine one of them can fail ("failure on connection marked as
-            // essential"). The call is idempotent: try again a few times.
+            // essential", or, before the worker has turned on the TLS that Citus
+            // configures, "server does not support SSL"). The call is idempotent:
+            // try again, for up to 10 s.
             let add = format!("SELECT citus_add_node('127.0.0.1', {})", w.port());
             let mut attempt = 0;
             loop {
                 match c.simple_query(name, &add) {
                     Ok(_) => break,
-                    Err(e) if attempt < 4 => {
+                    Err(e) if attempt < 20 => {
                         attempt += 1;
                         eprintln!("citus_add_node(127.0.0.1, {}) failed, retrying: {e}", w.port());
                         std::thread::sleep(Duration::from_millis(500));
