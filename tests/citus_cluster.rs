@@ -111,15 +111,30 @@ async fn migrate_distributes_the_schema_by_tenant() {
         .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
         .collect();
     let names: Vec<&str> = tables.iter().map(|t| t.0.as_str()).collect();
-    assert_eq!(names, ["idemgate_audit", "idemgate_events", "idemgate_records", "idemgate_settings"], "{tables:?}");
+    assert_eq!(
+        names,
+        [
+            "idemgate_audit",
+            "idemgate_events",
+            "idemgate_generations",
+            "idemgate_records",
+            "idemgate_schema_migrations",
+            "idemgate_settings"
+        ],
+        "{tables:?}"
+    );
+    let records = tables.iter().find(|t| t.0 == "idemgate_records").expect("records").3;
     for (name, kind, column, colocation) in &tables {
-        if name == "idemgate_settings" {
+        if name == "idemgate_settings" || name == "idemgate_schema_migrations" {
             assert_eq!(kind, "reference", "{name}");
         } else {
             assert_eq!((kind.as_str(), column.as_deref()), ("distributed", Some("tenant")), "{name}");
-            assert_eq!(*colocation, tables[2].3, "{name} is colocated with the records");
+            assert_eq!(*colocation, records, "{name} is colocated with the records");
         }
     }
+    // The generation sequence is gone (each tenant's counter replaces it).
+    let sequence: Option<String> = db.query_one("SELECT to_regclass('idemgate_generation')::text", &[]).await.expect("regclass").get(0);
+    assert_eq!(sequence, None);
     // The unique keys of the outbox and the audit trail contain the tenant.
     let keys: Vec<(String, String)> = db
         .query(
@@ -136,10 +151,18 @@ async fn migrate_distributes_the_schema_by_tenant() {
     for (name, def) in &keys {
         assert!(def.contains("tenant"), "{name}: {def}");
     }
-    // The migrations' bookkeeping stays on the coordinator.
-    let local: i64 =
-        db.query_one("SELECT count(*) FROM citus_tables WHERE table_name::text = 'idemgate_schema_migrations'", &[]).await.unwrap().get(0);
-    assert_eq!(local, 0);
+    // The migrations' bookkeeping is on every node (a reference table: a
+    // replica on a worker finds the schema up to date), and so is what a
+    // worker needs to tell so: each worker reads the Citus migrations as applied.
+    for w in &citus::shared().workers {
+        let on_worker = client(&w.url(url.rsplit('/').next().expect("database"))).await;
+        let versions: i64 = on_worker
+            .query_one("SELECT count(*) FROM idemgate_schema_migrations WHERE name LIKE 'citus_%'", &[])
+            .await
+            .expect("migrations on a worker")
+            .get(0);
+        assert_eq!(versions, 2, "worker {}", w.port());
+    }
 }
 
 /// A schema distributed by an earlier version gets the later PostgreSQL
@@ -333,9 +356,13 @@ mod isolation {
             db.batch_execute(&format!("SET {name} = '{value}'")).await.expect("session setting");
         }
         let catalog = catalog_for(Flavor::Citus);
-        for (i, name) in ["claim_read", "claim_insert", "claim_take_over", "complete", "get"].into_iter().enumerate() {
+        let statements =
+            ["claim_read", "claim_insert", "claim_take_over", "complete", "complete_of_tenant", "generations_of_tenant", "get"];
+        for (i, name) in statements.into_iter().enumerate() {
             let s = catalog.iter().find(|s| s.name == name).expect("statement in the catalog");
-            db.batch_execute(&format!("PREPARE isolated_{i} AS {}", s.sql)).await.expect("prepare");
+            // The statements that name their tenant name `acme` in the catalog.
+            let sql = s.sql.replace("'acme'", &format!("'{tenant}'"));
+            db.batch_execute(&format!("PREPARE isolated_{i} AS {sql}")).await.expect("prepare");
             let types: Vec<String> = db
                 .query_one(
                     "SELECT coalesce(parameter_types::text[], '{}') FROM pg_prepared_statements WHERE name = $1",
@@ -366,7 +393,11 @@ mod isolation {
             let plan = plan.join("\n");
             let tasks: Vec<&str> = plan.lines().filter(|l| l.contains("Task Count:")).collect();
             assert!(!tasks.is_empty() && tasks.iter().all(|l| l.trim_end().ends_with("Task Count: 1")), "{name}:\n{plan}");
-            assert!(plan.contains(&format!("idemgate_records_{shard} ")), "{name} does not run on shard {shard}:\n{plan}");
+            let table = if name.starts_with("generations") { "idemgate_generations" } else { "idemgate_records" };
+            assert!(plan.contains(&format!("{table}_")), "{name} does not run on a shard of {table}:\n{plan}");
+            if table == "idemgate_records" {
+                assert!(plan.contains(&format!("idemgate_records_{shard} ")), "{name} does not run on shard {shard}:\n{plan}");
+            }
         }
     }
 

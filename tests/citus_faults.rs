@@ -321,3 +321,89 @@ async fn a_claim_committed_on_a_worker_whose_connection_then_broke_is_read_back_
     assert_eq!((again.status, again.replayed()), (201, true));
     assert_eq!(up.side_effects(&derived_of(&tenant, "k")), 1);
 }
+
+/// Gateways connected to different nodes at once (issue 47): one given the
+/// coordinator, one each worker, one every node (its tenants' statements
+/// sent to their shards' nodes). The same keys, of a tenant on each worker,
+/// sent to all of them at once: each key reaches the upstream exactly once
+/// (duplicates=0) and every one ends completed and replayed (lost=0). Then a
+/// scope claimed in turn through each gateway (a route whose retention is
+/// 1s), its record swept between claims: the upstream's
+/// `X-Idempotency-Generation` for the scope only grows, whichever node drew it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateways_on_different_nodes_at_once_send_each_key_once_and_a_scopes_generations_only_grow() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let (cluster, backend, store, on) = cluster("every_node", 1).await;
+    let Backend::Citus { url } = &backend else { unreachable!("a Citus backend") };
+    let db = url.rsplit('/').next().expect("database name");
+    let up = TestUpstream::start().await;
+    let brief = "\n[[routes]]\noperation = \"brief\"\nmethod = \"POST\"\npath = \"/v1/brief\"\nupstream = \"orders\"\nretention = \"1s\"\n";
+    let urls = [url.clone(), cluster.workers[0].url(db), cluster.workers[1].url(db), cluster.every_node_url(url)];
+    let gateways: Vec<Gateway> =
+        urls.iter().map(|u| Gateway::start(GatewayConfig::new(Backend::Citus { url: u.clone() }, up.url()).tail(brief))).collect();
+    let entries: Vec<String> = gateways.iter().map(|g| g.url("/v1/orders")).collect();
+    let tenants = [on[0][0].clone(), on[1][0].clone()];
+
+    // The same keys through every gateway at once, twice each.
+    let keys: Vec<String> = (0..4).map(|i| format!("dup-{i}")).collect();
+    let mut clients = Vec::new();
+    for t in &tenants {
+        for key in &keys {
+            for entry in entries.iter().chain(&entries) {
+                let (u, t, k) = (entry.clone(), t.clone(), key.clone());
+                clients.push(tokio::spawn(async move { order(&u, &t, &k, 200).await }));
+            }
+        }
+    }
+    for client in clients {
+        let r = client.await.unwrap().expect("an answer");
+        assert!(
+            r.status == 201
+                || (r.status == 409 && r.problem() == "request-in-progress")
+                || (r.status == 503 && r.problem() == "overloaded"),
+            "a concurrent duplicate is forwarded, replayed, told it is in progress or refused unclaimed: {} {:?}",
+            r.status,
+            r.body
+        );
+    }
+    let (mut duplicates, mut lost) = (0, 0);
+    for t in &tenants {
+        for key in &keys {
+            for entry in &entries {
+                let r = retry_until_final(entry, t, key, Duration::from_secs(10)).await;
+                // A replay (or the first forward of a key every copy of which was refused unclaimed).
+                assert_eq!(r.status, 201, "{t}/{key} at {entry}: {:?}", r.body);
+            }
+            assert_eq!(record_of(&store, t, key).await.map(|r| r.state), Some(State::Completed), "{t}/{key}");
+            match up.side_effects(&derived_of(t, key)) {
+                0 => lost += 1,
+                1 => {}
+                _ => duplicates += 1,
+            }
+        }
+    }
+    eprintln!("every node: keys={} duplicates={duplicates} lost={lost}", tenants.len() * keys.len());
+    assert_eq!((duplicates, lost), (0, 0));
+
+    // A scope claimed in turn through each gateway, swept between claims.
+    let briefs: Vec<String> = gateways.iter().map(|g| g.url("/v1/brief")).collect();
+    let scope = |t: &str| Scope { operation: "brief".into(), ..scope_of(t, "again") };
+    let mut last: Vec<i64> = vec![0; tenants.len()];
+    for (round, entry) in briefs.iter().chain(&briefs).enumerate() {
+        for (i, t) in tenants.iter().enumerate() {
+            let r = order(entry, t, "again", 0).await.expect("an answer");
+            assert_eq!((r.status, r.replayed()), (201, false), "{t}, round {round}: a new life of the scope: {:?}", r.body);
+            let seen: i64 = r.json()["generation"].as_str().and_then(|g| g.parse().ok()).expect("the upstream saw a generation");
+            assert!(seen > last[i], "{t}, round {round} at {entry}: X-Idempotency-Generation {seen} after {}", last[i]);
+            last[i] = seen;
+            let derived = scope(t).derived_key(Some(TEST_SECRET.as_bytes()));
+            assert_eq!(up.side_effects(&derived), round as u64 + 1, "{t}: one side effect per life");
+        }
+        for t in &tenants {
+            let swept = eventually(Duration::from_secs(15), || async { store.get(&scope(t)).await.expect("store get").is_none() }).await;
+            assert!(swept, "{t}, round {round}: the record was swept");
+        }
+    }
+}

@@ -110,10 +110,17 @@ async fn claims_of_many_tenants_at_once_each_route_to_their_shard() {
             claim
         }));
     }
+    // Generations are drawn per tenant, on its shard (no counter is shared
+    // between tenants): distinct within each tenant.
     let mut generations = BTreeSet::new();
     for t in tasks {
         let c = t.await.expect("task");
-        assert!(generations.insert(c.generation), "generation {:?} drawn twice", c.generation);
+        assert!(
+            generations.insert((c.scope.tenant.clone(), c.generation)),
+            "generation {:?} of {} drawn twice",
+            c.generation,
+            c.scope.tenant
+        );
     }
     for s in &scopes {
         let (record, _) = store.get(s).await.expect("get").expect("record");
@@ -179,7 +186,12 @@ async fn racing_workers_of_several_replicas_take_every_tenants_operations_once()
     for w in workers {
         for t in w.await.expect("worker") {
             *seen.entry(format!("{}/{}", t.record.scope.tenant, t.record.scope.key.as_str())).or_default() += 1;
-            assert!(generations.insert(t.claim.generation), "generation {:?} twice", t.claim.generation);
+            assert!(
+                generations.insert((t.record.scope.tenant.clone(), t.claim.generation)),
+                "generation {:?} of {} twice",
+                t.claim.generation,
+                t.record.scope.tenant
+            );
             assert_eq!((t.record.state, t.record.attempts), (State::Processing, 1));
         }
     }
@@ -214,7 +226,7 @@ async fn generations_grow_per_scope_without_a_volatile_update_even_with_the_coun
 
     // The counter falls behind every record.
     let db = client(&url).await;
-    db.batch_execute("SELECT setval('idemgate_generation', 1)").await.expect("setval");
+    db.batch_execute("UPDATE idemgate_generations SET generation = 1 WHERE tenant = 'tenant-gen'").await.expect("counter set back");
     tokio::time::sleep(Duration::from_millis(250)).await;
     let third = match store.claim(&req(&s, SHORT, true)).await.expect("take over") {
         ClaimOutcome::Claimed(c) => c,
@@ -244,18 +256,7 @@ async fn events_and_audit_rows_of_every_tenant_sit_with_their_records() {
         return;
     }
     let url = citus::shared().create_unique_database("outbox").expect("database");
-    let config = EventsConfig {
-        url: "http://127.0.0.1:9/hook".parse().unwrap(),
-        secret: None,
-        timeout: Duration::from_secs(1),
-        max_attempts: 3,
-        emit: EventType::ALL.to_vec(),
-        include_key: false,
-        include_body: false,
-        batch: 1,
-    };
-    let op: Arc<str> = "create_order".into();
-    let store = store(&url).await.with_events(EventPolicies::new([(&op, &config)]));
+    let store = store_with_events(&url).await;
     let note = AuditNote { actor: Actor::Cli, reason: "released by hand".into(), forced: false, caller: None };
     for t in tenants(8) {
         let done = scope(&t, "done");
@@ -444,7 +445,7 @@ async fn one_tenants_concurrent_claims_share_statements_and_keep_the_rules() {
         .execute(
             "INSERT INTO idemgate_records (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, \
              owner, lease_expires_at, created_at, updated_at, expires_at, key_source, scope_id) \
-             VALUES ('solo', 'billing', 'create_order', 'held', decode(repeat('07', 32), 'hex'), 'in_flight', nextval('idemgate_generation'), \
+             VALUES ('solo', 'billing', 'create_order', 'held', decode(repeat('07', 32), 'hex'), 'in_flight', 1, \
              gen_random_uuid(), 'another-replica', now() + interval '1 hour', now(), now(), now() + interval '1 hour', \
              'header:idempotency-key', idemgate_scope_id('solo', 'billing', 'create_order', 'held'))",
             &[],
@@ -664,4 +665,116 @@ async fn a_dead_worker_stops_only_its_own_tenants_background_work() {
     assert!(reaped.unknown >= 1, "{reaped:?}");
     let (lease, _) = store.get(&scope_of(&alive, "charge", "lease")).await.unwrap().unwrap();
     assert_eq!(lease.state, State::Unknown);
+}
+
+/// Gateways connected to different nodes at once (issue 47): a scope's
+/// record claimed through one node, completed with a short retention,
+/// swept, and claimed again through another node, then released (the key
+/// given back) and claimed again through a third: each claim's generation
+/// (what the upstream gets as `X-Idempotency-Generation`) is above every
+/// earlier one of the scope, although nothing is drawn from a sequence on
+/// the coordinator. A store given every node (a multi-host URL, its
+/// tenants' statements sent to their shards' nodes) takes part, and so does
+/// a tenant new to every node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scope_claimed_again_through_another_node_after_a_sweep_gets_a_higher_generation() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let cluster = citus::shared();
+    let url = cluster.create_unique_database("anynode").expect("database");
+    let db = url.rsplit('/').next().expect("database name").to_owned();
+    let via_coordinator = store(&url).await;
+    let via_worker: Vec<Store> = {
+        let mut stores = Vec::new();
+        for w in &cluster.workers {
+            stores.push(store(&w.url(&db)).await);
+        }
+        stores
+    };
+    let hosts: Vec<String> = cluster.nodes().map(|n| format!("127.0.0.1:{}", n.port())).collect();
+    let every_node = store(&format!("postgres://idemgate@{}/{db}", hosts.join(","))).await;
+    let through: Vec<&Store> = vec![&via_coordinator, &via_worker[0], &every_node, &via_worker[1], &via_coordinator, &every_node];
+    for tenant in ["tenant-any", "tenant-new"] {
+        let s = scope(tenant, "again");
+        let mut last = Generation(0);
+        for (round, store) in through.iter().enumerate() {
+            let claim = match store.claim(&req(&s, LONG, false)).await.expect("claim") {
+                ClaimOutcome::Claimed(c) => c,
+                other => panic!("round {round}: {other:?}"),
+            };
+            assert!(claim.generation > last, "{tenant}, round {round}: generation {:?} after {:?}", claim.generation, last);
+            last = claim.generation;
+            if round % 2 == 0 {
+                // Completed with a retention that runs out at once, then swept.
+                assert_eq!(
+                    store.complete(&claim, &response(b"done"), Retention::For(Duration::from_millis(1))).await.unwrap(),
+                    WriteOutcome::Written
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                let mut swept = 0;
+                while swept == 0 {
+                    swept = through[(round + 1) % through.len()].sweep(100).await.expect("sweep");
+                }
+            } else {
+                // Given back (the request never reached the upstream).
+                assert_eq!(store.release(&claim).await.unwrap(), WriteOutcome::Written);
+            }
+            assert!(via_coordinator.get(&s).await.expect("get").is_none(), "{tenant}, round {round}: the record is gone");
+        }
+    }
+}
+
+/// The upgrade from before migration `citus_0002` (one generation sequence
+/// on the coordinator): a database migrated by this version is set back to
+/// that state by hand (the counters' table gone, the sequence back, having
+/// given generations up to 5000, a record holding 5000, the migration
+/// forgotten), then migrated again. Every generation drawn after it, for
+/// the scope that held 5000 (taken over once its retention ran out), for
+/// another scope of its tenant, and for a tenant new to the cluster, is
+/// above every number the sequence gave.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generations_after_the_upgrade_to_per_tenant_counters_are_above_the_old_sequences() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let url = citus::shared().create_unique_database("upgrade_gens").expect("database");
+    let before = store(&url).await;
+    let old = scope("tenant-old", "held");
+    let claim = match before.claim(&req(&old, LONG, false)).await.expect("claim") {
+        ClaimOutcome::Claimed(c) => c,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(before.complete(&claim, &response(b"old"), Retention::For(Duration::from_millis(1))).await.unwrap(), WriteOutcome::Written);
+    drop(before);
+    let db = client(&url).await;
+    db.batch_execute(
+        "DROP TABLE idemgate_generations;
+         SELECT undistribute_table('idemgate_schema_migrations');
+         CREATE SEQUENCE idemgate_generation AS bigint CACHE 1;
+         SELECT setval('idemgate_generation', 5000);
+         UPDATE idemgate_records SET generation = 5000 WHERE tenant = 'tenant-old';
+         DELETE FROM idemgate_settings WHERE name = 'citus_generation_floor';
+         DELETE FROM idemgate_schema_migrations WHERE name = 'citus_0002_generations_per_tenant';",
+    )
+    .await
+    .expect("the schema as before citus_0002");
+
+    let after = store(&url).await;
+    let floor: String = db
+        .query_one("SELECT convert_from(value, 'UTF8') FROM idemgate_settings WHERE name = 'citus_generation_floor'", &[])
+        .await
+        .expect("the floor")
+        .get(0);
+    assert_eq!(floor, "5000");
+    let sequence: Option<String> = db.query_one("SELECT to_regclass('idemgate_generation')::text", &[]).await.unwrap().get(0);
+    assert_eq!(sequence, None, "the sequence is gone");
+    for s in [old.clone(), scope("tenant-old", "other"), scope("tenant-brand-new", "first")] {
+        let c = match after.claim(&req(&s, LONG, false)).await.expect("claim") {
+            ClaimOutcome::Claimed(c) => c,
+            other => panic!("{}: {other:?}", s.key.as_str()),
+        };
+        assert!(c.generation > Generation(5000), "{}/{}: {:?}", s.tenant, s.key.as_str(), c.generation);
+        assert_eq!(c.took_over, s == old, "{}", s.key.as_str());
+    }
 }

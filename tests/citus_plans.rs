@@ -18,7 +18,7 @@ use idemgate::config::{Secret, StoreBackend, StoreConfig};
 use idemgate::store::postgres::Flavor;
 use idemgate::store::postgres::catalog::Statement;
 use idemgate::store::postgres::citus_sql::catalog_for;
-use idemgate::store::postgres::sql::session_settings;
+use idemgate::store::postgres::sql::{routed_session_settings, session_settings};
 use idemgate::store::{Access, Store};
 use serde_json::Value;
 use support::citus;
@@ -34,6 +34,10 @@ const REQUEST_PATH: &[&str] = &[
     "claim_take_over",
     "claim_read_batch",
     "claim_insert_batch",
+    "complete_of_tenant",
+    "generations_of_tenant",
+    "generations_start",
+    "generations",
     "complete",
     "get",
     "release",
@@ -117,13 +121,88 @@ fn subplans(plan: &Value) -> usize {
     n
 }
 
-async fn session(url: &str) -> Client {
-    let (client, connection) = tokio_postgres::connect(url, NoTls).await.expect("connect");
-    tokio::spawn(connection);
-    for (name, value) in session_settings(Flavor::Citus) {
+/// The statements of a request's claim and result write, which run for
+/// every request, with the planner Citus must take for each: its fast-path
+/// router planner (no `standard_planner` on the node that plans it; Citus
+/// says "Distributed planning for a fast-path router query") for reads and
+/// updates, its router planner for `INSERT ... VALUES` (which Citus prunes
+/// at each execution and reports as "Creating router plan" only); and
+/// whether, entering at the node holding its shard with that node's session
+/// settings, Citus plans the shard's statement there once (its local
+/// execution plan: no deparse and no second parse, docs/performance-notes.md).
+const HOT: &[(&str, Planner, bool)] = &[
+    ("claim_read", Planner::FastPath, true),
+    ("claim_read_batch", Planner::FastPath, true),
+    ("claim_insert", Planner::Router, false),
+    ("claim_insert_batch", Planner::Router, false),
+    ("claim_take_over", Planner::FastPath, false),
+    ("complete_of_tenant", Planner::FastPath, false),
+    ("generations_of_tenant", Planner::FastPath, true),
+];
+
+/// Which of Citus's planners planned a statement, from its debug2 messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Planner {
+    FastPath,
+    Router,
+    Other,
+}
+
+fn planner(said: &[String]) -> Planner {
+    if said.iter().any(|m| m.contains("fast-path router query")) {
+        Planner::FastPath
+    } else if said.iter().any(|m| m.contains("Creating router plan")) {
+        Planner::Router
+    } else {
+        Planner::Other
+    }
+}
+
+/// What Citus said it planned (its debug messages while planning).
+type Notices = std::sync::Arc<std::sync::Mutex<Vec<String>>>;
+
+async fn session_with(url: &str, settings: Vec<(&'static str, &'static str)>) -> (Client, Notices) {
+    let (client, mut connection) = tokio_postgres::connect(url, NoTls).await.expect("connect");
+    let notices: Notices = Default::default();
+    let seen = notices.clone();
+    tokio::spawn(async move {
+        loop {
+            match std::future::poll_fn(|cx| connection.poll_message(cx)).await {
+                Some(Ok(tokio_postgres::AsyncMessage::Notice(n))) => seen.lock().unwrap().push(n.message().to_owned()),
+                Some(Ok(_)) => {}
+                _ => return,
+            }
+        }
+    });
+    for (name, value) in settings {
         client.batch_execute(&format!("SET {name} = '{value}'")).await.expect("session setting");
     }
-    client
+    (client, notices)
+}
+
+async fn session(url: &str) -> Client {
+    session_with(url, session_settings(Flavor::Citus)).await.0
+}
+
+/// Citus's planner messages (debug2) while `s` is prepared and executed
+/// twice for one tenant, in a transaction rolled back (nothing is written).
+async fn planner_said(client: &Client, notices: &Notices, i: usize, s: &Statement) -> Result<Vec<String>, String> {
+    let name = format!("run_{i}");
+    client.batch_execute(&format!("PREPARE {name} AS {}", s.sql)).await.map_err(|e| format!("PREPARE: {e:?}"))?;
+    let types: Vec<String> = client
+        .query_one("SELECT coalesce(parameter_types::text[], '{}') FROM pg_prepared_statements WHERE name = $1", &[&name])
+        .await
+        .expect("parameter types")
+        .get(0);
+    let args: Vec<String> = types.iter().map(|t| literal(t)).collect();
+    let args = if args.is_empty() { String::new() } else { format!("({})", args.join(", ")) };
+    client.batch_execute("BEGIN; SET LOCAL client_min_messages = debug2").await.expect("debug2");
+    notices.lock().unwrap().clear();
+    let ran = client.batch_execute(&format!("EXECUTE {name}{args}; EXECUTE {name}{args}")).await;
+    let said = notices.lock().unwrap().clone();
+    client.batch_execute("ROLLBACK").await.expect("rollback");
+    ran.map_err(|e| format!("EXECUTE: {e:?}"))?;
+    Ok(said)
 }
 
 /// The plan of `s` as it executes with one tenant's parameters, or Citus's refusal.
@@ -187,6 +266,39 @@ async fn every_request_path_statement_is_one_task_on_one_shard() {
     }
     assert_eq!(checked, REQUEST_PATH.len());
     assert!(failures.is_empty(), "{} of {checked} statements are not single-shard:\n{}", failures.len(), failures.join("\n\n"));
+
+    // The planner each hot statement takes: through the coordinator, and at
+    // the worker that holds the tenant's shard with a routed session.
+    let (coordinator, coordinator_notices) = session_with(&url, session_settings(Flavor::Citus)).await;
+    let db = url.rsplit('/').next().expect("database name").to_owned();
+    let holder: String = coordinator
+        .query_one(
+            "SELECT nodeport::text FROM pg_dist_shard_placement WHERE shardid = get_shard_id_for_distribution_column('idemgate_records', 'acme')",
+            &[],
+        )
+        .await
+        .expect("placement of acme")
+        .get(0);
+    let worker = citus::shared().workers.iter().find(|w| w.port().to_string() == holder).expect("the worker holding acme");
+    let (local, local_notices) = session_with(&worker.url(&db), routed_session_settings()).await;
+    let mut wrong = Vec::new();
+    for (k, (name, kind, local_plan)) in HOT.iter().enumerate() {
+        let (i, s) = catalog.iter().enumerate().find(|(_, s)| s.name == *name).expect("hot statement in the catalog");
+        let said = planner_said(&coordinator, &coordinator_notices, 1000 + i, s).await.expect("planned on the coordinator");
+        if planner(&said) != *kind {
+            wrong.push(format!("{name}: planned by {:?} on the coordinator, not {kind:?}: {said:?}", planner(&said)));
+        }
+        let said = planner_said(&local, &local_notices, 2000 + k, s).await.expect("planned on the shard's worker");
+        if planner(&said) != *kind {
+            wrong.push(format!("{name}: planned by {:?} on the shard's worker, not {kind:?}: {said:?}", planner(&said)));
+        }
+        let planned_locally = said.iter().any(|m| m.contains("created local execution plan"))
+            && said.iter().any(|m| m.contains("Using task's cached local plan"));
+        if *local_plan && !planned_locally {
+            wrong.push(format!("{name}: its local execution plan was not made once and reused on the shard's worker: {said:?}"));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
 
 /// The checker itself: a plan with a step of 8 tasks is seen, one of 1 task is not.

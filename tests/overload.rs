@@ -380,6 +380,54 @@ async fn event_deliveries_to_an_upstream_wait_while_it_is_at_its_limit() {
     assert!(record(&store, "lost").await.is_none());
 }
 
+/// Requests that keep an upstream at its limit do not hold its events until
+/// the load ends: the relay waits its turn for a slot beside the waiting
+/// requests (with one free slot looked for, none was ever free under a
+/// steady load, and every event of the run was delivered after it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_are_delivered_while_requests_keep_the_upstream_at_its_limit() {
+    let _alone = LOAD.lock().await;
+    let up = TestUpstream::start().await;
+    let events = format!("events.url = \"{}/events\"", up.url());
+    let gw = Gateway::start(
+        GatewayConfig::new(sqlite_backend(), up.url()).timeout("8s").upstream("max_in_flight = 2\nqueue_timeout = \"3s\"").route(&events),
+    );
+    // Six clients, each request 100 ms at the upstream, two at a time: three
+    // times what the limit lets through, so requests always wait for a slot.
+    let run = Duration::from_secs(4);
+    let started = Instant::now();
+    let url = gw.url("/v1/orders");
+    let clients: Vec<_> = (0..6)
+        .map(|c| {
+            let url = url.clone();
+            tokio::spawn(async move {
+                let mut statuses = Vec::new();
+                let mut n = 0;
+                while started.elapsed() < run {
+                    n += 1;
+                    let r = post(&url, &format!("steady-{c}-{n}"), r#"{"n":1}"#, &[("x-test-sleep-ms", "100")]).await;
+                    statuses.push(r.status);
+                }
+                statuses
+            })
+        })
+        .collect();
+    let delivered = || up.requests().iter().filter(|r| r.path == "/events").count();
+    // Half-way through, the first 2 s of completions have had their chance.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let during = delivered();
+    let mut statuses = Vec::new();
+    for c in clients {
+        statuses.extend(c.await.expect("client"));
+    }
+    assert!(statuses.iter().all(|s| *s == 201), "every request ran: {statuses:?}");
+    eprintln!("events delivered during the load: {during}");
+    assert!(during >= 3, "{during} events delivered in 3 s of load, {} requests answered in all:\n{}", statuses.len(), gw.logs());
+    // And every event is delivered in the end, each once.
+    let all = support::eventually(Duration::from_secs(20), || async { delivered() >= statuses.len() }).await;
+    assert!(all, "{} of {} events delivered", delivered(), statuses.len());
+}
+
 /// Over the limit, a request whose key has a record is answered from it as
 /// ever (nothing is claimed or forwarded either way): a duplicate of one in
 /// flight 409 `request-in-progress`, a replay, a changed request 409.

@@ -1,30 +1,34 @@
 //! `scripts/bench --citus` (group `citus`, run only when named): the store
-//! on a Citus cluster beside the store on one PostgreSQL (issue 30).
+//! on a Citus cluster beside the store on one PostgreSQL (issues 30, 47).
 //!
 //! It starts from fresh databases a single PostgreSQL node and a Citus
 //! cluster (a coordinator and two workers, the integration tests' harness,
-//! `tests/support/citus.rs`), migrates the cluster twice, with 8 and with 64
-//! shards per table (`citus.shard_count` set on the database before
-//! `idemgate migrate` distributes the tables), and measures first writes and
-//! replays on each in interleaved rounds (the targets take turns, the order
-//! rotating; medians). The load comes from `IDEMGATE_BENCH_CITUS_TENANTS`
-//! [16] tenants, one API key each, so that it spreads over shards and
-//! workers as a real deployment's does. Each row's db CPU is the CPU of every
-//! node (postmaster and backends, `/proc`); the notes give the coordinator's
-//! share of it. `IDEMGATE_BENCH_CITUS_BEFORE_BIN`: another gateway binary
-//! (a build from before a change) measured as one more target on a cluster
-//! database of its own with 8 shards.
+//! `tests/support/citus.rs`) and measures first writes and replays in
+//! interleaved rounds (the targets take turns, the order rotating; medians)
+//! on three targets:
 //!
-//! Then "query from any node": a gateway whose URL names a worker instead of
-//! the coordinator is started and sent a first write and its replay, first
-//! on the schema as `idemgate migrate` leaves it, then, if refused, with the
-//! generation sequence on every node (made a column default of the records,
-//! which Citus creates on each node with a range of its own). The summary
-//! line says whether each served and, if not, what refused it. If one
-//! serves, three gateways, one per node, are measured against three
-//! gateways all on the coordinator (wrk's connections split over them).
+//! - `cmp-pg`: one gateway on one PostgreSQL;
+//! - `citus-coord`: one gateway whose URL names the coordinator (8 shards,
+//!   the coordinator holding none): every statement enters through it;
+//! - `citus-nodes`: three gateways, each given every node (a multi-host URL,
+//!   its own node first), on a database whose shards (24) are spread over
+//!   all three nodes, the coordinator included: each tenant's statements go
+//!   to the node holding its shard (`citus_route`).
 //!
-//! Closes with a `citus:` line after the `ratios:` line.
+//! The load comes from `IDEMGATE_BENCH_CITUS_TENANTS` [18] tenants, one API
+//! key each, chosen so that each node of `citus-nodes` holds as many of them.
+//! Each row's db CPU is the CPU of every node (postmaster and backends,
+//! `/proc`); each node's share is in the notes. `IDEMGATE_BENCH_CITUS_BEFORE_BIN`:
+//! another gateway binary (a build from before a change) measured as one
+//! more target on a coordinator-only database of its own.
+//!
+//! Closes with a `citus:` line after the `ratios:` line: per request kind,
+//! the database CPU per request of one PostgreSQL, of each node and of the
+//! whole cluster, the busiest node's share, and the projected capacity of a
+//! cluster of 3 and of 9 nodes, each the size of the one PostgreSQL, relative
+//! to it: `N * pg / (cluster * N * busiest share)` with the busiest node's
+//! share as measured on three nodes scaled to N (`citus_projected_capacity_3`,
+//! `_9`; the lower of the two kinds, each kind's in brackets).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -46,15 +50,15 @@ use crate::{Options, procs};
 const FIRST: &str = "first write";
 const REPLAY: &str = "replay";
 const PG: &str = "cmp-pg";
-const SHARDS: [u32; 2] = [8, 64];
+const COORD: &str = "citus-coord";
+const NODES: &str = "citus-nodes";
+/// Shards of the coordinator-only database and of the every-node one.
+const COORD_SHARDS: u32 = 8;
+const NODES_SHARDS: u32 = 24;
 
 /// Whether the group runs: only when `IDEMGATE_BENCH_ONLY` names it.
 pub fn wanted(opts: &Options) -> bool {
     opts.only.as_ref().is_some_and(|only| only.iter().any(|g| g == "citus"))
-}
-
-fn citus_target(shards: u32) -> String {
-    format!("citus-{shards}")
 }
 
 /// Where a target's records live: what to settle before each run.
@@ -95,10 +99,9 @@ impl Target<'_> {
     }
 }
 
-/// The tenants' API keys: `bench-t00`, ... for tenants `t00`, ...
-fn api_keys() -> Result<Vec<(String, String)>> {
-    let n: usize = crate::env_num("IDEMGATE_BENCH_CITUS_TENANTS", 16)?;
-    Ok((0..n.max(1)).map(|i| (format!("bench-t{i:02}"), format!("t{i:02}"))).collect())
+/// API keys for `tenants`: `bench-<tenant>`.
+fn api_keys(tenants: &[String]) -> Vec<(String, String)> {
+    tenants.iter().map(|t| (format!("bench-{t}"), t.clone())).collect()
 }
 
 fn identity(keys: &[(String, String)]) -> String {
@@ -115,15 +118,42 @@ fn identity(keys: &[(String, String)]) -> String {
     format!("[[identity.sources]]\nkind = \"api_key\"\nheader = \"authorization\"\nkeys = [\n  {}\n]\n", entries.join(",\n  "))
 }
 
+/// `n` tenants (`t000`, `t001`, ...) whose shards in `db` are spread evenly
+/// over the cluster's nodes (as many on each, the rest on the first).
+fn even_tenants(cluster: &CitusCluster, db: &str, n: usize) -> Result<Vec<String>> {
+    let rows = cluster.coordinator.simple_query(
+        db,
+        "SELECT s.t, p.nodeport FROM (SELECT i, 't' || lpad(i::text, 3, '0') AS t FROM generate_series(0, 999) i) s \
+         JOIN pg_dist_shard_placement p ON p.shardid = get_shard_id_for_distribution_column('idemgate_records', s.t) ORDER BY s.i",
+    )?;
+    let nodes: Vec<String> = cluster.nodes().map(|n| n.port().to_string()).collect();
+    let per_node = n.div_ceil(nodes.len());
+    let mut on: Vec<Vec<String>> = vec![Vec::new(); nodes.len()];
+    for row in rows {
+        let (Some(Some(tenant)), Some(Some(port))) = (row.first(), row.get(1)) else { continue };
+        if let Some(i) = nodes.iter().position(|p| p == port)
+            && on[i].len() < per_node
+        {
+            on[i].push(tenant.clone());
+        }
+    }
+    let mut tenants: Vec<String> = Vec::with_capacity(n);
+    for k in 0..per_node {
+        for node in &on {
+            if let Some(t) = node.get(k)
+                && tenants.len() < n
+            {
+                tenants.push(t.clone());
+            }
+        }
+    }
+    anyhow::ensure!(tenants.len() == n, "not {n} tenants spread over the nodes among t000..t999: {on:?}");
+    Ok(tenants)
+}
+
 pub fn run(ctx: &mut Ctx, upstream: SocketAddr) -> Result<()> {
     ctx.report.line(fsync_latency(ctx));
-    let keys = api_keys()?;
-    let auths: String = keys.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>().join(",");
-    let spec = |name: &str, store: Store| {
-        let mut s = Spec::new(name, store, upstream);
-        s.identity = Some(identity(&keys));
-        s
-    };
+    let n_tenants: usize = crate::env_num("IDEMGATE_BENCH_CITUS_TENANTS", 18)?;
     ctx.progress("citus: a PostgreSQL node and a Citus cluster (coordinator + 2 workers), fresh databases");
     let pg = Pg::start()?;
     let cluster = CitusCluster::start(2).context("starting a Citus cluster (tests/support/citus.rs)")?;
@@ -133,6 +163,32 @@ pub fn run(ctx: &mut Ctx, upstream: SocketAddr) -> Result<()> {
         }
     }
     let cluster_cpus: Vec<Cpu> = cluster.nodes().filter_map(|n| n.postmaster_pid()).map(Cpu::Tree).collect();
+    let cluster_db = |db: &str, shards: u32, coordinator_shards: bool| -> Result<String> {
+        let url = cluster.create_database(db).with_context(|| format!("creating {db} on the cluster"))?;
+        cluster.coordinator.simple_query(db, &format!("ALTER DATABASE {db} SET citus.shard_count = {shards}"))?;
+        if coordinator_shards {
+            cluster.coordinator.simple_query(
+                db,
+                &format!("SELECT citus_set_node_property('127.0.0.1', {}, 'shouldhaveshards', true)", cluster.coordinator.port()),
+            )?;
+        }
+        Ok(url)
+    };
+    // The every-node database first: its placements choose the tenants.
+    let nodes_db = "cmp_citus_nodes";
+    let nodes_url = cluster_db(nodes_db, NODES_SHARDS, true)?;
+    let placeholder = api_keys(&["t000".to_owned()]);
+    let mut migrate_spec = Spec::new("citus-cmp-nodes-migrate", Store::Citus { url: nodes_url }, upstream);
+    migrate_spec.identity = Some(identity(&placeholder));
+    migrate_spec.migrate(ctx.dir)?;
+    let tenants = even_tenants(&cluster, nodes_db, n_tenants.max(1))?;
+    let keys = api_keys(&tenants);
+    let auths: String = keys.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>().join(",");
+    let spec = |name: &str, store: Store| {
+        let mut s = Spec::new(name, store, upstream);
+        s.identity = Some(identity(&keys));
+        s
+    };
     let mut targets = Vec::new();
     {
         let db = "cmp_pg";
@@ -146,32 +202,48 @@ pub fn run(ctx: &mut Ctx, upstream: SocketAddr) -> Result<()> {
             note: "one PostgreSQL".into(),
         });
     }
-    let cluster_db = |db: &str, shards: u32| -> Result<String> {
-        let url = cluster.create_database(db).with_context(|| format!("creating {db} on the cluster"))?;
-        cluster.coordinator.simple_query(db, &format!("ALTER DATABASE {db} SET citus.shard_count = {shards}"))?;
-        Ok(url)
-    };
-    for shards in SHARDS {
-        let db = format!("cmp_citus_{shards}");
-        let url = cluster_db(&db, shards)?;
-        let s = spec(&format!("citus-cmp-{shards}"), Store::Citus { url });
+    {
+        let db = "cmp_citus_coord";
+        let url = cluster_db(db, COORD_SHARDS, false)?;
+        let s = spec("citus-cmp-coord", Store::Citus { url });
         let gw = prepared(ctx, &s, &keys)?;
-        let found = shard_count(&cluster, &db)?;
+        let found = shard_count(&cluster, db)?;
         targets.push(Target {
-            name: citus_target(shards),
+            name: COORD.into(),
             gws: vec![gw],
             db_cpus: cluster_cpus.clone(),
-            db: Db::Citus(&cluster, db),
-            note: format!("{found} shards"),
+            db: Db::Citus(&cluster, db.into()),
+            note: format!("1 gateway on the coordinator, {found} shards on the workers"),
+        });
+    }
+    {
+        // Each gateway lists every node, its own first (its store's pool,
+        // for background work, prefers that node).
+        let hosts: Vec<String> = cluster.nodes().map(|n| format!("127.0.0.1:{}", n.port())).collect();
+        let mut gws = Vec::new();
+        for i in 0..hosts.len() {
+            let rotated: Vec<&str> = hosts.iter().cycle().skip(i).take(hosts.len()).map(String::as_str).collect();
+            let url = format!("postgres://idemgate@{}/{nodes_db}", rotated.join(","));
+            let s = spec(&format!("citus-cmp-nodes-{i}"), Store::Citus { url });
+            gws.push(Gateway::start(&s, ctx.dir)?);
+        }
+        populate(&gws[0], ctx.opts.replay_keys, &keys)?;
+        let found = shard_count(&cluster, nodes_db)?;
+        targets.push(Target {
+            name: NODES.into(),
+            gws,
+            db_cpus: cluster_cpus.clone(),
+            db: Db::Citus(&cluster, nodes_db.into()),
+            note: format!("3 gateways each given every node, {found} shards on all 3 nodes"),
         });
     }
     if let Some(before) = std::env::var_os("IDEMGATE_BENCH_CITUS_BEFORE_BIN").map(PathBuf::from) {
         let db = "cmp_citus_before";
-        let url = cluster_db(db, 8)?;
+        let url = cluster_db(db, COORD_SHARDS, false)?;
         let mut s = spec("citus-cmp-before", Store::Citus { url });
         s.binary = Some(before.clone());
         targets.push(Target {
-            name: "citus-8-before".into(),
+            name: "citus-coord-before".into(),
             gws: vec![prepared(ctx, &s, &keys)?],
             db_cpus: cluster_cpus.clone(),
             db: Db::Citus(&cluster, db.into()),
@@ -179,16 +251,16 @@ pub fn run(ctx: &mut Ctx, upstream: SocketAddr) -> Result<()> {
         });
     }
     ctx.report.line(format!(
-        "citus: {} tenants (one API key each); cluster: coordinator + 2 workers, each node a private PostgreSQL with the bench's settings; \
-         db CPU of a cluster: all three nodes, the coordinator's share in the notes",
-        keys.len()
+        "citus: {} tenants (one API key each, {} per node of {NODES}); cluster: coordinator + 2 workers, each node a private \
+         PostgreSQL with the bench's settings; db CPU of a cluster: all three nodes, each node's share in the notes",
+        keys.len(),
+        keys.len().div_ceil(3)
     ));
-    let mut shares = rounds(ctx, &targets, &auths)?;
-    let any_node = any_node(ctx, &cluster, &spec, &keys, &auths, &cluster_cpus, &mut shares)?;
+    let nodes = rounds(ctx, &targets, &auths)?;
     for t in targets {
         t.stop()?;
     }
-    let summary = summary(ctx, &shares, &any_node);
+    let summary = summary(ctx, &nodes);
     ctx.report.summaries.push(summary);
     Ok(())
 }
@@ -280,9 +352,9 @@ fn load(ctx: &Ctx, gws: &[Gateway], scenario: &str, conns: u32, secs: u32, auths
 }
 
 /// One measured run of `t`: its row (gateway and database CPU per request
-/// from the processes' `/proc` times) and the coordinator's share of the
-/// database CPU (a cluster's).
-fn measure(ctx: &Ctx, t: &Target, scenario: &str, conns: u32, round: usize, auths: &str) -> Result<(Row, Option<f64>)> {
+/// from the processes' `/proc` times) and each database node's CPU per
+/// request (a cluster's nodes in order: coordinator, workers).
+fn measure(ctx: &Ctx, t: &Target, scenario: &str, conns: u32, round: usize, auths: &str) -> Result<(Row, Vec<f64>)> {
     t.db.settle()?;
     let mut cpus: Vec<Cpu> = t.gws.iter().map(Gateway::cpu).collect();
     cpus.extend(t.db_cpus.iter().copied());
@@ -295,24 +367,25 @@ fn measure(ctx: &Ctx, t: &Target, scenario: &str, conns: u32, round: usize, auth
     row.server_cpu_us = per_request(gw_cpu.iter().sum());
     let db_total: f64 = db_cpu.iter().sum();
     row.db_cpu_us = per_request(db_total);
-    let share = (matches!(t.db, Db::Citus(..)) && db_total > 0.0).then(|| db_cpu[0] / db_total);
-    if let Some(share) = share {
-        row.note = format!("{} coordinator {:.0}% of db CPU", row.note, share * 100.0);
+    let per_node: Vec<f64> = db_cpu.iter().map(|&c| per_request(c).unwrap_or(f64::NAN)).collect();
+    if matches!(t.db, Db::Citus(..)) && db_total > 0.0 {
+        let shares: Vec<String> = db_cpu.iter().map(|c| format!("{:.0}%", c / db_total * 100.0)).collect();
+        row.note = format!("{} nodes {}", row.note, shares.join("/"));
     }
-    Ok((row, share))
+    Ok((row, per_node))
 }
 
-/// (target, scenario, conns) → the median coordinator share of its runs.
-type Shares = Vec<(String, String, u32, f64)>;
+/// (target, scenario, conns) → the median CPU per request of each node.
+type PerNode = Vec<(String, String, u32, Vec<f64>)>;
 
 /// At each connection count and scenario, `rounds` rounds of one run per
 /// target, the order rotating; each target's row is the median of its runs.
-fn rounds(ctx: &mut Ctx, targets: &[Target], auths: &str) -> Result<Shares> {
-    let mut shares = Vec::new();
+fn rounds(ctx: &mut Ctx, targets: &[Target], auths: &str) -> Result<PerNode> {
+    let mut per_node = Vec::new();
     for conns in ctx.opts.conns.clone() {
         for scenario in [FIRST, REPLAY] {
             ctx.progress(&format!("citus: {scenario}, {conns} connections, {} interleaved rounds", ctx.opts.rounds));
-            let mut rows: Vec<Vec<(Row, Option<f64>)>> = targets.iter().map(|_| Vec::new()).collect();
+            let mut rows: Vec<Vec<(Row, Vec<f64>)>> = targets.iter().map(|_| Vec::new()).collect();
             for round in 0..ctx.opts.rounds.max(1) as usize {
                 for k in 0..targets.len() {
                     let i = (k + round) % targets.len();
@@ -323,150 +396,24 @@ fn rounds(ctx: &mut Ctx, targets: &[Target], auths: &str) -> Result<Shares> {
                 }
             }
             for (t, runs) in targets.iter().zip(rows) {
-                let share: Vec<f64> = runs.iter().filter_map(|(_, s)| *s).collect();
+                let nodes = runs.first().map_or(0, |(_, n)| n.len());
+                let medians: Vec<f64> = (0..nodes).map(|j| report::median(runs.iter().map(|(_, n)| n[j]).collect())).collect();
                 let runs: Vec<Row> = runs.into_iter().map(|(r, _)| r).collect();
                 if let Some(mut row) = report::median_row(&runs) {
-                    row.note = format!("{}; {}", row.note, t.note);
-                    if !share.is_empty() {
-                        let median = report::median(share);
-                        row.note = format!("{row_note}; coordinator {:.0}% of db CPU", median * 100.0, row_note = row.note);
-                        shares.push((t.name.clone(), scenario.to_owned(), conns, median));
+                    let total: f64 = medians.iter().sum();
+                    let each: Vec<String> = medians.iter().map(|c| format!("{c:.0}")).collect();
+                    row.note = format!("{}; {}; db CPU per node (us/r) {}", row.note, t.note, each.join("/"));
+                    if medians.len() > 1 && total > 0.0 {
+                        let busiest = medians.iter().copied().fold(0.0, f64::max) / total;
+                        row.note = format!("{}; busiest node {:.0}%", row.note, busiest * 100.0);
                     }
+                    per_node.push((t.name.clone(), scenario.to_owned(), conns, medians));
                     ctx.report.add(row);
                 }
             }
         }
     }
-    Ok(shares)
-}
-
-/// What a gateway whose URL names a worker did.
-enum AnyNode {
-    /// It served a first write and its replay.
-    Serves,
-    /// It did not start, or a request failed: why.
-    Refused(String),
-}
-
-/// Query from any node. First as `idemgate migrate` leaves the cluster: does
-/// a gateway whose URL names a worker start and serve a first write and its
-/// replay? If not, with what it takes (the generation sequence on every
-/// node: a column default on a distributed table makes Citus create it on
-/// each node, drawing from a range of its own), again; if it then serves,
-/// three gateways, one per node, against three on the coordinator.
-fn any_node(
-    ctx: &mut Ctx,
-    cluster: &CitusCluster,
-    spec: &dyn Fn(&str, Store) -> Spec,
-    keys: &[(String, String)],
-    auths: &str,
-    cluster_cpus: &[Cpu],
-    shares: &mut Shares,
-) -> Result<(AnyNode, Option<AnyNode>, Option<usize>)> {
-    let db = "any_node";
-    ctx.progress("citus: query from any node: a gateway whose URL names a worker");
-    let url = cluster.create_database(db)?;
-    cluster.coordinator.simple_query(db, &format!("ALTER DATABASE {db} SET citus.shard_count = {}", SHARDS[0]))?;
-    spec("citus-any-coordinator-0", Store::Citus { url: url.clone() }).migrate(ctx.dir)?;
-    let worker_url = cluster.workers[0].url(db);
-    let as_migrated = probe(ctx, &spec("citus-any-probe-1", Store::Citus { url: worker_url.clone() }), keys, "probe-1")?;
-    let with_sequence = match &as_migrated {
-        AnyNode::Serves => None,
-        AnyNode::Refused(why) => {
-            ctx.report.line(format!("citus: a gateway on a worker, schema as migrated: refused: {why}"));
-            cluster
-                .coordinator
-                .simple_query(db, "ALTER TABLE idemgate_records ALTER COLUMN generation SET DEFAULT nextval('idemgate_generation')")?;
-            let again = probe(ctx, &spec("citus-any-probe-2", Store::Citus { url: worker_url }), keys, "probe-2")?;
-            if let AnyNode::Refused(why) = &again {
-                ctx.report.line(format!("citus: a gateway on a worker, generation sequence on every node: refused: {why}"));
-            }
-            Some(again)
-        }
-    };
-    if matches!(with_sequence.as_ref().unwrap_or(&as_migrated), AnyNode::Refused(_)) {
-        return Ok((as_migrated, with_sequence, None));
-    }
-    ctx.report.line("citus: a gateway on a worker served a first write and its replay; measuring 3 gateways one per node".into());
-    let nodes: Vec<String> = cluster.nodes().map(|n| n.url(db)).collect();
-    let mut spread = Vec::new();
-    let mut central = Vec::new();
-    for (i, node_url) in nodes.iter().enumerate() {
-        let s = spec(&format!("citus-any-node-{i}"), Store::Citus { url: node_url.clone() });
-        spread.push(Gateway::start(&s, ctx.dir)?);
-        let s = spec(&format!("citus-any-coordinator-{i}"), Store::Citus { url: url.clone() });
-        central.push(Gateway::start(&s, ctx.dir)?);
-    }
-    populate(&central[0], ctx.opts.replay_keys, keys)?;
-    let targets = [
-        Target {
-            name: "citus-coord-x3".into(),
-            gws: central,
-            db_cpus: cluster_cpus.to_vec(),
-            db: Db::Citus(cluster, db.into()),
-            note: "3 gateways, all on the coordinator".into(),
-        },
-        Target {
-            name: "citus-any-x3".into(),
-            gws: spread,
-            db_cpus: cluster_cpus.to_vec(),
-            db: Db::Citus(cluster, db.into()),
-            note: "3 gateways, one per node".into(),
-        },
-    ];
-    shares.extend(rounds(ctx, &targets, auths)?);
-    for t in targets {
-        t.stop()?;
-    }
-    // What the gateways on the workers logged (their background work ran
-    // there too: sweeper, lease reaper, relay and reconciler rounds).
-    let logged: Vec<String> =
-        (0..nodes.len()).flat_map(|i| warnings(&procs::read_lossy(&ctx.dir.join(format!("citus-any-node-{i}.log"))))).collect();
-    ctx.report.line(format!(
-        "citus: warnings and errors logged by the gateways on the nodes: {} {}",
-        logged.len(),
-        logged.first().map(String::as_str).unwrap_or("")
-    ));
-    Ok((as_migrated, with_sequence, Some(logged.len())))
-}
-
-/// A gateway with `spec` (its URL naming a worker): a first write and its replay.
-fn probe(ctx: &Ctx, spec: &Spec, keys: &[(String, String)], key: &str) -> Result<AnyNode> {
-    let gw = match Gateway::start(spec, ctx.dir) {
-        Ok(gw) => gw,
-        Err(e) => {
-            let log = procs::read_lossy(&ctx.dir.join(format!("{}.log", spec.name)));
-            return Ok(AnyNode::Refused(warnings(&log).into_iter().next().unwrap_or_else(|| format!("did not start: {e:#}"))));
-        }
-    };
-    let mut conn = Conn::open(gw.addr)?;
-    let auth = format!("Bearer {}", keys[0].0);
-    let first = post(&mut conn, &auth, key)?;
-    let again = post(&mut conn, &auth, key)?;
-    gw.stop()?;
-    if first.status == 201 && again.status == 201 && again.header("idempotent-replayed") == Some("true") {
-        return Ok(AnyNode::Serves);
-    }
-    let log = procs::read_lossy(&ctx.dir.join(format!("{}.log", spec.name)));
-    let why = warnings(&log).into_iter().next().unwrap_or_default();
-    Ok(AnyNode::Refused(format!("first write answered {}, its retry {}: {why}", first.status, again.status)))
-}
-
-/// The warnings and errors of a gateway's JSON log: message and error.
-fn warnings(log: &str) -> Vec<String> {
-    log.lines()
-        .filter_map(|line| {
-            let v: serde_json::Value = serde_json::from_str(line).ok()?;
-            let level = v.get("level")?.as_str()?;
-            if !(level.eq_ignore_ascii_case("error") || level.eq_ignore_ascii_case("warn")) {
-                return None;
-            }
-            let fields = v.get("fields").unwrap_or(&v);
-            let message = fields.get("message").and_then(|m| m.as_str()).unwrap_or("");
-            let error = fields.get("error").and_then(|m| m.as_str()).unwrap_or("");
-            Some(format!("{message}: {error}"))
-        })
-        .collect()
+    Ok(per_node)
 }
 
 /// `pg_test_fsync -s 1`: this machine's fdatasync time, for the record.
@@ -488,79 +435,61 @@ fn fsync_latency(ctx: &Ctx) -> String {
     }
 }
 
-/// The closing `citus:` line: ratios of the medians at the highest
-/// connection count (each count's in brackets).
-fn summary(ctx: &Ctx, shares: &Shares, any_node: &(AnyNode, Option<AnyNode>, Option<usize>)) -> String {
-    let rows = &ctx.report.rows;
-    let find = |t: &str, s: &str, c: u32| rows.iter().find(|r| r.target == t && r.scenario == s && r.conns == c);
-    let per_conns = |f: &dyn Fn(u32) -> Option<f64>| -> String {
-        let values: Vec<(u32, f64)> = ctx.opts.conns.iter().filter_map(|&c| f(c).filter(|v| v.is_finite()).map(|v| (c, v))).collect();
-        match values.iter().max_by_key(|(c, _)| *c) {
-            None => "n/a".into(),
-            Some((_, top)) => {
-                let each: Vec<String> = values.iter().map(|(c, v)| format!("{c}:{v:.2}")).collect();
-                format!("{top:.2}({})", each.join(","))
-            }
-        }
-    };
-    let rps = |a: String, b: &str, s: &str| per_conns(&|c| Some(find(&a, s, c)?.result.rps / find(b, s, c)?.result.rps));
-    let cpu = |t: String, s: &str| {
-        per_conns(&|c| {
-            let r = find(&t, s, c)?;
-            Some(r.db_cpu_us? + r.server_cpu_us?)
-        })
-    };
-    let db_cpu = |t: String, s: &str| per_conns(&|c| find(&t, s, c)?.db_cpu_us);
-    let cpu_ratio = |a: String, b: String, s: &str| {
-        per_conns(&|c| {
-            let (a, b) = (find(&a, s, c)?, find(&b, s, c)?);
-            Some((a.db_cpu_us? + a.server_cpu_us?) / (b.db_cpu_us? + b.server_cpu_us?))
-        })
-    };
-    let share = |t: String, s: &str| per_conns(&|c| shares.iter().find(|(n, sc, cc, _)| *n == t && sc == s && *cc == c).map(|x| x.3));
-    let (small, big) = (citus_target(SHARDS[0]), citus_target(SHARDS[1]));
-    let refused = |why: &str| format!("refused({})", why.replace(' ', "_").chars().take(160).collect::<String>());
-    let state = |a: &AnyNode| match a {
-        AnyNode::Serves => "serves".to_owned(),
-        AnyNode::Refused(why) => refused(why),
-    };
-    let (as_migrated, with_sequence, warnings) = any_node;
-    let mut any = format!("any_node={}", state(as_migrated));
-    if let Some(w) = with_sequence {
-        any.push_str(&format!(" any_node_with_sequence_on_every_node={}", state(w)));
-    }
-    if let Some(warnings) = warnings {
-        any.push_str(&format!(
-            " any_first_vs_coordinator={} any_replay_vs_coordinator={} any_coordinator_share_first={} any_node_gateway_warnings={warnings}",
-            rps("citus-any-x3".into(), "citus-coord-x3", FIRST),
-            rps("citus-any-x3".into(), "citus-coord-x3", REPLAY),
-            share("citus-any-x3".into(), FIRST),
+/// The closing `citus:` line: per request kind, at the most connections
+/// (each count's in brackets where it says so), the database CPU per
+/// request of one PostgreSQL, of each node and of the whole cluster, the
+/// busiest node's share, and the projected capacity of 3 and 9 nodes.
+fn summary(ctx: &Ctx, per_node: &PerNode) -> String {
+    let top = ctx.opts.conns.iter().copied().max().unwrap_or(0);
+    let nodes_of = |t: &str, s: &str, c: u32| per_node.iter().find(|(n, sc, cc, _)| n == t && sc == s && *cc == c).map(|x| x.3.clone());
+    let total = |t: &str, s: &str, c: u32| nodes_of(t, s, c).map(|v| v.iter().sum::<f64>());
+    let mut parts = Vec::new();
+    let mut projected: Vec<(u32, Vec<(String, f64)>)> = vec![(3, Vec::new()), (9, Vec::new())];
+    for (kind, scenario) in [("first", FIRST), ("replay", REPLAY)] {
+        let (Some(pg), Some(coord), Some(nodes)) =
+            (total(PG, scenario, top), nodes_of(COORD, scenario, top), nodes_of(NODES, scenario, top))
+        else {
+            parts.push(format!("{kind}=n/a"));
+            continue;
+        };
+        let coord_total: f64 = coord.iter().sum();
+        let nodes_total: f64 = nodes.iter().sum();
+        let busiest = nodes.iter().copied().fold(0.0, f64::max) / nodes_total;
+        let each = |v: &[f64]| v.iter().map(|c| format!("{c:.0}")).collect::<Vec<_>>().join("/");
+        let ratios: Vec<String> = ctx
+            .opts
+            .conns
+            .iter()
+            .filter_map(|&c| Some(format!("{c}:{:.2}", total(NODES, scenario, c)? / total(PG, scenario, c)?)))
+            .collect();
+        parts.push(format!(
+            "{kind}: db_cpu_us pg={pg:.0} {COORD}={coord_total:.0}({}) {NODES}={nodes_total:.0}({}) {kind}_cluster_vs_pg={:.2}({}) \
+             {kind}_busiest_node_share={busiest:.2}",
+            each(&coord),
+            each(&nodes),
+            nodes_total / pg,
+            ratios.join(","),
         ));
+        // A cluster of n nodes, each the size of the one PostgreSQL: the
+        // busiest node saturates first, carrying `busiest * 3 / n` of the
+        // cluster's work (the imbalance measured on three nodes).
+        for (n, values) in &mut projected {
+            let n_f = f64::from(*n);
+            values.push((kind.to_owned(), pg / (nodes_total * busiest * 3.0 / n_f)));
+        }
     }
+    let projections: Vec<String> = projected
+        .iter()
+        .map(|(n, values)| {
+            let lowest = values.iter().map(|(_, v)| *v).fold(f64::INFINITY, f64::min);
+            let each: Vec<String> = values.iter().map(|(k, v)| format!("{k}:{v:.2}")).collect();
+            format!("citus_projected_capacity_{n}={lowest:.2}({})", each.join(","))
+        })
+        .collect();
     format!(
-        "citus: nodes=3 first_citus_vs_pg={} replay_citus_vs_pg={} coordinator_share_first={} cpu_us_per_first pg={} citus{}={} citus{}={} \
-         cpu_us_per_replay pg={} citus{}={} db_cpu_us_per_first citus{}={} citus{}={} first_cpu_{}_vs_{}_shards={} replay_cpu_{}_vs_{}_shards={} {any} \
-         [medians of interleaved rounds; cpu: gateway + every database process, per request; ratios at the most connections, each count's in brackets]",
-        rps(small.clone(), PG, FIRST),
-        rps(small.clone(), PG, REPLAY),
-        share(small.clone(), FIRST),
-        cpu(PG.into(), FIRST),
-        SHARDS[0],
-        cpu(small.clone(), FIRST),
-        SHARDS[1],
-        cpu(big.clone(), FIRST),
-        cpu(PG.into(), REPLAY),
-        SHARDS[0],
-        cpu(small.clone(), REPLAY),
-        SHARDS[0],
-        db_cpu(small.clone(), FIRST),
-        SHARDS[1],
-        db_cpu(big.clone(), FIRST),
-        SHARDS[1],
-        SHARDS[0],
-        cpu_ratio(big.clone(), small.clone(), FIRST),
-        SHARDS[1],
-        SHARDS[0],
-        cpu_ratio(big, small, REPLAY),
+        "citus: nodes=3 conns={top} {} {} [medians of interleaved rounds; db CPU of every database process per request; \
+         {NODES}: 3 gateways each given every node, statements at their shards' nodes; projection: n * pg / (cluster * busiest share * 3)]",
+        parts.join(" "),
+        projections.join(" ")
     )
 }

@@ -8,8 +8,9 @@
 //! guarantees one holder per generation. An idle taker polls with a growing
 //! interval, and is woken at once when this replica accepts an operation.
 //! A take draws no more operations than their upstream's concurrency limit
-//! has slots free (contract: workers never add to an upstream's overload);
-//! each attempt holds its slot until the upstream answers.
+//! has slots free, or one when it waits its turn for a slot at the limit
+//! (contract: workers count against an upstream's limit); each attempt holds
+//! its slot until the upstream answers.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -36,7 +37,7 @@ const ERROR_PAUSE: Duration = Duration::from_secs(1);
 pub struct AsyncWorkers {
     routes: Vec<Arc<Route>>,
     /// The routes to take from, by upstream: a take draws no more than the
-    /// upstream's limit has slots free (so workers never add to an overload).
+    /// upstream's limit has slots free, or one with a turn waited for.
     takes: Vec<(UpstreamId, Vec<WorkerRoute>)>,
     store: Store,
     owner: Arc<str>,
@@ -112,18 +113,27 @@ impl AsyncWorkers {
                 // Slots are looked at, not held, while the store is asked: a
                 // request arriving meanwhile must not find them taken by a
                 // take that may find nothing.
+                // With no slot free, the workers wait their turn for one, as
+                // a request would, and take one operation with it.
                 let limit = executor.upstream(*upstream).limit();
-                let n = free.len().min(usize::try_from(limit.available()).unwrap_or(usize::MAX));
-                if n == 0 {
-                    continue;
-                }
+                let (mut turn, n) = match free.len().min(usize::try_from(limit.available()).unwrap_or(usize::MAX)) {
+                    0 => match tokio::select! {
+                        _ = shutdown.cancelled() => None,
+                        turn = limit.wait_turn() => turn,
+                    } {
+                        Some(turn) => (Some(turn), 1),
+                        None => continue,
+                    },
+                    n => (None, n),
+                };
                 match self.store.take_up_to(take, &self.owner, n).await {
                     Ok(taken) => {
                         for (taken, worker) in taken.into_iter().zip(std::iter::from_fn(|| free.pop())) {
                             took = true;
                             // A slot a request took meanwhile is not waited
                             // for: the operation is taken, and runs.
-                            self.start(taken, worker, limit.try_acquire(), &executor, &attempts);
+                            let slot = turn.take().or_else(|| limit.try_acquire());
+                            self.start(taken, worker, slot, &executor, &attempts);
                         }
                     }
                     Err(e) => {

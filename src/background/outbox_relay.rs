@@ -69,13 +69,14 @@ impl Relay {
     }
 
     /// Takes this round's events in one take: up to a batch, of the routes
-    /// in `ready` whose destination is no upstream or is an upstream with a
-    /// slot free; each event for an upstream's destination takes a slot
-    /// (into `slots` until the round's deliveries end), and those beyond its
-    /// free slots are returned apart, to be deferred. (On PostgreSQL the
-    /// log's lanes are read in order, so routes left out of a take have
-    /// their events set aside; the routes of an upstream without a free
-    /// slot are left out, as before.)
+    /// in `ready`. For the routes whose destination is one of the upstreams,
+    /// a slot is one POST (up to the routes' `batch` events): with none free
+    /// the relay first waits its turn for one, as a request would, and an
+    /// upstream whose wait ends without one is left out of this round. The
+    /// slots of the POSTs taken go into `slots` until the round's deliveries
+    /// end; events beyond them are returned apart, to be deferred. (On
+    /// PostgreSQL the log's lanes are read in order, so the events of routes
+    /// left out of a take are set aside into the retry table.)
     async fn take(
         &self,
         ready: &[&str],
@@ -83,38 +84,62 @@ impl Relay {
         token: Uuid,
         slots: &mut Vec<Permit>,
     ) -> Result<(Vec<OutboxEvent>, Vec<OutboxEvent>), crate::store::StoreError> {
-        // Slots are looked at, not held, while the store is asked: a request
-        // arriving meanwhile must not find them taken by a take that may
-        // find nothing.
-        let ops: Vec<&str> = ready
-            .iter()
-            .copied()
-            .filter(|op| match self.limits.get(*op) {
-                None => true,
-                Some(limit) if limit.available() > 0 => true,
-                Some(limit) => {
-                    limit.refused();
-                    false
-                }
-            })
-            .collect();
+        // Per upstream: its limit, how many events one POST carries (the
+        // smallest `batch` of the routes sharing it), the turn waited for,
+        // and whether it is in this round.
+        let mut limited: Vec<(&Arc<Limit>, usize, Option<Permit>, bool)> = Vec::new();
+        for op in ready {
+            let Some(limit) = self.limits.get(*op) else { continue };
+            let batch = self.routes.get(*op).map_or(1, |e| e.batch).max(1);
+            match limited.iter_mut().find(|(l, ..)| Arc::ptr_eq(l, limit)) {
+                Some((_, per_post, ..)) => *per_post = (*per_post).min(batch),
+                None => limited.push((limit, batch, None, true)),
+            }
+        }
+        for (limit, _, turn, serves) in &mut limited {
+            // Free slots are looked at, not held, while the store is asked: a
+            // request arriving meanwhile must not find them taken by a take
+            // that may find nothing. With none free, wait a turn.
+            if limit.available() == 0 {
+                *turn = limit.wait_turn().await;
+                *serves = turn.is_some();
+            }
+        }
+        let serves = |op: &&str| match self.limits.get(*op) {
+            None => true,
+            Some(limit) => limited.iter().any(|(l, _, _, serves)| *serves && Arc::ptr_eq(l, limit)),
+        };
+        let ops: Vec<&str> = ready.iter().copied().filter(serves).collect();
         if ops.is_empty() {
             return Ok((Vec::new(), Vec::new()));
         }
         let taken = self.store.take_events(&ops, BATCH, lease, token).await?;
+        // Events per upstream in the take's order, and room for them: one
+        // POST per slot (the turn first, then slots free now; one that
+        // another took meanwhile is not waited for).
+        let mut room: Vec<usize> = vec![0; limited.len()];
         let (mut events, mut later) = (Vec::new(), Vec::new());
         for event in taken {
-            match self.limits.get(&*event.scope.operation) {
-                None => events.push(event),
-                // One slot per event (deliveries are at most as many); one
-                // that another took meanwhile is not waited for.
-                Some(limit) => match limit.try_acquire() {
-                    Some(permit) => {
-                        slots.push(permit);
-                        events.push(event);
-                    }
-                    None => later.push(event),
-                },
+            let Some(limit) = self.limits.get(&*event.scope.operation) else {
+                events.push(event);
+                continue;
+            };
+            let Some(i) = limited.iter().position(|(l, ..)| Arc::ptr_eq(l, limit)) else {
+                later.push(event);
+                continue;
+            };
+            if room[i] == 0 {
+                let (limit, per_post, turn, _) = &mut limited[i];
+                if let Some(permit) = turn.take().or_else(|| limit.try_acquire()) {
+                    slots.push(permit);
+                    room[i] = *per_post;
+                }
+            }
+            if room[i] == 0 {
+                later.push(event);
+            } else {
+                room[i] -= 1;
+                events.push(event);
             }
         }
         Ok((events, later))

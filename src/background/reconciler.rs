@@ -165,21 +165,27 @@ impl Reconciler {
         let mut total = 0;
         loop {
             // Probes count against the upstream's concurrency limit: a pass
-            // takes no more records than it has slots free, and none while
-            // the upstream is at its limit (they wait for the next interval).
-            // (Slots are looked at, not held, while the store is asked.)
+            // takes no more records than it has slots free; at the limit it
+            // waits its turn for one slot, as a request would, and probes one
+            // record with it (none when no slot came: the next interval).
+            // (Free slots are looked at, not held, while the store is asked.)
             let limit = probed.upstream.limit();
-            let free = limit.available().min(BATCH);
-            if free == 0 {
-                limit.refused();
-                tracing::debug!(task = "reconciler", route = %probed.route.operation, "the upstream is at its limit; probes wait");
-                return Ok(total);
-            }
+            let (mut turn, free) = match limit.available().min(BATCH) {
+                0 => match limit.wait_turn().await {
+                    Some(turn) => (Some(turn), 1),
+                    None => {
+                        tracing::debug!(task = "reconciler", route = %probed.route.operation, "the upstream is at its limit; probes wait");
+                        return Ok(total);
+                    }
+                },
+                free => (None, free),
+            };
             let batch = self.store.take_probes(&routes, probed.hold, free).await?;
             let n = batch.len();
             // Each probe holds a slot while it runs (one that a request took
             // meanwhile is not waited for: the record is already taken).
-            let slotted: Vec<(Probing, Option<Permit>)> = batch.into_iter().map(|p| (p, limit.try_acquire())).collect();
+            let slotted: Vec<(Probing, Option<Permit>)> =
+                batch.into_iter().map(|p| (p, turn.take().or_else(|| limit.try_acquire()))).collect();
             stream::iter(slotted).for_each_concurrent(BATCH as usize, |(p, _slot)| self.settle(probed, p)).await;
             total += n as u64;
             if n < free as usize || free < BATCH {

@@ -327,19 +327,30 @@ impl Limit {
     /// A slot, waiting for one up to the policy's `queue_timeout`; counted as
     /// a refusal when none came.
     pub async fn acquire(self: &Arc<Self>) -> Result<Permit, Overloaded> {
+        self.wait_turn().await.ok_or_else(|| {
+            self.refused();
+            Overloaded
+        })
+    }
+
+    /// A slot, waiting for one up to the policy's `queue_timeout` in turn
+    /// with the requests waiting. Background work (event deliveries, probes,
+    /// async attempts) that finds no slot free waits here for one, so an
+    /// upstream kept at its limit by requests still gets its share of it
+    /// (looking for a free slot alone found none under a steady load, and
+    /// events waited until the load ended). A wait that ends without a slot
+    /// is no refusal: the work waits for its next round.
+    pub async fn wait_turn(self: &Arc<Self>) -> Option<Permit> {
         let deadline = Instant::now() + self.policy.queue_timeout();
         loop {
             // Registered before looking, so a slot freed in between is not missed.
             let freed = self.freed.notified();
             if let Some(permit) = self.try_acquire() {
-                return Ok(permit);
+                return Some(permit);
             }
             if Instant::now() >= deadline || tokio::time::timeout_at(deadline, freed).await.is_err() {
                 // One last look: a slot may have been freed as the deadline passed.
-                return self.try_acquire().ok_or_else(|| {
-                    self.refused();
-                    Overloaded
-                });
+                return self.try_acquire();
             }
         }
     }

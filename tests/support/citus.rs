@@ -112,6 +112,7 @@ impl CitusCluster {
             node.create_database(name)?;
             node.simple_query(name, "CREATE EXTENSION citus")
                 .map_err(|e| annotate(e, &format!("CREATE EXTENSION citus on port {}", node.port())))?;
+            wait_for_tls(node, name)?;
         }
         let c = &self.coordinator;
         c.simple_query(name, &format!("SELECT citus_set_coordinator_host('127.0.0.1', {})", c.port()))?;
@@ -119,13 +120,13 @@ impl CitusCluster {
             // Adding a node syncs metadata over new connections to every
             // node; with many test databases set up at once on a loaded
             // machine one of them can fail ("failure on connection marked as
-            // essential"). The call is idempotent: try again a few times.
+            // essential"). The call is idempotent: try again, for up to 10 s.
             let add = format!("SELECT citus_add_node('127.0.0.1', {})", w.port());
             let mut attempt = 0;
             loop {
                 match c.simple_query(name, &add) {
                     Ok(_) => break,
-                    Err(e) if attempt < 4 => {
+                    Err(e) if attempt < 20 => {
                         attempt += 1;
                         eprintln!("citus_add_node(127.0.0.1, {}) failed, retrying: {e}", w.port());
                         std::thread::sleep(Duration::from_millis(500));
@@ -170,6 +171,15 @@ impl CitusCluster {
         Ok(on)
     }
 
+    /// `url` (the coordinator's, as [`create_database`](Self::create_database)
+    /// returns it) listing every node, the coordinator first.
+    pub fn every_node_url(&self, url: &str) -> String {
+        let db = url.rsplit('/').next().unwrap_or_default();
+        let hosts: Vec<String> = self.nodes().map(|n| format!("127.0.0.1:{}", n.port())).collect();
+        let one = self.coordinator.url(db);
+        one.replacen(&format!("127.0.0.1:{}", self.coordinator.port()), &hosts.join(","), 1)
+    }
+
     /// A database on the coordinator alone, without the extension (for the
     /// start-up error of `kind = "citus"` on a plain server).
     pub fn plain_database(&self, name: &str) -> io::Result<String> {
@@ -190,5 +200,25 @@ pub fn shared() -> &'static CitusCluster {
     match SHARED.get_or_init(|| CitusCluster::start(2).map_err(|e| e.to_string())) {
         Ok(cluster) => cluster,
         Err(e) => panic!("could not start the shared test Citus cluster: {e}"),
+    }
+}
+
+/// Waits until a new connection to `node` finds `ssl` on. The first
+/// `CREATE EXTENSION citus` on a node turns TLS on with `ALTER SYSTEM` and
+/// `pg_reload_conf()`, which the postmaster applies a moment later; until
+/// then the other nodes' `sslmode=require` connections to it fail ("server
+/// does not support SSL"), as they would for a user who ran
+/// `citus_add_node` in that moment.
+fn wait_for_tls(node: &PgServer, db: &str) -> io::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let rows = node.simple_query(db, "SHOW ssl")?;
+        if rows.first().and_then(|r| r.first()).and_then(|v| v.as_deref()) == Some("on") {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(io::Error::other(format!("ssl still off on port {} 10 s after CREATE EXTENSION citus", node.port())));
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }

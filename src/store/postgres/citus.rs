@@ -40,8 +40,14 @@ impl Flavor {
 
 /// Citus's migrations, applied after every PostgreSQL migration, recorded in
 /// the same `idemgate_schema_migrations` under versions of their own.
-pub const CITUS: &[Migration] =
-    &[Migration { version: 1_000_001, name: "citus_0001_distribute", sql: include_str!("../../../migrations/citus/0001_distribute.sql") }];
+pub const CITUS: &[Migration] = &[
+    Migration { version: 1_000_001, name: "citus_0001_distribute", sql: include_str!("../../../migrations/citus/0001_distribute.sql") },
+    Migration {
+        version: 1_000_002,
+        name: "citus_0002_generations_per_tenant",
+        sql: include_str!("../../../migrations/citus/0002_generations_per_tenant.sql"),
+    },
+];
 
 /// Whether a coordinator's error is about a node behind it (a worker it
 /// sent the statement to), not about the coordinator's own session: Citus
@@ -149,9 +155,10 @@ pub async fn migrate(tx: &Transaction<'_>, done: &[i64]) -> Result<Vec<String>, 
 
 impl super::PgStore {
     /// The claim on Citus (see `super::citus_sql::CITUS_CLAIM_READ`): read, insert, or
-    /// take over, each a router statement on the scope's shard; the reads
-    /// and inserts of a tenant's concurrent claims share statements
-    /// (`super::citus_batch`).
+    /// take over, each a router statement on the scope's shard, sent to the
+    /// node that holds it when the URL lists the nodes (`super::citus_route`);
+    /// the reads and inserts of a tenant's concurrent claims share
+    /// statements (`super::citus_batch`).
     pub(super) async fn claim_citus(&self, req: &ClaimRequest) -> Result<RawClaim, StoreError> {
         let s = &req.scope;
         let claimed = |(generation, lease, updated): Inserted, took_over: bool| {
@@ -164,8 +171,8 @@ impl super::PgStore {
                 asked_at: tokio::time::Instant::now(),
             })
         };
-        let Some(Seen { record, now, cacheable }) = self.citus_claims.read(&self.db, s).await? else {
-            return Ok(match self.citus_claims.insert(&self.db, ClaimItem::of(req, req.claim_token)).await? {
+        let Some(Seen { record, now, cacheable }) = self.citus_claims.read(&self.reach, s).await? else {
+            return Ok(match self.citus_claims.insert(&self.reach, ClaimItem::of(req, req.claim_token)).await? {
                 Some(inserted) => claimed(inserted, false),
                 // Inserted concurrently by another claim since the read.
                 None => RawClaim::Conflict,
@@ -179,9 +186,10 @@ impl super::PgStore {
         let may_take = req.upstream_idempotent && req.acceptance.is_none();
         let operation_id = req.acceptance.as_ref().map(|a| a.operation_id.as_str());
         let request = req.acceptance.as_ref().map(|a| &a.request[..]).or(req.request_head.as_deref());
-        let generation = self.next_generation().await?;
+        let generation = self.next_generation(&s.tenant).await?;
+        let scope_id = s.scope_id().to_i64();
         let params: [&(dyn tokio_postgres::types::ToSql + Sync); 13] = [
-            &&*s.tenant,
+            &scope_id,
             &&*s.principal,
             &&*s.operation,
             &s.key.as_str(),
@@ -195,7 +203,8 @@ impl super::PgStore {
             &&*req.key_source,
             &generation,
         ];
-        let rows = self.query(&super::citus_sql::CITUS_TAKE_OVER, &params, true).await?;
+        let db = self.reach.db(&s.tenant).await;
+        let rows = db.query_tenant(&citus_sql::for_tenant(&citus_sql::TENANT_TAKE_OVER, &s.tenant), &params, true).await?;
         if let Some(row) = rows.first() {
             return Ok(claimed((row.try_get(0).map_err(c)?, row.try_get(1).map_err(c)?, row.try_get(2).map_err(c)?), true));
         }
@@ -321,10 +330,16 @@ impl super::PgStore {
         if tenants.is_empty() {
             return Ok(Vec::new());
         }
-        // One new generation, used by the first tenant whose take finds an operation.
-        let generation = self.next_generation().await?;
         let mut failed = None;
         for tenant in tenants {
+            // A new generation of this tenant, used if its take finds an operation.
+            let generation = match self.next_generation(&tenant).await {
+                Ok(g) => g,
+                Err(e) => {
+                    failed.get_or_insert(e);
+                    continue;
+                }
+            };
             let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] =
                 [&ops, &leases, &claim_token, &owner, &reforwardable, &tenant, &generation];
             match self.query(&citus_sql::CITUS_TAKE, &params, true).await {
@@ -478,10 +493,15 @@ fn done_or<T>(done: T, any: bool, failed: Option<StoreError>) -> Result<T, Store
 }
 
 impl super::PgStore {
-    /// A new generation, drawn on the coordinator (see `super::citus_sql::CITUS_TAKE_OVER`).
-    pub(super) async fn next_generation(&self) -> Result<i64, StoreError> {
-        let rows = self.query(super::citus_sql::CITUS_NEXT_GENERATION, &[], true).await?;
-        rows.first().and_then(|r| r.try_get::<_, i64>(0).ok()).ok_or_else(|| StoreError::Corrupt("nextval returned no generation".into()))
+    /// A new generation of `tenant`, drawn from its counter on its shard
+    /// (`super::citus_sql::CITUS_GENERATIONS`, autocommitted: a value drawn
+    /// is never drawn again, whether or not it is used).
+    pub(super) async fn next_generation(&self, tenant: &str) -> Result<i64, StoreError> {
+        let floor = self.reach.floor.get(&self.db).await?;
+        let rows = self.query(super::citus_sql::CITUS_GENERATIONS, &[&tenant, &1i64, &floor], true).await?;
+        rows.first()
+            .and_then(|r| r.try_get::<_, i64>(0).ok())
+            .ok_or_else(|| StoreError::Corrupt("the generation counter returned no value".into()))
     }
 
     /// A final state change and its event on Citus: `update` (one of
@@ -499,14 +519,32 @@ impl super::PgStore {
         event: impl Fn(&str) -> Option<EventType>,
         with_body: bool,
     ) -> Result<bool, StoreError> {
+        write_with_event_on(&self.db, self.db.text(update), params, may_emit, event, with_body).await
+    }
+}
+
+/// [`PgStore::write_with_event`] on `db`, `update` as it is sent (a
+/// per-tenant text, `citus_sql::for_tenant`, or a fixed one as
+/// `Db::text` gives it).
+///
+/// [`PgStore::write_with_event`]: super::PgStore::write_with_event
+pub(super) async fn write_with_event_on(
+    db: &super::Db,
+    update: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    may_emit: bool,
+    event: impl Fn(&str) -> Option<EventType>,
+    with_body: bool,
+) -> Result<bool, StoreError> {
+    {
         if !may_emit {
-            return Ok(!self.query(update, params, true).await?.is_empty());
+            return Ok(!db.query_tenant(update, params, true).await?.is_empty());
         }
         let w = |e| classify(e, true);
         let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
-        let mut conn = self.db.conn().await?;
-        let tx = self.db.transaction(&mut conn).await.map_err(w)?;
-        let rows = tx.query(self.db.text(update), params).await.map_err(w)?;
+        let mut conn = db.conn().await?;
+        let tx = db.transaction(&mut conn).await.map_err(w)?;
+        let rows = tx.query(update, params).await.map_err(w)?;
         let Some(row) = rows.first() else {
             tx.rollback().await.map_err(w)?;
             conn.done();
@@ -522,7 +560,7 @@ impl super::PgStore {
             let body: Option<&[u8]> = if with_body { row.try_get(7).map_err(c)? } else { None };
             let actor: Option<&str> = None;
             tx.execute(
-                self.db.text(&super::events::EVENT_INSERT_ONE),
+                db.text(&super::events::EVENT_INSERT_ONE),
                 &[&event.as_str(), &t, &p, &o, &k, &generation, &status, &operation_id, &actor, &body],
             )
             .await

@@ -25,92 +25,22 @@ fn citus_expires(n: usize) -> String {
 /// and Citus refuses a volatile function (`nextval`) in a distributed
 /// `UPDATE` and a stable one (`now()`) inside `CASE` in one; its data-modifying
 /// CTEs are planned step by step. So on Citus a claim is up to three router
-/// statements on the scope's shard, each autocommitted, with the parameters
-/// of `CLAIM` (the read only `$1`..`$4`; the insert returns `$9` so that its
-/// parameters are those of `CLAIM`): [`CITUS_CLAIM_READ`] (a replay ends here),
-/// [`CITUS_CLAIM_INSERT`] (a first write ends here), and, for a record that
-/// `record::may_take_over` allows, [`CITUS_TAKE_OVER`], which re-checks that
-/// condition on the latest row version. A lost insert is `RawClaim::Conflict`,
-/// as with the batch (the facade reads the winner).
+/// statements on the scope's shard, each naming its tenant as a constant
+/// ([`for_tenant`]): the read ([`TENANT_CLAIM_READ`], from this text; a
+/// replay ends here), the insert ([`tenant_claim_insert`], after its
+/// generation is drawn from the tenant's counter in the same transaction; a
+/// first write ends here), and, for a record that `record::may_take_over`
+/// allows, the take-over ([`TENANT_TAKE_OVER`]), which re-checks that
+/// condition on the latest row version. A lost insert is
+/// `RawClaim::Conflict`, as with the batch (the facade reads the winner).
 pub(super) static CITUS_CLAIM_READ: LazyLock<String> =
     LazyLock::new(|| format!("SELECT {COLUMNS}, now(), NOT coalesce(cache_hold_until > now(), false) FROM idemgate_records WHERE {PK}"));
 
-/// A new generation, on the coordinator (see [`CITUS_TAKE_OVER`]).
-pub(super) const CITUS_NEXT_GENERATION: &str = "SELECT nextval('idemgate_generation')";
-
-/// See [`CITUS_CLAIM_READ`]. The generation is drawn in the `INSERT`'s
-/// values, which Citus evaluates on the coordinator; the lease and the due
-/// time are `now()` plus an interval that a parameter-only `CASE` makes NULL
-/// (Citus refuses `now()` inside a `CASE` of a modification).
-pub(super) static CITUS_CLAIM_INSERT: LazyLock<String> = LazyLock::new(|| {
-    "INSERT INTO idemgate_records
-        (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
-         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, key_source, scope_id)
-     VALUES ($1, $2, $3, $4, $5, CASE WHEN $10::text IS NULL THEN 'in_flight' ELSE 'queued' END, nextval('idemgate_generation'), $6, $7,
-             now() + (CASE WHEN $10::text IS NULL THEN $8::int8 END) * interval '1 microsecond', now(), now(),
-             now() + $8::int8 * interval '1 microsecond', $10, $11, now() + (CASE WHEN $10::text IS NOT NULL THEN 0 END) * interval '1 microsecond',
-             $12, idemgate_scope_id($1, $2, $3, $4))
-     ON CONFLICT ON CONSTRAINT idemgate_records_pkey DO NOTHING
-     RETURNING generation, lease_expires_at, updated_at, $9::bool"
-        .to_owned()
-});
-
-/// [`CITUS_CLAIM_READ`] for several claims of one tenant (`$1`): the rows
-/// of these scope ids (`$2`) and keys (`$3`), a router query on the
-/// tenant's shard (see `citus_batch`); the caller matches rows to claims by
-/// their whole scope.
-pub(super) static CITUS_CLAIM_READ_BATCH: LazyLock<String> = LazyLock::new(|| {
-    format!(
-        "SELECT {COLUMNS}, now(), NOT coalesce(cache_hold_until > now(), false) FROM idemgate_records \
-         WHERE tenant = $1 AND scope_id = ANY($2::int8[]) AND idempotency_key = ANY($3::text[])"
-    )
-});
-
-/// [`CITUS_CLAIM_INSERT`] for `n` claims of one tenant (see `citus_batch`):
-/// one multi-row `INSERT`, which Citus routes to the tenant's shard and
-/// whose `VALUES` it evaluates on the coordinator (`nextval`, `now()`).
-/// Eleven parameters per row, in `CLAIM`'s order without `$9`: tenant,
-/// principal, operation, key, request hash, claim token, owner, lease (us),
-/// operation id, request, key source. Returns the claim token of each row
-/// inserted, its generation, lease end and `updated_at`. The caller sends
-/// the rows in primary-key order, so that two batches never wait on each
-/// other in a cycle.
-pub(super) fn claim_insert_batch(n: usize) -> String {
-    let rows: Vec<String> = (0..n)
-        .map(|k| {
-            let p = |i: usize| format!("${}", 11 * k + i);
-            let (t, pr, o, key, op_id, lease) = (p(1), p(2), p(3), p(4), p(9), p(8));
-            format!(
-                "({t}::text, {pr}::text, {o}::text, {key}::text, {}::bytea, CASE WHEN {op_id}::text IS NULL THEN 'in_flight' ELSE 'queued' END, \
-                 nextval('idemgate_generation'), {}::uuid, {}::text, \
-                 now() + (CASE WHEN {op_id}::text IS NULL THEN {lease}::int8 END) * interval '1 microsecond', now(), now(), \
-                 now() + {lease}::int8 * interval '1 microsecond', {op_id}::text, {}::bytea, \
-                 now() + (CASE WHEN {op_id}::text IS NOT NULL THEN 0 END) * interval '1 microsecond', {}::text, \
-                 idemgate_scope_id({t}::text, {pr}::text, {o}::text, {key}::text))",
-                p(5),
-                p(6),
-                p(7),
-                p(10),
-                p(11),
-            )
-        })
-        .collect();
-    format!(
-        "INSERT INTO idemgate_records
-        (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
-         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, key_source, scope_id)
-     VALUES {}
-     ON CONFLICT ON CONSTRAINT idemgate_records_pkey DO NOTHING
-     RETURNING claim_token, generation, lease_expires_at, updated_at",
-        rows.join(",\n            ")
-    )
-}
-
-/// See [`CITUS_CLAIM_READ`]. The new generation is `$13`, drawn before by
-/// [`CITUS_NEXT_GENERATION`] (Citus refuses `nextval()` in a distributed
-/// `UPDATE`, and a `SELECT` CTE drawing it would be a subplan whose result
-/// Citus may send to every node); it never goes below the record's own
-/// (`greatest`), whatever the counter does.
+/// See [`CITUS_CLAIM_READ`]. The new generation is `$13`, drawn before from
+/// the tenant's counter ([`CITUS_GENERATIONS`]; Citus refuses a volatile
+/// function in a distributed `UPDATE`, and a `SELECT` CTE drawing it would
+/// be a subplan whose result Citus may send to every node); it never goes
+/// below the record's own (`greatest`), whatever the counter does.
 pub(super) static CITUS_TAKE_OVER: LazyLock<String> = LazyLock::new(|| {
     format!(
         "\
@@ -130,6 +60,125 @@ WHERE {PK}
 RETURNING r.generation, r.lease_expires_at, r.updated_at"
     )
 });
+
+/// Where a per-tenant statement names its tenant: replaced by the tenant as
+/// a SQL literal ([`for_tenant`]).
+const TENANT: &str = "{tenant}";
+
+/// The primary key of a per-tenant statement: `$1` is the scope id the
+/// gateway computed (`Scope::scope_id`, the same function as
+/// `idemgate_scope_id`), `$2`..`$4` as in [`PK`].
+const PK_OF_TENANT: &str = "tenant = {tenant} AND scope_id = $1::int8 AND idempotency_key = $4 AND principal = $2 AND operation = $3";
+
+/// `sql` (a Citus statement whose primary key is [`PK`]) as a per-tenant
+/// template: the tenant a literal, `$1` the scope id (see [`for_tenant`]).
+fn tenant_template(sql: &str) -> String {
+    let text = for_citus(sql);
+    assert!(text.contains(PK), "no primary key to name the tenant in: {text}");
+    text.replace(PK, PK_OF_TENANT)
+}
+
+/// `template` for `tenant`. On Citus the cheapest statement names its tenant
+/// as a constant (docs/performance-notes.md, "Citus: what a statement costs"):
+/// with a parameter, Citus prunes shards at each execution, deparses the
+/// statement for the shard and plans it again; with a constant, the node
+/// that holds the shard plans the shard's statement once per connection
+/// (a generic plan) and runs that plan. The literal is quoted as
+/// `quote_literal` does with `standard_conforming_strings = on` (a Citus
+/// session sets it): quotes doubled, and a string holding a backslash
+/// written `E'...'` with backslashes doubled.
+pub fn for_tenant(template: &str, tenant: &str) -> String {
+    template.replace(TENANT, &literal(tenant))
+}
+
+/// `s` as a SQL string literal (see [`for_tenant`]).
+pub(super) fn literal(s: &str) -> String {
+    let quoted = s.replace('\'', "''");
+    if quoted.contains('\\') { format!("E'{}'", quoted.replace('\\', "\\\\")) } else { format!("'{quoted}'") }
+}
+
+/// [`CITUS_CLAIM_READ`] for one tenant ([`for_tenant`]; `$1` the scope id).
+pub(super) static TENANT_CLAIM_READ: LazyLock<String> = LazyLock::new(|| tenant_template(&CITUS_CLAIM_READ));
+
+/// [`CITUS_CLAIM_READ`] for several claims of one tenant: `$1` their scope
+/// ids, `$2` their keys; the caller matches rows to claims by their whole scope.
+pub(super) static TENANT_CLAIM_READ_BATCH: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT {COLUMNS}, now(), NOT coalesce(cache_hold_until > now(), false) FROM idemgate_records \
+         WHERE tenant = {TENANT} AND scope_id = ANY($1::int8[]) AND idempotency_key = ANY($2::text[])"
+    )
+});
+
+/// [`CITUS_TAKE_OVER`] for one tenant ([`for_tenant`]; `$1` the scope id).
+pub(super) static TENANT_TAKE_OVER: LazyLock<String> = LazyLock::new(|| tenant_template(&CITUS_TAKE_OVER));
+
+/// [`CITUS_COMPLETE`] for one tenant ([`for_tenant`]; `$1` the scope id).
+pub(super) static TENANT_COMPLETE: LazyLock<String> = LazyLock::new(|| tenant_template(&CITUS_COMPLETE));
+
+/// Draws `$1` generations for one tenant: its counter (migration
+/// `citus_0002`) raised by `$1` on the tenant's shard; the new value is the
+/// last one drawn. No row for a new tenant: [`TENANT_GENERATIONS_START`],
+/// then this again.
+pub(super) const TENANT_GENERATIONS: &str =
+    "UPDATE idemgate_generations SET generation = generation + $1::int8 WHERE tenant = {tenant} RETURNING generation";
+
+/// A new tenant's counter, at the floor (`$1`, the old sequence's last value,
+/// `idemgate_settings.citus_generation_floor`); a concurrent start wins.
+pub(super) const TENANT_GENERATIONS_START: &str =
+    "INSERT INTO idemgate_generations (tenant, generation) VALUES ({tenant}, $1::int8) ON CONFLICT (tenant) DO NOTHING";
+
+/// Draws `$2` generations for tenant `$1` on its shard, creating its counter
+/// at the floor `$3` if there is none: for the statements that send the
+/// tenant as a parameter (take-overs, takes, resolutions). Returns the last
+/// value drawn.
+pub(super) const CITUS_GENERATIONS: &str = "INSERT INTO idemgate_generations AS g (tenant, generation) VALUES ($1::text, $3::int8 + $2::int8) \
+     ON CONFLICT (tenant) DO UPDATE SET generation = g.generation + $2::int8 RETURNING g.generation";
+
+/// The claims' `INSERT` of `n` rows of one tenant ([`for_tenant`]): one
+/// multi-row `INSERT`, which Citus routes to the tenant's shard. Twelve
+/// parameters per row: principal, operation, key, request hash, claim
+/// token, owner, lease (us), operation id, request, key source, scope id
+/// (the gateway's, `Scope::scope_id`), generation (drawn before, in the
+/// same transaction, from the tenant's counter). Returns the claim token of
+/// each row inserted, its generation, lease end and `updated_at`. The
+/// caller sends the rows in primary-key order, so that two batches never
+/// wait on each other in a cycle. Sent unnamed (`query_typed`): Citus
+/// prunes an `INSERT` at each execution, and a prepared one it keeps would
+/// add a plan to its cache at every execution (docs/performance-notes.md).
+pub(super) fn tenant_claim_insert(n: usize) -> String {
+    let rows: Vec<String> = (0..n)
+        .map(|k| {
+            let p = |i: usize| format!("${}", 12 * k + i);
+            let (op_id, lease) = (p(8), p(7));
+            format!(
+                "({TENANT}, {}::text, {}::text, {}::text, {}::bytea, CASE WHEN {op_id}::text IS NULL THEN 'in_flight' ELSE 'queued' END, \
+                 {}::int8, {}::uuid, {}::text, \
+                 now() + (CASE WHEN {op_id}::text IS NULL THEN {lease}::int8 END) * interval '1 microsecond', now(), now(), \
+                 now() + {lease}::int8 * interval '1 microsecond', {op_id}::text, {}::bytea, \
+                 now() + (CASE WHEN {op_id}::text IS NOT NULL THEN 0 END) * interval '1 microsecond', {}::text, {}::int8)",
+                p(1),
+                p(2),
+                p(3),
+                p(4),
+                p(12),
+                p(5),
+                p(6),
+                p(9),
+                p(10),
+                p(11),
+            )
+        })
+        .collect();
+    format!(
+        "INSERT INTO idemgate_records
+        (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
+         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, key_source, scope_id)
+     VALUES {}
+     ON CONFLICT ON CONSTRAINT idemgate_records_pkey DO NOTHING
+     RETURNING claim_token, generation, lease_expires_at, updated_at",
+        rows.join(",\n            ")
+    )
+}
 
 /// [`COMPLETE`] on Citus (`$1`..`$10`): `expires_at` without `now()` inside
 /// `coalesce` (refused in a distributed `UPDATE`): `greatest` of the finite
@@ -409,8 +458,8 @@ pub fn catalog_for(flavor: super::Flavor) -> Vec<Statement> {
     if flavor == super::Flavor::Citus {
         // Claims and result writes are not batched across tenants on Citus
         // (a batch's arrays name tenants Citus cannot route by): the claim
-        // is `CITUS_CLAIM_READ`, `CITUS_CLAIM_INSERT`, `CITUS_TAKE_OVER`, or
-        // a tenant's batch of reads or inserts (`citus_batch`).
+        // is a read, an insert or a take-over of one tenant, or a tenant's
+        // batch of reads or inserts (`citus_batch`).
         // Nor are the sends of async attempts (single-row `mark_sent`), and
         // Citus plans each execution, so nothing looks at `pg_class` for
         // stale plans (`replan`).
@@ -442,14 +491,22 @@ pub fn catalog_for(flavor: super::Flavor) -> Vec<Statement> {
             }
         }
         let pkey: &'static [&'static str] = PKEY;
-        for (name, sql) in
-            [("claim_read", &*CITUS_CLAIM_READ), ("claim_insert", &*CITUS_CLAIM_INSERT), ("claim_take_over", &*CITUS_TAKE_OVER)]
-        {
-            all.push(Statement { name: name.to_owned(), sql: sql.clone(), indexes: pkey });
+        // The request path's statements name their tenant (`for_tenant`):
+        // here the tenant `acme`.
+        let acme = |template: &str| for_tenant(template, "acme");
+        for (name, sql) in [
+            ("claim_read", acme(&TENANT_CLAIM_READ)),
+            ("claim_read_batch", acme(&TENANT_CLAIM_READ_BATCH)),
+            ("claim_insert", acme(&tenant_claim_insert(1))),
+            ("claim_insert_batch", acme(&tenant_claim_insert(3))),
+            ("claim_take_over", acme(&TENANT_TAKE_OVER)),
+            ("complete_of_tenant", acme(&TENANT_COMPLETE)),
+            ("generations_of_tenant", acme(TENANT_GENERATIONS)),
+            ("generations_start", acme(TENANT_GENERATIONS_START)),
+            ("generations", CITUS_GENERATIONS.to_owned()),
+        ] {
+            all.push(Statement { name: name.to_owned(), sql, indexes: pkey });
         }
-        // A tenant's concurrent claims share these (see `citus_batch`).
-        all.push(Statement { name: "claim_read_batch".into(), sql: CITUS_CLAIM_READ_BATCH.clone(), indexes: pkey });
-        all.push(Statement { name: "claim_insert_batch".into(), sql: claim_insert_batch(3), indexes: pkey });
         for s in &mut all {
             s.sql = for_citus(&s.sql).to_owned();
         }

@@ -55,6 +55,7 @@ mod batch;
 pub mod catalog;
 pub mod citus;
 mod citus_batch;
+mod citus_route;
 pub mod citus_sql;
 mod failover;
 mod pooler;
@@ -89,6 +90,40 @@ struct Db {
 }
 
 impl Db {
+    /// A pool of sessions to `config`'s hosts (the first writable one, see
+    /// `failover`), each given `sessions`' settings when opened, and dropped
+    /// on return after a failover (`flush`) or a re-plan mark (`replan`).
+    fn open(
+        config: &tokio_postgres::Config,
+        tls: Option<&rustls::ClientConfig>,
+        pool_size: usize,
+        timeout: Duration,
+        flavor: Flavor,
+        sessions: Arc<pooler::Sessions>,
+    ) -> Result<Db, deadpool_postgres::BuildError> {
+        let recycling = ManagerConfig { recycling_method: RecyclingMethod::Fast };
+        let manager = match tls {
+            Some(tls) => {
+                let walk = HostWalk::new(config, timeout, tokio_postgres_rustls::MakeRustlsConnect::new(tls.clone()));
+                Manager::from_connect(config.clone(), walk, recycling)
+            }
+            None => Manager::from_connect(config.clone(), HostWalk::new(config, timeout, NoTls), recycling),
+        };
+        let flush = Arc::new(Flush::default());
+        let replan = Arc::new(replan::Replan::default());
+        let pool = Pool::builder(manager)
+            .max_size(pool_size)
+            .runtime(Runtime::Tokio1)
+            .wait_timeout(Some(timeout))
+            .create_timeout(Some(timeout))
+            .recycle_timeout(Some(timeout))
+            .pre_recycle(Flush::hook(flush.clone()))
+            .pre_recycle(replan::Replan::hook(replan.clone()))
+            .post_create(pooler::Sessions::hook(sessions.clone()))
+            .build()?;
+        Ok(Db { pool, timeout, flush, replan, flavor, sessions })
+    }
+
     /// `sql` as this flavor sends it.
     fn text<'a>(&self, sql: &'a str) -> &'a str {
         if self.flavor == Flavor::Citus { citus_sql::for_citus(sql) } else { sql }
@@ -131,9 +166,38 @@ impl Db {
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
         write: bool,
     ) -> Result<Vec<Row>, (StoreError, Verdict)> {
+        self.query_text(self.text(sql), params, write).await
+    }
+
+    /// A statement whose text names its tenant (`citus_sql::for_tenant`),
+    /// sent as it is: one text per tenant, so it is not memoized as the
+    /// store's fixed statements are (`citus_sql::for_citus`), and a
+    /// connection keeps at most [`MAX_PREPARED`] prepared statements (past
+    /// that its cache starts again; the server closes each one dropped).
+    async fn query_tenant(
+        &self,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+        write: bool,
+    ) -> Result<Vec<Row>, StoreError> {
+        match self.query_text(sql, params, write).await {
+            Err((_, Verdict::Stale)) => self.query_text(sql, params, write).await.map_err(|(e, _)| e),
+            r => r.map_err(|(e, _)| e),
+        }
+    }
+
+    async fn query_text(
+        &self,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+        write: bool,
+    ) -> Result<Vec<Row>, (StoreError, Verdict)> {
         let conn = self.conn().await.map_err(|e| (e, Verdict::Keep))?;
+        if self.flavor == Flavor::Citus && conn.client().statement_cache.size() >= MAX_PREPARED {
+            conn.client().statement_cache.clear();
+        }
         if self.sessions.per_transaction() {
-            return match self.sessions.query(conn.client(), self.text(sql), params).await {
+            return match self.sessions.query(conn.client(), sql, params).await {
                 Ok(rows) => {
                     conn.done();
                     Ok(rows)
@@ -141,7 +205,7 @@ impl Db {
                 Err(e) => Err(self.failed(conn, e, write)),
             };
         }
-        let stmt = match conn.client().prepare_cached(self.text(sql)).await {
+        let stmt = match conn.client().prepare_cached(sql).await {
             Ok(stmt) => stmt,
             Err(e) => return Err(self.failed(conn, e, false)),
         };
@@ -197,6 +261,8 @@ pub struct PgStore {
     flavor: Flavor,
     /// On Citus: each tenant's concurrent claims share statements (see `citus_batch`).
     citus_claims: citus_batch::TenantClaims,
+    /// On Citus: where each tenant's statements go (see `citus_route`).
+    reach: citus_batch::Reach,
 }
 
 /// Bound on a readiness ping: `/readyz` must answer within about a second
@@ -205,6 +271,10 @@ const PING_BOUND: Duration = Duration::from_millis(800);
 
 /// Most requests one batched statement carries.
 const MAX_BATCH: usize = 128;
+/// Most statements a Citus connection keeps prepared: its statements name
+/// their tenant (`Db::query_tenant`), so a connection would otherwise keep
+/// one per tenant it served.
+const MAX_PREPARED: usize = 256;
 /// Batched statements running at once. One: while it commits, the next
 /// batch fills, so batches are as full as the load makes them, and
 /// PostgreSQL's cost is mostly per statement (and two statements at once
@@ -341,28 +411,8 @@ impl PgStore {
         // Only a primary will do (see `failover`): a standby, or a primary
         // fenced read-only, refuses the session when it is opened.
         pg.target_session_attrs(TargetSessionAttrs::ReadWrite);
-        let recycling = ManagerConfig { recycling_method: RecyclingMethod::Fast };
-        let manager = match tls {
-            Some(tls) => {
-                let walk = HostWalk::new(&pg, timeout, tokio_postgres_rustls::MakeRustlsConnect::new(tls));
-                Manager::from_connect(pg, walk, recycling)
-            }
-            None => Manager::from_connect(pg.clone(), HostWalk::new(&pg, timeout, NoTls), recycling),
-        };
-        let flush = Arc::new(Flush::default());
-        let replan = Arc::new(replan::Replan::default());
-        let pool = Pool::builder(manager)
-            .max_size(pool_size)
-            .runtime(Runtime::Tokio1)
-            .wait_timeout(Some(timeout))
-            .create_timeout(Some(timeout))
-            .recycle_timeout(Some(timeout))
-            .pre_recycle(Flush::hook(flush.clone()))
-            .pre_recycle(replan::Replan::hook(replan.clone()))
-            .post_create(pooler::Sessions::hook(sessions.clone()))
-            .build()
+        let db = Db::open(&pg, tls.as_ref(), pool_size, timeout, flavor, sessions)
             .map_err(|e| StoreError::Unavailable(format!("cannot build the connection pool: {e}")))?;
-        let db = Db { pool, timeout, flush, replan, flavor, sessions };
         let writes = {
             let db = db.clone();
             let concurrency = std::env::var("IDEMGATE_PG_BATCH_CONCURRENCY").ok().and_then(|v| v.parse().ok()).unwrap_or(BATCH_CONCURRENCY);
@@ -378,7 +428,14 @@ impl PgStore {
                 async move { db.mark_sent_batch(items).await }
             })
         });
-        Ok(PgStore { db, writes, sends, flavor, citus_claims: Default::default() })
+        // On Citus with several nodes listed: a pool per node for the
+        // statements of the tenants whose shards it holds.
+        let route = match flavor {
+            Flavor::Citus => citus_route::Router::start(&pg, tls.as_ref(), pool_size, timeout, pooler, &db)?,
+            Flavor::Postgres => None,
+        };
+        let reach = citus_batch::Reach { main: db.clone(), route, floor: Default::default() };
+        Ok(PgStore { db, writes, sends, flavor, citus_claims: Default::default(), reach })
     }
 
     async fn conn(&self) -> Result<Conn, StoreError> {
@@ -454,11 +511,14 @@ impl PgStore {
         let headers = encode_headers(&response.headers);
         let body: Option<&[u8]> = response.body.as_deref();
         if self.flavor == Flavor::Citus {
-            let (t, p, o, k) = (&*scope.tenant, &*scope.principal, &*scope.operation, scope.key.as_str());
+            // On the tenant's node, naming the tenant (see `citus_route`): `$1` the scope id.
+            let (id, p, o, k) = (scope.scope_id().to_i64(), &*scope.principal, &*scope.operation, scope.key.as_str());
             let (status, retention) = (i32::from(response.status), retention_us(retention));
             let params: [&(dyn tokio_postgres::types::ToSql + Sync); 10] =
-                [&t, &p, &o, &k, &attempt.generation.0, &status, &headers, &body, &retention, &attempt.claim_token];
-            return self.write_with_event(&citus_sql::CITUS_COMPLETE, &params, emit.event, |_| Some(EventType::Completed), emit.body).await;
+                [&id, &p, &o, &k, &attempt.generation.0, &status, &headers, &body, &retention, &attempt.claim_token];
+            let db = self.reach.db(&scope.tenant).await;
+            let update = citus_sql::for_tenant(&citus_sql::TENANT_COMPLETE, &scope.tenant);
+            return citus::write_with_event_on(db, &update, &params, emit.event, |_| Some(EventType::Completed), emit.body).await;
         }
         let rows = self
             .query(

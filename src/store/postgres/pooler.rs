@@ -57,8 +57,12 @@ pub(super) struct Sessions {
 
 impl Sessions {
     pub(super) fn new(pooler: Pooler, flavor: Flavor, timeout: Duration) -> Sessions {
-        let mut settings: Vec<(&'static str, String)> =
-            sql::session_settings(flavor).into_iter().map(|(name, value)| (name, value.to_owned())).collect();
+        Sessions::with(pooler, sql::session_settings(flavor), timeout)
+    }
+
+    /// Sessions with these settings (and `statement_timeout`).
+    pub(super) fn with(pooler: Pooler, settings: Vec<(&'static str, &'static str)>, timeout: Duration) -> Sessions {
+        let mut settings: Vec<(&'static str, String)> = settings.into_iter().map(|(name, value)| (name, value.to_owned())).collect();
         // statement_timeout: a statement the gateway gave up on (its operation
         // timed out, so it answered and may have abandoned a claim) must not
         // go on and commit later; the server cancels it at the same bound.

@@ -234,7 +234,7 @@ impl PgStore {
                 // An async operation released: it runs again, under a new generation.
                 let rows = match self.flavor {
                     Flavor::Citus => {
-                        let generation = self.next_generation().await?;
+                        let generation = self.next_generation(&scope.tenant).await?;
                         let with: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
                             [params[0], params[1], params[2], params[3], &generation];
                         tx.query(self.db.text(&citus_sql::CITUS_RESOLVE_REQUEUE), &with).await.map_err(w)?
@@ -259,7 +259,7 @@ impl PgStore {
                 let mut values: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
                     vec![params[0], params[1], params[2], params[3], &status, &headers, &body, &retention];
                 let generation = match self.flavor {
-                    Flavor::Citus => Some(self.next_generation().await?),
+                    Flavor::Citus => Some(self.next_generation(&scope.tenant).await?),
                     Flavor::Postgres => None,
                 };
                 if let Some(g) = &generation {

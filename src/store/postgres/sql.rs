@@ -61,14 +61,32 @@ pub const SESSION_SETTINGS: &[(&str, &str)] = &[
 /// parameters are known (a generic plan of one is refused: "could not
 /// create distributed plan"), so its sessions plan each execution; the
 /// shard's own plan is made on the worker, for the statement with its values.
+/// Citus sessions also fix `standard_conforming_strings` (PostgreSQL's
+/// default): the per-tenant statements write the tenant as a literal
+/// (`citus_sql::for_tenant`), quoted for it.
 pub fn session_settings(flavor: super::Flavor) -> Vec<(&'static str, &'static str)> {
-    SESSION_SETTINGS
+    let mut settings: Vec<(&'static str, &'static str)> = SESSION_SETTINGS
         .iter()
         .map(|&(name, value)| match (flavor, name) {
             (super::Flavor::Citus, "plan_cache_mode") => (name, "force_custom_plan"),
             _ => (name, value),
         })
-        .collect()
+        .collect();
+    if flavor == super::Flavor::Citus {
+        settings.push(("standard_conforming_strings", "on"));
+    }
+    settings
+}
+
+/// The settings of a session a Citus store opens to a node for the
+/// statements of the tenants whose shards that node holds
+/// (`citus_route`): those of PostgreSQL's sessions, generic plans included
+/// (each statement names its tenant as a constant, so Citus plans it for the
+/// node's shard once per connection), and `standard_conforming_strings`.
+pub fn routed_session_settings() -> Vec<(&'static str, &'static str)> {
+    let mut settings = SESSION_SETTINGS.to_vec();
+    settings.push(("standard_conforming_strings", "on"));
+    settings
 }
 
 /// The record columns every reading statement returns, in `decode`'s order.
