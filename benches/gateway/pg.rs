@@ -68,6 +68,36 @@ impl Pg {
         Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
     }
 
+    /// Whether `pg_stat_statements` is loaded (`IDEMGATE_TEST_PG_SETTINGS`
+    /// with `shared_preload_libraries=pg_stat_statements`): then its
+    /// counters of database `db` are reset and `true` is returned.
+    pub fn statements_reset(&self, db: &str) -> Result<bool> {
+        if !self.psql(db, "SHOW shared_preload_libraries")?.contains("pg_stat_statements") {
+            return Ok(false);
+        }
+        self.psql(db, "CREATE EXTENSION IF NOT EXISTS pg_stat_statements")?;
+        self.psql(db, "SELECT pg_stat_statements_reset()")?;
+        Ok(true)
+    }
+
+    /// The `n` statements of database `db` that took the most execution
+    /// time since [`Pg::statements_reset`], one line each: calls, rows, total
+    /// and mean time, shared blocks hit and read, and the statement's start.
+    pub fn statements_top(&self, db: &str, n: u32) -> Result<Vec<String>> {
+        let out = self.psql(
+            db,
+            &format!(
+                "SELECT calls || ' calls, ' || rows || ' rows, ' || round(total_exec_time::numeric, 1) || ' ms total, ' \
+                    || round((1000 * mean_exec_time)::numeric, 1) || ' us mean, ' \
+                    || shared_blks_hit || ' hit ' || shared_blks_read || ' read: ' \
+                    || left(regexp_replace(query, '\\s+', ' ', 'g'), 140) \
+                 FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid \
+                 WHERE d.datname = current_database() ORDER BY total_exec_time DESC LIMIT {n}"
+            ),
+        )?;
+        Ok(out.lines().map(str::to_owned).collect())
+    }
+
     /// VACUUM ANALYZE and CHECKPOINT: no autovacuum or checkpoint work left
     /// over from earlier load (and fresh statistics).
     pub fn settle(&self, db: &str) -> Result<()> {
