@@ -398,7 +398,10 @@ fn async_rounds(ctx: &mut Ctx, base: &Spec, pg: &Pg, idempotent: bool) -> Result
     let plain = Gateway::start(base, ctx.dir)?;
     let mut front_spec = base.clone();
     front_spec.name = format!("{}-async-front", base.name);
-    front_spec.route_extra = format!("mode = \"async\"\nupstream_idempotent = {idempotent}\n");
+    // The queue is not capped (`max_queued` 10,000 by default): the
+    // acceptance runs measure acceptances, not refusals, and the drains
+    // last long enough for the workers' start to matter little.
+    front_spec.route_extra = format!("mode = \"async\"\nupstream_idempotent = {idempotent}\nmax_queued = 10000000\n");
     let front = Gateway::start(&front_spec, ctx.dir)?;
     let (mut ratios, mut vs_sync) = (Vec::new(), Vec::new());
     let contenders = [(FIRST, &plain, ""), (ACCEPT, &front, "202s; front replica, [workers] count = 0")];
@@ -470,7 +473,7 @@ fn async_workers(ctx: &Ctx) -> Result<u32> {
 fn async_mode(ctx: &mut Ctx, target: &str, base: &Spec, pg: Option<&Pg>) -> Result<()> {
     let mut front = base.clone();
     front.name = format!("{}-async-front", base.name);
-    front.route_extra = "mode = \"async\"\n".into();
+    front.route_extra = "mode = \"async\"\nmax_queued = 10000000\n".into();
     // The embedded store is one replica: it refuses an async route without
     // workers (nothing would run it), so its 202s are measured with one
     // worker running them meanwhile.
