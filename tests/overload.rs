@@ -380,6 +380,40 @@ async fn event_deliveries_to_an_upstream_wait_while_it_is_at_its_limit() {
     assert!(record(&store, "lost").await.is_none());
 }
 
+/// Six clients sending first writes to `url` until `run` has passed, each
+/// held 100 ms at the upstream: with the upstream limited to two at a time,
+/// three times what the limit lets through, so requests always wait for a
+/// slot. Each client's statuses.
+fn steady_clients(url: &str, run: Duration) -> Vec<tokio::task::JoinHandle<Vec<u16>>> {
+    let started = Instant::now();
+    (0..6)
+        .map(|c| {
+            let url = url.to_owned();
+            tokio::spawn(async move {
+                let mut statuses = Vec::new();
+                let mut n = 0;
+                while started.elapsed() < run {
+                    n += 1;
+                    let r = post(&url, &format!("steady-{c}-{n}"), r#"{"n":1}"#, &[("x-test-sleep-ms", "100")]).await;
+                    statuses.push(r.status);
+                }
+                statuses
+            })
+        })
+        .collect()
+}
+
+/// The statuses of [`steady_clients`], once they are done; every request
+/// waited for its slot and ran.
+async fn all_answered(clients: Vec<tokio::task::JoinHandle<Vec<u16>>>) -> Vec<u16> {
+    let mut statuses = Vec::new();
+    for c in clients {
+        statuses.extend(c.await.expect("client"));
+    }
+    assert!(statuses.iter().all(|s| *s == 201), "every request ran: {statuses:?}");
+    statuses
+}
+
 /// Requests that keep an upstream at its limit do not hold its events until
 /// the load ends: the relay waits its turn for a slot beside the waiting
 /// requests (with one free slot looked for, none was ever free under a
@@ -392,40 +426,62 @@ async fn events_are_delivered_while_requests_keep_the_upstream_at_its_limit() {
     let gw = Gateway::start(
         GatewayConfig::new(sqlite_backend(), up.url()).timeout("8s").upstream("max_in_flight = 2\nqueue_timeout = \"3s\"").route(&events),
     );
-    // Six clients, each request 100 ms at the upstream, two at a time: three
-    // times what the limit lets through, so requests always wait for a slot.
-    let run = Duration::from_secs(4);
-    let started = Instant::now();
-    let url = gw.url("/v1/orders");
-    let clients: Vec<_> = (0..6)
-        .map(|c| {
-            let url = url.clone();
-            tokio::spawn(async move {
-                let mut statuses = Vec::new();
-                let mut n = 0;
-                while started.elapsed() < run {
-                    n += 1;
-                    let r = post(&url, &format!("steady-{c}-{n}"), r#"{"n":1}"#, &[("x-test-sleep-ms", "100")]).await;
-                    statuses.push(r.status);
-                }
-                statuses
-            })
-        })
-        .collect();
+    let clients = steady_clients(&gw.url("/v1/orders"), Duration::from_secs(4));
     let delivered = || up.requests().iter().filter(|r| r.path == "/events").count();
     // Half-way through, the first 2 s of completions have had their chance.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let during = delivered();
-    let mut statuses = Vec::new();
-    for c in clients {
-        statuses.extend(c.await.expect("client"));
-    }
-    assert!(statuses.iter().all(|s| *s == 201), "every request ran: {statuses:?}");
+    let statuses = all_answered(clients).await;
     eprintln!("events delivered during the load: {during}");
     assert!(during >= 3, "{during} events delivered in 3 s of load, {} requests answered in all:\n{}", statuses.len(), gw.logs());
     // And every event is delivered in the end, each once.
     let all = support::eventually(Duration::from_secs(20), || async { delivered() >= statuses.len() }).await;
     assert!(all, "{} of {} events delivered", delivered(), statuses.len());
+}
+
+/// Requests that keep an upstream at its limit do not hold the async
+/// operations of its routes until the load ends: the workers wait their turn
+/// for a slot beside the waiting requests, as the relay does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn async_operations_run_while_requests_keep_the_upstream_at_its_limit() {
+    let _alone = LOAD.lock().await;
+    let up = TestUpstream::start().await;
+    let backend = sqlite_backend();
+    let gw = Gateway::start(
+        GatewayConfig::new(backend.clone(), up.url())
+            .timeout("8s")
+            .upstream("max_in_flight = 2\nqueue_timeout = \"3s\"")
+            .route("allow_async = true"),
+    );
+    let store = backend.open().await;
+    let clients = steady_clients(&gw.url("/v1/orders"), Duration::from_secs(4));
+    // Once the load is on, four operations are accepted (202, no slot needed).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let keys: Vec<String> = (0..4).map(|i| format!("async-{i}")).collect();
+    for key in &keys {
+        let accepted = post(&gw.url("/v1/orders"), key, r#"{"n":2}"#, &[("prefer", "respond-async")]).await;
+        assert_eq!(accepted.status, 202, "{accepted:?}");
+    }
+    let ran = || keys.iter().filter(|k| up.side_effects(&derived(k)) > 0).count();
+    // Two and a half seconds of load later, the workers have had their turns.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let during = ran();
+    let statuses = all_answered(clients).await;
+    eprintln!("async operations run during the load: {during} of {}", keys.len());
+    assert!(during >= 3, "{during} of 4 operations ran in 2.5 s of load, {} requests answered:\n{}", statuses.len(), gw.logs());
+    // And every operation completes in the end, each executed once.
+    let completed = support::eventually(Duration::from_secs(20), || async {
+        let mut all = true;
+        for key in &keys {
+            all &= record(&store, key).await.is_some_and(|r| r.state == State::Completed);
+        }
+        all
+    })
+    .await;
+    assert!(completed, "not every operation completed:\n{}", gw.logs());
+    for key in &keys {
+        assert_eq!(up.side_effects(&derived(key)), 1, "{key} executed once");
+    }
 }
 
 /// Over the limit, a request whose key has a record is answered from it as
