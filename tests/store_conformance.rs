@@ -22,7 +22,7 @@ use idemgate::config::{Secret, StoreBackend, StoreConfig};
 use idemgate::idempotency::fingerprint::Fingerprint;
 use idemgate::idempotency::key::{IdempotencyKey, Scope};
 use idemgate::idempotency::record::Retention;
-use idemgate::idempotency::record::{self, Generation, Record, Refused, State, StoredResponse, Timestamp};
+use idemgate::idempotency::record::{self, Generation, Record, State, StoredResponse, Timestamp, TransitionError};
 use idemgate::outbox::{Delivery, EventPolicies, EventType, EventsConfig, OutboxEvent};
 use idemgate::store::audit::{Actor, AuditNote};
 use idemgate::store::{
@@ -833,9 +833,12 @@ async fn resolve_releases_completes_and_refuses_live_claims(backend: Backend) {
     let live = key("live");
     let lc = claim(&store, &req(&live, 1, LONG, false)).await;
     let before = row(&store, &live).await;
-    assert_eq!(store.resolve(&live, &RELEASE, &n).await.unwrap(), ResolveOutcome::Refused(Refused::LeaseLive));
-    assert_eq!(store.resolve(&live, &complete(200), &n).await.unwrap(), ResolveOutcome::Refused(Refused::LeaseLive));
-    assert_eq!(store.resolve(&live, &Resolution::Release { force: true }, &n).await.unwrap(), ResolveOutcome::Refused(Refused::LeaseLive));
+    assert_eq!(store.resolve(&live, &RELEASE, &n).await.unwrap(), ResolveOutcome::Refused(TransitionError::LeaseLive));
+    assert_eq!(store.resolve(&live, &complete(200), &n).await.unwrap(), ResolveOutcome::Refused(TransitionError::LeaseLive));
+    assert_eq!(
+        store.resolve(&live, &Resolution::Release { force: true }, &n).await.unwrap(),
+        ResolveOutcome::Refused(TransitionError::LeaseLive)
+    );
     assert_eq!(row(&store, &live).await, before);
     assert_eq!(store.complete(&lc, &response(201, b"own"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Written);
 
@@ -870,7 +873,7 @@ async fn resolve_releases_completes_and_refuses_live_claims(backend: Backend) {
     assert!(again.generation > ec.generation);
 
     // A completed record is refused without force (see the next case).
-    assert_eq!(store.resolve(&live, &RELEASE, &n).await.unwrap(), ResolveOutcome::Refused(Refused::NotAllowed(State::Completed)));
+    assert_eq!(store.resolve(&live, &RELEASE, &n).await.unwrap(), ResolveOutcome::Refused(TransitionError::NotAllowed(State::Completed)));
     assert_eq!(key_set(&all(&store).await), set(&["live", "unknown", "expired"]));
 }
 
@@ -885,9 +888,15 @@ async fn resolve_of_a_completed_record_needs_force_and_is_audited(backend: Backe
     store.complete(&c, &response(201, b"order 1"), Retention::For(LONG)).await.unwrap();
     let before = row(&store, &done).await;
     let plain = note("looks wrong");
-    assert_eq!(store.resolve(&done, &RELEASE, &plain).await.unwrap(), ResolveOutcome::Refused(Refused::NotAllowed(State::Completed)));
+    assert_eq!(
+        store.resolve(&done, &RELEASE, &plain).await.unwrap(),
+        ResolveOutcome::Refused(TransitionError::NotAllowed(State::Completed))
+    );
     let complete = Resolution::Complete { response: response(200, b"other"), retention: Retention::For(LONG), force: false };
-    assert_eq!(store.resolve(&done, &complete, &plain).await.unwrap(), ResolveOutcome::Refused(Refused::NotAllowed(State::Completed)));
+    assert_eq!(
+        store.resolve(&done, &complete, &plain).await.unwrap(),
+        ResolveOutcome::Refused(TransitionError::NotAllowed(State::Completed))
+    );
     assert_eq!(row(&store, &done).await, before, "nothing changed");
     assert!(store.audit(10).await.unwrap().is_empty(), "refusals leave no audit row");
 
@@ -1176,7 +1185,7 @@ async fn stored_requests_are_dropped_once_the_operation_is_final(backend: Backen
     // Completed and its request gone: a forced release cannot re-queue it.
     let before = row(&store, &done).await;
     let forced = Resolution::Release { force: true };
-    assert_eq!(store.resolve(&done, &forced, &note("run it again")).await.unwrap(), ResolveOutcome::Refused(Refused::RequestGone));
+    assert_eq!(store.resolve(&done, &forced, &note("run it again")).await.unwrap(), ResolveOutcome::Refused(TransitionError::RequestGone));
     assert_eq!(row(&store, &done).await, before, "unchanged");
     assert!(take(&store, &routes, "w").await.is_none(), "nothing was queued");
 
@@ -1685,11 +1694,15 @@ async fn probes_take_due_unknown_records_and_their_writes_are_fenced(backend: Ba
     let f1b = again[0].fence;
     assert_ne!(f1b.token, f1.token);
     // The first probe's mark is gone: its writes are fenced off.
-    assert_eq!(store.resolve_probed(&u1, &complete, &by_probe, f1).await.unwrap(), ResolveOutcome::Refused(Refused::Fenced));
+    assert_eq!(store.resolve_probed(&u1, &complete, &by_probe, f1).await.unwrap(), ResolveOutcome::Refused(TransitionError::Fenced));
     assert_eq!(store.probe_failed(&u1, f1, SHORT, "probe answered 503").await.unwrap(), WriteOutcome::Fenced);
     assert_eq!(store.resolve_probed(&u1, &complete, &by_probe, f1b).await.unwrap(), ResolveOutcome::Resolved { from: State::Unknown });
     assert_eq!(row(&store, &u1).await.state, State::Completed);
-    assert_eq!(store.resolve_probed(&u1, &RELEASE, &by_probe, f1b).await.unwrap(), ResolveOutcome::Refused(Refused::Fenced), "once");
+    assert_eq!(
+        store.resolve_probed(&u1, &RELEASE, &by_probe, f1b).await.unwrap(),
+        ResolveOutcome::Refused(TransitionError::Fenced),
+        "once"
+    );
 
     // An operator's resolution in between wins.
     assert_eq!(store.resolve(&u2, &RELEASE, &note("checked by hand")).await.unwrap(), ResolveOutcome::Resolved { from: State::Unknown });
@@ -1698,7 +1711,7 @@ async fn probes_take_due_unknown_records_and_their_writes_are_fenced(backend: Ba
     // A new life of the key (claimed again, unknown again): the old probe
     // cannot write to it, and it is due at once.
     let c2 = unknown(&store, &u2).await;
-    assert_eq!(store.resolve_probed(&u2, &complete, &by_probe, f2).await.unwrap(), ResolveOutcome::Refused(Refused::Fenced));
+    assert_eq!(store.resolve_probed(&u2, &complete, &by_probe, f2).await.unwrap(), ResolveOutcome::Refused(TransitionError::Fenced));
     tokio::time::sleep(PAST_SHORT).await;
     let fresh = store.take_probes(&routes, LONG, 10).await.unwrap();
     assert_eq!((fresh.len(), fresh[0].record.generation, fresh[0].attempts), (1, c2.generation, 0));
@@ -1713,7 +1726,10 @@ async fn probes_take_due_unknown_records_and_their_writes_are_fenced(backend: Ba
     tokio::time::sleep(PAST_SHORT).await;
     let second = store.take_probes(&routes, LONG, 10).await.unwrap();
     assert_eq!(keys_of(&second.iter().map(|t| t.record.clone()).collect::<Vec<_>>()), ["u3"]);
-    assert_eq!(store.resolve_probed(&u3, &RELEASE, &by_probe, first[0].fence).await.unwrap(), ResolveOutcome::Refused(Refused::Fenced));
+    assert_eq!(
+        store.resolve_probed(&u3, &RELEASE, &by_probe, first[0].fence).await.unwrap(),
+        ResolveOutcome::Refused(TransitionError::Fenced)
+    );
     assert_eq!(
         store.resolve_probed(&u3, &RELEASE, &by_probe, second[0].fence).await.unwrap(),
         ResolveOutcome::Resolved { from: State::Unknown }

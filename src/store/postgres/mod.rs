@@ -20,7 +20,9 @@ use super::{
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::{IdempotencyKey, Scope, ScopeId};
 use crate::idempotency::record::Retention;
-use crate::idempotency::record::{Attempt, Generation, Next, Record, Refused, State, StoredResponse, Timestamp, may_take_over, transition};
+use crate::idempotency::record::{
+    Attempt, Generation, Next, Record, State, StoredResponse, Timestamp, TransitionError, may_take_over, transition,
+};
 use crate::outbox::{Delivery, EventPolicies, EventType, OutboxEvent};
 use crate::store::audit::{self, AuditEntry, AuditNote};
 use crate::telemetry::logging::ErrorChain;
@@ -63,7 +65,7 @@ pub mod sql;
 pub use citus::Flavor;
 
 use batch::{BatchClaim, BatchWrite, Batcher, ClaimItem, CompleteItem, Emit, WriteItem, WriteOut};
-use failover::{Flush, HostWalk, Verdict};
+use failover::{Flush, HostWalk, SessionFate};
 use sql::NCOLS;
 
 /// The pool, shared by the store and its batchers.
@@ -137,11 +139,11 @@ impl Db {
 
     /// Runs one statement on a pooled connection and returns its rows. A
     /// statement refused because the schema changed under the connection's
-    /// prepared statements (`Verdict::Stale`: it did not run) runs once more
+    /// prepared statements (`SessionFate::Stale`: it did not run) runs once more
     /// on a new connection.
     async fn query(&self, sql: &str, params: &[&(dyn tokio_postgres::types::ToSql + Sync)], write: bool) -> Result<Vec<Row>, StoreError> {
         match self.query_once(sql, params, write).await {
-            Err((_, Verdict::Stale)) => self.query_once(sql, params, write).await.map_err(|(e, _)| e),
+            Err((_, SessionFate::Stale)) => self.query_once(sql, params, write).await.map_err(|(e, _)| e),
             r => r.map_err(|(e, _)| e),
         }
     }
@@ -164,7 +166,7 @@ impl Db {
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
         write: bool,
-    ) -> Result<Vec<Row>, (StoreError, Verdict)> {
+    ) -> Result<Vec<Row>, (StoreError, SessionFate)> {
         self.query_text(self.text(sql), params, write).await
     }
 
@@ -180,7 +182,7 @@ impl Db {
         write: bool,
     ) -> Result<Vec<Row>, StoreError> {
         match self.query_text(sql, params, write).await {
-            Err((_, Verdict::Stale)) => self.query_text(sql, params, write).await.map_err(|(e, _)| e),
+            Err((_, SessionFate::Stale)) => self.query_text(sql, params, write).await.map_err(|(e, _)| e),
             r => r.map_err(|(e, _)| e),
         }
     }
@@ -190,8 +192,8 @@ impl Db {
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
         write: bool,
-    ) -> Result<Vec<Row>, (StoreError, Verdict)> {
-        let conn = self.conn().await.map_err(|e| (e, Verdict::Keep))?;
+    ) -> Result<Vec<Row>, (StoreError, SessionFate)> {
+        let conn = self.conn().await.map_err(|e| (e, SessionFate::Keep))?;
         if self.flavor == Flavor::Citus && conn.client().statement_cache.size() >= MAX_PREPARED {
             conn.client().statement_cache.clear();
         }
@@ -233,17 +235,17 @@ impl Db {
     /// What a failed statement means for its connection (kept, discarded, or
     /// discarded with every connection to a server that may no longer be the
     /// primary; see `failover`), and for the caller (`classify`).
-    fn failed(&self, conn: Conn, e: tokio_postgres::Error, write: bool) -> (StoreError, Verdict) {
-        let verdict = failover::verdict(&e);
-        match verdict {
-            Verdict::Keep => conn.done(),
-            Verdict::Discard => drop(conn),
-            Verdict::Failover | Verdict::Stale => {
+    fn failed(&self, conn: Conn, e: tokio_postgres::Error, write: bool) -> (StoreError, SessionFate) {
+        let fate = failover::fate(&e);
+        match fate {
+            SessionFate::Keep => conn.done(),
+            SessionFate::Discard => drop(conn),
+            SessionFate::Failover | SessionFate::Stale => {
                 drop(conn);
                 self.flush.now(&self.pool, &ErrorChain(&e).to_string());
             }
         }
-        (classify(e, write), verdict)
+        (classify(e, write), fate)
     }
 }
 

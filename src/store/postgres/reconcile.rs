@@ -201,7 +201,7 @@ impl PgStore {
             let token: Option<Uuid> = row.try_get(NCOLS + 1).map_err(c)?;
             if record.state != State::Unknown || record.generation != fence.generation || token != Some(fence.token) {
                 tx.rollback().await.map_err(w)?;
-                return Ok(Round::Done(ResolveOutcome::Refused(Refused::Fenced)));
+                return Ok(Round::Done(ResolveOutcome::Refused(TransitionError::Fenced)));
             }
         }
         // Our own hold, on the same generation, still in force: no replica
@@ -244,7 +244,7 @@ impl PgStore {
                 let Some(row) = rows.first() else {
                     // The row is locked: only a dropped request stops the update.
                     tx.rollback().await.map_err(w)?;
-                    return Ok(Round::Done(ResolveOutcome::Refused(Refused::RequestGone)));
+                    return Ok(Round::Done(ResolveOutcome::Refused(TransitionError::RequestGone)));
                 };
                 let generation: i64 = row.try_get(0).map_err(|_| StoreError::Corrupt("resolve: no generation".into()))?;
                 (Some(State::Queued), Some(generation))

@@ -41,7 +41,7 @@ use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::{IdempotencyKey, Scope, ScopeId};
 use crate::idempotency::record::Retention;
 use crate::idempotency::record::{
-    Attempt, Event, Generation, Next, Record, Refused, State, StoredResponse, Timestamp, may_take_over, transition,
+    Attempt, Event, Generation, Next, Record, State, StoredResponse, Timestamp, TransitionError, may_take_over, transition,
 };
 use crate::outbox::{Delivery, EventPolicies, EventType, OutboxEvent};
 use crate::store::audit::{self, AuditEntry, AuditNote};

@@ -85,7 +85,7 @@ impl Reconcile for SqliteStore {
             if let Some(fence) = fence
                 && !probe_holds(tx, &scope, &record, fence)?
             {
-                return Ok(ResolveOutcome::Refused(Refused::Fenced));
+                return Ok(ResolveOutcome::Refused(TransitionError::Fenced));
             }
             let (to, generation) = match (transition(&record, resolution.event(), now), &resolution) {
                 (Err(refused), _) => return Ok(ResolveOutcome::Refused(refused)),
@@ -108,7 +108,7 @@ impl Reconcile for SqliteStore {
                         })
                         .map_err(err)?;
                     if !kept {
-                        return Ok(ResolveOutcome::Refused(Refused::RequestGone));
+                        return Ok(ResolveOutcome::Refused(TransitionError::RequestGone));
                     }
                     let next = next_generation(tx)?;
                     tx.prepare_cached(&format!(
@@ -121,7 +121,7 @@ impl Reconcile for SqliteStore {
                     (Some(State::Queued), Some(next))
                 }
                 (Ok(Next::State { .. }), Resolution::Release { .. }) => {
-                    return Ok(ResolveOutcome::Refused(Refused::NotAllowed(record.state)));
+                    return Ok(ResolveOutcome::Refused(TransitionError::NotAllowed(record.state)));
                 }
             };
             let [t, p, o, k] = pk(&scope);

@@ -270,7 +270,7 @@ impl Records for SqliteStore {
 
     async fn unknown_by_age(&self, bounds: &[Duration]) -> Result<Vec<u64>, StoreError> {
         let n = bounds.len();
-        // The oldest change each bucket but the last admits, in bucket
+        // The oldest change each bucket but the last takes in, in bucket
         // order: `CASE WHEN updated_at > ?1 THEN 0 WHEN updated_at > ?2 ...`.
         let whens: String = (0..n).map(|i| format!(" WHEN updated_at > ?{} THEN {i}", i + 1)).collect();
         let bucket = if n == 0 { "0".to_owned() } else { format!("CASE{whens} ELSE {n} END") };
