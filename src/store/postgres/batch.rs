@@ -13,7 +13,16 @@ use std::sync::Arc;
 
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
-use super::*;
+use super::sql::NCOLS;
+use super::{Db, decode, micros};
+use crate::idempotency::fingerprint::Fingerprint;
+use crate::idempotency::key::Scope;
+use crate::idempotency::record::{Attempt, Generation, Record, Timestamp};
+use crate::outbox::{EventPolicies, EventType};
+use crate::store::{Acceptance, ClaimRequest, StoreError};
+use bytes::Bytes;
+use tokio_postgres::Row;
+use uuid::Uuid;
 
 struct Job<I, O> {
     item: I,

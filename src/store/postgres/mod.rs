@@ -11,20 +11,14 @@ use tokio_postgres::{NoTls, Row};
 use uuid::Uuid;
 
 use super::codec::{decode_headers, encode_headers};
-use super::contract::{Events, Lifecycle, Queue, Reconcile, Records, Trail};
-use super::migrations::{DERIVED_KEY_SECRET, PG_LOCK_KEY, POSTGRES, fresh_secret};
-use super::{
-    Acceptance, Claim, ClaimRequest, EventStats, ForeverCount, Inspection, ListFilter, Pooler, ProbeFence, ProbeRoute, Probing, RawClaim,
-    Reaped, Resolution, ResolveOutcome, RetryNote, StateCount, StoreError, Taken, WorkerRoute,
-};
+use super::contract::Events;
+use super::migrations::{DERIVED_KEY_SECRET, POSTGRES};
+use super::{Claim, ClaimRequest, EventStats, Pooler, RawClaim, StoreError};
 use crate::idempotency::fingerprint::Fingerprint;
-use crate::idempotency::key::{IdempotencyKey, Scope, ScopeId};
+use crate::idempotency::key::{IdempotencyKey, Scope};
 use crate::idempotency::record::Retention;
-use crate::idempotency::record::{
-    Attempt, Generation, Next, Record, State, StoredResponse, Timestamp, TransitionError, may_take_over, transition,
-};
-use crate::outbox::{Delivery, EventPolicies, EventType, OutboxEvent};
-use crate::store::audit::{self, AuditEntry, AuditNote};
+use crate::idempotency::record::{Attempt, Generation, Record, State, StoredResponse, Timestamp};
+use crate::outbox::{Delivery, EventType, OutboxEvent};
 use crate::telemetry::logging::ErrorChain;
 use async_trait::async_trait;
 use std::sync::Arc;
@@ -64,7 +58,7 @@ pub mod sql;
 
 pub use citus::Flavor;
 
-use batch::{BatchClaim, BatchWrite, Batcher, ClaimItem, CompleteItem, Emit, WriteItem, WriteOut};
+use batch::{Batcher, Emit, WriteItem, WriteOut};
 use failover::{Flush, HostWalk, SessionFate};
 use sql::NCOLS;
 

@@ -1,9 +1,20 @@
 //! PostgreSQL: the async queue (the [`Queue`] part of the store's contract).
 
 use super::batch::{PkColumns, is_deadlock};
+use super::citus::Flavor;
+use super::sql::NCOLS;
 use super::sql::{COLUMNS, EVENT_INSERT, EXPIRES_7, FENCE, PK, prefixed};
-use super::*;
+use super::{Db, PgStore, citus_sql, decode, micros, retention_us};
+use crate::idempotency::key::Scope;
+use crate::idempotency::record::{Attempt, Record, Retention, Timestamp};
+use crate::outbox::{EventPolicies, EventType};
+use crate::store::contract::Queue;
+use crate::store::{Claim, RetryNote, StoreError, Taken, WorkerRoute};
+use async_trait::async_trait;
 use std::sync::LazyLock;
+use std::time::Duration;
+use tokio_postgres::Row;
+use uuid::Uuid;
 
 /// Workers take the oldest due operations of their routes, up to `$6` in
 /// one statement and one commit: each row is locked with `SKIP LOCKED` (a

@@ -1,9 +1,22 @@
 //! PostgreSQL: the probe's take and bookkeeping, and resolutions (the [`Reconcile`] part of the store's contract).
 
+use super::citus::Flavor;
+use super::sql::NCOLS;
 use super::sql::{COLUMNS, EXPIRES_8, PK, prefixed};
-use super::*;
+use super::{Conn, PgStore, citus_sql, classify, decode, micros, retention_us};
+use crate::idempotency::key::Scope;
+use crate::idempotency::record::{Generation, Next, State, Timestamp, TransitionError, transition};
+use crate::outbox::{EventPolicies, EventType};
 use crate::store::UNRECORDED_AT_UPSTREAM;
+use crate::store::audit::AuditNote;
+use crate::store::codec::encode_headers;
+use crate::store::contract::Reconcile;
+use crate::store::{ProbeFence, ProbeRoute, Probing, Resolution, ResolveOutcome, StoreError, audit};
+use async_trait::async_trait;
+use bytes::Bytes;
 use std::sync::LazyLock;
+use std::time::Duration;
+use uuid::Uuid;
 
 /// The resolution's row, locked.
 pub(super) static RESOLVE_LOCK: LazyLock<String> =

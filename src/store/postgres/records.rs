@@ -1,8 +1,21 @@
 //! PostgreSQL: the claim, fenced results, reads, lists, retention and leases (the [`Records`] part of the store's contract).
 
+use super::batch::{BatchClaim, BatchWrite, ClaimItem, CompleteItem, Emit, WriteItem, WriteOut};
+use super::citus::Flavor;
+use super::sql::NCOLS;
 use super::sql::{COLUMNS, EVENT_INSERT, EXPIRES_9, PK, prefixed};
-use super::*;
+use super::{PgStore, citus_sql, decode, retention_us};
+use crate::idempotency::key::{Scope, ScopeId};
+use crate::idempotency::record::{Attempt, Record, Retention, State, StoredResponse, Timestamp, may_take_over};
+use crate::outbox::{EventPolicies, EventType};
+use crate::store::codec::encode_headers;
+use crate::store::contract::Records;
+use crate::store::{Claim, ClaimRequest, ForeverCount, ListFilter, RawClaim, Reaped, StateCount, StoreError};
+use async_trait::async_trait;
+use std::sync::Arc;
 use std::sync::LazyLock;
+use std::time::Duration;
+use uuid::Uuid;
 
 /// The claim: one statement, autocommitted. It reads the scope's row, takes it
 /// over if `record::may_take_over` allows (an UPDATE that re-checks the

@@ -1,8 +1,17 @@
 //! PostgreSQL: the audit trail and one scope's inspection (the [`Trail`] part of the store's contract).
 
+use super::sql::NCOLS;
 use super::sql::{COLUMNS, PK};
-use super::*;
+use super::{PgStore, decode};
+use crate::idempotency::key::{IdempotencyKey, Scope};
+use crate::idempotency::record::{Generation, Timestamp};
+use crate::store::audit::AuditEntry;
+use crate::store::contract::Trail;
+use crate::store::{Inspection, StoreError};
+use async_trait::async_trait;
+use bytes::Bytes;
 use std::sync::LazyLock;
+use tokio_postgres::Row;
 
 pub(super) const AUDIT_INSERT: &str = "INSERT INTO idemgate_audit \
      (actor, tenant, principal, operation, idempotency_key, from_state, to_state, reason, forced, generation, peer, token_label) \

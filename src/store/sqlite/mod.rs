@@ -20,7 +20,6 @@ mod trail;
 use std::fs::File;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::mpsc;
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -31,20 +30,13 @@ use rusqlite::{Connection, TransactionBehavior, params};
 use uuid::Uuid;
 
 use super::codec::{decode_headers, encode_headers};
-use super::contract::{Events, Lifecycle, Queue, Reconcile, Records, Trail};
-use super::migrations::{DERIVED_KEY_SECRET, SQLITE, fresh_secret};
-use super::{
-    Access, Claim, ClaimRequest, EventStats, ForeverCount, Inspection, ListFilter, ProbeFence, ProbeRoute, Probing, RawClaim, Reaped,
-    Resolution, ResolveOutcome, RetryNote, StateCount, StoreError, Taken, WorkerRoute,
-};
+use super::contract::Events;
+use super::{Access, EventStats, StoreError};
 use crate::idempotency::fingerprint::Fingerprint;
-use crate::idempotency::key::{IdempotencyKey, Scope, ScopeId};
+use crate::idempotency::key::{IdempotencyKey, Scope};
 use crate::idempotency::record::Retention;
-use crate::idempotency::record::{
-    Attempt, Event, Generation, Next, Record, State, StoredResponse, Timestamp, TransitionError, may_take_over, transition,
-};
-use crate::outbox::{Delivery, EventPolicies, EventType, OutboxEvent};
-use crate::store::audit::{self, AuditEntry, AuditNote};
+use crate::idempotency::record::{Event, Generation, Next, Record, State, StoredResponse, Timestamp, transition};
+use crate::outbox::{Delivery, EventType, OutboxEvent};
 use async_trait::async_trait;
 
 const COLUMNS: &str = "tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner, \
@@ -561,6 +553,10 @@ fn decode(row: &rusqlite::Row<'_>) -> Result<Record, StoreError> {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
+    use crate::store::contract::Lifecycle;
+
     use super::*;
 
     /// Every statement that selects records by state (the workers' take,

@@ -1,8 +1,17 @@
 //! SQLite: the async queue (the [`Queue`] part of the store's contract).
 
-use super::*;
+use super::{COLUMNS, NewEvent, PK, SqliteStore, decode, err, get_tx, insert_event, next_generation, pk, touch, update_state};
+use crate::idempotency::key::Scope;
 use crate::idempotency::record::may_forward;
+use crate::idempotency::record::{Attempt, Event, Next, Record, Retention, State, Timestamp, transition};
+use crate::outbox::{EventPolicies, EventType};
+use crate::store::contract::Queue;
+use crate::store::{Claim, RetryNote, StoreError, Taken, WorkerRoute};
+use async_trait::async_trait;
+use rusqlite::{Connection, params};
 use std::sync::LazyLock;
+use std::time::Duration;
+use uuid::Uuid;
 
 #[async_trait]
 impl Queue for SqliteStore {

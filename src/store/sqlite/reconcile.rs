@@ -1,8 +1,19 @@
 //! SQLite: the probe's take and bookkeeping, and resolutions (the [`Reconcile`] part of the store's contract).
 
-use super::*;
+use super::{COLUMNS, NCOLS, NewEvent, PK, SqliteStore, decode, delete, err, get_tx, insert_event, next_generation, pk, write_response};
+use crate::idempotency::key::Scope;
+use crate::idempotency::record::{Next, Record, State, Timestamp, TransitionError, transition};
+use crate::outbox::{EventPolicies, EventType};
 use crate::store::UNRECORDED_AT_UPSTREAM;
+use crate::store::audit::AuditNote;
+use crate::store::contract::Reconcile;
+use crate::store::{ProbeFence, ProbeRoute, Probing, Resolution, ResolveOutcome, StoreError, audit};
+use async_trait::async_trait;
+use bytes::Bytes;
+use rusqlite::{Connection, params};
 use std::sync::LazyLock;
+use std::time::Duration;
+use uuid::Uuid;
 
 #[async_trait]
 impl Reconcile for SqliteStore {

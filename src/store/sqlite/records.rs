@@ -1,7 +1,20 @@
 //! SQLite: the claim, fenced results, reads, lists, retention and leases (the [`Records`] part of the store's contract).
 
-use super::*;
+use super::{
+    COLUMNS, NewEvent, SqliteStore, decode, delete, err, get_conn, get_tx, insert_event, next_generation, now, pk, set_unknown,
+    update_state, write_response,
+};
+use crate::idempotency::key::{IdempotencyKey, Scope, ScopeId};
+use crate::idempotency::record::{Attempt, Event, Next, Record, Retention, State, StoredResponse, Timestamp, may_take_over, transition};
+use crate::outbox::{EventPolicies, EventType};
+use crate::store::contract::Records;
+use crate::store::{Claim, ClaimRequest, ForeverCount, ListFilter, RawClaim, Reaped, StateCount, StoreError};
+use async_trait::async_trait;
+use rusqlite::params;
+use std::sync::Arc;
 use std::sync::LazyLock;
+use std::time::Duration;
+use uuid::Uuid;
 
 #[async_trait]
 impl Records for SqliteStore {

@@ -1,6 +1,14 @@
 //! SQLite: the audit trail and one scope's inspection (the [`Trail`] part of the store's contract).
 
-use super::*;
+use super::{COLUMNS, NCOLS, PK, SqliteStore, decode, err, pk};
+use crate::idempotency::key::{IdempotencyKey, Scope};
+use crate::idempotency::record::{Generation, Timestamp};
+use crate::store::audit::AuditEntry;
+use crate::store::contract::Trail;
+use crate::store::{Inspection, StoreError};
+use async_trait::async_trait;
+use bytes::Bytes;
+use rusqlite::params;
 
 #[async_trait]
 impl Trail for SqliteStore {
