@@ -1,7 +1,7 @@
 //! SQLite: the claim, fenced results, reads, lists, retention and leases (the [`Records`] part of the store's contract).
 
 use super::{
-    COLUMNS, NewEvent, SqliteStore, decode, delete, err, get_conn, get_tx, insert_event, next_generation, now, pk, set_unknown,
+    NewEvent, RECORD_COLUMNS, SqliteStore, decode, delete, err, get_conn, get_tx, insert_event, next_generation, now, pk, set_unknown,
     update_state, write_response,
 };
 use crate::idempotency::key::{IdempotencyKey, Scope, ScopeId};
@@ -165,7 +165,7 @@ impl Records for SqliteStore {
             // Keyset pagination: after the cursor's record in the list's
             // order (updated_at descending, then the primary key ascending).
             let sql = format!(
-                "SELECT {COLUMNS} FROM idemgate_records \
+                "SELECT {RECORD_COLUMNS} FROM idemgate_records \
                  WHERE (?1 IS NULL OR state = ?1) AND (?2 IS NULL OR tenant = ?2) AND (?3 IS NULL OR operation = ?3) \
                  AND (NOT ?5 OR expires_at = 9223372036854775807) \
                  AND (?6 IS NULL OR updated_at < ?6 \
@@ -327,7 +327,7 @@ impl Records for SqliteStore {
 
     async fn by_scope_id(&self, id: ScopeId) -> Result<Vec<Record>, StoreError> {
         self.write(move |conn, _| {
-            let mut st = conn.prepare_cached(&format!("SELECT {COLUMNS} FROM idemgate_records WHERE scope_id = ?1")).map_err(err)?;
+            let mut st = conn.prepare_cached(&format!("SELECT {RECORD_COLUMNS} FROM idemgate_records WHERE scope_id = ?1")).map_err(err)?;
             let mut rows = st.query(params![id.to_i64()]).map_err(err)?;
             let mut out = Vec::new();
             while let Some(row) = rows.next().map_err(err)? {
@@ -365,7 +365,7 @@ impl Records for SqliteStore {
 /// first (`state <> 'completed'`: see `queue::TAKE_OVERS`).
 pub(super) static REAP_STALE: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "SELECT {COLUMNS} FROM idemgate_records WHERE state IN ('in_flight', 'processing') AND state <> 'completed' \
+        "SELECT {RECORD_COLUMNS} FROM idemgate_records WHERE state IN ('in_flight', 'processing') AND state <> 'completed' \
          AND (lease_expires_at IS NULL OR lease_expires_at <= ?1) ORDER BY lease_expires_at LIMIT ?2"
     )
 });
