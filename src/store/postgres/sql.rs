@@ -27,7 +27,7 @@
 //!   instead.
 //!
 //! [`super::catalog`] lists every statement with the indexes it may use;
-//! `tests/pg_plans.rs` runs `EXPLAIN` on each of them, with these session
+//! `tests/it/pg_plans.rs` runs `EXPLAIN` on each of them, with these session
 //! settings, on an empty never-analyzed table, a populated one and after a
 //! mass delete, and fails on any sequential scan or any other index.
 
