@@ -498,7 +498,7 @@ async fn keys(config: &Config, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
             match idemgate::store::resolution::resolve(&store, &s, request, retention).await {
                 Ok(from) => say(&format!("resolved (was {from})\n")),
                 Err(ResolveError::Store(e)) => return Err(e.into()),
-                Err(e @ ResolveError::Refused(idemgate::idempotency::record::Refused::NotAllowed(State::Completed))) => {
+                Err(e @ ResolveError::Refused(idemgate::idempotency::record::TransitionError::NotAllowed(State::Completed))) => {
                     logging::stderr_best_effort(&format!(
                         "{e}: the record is completed and is what retries are replayed; add --force --reason '...' to change it\n"
                     ));

@@ -10,7 +10,7 @@ use std::time::Duration;
 use http::{HeaderValue, Response, StatusCode, header};
 
 use crate::idempotency::key::KeyError;
-use crate::idempotency::outcome::Outcome;
+use crate::idempotency::outcome::RequestOutcome;
 use crate::upstream::body::Body;
 
 /// Why idempotent handling ended without an upstream or stored response.
@@ -168,7 +168,7 @@ impl GatewayError {
     }
 
     /// How the request counts in `idemgate_requests_total`.
-    pub fn outcome(&self) -> Outcome {
+    pub fn outcome(&self) -> RequestOutcome {
         use GatewayError as E;
         match self {
             E::InvalidRequest(_)
@@ -182,15 +182,15 @@ impl GatewayError {
             | E::NotFound
             | E::Forbidden
             | E::AuthorizerUnavailable
-            | E::OperationNotCompleted { .. } => Outcome::Rejected,
-            E::StoreUnavailable | E::Internal => Outcome::StoreUnavailable,
-            E::UpstreamUnavailable => Outcome::Released,
-            E::OutcomeUnknown | E::RecordUnknown => Outcome::Unknown,
-            E::KeyReused { .. } => Outcome::Mismatch,
-            E::InProgress { .. } => Outcome::InFlight,
-            E::Overloaded => Outcome::Overloaded,
-            E::ResponseNotStored { .. } => Outcome::Replayed,
-            E::BadGateway | E::GatewayTimeout => Outcome::PassThrough,
+            | E::OperationNotCompleted { .. } => RequestOutcome::Rejected,
+            E::StoreUnavailable | E::Internal => RequestOutcome::StoreUnavailable,
+            E::UpstreamUnavailable => RequestOutcome::Released,
+            E::OutcomeUnknown | E::RecordUnknown => RequestOutcome::Unknown,
+            E::KeyReused { .. } => RequestOutcome::Mismatch,
+            E::InProgress { .. } => RequestOutcome::InFlight,
+            E::Overloaded => RequestOutcome::Overloaded,
+            E::ResponseNotStored { .. } => RequestOutcome::Replayed,
+            E::BadGateway | E::GatewayTimeout => RequestOutcome::PassThrough,
         }
     }
 
@@ -346,7 +346,7 @@ mod tests {
             GatewayError::OperationNotCompleted { state: crate::idempotency::record::State::Queued, retry_after: Duration::ZERO },
         ];
         for e in &rejections {
-            assert_eq!(e.outcome(), Outcome::Rejected, "{e}");
+            assert_eq!(e.outcome(), RequestOutcome::Rejected, "{e}");
             assert!(crate::telemetry::metrics::REJECTION_REASONS.contains(&e.type_name()), "{e}: {}", e.type_name());
         }
     }

@@ -3,7 +3,7 @@
 //!
 //! It starts from fresh databases a single PostgreSQL node and a Citus
 //! cluster (a coordinator and two workers, the integration tests' harness,
-//! `tests/support/citus.rs`) and measures first writes and replays in
+//! `tests/it/support/citus.rs`) and measures first writes and replays in
 //! interleaved rounds (the targets take turns, the order rotating; medians)
 //! on three targets:
 //!
@@ -156,7 +156,7 @@ pub fn run(ctx: &mut Ctx, upstream: SocketAddr) -> Result<()> {
     let n_tenants: usize = crate::env_num("IDEMGATE_BENCH_CITUS_TENANTS", 18)?;
     ctx.progress("citus: a PostgreSQL node and a Citus cluster (coordinator + 2 workers), fresh databases");
     let pg = Pg::start()?;
-    let cluster = CitusCluster::start(2).context("starting a Citus cluster (tests/support/citus.rs)")?;
+    let cluster = CitusCluster::start(2).context("starting a Citus cluster (tests/it/support/citus.rs)")?;
     for node in cluster.nodes() {
         if let Some(pid) = node.watchdog_pid() {
             procs::register_group(pid);

@@ -19,9 +19,9 @@
 
 /// The integration tests' harness: private PostgreSQL clusters, and Citus
 /// clusters (which reach the first as `super::postgres`).
-#[path = "../../tests/support/citus.rs"]
+#[path = "../../tests/it/support/citus.rs"]
 mod citus_harness;
-#[path = "../../tests/support/postgres.rs"]
+#[path = "../../tests/it/support/postgres.rs"]
 mod postgres;
 use postgres as pg_harness;
 

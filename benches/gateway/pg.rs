@@ -1,5 +1,5 @@
 //! The private PostgreSQL cluster (the integration tests' harness,
-//! `tests/support/postgres.rs`) plus psql and pgbench against it.
+//! `tests/it/support/postgres.rs`) plus psql and pgbench against it.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -21,7 +21,7 @@ impl Pg {
     pub fn start() -> Result<Pg> {
         let psql = find_pg_tool("psql")?;
         let pgbench = find_pg_tool("pgbench")?;
-        let server = PgServer::start().context("starting a private PostgreSQL (tests/support/postgres.rs)")?;
+        let server = PgServer::start().context("starting a private PostgreSQL (tests/it/support/postgres.rs)")?;
         if let Some(pid) = server.watchdog_pid() {
             procs::register_group(pid);
         }

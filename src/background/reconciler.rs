@@ -47,8 +47,8 @@ use tokio_util::task::TaskTracker;
 use crate::config::Config;
 use crate::executor::{Executor, stored_form};
 use crate::idempotency::outcome::ProbeOutcome;
-use crate::idempotency::record::Refused;
 use crate::idempotency::record::StoredResponse;
+use crate::idempotency::record::TransitionError;
 use crate::request::async_op::StoredRequest;
 use crate::request::route::Route;
 use crate::secret::DerivedKeySecret;
@@ -61,7 +61,7 @@ use crate::upstream::body::Body;
 use crate::upstream::headers;
 use crate::upstream::limit::Permit;
 
-pub use crate::request::reconcile_probe::{MAX_PROBE_BACKOFF, Probe, ProbeError, ProbeTarget, ProbeValues, Verdict};
+pub use crate::request::reconcile_probe::{MAX_PROBE_BACKOFF, Probe, ProbeError, ProbeFinding, ProbeTarget, ProbeValues};
 
 /// Records taken (and probed in parallel) per store statement.
 const BATCH: u32 = 8;
@@ -239,7 +239,7 @@ impl Reconciler {
         let request = ResolveRequest { action, reason: Some(reason), force: false, actor: Actor::Reconciler, fence: Some(taken.fence) };
         match resolution::resolve(&self.store, scope, request, probed.route.record.retention).await {
             Ok(_) => tracing::info!(route, scope = %scope.log_id(), outcome = outcome.as_str(), "unknown record reconciled by its probe"),
-            Err(ResolveError::Refused(Refused::Fenced) | ResolveError::NotFound) => tracing::info!(
+            Err(ResolveError::Refused(TransitionError::Fenced) | ResolveError::NotFound) => tracing::info!(
                 route,
                 scope = %scope.log_id(),
                 "probe result not applied: the record changed meanwhile (resolved by an operator, or claimed again)"
@@ -278,10 +278,10 @@ impl Reconciler {
         let resp = upstream.send(req, deadline).await?;
         let (mut head, body) = resp.into_parts();
         let status = head.status;
-        match probe.verdict(status) {
-            Verdict::Absent => Ok(Answer::Absent { status }),
-            Verdict::Inconclusive => Ok(Answer::Inconclusive { status }),
-            Verdict::Found => {
+        match probe.finding(status) {
+            ProbeFinding::Absent => Ok(Answer::Absent { status }),
+            ProbeFinding::Inconclusive => Ok(Answer::Inconclusive { status }),
+            ProbeFinding::Found => {
                 headers::strip_hop_by_hop(&mut head.headers);
                 let limit = usize::try_from(probed.route.record.max_stored_response).unwrap_or(usize::MAX);
                 let body = match tokio::time::timeout_at(deadline, Limited::new(body, limit).collect()).await {

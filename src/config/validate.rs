@@ -1104,7 +1104,7 @@ impl Validator<'_> {
                 self.issues.push(format!("{p}.jwks_url"), "give jwks_file or jwks_url, not both");
                 None
             }
-            (Some(f), None) => Some(crate::request::identity::jwt::KeySource::File(PathBuf::from(f))),
+            (Some(f), None) => Some(crate::request::identity::jwt::JwksSource::File(PathBuf::from(f))),
             (None, Some(u)) => match u.parse::<http::Uri>() {
                 Ok(uri) if uri.scheme_str() == Some("http") && uri.authority().is_some() => {
                     self.warnings.push(
@@ -1112,10 +1112,10 @@ impl Validator<'_> {
                         Hardening::Jwt,
                         "the keys are fetched over plain http://: whoever can alter them in transit can sign tokens for any tenant; use https://",
                     );
-                    Some(crate::request::identity::jwt::KeySource::Url(uri))
+                    Some(crate::request::identity::jwt::JwksSource::Url(uri))
                 }
                 Ok(uri) if uri.scheme_str() == Some("https") && uri.authority().is_some() => {
-                    self.system_roots(&format!("{p}.jwks_url"), uri).map(crate::request::identity::jwt::KeySource::Url)
+                    self.system_roots(&format!("{p}.jwks_url"), uri).map(crate::request::identity::jwt::JwksSource::Url)
                 }
                 _ => {
                     self.issues.push(format!("{p}.jwks_url"), format!("invalid URL {u:?}"));
@@ -1126,7 +1126,7 @@ impl Validator<'_> {
                 self.issues.push(format!("{p}.jwks_file"), "RS256, ES256 and EdDSA need jwks_file or jwks_url");
                 None
             }
-            (None, None) => Some(crate::request::identity::jwt::KeySource::None),
+            (None, None) => Some(crate::request::identity::jwt::JwksSource::None),
         };
         let refresh = self.duration(&format!("{p}.jwks_refresh"), s.jwks_refresh.as_deref(), "5m");
         let refresh = self.at_least(&format!("{p}.jwks_refresh"), refresh, Duration::from_secs(1));

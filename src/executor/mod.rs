@@ -24,7 +24,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::executor::classify::{Class, SyncWrite};
 use crate::executor::waiters::{Recording, Waiters};
-use crate::idempotency::outcome::{AttemptOutcome, Outcome};
+use crate::idempotency::outcome::{AttemptOutcome, RequestOutcome};
 use crate::idempotency::record::{StoredResponse, may_forward};
 use crate::problem::GatewayError;
 use crate::request::async_op::StoredRequest;
@@ -139,15 +139,15 @@ impl ResultWrite<'_> {
     pub async fn finish(self) {
         let ResultWrite { executor, route, claim, stored, _recording } = self;
         let outcome = match executor.store.complete(&claim, &stored, route.record.retention).await {
-            Ok(WriteOutcome::Written) => Outcome::Forwarded,
-            Ok(WriteOutcome::Fenced) => Outcome::Fenced,
+            Ok(WriteOutcome::Written) => RequestOutcome::Forwarded,
+            Ok(WriteOutcome::Fenced) => RequestOutcome::Fenced,
             Err(e) => {
                 // The upstream acted and the client has its answer. The store
                 // may be failing over: keep trying in the background until the
                 // lease would run out; only then does the expiry turn it unknown.
                 crate::telemetry::throttle::warn_throttled!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "could not record the result; retrying in the background");
                 executor.record_later(&claim, stored, route);
-                Outcome::Forwarded
+                RequestOutcome::Forwarded
             }
         };
         executor.metrics.request(&route.operation, outcome);
@@ -213,7 +213,7 @@ impl Executor {
         parts: request::Parts,
         body: Bytes,
         slot: Option<Slot>,
-    ) -> (Result<(Response<Body>, Outcome), GatewayError>, Option<ResultWrite<'a>>) {
+    ) -> (Result<(Response<Body>, RequestOutcome), GatewayError>, Option<ResultWrite<'a>>) {
         self.metrics.forward_started();
         let (answer, write) = match self.sync_attempt(route, claim, parts, body, slot).await {
             Ok((response, outcome, write)) => (Ok((response, outcome)), write),
@@ -235,7 +235,7 @@ impl Executor {
         parts: request::Parts,
         body: Bytes,
         slot: Option<Slot>,
-    ) -> Result<(Response<Body>, Outcome, Option<ResultWrite<'a>>), GatewayError> {
+    ) -> Result<(Response<Body>, RequestOutcome, Option<ResultWrite<'a>>), GatewayError> {
         let upstream_timeout = self.upstreams[route.upstream].config.timeout;
         // Never past the claim's lease: a process that learns of its claim
         // late, or is stopped between its claim and its send, sends nothing
@@ -260,7 +260,7 @@ impl Executor {
             Exchange::MaybeExecuted(_) => Err(GatewayError::OutcomeUnknown),
             Exchange::Declined { head, body, no_store } => {
                 tracing::debug!(scope = %claim.scope.log_id(), status = head.status.as_u16(), no_store, ?write, "upstream declined recording");
-                Ok((Response::from_parts(head, Body::stream(body, upstream_timeout)), Outcome::Released, None))
+                Ok((Response::from_parts(head, Body::stream(body, upstream_timeout)), RequestOutcome::Released, None))
             }
             Exchange::Answered { head, body } => {
                 let (stored_body, client_body) = match body {
@@ -284,7 +284,7 @@ impl Executor {
                     stored,
                     _recording: self.waiters.recording(&claim.scope),
                 });
-                Ok((Response::from_parts(head, client_body), Outcome::Forwarded, result))
+                Ok((Response::from_parts(head, client_body), RequestOutcome::Forwarded, result))
             }
         }
     }

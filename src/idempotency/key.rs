@@ -135,7 +135,7 @@ impl Scope {
     }
 
     /// Whether `identity` may see records of this scope.
-    pub fn admits(&self, identity: &Identity) -> bool {
+    pub fn visible_to(&self, identity: &Identity) -> bool {
         self.tenant == identity.tenant && (self.principal == identity.principal || &*self.principal == TENANT_WIDE)
     }
 

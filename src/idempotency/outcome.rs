@@ -1,8 +1,8 @@
 //! How things end, in the words of the request path, the async workers and
-//! the reconciler: a request's [`Outcome`], an async attempt's
+//! the reconciler: a request's [`RequestOutcome`], an async attempt's
 //! [`AttemptOutcome`], a reconcile probe's [`ProbeOutcome`], and what
 //! enforcing would have done with a request observe mode passed through
-//! ([`Would`], [`Refusal`]).
+//! ([`Would`], [`RefusalReason`]).
 //!
 //! The code that decides an outcome names it here; metrics and the access log
 //! only count and print it. Each `as_str` is a metric label value and an
@@ -11,7 +11,7 @@
 /// How a request on an idempotent route ended, as counted in
 /// `idemgate_requests_total{operation,outcome}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
+pub enum RequestOutcome {
     /// First request: claimed, forwarded, recorded.
     Forwarded,
     /// Answered from a completed record.
@@ -42,39 +42,39 @@ pub enum Outcome {
     Polled,
 }
 
-impl Outcome {
+impl RequestOutcome {
     /// The outcomes a request on a route can have, each a series of
     /// `idemgate_requests_total` from the start.
-    pub const OF_ROUTES: [Outcome; 12] = [
-        Outcome::Forwarded,
-        Outcome::Replayed,
-        Outcome::Mismatch,
-        Outcome::InFlight,
-        Outcome::Unknown,
-        Outcome::Released,
-        Outcome::Fenced,
-        Outcome::Rejected,
-        Outcome::StoreUnavailable,
-        Outcome::PassThrough,
-        Outcome::Accepted,
-        Outcome::Overloaded,
+    pub const OF_ROUTES: [RequestOutcome; 12] = [
+        RequestOutcome::Forwarded,
+        RequestOutcome::Replayed,
+        RequestOutcome::Mismatch,
+        RequestOutcome::InFlight,
+        RequestOutcome::Unknown,
+        RequestOutcome::Released,
+        RequestOutcome::Fenced,
+        RequestOutcome::Rejected,
+        RequestOutcome::StoreUnavailable,
+        RequestOutcome::PassThrough,
+        RequestOutcome::Accepted,
+        RequestOutcome::Overloaded,
     ];
 
     pub fn as_str(self) -> &'static str {
         match self {
-            Outcome::Forwarded => "forwarded",
-            Outcome::Replayed => "replayed",
-            Outcome::Mismatch => "mismatch",
-            Outcome::InFlight => "in_flight",
-            Outcome::Unknown => "unknown",
-            Outcome::Released => "released",
-            Outcome::Fenced => "fenced",
-            Outcome::Rejected => "rejected",
-            Outcome::StoreUnavailable => "store_unavailable",
-            Outcome::PassThrough => "passthrough",
-            Outcome::Accepted => "accepted",
-            Outcome::Overloaded => "overloaded",
-            Outcome::Polled => "polled",
+            RequestOutcome::Forwarded => "forwarded",
+            RequestOutcome::Replayed => "replayed",
+            RequestOutcome::Mismatch => "mismatch",
+            RequestOutcome::InFlight => "in_flight",
+            RequestOutcome::Unknown => "unknown",
+            RequestOutcome::Released => "released",
+            RequestOutcome::Fenced => "fenced",
+            RequestOutcome::Rejected => "rejected",
+            RequestOutcome::StoreUnavailable => "store_unavailable",
+            RequestOutcome::PassThrough => "passthrough",
+            RequestOutcome::Accepted => "accepted",
+            RequestOutcome::Overloaded => "overloaded",
+            RequestOutcome::Polled => "polled",
         }
     }
 }
@@ -85,7 +85,8 @@ pub enum AttemptOutcome {
     Completed,
     /// Refused or declined: back to the queue after a backoff.
     Requeued,
-    /// Retries used up: `failed_retryable`.
+    /// Retries used up: the operation ends `failed_retryable` (or
+    /// `unknown` if an earlier attempt may have executed).
     Failed,
     Unknown,
     /// The worker lost its lease (a newer attempt holds the operation): its
@@ -177,7 +178,7 @@ impl Would {
 /// Why enforcing would have refused an observed request before any claim
 /// (`idemgate_observe_would_refuse_total{reason}`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Refusal {
+pub enum RefusalReason {
     /// 401: no identity source matched.
     Unauthenticated,
     /// 400 `missing-idempotency-key` (the key is required and no source is present).
@@ -188,15 +189,16 @@ pub enum Refusal {
     InvalidBody,
 }
 
-impl Refusal {
-    pub const ALL: [Refusal; 4] = [Refusal::Unauthenticated, Refusal::MissingKey, Refusal::InvalidKey, Refusal::InvalidBody];
+impl RefusalReason {
+    pub const ALL: [RefusalReason; 4] =
+        [RefusalReason::Unauthenticated, RefusalReason::MissingKey, RefusalReason::InvalidKey, RefusalReason::InvalidBody];
 
     pub fn as_str(self) -> &'static str {
         match self {
-            Refusal::Unauthenticated => "unauthenticated",
-            Refusal::MissingKey => "missing_key",
-            Refusal::InvalidKey => "invalid_key",
-            Refusal::InvalidBody => "invalid_body",
+            RefusalReason::Unauthenticated => "unauthenticated",
+            RefusalReason::MissingKey => "missing_key",
+            RefusalReason::InvalidKey => "invalid_key",
+            RefusalReason::InvalidBody => "invalid_body",
         }
     }
 }
@@ -209,7 +211,7 @@ mod tests {
     /// moving or renaming a variant must not change them.
     #[test]
     fn label_values_stay_as_published() {
-        let outcomes: Vec<&str> = Outcome::OF_ROUTES.iter().chain([&Outcome::Polled]).map(|o| o.as_str()).collect();
+        let outcomes: Vec<&str> = RequestOutcome::OF_ROUTES.iter().chain([&RequestOutcome::Polled]).map(|o| o.as_str()).collect();
         assert_eq!(
             outcomes,
             [
@@ -234,7 +236,7 @@ mod tests {
         assert_eq!(probes, ["found", "absent", "inconclusive", "error"]);
         let woulds: Vec<&str> = Would::ALL.iter().map(|o| o.as_str()).collect();
         assert_eq!(woulds, ["replay", "conflict", "reject_in_flight", "unknown"]);
-        let refusals: Vec<&str> = Refusal::ALL.iter().map(|o| o.as_str()).collect();
+        let refusals: Vec<&str> = RefusalReason::ALL.iter().map(|o| o.as_str()).collect();
         assert_eq!(refusals, ["unauthenticated", "missing_key", "invalid_key", "invalid_body"]);
     }
 }

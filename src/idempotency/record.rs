@@ -331,7 +331,7 @@ pub enum Next {
 
 /// Why an event does not apply to a record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum Refused {
+pub enum TransitionError {
     /// The record moved on since this attempt claimed it (another generation,
     /// or no longer in flight): the write is fenced off.
     #[error("fenced: the record belongs to another attempt")]
@@ -354,7 +354,7 @@ pub enum Refused {
 }
 
 /// The write side of the state machine. `now` is the store's clock.
-pub fn transition(record: &Record, event: Event, now: Timestamp) -> Result<Next, Refused> {
+pub fn transition(record: &Record, event: Event, now: Timestamp) -> Result<Next, TransitionError> {
     let own = |a: Attempt| record.generation == a.generation && record.claim_token == a.claim_token && record.state.is_attempt();
     let processing = |a: Attempt| own(a) && record.state == State::Processing;
     let lease_live = record.lease_expires_at.is_some_and(|l| l > now);
@@ -369,39 +369,39 @@ pub fn transition(record: &Record, event: Event, now: Timestamp) -> Result<Next,
         // Retries used up: "never executed" only if no attempt may have.
         Event::Fail { attempt } if processing(attempt) && record.maybe_executed => to(State::Unknown),
         Event::Fail { attempt } if processing(attempt) => to(State::FailedRetryable),
-        Event::MarkSent { attempt } if processing(attempt) => Err(Refused::LeaseExpired),
+        Event::MarkSent { attempt } if processing(attempt) => Err(TransitionError::LeaseExpired),
         Event::Complete { .. }
         | Event::Release { .. }
         | Event::MarkUnknown { .. }
         | Event::Heartbeat { .. }
         | Event::MarkSent { .. }
         | Event::Requeue { .. }
-        | Event::Fail { .. } => Err(Refused::Fenced),
+        | Event::Fail { .. } => Err(TransitionError::Fenced),
         Event::LeaseExpired { reforwardable } => match record.state {
-            State::InFlight | State::Processing if lease_live => Err(Refused::LeaseLive),
+            State::InFlight | State::Processing if lease_live => Err(TransitionError::LeaseLive),
             State::InFlight => to(State::Unknown),
             // Never sent (proved by the durable sent_at) and no earlier
             // attempt may have executed, or the route in force deduplicates
             // upstream: another attempt is safe. Else unknown.
             State::Processing if may_forward(record, reforwardable) => to(State::Queued),
             State::Processing => to(State::Unknown),
-            other => Err(Refused::NotAllowed(other)),
+            other => Err(TransitionError::NotAllowed(other)),
         },
         Event::ResolveComplete { force } | Event::ResolveRelease { force } => {
             // A live lease is never overridden, not even by force: its attempt
             // may be with the upstream right now, and freeing the key would let
             // a retry execute a second time.
             if record.state.is_attempt() && lease_live {
-                return Err(Refused::LeaseLive);
+                return Err(TransitionError::LeaseLive);
             }
             match record.state {
                 // A completed record is the answer clients are replayed;
                 // changing it (a release lets the next retry execute again)
                 // needs force.
-                State::Completed if !force => return Err(Refused::NotAllowed(State::Completed)),
+                State::Completed if !force => return Err(TransitionError::NotAllowed(State::Completed)),
                 // Queued operations belong to the workers; a failed one is
                 // final and its key already free for a new operation.
-                State::Queued | State::FailedRetryable => return Err(Refused::NotAllowed(record.state)),
+                State::Queued | State::FailedRetryable => return Err(TransitionError::NotAllowed(record.state)),
                 _ => {}
             }
             match event {
@@ -415,7 +415,7 @@ pub fn transition(record: &Record, event: Event, now: Timestamp) -> Result<Next,
         }
         Event::Sweep => match record.state {
             state if state.is_retained() && record.expires_at <= now => Ok(Next::Deleted),
-            other => Err(Refused::NotAllowed(other)),
+            other => Err(TransitionError::NotAllowed(other)),
         },
     }
 }
@@ -509,7 +509,7 @@ mod tests {
             assert_eq!(decide(&forever, &fp(1), now), Decision::Replay);
             assert_eq!(decide(&forever, &fp(2), now), Decision::Mismatch);
             assert!(!may_take_over(&forever, &fp(1), now, true));
-            assert_eq!(transition(&forever, Event::Sweep, now), Err(Refused::NotAllowed(State::Completed)));
+            assert_eq!(transition(&forever, Event::Sweep, now), Err(TransitionError::NotAllowed(State::Completed)));
         }
         assert_eq!(Timestamp(0).plus(Duration::MAX), Timestamp::FOREVER);
     }
@@ -556,32 +556,32 @@ mod tests {
         let stale = Attempt { generation: Generation(2), claim_token: Uuid::nil() };
         // Same generation, another life of the record (released and claimed again).
         let other_life = Attempt { generation: Generation(3), claim_token: Uuid::from_u128(7) };
-        assert_eq!(transition(&r, Event::Complete { attempt: other_life }, NOW), Err(Refused::Fenced));
-        assert_eq!(transition(&r, Event::Release { attempt: other_life }, NOW), Err(Refused::Fenced));
-        assert_eq!(transition(&r, Event::MarkUnknown { attempt: other_life }, NOW), Err(Refused::Fenced));
+        assert_eq!(transition(&r, Event::Complete { attempt: other_life }, NOW), Err(TransitionError::Fenced));
+        assert_eq!(transition(&r, Event::Release { attempt: other_life }, NOW), Err(TransitionError::Fenced));
+        assert_eq!(transition(&r, Event::MarkUnknown { attempt: other_life }, NOW), Err(TransitionError::Fenced));
         assert_eq!(transition(&r, Event::Complete { attempt: mine }, NOW), Ok(Next::State { state: State::Completed, bump: false }));
-        assert_eq!(transition(&r, Event::Complete { attempt: stale }, NOW), Err(Refused::Fenced));
+        assert_eq!(transition(&r, Event::Complete { attempt: stale }, NOW), Err(TransitionError::Fenced));
         assert_eq!(transition(&r, Event::Release { attempt: mine }, NOW), Ok(Next::Deleted));
-        assert_eq!(transition(&r, Event::Release { attempt: stale }, NOW), Err(Refused::Fenced));
+        assert_eq!(transition(&r, Event::Release { attempt: stale }, NOW), Err(TransitionError::Fenced));
         assert_eq!(transition(&r, Event::MarkUnknown { attempt: mine }, NOW), Ok(Next::State { state: State::Unknown, bump: false }));
         // Once resolved or completed, the original attempt can no longer write.
         let done = record(State::Completed, None, 5);
-        assert_eq!(transition(&done, Event::Complete { attempt: mine }, NOW), Err(Refused::Fenced));
-        assert_eq!(transition(&done, Event::MarkUnknown { attempt: mine }, NOW), Err(Refused::Fenced));
+        assert_eq!(transition(&done, Event::Complete { attempt: mine }, NOW), Err(TransitionError::Fenced));
+        assert_eq!(transition(&done, Event::MarkUnknown { attempt: mine }, NOW), Err(TransitionError::Fenced));
     }
 
     #[test]
     fn reaper_sweeper_and_operator_events() {
         let live = record(State::InFlight, Some(5), 0);
         let expired = record(State::InFlight, Some(-5), 0);
-        assert_eq!(transition(&live, Event::LeaseExpired { reforwardable: false }, NOW), Err(Refused::LeaseLive));
+        assert_eq!(transition(&live, Event::LeaseExpired { reforwardable: false }, NOW), Err(TransitionError::LeaseLive));
         assert_eq!(
             transition(&expired, Event::LeaseExpired { reforwardable: false }, NOW),
             Ok(Next::State { state: State::Unknown, bump: false })
         );
         for force in [false, true] {
-            assert_eq!(transition(&live, Event::ResolveRelease { force }, NOW), Err(Refused::LeaseLive));
-            assert_eq!(transition(&live, Event::ResolveComplete { force }, NOW), Err(Refused::LeaseLive));
+            assert_eq!(transition(&live, Event::ResolveRelease { force }, NOW), Err(TransitionError::LeaseLive));
+            assert_eq!(transition(&live, Event::ResolveComplete { force }, NOW), Err(TransitionError::LeaseLive));
         }
         let unknown = record(State::Unknown, None, 0);
         assert_eq!(transition(&unknown, Event::ResolveRelease { force: false }, NOW), Ok(Next::Deleted));
@@ -592,14 +592,17 @@ mod tests {
         assert_eq!(transition(&expired, Event::ResolveRelease { force: false }, NOW), Ok(Next::Deleted));
         // A completed record is what retries are replayed: only by force.
         let done = record(State::Completed, None, 10);
-        assert_eq!(transition(&done, Event::ResolveRelease { force: false }, NOW), Err(Refused::NotAllowed(State::Completed)));
-        assert_eq!(transition(&done, Event::ResolveComplete { force: false }, NOW), Err(Refused::NotAllowed(State::Completed)));
+        assert_eq!(transition(&done, Event::ResolveRelease { force: false }, NOW), Err(TransitionError::NotAllowed(State::Completed)));
+        assert_eq!(transition(&done, Event::ResolveComplete { force: false }, NOW), Err(TransitionError::NotAllowed(State::Completed)));
         assert_eq!(transition(&done, Event::ResolveRelease { force: true }, NOW), Ok(Next::Deleted));
         assert_eq!(transition(&done, Event::ResolveComplete { force: true }, NOW), Ok(Next::State { state: State::Completed, bump: true }));
-        assert_eq!(transition(&unknown, Event::LeaseExpired { reforwardable: false }, NOW), Err(Refused::NotAllowed(State::Unknown)));
-        assert_eq!(transition(&unknown, Event::Sweep, NOW), Err(Refused::NotAllowed(State::Unknown)));
-        assert_eq!(transition(&expired, Event::Sweep, NOW), Err(Refused::NotAllowed(State::InFlight)));
-        assert_eq!(transition(&record(State::Completed, None, 1), Event::Sweep, NOW), Err(Refused::NotAllowed(State::Completed)));
+        assert_eq!(
+            transition(&unknown, Event::LeaseExpired { reforwardable: false }, NOW),
+            Err(TransitionError::NotAllowed(State::Unknown))
+        );
+        assert_eq!(transition(&unknown, Event::Sweep, NOW), Err(TransitionError::NotAllowed(State::Unknown)));
+        assert_eq!(transition(&expired, Event::Sweep, NOW), Err(TransitionError::NotAllowed(State::InFlight)));
+        assert_eq!(transition(&record(State::Completed, None, 1), Event::Sweep, NOW), Err(TransitionError::NotAllowed(State::Completed)));
         assert_eq!(transition(&record(State::Completed, None, 0), Event::Sweep, NOW), Ok(Next::Deleted));
     }
 
@@ -632,15 +635,15 @@ mod tests {
             Event::Fail { attempt: stale },
             Event::Complete { attempt: stale },
         ] {
-            assert_eq!(transition(&live, event, NOW), Err(Refused::Fenced), "{event:?}");
+            assert_eq!(transition(&live, event, NOW), Err(TransitionError::Fenced), "{event:?}");
         }
         // A worker whose lease ran out must not send (another may take it over).
         let expired = async_op(State::Processing, Some(-1), false);
-        assert_eq!(transition(&expired, Event::MarkSent { attempt: mine }, NOW), Err(Refused::LeaseExpired));
+        assert_eq!(transition(&expired, Event::MarkSent { attempt: mine }, NOW), Err(TransitionError::LeaseExpired));
         // Queued operations hold no attempt: nothing of a worker applies.
         let queued = async_op(State::Queued, None, false);
-        assert_eq!(transition(&queued, Event::Heartbeat { attempt: mine }, NOW), Err(Refused::Fenced));
-        assert_eq!(transition(&queued, Event::Complete { attempt: mine }, NOW), Err(Refused::Fenced));
+        assert_eq!(transition(&queued, Event::Heartbeat { attempt: mine }, NOW), Err(TransitionError::Fenced));
+        assert_eq!(transition(&queued, Event::Complete { attempt: mine }, NOW), Err(TransitionError::Fenced));
     }
 
     #[test]
@@ -652,7 +655,7 @@ mod tests {
         assert_eq!(expiry(true, false), to(State::Unknown), "may have executed, upstream does not deduplicate");
         assert_eq!(expiry(true, true), to(State::Queued), "the upstream deduplicates by the derived key");
         let live = async_op(State::Processing, Some(5), true);
-        assert_eq!(transition(&live, Event::LeaseExpired { reforwardable: true }, NOW), Err(Refused::LeaseLive));
+        assert_eq!(transition(&live, Event::LeaseExpired { reforwardable: true }, NOW), Err(TransitionError::LeaseLive));
         // This attempt never sent, but an earlier one's answer was lost: only
         // a route that deduplicates now may run it again.
         let ran_before = Record { maybe_executed: true, ..async_op(State::Processing, Some(-1), false) };
@@ -699,9 +702,12 @@ mod tests {
         // Operators cannot resolve queued or failed operations.
         assert_eq!(
             transition(&async_op(State::Queued, None, false), Event::ResolveRelease { force: true }, NOW),
-            Err(Refused::NotAllowed(State::Queued))
+            Err(TransitionError::NotAllowed(State::Queued))
         );
-        assert_eq!(transition(&failed, Event::ResolveRelease { force: true }, NOW), Err(Refused::NotAllowed(State::FailedRetryable)));
+        assert_eq!(
+            transition(&failed, Event::ResolveRelease { force: true }, NOW),
+            Err(TransitionError::NotAllowed(State::FailedRetryable))
+        );
     }
 
     #[test]

@@ -49,7 +49,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::idempotency::key::{IdempotencyKey, Scope};
-use crate::idempotency::record::{Refused, State};
+use crate::idempotency::record::{State, TransitionError};
 use crate::ops::keys;
 use crate::outbox::Delivery;
 use crate::problem::Problem;
@@ -639,7 +639,7 @@ enum AdminError {
     #[error("bad request: {0}")]
     BadRequest(String),
     #[error("not resolvable: {0}")]
-    NotResolvable(Refused),
+    NotResolvable(TransitionError),
     #[error("store unavailable")]
     StoreUnavailable,
 }
@@ -690,13 +690,13 @@ fn problem(e: &AdminError) -> Response<Body> {
             "Record not resolvable",
             StatusCode::CONFLICT,
             match refused {
-                Refused::NotAllowed(State::Completed) => {
+                TransitionError::NotAllowed(State::Completed) => {
                     "The record is completed: it is what retries are replayed. Add \"force\": true (with a reason) to change it.".to_owned()
                 }
-                Refused::LeaseLive => {
+                TransitionError::LeaseLive => {
                     "The record is in flight and its lease has not expired: its attempt may still record a result.".to_owned()
                 }
-                Refused::RequestGone => "The operation completed, and its stored request was dropped then: it cannot run again. \
+                TransitionError::RequestGone => "The operation completed, and its stored request was dropped then: it cannot run again. \
                      Complete it by hand instead, or have the client submit a new operation."
                     .to_owned(),
                 other => format!("Only unknown records and expired claims may be resolved ({other})."),

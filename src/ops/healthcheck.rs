@@ -11,7 +11,7 @@ use tokio::net::TcpStream;
 
 /// Why a check did not get an answer.
 #[derive(Debug, thiserror::Error)]
-pub enum ProbeError {
+pub enum CheckError {
     #[error("cannot reach {addr}: {source}")]
     Connect { addr: SocketAddr, source: std::io::Error },
     #[error("no answer from {addr} within {timeout:?}")]
@@ -34,28 +34,28 @@ pub fn local_target(listen: SocketAddr) -> SocketAddr {
 }
 
 /// `GET path` on `addr`; the status code and the first line of the body.
-pub async fn probe(addr: SocketAddr, path: &str, timeout: Duration) -> Result<(u16, String), ProbeError> {
+pub async fn probe(addr: SocketAddr, path: &str, timeout: Duration) -> Result<(u16, String), CheckError> {
     match tokio::time::timeout(timeout, exchange(addr, path)).await {
         Ok(r) => r,
-        Err(_) => Err(ProbeError::Timeout { addr, timeout }),
+        Err(_) => Err(CheckError::Timeout { addr, timeout }),
     }
 }
 
-async fn exchange(addr: SocketAddr, path: &str) -> Result<(u16, String), ProbeError> {
-    let mut stream = TcpStream::connect(addr).await.map_err(|source| ProbeError::Connect { addr, source })?;
+async fn exchange(addr: SocketAddr, path: &str) -> Result<(u16, String), CheckError> {
+    let mut stream = TcpStream::connect(addr).await.map_err(|source| CheckError::Connect { addr, source })?;
     let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nUser-Agent: idemgate-healthcheck\r\nConnection: close\r\n\r\n");
-    stream.write_all(request.as_bytes()).await.map_err(|source| ProbeError::Io { addr, source })?;
+    stream.write_all(request.as_bytes()).await.map_err(|source| CheckError::Io { addr, source })?;
     // Health answers are a few bytes; read at most 8 KiB until the peer closes.
     let mut buf = Vec::with_capacity(512);
     let mut limited = stream.take(8 * 1024);
-    limited.read_to_end(&mut buf).await.map_err(|source| ProbeError::Io { addr, source })?;
+    limited.read_to_end(&mut buf).await.map_err(|source| CheckError::Io { addr, source })?;
     let text = String::from_utf8_lossy(&buf);
     let status_line = text.lines().next().unwrap_or_default();
     let status = status_line
         .strip_prefix("HTTP/1.")
         .and_then(|rest| rest.split_whitespace().nth(1))
         .and_then(|code| code.parse::<u16>().ok())
-        .ok_or_else(|| ProbeError::NotHttp { addr, line: status_line.chars().take(80).collect() })?;
+        .ok_or_else(|| CheckError::NotHttp { addr, line: status_line.chars().take(80).collect() })?;
     let body = text.split_once("\r\n\r\n").map(|(_, b)| b.lines().next().unwrap_or_default().trim().to_owned()).unwrap_or_default();
     Ok((status, body))
 }
@@ -89,6 +89,6 @@ mod tests {
         let reserved = tokio::net::TcpSocket::new_v4().unwrap();
         reserved.bind("127.0.0.1:0".parse().unwrap()).unwrap();
         let addr = reserved.local_addr().unwrap();
-        assert!(matches!(probe(addr, "/readyz", Duration::from_secs(2)).await, Err(ProbeError::Connect { .. })));
+        assert!(matches!(probe(addr, "/readyz", Duration::from_secs(2)).await, Err(CheckError::Connect { .. })));
     }
 }

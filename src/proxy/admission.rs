@@ -7,7 +7,7 @@
 //! observe mode counts it and passes the request on) and what to do with the
 //! claim:
 //!
-//! 1. identify: who sends it ([`crate::request::identity::Identifier::admit`]);
+//! 1. identify: who sends it ([`crate::request::identity::Identifier::identify_and_strip`]);
 //! 2. authorize: [`Front::authorize`] (enforcing asks the route's
 //!    authorizer; observe mode changes no answer and asks none);
 //! 3. key: a key in a header is known before the body is read;
@@ -33,7 +33,7 @@ use uuid::Uuid;
 
 use crate::idempotency::fingerprint::{self, RequestParts};
 use crate::idempotency::key::Scope;
-use crate::idempotency::outcome::Refusal;
+use crate::idempotency::outcome::RefusalReason;
 use crate::idempotency::record::{Decision, Record, decide};
 use crate::problem::GatewayError;
 use crate::request::async_op::{StoredRequest, new_operation_id, prefers_async, request_head};
@@ -88,7 +88,7 @@ pub enum Stop<H> {
     /// (the request passes through).
     NoKey(Held),
     /// Enforcing refuses it; observe mode counts why.
-    Refused(Refused, Held),
+    Refused(Refusal, Held),
     /// The front stopped it at a phase of its own.
     Halted(H, Held),
 }
@@ -116,7 +116,10 @@ pub async fn admit<F: Front>(
     peer: SocketAddr,
 ) -> Result<(Box<Admitted>, F::Slot), Stop<F::Halt>> {
     let Some(identity) = identify(identifier, &mut req, peer).await else {
-        return Err(Stop::Refused(Refused { reason: Refusal::Unauthenticated, error: GatewayError::Unauthenticated }, Held::Unread(req)));
+        return Err(Stop::Refused(
+            Refusal { reason: RefusalReason::Unauthenticated, error: GatewayError::Unauthenticated },
+            Held::Unread(req),
+        ));
     };
     if let Err(halt) = front.authorize(route, &req, &identity).await {
         return Err(Stop::Halted(halt, Held::Unread(req)));
@@ -143,12 +146,12 @@ pub async fn admit<F: Front>(
 }
 
 /// Phase 1: identifies the request and removes the headers of every other
-/// identity source (see [`Identifier::admit`]), before anything is
+/// identity source (see [`Identifier::identify_and_strip`]), before anything is
 /// forwarded, stored, or shown to an authorizer. Also what a request on a
 /// pass-through path or a poll of an operation is identified by.
 pub async fn identify(identifier: &Identifier, req: &mut Request<Incoming>, peer: SocketAddr) -> Option<Identity> {
     let cert = req.extensions().get::<Arc<crate::tls::server::ClientCertificate>>().cloned();
-    identifier.admit(req.headers_mut(), peer.ip(), cert.as_deref()).await
+    identifier.identify_and_strip(req.headers_mut(), peer.ip(), cert.as_deref()).await
 }
 
 /// Why a request is not admitted to a claim.
@@ -157,19 +160,19 @@ enum NotAdmitted {
     /// No key, and the route does not require one.
     NoKey,
     /// Enforcing refuses it before any claim.
-    Refused(Refused),
+    Refused(Refusal),
 }
 
 /// A refusal before any claim: the answer enforcing gives, and the reason
 /// observe mode counts (`idemgate_observe_would_refuse_total{reason}`).
 #[derive(Debug)]
-pub struct Refused {
-    pub reason: Refusal,
+pub struct Refusal {
+    pub reason: RefusalReason,
     pub error: GatewayError,
 }
 
-impl From<Refused> for NotAdmitted {
-    fn from(r: Refused) -> NotAdmitted {
+impl From<Refusal> for NotAdmitted {
+    fn from(r: Refusal) -> NotAdmitted {
         NotAdmitted::Refused(r)
     }
 }
@@ -192,7 +195,7 @@ fn key_in_headers(route: &Route, headers: &http::HeaderMap) -> Result<Option<Fou
         Ok(FromHeaders::Found(found)) => Ok(Some(found)),
         Ok(FromHeaders::NeedBody) => Ok(None),
         Ok(FromHeaders::Absent) => Err(no_key(route)),
-        Err(e) => Err(Refused { reason: Refusal::InvalidKey, error: GatewayError::InvalidKey(e) }.into()),
+        Err(e) => Err(Refusal { reason: RefusalReason::InvalidKey, error: GatewayError::InvalidKey(e) }.into()),
     }
 }
 
@@ -214,7 +217,9 @@ fn claim_request(
         None => match route.key.from.from_request(&parts.headers, body) {
             Ok(Some(found)) => found,
             Ok(None) => return Err(no_key(route)),
-            Err(KeySourceError::Key(e)) => return Err(Refused { reason: Refusal::InvalidKey, error: GatewayError::InvalidKey(e) }.into()),
+            Err(KeySourceError::Key(e)) => {
+                return Err(Refusal { reason: RefusalReason::InvalidKey, error: GatewayError::InvalidKey(e) }.into());
+            }
             Err(KeySourceError::Body(e)) => return Err(invalid_body(e.to_string()).into()),
         },
     };
@@ -250,14 +255,14 @@ fn claim_request(
 /// No key: refused if the route requires one, else no idempotency applies.
 fn no_key(route: &Route) -> NotAdmitted {
     if route.key.required {
-        Refused { reason: Refusal::MissingKey, error: GatewayError::MissingKey { header: route.key.from.describe() } }.into()
+        Refusal { reason: RefusalReason::MissingKey, error: GatewayError::MissingKey { header: route.key.from.describe() } }.into()
     } else {
         NotAdmitted::NoKey
     }
 }
 
-fn invalid_body(detail: String) -> Refused {
-    Refused { reason: Refusal::InvalidBody, error: GatewayError::InvalidBody(detail) }
+fn invalid_body(detail: String) -> Refusal {
+    Refusal { reason: RefusalReason::InvalidBody, error: GatewayError::InvalidBody(detail) }
 }
 
 /// [`decide`], recognising a record written by an earlier fingerprint version

@@ -19,7 +19,7 @@ use tokio::sync::{Notify, oneshot};
 
 use crate::executor::{Executor, ResultWrite, refetch};
 use crate::idempotency::fingerprint::RequestParts;
-use crate::idempotency::outcome::Outcome;
+use crate::idempotency::outcome::RequestOutcome;
 use crate::idempotency::record::Retention;
 use crate::idempotency::record::{Decision, Record, State, StoredResponse};
 use crate::problem::{self, GatewayError};
@@ -30,7 +30,7 @@ use crate::proxy::passthrough;
 use crate::proxy::replay::replay;
 use crate::proxy::state::{Configured, Shared};
 use crate::request::async_op::{OPERATIONS_PATH, status_document};
-use crate::request::authorize::{Authorizer, Decision as AuthzDecision};
+use crate::request::authorize::{Authorization, Authorizer};
 use crate::request::identity::Identity;
 use crate::request::route::method_override::{self, BodyKind};
 use crate::request::route::{InFlightPolicy, InvalidRequest, Mode, ReplayMode, Route, RouteMatch, UpstreamId};
@@ -48,7 +48,7 @@ const MAX_CLAIM_ROUNDS: usize = 8;
 /// What a claim came to: an answer from the record it found, or a claim
 /// of this replica's to forward.
 enum Claimed {
-    Answered((Response<Body>, Outcome)),
+    Answered((Response<Body>, RequestOutcome)),
     Run(Claim),
 }
 
@@ -93,9 +93,9 @@ impl Gateway {
     ) -> Result<(), GatewayError> {
         let Some(authorizer) = self.authorizers.get(operation) else { return Ok(()) };
         match authorizer.check(method, path, operation, identity, headers).await {
-            AuthzDecision::Allowed => Ok(()),
-            AuthzDecision::Denied => Err(GatewayError::Forbidden),
-            AuthzDecision::Unavailable => Err(GatewayError::AuthorizerUnavailable),
+            Authorization::Allowed => Ok(()),
+            Authorization::Denied => Err(GatewayError::Forbidden),
+            Authorization::Unavailable => Err(GatewayError::AuthorizerUnavailable),
         }
     }
 
@@ -153,7 +153,7 @@ impl Gateway {
             }
         };
         let trace = pending.trace();
-        if let (Some(reason), Some(Outcome::Rejected)) = (trace.problem, trace.outcome) {
+        if let (Some(reason), Some(RequestOutcome::Rejected)) = (trace.problem, trace.outcome) {
             self.shared.metrics.rejected(reason);
         }
         resp.headers_mut().insert(REQUEST_ID, id);
@@ -214,7 +214,7 @@ impl Gateway {
                 };
                 // A forwarded request is counted when its result write
                 // returned (`forwarded` or `fenced`; `ResultWrite::finish`).
-                if outcome != Outcome::Forwarded {
+                if outcome != RequestOutcome::Forwarded {
                     self.shared.metrics.request(&route.operation, outcome);
                 }
                 trace.outcome = Some(outcome);
@@ -226,7 +226,7 @@ impl Gateway {
                 admission::identify(&self.configured.identifier, &mut req, peer).await;
                 self.send_request_id(&mut req, request_id);
                 trace.route = RouteLabel::PassThrough;
-                trace.outcome = Some(Outcome::PassThrough);
+                trace.outcome = Some(RequestOutcome::PassThrough);
                 Box::pin(self.pass_through(upstream, req, trace)).await
             }
             RouteMatch::NotFound => Err(GatewayError::NotFound),
@@ -265,13 +265,13 @@ impl Gateway {
         req: Request<Incoming>,
         peer: SocketAddr,
         trace: &mut Trace,
-    ) -> Result<(Response<Body>, Outcome), GatewayError> {
+    ) -> Result<(Response<Body>, RequestOutcome), GatewayError> {
         let (shared, configured) = (&*self.shared, &*self.configured);
         if let Mode::Observe { budget } = route.execution.mode {
             // Observe mode changes no answer: the upstream's is the client's.
             let upstream = self.executor.upstream(route.upstream);
             let resp = Box::pin(observe::observe(shared, configured, upstream, budget, route, params, req, peer)).await;
-            return Ok((resp, Outcome::PassThrough));
+            return Ok((resp, RequestOutcome::PassThrough));
         }
         let mut front = Enforce { gateway: self, trace: &mut *trace };
         let (admitted, slot) =
@@ -303,7 +303,12 @@ impl Gateway {
     /// claim: a request without a key passes through; a refusal is
     /// answered; over the limit, a request whose key has a record is
     /// answered from it.
-    async fn stopped(&self, route: &Route, stop: Stop<GatewayError>, trace: &mut Trace) -> Result<(Response<Body>, Outcome), GatewayError> {
+    async fn stopped(
+        &self,
+        route: &Route,
+        stop: Stop<GatewayError>,
+        trace: &mut Trace,
+    ) -> Result<(Response<Body>, RequestOutcome), GatewayError> {
         let held = match stop {
             Stop::Refused(refused, _) => return Err(refused.error),
             Stop::Halted(overloaded, Held::Admitted(admitted)) => return self.answer_overloaded(route, &admitted, overloaded).await,
@@ -311,14 +316,14 @@ impl Gateway {
             Stop::NoKey(held) => held,
         };
         let (parts, body) = match held {
-            Held::Unread(req) => return Ok((self.pass_through(route.upstream, req, trace).await?, Outcome::PassThrough)),
+            Held::Unread(req) => return Ok((self.pass_through(route.upstream, req, trace).await?, RequestOutcome::PassThrough)),
             Held::Read(parts, body) => (parts, body),
             Held::Admitted(admitted) => (admitted.parts, Body::full(admitted.body)),
         };
         let upstream = self.executor.upstream(route.upstream);
         let answer = passthrough::try_forward(upstream, parts, body).await;
         self.shared.metrics.passed_through(upstream.name(), answer.as_ref().err().map(GatewayError::type_name));
-        Ok((answer?, Outcome::PassThrough))
+        Ok((answer?, RequestOutcome::PassThrough))
     }
 
     /// Admission under overload, before the claim: a refusal claims
@@ -354,17 +359,17 @@ impl Gateway {
         route: &Route,
         admitted: &Admitted,
         refused: GatewayError,
-    ) -> Result<(Response<Body>, Outcome), GatewayError> {
+    ) -> Result<(Response<Body>, RequestOutcome), GatewayError> {
         let Admitted { claim, params, parts, body, .. } = admitted;
         let Ok(Some((record, now))) = self.configured.store.get(&claim.scope).await else { return Err(refused) };
         let request = admission::request_parts(route, params, parts, body);
         match decide_with_legacy(route, &record, &claim.request_hash, &request, now) {
             Decision::Replay => {
                 let stored = record.response.as_ref().ok_or(GatewayError::Internal)?;
-                self.answer_from(route, stored, &parts.headers).await.map(|r| (r, Outcome::Replayed))
+                self.answer_from(route, stored, &parts.headers).await.map(|r| (r, RequestOutcome::Replayed))
             }
             Decision::Mismatch => Err(GatewayError::KeyReused { status: route.key.mismatch_status }),
-            Decision::Accepted => Ok((self.accepted(route, &record), Outcome::Accepted)),
+            Decision::Accepted => Ok((self.accepted(route, &record), RequestOutcome::Accepted)),
             Decision::Unknown => Err(GatewayError::RecordUnknown),
             Decision::InProgress { .. } => Err(GatewayError::InProgress { retry_after: IN_PROGRESS_RETRY_AFTER }),
             Decision::LeaseExpired | Decision::Expired => Err(refused),
@@ -379,7 +384,7 @@ impl Gateway {
         route: &'a Route,
         admitted: Box<Admitted>,
         slot: Option<Slot>,
-    ) -> (Result<(Response<Body>, Outcome), GatewayError>, Option<ResultWrite<'a>>) {
+    ) -> (Result<(Response<Body>, RequestOutcome), GatewayError>, Option<ResultWrite<'a>>) {
         let Admitted { claim, params, parts, body, .. } = *admitted;
         // A result this replica answered and is still writing comes first:
         // its client's retry is replayed, not told "in flight".
@@ -427,7 +432,7 @@ impl Gateway {
                 ClaimOutcome::Claimed(c) if claim.acceptance.is_some() => {
                     self.shared.metrics.accepted(&route.operation);
                     self.shared.wake_workers.notify_waiters();
-                    return Ok(Claimed::Answered((self.accepted(route, &accepted_record(claim, &c)), Outcome::Accepted)));
+                    return Ok(Claimed::Answered((self.accepted(route, &accepted_record(claim, &c)), RequestOutcome::Accepted)));
                 }
                 ClaimOutcome::Claimed(c) => {
                     // The lease began when the claim committed, at most this
@@ -448,10 +453,10 @@ impl Gateway {
             match decide_with_legacy(route, &record, &request_hash, request, now) {
                 Decision::Replay => {
                     let stored = record.response.as_ref().ok_or(GatewayError::Internal)?;
-                    return self.answer_from(route, stored, &parts.headers).await.map(|r| Claimed::Answered((r, Outcome::Replayed)));
+                    return self.answer_from(route, stored, &parts.headers).await.map(|r| Claimed::Answered((r, RequestOutcome::Replayed)));
                 }
                 Decision::Mismatch => return Err(GatewayError::KeyReused { status: route.key.mismatch_status }),
-                Decision::Accepted => return Ok(Claimed::Answered((self.accepted(route, &record), Outcome::Accepted))),
+                Decision::Accepted => return Ok(Claimed::Answered((self.accepted(route, &record), RequestOutcome::Accepted))),
                 Decision::Unknown => return Err(GatewayError::RecordUnknown),
                 Decision::LeaseExpired => {
                     match self.configured.store.expire_lease(&record).await {
@@ -526,7 +531,7 @@ impl Gateway {
         rest: &str,
         req: &mut Request<Incoming>,
         peer: SocketAddr,
-    ) -> Result<(Response<Body>, Outcome), GatewayError> {
+    ) -> Result<(Response<Body>, RequestOutcome), GatewayError> {
         if req.method() != Method::GET && req.method() != Method::HEAD {
             return Err(GatewayError::NotFound);
         }
@@ -540,7 +545,7 @@ impl Gateway {
         // A refetched result goes to the upstream with the caller's headers.
         let identity = admission::identify(&self.configured.identifier, req, peer).await.ok_or(GatewayError::Unauthenticated)?;
         let record = match self.configured.store.operation(&identity.tenant, id).await {
-            Ok(Some((record, _))) if record.scope.admits(&identity) => record,
+            Ok(Some((record, _))) if record.scope.visible_to(&identity) => record,
             Ok(_) => return Err(GatewayError::NotFound),
             Err(e) => {
                 tracing::warn!(error = %e, "operation lookup failed");
@@ -556,9 +561,9 @@ impl Gateway {
         if want_result {
             return match (&record.state, &record.response, route) {
                 (State::Completed, Some(stored), Some(route)) => {
-                    self.answer_from(route, stored, req.headers()).await.map(|r| (r, Outcome::Replayed))
+                    self.answer_from(route, stored, req.headers()).await.map(|r| (r, RequestOutcome::Replayed))
                 }
-                (State::Completed, Some(stored), None) => replay(stored).map(|r| (r, Outcome::Replayed)),
+                (State::Completed, Some(stored), None) => replay(stored).map(|r| (r, RequestOutcome::Replayed)),
                 _ => Err(GatewayError::OperationNotCompleted { state: record.state, retry_after: poll }),
             };
         }
@@ -566,7 +571,7 @@ impl Gateway {
         if crate::request::async_op::is_pending(record.state) {
             resp.headers_mut().insert(http::header::RETRY_AFTER, HeaderValue::from(poll.as_secs().max(1)));
         }
-        Ok((resp, Outcome::Polled))
+        Ok((resp, RequestOutcome::Polled))
     }
 
     /// Proxies without idempotency, streaming both ways; except that on a

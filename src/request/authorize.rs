@@ -35,7 +35,7 @@ pub struct AuthorizeConfig {
 
 /// What the authorizer decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Decision {
+pub enum Authorization {
     Allowed,
     /// 401 or 403 from the authorizer.
     Denied,
@@ -65,19 +65,19 @@ impl Authorizer {
     }
 
     /// Asks whether `identity` may `method path` on `operation`.
-    pub async fn check(&self, method: &Method, path: &str, operation: &str, identity: &Identity, headers: &HeaderMap) -> Decision {
+    pub async fn check(&self, method: &Method, path: &str, operation: &str, identity: &Identity, headers: &HeaderMap) -> Authorization {
         let cache_key = format!("{}\u{0}{}\u{0}{operation}\u{0}{method}\u{0}{path}", identity.tenant, identity.principal);
         if !self.config.cache.is_zero() {
             let cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
             if cache.get(&cache_key).is_some_and(|until| *until > Instant::now()) {
-                return Decision::Allowed;
+                return Authorization::Allowed;
             }
         }
         // Boxed: the HTTP exchange would otherwise make every idempotent
         // request's future as large, authorizer or not (docs/performance-notes.md,
         // issue 32); a cached decision allocates nothing.
         let decision = Box::pin(self.ask(method, path, operation, identity, headers)).await;
-        if decision == Decision::Allowed && !self.config.cache.is_zero() {
+        if decision == Authorization::Allowed && !self.config.cache.is_zero() {
             let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
             if cache.len() >= CACHE_CAP {
                 let now = Instant::now();
@@ -91,7 +91,7 @@ impl Authorizer {
         decision
     }
 
-    async fn ask(&self, method: &Method, path: &str, operation: &str, identity: &Identity, headers: &HeaderMap) -> Decision {
+    async fn ask(&self, method: &Method, path: &str, operation: &str, identity: &Identity, headers: &HeaderMap) -> Authorization {
         let body = json!({
             "method": method.as_str(),
             "path": path,
@@ -107,21 +107,21 @@ impl Authorizer {
                 req = req.header(name, value);
             }
         }
-        let Ok(req) = req.body(Body::full(body)) else { return Decision::Unavailable };
+        let Ok(req) = req.body(Body::full(body)) else { return Authorization::Unavailable };
         match tokio::time::timeout(self.config.timeout, self.client.request(req)).await {
-            Ok(Ok(resp)) if resp.status().is_success() => Decision::Allowed,
-            Ok(Ok(resp)) if matches!(resp.status().as_u16(), 401 | 403) => Decision::Denied,
+            Ok(Ok(resp)) if resp.status().is_success() => Authorization::Allowed,
+            Ok(Ok(resp)) if matches!(resp.status().as_u16(), 401 | 403) => Authorization::Denied,
             Ok(Ok(resp)) => {
                 tracing::warn!(status = resp.status().as_u16(), operation, "authorizer answered neither allow nor deny; refusing");
-                Decision::Unavailable
+                Authorization::Unavailable
             }
             Ok(Err(e)) => {
                 tracing::warn!(error = %crate::upstream::error_chain(&e), operation, "authorizer unreachable; refusing");
-                Decision::Unavailable
+                Authorization::Unavailable
             }
             Err(_) => {
                 tracing::warn!(timeout = ?self.config.timeout, operation, "authorizer did not answer in time; refusing");
-                Decision::Unavailable
+                Authorization::Unavailable
             }
         }
     }

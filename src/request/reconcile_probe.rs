@@ -28,20 +28,20 @@ pub struct Probe {
 
 /// What a probe's status says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Verdict {
+pub enum ProbeFinding {
     Found,
     Absent,
     Inconclusive,
 }
 
 impl Probe {
-    pub fn verdict(&self, status: StatusCode) -> Verdict {
+    pub fn finding(&self, status: StatusCode) -> ProbeFinding {
         if self.found.contains(&status) {
-            Verdict::Found
+            ProbeFinding::Found
         } else if self.absent.contains(&status) {
-            Verdict::Absent
+            ProbeFinding::Absent
         } else {
-            Verdict::Inconclusive
+            ProbeFinding::Inconclusive
         }
     }
 
@@ -279,7 +279,7 @@ mod tests {
     }
 
     #[test]
-    fn verdicts_and_backoff() {
+    fn findings_and_backoff() {
         let (method, target) = target("GET /x/{derived_key}", &[]).unwrap();
         let p = Probe {
             method,
@@ -290,10 +290,10 @@ mod tests {
             settle: Duration::ZERO,
             interval: Duration::from_secs(30),
         };
-        assert_eq!(p.verdict(StatusCode::OK), Verdict::Found);
-        assert_eq!(p.verdict(StatusCode::GONE), Verdict::Absent);
-        assert_eq!(p.verdict(StatusCode::INTERNAL_SERVER_ERROR), Verdict::Inconclusive);
-        assert_eq!(p.verdict(StatusCode::CREATED), Verdict::Inconclusive);
+        assert_eq!(p.finding(StatusCode::OK), ProbeFinding::Found);
+        assert_eq!(p.finding(StatusCode::GONE), ProbeFinding::Absent);
+        assert_eq!(p.finding(StatusCode::INTERNAL_SERVER_ERROR), ProbeFinding::Inconclusive);
+        assert_eq!(p.finding(StatusCode::CREATED), ProbeFinding::Inconclusive);
         let waits: Vec<u64> = [0, 1, 2, 3, 4, 7, 8, 100].iter().map(|a| p.backoff(*a).as_secs()).collect();
         assert_eq!(waits, vec![30, 30, 60, 120, 240, 1920, 3600, 3600]);
     }

@@ -1,11 +1,25 @@
-//! Encoding of stored response headers (one `bytea`/`BLOB` column).
+//! The record row, shared by the backends: its columns ([`RECORD_COLUMNS`],
+//! each at a named position in [`col`]) and the mapping from their values to
+//! a [`Record`] ([`RecordRow`]); and the encoding of stored response headers
+//! (one `bytea`/`BLOB` column).
+//!
+//! Each backend reads the values with its own driver's types (PostgreSQL's
+//! `timestamptz` and `uuid`, SQLite's integers and blobs) into a
+//! [`RecordRow`]; what a value means, and which values no record has, is
+//! decided here once.
 //!
 //! Format, version 1: a `0x01` byte, then per header a big-endian `u16` name
 //! length, the name, a big-endian `u32` value length and the raw value bytes.
 //! Header values need not be UTF-8, so JSON would be lossy; `keys show`
 //! decodes this for operators.
 
+use bytes::Bytes;
+use uuid::Uuid;
+
 use super::StoreError;
+use crate::idempotency::fingerprint::Fingerprint;
+use crate::idempotency::key::{IdempotencyKey, Scope};
+use crate::idempotency::record::{Generation, Record, State, StoredResponse, Timestamp};
 
 const VERSION: u8 = 1;
 
@@ -46,6 +60,112 @@ pub fn decode_headers(bytes: &[u8]) -> Result<Vec<(String, Vec<u8>)>, StoreError
     Ok(out)
 }
 
+/// The record's columns, in the order every statement that reads a record
+/// returns them first (both backends name them alike).
+pub const RECORD_COLUMNS: &str = "tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner, \
+     lease_expires_at, response_status, response_headers, response_body, created_at, updated_at, expires_at, \
+     operation_id, attempts, next_attempt_at, sent_at, last_status, maybe_executed, key_source";
+
+/// Where each of [`RECORD_COLUMNS`] is in a row, and [`col::END`], where a
+/// statement's own columns after them start.
+pub mod col {
+    pub const TENANT: usize = 0;
+    pub const PRINCIPAL: usize = 1;
+    pub const OPERATION: usize = 2;
+    pub const IDEMPOTENCY_KEY: usize = 3;
+    pub const REQUEST_HASH: usize = 4;
+    pub const STATE: usize = 5;
+    pub const GENERATION: usize = 6;
+    pub const CLAIM_TOKEN: usize = 7;
+    pub const OWNER: usize = 8;
+    pub const LEASE_EXPIRES_AT: usize = 9;
+    pub const RESPONSE_STATUS: usize = 10;
+    pub const RESPONSE_HEADERS: usize = 11;
+    pub const RESPONSE_BODY: usize = 12;
+    pub const CREATED_AT: usize = 13;
+    pub const UPDATED_AT: usize = 14;
+    pub const EXPIRES_AT: usize = 15;
+    pub const OPERATION_ID: usize = 16;
+    pub const ATTEMPTS: usize = 17;
+    pub const NEXT_ATTEMPT_AT: usize = 18;
+    pub const SENT_AT: usize = 19;
+    pub const LAST_STATUS: usize = 20;
+    pub const MAYBE_EXECUTED: usize = 21;
+    pub const KEY_SOURCE: usize = 22;
+    /// The first column after the record's.
+    pub const END: usize = 23;
+}
+
+/// One record row's values as a backend reads them from its driver (each
+/// converts its own column types: timestamps, the claim token);
+/// [`RecordRow::into_record`] checks them and makes the record, the same way
+/// for every backend.
+#[derive(Debug)]
+pub struct RecordRow<'a> {
+    pub tenant: &'a str,
+    pub principal: &'a str,
+    pub operation: &'a str,
+    pub idempotency_key: &'a str,
+    pub request_hash: &'a [u8],
+    pub state: &'a str,
+    pub generation: i64,
+    pub claim_token: Uuid,
+    pub owner: String,
+    pub lease_expires_at: Option<Timestamp>,
+    pub response_status: Option<i64>,
+    pub response_headers: Option<&'a [u8]>,
+    pub response_body: Option<Bytes>,
+    pub created_at: Timestamp,
+    pub updated_at: Timestamp,
+    pub expires_at: Timestamp,
+    pub operation_id: Option<String>,
+    pub attempts: i32,
+    pub next_attempt_at: Option<Timestamp>,
+    pub sent_at: Option<Timestamp>,
+    pub last_status: Option<i64>,
+    pub maybe_executed: bool,
+    pub key_source: Option<String>,
+}
+
+impl RecordRow<'_> {
+    /// The record, or `Corrupt` naming the column whose value no record has.
+    pub fn into_record(self) -> Result<Record, StoreError> {
+        let key = IdempotencyKey::new(self.idempotency_key).map_err(|e| StoreError::Corrupt(format!("idempotency_key: {e}")))?;
+        let hash: [u8; 32] = self.request_hash.try_into().map_err(|_| StoreError::Corrupt("request_hash is not 32 bytes".into()))?;
+        let state = State::parse(self.state).ok_or_else(|| StoreError::Corrupt(format!("unknown state {:?}", self.state)))?;
+        let response = match self.response_status {
+            None => None,
+            Some(s) => Some(StoredResponse {
+                status: u16::try_from(s).map_err(|_| StoreError::Corrupt(format!("response_status {s}")))?,
+                headers: self.response_headers.map(decode_headers).transpose()?.unwrap_or_default(),
+                body: self.response_body,
+            }),
+        };
+        let last_status =
+            self.last_status.map(|s| u16::try_from(s).map_err(|_| StoreError::Corrupt(format!("last_status {s}")))).transpose()?;
+        Ok(Record {
+            scope: Scope { tenant: self.tenant.into(), principal: self.principal.into(), operation: self.operation.into(), key },
+            request_hash: Fingerprint(hash),
+            state,
+            generation: Generation(self.generation),
+            claim_token: self.claim_token,
+            owner: self.owner,
+            lease_expires_at: self.lease_expires_at,
+            response,
+            created_at: self.created_at,
+            updated_at: self.updated_at,
+            expires_at: self.expires_at,
+            operation_id: self.operation_id,
+            attempts: self.attempts,
+            next_attempt_at: self.next_attempt_at,
+            sent_at: self.sent_at,
+            last_status,
+            maybe_executed: self.maybe_executed,
+            key_source: self.key_source,
+        })
+    }
+}
+
 fn take(b: &[u8], n: usize) -> Option<(&[u8], &[u8])> {
     (b.len() >= n).then(|| b.split_at(n))
 }
@@ -53,6 +173,42 @@ fn take(b: &[u8], n: usize) -> Option<(&[u8], &[u8])> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each named position is its column's place in [`RECORD_COLUMNS`].
+    #[test]
+    fn named_positions_follow_the_column_list() {
+        let names: Vec<&str> = RECORD_COLUMNS.split(',').map(str::trim).collect();
+        assert_eq!(names.len(), col::END);
+        let positions = [
+            ("tenant", col::TENANT),
+            ("principal", col::PRINCIPAL),
+            ("operation", col::OPERATION),
+            ("idempotency_key", col::IDEMPOTENCY_KEY),
+            ("request_hash", col::REQUEST_HASH),
+            ("state", col::STATE),
+            ("generation", col::GENERATION),
+            ("claim_token", col::CLAIM_TOKEN),
+            ("owner", col::OWNER),
+            ("lease_expires_at", col::LEASE_EXPIRES_AT),
+            ("response_status", col::RESPONSE_STATUS),
+            ("response_headers", col::RESPONSE_HEADERS),
+            ("response_body", col::RESPONSE_BODY),
+            ("created_at", col::CREATED_AT),
+            ("updated_at", col::UPDATED_AT),
+            ("expires_at", col::EXPIRES_AT),
+            ("operation_id", col::OPERATION_ID),
+            ("attempts", col::ATTEMPTS),
+            ("next_attempt_at", col::NEXT_ATTEMPT_AT),
+            ("sent_at", col::SENT_AT),
+            ("last_status", col::LAST_STATUS),
+            ("maybe_executed", col::MAYBE_EXECUTED),
+            ("key_source", col::KEY_SOURCE),
+        ];
+        assert_eq!(positions.len(), col::END);
+        for (name, at) in positions {
+            assert_eq!(names[at], name);
+        }
+    }
 
     #[test]
     fn round_trip_and_corruption() {

@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use crate::idempotency::key::Scope;
-use crate::idempotency::record::{Refused, Retention, State, StoredResponse};
+use crate::idempotency::record::{Retention, State, StoredResponse, TransitionError};
 use crate::store::audit::{Actor, AuditNote, Caller};
 use crate::store::{ProbeFence, Resolution, ResolveOutcome, Store, StoreError};
 
@@ -48,7 +48,7 @@ pub enum ResolveError {
     NotFound,
     /// The record is not in a state that may be resolved (see `record::transition`).
     #[error("refused: {0}")]
-    Refused(Refused),
+    Refused(TransitionError),
     #[error(transparent)]
     Store(#[from] StoreError),
 }

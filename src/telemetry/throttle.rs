@@ -32,11 +32,11 @@ impl Throttle {
 
     /// `Some(suppressed)` when this occurrence is to be logged (the first,
     /// or the first after [`WINDOW`]), `None` when it is left out.
-    pub fn admit(&self) -> Option<u64> {
-        self.admit_at(Instant::now(), WINDOW)
+    pub fn allow(&self) -> Option<u64> {
+        self.allow_at(Instant::now(), WINDOW)
     }
 
-    fn admit_at(&self, now: Instant, window: Duration) -> Option<u64> {
+    fn allow_at(&self, now: Instant, window: Duration) -> Option<u64> {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         let suppressed = match *state {
             Some((last, n)) if now.saturating_duration_since(last) < window => {
@@ -56,7 +56,7 @@ impl Throttle {
 macro_rules! warn_throttled {
     ($($arg:tt)+) => {{
         static THROTTLE: $crate::telemetry::throttle::Throttle = $crate::telemetry::throttle::Throttle::new();
-        if let Some(suppressed) = THROTTLE.admit() {
+        if let Some(suppressed) = THROTTLE.allow() {
             ::tracing::warn!(suppressed, $($arg)+);
         }
     }};
@@ -72,12 +72,12 @@ mod tests {
         let t = Throttle::new();
         let start = Instant::now();
         let w = Duration::from_secs(10);
-        assert_eq!(t.admit_at(start, w), Some(0));
+        assert_eq!(t.allow_at(start, w), Some(0));
         for ms in [1, 500, 9_999] {
-            assert_eq!(t.admit_at(start + Duration::from_millis(ms), w), None);
+            assert_eq!(t.allow_at(start + Duration::from_millis(ms), w), None);
         }
-        assert_eq!(t.admit_at(start + Duration::from_secs(10), w), Some(3));
-        assert_eq!(t.admit_at(start + Duration::from_secs(11), w), None);
-        assert_eq!(t.admit_at(start + Duration::from_secs(30), w), Some(1));
+        assert_eq!(t.allow_at(start + Duration::from_secs(10), w), Some(3));
+        assert_eq!(t.allow_at(start + Duration::from_secs(11), w), None);
+        assert_eq!(t.allow_at(start + Duration::from_secs(30), w), Some(1));
     }
 }

@@ -1,4 +1,4 @@
-"""A Flask upstream for tests/frameworks.rs, served by the standard library's
+"""A Flask upstream for tests/it/frameworks.rs, served by the standard library's
 WSGI server (wsgiref: like gunicorn or uWSGI it folds `X_Tenant_Id` and
 `X-Tenant-Id` into one HTTP_X_TENANT_ID). It wears the method-override
 middleware of Flask's documentation (X-HTTP-Method-Override), and Flask runs

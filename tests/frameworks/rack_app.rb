@@ -1,4 +1,4 @@
-# A Rack upstream for tests/frameworks.rs, served by WEBrick (which, like
+# A Rack upstream for tests/it/frameworks.rs, served by WEBrick (which, like
 # every CGI-style server, folds `X_Tenant_Id` and `X-Tenant-Id` into one
 # HTTP_X_TENANT_ID), behind Rack::MethodOverride (on in every Rails app:
 # `_method` in a form body, or X-HTTP-Method-Override, on a POST). Its router

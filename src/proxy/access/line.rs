@@ -238,7 +238,7 @@ fn timestamp(buf: &mut Vec<u8>, at: SystemTime) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::idempotency::outcome::Outcome;
+    use crate::idempotency::outcome::RequestOutcome;
     use crate::proxy::access::{RouteLabel, Trace};
     use http::{HeaderValue, Method};
 
@@ -271,7 +271,7 @@ mod tests {
     fn json_lines_carry_every_field_with_its_type() {
         let trace = Trace {
             route: RouteLabel::Operation("create_order".into()),
-            outcome: Some(Outcome::Forwarded),
+            outcome: Some(RequestOutcome::Forwarded),
             scope: None,
             problem: Some("in \"quotes\"\n"),
             ..Trace::default()
@@ -352,7 +352,7 @@ mod tests {
     fn lines_match_the_subscribers_but_for_the_time() {
         let trace = Trace {
             route: RouteLabel::Operation("create_order".into()),
-            outcome: Some(Outcome::Replayed),
+            outcome: Some(RequestOutcome::Replayed),
             scope: Some(crate::idempotency::key::ScopeId(0x1234_5678_9abc_def0)),
             problem: Some("conflict"),
             ..Trace::default()

@@ -33,7 +33,7 @@ use hyper::body::{Frame, SizeHint};
 use ipnet::IpNet;
 
 use crate::idempotency::key::ScopeId;
-use crate::idempotency::outcome::Outcome;
+use crate::idempotency::outcome::RequestOutcome;
 use crate::telemetry::logging;
 use crate::telemetry::metrics::{Metrics, RouteSeries};
 use crate::upstream::body::{Body, BoxError};
@@ -146,7 +146,7 @@ impl RouteLabel {
 #[derive(Debug, Default)]
 pub struct Trace {
     pub route: RouteLabel,
-    pub outcome: Option<Outcome>,
+    pub outcome: Option<RequestOutcome>,
     /// The scope, once identity and key were established.
     pub scope: Option<ScopeId>,
     /// The problem type, when the answer is a problem.
@@ -513,7 +513,7 @@ fn log_event(line: &AccessLine<'_>) {
         method = %line.method,
         path = line.path,
         route = t.route.as_str(),
-        outcome = t.outcome.map(Outcome::as_str),
+        outcome = t.outcome.map(RequestOutcome::as_str),
         status = line.status,
         latency_ms = millis(line.latency),
         upstream_ms = line.upstream_latency.map(millis),

@@ -41,7 +41,7 @@ const MAX_JWKS: usize = 1 << 20;
 
 /// Where the verification keys come from.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KeySource {
+pub enum JwksSource {
     /// A JWKS file, read at start (and on reload).
     File(PathBuf),
     /// A JWKS URL, fetched at start and every `refresh`.
@@ -54,7 +54,7 @@ pub enum KeySource {
 #[derive(Debug, Clone)]
 pub struct JwtConfig {
     pub header: HeaderName,
-    pub keys: KeySource,
+    pub keys: JwksSource,
     pub refresh: Duration,
     pub issuer: Option<Vec<String>>,
     pub audience: Option<Vec<String>>,
@@ -183,12 +183,12 @@ impl JwtVerifier {
     /// every `refresh` interval.
     pub fn new(config: JwtConfig) -> Result<JwtVerifier, String> {
         let keyring = match &config.keys {
-            KeySource::File(path) => {
+            JwksSource::File(path) => {
                 let text = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
                 let set: JwkSet = serde_json::from_slice(&text).map_err(|e| format!("{} is not a JWKS: {e}", path.display()))?;
                 Keyring::from_jwks(&set)
             }
-            KeySource::Url(_) | KeySource::None => Keyring::default(),
+            JwksSource::Url(_) | JwksSource::None => Keyring::default(),
         };
         let hmac = config.secret.as_ref().map(|s| DecodingKey::from_secret(s.expose().as_bytes()));
         Ok(JwtVerifier {
@@ -222,7 +222,7 @@ impl JwtVerifier {
             return Ok(identity);
         }
         let verified = match self.verify_now(token) {
-            Err(JwtError::UnknownKey(kid)) if matches!(self.config.keys, KeySource::Url(_)) => {
+            Err(JwtError::UnknownKey(kid)) if matches!(self.config.keys, JwksSource::Url(_)) => {
                 if self.forced_refresh().await {
                     self.verify_now(token)
                 } else {
@@ -311,7 +311,7 @@ impl JwtVerifier {
     /// Fetches the JWKS URL; on success the set replaces the one in force, on
     /// failure the last good set stays. Returns whether it succeeded.
     pub async fn refresh(&self) -> bool {
-        let KeySource::Url(url) = &self.config.keys else { return true };
+        let JwksSource::Url(url) = &self.config.keys else { return true };
         match self.fetch(url).await {
             Ok(set) => {
                 let ring = Arc::new(Keyring::from_jwks(&set));

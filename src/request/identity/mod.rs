@@ -8,7 +8,7 @@
 //! ([`mtls`]). Sources are tried in order; the first that matches wins.
 //!
 //! What the upstream (and a route's authorizer) learns about the caller
-//! comes from the same source: [`Identifier::admit`] removes every header
+//! comes from the same source: [`Identifier::identify_and_strip`] removes every header
 //! another configured source reads (a trusted header asserting a tenant, a
 //! second API key header, a credential that identified no one), so an
 //! upstream never sees an identity the scope does not carry. A header any
@@ -181,7 +181,7 @@ impl Identifier {
     /// no source identified the request): what is forwarded, stored for an
     /// async worker or shown to an authorizer carries no identity but the
     /// one the request is scoped by.
-    pub async fn admit(&self, headers: &mut HeaderMap, peer: IpAddr, cert: Option<&ClientCertificate>) -> Option<Identity> {
+    pub async fn identify_and_strip(&self, headers: &mut HeaderMap, peer: IpAddr, cert: Option<&ClientCertificate>) -> Option<Identity> {
         let found = self.identify_by(headers, peer, cert).await;
         let by = found.as_ref().map(|(_, i)| *i);
         for (name, readers) in &self.read {
@@ -209,7 +209,7 @@ impl Identifier {
         self.sources
             .iter()
             .filter_map(|s| match s {
-                IdentitySource::Jwt(v) if matches!(v.config.keys, crate::request::identity::jwt::KeySource::Url(_)) => Some(v.clone()),
+                IdentitySource::Jwt(v) if matches!(v.config.keys, crate::request::identity::jwt::JwksSource::Url(_)) => Some(v.clone()),
                 _ => None,
             })
             .collect()
@@ -272,7 +272,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn admit_keeps_only_the_identifying_sources_headers() {
+    async fn identify_and_strip_keeps_only_the_identifying_sources_headers() {
         let mut keys = HashMap::new();
         keys.insert(Sha256::digest(b"side").into(), ident("side", "robot"));
         let mut sources = identifier().sources;
@@ -287,20 +287,20 @@ mod tests {
         let all = [("authorization", "s3cret"), ("x-tenant-id", "t1"), ("x-principal-id", "p1"), ("x-api-key", "side"), ("x-other", "1")];
 
         let mut h = headers(&all);
-        assert_eq!(id.admit(&mut h, trusted, None).await, Some(ident("acme", "billing")));
+        assert_eq!(id.identify_and_strip(&mut h, trusted, None).await, Some(ident("acme", "billing")));
         assert_eq!(names(&h), ["authorization", "x-other"]);
 
         let mut h = headers(&[("authorization", "wrong"), ("x-tenant-id", "t1"), ("x-principal-id", "p1"), ("x-api-key", "side")]);
-        assert_eq!(id.admit(&mut h, trusted, None).await, Some(ident("t1", "p1")));
+        assert_eq!(id.identify_and_strip(&mut h, trusted, None).await, Some(ident("t1", "p1")));
         assert_eq!(names(&h), ["x-principal-id", "x-tenant-id"]);
 
         let mut h = headers(&[("x-tenant-id", "t1"), ("x-principal-id", "p1"), ("x-api-key", "side")]);
-        assert_eq!(id.admit(&mut h, "192.0.2.1".parse().unwrap(), None).await, Some(ident("side", "robot")));
+        assert_eq!(id.identify_and_strip(&mut h, "192.0.2.1".parse().unwrap(), None).await, Some(ident("side", "robot")));
         assert_eq!(names(&h), ["x-api-key"]);
 
         let mut h = headers(&all[1..]);
         h.insert("x-api-key", HeaderValue::from_static("nobody"));
-        assert_eq!(id.admit(&mut h, "192.0.2.1".parse().unwrap(), None).await, None);
+        assert_eq!(id.identify_and_strip(&mut h, "192.0.2.1".parse().unwrap(), None).await, None);
         assert_eq!(names(&h), ["x-other"], "no identity: every source's headers go");
     }
 

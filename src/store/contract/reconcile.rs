@@ -9,7 +9,7 @@ use uuid::Uuid;
 
 use crate::idempotency::key::Scope;
 use crate::idempotency::record::Retention;
-use crate::idempotency::record::{Generation, Record, Refused, State, StoredResponse};
+use crate::idempotency::record::{Generation, Record, State, StoredResponse, TransitionError};
 use crate::outbox::EventPolicies;
 use crate::store::StoreError;
 use crate::store::audit::AuditNote;
@@ -101,7 +101,7 @@ pub enum ResolveOutcome {
         from: State,
     },
     NotFound,
-    Refused(Refused),
+    Refused(TransitionError),
 }
 
 /// Reconciliation: the probe's take and bookkeeping, and resolutions (the reconciler's and operators').

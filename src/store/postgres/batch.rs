@@ -13,7 +13,18 @@ use std::sync::Arc;
 
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
-use super::*;
+use super::records::{BATCH_CACHEABLE, BATCH_INSERTED_GENERATION, BATCH_INSERTED_LEASE, BATCH_WRITTEN};
+use super::sql::NOW;
+use super::{Db, decode, micros};
+use crate::idempotency::fingerprint::Fingerprint;
+use crate::idempotency::key::Scope;
+use crate::idempotency::record::{Attempt, Generation, Record, Timestamp};
+use crate::outbox::{EventPolicies, EventType};
+use crate::store::codec::col;
+use crate::store::{Acceptance, ClaimRequest, StoreError};
+use bytes::Bytes;
+use tokio_postgres::Row;
+use uuid::Uuid;
 
 struct Job<I, O> {
     item: I,
@@ -326,7 +337,7 @@ impl Db {
             (_, true) => Vec::new(),
             (true, false) => rows.iter().map(|row| row.try_get::<_, i64>(0)).collect::<Result<_, _>>().map_err(c)?,
             (false, false) => match rows.first() {
-                Some(row) => row.try_get::<_, Option<Vec<i64>>>(NCOLS + 4).map_err(c)?.unwrap_or_default(),
+                Some(row) => row.try_get::<_, Option<Vec<i64>>>(BATCH_WRITTEN).map_err(c)?.unwrap_or_default(),
                 None => return Err(StoreError::Corrupt("batched write returned no rows".into())),
             },
         };
@@ -350,16 +361,16 @@ impl Db {
 /// One claim's row of `CLAIM_BATCH` / `WRITE_BATCH`.
 pub(super) fn decode_batch_claim(row: &Row) -> Result<BatchClaim, StoreError> {
     let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
-    let generation: Option<i64> = row.try_get(NCOLS + 1).map_err(c)?;
-    let lease: Option<Timestamp> = row.try_get(NCOLS + 2).map_err(c)?;
+    let generation: Option<i64> = row.try_get(BATCH_INSERTED_GENERATION).map_err(c)?;
+    let lease: Option<Timestamp> = row.try_get(BATCH_INSERTED_LEASE).map_err(c)?;
     if let (Some(g), Some(lease)) = (generation, lease) {
         return Ok(BatchClaim::Inserted { generation: Generation(g), lease_expires_at: lease });
     }
-    if row.try_get::<_, Option<&str>>(0).map_err(c)?.is_none() {
+    if row.try_get::<_, Option<&str>>(col::TENANT).map_err(c)?.is_none() {
         return Ok(BatchClaim::Conflict);
     }
-    let now: Timestamp = row.try_get(NCOLS).map_err(c)?;
-    let cacheable: bool = row.try_get::<_, Option<bool>>(NCOLS + 3).map_err(c)?.unwrap_or(false);
+    let now: Timestamp = row.try_get(NOW).map_err(c)?;
+    let cacheable: bool = row.try_get::<_, Option<bool>>(BATCH_CACHEABLE).map_err(c)?.unwrap_or(false);
     Ok(BatchClaim::Existing(Box::new(decode(row)?), now, cacheable))
 }
 

@@ -1,5 +1,5 @@
 //! Every statement the PostgreSQL store sends during operation (migrations
-//! aside), with the indexes each may use: `tests/pg_plans.rs` runs `EXPLAIN`
+//! aside), with the indexes each may use: `tests/it/pg_plans.rs` runs `EXPLAIN`
 //! on each of them (see [`super::sql`] for why the plans must not depend on
 //! statistics).
 
@@ -38,7 +38,7 @@ const LOG_2: &str = "idemgate_event_log_2_lane_xid_idx";
 const LANES_PKEY: &str = "idemgate_event_lanes_pkey";
 
 /// Every statement the store sends during operation (migrations aside),
-/// with the indexes each may use. `tests/pg_plans.rs` checks their plans.
+/// with the indexes each may use. `tests/it/pg_plans.rs` checks their plans.
 pub fn catalog() -> Vec<Statement> {
     let s = |name: &str, sql: &str, indexes: &'static [&'static str]| Statement { name: name.to_owned(), sql: sql.to_owned(), indexes };
     let mut all = vec![

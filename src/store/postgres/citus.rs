@@ -56,7 +56,7 @@ pub const CITUS: &[Migration] = &[
 /// the context "while executing command on host:port", and reports a commit
 /// that failed on a worker as "could not commit transaction for shard".
 /// The coordinator's session is fine after such an error (see
-/// `failover::verdict`).
+/// `failover::fate`).
 pub(super) fn remote_node_error(db: &tokio_postgres::error::DbError) -> bool {
     let message = db.message();
     message.starts_with("connection to the remote node")

@@ -29,8 +29,10 @@ use uuid::Uuid;
 
 use super::batch::{Batcher, ClaimItem};
 use super::citus_route::Router;
+use super::citus_sql::SEEN_CACHEABLE;
 use super::citus_sql::{self, for_tenant};
-use super::{Db, NCOLS, classify, decode};
+use super::sql::NOW;
+use super::{Db, classify, decode};
 use crate::idempotency::key::Scope;
 use crate::idempotency::record::{Record, Timestamp};
 use crate::store::StoreError;
@@ -172,7 +174,7 @@ fn col<'a, T: tokio_postgres::types::FromSql<'a>>(row: &'a Row, i: usize) -> Res
 }
 
 fn found(row: &Row) -> Result<Seen, StoreError> {
-    Ok(Seen { record: decode(row)?, now: row.try_get(NCOLS).map_err(corrupt)?, cacheable: row.try_get(NCOLS + 1).map_err(corrupt)? })
+    Ok(Seen { record: decode(row)?, now: row.try_get(NOW).map_err(corrupt)?, cacheable: row.try_get(SEEN_CACHEABLE).map_err(corrupt)? })
 }
 
 /// One tenant's reads: one statement for all of them, on the tenant's node.

@@ -33,8 +33,14 @@ fn citus_expires(n: usize) -> String {
 /// allows, the take-over ([`TENANT_TAKE_OVER`]), which re-checks that
 /// condition on the latest row version. A lost insert is
 /// `RawClaim::Conflict`, as with the batch (the facade reads the winner).
-pub(super) static CITUS_CLAIM_READ: LazyLock<String> =
-    LazyLock::new(|| format!("SELECT {COLUMNS}, now(), NOT coalesce(cache_hold_until > now(), false) FROM idemgate_records WHERE {PK}"));
+/// Where `CITUS_CLAIM_READ` and `TENANT_CLAIM_READ_BATCH` return whether
+/// the row seen may be cached: after the record's columns and the clock
+/// ([`NOW`]).
+pub(super) const SEEN_CACHEABLE: usize = NOW + 1;
+
+pub(super) static CITUS_CLAIM_READ: LazyLock<String> = LazyLock::new(|| {
+    format!("SELECT {RECORD_COLUMNS}, now(), NOT coalesce(cache_hold_until > now(), false) FROM idemgate_records WHERE {PK}")
+});
 
 /// See [`CITUS_CLAIM_READ`]. The new generation is `$13`, drawn before from
 /// the tenant's counter ([`CITUS_GENERATIONS`]; Citus refuses a volatile
@@ -104,7 +110,7 @@ pub(super) static TENANT_CLAIM_READ: LazyLock<String> = LazyLock::new(|| tenant_
 /// ids, `$2` their keys; the caller matches rows to claims by their whole scope.
 pub(super) static TENANT_CLAIM_READ_BATCH: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "SELECT {COLUMNS}, now(), NOT coalesce(cache_hold_until > now(), false) FROM idemgate_records \
+        "SELECT {RECORD_COLUMNS}, now(), NOT coalesce(cache_hold_until > now(), false) FROM idemgate_records \
          WHERE tenant = {TENANT} AND scope_id = ANY($1::int8[]) AND idempotency_key = ANY($2::text[])"
     )
 });
@@ -310,7 +316,7 @@ FROM next n
 WHERE r.tenant = $6 AND r.scope_id = n.scope_id AND r.tenant = n.tenant AND r.principal = n.principal AND r.operation = n.operation
   AND r.idempotency_key = n.idempotency_key
 RETURNING {}, r.updated_at, r.request, n.took_over",
-        prefixed(COLUMNS, "r.")
+        prefixed(RECORD_COLUMNS, "r.")
     )
 });
 

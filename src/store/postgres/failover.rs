@@ -46,7 +46,7 @@ use tokio_postgres::{Client, Config, Socket};
 
 /// What a failed statement says about its connection and the server behind it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Verdict {
+pub(super) enum SessionFate {
     /// The server refused this statement (constraint, deadlock, timeout, ...):
     /// the session is fine and goes back to the pool.
     Keep,
@@ -66,7 +66,7 @@ pub(super) enum Verdict {
 }
 
 /// Classifies a failed statement's error by what it says about the session.
-pub(super) fn verdict(e: &tokio_postgres::Error) -> Verdict {
+pub(super) fn fate(e: &tokio_postgres::Error) -> SessionFate {
     match e.code() {
         // A Citus coordinator's error about one of its workers: the
         // coordinator (this session's server) is fine, and so are the
@@ -74,15 +74,15 @@ pub(super) fn verdict(e: &tokio_postgres::Error) -> Verdict {
         Some(_)
             if e.as_db_error().is_some_and(|db| db.parsed_severity() == Some(Severity::Error) && super::citus::remote_node_error(db)) =>
         {
-            Verdict::Keep
+            SessionFate::Keep
         }
-        Some(code) if failover_code(code) => Verdict::Failover,
-        Some(code) if stale_plan(code, e) => Verdict::Stale,
-        Some(_) => Verdict::Keep,
+        Some(code) if failover_code(code) => SessionFate::Failover,
+        Some(code) if stale_plan(code, e) => SessionFate::Stale,
+        Some(_) => SessionFate::Keep,
         // No SQLSTATE: the connection broke, or the client failed before or
         // while sending. A closed or broken connection points at the server.
-        None if e.is_closed() || has_io_source(e) => Verdict::Failover,
-        None => Verdict::Discard,
+        None if e.is_closed() || has_io_source(e) => SessionFate::Failover,
+        None => SessionFate::Discard,
     }
 }
 

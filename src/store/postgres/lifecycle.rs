@@ -1,6 +1,12 @@
 //! PostgreSQL: its kind, migrations, health, clock and the deployment's secret (the [`Lifecycle`] part of the store's contract).
 
-use super::*;
+use super::citus::Flavor;
+use super::{Conn, PING_BOUND, PgStore, citus, migration_error, replan, up_to_date};
+use crate::idempotency::record::Timestamp;
+use crate::store::StoreError;
+use crate::store::contract::Lifecycle;
+use crate::store::migrations::{DERIVED_KEY_SECRET, PG_LOCK_KEY, POSTGRES, fresh_secret};
+use async_trait::async_trait;
 
 pub(super) const SETTING: &str = "SELECT value FROM idemgate_settings WHERE name = $1";
 

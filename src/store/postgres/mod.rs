@@ -10,19 +10,14 @@ use tokio_postgres::types::{FromSql, Type};
 use tokio_postgres::{NoTls, Row};
 use uuid::Uuid;
 
-use super::codec::{decode_headers, encode_headers};
-use super::contract::{Events, Lifecycle, Queue, Reconcile, Records, Trail};
-use super::migrations::{DERIVED_KEY_SECRET, PG_LOCK_KEY, POSTGRES, fresh_secret};
-use super::{
-    Acceptance, Claim, ClaimRequest, EventStats, ForeverCount, Inspection, ListFilter, Pooler, ProbeFence, ProbeRoute, Probing, RawClaim,
-    Reaped, Resolution, ResolveOutcome, RetryNote, StateCount, StoreError, Taken, WorkerRoute,
-};
-use crate::idempotency::fingerprint::Fingerprint;
-use crate::idempotency::key::{IdempotencyKey, Scope, ScopeId};
+use super::codec::{RecordRow, col, encode_headers};
+use super::contract::Events;
+use super::migrations::{DERIVED_KEY_SECRET, POSTGRES};
+use super::{Claim, ClaimRequest, EventStats, Pooler, RawClaim, StoreError};
+use crate::idempotency::key::{IdempotencyKey, Scope};
 use crate::idempotency::record::Retention;
-use crate::idempotency::record::{Attempt, Generation, Next, Record, Refused, State, StoredResponse, Timestamp, may_take_over, transition};
-use crate::outbox::{Delivery, EventPolicies, EventType, OutboxEvent};
-use crate::store::audit::{self, AuditEntry, AuditNote};
+use crate::idempotency::record::{Attempt, Generation, Record, StoredResponse, Timestamp};
+use crate::outbox::{Delivery, EventType, OutboxEvent};
 use crate::telemetry::logging::ErrorChain;
 use async_trait::async_trait;
 use std::sync::Arc;
@@ -63,9 +58,10 @@ pub mod sql;
 
 pub use citus::Flavor;
 
-use batch::{BatchClaim, BatchWrite, Batcher, ClaimItem, CompleteItem, Emit, WriteItem, WriteOut};
-use failover::{Flush, HostWalk, Verdict};
-use sql::NCOLS;
+use batch::{Batcher, Emit, WriteItem, WriteOut};
+use failover::{Flush, HostWalk, SessionFate};
+use records::{CLAIM_CACHEABLE, CLAIM_INSERTED_GENERATION, CLAIM_INSERTED_LEASE, CLAIM_TAKEN_GENERATION, CLAIM_TAKEN_LEASE};
+use sql::NOW;
 
 /// The pool, shared by the store and its batchers.
 #[derive(Debug, Clone)]
@@ -138,11 +134,11 @@ impl Db {
 
     /// Runs one statement on a pooled connection and returns its rows. A
     /// statement refused because the schema changed under the connection's
-    /// prepared statements (`Verdict::Stale`: it did not run) runs once more
+    /// prepared statements (`SessionFate::Stale`: it did not run) runs once more
     /// on a new connection.
     async fn query(&self, sql: &str, params: &[&(dyn tokio_postgres::types::ToSql + Sync)], write: bool) -> Result<Vec<Row>, StoreError> {
         match self.query_once(sql, params, write).await {
-            Err((_, Verdict::Stale)) => self.query_once(sql, params, write).await.map_err(|(e, _)| e),
+            Err((_, SessionFate::Stale)) => self.query_once(sql, params, write).await.map_err(|(e, _)| e),
             r => r.map_err(|(e, _)| e),
         }
     }
@@ -165,7 +161,7 @@ impl Db {
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
         write: bool,
-    ) -> Result<Vec<Row>, (StoreError, Verdict)> {
+    ) -> Result<Vec<Row>, (StoreError, SessionFate)> {
         self.query_text(self.text(sql), params, write).await
     }
 
@@ -181,7 +177,7 @@ impl Db {
         write: bool,
     ) -> Result<Vec<Row>, StoreError> {
         match self.query_text(sql, params, write).await {
-            Err((_, Verdict::Stale)) => self.query_text(sql, params, write).await.map_err(|(e, _)| e),
+            Err((_, SessionFate::Stale)) => self.query_text(sql, params, write).await.map_err(|(e, _)| e),
             r => r.map_err(|(e, _)| e),
         }
     }
@@ -191,8 +187,8 @@ impl Db {
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
         write: bool,
-    ) -> Result<Vec<Row>, (StoreError, Verdict)> {
-        let conn = self.conn().await.map_err(|e| (e, Verdict::Keep))?;
+    ) -> Result<Vec<Row>, (StoreError, SessionFate)> {
+        let conn = self.conn().await.map_err(|e| (e, SessionFate::Keep))?;
         if self.flavor == Flavor::Citus && conn.client().statement_cache.size() >= MAX_PREPARED {
             conn.client().statement_cache.clear();
         }
@@ -234,17 +230,17 @@ impl Db {
     /// What a failed statement means for its connection (kept, discarded, or
     /// discarded with every connection to a server that may no longer be the
     /// primary; see `failover`), and for the caller (`classify`).
-    fn failed(&self, conn: Conn, e: tokio_postgres::Error, write: bool) -> (StoreError, Verdict) {
-        let verdict = failover::verdict(&e);
-        match verdict {
-            Verdict::Keep => conn.done(),
-            Verdict::Discard => drop(conn),
-            Verdict::Failover | Verdict::Stale => {
+    fn failed(&self, conn: Conn, e: tokio_postgres::Error, write: bool) -> (StoreError, SessionFate) {
+        let fate = failover::fate(&e);
+        match fate {
+            SessionFate::Keep => conn.done(),
+            SessionFate::Discard => drop(conn),
+            SessionFate::Failover | SessionFate::Stale => {
                 drop(conn);
                 self.flush.now(&self.pool, &ErrorChain(&e).to_string());
             }
         }
-        (classify(e, write), verdict)
+        (classify(e, write), fate)
     }
 }
 
@@ -481,20 +477,20 @@ impl PgStore {
                 asked_at: tokio::time::Instant::now(),
             })
         };
-        let pair = |i: usize| -> Result<Option<(i64, Timestamp)>, StoreError> {
-            Ok(row.try_get::<_, Option<i64>>(i).map_err(c)?.zip(row.try_get::<_, Option<Timestamp>>(i + 1).map_err(c)?))
+        let pair = |generation: usize, lease: usize| -> Result<Option<(i64, Timestamp)>, StoreError> {
+            Ok(row.try_get::<_, Option<i64>>(generation).map_err(c)?.zip(row.try_get::<_, Option<Timestamp>>(lease).map_err(c)?))
         };
-        if let Some((g, lease)) = pair(NCOLS + 1)? {
+        if let Some((g, lease)) = pair(CLAIM_INSERTED_GENERATION, CLAIM_INSERTED_LEASE)? {
             return Ok(claimed(g, lease, false));
         }
-        if let Some((g, lease)) = pair(NCOLS + 3)? {
+        if let Some((g, lease)) = pair(CLAIM_TAKEN_GENERATION, CLAIM_TAKEN_LEASE)? {
             return Ok(claimed(g, lease, true));
         }
-        if row.try_get::<_, Option<&str>>(0).map_err(c)?.is_none() {
+        if row.try_get::<_, Option<&str>>(col::TENANT).map_err(c)?.is_none() {
             return Ok(RawClaim::Conflict);
         }
-        let now: Timestamp = row.try_get(NCOLS).map_err(c)?;
-        let cacheable: bool = row.try_get(NCOLS + 5).map_err(c)?;
+        let now: Timestamp = row.try_get(NOW).map_err(c)?;
+        let cacheable: bool = row.try_get(CLAIM_CACHEABLE).map_err(c)?;
         let record = decode(row)?;
         Ok(if cacheable { RawClaim::Cacheable(record, now) } else { RawClaim::Existing(record, now) })
     }
@@ -592,48 +588,30 @@ impl PgStore {
 
 fn decode(row: &Row) -> Result<Record, StoreError> {
     let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
-    let key: &str = row.try_get(3).map_err(c)?;
-    let key = IdempotencyKey::new(key).map_err(|e| StoreError::Corrupt(format!("idempotency_key: {e}")))?;
-    let hash: &[u8] = row.try_get(4).map_err(c)?;
-    let hash: [u8; 32] = hash.try_into().map_err(|_| StoreError::Corrupt("request_hash is not 32 bytes".into()))?;
-    let state: &str = row.try_get(5).map_err(c)?;
-    let state = State::parse(state).ok_or_else(|| StoreError::Corrupt(format!("unknown state {state:?}")))?;
-    let status: Option<i32> = row.try_get(10).map_err(c)?;
-    let headers: Option<&[u8]> = row.try_get(11).map_err(c)?;
-    let body: Option<&[u8]> = row.try_get(12).map_err(c)?;
-    let response = match status {
-        None => None,
-        Some(s) => Some(StoredResponse {
-            status: u16::try_from(s).map_err(|_| StoreError::Corrupt(format!("response_status {s}")))?,
-            headers: headers.map(decode_headers).transpose()?.unwrap_or_default(),
-            body: body.map(Bytes::copy_from_slice),
-        }),
-    };
-    let tenant: &str = row.try_get(0).map_err(c)?;
-    let principal: &str = row.try_get(1).map_err(c)?;
-    let operation: &str = row.try_get(2).map_err(c)?;
-    Ok(Record {
-        scope: Scope { tenant: tenant.into(), principal: principal.into(), operation: operation.into(), key },
-        request_hash: Fingerprint(hash),
-        state,
-        generation: Generation(row.try_get(6).map_err(c)?),
-        claim_token: row.try_get(7).map_err(c)?,
-        owner: row.try_get(8).map_err(c)?,
-        lease_expires_at: row.try_get(9).map_err(c)?,
-        response,
-        created_at: row.try_get(13).map_err(c)?,
-        updated_at: row.try_get(14).map_err(c)?,
-        expires_at: row.try_get(15).map_err(c)?,
-        operation_id: row.try_get(16).map_err(c)?,
-        attempts: row.try_get(17).map_err(c)?,
-        next_attempt_at: row.try_get(18).map_err(c)?,
-        sent_at: row.try_get(19).map_err(c)?,
-        last_status: row
-            .try_get::<_, Option<i32>>(20)
-            .map_err(c)?
-            .map(|s| u16::try_from(s).map_err(|_| StoreError::Corrupt(format!("last_status {s}"))))
-            .transpose()?,
-        maybe_executed: row.try_get(21).map_err(c)?,
-        key_source: row.try_get(22).map_err(c)?,
-    })
+    RecordRow {
+        tenant: row.try_get(col::TENANT).map_err(c)?,
+        principal: row.try_get(col::PRINCIPAL).map_err(c)?,
+        operation: row.try_get(col::OPERATION).map_err(c)?,
+        idempotency_key: row.try_get(col::IDEMPOTENCY_KEY).map_err(c)?,
+        request_hash: row.try_get(col::REQUEST_HASH).map_err(c)?,
+        state: row.try_get(col::STATE).map_err(c)?,
+        generation: row.try_get(col::GENERATION).map_err(c)?,
+        claim_token: row.try_get(col::CLAIM_TOKEN).map_err(c)?,
+        owner: row.try_get(col::OWNER).map_err(c)?,
+        lease_expires_at: row.try_get(col::LEASE_EXPIRES_AT).map_err(c)?,
+        response_status: row.try_get::<_, Option<i32>>(col::RESPONSE_STATUS).map_err(c)?.map(i64::from),
+        response_headers: row.try_get(col::RESPONSE_HEADERS).map_err(c)?,
+        response_body: row.try_get::<_, Option<&[u8]>>(col::RESPONSE_BODY).map_err(c)?.map(Bytes::copy_from_slice),
+        created_at: row.try_get(col::CREATED_AT).map_err(c)?,
+        updated_at: row.try_get(col::UPDATED_AT).map_err(c)?,
+        expires_at: row.try_get(col::EXPIRES_AT).map_err(c)?,
+        operation_id: row.try_get(col::OPERATION_ID).map_err(c)?,
+        attempts: row.try_get(col::ATTEMPTS).map_err(c)?,
+        next_attempt_at: row.try_get(col::NEXT_ATTEMPT_AT).map_err(c)?,
+        sent_at: row.try_get(col::SENT_AT).map_err(c)?,
+        last_status: row.try_get::<_, Option<i32>>(col::LAST_STATUS).map_err(c)?.map(i64::from),
+        maybe_executed: row.try_get(col::MAYBE_EXECUTED).map_err(c)?,
+        key_source: row.try_get(col::KEY_SOURCE).map_err(c)?,
+    }
+    .into_record()
 }

@@ -1,9 +1,20 @@
 //! PostgreSQL: the async queue (the [`Queue`] part of the store's contract).
 
 use super::batch::{PkColumns, is_deadlock};
-use super::sql::{COLUMNS, EVENT_INSERT, EXPIRES_7, FENCE, PK, prefixed};
-use super::*;
+use super::citus::Flavor;
+use super::sql::NOW;
+use super::sql::{EVENT_INSERT, EXPIRES_7, FENCE, PK, RECORD_COLUMNS, prefixed};
+use super::{Db, PgStore, citus_sql, decode, micros, retention_us};
+use crate::idempotency::key::Scope;
+use crate::idempotency::record::{Attempt, Record, Retention, Timestamp};
+use crate::outbox::{EventPolicies, EventType};
+use crate::store::contract::Queue;
+use crate::store::{Claim, RetryNote, StoreError, Taken, WorkerRoute};
+use async_trait::async_trait;
 use std::sync::LazyLock;
+use std::time::Duration;
+use tokio_postgres::Row;
+use uuid::Uuid;
 
 /// Workers take the oldest due operations of their routes, up to `$6` in
 /// one statement and one commit: each row is locked with `SKIP LOCKED` (a
@@ -60,16 +71,21 @@ FROM next n
 WHERE r.scope_id = n.scope_id AND r.tenant = n.tenant AND r.principal = n.principal AND r.operation = n.operation
   AND r.idempotency_key = n.idempotency_key
 RETURNING {}, now(), r.request, n.took_over",
-        prefixed(COLUMNS, "r.")
+        prefixed(RECORD_COLUMNS, "r.")
     )
 });
+
+/// Where `TAKE`'s (and `CITUS_TAKE`'s) own columns are, after the record's
+/// and the clock ([`NOW`]).
+pub(super) const TAKE_REQUEST: usize = NOW + 1;
+pub(super) const TAKE_TOOK_OVER: usize = TAKE_REQUEST + 1;
 
 /// One row of `TAKE` (or `CITUS_TAKE`): the record, the database clock, the
 /// stored request and whether it was a take-over.
 fn taken(row: &Row) -> Result<Taken, StoreError> {
     let record = decode(row)?;
-    let request: Vec<u8> = row.try_get(NCOLS + 1).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-    let lease_expired: bool = row.try_get(NCOLS + 2).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+    let request: Vec<u8> = row.try_get(TAKE_REQUEST).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+    let lease_expired: bool = row.try_get(TAKE_TOOK_OVER).map_err(|e| StoreError::Corrupt(e.to_string()))?;
     let claim = Claim {
         scope: record.scope.clone(),
         generation: record.generation,
@@ -183,7 +199,7 @@ pub(super) static FAIL: LazyLock<String> = LazyLock::new(|| {
 });
 
 pub(super) static OPERATION: LazyLock<String> =
-    LazyLock::new(|| format!("SELECT {COLUMNS}, now() FROM idemgate_records WHERE tenant = $1 AND operation_id = $2"));
+    LazyLock::new(|| format!("SELECT {RECORD_COLUMNS}, now() FROM idemgate_records WHERE tenant = $1 AND operation_id = $2"));
 
 #[async_trait]
 impl Queue for PgStore {
@@ -255,7 +271,7 @@ impl Queue for PgStore {
         match rows.first() {
             None => Ok(None),
             Some(row) => {
-                let now: Timestamp = row.try_get(NCOLS).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+                let now: Timestamp = row.try_get(NOW).map_err(|e| StoreError::Corrupt(e.to_string()))?;
                 Ok(Some((decode(row)?, now)))
             }
         }

@@ -1,17 +1,35 @@
 //! PostgreSQL: the probe's take and bookkeeping, and resolutions (the [`Reconcile`] part of the store's contract).
 
-use super::sql::{COLUMNS, EXPIRES_8, PK, prefixed};
-use super::*;
+use super::citus::Flavor;
+use super::sql::NOW;
+use super::sql::{EXPIRES_8, PK, RECORD_COLUMNS, prefixed};
+use super::{Conn, PgStore, citus_sql, classify, decode, micros, retention_us};
+use crate::idempotency::key::Scope;
+use crate::idempotency::record::{Generation, Next, State, Timestamp, TransitionError, transition};
+use crate::outbox::{EventPolicies, EventType};
 use crate::store::UNRECORDED_AT_UPSTREAM;
+use crate::store::audit::AuditNote;
+use crate::store::codec::encode_headers;
+use crate::store::contract::Reconcile;
+use crate::store::{ProbeFence, ProbeRoute, Probing, Resolution, ResolveOutcome, StoreError, audit};
+use async_trait::async_trait;
+use bytes::Bytes;
 use std::sync::LazyLock;
+use std::time::Duration;
+use uuid::Uuid;
 
 /// The resolution's row, locked.
 pub(super) static RESOLVE_LOCK: LazyLock<String> =
-    LazyLock::new(|| format!("SELECT {COLUMNS}, now(), probe_token, cache_hold_until FROM idemgate_records WHERE {PK} FOR UPDATE"));
+    LazyLock::new(|| format!("SELECT {RECORD_COLUMNS}, now(), probe_token, cache_hold_until FROM idemgate_records WHERE {PK} FOR UPDATE"));
 
 /// A completed record about to be resolved is first held out of the
 /// replicas' replay caches (see `store::cache`): replicas that read it from
 /// now on do not cache it, until `$5` microseconds from now.
+/// Where `RESOLVE_LOCK`'s own columns are, after the record's and the clock
+/// ([`NOW`]).
+const LOCK_PROBE_TOKEN: usize = NOW + 1;
+const LOCK_CACHE_HOLD: usize = LOCK_PROBE_TOKEN + 1;
+
 pub(super) static RESOLVE_HOLD: LazyLock<String> = LazyLock::new(|| {
     format!(
         "UPDATE idemgate_records SET cache_hold_until = now() + $5::int8 * interval '1 microsecond' \
@@ -70,9 +88,14 @@ WHERE r.scope_id = d.scope_id AND r.tenant = d.tenant AND r.principal = d.princi
   AND CASE r.state WHEN 'unknown' THEN true ELSE false END
 RETURNING {}, now(), r.request, r.probe_attempts",
         &*PROBE_DUE,
-        prefixed(COLUMNS, "r."),
+        prefixed(RECORD_COLUMNS, "r."),
     )
 });
+
+/// Where `TAKE_PROBES`'s (and the Citus take's) own columns are, after the
+/// record's and the clock ([`NOW`]).
+const PROBE_REQUEST: usize = NOW + 1;
+const PROBE_ATTEMPTS: usize = PROBE_REQUEST + 1;
 
 /// Which `unknown` records (`r`, of a route `ro` with its `settle_us` and
 /// `at_upstream_us`) are due for a probe: settled, their attempt no longer
@@ -120,10 +143,10 @@ impl Reconcile for PgStore {
         rows.iter()
             .map(|row| {
                 let record = decode(row)?;
-                let request: Option<Vec<u8>> = row.try_get(NCOLS + 1).map_err(c)?;
+                let request: Option<Vec<u8>> = row.try_get(PROBE_REQUEST).map_err(c)?;
                 Ok(Probing {
                     fence: ProbeFence { generation: record.generation, token },
-                    attempts: row.try_get(NCOLS + 2).map_err(c)?,
+                    attempts: row.try_get(PROBE_ATTEMPTS).map_err(c)?,
                     request: request.map(Bytes::from),
                     record,
                 })
@@ -195,19 +218,19 @@ impl PgStore {
             return Ok(Round::Done(ResolveOutcome::NotFound));
         };
         let record = decode(row)?;
-        let now: Timestamp = row.try_get(NCOLS).map_err(c)?;
+        let now: Timestamp = row.try_get(NOW).map_err(c)?;
         if let Some(fence) = fence {
             // The row is locked: its probe mark cannot change under us.
-            let token: Option<Uuid> = row.try_get(NCOLS + 1).map_err(c)?;
+            let token: Option<Uuid> = row.try_get(LOCK_PROBE_TOKEN).map_err(c)?;
             if record.state != State::Unknown || record.generation != fence.generation || token != Some(fence.token) {
                 tx.rollback().await.map_err(w)?;
-                return Ok(Round::Done(ResolveOutcome::Refused(Refused::Fenced)));
+                return Ok(Round::Done(ResolveOutcome::Refused(TransitionError::Fenced)));
             }
         }
         // Our own hold, on the same generation, still in force: no replica
         // has cached this record since the hold was set (another
         // resolution's change clears the hold, a new hold replaces it).
-        let hold: Option<Timestamp> = row.try_get(NCOLS + 2).map_err(c)?;
+        let hold: Option<Timestamp> = row.try_get(LOCK_CACHE_HOLD).map_err(c)?;
         let hold_in_place = hold.is_some_and(|h| h > now && held == Some((h, record.generation)));
         let (to, generation): (Option<State>, Option<i64>) = match transition(&record, resolution.event(), now) {
             Err(refused) => {
@@ -244,7 +267,7 @@ impl PgStore {
                 let Some(row) = rows.first() else {
                     // The row is locked: only a dropped request stops the update.
                     tx.rollback().await.map_err(w)?;
-                    return Ok(Round::Done(ResolveOutcome::Refused(Refused::RequestGone)));
+                    return Ok(Round::Done(ResolveOutcome::Refused(TransitionError::RequestGone)));
                 };
                 let generation: i64 = row.try_get(0).map_err(|_| StoreError::Corrupt("resolve: no generation".into()))?;
                 (Some(State::Queued), Some(generation))

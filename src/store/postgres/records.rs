@@ -1,8 +1,21 @@
 //! PostgreSQL: the claim, fenced results, reads, lists, retention and leases (the [`Records`] part of the store's contract).
 
-use super::sql::{COLUMNS, EVENT_INSERT, EXPIRES_9, PK, prefixed};
-use super::*;
+use super::batch::{BatchClaim, BatchWrite, ClaimItem, CompleteItem, Emit, WriteItem, WriteOut};
+use super::citus::Flavor;
+use super::sql::NOW;
+use super::sql::{EVENT_INSERT, EXPIRES_9, PK, RECORD_COLUMNS, prefixed};
+use super::{PgStore, citus_sql, decode, retention_us};
+use crate::idempotency::key::{Scope, ScopeId};
+use crate::idempotency::record::{Attempt, Record, Retention, State, StoredResponse, Timestamp, may_take_over};
+use crate::outbox::{EventPolicies, EventType};
+use crate::store::codec::encode_headers;
+use crate::store::contract::Records;
+use crate::store::{Claim, ClaimRequest, ForeverCount, ListFilter, RawClaim, Reaped, StateCount, StoreError};
+use async_trait::async_trait;
+use std::sync::Arc;
 use std::sync::LazyLock;
+use std::time::Duration;
+use uuid::Uuid;
 
 /// The claim: one statement, autocommitted. It reads the scope's row, takes it
 /// over if `record::may_take_over` allows (an UPDATE that re-checks the
@@ -14,14 +27,14 @@ use std::sync::LazyLock;
 /// With an operation id (`$10`) it is an async acceptance: the record starts
 /// `queued` (due now, no lease) and keeps the request (`$11`) for the workers.
 ///
-/// Returned: the row seen (`COLUMNS`), `now()`, the inserted row's generation
+/// Returned: the row seen (`RECORD_COLUMNS`), `now()`, the inserted row's generation
 /// and lease, the taken-over row's, and whether the row seen may be cached
 /// (no resolution holds it out of the replay caches).
 pub(super) static CLAIM: LazyLock<String> = LazyLock::new(|| {
     format!(
         "\
 WITH cur AS (
-    SELECT {COLUMNS}, cache_hold_until
+    SELECT {RECORD_COLUMNS}, cache_hold_until
     FROM idemgate_records
     WHERE {PK}
 ), taken AS (
@@ -60,9 +73,17 @@ SELECT {}, now(),
        (SELECT generation FROM taken), (SELECT coalesce FROM taken),
        NOT coalesce(cur.cache_hold_until > now(), false)
 FROM (SELECT 1) AS one LEFT JOIN cur ON true",
-        prefixed(COLUMNS, "cur.")
+        prefixed(RECORD_COLUMNS, "cur.")
     )
 });
+
+/// Where `CLAIM`'s own columns are in its row, after the record's and the
+/// clock ([`NOW`]), in the order of its last `SELECT`.
+pub(super) const CLAIM_INSERTED_GENERATION: usize = NOW + 1;
+pub(super) const CLAIM_INSERTED_LEASE: usize = CLAIM_INSERTED_GENERATION + 1;
+pub(super) const CLAIM_TAKEN_GENERATION: usize = CLAIM_INSERTED_LEASE + 1;
+pub(super) const CLAIM_TAKEN_LEASE: usize = CLAIM_TAKEN_GENERATION + 1;
+pub(super) const CLAIM_CACHEABLE: usize = CLAIM_TAKEN_LEASE + 1;
 
 /// The claims of a batch as rows (`$1`..`$12`, one array per column),
 /// inserted first: a new scope costs the insert's own primary-key descents
@@ -104,13 +125,19 @@ input AS (
 )";
 
 /// What the batched claim returns per claim, in input order: the row seen
-/// (`COLUMNS`), `now()`, the inserted row's generation and lease, and whether
+/// (`RECORD_COLUMNS`), `now()`, the inserted row's generation and lease, and whether
 /// the row seen may be cached (as in `CLAIM`).
-const CLAIM_OUTPUT: &str = "\
-SELECT c.tenant, c.principal, c.operation, c.idempotency_key, c.request_hash, c.state, c.generation, c.claim_token,
-       c.owner, c.lease_expires_at, c.response_status, c.response_headers, c.response_body, c.created_at, c.updated_at,
-       c.expires_at, c.operation_id, c.attempts, c.next_attempt_at, c.sent_at, c.last_status, c.maybe_executed, c.key_source, now(),
-       ins.generation, ins.lease, NOT coalesce(c.cache_hold_until > now(), false)";
+static CLAIM_OUTPUT: LazyLock<String> = LazyLock::new(|| {
+    format!("SELECT {}, now(), ins.generation, ins.lease, NOT coalesce(c.cache_hold_until > now(), false)", prefixed(RECORD_COLUMNS, "c."))
+});
+
+/// Where `CLAIM_OUTPUT`'s own columns are, after the record's and the clock
+/// ([`NOW`]); `WRITE_BATCH` adds the ordinals of the result writes that took
+/// effect.
+pub(super) const BATCH_INSERTED_GENERATION: usize = NOW + 1;
+pub(super) const BATCH_INSERTED_LEASE: usize = BATCH_INSERTED_GENERATION + 1;
+pub(super) const BATCH_CACHEABLE: usize = BATCH_INSERTED_LEASE + 1;
+pub(super) const BATCH_WRITTEN: usize = BATCH_CACHEABLE + 1;
 
 const CLAIM_FROM: &str = "\
 FROM input i
@@ -168,7 +195,7 @@ v AS (
 /// take-over branch (the single-row statement does that). Rows are inserted
 /// in primary-key order so that two batches never wait on each other in a
 /// cycle; the answer comes back in input order.
-pub(super) static CLAIM_BATCH: LazyLock<String> = LazyLock::new(|| format!("WITH {CLAIM_INPUT}\n{CLAIM_OUTPUT}\n{CLAIM_FROM}"));
+pub(super) static CLAIM_BATCH: LazyLock<String> = LazyLock::new(|| format!("WITH {CLAIM_INPUT}\n{}\n{CLAIM_FROM}", *CLAIM_OUTPUT));
 
 /// The batched result write (`$1`..`$13`), each row fenced by its own attempt.
 pub(super) static COMPLETE_BATCH: LazyLock<String> = LazyLock::new(|| format!("WITH {}\nSELECT ord FROM upd", complete_parts(1)));
@@ -176,8 +203,9 @@ pub(super) static COMPLETE_BATCH: LazyLock<String> = LazyLock::new(|| format!("W
 /// One commit for a batch of claims (`$1`..`$12`) and a batch of result
 /// writes (`$13`..`$25`): the claims' rows as `CLAIM_BATCH` returns them,
 /// each with the ordinals of the result writes that took effect.
-pub(super) static WRITE_BATCH: LazyLock<String> =
-    LazyLock::new(|| format!("WITH {CLAIM_INPUT}, {}\n{CLAIM_OUTPUT}, (SELECT array_agg(ord) FROM upd)\n{CLAIM_FROM}", complete_parts(13)));
+pub(super) static WRITE_BATCH: LazyLock<String> = LazyLock::new(|| {
+    format!("WITH {CLAIM_INPUT}, {}\n{}, (SELECT array_agg(ord) FROM upd)\n{CLAIM_FROM}", complete_parts(13), *CLAIM_OUTPUT)
+});
 
 /// The single-row result write: used when a batched statement deadlocked.
 pub(super) static COMPLETE: LazyLock<String> = LazyLock::new(|| {
@@ -194,7 +222,7 @@ pub(super) static COMPLETE: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-pub(super) static GET: LazyLock<String> = LazyLock::new(|| format!("SELECT {COLUMNS}, now() FROM idemgate_records WHERE {PK}"));
+pub(super) static GET: LazyLock<String> = LazyLock::new(|| format!("SELECT {RECORD_COLUMNS}, now() FROM idemgate_records WHERE {PK}"));
 
 pub(super) static RELEASE: LazyLock<String> = LazyLock::new(|| {
     format!(
@@ -307,7 +335,7 @@ impl ListShape {
                 format!("updated_at <= {at} AND ({after})")
             });
         }
-        let mut sql = format!("SELECT {COLUMNS} FROM idemgate_records");
+        let mut sql = format!("SELECT {RECORD_COLUMNS} FROM idemgate_records");
         if !conds.is_empty() {
             sql.push_str(" WHERE ");
             sql.push_str(&conds.join(" AND "));
@@ -325,7 +353,8 @@ impl ListShape {
 
 /// The records a log line's scope id names (`$1`), through the primary
 /// key's first column.
-pub(super) static BY_SCOPE_ID: LazyLock<String> = LazyLock::new(|| format!("SELECT {COLUMNS} FROM idemgate_records WHERE scope_id = $1"));
+pub(super) static BY_SCOPE_ID: LazyLock<String> =
+    LazyLock::new(|| format!("SELECT {RECORD_COLUMNS} FROM idemgate_records WHERE scope_id = $1"));
 
 pub(super) const SWEEP: &str = "\
 WITH doomed AS (
@@ -407,7 +436,7 @@ impl Records for PgStore {
         match rows.first() {
             None => Ok(None),
             Some(row) => {
-                let now: Timestamp = row.try_get(NCOLS).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+                let now: Timestamp = row.try_get(NOW).map_err(|e| StoreError::Corrupt(e.to_string()))?;
                 Ok(Some((decode(row)?, now)))
             }
         }

@@ -46,7 +46,7 @@ FROM pg_class c LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
 WHERE c.oid IN (to_regclass('idemgate_records'), to_regclass('idemgate_events'))";
 
 /// Statistics of fewer rows than this call the table tiny. Generic plans
-/// checked by `tests/pg_plans.rs`' rules on tables VACUUM ANALYZEd with a
+/// checked by `tests/it/pg_plans.rs`' rules on tables VACUUM ANALYZEd with a
 /// few rows (docs/performance-notes.md): statistics of 2 rows gave ten statements
 /// a whole-index join, of 20 and 60 rows one (`mark_sent_batch`), of 200
 /// rows and more none.
@@ -68,7 +68,7 @@ pub(super) struct Look {
 impl Look {
     /// Statistics that say the table is tiny. Before a table's first
     /// VACUUM or ANALYZE (`rows` -1) the planner assumes ten pages of
-    /// rows, and plans right (`tests/pg_plans.rs`).
+    /// rows, and plans right (`tests/it/pg_plans.rs`).
     fn tiny(&self) -> bool {
         (0.0..TINY_ROWS).contains(&self.rows)
     }

@@ -27,7 +27,7 @@
 //!   instead.
 //!
 //! [`super::catalog`] lists every statement with the indexes it may use;
-//! `tests/pg_plans.rs` runs `EXPLAIN` on each of them, with these session
+//! `tests/it/pg_plans.rs` runs `EXPLAIN` on each of them, with these session
 //! settings, on an empty never-analyzed table, a populated one and after a
 //! mass delete, and fails on any sequential scan or any other index.
 
@@ -89,12 +89,12 @@ pub fn routed_session_settings() -> Vec<(&'static str, &'static str)> {
     settings
 }
 
-/// The record columns every reading statement returns, in `decode`'s order.
-pub(super) const COLUMNS: &str = "tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner, \
-     lease_expires_at, response_status, response_headers, response_body, created_at, updated_at, expires_at, \
-     operation_id, attempts, next_attempt_at, sent_at, last_status, maybe_executed, key_source";
-/// How many columns `COLUMNS` has: the next column of a row is at this index.
-pub(super) const NCOLS: usize = 23;
+/// The record columns every reading statement returns first (the row codec
+/// shared with SQLite, `store::codec`).
+pub(super) use crate::store::codec::RECORD_COLUMNS;
+/// Where a statement that returns the database clock returns it: right after
+/// the record's columns.
+pub(super) const NOW: usize = crate::store::codec::col::END;
 
 /// The primary key from `$1`..`$4`: the scope id, computed by the database
 /// (migration 0011), leads it.

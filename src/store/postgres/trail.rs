@@ -1,8 +1,17 @@
 //! PostgreSQL: the audit trail and one scope's inspection (the [`Trail`] part of the store's contract).
 
-use super::sql::{COLUMNS, PK};
-use super::*;
+use super::sql::NOW;
+use super::sql::{PK, RECORD_COLUMNS};
+use super::{PgStore, decode};
+use crate::idempotency::key::{IdempotencyKey, Scope};
+use crate::idempotency::record::{Generation, Timestamp};
+use crate::store::audit::AuditEntry;
+use crate::store::contract::Trail;
+use crate::store::{Inspection, StoreError};
+use async_trait::async_trait;
+use bytes::Bytes;
 use std::sync::LazyLock;
+use tokio_postgres::Row;
 
 pub(super) const AUDIT_INSERT: &str = "INSERT INTO idemgate_audit \
      (actor, tenant, principal, operation, idempotency_key, from_state, to_state, reason, forced, generation, peer, token_label) \
@@ -15,10 +24,16 @@ pub(super) const AUDIT_LIST: &str = "SELECT id, at, actor, tenant, principal, op
 /// stored request and the probes of this generation.
 pub(super) static INSPECT: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "SELECT {COLUMNS}, now(), request, CASE WHEN probe_generation = generation THEN probe_attempts ELSE 0 END, next_probe_at, \
+        "SELECT {RECORD_COLUMNS}, now(), request, CASE WHEN probe_generation = generation THEN probe_attempts ELSE 0 END, next_probe_at, \
          CASE WHEN probe_generation = generation THEN probe_last_answer END FROM idemgate_records WHERE {PK}"
     )
 });
+
+/// Where `INSPECT`'s own columns are, after the record's and the clock ([`NOW`]).
+const INSPECT_REQUEST: usize = NOW + 1;
+const INSPECT_PROBE_ATTEMPTS: usize = INSPECT_REQUEST + 1;
+const INSPECT_NEXT_PROBE_AT: usize = INSPECT_PROBE_ATTEMPTS + 1;
+const INSPECT_PROBE_LAST_ANSWER: usize = INSPECT_NEXT_PROBE_AT + 1;
 
 /// The audit rows of one scope, newest first (the console's record page).
 pub(super) const AUDIT_OF_SCOPE: &str = "SELECT id, at, actor, tenant, principal, operation, idempotency_key, from_state, to_state, \
@@ -38,11 +53,11 @@ impl Trail for PgStore {
         let Some(row) = rows.first() else { return Ok(None) };
         let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
         let record = decode(row)?;
-        let now: Timestamp = row.try_get(NCOLS).map_err(c)?;
-        let request: Option<Vec<u8>> = row.try_get(NCOLS + 1).map_err(c)?;
-        let probe_attempts: i32 = row.try_get(NCOLS + 2).map_err(c)?;
-        let next_probe_at: Option<Timestamp> = row.try_get(NCOLS + 3).map_err(c)?;
-        let probe_last_answer: Option<String> = row.try_get(NCOLS + 4).map_err(c)?;
+        let now: Timestamp = row.try_get(NOW).map_err(c)?;
+        let request: Option<Vec<u8>> = row.try_get(INSPECT_REQUEST).map_err(c)?;
+        let probe_attempts: i32 = row.try_get(INSPECT_PROBE_ATTEMPTS).map_err(c)?;
+        let next_probe_at: Option<Timestamp> = row.try_get(INSPECT_NEXT_PROBE_AT).map_err(c)?;
+        let probe_last_answer: Option<String> = row.try_get(INSPECT_PROBE_LAST_ANSWER).map_err(c)?;
         let rows = self.query(AUDIT_OF_SCOPE, &[&t, &p, &o, &k, &i64::from(audit_limit)], false).await?;
         let audit = rows.iter().map(decode_audit).collect::<Result<Vec<_>, _>>()?;
         Ok(Some(Inspection { record, now, request: request.map(Bytes::from), probe_attempts, next_probe_at, probe_last_answer, audit }))

@@ -1,6 +1,12 @@
 //! SQLite: its kind, migrations, health, clock and the deployment's secret (the [`Lifecycle`] part of the store's contract).
 
-use super::*;
+use super::{KIND, SqliteStore, err, now};
+use crate::idempotency::record::Timestamp;
+use crate::store::StoreError;
+use crate::store::contract::Lifecycle;
+use crate::store::migrations::{DERIVED_KEY_SECRET, SQLITE, fresh_secret};
+use async_trait::async_trait;
+use rusqlite::{TransactionBehavior, params};
 
 #[async_trait]
 impl Lifecycle for SqliteStore {

@@ -20,7 +20,6 @@ mod trail;
 use std::fs::File;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::mpsc;
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -30,28 +29,15 @@ use bytes::Bytes;
 use rusqlite::{Connection, TransactionBehavior, params};
 use uuid::Uuid;
 
-use super::codec::{decode_headers, encode_headers};
-use super::contract::{Events, Lifecycle, Queue, Reconcile, Records, Trail};
-use super::migrations::{DERIVED_KEY_SECRET, SQLITE, fresh_secret};
-use super::{
-    Access, Claim, ClaimRequest, EventStats, ForeverCount, Inspection, ListFilter, ProbeFence, ProbeRoute, Probing, RawClaim, Reaped,
-    Resolution, ResolveOutcome, RetryNote, StateCount, StoreError, Taken, WorkerRoute,
-};
-use crate::idempotency::fingerprint::Fingerprint;
-use crate::idempotency::key::{IdempotencyKey, Scope, ScopeId};
+use super::codec::{RECORD_COLUMNS, RecordRow, col, encode_headers};
+use super::contract::Events;
+use super::{Access, EventStats, StoreError};
+use crate::idempotency::key::{IdempotencyKey, Scope};
 use crate::idempotency::record::Retention;
-use crate::idempotency::record::{
-    Attempt, Event, Generation, Next, Record, Refused, State, StoredResponse, Timestamp, may_take_over, transition,
-};
-use crate::outbox::{Delivery, EventPolicies, EventType, OutboxEvent};
-use crate::store::audit::{self, AuditEntry, AuditNote};
+use crate::idempotency::record::{Event, Generation, Next, Record, StoredResponse, Timestamp, transition};
+use crate::outbox::{Delivery, EventType, OutboxEvent};
 use async_trait::async_trait;
 
-const COLUMNS: &str = "tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner, \
-     lease_expires_at, response_status, response_headers, response_body, created_at, updated_at, expires_at, \
-     operation_id, attempts, next_attempt_at, sent_at, last_status, maybe_executed, key_source";
-/// How many columns `COLUMNS` has: the next column of a row is at this index.
-const NCOLS: usize = 23;
 const KIND: &str = "sqlite";
 
 const PK: &str = "tenant = ?1 AND principal = ?2 AND operation = ?3 AND idempotency_key = ?4";
@@ -383,7 +369,7 @@ pub fn lock_path(path: &Path) -> PathBuf {
 }
 
 fn get_conn(conn: &Connection, scope: &Scope) -> Result<Option<Record>, StoreError> {
-    let sql = format!("SELECT {COLUMNS} FROM idemgate_records WHERE {PK}");
+    let sql = format!("SELECT {RECORD_COLUMNS} FROM idemgate_records WHERE {PK}");
     let mut st = conn.prepare_cached(&sql).map_err(err)?;
     let mut rows = st.query(pk(scope)).map_err(err)?;
     match rows.next().map_err(err)? {
@@ -511,56 +497,46 @@ fn next_generation(tx: &Connection) -> Result<Generation, StoreError> {
 
 fn decode(row: &rusqlite::Row<'_>) -> Result<Record, StoreError> {
     let c = |e: rusqlite::Error| StoreError::Corrupt(e.to_string());
-    let key: String = row.get(3).map_err(c)?;
-    let key = IdempotencyKey::new(&key).map_err(|e| StoreError::Corrupt(format!("idempotency_key: {e}")))?;
-    let hash: Vec<u8> = row.get(4).map_err(c)?;
-    let hash: [u8; 32] = hash.try_into().map_err(|_| StoreError::Corrupt("request_hash is not 32 bytes".into()))?;
-    let state: String = row.get(5).map_err(c)?;
-    let state = State::parse(&state).ok_or_else(|| StoreError::Corrupt(format!("unknown state {state:?}")))?;
-    let token: Vec<u8> = row.get(7).map_err(c)?;
-    let token = Uuid::from_slice(&token).map_err(|_| StoreError::Corrupt("claim_token is not 16 bytes".into()))?;
-    let status: Option<i64> = row.get(10).map_err(c)?;
-    let headers: Option<Vec<u8>> = row.get(11).map_err(c)?;
-    let body: Option<Vec<u8>> = row.get(12).map_err(c)?;
-    let response = match status {
-        None => None,
-        Some(s) => Some(StoredResponse {
-            status: u16::try_from(s).map_err(|_| StoreError::Corrupt(format!("response_status {s}")))?,
-            headers: headers.as_deref().map(decode_headers).transpose()?.unwrap_or_default(),
-            body: body.map(Bytes::from),
-        }),
-    };
-    let tenant: String = row.get(0).map_err(c)?;
-    let principal: String = row.get(1).map_err(c)?;
-    let operation: String = row.get(2).map_err(c)?;
-    Ok(Record {
-        scope: Scope { tenant: tenant.into(), principal: principal.into(), operation: operation.into(), key },
-        request_hash: Fingerprint(hash),
-        state,
-        generation: Generation(row.get(6).map_err(c)?),
-        claim_token: token,
-        owner: row.get(8).map_err(c)?,
-        lease_expires_at: row.get::<_, Option<i64>>(9).map_err(c)?.map(Timestamp),
-        response,
-        created_at: Timestamp(row.get(13).map_err(c)?),
-        updated_at: Timestamp(row.get(14).map_err(c)?),
-        expires_at: Timestamp(row.get(15).map_err(c)?),
-        operation_id: row.get(16).map_err(c)?,
-        attempts: row.get(17).map_err(c)?,
-        next_attempt_at: row.get::<_, Option<i64>>(18).map_err(c)?.map(Timestamp),
-        sent_at: row.get::<_, Option<i64>>(19).map_err(c)?.map(Timestamp),
-        last_status: row
-            .get::<_, Option<i64>>(20)
-            .map_err(c)?
-            .map(|s| u16::try_from(s).map_err(|_| StoreError::Corrupt(format!("last_status {s}"))))
-            .transpose()?,
-        maybe_executed: row.get(21).map_err(c)?,
-        key_source: row.get(22).map_err(c)?,
-    })
+    let value = |i: usize| row.get_ref(i).map_err(c);
+    let bad = |e: rusqlite::types::FromSqlError| StoreError::Corrupt(e.to_string());
+    let text = |i: usize| value(i)?.as_str().map_err(bad);
+    let blob = |i: usize| value(i)?.as_blob().map_err(bad);
+    let blob_or_null = |i: usize| value(i)?.as_blob_or_null().map_err(bad);
+    let at = |i: usize| row.get::<_, Option<i64>>(i).map(|t| t.map(Timestamp)).map_err(c);
+    RecordRow {
+        tenant: text(col::TENANT)?,
+        principal: text(col::PRINCIPAL)?,
+        operation: text(col::OPERATION)?,
+        idempotency_key: text(col::IDEMPOTENCY_KEY)?,
+        request_hash: blob(col::REQUEST_HASH)?,
+        state: text(col::STATE)?,
+        generation: row.get(col::GENERATION).map_err(c)?,
+        claim_token: Uuid::from_slice(blob(col::CLAIM_TOKEN)?).map_err(|_| StoreError::Corrupt("claim_token is not 16 bytes".into()))?,
+        owner: row.get(col::OWNER).map_err(c)?,
+        lease_expires_at: at(col::LEASE_EXPIRES_AT)?,
+        response_status: row.get(col::RESPONSE_STATUS).map_err(c)?,
+        response_headers: blob_or_null(col::RESPONSE_HEADERS)?,
+        response_body: blob_or_null(col::RESPONSE_BODY)?.map(Bytes::copy_from_slice),
+        created_at: Timestamp(row.get(col::CREATED_AT).map_err(c)?),
+        updated_at: Timestamp(row.get(col::UPDATED_AT).map_err(c)?),
+        expires_at: Timestamp(row.get(col::EXPIRES_AT).map_err(c)?),
+        operation_id: row.get(col::OPERATION_ID).map_err(c)?,
+        attempts: row.get(col::ATTEMPTS).map_err(c)?,
+        next_attempt_at: at(col::NEXT_ATTEMPT_AT)?,
+        sent_at: at(col::SENT_AT)?,
+        last_status: row.get(col::LAST_STATUS).map_err(c)?,
+        maybe_executed: row.get(col::MAYBE_EXECUTED).map_err(c)?,
+        key_source: row.get(col::KEY_SOURCE).map_err(c)?,
+    }
+    .into_record()
 }
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
+    use crate::store::contract::Lifecycle;
+
     use super::*;
 
     /// Every statement that selects records by state (the workers' take,

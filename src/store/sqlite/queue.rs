@@ -1,8 +1,21 @@
 //! SQLite: the async queue (the [`Queue`] part of the store's contract).
 
-use super::*;
+use super::{NewEvent, PK, RECORD_COLUMNS, SqliteStore, decode, err, get_tx, insert_event, next_generation, pk, touch, update_state};
+use crate::idempotency::key::Scope;
 use crate::idempotency::record::may_forward;
+use crate::idempotency::record::{Attempt, Event, Next, Record, Retention, State, Timestamp, transition};
+use crate::outbox::{EventPolicies, EventType};
+use crate::store::codec::col;
+use crate::store::contract::Queue;
+use crate::store::{Claim, RetryNote, StoreError, Taken, WorkerRoute};
+use async_trait::async_trait;
+use rusqlite::{Connection, params};
 use std::sync::LazyLock;
+use std::time::Duration;
+use uuid::Uuid;
+
+/// Where the takes' (`TAKE_OVERS`, `TAKE_DUE`) request is, after the record's columns.
+const TAKE_REQUEST: usize = col::END;
 
 #[async_trait]
 impl Queue for SqliteStore {
@@ -97,7 +110,7 @@ impl Queue for SqliteStore {
     async fn operation(&self, tenant: &str, operation_id: &str) -> Result<Option<(Record, Timestamp)>, StoreError> {
         let (tenant, operation_id) = (tenant.to_owned(), operation_id.to_owned());
         self.write(move |conn, now| {
-            let sql = format!("SELECT {COLUMNS} FROM idemgate_records WHERE tenant = ?1 AND operation_id = ?2");
+            let sql = format!("SELECT {RECORD_COLUMNS} FROM idemgate_records WHERE tenant = ?1 AND operation_id = ?2");
             let mut st = conn.prepare_cached(&sql).map_err(err)?;
             let mut rows = st.query(params![tenant, operation_id]).map_err(err)?;
             match rows.next().map_err(err)? {
@@ -115,14 +128,16 @@ impl Queue for SqliteStore {
 /// the whole table for every take.)
 pub(super) static TAKE_OVERS: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "SELECT {COLUMNS}, request FROM idemgate_records WHERE state = 'processing' AND state <> 'completed' \
+        "SELECT {RECORD_COLUMNS}, request FROM idemgate_records WHERE state = 'processing' AND state <> 'completed' \
          AND lease_expires_at <= ?1 ORDER BY lease_expires_at"
     )
 });
 
 /// Due queued operations, oldest first.
 pub(super) static TAKE_DUE: LazyLock<String> = LazyLock::new(|| {
-    format!("SELECT {COLUMNS}, request FROM idemgate_records WHERE state = 'queued' AND next_attempt_at <= ?1 ORDER BY next_attempt_at")
+    format!(
+        "SELECT {RECORD_COLUMNS}, request FROM idemgate_records WHERE state = 'queued' AND next_attempt_at <= ?1 ORDER BY next_attempt_at"
+    )
 });
 
 /// The next due operation of `routes` (take-overs first, then the queue),
@@ -141,7 +156,7 @@ fn take_one(tx: &Connection, now: Timestamp, routes: &[WorkerRoute], owner: &str
             if record.state == State::Processing && !may_forward(&record, route.reforwardable) {
                 continue;
             }
-            let request: Vec<u8> = row.get(23).map_err(err)?;
+            let request: Vec<u8> = row.get(TAKE_REQUEST).map_err(err)?;
             found = Some((record, request));
             break;
         }

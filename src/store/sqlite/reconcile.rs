@@ -1,8 +1,24 @@
 //! SQLite: the probe's take and bookkeeping, and resolutions (the [`Reconcile`] part of the store's contract).
 
-use super::*;
+use super::{NewEvent, PK, RECORD_COLUMNS, SqliteStore, decode, delete, err, get_tx, insert_event, next_generation, pk, write_response};
+use crate::idempotency::key::Scope;
+use crate::idempotency::record::{Next, Record, State, Timestamp, TransitionError, transition};
+use crate::outbox::{EventPolicies, EventType};
 use crate::store::UNRECORDED_AT_UPSTREAM;
+use crate::store::audit::AuditNote;
+use crate::store::codec::col;
+use crate::store::contract::Reconcile;
+use crate::store::{ProbeFence, ProbeRoute, Probing, Resolution, ResolveOutcome, StoreError, audit};
+use async_trait::async_trait;
+use bytes::Bytes;
+use rusqlite::{Connection, params};
 use std::sync::LazyLock;
+use std::time::Duration;
+use uuid::Uuid;
+
+/// Where the probe take's own columns are, after the record's.
+const PROBE_REQUEST: usize = col::END;
+const PROBE_ATTEMPTS: usize = PROBE_REQUEST + 1;
 
 #[async_trait]
 impl Reconcile for SqliteStore {
@@ -24,8 +40,8 @@ impl Reconcile for SqliteStore {
                 let mut rows = st.query(params![&*route.operation, settled.0, now.0, left, at_upstream, unrecorded]).map_err(err)?;
                 while let Some(row) = rows.next().map_err(err)? {
                     let record = decode(row)?;
-                    let request: Option<Vec<u8>> = row.get(NCOLS).map_err(err)?;
-                    let attempts: i32 = row.get(NCOLS + 1).map_err(err)?;
+                    let request: Option<Vec<u8>> = row.get(PROBE_REQUEST).map_err(err)?;
+                    let attempts: i32 = row.get(PROBE_ATTEMPTS).map_err(err)?;
                     taken.push(Probing {
                         fence: ProbeFence { generation: record.generation, token },
                         attempts,
@@ -85,7 +101,7 @@ impl Reconcile for SqliteStore {
             if let Some(fence) = fence
                 && !probe_holds(tx, &scope, &record, fence)?
             {
-                return Ok(ResolveOutcome::Refused(Refused::Fenced));
+                return Ok(ResolveOutcome::Refused(TransitionError::Fenced));
             }
             let (to, generation) = match (transition(&record, resolution.event(), now), &resolution) {
                 (Err(refused), _) => return Ok(ResolveOutcome::Refused(refused)),
@@ -108,7 +124,7 @@ impl Reconcile for SqliteStore {
                         })
                         .map_err(err)?;
                     if !kept {
-                        return Ok(ResolveOutcome::Refused(Refused::RequestGone));
+                        return Ok(ResolveOutcome::Refused(TransitionError::RequestGone));
                     }
                     let next = next_generation(tx)?;
                     tx.prepare_cached(&format!(
@@ -121,7 +137,7 @@ impl Reconcile for SqliteStore {
                     (Some(State::Queued), Some(next))
                 }
                 (Ok(Next::State { .. }), Resolution::Release { .. }) => {
-                    return Ok(ResolveOutcome::Refused(Refused::NotAllowed(record.state)));
+                    return Ok(ResolveOutcome::Refused(TransitionError::NotAllowed(record.state)));
                 }
             };
             let [t, p, o, k] = pk(&scope);
@@ -183,7 +199,7 @@ fn probe_holds(tx: &Connection, scope: &Scope, record: &Record, fence: ProbeFenc
 /// `UNRECORDED_AT_UPSTREAM`).
 pub(super) static PROBES_DUE: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "SELECT {COLUMNS}, request, CASE WHEN probe_generation = generation THEN probe_attempts ELSE 0 END \
+        "SELECT {RECORD_COLUMNS}, request, CASE WHEN probe_generation = generation THEN probe_attempts ELSE 0 END \
          FROM idemgate_records WHERE state = 'unknown' AND state <> 'completed' AND operation = ?1 AND updated_at <= ?2 \
          AND CASE WHEN at_upstream_until IS NOT NULL THEN at_upstream_until \
                   WHEN operation_id IS NULL THEN max(coalesce(lease_expires_at, 0), created_at + ?5) \

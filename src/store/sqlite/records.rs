@@ -1,7 +1,20 @@
 //! SQLite: the claim, fenced results, reads, lists, retention and leases (the [`Records`] part of the store's contract).
 
-use super::*;
+use super::{
+    NewEvent, RECORD_COLUMNS, SqliteStore, decode, delete, err, get_conn, get_tx, insert_event, next_generation, now, pk, set_unknown,
+    update_state, write_response,
+};
+use crate::idempotency::key::{IdempotencyKey, Scope, ScopeId};
+use crate::idempotency::record::{Attempt, Event, Next, Record, Retention, State, StoredResponse, Timestamp, may_take_over, transition};
+use crate::outbox::{EventPolicies, EventType};
+use crate::store::contract::Records;
+use crate::store::{Claim, ClaimRequest, ForeverCount, ListFilter, RawClaim, Reaped, StateCount, StoreError};
+use async_trait::async_trait;
+use rusqlite::params;
+use std::sync::Arc;
 use std::sync::LazyLock;
+use std::time::Duration;
+use uuid::Uuid;
 
 #[async_trait]
 impl Records for SqliteStore {
@@ -152,7 +165,7 @@ impl Records for SqliteStore {
             // Keyset pagination: after the cursor's record in the list's
             // order (updated_at descending, then the primary key ascending).
             let sql = format!(
-                "SELECT {COLUMNS} FROM idemgate_records \
+                "SELECT {RECORD_COLUMNS} FROM idemgate_records \
                  WHERE (?1 IS NULL OR state = ?1) AND (?2 IS NULL OR tenant = ?2) AND (?3 IS NULL OR operation = ?3) \
                  AND (NOT ?5 OR expires_at = 9223372036854775807) \
                  AND (?6 IS NULL OR updated_at < ?6 \
@@ -270,7 +283,7 @@ impl Records for SqliteStore {
 
     async fn unknown_by_age(&self, bounds: &[Duration]) -> Result<Vec<u64>, StoreError> {
         let n = bounds.len();
-        // The oldest change each bucket but the last admits, in bucket
+        // The oldest change each bucket but the last takes in, in bucket
         // order: `CASE WHEN updated_at > ?1 THEN 0 WHEN updated_at > ?2 ...`.
         let whens: String = (0..n).map(|i| format!(" WHEN updated_at > ?{} THEN {i}", i + 1)).collect();
         let bucket = if n == 0 { "0".to_owned() } else { format!("CASE{whens} ELSE {n} END") };
@@ -314,7 +327,7 @@ impl Records for SqliteStore {
 
     async fn by_scope_id(&self, id: ScopeId) -> Result<Vec<Record>, StoreError> {
         self.write(move |conn, _| {
-            let mut st = conn.prepare_cached(&format!("SELECT {COLUMNS} FROM idemgate_records WHERE scope_id = ?1")).map_err(err)?;
+            let mut st = conn.prepare_cached(&format!("SELECT {RECORD_COLUMNS} FROM idemgate_records WHERE scope_id = ?1")).map_err(err)?;
             let mut rows = st.query(params![id.to_i64()]).map_err(err)?;
             let mut out = Vec::new();
             while let Some(row) = rows.next().map_err(err)? {
@@ -352,7 +365,7 @@ impl Records for SqliteStore {
 /// first (`state <> 'completed'`: see `queue::TAKE_OVERS`).
 pub(super) static REAP_STALE: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "SELECT {COLUMNS} FROM idemgate_records WHERE state IN ('in_flight', 'processing') AND state <> 'completed' \
+        "SELECT {RECORD_COLUMNS} FROM idemgate_records WHERE state IN ('in_flight', 'processing') AND state <> 'completed' \
          AND (lease_expires_at IS NULL OR lease_expires_at <= ?1) ORDER BY lease_expires_at LIMIT ?2"
     )
 });

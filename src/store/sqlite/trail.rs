@@ -1,6 +1,21 @@
 //! SQLite: the audit trail and one scope's inspection (the [`Trail`] part of the store's contract).
 
-use super::*;
+use super::{PK, RECORD_COLUMNS, SqliteStore, decode, err, pk};
+use crate::idempotency::key::{IdempotencyKey, Scope};
+use crate::idempotency::record::{Generation, Timestamp};
+use crate::store::audit::AuditEntry;
+use crate::store::codec::col;
+use crate::store::contract::Trail;
+use crate::store::{Inspection, StoreError};
+use async_trait::async_trait;
+use bytes::Bytes;
+use rusqlite::params;
+
+/// Where the inspection's own columns are, after the record's.
+const INSPECT_REQUEST: usize = col::END;
+const INSPECT_PROBE_ATTEMPTS: usize = INSPECT_REQUEST + 1;
+const INSPECT_NEXT_PROBE_AT: usize = INSPECT_PROBE_ATTEMPTS + 1;
+const INSPECT_PROBE_LAST_ANSWER: usize = INSPECT_NEXT_PROBE_AT + 1;
 
 #[async_trait]
 impl Trail for SqliteStore {
@@ -27,17 +42,17 @@ impl Trail for SqliteStore {
         self.write(move |conn, now| {
             let c = |e: rusqlite::Error| StoreError::Corrupt(e.to_string());
             let sql = format!(
-                "SELECT {COLUMNS}, request, CASE WHEN probe_generation = generation THEN probe_attempts ELSE 0 END, next_probe_at, \
+                "SELECT {RECORD_COLUMNS}, request, CASE WHEN probe_generation = generation THEN probe_attempts ELSE 0 END, next_probe_at, \
                  CASE WHEN probe_generation = generation THEN probe_last_answer END FROM idemgate_records WHERE {PK}"
             );
             let mut st = conn.prepare_cached(&sql).map_err(err)?;
             let mut rows = st.query(pk(&scope)).map_err(err)?;
             let Some(row) = rows.next().map_err(err)? else { return Ok(None) };
             let record = decode(row)?;
-            let request: Option<Vec<u8>> = row.get(NCOLS).map_err(c)?;
-            let probe_attempts: i32 = row.get(NCOLS + 1).map_err(c)?;
-            let next_probe_at: Option<i64> = row.get(NCOLS + 2).map_err(c)?;
-            let probe_last_answer: Option<String> = row.get(NCOLS + 3).map_err(c)?;
+            let request: Option<Vec<u8>> = row.get(INSPECT_REQUEST).map_err(c)?;
+            let probe_attempts: i32 = row.get(INSPECT_PROBE_ATTEMPTS).map_err(c)?;
+            let next_probe_at: Option<i64> = row.get(INSPECT_NEXT_PROBE_AT).map_err(c)?;
+            let probe_last_answer: Option<String> = row.get(INSPECT_PROBE_LAST_ANSWER).map_err(c)?;
             let mut st = conn
                 .prepare_cached(
                     "SELECT id, at, actor, tenant, principal, operation, idempotency_key, from_state, to_state, reason, forced, generation, \

@@ -11,7 +11,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use crate::idempotency::outcome::{AttemptOutcome, Outcome, ProbeOutcome, Refusal, Would};
+use crate::idempotency::outcome::{AttemptOutcome, ProbeOutcome, RefusalReason, RequestOutcome, Would};
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
@@ -310,7 +310,7 @@ impl Metrics {
             for would in Would::ALL {
                 let _ = self.observe_would.get_or_create(&WouldLabels { operation: operation.to_owned(), would: would.as_str() });
             }
-            for reason in Refusal::ALL {
+            for reason in RefusalReason::ALL {
                 let _ = self.observe_refused.get_or_create(&RefuseLabels { operation: operation.to_owned(), reason: reason.as_str() });
             }
             let _ = self.observe_skipped.get_or_create(&OperationLabels { operation: operation.to_owned() });
@@ -335,7 +335,7 @@ impl Metrics {
         self.observe_skipped.get_or_create(&OperationLabels { operation: operation.to_owned() }).inc();
     }
 
-    pub fn observe_refused(&self, operation: &str, reason: Refusal) {
+    pub fn observe_refused(&self, operation: &str, reason: RefusalReason) {
         self.observe_refused.get_or_create(&RefuseLabels { operation: operation.to_owned(), reason: reason.as_str() }).inc();
     }
 
@@ -403,7 +403,7 @@ impl Metrics {
     /// they exist (and alerts can evaluate) before their first event.
     pub fn declare_operations<'a>(&self, operations: impl IntoIterator<Item = (&'a str, bool)>) {
         for (operation, is_async) in operations {
-            for outcome in Outcome::OF_ROUTES {
+            for outcome in RequestOutcome::OF_ROUTES {
                 let _ = self.requests.get_or_create(&RequestLabels { operation: operation.to_owned(), outcome: outcome.as_str() });
             }
             for state in crate::idempotency::record::State::ALL {
@@ -488,7 +488,7 @@ impl Metrics {
         self.requeued.inc_by(n);
     }
 
-    pub fn request(&self, operation: &str, outcome: Outcome) {
+    pub fn request(&self, operation: &str, outcome: RequestOutcome) {
         self.requests.get_or_create(&RequestLabels { operation: operation.to_owned(), outcome: outcome.as_str() }).inc();
     }
 
@@ -580,8 +580,8 @@ mod tests {
     #[test]
     fn exposition_contains_counters_and_histograms() {
         let m = Metrics::new();
-        m.request("create_order", Outcome::Replayed);
-        m.request("create_order", Outcome::Replayed);
+        m.request("create_order", RequestOutcome::Replayed);
+        m.request("create_order", RequestOutcome::Replayed);
         m.observe_store("claim", Duration::from_millis(2), true);
         m.observe_upstream("orders", Duration::from_millis(20));
         m.fenced_write("complete");
@@ -600,7 +600,7 @@ mod tests {
         m.declare_forever(["create_order", "pay"]);
         m.observe_would("create_order", Would::RejectInFlight);
         m.observe_skipped("create_order");
-        m.observe_refused("create_order", Refusal::MissingKey);
+        m.observe_refused("create_order", RefusalReason::MissingKey);
         m.set_forever_counts(&[crate::telemetry::stats::ForeverCount { operation: "pay".into(), count: 7 }]);
         let text = m.encode();
         for line in [

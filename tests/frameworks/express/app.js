@@ -1,4 +1,4 @@
-// An Express upstream for tests/frameworks.rs, with method-override from npm
+// An Express upstream for tests/it/frameworks.rs, with method-override from npm
 // as its README shows it: the X-HTTP-Method-Override, X-HTTP-Method and
 // X-Method-Override headers, `_method` in the query, and `_method` in an
 // urlencoded body. Express routes without regard to letter case or a

@@ -1,0 +1,492 @@
+//! The store on a Citus cluster (issue 30, CONTRACT.md section 10): the
+//! test cluster itself, what `idemgate migrate` creates there, and the
+//! start-up errors of a store kind that does not match the server.
+//!
+//! Every test steps aside, with one line on stderr, when Citus is not
+//! installed (`IDEMGATE_TEST_CITUS=required` makes that a failure).
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
+
+use crate::support;
+
+use std::time::Duration;
+
+use idemgate::config::{Secret, StoreBackend, StoreConfig};
+use idemgate::store::{Access, Store, StoreError};
+use support::citus;
+
+fn config(backend: StoreBackend) -> StoreConfig {
+    StoreConfig {
+        backend,
+        migrate: true,
+        unreachable_at_start: Default::default(),
+        operation_timeout: Duration::from_secs(30),
+        sweep_interval: Duration::from_secs(1),
+        sweep_batch: 100,
+        events_retention: Duration::from_secs(3600),
+    }
+}
+
+fn citus_store(url: &str) -> StoreConfig {
+    config(StoreBackend::Citus { url: Secret::new(url.to_owned()), pool_size: 2, pooler: Default::default() })
+}
+
+fn postgres_store(url: &str) -> StoreConfig {
+    config(StoreBackend::Postgres { url: Secret::new(url.to_owned()), pool_size: 2, pooler: Default::default() })
+}
+
+async fn migrate(config: &StoreConfig) -> Result<Vec<String>, StoreError> {
+    Store::open(config, Access::Migrate).await?.migrate().await
+}
+
+async fn client(url: &str) -> tokio_postgres::Client {
+    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.expect("connect");
+    tokio::spawn(conn);
+    client
+}
+
+/// The harness: a coordinator and two workers, each test database with the
+/// extension on every node and both workers active.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_test_cluster_has_a_coordinator_and_two_active_workers() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let cluster = citus::shared();
+    eprintln!("cluster started in {:?}", cluster.startup_time());
+    let url = cluster.create_unique_database("harness").expect("database");
+    let db = client(&url).await;
+    let workers: Vec<i64> =
+        db.query("SELECT node_port FROM citus_get_active_worker_nodes() ORDER BY 1", &[]).await.unwrap().iter().map(|r| r.get(0)).collect();
+    let mut expected: Vec<i64> = cluster.workers.iter().map(|w| i64::from(w.port())).collect();
+    expected.sort();
+    assert_eq!(workers, expected);
+    let version: String = db.query_one("SELECT extversion FROM pg_extension WHERE extname = 'citus'", &[]).await.unwrap().get(0);
+    assert!(version.starts_with("13."), "{version}");
+    // Citus's defaults: TLS on every node, with the certificate it made,
+    // and between the nodes.
+    for node in cluster.nodes() {
+        let name = url.rsplit('/').next().unwrap();
+        let rows = node.simple_query(name, "SELECT current_setting('ssl'), current_setting('citus.node_conninfo')").unwrap();
+        assert_eq!(rows[0], [Some("on".to_owned()), Some("sslmode=require".to_owned())], "node on port {}", node.port());
+    }
+    // The store, given the coordinator's URL without sslmode, speaks TLS to it.
+    let store = Store::open(&citus_store(&url), Access::Migrate).await.expect("store");
+    store.migrate().await.expect("migrate over TLS, with Citus's own certificate");
+    store.ping().await.expect("ping");
+    let encrypted: i64 = db
+        .query_one(
+            "SELECT count(*) FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) WHERE s.ssl AND a.application_name = 'idemgate'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(encrypted >= 1, "the store's sessions to the coordinator are encrypted");
+}
+
+/// `migrate` with kind = "citus": records, events and audit distributed by
+/// tenant and colocated, settings a reference table, the events and audit
+/// keys with the tenant; a second run applies nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_distributes_the_schema_by_tenant() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let url = citus::shared().create_unique_database("migrate").expect("database");
+    let applied = migrate(&citus_store(&url)).await.expect("migrate");
+    assert!(applied.iter().any(|m| m == "citus_0001_distribute"), "{applied:?}");
+    assert_eq!(migrate(&citus_store(&url)).await.expect("second migrate"), Vec::<String>::new());
+
+    let db = client(&url).await;
+    let tables: Vec<(String, String, Option<String>, i32)> = db
+        .query(
+            "SELECT table_name::text, citus_table_type, distribution_column, colocation_id FROM citus_tables \
+             WHERE table_name::text LIKE 'idemgate%' ORDER BY 1",
+            &[],
+        )
+        .await
+        .expect("citus_tables")
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect();
+    let names: Vec<&str> = tables.iter().map(|t| t.0.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "idemgate_audit",
+            "idemgate_events",
+            "idemgate_generations",
+            "idemgate_records",
+            "idemgate_schema_migrations",
+            "idemgate_settings"
+        ],
+        "{tables:?}"
+    );
+    let records = tables.iter().find(|t| t.0 == "idemgate_records").expect("records").3;
+    for (name, kind, column, colocation) in &tables {
+        if name == "idemgate_settings" || name == "idemgate_schema_migrations" {
+            assert_eq!(kind, "reference", "{name}");
+        } else {
+            assert_eq!((kind.as_str(), column.as_deref()), ("distributed", Some("tenant")), "{name}");
+            assert_eq!(*colocation, records, "{name} is colocated with the records");
+        }
+    }
+    // The generation sequence is gone (each tenant's counter replaces it).
+    let sequence: Option<String> = db.query_one("SELECT to_regclass('idemgate_generation')::text", &[]).await.expect("regclass").get(0);
+    assert_eq!(sequence, None);
+    // The unique keys of the outbox and the audit trail contain the tenant.
+    let keys: Vec<(String, String)> = db
+        .query(
+            "SELECT c.relname::text, pg_get_indexdef(i.indexrelid) FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid \
+             JOIN pg_class t ON t.oid = i.indrelid WHERE i.indisunique AND t.relname IN ('idemgate_events', 'idemgate_audit') ORDER BY 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(keys.len(), 3, "{keys:?}");
+    for (name, def) in &keys {
+        assert!(def.contains("tenant"), "{name}: {def}");
+    }
+    // The migrations' bookkeeping is on every node (a reference table: a
+    // replica on a worker finds the schema up to date), and so is what a
+    // worker needs to tell so: each worker reads the Citus migrations as applied.
+    for w in &citus::shared().workers {
+        let on_worker = client(&w.url(url.rsplit('/').next().expect("database"))).await;
+        let versions: i64 = on_worker
+            .query_one("SELECT count(*) FROM idemgate_schema_migrations WHERE name LIKE 'citus_%'", &[])
+            .await
+            .expect("migrations on a worker")
+            .get(0);
+        assert_eq!(versions, 2, "worker {}", w.port());
+    }
+}
+
+/// A schema distributed by an earlier version gets the later PostgreSQL
+/// migrations on its distributed tables (Citus propagates their `ALTER
+/// TABLE` to every shard): migration 14's column, dropped and forgotten here
+/// to stand for a cluster migrated before it existed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn later_migrations_reach_an_already_distributed_schema() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let url = citus::shared().create_unique_database("upgrade").expect("database");
+    migrate(&citus_store(&url)).await.expect("migrate");
+    let db = client(&url).await;
+    db.batch_execute("ALTER TABLE idemgate_records DROP COLUMN at_upstream_until").await.expect("drop the column");
+    db.execute("DELETE FROM idemgate_schema_migrations WHERE version = 14", &[]).await.expect("forget migration 14");
+    assert_eq!(migrate(&citus_store(&url)).await.expect("migrate again"), ["0014_attempt_bound"]);
+    let on_every_shard: bool = db
+        .query_one(
+            "SELECT bool_and(success) AND count(*) > 1 FROM run_command_on_shards('idemgate_records', \
+             $$SELECT count(at_upstream_until) FROM %s$$)",
+            &[],
+        )
+        .await
+        .expect("run_command_on_shards")
+        .get(0);
+    assert!(on_every_shard, "the column is on every shard");
+}
+
+/// Two `migrate`s at once on the coordinator: serialized (the advisory
+/// lock), each migration applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_migrations_are_serialized_on_the_coordinator() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let url = citus::shared().create_unique_database("race").expect("database");
+    let (ca, cb) = (citus_store(&url), citus_store(&url));
+    let (a, b) = tokio::join!(migrate(&ca), migrate(&cb));
+    let (a, b) = (a.expect("first migrate"), b.expect("second migrate"));
+    assert!(a.is_empty() != b.is_empty(), "exactly one run applies the migrations: {a:?} / {b:?}");
+    let db = client(&url).await;
+    let n: i64 = db.query_one("SELECT count(*) FROM idemgate_schema_migrations", &[]).await.unwrap().get(0);
+    assert_eq!(n as usize, a.len().max(b.len()));
+}
+
+/// The start-up errors: kind = "citus" on a server without the extension,
+/// kind = "postgres" on a distributed schema, and kind = "citus" on a
+/// single-node schema (not converted), each saying which.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_kind_that_does_not_match_the_server_is_refused_at_start() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let cluster = citus::shared();
+    let plain = cluster.plain_database(&format!("plain_{}", std::process::id())).expect("database");
+    let e = migrate(&citus_store(&plain)).await.expect_err("kind = citus without the extension");
+    assert!(matches!(e, StoreError::Migration(_)), "{e:?}");
+    assert!(e.to_string().contains("store.kind = \"citus\", but this server has no Citus extension"), "{e}");
+    let tables: i64 =
+        client(&plain).await.query_one("SELECT count(*) FROM pg_class WHERE relname LIKE 'idemgate%'", &[]).await.unwrap().get(0);
+    assert_eq!(tables, 0, "nothing was created");
+
+    let distributed = cluster.create_unique_database("dist").expect("database");
+    migrate(&citus_store(&distributed)).await.expect("migrate as citus");
+    let e = migrate(&postgres_store(&distributed)).await.expect_err("kind = postgres on a distributed schema");
+    assert!(e.to_string().contains("store.kind = \"postgres\", but this database's idemgate schema is distributed by Citus"), "{e}");
+
+    let single = cluster.create_unique_database("single").expect("database");
+    migrate(&postgres_store(&single)).await.expect("migrate as postgres on a Citus server");
+    let e = migrate(&citus_store(&single)).await.expect_err("kind = citus on a single-node schema");
+    assert!(e.to_string().contains("holds an idemgate schema that is not distributed"), "{e}");
+}
+
+/// `check-config --connect` on kind = "citus" reports the cluster: the
+/// active workers and whether the schema is distributed (before and after
+/// `migrate`), and the start-up error on a server without the extension.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_config_connect_reports_the_nodes_and_the_distributed_schema() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let cluster = citus::shared();
+    let url = cluster.create_unique_database("check").expect("database");
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let check = |url: &str| {
+        let config = format!(
+            "[store]\nkind = \"citus\"\nurl = \"{url}\"\n\
+             [[identity.sources]]\nkind = \"api_key\"\nkeys = [ {{ sha256 = \"{}\", tenant = \"t\", principal = \"p\" }} ]\n\
+             [[upstreams]]\nname = \"u\"\nurl = \"http://{}\"\n\
+             [[routes]]\noperation = \"op\"\nmethod = \"POST\"\npath = \"/op\"\nupstream = \"u\"\n",
+            "0".repeat(64),
+            upstream.local_addr().unwrap()
+        );
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, config).unwrap();
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+            .args(["check-config", "--connect", "--config"])
+            .arg(&path)
+            .env_remove("IDEMGATE_CONFIG")
+            .env("IDEMGATE_LOG", "warn")
+            .output()
+            .expect("run idemgate");
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
+    };
+    let before = check(&url);
+    assert!(before.contains("store cluster: ok (a coordinator and 2 active worker node(s); no idemgate schema yet"), "{before}");
+    migrate(&citus_store(&url)).await.expect("migrate");
+    let after = check(&url);
+    assert!(
+        after.contains("store cluster: ok (a coordinator and 2 active worker node(s); the schema is distributed by tenant)"),
+        "{after}"
+    );
+    let plain = cluster.plain_database(&format!("plain_check_{}", std::process::id())).expect("database");
+    let refused = check(&plain);
+    assert!(refused.contains("store cluster: ") && refused.contains("has no Citus extension"), "{refused}");
+}
+
+mod isolation {
+    //! A big tenant given a shard of its own and moved to another worker.
+    use super::*;
+    use bytes::Bytes;
+    use idemgate::idempotency::fingerprint::Fingerprint;
+    use idemgate::idempotency::key::{IdempotencyKey, Scope};
+    use idemgate::idempotency::record::{Retention, State, StoredResponse};
+    use idemgate::store::postgres::Flavor;
+    use idemgate::store::postgres::citus_sql::catalog_for;
+    use idemgate::store::postgres::sql::session_settings;
+    use idemgate::store::{ClaimOutcome, ClaimRequest, WriteOutcome};
+    use uuid::Uuid;
+
+    const LONG: Duration = Duration::from_secs(600);
+
+    fn scope(tenant: &str, key: &str) -> Scope {
+        Scope {
+            tenant: tenant.into(),
+            principal: "billing".into(),
+            operation: "create_order".into(),
+            key: IdempotencyKey::new(key).unwrap(),
+        }
+    }
+
+    fn req(scope: &Scope) -> ClaimRequest {
+        ClaimRequest {
+            scope: scope.clone(),
+            request_hash: Fingerprint([7; 32]),
+            owner: "replica-a".into(),
+            lease: LONG,
+            upstream_idempotent: false,
+            claim_token: Uuid::new_v4(),
+            acceptance: None,
+            key_source: "header:idempotency-key".into(),
+            request_head: None,
+        }
+    }
+
+    fn body(key: &str) -> Bytes {
+        Bytes::from(format!("done {key}"))
+    }
+
+    /// Claims `key` of `tenant` (it must be new) and records its response.
+    async fn first_write(store: &Store, tenant: &str, key: &str) {
+        let claim = match store.claim(&req(&scope(tenant, key))).await.expect("claim") {
+            ClaimOutcome::Claimed(c) => c,
+            other => panic!("{tenant}/{key}: a new key was not claimed: {other:?}"),
+        };
+        let response = StoredResponse { status: 201, headers: vec![], body: Some(body(key)) };
+        assert_eq!(store.complete(&claim, &response, Retention::For(LONG)).await.expect("complete"), WriteOutcome::Written);
+    }
+
+    /// The shard of `tenant`'s records and the worker port holding it.
+    async fn placement(db: &tokio_postgres::Client, tenant: &str) -> (i64, i32) {
+        let row = db
+            .query_one(
+                "SELECT s.shardid, s.nodeport FROM citus_shards s \
+                 WHERE s.shardid = get_shard_id_for_distribution_column('idemgate_records', $1::text)",
+                &[&tenant],
+            )
+            .await
+            .expect("placement");
+        (row.get(0), row.get(1))
+    }
+
+    /// The request path's statements for `tenant` (every text parameter
+    /// `tenant`), as a gateway session plans them: each must be one task on
+    /// `shard`.
+    async fn assert_one_task_on(url: &str, tenant: &str, shard: i64) {
+        let db = client(url).await;
+        for (name, value) in session_settings(Flavor::Citus) {
+            db.batch_execute(&format!("SET {name} = '{value}'")).await.expect("session setting");
+        }
+        let catalog = catalog_for(Flavor::Citus);
+        let statements =
+            ["claim_read", "claim_insert", "claim_take_over", "complete", "complete_of_tenant", "generations_of_tenant", "get"];
+        for (i, name) in statements.into_iter().enumerate() {
+            let s = catalog.iter().find(|s| s.name == name).expect("statement in the catalog");
+            // The statements that name their tenant name `acme` in the catalog.
+            let sql = s.sql.replace("'acme'", &format!("'{tenant}'"));
+            db.batch_execute(&format!("PREPARE isolated_{i} AS {sql}")).await.expect("prepare");
+            let types: Vec<String> = db
+                .query_one(
+                    "SELECT coalesce(parameter_types::text[], '{}') FROM pg_prepared_statements WHERE name = $1",
+                    &[&format!("isolated_{i}")],
+                )
+                .await
+                .expect("parameter types")
+                .get(0);
+            let args: Vec<String> = types
+                .iter()
+                .map(|t| match t.as_str() {
+                    "text" => format!("'{tenant}'::text"),
+                    "bigint" => "1::int8".into(),
+                    "integer" => "200::int4".into(),
+                    "bytea" => "'\\x00'::bytea".into(),
+                    "uuid" => "'00000000-0000-0000-0000-000000000001'::uuid".into(),
+                    "boolean" => "false".into(),
+                    other => format!("NULL::{other}"),
+                })
+                .collect();
+            let plan: Vec<String> = db
+                .query(&format!("EXPLAIN EXECUTE isolated_{i}({})", args.join(", ")), &[])
+                .await
+                .expect("explain")
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            let plan = plan.join("\n");
+            let tasks: Vec<&str> = plan.lines().filter(|l| l.contains("Task Count:")).collect();
+            assert!(!tasks.is_empty() && tasks.iter().all(|l| l.trim_end().ends_with("Task Count: 1")), "{name}:\n{plan}");
+            let table = if name.starts_with("generations") { "idemgate_generations" } else { "idemgate_records" };
+            assert!(plan.contains(&format!("{table}_")), "{name} does not run on a shard of {table}:\n{plan}");
+            if table == "idemgate_records" {
+                assert!(plan.contains(&format!("idemgate_records_{shard} ")), "{name} does not run on shard {shard}:\n{plan}");
+            }
+        }
+    }
+
+    /// `tenant`'s completed keys replay, a new key is claimed and completed.
+    async fn assert_served(store: &Store, tenant: &str, keys: &[&str], new_key: &str) {
+        for key in keys {
+            match store.claim(&req(&scope(tenant, key))).await.expect("claim") {
+                ClaimOutcome::Existing { record, .. } => {
+                    assert_eq!(record.state, State::Completed, "{tenant}/{key}");
+                    assert_eq!(record.response.and_then(|r| r.body), Some(body(key)), "{tenant}/{key}");
+                }
+                other => panic!("{tenant}/{key}: a completed key was not replayed: {other:?}"),
+            }
+            let (record, _) = store.get(&scope(tenant, key)).await.expect("get").expect("record");
+            assert_eq!(record.state, State::Completed);
+        }
+        first_write(store, tenant, new_key).await;
+        let (record, _) = store.get(&scope(tenant, new_key)).await.expect("get").expect("record");
+        assert_eq!((record.state, record.response.and_then(|r| r.body)), (State::Completed, Some(body(new_key))));
+    }
+
+    /// docs/scaling.md's guide: `isolate_tenant_to_new_shard` (with
+    /// `CASCADE` for the colocated events and audit trail, and
+    /// `shard_transfer_mode => 'block_writes'`: the default needs `wal_level =
+    /// logical`) gives the tenant a shard of its own, and
+    /// `citus_move_shard_placement` moves it to the other worker. Before and
+    /// after each step the tenant's records replay, a new key is claimed and
+    /// completed, and the request path's statements are one task on the
+    /// tenant's shard; the other tenant stays where it was.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_isolated_and_moved_tenant_is_served_by_one_task_plans_on_its_shard() {
+        if citus::skip_unless_installed() {
+            return;
+        }
+        let url = citus::shared().create_unique_database("isolate").expect("database");
+        let store = Store::open(&citus_store(&url), Access::Migrate).await.expect("store");
+        store.migrate().await.expect("migrate");
+        let keys = ["k0", "k1", "k2"];
+        for tenant in ["big", "small"] {
+            for key in keys {
+                first_write(&store, tenant, key).await;
+            }
+        }
+        let db = client(&url).await;
+        let (shared_shard, _) = placement(&db, "big").await;
+        let small_before = placement(&db, "small").await;
+
+        let isolated: i64 = db
+            .query_one(
+                "SELECT isolate_tenant_to_new_shard('idemgate_records', 'big', 'CASCADE', shard_transfer_mode => 'block_writes')",
+                &[],
+            )
+            .await
+            .expect("isolate_tenant_to_new_shard")
+            .get(0);
+        let (shard, from) = placement(&db, "big").await;
+        assert_eq!(shard, isolated);
+        assert_ne!(shard, shared_shard, "the tenant has a shard of its own");
+        let range =
+            db.query_one("SELECT shardminvalue, shardmaxvalue FROM pg_dist_shard WHERE shardid = $1", &[&shard]).await.expect("range");
+        let (min, max): (String, String) = (range.get(0), range.get(1));
+        assert_eq!(min, max, "one hash value: one tenant");
+        assert_served(&store, "big", &keys, "k3").await;
+        assert_one_task_on(&url, "big", shard).await;
+
+        let to = citus::shared().workers.iter().map(|w| i32::from(w.port())).find(|p| *p != from).expect("another worker");
+        db.execute(
+            "SELECT citus_move_shard_placement($1, '127.0.0.1', $2, '127.0.0.1', $3, shard_transfer_mode => 'block_writes')",
+            &[&shard, &from, &to],
+        )
+        .await
+        .expect("citus_move_shard_placement");
+        assert_eq!(placement(&db, "big").await, (shard, to));
+        assert_served(&store, "big", &["k0", "k1", "k2", "k3"], "k4").await;
+        assert_one_task_on(&url, "big", shard).await;
+
+        // (The isolation split the shared shard: the other tenant's shard has
+        // a new id, on the same worker.)
+        assert_eq!(placement(&db, "small").await.1, small_before.1, "the other tenant stays on its worker");
+        assert_served(&store, "small", &keys, "k3").await;
+        let events_and_audit: i64 = db
+            .query_one(
+                "SELECT count(*) FROM citus_shards WHERE table_name::text IN ('idemgate_events', 'idemgate_audit') \
+                 AND nodeport = $1 AND shardid IN (SELECT shardid FROM pg_dist_shard WHERE shardminvalue = $2)",
+                &[&to, &min],
+            )
+            .await
+            .expect("colocated shards")
+            .get(0);
+        assert_eq!(events_and_audit, 2, "the tenant's events and audit shards moved with its records");
+    }
+}

@@ -1,0 +1,255 @@
+//! The outbox through the real binary (CONTRACT section 9): a real webhook
+//! receiver that records every delivery. Events of final state changes are
+//! delivered signed, at least once, in order per scope, with a stable id;
+//! a receiver that is down gets everything later; a relay killed between a
+//! delivery and its marking re-delivers the same id; two relays never
+//! deliver one event at the same time; parked events can be redelivered.
+// Real processes, real sockets: these tests wait on the wall clock.
+#![allow(clippy::disallowed_types)]
+
+use crate::support;
+
+use std::time::Duration;
+
+use hmac::{Hmac, KeyInit, Mac};
+use sha2::Sha256;
+use support::webhook::Webhook;
+use support::*;
+
+on_both_stores!(
+    final_state_changes_are_delivered_signed_once_each,
+    a_receiver_that_is_down_gets_everything_later_in_order,
+    a_relay_killed_before_marking_redelivers_the_same_id,
+    parked_events_are_kept_listed_and_redelivered,
+    batched_deliveries_carry_several_events_in_order_per_scope,
+);
+
+const ORDER: &str = r#"{"item":"book","qty":1}"#;
+
+fn with_events(c: GatewayConfig, hook: &Webhook, extra: &str) -> GatewayConfig {
+    c.route(&format!(
+        "events.url = \"{}\"\nevents.secret_env = \"{}\"\nevents.timeout = \"300ms\"\n{extra}",
+        hook.url(),
+        support::gateway::TEST_SECRET_ENV
+    ))
+}
+
+async fn setup(backend: Backend, extra: &str) -> (TestUpstream, Webhook, Gateway, idemgate::store::Store) {
+    let up = TestUpstream::start().await;
+    let hook = Webhook::start().await;
+    let gw = Gateway::start(with_events(GatewayConfig::new(backend.clone(), up.url()).timeout("500ms"), &hook, extra));
+    let store = backend.open().await;
+    (up, hook, gw, store)
+}
+
+async fn delivered(hook: &Webhook, n: usize) -> bool {
+    eventually(Duration::from_secs(20), || async { hook.distinct().len() >= n }).await
+}
+
+fn verify_signature(d: &support::webhook::Delivery) {
+    let sig = d.signature.as_deref().expect("a signature");
+    let (t, v1) = sig.split_once(',').expect("t=...,v1=...");
+    let t = t.strip_prefix("t=").expect("t=");
+    let mut mac = <Hmac<Sha256> as KeyInit>::new_from_slice(TEST_SECRET.as_bytes()).unwrap();
+    mac.update(format!("{t}.").as_bytes());
+    mac.update(&d.body);
+    assert_eq!(v1.strip_prefix("v1=").expect("v1="), hex::encode(mac.finalize().into_bytes()), "the HMAC of t.body");
+}
+
+async fn final_state_changes_are_delivered_signed_once_each(backend: Backend) {
+    let (up, hook, gw, store) = setup(backend, "").await;
+    let url = gw.url("/v1/orders");
+    assert_eq!(post(&url, "k1", ORDER, &[]).await.status, 201);
+    assert!(post(&url, "k1", ORDER, &[]).await.replayed(), "a replay changes nothing: no event");
+    assert_eq!(post(&url, "slow", ORDER, &[("x-test-sleep-ms", "1500")]).await.status, 504);
+    assert!(delivered(&hook, 2).await, "{}", gw.logs());
+    let (code, _, err) = cli_keys(&gw, "resolve", "slow", &["--release", "--reason", "not in the ledger"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(delivered(&hook, 3).await, "{}", gw.logs());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let all = hook.deliveries();
+    assert_eq!(all.len(), 3, "each event once: {all:?}");
+    for d in &all {
+        verify_signature(d);
+    }
+    let docs: Vec<serde_json::Value> = all.iter().map(|d| d.json()).collect();
+    let summary: Vec<(&str, &str)> = docs.iter().map(|d| (d["type"].as_str().unwrap(), d["actor"].as_str().unwrap_or("gateway"))).collect();
+    assert_eq!(
+        summary,
+        vec![("idemgate.record.completed", "gateway"), ("idemgate.record.unknown", "gateway"), ("idemgate.record.released", "cli")]
+    );
+    assert_eq!(docs[0]["status"], 201);
+    assert_eq!(docs[0]["scope"]["tenant"], TENANT);
+    assert!(docs[0]["scope"].get("key").is_none(), "no client key unless include_key");
+    assert!(docs[0].get("body_base64").is_none(), "no body unless include_body");
+    assert_eq!(docs[0]["id"], all[0].id.as_str(), "the id in the body is the header's");
+    let rec = settled_record(&store, "k1").await.unwrap();
+    assert_eq!(docs[0]["generation"], rec.generation.0);
+    assert_eq!(up.total(), 2);
+    let pending = store.event_stats().await.unwrap();
+    assert_eq!((pending.pending, pending.parked), (0, 0), "all marked sent");
+    let m = send("GET", &gw.admin_url("/metrics"), &[], "").await.unwrap();
+    let text = String::from_utf8_lossy(&m.body).into_owned();
+    assert!(text.contains("idemgate_event_deliveries_total{outcome=\"delivered\"} 3"), "{text}");
+}
+
+async fn a_receiver_that_is_down_gets_everything_later_in_order(backend: Backend) {
+    let (_up, hook, gw, store) = setup(backend, "").await;
+    hook.answer(503);
+    let url = gw.url("/v1/orders");
+    // Per scope: unknown, then released by an operator; plus other keys.
+    assert_eq!(post(&url, "a", ORDER, &[("x-test-sleep-ms", "1500")]).await.status, 504);
+    let (code, _, err) = cli_keys(&gw, "resolve", "a", &["--release", "--reason", "not in the ledger"]);
+    assert_eq!(code, 0, "{err}");
+    for k in ["b", "c", "d"] {
+        assert_eq!(post(&url, k, ORDER, &[]).await.status, 201);
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(hook.deliveries().iter().all(|d| !d.id.is_empty()));
+    let stats = store.event_stats().await.unwrap();
+    assert_eq!(stats.pending, 5, "nothing is marked sent while the receiver fails");
+    assert!(stats.oldest_pending_at.is_some());
+    hook.answer(200);
+    let healed = eventually(Duration::from_secs(30), || async { store.event_stats().await.unwrap().pending == 0 }).await;
+    assert!(healed, "{}", gw.logs());
+    assert_eq!(hook.distinct().len(), 5);
+    // Order per scope: a's unknown was delivered (2xx) before a's release was ever sent.
+    let all = hook.deliveries();
+    let last_unknown = all
+        .iter()
+        .rposition(|d| d.json()["scope"]["operation"] == "create_order" && d.json()["type"] == "idemgate.record.unknown")
+        .unwrap();
+    let first_release = all.iter().position(|d| d.json()["type"] == "idemgate.record.released").unwrap();
+    assert!(last_unknown < first_release, "in order per scope");
+}
+
+async fn a_relay_killed_before_marking_redelivers_the_same_id(backend: Backend) {
+    let (_up, hook, mut gw, store) = setup(backend, "").await;
+    hook.hold(Duration::from_secs(3));
+    let mut arrivals = hook.subscribe();
+    assert_eq!(post(&gw.url("/v1/orders"), "k", ORDER, &[]).await.status, 201);
+    let first = tokio::time::timeout(Duration::from_secs(10), arrivals.recv()).await.expect("delivered").unwrap();
+    // The receiver has the event; the gateway dies before it can mark it sent.
+    gw.kill9();
+    hook.hold(Duration::ZERO);
+    gw.restart();
+    let again = tokio::time::timeout(Duration::from_secs(15), arrivals.recv()).await.expect("redelivered").unwrap();
+    assert_eq!(again.id, first.id, "the same event id");
+    assert_eq!(again.json()["id"], first.json()["id"]);
+    let sent = eventually(Duration::from_secs(10), || async { store.event_stats().await.unwrap().pending == 0 }).await;
+    assert!(sent);
+    assert_eq!(hook.distinct().len(), 1, "one event, delivered twice because of the crash");
+}
+
+async fn parked_events_are_kept_listed_and_redelivered(backend: Backend) {
+    let up = TestUpstream::start().await;
+    let hook = Webhook::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("admin-token");
+    std::fs::write(&token_file, "admin-token\n").unwrap();
+    let cfg = with_events(GatewayConfig::new(backend.clone(), up.url()), &hook, "events.max_attempts = 2")
+        .admin(&format!("token_file = \"{}\"", token_file.display()));
+    let gw = Gateway::start(cfg);
+    let store = backend.open().await;
+    let admin = |method: &'static str, path: &str| {
+        let url = gw.admin_url(path);
+        async move { send(method, &url, &[("authorization", "Bearer admin-token")], "").await.unwrap() }
+    };
+    hook.answer(500);
+    assert_eq!(post(&gw.url("/v1/orders"), "k", ORDER, &[]).await.status, 201);
+    let parked = eventually(Duration::from_secs(15), || async { store.event_stats().await.unwrap().parked == 1 }).await;
+    assert!(parked, "{}", gw.logs());
+    assert_eq!(hook.deliveries().len(), 2, "max_attempts deliveries, then parked");
+    let (code, out, err) = cli(&gw, &["events", "list", "--parked", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let list: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(list.as_array().unwrap().len(), 1);
+    assert_eq!((list[0]["delivery"].as_str(), list[0]["last_error"].as_str()), (Some("parked"), Some("answered 500")));
+    let id = list[0]["id"].as_str().unwrap().to_owned();
+    // The admin API shows the same backlog.
+    let listed = admin("GET", "/admin/events?delivery=parked").await;
+    assert_eq!(listed.status, 200);
+    assert_eq!((listed.json()["parked"].as_i64(), listed.json()["events"][0]["id"].as_str()), (Some(1), Some(id.as_str())));
+    hook.answer(200);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(hook.deliveries().len(), 2, "parked events wait for an operator");
+    let (code, _, err) = cli(&gw, &["events", "redeliver", &id]);
+    assert_eq!(code, 0, "{err}");
+    let sent = eventually(Duration::from_secs(10), || async { store.event_stats().await.unwrap() == Default::default() }).await;
+    assert!(sent, "{}", gw.logs());
+    assert_eq!(hook.deliveries().last().unwrap().id, id);
+    assert_eq!(cli(&gw, &["events", "redeliver", "00000000-0000-0000-0000-000000000000"]).0, 1);
+    // And redelivers through the API, with the same id again.
+    assert_eq!(admin("POST", &format!("/admin/events/{id}/redeliver")).await.status, 200);
+    let again = eventually(Duration::from_secs(10), || async { hook.deliveries().iter().filter(|d| d.id == id).count() == 4 }).await;
+    assert!(again, "{:?}", hook.counts());
+    assert_eq!(admin("POST", "/admin/events/00000000-0000-0000-0000-000000000000/redeliver").await.status, 404);
+}
+
+/// Two replicas relaying one store: every event is delivered, none by two
+/// relays at once, and (without a crash) none twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_relays_never_deliver_one_event_at_once() {
+    let backend = postgres_backend();
+    let up = TestUpstream::start().await;
+    let hook = Webhook::start().await;
+    hook.hold(Duration::from_millis(100));
+    let cfg = || with_events(GatewayConfig::new(backend.clone(), up.url()), &hook, "");
+    let (a, b) = (Gateway::start(cfg()), Gateway::start(cfg()));
+    let store = backend.open().await;
+    for i in 0..30 {
+        let gw = if i % 2 == 0 { &a } else { &b };
+        assert_eq!(post(&gw.url("/v1/orders"), &format!("k{i}"), ORDER, &[]).await.status, 201);
+    }
+    let all = eventually(Duration::from_secs(30), || async { store.event_stats().await.unwrap().pending == 0 }).await;
+    assert!(all, "{}\n{}", a.logs(), b.logs());
+    assert_eq!(hook.distinct().len(), 30);
+    assert_eq!(hook.overlaps(), 0, "no event delivered by two relays at once");
+    assert!(hook.counts().values().all(|n| *n == 1), "no duplicates without a crash: {:?}", hook.counts());
+}
+
+async fn batched_deliveries_carry_several_events_in_order_per_scope(backend: Backend) {
+    let (up, hook, gw, store) = setup(backend, "events.batch = 50\nevents.max_attempts = 1000").await;
+    hook.answer(503);
+    let url = gw.url("/v1/orders");
+    // Two events of one scope (unknown, then released by an operator) and
+    // twelve of other scopes, while the receiver fails.
+    assert_eq!(post(&url, "a", ORDER, &[("x-test-sleep-ms", "1500")]).await.status, 504);
+    let (code, _, err) = cli_keys(&gw, "resolve", "a", &["--release", "--reason", "not in the ledger"]);
+    assert_eq!(code, 0, "{err}");
+    for k in 0..12 {
+        assert_eq!(post(&url, &format!("k{k}"), ORDER, &[]).await.status, 201);
+    }
+    let refused = eventually(Duration::from_secs(10), || async { hook.deliveries().iter().any(|d| d.events().len() > 1) }).await;
+    assert!(refused, "a batch reached the failing receiver: {}", gw.logs());
+    // A client has its answer before its result (and the event written with
+    // it) commits, so the last events may still be on their way: all 14 are
+    // pending once they are written, and none is marked sent meanwhile.
+    let all_pending = eventually(Duration::from_secs(10), || async { store.event_stats().await.unwrap().pending == 14 }).await;
+    assert!(all_pending, "nothing is marked sent while the receiver fails: {:?}", store.event_stats().await.unwrap());
+    hook.answer(200);
+    let healed = eventually(Duration::from_secs(30), || async { store.event_stats().await.unwrap().pending == 0 }).await;
+    assert!(healed, "{}", gw.logs());
+    let all = hook.deliveries();
+    let mut ids = std::collections::HashSet::new();
+    for d in &all {
+        verify_signature(d);
+        assert!(d.id.is_empty(), "a batched delivery has no Idemgate-Event-Id");
+        let events = d.events();
+        assert!((1..=50).contains(&events.len()), "{} events in one POST", events.len());
+        assert_eq!(d.count.as_deref(), Some(&*events.len().to_string()), "Idemgate-Event-Count");
+        let in_post: std::collections::HashSet<String> = events.iter().map(|e| e["id"].as_str().unwrap().to_owned()).collect();
+        assert_eq!(in_post.len(), events.len(), "each event once per POST");
+        ids.extend(in_post);
+    }
+    assert_eq!(ids.len(), 14, "every event arrived");
+    // Order per scope: a's unknown was in an earlier POST than its release
+    // (never in one POST: at most one event of a scope is deliverable).
+    let a_released = all.iter().position(|d| d.events().iter().any(|e| e["type"] == "idemgate.record.released")).unwrap();
+    let a_unknown = all.iter().rposition(|d| d.events().iter().any(|e| e["type"] == "idemgate.record.unknown")).unwrap();
+    assert!(a_unknown < a_released, "in order per scope");
+    assert_eq!(up.total(), 13);
+    let m = send("GET", &gw.admin_url("/metrics"), &[], "").await.unwrap();
+    let text = String::from_utf8_lossy(&m.body).into_owned();
+    assert!(text.contains("idemgate_event_deliveries_total{outcome=\"delivered\"} 14"), "{text}");
+}
