@@ -182,7 +182,8 @@ pub struct OutboxEvent {
     pub id: uuid::Uuid,
     pub event_type: EventType,
     pub scope: Scope,
-    /// The record's generation after the change (`None`: released).
+    /// The record's generation after the change (a release: the generation
+    /// released; `None` only for releases written by earlier versions).
     pub generation: Option<Generation>,
     /// The recorded response status, if any.
     pub status: Option<u16>,

@@ -568,6 +568,45 @@ fn probe_route(operation: &str) -> ProbeRoute {
     ProbeRoute { operation: operation.into(), settle: Duration::ZERO, at_upstream: Duration::ZERO }
 }
 
+/// A scope's events written through different nodes are delivered in the
+/// order they were written (issue 47): an event's `seq` comes from the range
+/// of the node its statement entered (the coordinator's lowest), so an
+/// `unknown` written through a worker and its resolution written through the
+/// coordinator have their `seq` values the wrong way round; generations grow
+/// per scope whatever the node, and order them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scopes_events_written_through_different_nodes_are_delivered_in_order() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let cluster = citus::shared();
+    let url = cluster.create_unique_database("evorder").expect("database");
+    let db = url.rsplit('/').next().expect("database name").to_owned();
+    let via_coordinator = store_with_events(&url).await;
+    let via_worker = store_with_events(&cluster.workers[0].url(&db)).await;
+    let note = AuditNote { actor: Actor::Cli, reason: "it happened".into(), forced: false, caller: None };
+    let complete = Resolution::Complete { response: response(b"ok"), retention: Retention::For(LONG), force: false };
+    let s = scope_of("tenant-order", "create_order", "k");
+    unknown(&via_worker, &s).await;
+    assert_eq!(via_coordinator.resolve(&s, &complete, &note).await.unwrap(), ResolveOutcome::Resolved { from: State::Unknown });
+    let written = via_coordinator.events(None, 10).await.unwrap();
+    let seq_of = |t: EventType| written.iter().find(|e| e.event_type == t).map(|e| e.seq).expect("event written");
+    assert!(
+        seq_of(EventType::Completed) < seq_of(EventType::Unknown),
+        "the test's premise: the later event has the lower seq ({written:?})"
+    );
+    let relay = Uuid::new_v4();
+    let mut delivered = Vec::new();
+    for _ in 0..2 {
+        let taken = via_coordinator.take_events(&["create_order"], 8, LONG, relay).await.unwrap();
+        assert_eq!(taken.len(), 1, "one event of a scope at a time: {taken:?}");
+        delivered.push(taken[0].event_type);
+        let seqs: Vec<i64> = taken.iter().map(|e| e.seq).collect();
+        assert_eq!(via_coordinator.events_delivered(&seqs, relay).await.unwrap(), seqs);
+    }
+    assert_eq!(delivered, [EventType::Unknown, EventType::Completed], "delivered in the order written");
+}
+
 /// The tenant lists of the background rounds (at most 32 tenants a round)
 /// apply what the per-tenant takes apply: 34 tenants whose only pending
 /// events are held behind parked ones of their scopes, and whose `unknown`

@@ -1857,7 +1857,8 @@ async fn final_state_changes_write_their_events_and_nothing_else_does(backend: B
     let ids: BTreeSet<Uuid> = events.iter().map(|e| e.id).collect();
     assert_eq!(ids.len(), events.len(), "every event has its own id");
     assert_eq!(events[0].generation, Some(row(&store, &done).await.generation));
-    assert_eq!(events[2].generation, None, "released: no record left");
+    assert!(events[1].generation.is_some());
+    assert_eq!(events[2].generation, events[1].generation, "released: names the generation released");
     assert_eq!(events[0].body, None, "create_order events carry no body");
     assert_eq!(events[4].body.as_deref(), Some(&b"receipt"[..]), "charge events carry the body (include_body)");
     assert_eq!(events[4].operation_id.as_deref(), Some("op_charged"));

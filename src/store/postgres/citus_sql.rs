@@ -346,11 +346,14 @@ pub(super) static CITUS_MARK_UNKNOWN: LazyLock<String> = LazyLock::new(|| {
 });
 
 /// [`TAKE_EVENTS`] on Citus, for one tenant (`$5`, see [`CITUS_SWEEP`]). A
-/// scope's events sit on its tenant's shard, so their order holds.
+/// scope's events sit on its tenant's shard, and are held back in the order
+/// of their generations ([`not_held_back_by_generation`]).
 pub(super) static CITUS_TAKE_EVENTS: LazyLock<String> = LazyLock::new(|| {
+    let (by_seq, by_generation) = (not_held_back("e"), not_held_back_by_generation("e"));
     citus_replace(
         &TAKE_EVENTS,
         &[
+            (&by_seq, &by_generation),
             ("WHERE e.delivery = 'pending' AND e.next_attempt_at", "WHERE e.tenant = $5 AND e.delivery = 'pending' AND e.next_attempt_at"),
             ("FROM due WHERE e.seq = due.seq", "FROM due WHERE e.tenant = $5 AND e.seq = due.seq"),
             // The order checks name the shard too: a subquery correlated only
@@ -373,7 +376,7 @@ pub(super) static CITUS_TENANTS_WITH_EVENTS: LazyLock<String> = LazyLock::new(||
          WHERE e.delivery = 'pending' AND e.next_attempt_at <= now() AND (e.lease_until IS NULL OR e.lease_until <= now()) \
            AND e.operation = ANY($1::text[]) AND {} \
          GROUP BY e.tenant ORDER BY min(e.next_attempt_at) LIMIT $2",
-        super::events::not_held_back("e")
+        not_held_back_by_generation("e")
     )
 });
 
@@ -674,8 +677,11 @@ mod citus_tests {
     #[test]
     fn tenant_lists_apply_what_the_takes_apply() {
         assert!(CITUS_TENANTS_TO_PROBE.contains(&*PROBE_DUE) && CITUS_TAKE_PROBES.contains(&*PROBE_DUE));
-        let held_back = super::super::events::not_held_back("e");
+        let held_back = not_held_back_by_generation("e");
         assert!(CITUS_TENANTS_WITH_EVENTS.contains(&held_back) && CITUS_TAKE_EVENTS.contains("q.tenant = $5"));
+        // The take's test, with the shard named (see CITUS_TAKE_EVENTS).
+        let on_shard = held_back.replacen("p.tenant = e.tenant", "p.tenant = $5", 1).replacen("q.tenant = e.tenant", "q.tenant = $5", 1);
+        assert!(CITUS_TAKE_EVENTS.contains(&on_shard), "{}", *CITUS_TAKE_EVENTS);
         assert!(
             CITUS_TENANTS_TO_TAKE.contains("(sent_at IS NULL AND NOT maybe_executed)")
                 && CITUS_TAKE.contains("(r.sent_at IS NULL AND NOT r.maybe_executed)")

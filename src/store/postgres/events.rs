@@ -24,12 +24,30 @@ pub(super) static EVENT_INSERT_ONE: LazyLock<String> =
 /// with 40,000 events pending; as a subquery each check descends the index
 /// by the candidate's scope.
 pub(super) fn not_held_back(e: &str) -> String {
+    held_back_unless(e, |x| format!("{x}.seq < {e}.seq"))
+}
+
+/// [`not_held_back`] on Citus, where a scope's events are ordered by
+/// generation first: an event's `seq` comes from the range of the node its
+/// statement entered, so two events of one scope written through different
+/// nodes can have theirs the wrong way round, while generations grow per
+/// scope on every node (each event-writing change draws one or ends its
+/// generation; a release names the generation released). Events written
+/// before releases named one sort first in their scope.
+pub(super) fn not_held_back_by_generation(e: &str) -> String {
+    held_back_unless(e, |x| format!("(coalesce({x}.generation, 0), {x}.seq) < (coalesce({e}.generation, 0), {e}.seq)"))
+}
+
+/// No pending (`p`) or parked (`q`) event of `{e}`'s scope for which
+/// `earlier` holds.
+fn held_back_unless(e: &str, earlier: impl Fn(&str) -> String) -> String {
+    let (p, q) = (earlier("p"), earlier("q"));
     format!(
         "(SELECT p.seq FROM idemgate_events p
                WHERE p.delivery = 'pending' AND p.tenant = {e}.tenant AND p.principal = {e}.principal
-                 AND p.operation = {e}.operation AND p.idempotency_key = {e}.idempotency_key AND p.seq < {e}.seq LIMIT 1) IS NULL
+                 AND p.operation = {e}.operation AND p.idempotency_key = {e}.idempotency_key AND {p} LIMIT 1) IS NULL
               AND (SELECT q.seq FROM idemgate_events q
-               WHERE q.delivery = 'parked' AND q.seq < {e}.seq AND q.tenant = {e}.tenant AND q.principal = {e}.principal
+               WHERE q.delivery = 'parked' AND {q} AND q.tenant = {e}.tenant AND q.principal = {e}.principal
                  AND q.operation = {e}.operation AND q.idempotency_key = {e}.idempotency_key LIMIT 1) IS NULL"
     )
 }

@@ -322,6 +322,9 @@ impl PgStore {
                 }
                 Resolution::Release { .. } => (None, None),
             };
+            // A release deletes the record: its event names the generation
+            // released (a scope's events are ordered by generation on Citus).
+            let generation = generation.or(Some(record.generation.0));
             tx.execute(
                 self.db.text(self.pick(&super::event_log::LOG_INSERT_ONE, &super::events::EVENT_INSERT_ONE)),
                 &[

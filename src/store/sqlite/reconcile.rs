@@ -171,6 +171,9 @@ impl Reconcile for SqliteStore {
                     }
                     Resolution::Release { .. } => (None, None),
                 };
+                // A release deletes the record: its event names the generation
+                // released (a scope's events are ordered by generation on Citus).
+                let generation = generation.or(Some(record.generation));
                 insert_event(tx, &NewEvent { kind, record: &record, status, actor: Some(note.actor.as_str()), body }, generation, now)?;
             }
             Ok(ResolveOutcome::Resolved { from: record.state })
