@@ -11,7 +11,8 @@
 //! the caller must read the row back. Fenced writes return whether they
 //! applied (`false`: another attempt holds the record). What must not differ
 //! between backends lives once, in [`super::Store`].
-//! `tests/it/store_conformance.rs` holds every backend to the same answers.
+//! `tests/it/store_conformance/` holds every backend to the same answers,
+//! one file per trait.
 
 mod events;
 mod lifecycle;

@@ -1,0 +1,323 @@
+//! Conformance of `Events` (the outbox, CONTRACT section 9): events written
+//! with final states, leased to relays, delivered, parked; on every backend.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use idemgate::idempotency::record::Retention;
+use idemgate::idempotency::record::State;
+use idemgate::outbox::Delivery;
+use idemgate::store::audit::{Actor, AuditNote};
+use idemgate::store::{Resolution, ResolveOutcome, RetryNote, WriteOutcome};
+use uuid::Uuid;
+
+use super::{
+    LONG, PAST_SHORT, SHORT, accept_req, all_events, claim, key, open_with_events, raw_sql, req, response, row, scope, take, worker_route,
+};
+use crate::support::postgres as pg;
+use crate::support::{self, Backend};
+
+on_both_stores!(
+    final_state_changes_write_their_events_and_nothing_else_does,
+    a_change_and_its_event_commit_or_fail_together,
+    relays_hold_each_event_alone_in_order_per_scope,
+    a_parked_event_holds_the_later_events_of_its_scope,
+    events_held_back_beyond_any_window_do_not_hide_deliverable_ones
+);
+
+on_pgbouncer!(
+    final_state_changes_write_their_events_and_nothing_else_does,
+    a_change_and_its_event_commit_or_fail_together,
+    relays_hold_each_event_alone_in_order_per_scope,
+    a_parked_event_holds_the_later_events_of_its_scope,
+    events_held_back_beyond_any_window_do_not_hide_deliverable_ones
+);
+
+on_citus!(
+    final_state_changes_write_their_events_and_nothing_else_does,
+    a_change_and_its_event_commit_or_fail_together,
+    relays_hold_each_event_alone_in_order_per_scope,
+    a_parked_event_holds_the_later_events_of_its_scope,
+    events_held_back_beyond_any_window_do_not_hide_deliverable_ones
+);
+
+async fn final_state_changes_write_their_events_and_nothing_else_does(backend: Backend) {
+    let store = open_with_events(&backend).await;
+    // Completed by its attempt.
+    let done = key("done");
+    let c = claim(&store, &req(&done, 1, LONG, false)).await;
+    store.complete(&c, &response(201, b"order"), Retention::For(LONG)).await.unwrap();
+    // Unknown by its attempt.
+    let lost = key("lost");
+    let c = claim(&store, &req(&lost, 1, LONG, false)).await;
+    store.mark_unknown(&c).await.unwrap();
+    // Released by its attempt (upstream refused): not a final state, no event.
+    let refused = key("refused");
+    let c = claim(&store, &req(&refused, 1, LONG, false)).await;
+    store.release(&c).await.unwrap();
+    // An operation without [routes.events]: nothing.
+    let quiet = scope("acme", "billing", "quiet_op", "q");
+    let c = claim(&store, &req(&quiet, 1, LONG, false)).await;
+    store.complete(&c, &response(201, b"x"), Retention::For(LONG)).await.unwrap();
+    // Resolutions by an operator.
+    let n = AuditNote { actor: Actor::Admin, reason: "checked".into(), forced: false, caller: None };
+    store.resolve(&lost, &Resolution::Release { force: false }, &n).await.unwrap();
+    // Lease expired in flight, reaped.
+    let reaped = key("reaped");
+    claim(&store, &req(&reaped, 1, SHORT, false)).await;
+    // Async: failed, and failed after an attempt that may have run (unknown).
+    let failed = scope("acme", "billing", "charge", "failed");
+    claim(&store, &accept_req(&failed, 1)).await;
+    let t = take(&store, &[worker_route("charge", LONG)], "w").await.unwrap();
+    store.fail(&t.claim, Retention::For(LONG), RetryNote { last_status: Some(503), maybe_executed: false }).await.unwrap();
+    let charged = scope("acme", "billing", "charge", "charged");
+    claim(&store, &accept_req(&charged, 1)).await;
+    let t = take(&store, &[worker_route("charge", LONG)], "w").await.unwrap();
+    store.complete(&t.claim, &response(200, b"receipt"), Retention::For(LONG)).await.unwrap();
+    tokio::time::sleep(PAST_SHORT).await;
+    assert_eq!(store.reap_leases(10, &[]).await.unwrap().unknown, 1);
+
+    let events = all_events(&store).await;
+    let summary: Vec<(&str, &str, Option<u16>, Option<&str>)> =
+        events.iter().map(|e| (e.scope.key.as_str(), e.event_type.as_str(), e.status, e.actor.as_deref())).collect();
+    assert_eq!(
+        summary,
+        vec![
+            ("done", "completed", Some(201), None),
+            ("lost", "unknown", None, None),
+            ("lost", "released", None, Some("admin")),
+            ("failed", "failed_retryable", Some(503), None),
+            ("charged", "completed", Some(200), None),
+            ("reaped", "unknown", None, None),
+        ]
+    );
+    assert!(events.iter().all(|e| e.delivery == Delivery::Pending && e.attempts == 0));
+    let ids: BTreeSet<Uuid> = events.iter().map(|e| e.id).collect();
+    assert_eq!(ids.len(), events.len(), "every event has its own id");
+    assert_eq!(events[0].generation, Some(row(&store, &done).await.generation));
+    assert!(events[1].generation.is_some());
+    assert_eq!(events[2].generation, events[1].generation, "released: names the generation released");
+    assert_eq!(events[0].body, None, "create_order events carry no body");
+    assert_eq!(events[4].body.as_deref(), Some(&b"receipt"[..]), "charge events carry the body (include_body)");
+    assert_eq!(events[4].operation_id.as_deref(), Some("op_charged"));
+    assert!(events.windows(2).all(|w| w[0].seq < w[1].seq));
+}
+
+async fn a_change_and_its_event_commit_or_fail_together(backend: Backend) {
+    let store = open_with_events(&backend).await;
+    let s = key("atomic");
+    let c = claim(&store, &req(&s, 1, LONG, false)).await;
+    let before = row(&store, &s).await;
+    // Make every event insert fail, from outside the store.
+    let (fail, heal) = match &backend {
+        // (On Citus the test cluster allows triggers on distributed tables.)
+        Backend::Citus { .. } => (
+            "CREATE FUNCTION idemgate_test_fail() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'injected'; END $$;
+             CREATE TRIGGER idemgate_test_fail BEFORE INSERT ON idemgate_events FOR EACH ROW EXECUTE FUNCTION idemgate_test_fail();",
+            "DROP TRIGGER idemgate_test_fail ON idemgate_events; DROP FUNCTION idemgate_test_fail();",
+        ),
+        // PostgreSQL writes its events to the log.
+        Backend::Postgres { .. } | Backend::Pooled { .. } => (
+            "CREATE FUNCTION idemgate_test_fail() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'injected'; END $$;
+             CREATE TRIGGER idemgate_test_fail BEFORE INSERT ON idemgate_event_log FOR EACH ROW EXECUTE FUNCTION idemgate_test_fail();",
+            "DROP TRIGGER idemgate_test_fail ON idemgate_event_log; DROP FUNCTION idemgate_test_fail();",
+        ),
+        Backend::Sqlite { .. } => (
+            "CREATE TRIGGER idemgate_test_fail BEFORE INSERT ON idemgate_events BEGIN SELECT RAISE(ABORT, 'injected'); END;",
+            "DROP TRIGGER idemgate_test_fail;",
+        ),
+    };
+    raw_sql(&backend, fail).await;
+    let out = store.complete(&c, &response(201, b"x"), Retention::For(LONG)).await;
+    assert!(out.is_err(), "the change fails with its event: {out:?}");
+    assert_eq!(row(&store, &s).await, before, "no state change without its event");
+    let u = claim(&store, &req(&key("atomic-u"), 1, LONG, false)).await;
+    assert!(store.mark_unknown(&u).await.is_err());
+    assert_eq!(row(&store, &key("atomic-u")).await.state, State::InFlight);
+    raw_sql(&backend, heal).await;
+    assert!(all_events(&store).await.is_empty(), "no event without its change");
+    // Healed: both commit together.
+    assert_eq!(store.complete(&c, &response(201, b"x"), Retention::For(LONG)).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(row(&store, &s).await.state, State::Completed);
+    assert_eq!(all_events(&store).await.len(), 1);
+}
+
+async fn relays_hold_each_event_alone_in_order_per_scope(backend: Backend) {
+    let store = open_with_events(&backend).await;
+    let (a, b) = (key("a"), key("b"));
+    // Two events of scope a (unknown, then released), one of scope b.
+    let c = claim(&store, &req(&a, 1, LONG, false)).await;
+    store.mark_unknown(&c).await.unwrap();
+    let c = claim(&store, &req(&b, 1, LONG, false)).await;
+    store.complete(&c, &response(201, b"b"), Retention::For(LONG)).await.unwrap();
+    let n = AuditNote { actor: Actor::Cli, reason: "r".into(), forced: false, caller: None };
+    store.resolve(&a, &Resolution::Release { force: false }, &n).await.unwrap();
+    let ops = ["create_order"];
+    let (r1, r2) = (Uuid::new_v4(), Uuid::new_v4());
+    let first = store.take_events(&ops, 10, LONG, r1).await.unwrap();
+    let taken: Vec<(&str, &str)> = first.iter().map(|e| (e.scope.key.as_str(), e.event_type.as_str())).collect();
+    assert_eq!(taken, vec![("a", "unknown"), ("b", "completed")], "a's second event waits for its first");
+    assert!(store.take_events(&ops, 10, LONG, r2).await.unwrap().is_empty(), "leased events are not taken twice");
+    assert!(store.events_delivered(&[first[0].seq], r2).await.unwrap().is_empty(), "only the holder marks it");
+    // One statement marks a round's deliveries; a seq not held (or unknown) is left out.
+    let marked = store.events_delivered(&[first[0].seq, first[1].seq, i64::MAX], r1).await.unwrap();
+    assert_eq!(marked.len(), 2);
+    assert!(marked.contains(&first[0].seq) && marked.contains(&first[1].seq));
+    assert!(store.events_delivered(&[first[0].seq], r1).await.unwrap().is_empty(), "a sent event is not marked twice");
+    let second = store.take_events(&ops, 10, LONG, r2).await.unwrap();
+    assert_eq!(second.iter().map(|e| (e.scope.key.as_str(), e.event_type.as_str())).collect::<Vec<_>>(), vec![("a", "released")]);
+    // A failed delivery backs off; after max attempts the event is parked, not dropped.
+    assert!(store.event_failed(second[0].seq, r2, "answered 500", Duration::from_millis(200), false).await.unwrap());
+    assert!(store.take_events(&ops, 10, LONG, r2).await.unwrap().is_empty(), "not due before its backoff");
+    tokio::time::sleep(PAST_SHORT).await;
+    let again = store.take_events(&ops, 10, LONG, r1).await.unwrap();
+    assert_eq!((again.len(), again[0].id, again[0].attempts), (1, second[0].id, 1), "the same event, the same id");
+    assert!(store.event_failed(again[0].seq, r1, "answered 500", Duration::ZERO, true).await.unwrap());
+    let parked = store.events(Some(Delivery::Parked), 10).await.unwrap();
+    assert_eq!((parked.len(), parked[0].last_error.as_deref()), (1, Some("answered 500")));
+    assert_eq!(store.event_stats().await.unwrap().parked, 1);
+    assert!(store.take_events(&ops, 10, LONG, r1).await.unwrap().is_empty(), "parked events are not delivered");
+    assert!(store.redeliver(parked[0].id).await.unwrap());
+    // A lease that runs out (a relay crashed after delivering) hands the
+    // event to another relay, with the same id; the first relay's late mark
+    // is fenced.
+    let held = store.take_events(&ops, 10, SHORT, r1).await.unwrap();
+    assert_eq!((held.len(), held[0].id, held[0].attempts), (1, parked[0].id, 0), "redelivered from its first attempt");
+    tokio::time::sleep(PAST_SHORT).await;
+    let stolen = store.take_events(&ops, 10, LONG, r2).await.unwrap();
+    assert_eq!(stolen.iter().map(|e| e.id).collect::<Vec<_>>(), vec![held[0].id]);
+    assert!(store.events_delivered(&[held[0].seq], r1).await.unwrap().is_empty(), "the first relay's late mark is fenced");
+    assert_eq!(store.events_delivered(&[held[0].seq], r2).await.unwrap(), vec![held[0].seq]);
+    let stats = store.event_stats().await.unwrap();
+    assert_eq!((stats.pending, stats.parked, stats.oldest_pending_at), (0, 0, None));
+    // Delivered events are swept after their retention.
+    tokio::time::sleep(PAST_SHORT).await;
+    let swept = store.sweep_events(10, SHORT).await.unwrap();
+    match backend {
+        // The log goes by TRUNCATE of a slot: the count is the table's estimate.
+        Backend::Postgres { .. } | Backend::Pooled { .. } => assert!(swept > 0, "{swept}"),
+        Backend::Sqlite { .. } | Backend::Citus { .. } => assert_eq!(swept, 3),
+    }
+    assert!(store.events(None, 10).await.unwrap().is_empty());
+}
+
+/// The relay reads the log in batches bounded by transaction snapshots: an
+/// event whose transaction commits after a later event was delivered (a
+/// slow transaction that took its seq first) is still delivered. A relay
+/// that kept only the highest seq it delivered would skip it for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_an_event_committed_after_later_ones_were_delivered_is_still_delivered() {
+    let url = pg::shared().create_unique_database("conformance").expect("create database");
+    let store = open_with_events(&Backend::Postgres { url: url.clone() }).await;
+    let (slow, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.expect("connect");
+    tokio::spawn(conn);
+    // A key in the same lane of the log as "fast" (lanes split by key).
+    let slow_key: String = slow
+        .query_one(
+            "SELECT 'slow-' || g FROM generate_series(1, 1000) g \
+             WHERE (hashtextextended('slow-' || g, 0) & 15) = (hashtextextended('fast', 0) & 15) LIMIT 1",
+            &[],
+        )
+        .await
+        .expect("a key in the lane")
+        .get(0);
+    // The slow transaction writes its event first (the smaller seq) and stays open.
+    slow.batch_execute("BEGIN").await.unwrap();
+    slow.execute(
+        "INSERT INTO idemgate_event_log (event_type, tenant, principal, operation, idempotency_key) \
+         VALUES ('completed', 'acme', 'billing', 'create_order', $1)",
+        &[&slow_key],
+    )
+    .await
+    .unwrap();
+    // A later event commits, and a relay delivers it.
+    let c = claim(&store, &req(&key("fast"), 1, LONG, false)).await;
+    store.complete(&c, &response(201, b"fast"), Retention::For(LONG)).await.unwrap();
+    let ops = ["create_order"];
+    let relay = Uuid::new_v4();
+    let first = store.take_events(&ops, 10, LONG, relay).await.unwrap();
+    assert_eq!(first.iter().map(|e| e.scope.key.as_str()).collect::<Vec<_>>(), vec!["fast"]);
+    assert_eq!(store.events_delivered(&[first[0].seq], relay).await.unwrap(), vec![first[0].seq]);
+    assert!(store.take_events(&ops, 10, LONG, relay).await.unwrap().is_empty(), "the slow event is not committed yet");
+    assert_eq!(store.event_stats().await.unwrap().pending, 0);
+    slow.batch_execute("COMMIT").await.unwrap();
+    // Committed now: delivered, although a later seq was delivered before it.
+    let late = store.take_events(&ops, 10, LONG, relay).await.unwrap();
+    assert_eq!(late.iter().map(|e| e.scope.key.as_str()).collect::<Vec<_>>(), vec![slow_key.as_str()], "the late commit is delivered");
+    assert!(late[0].seq < first[0].seq, "its seq was drawn before the delivered event's");
+    assert_eq!(store.event_stats().await.unwrap().pending, 1);
+    assert_eq!(store.events_delivered(&[late[0].seq], relay).await.unwrap(), vec![late[0].seq]);
+    assert!(store.take_events(&ops, 10, LONG, relay).await.unwrap().is_empty());
+    let stats = store.event_stats().await.unwrap();
+    assert_eq!((stats.pending, stats.parked), (0, 0));
+    let listed = store.events(Some(Delivery::Sent), 10).await.unwrap();
+    assert_eq!(listed.iter().map(|e| e.seq).collect::<Vec<_>>(), vec![late[0].seq, first[0].seq], "both delivered, listed by seq");
+}
+
+/// The relay's take may look at the oldest due events first (PostgreSQL
+/// reads a window of a few batches): more held-back events than that at the
+/// front of the queue must not hide a deliverable one behind them.
+async fn events_held_back_beyond_any_window_do_not_hide_deliverable_ones(backend: Backend) {
+    let store = open_with_events(&backend).await;
+    let ops = ["create_order"];
+    let relay = Uuid::new_v4();
+    let n = AuditNote { actor: Actor::Cli, reason: "it happened".into(), forced: false, caller: None };
+    // 12 scopes, each an `unknown` event parked and a later `completed` held behind it.
+    for i in 0..12 {
+        let k = key(&format!("held-{i}"));
+        let c = claim(&store, &req(&k, 1, LONG, false)).await;
+        store.mark_unknown(&c).await.unwrap();
+        let first = store.take_events(&ops, 1, LONG, relay).await.unwrap();
+        assert_eq!(first.len(), 1);
+        assert!(store.event_failed(first[0].seq, relay, "answered 500", Duration::ZERO, true).await.unwrap(), "parked");
+        let done = Resolution::Complete { response: response(201, b"x"), retention: Retention::For(LONG), force: false };
+        assert!(matches!(store.resolve(&k, &done, &n).await.unwrap(), ResolveOutcome::Resolved { .. }));
+    }
+    // Then one scope nothing holds back.
+    let free = key("free");
+    let c = claim(&store, &req(&free, 1, LONG, false)).await;
+    store.complete(&c, &response(201, b"f"), Retention::For(LONG)).await.unwrap();
+    let taken = store.take_events(&ops, 1, LONG, relay).await.unwrap();
+    let seen: Vec<(&str, &str)> = taken.iter().map(|e| (e.scope.key.as_str(), e.event_type.as_str())).collect();
+    assert_eq!(seen, vec![("free", "completed")], "12 held-back events ahead of it, a batch of 1");
+    assert_eq!(store.event_stats().await.unwrap().held, 12);
+}
+
+/// Order per scope survives parking: once an event is parked, the later
+/// events of its scope wait behind it (other scopes go on); redelivered, it
+/// is delivered first, then the rest. A receiver never sees `unknown` after
+/// the final state.
+async fn a_parked_event_holds_the_later_events_of_its_scope(backend: Backend) {
+    let store = open_with_events(&backend).await;
+    let (a, b) = (key("a"), key("b"));
+    let c = claim(&store, &req(&a, 1, LONG, false)).await;
+    store.mark_unknown(&c).await.unwrap();
+    let ops = ["create_order"];
+    let relay = Uuid::new_v4();
+    let first = store.take_events(&ops, 10, LONG, relay).await.unwrap();
+    assert_eq!(first.iter().map(|e| e.event_type.as_str()).collect::<Vec<_>>(), vec!["unknown"]);
+    assert!(store.event_failed(first[0].seq, relay, "answered 500", Duration::ZERO, true).await.unwrap(), "parked");
+    // The record is settled afterwards: a later event of the same scope.
+    let n = AuditNote { actor: Actor::Cli, reason: "it happened".into(), forced: false, caller: None };
+    let done = Resolution::Complete { response: response(201, b"a"), retention: Retention::For(LONG), force: false };
+    assert!(matches!(store.resolve(&a, &done, &n).await.unwrap(), ResolveOutcome::Resolved { .. }));
+    let c = claim(&store, &req(&b, 1, LONG, false)).await;
+    store.complete(&c, &response(201, b"b"), Retention::For(LONG)).await.unwrap();
+    let taken = store.take_events(&ops, 10, LONG, relay).await.unwrap();
+    let seen: Vec<(&str, &str)> = taken.iter().map(|e| (e.scope.key.as_str(), e.event_type.as_str())).collect();
+    assert_eq!(seen, vec![("b", "completed")], "a's completion waits behind its parked unknown");
+    store.events_delivered(&taken.iter().map(|e| e.seq).collect::<Vec<_>>(), relay).await.unwrap();
+    assert!(store.take_events(&ops, 10, LONG, relay).await.unwrap().is_empty(), "still held");
+    let stats = store.event_stats().await.unwrap();
+    assert_eq!((stats.pending, stats.parked, stats.held), (1, 1, 1), "one pending event, held behind the parked one");
+    assert!(store.redeliver(first[0].id).await.unwrap());
+    let again = store.take_events(&ops, 10, LONG, relay).await.unwrap();
+    assert_eq!(
+        again.iter().map(|e| (e.id, e.event_type.as_str())).collect::<Vec<_>>(),
+        vec![(first[0].id, "unknown")],
+        "the earlier state first"
+    );
+    store.events_delivered(&[again[0].seq], relay).await.unwrap();
+    let last = store.take_events(&ops, 10, LONG, relay).await.unwrap();
+    assert_eq!(last.iter().map(|e| (e.scope.key.as_str(), e.event_type.as_str())).collect::<Vec<_>>(), vec![("a", "completed")]);
+}
