@@ -36,6 +36,7 @@ on_both_stores!(
 );
 
 on_pgbouncer!(
+    a_take_for_a_deduplicating_upstream_records_the_send,
     acceptance_queues_the_operation_with_its_request,
     racing_workers_take_one_operation_once_each_under_a_new_generation,
     a_take_for_several_workers_draws_each_operation_once_and_their_sends_are_fenced_each,
@@ -43,11 +44,15 @@ on_pgbouncer!(
     lease_expiry_requeues_what_was_never_sent_or_may_run_again,
     retries_wait_their_backoff_then_fail_and_are_swept_after_retention,
     the_reaper_decides_from_the_row_it_locked,
+    an_operation_that_may_have_executed_runs_again_only_on_a_reforwardable_route,
     workers_take_over_expired_attempts_that_may_run_again,
-    stored_requests_are_dropped_once_the_operation_is_final
+    stored_requests_are_dropped_once_the_operation_is_final,
+    a_requeue_that_may_have_executed_keeps_the_fact_and_its_backoff
 );
 
-// Not on Citus: the_reaper_decides_from_the_row_it_locked, which holds the
+// Not on Citus: a_take_for_a_deduplicating_upstream_records_the_send (a
+// Citus coordinator's take does not record the send: its workers mark it as
+// on other routes, docs/async.md); and the_reaper_decides_from_the_row_it_locked, which holds the
 // reaper inside its statement with a trigger waiting on an advisory lock and
 // watches pg_locks of the server it connects to; on Citus the reaper's
 // statement runs on a worker, where that lock is taken.

@@ -30,6 +30,7 @@ on_pgbouncer!(
     probes_take_due_unknown_records_and_their_writes_are_fenced,
     racing_reconcilers_take_each_record_once,
     probes_wait_until_the_attempt_cannot_be_at_the_upstream,
+    probes_wait_for_the_bound_the_attempt_recorded,
     a_released_operation_starts_a_fresh_attempt_budget
 );
 
