@@ -56,14 +56,18 @@
 //! for the reconcilers to settle every `unknown` record, so U must be 0 too;
 //! R is the number of records they settled (audit rows by the reconciler). A
 //! counts accepted async operations (all routes); every final record has its
-//! event at the webhook receiver (X counts those missing) and Y counts
+//! event at the webhook receiver, each scope's received in order (X counts
+//! those missing, and those first received after a later one of their
+//! scope) and Y counts
 //! redeliveries (after crashes). P counts the faults at the upstream that
 //! found their request. Each duplicate is listed with the generations the
 //! upstream saw and when.
 //!
 //! On Citus (`citus_soak`, `scripts/soak --citus`): the same soak on a
-//! coordinator and two workers, the replicas on `kind = "citus"` reaching the
-//! coordinator through their fault proxies; the clients' keys spread over six
+//! coordinator and two workers, the replicas on `kind = "citus"` entering
+//! through different nodes at once (replica 0 the coordinator, replica 1
+//! worker 1, each through its fault proxy; the prober every node, a
+//! multi-host URL); the clients' keys spread over six
 //! tenants, three on each worker's shards (a tenant's records live on one
 //! worker), and the restart round takes the nodes in turn (worker 1, the
 //! coordinator, worker 2), a worker staying down 3.5 s (past every lease)
@@ -160,7 +164,7 @@ impl AsyncRoutes {
             "[[routes]]\noperation = \"{operation}\"\nmethod = \"POST\"\npath = \"{path}\"\nupstream = \"jobs\"\nmode = \"async\"\n\
              lease = \"{lease_ms}ms\"\nupstream_idempotent = {idempotent}\nretention = \"1h\"\n\
              [routes.reconcile]\n{PROBE}\nsettle = \"{ASYNC_SETTLE}\"\n\
-             [routes.events]\nurl = \"{}\"\ntimeout = \"1s\"\n",
+             [routes.events]\nurl = \"{}\"\ntimeout = \"1s\"\ninclude_key = true\n",
             self.hook
         )
     }
@@ -201,11 +205,26 @@ impl Db {
         }
     }
 
-    /// The server the gateways connect to (through their fault proxies).
-    fn entry(&self) -> &PgServer {
+    /// The server replica `i` connects to (through its fault proxy): on
+    /// Citus each replica enters through another node (replica 0 the
+    /// coordinator, replica 1 worker 1), as gateways given different nodes do.
+    fn entry(&self, i: usize) -> &PgServer {
         match self {
             Db::Postgres(pg) => pg,
-            Db::Citus(cluster) => &cluster.coordinator,
+            Db::Citus(cluster) => cluster.nodes().nth(i % (1 + cluster.workers.len())).unwrap_or(&cluster.coordinator),
+        }
+    }
+
+    /// The URL of database `db` as `url` names it, with every node listed
+    /// on Citus (a multi-host URL, the store's statements sent to their
+    /// shards' nodes); `url` itself on PostgreSQL.
+    fn every_node(&self, url: &str) -> String {
+        match self {
+            Db::Postgres(_) => url.to_owned(),
+            Db::Citus(cluster) => {
+                let hosts: Vec<String> = cluster.nodes().map(|n| format!("127.0.0.1:{}", n.port())).collect();
+                url.replacen(&format!("127.0.0.1:{}", cluster.coordinator.port()), &hosts.join(","), 1)
+            }
         }
     }
 
@@ -300,15 +319,15 @@ async fn run(on_citus: bool) {
     let sweeps = ["200ms", slow_sweep];
     let mut db = tokio::task::block_in_place(|| Db::start(on_citus));
     let url = tokio::task::block_in_place(|| db.create_database("soak"));
-    let pg_port = db.entry().port();
-    let pg_addr: SocketAddr = format!("127.0.0.1:{pg_port}").parse().unwrap();
+    let pg_port = db.entry(0).port();
     let up = TestUpstream::start().await;
     up.set_commit_at_end(true);
     up.set_dedupe_path("/v1/idem-jobs", true);
     up.set_dedupe_path("/v1/reports", true);
     let hook = Webhook::start().await;
     let probe = format!("[routes.reconcile]\n{PROBE}\nsettle = \"{SETTLE}\"");
-    let events = |op: &str| format!("[routes.events]\nurl = \"{}\"\ntimeout = \"1s\"\n# {op}", hook.url());
+    // With the key: the final check orders each scope's events.
+    let events = |op: &str| format!("[routes.events]\nurl = \"{}\"\ntimeout = \"1s\"\ninclude_key = true\n# {op}", hook.url());
     let async_routes = AsyncRoutes { up: up.url(), hook: hook.url() };
 
     // On Citus, more tenants than a background round lists, whose work
@@ -326,7 +345,8 @@ async fn run(on_citus: bool) {
     let mut proxies = Vec::new();
     let mut replicas = Vec::new();
     for (i, sweep) in sweeps.iter().enumerate().take(2) {
-        let proxy = FaultProxy::start(pg_addr).await;
+        let entry: SocketAddr = format!("127.0.0.1:{}", db.entry(i).port()).parse().unwrap();
+        let proxy = FaultProxy::start(entry).await;
         let proxied = url.replace(&format!(":{pg_port}/"), &format!(":{}/", proxy.port()));
         let cfg = GatewayConfig::new(db.backend(proxied), up.url())
             .timeout("1s")
@@ -340,7 +360,7 @@ async fn run(on_citus: bool) {
     }
     // The prober: the same routes, no workers, a shorter timeout; never a
     // victim of the nemesis, reloaded with the others.
-    let prober_backend = db.backend(url.clone());
+    let prober_backend = db.backend(db.every_node(&url));
     let prober_config = |reloaded: bool| {
         GatewayConfig::new(prober_backend.clone(), up.url())
             .timeout("1s")
@@ -691,7 +711,9 @@ async fn run(on_citus: bool) {
             ago(r.next_attempt_at)
         );
     }
-    println!("  events:                    {events_total} written, {events_missing} missing at the receiver, {redeliveries} redelivered");
+    println!(
+        "  events:                    {events_total} written, {events_missing} missing at the receiver or out of order, {redeliveries} redelivered"
+    );
     verdict.print_findings();
     let requests = up.requests();
     let arrivals = |derived: String| {
@@ -740,7 +762,7 @@ async fn run(on_citus: bool) {
     assert_eq!(duplicates, 0, "duplicates");
     assert_eq!(lost, 0, "lost or differing answers, or accepted operations not final");
     assert_eq!(stuck, 0, "stuck records or operations");
-    assert_eq!(events_missing, 0, "every final state has its event at the receiver");
+    assert_eq!(events_missing, 0, "every final state has its event at the receiver, in order per scope");
     assert!(verdict.unknown.is_empty(), "unknown records left after reconciliation");
     assert!(seen.len() > 100, "the soak made progress");
 }
@@ -858,5 +880,35 @@ async fn check_events(hook: &Webhook, store: &Store) -> (usize, usize, usize) {
             }
         }
     }
+    missing += out_of_order(hook);
     (missing, rows.len(), redeliveries)
+}
+
+/// Events whose first delivery came after that of a later event of their
+/// scope (a higher generation; each is counted, and listed): events are
+/// delivered in order per scope, whichever node or relay wrote and sent them.
+/// Redeliveries (an id already received) are not orderings.
+fn out_of_order(hook: &Webhook) -> usize {
+    let mut seen: std::collections::HashSet<String> = std::collections::HashSet::new();
+    let mut latest: HashMap<String, (i64, String)> = HashMap::new();
+    let mut wrong = 0;
+    for d in hook.deliveries() {
+        if !seen.insert(d.id.clone()) {
+            continue;
+        }
+        let e = d.json();
+        let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_owned();
+        let scope = [&e["scope"]["tenant"], &e["scope"]["principal"], &e["scope"]["operation"], &e["scope"]["key"]].map(text).join("/");
+        let (generation, state) = (e["generation"].as_i64().unwrap_or(-1), text(&e["state"]));
+        match latest.get(&scope) {
+            Some((before, was)) if *before > generation => {
+                println!("  EVENT OUT OF ORDER: {scope}: {state} generation {generation} after {was} generation {before}");
+                wrong += 1;
+            }
+            _ => {
+                latest.insert(scope, (generation, state));
+            }
+        }
+    }
+    wrong
 }
