@@ -1,6 +1,7 @@
 //! The chaos soak: N clients retry their keys with jitter against two replicas
 //! on one PostgreSQL while a nemesis rotates faults: gateway kill -9 and
-//! restart, SIGSTOP past the lease, PostgreSQL immediate restart, network
+//! restart, SIGSTOP past the lease (the event receiver failing meanwhile),
+//! PostgreSQL immediate restart, network
 //! blackhole to PostgreSQL, and, aimed at a slow async request while it is at
 //! the upstream, SIGSTOP (2.5 s, past its lease) or kill -9 of the replica
 //! that sent it. Once, both replicas reload a changed configuration; from
@@ -490,10 +491,20 @@ async fn run(on_citus: bool) {
                 log.push(format!("kill -9 replica {victim}, restart"));
             }
             1 => {
+                // The receiver fails meanwhile and for 2 s after: the events of
+                // the attempts whose leases run out (unknown) and those of their
+                // resolutions wait together, so each scope's order is decided
+                // by the relays, not by the pace of the writes.
+                hook.answer(503);
                 replicas[victim].lock().unwrap().signal("STOP");
                 tokio::time::sleep(Duration::from_millis(LEASE_MS + 1000)).await;
                 replicas[victim].lock().unwrap().signal("CONT");
-                log.push(format!("SIGSTOP replica {victim} for {} ms (past its lease)", LEASE_MS + 1000));
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                hook.answer(200);
+                log.push(format!(
+                    "SIGSTOP replica {victim} for {} ms (past its lease), the event receiver answering 503 until 2 s after",
+                    LEASE_MS + 1000
+                ));
             }
             2 => {
                 proxies[victim].set(Fault::BlackholeDownstream);
@@ -884,16 +895,19 @@ async fn check_events(hook: &Webhook, store: &Store) -> (usize, usize, usize) {
     (missing, rows.len(), redeliveries)
 }
 
-/// Events whose first delivery came after that of a later event of their
-/// scope (a higher generation; each is counted, and listed): events are
-/// delivered in order per scope, whichever node or relay wrote and sent them.
-/// Redeliveries (an id already received) are not orderings.
+/// Events whose first delivery attempt came after that of a later event of
+/// their scope (a higher generation; each is counted, and listed): events
+/// are delivered in order per scope, whichever node or relay wrote and sent
+/// them. Redeliveries (an id already received) are not orderings; batched
+/// deliveries (none in the soak) are not read.
 fn out_of_order(hook: &Webhook) -> usize {
     let mut seen: std::collections::HashSet<String> = std::collections::HashSet::new();
     let mut latest: HashMap<String, (i64, String)> = HashMap::new();
     let mut wrong = 0;
+    // Every attempt counts, failed ones too: a relay attempts a scope's next
+    // event only once the one before is delivered.
     for d in hook.deliveries() {
-        if !seen.insert(d.id.clone()) {
+        if d.id.is_empty() || !seen.insert(d.id.clone()) {
             continue;
         }
         let e = d.json();
