@@ -20,7 +20,7 @@ pub(super) static EVENT_INSERT_ONE: LazyLock<String> =
 /// there are few). Each is a scalar subquery with `LIMIT 1`, which the
 /// planner cannot turn into a join: as `NOT EXISTS`, an anti join planned
 /// on an empty, never-analyzed table read the whole scope index once per
-/// candidate (`tests/pg_plans.rs` checks for it), 23 s for a window of 512
+/// candidate (`tests/it/pg_plans.rs` checks for it), 23 s for a window of 512
 /// with 40,000 events pending; as a subquery each check descends the index
 /// by the candidate's scope.
 pub(super) fn not_held_back(e: &str) -> String {
