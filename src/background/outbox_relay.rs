@@ -96,13 +96,19 @@ impl Relay {
                 None => limited.push((limit, batch, None, true)),
             }
         }
-        for (limit, _, turn, serves) in &mut limited {
-            // Free slots are looked at, not held, while the store is asked: a
-            // request arriving meanwhile must not find them taken by a take
-            // that may find nothing. With none free, wait a turn.
-            if limit.available() == 0 {
-                *turn = limit.wait_turn().await;
-                *serves = turn.is_some();
+        // Free slots are looked at, not held, while the store is asked: a
+        // request arriving meanwhile must not find them taken by a take that
+        // may find nothing. With none free, wait a turn: for every such
+        // upstream at once, so that no turn won is held idle while another
+        // upstream's is waited for.
+        let waits = join_all(
+            limited.iter().map(|(limit, ..)| async move { if limit.available() == 0 { Some(limit.wait_turn().await) } else { None } }),
+        )
+        .await;
+        for ((_, _, turn, serves), waited) in limited.iter_mut().zip(waits) {
+            if let Some(waited) = waited {
+                *serves = waited.is_some();
+                *turn = waited;
             }
         }
         let serves = |op: &&str| match self.limits.get(*op) {
