@@ -11,6 +11,13 @@
 //! has slots free, or one when it waits its turn for a slot at the limit
 //! (contract: workers count against an upstream's limit); each attempt holds
 //! its slot until the upstream answers.
+//!
+//! A worker is free again once its upstream has answered: the attempt
+//! records its outcome while the worker takes and runs its next operation,
+//! so a worker's cycle is its take, its never-sent proof and its exchange,
+//! and the completion's commit overlaps the next take. At most `count`
+//! attempts are at the upstream (or about to be) and at most `count` more
+//! are recording (a slow store holds the next take back).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -91,21 +98,21 @@ impl AsyncWorkers {
     /// attempt on `attempts`.
     async fn run(self, count: usize, executor: Arc<Executor>, attempts: TaskTracker, shutdown: CancellationToken) {
         tracing::debug!(workers = count, "async workers started");
-        let workers = Arc::new(Semaphore::new(count));
+        let turns = Turns::new(count);
         let mut idle_rounds = 1;
         loop {
             let first = tokio::select! {
                 _ = shutdown.cancelled() => break,
-                free = workers.clone().acquire_owned() => match free {
-                    Ok(free) => free,
-                    Err(_) => break,
+                free = turns.next() => match free {
+                    Some(free) => free,
+                    None => break,
                 },
             };
             let mut free = vec![first];
             while free.len() < MAX_TAKE {
-                match workers.clone().try_acquire_owned() {
-                    Ok(more) => free.push(more),
-                    Err(_) => break,
+                match turns.try_next() {
+                    Some(more) => free.push(more),
+                    None => break,
                 }
             }
             let (mut took, mut failed) = (false, false);
@@ -161,15 +168,52 @@ impl AsyncWorkers {
         tracing::debug!("async workers stopped taking");
     }
 
-    /// Runs one attempt on a worker, which is free again when it ends.
-    fn start(&self, taken: Taken, worker: OwnedSemaphorePermit, slot: Option<Permit>, executor: &Arc<Executor>, attempts: &TaskTracker) {
+    /// Runs one attempt on a worker, which is free again once the upstream
+    /// has answered (the attempt's turn to record ends with the attempt).
+    fn start(&self, taken: Taken, turn: Turn, slot: Option<Permit>, executor: &Arc<Executor>, attempts: &TaskTracker) {
         let Some(route) = self.routes.iter().find(|r| r.operation == taken.record.scope.operation).cloned() else { return };
         tracing::debug!(route = %route.operation, scope = %taken.claim.scope.log_id(), generation = %taken.claim.generation,
             attempt = taken.record.attempts, "took an operation");
         let executor = executor.clone();
         attempts.spawn(async move {
-            executor.run_async(&route, &taken, slot.map(Slot::from)).await;
-            drop(worker);
+            let Turn { worker, recording } = turn;
+            executor.run_async(&route, &taken, slot.map(Slot::from), worker).await;
+            drop(recording);
         });
+    }
+}
+
+/// What an attempt holds: a worker (given back once the upstream answered)
+/// and a place among the attempts alive (given back when it has recorded).
+#[derive(Debug)]
+struct Turn {
+    worker: OwnedSemaphorePermit,
+    recording: OwnedSemaphorePermit,
+}
+
+/// The workers, and the attempts alive: twice as many, so that up to
+/// `count` attempts record their outcomes while `count` others run.
+#[derive(Debug)]
+struct Turns {
+    workers: Arc<Semaphore>,
+    alive: Arc<Semaphore>,
+}
+
+impl Turns {
+    fn new(count: usize) -> Turns {
+        Turns { workers: Arc::new(Semaphore::new(count)), alive: Arc::new(Semaphore::new(count.saturating_mul(2))) }
+    }
+
+    /// Waits for a place among the attempts alive, then for a free worker.
+    async fn next(&self) -> Option<Turn> {
+        let recording = self.alive.clone().acquire_owned().await.ok()?;
+        let worker = self.workers.clone().acquire_owned().await.ok()?;
+        Some(Turn { worker, recording })
+    }
+
+    fn try_next(&self) -> Option<Turn> {
+        let recording = self.alive.clone().try_acquire_owned().ok()?;
+        let worker = self.workers.clone().try_acquire_owned().ok()?;
+        Some(Turn { worker, recording })
     }
 }

@@ -304,8 +304,10 @@ impl Executor {
     /// a lost lease, and the write's own outcome (written or fenced) says
     /// what happened.
     /// `slot`: the upstream's slot the worker took it with, freed once the
-    /// upstream answered.
-    pub async fn run_async(&self, route: &Route, taken: &Taken, slot: Option<Slot>) -> AttemptOutcome {
+    /// upstream answered. `worker`: the worker's turn, given back at the same
+    /// point (or when the attempt ends without a send): recording the outcome
+    /// does not keep the worker from its next operation.
+    pub async fn run_async<W: Send>(&self, route: &Route, taken: &Taken, slot: Option<Slot>, worker: W) -> AttemptOutcome {
         let claim = &taken.claim;
         if taken.lease_expired {
             // Counted like the reaper's re-queues: an attempt that lost its lease and runs again.
@@ -316,7 +318,7 @@ impl Executor {
         let recording = AtomicBool::new(false);
         self.metrics.forward_started();
         let outcome = tokio::select! {
-            outcome = self.async_attempt(route, taken, &recording, slot) => outcome,
+            outcome = self.async_attempt(route, taken, &recording, slot, worker) => outcome,
             () = self.heartbeats(claim, route.record.lease, &recording) => {
                 tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), generation = %claim.generation,
                     "lost the lease to a newer attempt; this attempt stops and records nothing");
@@ -348,7 +350,14 @@ impl Executor {
         }
     }
 
-    async fn async_attempt(&self, route: &Route, taken: &Taken, recording: &AtomicBool, slot: Option<Slot>) -> AttemptOutcome {
+    async fn async_attempt<W: Send>(
+        &self,
+        route: &Route,
+        taken: &Taken,
+        recording: &AtomicBool,
+        slot: Option<Slot>,
+        worker: W,
+    ) -> AttemptOutcome {
         let claim = &taken.claim;
         let attempts = taken.record.attempts;
         let request = match StoredRequest::decode(&taken.request).and_then(|r| Ok((r.parts()?, r.body))) {
@@ -410,8 +419,10 @@ impl Executor {
         };
         let (parts, body) = request;
         let exchanged = self.exchange_in(slot, route, claim, parts, body, deadline).await;
-        // From here on, every branch writes the attempt's outcome.
+        // From here on, every branch writes the attempt's outcome, and the
+        // worker may take its next operation meanwhile.
         recording.store(true, Ordering::Release);
+        drop(worker);
         match exchanged {
             Exchange::Answered { head, body } => {
                 let body = match body {

@@ -321,6 +321,74 @@ async fn a_heartbeat_after_its_own_final_write_is_not_a_lost_lease() {
     assert_eq!(up.total(), keys.len() as u64);
 }
 
+/// A worker is free once its upstream has answered: while one operation's
+/// completion cannot commit (its row's update waits on a lock the test
+/// holds), the replica's only worker takes and sends the next operation.
+/// Recordings are bounded too: with that one's completion held as well, a
+/// third operation waits (a worker has at most one more attempt recording).
+/// When the lock goes, all three complete, each executed once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_sends_its_next_operation_while_the_last_one_records_and_no_more() {
+    let backend = postgres_backend();
+    let Backend::Postgres { url } = &backend else { unreachable!() };
+    let up = TestUpstream::start().await;
+    let mut config =
+        GatewayConfig::new(backend.clone(), up.url()).timeout("5s").route("mode = \"async\"\nlease = \"20s\"").tail("[workers]\ncount = 1");
+    // The held completion must not end by its statement timeout while the
+    // test looks (that would free the worker too).
+    config.store_section = Some(format!(
+        "[store]\nkind = \"postgres\"\nurl = \"{url}\"\npool_size = 8\noperation_timeout = \"30s\"\nsweep_interval = \"1s\"\n"
+    ));
+    let (db, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.expect("connect");
+    tokio::spawn(conn);
+    let gw = Gateway::start(config);
+    let store = backend.open().await;
+    // A completion waits for advisory lock 4646, which this session holds.
+    db.batch_execute(
+        "CREATE FUNCTION idemgate_test_held_completion() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF NEW.state = 'completed' AND OLD.state = 'processing' THEN
+                 PERFORM pg_advisory_lock(4646); PERFORM pg_advisory_unlock(4646);
+             END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER idemgate_test_held_completion BEFORE UPDATE ON idemgate_records
+             FOR EACH ROW EXECUTE FUNCTION idemgate_test_held_completion();
+         SELECT pg_advisory_lock(4646);",
+    )
+    .await
+    .expect("trigger and lock");
+    // Both are accepted while the first is at the upstream (it answers after
+    // a second), so that no claim shares the held completion's statement.
+    let mut received = up.subscribe();
+    assert_eq!(post(&gw.url("/v1/orders"), "first", ORDER, &[("x-test-sleep-ms", "1000")]).await.status, 202);
+    received_key(&mut received, "first").await;
+    assert_eq!(post(&gw.url("/v1/orders"), "next", ORDER, &[]).await.status, 202);
+    assert_eq!(post(&gw.url("/v1/orders"), "third", ORDER, &[]).await.status, 202);
+    let held = || async {
+        let row = db
+            .query_one("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND wait_event = 'advisory'", &[])
+            .await
+            .expect("pg_stat_activity");
+        row.get::<_, i64>(0)
+    };
+    assert!(eventually(Duration::from_secs(10), || async { held().await == 1 }).await, "the first completion waits on the lock");
+    received_key(&mut received, "next").await;
+    assert_eq!(state_of(&store, "first").await, Some(State::Processing), "the first is not recorded yet");
+    // The next one answered at once and records behind the held one: two
+    // attempts recording, so the third is not taken while they wait.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(held().await, 1, "the first completion's statement is still waiting");
+    assert_eq!(state_of(&store, "third").await, Some(State::Queued));
+    assert_eq!(up.total(), 2, "the third was not sent");
+    db.batch_execute("SELECT pg_advisory_unlock(4646)").await.expect("unlock");
+    for k in ["first", "next", "third"] {
+        assert_eq!(wait_final(&store, k, Duration::from_secs(20)).await.state, State::Completed, "{}", gw.logs());
+        assert_eq!(up.side_effects(&derived(k)), 1, "{k} executed once");
+    }
+    assert_eq!(up.total(), 3);
+}
+
 /// Take-over follows the lease, not the sweep interval: with the lease
 /// reaper's `sweep_interval` at 30 s, a worker killed -9 mid-forward on a
 /// deduplicating upstream (lease 1 s) is taken over by another replica's
