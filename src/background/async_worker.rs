@@ -1,4 +1,4 @@
-//! Async workers: `count` attempts at a time, each running one due `queued`
+//! Async workers: `count` attempts at the upstream at a time, each running one due `queued`
 //! operation of this replica's async routes (under a lease, with a new
 //! generation) through the [`Executor`]. One taker draws operations for all
 //! idle workers in one take (one statement and one commit on PostgreSQL):
