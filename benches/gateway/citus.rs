@@ -47,6 +47,8 @@ use crate::suite::{Ctx, REPLAY_BASE, Watch, key_prefix, measure_once, request_en
 use crate::wrk::Scenario;
 use crate::{Options, procs};
 
+mod probe;
+
 const FIRST: &str = "first write";
 const REPLAY: &str = "replay";
 const PG: &str = "cmp-pg";
@@ -256,6 +258,7 @@ pub fn run(ctx: &mut Ctx, upstream: SocketAddr) -> Result<()> {
         keys.len(),
         keys.len().div_ceil(3)
     ));
+    probe::idle(ctx, &targets)?;
     let nodes = rounds(ctx, &targets, &auths)?;
     for t in targets {
         t.stop()?;
@@ -354,14 +357,23 @@ fn load(ctx: &Ctx, gws: &[Gateway], scenario: &str, conns: u32, secs: u32, auths
 /// One measured run of `t`: its row (gateway and database CPU per request
 /// from the processes' `/proc` times) and each database node's CPU per
 /// request (a cluster's nodes in order: coordinator, workers).
-fn measure(ctx: &Ctx, t: &Target, scenario: &str, conns: u32, round: usize, auths: &str) -> Result<(Row, Vec<f64>)> {
+fn measure(ctx: &mut Ctx, t: &Target, scenario: &str, conns: u32, round: usize, auths: &str) -> Result<(Row, Vec<f64>)> {
     t.db.settle()?;
+    let statements = probe::Statements::wanted()?;
     let mut cpus: Vec<Cpu> = t.gws.iter().map(Gateway::cpu).collect();
     cpus.extend(t.db_cpus.iter().copied());
     let watch = Watch { gateway: t.gws.first(), nodes: &cpus, ..Watch::default() };
     let note = format!("round {}; {}", round + 1, t.note);
-    let (m, mut row) =
-        measure_once(ctx, (&t.name, scenario, conns), &watch, &note, |ctx, secs| load(ctx, &t.gws, scenario, conns, secs, auths))?;
+    let (m, mut row) = measure_once(ctx, (&t.name, scenario, conns), &watch, &note, |ctx, secs| {
+        // The measured run (after the warm-up): the statements it runs.
+        if let Some(s) = statements.as_ref().filter(|_| secs == ctx.opts.secs) {
+            s.reset(&t.db)?;
+        }
+        load(ctx, &t.gws, scenario, conns, secs, auths)
+    })?;
+    if let Some(s) = &statements {
+        s.report(ctx, &format!("{} {scenario} {conns}", t.name), &t.db, m.result.requests)?;
+    }
     let (gw_cpu, db_cpu) = m.nodes_cpu.split_at(t.gws.len());
     let per_request = |s: f64| (m.result.requests > 0).then(|| s * 1e6 / m.result.requests as f64);
     row.server_cpu_us = per_request(gw_cpu.iter().sum());
@@ -389,7 +401,11 @@ fn rounds(ctx: &mut Ctx, targets: &[Target], auths: &str) -> Result<PerNode> {
             for round in 0..ctx.opts.rounds.max(1) as usize {
                 for k in 0..targets.len() {
                     let i = (k + round) % targets.len();
+                    // The other targets' gateways share the cluster: kept
+                    // still, their background work is not counted here.
+                    let paused = probe::Paused::all_but(targets, Some(i));
                     let measured = measure(ctx, &targets[i], scenario, conns, round, auths)?;
+                    drop(paused);
                     ctx.report.progress(&measured.0);
                     rows[i].push(measured);
                     procs::check_interrupted()?;

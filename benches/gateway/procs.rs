@@ -170,6 +170,12 @@ fn stop_tools() {
     }
 }
 
+/// SIGSTOP (`pause`) or SIGCONT one process: a bench target's gateway kept
+/// still while another target is measured on the same database cluster.
+pub fn pause(pid: u32, pause: bool) {
+    send_signal(if pause { "STOP" } else { "CONT" }, &pid.to_string());
+}
+
 /// `kill -s SIG -- TARGET` (TARGET may be `-PGID`) with the shell's builtin
 /// (no procps needed); errors (already gone) are ignored.
 fn send_signal(sig: &str, target: &str) {
