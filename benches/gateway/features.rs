@@ -317,8 +317,16 @@ fn events(ctx: &mut Ctx, base: &Spec, pg: &Pg, upstream: SocketAddr) -> Result<(
         },
     ];
     ctx.progress(&format!("{PG}: first writes without and with completion events; {} interleaved rounds", ctx.opts.rounds));
+    let statements = pg.statements_reset(DB)?;
     interleave(ctx, pg, DB, &contenders)?;
     drop(contenders);
+    if statements {
+        // Both contenders' statements, every round: the relay's and the
+        // event inserts' share among the first writes'.
+        for line in pg.statements_top(DB, 10)? {
+            ctx.report.line(format!("{PG} events statements: {line}"));
+        }
+    }
     let most = ctx.opts.conns.iter().copied().max().unwrap_or(0);
     let at_most: Vec<f64> = shares.borrow().iter().filter(|(c, _)| *c == most).map(|(_, s)| *s).collect();
     if !at_most.is_empty() {
