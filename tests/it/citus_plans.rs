@@ -159,9 +159,9 @@ fn planner(said: &[String]) -> Planner {
 }
 
 /// What Citus said it planned (its debug messages while planning).
-type Notices = std::sync::Arc<std::sync::Mutex<Vec<String>>>;
+pub(crate) type Notices = std::sync::Arc<std::sync::Mutex<Vec<String>>>;
 
-async fn session_with(url: &str, settings: Vec<(&'static str, &'static str)>) -> (Client, Notices) {
+pub(crate) async fn session_with(url: &str, settings: Vec<(&'static str, &'static str)>) -> (Client, Notices) {
     let (client, mut connection) = tokio_postgres::connect(url, NoTls).await.expect("connect");
     let notices: Notices = Default::default();
     let seen = notices.clone();

@@ -14,6 +14,7 @@ mod citus_cluster;
 mod citus_faults;
 mod citus_hazards;
 mod citus_plans;
+mod citus_write_cost;
 mod cli;
 mod console;
 mod demo;
