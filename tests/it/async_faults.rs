@@ -79,6 +79,11 @@ async fn killed_worker_is_taken_over_on_a_deduplicating_upstream() {
     assert!(metric(&b, "idemgate_requeued_leases_total").await >= 1.0);
 }
 
+/// The tests' PostgreSQL store section with another `operation_timeout`.
+fn store_with_timeout(url: &str, timeout: &str) -> String {
+    format!("[store]\nkind = \"postgres\"\nurl = \"{url}\"\npool_size = 8\noperation_timeout = \"{timeout}\"\nsweep_interval = \"200ms\"\n")
+}
+
 /// Waits for the upstream to receive a request with `key`'s derived key.
 async fn received_key(received: &mut tokio::sync::broadcast::Receiver<support::upstream::Received>, key: &str) {
     let want = derived(key);
@@ -288,10 +293,14 @@ async fn a_heartbeat_after_its_own_final_write_is_not_a_lost_lease() {
     let backend = postgres_backend();
     let Backend::Postgres { url } = &backend else { unreachable!() };
     let up = TestUpstream::start().await;
-    let gw = Gateway::start(async_config(&backend, &up, false, 2));
+    let mut config = async_config(&backend, &up, false, 2);
+    // Workers go on while their attempts record, so up to four completions
+    // share a statement: 2.4 s at 600 ms a row, past the default 2 s bound.
+    config.store_section = Some(store_with_timeout(url, "10s"));
+    let gw = Gateway::start(config);
     let store = backend.open().await;
-    // Completions commit 600 ms after they start; heartbeats (every ~330 ms)
-    // wait on the row meanwhile and run right after the commit.
+    // Completions commit 600 ms a row after they start; heartbeats (every
+    // ~330 ms) wait on the row meanwhile and run right after the commit.
     let (db, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.expect("connect");
     tokio::spawn(conn);
     db.batch_execute(
@@ -336,9 +345,7 @@ async fn a_worker_sends_its_next_operation_while_the_last_one_records_and_no_mor
         GatewayConfig::new(backend.clone(), up.url()).timeout("5s").route("mode = \"async\"\nlease = \"20s\"").tail("[workers]\ncount = 1");
     // The held completion must not end by its statement timeout while the
     // test looks (that would free the worker too).
-    config.store_section = Some(format!(
-        "[store]\nkind = \"postgres\"\nurl = \"{url}\"\npool_size = 8\noperation_timeout = \"30s\"\nsweep_interval = \"1s\"\n"
-    ));
+    config.store_section = Some(store_with_timeout(url, "30s"));
     let (db, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.expect("connect");
     tokio::spawn(conn);
     let gw = Gateway::start(config);

@@ -19,6 +19,7 @@ use crate::support::{self, Backend};
 
 on_both_stores!(
     final_state_changes_write_their_events_and_nothing_else_does,
+    small_takes_deliver_every_event_of_many_scopes_once,
     a_change_and_its_event_commit_or_fail_together,
     relays_hold_each_event_alone_in_order_per_scope,
     a_parked_event_holds_the_later_events_of_its_scope,
@@ -27,6 +28,7 @@ on_both_stores!(
 
 on_pgbouncer!(
     final_state_changes_write_their_events_and_nothing_else_does,
+    small_takes_deliver_every_event_of_many_scopes_once,
     a_change_and_its_event_commit_or_fail_together,
     relays_hold_each_event_alone_in_order_per_scope,
     a_parked_event_holds_the_later_events_of_its_scope,
@@ -35,6 +37,7 @@ on_pgbouncer!(
 
 on_citus!(
     final_state_changes_write_their_events_and_nothing_else_does,
+    small_takes_deliver_every_event_of_many_scopes_once,
     a_change_and_its_event_commit_or_fail_together,
     relays_hold_each_event_alone_in_order_per_scope,
     a_parked_event_holds_the_later_events_of_its_scope,
@@ -199,6 +202,44 @@ async fn relays_hold_each_event_alone_in_order_per_scope(backend: Backend) {
         Backend::Sqlite { .. } | Backend::Citus { .. } => assert_eq!(swept, 3),
     }
     assert!(store.events(None, 10).await.unwrap().is_empty());
+}
+
+/// Events of many scopes (on PostgreSQL, in every lane of the log) taken a
+/// few at a time, each take delivered: every event is delivered exactly
+/// once, and none is left. First a relay that delivers another operation
+/// takes a few times, setting aside what it reads (on PostgreSQL: copied to
+/// be retried): a take that stops reading in the middle of a lane's batch
+/// must not end that batch, or the rest of the lane would be skipped.
+async fn small_takes_deliver_every_event_of_many_scopes_once(backend: Backend) {
+    let store = open_with_events(&backend).await;
+    let ops = ["create_order"];
+    let relay = Uuid::new_v4();
+    let keys: Vec<String> = (0..80).map(|i| format!("many-{i}")).collect();
+    for k in &keys {
+        let c = claim(&store, &req(&key(k), 1, LONG, false)).await;
+        store.complete(&c, &response(201, b"x"), Retention::For(LONG)).await.unwrap();
+    }
+    let other = Uuid::new_v4();
+    for _ in 0..3 {
+        assert!(store.take_events(&["another_operation"], 3, LONG, other).await.unwrap().is_empty());
+    }
+    let mut delivered: Vec<String> = Vec::new();
+    for _ in 0..200 {
+        let taken = store.take_events(&ops, 3, LONG, relay).await.unwrap();
+        if taken.is_empty() {
+            break;
+        }
+        assert!(taken.len() <= 3, "{}", taken.len());
+        let seqs: Vec<i64> = taken.iter().map(|e| e.seq).collect();
+        assert_eq!(store.events_delivered(&seqs, relay).await.unwrap().len(), seqs.len());
+        delivered.extend(taken.iter().map(|e| e.scope.key.as_str().to_owned()));
+    }
+    delivered.sort();
+    let mut expected = keys.clone();
+    expected.sort();
+    assert_eq!(delivered, expected, "every event once");
+    assert_eq!(store.event_stats().await.unwrap().pending, 0);
+    assert!(store.take_events(&ops, 3, LONG, relay).await.unwrap().is_empty());
 }
 
 /// The relay reads the log in batches bounded by transaction snapshots: an
