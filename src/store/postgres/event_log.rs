@@ -96,13 +96,12 @@ fn held_back(e: &str) -> String {
 }
 
 /// The take's read (`$1` events per lane, `$2` the relay's token, `$3` the
-/// lane to start from, `$4` lanes, `$5` events in all): up to `$4` lanes
-/// that are free (or this relay's) and have undelivered events, and their
-/// next events in seq order, the first `$5` of them lane by lane (whether
-/// each waits behind its scope is asked of those only). A lane without a
-/// batch under way starts one ending at this statement's snapshot (`upto`,
-/// returned as text for the lease). Columns: the event's (`decode_event`),
-/// then lane, done, upto, fresh, after_seq, xid (as int8), held back.
+/// lane to start from, `$4` lanes): up to `$4` lanes that are free (or
+/// this relay's) and have undelivered events, and their next events in seq
+/// order. A lane without a batch under way starts one ending at this
+/// statement's snapshot (`upto`, returned as text for the lease). Columns:
+/// the event's (`decode_event`), then lane, done, upto, fresh, after_seq,
+/// xid (as int8), held back.
 pub(super) static TAKE_LOG: LazyLock<String> = LazyLock::new(|| {
     format!(
         "WITH l AS MATERIALIZED (
@@ -116,8 +115,7 @@ pub(super) static TAKE_LOG: LazyLock<String> = LazyLock::new(|| {
         SELECT {}, w.lane, w.done::text, w.upto::text, w.fresh, w.after_seq, e.xid::text::int8, {}
         FROM w CROSS JOIN LATERAL (
             SELECT * FROM idemgate_event_log e WHERE {} ORDER BY e.seq LIMIT $1::int8) e
-        ORDER BY (w.lane + $3::int4) % {LANES}, e.seq
-        LIMIT $5::int8",
+        ORDER BY (w.lane + $3::int4) % {LANES}, e.seq",
         in_batch("x", "l"),
         log_columns("e"),
         held_back("e"),
@@ -339,10 +337,7 @@ impl PgStore {
         let room = usize::try_from(limit).unwrap_or(usize::MAX);
         // Read a little more than a batch: events set aside do not count.
         let read = i64::from(limit) + READ_MARGIN;
-        // No more than one take's worth in all: the lanes after those that
-        // fill it are not read further, and the last lane read may be cut.
-        let rows = self.query(&TAKE_LOG, &[&read, &token, &start, &LANES_PER_TAKE, &read], false).await?;
-        let truncated = i64::try_from(rows.len()).unwrap_or(i64::MAX) >= read;
+        let rows = self.query(&TAKE_LOG, &[&read, &token, &start, &LANES_PER_TAKE], false).await?;
         let mut lanes: Vec<LaneTake> = Vec::new();
         let mut deliver: Vec<(i16, OutboxEvent)> = Vec::new();
         let mut aside: (Vec<i16>, Vec<i64>, Vec<i64>) = Default::default();
@@ -381,10 +376,6 @@ impl PgStore {
             }
             l.taken.push(event.seq);
             deliver.push((lane, event));
-        }
-        // The read stopped in the last lane: its batch may go on.
-        if let (true, Some(last)) = (truncated, lanes.last_mut()) {
-            last.cut = true;
         }
         lanes.retain(|l| !l.taken.is_empty());
         if lanes.is_empty() {

@@ -208,8 +208,7 @@ async fn relays_hold_each_event_alone_in_order_per_scope(backend: Backend) {
 /// few at a time, each take delivered: every event is delivered exactly
 /// once, and none is left. First a relay that delivers another operation
 /// takes a few times, setting aside what it reads (on PostgreSQL: copied to
-/// be retried): a take that stops reading in the middle of a lane's batch
-/// must not end that batch, or the rest of the lane would be skipped.
+/// be retried, and the lanes move on past them): those are delivered too.
 async fn small_takes_deliver_every_event_of_many_scopes_once(backend: Backend) {
     let store = open_with_events(&backend).await;
     let ops = ["create_order"];
