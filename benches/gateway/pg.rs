@@ -90,6 +90,7 @@ impl Pg {
                 "SELECT calls || ' calls, ' || rows || ' rows, ' || round(total_exec_time::numeric, 1) || ' ms total, ' \
                     || round((1000 * mean_exec_time)::numeric, 1) || ' us mean, ' \
                     || shared_blks_hit || ' hit ' || shared_blks_read || ' read: ' \
+                    || CASE WHEN query LIKE '%INSERT INTO idemgate_event_log %' THEN '[appends events] ' ELSE '' END \
                     || left(regexp_replace(query, '\\s+', ' ', 'g'), 140) \
                  FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid \
                  WHERE d.datname = current_database() ORDER BY total_exec_time DESC LIMIT {n}"
