@@ -40,8 +40,6 @@ fn settings() -> Vec<String> {
         // the failure with a trigger, which Citus allows on a distributed
         // table only when told to (idemgate itself uses no triggers).
         "citus.enable_unsafe_triggers=on".to_owned(),
-        // The test machine is small: fewer background connections per node.
-        "citus.max_adaptive_executor_pool_size=4".to_owned(),
     ]
 }
 
