@@ -79,11 +79,6 @@ async fn killed_worker_is_taken_over_on_a_deduplicating_upstream() {
     assert!(metric(&b, "idemgate_requeued_leases_total").await >= 1.0);
 }
 
-/// The tests' PostgreSQL store section with another `operation_timeout`.
-fn store_with_timeout(url: &str, timeout: &str) -> String {
-    format!("[store]\nkind = \"postgres\"\nurl = \"{url}\"\npool_size = 8\noperation_timeout = \"{timeout}\"\nsweep_interval = \"200ms\"\n")
-}
-
 /// Waits for the upstream to receive a request with `key`'s derived key.
 async fn received_key(received: &mut tokio::sync::broadcast::Receiver<support::upstream::Received>, key: &str) {
     let want = derived(key);
@@ -293,11 +288,9 @@ async fn a_heartbeat_after_its_own_final_write_is_not_a_lost_lease() {
     let backend = postgres_backend();
     let Backend::Postgres { url } = &backend else { unreachable!() };
     let up = TestUpstream::start().await;
-    let mut config = async_config(&backend, &up, false, 2);
     // Workers go on while their attempts record, so up to four completions
     // share a statement: 2.4 s at 600 ms a row, past the default 2 s bound.
-    config.store_section = Some(store_with_timeout(url, "10s"));
-    let gw = Gateway::start(config);
+    let gw = Gateway::start(async_config(&backend, &up, false, 2).operation_timeout("10s"));
     let store = backend.open().await;
     // Completions commit 600 ms a row after they start; heartbeats (every
     // ~330 ms) wait on the row meanwhile and run right after the commit.
@@ -341,11 +334,13 @@ async fn a_worker_sends_its_next_operation_while_the_last_one_records_and_no_mor
     let backend = postgres_backend();
     let Backend::Postgres { url } = &backend else { unreachable!() };
     let up = TestUpstream::start().await;
-    let mut config =
-        GatewayConfig::new(backend.clone(), up.url()).timeout("5s").route("mode = \"async\"\nlease = \"20s\"").tail("[workers]\ncount = 1");
     // The held completion must not end by its statement timeout while the
     // test looks (that would free the worker too).
-    config.store_section = Some(store_with_timeout(url, "30s"));
+    let config = GatewayConfig::new(backend.clone(), up.url())
+        .timeout("5s")
+        .operation_timeout("30s")
+        .route("mode = \"async\"\nlease = \"20s\"")
+        .tail("[workers]\ncount = 1");
     let (db, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.expect("connect");
     tokio::spawn(conn);
     let gw = Gateway::start(config);

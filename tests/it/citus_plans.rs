@@ -271,15 +271,7 @@ async fn every_request_path_statement_is_one_task_on_one_shard() {
     // the worker that holds the tenant's shard with a routed session.
     let (coordinator, coordinator_notices) = session_with(&url, session_settings(Flavor::Citus)).await;
     let db = url.rsplit('/').next().expect("database name").to_owned();
-    let holder: String = coordinator
-        .query_one(
-            "SELECT nodeport::text FROM pg_dist_shard_placement WHERE shardid = get_shard_id_for_distribution_column('idemgate_records', 'acme')",
-            &[],
-        )
-        .await
-        .expect("placement of acme")
-        .get(0);
-    let worker = citus::shared().workers.iter().find(|w| w.port().to_string() == holder).expect("the worker holding acme");
+    let worker = citus::shared().worker_holding(&coordinator, "acme").await;
     let (local, local_notices) = session_with(&worker.url(&db), routed_session_settings()).await;
     let mut wrong = Vec::new();
     for (k, (name, kind, local_plan)) in HOT.iter().enumerate() {

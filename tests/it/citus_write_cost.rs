@@ -273,16 +273,8 @@ async fn citus_write_cost() {
     // The worker holding acme's shard; the records to write, made through
     // the coordinator (each execution writes its own row).
     let (coordinator, _) = connect(&url).await;
-    let holder: String = coordinator
-        .query_one(
-            "SELECT nodeport::text FROM pg_dist_shard_placement WHERE shardid = get_shard_id_for_distribution_column('idemgate_records', 'acme')",
-            &[],
-        )
-        .await
-        .expect("placement of acme")
-        .get(0);
     let db = url.rsplit('/').next().expect("database name").to_owned();
-    let worker = cluster.workers.iter().find(|w| w.port().to_string() == holder).expect("the worker holding acme");
+    let worker = cluster.worker_holding(&coordinator, "acme").await;
     let per_variant = executions * rounds + 2;
     let made = Instant::now();
     for prefix in ["complete-store", "complete-params", "read"] {

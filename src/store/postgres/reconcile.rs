@@ -22,14 +22,14 @@ use uuid::Uuid;
 pub(super) static RESOLVE_LOCK: LazyLock<String> =
     LazyLock::new(|| format!("SELECT {RECORD_COLUMNS}, now(), probe_token, cache_hold_until FROM idemgate_records WHERE {PK} FOR UPDATE"));
 
-/// A completed record about to be resolved is first held out of the
-/// replicas' replay caches (see `store::cache`): replicas that read it from
-/// now on do not cache it, until `$5` microseconds from now.
 /// Where `RESOLVE_LOCK`'s own columns are, after the record's and the clock
 /// ([`NOW`]).
 const LOCK_PROBE_TOKEN: usize = NOW + 1;
 const LOCK_CACHE_HOLD: usize = LOCK_PROBE_TOKEN + 1;
 
+/// A completed record about to be resolved is first held out of the
+/// replicas' replay caches (see `store::cache`): replicas that read it from
+/// now on do not cache it, until `$5` microseconds from now.
 pub(super) static RESOLVE_HOLD: LazyLock<String> = LazyLock::new(|| {
     format!(
         "UPDATE idemgate_records SET cache_hold_until = now() + $5::int8 * interval '1 microsecond' \

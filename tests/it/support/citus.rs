@@ -74,6 +74,20 @@ pub struct CitusCluster {
 }
 
 impl CitusCluster {
+    /// The worker holding the shard of `tenant`'s records, as `coordinator`
+    /// (a session on this cluster's coordinator) reads the placement.
+    pub async fn worker_holding(&self, coordinator: &tokio_postgres::Client, tenant: &str) -> &PgServer {
+        let holder: String = coordinator
+            .query_one(
+                "SELECT nodeport::text FROM pg_dist_shard_placement WHERE shardid = get_shard_id_for_distribution_column('idemgate_records', $1::text)",
+                &[&tenant],
+            )
+            .await
+            .unwrap_or_else(|e| panic!("placement of {tenant}: {e}"))
+            .get(0);
+        self.workers.iter().find(|w| w.port().to_string() == holder).unwrap_or_else(|| panic!("no worker holds {tenant} (port {holder})"))
+    }
+
     /// Starts a coordinator and `workers` workers (each `initdb` + start).
     pub fn start(workers: usize) -> io::Result<CitusCluster> {
         if !installed() {

@@ -48,18 +48,23 @@ pub enum Backend {
 
 impl Backend {
     pub fn store_toml(&self, sweep_interval: &str) -> String {
+        self.store_toml_with(sweep_interval, "2s")
+    }
+
+    /// [`Backend::store_toml`] with another `operation_timeout`.
+    pub fn store_toml_with(&self, sweep_interval: &str, operation_timeout: &str) -> String {
         match self {
             Backend::Postgres { url } => format!(
-                "[store]\nkind = \"postgres\"\nurl = \"{url}\"\npool_size = 8\noperation_timeout = \"2s\"\nsweep_interval = \"{sweep_interval}\"\n"
+                "[store]\nkind = \"postgres\"\nurl = \"{url}\"\npool_size = 8\noperation_timeout = \"{operation_timeout}\"\nsweep_interval = \"{sweep_interval}\"\n"
             ),
             Backend::Citus { url } => format!(
-                "[store]\nkind = \"citus\"\nurl = \"{url}\"\npool_size = 8\noperation_timeout = \"2s\"\nsweep_interval = \"{sweep_interval}\"\n"
+                "[store]\nkind = \"citus\"\nurl = \"{url}\"\npool_size = 8\noperation_timeout = \"{operation_timeout}\"\nsweep_interval = \"{sweep_interval}\"\n"
             ),
             Backend::Pooled { url, pooler, .. } => format!(
-                "[store]\nkind = \"postgres\"\nurl = \"{url}\"\npooler = \"{pooler}\"\npool_size = 8\noperation_timeout = \"2s\"\nsweep_interval = \"{sweep_interval}\"\n"
+                "[store]\nkind = \"postgres\"\nurl = \"{url}\"\npooler = \"{pooler}\"\npool_size = 8\noperation_timeout = \"{operation_timeout}\"\nsweep_interval = \"{sweep_interval}\"\n"
             ),
             Backend::Sqlite { path, .. } => format!(
-                "[store]\nkind = \"sqlite\"\npath = \"{}\"\noperation_timeout = \"2s\"\nsweep_interval = \"{sweep_interval}\"\n",
+                "[store]\nkind = \"sqlite\"\npath = \"{}\"\noperation_timeout = \"{operation_timeout}\"\nsweep_interval = \"{sweep_interval}\"\n",
                 path.display()
             ),
         }
@@ -120,6 +125,7 @@ pub struct GatewayConfig {
     pub listen: SocketAddr,
     /// Sweeper and lease reaper cadence (fast in tests).
     pub sweep_interval: &'static str,
+    pub operation_timeout: &'static str,
     /// Replaces the generated `[store]` section (an empty string: no section).
     pub store_section: Option<String>,
     /// The process's working directory (default: the test's).
@@ -145,6 +151,7 @@ impl GatewayConfig {
             admin_extra: String::new(),
             listen: "127.0.0.1:0".parse().unwrap(),
             sweep_interval: "200ms",
+            operation_timeout: "2s",
             store_section: None,
             workdir: None,
             configured_secret: true,
@@ -200,6 +207,12 @@ impl GatewayConfig {
         self
     }
 
+    /// The store's `operation_timeout` (the tests' default is 2 s).
+    pub fn operation_timeout(mut self, t: &'static str) -> Self {
+        self.operation_timeout = t;
+        self
+    }
+
     pub fn timeout(mut self, t: &'static str) -> Self {
         self.upstream_timeout = t;
         self
@@ -239,7 +252,7 @@ upstream = "orders"
             secret = if self.configured_secret { format!("derived_key_secret_env = \"{TEST_SECRET_ENV}\"") } else { String::new() },
             server_extra = self.server_extra,
             admin_extra = self.admin_extra,
-            store = self.store_section.clone().unwrap_or_else(|| self.backend.store_toml(self.sweep_interval)),
+            store = self.store_section.clone().unwrap_or_else(|| self.backend.store_toml_with(self.sweep_interval, self.operation_timeout)),
             upstream = self.upstream_url,
             timeout = self.upstream_timeout,
             identity = self.identity.clone().unwrap_or_else(|| format!(
