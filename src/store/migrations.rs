@@ -43,6 +43,7 @@ migrations! {
     13 "0013_console_reads",
     14 "0014_attempt_bound",
     15 "0015_event_log",
+    16 "0016_event_log_seq",
 }
 
 /// The `idemgate_settings` row holding the derived-key secret.

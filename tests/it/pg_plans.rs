@@ -465,3 +465,75 @@ fn the_checker_sees_sequential_scans_and_unintended_indexes() {
         "Index Cond": "((scope_id = idemgate_scope_id($1, $2, $3, $4)) AND (idempotency_key = $4))" }}]);
     assert!(problems(&s, &pk).is_empty());
 }
+
+/// Log rows a plan read (returned or removed by a filter, over all loops):
+/// the scans of the event log's slots.
+fn log_rows_read(plan: &Value) -> f64 {
+    let mut read = 0.0;
+    let mut stack = vec![plan];
+    while let Some(v) = stack.pop() {
+        match v {
+            Value::Array(items) => stack.extend(items),
+            Value::Object(map) => {
+                let relation = map.get("Relation Name").and_then(Value::as_str).unwrap_or("");
+                if relation.starts_with("idemgate_event_log") {
+                    let n = |k: &str| map.get(k).and_then(Value::as_f64).unwrap_or(0.0);
+                    read += (n("Actual Rows") + n("Rows Removed by Filter")) * n("Actual Loops").max(1.0);
+                }
+                stack.extend(map.values());
+            }
+            _ => {}
+        }
+    }
+    read
+}
+
+/// A relay behind its writers takes a lane's batch in several takes. Each
+/// take after the first reads on from where the last one got (the index by
+/// lane and seq, bounded by the batch's seq bound), not the batch again
+/// from its start, nor on into the events written after the batch: here
+/// 2,900 of a batch's 3,000 events are delivered, 1,000 more came after
+/// it, and the take reads about the 100 left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_take_of_a_batch_under_way_reads_on_from_where_it_got() {
+    let url = migrated_database("take_reads").await;
+    let statements = catalog();
+    let take = statements.iter().position(|s| s.name == "take_log").expect("take_log in the catalog");
+    let admin = session(&url, &[]).await;
+    // 3,000 events of lane 3, committed; then one batch holding them, delivered up to the 2,900th.
+    admin
+        .batch_execute(
+            "INSERT INTO idemgate_event_log (event_type, tenant, principal, operation, idempotency_key)
+             SELECT 'completed', 't', 'p', 'create_order', k FROM (SELECT 'k' || g AS k FROM generate_series(1, 100000) g) s
+             WHERE (hashtextextended(k, 0) & 15) = 3 LIMIT 3000",
+        )
+        .await
+        .expect("events");
+    admin
+        .batch_execute(
+            "UPDATE idemgate_event_lanes SET upto = pg_current_snapshot(),
+                 upto_seq = pg_sequence_last_value('idemgate_events_seq_seq'),
+                 after_seq = (SELECT seq FROM idemgate_event_log WHERE lane = 3 ORDER BY seq OFFSET 2899 LIMIT 1)
+             WHERE lane = 3",
+        )
+        .await
+        .expect("a batch under way");
+    admin.batch_execute("UPDATE idemgate_event_lanes SET upto_seq_of = upto::text WHERE lane = 3").await.expect("its bound");
+    admin
+        .batch_execute(
+            "INSERT INTO idemgate_event_log (event_type, tenant, principal, operation, idempotency_key)
+             SELECT 'completed', 't', 'p', 'create_order', k FROM (SELECT 'later' || g AS k FROM generate_series(1, 40000) g) s
+             WHERE (hashtextextended(k, 0) & 15) = 3 LIMIT 1000",
+        )
+        .await
+        .expect("events after the batch");
+    admin.batch_execute("ANALYZE idemgate_event_log").await.expect("analyze");
+    let relay = session(&url, &statements).await;
+    let args = "(144, 'a2b9c8d7-0000-4000-8000-000000000001', 0, 8, 144)";
+    let rows = relay.query(&format!("EXECUTE plan_{take}{args}"), &[]).await.expect("take");
+    assert_eq!(rows.len(), 100, "the take returns the batch's 100 undelivered events");
+    let row = relay.query_one(&format!("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE plan_{take}{args}"), &[]).await.expect("EXPLAIN ANALYZE");
+    let plan: Value = row.get(0);
+    let read = log_rows_read(&plan);
+    assert!(read <= 300.0, "the take read {read} log rows for 100 events (the delivered 2,900 again, or the 1,000 after?):\n{plan:#}");
+}

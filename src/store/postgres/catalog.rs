@@ -36,6 +36,10 @@ const LOG_0: &str = "idemgate_event_log_0_lane_xid_idx";
 const LOG_1: &str = "idemgate_event_log_1_lane_xid_idx";
 const LOG_2: &str = "idemgate_event_log_2_lane_xid_idx";
 const LANES_PKEY: &str = "idemgate_event_lanes_pkey";
+/// Its index by lane and seq (migration 0016), read by the take of a batch under way.
+const LOG_SEQ_0: &str = "idemgate_event_log_0_lane_seq_idx";
+const LOG_SEQ_1: &str = "idemgate_event_log_1_lane_seq_idx";
+const LOG_SEQ_2: &str = "idemgate_event_log_2_lane_seq_idx";
 
 /// Every statement the store sends during operation (migrations aside),
 /// with the indexes each may use. `tests/it/pg_plans.rs` checks their plans.
@@ -96,7 +100,11 @@ pub fn catalog() -> Vec<Statement> {
         // The event log: a lane's events through its index (one per slot),
         // the lanes through their primary key, copies in idemgate_events by seq.
         s("log_insert", &LOG_INSERT_ONE, &[]),
-        s("take_log", &TAKE_LOG, &[LOG_0, LOG_1, LOG_2, LANES_PKEY, "idemgate_events_scope", "idemgate_events_parked"]),
+        s(
+            "take_log",
+            &TAKE_LOG,
+            &[LOG_0, LOG_1, LOG_2, LOG_SEQ_0, LOG_SEQ_1, LOG_SEQ_2, LANES_PKEY, "idemgate_events_scope", "idemgate_events_parked"],
+        ),
         s("lease_lanes", &LEASE_LANES, &[LOG_0, LOG_1, LOG_2, LANES_PKEY, "idemgate_events_pkey"]),
         s("settle", &SETTLE, &[LOG_0, LOG_1, LOG_2, LANES_PKEY, "idemgate_events_pkey"]),
         s("retries_deferred", RETRIES_DEFERRED, &["idemgate_events_pkey"]),

@@ -95,31 +95,78 @@ fn held_back(e: &str) -> String {
     )
 }
 
+/// Event `{e}` is in the batch of lane row `{l}` past `after_seq`, read
+/// through the index on (lane, seq): `{l}.upto_seq` bounds the seqs of
+/// the events visible in `upto` (migration 0016). Only for a batch under
+/// way (`after_seq` set) whose bound is known. `seq > 0` (true of every
+/// event) is the partial index's predicate: only this reads that index.
+fn in_batch_by_seq(e: &str, l: &str) -> String {
+    format!(
+        "{e}.lane = {l}.lane AND {e}.seq > 0 AND {e}.seq > {l}.after_seq AND {e}.seq <= {l}.upto_seq \
+         AND {e}.xid >= pg_snapshot_xmin({l}.done) AND {e}.xid < pg_snapshot_xmax({l}.upto) \
+         AND NOT pg_visible_in_snapshot({e}.xid, {l}.done) AND pg_visible_in_snapshot({e}.xid, {l}.upto)"
+    )
+}
+
+/// Lane row `{l}`'s batch is read through the seq index ([`in_batch_by_seq`]).
+fn by_seq(l: &str) -> String {
+    format!("{l}.after_seq IS NOT NULL AND {l}.upto_seq IS NOT NULL")
+}
+
+/// The next `limit` undelivered events of lane row `{l}`'s batch, in seq
+/// order, as a subquery named `e`: a batch's first take reads it by
+/// transaction (`ORDER BY seq + 0`: the seq index would read the whole
+/// lane); a take of a batch under way reads on from `after_seq` by seq.
+/// The condition on `{l}` alone is a one-time filter: one branch runs.
+fn next_in_batch(l: &str, limit: &str) -> String {
+    format!(
+        "((SELECT * FROM idemgate_event_log e WHERE NOT ({by}) AND {xid} ORDER BY e.seq + 0 LIMIT {limit})
+          UNION ALL
+          (SELECT * FROM idemgate_event_log e WHERE {by} AND {seq} ORDER BY e.seq LIMIT {limit})) e",
+        by = by_seq(l),
+        xid = in_batch("e", l),
+        seq = in_batch_by_seq("e", l),
+    )
+}
+
 /// The take's read (`$1` events per lane, `$2` the relay's token, `$3` the
 /// lane to start from, `$4` lanes): up to `$4` lanes that are free (or
 /// this relay's) and have undelivered events, and their next events in seq
 /// order. A lane without a batch under way starts one ending at this
-/// statement's snapshot (`upto`, returned as text for the lease). Columns:
-/// the event's (`decode_event`), then lane, done, upto, fresh, after_seq,
-/// xid (as int8), held back.
+/// statement's snapshot (`upto`, returned as text for the lease), its seqs
+/// bounded by the sequence's value read after that snapshot (`upto_seq`;
+/// the stored bound of a batch under way counts only if it is this batch's).
+/// At most `$5` rows in all, lane by lane and in seq order within a lane, as
+/// the nested loop yields them: there is no ORDER BY, so that the read
+/// stops after `$5` rows instead of reading and sorting every lane's
+/// `$1` (whether an event waits behind its scope is asked of those rows
+/// only). [`PgStore::take_log`] checks that order. Columns: the event's
+/// (`decode_event`), then lane, done, upto, fresh, after_seq, xid (as
+/// int8), held back, upto_seq.
 pub(super) static TAKE_LOG: LazyLock<String> = LazyLock::new(|| {
     format!(
         "WITH l AS MATERIALIZED (
-            SELECT c.lane, c.done, coalesce(c.upto, pg_current_snapshot()) AS upto, c.after_seq, c.upto IS NULL AS fresh
+            SELECT c.lane, c.done, coalesce(c.upto, pg_current_snapshot()) AS upto, c.after_seq, c.upto IS NULL AS fresh,
+                   CASE WHEN c.upto IS NULL THEN coalesce(pg_sequence_last_value('idemgate_events_seq_seq'::regclass), 0)
+                        WHEN c.upto_seq_of = c.upto::text THEN c.upto_seq END AS upto_seq
             FROM idemgate_event_lanes c
             WHERE c.lane >= 0 AND (c.lease_until IS NULL OR c.lease_until <= now() OR c.lease_token = $2)
         ), w AS (
-            SELECT l.* FROM l WHERE EXISTS (SELECT 1 FROM idemgate_event_log x WHERE {})
+            SELECT l.* FROM l
+            WHERE EXISTS (SELECT 1 FROM idemgate_event_log x WHERE NOT ({}) AND {})
+               OR EXISTS (SELECT 1 FROM idemgate_event_log x WHERE {} AND {})
             ORDER BY (l.lane + $3::int4) % {LANES} LIMIT $4::int8
         )
-        SELECT {}, w.lane, w.done::text, w.upto::text, w.fresh, w.after_seq, e.xid::text::int8, {}
-        FROM w CROSS JOIN LATERAL (
-            SELECT * FROM idemgate_event_log e WHERE {} ORDER BY e.seq LIMIT $1::int8) e
-        ORDER BY (w.lane + $3::int4) % {LANES}, e.seq",
+        SELECT {}, w.lane, w.done::text, w.upto::text, w.fresh, w.after_seq, e.xid::text::int8, {}, w.upto_seq
+        FROM w CROSS JOIN LATERAL {}
+        LIMIT $5::int8",
+        by_seq("l"),
         in_batch("x", "l"),
+        by_seq("l"),
+        in_batch_by_seq("x", "l"),
         log_columns("e"),
         held_back("e"),
-        in_batch("e", "w"),
+        next_in_batch("w", "$1::int8"),
     )
 });
 
@@ -135,14 +182,16 @@ const COPY_COLUMNS: &str =
 /// each holds (`$7` lanes, `$8` seqs). The held events that wait behind
 /// their scope or that this relay does not deliver (`$11` lanes, `$12`
 /// xids, `$13` seqs) are copied into `idemgate_events` for the lanes
-/// leased, pending and due. Returns the lanes leased.
+/// leased, pending and due; `$14` is each lane's seq bound as read (kept
+/// with the `upto` it belongs to). Returns the lanes leased.
 pub(super) static LEASE_LANES: LazyLock<String> = LazyLock::new(|| {
     format!(
         "WITH w AS (
-            SELECT * FROM unnest($1::int2[], $2::text[], $3::text[], $4::bool[], $5::int8[], $6::bool[])
-                AS w(lane, done, upto, fresh, after_seq, taken_all)
+            SELECT * FROM unnest($1::int2[], $2::text[], $3::text[], $4::bool[], $5::int8[], $6::bool[], $14::int8[])
+                AS w(lane, done, upto, fresh, after_seq, taken_all, upto_seq)
         ), leased AS (
             UPDATE idemgate_event_lanes c SET upto = w.upto::pg_snapshot, lease_token = $9,
+                upto_seq = w.upto_seq, upto_seq_of = CASE WHEN w.upto_seq IS NULL THEN NULL ELSE w.upto END,
                 lease_until = now() + $10::int8 * interval '1 microsecond', taken_all = w.taken_all,
                 taken = ARRAY(SELECT t.seq FROM unnest($7::int2[], $8::int8[]) AS t(lane, seq) WHERE t.lane = c.lane ORDER BY t.seq)
             FROM w
@@ -202,6 +251,8 @@ pub(super) static SETTLE: LazyLock<String> = LazyLock::new(|| {
             UPDATE idemgate_event_lanes c SET
                 done = CASE WHEN l.first IS NULL AND h.taken_all THEN h.upto ELSE c.done END,
                 upto = CASE WHEN l.first IS NULL AND h.taken_all THEN NULL ELSE c.upto END,
+                upto_seq = CASE WHEN l.first IS NULL AND h.taken_all THEN NULL ELSE c.upto_seq END,
+                upto_seq_of = CASE WHEN l.first IS NULL AND h.taken_all THEN NULL ELSE c.upto_seq_of END,
                 after_seq = CASE WHEN l.first IS NULL AND h.taken_all THEN NULL ELSE coalesce(l.through, c.after_seq) END,
                 taken = CASE WHEN l.first IS NULL THEN NULL ELSE c.taken[l.first::int4:] END,
                 taken_all = CASE WHEN l.first IS NULL THEN false ELSE c.taken_all END,
@@ -283,6 +334,7 @@ struct LaneTake {
     upto: String,
     fresh: bool,
     after_seq: Option<i64>,
+    upto_seq: Option<i64>,
     /// Every event held, in seq order: delivered ones and ones set aside.
     taken: Vec<i64>,
     /// Read: whether the lane had fewer events left than asked for.
@@ -337,25 +389,42 @@ impl PgStore {
         let room = usize::try_from(limit).unwrap_or(usize::MAX);
         // Read a little more than a batch: events set aside do not count.
         let read = i64::from(limit) + READ_MARGIN;
-        let rows = self.query(&TAKE_LOG, &[&read, &token, &start, &LANES_PER_TAKE], false).await?;
+        // No more than one take's worth in all: the lanes after those that
+        // fill it are not read, and the last lane read may be cut.
+        let rows = self.query(&TAKE_LOG, &[&read, &token, &start, &LANES_PER_TAKE, &read], false).await?;
+        let truncated = i64::try_from(rows.len()).unwrap_or(i64::MAX) >= read;
         let mut lanes: Vec<LaneTake> = Vec::new();
         let mut deliver: Vec<(i16, OutboxEvent)> = Vec::new();
         let mut aside: (Vec<i16>, Vec<i64>, Vec<i64>) = Default::default();
         let mut scopes: std::collections::HashSet<(i16, Scope)> = std::collections::HashSet::new();
+        let mut last_seq = i64::MIN;
         for row in &rows {
             let lane: i16 = row.try_get(18).map_err(c)?;
+            let seq: i64 = row.try_get(0).map_err(c)?;
             if lanes.last().is_none_or(|l| l.lane != lane) {
+                // Rows come lane by lane, each lane's in seq order (TAKE_LOG
+                // has no ORDER BY): any other order would deliver a lane's
+                // events out of order or past one never read.
+                if lanes.iter().any(|l| l.lane == lane) {
+                    return Err(StoreError::Corrupt(format!("the event log's take returned lane {lane} twice, not lane by lane")));
+                }
+                last_seq = i64::MIN;
                 lanes.push(LaneTake {
                     lane,
                     done: row.try_get(19).map_err(c)?,
                     upto: row.try_get(20).map_err(c)?,
                     fresh: row.try_get(21).map_err(c)?,
                     after_seq: row.try_get(22).map_err(c)?,
+                    upto_seq: row.try_get(25).map_err(c)?,
                     taken: Vec::new(),
                     read: 0,
                     cut: false,
                 });
             }
+            if seq <= last_seq {
+                return Err(StoreError::Corrupt(format!("the event log's take returned lane {lane} out of seq order")));
+            }
+            last_seq = seq;
             let Some(l) = lanes.last_mut() else { continue };
             l.read += 1;
             if l.cut {
@@ -377,6 +446,10 @@ impl PgStore {
             l.taken.push(event.seq);
             deliver.push((lane, event));
         }
+        // The read stopped in the last lane: its batch may go on.
+        if let (true, Some(last)) = (truncated, lanes.last_mut()) {
+            last.cut = true;
+        }
         lanes.retain(|l| !l.taken.is_empty());
         if lanes.is_empty() {
             return Ok((Vec::new(), 0));
@@ -392,12 +465,13 @@ impl PgStore {
         let upto: Vec<&str> = lanes.iter().map(|l| l.upto.as_str()).collect();
         let fresh: Vec<bool> = lanes.iter().map(|l| l.fresh).collect();
         let after_seq: Vec<Option<i64>> = lanes.iter().map(|l| l.after_seq).collect();
+        let upto_seq: Vec<Option<i64>> = lanes.iter().map(|l| l.upto_seq).collect();
         let all: Vec<bool> = lanes.iter().map(read_all).collect();
         let (a_lane, a_xid, a_seq) = &aside;
         let leased = self
             .query(
                 &LEASE_LANES,
-                &[&lane, &done, &upto, &fresh, &after_seq, &all, &t_lane, &t_seq, &token, &micros(lease), a_lane, a_xid, a_seq],
+                &[&lane, &done, &upto, &fresh, &after_seq, &all, &t_lane, &t_seq, &token, &micros(lease), a_lane, a_xid, a_seq, &upto_seq],
                 true,
             )
             .await?;

@@ -294,6 +294,82 @@ async fn pg_an_event_committed_after_later_ones_were_delivered_is_still_delivere
     assert_eq!(listed.iter().map(|e| e.seq).collect::<Vec<_>>(), vec![late[0].seq, first[0].seq], "both delivered, listed by seq");
 }
 
+/// Replicas of an earlier version lease and end batches without knowing of
+/// a batch's seq bound (migration 0016), so a bound can be left over from
+/// an earlier batch: it is not used for a later one. Here an earlier relay
+/// ends the batch whose bound is stored and starts the next one (its
+/// statements leave the bound's columns as they were); this version's
+/// relay still delivers the event past the stale bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_a_seq_bound_left_by_an_earlier_batch_is_not_used() {
+    let url = pg::shared().create_unique_database("conformance").expect("create database");
+    let store = open_with_events(&Backend::Postgres { url: url.clone() }).await;
+    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.expect("connect");
+    tokio::spawn(conn);
+    // Four keys in one lane of the log.
+    let keys: Vec<String> = db
+        .query(
+            "SELECT 'bound-' || g FROM generate_series(1, 1000) g \
+             WHERE (hashtextextended('bound-' || g, 0) & 15) = (hashtextextended('bound-1', 0) & 15) ORDER BY g LIMIT 4",
+            &[],
+        )
+        .await
+        .expect("keys in one lane")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let write = |k: &str| {
+        let (db, k) = (&db, k.to_owned());
+        async move {
+            db.execute(
+                "INSERT INTO idemgate_event_log (event_type, tenant, principal, operation, idempotency_key) \
+                 VALUES ('completed', 'acme', 'billing', 'create_order', $1)",
+                &[&k],
+            )
+            .await
+            .expect("event")
+        }
+    };
+    write(&keys[0]).await;
+    write(&keys[1]).await;
+    let ops = ["create_order"];
+    let relay = Uuid::new_v4();
+    // This version's relay takes the batch's first event: the batch gets its bound.
+    let first = store.take_events(&ops, 1, LONG, relay).await.unwrap();
+    assert_eq!(first.iter().map(|e| e.scope.key.as_str()).collect::<Vec<_>>(), vec![keys[0].as_str()]);
+    assert_eq!(store.events_delivered(&[first[0].seq], relay).await.unwrap(), vec![first[0].seq]);
+    let bound: Option<i64> =
+        db.query_one("SELECT upto_seq FROM idemgate_event_lanes WHERE upto IS NOT NULL", &[]).await.expect("the batch under way").get(0);
+    assert!(bound.is_some(), "the batch under way has its seq bound");
+    // An earlier version's relay delivers the second event and ends the
+    // batch; two more events come; it starts the next batch and delivers
+    // the first of them.
+    db.batch_execute(
+        "UPDATE idemgate_event_lanes SET done = upto, upto = NULL, after_seq = NULL, taken = NULL, taken_all = false, \
+         lease_token = NULL, lease_until = NULL WHERE upto IS NOT NULL",
+    )
+    .await
+    .expect("batch ended");
+    write(&keys[2]).await;
+    write(&keys[3]).await;
+    db.execute(
+        "UPDATE idemgate_event_lanes SET upto = pg_current_snapshot(), \
+         after_seq = (SELECT seq FROM idemgate_event_log WHERE idempotency_key = $1) \
+         WHERE lane = (SELECT lane FROM idemgate_event_log WHERE idempotency_key = $1)",
+        &[&keys[2]],
+    )
+    .await
+    .expect("next batch");
+    let last: i64 =
+        db.query_one("SELECT seq FROM idemgate_event_log WHERE idempotency_key = $1", &[&keys[3]]).await.expect("the last event").get(0);
+    assert!(bound.is_some_and(|b| b < last), "the stale bound ({bound:?}) is below the undelivered event ({last})");
+    // This version's relay delivers it.
+    let next = store.take_events(&ops, 10, LONG, relay).await.unwrap();
+    assert_eq!(next.iter().map(|e| e.scope.key.as_str()).collect::<Vec<_>>(), vec![keys[3].as_str()], "the event past the stale bound");
+    assert_eq!(store.events_delivered(&[next[0].seq], relay).await.unwrap(), vec![next[0].seq]);
+    assert!(store.take_events(&ops, 10, LONG, relay).await.unwrap().is_empty());
+}
+
 /// The relay's take may look at the oldest due events first (PostgreSQL
 /// reads a window of a few batches): more held-back events than that at the
 /// front of the queue must not hide a deliverable one behind them.

@@ -1,0 +1,35 @@
+-- A relay behind its writers takes a lane's batch in several takes, and
+-- each take after the first read the batch again from its start: the
+-- lane's index (lane, xid) bounds a batch by its two snapshots, not by how
+-- far it is delivered. Under sustained load this made every take read
+-- hundreds of delivered events to find the next hundred.
+--
+-- From here on a batch also has an upper bound on `seq` (`upto_seq`): the
+-- sequence's last value read after the batch's snapshot `upto` was taken.
+-- Every event visible in `upto` committed before that snapshot, so it drew
+-- its seq before it, and its seq is at most that value. A take after the
+-- first one of a batch reads the range (`after_seq`, `upto_seq`] of a second
+-- index, (lane, seq), and checks both snapshots as before; the first take
+-- of a batch reads the batch by transaction, as before.
+--
+-- `upto_seq_of` is the text of the `upto` the bound belongs to: a bound is
+-- used only while the lane's batch is that one (a relay of an earlier
+-- version leases and ends batches without knowing of these columns).
+--
+-- Every seq is positive (the sequence starts at 1): the index's predicate
+-- `seq > 0` holds for every event. It is there so that only the take, whose
+-- condition states it, reads this index; the log's other statements keep
+-- the index by transaction whatever the statistics say.
+--
+-- Building the index reads the log once under a lock that holds event
+-- inserts (and so final states) back; on a large log run `idemgate
+-- migrate` at a quiet time.
+DO $migration$
+BEGIN
+IF EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus') THEN
+    RETURN;
+END IF;
+ALTER TABLE idemgate_event_lanes ADD COLUMN upto_seq bigint, ADD COLUMN upto_seq_of text;
+CREATE INDEX idemgate_event_log_lane_seq ON idemgate_event_log (lane, seq) WHERE seq > 0;
+END
+$migration$;
