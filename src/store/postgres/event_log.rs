@@ -27,7 +27,7 @@
 use std::sync::LazyLock;
 
 use super::events::decode_event;
-use super::sql::{EVENT_INSERT, prefixed};
+use super::sql::{log_append, prefixed};
 use super::*;
 use crate::outbox::{Delivery, OutboxEvent};
 
@@ -43,8 +43,9 @@ const READ_MARGIN: i64 = 16;
 /// Takes in a row that only set events aside, before a take gives up.
 const TAKES_PAST_ASIDE: usize = 4;
 
-pub(super) static LOG_INSERT_ONE: LazyLock<String> =
-    LazyLock::new(|| format!("INSERT INTO idemgate_event_log {EVENT_INSERT} VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"));
+pub(super) static LOG_INSERT_ONE: LazyLock<String> = LazyLock::new(|| {
+    log_append("SELECT $1::text, $2::text, $3::text, $4::text, $5::text, $6::int8, $7::int4, $8::text, $9::text, $10::bytea")
+});
 
 /// A log row read as an event row (`decode_event`'s columns): pending,
 /// never attempted.

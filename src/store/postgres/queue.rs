@@ -3,7 +3,7 @@
 use super::batch::{PkColumns, is_deadlock};
 use super::citus::Flavor;
 use super::sql::NOW;
-use super::sql::{EVENT_INSERT, EXPIRES_7, FENCE, PK, RECORD_COLUMNS, prefixed};
+use super::sql::{EXPIRES_7, FENCE, PK, RECORD_COLUMNS, log_append, prefixed};
 use super::{Db, PgStore, citus_sql, decode, micros, retention_us};
 use crate::idempotency::key::Scope;
 use crate::idempotency::record::{Attempt, Record, Retention, Timestamp};
@@ -191,10 +191,12 @@ pub(super) static FAIL: LazyLock<String> = LazyLock::new(|| {
          request = CASE WHEN maybe_executed OR $9 THEN request END \
          WHERE {PK} AND {FENCE} \
          RETURNING tenant, principal, operation, idempotency_key, generation, state, last_status, operation_id), \
-         ev AS (INSERT INTO idemgate_event_log {EVENT_INSERT} \
-         SELECT state, tenant, principal, operation, idempotency_key, generation, last_status, operation_id, NULL, NULL FROM upd \
-         WHERE (state = 'unknown' AND $10) OR (state = 'failed_retryable' AND $11)) \
-         SELECT 1 FROM upd"
+         ev AS ({}) \
+         SELECT 1 FROM upd",
+        log_append(
+            "SELECT state, tenant, principal, operation, idempotency_key, generation, last_status, operation_id, NULL, NULL FROM upd \
+             WHERE (state = 'unknown' AND $10) OR (state = 'failed_retryable' AND $11)"
+        )
     )
 });
 

@@ -3,7 +3,7 @@
 use super::batch::{BatchClaim, BatchWrite, ClaimItem, CompleteItem, Emit, WriteItem, WriteOut};
 use super::citus::Flavor;
 use super::sql::NOW;
-use super::sql::{EVENT_INSERT, EXPIRES_9, PK, RECORD_COLUMNS, prefixed};
+use super::sql::{EXPIRES_9, PK, RECORD_COLUMNS, log_append, prefixed};
 use super::{PgStore, citus_sql, decode, retention_us};
 use crate::idempotency::key::{Scope, ScopeId};
 use crate::idempotency::record::{Attempt, Record, Retention, State, StoredResponse, Timestamp, may_take_over};
@@ -170,10 +170,7 @@ v AS (
     RETURNING v.ord, v.emit, v.with_body, r.tenant, r.principal, r.operation, r.idempotency_key, r.generation, r.response_status,
               r.operation_id, r.response_body
 ), ev AS (
-    INSERT INTO idemgate_event_log {EVENT_INSERT}
-    SELECT 'completed', tenant, principal, operation, idempotency_key, generation, response_status, operation_id, NULL,
-           CASE WHEN with_body THEN response_body END
-    FROM upd WHERE emit ORDER BY ord
+    {}
 )",
         p(0),
         p(1),
@@ -188,6 +185,10 @@ v AS (
         p(10),
         p(11),
         p(12),
+        log_append(
+            "SELECT 'completed', tenant, principal, operation, idempotency_key, generation, response_status, operation_id, NULL, \
+             CASE WHEN with_body THEN response_body END FROM upd WHERE emit ORDER BY ord"
+        ),
     )
 }
 
@@ -215,10 +216,12 @@ pub(super) static COMPLETE: LazyLock<String> = LazyLock::new(|| {
          WHERE {PK} AND generation = $5 AND claim_token = $10 \
          AND CASE state WHEN 'in_flight' THEN true WHEN 'processing' THEN true ELSE false END \
          RETURNING tenant, principal, operation, idempotency_key, generation, response_status, operation_id, response_body), \
-         ev AS (INSERT INTO idemgate_event_log {EVENT_INSERT} \
-         SELECT 'completed', tenant, principal, operation, idempotency_key, generation, response_status, operation_id, NULL, \
-         CASE WHEN $12 THEN response_body END FROM upd WHERE $11) \
-         SELECT 1 FROM upd"
+         ev AS ({}) \
+         SELECT 1 FROM upd",
+        log_append(
+            "SELECT 'completed', tenant, principal, operation, idempotency_key, generation, response_status, operation_id, NULL, \
+             CASE WHEN $12 THEN response_body END FROM upd WHERE $11"
+        )
     )
 });
 
@@ -245,9 +248,11 @@ pub(super) static MARK_UNKNOWN: LazyLock<String> = LazyLock::new(|| {
          AND CASE state WHEN 'in_flight' THEN true WHEN 'processing' THEN true ELSE false END \
          AND (NOT $6::bool OR lease_expires_at IS NULL OR lease_expires_at <= now()) \
          RETURNING tenant, principal, operation, idempotency_key, generation, operation_id), \
-         ev AS (INSERT INTO idemgate_event_log {EVENT_INSERT} \
-         SELECT 'unknown', tenant, principal, operation, idempotency_key, generation, NULL, operation_id, NULL, NULL FROM upd WHERE $8) \
-         SELECT 1 FROM upd"
+         ev AS ({}) \
+         SELECT 1 FROM upd",
+        log_append(
+            "SELECT 'unknown', tenant, principal, operation, idempotency_key, generation, NULL, operation_id, NULL, NULL FROM upd WHERE $8"
+        )
     )
 });
 
@@ -400,11 +405,13 @@ WHERE r.scope_id = d.scope_id AND r.tenant = d.tenant AND r.principal = d.princi
   AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())
 RETURNING r.state = 'queued' AS requeue, r.tenant, r.principal, r.operation, r.idempotency_key, r.generation, r.operation_id
 ), ev AS (
-    INSERT INTO idemgate_event_log {EVENT_INSERT}
-    SELECT 'unknown', tenant, principal, operation, idempotency_key, generation, NULL, operation_id, NULL, NULL
-    FROM upd WHERE NOT requeue AND operation = ANY($3::text[])
+    {}
 )
-SELECT requeue FROM upd"
+SELECT requeue FROM upd",
+        log_append(
+            "SELECT 'unknown', tenant, principal, operation, idempotency_key, generation, NULL, operation_id, NULL, NULL \
+             FROM upd WHERE NOT requeue AND operation = ANY($3::text[])"
+        )
     )
 });
 

@@ -114,6 +114,24 @@ pub(super) const EXPIRES_9: &str = "coalesce(now() + $9::int8 * interval '1 micr
 pub(super) const EVENT_INSERT: &str =
     "(event_type, tenant, principal, operation, idempotency_key, generation, status, operation_id, actor, body)";
 
+/// Appends to the event log the events `select` produces (a query of the
+/// ten columns of [`EVENT_INSERT`], in that order, a `NULL` of any type;
+/// it may be ordered). The
+/// slot is read once per statement, not once per event (the column's
+/// default is a function call per row), and the event's id is computed
+/// from its transaction and seq (migration 0016), not from random bytes.
+pub(super) fn log_append(select: &str) -> String {
+    format!(
+        "INSERT INTO idemgate_event_log (slot, seq, event_id, event_type, tenant, principal, operation, idempotency_key, generation, status, \
+         operation_id, actor, body) \
+         SELECT (SELECT r.slot FROM idemgate_event_rotation r WHERE r.one), a.seq, idemgate_log_event_id(a.seq), a.event_type::text, \
+         a.tenant::text, a.principal::text, a.operation::text, a.idempotency_key::text, a.generation::int8, a.status::int4, \
+         a.operation_id::text, a.actor::text, a.body::bytea \
+         FROM (SELECT nextval('idemgate_events_seq_seq') AS seq, x.* FROM ({select}) AS x(event_type, tenant, principal, operation, \
+         idempotency_key, generation, status, operation_id, actor, body)) a"
+    )
+}
+
 /// The columns of an event row as read (`decode_event`).
 pub(super) const EVENT_COLUMNS: &str = "seq, event_id, event_type, tenant, principal, operation, idempotency_key, generation, status, \
      operation_id, actor, at, body, delivery, attempts, next_attempt_at, last_error, sent_at";
