@@ -85,14 +85,19 @@ fn consumed(e: &str, l: &str) -> String {
 /// Event `{e}` must wait behind an earlier event of its scope that is
 /// pending or parked in `idemgate_events` (being retried, parked, or
 /// redelivered; the same event redelivered by an operator counts too).
+/// Whether that table has a pending (a parked) event at all is asked once
+/// per statement (an uncorrelated subquery): while deliveries succeed it
+/// has none, and no event's scope is looked up there.
 fn held_back(e: &str) -> String {
     format!(
-        "((SELECT p.seq FROM idemgate_events p
+        "((EXISTS (SELECT 1 FROM idemgate_events a WHERE a.delivery = 'pending')
+           AND (SELECT p.seq FROM idemgate_events p
                WHERE p.delivery = 'pending' AND p.tenant = {e}.tenant AND p.principal = {e}.principal
-                 AND p.operation = {e}.operation AND p.idempotency_key = {e}.idempotency_key AND p.seq <= {e}.seq LIMIT 1) IS NOT NULL
-          OR (SELECT q.seq FROM idemgate_events q
+                 AND p.operation = {e}.operation AND p.idempotency_key = {e}.idempotency_key AND p.seq <= {e}.seq LIMIT 1) IS NOT NULL)
+          OR (EXISTS (SELECT 1 FROM idemgate_events b WHERE b.delivery = 'parked')
+           AND (SELECT q.seq FROM idemgate_events q
                WHERE q.delivery = 'parked' AND q.seq <= {e}.seq AND q.tenant = {e}.tenant AND q.principal = {e}.principal
-                 AND q.operation = {e}.operation AND q.idempotency_key = {e}.idempotency_key LIMIT 1) IS NOT NULL)"
+                 AND q.operation = {e}.operation AND q.idempotency_key = {e}.idempotency_key LIMIT 1) IS NOT NULL))"
     )
 }
 
@@ -218,7 +223,11 @@ pub(super) static LEASE_LANES: LazyLock<String> = LazyLock::new(|| {
 /// the last error `$4`, due after `$5` us, parked if `$6`; then each lane
 /// it holds advances over its events up to the first one neither delivered
 /// nor copied, and is released once all are (its batch ends when the
-/// events it held were the batch's last). Returns the seqs this relay still
+/// events it held were the batch's last). The copies are found by lane and
+/// seq in one scan (not a join, whose inner scan of a slot empty when the
+/// plan was prepared reads that slot's whole index), and not looked for
+/// when there are none (a one-time filter); found by the batch's
+/// transaction range, as before, every settle read its batch. Returns the seqs this relay still
 /// held of `$1` and `$3`.
 pub(super) static SETTLE: LazyLock<String> = LazyLock::new(|| {
     format!(
@@ -233,9 +242,9 @@ pub(super) static SETTLE: LazyLock<String> = LazyLock::new(|| {
             INSERT INTO idemgate_events ({COPY_COLUMNS}, delivery, attempts, next_attempt_at, last_error)
             SELECT {}, CASE WHEN $6::bool THEN 'parked' ELSE 'pending' END, $7::int4,
                    now() + $5::int8 * interval '1 microsecond', $4::text
-            FROM held h JOIN idemgate_event_log e ON e.lane = h.lane AND e.xid >= pg_snapshot_xmin(h.done)
-                 AND e.xid < pg_snapshot_xmax(h.upto)
-            WHERE e.seq = ANY($3::int8[]) AND e.seq = ANY(h.taken)
+            FROM idemgate_event_log e
+            WHERE cardinality($3::int8[]) > 0 AND e.lane = ANY(ARRAY(SELECT lane FROM held)) AND e.seq > 0 AND e.seq = ANY($3::int8[])
+              AND EXISTS (SELECT 1 FROM held h WHERE h.lane = e.lane AND e.seq = ANY(h.taken))
             ON CONFLICT (seq) DO NOTHING
             RETURNING seq
         ), marks AS (
