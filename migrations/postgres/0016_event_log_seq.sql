@@ -17,9 +17,10 @@
 -- version leases and ends batches without knowing of these columns).
 --
 -- Every seq is positive (the sequence starts at 1): the index's predicate
--- `seq > 0` holds for every event. It is there so that only the take, whose
--- condition states it, reads this index; the log's other statements keep
--- the index by transaction whatever the statistics say.
+-- `seq > 0` holds for every event. It is there so that only the statements
+-- whose conditions state it (the relay's take, and its settling's look-up
+-- of the events it copies) read this index; the log's other statements
+-- keep the index by transaction whatever the statistics say.
 --
 -- Building the index reads the log once under a lock that holds event
 -- inserts (and so final states) back; on a large log run `idemgate

@@ -105,7 +105,8 @@ fn held_back(e: &str) -> String {
 /// through the index on (lane, seq): `{l}.upto_seq` bounds the seqs of
 /// the events visible in `upto` (migration 0016). Only for a batch under
 /// way (`after_seq` set) whose bound is known. `seq > 0` (true of every
-/// event) is the partial index's predicate: only this reads that index.
+/// event) is the partial index's predicate: only statements that state it
+/// (this, and settling's look-up of the events it copies) read that index.
 fn in_batch_by_seq(e: &str, l: &str) -> String {
     format!(
         "{e}.lane = {l}.lane AND {e}.seq > 0 AND {e}.seq > {l}.after_seq AND {e}.seq <= {l}.upto_seq \
@@ -153,7 +154,7 @@ pub(super) static TAKE_LOG: LazyLock<String> = LazyLock::new(|| {
     format!(
         "WITH l AS MATERIALIZED (
             SELECT c.lane, c.done, coalesce(c.upto, pg_current_snapshot()) AS upto, c.after_seq, c.upto IS NULL AS fresh,
-                   CASE WHEN c.upto IS NULL THEN coalesce(pg_sequence_last_value('idemgate_events_seq_seq'::regclass), 0)
+                   CASE WHEN c.upto IS NULL THEN pg_sequence_last_value('idemgate_events_seq_seq'::regclass)
                         WHEN c.upto_seq_of = c.upto::text THEN c.upto_seq END AS upto_seq
             FROM idemgate_event_lanes c
             WHERE c.lane >= 0 AND (c.lease_until IS NULL OR c.lease_until <= now() OR c.lease_token = $2)
@@ -224,11 +225,12 @@ pub(super) static LEASE_LANES: LazyLock<String> = LazyLock::new(|| {
 /// it holds advances over its events up to the first one neither delivered
 /// nor copied, and is released once all are (its batch ends when the
 /// events it held were the batch's last). The copies are found by lane and
-/// seq in one scan (not a join, whose inner scan of a slot empty when the
-/// plan was prepared reads that slot's whole index), and not looked for
-/// when there are none (a one-time filter); found by the batch's
-/// transaction range, as before, every settle read its batch. Returns the seqs this relay still
-/// held of `$1` and `$3`.
+/// seq in one scan of the log, and only when there are any (a one-time
+/// filter). Before, they were found by a join over the batch's transaction
+/// range, so every settle read its batch; a join by seq was worse, because
+/// its inner scan of a slot that was empty when the plan was prepared read
+/// that slot's whole index. Returns the seqs this relay still held of `$1`
+/// and `$3`.
 pub(super) static SETTLE: LazyLock<String> = LazyLock::new(|| {
     format!(
         "WITH r AS (
@@ -347,9 +349,9 @@ struct LaneTake {
     upto_seq: Option<i64>,
     /// Every event held, in seq order: delivered ones and ones set aside.
     taken: Vec<i64>,
-    /// Read: whether the lane had fewer events left than asked for.
-    read: usize,
-    /// Stopped before one of the events read (a scope's second, or the limit).
+    /// Stopped before a row of the lane that was read (a scope's second,
+    /// the limit, or the row past a lane's or the take's worth): the batch
+    /// goes on. Not cut: every event left in the batch is taken.
     cut: bool,
 }
 
@@ -399,26 +401,43 @@ impl PgStore {
         let room = usize::try_from(limit).unwrap_or(usize::MAX);
         // Read a little more than a batch: events set aside do not count.
         let read = i64::from(limit) + READ_MARGIN;
-        // No more than one take's worth in all: the lanes after those that
-        // fill it are not read, and the last lane read may be cut.
-        let rows = self.query(&TAKE_LOG, &[&read, &token, &start, &LANES_PER_TAKE, &read], false).await?;
-        let truncated = i64::try_from(rows.len()).unwrap_or(i64::MAX) >= read;
+        let budget = usize::try_from(read).unwrap_or(usize::MAX);
+        // One row more than is taken, per lane and in all: a lane's batch
+        // goes on (is cut) only when a row of it is left, read but not
+        // taken; a lane whose rows were all taken was read to its batch's
+        // end, and the batch ends. Without the extra row, a batch whose last
+        // event was exactly the last row read would stay open with nothing
+        // left in it, and its lane would never be taken again.
+        let ahead = read + 1;
+        let rows = self.query(&TAKE_LOG, &[&ahead, &token, &start, &LANES_PER_TAKE, &ahead], false).await?;
         let mut lanes: Vec<LaneTake> = Vec::new();
         let mut deliver: Vec<(i16, OutboxEvent)> = Vec::new();
         let mut aside: (Vec<i16>, Vec<i64>, Vec<i64>) = Default::default();
         let mut scopes: std::collections::HashSet<(i16, Scope)> = std::collections::HashSet::new();
         let mut last_seq = i64::MIN;
-        for row in &rows {
+        for (i, row) in rows.iter().enumerate() {
             let lane: i16 = row.try_get(18).map_err(c)?;
             let seq: i64 = row.try_get(0).map_err(c)?;
-            if lanes.last().is_none_or(|l| l.lane != lane) {
-                // Rows come lane by lane, each lane's in seq order (TAKE_LOG
-                // has no ORDER BY): any other order would deliver a lane's
-                // events out of order or past one never read.
-                if lanes.iter().any(|l| l.lane == lane) {
-                    return Err(StoreError::Corrupt(format!("the event log's take returned lane {lane} twice, not lane by lane")));
+            let new_lane = lanes.last().is_none_or(|l| l.lane != lane);
+            // Rows come lane by lane, each lane's in seq order (TAKE_LOG has
+            // no ORDER BY): any other order would deliver a lane's events out
+            // of order or past one never read.
+            if new_lane && lanes.iter().any(|l| l.lane == lane) {
+                return Err(StoreError::Corrupt(format!("the event log's take returned lane {lane} twice, not lane by lane")));
+            }
+            if !new_lane && seq <= last_seq {
+                return Err(StoreError::Corrupt(format!("the event log's take returned lane {lane} out of seq order")));
+            }
+            last_seq = seq;
+            if i >= budget {
+                // The row past the take's worth: the lane it continues goes
+                // on; a lane it starts is not read now.
+                if let (false, Some(last)) = (new_lane, lanes.last_mut()) {
+                    last.cut = true;
                 }
-                last_seq = i64::MIN;
+                break;
+            }
+            if new_lane {
                 lanes.push(LaneTake {
                     lane,
                     done: row.try_get(19).map_err(c)?,
@@ -427,17 +446,13 @@ impl PgStore {
                     after_seq: row.try_get(22).map_err(c)?,
                     upto_seq: row.try_get(25).map_err(c)?,
                     taken: Vec::new(),
-                    read: 0,
                     cut: false,
                 });
             }
-            if seq <= last_seq {
-                return Err(StoreError::Corrupt(format!("the event log's take returned lane {lane} out of seq order")));
-            }
-            last_seq = seq;
             let Some(l) = lanes.last_mut() else { continue };
-            l.read += 1;
-            if l.cut {
+            // The row past a lane's worth: the lane goes on.
+            if l.cut || l.taken.len() >= budget {
+                l.cut = true;
                 continue;
             }
             let event = decode_event(row)?;
@@ -456,15 +471,11 @@ impl PgStore {
             l.taken.push(event.seq);
             deliver.push((lane, event));
         }
-        // The read stopped in the last lane: its batch may go on.
-        if let (true, Some(last)) = (truncated, lanes.last_mut()) {
-            last.cut = true;
-        }
         lanes.retain(|l| !l.taken.is_empty());
         if lanes.is_empty() {
             return Ok((Vec::new(), 0));
         }
-        let read_all = |l: &LaneTake| !l.cut && i64::try_from(l.read).unwrap_or(i64::MAX) < read;
+        let read_all = |l: &LaneTake| !l.cut;
         let (mut t_lane, mut t_seq) = (Vec::new(), Vec::new());
         for l in &lanes {
             t_lane.extend(l.taken.iter().map(|_| l.lane));

@@ -294,6 +294,81 @@ async fn pg_an_event_committed_after_later_ones_were_delivered_is_still_delivere
     assert_eq!(listed.iter().map(|e| e.seq).collect::<Vec<_>>(), vec![late[0].seq, first[0].seq], "both delivered, listed by seq");
 }
 
+/// A take reads a little more than it delivers (events it sets aside do
+/// not count). When the rows it read end exactly where its lane's batch
+/// ends, and it takes them all, the batch ends: a batch left open with
+/// nothing in it would keep its lane from ever being taken again. Here one
+/// lane holds 16 events of an operation this relay does not deliver (set
+/// aside) and then 3 it delivers, a take of 3 reads exactly those 19; a
+/// later event of the lane is still delivered. Then the same with 4 to
+/// deliver: the fourth, one past what the take could read, is not skipped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_a_take_that_ends_exactly_at_its_batchs_end_ends_the_batch() {
+    let url = pg::shared().create_unique_database("conformance").expect("create database");
+    let store = open_with_events(&Backend::Postgres { url: url.clone() }).await;
+    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.expect("connect");
+    tokio::spawn(conn);
+    let keys: Vec<String> = db
+        .query(
+            "SELECT 'exact-' || g FROM generate_series(1, 5000) g \
+             WHERE (hashtextextended('exact-' || g, 0) & 15) = (hashtextextended('exact-1', 0) & 15) ORDER BY g LIMIT 40",
+            &[],
+        )
+        .await
+        .expect("keys in one lane")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let write = |k: &str, operation: &str| {
+        let (db, k, operation) = (&db, k.to_owned(), operation.to_owned());
+        async move {
+            db.execute(
+                "INSERT INTO idemgate_event_log (event_type, tenant, principal, operation, idempotency_key) \
+                 VALUES ('completed', 'acme', 'billing', $2, $1)",
+                &[&k, &operation],
+            )
+            .await
+            .expect("event")
+        }
+    };
+    for k in &keys[..16] {
+        write(k, "other_operation").await;
+    }
+    for k in &keys[16..19] {
+        write(k, "create_order").await;
+    }
+    let ops = ["create_order"];
+    let relay = Uuid::new_v4();
+    let taken = store.take_events(&ops, 3, LONG, relay).await.unwrap();
+    assert_eq!(taken.iter().map(|e| e.scope.key.as_str()).collect::<Vec<_>>(), keys[16..19].iter().map(String::as_str).collect::<Vec<_>>());
+    let seqs: Vec<i64> = taken.iter().map(|e| e.seq).collect();
+    let mut settled = store.events_delivered(&seqs, relay).await.unwrap();
+    settled.sort();
+    assert_eq!(settled, seqs);
+    let open: i64 = db.query_one("SELECT count(*) FROM idemgate_event_lanes WHERE upto IS NOT NULL", &[]).await.expect("lanes").get(0);
+    assert_eq!(open, 0, "the batch ended with its last event");
+    // A later event of the lane.
+    write(&keys[19], "create_order").await;
+    let next = store.take_events(&ops, 3, LONG, relay).await.unwrap();
+    assert_eq!(next.iter().map(|e| e.scope.key.as_str()).collect::<Vec<_>>(), vec![keys[19].as_str()], "the lane is taken again");
+    assert_eq!(store.events_delivered(&[next[0].seq], relay).await.unwrap(), vec![next[0].seq]);
+    // One more than a take can read: 16 set aside, then 4 to deliver.
+    for k in &keys[20..36] {
+        write(k, "other_operation").await;
+    }
+    for k in &keys[36..40] {
+        write(k, "create_order").await;
+    }
+    let mut delivered = Vec::new();
+    for _ in 0..3 {
+        let taken = store.take_events(&ops, 3, LONG, relay).await.unwrap();
+        let seqs: Vec<i64> = taken.iter().map(|e| e.seq).collect();
+        store.events_delivered(&seqs, relay).await.unwrap();
+        delivered.extend(taken.iter().map(|e| e.scope.key.as_str().to_owned()));
+    }
+    assert_eq!(delivered, keys[36..40].to_vec(), "the fourth event, past the first take's read, is delivered after the first three");
+}
+
 /// Replicas of an earlier version lease and end batches without knowing of
 /// a batch's seq bound (migration 0016), so a bound can be left over from
 /// an earlier batch: it is not used for a later one. Here an earlier relay
