@@ -143,11 +143,13 @@ fn next_in_batch(l: &str, limit: &str) -> String {
 /// statement's snapshot (`upto`, returned as text for the lease), its seqs
 /// bounded by the sequence's value read after that snapshot (`upto_seq`;
 /// the stored bound of a batch under way counts only if it is this batch's).
-/// At most `$5` rows in all, lane by lane and in seq order within a lane, as
-/// the nested loop yields them: there is no ORDER BY, so that the read
-/// stops after `$5` rows instead of reading and sorting every lane's
-/// `$1` (whether an event waits behind its scope is asked of those rows
-/// only). [`PgStore::take_log`] checks that order. Columns: the event's
+/// At most `$5` rows in all, lane by lane and in seq order within a lane.
+/// The rows come from the nested loop in that order already; the ORDER BY
+/// on the lane's position and seq is met by an incremental sort, one lane
+/// at a time, so the read still stops after `$5` rows instead of reading
+/// and sorting every lane's `$1` (and whether an event waits behind its
+/// scope is asked of those rows only). [`PgStore::take_log`] checks the
+/// order too. Columns: the event's
 /// (`decode_event`), then lane, done, upto, fresh, after_seq, xid (as
 /// int8), held back, upto_seq.
 pub(super) static TAKE_LOG: LazyLock<String> = LazyLock::new(|| {
@@ -159,13 +161,14 @@ pub(super) static TAKE_LOG: LazyLock<String> = LazyLock::new(|| {
             FROM idemgate_event_lanes c
             WHERE c.lane >= 0 AND (c.lease_until IS NULL OR c.lease_until <= now() OR c.lease_token = $2)
         ), w AS (
-            SELECT l.* FROM l
+            SELECT l.*, (l.lane + $3::int4) % {LANES} AS ord FROM l
             WHERE EXISTS (SELECT 1 FROM idemgate_event_log x WHERE NOT ({}) AND {})
                OR EXISTS (SELECT 1 FROM idemgate_event_log x WHERE {} AND {})
-            ORDER BY (l.lane + $3::int4) % {LANES} LIMIT $4::int8
+            ORDER BY ord LIMIT $4::int8
         )
         SELECT {}, w.lane, w.done::text, w.upto::text, w.fresh, w.after_seq, e.xid::text::int8, {}, w.upto_seq
         FROM w CROSS JOIN LATERAL {}
+        ORDER BY w.ord, e.seq
         LIMIT $5::int8",
         by_seq("l"),
         in_batch("x", "l"),
@@ -419,9 +422,9 @@ impl PgStore {
             let lane: i16 = row.try_get(18).map_err(c)?;
             let seq: i64 = row.try_get(0).map_err(c)?;
             let new_lane = lanes.last().is_none_or(|l| l.lane != lane);
-            // Rows come lane by lane, each lane's in seq order (TAKE_LOG has
-            // no ORDER BY): any other order would deliver a lane's events out
-            // of order or past one never read.
+            // Rows come lane by lane, each lane's in seq order (TAKE_LOG's
+            // ORDER BY): any other order would deliver a lane's events out of
+            // order or past one never read.
             if new_lane && lanes.iter().any(|l| l.lane == lane) {
                 return Err(StoreError::Corrupt(format!("the event log's take returned lane {lane} twice, not lane by lane")));
             }
