@@ -25,6 +25,7 @@
 -- Building the index reads the log once under a lock that holds event
 -- inserts (and so final states) back; on a large log run `idemgate
 -- migrate` at a quiet time.
+--
 -- Appending an event also costs less: the statements of this version pass
 -- the slot (read once per statement; the column's default calls a function
 -- per row) and the event's id, computed by `idemgate_log_event_id(seq)`

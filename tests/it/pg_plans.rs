@@ -505,6 +505,24 @@ fn log_rows_read(plan: &Value) -> f64 {
     read
 }
 
+/// Appends `n` events of lane 3 (keys `{prefix}<i>`) to the log, committed.
+async fn append_to_lane_3(admin: &Client, prefix: &str, n: i64) {
+    admin
+        .execute(
+            "INSERT INTO idemgate_event_log (event_type, tenant, principal, operation, idempotency_key)
+             SELECT 'completed', 't', 'p', 'create_order', k FROM (SELECT $1::text || g AS k FROM generate_series(1, 200000) g) s
+             WHERE (hashtextextended(k, 0) & 15) = 3 LIMIT $2",
+            &[&prefix, &n],
+        )
+        .await
+        .expect("events of lane 3");
+}
+
+/// `EXPLAIN (ANALYZE)` of prepared statement `i` with `args`, as JSON (it runs the statement).
+async fn explain_analyze(client: &Client, i: usize, args: &str) -> Value {
+    client.query_one(&format!("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE plan_{i}{args}"), &[]).await.expect("EXPLAIN ANALYZE").get(0)
+}
+
 /// A relay behind its writers takes a lane's batch in several takes. Each
 /// take after the first reads on from where the last one got (the index by
 /// lane and seq, bounded by the batch's seq bound), not the batch again
@@ -518,14 +536,7 @@ async fn a_take_of_a_batch_under_way_reads_on_from_where_it_got() {
     let take = statements.iter().position(|s| s.name == "take_log").expect("take_log in the catalog");
     let admin = session(&url, &[]).await;
     // 3,000 events of lane 3, committed; then one batch holding them, delivered up to the 2,900th.
-    admin
-        .batch_execute(
-            "INSERT INTO idemgate_event_log (event_type, tenant, principal, operation, idempotency_key)
-             SELECT 'completed', 't', 'p', 'create_order', k FROM (SELECT 'k' || g AS k FROM generate_series(1, 100000) g) s
-             WHERE (hashtextextended(k, 0) & 15) = 3 LIMIT 3000",
-        )
-        .await
-        .expect("events");
+    append_to_lane_3(&admin, "k", 3000).await;
     admin
         .batch_execute(
             "UPDATE idemgate_event_lanes SET upto = pg_current_snapshot(),
@@ -536,21 +547,13 @@ async fn a_take_of_a_batch_under_way_reads_on_from_where_it_got() {
         .await
         .expect("a batch under way");
     admin.batch_execute("UPDATE idemgate_event_lanes SET upto_seq_of = upto::text WHERE lane = 3").await.expect("its bound");
-    admin
-        .batch_execute(
-            "INSERT INTO idemgate_event_log (event_type, tenant, principal, operation, idempotency_key)
-             SELECT 'completed', 't', 'p', 'create_order', k FROM (SELECT 'later' || g AS k FROM generate_series(1, 40000) g) s
-             WHERE (hashtextextended(k, 0) & 15) = 3 LIMIT 1000",
-        )
-        .await
-        .expect("events after the batch");
+    append_to_lane_3(&admin, "later", 1000).await;
     admin.batch_execute("ANALYZE idemgate_event_log").await.expect("analyze");
     let relay = session(&url, &statements).await;
     let args = "(144, 'a2b9c8d7-0000-4000-8000-000000000001', 0, 8, 144)";
     let rows = relay.query(&format!("EXECUTE plan_{take}{args}"), &[]).await.expect("take");
     assert_eq!(rows.len(), 100, "the take returns the batch's 100 undelivered events");
-    let row = relay.query_one(&format!("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE plan_{take}{args}"), &[]).await.expect("EXPLAIN ANALYZE");
-    let plan: Value = row.get(0);
+    let plan = explain_analyze(&relay, take, args).await;
     let read = log_rows_read(&plan);
     assert!(read <= 300.0, "the take read {read} log rows for 100 events (the delivered 2,900 again, or the 1,000 after?):\n{plan:#}");
 }
@@ -565,14 +568,7 @@ async fn settling_a_take_reads_no_log_rows_when_nothing_is_copied() {
     let statements = catalog();
     let settle = statements.iter().position(|s| s.name == "settle").expect("settle in the catalog");
     let admin = session(&url, &[]).await;
-    admin
-        .batch_execute(
-            "INSERT INTO idemgate_event_log (event_type, tenant, principal, operation, idempotency_key)
-             SELECT 'completed', 't', 'p', 'create_order', k FROM (SELECT 'k' || g AS k FROM generate_series(1, 100000) g) s
-             WHERE (hashtextextended(k, 0) & 15) = 3 LIMIT 3000",
-        )
-        .await
-        .expect("events");
+    append_to_lane_3(&admin, "k", 3000).await;
     // A relay holds the batch's first 100 events.
     let token = "a2b9c8d7-0000-4000-8000-000000000002";
     admin
@@ -591,8 +587,7 @@ async fn settling_a_take_reads_no_log_rows_when_nothing_is_copied() {
         .get(0);
     let relay = session(&url, &statements).await;
     let args = format!("('{{{delivered}}}', '{token}', '{{}}', NULL, 0, false, 0)");
-    let row = relay.query_one(&format!("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE plan_{settle}{args}"), &[]).await.expect("EXPLAIN ANALYZE");
-    let plan: Value = row.get(0);
+    let plan = explain_analyze(&relay, settle, &args).await;
     let after: Option<i64> =
         admin.query_one("SELECT after_seq FROM idemgate_event_lanes WHERE lane = 3", &[]).await.expect("the lane").get(0);
     let last: i64 = delivered.rsplit(',').next().and_then(|s| s.parse().ok()).expect("a seq");

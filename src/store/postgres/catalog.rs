@@ -36,7 +36,8 @@ const LOG_0: &str = "idemgate_event_log_0_lane_xid_idx";
 const LOG_1: &str = "idemgate_event_log_1_lane_xid_idx";
 const LOG_2: &str = "idemgate_event_log_2_lane_xid_idx";
 const LANES_PKEY: &str = "idemgate_event_lanes_pkey";
-/// Its index by lane and seq (migration 0016), read by the take of a batch under way.
+/// Its index by lane and seq (migration 0016), read by the take of a batch
+/// under way and by settling's look-up of the events it copies.
 const LOG_SEQ_0: &str = "idemgate_event_log_0_lane_seq_idx";
 const LOG_SEQ_1: &str = "idemgate_event_log_1_lane_seq_idx";
 const LOG_SEQ_2: &str = "idemgate_event_log_2_lane_seq_idx";

@@ -478,7 +478,6 @@ impl PgStore {
         if lanes.is_empty() {
             return Ok((Vec::new(), 0));
         }
-        let read_all = |l: &LaneTake| !l.cut;
         let (mut t_lane, mut t_seq) = (Vec::new(), Vec::new());
         for l in &lanes {
             t_lane.extend(l.taken.iter().map(|_| l.lane));
@@ -490,7 +489,8 @@ impl PgStore {
         let fresh: Vec<bool> = lanes.iter().map(|l| l.fresh).collect();
         let after_seq: Vec<Option<i64>> = lanes.iter().map(|l| l.after_seq).collect();
         let upto_seq: Vec<Option<i64>> = lanes.iter().map(|l| l.upto_seq).collect();
-        let all: Vec<bool> = lanes.iter().map(read_all).collect();
+        // A lane not cut was read to its batch's end: the batch ends.
+        let all: Vec<bool> = lanes.iter().map(|l| !l.cut).collect();
         let (a_lane, a_xid, a_seq) = &aside;
         let leased = self
             .query(

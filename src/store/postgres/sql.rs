@@ -114,12 +114,12 @@ pub(super) const EXPIRES_9: &str = "coalesce(now() + $9::int8 * interval '1 micr
 pub(super) const EVENT_INSERT: &str =
     "(event_type, tenant, principal, operation, idempotency_key, generation, status, operation_id, actor, body)";
 
-/// Appends to the event log the events `select` produces (a query of the
-/// ten columns of [`EVENT_INSERT`], in that order, a `NULL` of any type;
-/// it may be ordered). The
-/// slot is read once per statement, not once per event (the column's
-/// default is a function call per row), and the event's id is computed
-/// from its transaction and seq (migration 0016), not from random bytes.
+/// Appends to the event log the events `select` produces: a query of the
+/// ten columns of [`EVENT_INSERT`], in that order (a `NULL` may be of any
+/// type; the query may be ordered). The slot is read once per statement,
+/// not once per event (the column's default is a function call per row),
+/// and the event's id is computed from its transaction and seq (migration
+/// 0016), not from random bytes.
 pub(super) fn log_append(select: &str) -> String {
     format!(
         "INSERT INTO idemgate_event_log (slot, seq, event_id, event_type, tenant, principal, operation, idempotency_key, generation, status, \

@@ -241,6 +241,41 @@ async fn small_takes_deliver_every_event_of_many_scopes_once(backend: Backend) {
     assert!(store.take_events(&ops, 3, LONG, relay).await.unwrap().is_empty());
 }
 
+/// A connection of the test's own to the store's database (as a writer
+/// outside the store, or to look at its tables).
+async fn connect(url: &str) -> tokio_postgres::Client {
+    let (db, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.expect("connect");
+    tokio::spawn(conn);
+    db
+}
+
+/// `n` keys `{prefix}-<i>` whose events go to the log's lane of key `of`
+/// (lanes split by key), in order of `i`.
+async fn keys_in_lane_of(db: &tokio_postgres::Client, prefix: &str, of: &str, n: i64) -> Vec<String> {
+    db.query(
+        "SELECT $1::text || '-' || g FROM generate_series(1, 5000) g \
+         WHERE (hashtextextended($1::text || '-' || g, 0) & 15) = (hashtextextended($2::text, 0) & 15) ORDER BY g LIMIT $3",
+        &[&prefix, &of, &n],
+    )
+    .await
+    .expect("keys in one lane")
+    .iter()
+    .map(|r| r.get(0))
+    .collect()
+}
+
+/// Appends a `completed` event of `operation` for `key` to the log, with the
+/// columns' defaults (as a replica of an earlier version appends).
+async fn append_raw(db: &tokio_postgres::Client, key: &str, operation: &str) {
+    db.execute(
+        "INSERT INTO idemgate_event_log (event_type, tenant, principal, operation, idempotency_key) \
+         VALUES ('completed', 'acme', 'billing', $2, $1)",
+        &[&key, &operation],
+    )
+    .await
+    .expect("event");
+}
+
 /// The relay reads the log in batches bounded by transaction snapshots: an
 /// event whose transaction commits after a later event was delivered (a
 /// slow transaction that took its seq first) is still delivered. A relay
@@ -249,27 +284,12 @@ async fn small_takes_deliver_every_event_of_many_scopes_once(backend: Backend) {
 async fn pg_an_event_committed_after_later_ones_were_delivered_is_still_delivered() {
     let url = pg::shared().create_unique_database("conformance").expect("create database");
     let store = open_with_events(&Backend::Postgres { url: url.clone() }).await;
-    let (slow, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.expect("connect");
-    tokio::spawn(conn);
-    // A key in the same lane of the log as "fast" (lanes split by key).
-    let slow_key: String = slow
-        .query_one(
-            "SELECT 'slow-' || g FROM generate_series(1, 1000) g \
-             WHERE (hashtextextended('slow-' || g, 0) & 15) = (hashtextextended('fast', 0) & 15) LIMIT 1",
-            &[],
-        )
-        .await
-        .expect("a key in the lane")
-        .get(0);
+    let slow = connect(&url).await;
+    // A key in the same lane of the log as "fast".
+    let slow_key = keys_in_lane_of(&slow, "slow", "fast", 1).await.remove(0);
     // The slow transaction writes its event first (the smaller seq) and stays open.
     slow.batch_execute("BEGIN").await.unwrap();
-    slow.execute(
-        "INSERT INTO idemgate_event_log (event_type, tenant, principal, operation, idempotency_key) \
-         VALUES ('completed', 'acme', 'billing', 'create_order', $1)",
-        &[&slow_key],
-    )
-    .await
-    .unwrap();
+    append_raw(&slow, &slow_key, "create_order").await;
     // A later event commits, and a relay delivers it.
     let c = claim(&store, &req(&key("fast"), 1, LONG, false)).await;
     store.complete(&c, &response(201, b"fast"), Retention::For(LONG)).await.unwrap();
@@ -306,36 +326,13 @@ async fn pg_an_event_committed_after_later_ones_were_delivered_is_still_delivere
 async fn pg_a_take_that_ends_exactly_at_its_batchs_end_ends_the_batch() {
     let url = pg::shared().create_unique_database("conformance").expect("create database");
     let store = open_with_events(&Backend::Postgres { url: url.clone() }).await;
-    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.expect("connect");
-    tokio::spawn(conn);
-    let keys: Vec<String> = db
-        .query(
-            "SELECT 'exact-' || g FROM generate_series(1, 5000) g \
-             WHERE (hashtextextended('exact-' || g, 0) & 15) = (hashtextextended('exact-1', 0) & 15) ORDER BY g LIMIT 40",
-            &[],
-        )
-        .await
-        .expect("keys in one lane")
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    let write = |k: &str, operation: &str| {
-        let (db, k, operation) = (&db, k.to_owned(), operation.to_owned());
-        async move {
-            db.execute(
-                "INSERT INTO idemgate_event_log (event_type, tenant, principal, operation, idempotency_key) \
-                 VALUES ('completed', 'acme', 'billing', $2, $1)",
-                &[&k, &operation],
-            )
-            .await
-            .expect("event")
-        }
-    };
+    let db = connect(&url).await;
+    let keys = keys_in_lane_of(&db, "exact", "exact-1", 40).await;
     for k in &keys[..16] {
-        write(k, "other_operation").await;
+        append_raw(&db, k, "other_operation").await;
     }
     for k in &keys[16..19] {
-        write(k, "create_order").await;
+        append_raw(&db, k, "create_order").await;
     }
     let ops = ["create_order"];
     let relay = Uuid::new_v4();
@@ -348,16 +345,16 @@ async fn pg_a_take_that_ends_exactly_at_its_batchs_end_ends_the_batch() {
     let open: i64 = db.query_one("SELECT count(*) FROM idemgate_event_lanes WHERE upto IS NOT NULL", &[]).await.expect("lanes").get(0);
     assert_eq!(open, 0, "the batch ended with its last event");
     // A later event of the lane.
-    write(&keys[19], "create_order").await;
+    append_raw(&db, &keys[19], "create_order").await;
     let next = store.take_events(&ops, 3, LONG, relay).await.unwrap();
     assert_eq!(next.iter().map(|e| e.scope.key.as_str()).collect::<Vec<_>>(), vec![keys[19].as_str()], "the lane is taken again");
     assert_eq!(store.events_delivered(&[next[0].seq], relay).await.unwrap(), vec![next[0].seq]);
     // One more than a take can read: 16 set aside, then 4 to deliver.
     for k in &keys[20..36] {
-        write(k, "other_operation").await;
+        append_raw(&db, k, "other_operation").await;
     }
     for k in &keys[36..40] {
-        write(k, "create_order").await;
+        append_raw(&db, k, "create_order").await;
     }
     let mut delivered = Vec::new();
     for _ in 0..3 {
@@ -379,34 +376,10 @@ async fn pg_a_take_that_ends_exactly_at_its_batchs_end_ends_the_batch() {
 async fn pg_a_seq_bound_left_by_an_earlier_batch_is_not_used() {
     let url = pg::shared().create_unique_database("conformance").expect("create database");
     let store = open_with_events(&Backend::Postgres { url: url.clone() }).await;
-    let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.expect("connect");
-    tokio::spawn(conn);
-    // Four keys in one lane of the log.
-    let keys: Vec<String> = db
-        .query(
-            "SELECT 'bound-' || g FROM generate_series(1, 1000) g \
-             WHERE (hashtextextended('bound-' || g, 0) & 15) = (hashtextextended('bound-1', 0) & 15) ORDER BY g LIMIT 4",
-            &[],
-        )
-        .await
-        .expect("keys in one lane")
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    let write = |k: &str| {
-        let (db, k) = (&db, k.to_owned());
-        async move {
-            db.execute(
-                "INSERT INTO idemgate_event_log (event_type, tenant, principal, operation, idempotency_key) \
-                 VALUES ('completed', 'acme', 'billing', 'create_order', $1)",
-                &[&k],
-            )
-            .await
-            .expect("event")
-        }
-    };
-    write(&keys[0]).await;
-    write(&keys[1]).await;
+    let db = connect(&url).await;
+    let keys = keys_in_lane_of(&db, "bound", "bound-1", 4).await;
+    append_raw(&db, &keys[0], "create_order").await;
+    append_raw(&db, &keys[1], "create_order").await;
     let ops = ["create_order"];
     let relay = Uuid::new_v4();
     // This version's relay takes the batch's first event: the batch gets its bound.
@@ -425,8 +398,8 @@ async fn pg_a_seq_bound_left_by_an_earlier_batch_is_not_used() {
     )
     .await
     .expect("batch ended");
-    write(&keys[2]).await;
-    write(&keys[3]).await;
+    append_raw(&db, &keys[2], "create_order").await;
+    append_raw(&db, &keys[3], "create_order").await;
     db.execute(
         "UPDATE idemgate_event_lanes SET upto = pg_current_snapshot(), \
          after_seq = (SELECT seq FROM idemgate_event_log WHERE idempotency_key = $1) \
