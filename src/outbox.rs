@@ -12,8 +12,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use base64::Engine as _;
 use hmac::{Hmac, KeyInit, Mac};
+use serde::Serialize;
 use serde_json::json;
 use sha2::Sha256;
 
@@ -43,6 +43,16 @@ impl EventType {
             EventType::Unknown => "unknown",
             EventType::FailedRetryable => "failed_retryable",
             EventType::Released => "released",
+        }
+    }
+
+    /// The `type` of a delivered event.
+    pub fn type_name(self) -> &'static str {
+        match self {
+            EventType::Completed => "idemgate.record.completed",
+            EventType::Unknown => "idemgate.record.unknown",
+            EventType::FailedRetryable => "idemgate.record.failed_retryable",
+            EventType::Released => "idemgate.record.released",
         }
     }
 
@@ -200,40 +210,79 @@ pub struct OutboxEvent {
     pub sent_at: Option<Timestamp>,
 }
 
+/// The JSON an event is delivered as (serialised straight from the event:
+/// no intermediate `serde_json::Value` per field). Its keys are in
+/// alphabetical order, as they always were; `body_base64` only when the
+/// route includes the body, `key` only when it includes the key.
+#[derive(Debug, Serialize)]
+pub struct Payload<'a> {
+    actor: Option<&'a str>,
+    #[serde(serialize_with = "as_display")]
+    at: Timestamp,
+    #[serde(skip_serializing_if = "Option::is_none", serialize_with = "as_base64")]
+    body_base64: Option<&'a [u8]>,
+    generation: Option<i64>,
+    #[serde(serialize_with = "as_display")]
+    id: uuid::Uuid,
+    operation_id: Option<&'a str>,
+    scope: PayloadScope<'a>,
+    state: &'static str,
+    status: Option<u16>,
+    #[serde(rename = "type")]
+    kind: &'static str,
+}
+
+/// An event's scope as [`Payload`] carries it.
+#[derive(Debug, Serialize)]
+struct PayloadScope<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    key: Option<&'a str>,
+    operation: &'a str,
+    principal: &'a str,
+    tenant: &'a str,
+}
+
+fn as_display<T: std::fmt::Display, S: serde::Serializer>(v: &T, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(v)
+}
+
+fn as_base64<S: serde::Serializer>(body: &Option<&[u8]>, s: S) -> Result<S::Ok, S::Error> {
+    match body {
+        Some(body) => s.collect_str(&base64::display::Base64Display::new(body, &base64::engine::general_purpose::STANDARD)),
+        None => s.serialize_none(),
+    }
+}
+
 /// The JSON an event is delivered as.
-pub fn payload(e: &OutboxEvent, include_key: bool) -> serde_json::Value {
-    let mut scope = json!({
-        "tenant": &*e.scope.tenant,
-        "principal": &*e.scope.principal,
-        "operation": &*e.scope.operation,
-    });
-    if include_key {
-        scope["key"] = json!(e.scope.key.as_str());
-    }
-    let mut doc = json!({
-        "id": e.id.to_string(),
-        "type": format!("idemgate.record.{}", e.event_type.as_str()),
-        "state": match e.event_type {
-            EventType::Released => "released",
-            other => other.as_str(),
+pub fn payload(e: &OutboxEvent, include_key: bool) -> Payload<'_> {
+    Payload {
+        actor: e.actor.as_deref(),
+        at: e.at,
+        body_base64: e.body.as_deref(),
+        generation: e.generation.map(|g| g.0),
+        id: e.id,
+        operation_id: e.operation_id.as_deref(),
+        scope: PayloadScope {
+            key: include_key.then(|| e.scope.key.as_str()),
+            operation: &e.scope.operation,
+            principal: &e.scope.principal,
+            tenant: &e.scope.tenant,
         },
-        "scope": scope,
-        "generation": e.generation.map(|g| g.0),
-        "status": e.status,
-        "operation_id": e.operation_id,
-        "actor": e.actor,
-        "at": e.at.to_string(),
-    });
-    if let Some(body) = &e.body {
-        doc["body_base64"] = json!(base64::engine::general_purpose::STANDARD.encode(body));
+        state: e.event_type.as_str(),
+        status: e.status,
+        kind: e.event_type.type_name(),
     }
-    doc
 }
 
 /// The JSON of a delivery of several events (a route with `batch` > 1):
 /// `{"events": [...]}`, each as [`payload`] writes it, in `seq` order.
-pub fn batch_payload(events: &[&OutboxEvent], include_key: bool) -> serde_json::Value {
-    json!({ "events": events.iter().map(|e| payload(e, include_key)).collect::<Vec<_>>() })
+#[derive(Debug, Serialize)]
+pub struct BatchPayload<'a> {
+    events: Vec<Payload<'a>>,
+}
+
+pub fn batch_payload<'a>(events: &[&'a OutboxEvent], include_key: bool) -> BatchPayload<'a> {
+    BatchPayload { events: events.iter().map(|e| payload(e, include_key)).collect() }
 }
 
 /// One event as operators see it (`idemgate events list --json`,
@@ -314,6 +363,41 @@ mod tests {
         // Known answer (computed independently with openssl):
         // printf '1.{}' | openssl dgst -sha256 -hmac k
         assert_eq!(signature(b"k", 1, b"{}"), format!("t=1,v1={}", KNOWN));
+    }
+
+    #[test]
+    fn an_event_is_delivered_as_this_json() {
+        let event = OutboxEvent {
+            seq: 7,
+            id: "00000001-3201-89f0-9567-699acaa711fc".parse().unwrap(),
+            event_type: EventType::Released,
+            scope: Scope {
+                tenant: "acme".into(),
+                principal: "svc \"a\"".into(),
+                operation: "create_order".into(),
+                key: crate::idempotency::key::IdempotencyKey::new("k-1").unwrap(),
+            },
+            generation: Some(Generation(3)),
+            status: Some(201),
+            operation_id: None,
+            actor: Some("cli".into()),
+            at: Timestamp(1_700_000_000_123_456),
+            body: Some(b"{\"id\":1}".to_vec()),
+            delivery: Delivery::Pending,
+            attempts: 0,
+            next_attempt_at: Timestamp(0),
+            last_error: None,
+            sent_at: None,
+        };
+        // The wire form receivers have always had: keys in alphabetical
+        // order, the body and the key only when the route includes them.
+        let with = r#"{"actor":"cli","at":"2023-11-14T22:13:20.123456Z","body_base64":"eyJpZCI6MX0=","generation":3,"id":"00000001-3201-89f0-9567-699acaa711fc","operation_id":null,"scope":{"key":"k-1","operation":"create_order","principal":"svc \"a\"","tenant":"acme"},"state":"released","status":201,"type":"idemgate.record.released"}"#;
+        assert_eq!(serde_json::to_string(&payload(&event, true)).unwrap(), with);
+        let event = OutboxEvent { body: None, ..event };
+        let without = r#"{"actor":"cli","at":"2023-11-14T22:13:20.123456Z","generation":3,"id":"00000001-3201-89f0-9567-699acaa711fc","operation_id":null,"scope":{"operation":"create_order","principal":"svc \"a\"","tenant":"acme"},"state":"released","status":201,"type":"idemgate.record.released"}"#;
+        assert_eq!(serde_json::to_string(&payload(&event, false)).unwrap(), without);
+        let batch = serde_json::to_string(&batch_payload(&[&event, &event], false)).unwrap();
+        assert_eq!(batch, format!(r#"{{"events":[{without},{without}]}}"#));
     }
 
     const KNOWN: &str = "3dd49b2593d0f9a349e9e71c4bde3e2b862c2be4003fe9b4ba81332029310158";

@@ -225,10 +225,10 @@ impl Relay {
             _ => None,
         };
         let body = match single {
-            Some(event) => payload(event, dest.include_key),
-            None => batch_payload(&d.events, dest.include_key),
+            Some(event) => serde_json::to_vec(&payload(event, dest.include_key)),
+            None => serde_json::to_vec(&batch_payload(&d.events, dest.include_key)),
         }
-        .to_string();
+        .map_err(|e| format!("could not write the event as JSON: {e}"))?;
         let mut req = Request::builder()
             .method(Method::POST)
             .uri(dest.url.clone())
@@ -240,7 +240,7 @@ impl Relay {
         };
         if let Some(secret) = &dest.secret {
             let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-            let sig = signature(secret.expose().as_bytes(), now, body.as_bytes());
+            let sig = signature(secret.expose().as_bytes(), now, &body);
             if let Ok(v) = HeaderValue::from_str(&sig) {
                 req = req.header("idemgate-signature", v);
             }
