@@ -558,6 +558,53 @@ async fn a_take_of_a_batch_under_way_reads_on_from_where_it_got() {
     assert!(read <= 300.0, "the take read {read} log rows for 100 events (the delivered 2,900 again, or the 1,000 after?):\n{plan:#}");
 }
 
+/// A take asks no more lanes whether they have events than it takes: the
+/// lanes are put in order first, and the asking stops once `$4` lanes are
+/// found. Asked before they were ordered, every free lane was probed (16,
+/// two index probes each), also when the first 8 had plenty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_take_asks_only_as_many_lanes_as_it_takes() {
+    let url = migrated_database("take_lanes").await;
+    let statements = catalog();
+    let take = statements.iter().position(|s| s.name == "take_log").expect("take_log in the catalog");
+    let admin = session(&url, &[]).await;
+    admin
+        .batch_execute(
+            "INSERT INTO idemgate_event_log (event_type, tenant, principal, operation, idempotency_key)
+             SELECT 'completed', 't', 'p', 'create_order', 'k' || g FROM generate_series(1, 800) g;
+             ANALYZE idemgate_event_log",
+        )
+        .await
+        .expect("events in every lane");
+    let lanes: i64 = admin.query_one("SELECT count(DISTINCT lane) FROM idemgate_event_log", &[]).await.expect("lanes").get(0);
+    assert_eq!(lanes, 16, "every lane has events");
+    let relay = session(&url, &statements).await;
+    let args = "(144, 'a2b9c8d7-0000-4000-8000-000000000003', 0, 8, 144)";
+    let plan = explain_analyze(&relay, take, args).await;
+    let asked = lanes_asked(&plan);
+    assert!((1.0..=8.0).contains(&asked), "the take asked {asked} lanes whether they had events, to take 8:\n{plan:#}");
+}
+
+/// The most times a subplan that reads the event log ran (in a take: the
+/// lanes asked whether they have events).
+fn lanes_asked(plan: &Value) -> f64 {
+    let mut most: f64 = 0.0;
+    let mut stack = vec![plan];
+    while let Some(v) = stack.pop() {
+        match v {
+            Value::Array(items) => stack.extend(items),
+            Value::Object(map) => {
+                if map.get("Parent Relationship").and_then(Value::as_str) == Some("SubPlan") && log_rows_read(v) > 0.0 {
+                    most = most.max(map.get("Actual Loops").and_then(Value::as_f64).unwrap_or(0.0));
+                }
+                stack.extend(map.values());
+            }
+            _ => {}
+        }
+    }
+    most
+}
+
 /// Settling what a relay delivered reads no log rows when no event is to
 /// be copied into `idemgate_events` (the usual case): the copies are found
 /// by lane and seq. Found by the transaction range, every settle read its

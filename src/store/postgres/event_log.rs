@@ -149,7 +149,11 @@ fn next_in_batch(l: &str, limit: &str) -> String {
 /// at a time, so the read still stops after `$5` rows instead of reading
 /// and sorting every lane's `$1` (and whether an event waits behind its
 /// scope is asked of those rows only). [`PgStore::take_log`] checks the
-/// order too. Columns: the event's
+/// order too. The lanes are put in order before they are asked whether
+/// they have events, so that the asking stops once `$4` are found (two
+/// index probes a lane, of up to 16 lanes). A lane's snapshots are written
+/// as text once per lane taken (in `w`), not once per row: under load a
+/// snapshot lists tens of running transactions. Columns: the event's
 /// (`decode_event`), then lane, done, upto, fresh, after_seq, xid (as
 /// int8), held back, upto_seq.
 pub(super) static TAKE_LOG: LazyLock<String> = LazyLock::new(|| {
@@ -161,12 +165,13 @@ pub(super) static TAKE_LOG: LazyLock<String> = LazyLock::new(|| {
             FROM idemgate_event_lanes c
             WHERE c.lane >= 0 AND (c.lease_until IS NULL OR c.lease_until <= now() OR c.lease_token = $2)
         ), w AS (
-            SELECT l.*, (l.lane + $3::int4) % {LANES} AS ord FROM l
+            SELECT l.*, l.done::text AS done_text, l.upto::text AS upto_text
+            FROM (SELECT l.*, (l.lane + $3::int4) % {LANES} AS ord FROM l ORDER BY ord) l
             WHERE EXISTS (SELECT 1 FROM idemgate_event_log x WHERE NOT ({}) AND {})
                OR EXISTS (SELECT 1 FROM idemgate_event_log x WHERE {} AND {})
-            ORDER BY ord LIMIT $4::int8
+            ORDER BY l.ord LIMIT $4::int8
         )
-        SELECT {}, w.lane, w.done::text, w.upto::text, w.fresh, w.after_seq, e.xid::text::int8, {}, w.upto_seq
+        SELECT {}, w.lane, w.done_text, w.upto_text, w.fresh, w.after_seq, e.xid::text::int8, {}, w.upto_seq
         FROM w CROSS JOIN LATERAL {}
         ORDER BY w.ord, e.seq
         LIMIT $5::int8",
