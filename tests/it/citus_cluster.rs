@@ -192,6 +192,35 @@ async fn later_migrations_reach_an_already_distributed_schema() {
     assert!(on_every_shard, "the column is on every shard");
 }
 
+/// A URL that lists every node, a worker first (the store's pool keeps the
+/// first host that answers, here a worker, where schema changes are
+/// refused): `migrate` runs on the host that says it is the coordinator
+/// (node group 0), and the schema is distributed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_url_listing_a_worker_first_migrates_on_the_coordinator() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let cluster = citus::shared();
+    let url = cluster.create_unique_database("worker_first").expect("database");
+    let every = cluster.every_node_url(&url);
+    let (prefix, rest) = every.split_once('@').expect("user@hosts");
+    let (hosts, path) = rest.split_once('/').expect("hosts/db");
+    let mut hosts: Vec<&str> = hosts.split(',').collect();
+    hosts.rotate_left(1);
+    let workers_first = format!("{prefix}@{}/{path}", hosts.join(","));
+    let applied = migrate(&citus_store(&workers_first)).await.expect("migrate through a URL listing a worker first");
+    assert!(applied.iter().any(|m| m.starts_with("citus_0001")), "the Citus migrations ran: {applied:?}");
+    let db = client(&url).await;
+    let distributed: i64 = db
+        .query_one("SELECT count(*) FROM pg_dist_partition WHERE logicalrelid = 'idemgate_records'::regclass", &[])
+        .await
+        .expect("pg_dist_partition")
+        .get(0);
+    assert_eq!(distributed, 1, "the records are distributed, as the coordinator says");
+    assert!(migrate(&citus_store(&workers_first)).await.expect("migrate again").is_empty(), "nothing left to apply");
+}
+
 /// Two `migrate`s at once on the coordinator: serialized (the advisory
 /// lock), each migration applied once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

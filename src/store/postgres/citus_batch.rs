@@ -75,6 +75,19 @@ impl Reach {
             None => &self.main,
         }
     }
+
+    /// The pool migrations run on: the coordinator's when the URL lists
+    /// several nodes and one of them says it is the coordinator (schema
+    /// changes are refused on a worker, and the store's pool keeps the
+    /// first host that answers, which may be one); the store's otherwise
+    /// (a worker then finds the schema up to date, or refuses the change
+    /// loudly, as before).
+    pub(super) async fn for_migrations(&self) -> &Db {
+        match &self.route {
+            Some(r) => r.coordinator().await.unwrap_or(&self.main),
+            None => &self.main,
+        }
+    }
 }
 
 /// The generation a tenant's first counter starts at (migration

@@ -132,19 +132,41 @@ impl Router {
                 crate::telemetry::throttle::warn_throttled!(error = %e, "the Citus shard map could not be read; statements go through the store's pool meanwhile")
             }
         }
-        for (i, node) in self.nodes.iter().enumerate() {
-            if node.group.lock().unwrap_or_else(PoisonError::into_inner).is_some() {
-                continue;
+        for i in 0..self.nodes.len() {
+            self.group(i).await;
+        }
+    }
+
+    /// Host `i`'s node group, asked once it is not known.
+    async fn group(&self, i: usize) -> Option<i32> {
+        let node = self.nodes.get(i)?;
+        if let Some(group) = *node.group.lock().unwrap_or_else(PoisonError::into_inner) {
+            return Some(group);
+        }
+        match node.db.query("SELECT groupid FROM pg_dist_local_group", &[], false).await {
+            Ok(rows) => {
+                let group: Option<i32> = rows.first().and_then(|r| r.try_get(0).ok());
+                tracing::info!(host = i, group = ?group, "Citus node: statements of the tenants whose shards it holds go to it");
+                *node.group.lock().unwrap_or_else(PoisonError::into_inner) = group;
+                group
             }
-            match node.db.query("SELECT groupid FROM pg_dist_local_group", &[], false).await {
-                Ok(rows) => {
-                    let group: Option<i32> = rows.first().and_then(|r| r.try_get(0).ok());
-                    tracing::info!(host = i, group = ?group, "Citus node: statements of the tenants whose shards it holds go to it");
-                    *node.group.lock().unwrap_or_else(PoisonError::into_inner) = group;
-                }
-                Err(e) => tracing::debug!(host = i, error = %e, "Citus node did not say its group yet"),
+            Err(e) => {
+                tracing::debug!(host = i, error = %e, "Citus node did not say its group yet");
+                None
             }
         }
+    }
+
+    /// The pool of the host that is the coordinator (node group 0), asking
+    /// the hosts whose group is not known yet, in the URL's order; `None`
+    /// when none of them says so (none listed, or it does not answer).
+    pub(super) async fn coordinator(&self) -> Option<&Db> {
+        for i in 0..self.nodes.len() {
+            if self.group(i).await == Some(0) {
+                return self.nodes.get(i).map(|n| &n.db);
+            }
+        }
+        None
     }
 }
 

@@ -25,7 +25,8 @@ impl Lifecycle for PgStore {
     }
 
     async fn migrate(&self) -> Result<Vec<String>, StoreError> {
-        let mut conn = self.conn().await?;
+        // On Citus, on the coordinator whichever host the URL lists first.
+        let mut conn = self.reach.for_migrations().await.conn().await?;
         let m = |e: tokio_postgres::Error| migration_error("", &e);
         // These reads prepare statements: inside a transaction, so that each
         // is closed on the server session that prepared it, behind a pooler
