@@ -194,8 +194,8 @@ async fn later_migrations_reach_an_already_distributed_schema() {
 
 /// A URL that lists every node, a worker first (the store's pool keeps the
 /// first host that answers, here a worker, where schema changes are
-/// refused): `migrate` runs on the host that says it is the coordinator
-/// (node group 0), and the schema is distributed.
+/// refused): `migrate` runs on the host that says it is the coordinator,
+/// and the schema is distributed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_url_listing_a_worker_first_migrates_on_the_coordinator() {
     if citus::skip_unless_installed() {
@@ -203,22 +203,67 @@ async fn a_url_listing_a_worker_first_migrates_on_the_coordinator() {
     }
     let cluster = citus::shared();
     let url = cluster.create_unique_database("worker_first").expect("database");
-    let every = cluster.every_node_url(&url);
-    let (prefix, rest) = every.split_once('@').expect("user@hosts");
-    let (hosts, path) = rest.split_once('/').expect("hosts/db");
-    let mut hosts: Vec<&str> = hosts.split(',').collect();
-    hosts.rotate_left(1);
-    let workers_first = format!("{prefix}@{}/{path}", hosts.join(","));
+    let workers_first = cluster.nodes_url(&url, &[&cluster.workers[0], &cluster.workers[1], &cluster.coordinator]);
     let applied = migrate(&citus_store(&workers_first)).await.expect("migrate through a URL listing a worker first");
     assert!(applied.iter().any(|m| m.starts_with("citus_0001")), "the Citus migrations ran: {applied:?}");
-    let db = client(&url).await;
+    assert_distributed(&url).await;
+    assert!(migrate(&citus_store(&workers_first)).await.expect("migrate again").is_empty(), "nothing left to apply");
+}
+
+/// A node listed first whose metadata was never synced (the extension
+/// created, the node not added to the cluster) is node group 0, as the
+/// coordinator is; it is not taken for the coordinator.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_not_yet_added_listed_first_is_not_taken_for_the_coordinator() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let cluster = citus::shared();
+    let name = format!("unadded_{}", std::process::id());
+    let url = tokio::task::block_in_place(|| cluster.create_database_adding(&name, &[0])).expect("database, worker 1 not added");
+    let group: String = client(&cluster.nodes_url(&url, &[&cluster.workers[1]]))
+        .await
+        .query_one("SELECT groupid::text FROM pg_dist_local_group", &[])
+        .await
+        .expect("its group")
+        .get(0);
+    assert_eq!(group, "0", "the node not added says group 0");
+    let unadded_first = cluster.nodes_url(&url, &[&cluster.workers[1], &cluster.coordinator]);
+    let applied = migrate(&citus_store(&unadded_first)).await.expect("migrate through a URL listing the node not added first");
+    assert!(applied.iter().any(|m| m.starts_with("citus_0001")), "the Citus migrations ran: {applied:?}");
+    assert_distributed(&url).await;
+}
+
+/// With the coordinator down, a store whose URL lists every node migrates
+/// through a worker, which finds the schema up to date (before: the store
+/// kept the coordinator's pool once a host had said it was group 0, and
+/// failed). A cluster of its own: its coordinator is stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_coordinator_down_an_up_to_date_schema_is_found_through_a_worker() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let mut cluster = tokio::task::block_in_place(|| citus::CitusCluster::start(2)).expect("a cluster of its own");
+    let url = tokio::task::block_in_place(|| cluster.create_database("coordinator_down")).expect("database");
+    let every = cluster.every_node_url(&url);
+    let store = Store::open(&citus_store(&every), Access::Migrate).await.expect("open");
+    assert!(!store.migrate().await.expect("migrate").is_empty(), "the first migrate applies");
+    // Longer than the store's shard-map refresh: every host's group is known.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    tokio::task::block_in_place(|| cluster.coordinator.stop_immediate()).expect("stop the coordinator");
+    let again = store.migrate().await.expect("migrate with the coordinator down, through a worker");
+    assert!(again.is_empty(), "nothing to apply: {again:?}");
+}
+
+/// The records are distributed, as the coordinator of `url` says.
+async fn assert_distributed(url: &str) {
+    let db = client(url).await;
     let distributed: i64 = db
         .query_one("SELECT count(*) FROM pg_dist_partition WHERE logicalrelid = 'idemgate_records'::regclass", &[])
         .await
         .expect("pg_dist_partition")
         .get(0);
     assert_eq!(distributed, 1, "the records are distributed, as the coordinator says");
-    assert!(migrate(&citus_store(&workers_first)).await.expect("migrate again").is_empty(), "nothing left to apply");
 }
 
 /// Two `migrate`s at once on the coordinator: serialized (the advisory

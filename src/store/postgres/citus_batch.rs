@@ -32,7 +32,7 @@ use super::citus_route::Router;
 use super::citus_sql::SEEN_CACHEABLE;
 use super::citus_sql::{self, for_tenant};
 use super::sql::NOW;
-use super::{Db, classify, decode};
+use super::{Conn, Db, classify, decode};
 use crate::idempotency::key::Scope;
 use crate::idempotency::record::{Record, Timestamp};
 use crate::store::StoreError;
@@ -76,17 +76,23 @@ impl Reach {
         }
     }
 
-    /// The pool migrations run on: the coordinator's when the URL lists
+    /// A connection for migrations: to the coordinator when the URL lists
     /// several nodes and one of them says it is the coordinator (schema
     /// changes are refused on a worker, and the store's pool keeps the
-    /// first host that answers, which may be one); the store's otherwise
-    /// (a worker then finds the schema up to date, or refuses the change
-    /// loudly, as before).
-    pub(super) async fn for_migrations(&self) -> &Db {
-        match &self.route {
-            Some(r) => r.coordinator().await.unwrap_or(&self.main),
-            None => &self.main,
+    /// first host that answers, which may be one); the store's otherwise,
+    /// or when the coordinator's pool cannot connect (a worker then finds
+    /// the schema up to date, or refuses the change loudly, as before).
+    pub(super) async fn conn_for_migrations(&self) -> Result<Conn, StoreError> {
+        if let Some(db) = match &self.route {
+            Some(r) => r.coordinator().await,
+            None => None,
+        } {
+            match db.conn().await {
+                Ok(conn) => return Ok(conn),
+                Err(e) => tracing::warn!(error = %e, "the Citus coordinator's pool could not connect; migrating through the store's pool"),
+            }
         }
+        self.main.conn().await
     }
 }
 

@@ -60,6 +60,9 @@ struct Node {
 #[derive(Debug)]
 pub(super) struct Router {
     nodes: Vec<Node>,
+    /// The wait for one host's answer when the hosts are asked in turn
+    /// (which is the coordinator): the operation timeout shared among them.
+    ask_bound: Duration,
     shards: RwLock<Vec<Shard>>,
     hashes: Mutex<HashMap<Arc<str>, i32>>,
 }
@@ -89,7 +92,8 @@ impl Router {
                 .map_err(|e| StoreError::Unavailable(format!("cannot build the connection pool of node {i}: {e}")))?;
             nodes.push(Node { db, group: Mutex::new(None) });
         }
-        let router = Arc::new(Router { nodes, shards: RwLock::default(), hashes: Mutex::default() });
+        let ask_bound = timeout / u32::try_from(hosts).unwrap_or(u32::MAX);
+        let router = Arc::new(Router { nodes, ask_bound, shards: RwLock::default(), hashes: Mutex::default() });
         let weak = Arc::downgrade(&router);
         let main = main.clone();
         tokio::spawn(async move { refresh_forever(weak, main).await });
@@ -157,13 +161,19 @@ impl Router {
         }
     }
 
-    /// The pool of the host that is the coordinator (node group 0), asking
-    /// the hosts whose group is not known yet, in the URL's order; `None`
-    /// when none of them says so (none listed, or it does not answer).
+    /// The pool of the host that says it is the coordinator
+    /// (`citus_is_coordinator()`: group 0 with worker nodes known; a node
+    /// whose metadata is not synced is group 0 too), asking the hosts in
+    /// the URL's order, each for at most its share of the operation
+    /// timeout; `None` when none of them says so in time.
     pub(super) async fn coordinator(&self) -> Option<&Db> {
-        for i in 0..self.nodes.len() {
-            if self.group(i).await == Some(0) {
-                return self.nodes.get(i).map(|n| &n.db);
+        for (i, node) in self.nodes.iter().enumerate() {
+            let asked = tokio::time::timeout(self.ask_bound, node.db.query("SELECT citus_is_coordinator()", &[], false)).await;
+            match asked {
+                Ok(Ok(rows)) if rows.first().and_then(|r| r.try_get::<_, bool>(0).ok()) == Some(true) => return Some(&node.db),
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => tracing::debug!(host = i, error = %e, "Citus node did not say whether it is the coordinator"),
+                Err(_) => tracing::debug!(host = i, "Citus node did not say in time whether it is the coordinator"),
             }
         }
         None

@@ -26,7 +26,7 @@ impl Lifecycle for PgStore {
 
     async fn migrate(&self) -> Result<Vec<String>, StoreError> {
         // On Citus, on the coordinator whichever host the URL lists first.
-        let mut conn = self.reach.for_migrations().await.conn().await?;
+        let mut conn = self.reach.conn_for_migrations().await?;
         let m = |e: tokio_postgres::Error| migration_error("", &e);
         // These reads prepare statements: inside a transaction, so that each
         // is closed on the server session that prepared it, behind a pooler
@@ -48,7 +48,9 @@ impl Lifecycle for PgStore {
         }
         let tx = conn.client_mut().transaction().await.map_err(m)?;
         // Migrations may take longer than one protocol statement.
-        tx.batch_execute("SET LOCAL statement_timeout = 0").await.map_err(m)?;
+        // Custom plans, whichever pool the connection is from (a Citus node's
+        // pool keeps generic plans, which Citus refuses for some statements).
+        tx.batch_execute("SET LOCAL statement_timeout = 0; SET LOCAL plan_cache_mode = force_custom_plan").await.map_err(m)?;
         tx.execute("SELECT pg_advisory_xact_lock($1)", &[&PG_LOCK_KEY]).await.map_err(m)?;
         tx.batch_execute(
             "CREATE TABLE IF NOT EXISTS idemgate_schema_migrations (

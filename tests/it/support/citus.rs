@@ -120,6 +120,15 @@ impl CitusCluster {
     /// the workers this database's worker nodes, and returns the
     /// coordinator's URL for it.
     pub fn create_database(&self, name: &str) -> io::Result<String> {
+        let all: Vec<usize> = (0..self.workers.len()).collect();
+        self.create_database_adding(name, &all)
+    }
+
+    /// [`create_database`](Self::create_database), the extension on every
+    /// node but only the workers numbered in `added` made this database's
+    /// worker nodes (another is a node whose metadata was never synced: its
+    /// node group says 0, as the coordinator's does).
+    pub fn create_database_adding(&self, name: &str, added: &[usize]) -> io::Result<String> {
         for node in self.nodes() {
             node.create_database(name)?;
             node.simple_query(name, "CREATE EXTENSION citus")
@@ -128,7 +137,7 @@ impl CitusCluster {
         }
         let c = &self.coordinator;
         c.simple_query(name, &format!("SELECT citus_set_coordinator_host('127.0.0.1', {})", c.port()))?;
-        for w in &self.workers {
+        for w in self.workers.iter().enumerate().filter(|(i, _)| added.contains(i)).map(|(_, w)| w) {
             // Adding a node syncs metadata over new connections to every
             // node; with many test databases set up at once on a loaded
             // machine one of them can fail ("failure on connection marked as
@@ -186,8 +195,13 @@ impl CitusCluster {
     /// `url` (the coordinator's, as [`create_database`](Self::create_database)
     /// returns it) listing every node, the coordinator first.
     pub fn every_node_url(&self, url: &str) -> String {
+        self.nodes_url(url, &self.nodes().collect::<Vec<_>>())
+    }
+
+    /// `url` (the coordinator's) listing `nodes`, in that order.
+    pub fn nodes_url(&self, url: &str, nodes: &[&PgServer]) -> String {
         let db = url.rsplit('/').next().unwrap_or_default();
-        let hosts: Vec<String> = self.nodes().map(|n| format!("127.0.0.1:{}", n.port())).collect();
+        let hosts: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port())).collect();
         let one = self.coordinator.url(db);
         one.replacen(&format!("127.0.0.1:{}", self.coordinator.port()), &hosts.join(","), 1)
     }
