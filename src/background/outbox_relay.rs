@@ -28,6 +28,11 @@ use crate::upstream::side_client::{self, SideClient};
 
 /// Events taken per round.
 const BATCH: u32 = 128;
+/// The pause after a round that took less than half a batch: the relay is
+/// caught up, and its next take waits for a few more events (fewer
+/// statements, commits and posts per event); a relay behind takes again at
+/// once.
+const LINGER: Duration = Duration::from_millis(25);
 /// The poll interval while nothing is deliverable.
 const IDLE: Backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
 /// The wait of an event (and its destination) after a failure, jittered:
@@ -169,6 +174,7 @@ impl Relay {
             match taken {
                 Ok((events, later)) if !events.is_empty() || !later.is_empty() => {
                     idle_rounds = 1;
+                    let caught_up = events.len() + later.len() < BATCH as usize / 2;
                     self.defer(&later, token).await;
                     // At most one event per scope is deliverable at a time, so the
                     // deliveries can go out concurrently (and several events of
@@ -198,6 +204,12 @@ impl Relay {
                         self.back_off(url);
                     }
                     self.mark_delivered(&delivered, token).await;
+                    if caught_up {
+                        tokio::select! {
+                            _ = shutdown.cancelled() => break,
+                            _ = tokio::time::sleep(LINGER) => {}
+                        }
+                    }
                 }
                 Ok(_) => {
                     tokio::select! {
