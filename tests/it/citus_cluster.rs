@@ -236,8 +236,9 @@ async fn a_node_not_yet_added_listed_first_is_not_taken_for_the_coordinator() {
 
 /// With the coordinator down, a store whose URL lists every node migrates
 /// through a worker, which finds the schema up to date (before: the store
-/// kept the coordinator's pool once a host had said it was group 0, and
-/// failed). A cluster of its own: its coordinator is stopped.
+/// kept the coordinator's pool once a host had said it was group 0, in the
+/// first migrate, and failed). A cluster of its own: its coordinator is
+/// stopped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_the_coordinator_down_an_up_to_date_schema_is_found_through_a_worker() {
     if citus::skip_unless_installed() {
@@ -248,11 +249,37 @@ async fn with_the_coordinator_down_an_up_to_date_schema_is_found_through_a_worke
     let every = cluster.every_node_url(&url);
     let store = Store::open(&citus_store(&every), Access::Migrate).await.expect("open");
     assert!(!store.migrate().await.expect("migrate").is_empty(), "the first migrate applies");
-    // Longer than the store's shard-map refresh: every host's group is known.
-    tokio::time::sleep(Duration::from_secs(6)).await;
     tokio::task::block_in_place(|| cluster.coordinator.stop_immediate()).expect("stop the coordinator");
     let again = store.migrate().await.expect("migrate with the coordinator down, through a worker");
     assert!(again.is_empty(), "nothing to apply: {again:?}");
+}
+
+/// With no host answering as the coordinator, a schema that needs
+/// migrating is not migrated through the store's pool: its first host here
+/// is a node not yet added, where Citus would build a cluster of its own
+/// (it takes itself for the coordinator when its node list is empty).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_no_coordinator_answering_a_node_not_yet_added_is_not_migrated() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let cluster = citus::shared();
+    let name = format!("no_coordinator_{}", std::process::id());
+    let url = tokio::task::block_in_place(|| cluster.create_database_adding(&name, &[0])).expect("database, worker 1 not added");
+    let unadded = cluster.nodes_url(&url, &[&cluster.workers[1]]);
+    // A second host where nothing listens: the coordinator, down.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("its address").port();
+    let port = cluster.workers[1].port();
+    let url_of_two = unadded.replacen(&format!("127.0.0.1:{port}"), &format!("127.0.0.1:{port},127.0.0.1:{dead}"), 1);
+    let refused = migrate(&citus_store(&url_of_two)).await.expect_err("no migration without the coordinator");
+    assert!(refused.to_string().contains("coordinator"), "the error says why: {refused}");
+    let tables: i64 = client(&unadded)
+        .await
+        .query_one("SELECT count(*) FROM pg_class WHERE relname = 'idemgate_records'", &[])
+        .await
+        .expect("pg_class")
+        .get(0);
+    assert_eq!(tables, 0, "nothing was built on the node not yet added");
 }
 
 /// The records are distributed, as the coordinator of `url` says.

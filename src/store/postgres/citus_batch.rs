@@ -76,23 +76,23 @@ impl Reach {
         }
     }
 
-    /// A connection for migrations: to the coordinator when the URL lists
-    /// several nodes and one of them says it is the coordinator (schema
-    /// changes are refused on a worker, and the store's pool keeps the
-    /// first host that answers, which may be one); the store's otherwise,
-    /// or when the coordinator's pool cannot connect (a worker then finds
-    /// the schema up to date, or refuses the change loudly, as before).
-    pub(super) async fn conn_for_migrations(&self) -> Result<Conn, StoreError> {
-        if let Some(db) = match &self.route {
-            Some(r) => r.coordinator().await,
-            None => None,
-        } {
+    /// A connection for migrations, and whether it may change the schema:
+    /// the coordinator's when the URL lists several nodes and one of them
+    /// says it is the coordinator (schema changes are refused on a worker,
+    /// and the store's pool keeps the first host that answers, which may
+    /// be one); otherwise the store's, which may only find the schema up to
+    /// date when the URL lists several nodes and none said it is the
+    /// coordinator (the first host that answers may be a node not yet
+    /// added, where Citus would build a cluster of its own).
+    pub(super) async fn conn_for_migrations(&self) -> Result<(Conn, bool), StoreError> {
+        let Some(router) = &self.route else { return Ok((self.main.conn().await?, true)) };
+        if let Some(db) = router.coordinator().await {
             match db.conn().await {
-                Ok(conn) => return Ok(conn),
-                Err(e) => tracing::warn!(error = %e, "the Citus coordinator's pool could not connect; migrating through the store's pool"),
+                Ok(conn) => return Ok((conn, true)),
+                Err(e) => tracing::warn!(error = %e, "the Citus coordinator's pool could not connect"),
             }
         }
-        self.main.conn().await
+        Ok((self.main.conn().await?, false))
     }
 }
 

@@ -92,7 +92,9 @@ impl Router {
                 .map_err(|e| StoreError::Unavailable(format!("cannot build the connection pool of node {i}: {e}")))?;
             nodes.push(Node { db, group: Mutex::new(None) });
         }
-        let ask_bound = timeout / u32::try_from(hosts).unwrap_or(u32::MAX);
+        // Migrating is not on the request path: a host gets at least a second
+        // (a fresh connection, TLS included), at most the whole timeout.
+        let ask_bound = (timeout / u32::try_from(hosts).unwrap_or(u32::MAX)).max(Duration::from_secs(1)).min(timeout);
         let router = Arc::new(Router { nodes, ask_bound, shards: RwLock::default(), hashes: Mutex::default() });
         let weak = Arc::downgrade(&router);
         let main = main.clone();
@@ -147,7 +149,10 @@ impl Router {
         if let Some(group) = *node.group.lock().unwrap_or_else(PoisonError::into_inner) {
             return Some(group);
         }
-        match node.db.query("SELECT groupid FROM pg_dist_local_group", &[], false).await {
+        // A node whose metadata was never synced says group 0, as the
+        // coordinator does: its group is not known until it is added.
+        let ask = "SELECT CASE WHEN groupid <> 0 OR citus_is_coordinator() THEN groupid END FROM pg_dist_local_group";
+        match node.db.query(ask, &[], false).await {
             Ok(rows) => {
                 let group: Option<i32> = rows.first().and_then(|r| r.try_get(0).ok());
                 tracing::info!(host = i, group = ?group, "Citus node: statements of the tenants whose shards it holds go to it");

@@ -26,7 +26,7 @@ impl Lifecycle for PgStore {
 
     async fn migrate(&self) -> Result<Vec<String>, StoreError> {
         // On Citus, on the coordinator whichever host the URL lists first.
-        let mut conn = self.reach.conn_for_migrations().await?;
+        let (mut conn, may_change) = self.reach.conn_for_migrations().await?;
         let m = |e: tokio_postgres::Error| migration_error("", &e);
         // These reads prepare statements: inside a transaction, so that each
         // is closed on the server session that prepared it, behind a pooler
@@ -45,6 +45,13 @@ impl Lifecycle for PgStore {
         if current {
             conn.done();
             return Ok(Vec::new());
+        }
+        if !may_change {
+            return Err(StoreError::Unavailable(
+                "the schema needs migrating and none of the hosts in store.url answered as the Citus coordinator \
+                 (citus_is_coordinator()); migrations run there only"
+                    .into(),
+            ));
         }
         let tx = conn.client_mut().transaction().await.map_err(m)?;
         // Migrations may take longer than one protocol statement.
