@@ -27,11 +27,11 @@ use crate::upstream::limit::{Limit, Permit};
 use crate::upstream::side_client::{self, SideClient};
 
 /// Events taken per round.
-const BATCH: u32 = 128;
+const BATCH: u32 = 256;
 /// The pause after a round that took less than half a batch: the relay is
 /// caught up, and its next take waits for a few more events (fewer
-/// statements, commits and posts per event); a relay behind takes again at
-/// once.
+/// statements, commits and posts per event); a relay behind, or with a
+/// route backed off, takes again at once.
 const LINGER: Duration = Duration::from_millis(25);
 /// The poll interval while nothing is deliverable.
 const IDLE: Backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
@@ -174,7 +174,10 @@ impl Relay {
             match taken {
                 Ok((events, later)) if !events.is_empty() || !later.is_empty() => {
                     idle_rounds = 1;
-                    let caught_up = events.len() + later.len() < BATCH as usize / 2;
+                    // With a route backed off, a take also sets aside that
+                    // route's events (PostgreSQL's log): a small take then
+                    // says nothing about being caught up.
+                    let caught_up = ready.len() == self.routes.len() && events.len() + later.len() < BATCH as usize / 2;
                     self.defer(&later, token).await;
                     // At most one event per scope is deliverable at a time, so the
                     // deliveries can go out concurrently (and several events of
