@@ -30,8 +30,8 @@ use crate::upstream::side_client::{self, SideClient};
 const BATCH: u32 = 256;
 /// The pause after a round that took less than half a batch: the relay is
 /// caught up, and its next take waits for a few more events (fewer
-/// statements, commits and posts per event); a relay behind, or with a
-/// route backed off, takes again at once.
+/// statements, commits and posts per event); a relay whose take left events
+/// behind takes again at once.
 const LINGER: Duration = Duration::from_millis(25);
 /// The poll interval while nothing is deliverable.
 const IDLE: Backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
@@ -79,7 +79,8 @@ impl Relay {
     /// the relay first waits its turn for one, as a request would, and an
     /// upstream whose wait ends without one is left out of this round. The
     /// slots of the POSTs taken go into `slots` until the round's deliveries
-    /// end; events beyond them are returned apart, to be deferred. (On
+    /// end; events beyond them are returned apart, to be deferred; and
+    /// whether the store's take left deliverable events behind. (On
     /// PostgreSQL the log's lanes are read in order, so the events of routes
     /// left out of a take are set aside into the retry table.)
     async fn take(
@@ -88,7 +89,7 @@ impl Relay {
         lease: Duration,
         token: Uuid,
         slots: &mut Vec<Permit>,
-    ) -> Result<(Vec<OutboxEvent>, Vec<OutboxEvent>), crate::store::StoreError> {
+    ) -> Result<(Vec<OutboxEvent>, Vec<OutboxEvent>, bool), crate::store::StoreError> {
         // Per upstream: its limit, how many events one POST carries (the
         // smallest `batch` of the routes sharing it), the turn waited for,
         // and whether it is in this round.
@@ -122,9 +123,9 @@ impl Relay {
         };
         let ops: Vec<&str> = ready.iter().copied().filter(serves).collect();
         if ops.is_empty() {
-            return Ok((Vec::new(), Vec::new()));
+            return Ok((Vec::new(), Vec::new(), false));
         }
-        let taken = self.store.take_events(&ops, BATCH, lease, token).await?;
+        let (taken, more) = self.store.take_events_more(&ops, BATCH, lease, token).await?;
         // Events per upstream in the take's order, and room for them: one
         // POST per slot (the turn first, then slots free now; one that
         // another took meanwhile is not waited for).
@@ -153,7 +154,7 @@ impl Relay {
                 events.push(event);
             }
         }
-        Ok((events, later))
+        Ok((events, later, more))
     }
 
     /// Delivers until `shutdown`.
@@ -172,12 +173,12 @@ impl Relay {
             let mut slots = Vec::new();
             let taken = if ready.is_empty() { Ok(Default::default()) } else { self.take(&ready, lease, token, &mut slots).await };
             match taken {
-                Ok((events, later)) if !events.is_empty() || !later.is_empty() => {
+                Ok((events, later, more)) if !events.is_empty() || !later.is_empty() => {
                     idle_rounds = 1;
-                    // With a route backed off, a take also sets aside that
-                    // route's events (PostgreSQL's log): a small take then
-                    // says nothing about being caught up.
-                    let caught_up = ready.len() == self.routes.len() && events.len() + later.len() < BATCH as usize / 2;
+                    // Caught up: a small take that left nothing behind (on
+                    // PostgreSQL a take that stopped in a lane's batch, or set
+                    // events aside, e.g. a backed-off route's, did).
+                    let caught_up = !more && events.len() + later.len() < BATCH as usize / 2;
                     self.defer(&later, token).await;
                     // At most one event per scope is deliverable at a time, so the
                     // deliveries can go out concurrently (and several events of

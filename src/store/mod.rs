@@ -681,6 +681,18 @@ impl Store {
         self.bounded(op::TAKE_EVENTS, self.backend.take_events(operations, limit, lease, token)).await
     }
 
+    /// [`take_events`](Self::take_events), and whether it left deliverable
+    /// events behind (see `Events::take_events_more`).
+    pub async fn take_events_more(
+        &self,
+        operations: &[&str],
+        limit: u32,
+        lease: Duration,
+        token: Uuid,
+    ) -> Result<(Vec<OutboxEvent>, bool), StoreError> {
+        self.bounded(op::TAKE_EVENTS, self.backend.take_events_more(operations, limit, lease, token)).await
+    }
+
     pub async fn events_delivered(&self, seqs: &[i64], token: Uuid) -> Result<Vec<i64>, StoreError> {
         self.bounded(op::EVENTS_DELIVERED, self.backend.events_delivered(seqs, token)).await
     }

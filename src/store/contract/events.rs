@@ -19,6 +19,24 @@ pub trait Events: Send + Sync + std::fmt::Debug {
     /// hold one event.
     async fn take_events(&self, operations: &[&str], limit: u32, lease: Duration, token: Uuid) -> Result<Vec<OutboxEvent>, StoreError>;
 
+    /// [`take_events`](Self::take_events), and whether it left deliverable
+    /// events behind that the next take would find at once (a relay that is
+    /// caught up may wait a moment before taking again; one that is not
+    /// takes again at once). By default: whether it took `limit`.
+    /// PostgreSQL's log also says so when it stopped in a lane's batch or set
+    /// events aside.
+    async fn take_events_more(
+        &self,
+        operations: &[&str],
+        limit: u32,
+        lease: Duration,
+        token: Uuid,
+    ) -> Result<(Vec<OutboxEvent>, bool), StoreError> {
+        let events = self.take_events(operations, limit, lease, token).await?;
+        let more = events.len() >= usize::try_from(limit).unwrap_or(usize::MAX);
+        Ok((events, more))
+    }
+
     /// Outbox: receivers answered 2xx to these events; marks them sent in one
     /// statement and returns the ones this relay still held (the others were
     /// taken over after their lease ran out, and will be delivered again).

@@ -377,33 +377,37 @@ impl PgStore {
     /// Takes up to `limit` deliverable log events for the relay `token` (see
     /// the module documentation). Events of operations not in `operations`,
     /// and events behind an earlier one of their scope in `idemgate_events`,
-    /// are copied there instead (the lane goes on past them).
+    /// are copied there instead (the lane goes on past them). Also says
+    /// whether the take left events behind: it stopped in a lane's batch
+    /// (its limit, a scope's second event) or set events aside.
     pub(super) async fn take_log(
         &self,
         operations: &[&str],
         limit: u32,
         lease: Duration,
         token: Uuid,
-    ) -> Result<Vec<OutboxEvent>, StoreError> {
+    ) -> Result<(Vec<OutboxEvent>, bool), StoreError> {
         // A take that only set events aside has made progress: the next may
         // find events to deliver behind them.
         for _ in 0..TAKES_PAST_ASIDE {
-            let (events, aside) = self.take_log_once(operations, limit, lease, token).await?;
+            let (events, aside, cut) = self.take_log_once(operations, limit, lease, token).await?;
             if !events.is_empty() || aside == 0 {
-                return Ok(events);
+                return Ok((events, cut || aside > 0));
             }
         }
-        Ok(Vec::new())
+        Ok((Vec::new(), true))
     }
 
-    /// One take of [`Self::take_log`]: the events, and how many were set aside.
+    /// One take of [`Self::take_log`]: the events, how many were set aside,
+    /// and whether it stopped before the end of a lane's batch or of the rows
+    /// it read.
     async fn take_log_once(
         &self,
         operations: &[&str],
         limit: u32,
         lease: Duration,
         token: Uuid,
-    ) -> Result<(Vec<OutboxEvent>, usize), StoreError> {
+    ) -> Result<(Vec<OutboxEvent>, usize, bool), StoreError> {
         let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
         let start = i32::from(Uuid::new_v4().as_bytes()[0]) % i32::try_from(LANES).unwrap_or(16);
         let room = usize::try_from(limit).unwrap_or(usize::MAX);
@@ -479,9 +483,10 @@ impl PgStore {
             l.taken.push(event.seq);
             deliver.push((lane, event));
         }
+        let cut = rows.len() > budget || lanes.iter().any(|l| l.cut);
         lanes.retain(|l| !l.taken.is_empty());
         if lanes.is_empty() {
-            return Ok((Vec::new(), 0));
+            return Ok((Vec::new(), 0, cut));
         }
         let (mut t_lane, mut t_seq) = (Vec::new(), Vec::new());
         for l in &lanes {
@@ -510,7 +515,7 @@ impl PgStore {
             self.settle(&[], token, &[], None, Duration::ZERO, false, 0).await?;
         }
         let set_aside = aside.0.iter().filter(|lane| leased.contains(lane)).count();
-        Ok((deliver.into_iter().filter(|(lane, _)| leased.contains(lane)).map(|(_, e)| e).collect(), set_aside))
+        Ok((deliver.into_iter().filter(|(lane, _)| leased.contains(lane)).map(|(_, e)| e).collect(), set_aside, cut))
     }
 
     /// Runs [`SETTLE`]; returns the seqs this relay still held of `delivered` and `moved`.

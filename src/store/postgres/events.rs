@@ -164,17 +164,31 @@ pub(super) const EVENT_STATS: &str = "SELECT \
 #[async_trait]
 impl Events for PgStore {
     async fn take_events(&self, operations: &[&str], limit: u32, lease: Duration, token: Uuid) -> Result<Vec<OutboxEvent>, StoreError> {
+        Ok(self.take_events_more(operations, limit, lease, token).await?.0)
+    }
+
+    async fn take_events_more(
+        &self,
+        operations: &[&str],
+        limit: u32,
+        lease: Duration,
+        token: Uuid,
+    ) -> Result<(Vec<OutboxEvent>, bool), StoreError> {
         if self.flavor == Flavor::Citus {
-            return decode_events(&self.take_event_rows_citus(operations, limit, micros(lease), token).await?);
+            let taken = decode_events(&self.take_event_rows_citus(operations, limit, micros(lease), token).await?)?;
+            let more = taken.len() >= usize::try_from(limit).unwrap_or(usize::MAX);
+            return Ok((taken, more));
         }
         // Events being retried first (usually none), then the log.
         let mut taken = self.take_retries(operations, limit, lease, token).await?;
         let room = limit.saturating_sub(u32::try_from(taken.len()).unwrap_or(u32::MAX));
-        if room > 0 {
-            taken.extend(self.take_log(operations, room, lease, token).await?);
-            taken.sort_by_key(|e| e.seq);
+        if room == 0 {
+            return Ok((taken, true));
         }
-        Ok(taken)
+        let (log, more) = self.take_log(operations, room, lease, token).await?;
+        taken.extend(log);
+        taken.sort_by_key(|e| e.seq);
+        Ok((taken, more))
     }
 
     async fn events_delivered(&self, seqs: &[i64], token: Uuid) -> Result<Vec<i64>, StoreError> {

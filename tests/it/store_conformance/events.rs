@@ -366,6 +366,35 @@ async fn pg_a_take_that_ends_exactly_at_its_batchs_end_ends_the_batch() {
     assert_eq!(delivered, keys[36..40].to_vec(), "the fourth event, past the first take's read, is delivered after the first three");
 }
 
+/// A take says whether it left deliverable events behind, which a relay
+/// that is caught up waits for a moment before taking: here it stops at a
+/// scope's second event in its lane (said), then reads the lane's batch to
+/// its end (not said), then sets another operation's events aside (said).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_a_take_says_whether_it_left_events_behind() {
+    let url = pg::shared().create_unique_database("conformance").expect("create database");
+    let store = open_with_events(&Backend::Postgres { url: url.clone() }).await;
+    let db = connect(&url).await;
+    let keys = keys_in_lane_of(&db, "more", "more-1", 3).await;
+    append_raw(&db, &keys[0], "create_order").await;
+    append_raw(&db, &keys[0], "create_order").await;
+    let ops = ["create_order"];
+    let relay = Uuid::new_v4();
+    let (first, more) = store.take_events_more(&ops, 10, LONG, relay).await.unwrap();
+    assert_eq!(first.len(), 1, "one event of a scope at a time");
+    assert!(more, "the scope's second event is left behind");
+    assert_eq!(store.events_delivered(&[first[0].seq], relay).await.unwrap(), vec![first[0].seq]);
+    let (second, more) = store.take_events_more(&ops, 10, LONG, relay).await.unwrap();
+    assert_eq!(second.len(), 1, "the scope's second event");
+    assert!(!more, "the take read its lane's batch to its end");
+    assert_eq!(store.events_delivered(&[second[0].seq], relay).await.unwrap(), vec![second[0].seq]);
+    append_raw(&db, &keys[1], "other_operation").await;
+    append_raw(&db, &keys[2], "create_order").await;
+    let (third, more) = store.take_events_more(&ops, 10, LONG, relay).await.unwrap();
+    assert_eq!(third.iter().map(|e| e.scope.key.as_str()).collect::<Vec<_>>(), vec![keys[2].as_str()]);
+    assert!(more, "an event was set aside");
+}
+
 /// Replicas of an earlier version lease and end batches without knowing of
 /// a batch's seq bound (migration 0016), so a bound can be left over from
 /// an earlier batch: it is not used for a later one. Here an earlier relay
