@@ -483,26 +483,37 @@ fn the_checker_sees_sequential_scans_and_unintended_indexes() {
     assert!(problems(&s, &pk).is_empty());
 }
 
-/// Log rows a plan read (returned or removed by a filter, over all loops):
-/// the scans of the event log's slots.
-fn log_rows_read(plan: &Value) -> f64 {
-    let mut read = 0.0;
+/// Every JSON object in an `EXPLAIN (FORMAT JSON)` plan (its nodes, and
+/// whatever else is an object), at any depth.
+fn plan_objects(plan: &Value) -> Vec<&Value> {
+    let mut objects = Vec::new();
     let mut stack = vec![plan];
     while let Some(v) = stack.pop() {
         match v {
             Value::Array(items) => stack.extend(items),
             Value::Object(map) => {
-                let relation = map.get("Relation Name").and_then(Value::as_str).unwrap_or("");
-                if relation.starts_with("idemgate_event_log") {
-                    let n = |k: &str| map.get(k).and_then(Value::as_f64).unwrap_or(0.0);
-                    read += (n("Actual Rows") + n("Rows Removed by Filter")) * n("Actual Loops").max(1.0);
-                }
+                objects.push(v);
                 stack.extend(map.values());
             }
             _ => {}
         }
     }
-    read
+    objects
+}
+
+/// A plan node's number `key` (0 when it has none).
+fn number(node: &Value, key: &str) -> f64 {
+    node.get(key).and_then(Value::as_f64).unwrap_or(0.0)
+}
+
+/// Log rows a plan read (returned or removed by a filter, over all loops):
+/// the scans of the event log's slots.
+fn log_rows_read(plan: &Value) -> f64 {
+    plan_objects(plan)
+        .into_iter()
+        .filter(|node| node.get("Relation Name").and_then(Value::as_str).is_some_and(|r| r.starts_with("idemgate_event_log")))
+        .map(|node| (number(node, "Actual Rows") + number(node, "Rows Removed by Filter")) * number(node, "Actual Loops").max(1.0))
+        .sum()
 }
 
 /// Appends `n` events of lane 3 (keys `{prefix}<i>`) to the log, committed.
@@ -589,21 +600,12 @@ async fn a_take_asks_only_as_many_lanes_as_it_takes() {
 /// The most times a subplan that reads the event log ran (in a take: the
 /// lanes asked whether they have events).
 fn lanes_asked(plan: &Value) -> f64 {
-    let mut most: f64 = 0.0;
-    let mut stack = vec![plan];
-    while let Some(v) = stack.pop() {
-        match v {
-            Value::Array(items) => stack.extend(items),
-            Value::Object(map) => {
-                if map.get("Parent Relationship").and_then(Value::as_str) == Some("SubPlan") && log_rows_read(v) > 0.0 {
-                    most = most.max(map.get("Actual Loops").and_then(Value::as_f64).unwrap_or(0.0));
-                }
-                stack.extend(map.values());
-            }
-            _ => {}
-        }
-    }
-    most
+    plan_objects(plan)
+        .into_iter()
+        .filter(|node| node.get("Parent Relationship").and_then(Value::as_str) == Some("SubPlan"))
+        .filter(|node| log_rows_read(node) > 0.0)
+        .map(|node| number(node, "Actual Loops"))
+        .fold(0.0, f64::max)
 }
 
 /// Settling what a relay delivered reads no log rows when no event is to

@@ -33,7 +33,7 @@ pub trait Events: Send + Sync + std::fmt::Debug {
         token: Uuid,
     ) -> Result<(Vec<OutboxEvent>, bool), StoreError> {
         let events = self.take_events(operations, limit, lease, token).await?;
-        let more = events.len() >= usize::try_from(limit).unwrap_or(usize::MAX);
+        let more = reached(&events, limit);
         Ok((events, more))
     }
 
@@ -62,4 +62,9 @@ pub trait Events: Send + Sync + std::fmt::Debug {
 
     /// Outbox: pending and parked counts, and when the oldest pending was written.
     async fn event_stats(&self) -> Result<EventStats, StoreError>;
+}
+
+/// Whether a take reached its `limit`: events may be left behind.
+pub fn reached(taken: &[OutboxEvent], limit: u32) -> bool {
+    taken.len() >= usize::try_from(limit).unwrap_or(usize::MAX)
 }

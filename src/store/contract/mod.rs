@@ -21,7 +21,7 @@ mod reconcile;
 mod records;
 mod trail;
 
-pub use events::Events;
+pub use events::{Events, reached};
 pub use lifecycle::{Lifecycle, SessionReport};
 pub use queue::{Queue, RetryNote, Taken, WorkerRoute};
 pub use reconcile::{ProbeFence, ProbeRoute, Probing, Reconcile, Resolution, ResolveOutcome, UNRECORDED_AT_UPSTREAM};

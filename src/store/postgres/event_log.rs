@@ -150,10 +150,10 @@ fn next_in_batch(l: &str, limit: &str) -> String {
 /// and sorting every lane's `$1` (and whether an event waits behind its
 /// scope is asked of those rows only). [`PgStore::take_log`] checks the
 /// order too. The lanes are put in order before they are asked whether
-/// they have events, so that the asking stops once `$4` are found (one
-/// to three index probes a lane, of up to 16 lanes). A lane's snapshots are written
-/// as text once per lane taken (in `w`), not once per row: under load a
-/// snapshot lists tens of running transactions. Columns: the event's
+/// they have events, so that the asking stops once `$4` are found (one to
+/// three index probes a lane, of up to 16 lanes). A lane's snapshots are
+/// written as text once per lane taken (in `w`), not once per row: under
+/// load a snapshot lists tens of running transactions. Columns: the event's
 /// (`decode_event`), then lane, done, upto, fresh, after_seq, xid (as
 /// int8), held back, upto_seq.
 pub(super) static TAKE_LOG: LazyLock<String> = LazyLock::new(|| {

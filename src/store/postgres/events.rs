@@ -176,7 +176,7 @@ impl Events for PgStore {
     ) -> Result<(Vec<OutboxEvent>, bool), StoreError> {
         if self.flavor == Flavor::Citus {
             let taken = decode_events(&self.take_event_rows_citus(operations, limit, micros(lease), token).await?)?;
-            let more = taken.len() >= usize::try_from(limit).unwrap_or(usize::MAX);
+            let more = crate::store::contract::reached(&taken, limit);
             return Ok((taken, more));
         }
         // Events being retried first (usually none), then the log.

@@ -249,6 +249,14 @@ async fn connect(url: &str) -> tokio_postgres::Client {
     db
 }
 
+/// A PostgreSQL store with events on a database of its own, and a session
+/// of the test's on that database (for the log's rows).
+async fn pg_log_store() -> (idemgate::store::Store, tokio_postgres::Client) {
+    let url = pg::shared().create_unique_database("conformance").expect("create database");
+    let store = open_with_events(&Backend::Postgres { url: url.clone() }).await;
+    (store, connect(&url).await)
+}
+
 /// `n` keys `{prefix}-<i>` whose events go to the log's lane of key `of`
 /// (lanes split by key), in order of `i`.
 async fn keys_in_lane_of(db: &tokio_postgres::Client, prefix: &str, of: &str, n: i64) -> Vec<String> {
@@ -282,9 +290,7 @@ async fn append_raw(db: &tokio_postgres::Client, key: &str, operation: &str) {
 /// that kept only the highest seq it delivered would skip it for ever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pg_an_event_committed_after_later_ones_were_delivered_is_still_delivered() {
-    let url = pg::shared().create_unique_database("conformance").expect("create database");
-    let store = open_with_events(&Backend::Postgres { url: url.clone() }).await;
-    let slow = connect(&url).await;
+    let (store, slow) = pg_log_store().await;
     // A key in the same lane of the log as "fast".
     let slow_key = keys_in_lane_of(&slow, "slow", "fast", 1).await.remove(0);
     // The slow transaction writes its event first (the smaller seq) and stays open.
@@ -324,9 +330,7 @@ async fn pg_an_event_committed_after_later_ones_were_delivered_is_still_delivere
 /// deliver: the fourth, one past what the take could read, is not skipped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pg_a_take_that_ends_exactly_at_its_batchs_end_ends_the_batch() {
-    let url = pg::shared().create_unique_database("conformance").expect("create database");
-    let store = open_with_events(&Backend::Postgres { url: url.clone() }).await;
-    let db = connect(&url).await;
+    let (store, db) = pg_log_store().await;
     let keys = keys_in_lane_of(&db, "exact", "exact-1", 40).await;
     for k in &keys[..16] {
         append_raw(&db, k, "other_operation").await;
@@ -372,9 +376,7 @@ async fn pg_a_take_that_ends_exactly_at_its_batchs_end_ends_the_batch() {
 /// its end (not said), then sets another operation's events aside (said).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pg_a_take_says_whether_it_left_events_behind() {
-    let url = pg::shared().create_unique_database("conformance").expect("create database");
-    let store = open_with_events(&Backend::Postgres { url: url.clone() }).await;
-    let db = connect(&url).await;
+    let (store, db) = pg_log_store().await;
     let keys = keys_in_lane_of(&db, "more", "more-1", 3).await;
     append_raw(&db, &keys[0], "create_order").await;
     append_raw(&db, &keys[0], "create_order").await;
@@ -403,9 +405,7 @@ async fn pg_a_take_says_whether_it_left_events_behind() {
 /// relay still delivers the event past the stale bound.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pg_a_seq_bound_left_by_an_earlier_batch_is_not_used() {
-    let url = pg::shared().create_unique_database("conformance").expect("create database");
-    let store = open_with_events(&Backend::Postgres { url: url.clone() }).await;
-    let db = connect(&url).await;
+    let (store, db) = pg_log_store().await;
     let keys = keys_in_lane_of(&db, "bound", "bound-1", 4).await;
     append_raw(&db, &keys[0], "create_order").await;
     append_raw(&db, &keys[1], "create_order").await;
