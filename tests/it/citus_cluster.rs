@@ -293,6 +293,67 @@ async fn assert_distributed(url: &str) {
     assert_eq!(distributed, 1, "the records are distributed, as the coordinator says");
 }
 
+/// New backends started on the nodes' database since the last call (each
+/// node's `pg_stat_database.sessions`, summed; `readers` are one session
+/// per node, opened before the first call so they count only once).
+async fn sessions_started(readers: &[tokio_postgres::Client], db: &str) -> i64 {
+    let mut sum = 0;
+    for reader in readers {
+        let row = reader.query_one("SELECT sessions FROM pg_stat_database WHERE datname = $1", &[&db]).await.expect("sessions");
+        sum += row.get::<_, i64>(0);
+    }
+    sum
+}
+
+/// The gauges (`stats`, `event_stats`: statements over every shard, which
+/// each replica runs every few seconds) start no backend on the nodes. With
+/// Citus's default executor pool a node's shard tasks that outlast its slow
+/// start (10 ms) got connections of their own, closed again when the
+/// statement ended: a fork and a TLS handshake on a node per task, every
+/// round, per replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gauge_rounds_start_no_backend_on_the_nodes() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let cluster = citus::shared();
+    let url = cluster.create_unique_database("gauges").expect("database");
+    let db = url.rsplit('/').next().expect("database name").to_owned();
+    migrate(&citus_store(&url)).await.expect("migrate");
+    // Open records enough that a shard's task outlasts the slow start.
+    client(&url)
+        .await
+        .batch_execute(
+            "INSERT INTO idemgate_records (tenant, principal, operation, idempotency_key, request_hash, state, generation, \
+             claim_token, owner, created_at, updated_at, expires_at, scope_id) \
+             SELECT 't' || (g % 32), 'p', 'op', 'k' || g, '\\x00', 'unknown', g, gen_random_uuid(), 'test', now(), now(), \
+             now() + interval '1 hour', g FROM generate_series(1, 200000) g",
+        )
+        .await
+        .expect("open records");
+    let every = cluster.nodes_url(&url, &[&cluster.coordinator, &cluster.workers[0], &cluster.workers[1]]);
+    let store = Store::open(&citus_store(&every), Access::Existing).await.expect("open the store");
+    let mut readers = Vec::new();
+    for node in cluster.nodes() {
+        readers.push(client(&node.url(&db)).await);
+    }
+    // The first round connects (the store's session, and its one cached
+    // connection to each node).
+    store.stats().await.expect("stats");
+    store.event_stats().await.expect("event stats");
+    let before = sessions_started(&readers, &db).await;
+    for _ in 0..5 {
+        let open: i64 = store.stats().await.expect("stats").iter().map(|c| c.count).sum();
+        assert_eq!(open, 200_000, "the gauge counts every open record");
+        store.event_stats().await.expect("event stats");
+    }
+    // Statistics of a backend that ended are in; a live one's reach the
+    // shared counters within a second.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let started = sessions_started(&readers, &db).await - before;
+    assert_eq!(started, 0, "backends started on the nodes by five gauge rounds");
+}
+
 /// Two `migrate`s at once on the coordinator: serialized (the advisory
 /// lock), each migration applied once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -61,9 +61,7 @@ pub const SESSION_SETTINGS: &[(&str, &str)] = &[
 /// parameters are known (a generic plan of one is refused: "could not
 /// create distributed plan"), so its sessions plan each execution; the
 /// shard's own plan is made on the worker, for the statement with its values.
-/// Citus sessions also fix `standard_conforming_strings` (PostgreSQL's
-/// default): the per-tenant statements write the tenant as a literal
-/// (`citus_sql::for_tenant`), quoted for it.
+/// Citus sessions also have [`CITUS_SETTINGS`].
 pub fn session_settings(flavor: super::Flavor) -> Vec<(&'static str, &'static str)> {
     let mut settings: Vec<(&'static str, &'static str)> = SESSION_SETTINGS
         .iter()
@@ -73,19 +71,33 @@ pub fn session_settings(flavor: super::Flavor) -> Vec<(&'static str, &'static st
         })
         .collect();
     if flavor == super::Flavor::Citus {
-        settings.push(("standard_conforming_strings", "on"));
+        settings.extend_from_slice(CITUS_SETTINGS);
     }
     settings
 }
+
+/// What every Citus session of the store adds to [`SESSION_SETTINGS`]:
+/// - `standard_conforming_strings` (PostgreSQL's default) fixed: the
+///   per-tenant statements write the tenant as a literal
+///   (`citus_sql::for_tenant`), quoted for it;
+/// - one connection per node for a statement over many shards (the record
+///   and event gauges, the lists of tenants with work due). With Citus's
+///   default (16) its executor opens more connections to a node while a
+///   statement's shard tasks wait, and closes all but one when the
+///   statement ends, so every gauge round forked and authenticated new
+///   backends on the nodes (docs/performance-notes.md, "Citus: the idle
+///   cost"). The request path's statements each touch one shard and are
+///   not affected.
+pub const CITUS_SETTINGS: &[(&str, &str)] = &[("standard_conforming_strings", "on"), ("citus.max_adaptive_executor_pool_size", "1")];
 
 /// The settings of a session a Citus store opens to a node for the
 /// statements of the tenants whose shards that node holds
 /// (`citus_route`): those of PostgreSQL's sessions, generic plans included
 /// (each statement names its tenant as a constant, so Citus plans it for the
-/// node's shard once per connection), and `standard_conforming_strings`.
+/// node's shard once per connection), and [`CITUS_SETTINGS`].
 pub fn routed_session_settings() -> Vec<(&'static str, &'static str)> {
     let mut settings = SESSION_SETTINGS.to_vec();
-    settings.push(("standard_conforming_strings", "on"));
+    settings.extend_from_slice(CITUS_SETTINGS);
     settings
 }
 
