@@ -58,6 +58,13 @@ impl Lifecycle for PgStore {
         // Custom plans, whichever pool the connection is from (a Citus node's
         // pool keeps generic plans, which Citus refuses for some statements).
         tx.batch_execute("SET LOCAL statement_timeout = 0; SET LOCAL plan_cache_mode = force_custom_plan").await.map_err(m)?;
+        if self.flavor == Flavor::Citus {
+            // Schema changes on every shard with Citus's own parallelism, not
+            // the one connection per node the store's sessions keep
+            // (`sql::CITUS_SETTINGS`): a node's shards one after another would
+            // hold the tables' locks that many times longer.
+            tx.batch_execute("SET LOCAL citus.max_adaptive_executor_pool_size TO DEFAULT").await.map_err(m)?;
+        }
         tx.execute("SELECT pg_advisory_xact_lock($1)", &[&PG_LOCK_KEY]).await.map_err(m)?;
         tx.batch_execute(
             "CREATE TABLE IF NOT EXISTS idemgate_schema_migrations (

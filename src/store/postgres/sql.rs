@@ -81,13 +81,16 @@ pub fn session_settings(flavor: super::Flavor) -> Vec<(&'static str, &'static st
 ///   per-tenant statements write the tenant as a literal
 ///   (`citus_sql::for_tenant`), quoted for it;
 /// - one connection per node for a statement over many shards (the record
-///   and event gauges, the lists of tenants with work due). With Citus's
-///   default (16) its executor opens more connections to a node while a
-///   statement's shard tasks wait, and closes all but one when the
-///   statement ends, so every gauge round forked and authenticated new
-///   backends on the nodes (docs/performance-notes.md, "Citus: the idle
-///   cost"). The request path's statements each touch one shard and are
-///   not affected.
+///   and event gauges, the lists of tenants with work due, the relay's
+///   follow-up writes by `seq`, the events' sweep and redelivery, the
+///   console's event lists). With Citus's default (16) its executor opens
+///   more connections to a node while the node's shard tasks wait, and
+///   closes all but one when the statement ends, so every gauge round
+///   forked and authenticated new backends on the nodes
+///   (docs/performance-notes.md, "Citus: the idle cost"). Such a statement
+///   now runs a node's tasks one after another; the request path's
+///   statements each touch one shard and are not affected. Migrations set
+///   Citus's default back for their own transaction.
 pub const CITUS_SETTINGS: &[(&str, &str)] = &[("standard_conforming_strings", "on"), ("citus.max_adaptive_executor_pool_size", "1")];
 
 /// The settings of a session a Citus store opens to a node for the
