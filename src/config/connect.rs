@@ -86,6 +86,7 @@ async fn check_store(store: &StoreConfig) -> Vec<ConnectCheck> {
                         lines.push(line("store cluster", cluster.clone()));
                     }
                     lines.push(line("store sessions", check_sessions(store).await));
+                    lines.push(line("store connections", found.connections(&store.backend)));
                     lines
                 }
                 Err(e) => vec![line("store", Err(e))],
@@ -111,7 +112,7 @@ async fn check_postgres(url: &Secret, backend: &StoreBackend, bound: Duration) -
     }
     pg.application_name("idemgate check-config");
     let attempt = async {
-        let (client, driver) = match tls {
+        let (client, driver) = match tls.clone() {
             Some(tls) => {
                 let (client, connection) =
                     pg.connect(tokio_postgres_rustls::MakeRustlsConnect::new(tls)).await.map_err(|e| error_chain(&e))?;
@@ -129,6 +130,12 @@ async fn check_postgres(url: &Secret, backend: &StoreBackend, bound: Duration) -
         let mut found = PgFindings::read(&client).await;
         if let (Ok(found), StoreBackend::Citus { .. }) = (&mut found, backend) {
             found.cluster = Some(citus_cluster(&client).await);
+        }
+        if let Ok(found) = &mut found {
+            found.rooms = match routed_hosts(&pg, backend) {
+                0 => vec![Room::read(&client, "the server".to_owned()).await],
+                hosts => join_all((0..hosts).map(|i| Room::of_host(&pg, tls.clone(), i))).await,
+            };
         }
         drop(client.batch_execute("ROLLBACK").await);
         driver.abort();
@@ -176,6 +183,9 @@ async fn citus_cluster(client: &tokio_postgres::Client) -> Result<Option<String>
 struct PgFindings {
     /// `kind = "citus"`: the `store cluster` line.
     cluster: Option<Result<Option<String>, String>>,
+    /// What each server the store's sessions reach allows and has in use
+    /// (the `store connections` line).
+    rooms: Vec<Result<Room, String>>,
     role: String,
     /// `current_schema()`: where the unqualified idemgate tables are.
     schema: String,
@@ -310,6 +320,112 @@ impl PgFindings {
             Ok(Some(format!("what serve needs on {} idemgate tables, sequences and functions", self.checked)))
         };
         ConnectCheck { subject: "store privileges".to_owned(), outcome }
+    }
+}
+
+/// How many hosts of a Citus store's URL get a pool of their own (the
+/// store's routing, `store::postgres::citus_route`): every host when the URL
+/// lists several and no pooler in transaction mode is between; 0 otherwise
+/// (only the server the store's pool reaches).
+fn routed_hosts(pg: &tokio_postgres::Config, backend: &StoreBackend) -> usize {
+    let hosts = pg.get_hosts().len().max(pg.get_hostaddrs().len());
+    match backend {
+        StoreBackend::Citus { pooler, .. } if hosts > 1 && *pooler != crate::store::Pooler::Transaction => hosts,
+        _ => 0,
+    }
+}
+
+/// What one server allows and has in use, read when the check ran.
+#[derive(Debug, Clone)]
+struct Room {
+    /// `host:port`, or `the server` for the one the store's pool reached.
+    host: String,
+    /// `max_connections` less the connections reserved for superusers.
+    allowed: i64,
+    /// Client sessions open now (other replicas', this check's, Citus's own).
+    in_use: i64,
+}
+
+impl Room {
+    async fn read(client: &tokio_postgres::Client, host: String) -> Result<Room, String> {
+        let row = client
+            .query_one(
+                "SELECT current_setting('max_connections')::int8 - current_setting('superuser_reserved_connections')::int8, \
+                        (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend')",
+                &[],
+            )
+            .await
+            .map_err(|e| format!("{host}: {}", error_chain(&e)))?;
+        Ok(Room { host, allowed: row.try_get(0).map_err(|e| error_chain(&e))?, in_use: row.try_get(1).map_err(|e| error_chain(&e))? })
+    }
+
+    /// Host `i` of `pg`, over a connection of its own.
+    async fn of_host(pg: &tokio_postgres::Config, tls: Option<rustls::ClientConfig>, i: usize) -> Result<Room, String> {
+        let one = crate::store::postgres::one_host(pg, i);
+        let host = match (one.get_hosts().first(), one.get_ports().first()) {
+            (Some(tokio_postgres::config::Host::Tcp(h)), Some(p)) => format!("{h}:{p}"),
+            (Some(tokio_postgres::config::Host::Unix(path)), Some(p)) => format!("{}:{p}", path.display()),
+            _ => format!("host {}", i + 1),
+        };
+        let (client, driver) = match tls {
+            Some(tls) => {
+                let (client, connection) = one
+                    .connect(tokio_postgres_rustls::MakeRustlsConnect::new(tls))
+                    .await
+                    .map_err(|e| format!("{host}: {}", error_chain(&e)))?;
+                (client, tokio::spawn(async move { drop(connection.await) }))
+            }
+            None => {
+                let (client, connection) = one.connect(tokio_postgres::NoTls).await.map_err(|e| format!("{host}: {}", error_chain(&e)))?;
+                (client, tokio::spawn(async move { drop(connection.await) }))
+            }
+        };
+        let room = Room::read(&client, host).await;
+        driver.abort();
+        room
+    }
+}
+
+impl PgFindings {
+    /// `store connections`: the most sessions this replica opens on each
+    /// server the store reaches, against what the server allows and has in
+    /// use. An error only when the replica alone may open more than a server
+    /// allows; otherwise how many replicas like this one fit, at their
+    /// busiest, beside what is open now (docs/scaling.md, "Connections per
+    /// node").
+    fn connections(&self, backend: &StoreBackend) -> Result<Option<String>, String> {
+        let (pool_size, routed) = match backend {
+            StoreBackend::Postgres { pool_size, pooler, .. } | StoreBackend::Citus { pool_size, pooler, .. } => {
+                if *pooler != crate::store::Pooler::None {
+                    return Ok(Some("not counted behind a connection pooler: its own limits apply (PgBouncer's max_client_conn)".into()));
+                }
+                (i64::try_from(*pool_size).unwrap_or(i64::MAX), self.rooms.len() > 1)
+            }
+            StoreBackend::Sqlite { .. } => return Ok(None),
+        };
+        let mut notes = Vec::new();
+        let mut fits = i64::MAX;
+        for (i, room) in self.rooms.iter().enumerate() {
+            let room = room.as_ref().map_err(Clone::clone)?;
+            // A routed Citus store: its pool for the tenants each node holds,
+            // Citus's connections from the store's own sessions (one to every
+            // node), and on the first host the store's pool itself.
+            let most = match (routed, i) {
+                (false, _) => pool_size,
+                (true, 0) => 3 * pool_size,
+                (true, _) => 2 * pool_size,
+            };
+            if most > room.allowed {
+                return Err(format!(
+                    "{} allows {} sessions (max_connections less superuser_reserved_connections), fewer than this replica alone \
+                     may open there ({most}); raise max_connections or lower store.pool_size",
+                    room.host, room.allowed
+                ));
+            }
+            fits = fits.min((room.allowed - room.in_use).max(0) / most);
+            notes.push(format!("{}: {} allowed, {} open now, this replica up to {most}", room.host, room.allowed, room.in_use));
+        }
+        Ok(Some(format!("{}; room for {fits} replica(s) like this one at their busiest beside what is open now", notes.join("; "))))
     }
 }
 

@@ -451,6 +451,17 @@ async fn check_config_connect_reports_the_nodes_and_the_distributed_schema() {
         after.contains("store cluster: ok (a coordinator and 2 active worker node(s); the schema is distributed by tenant)"),
         "{after}"
     );
+    // Given every node: the replica's pool for each node's tenants and
+    // Citus's connections from its store's sessions on every node, its store
+    // pool on the first too.
+    let every = cluster.nodes_url(&url, &[&cluster.workers[0], &cluster.coordinator, &cluster.workers[1]]);
+    let nodes = check(&every);
+    let line = nodes.lines().find(|l| l.starts_with("store connections: ok (")).unwrap_or_else(|| panic!("{nodes}"));
+    let [first, coordinator, second] = [cluster.workers[0].port(), cluster.coordinator.port(), cluster.workers[1].port()];
+    assert!(line.contains(&format!("127.0.0.1:{first}: ")) && line.contains(&format!("127.0.0.1:{second}: ")), "{line}");
+    let part = |port: u16| line.split("; ").find(|p| p.contains(&format!("127.0.0.1:{port}: "))).unwrap_or_else(|| panic!("{line}"));
+    assert!(part(first).ends_with("this replica up to 48"), "{line}");
+    assert!(part(coordinator).ends_with("this replica up to 32") && part(second).ends_with("this replica up to 32"), "{line}");
     let plain = cluster.plain_database(&format!("plain_check_{}", std::process::id())).expect("database");
     let refused = check(&plain);
     assert!(refused.contains("store cluster: ") && refused.contains("has no Citus extension"), "{refused}");

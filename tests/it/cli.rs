@@ -196,3 +196,41 @@ fn connect_reaches_postgres_and_never_prints_the_url() {
     let all = stdout + &text(&out.stderr);
     assert!(!all.contains("hunter2") && !all.contains("nowhere"), "{all}");
 }
+
+/// `store connections`: the most sessions the replica opens (its
+/// `pool_size`) against what the server allows (`max_connections` less the
+/// superusers' reserve) and has open now, and how many such replicas fit; a
+/// pool larger than the server allows at all is an error (exit 1).
+#[test]
+fn connect_counts_a_replicas_sessions_against_what_the_server_allows() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = TcpListener::bind("127.0.0.1:0").unwrap();
+    let upstreams = [("orders", format!("http://{}", up.local_addr().unwrap()))];
+    let support::gateway::Backend::Postgres { url } = support::postgres_backend() else { unreachable!() };
+    let pg = |pool: u32| format!("[store]\nkind = \"postgres\"\nurl = \"{url}\"\npool_size = {pool}\n");
+
+    let file = write(dir.path(), "pg16.toml", &config(&pg(16), &upstreams));
+    let out = check_config(&file, true);
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{}", text(&out.stderr));
+    let line = stdout.lines().find(|l| l.starts_with("store connections: ok (the server: ")).unwrap_or_else(|| panic!("{stdout}"));
+    // "the server: A allowed, O open now, this replica up to 16; room for R replica(s) ..."
+    let number = |after: &str| -> i64 {
+        let rest = &line[line.find(after).unwrap_or_else(|| panic!("{after:?} in {line}")) + after.len()..];
+        rest.split(|c: char| !c.is_ascii_digit()).next().and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("{line}"))
+    };
+    let (allowed, open, room) = (number("the server: "), number("allowed, "), number("room for "));
+    assert!(line.contains("this replica up to 16;"), "{line}");
+    assert!(open >= 1 && open < allowed, "{line}");
+    assert_eq!(room, (allowed - open) / 16, "{line}");
+
+    let file = write(dir.path(), "pg1024.toml", &config(&pg(1024), &upstreams));
+    let out = check_config(&file, true);
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    assert!(
+        stdout.lines().any(|l| l.starts_with(&format!("store connections: error: the server allows {allowed} sessions"))
+            && l.contains("fewer than this replica alone may open there (1024)")),
+        "{stdout}"
+    );
+}

@@ -281,7 +281,7 @@ fn server_notice(notice: &DbError) {
 /// `config` with only its `i`-th host (and hostaddr and port). Everything
 /// else is copied field by field: tokio-postgres can add hosts to a config
 /// but not remove them.
-pub(super) fn one_host(config: &Config, i: usize) -> Config {
+pub(crate) fn one_host(config: &Config, i: usize) -> Config {
     let mut c = Config::new();
     if let Some(v) = config.get_user() {
         c.user(v);

@@ -53,6 +53,7 @@ mod citus_batch;
 mod citus_route;
 pub mod citus_sql;
 mod failover;
+pub(crate) use failover::one_host;
 mod pooler;
 pub mod sql;
 
