@@ -131,20 +131,34 @@ async fn check_postgres(url: &Secret, backend: &StoreBackend, bound: Duration) -
         if let (Ok(found), StoreBackend::Citus { .. }) = (&mut found, backend) {
             found.cluster = Some(citus_cluster(&client).await);
         }
-        if let Ok(found) = &mut found {
-            found.rooms = match routed_hosts(&pg, backend) {
-                0 => vec![Room::read(&client, "the server".to_owned()).await],
-                hosts => join_all((0..hosts).map(|i| Room::of_host(&pg, tls.clone(), i))).await,
-            };
+        if let Ok(found) = &mut found
+            && counted(backend)
+            && routed_hosts(&pg, backend) == 0
+        {
+            found.rooms = vec![Room::read(&client, None).await];
         }
         drop(client.batch_execute("ROLLBACK").await);
         driver.abort();
         found
     };
-    match tokio::time::timeout(bound, attempt).await {
-        Ok(found) => found,
-        Err(_) => Err(format!("no answer from PostgreSQL within {}", humantime::format_duration(bound))),
+    let mut found = match tokio::time::timeout(bound, attempt).await {
+        Ok(found) => found?,
+        Err(_) => return Err(format!("no answer from PostgreSQL within {}", humantime::format_duration(bound))),
+    };
+    // Each node of a Citus store given several hosts, on a connection of its
+    // own and within its own bound: one that does not answer is named, and
+    // the other lines stand.
+    let hosts = if counted(backend) { routed_hosts(&pg, backend) } else { 0 };
+    if hosts > 0 {
+        found.rooms = join_all((0..hosts).map(|i| Room::of_host(&pg, tls.clone(), i, bound))).await;
     }
+    Ok(found)
+}
+
+/// Whether the `store connections` line counts sessions: not behind a
+/// pooler, whose own limits stand between the replicas and the server.
+fn counted(backend: &StoreBackend) -> bool {
+    matches!(backend, StoreBackend::Postgres { pooler, .. } | StoreBackend::Citus { pooler, .. } if *pooler == crate::store::Pooler::None)
 }
 
 /// `store sessions`: the settings the store relies on, read back from its
@@ -326,7 +340,7 @@ impl PgFindings {
 /// How many hosts of a Citus store's URL get a pool of their own (the
 /// store's routing, `store::postgres::citus_route`): every host when the URL
 /// lists several and no pooler in transaction mode is between; 0 otherwise
-/// (only the server the store's pool reaches).
+/// (only the server the check reached).
 fn routed_hosts(pg: &tokio_postgres::Config, backend: &StoreBackend) -> usize {
     let hosts = pg.get_hosts().len().max(pg.get_hostaddrs().len());
     match backend {
@@ -335,81 +349,121 @@ fn routed_hosts(pg: &tokio_postgres::Config, backend: &StoreBackend) -> usize {
     }
 }
 
-/// What one server allows and has in use, read when the check ran.
+/// What one server allows and has open, read when the check ran.
 #[derive(Debug, Clone)]
 struct Room {
-    /// `host:port`, or `the server` for the one the store's pool reached.
+    /// `host:port` (as the server says, or as the URL names it).
     host: String,
-    /// `max_connections` less the connections reserved for superusers.
+    /// `max_connections` less the connections reserved for superusers and
+    /// for `pg_use_reserved_connections` (PostgreSQL 16).
     allowed: i64,
-    /// Client sessions open now (other replicas', this check's, Citus's own).
+    /// Sessions open now (other replicas', this check's, Citus's own). A
+    /// role without `pg_read_all_stats` sees other roles' sessions without
+    /// their kind: those are counted too, with any background process among
+    /// them (the count errs high, the room low).
     in_use: i64,
+    /// The server is a standby (a multi-host URL's check reached one).
+    standby: bool,
 }
 
 impl Room {
-    async fn read(client: &tokio_postgres::Client, host: String) -> Result<Room, String> {
+    /// `host` names the server as the URL does; without it, as the server
+    /// says (`inet_server_addr`), or `the server` over a Unix socket.
+    async fn read(client: &tokio_postgres::Client, host: Option<String>) -> Result<Room, String> {
+        let label = host.clone().unwrap_or_else(|| "the server".to_owned());
         let row = client
             .query_one(
-                "SELECT current_setting('max_connections')::int8 - current_setting('superuser_reserved_connections')::int8, \
-                        (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend')",
+                "SELECT current_setting('max_connections')::int8 - current_setting('superuser_reserved_connections')::int8 \
+                        - coalesce(current_setting('reserved_connections', true)::int8, 0), \
+                        (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend' OR backend_type IS NULL), \
+                        pg_is_in_recovery(), host(inet_server_addr()) || ':' || inet_server_port()",
                 &[],
             )
             .await
-            .map_err(|e| format!("{host}: {}", error_chain(&e)))?;
-        Ok(Room { host, allowed: row.try_get(0).map_err(|e| error_chain(&e))?, in_use: row.try_get(1).map_err(|e| error_chain(&e))? })
+            .map_err(|e| format!("{label}: {}", error_chain(&e)))?;
+        let said: Option<String> = row.try_get(3).map_err(|e| error_chain(&e))?;
+        Ok(Room {
+            host: host.or(said).unwrap_or(label),
+            allowed: row.try_get(0).map_err(|e| error_chain(&e))?,
+            in_use: row.try_get(1).map_err(|e| error_chain(&e))?,
+            standby: row.try_get(2).map_err(|e| error_chain(&e))?,
+        })
     }
 
-    /// Host `i` of `pg`, over a connection of its own.
-    async fn of_host(pg: &tokio_postgres::Config, tls: Option<rustls::ClientConfig>, i: usize) -> Result<Room, String> {
+    /// Host `i` of `pg`, over a connection of its own, within `bound`.
+    async fn of_host(pg: &tokio_postgres::Config, tls: Option<rustls::ClientConfig>, i: usize, bound: Duration) -> Result<Room, String> {
         let one = crate::store::postgres::one_host(pg, i);
-        let host = match (one.get_hosts().first(), one.get_ports().first()) {
-            (Some(tokio_postgres::config::Host::Tcp(h)), Some(p)) => format!("{h}:{p}"),
-            (Some(tokio_postgres::config::Host::Unix(path)), Some(p)) => format!("{}:{p}", path.display()),
-            _ => format!("host {}", i + 1),
+        let port = one.get_ports().first().copied().unwrap_or(5432);
+        let host = match (one.get_hosts().first(), one.get_hostaddrs().first()) {
+            (Some(tokio_postgres::config::Host::Tcp(h)), _) => format!("{h}:{port}"),
+            (Some(tokio_postgres::config::Host::Unix(path)), _) => format!("{} (port {port})", path.display()),
+            (None, Some(addr)) => format!("{addr}:{port}"),
+            (None, None) => format!("host {}", i + 1),
         };
-        let (client, driver) = match tls {
-            Some(tls) => {
-                let (client, connection) = one
-                    .connect(tokio_postgres_rustls::MakeRustlsConnect::new(tls))
-                    .await
-                    .map_err(|e| format!("{host}: {}", error_chain(&e)))?;
-                (client, tokio::spawn(async move { drop(connection.await) }))
-            }
-            None => {
-                let (client, connection) = one.connect(tokio_postgres::NoTls).await.map_err(|e| format!("{host}: {}", error_chain(&e)))?;
-                (client, tokio::spawn(async move { drop(connection.await) }))
-            }
+        let read = async {
+            let (client, driver) = match tls {
+                Some(tls) => {
+                    let (client, connection) = one
+                        .connect(tokio_postgres_rustls::MakeRustlsConnect::new(tls))
+                        .await
+                        .map_err(|e| format!("{host}: {}", error_chain(&e)))?;
+                    (client, tokio::spawn(async move { drop(connection.await) }))
+                }
+                None => {
+                    let (client, connection) =
+                        one.connect(tokio_postgres::NoTls).await.map_err(|e| format!("{host}: {}", error_chain(&e)))?;
+                    (client, tokio::spawn(async move { drop(connection.await) }))
+                }
+            };
+            let room = Room::read(&client, Some(host.clone())).await;
+            driver.abort();
+            room
         };
-        let room = Room::read(&client, host).await;
-        driver.abort();
-        room
+        match tokio::time::timeout(bound, read).await {
+            Ok(room) => room,
+            Err(_) => Err(format!("{host}: no answer within {}", humantime::format_duration(bound))),
+        }
     }
 }
 
 impl PgFindings {
-    /// `store connections`: the most sessions this replica opens on each
-    /// server the store reaches, against what the server allows and has in
-    /// use. An error only when the replica alone may open more than a server
-    /// allows; otherwise how many replicas like this one fit, at their
-    /// busiest, beside what is open now (docs/scaling.md, "Connections per
-    /// node").
+    /// `store connections`: about the most sessions this replica opens on
+    /// each server the check counts, against what the server allows and has
+    /// open, and how many replicas like this one fit at their busiest
+    /// (docs/scaling.md, "Connections per node"). An error when a node did
+    /// not answer, or when one replica alone may open more than a server
+    /// allows.
     fn connections(&self, backend: &StoreBackend) -> Result<Option<String>, String> {
-        let (pool_size, routed) = match backend {
-            StoreBackend::Postgres { pool_size, pooler, .. } | StoreBackend::Citus { pool_size, pooler, .. } => {
-                if *pooler != crate::store::Pooler::None {
-                    return Ok(Some("not counted behind a connection pooler: its own limits apply (PgBouncer's max_client_conn)".into()));
-                }
-                (i64::try_from(*pool_size).unwrap_or(i64::MAX), self.rooms.len() > 1)
-            }
+        let (pool_size, citus) = match backend {
+            StoreBackend::Postgres { pool_size, .. } => (*pool_size, false),
+            StoreBackend::Citus { pool_size, .. } => (*pool_size, true),
             StoreBackend::Sqlite { .. } => return Ok(None),
         };
+        if !counted(backend) {
+            return Ok(Some(
+                "not counted behind a connection pooler: its own limits apply (PgBouncer's max_client_conn, and default_pool_size per database and role)"
+                    .into(),
+            ));
+        }
+        let pool_size = i64::try_from(pool_size).unwrap_or(i64::MAX);
+        let routed = self.rooms.len() > 1;
+        let failed: Vec<&str> = self.rooms.iter().filter_map(|r| r.as_ref().err()).map(String::as_str).collect();
+        if !failed.is_empty() {
+            return Err(failed.join("; "));
+        }
         let mut notes = Vec::new();
         let mut fits = i64::MAX;
-        for (i, room) in self.rooms.iter().enumerate() {
-            let room = room.as_ref().map_err(Clone::clone)?;
-            // A routed Citus store: its pool for the tenants each node holds,
-            // Citus's connections from the store's own sessions (one to every
-            // node), and on the first host the store's pool itself.
+        for (i, room) in self.rooms.iter().filter_map(|r| r.as_ref().ok()).enumerate() {
+            if room.standby && !routed {
+                return Ok(Some(format!(
+                    "not counted: the check reached a standby ({}), and the store's sessions go to the primary",
+                    room.host
+                )));
+            }
+            // A Citus store given several hosts: its pool for the tenants each
+            // node holds, Citus's connections from the store's own sessions (one
+            // to every node), and on the first host that answers (the first
+            // listed, while it does) the store's pool itself.
             let most = match (routed, i) {
                 (false, _) => pool_size,
                 (true, 0) => 3 * pool_size,
@@ -417,15 +471,23 @@ impl PgFindings {
             };
             if most > room.allowed {
                 return Err(format!(
-                    "{} allows {} sessions (max_connections less superuser_reserved_connections), fewer than this replica alone \
+                    "{} allows {} sessions (max_connections less the reserved ones), fewer than this replica alone \
                      may open there ({most}); raise max_connections or lower store.pool_size",
                     room.host, room.allowed
                 ));
             }
             fits = fits.min((room.allowed - room.in_use).max(0) / most);
-            notes.push(format!("{}: {} allowed, {} open now, this replica up to {most}", room.host, room.allowed, room.in_use));
+            notes.push(format!("{}: {} allowed, {} open now, this replica up to about {most}", room.host, room.allowed, room.in_use));
         }
-        Ok(Some(format!("{}; room for {fits} replica(s) like this one at their busiest beside what is open now", notes.join("; "))))
+        let unlisted = if citus && !routed {
+            " (Citus: only the node in store.url is counted; the others get Citus's connections from its sessions too: list every node to count them)"
+        } else {
+            ""
+        };
+        Ok(Some(format!(
+            "{}; room for {fits} replica(s) like this one at their busiest beside what is open now{unlisted}",
+            notes.join("; ")
+        )))
     }
 }
 

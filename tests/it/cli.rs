@@ -213,14 +213,17 @@ fn connect_counts_a_replicas_sessions_against_what_the_server_allows() {
     let out = check_config(&file, true);
     let stdout = text(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{stdout}\n{}", text(&out.stderr));
-    let line = stdout.lines().find(|l| l.starts_with("store connections: ok (the server: ")).unwrap_or_else(|| panic!("{stdout}"));
-    // "the server: A allowed, O open now, this replica up to 16; room for R replica(s) ..."
+    let line = stdout.lines().find(|l| l.starts_with("store connections: ok (")).unwrap_or_else(|| panic!("{stdout}"));
+    // "host:port: A allowed, O open now, this replica up to about 16; room for R replica(s) ..."
     let number = |after: &str| -> i64 {
         let rest = &line[line.find(after).unwrap_or_else(|| panic!("{after:?} in {line}")) + after.len()..];
         rest.split(|c: char| !c.is_ascii_digit()).next().and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("{line}"))
     };
-    let (allowed, open, room) = (number("the server: "), number("allowed, "), number("room for "));
-    assert!(line.contains("this replica up to 16;"), "{line}");
+    // The server as it names itself (host:port), then what it allows.
+    let server = line.trim_start_matches("store connections: ok (").split(": ").next().unwrap_or_default();
+    assert!(server.starts_with("127.0.0.1:"), "{line}");
+    let (allowed, open, room) = (number(&format!("{server}: ")), number("allowed, "), number("room for "));
+    assert!(line.contains("this replica up to about 16;"), "{line}");
     assert!(open >= 1 && open < allowed, "{line}");
     assert_eq!(room, (allowed - open) / 16, "{line}");
 
@@ -229,7 +232,8 @@ fn connect_counts_a_replicas_sessions_against_what_the_server_allows() {
     let stdout = text(&out.stdout);
     assert_eq!(out.status.code(), Some(1), "{stdout}");
     assert!(
-        stdout.lines().any(|l| l.starts_with(&format!("store connections: error: the server allows {allowed} sessions"))
+        stdout.lines().any(|l| l.starts_with("store connections: error: 127.0.0.1:")
+            && l.contains(&format!(" allows {allowed} sessions"))
             && l.contains("fewer than this replica alone may open there (1024)")),
         "{stdout}"
     );
