@@ -112,17 +112,7 @@ async fn check_postgres(url: &Secret, backend: &StoreBackend, bound: Duration) -
     }
     pg.application_name("idemgate check-config");
     let attempt = async {
-        let (client, driver) = match tls.clone() {
-            Some(tls) => {
-                let (client, connection) =
-                    pg.connect(tokio_postgres_rustls::MakeRustlsConnect::new(tls)).await.map_err(|e| error_chain(&e))?;
-                (client, tokio::spawn(async move { drop(connection.await) }))
-            }
-            None => {
-                let (client, connection) = pg.connect(tokio_postgres::NoTls).await.map_err(|e| error_chain(&e))?;
-                (client, tokio::spawn(async move { drop(connection.await) }))
-            }
-        };
+        let (client, driver) = connect(&pg, tls.clone()).await.map_err(|e| error_chain(&e))?;
         // Read inside a transaction: each statement prepared for a read is
         // closed on the server session that prepared it, behind a pooler in
         // transaction mode too.
@@ -153,6 +143,24 @@ async fn check_postgres(url: &Secret, backend: &StoreBackend, bound: Duration) -
         found.rooms = join_all((0..hosts).map(|i| Room::of_host(&pg, tls.clone(), i, bound))).await;
     }
     Ok(found)
+}
+
+/// One connection as `pg` says (TLS when the URL's `sslmode` asks for it),
+/// its driver running until the handle is aborted.
+async fn connect(
+    pg: &tokio_postgres::Config,
+    tls: Option<rustls::ClientConfig>,
+) -> Result<(tokio_postgres::Client, tokio::task::JoinHandle<()>), tokio_postgres::Error> {
+    Ok(match tls {
+        Some(tls) => {
+            let (client, connection) = pg.connect(tokio_postgres_rustls::MakeRustlsConnect::new(tls)).await?;
+            (client, tokio::spawn(async move { drop(connection.await) }))
+        }
+        None => {
+            let (client, connection) = pg.connect(tokio_postgres::NoTls).await?;
+            (client, tokio::spawn(async move { drop(connection.await) }))
+        }
+    })
 }
 
 /// Whether the `store connections` line counts sessions: not behind a
@@ -401,20 +409,7 @@ impl Room {
             (None, None) => format!("host {}", i + 1),
         };
         let read = async {
-            let (client, driver) = match tls {
-                Some(tls) => {
-                    let (client, connection) = one
-                        .connect(tokio_postgres_rustls::MakeRustlsConnect::new(tls))
-                        .await
-                        .map_err(|e| format!("{host}: {}", error_chain(&e)))?;
-                    (client, tokio::spawn(async move { drop(connection.await) }))
-                }
-                None => {
-                    let (client, connection) =
-                        one.connect(tokio_postgres::NoTls).await.map_err(|e| format!("{host}: {}", error_chain(&e)))?;
-                    (client, tokio::spawn(async move { drop(connection.await) }))
-                }
-            };
+            let (client, driver) = connect(&one, tls).await.map_err(|e| format!("{host}: {}", error_chain(&e)))?;
             let room = Room::read(&client, Some(host.clone())).await;
             driver.abort();
             room

@@ -139,15 +139,15 @@ impl Router {
             }
         }
         for i in 0..self.nodes.len() {
-            self.group(i).await;
+            self.learn_group(i).await;
         }
     }
 
-    /// Host `i`'s node group, asked once it is not known.
-    async fn group(&self, i: usize) -> Option<i32> {
-        let node = self.nodes.get(i)?;
-        if let Some(group) = *node.group.lock().unwrap_or_else(PoisonError::into_inner) {
-            return Some(group);
+    /// Asks host `i` its node group, while it is not known.
+    async fn learn_group(&self, i: usize) {
+        let Some(node) = self.nodes.get(i) else { return };
+        if node.group.lock().unwrap_or_else(PoisonError::into_inner).is_some() {
+            return;
         }
         // A node whose metadata was never synced says group 0, as the
         // coordinator does: its group is not known until it is added.
@@ -157,12 +157,8 @@ impl Router {
                 let group: Option<i32> = rows.first().and_then(|r| r.try_get(0).ok());
                 tracing::info!(host = i, group = ?group, "Citus node: statements of the tenants whose shards it holds go to it");
                 *node.group.lock().unwrap_or_else(PoisonError::into_inner) = group;
-                group
             }
-            Err(e) => {
-                tracing::debug!(host = i, error = %e, "Citus node did not say its group yet");
-                None
-            }
+            Err(e) => tracing::debug!(host = i, error = %e, "Citus node did not say its group yet"),
         }
     }
 
