@@ -44,6 +44,7 @@ migrations! {
     14 "0014_attempt_bound",
     15 "0015_event_log",
     16 "0016_event_log_seq",
+    17 "0017_event_log_floor",
 }
 
 /// The `idemgate_settings` row holding the derived-key secret.

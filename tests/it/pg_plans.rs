@@ -561,12 +561,95 @@ async fn a_take_of_a_batch_under_way_reads_on_from_where_it_got() {
     append_to_lane_3(&admin, "later", 1000).await;
     admin.batch_execute("ANALYZE idemgate_event_log").await.expect("analyze");
     let relay = session(&url, &statements).await;
-    let args = "(144, 'a2b9c8d7-0000-4000-8000-000000000001', 0, 8, 144)";
+    let args = "(144, 'a2b9c8d7-0000-4000-8000-000000000001', 0, 8, 144, NULL)";
     let rows = relay.query(&format!("EXECUTE plan_{take}{args}"), &[]).await.expect("take");
     assert_eq!(rows.len(), 100, "the take returns the batch's 100 undelivered events");
     let plan = explain_analyze(&relay, take, args).await;
     let read = log_rows_read(&plan);
     assert!(read <= 300.0, "the take read {read} log rows for 100 events (the delivered 2,900 again, or the 1,000 after?):\n{plan:#}");
+}
+
+/// A batch's first take reads about what it takes, however far its relay
+/// is behind: the events above the lane's floor through the index by lane
+/// and seq, in seq order, and below it those of the transactions that were
+/// running when `done` was taken, by their ids (migration 0017). Before, it
+/// read every event of the batch by transaction and sorted them: a relay
+/// millions of events behind spent seconds a take, longer than a statement
+/// may run, and never got past its batch. Here lane 3 has a floor, two
+/// transactions that were running when its `done` was taken (one in the
+/// snapshot's list, one at its xmax, which the list leaves out), their
+/// events below the floor, and 3,000 events after it. The take is prepared
+/// while the log is empty, as a relay's first take is (a look-up by `xid =
+/// ANY(...)` planned then read the whole lane).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batchs_first_take_reads_about_what_it_takes() {
+    let url = migrated_database("take_fresh").await;
+    let statements = catalog();
+    let take = statements.iter().position(|s| s.name == "take_log").expect("take_log in the catalog");
+    let relay = session(&url, &statements).await;
+    let admin = session(&url, &[]).await;
+    append_to_lane_3(&admin, "old", 10).await;
+    // One running transaction that a later one's commit puts in the snapshot's
+    // list, then one that nothing completes after (at the snapshot's xmax).
+    let (listed, at_xmax) = (session(&url, &[]).await, session(&url, &[]).await);
+    listed.batch_execute("BEGIN").await.expect("begin");
+    append_to_lane_3(&listed, "listed", 1).await;
+    append_to_lane_3(&admin, "old-2-", 1).await;
+    at_xmax.batch_execute("BEGIN").await.expect("begin");
+    append_to_lane_3(&at_xmax, "xmax", 1).await;
+    // The 11 are delivered: `done` shows them, its floor was read before it
+    // and its bound on ids drawn after that.
+    admin
+        .batch_execute(
+            "UPDATE idemgate_event_lanes SET done_floor = pg_sequence_last_value('idemgate_events_seq_seq') WHERE lane = 3;
+             UPDATE idemgate_event_lanes SET done = pg_current_snapshot() WHERE lane = 3;
+             UPDATE idemgate_event_lanes SET done_xid = pg_current_xact_id() WHERE lane = 3",
+        )
+        .await
+        .expect("a lane with a floor");
+    let (xip, xmax): (String, String) = admin
+        .query_one(
+            "SELECT (SELECT string_agg(x::text, ',') FROM pg_snapshot_xip(done) x), pg_snapshot_xmax(done)::text FROM idemgate_event_lanes WHERE lane = 3",
+            &[],
+        )
+        .await
+        .map(|r| (r.get::<_, Option<String>>(0).unwrap_or_default(), r.get(1)))
+        .expect("done");
+    let listed_xid: String = listed.query_one("SELECT pg_current_xact_id()::text", &[]).await.expect("xid").get(0);
+    let xmax_xid: String = at_xmax.query_one("SELECT pg_current_xact_id()::text", &[]).await.expect("xid").get(0);
+    assert!(xip.split(',').any(|x| x == listed_xid), "one running transaction ({listed_xid}) is in done's list ({xip})");
+    assert_eq!(xmax_xid, xmax, "the other is at done's xmax, not in its list ({xip})");
+    append_to_lane_3(&admin, "k", 3000).await;
+    listed.batch_execute("COMMIT").await.expect("commit");
+    at_xmax.batch_execute("COMMIT").await.expect("commit");
+    let first: Vec<i64> = admin
+        .query("SELECT seq FROM idemgate_event_log WHERE lane = 3 AND idempotency_key NOT LIKE 'old%' ORDER BY seq LIMIT 144", &[])
+        .await
+        .expect("the batch's first events")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let running: Vec<i64> = admin
+        .query("SELECT seq FROM idemgate_event_log WHERE idempotency_key LIKE 'listed%' OR idempotency_key LIKE 'xmax%' ORDER BY seq", &[])
+        .await
+        .expect("the running transactions' events")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(first[..2], running[..], "the running transactions' events come first");
+    let args = "(145, 'a2b9c8d7-0000-4000-8000-000000000004', 0, 8, 145, NULL)";
+    let rows = relay.query(&format!("EXECUTE plan_{take}{args}"), &[]).await.expect("take");
+    let taken: Vec<i64> = rows.iter().take(144).map(|r| r.get(0)).collect();
+    assert_eq!(taken, first, "the take returns the batch's first events in seq order, the running transactions' first");
+    let plan = explain_analyze(&relay, take, args).await;
+    let read = log_rows_read(&plan);
+    assert!(read <= 400.0, "the take read {read} log rows to take 145 of a batch of 3,002:\n{plan:#}");
+    // And planned with the log's statistics.
+    admin.batch_execute("ANALYZE idemgate_event_log").await.expect("analyze");
+    let analyzed = session(&url, &statements).await;
+    let plan = explain_analyze(&analyzed, take, args).await;
+    let read = log_rows_read(&plan);
+    assert!(read <= 400.0, "planned with statistics, the take read {read} log rows to take 145 of a batch of 3,002:\n{plan:#}");
 }
 
 /// A take asks no more lanes whether they have events than it takes: the
@@ -591,7 +674,7 @@ async fn a_take_asks_only_as_many_lanes_as_it_takes() {
     assert_eq!(lanes, 16, "every lane has events");
     let relay = session(&url, &statements).await;
     // No limit in all ($5) that would stop the take before its 8 lanes.
-    let args = "(144, 'a2b9c8d7-0000-4000-8000-000000000003', 0, 8, 100000)";
+    let args = "(144, 'a2b9c8d7-0000-4000-8000-000000000003', 0, 8, 100000, NULL)";
     let plan = explain_analyze(&relay, take, args).await;
     let asked = lanes_asked(&plan);
     assert_eq!(asked, 8.0, "the take asked {asked} lanes whether they had events, to take 8:\n{plan:#}");

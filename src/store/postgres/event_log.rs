@@ -10,7 +10,11 @@
 //! `upto` (the events visible in it and not in `done`, in seq order, of
 //! which those up to `after_seq` are delivered). A transaction that commits
 //! after later events were delivered is not visible in `done`: its event
-//! comes in a later batch, never skipped.
+//! comes in a later batch, never skipped. A batch's first take finds its
+//! events above a floor on seq kept with `done` by seq, and those below it
+//! by the ids of the transactions that were running (migration 0017), so it
+//! reads about what it takes however long the batch; later takes read on by
+//! seq from `after_seq`.
 //!
 //! A relay's take ([`PgStore::take_log`]) reads the next events of a few
 //! free lanes (one statement), keeps of each lane the events before the
@@ -120,18 +124,84 @@ fn by_seq(l: &str) -> String {
     format!("{l}.after_seq IS NOT NULL AND {l}.upto_seq IS NOT NULL")
 }
 
+/// Lane row `{l}` (a batch not read by seq) has a floor on seq and a bound
+/// on transaction ids for its `done` snapshot (migration 0017) and a bound
+/// on seq for its batch: the batch is read as [`running_in_done`],
+/// [`running_after_xmax`] and [`above_floor`], not by transaction.
+fn floored(l: &str) -> String {
+    format!("{l}.done_floor IS NOT NULL AND {l}.done_xid IS NOT NULL AND {l}.upto_seq IS NOT NULL")
+}
+
+/// The events of the batch of lane row `{l}` at or below the floor of
+/// `done` written by the transactions `done` lists as running, as a FROM
+/// item named `{e}`, one probe of the index on (lane, xid) each (`OFFSET 0`
+/// keeps the look-up a subquery run per id: as a join, or as `xid =
+/// ANY(...)`, a plan made while the log was empty read the whole lane once).
+/// With [`running_after_xmax`], every undelivered event at or below the
+/// floor: its transaction drew its seq before the floor was read, so it had
+/// its id before `done_xid` was drawn (after that read), and, not visible
+/// in `done`, it is in the snapshot's list of running transactions or at or
+/// above its xmax (the last completed id plus one, not the next id drawn).
+fn running_in_done(e: &str, l: &str) -> String {
+    format!(
+        "pg_snapshot_xip({l}.done) AS r(xid) CROSS JOIN LATERAL (SELECT * FROM idemgate_event_log {e} \
+         WHERE {e}.lane = {l}.lane AND {e}.xid = r.xid AND {e}.seq <= {l}.done_floor AND pg_visible_in_snapshot({e}.xid, {l}.upto) \
+         AND ({l}.after_seq IS NULL OR {e}.seq > {l}.after_seq) OFFSET 0) {e}"
+    )
+}
+
+/// Event `{e}` is in the batch of lane row `{l}`, at or below the floor of
+/// `done`, written by a transaction with an id from `done`'s xmax up to
+/// `done_xid` (see [`running_in_done`]): a few transactions' worth of the
+/// lane's index.
+fn running_after_xmax(e: &str, l: &str) -> String {
+    format!(
+        "{e}.lane = {l}.lane AND {e}.xid >= pg_snapshot_xmax({l}.done) AND {e}.xid < {l}.done_xid AND {e}.seq <= {l}.done_floor \
+         AND pg_visible_in_snapshot({e}.xid, {l}.upto) AND ({l}.after_seq IS NULL OR {e}.seq > {l}.after_seq)"
+    )
+}
+
+/// Event `{e}` is in the batch of lane row `{l}`, above the floor of
+/// `done`: read through the index on (lane, seq) in seq order, from the
+/// floor up to the batch's bound (events above the floor that `done`
+/// already shows, delivered, are the few written between the floor's read
+/// and the snapshot).
+fn above_floor(e: &str, l: &str) -> String {
+    format!(
+        "{e}.lane = {l}.lane AND {e}.seq > 0 AND {e}.seq <= {l}.upto_seq AND {e}.seq > {l}.done_floor \
+         AND NOT pg_visible_in_snapshot({e}.xid, {l}.done) AND pg_visible_in_snapshot({e}.xid, {l}.upto) \
+         AND ({l}.after_seq IS NULL OR {e}.seq > {l}.after_seq)"
+    )
+}
+
 /// The next `limit` undelivered events of lane row `{l}`'s batch, in seq
-/// order, as a subquery named `e`: a batch's first take reads it by
-/// transaction (`ORDER BY seq + 0`: the seq index would read the whole
-/// lane); a take of a batch under way reads on from `after_seq` by seq.
-/// The condition on `{l}` alone is a one-time filter: one branch runs.
+/// order, as a subquery named `e`. A batch under way whose bound is known
+/// reads on from `after_seq` by seq. Otherwise, with a floor for `done`,
+/// the events of the transactions `done` lists as running and the first
+/// ones above the floor, each up to `limit` (the caller's ORDER BY merges
+/// them by seq): about what the take needs, however long the batch.
+/// Without a floor (a lane none of whose batches started by this version has
+/// ended: migration 0017),
+/// the batch by transaction, every row of it sorted by seq (`ORDER BY
+/// seq + 0`: the seq index would read the whole lane). The conditions on
+/// `{l}` alone are one-time filters: one branch runs, or the floor's two.
 fn next_in_batch(l: &str, limit: &str) -> String {
     format!(
-        "((SELECT * FROM idemgate_event_log e WHERE NOT ({by}) AND {xid} ORDER BY e.seq + 0 LIMIT {limit})
+        "((SELECT * FROM idemgate_event_log e WHERE NOT ({by}) AND NOT ({floored}) AND {xid} ORDER BY e.seq + 0 LIMIT {limit})
+          UNION ALL
+          (SELECT e.* FROM {running} WHERE NOT ({by}) AND {floored} ORDER BY e.seq + 0 LIMIT {limit})
+          UNION ALL
+          (SELECT * FROM idemgate_event_log e WHERE NOT ({by}) AND {floored} AND {after_xmax} ORDER BY e.seq + 0 LIMIT {limit})
+          UNION ALL
+          (SELECT * FROM idemgate_event_log e WHERE NOT ({by}) AND {floored} AND {above} ORDER BY e.seq LIMIT {limit})
           UNION ALL
           (SELECT * FROM idemgate_event_log e WHERE {by} AND {seq} ORDER BY e.seq LIMIT {limit})) e",
         by = by_seq(l),
+        floored = floored(l),
         xid = in_batch("e", l),
+        running = running_in_done("e", l),
+        after_xmax = running_after_xmax("e", l),
+        above = above_floor("e", l),
         seq = in_batch_by_seq("e", l),
     )
 }
@@ -139,7 +209,7 @@ fn next_in_batch(l: &str, limit: &str) -> String {
 /// The take's read (`$1` events per lane, `$2` the relay's token, `$3` the
 /// lane to start from, `$4` lanes): up to `$4` lanes that are free (or
 /// this relay's) and have undelivered events, and their next events in seq
-/// order. A lane without a batch under way starts one ending at this
+/// order ([`next_in_batch`]). A lane without a batch under way starts one ending at this
 /// statement's snapshot (`upto`, returned as text for the lease), its seqs
 /// bounded by the sequence's value read after that snapshot (`upto_seq`;
 /// the stored bound of a batch under way counts only if it is this batch's).
@@ -153,30 +223,50 @@ fn next_in_batch(l: &str, limit: &str) -> String {
 /// they have events, so that the asking stops once `$4` are found (one to
 /// three index probes a lane, of up to 16 lanes). A lane's snapshots are
 /// written as text once per lane taken (in `w`), not once per row: under
-/// load a snapshot lists tens of running transactions. Columns: the event's
+/// load a snapshot lists tens of running transactions. Whether a lane has
+/// events above its floor, or on in its batch under way, is asked as its
+/// first one in seq order (a scalar subquery with `LIMIT 1`): as `EXISTS`,
+/// a plan made with statistics built a bitmap of the whole range first,
+/// every row of a batch millions long. Columns: the event's
 /// (`decode_event`), then lane, done, upto, fresh, after_seq, xid (as
-/// int8), held back, upto_seq.
+/// int8), held back, upto_seq, upto_floor (`$6`, the sequence's value read
+/// by an earlier statement, for a batch starting now; migration 0017).
 pub(super) static TAKE_LOG: LazyLock<String> = LazyLock::new(|| {
     format!(
         "WITH l AS MATERIALIZED (
             SELECT c.lane, c.done, coalesce(c.upto, pg_current_snapshot()) AS upto, c.after_seq, c.upto IS NULL AS fresh,
+                   c.done_floor, c.done_xid,
                    CASE WHEN c.upto IS NULL THEN pg_sequence_last_value('idemgate_events_seq_seq'::regclass)
-                        WHEN c.upto_seq_of = c.upto::text THEN c.upto_seq END AS upto_seq
+                        WHEN c.upto_seq_of = c.upto::text THEN c.upto_seq END AS upto_seq,
+                   CASE WHEN c.upto IS NULL THEN $6::int8 ELSE c.upto_floor END AS upto_floor
             FROM idemgate_event_lanes c
             WHERE c.lane >= 0 AND (c.lease_until IS NULL OR c.lease_until <= now() OR c.lease_token = $2)
         ), w AS (
             SELECT l.*, l.done::text AS done_text, l.upto::text AS upto_text
             FROM (SELECT l.*, (l.lane + $3::int4) % {LANES} AS ord FROM l ORDER BY ord) l
-            WHERE EXISTS (SELECT 1 FROM idemgate_event_log x WHERE NOT ({}) AND {})
-               OR EXISTS (SELECT 1 FROM idemgate_event_log x WHERE {} AND {})
+            WHERE EXISTS (SELECT 1 FROM idemgate_event_log x WHERE NOT ({}) AND NOT ({}) AND {})
+               OR EXISTS (SELECT 1 FROM {} WHERE NOT ({}) AND {})
+               OR EXISTS (SELECT 1 FROM idemgate_event_log x WHERE NOT ({}) AND {} AND {})
+               OR (SELECT x.seq FROM idemgate_event_log x WHERE NOT ({}) AND {} AND {} ORDER BY x.seq LIMIT 1) IS NOT NULL
+               OR (SELECT x.seq FROM idemgate_event_log x WHERE {} AND {} ORDER BY x.seq LIMIT 1) IS NOT NULL
             ORDER BY l.ord LIMIT $4::int8
         )
-        SELECT {}, w.lane, w.done_text, w.upto_text, w.fresh, w.after_seq, e.xid::text::int8, {}, w.upto_seq
+        SELECT {}, w.lane, w.done_text, w.upto_text, w.fresh, w.after_seq, e.xid::text::int8, {}, w.upto_seq, w.upto_floor
         FROM w CROSS JOIN LATERAL {}
         ORDER BY w.ord, e.seq
         LIMIT $5::int8",
         by_seq("l"),
+        floored("l"),
         in_batch("x", "l"),
+        running_in_done("x", "l"),
+        by_seq("l"),
+        floored("l"),
+        by_seq("l"),
+        floored("l"),
+        running_after_xmax("x", "l"),
+        by_seq("l"),
+        floored("l"),
+        above_floor("x", "l"),
         by_seq("l"),
         in_batch_by_seq("x", "l"),
         log_columns("e"),
@@ -184,6 +274,10 @@ pub(super) static TAKE_LOG: LazyLock<String> = LazyLock::new(|| {
         next_in_batch("w", "$1::int8"),
     )
 });
+
+/// The sequence's value now: read before a take, it is a floor for the
+/// batches the take starts (migration 0017; `None` before any event).
+pub(super) const SEQ_FLOOR: &str = "SELECT pg_sequence_last_value('idemgate_events_seq_seq'::regclass)";
 
 /// The columns of an event row as `idemgate_events` stores it, for copies of
 /// log rows.
@@ -198,15 +292,20 @@ const COPY_COLUMNS: &str =
 /// their scope or that this relay does not deliver (`$11` lanes, `$12`
 /// xids, `$13` seqs) are copied into `idemgate_events` for the lanes
 /// leased, pending and due; `$14` is each lane's seq bound as read (kept
-/// with the `upto` it belongs to). Returns the lanes leased.
+/// with the `upto` it belongs to); a batch starting now keeps `$15`, the
+/// sequence's value read before its take, and this statement's transaction
+/// id, drawn after (migration 0017; they become `done`'s when the batch
+/// ends). Returns the lanes leased.
 pub(super) static LEASE_LANES: LazyLock<String> = LazyLock::new(|| {
     format!(
         "WITH w AS (
-            SELECT * FROM unnest($1::int2[], $2::text[], $3::text[], $4::bool[], $5::int8[], $6::bool[], $14::int8[])
-                AS w(lane, done, upto, fresh, after_seq, taken_all, upto_seq)
+            SELECT * FROM unnest($1::int2[], $2::text[], $3::text[], $4::bool[], $5::int8[], $6::bool[], $14::int8[], $15::int8[])
+                AS w(lane, done, upto, fresh, after_seq, taken_all, upto_seq, upto_floor)
         ), leased AS (
             UPDATE idemgate_event_lanes c SET upto = w.upto::pg_snapshot, lease_token = $9,
                 upto_seq = w.upto_seq, upto_seq_of = CASE WHEN w.upto_seq IS NULL THEN NULL ELSE w.upto END,
+                upto_floor = CASE WHEN w.fresh THEN w.upto_floor ELSE c.upto_floor END,
+                upto_xid = CASE WHEN w.fresh THEN pg_current_xact_id() ELSE c.upto_xid END,
                 lease_until = now() + $10::int8 * interval '1 microsecond', taken_all = w.taken_all,
                 taken = ARRAY(SELECT t.seq FROM unnest($7::int2[], $8::int8[]) AS t(lane, seq) WHERE t.lane = c.lane ORDER BY t.seq)
             FROM w
@@ -232,7 +331,8 @@ pub(super) static LEASE_LANES: LazyLock<String> = LazyLock::new(|| {
 /// the last error `$4`, due after `$5` us, parked if `$6`; then each lane
 /// it holds advances over its events up to the first one neither delivered
 /// nor copied, and is released once all are (its batch ends when the
-/// events it held were the batch's last). The copies are found by lane and
+/// events it held were the batch's last; the new `done`'s floor is then
+/// the one read before the batch's snapshot: migration 0017). The copies are found by lane and
 /// seq in one scan of the log, and only when there are any (a one-time
 /// filter). Before, they were found by a join over the batch's transaction
 /// range, so every settle read its batch; a join by seq was worse, because
@@ -270,6 +370,8 @@ pub(super) static SETTLE: LazyLock<String> = LazyLock::new(|| {
         ), upd AS (
             UPDATE idemgate_event_lanes c SET
                 done = CASE WHEN l.first IS NULL AND h.taken_all THEN h.upto ELSE c.done END,
+                done_floor = CASE WHEN l.first IS NULL AND h.taken_all THEN c.upto_floor ELSE c.done_floor END,
+                done_xid = CASE WHEN l.first IS NULL AND h.taken_all THEN c.upto_xid ELSE c.done_xid END,
                 upto = CASE WHEN l.first IS NULL AND h.taken_all THEN NULL ELSE c.upto END,
                 upto_seq = CASE WHEN l.first IS NULL AND h.taken_all THEN NULL ELSE c.upto_seq END,
                 upto_seq_of = CASE WHEN l.first IS NULL AND h.taken_all THEN NULL ELSE c.upto_seq_of END,
@@ -355,6 +457,8 @@ struct LaneTake {
     fresh: bool,
     after_seq: Option<i64>,
     upto_seq: Option<i64>,
+    /// The sequence's value read before `upto` was taken (migration 0017).
+    upto_floor: Option<i64>,
     /// Every event held, in seq order: delivered ones and ones set aside.
     taken: Vec<i64>,
     /// Stopped before a row of the lane that was read (a scope's second,
@@ -421,7 +525,14 @@ impl PgStore {
         // event was exactly the last row read would stay open with nothing
         // left in it, and its lane would never be taken again.
         let ahead = read + 1;
-        let rows = self.query(&TAKE_LOG, &[&ahead, &token, &start, &LANES_PER_TAKE, &ahead], false).await?;
+        // The floor of a batch starting now: the sequence's value read before
+        // the take's snapshot, so by a statement of its own (in the take, it
+        // would be read after it).
+        let floor: Option<i64> = match self.query(SEQ_FLOOR, &[], false).await?.first() {
+            Some(row) => row.try_get(0).map_err(c)?,
+            None => None,
+        };
+        let rows = self.query(&TAKE_LOG, &[&ahead, &token, &start, &LANES_PER_TAKE, &ahead, &floor], false).await?;
         let mut lanes: Vec<LaneTake> = Vec::new();
         let mut deliver: Vec<(i16, OutboxEvent)> = Vec::new();
         let mut aside: (Vec<i16>, Vec<i64>, Vec<i64>) = Default::default();
@@ -457,6 +568,7 @@ impl PgStore {
                     fresh: row.try_get(21).map_err(c)?,
                     after_seq: row.try_get(22).map_err(c)?,
                     upto_seq: row.try_get(25).map_err(c)?,
+                    upto_floor: row.try_get(26).map_err(c)?,
                     taken: Vec::new(),
                     cut: false,
                 });
@@ -499,13 +611,30 @@ impl PgStore {
         let fresh: Vec<bool> = lanes.iter().map(|l| l.fresh).collect();
         let after_seq: Vec<Option<i64>> = lanes.iter().map(|l| l.after_seq).collect();
         let upto_seq: Vec<Option<i64>> = lanes.iter().map(|l| l.upto_seq).collect();
+        let upto_floor: Vec<Option<i64>> = lanes.iter().map(|l| l.upto_floor).collect();
         // A lane not cut was read to its batch's end: the batch ends.
         let all: Vec<bool> = lanes.iter().map(|l| !l.cut).collect();
         let (a_lane, a_xid, a_seq) = &aside;
         let leased = self
             .query(
                 &LEASE_LANES,
-                &[&lane, &done, &upto, &fresh, &after_seq, &all, &t_lane, &t_seq, &token, &micros(lease), a_lane, a_xid, a_seq, &upto_seq],
+                &[
+                    &lane,
+                    &done,
+                    &upto,
+                    &fresh,
+                    &after_seq,
+                    &all,
+                    &t_lane,
+                    &t_seq,
+                    &token,
+                    &micros(lease),
+                    a_lane,
+                    a_xid,
+                    a_seq,
+                    &upto_seq,
+                    &upto_floor,
+                ],
                 true,
             )
             .await?;

@@ -320,6 +320,68 @@ async fn pg_an_event_committed_after_later_ones_were_delivered_is_still_delivere
     assert_eq!(listed.iter().map(|e| e.seq).collect::<Vec<_>>(), vec![late[0].seq, first[0].seq], "both delivered, listed by seq");
 }
 
+/// A batch's first take reads the events above its lane's floor by seq and
+/// the events of the transactions its `done` snapshot lists as running by
+/// their ids (migration 0017). An event at or below the floor can only come
+/// from such a transaction: here one stays open across two batches, so its
+/// seq is below the floor the lane has once the second of them ends, and it
+/// is still delivered when it commits. A take that read only above the
+/// floor would skip it for ever. And the floor is a value read before the
+/// snapshot it is for: an event written while the second batch is under way
+/// (after its snapshot, before it ends) is above it and delivered in the
+/// next batch; a floor read when that batch ended would be above it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_an_event_of_a_transaction_open_across_two_batches_is_delivered() {
+    let url = pg::shared().create_unique_database("conformance").expect("create database");
+    let store = open_with_events(&Backend::Postgres { url: url.clone() }).await;
+    let (db, slow) = (connect(&url).await, connect(&url).await);
+    let keys = keys_in_lane_of(&db, "floor", "floor-1", 5).await;
+    let ops = ["create_order"];
+    let relay = Uuid::new_v4();
+    let deliver_one = |key: String| {
+        let store = &store;
+        async move {
+            let taken = store.take_events(&ops, 10, LONG, relay).await.unwrap();
+            assert_eq!(taken.iter().map(|e| e.scope.key.as_str()).collect::<Vec<_>>(), vec![key.as_str()]);
+            assert_eq!(store.events_delivered(&[taken[0].seq], relay).await.unwrap(), vec![taken[0].seq]);
+        }
+    };
+    // A first batch ends: the lane keeps the sequence's value as its next floor.
+    append_raw(&db, &keys[0], "create_order").await;
+    deliver_one(keys[0].clone()).await;
+    // The slow transaction draws its seq now, above that value, and stays open.
+    slow.batch_execute("BEGIN").await.unwrap();
+    append_raw(&slow, &keys[3], "create_order").await;
+    let slow_seq: i64 = slow.query_one("SELECT seq FROM idemgate_event_log WHERE idempotency_key = $1", &[&keys[3]]).await.unwrap().get(0);
+    // Two more batches end while it is open; the second gives `done` a floor above its seq.
+    append_raw(&db, &keys[1], "create_order").await;
+    deliver_one(keys[1].clone()).await;
+    append_raw(&db, &keys[2], "create_order").await;
+    let taken = store.take_events(&ops, 10, LONG, relay).await.unwrap();
+    assert_eq!(taken.iter().map(|e| e.scope.key.as_str()).collect::<Vec<_>>(), vec![keys[2].as_str()]);
+    append_raw(&db, &keys[4], "create_order").await;
+    assert_eq!(store.events_delivered(&[taken[0].seq], relay).await.unwrap(), vec![taken[0].seq]);
+    let floor: Option<i64> = db
+        .query_one("SELECT done_floor FROM idemgate_event_lanes WHERE lane = (hashtextextended($1::text, 0) & 15)", &[&keys[3]])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(floor.is_some_and(|f| f >= slow_seq), "the lane's floor ({floor:?}) is at or above the open transaction's seq ({slow_seq})");
+    slow.batch_execute("COMMIT").await.unwrap();
+    let last = store.take_events(&ops, 10, LONG, relay).await.unwrap();
+    assert_eq!(
+        last.iter().map(|e| e.scope.key.as_str()).collect::<Vec<_>>(),
+        vec![keys[3].as_str(), keys[4].as_str()],
+        "the late commit below the floor, and the event written during the last batch above it, in seq order"
+    );
+    let seqs: Vec<i64> = last.iter().map(|e| e.seq).collect();
+    let mut settled = store.events_delivered(&seqs, relay).await.unwrap();
+    settled.sort();
+    assert_eq!(settled, seqs);
+    assert!(store.take_events(&ops, 10, LONG, relay).await.unwrap().is_empty());
+    assert_eq!(store.event_stats().await.unwrap().pending, 0);
+}
+
 /// A take reads a little more than it delivers (events it sets aside do
 /// not count). When the rows it read end exactly where its lane's batch
 /// ends, and it takes them all, the batch ends: a batch left open with

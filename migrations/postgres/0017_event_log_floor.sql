@@ -1,0 +1,38 @@
+-- A batch's first take read the whole batch. It starts at `done` (every
+-- event whose transaction is visible in that snapshot is delivered), and
+-- the events after it were found by transaction (the lane's index by xid)
+-- and sorted by seq to take the first ones: every row of the batch was read
+-- to take a few hundred. A relay far behind its writers (millions of
+-- events in a lane) spent seconds on that read, longer than a statement may
+-- run, and took the same batch again and again without ever getting past it.
+--
+-- From here on a lane also keeps, for its `done` snapshot, a floor on seq
+-- (`done_floor`) and a bound on transaction ids (`done_xid`): the
+-- sequence's value read by the relay just before the take that started
+-- the batch, and the id of the transaction that leased the batch, drawn
+-- after that read. An undelivered event at or below the floor was written
+-- by a transaction that drew its seq before the floor was read, so it had
+-- its id before the bound was drawn; not visible in `done`, it is one of
+-- the transactions the snapshot lists as running, or at or above the
+-- snapshot's xmax (the last completed id plus one, not the next id to be
+-- drawn) and below the bound. So a batch's first take reads the events
+-- above the floor through the index by lane and seq, in seq order and up
+-- to what it needs, and those below it by those few transactions' ids
+-- through the index by lane and xid: about what it takes, however long the
+-- batch.
+--
+-- A batch keeps the pair while it runs (`upto_floor`, `upto_xid`, written
+-- when its lease starts it) and hands it to `done` when it ends. The pair
+-- holds for any later `done` too (an older floor only makes the read
+-- longer), so relays of an earlier version, which start and end batches
+-- without these columns, leave a pair that still holds. A lane without one
+-- (until a batch this version started has ended) is read as before.
+DO $migration$
+BEGIN
+IF EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus') THEN
+    RETURN;
+END IF;
+ALTER TABLE idemgate_event_lanes ADD COLUMN upto_floor bigint, ADD COLUMN upto_xid xid8,
+    ADD COLUMN done_floor bigint, ADD COLUMN done_xid xid8;
+END
+$migration$;
