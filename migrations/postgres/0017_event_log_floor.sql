@@ -21,18 +21,32 @@
 -- through the index by lane and xid: about what it takes, however long the
 -- batch.
 --
+-- This rests on two things: a writer's transaction has its id before its
+-- event draws a seq (the statements of this version make sure of it, and
+-- so does the column's default below; every statement of earlier versions
+-- appends after the update it reports, which draws the id), and the
+-- sequence hands out its values in order (`CACHE 1`, as created: with a
+-- cache, values cached by other sessions are handed out after the floor is
+-- read, by transactions with later ids).
+--
 -- A batch keeps the pair while it runs (`upto_floor`, `upto_xid`, written
--- when its lease starts it) and hands it to `done` when it ends. The pair
--- holds for any later `done` too (an older floor only makes the read
--- longer), so relays of an earlier version, which start and end batches
--- without these columns, leave a pair that still holds. A lane without one
--- (until a batch this version started has ended) is read as before.
+-- when its lease starts it, with the `upto` they belong to) and hands it to
+-- `done` when it ends (`done_pair_of`: the `done` it belongs to). A pair is
+-- used only with its own `done`: relays of an earlier version start and end
+-- batches without these columns, and a stale pair (correct, but with a
+-- floor far behind) would make every take read from that floor on. A lane
+-- without a pair of its own is read as before, until a batch this version
+-- started has ended.
 DO $migration$
 BEGIN
 IF EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus') THEN
     RETURN;
 END IF;
-ALTER TABLE idemgate_event_lanes ADD COLUMN upto_floor bigint, ADD COLUMN upto_xid xid8,
-    ADD COLUMN done_floor bigint, ADD COLUMN done_xid xid8;
+ALTER TABLE idemgate_event_lanes ADD COLUMN upto_floor bigint, ADD COLUMN upto_xid xid8, ADD COLUMN upto_pair_of text,
+    ADD COLUMN done_floor bigint, ADD COLUMN done_xid xid8, ADD COLUMN done_pair_of text;
+-- An event's seq is drawn once its transaction has an id (an insert that
+-- leaves both to the columns' defaults would draw the seq first).
+ALTER TABLE idemgate_event_log ALTER COLUMN seq
+    SET DEFAULT CASE WHEN pg_current_xact_id() IS NOT NULL THEN nextval('idemgate_events_seq_seq') END;
 END
 $migration$;

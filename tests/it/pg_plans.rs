@@ -603,7 +603,7 @@ async fn a_batchs_first_take_reads_about_what_it_takes() {
         .batch_execute(
             "UPDATE idemgate_event_lanes SET done_floor = pg_sequence_last_value('idemgate_events_seq_seq') WHERE lane = 3;
              UPDATE idemgate_event_lanes SET done = pg_current_snapshot() WHERE lane = 3;
-             UPDATE idemgate_event_lanes SET done_xid = pg_current_xact_id() WHERE lane = 3",
+             UPDATE idemgate_event_lanes SET done_xid = pg_current_xact_id(), done_pair_of = done::text WHERE lane = 3",
         )
         .await
         .expect("a lane with a floor");

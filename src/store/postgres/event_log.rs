@@ -235,7 +235,8 @@ pub(super) static TAKE_LOG: LazyLock<String> = LazyLock::new(|| {
     format!(
         "WITH l AS MATERIALIZED (
             SELECT c.lane, c.done, coalesce(c.upto, pg_current_snapshot()) AS upto, c.after_seq, c.upto IS NULL AS fresh,
-                   c.done_floor, c.done_xid,
+                   CASE WHEN c.done_pair_of = c.done::text THEN c.done_floor END AS done_floor,
+                   CASE WHEN c.done_pair_of = c.done::text THEN c.done_xid END AS done_xid,
                    CASE WHEN c.upto IS NULL THEN pg_sequence_last_value('idemgate_events_seq_seq'::regclass)
                         WHEN c.upto_seq_of = c.upto::text THEN c.upto_seq END AS upto_seq,
                    CASE WHEN c.upto IS NULL THEN $6::int8 ELSE c.upto_floor END AS upto_floor
@@ -294,8 +295,9 @@ const COPY_COLUMNS: &str =
 /// leased, pending and due; `$14` is each lane's seq bound as read (kept
 /// with the `upto` it belongs to); a batch starting now keeps `$15`, the
 /// sequence's value read before its take, and this statement's transaction
-/// id, drawn after (migration 0017; they become `done`'s when the batch
-/// ends). Returns the lanes leased.
+/// id, drawn after, with the `upto` they belong to (migration 0017; they
+/// become `done`'s when the batch ends, if still this batch's: a relay of
+/// an earlier version starts batches without them). Returns the lanes leased.
 pub(super) static LEASE_LANES: LazyLock<String> = LazyLock::new(|| {
     format!(
         "WITH w AS (
@@ -306,6 +308,7 @@ pub(super) static LEASE_LANES: LazyLock<String> = LazyLock::new(|| {
                 upto_seq = w.upto_seq, upto_seq_of = CASE WHEN w.upto_seq IS NULL THEN NULL ELSE w.upto END,
                 upto_floor = CASE WHEN w.fresh THEN w.upto_floor ELSE c.upto_floor END,
                 upto_xid = CASE WHEN w.fresh THEN pg_current_xact_id() ELSE c.upto_xid END,
+                upto_pair_of = CASE WHEN w.fresh THEN w.upto ELSE c.upto_pair_of END,
                 lease_until = now() + $10::int8 * interval '1 microsecond', taken_all = w.taken_all,
                 taken = ARRAY(SELECT t.seq FROM unnest($7::int2[], $8::int8[]) AS t(lane, seq) WHERE t.lane = c.lane ORDER BY t.seq)
             FROM w
@@ -370,8 +373,12 @@ pub(super) static SETTLE: LazyLock<String> = LazyLock::new(|| {
         ), upd AS (
             UPDATE idemgate_event_lanes c SET
                 done = CASE WHEN l.first IS NULL AND h.taken_all THEN h.upto ELSE c.done END,
-                done_floor = CASE WHEN l.first IS NULL AND h.taken_all THEN c.upto_floor ELSE c.done_floor END,
-                done_xid = CASE WHEN l.first IS NULL AND h.taken_all THEN c.upto_xid ELSE c.done_xid END,
+                done_floor = CASE WHEN l.first IS NULL AND h.taken_all THEN
+                                      CASE WHEN c.upto_pair_of = h.upto::text THEN c.upto_floor END ELSE c.done_floor END,
+                done_xid = CASE WHEN l.first IS NULL AND h.taken_all THEN
+                                    CASE WHEN c.upto_pair_of = h.upto::text THEN c.upto_xid END ELSE c.done_xid END,
+                done_pair_of = CASE WHEN l.first IS NULL AND h.taken_all THEN
+                                        CASE WHEN c.upto_pair_of = h.upto::text THEN c.upto_pair_of END ELSE c.done_pair_of END,
                 upto = CASE WHEN l.first IS NULL AND h.taken_all THEN NULL ELSE c.upto END,
                 upto_seq = CASE WHEN l.first IS NULL AND h.taken_all THEN NULL ELSE c.upto_seq END,
                 upto_seq_of = CASE WHEN l.first IS NULL AND h.taken_all THEN NULL ELSE c.upto_seq_of END,

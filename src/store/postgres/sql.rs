@@ -134,7 +134,9 @@ pub(super) const EVENT_INSERT: &str =
 /// type; the query may be ordered). The slot is read once per statement,
 /// not once per event (the column's default is a function call per row),
 /// and the event's id is computed from its transaction and seq (migration
-/// 0016), not from random bytes.
+/// 0016), not from random bytes. The transaction has its id before an event
+/// draws its seq (the `CASE` evaluates its condition first): a relay's
+/// floor on seq relies on it (migration 0017).
 pub(super) fn log_append(select: &str) -> String {
     format!(
         "INSERT INTO idemgate_event_log (slot, seq, event_id, event_type, tenant, principal, operation, idempotency_key, generation, status, \
@@ -142,7 +144,7 @@ pub(super) fn log_append(select: &str) -> String {
          SELECT (SELECT r.slot FROM idemgate_event_rotation r WHERE r.one), a.seq, idemgate_log_event_id(a.seq), a.event_type::text, \
          a.tenant::text, a.principal::text, a.operation::text, a.idempotency_key::text, a.generation::int8, a.status::int4, \
          a.operation_id::text, a.actor::text, a.body::bytea \
-         FROM (SELECT nextval('idemgate_events_seq_seq') AS seq, x.* FROM ({select}) AS x(event_type, tenant, principal, operation, \
+         FROM (SELECT CASE WHEN pg_current_xact_id() IS NOT NULL THEN nextval('idemgate_events_seq_seq') END AS seq, x.* FROM ({select}) AS x(event_type, tenant, principal, operation, \
          idempotency_key, generation, status, operation_id, actor, body)) a"
     )
 }

@@ -382,6 +382,61 @@ async fn pg_an_event_of_a_transaction_open_across_two_batches_is_delivered() {
     assert_eq!(store.event_stats().await.unwrap().pending, 0);
 }
 
+/// The same through a transaction that no other one completes after before
+/// the relay's take: the take's snapshot does not list it (its xmax is the
+/// last completed id plus one), so below the floor it is found by the
+/// bound on ids the relay's lease drew after the snapshot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_an_event_of_a_transaction_above_the_snapshots_xmax_is_delivered() {
+    // A server of its own: another test's commit would put the transaction
+    // in the snapshot's list (transaction ids are the server's).
+    let server = pg::PgServer::start().expect("start private PostgreSQL");
+    let url = server.create_database("conformance").expect("create database");
+    let store = open_with_events(&Backend::Postgres { url: url.clone() }).await;
+    let (db, slow) = (connect(&url).await, connect(&url).await);
+    let keys = keys_in_lane_of(&db, "xmax", "xmax-1", 3).await;
+    let ops = ["create_order"];
+    let relay = Uuid::new_v4();
+    let taken_keys = |taken: &[idemgate::outbox::OutboxEvent]| taken.iter().map(|e| e.scope.key.as_str().to_owned()).collect::<Vec<_>>();
+    append_raw(&db, &keys[0], "create_order").await;
+    let first = store.take_events(&ops, 10, LONG, relay).await.unwrap();
+    assert_eq!(taken_keys(&first), vec![keys[0].clone()]);
+    store.events_delivered(&[first[0].seq], relay).await.unwrap();
+    append_raw(&db, &keys[1], "create_order").await;
+    // The newest transaction: nothing completes after it before the take.
+    slow.batch_execute("BEGIN").await.unwrap();
+    append_raw(&slow, &keys[2], "create_order").await;
+    let row = slow.query_one("SELECT seq, xid::text FROM idemgate_event_log WHERE idempotency_key = $1", &[&keys[2]]).await.unwrap();
+    let (slow_seq, slow_xid): (i64, String) = (row.get(0), row.get(1));
+    let second = store.take_events(&ops, 10, LONG, relay).await.unwrap();
+    assert_eq!(taken_keys(&second), vec![keys[1].clone()]);
+    let lane = "(hashtextextended($1::text, 0) & 15)";
+    let row = db
+        .query_one(
+            &format!(
+                "SELECT pg_snapshot_xmax(upto)::text, $2::text::xid8 IN (SELECT pg_snapshot_xip(upto)) FROM idemgate_event_lanes WHERE lane = {lane}"
+            ),
+            &[&keys[2], &slow_xid],
+        )
+        .await
+        .unwrap();
+    let (xmax, listed): (String, bool) = (row.get(0), row.get(1));
+    assert!(!listed && xmax == slow_xid, "the batch's snapshot leaves the running transaction out (xmax {xmax}, its id {slow_xid})");
+    store.events_delivered(&[second[0].seq], relay).await.unwrap();
+    let row = db
+        .query_one(&format!("SELECT done_floor, done_xid::text FROM idemgate_event_lanes WHERE lane = {lane}"), &[&keys[2]])
+        .await
+        .unwrap();
+    let (floor, bound): (Option<i64>, Option<String>) = (row.get(0), row.get(1));
+    assert!(floor.is_some_and(|f| f >= slow_seq), "its seq ({slow_seq}) is at or below the floor ({floor:?})");
+    assert!(bound.is_some(), "the lane has a bound on ids");
+    slow.batch_execute("COMMIT").await.unwrap();
+    let last = store.take_events(&ops, 10, LONG, relay).await.unwrap();
+    assert_eq!(taken_keys(&last), vec![keys[2].clone()], "the transaction above the snapshot's xmax is delivered");
+    store.events_delivered(&[last[0].seq], relay).await.unwrap();
+    assert!(store.take_events(&ops, 10, LONG, relay).await.unwrap().is_empty());
+}
+
 /// A take reads a little more than it delivers (events it sets aside do
 /// not count). When the rows it read end exactly where its lane's batch
 /// ends, and it takes them all, the batch ends: a batch left open with
