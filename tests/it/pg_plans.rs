@@ -652,6 +652,40 @@ async fn a_batchs_first_take_reads_about_what_it_takes() {
     assert!(read <= 400.0, "planned with statistics, the take read {read} log rows to take 145 of a batch of 3,002:\n{plan:#}");
 }
 
+/// A lane's floor and bound are used only with the `done` they were kept
+/// for: a relay of an earlier version ends batches without them, and a pair
+/// left from before (still correct) would make every take read on from its
+/// old floor, over every event delivered since. Here 3,000 events were
+/// delivered after the pair's `done`, and 200 follow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_floor_left_by_an_earlier_batch_is_not_read_from() {
+    let url = migrated_database("take_stale").await;
+    let statements = catalog();
+    let take = statements.iter().position(|s| s.name == "take_log").expect("take_log in the catalog");
+    let admin = session(&url, &[]).await;
+    append_to_lane_3(&admin, "old", 10).await;
+    admin
+        .batch_execute(
+            "UPDATE idemgate_event_lanes SET done_floor = pg_sequence_last_value('idemgate_events_seq_seq') WHERE lane = 3;
+             UPDATE idemgate_event_lanes SET done = pg_current_snapshot() WHERE lane = 3;
+             UPDATE idemgate_event_lanes SET done_xid = pg_current_xact_id(), done_pair_of = done::text WHERE lane = 3",
+        )
+        .await
+        .expect("a lane with a pair");
+    append_to_lane_3(&admin, "delivered", 3000).await;
+    // An earlier version's relay ends the batch: `done` moves, the pair stays.
+    admin.batch_execute("UPDATE idemgate_event_lanes SET done = pg_current_snapshot() WHERE lane = 3").await.expect("done moves");
+    append_to_lane_3(&admin, "k", 200).await;
+    admin.batch_execute("ANALYZE idemgate_event_log").await.expect("analyze");
+    let relay = session(&url, &statements).await;
+    let args = "(145, 'a2b9c8d7-0000-4000-8000-000000000005', 0, 8, 145, NULL)";
+    let rows = relay.query(&format!("EXECUTE plan_{take}{args}"), &[]).await.expect("take");
+    assert_eq!(rows.len(), 145, "the take returns the batch's first events");
+    let plan = explain_analyze(&relay, take, args).await;
+    let read = log_rows_read(&plan);
+    assert!(read <= 400.0, "the take read {read} log rows to take 145 of a batch of 200 (the 3,000 delivered again?):\n{plan:#}");
+}
+
 /// A take asks no more lanes whether they have events than it takes: the
 /// lanes are put in order first, and the asking stops once `$4` lanes are
 /// found. Asked before they were ordered, every free lane was probed (16,
