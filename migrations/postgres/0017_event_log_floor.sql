@@ -7,10 +7,10 @@
 -- run, and took the same batch again and again without ever getting past it.
 --
 -- From here on a lane also keeps, for its `done` snapshot, a floor on seq
--- (`done_floor`) and a bound on transaction ids (`done_xid`): the
--- sequence's value read by the relay just before the take that started
--- the batch, and the id of the transaction that leased the batch, drawn
--- after that read. An undelivered event at or below the floor was written
+-- (`done_floor`) and a bound on transaction ids (`done_xid`): the batch's
+-- bound on seq (`upto_seq`, the sequence's value read by the take that
+-- started the batch), and the id of the transaction that leased the batch,
+-- drawn after that take. An undelivered event at or below the floor was written
 -- by a transaction that drew its seq before the floor was read, so it had
 -- its id before the bound was drawn; not visible in `done`, it is one of
 -- the transactions the snapshot lists as running, or at or above the

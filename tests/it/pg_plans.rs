@@ -561,7 +561,7 @@ async fn a_take_of_a_batch_under_way_reads_on_from_where_it_got() {
     append_to_lane_3(&admin, "later", 1000).await;
     admin.batch_execute("ANALYZE idemgate_event_log").await.expect("analyze");
     let relay = session(&url, &statements).await;
-    let args = "(144, 'a2b9c8d7-0000-4000-8000-000000000001', 0, 8, 144, NULL)";
+    let args = "(144, 'a2b9c8d7-0000-4000-8000-000000000001', 0, 8, 144)";
     let rows = relay.query(&format!("EXECUTE plan_{take}{args}"), &[]).await.expect("take");
     assert_eq!(rows.len(), 100, "the take returns the batch's 100 undelivered events");
     let plan = explain_analyze(&relay, take, args).await;
@@ -637,7 +637,7 @@ async fn a_batchs_first_take_reads_about_what_it_takes() {
         .map(|r| r.get(0))
         .collect();
     assert_eq!(first[..2], running[..], "the running transactions' events come first");
-    let args = "(145, 'a2b9c8d7-0000-4000-8000-000000000004', 0, 8, 145, NULL)";
+    let args = "(145, 'a2b9c8d7-0000-4000-8000-000000000004', 0, 8, 145)";
     let rows = relay.query(&format!("EXECUTE plan_{take}{args}"), &[]).await.expect("take");
     let taken: Vec<i64> = rows.iter().take(144).map(|r| r.get(0)).collect();
     assert_eq!(taken, first, "the take returns the batch's first events in seq order, the running transactions' first");
@@ -678,7 +678,7 @@ async fn a_floor_left_by_an_earlier_batch_is_not_read_from() {
     append_to_lane_3(&admin, "k", 200).await;
     admin.batch_execute("ANALYZE idemgate_event_log").await.expect("analyze");
     let relay = session(&url, &statements).await;
-    let args = "(145, 'a2b9c8d7-0000-4000-8000-000000000005', 0, 8, 145, NULL)";
+    let args = "(145, 'a2b9c8d7-0000-4000-8000-000000000005', 0, 8, 145)";
     let rows = relay.query(&format!("EXECUTE plan_{take}{args}"), &[]).await.expect("take");
     assert_eq!(rows.len(), 145, "the take returns the batch's first events");
     let plan = explain_analyze(&relay, take, args).await;
@@ -708,7 +708,7 @@ async fn a_take_asks_only_as_many_lanes_as_it_takes() {
     assert_eq!(lanes, 16, "every lane has events");
     let relay = session(&url, &statements).await;
     // No limit in all ($5) that would stop the take before its 8 lanes.
-    let args = "(144, 'a2b9c8d7-0000-4000-8000-000000000003', 0, 8, 100000, NULL)";
+    let args = "(144, 'a2b9c8d7-0000-4000-8000-000000000003', 0, 8, 100000)";
     let plan = explain_analyze(&relay, take, args).await;
     let asked = lanes_asked(&plan);
     assert_eq!(asked, 8.0, "the take asked {asked} lanes whether they had events, to take 8:\n{plan:#}");

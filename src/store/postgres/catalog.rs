@@ -4,8 +4,7 @@
 //! statistics).
 
 use super::event_log::{
-    LEASE_LANES, LOG_EVENTS, LOG_INSERT_ONE, LOG_PENDING, LOG_REDELIVER, LOG_SENT, LOG_STATS, RETRIES_DEFERRED, ROTATE, SEQ_FLOOR, SETTLE,
-    TAKE_LOG,
+    LEASE_LANES, LOG_EVENTS, LOG_INSERT_ONE, LOG_PENDING, LOG_REDELIVER, LOG_SENT, LOG_STATS, RETRIES_DEFERRED, ROTATE, SETTLE, TAKE_LOG,
 };
 use super::events::{
     EVENT_FAILED, EVENT_INSERT_ONE, EVENT_STATS, EVENTS, EVENTS_BY_DELIVERY, EVENTS_DELIVERED, EVENTS_WINDOW_FULL, REDELIVER, SWEEP_EVENTS,
@@ -102,7 +101,6 @@ pub fn catalog() -> Vec<Statement> {
         // The event log: a lane's events through its index (one per slot),
         // the lanes through their primary key, copies in idemgate_events by seq.
         s("log_insert", &LOG_INSERT_ONE, &[]),
-        s("seq_floor", SEQ_FLOOR, &[]),
         s(
             "take_log",
             &TAKE_LOG,

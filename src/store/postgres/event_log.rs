@@ -138,10 +138,12 @@ fn floored(l: &str) -> String {
 /// keeps the look-up a subquery run per id: as a join, or as `xid =
 /// ANY(...)`, a plan made while the log was empty read the whole lane once).
 /// With [`running_after_xmax`], every undelivered event at or below the
-/// floor: its transaction drew its seq before the floor was read, so it had
-/// its id before `done_xid` was drawn (after that read), and, not visible
-/// in `done`, it is in the snapshot's list of running transactions or at or
-/// above its xmax (the last completed id plus one, not the next id drawn).
+/// floor (the batch's seq bound, read by the take that started it): its
+/// transaction drew its seq before the floor was read, so it had its id
+/// before `done_xid` was drawn (by the lease after that take), and, not
+/// visible in `done`, it is in the snapshot's list of running transactions
+/// or at or above its xmax (the last completed id plus one, not the next id
+/// drawn).
 fn running_in_done(e: &str, l: &str) -> String {
     format!(
         "pg_snapshot_xip({l}.done) AS r(xid) CROSS JOIN LATERAL (SELECT * FROM idemgate_event_log {e} \
@@ -229,8 +231,7 @@ fn next_in_batch(l: &str, limit: &str) -> String {
 /// a plan made with statistics built a bitmap of the whole range first,
 /// every row of a batch millions long. Columns: the event's
 /// (`decode_event`), then lane, done, upto, fresh, after_seq, xid (as
-/// int8), held back, upto_seq, upto_floor (`$6`, the sequence's value read
-/// by an earlier statement, for a batch starting now; migration 0017).
+/// int8), held back, upto_seq.
 pub(super) static TAKE_LOG: LazyLock<String> = LazyLock::new(|| {
     format!(
         "WITH l AS MATERIALIZED (
@@ -238,8 +239,7 @@ pub(super) static TAKE_LOG: LazyLock<String> = LazyLock::new(|| {
                    CASE WHEN c.done_pair_of = c.done::text THEN c.done_floor END AS done_floor,
                    CASE WHEN c.done_pair_of = c.done::text THEN c.done_xid END AS done_xid,
                    CASE WHEN c.upto IS NULL THEN pg_sequence_last_value('idemgate_events_seq_seq'::regclass)
-                        WHEN c.upto_seq_of = c.upto::text THEN c.upto_seq END AS upto_seq,
-                   CASE WHEN c.upto IS NULL THEN $6::int8 ELSE c.upto_floor END AS upto_floor
+                        WHEN c.upto_seq_of = c.upto::text THEN c.upto_seq END AS upto_seq
             FROM idemgate_event_lanes c
             WHERE c.lane >= 0 AND (c.lease_until IS NULL OR c.lease_until <= now() OR c.lease_token = $2)
         ), w AS (
@@ -252,7 +252,7 @@ pub(super) static TAKE_LOG: LazyLock<String> = LazyLock::new(|| {
                OR (SELECT x.seq FROM idemgate_event_log x WHERE {} AND {} ORDER BY x.seq LIMIT 1) IS NOT NULL
             ORDER BY l.ord LIMIT $4::int8
         )
-        SELECT {}, w.lane, w.done_text, w.upto_text, w.fresh, w.after_seq, e.xid::text::int8, {}, w.upto_seq, w.upto_floor
+        SELECT {}, w.lane, w.done_text, w.upto_text, w.fresh, w.after_seq, e.xid::text::int8, {}, w.upto_seq
         FROM w CROSS JOIN LATERAL {}
         ORDER BY w.ord, e.seq
         LIMIT $5::int8",
@@ -276,10 +276,6 @@ pub(super) static TAKE_LOG: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-/// The sequence's value now: read before a take, it is a floor for the
-/// batches the take starts (migration 0017; `None` before any event).
-pub(super) const SEQ_FLOOR: &str = "SELECT pg_sequence_last_value('idemgate_events_seq_seq'::regclass)";
-
 /// The columns of an event row as `idemgate_events` stores it, for copies of
 /// log rows.
 const COPY_COLUMNS: &str =
@@ -293,20 +289,20 @@ const COPY_COLUMNS: &str =
 /// their scope or that this relay does not deliver (`$11` lanes, `$12`
 /// xids, `$13` seqs) are copied into `idemgate_events` for the lanes
 /// leased, pending and due; `$14` is each lane's seq bound as read (kept
-/// with the `upto` it belongs to); a batch starting now keeps `$15`, the
-/// sequence's value read before its take, and this statement's transaction
-/// id, drawn after, with the `upto` they belong to (migration 0017; they
-/// become `done`'s when the batch ends, if still this batch's: a relay of
-/// an earlier version starts batches without them). Returns the lanes leased.
+/// with the `upto` it belongs to); a batch starting now also keeps that
+/// bound as its floor and this statement's transaction id, drawn after it
+/// was read, with the `upto` they belong to (migration 0017; they become
+/// `done`'s when the batch ends, if still this batch's: a relay of an
+/// earlier version starts batches without them). Returns the lanes leased.
 pub(super) static LEASE_LANES: LazyLock<String> = LazyLock::new(|| {
     format!(
         "WITH w AS (
-            SELECT * FROM unnest($1::int2[], $2::text[], $3::text[], $4::bool[], $5::int8[], $6::bool[], $14::int8[], $15::int8[])
-                AS w(lane, done, upto, fresh, after_seq, taken_all, upto_seq, upto_floor)
+            SELECT * FROM unnest($1::int2[], $2::text[], $3::text[], $4::bool[], $5::int8[], $6::bool[], $14::int8[])
+                AS w(lane, done, upto, fresh, after_seq, taken_all, upto_seq)
         ), leased AS (
             UPDATE idemgate_event_lanes c SET upto = w.upto::pg_snapshot, lease_token = $9,
                 upto_seq = w.upto_seq, upto_seq_of = CASE WHEN w.upto_seq IS NULL THEN NULL ELSE w.upto END,
-                upto_floor = CASE WHEN w.fresh THEN w.upto_floor ELSE c.upto_floor END,
+                upto_floor = CASE WHEN w.fresh THEN w.upto_seq ELSE c.upto_floor END,
                 upto_xid = CASE WHEN w.fresh THEN pg_current_xact_id() ELSE c.upto_xid END,
                 upto_pair_of = CASE WHEN w.fresh THEN w.upto ELSE c.upto_pair_of END,
                 lease_until = now() + $10::int8 * interval '1 microsecond', taken_all = w.taken_all,
@@ -464,8 +460,6 @@ struct LaneTake {
     fresh: bool,
     after_seq: Option<i64>,
     upto_seq: Option<i64>,
-    /// The sequence's value read before `upto` was taken (migration 0017).
-    upto_floor: Option<i64>,
     /// Every event held, in seq order: delivered ones and ones set aside.
     taken: Vec<i64>,
     /// Stopped before a row of the lane that was read (a scope's second,
@@ -532,14 +526,7 @@ impl PgStore {
         // event was exactly the last row read would stay open with nothing
         // left in it, and its lane would never be taken again.
         let ahead = read + 1;
-        // The floor of a batch starting now: the sequence's value read before
-        // the take's snapshot, so by a statement of its own (in the take, it
-        // would be read after it).
-        let floor: Option<i64> = match self.query(SEQ_FLOOR, &[], false).await?.first() {
-            Some(row) => row.try_get(0).map_err(c)?,
-            None => None,
-        };
-        let rows = self.query(&TAKE_LOG, &[&ahead, &token, &start, &LANES_PER_TAKE, &ahead, &floor], false).await?;
+        let rows = self.query(&TAKE_LOG, &[&ahead, &token, &start, &LANES_PER_TAKE, &ahead], false).await?;
         let mut lanes: Vec<LaneTake> = Vec::new();
         let mut deliver: Vec<(i16, OutboxEvent)> = Vec::new();
         let mut aside: (Vec<i16>, Vec<i64>, Vec<i64>) = Default::default();
@@ -575,7 +562,6 @@ impl PgStore {
                     fresh: row.try_get(21).map_err(c)?,
                     after_seq: row.try_get(22).map_err(c)?,
                     upto_seq: row.try_get(25).map_err(c)?,
-                    upto_floor: row.try_get(26).map_err(c)?,
                     taken: Vec::new(),
                     cut: false,
                 });
@@ -618,30 +604,13 @@ impl PgStore {
         let fresh: Vec<bool> = lanes.iter().map(|l| l.fresh).collect();
         let after_seq: Vec<Option<i64>> = lanes.iter().map(|l| l.after_seq).collect();
         let upto_seq: Vec<Option<i64>> = lanes.iter().map(|l| l.upto_seq).collect();
-        let upto_floor: Vec<Option<i64>> = lanes.iter().map(|l| l.upto_floor).collect();
         // A lane not cut was read to its batch's end: the batch ends.
         let all: Vec<bool> = lanes.iter().map(|l| !l.cut).collect();
         let (a_lane, a_xid, a_seq) = &aside;
         let leased = self
             .query(
                 &LEASE_LANES,
-                &[
-                    &lane,
-                    &done,
-                    &upto,
-                    &fresh,
-                    &after_seq,
-                    &all,
-                    &t_lane,
-                    &t_seq,
-                    &token,
-                    &micros(lease),
-                    a_lane,
-                    a_xid,
-                    a_seq,
-                    &upto_seq,
-                    &upto_floor,
-                ],
+                &[&lane, &done, &upto, &fresh, &after_seq, &all, &t_lane, &t_seq, &token, &micros(lease), a_lane, a_xid, a_seq, &upto_seq],
                 true,
             )
             .await?;

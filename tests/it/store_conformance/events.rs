@@ -326,10 +326,11 @@ async fn pg_an_event_committed_after_later_ones_were_delivered_is_still_delivere
 /// from such a transaction: here one stays open across two batches, so its
 /// seq is below the floor the lane has once the second of them ends, and it
 /// is still delivered when it commits. A take that read only above the
-/// floor would skip it for ever. And the floor is a value read before the
-/// snapshot it is for: an event written while the second batch is under way
-/// (after its snapshot, before it ends) is above it and delivered in the
-/// next batch; a floor read when that batch ended would be above it.
+/// floor would skip it for ever. And the floor is read by the take that
+/// starts a batch, before its lease draws the bound on ids: an event written
+/// while the batch is under way (after its take, before it ends) is above
+/// it and delivered in the next batch; a floor read when that batch ended
+/// would be above that event, whose id is above the bound.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pg_an_event_of_a_transaction_open_across_two_batches_is_delivered() {
     let url = pg::shared().create_unique_database("conformance").expect("create database");
