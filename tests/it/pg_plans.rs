@@ -446,7 +446,14 @@ async fn the_database_computes_the_gateways_scope_id() {
 
 /// A new database on the shared cluster with every migration applied; its URL.
 async fn migrated_database(name: &str) -> String {
-    let url = pg::shared().create_unique_database(name).expect("database");
+    migrated_database_on(pg::shared(), name).await
+}
+
+/// [`migrated_database`] on `server`: a test whose snapshots must not list
+/// other tests' transactions (transaction ids are the server's) runs on a
+/// server of its own.
+async fn migrated_database_on(server: &pg::PgServer, name: &str) -> String {
+    let url = server.create_unique_database(name).expect("database");
     let config = StoreConfig {
         backend: StoreBackend::Postgres { url: Secret::new(url.clone()), pool_size: 2, pooler: Default::default() },
         migrate: true,
@@ -583,7 +590,10 @@ async fn a_take_of_a_batch_under_way_reads_on_from_where_it_got() {
 /// ANY(...)` planned then read the whole lane).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batchs_first_take_reads_about_what_it_takes() {
-    let url = migrated_database("take_fresh").await;
+    // A server of its own: another test's transaction running on the shared
+    // one would be in this test's snapshots (its xmin, its list).
+    let server = pg::PgServer::start().expect("start private PostgreSQL");
+    let url = migrated_database_on(&server, "take_fresh").await;
     let statements = catalog();
     let take = statements.iter().position(|s| s.name == "take_log").expect("take_log in the catalog");
     let relay = session(&url, &statements).await;
@@ -659,7 +669,10 @@ async fn a_batchs_first_take_reads_about_what_it_takes() {
 /// delivered after the pair's `done`, and 200 follow.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_floor_left_by_an_earlier_batch_is_not_read_from() {
-    let url = migrated_database("take_stale").await;
+    // A server of its own: another test's transaction running on the shared
+    // one would be in this test's snapshots (its xmin, its list).
+    let server = pg::PgServer::start().expect("start private PostgreSQL");
+    let url = migrated_database_on(&server, "take_stale").await;
     let statements = catalog();
     let take = statements.iter().position(|s| s.name == "take_log").expect("take_log in the catalog");
     let admin = session(&url, &[]).await;
