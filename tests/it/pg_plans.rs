@@ -523,6 +523,35 @@ fn log_rows_read(plan: &Value) -> f64 {
         .sum()
 }
 
+/// A database on a PostgreSQL of its own, migrated (the server lives as
+/// long as the first value): for a test whose snapshots must not list other
+/// tests' transactions (their xmin, their lists).
+async fn private_migrated_database(name: &str) -> (pg::PgServer, String) {
+    let server = pg::PgServer::start().expect("start private PostgreSQL");
+    let url = migrated_database_on(&server, name).await;
+    (server, url)
+}
+
+/// Lane 3's delivered snapshot taken now, with a pair of its own
+/// (migration 0017): its floor read before it, its bound on ids drawn after.
+async fn give_lane_3_a_pair(admin: &Client) {
+    admin
+        .batch_execute(
+            "UPDATE idemgate_event_lanes SET done_floor = pg_sequence_last_value('idemgate_events_seq_seq') WHERE lane = 3;
+             UPDATE idemgate_event_lanes SET done = pg_current_snapshot() WHERE lane = 3;
+             UPDATE idemgate_event_lanes SET done_xid = pg_current_xact_id(), done_pair_of = done::text WHERE lane = 3",
+        )
+        .await
+        .expect("a lane with a pair");
+}
+
+/// How many log rows prepared statement `take` read with `args` (`EXPLAIN
+/// ANALYZE`, which runs it), and the plan.
+async fn take_reads(client: &Client, take: usize, args: &str) -> (f64, Value) {
+    let plan = explain_analyze(client, take, args).await;
+    (log_rows_read(&plan), plan)
+}
+
 /// Appends `n` events of lane 3 (keys `{prefix}<i>`) to the log, committed.
 async fn append_to_lane_3(admin: &Client, prefix: &str, n: i64) {
     admin
@@ -590,10 +619,7 @@ async fn a_take_of_a_batch_under_way_reads_on_from_where_it_got() {
 /// ANY(...)` planned then read the whole lane).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batchs_first_take_reads_about_what_it_takes() {
-    // A server of its own: another test's transaction running on the shared
-    // one would be in this test's snapshots (its xmin, its list).
-    let server = pg::PgServer::start().expect("start private PostgreSQL");
-    let url = migrated_database_on(&server, "take_fresh").await;
+    let (_server, url) = private_migrated_database("take_fresh").await;
     let statements = catalog();
     let take = statements.iter().position(|s| s.name == "take_log").expect("take_log in the catalog");
     let relay = session(&url, &statements).await;
@@ -609,14 +635,7 @@ async fn a_batchs_first_take_reads_about_what_it_takes() {
     append_to_lane_3(&at_xmax, "xmax", 1).await;
     // The 11 are delivered: `done` shows them, its floor was read before it
     // and its bound on ids drawn after that.
-    admin
-        .batch_execute(
-            "UPDATE idemgate_event_lanes SET done_floor = pg_sequence_last_value('idemgate_events_seq_seq') WHERE lane = 3;
-             UPDATE idemgate_event_lanes SET done = pg_current_snapshot() WHERE lane = 3;
-             UPDATE idemgate_event_lanes SET done_xid = pg_current_xact_id(), done_pair_of = done::text WHERE lane = 3",
-        )
-        .await
-        .expect("a lane with a floor");
+    give_lane_3_a_pair(&admin).await;
     let (xip, xmax): (String, String) = admin
         .query_one(
             "SELECT (SELECT string_agg(x::text, ',') FROM pg_snapshot_xip(done) x), pg_snapshot_xmax(done)::text FROM idemgate_event_lanes WHERE lane = 3",
@@ -651,14 +670,11 @@ async fn a_batchs_first_take_reads_about_what_it_takes() {
     let rows = relay.query(&format!("EXECUTE plan_{take}{args}"), &[]).await.expect("take");
     let taken: Vec<i64> = rows.iter().take(144).map(|r| r.get(0)).collect();
     assert_eq!(taken, first, "the take returns the batch's first events in seq order, the running transactions' first");
-    let plan = explain_analyze(&relay, take, args).await;
-    let read = log_rows_read(&plan);
+    let (read, plan) = take_reads(&relay, take, args).await;
     assert!(read <= 400.0, "the take read {read} log rows to take 145 of a batch of 3,002:\n{plan:#}");
     // And planned with the log's statistics.
     admin.batch_execute("ANALYZE idemgate_event_log").await.expect("analyze");
-    let analyzed = session(&url, &statements).await;
-    let plan = explain_analyze(&analyzed, take, args).await;
-    let read = log_rows_read(&plan);
+    let (read, plan) = take_reads(&session(&url, &statements).await, take, args).await;
     assert!(read <= 400.0, "planned with statistics, the take read {read} log rows to take 145 of a batch of 3,002:\n{plan:#}");
 }
 
@@ -669,22 +685,12 @@ async fn a_batchs_first_take_reads_about_what_it_takes() {
 /// delivered after the pair's `done`, and 200 follow.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_floor_left_by_an_earlier_batch_is_not_read_from() {
-    // A server of its own: another test's transaction running on the shared
-    // one would be in this test's snapshots (its xmin, its list).
-    let server = pg::PgServer::start().expect("start private PostgreSQL");
-    let url = migrated_database_on(&server, "take_stale").await;
+    let (_server, url) = private_migrated_database("take_stale").await;
     let statements = catalog();
     let take = statements.iter().position(|s| s.name == "take_log").expect("take_log in the catalog");
     let admin = session(&url, &[]).await;
     append_to_lane_3(&admin, "old", 10).await;
-    admin
-        .batch_execute(
-            "UPDATE idemgate_event_lanes SET done_floor = pg_sequence_last_value('idemgate_events_seq_seq') WHERE lane = 3;
-             UPDATE idemgate_event_lanes SET done = pg_current_snapshot() WHERE lane = 3;
-             UPDATE idemgate_event_lanes SET done_xid = pg_current_xact_id(), done_pair_of = done::text WHERE lane = 3",
-        )
-        .await
-        .expect("a lane with a pair");
+    give_lane_3_a_pair(&admin).await;
     append_to_lane_3(&admin, "delivered", 3000).await;
     // An earlier version's relay ends the batch: `done` moves, the pair stays.
     admin.batch_execute("UPDATE idemgate_event_lanes SET done = pg_current_snapshot() WHERE lane = 3").await.expect("done moves");
@@ -694,8 +700,7 @@ async fn a_floor_left_by_an_earlier_batch_is_not_read_from() {
     let args = "(145, 'a2b9c8d7-0000-4000-8000-000000000005', 0, 8, 145)";
     let rows = relay.query(&format!("EXECUTE plan_{take}{args}"), &[]).await.expect("take");
     assert_eq!(rows.len(), 145, "the take returns the batch's first events");
-    let plan = explain_analyze(&relay, take, args).await;
-    let read = log_rows_read(&plan);
+    let (read, plan) = take_reads(&relay, take, args).await;
     assert!(read <= 400.0, "the take read {read} log rows to take 145 of a batch of 200 (the 3,000 delivered again?):\n{plan:#}");
 }
 
