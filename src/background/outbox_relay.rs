@@ -26,8 +26,14 @@ use crate::upstream::body::Body;
 use crate::upstream::limit::{Limit, Permit};
 use crate::upstream::side_client::{self, SideClient};
 
-/// Events taken per round.
-const BATCH: u32 = 256;
+/// POSTs per round at most (they go out at once): a round takes this many
+/// POSTs' worth of events, `batch` events each for the route with the
+/// smallest `batch`.
+const POSTS: u32 = 256;
+/// Events taken per round at most. Each round costs the store a take, a
+/// lease and a settling whatever it carries, so a round of many events
+/// costs less per event: a relay behind its writers takes full rounds.
+const MOST: u32 = 1024;
 /// The pause after a round that took less than half a batch: the relay is
 /// caught up, and its next take waits for a few more events (fewer
 /// statements, commits and posts per event); a relay whose take left events
@@ -51,6 +57,8 @@ pub struct Relay {
     /// and port): deliveries there count against that upstream's
     /// concurrency limit, so events never add to its overload.
     limits: HashMap<Arc<str>, Arc<Limit>>,
+    /// Events taken per round: [`POSTS`] POSTs' worth, at most [`MOST`].
+    batch: u32,
 }
 
 impl Relay {
@@ -70,7 +78,9 @@ impl Relay {
             })
             .collect();
         let client = side_client::build(Duration::from_secs(5));
-        Some(Relay { store, metrics, routes, client, backoff: HashMap::new(), limits })
+        let per_post = routes.values().map(|e| e.batch).min().unwrap_or(1).max(1);
+        let batch = u32::try_from(per_post).unwrap_or(u32::MAX).saturating_mul(POSTS).min(MOST);
+        Some(Relay { store, metrics, routes, client, backoff: HashMap::new(), limits, batch })
     }
 
     /// Takes this round's events in one take: up to a batch, of the routes
@@ -125,7 +135,7 @@ impl Relay {
         if ops.is_empty() {
             return Ok((Vec::new(), Vec::new(), false));
         }
-        let (taken, more) = self.store.take_events_more(&ops, BATCH, lease, token).await?;
+        let (taken, more) = self.store.take_events_more(&ops, self.batch, lease, token).await?;
         // Events per upstream in the take's order, and room for them: one
         // POST per slot (the turn first, then slots free now; one that
         // another took meanwhile is not waited for).
@@ -178,7 +188,7 @@ impl Relay {
                     // Caught up: a small take that left nothing behind (on
                     // PostgreSQL a take that stopped in a lane's batch, or set
                     // events aside, e.g. a backed-off route's, did).
-                    let caught_up = !more && events.len() + later.len() < BATCH as usize / 2;
+                    let caught_up = !more && events.len() + later.len() < self.batch as usize / 2;
                     self.defer(&later, token).await;
                     // At most one event per scope is deliverable at a time, so the
                     // deliveries can go out concurrently (and several events of

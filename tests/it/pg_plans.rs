@@ -523,6 +523,15 @@ fn log_rows_read(plan: &Value) -> f64 {
         .sum()
 }
 
+/// Rows a plan's nodes passed on or filtered out, over all loops: a node
+/// run once per lane over a round's events counts them once per lane.
+fn rows_passed(plan: &Value) -> f64 {
+    plan_objects(plan)
+        .into_iter()
+        .map(|node| (number(node, "Actual Rows") + number(node, "Rows Removed by Filter")) * number(node, "Actual Loops").max(1.0))
+        .sum()
+}
+
 /// A database on a PostgreSQL of its own, migrated (the server lives as
 /// long as the first value): for a test whose snapshots must not list other
 /// tests' transactions (their xmin, their lists).
@@ -779,4 +788,74 @@ async fn settling_a_take_reads_no_log_rows_when_nothing_is_copied() {
     assert_eq!(after, Some(last), "the lane advanced over the 100 delivered events");
     let read = log_rows_read(&plan);
     assert_eq!(read, 0.0, "settling read {read} log rows with nothing to copy:\n{plan:#}");
+}
+
+/// A round's cost grows with its events, not with their square: the lease
+/// groups the events it holds by lane in one pass over its list (a look-up
+/// of the whole list per lane leased read it once per lane), and settling
+/// asks whether an event held was delivered of a hash of the delivered
+/// ones (`= ANY(array)` compared each event held with the whole array:
+/// about a million comparisons for a round of 1,024). Here a relay leases
+/// all 16 lanes with 1,024 events and settles them all delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rounds_lease_and_settling_pass_over_its_events_once() {
+    let url = migrated_database("round_passes").await;
+    let statements = catalog();
+    let lease = statements.iter().position(|s| s.name == "lease_lanes").expect("lease_lanes in the catalog");
+    let settle = statements.iter().position(|s| s.name == "settle").expect("settle in the catalog");
+    let admin = session(&url, &[]).await;
+    admin
+        .batch_execute(
+            "INSERT INTO idemgate_event_log (event_type, tenant, principal, operation, idempotency_key)
+             SELECT 'completed', 't', 'p', 'create_order', 'k' || g FROM generate_series(1, 1024) g",
+        )
+        .await
+        .expect("events");
+    let lanes_with_events: i64 = admin.query_one("SELECT count(DISTINCT lane) FROM idemgate_event_log", &[]).await.expect("lanes").get(0);
+    assert_eq!(lanes_with_events, 16, "1,024 keys fall into every lane");
+    let token = "a2b9c8d7-0000-4000-8000-000000000003";
+    // The lease's arguments as the take passes them: every lane, its batch
+    // starting now and held whole, and every event.
+    let args: String = admin
+        .query_one(
+            "SELECT format('(%L, %L, %L, %L, %L, %L, %L, %L, %L, 60000000, ''{}'', ''{}'', ''{}'', %L)',
+                 array_agg(c.lane ORDER BY c.lane), array_agg(c.done::text ORDER BY c.lane), array_agg(s.now ORDER BY c.lane),
+                 array_agg(true), array_agg(NULL::int8), array_agg(true),
+                 (SELECT array_agg(e.lane ORDER BY e.lane, e.seq) FROM idemgate_event_log e),
+                 (SELECT array_agg(e.seq ORDER BY e.lane, e.seq) FROM idemgate_event_log e),
+                 $1::text, array_agg(pg_sequence_last_value('idemgate_events_seq_seq') ORDER BY c.lane))
+             FROM idemgate_event_lanes c CROSS JOIN (SELECT pg_current_snapshot()::text AS now) s",
+            &[&token],
+        )
+        .await
+        .expect("the lease's arguments")
+        .get(0);
+    let relay = session(&url, &statements).await;
+    let plan = explain_analyze(&relay, lease, &args).await;
+    let held: i64 = admin
+        .query_one("SELECT coalesce(sum(cardinality(taken)), 0) FROM idemgate_event_lanes WHERE lease_token = $1::text::uuid", &[&token])
+        .await
+        .expect("the lanes held")
+        .get(0);
+    assert_eq!(held, 1024, "the lease holds every event in its lane");
+    let rows = rows_passed(&plan);
+    assert!(rows <= 8.0 * 1024.0, "the lease passed {rows} rows between its plan's nodes for 1,024 events:\n{plan:#}");
+    let delivered: String =
+        admin.query_one("SELECT array_agg(seq)::text FROM idemgate_event_log", &[]).await.expect("the delivered events").get(0);
+    let plan = explain_analyze(&relay, settle, &format!("('{delivered}', '{token}', '{{}}', NULL, 0, false, 0)")).await;
+    let ended: i64 = admin
+        .query_one("SELECT count(*) FROM idemgate_event_lanes WHERE lease_token IS NULL AND upto IS NULL AND taken IS NULL", &[])
+        .await
+        .expect("the lanes")
+        .get(0);
+    assert_eq!(ended, 16, "every lane's batch ended, its lease released");
+    // A hashed subplan reads the delivered seqs once (one loop of 1,024
+    // rows) and answers every look-up from its hash; run per event held it
+    // would loop 1,024 times, and `= ANY` has no subplan at all.
+    let hashed = plan_objects(&plan).into_iter().any(|node| {
+        node.get("Subplan Name").and_then(Value::as_str).is_some_and(|n| n.starts_with("SubPlan"))
+            && number(node, "Actual Rows") >= 1024.0
+            && number(node, "Actual Loops") == 1.0
+    });
+    assert!(hashed, "settling looked the delivered events up without a hash of them:\n{plan:#}");
 }

@@ -16,7 +16,7 @@
 //! reads about what it takes however long the batch; later takes read on by
 //! seq from `after_seq`.
 //!
-//! A relay's take ([`PgStore::take_log`]) reads the next events of a few
+//! A relay's take ([`PgStore::take_log`]) reads the next events of the
 //! free lanes (one statement), keeps of each lane the events before the
 //! second event of any scope (order per scope: one event of a scope at a
 //! time), then leases those lanes with one write that checks nothing moved
@@ -38,8 +38,13 @@ use crate::outbox::{Delivery, OutboxEvent};
 /// Lanes of the log (migration 0015: `hashtextextended(key) & 15`, 16 rows).
 pub(super) const LANES: i64 = 16;
 
-/// Lanes one take leases at most: several relays share the lanes.
-const LANES_PER_TAKE: i64 = 8;
+/// Lanes one take reads at most: all of them. A take stops after its
+/// worth of events (the relay's batch), lane by lane, and leases only the
+/// lanes it returned events of: a relay that is behind leases the first
+/// lanes it reaches, and relays on other replicas take the rest. A caught-up
+/// relay takes every lane's few events in one round (with 8 lanes a take,
+/// it took half the lanes' events per round, twice as many rounds).
+const LANES_PER_TAKE: i64 = 16;
 
 /// Events read per lane beyond the take's limit (those set aside do not count).
 const READ_MARGIN: i64 = 16;
@@ -285,7 +290,9 @@ const COPY_COLUMNS: &str =
 /// and `$3` its `upto` as read, `$4` whether its batch starts now, `$5` its
 /// `after_seq` as read, `$6` whether the events held end the batch), leased
 /// to `$9` for `$10` us if nothing moved since the read, with the events
-/// each holds (`$7` lanes, `$8` seqs). The held events that wait behind
+/// each holds (`$7` lanes, `$8` seqs, grouped by lane in one pass: a
+/// look-up of the whole list per lane leased cost 16 passes over a round's
+/// events). The held events that wait behind
 /// their scope or that this relay does not deliver (`$11` lanes, `$12`
 /// xids, `$13` seqs) are copied into `idemgate_events` for the lanes
 /// leased, pending and due; `$14` is each lane's seq bound as read (kept
@@ -299,6 +306,8 @@ pub(super) static LEASE_LANES: LazyLock<String> = LazyLock::new(|| {
         "WITH w AS (
             SELECT * FROM unnest($1::int2[], $2::text[], $3::text[], $4::bool[], $5::int8[], $6::bool[], $14::int8[])
                 AS w(lane, done, upto, fresh, after_seq, taken_all, upto_seq)
+        ), t AS MATERIALIZED (
+            SELECT t.lane, array_agg(t.seq ORDER BY t.seq) AS seqs FROM unnest($7::int2[], $8::int8[]) AS t(lane, seq) GROUP BY t.lane
         ), leased AS (
             UPDATE idemgate_event_lanes c SET upto = w.upto::pg_snapshot, lease_token = $9,
                 upto_seq = w.upto_seq, upto_seq_of = CASE WHEN w.upto_seq IS NULL THEN NULL ELSE w.upto END,
@@ -306,8 +315,8 @@ pub(super) static LEASE_LANES: LazyLock<String> = LazyLock::new(|| {
                 upto_xid = CASE WHEN w.fresh THEN pg_current_xact_id() ELSE c.upto_xid END,
                 upto_pair_of = CASE WHEN w.fresh THEN w.upto ELSE c.upto_pair_of END,
                 lease_until = now() + $10::int8 * interval '1 microsecond', taken_all = w.taken_all,
-                taken = ARRAY(SELECT t.seq FROM unnest($7::int2[], $8::int8[]) AS t(lane, seq) WHERE t.lane = c.lane ORDER BY t.seq)
-            FROM w
+                taken = coalesce(t.seqs, ARRAY[]::int8[])
+            FROM w LEFT JOIN t ON t.lane = w.lane
             WHERE c.lane = w.lane AND (c.lease_until IS NULL OR c.lease_until <= now() OR c.lease_token = $9)
               AND c.done::text = w.done AND CASE WHEN w.fresh THEN c.upto IS NULL ELSE c.upto::text = w.upto END
               AND c.after_seq IS NOT DISTINCT FROM w.after_seq
@@ -336,8 +345,11 @@ pub(super) static LEASE_LANES: LazyLock<String> = LazyLock::new(|| {
 /// filter). Before, they were found by a join over the batch's transaction
 /// range, so every settle read its batch; a join by seq was worse, because
 /// its inner scan of a slot that was empty when the plan was prepared read
-/// that slot's whole index. Returns the seqs this relay still held of `$1`
-/// and `$3`.
+/// that slot's whole index. Whether an event held was delivered is asked
+/// of a hash of `$1` (a hashed subplan), once per event held: `= ANY($1)`
+/// compared each event with the whole array, a cost that grew with the
+/// square of a round (about a million comparisons for a round of 1,024).
+/// Returns the seqs this relay still held of `$1` and `$3`.
 pub(super) static SETTLE: LazyLock<String> = LazyLock::new(|| {
     format!(
         "WITH r AS (
@@ -357,10 +369,10 @@ pub(super) static SETTLE: LazyLock<String> = LazyLock::new(|| {
             ON CONFLICT (seq) DO NOTHING
             RETURNING seq
         ), marks AS (
-            SELECT h.lane, t.seq, t.ord,
-                   (t.seq = ANY($1::int8[]) OR t.seq IN (SELECT seq FROM moved)
-                    OR EXISTS (SELECT 1 FROM idemgate_events x WHERE x.seq = t.seq)) AS settled
-            FROM held h CROSS JOIN LATERAL unnest(h.taken) WITH ORDINALITY AS t(seq, ord)
+            SELECT m.lane, m.seq, m.ord, m.delivered,
+                   (m.delivered OR m.seq IN (SELECT seq FROM moved) OR EXISTS (SELECT 1 FROM idemgate_events x WHERE x.seq = m.seq)) AS settled
+            FROM (SELECT h.lane, t.seq, t.ord, t.seq IN (SELECT unnest($1::int8[])) AS delivered
+                  FROM held h CROSS JOIN LATERAL unnest(h.taken) WITH ORDINALITY AS t(seq, ord)) m
         ), open AS (
             SELECT lane, min(ord) FILTER (WHERE NOT settled) AS first FROM marks GROUP BY lane
         ), lanes AS (
@@ -388,7 +400,7 @@ pub(super) static SETTLE: LazyLock<String> = LazyLock::new(|| {
             RETURNING c.lane
         )
         SELECT seq FROM r
-        UNION SELECT seq FROM marks WHERE seq = ANY($1::int8[])
+        UNION SELECT seq FROM marks WHERE delivered
         UNION SELECT seq FROM moved",
         prefixed(COPY_COLUMNS, "e.")
     )
