@@ -195,10 +195,13 @@ impl Relay {
                     // different scopes share one) without reordering a scope.
                     let deliveries = group(&self.routes, &events);
                     let outcomes = join_all(deliveries.iter().map(|d| self.deliver(d))).await;
-                    // The delivered ones are marked in one statement (one
-                    // commit per round, not one per event); failures one by one,
-                    // and each failing destination is backed off once a round.
+                    // The delivered ones are marked first, in one statement (one
+                    // commit per round, not one per event); then the failures,
+                    // a POST's first attempts in one statement and retried
+                    // events one by one; each failing destination is backed
+                    // off once a round.
                     let mut delivered = Vec::new();
+                    let mut failures = Vec::new();
                     let mut failing: Vec<Uri> = Vec::new();
                     for (d, outcome) in deliveries.iter().zip(outcomes) {
                         match outcome {
@@ -207,17 +210,22 @@ impl Relay {
                                 if !failing.contains(&d.dest.url) {
                                     failing.push(d.dest.url.clone());
                                 }
-                                for event in &d.events {
-                                    self.failed(event, &why, token).await;
-                                }
+                                failures.push((d, why));
                             }
                         }
                     }
                     drop(slots);
+                    self.mark_delivered(&delivered, token).await;
+                    for (d, why) in failures {
+                        let (first, retried): (Vec<&OutboxEvent>, Vec<&OutboxEvent>) = d.events.iter().partition(|e| e.attempts == 0);
+                        self.first_attempts_failed(&first, &why, token).await;
+                        for event in retried {
+                            self.failed(event, &why, token).await;
+                        }
+                    }
                     for url in failing {
                         self.back_off(url);
                     }
-                    self.mark_delivered(&delivered, token).await;
                     if caught_up {
                         tokio::select! {
                             _ = shutdown.cancelled() => break,
@@ -325,6 +333,38 @@ impl Relay {
             Ok(true) => {}
             Ok(false) => tracing::warn!(event = %event.id, "event lease lost before it was marked"),
             Err(e) => tracing::warn!(event = %event.id, error = %e, "could not mark the event"),
+        }
+    }
+
+    /// Records a failed delivery of events none of which was attempted
+    /// before (one POST's), as [`Self::failed`] does, in one statement where
+    /// the store can.
+    /// (Routes sharing a destination may park after different numbers of
+    /// attempts: those parked now and those due again go apart.)
+    async fn first_attempts_failed(&self, events: &[&OutboxEvent], why: &str, token: Uuid) {
+        let retry_after = RETRY.jittered(1);
+        for park in [false, true] {
+            let these: Vec<&OutboxEvent> = events
+                .iter()
+                .copied()
+                .filter(|e| self.routes.get(&e.scope.operation).is_some_and(|dest| (1 >= dest.max_attempts) == park))
+                .collect();
+            if these.is_empty() {
+                continue;
+            }
+            for event in &these {
+                tracing::warn!(event = %event.id, scope = %event.scope.log_id(), error = %why, attempts = 1, park, "event delivery failed");
+                self.metrics.event_delivery(if park { "parked" } else { "failed" });
+            }
+            let seqs: Vec<i64> = these.iter().map(|e| e.seq).collect();
+            match self.store.first_attempts_failed(&seqs, token, why, retry_after, park).await {
+                Ok(held) => {
+                    for event in these.iter().filter(|e| !held.contains(&e.seq)) {
+                        tracing::warn!(event = %event.id, "event lease lost before it was marked");
+                    }
+                }
+                Err(e) => tracing::warn!(events = seqs.len(), error = %e, "could not mark the events"),
+            }
         }
     }
 

@@ -701,6 +701,17 @@ impl Store {
         self.bounded(op::EVENT_FAILED, self.backend.event_failed(seq, token, error, retry_after, park)).await
     }
 
+    pub async fn first_attempts_failed(
+        &self,
+        seqs: &[i64],
+        token: Uuid,
+        error: &str,
+        retry_after: Duration,
+        park: bool,
+    ) -> Result<Vec<i64>, StoreError> {
+        self.bounded(op::EVENT_FAILED, self.backend.first_attempts_failed(seqs, token, error, retry_after, park)).await
+    }
+
     pub async fn events_deferred(&self, seqs: &[i64], token: Uuid, retry_after: Duration) -> Result<Vec<i64>, StoreError> {
         self.bounded(op::EVENTS_DEFERRED, self.backend.events_deferred(seqs, token, retry_after)).await
     }

@@ -46,6 +46,29 @@ pub trait Events: Send + Sync + std::fmt::Debug {
     /// Outbox: a delivery failed; due again after `retry_after`, or parked.
     async fn event_failed(&self, seq: i64, token: Uuid, error: &str, retry_after: Duration, park: bool) -> Result<bool, StoreError>;
 
+    /// Outbox: one delivery (a POST) of these events, none of them attempted
+    /// before, failed: each is recorded as by [`Events::event_failed`], its
+    /// first attempt made. Returns those this relay still held. By default
+    /// one at a time; PostgreSQL's log records them in one statement (a
+    /// failing round of a thousand events would otherwise settle them one
+    /// by one).
+    async fn first_attempts_failed(
+        &self,
+        seqs: &[i64],
+        token: Uuid,
+        error: &str,
+        retry_after: Duration,
+        park: bool,
+    ) -> Result<Vec<i64>, StoreError> {
+        let mut held = Vec::new();
+        for &seq in seqs {
+            if self.event_failed(seq, token, error, retry_after, park).await? {
+                held.push(seq);
+            }
+        }
+        Ok(held)
+    }
+
     /// Outbox: events this relay took and does not deliver now (a
     /// destination backed off or at its limit): released, due again after
     /// `retry_after`, their attempts unchanged. Returns those it still held.

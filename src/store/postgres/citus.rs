@@ -429,11 +429,14 @@ impl super::PgStore {
         limit: u32,
         lease_us: i64,
         token: Uuid,
-    ) -> Result<Vec<Row>, StoreError> {
+    ) -> Result<(Vec<Row>, bool), StoreError> {
         let mut all = Vec::new();
         let mut failed = None;
         let params = [Param::Texts(operations), Param::Int(TENANTS_PER_ROUND)];
-        for tenant in self.tenants(&citus_sql::CITUS_TENANTS_WITH_EVENTS, EVENTS, &params).await? {
+        let tenants = self.tenants(&citus_sql::CITUS_TENANTS_WITH_EVENTS, EVENTS, &params).await?;
+        // A round that looked at as many tenants as it may: others may wait.
+        let full = i64::try_from(tenants.len()).unwrap_or(i64::MAX) >= TENANTS_PER_ROUND;
+        for tenant in tenants {
             let left = i64::from(limit) - all.len() as i64;
             if left <= 0 {
                 break;
@@ -446,7 +449,7 @@ impl super::PgStore {
             }
         }
         let any = !all.is_empty();
-        done_or(all, any, failed)
+        done_or((all, full), any, failed)
     }
 }
 

@@ -175,8 +175,9 @@ impl Events for PgStore {
         token: Uuid,
     ) -> Result<(Vec<OutboxEvent>, bool), StoreError> {
         if self.flavor == Flavor::Citus {
-            let taken = decode_events(&self.take_event_rows_citus(operations, limit, micros(lease), token).await?)?;
-            let more = crate::store::contract::reached(&taken, limit);
+            let (rows, every_tenant_asked) = self.take_event_rows_citus(operations, limit, micros(lease), token).await?;
+            let taken = decode_events(&rows)?;
+            let more = crate::store::contract::reached(&taken, limit) || (every_tenant_asked && !taken.is_empty());
             return Ok((taken, more));
         }
         // Events being retried first (usually none), then the log.
@@ -208,6 +209,30 @@ impl Events for PgStore {
         }
         // A log event: copied into the retried events, its first attempt made.
         Ok(!self.settle(&[], token, &[seq], Some(error), retry_after, park, 1).await?.is_empty())
+    }
+
+    async fn first_attempts_failed(
+        &self,
+        seqs: &[i64],
+        token: Uuid,
+        error: &str,
+        retry_after: Duration,
+        park: bool,
+    ) -> Result<Vec<i64>, StoreError> {
+        // The log's events in one settling (copied into the retried events,
+        // their first attempt made); the rest (copies set aside before, and
+        // Citus's events) one at a time.
+        let mut held = if self.flavor == Flavor::Citus {
+            Vec::new()
+        } else {
+            self.settle(&[], token, seqs, Some(error), retry_after, park, 1).await?
+        };
+        for &seq in seqs.iter().filter(|s| !held.contains(s)).collect::<Vec<_>>() {
+            if !self.query(EVENT_FAILED, &[&seq, &token, &error, &micros(retry_after), &park], true).await?.is_empty() {
+                held.push(seq);
+            }
+        }
+        Ok(held)
     }
 
     async fn events_deferred(&self, seqs: &[i64], token: Uuid, retry_after: Duration) -> Result<Vec<i64>, StoreError> {

@@ -2,8 +2,26 @@
 
 use super::*;
 
+/// Events one take leases at most: it leases them one by one in the
+/// single writer's transaction, which holds every other write back
+/// meanwhile (a relay asks for up to 1,024).
+const MOST_PER_TAKE: u32 = 256;
+
 #[async_trait]
 impl Events for SqliteStore {
+    async fn take_events_more(
+        &self,
+        operations: &[&str],
+        limit: u32,
+        lease: Duration,
+        token: Uuid,
+    ) -> Result<(Vec<OutboxEvent>, bool), StoreError> {
+        let limit = limit.min(MOST_PER_TAKE);
+        let events = self.take_events(operations, limit, lease, token).await?;
+        let more = crate::store::contract::reached(&events, limit);
+        Ok((events, more))
+    }
+
     async fn take_events(&self, operations: &[&str], limit: u32, lease: Duration, token: Uuid) -> Result<Vec<OutboxEvent>, StoreError> {
         let operations: Vec<String> = operations.iter().map(|o| (*o).to_owned()).collect();
         self.write(move |tx, now| {

@@ -19,6 +19,7 @@ use crate::support::{self, Backend};
 
 on_both_stores!(
     final_state_changes_write_their_events_and_nothing_else_does,
+    a_failed_post_records_its_first_attempts_together,
     small_takes_deliver_every_event_of_many_scopes_once,
     a_change_and_its_event_commit_or_fail_together,
     relays_hold_each_event_alone_in_order_per_scope,
@@ -28,6 +29,7 @@ on_both_stores!(
 
 on_pgbouncer!(
     final_state_changes_write_their_events_and_nothing_else_does,
+    a_failed_post_records_its_first_attempts_together,
     small_takes_deliver_every_event_of_many_scopes_once,
     a_change_and_its_event_commit_or_fail_together,
     relays_hold_each_event_alone_in_order_per_scope,
@@ -37,6 +39,7 @@ on_pgbouncer!(
 
 on_citus!(
     final_state_changes_write_their_events_and_nothing_else_does,
+    a_failed_post_records_its_first_attempts_together,
     small_takes_deliver_every_event_of_many_scopes_once,
     a_change_and_its_event_commit_or_fail_together,
     relays_hold_each_event_alone_in_order_per_scope,
@@ -202,6 +205,52 @@ async fn relays_hold_each_event_alone_in_order_per_scope(backend: Backend) {
         Backend::Sqlite { .. } | Backend::Citus { .. } => assert_eq!(swept, 3),
     }
     assert!(store.events(None, 10).await.unwrap().is_empty());
+}
+
+/// One POST of events never attempted before failed: the relay records
+/// them together (on PostgreSQL's log, one settling copies them to be
+/// retried). Each is due again after the backoff with one attempt made and
+/// the error, or parked; only the relay holding them records them; the
+/// round's delivered events are not touched.
+async fn a_failed_post_records_its_first_attempts_together(backend: Backend) {
+    let store = open_with_events(&backend).await;
+    let ops = ["create_order"];
+    let (relay, other) = (Uuid::new_v4(), Uuid::new_v4());
+    for i in 0..23 {
+        let c = claim(&store, &req(&key(&format!("post-{i}")), 1, LONG, false)).await;
+        store.complete(&c, &response(201, b"x"), Retention::For(LONG)).await.unwrap();
+    }
+    let taken = store.take_events(&ops, 50, LONG, relay).await.unwrap();
+    assert_eq!(taken.len(), 23);
+    assert!(taken.iter().all(|e| e.attempts == 0));
+    let seqs: Vec<i64> = taken.iter().map(|e| e.seq).collect();
+    let (sent, failed, parked) = (&seqs[..5], &seqs[5..20], &seqs[20..]);
+    assert_eq!(store.events_delivered(sent, relay).await.unwrap().len(), 5);
+    let not_held = store.first_attempts_failed(failed, other, "answered 503", Duration::from_millis(200), false).await.unwrap();
+    assert!(not_held.is_empty(), "only the relay holding them records them: {not_held:?}");
+    let mut asked = failed.to_vec();
+    asked.push(i64::MAX);
+    let mut recorded = store.first_attempts_failed(&asked, relay, "answered 503", Duration::from_millis(200), false).await.unwrap();
+    recorded.sort_unstable();
+    let mut expected = failed.to_vec();
+    expected.sort_unstable();
+    assert_eq!(recorded, expected, "the failed ones this relay held, and no other");
+    let mut gone = store.first_attempts_failed(parked, relay, "answered 410", Duration::ZERO, true).await.unwrap();
+    gone.sort_unstable();
+    assert_eq!(gone, parked.to_vec());
+    assert!(store.take_events(&ops, 50, LONG, relay).await.unwrap().is_empty(), "not due before the backoff, parked never");
+    let stats = store.event_stats().await.unwrap();
+    assert_eq!((stats.pending, stats.parked), (15, 3));
+    let listed = store.events(Some(Delivery::Parked), 10).await.unwrap();
+    assert!(listed.iter().all(|e| e.attempts == 1 && e.last_error.as_deref() == Some("answered 410")), "{listed:?}");
+    tokio::time::sleep(PAST_SHORT).await;
+    let again = store.take_events(&ops, 50, LONG, relay).await.unwrap();
+    let mut again_seqs: Vec<i64> = again.iter().map(|e| e.seq).collect();
+    again_seqs.sort_unstable();
+    assert_eq!(again_seqs, expected, "the failed ones again, and none delivered before");
+    assert!(again.iter().all(|e| e.attempts == 1 && e.last_error.as_deref() == Some("answered 503")), "{again:?}");
+    let ids: BTreeSet<Uuid> = taken[5..20].iter().map(|e| e.id).collect();
+    assert_eq!(again.iter().map(|e| e.id).collect::<BTreeSet<_>>(), ids, "with the same ids");
 }
 
 /// Events of many scopes (on PostgreSQL, in every lane of the log) taken a
