@@ -135,7 +135,22 @@ impl Relay {
         if ops.is_empty() {
             return Ok((Vec::new(), Vec::new(), false));
         }
-        let (taken, more) = self.store.take_events_more(&ops, self.batch, lease, token).await?;
+        // When every route in the round posts to an upstream, the round takes
+        // no more than its free slots (and the turns won) carry: events beyond
+        // them would only be set aside (on PostgreSQL, copied to be retried).
+        let want = if ops.iter().all(|op| self.limits.contains_key(*op)) {
+            let room = limited
+                .iter()
+                .filter(|(.., serves)| *serves)
+                .map(|(limit, per_post, turn, _)| {
+                    (u64::from(limit.available()) + u64::from(turn.is_some())).saturating_mul(u64::try_from(*per_post).unwrap_or(u64::MAX))
+                })
+                .fold(0, u64::saturating_add);
+            u32::try_from(room).unwrap_or(u32::MAX).clamp(1, self.batch)
+        } else {
+            self.batch
+        };
+        let (taken, more) = self.store.take_events_more(&ops, want, lease, token).await?;
         // Events per upstream in the take's order, and room for them: one
         // POST per slot (the turn first, then slots free now; one that
         // another took meanwhile is not waited for).

@@ -511,3 +511,40 @@ async fn over_the_limit_a_key_with_a_record_is_answered_from_it() {
     assert_eq!(slow.await.expect("slow").status, 201);
     assert_eq!(up.total(), 2);
 }
+
+/// A relay round whose events all go to an upstream's address takes no more
+/// of them than its free slots carry: the rest wait in the log. Taking a
+/// round's worth (256 here) with one slot free delivered one event and set
+/// the others aside, each copied on PostgreSQL into the table of events
+/// being retried (the write per event the log exists to avoid).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_takes_no_more_events_than_its_upstreams_free_slots_carry() {
+    let _alone = LOAD.lock().await;
+    let backend = support::postgres_backend();
+    let support::Backend::Postgres { url: db } = &backend else { panic!("a PostgreSQL backend") };
+    let (up, hooks) = (TestUpstream::start().await, TestUpstream::start().await);
+    let gw = Gateway::start(
+        GatewayConfig::new(backend.clone(), up.url())
+            .route(&format!("events.url = \"{}/events\"", hooks.url()))
+            .tail(&format!("[[upstreams]]\nname = \"hooks\"\nurl = \"{}\"\nmax_in_flight = 1\n", hooks.url())),
+    );
+    // The relay finds nothing for a while and polls less often: the events
+    // below are all written before its next take.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let url = gw.url("/v1/orders");
+    let writes: Vec<_> = (0..40)
+        .map(|i| {
+            let url = url.clone();
+            tokio::spawn(async move { post(&url, &format!("slots-{i}"), r#"{"n":1}"#, &[]).await.status })
+        })
+        .collect();
+    for w in writes {
+        assert_eq!(w.await.expect("write"), 201);
+    }
+    let delivered = || hooks.requests().iter().filter(|r| r.path == "/events").count();
+    assert!(support::eventually(Duration::from_secs(20), || async { delivered() >= 40 }).await, "{} of 40 delivered", delivered());
+    let (client, conn) = tokio_postgres::connect(db, tokio_postgres::NoTls).await.expect("connect");
+    tokio::spawn(conn);
+    let copies: i64 = client.query_one("SELECT count(*) FROM idemgate_events", &[]).await.expect("count").get(0);
+    assert_eq!(copies, 0, "events set aside for want of a slot:\n{}", gw.logs());
+}
