@@ -32,9 +32,16 @@ pub trait Events: Send + Sync + std::fmt::Debug {
         lease: Duration,
         token: Uuid,
     ) -> Result<(Vec<OutboxEvent>, bool), StoreError> {
+        let limit = limit.min(self.most_per_take());
         let events = self.take_events(operations, limit, lease, token).await?;
         let more = reached(&events, limit);
         Ok((events, more))
+    }
+
+    /// Outbox: events one take of [`Events::take_events_more`] leases at
+    /// most, whatever the relay asks for (by default no bound of its own).
+    fn most_per_take(&self) -> u32 {
+        u32::MAX
     }
 
     /// Outbox: receivers answered 2xx to these events; marks them sent in one

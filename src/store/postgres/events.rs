@@ -201,7 +201,7 @@ impl Events for PgStore {
     }
 
     async fn event_failed(&self, seq: i64, token: Uuid, error: &str, retry_after: Duration, park: bool) -> Result<bool, StoreError> {
-        if !self.query(EVENT_FAILED, &[&seq, &token, &error, &micros(retry_after), &park], true).await?.is_empty() {
+        if self.retried_event_failed(seq, token, error, retry_after, park).await? {
             return Ok(true);
         }
         if self.flavor == Flavor::Citus {
@@ -227,8 +227,9 @@ impl Events for PgStore {
         } else {
             self.settle(&[], token, seqs, Some(error), retry_after, park, 1).await?
         };
-        for &seq in seqs.iter().filter(|s| !held.contains(s)).collect::<Vec<_>>() {
-            if !self.query(EVENT_FAILED, &[&seq, &token, &error, &micros(retry_after), &park], true).await?.is_empty() {
+        let copied: std::collections::HashSet<i64> = held.iter().copied().collect();
+        for &seq in seqs.iter().filter(|s| !copied.contains(s)) {
+            if self.retried_event_failed(seq, token, error, retry_after, park).await? {
                 held.push(seq);
             }
         }
@@ -366,5 +367,20 @@ impl PgStore {
         let rows = self.query(&EVENTS_WINDOW_FULL, &[&operations, &i64::from(limit)], false).await?;
         let row = rows.first().ok_or_else(|| StoreError::Corrupt("the window check returned no row".into()))?;
         row.try_get(0).map_err(|e| StoreError::Corrupt(e.to_string()))
+    }
+}
+
+impl PgStore {
+    /// `EVENT_FAILED`: an event of `idemgate_events` (being retried, or set
+    /// aside) this relay holds; whether it was one.
+    async fn retried_event_failed(
+        &self,
+        seq: i64,
+        token: Uuid,
+        error: &str,
+        retry_after: Duration,
+        park: bool,
+    ) -> Result<bool, StoreError> {
+        Ok(!self.query(EVENT_FAILED, &[&seq, &token, &error, &micros(retry_after), &park], true).await?.is_empty())
     }
 }

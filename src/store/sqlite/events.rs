@@ -9,17 +9,8 @@ const MOST_PER_TAKE: u32 = 256;
 
 #[async_trait]
 impl Events for SqliteStore {
-    async fn take_events_more(
-        &self,
-        operations: &[&str],
-        limit: u32,
-        lease: Duration,
-        token: Uuid,
-    ) -> Result<(Vec<OutboxEvent>, bool), StoreError> {
-        let limit = limit.min(MOST_PER_TAKE);
-        let events = self.take_events(operations, limit, lease, token).await?;
-        let more = crate::store::contract::reached(&events, limit);
-        Ok((events, more))
+    fn most_per_take(&self) -> u32 {
+        MOST_PER_TAKE
     }
 
     async fn take_events(&self, operations: &[&str], limit: u32, lease: Duration, token: Uuid) -> Result<Vec<OutboxEvent>, StoreError> {
