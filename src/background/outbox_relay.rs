@@ -342,8 +342,7 @@ impl Relay {
         let attempts = u32::try_from(event.attempts).unwrap_or(0) + 1;
         let park = attempts >= dest.max_attempts;
         let retry_after = RETRY.jittered(attempts);
-        tracing::warn!(event = %event.id, scope = %event.scope.log_id(), error = %why, attempts, park, "event delivery failed");
-        self.metrics.event_delivery(if park { "parked" } else { "failed" });
+        self.count_failure(event, why, attempts, park);
         match self.store.event_failed(event.seq, token, why, retry_after, park).await {
             Ok(true) => {}
             Ok(false) => tracing::warn!(event = %event.id, "event lease lost before it was marked"),
@@ -368,8 +367,7 @@ impl Relay {
                 continue;
             }
             for event in &these {
-                tracing::warn!(event = %event.id, scope = %event.scope.log_id(), error = %why, attempts = 1, park, "event delivery failed");
-                self.metrics.event_delivery(if park { "parked" } else { "failed" });
+                self.count_failure(event, why, 1, park);
             }
             let seqs: Vec<i64> = these.iter().map(|e| e.seq).collect();
             match self.store.first_attempts_failed(&seqs, token, why, retry_after, park).await {
@@ -381,6 +379,12 @@ impl Relay {
                 Err(e) => tracing::warn!(events = seqs.len(), error = %e, "could not mark the events"),
             }
         }
+    }
+
+    /// Logs and counts one failed delivery of `event` (its `attempts`th).
+    fn count_failure(&self, event: &OutboxEvent, why: &str, attempts: u32, park: bool) {
+        tracing::warn!(event = %event.id, scope = %event.scope.log_id(), error = %why, attempts, park, "event delivery failed");
+        self.metrics.event_delivery(if park { "parked" } else { "failed" });
     }
 
     /// A destination that failed in a round is not tried again for a while,

@@ -693,6 +693,12 @@ impl Store {
         self.bounded(op::TAKE_EVENTS, self.backend.take_events_more(operations, limit, lease, token)).await
     }
 
+    /// Outbox: events one take leases at most, whatever the relay asks for
+    /// (see `Events::most_per_take`).
+    pub fn most_per_take(&self) -> u32 {
+        self.backend.most_per_take()
+    }
+
     pub async fn events_delivered(&self, seqs: &[i64], token: Uuid) -> Result<Vec<i64>, StoreError> {
         self.bounded(op::EVENTS_DELIVERED, self.backend.events_delivered(seqs, token)).await
     }

@@ -600,22 +600,57 @@ async fn run(on_citus: bool) {
             let at = |t: Option<idemgate::idempotency::record::Timestamp>| {
                 t.map_or("-".to_owned(), |t| format!("{:+.1}s", (t.0 - now.0) as f64 / 1e6))
             };
-            slow = left
-                .iter()
-                .map(|r| {
-                    format!(
-                        "{} {} {} (owner {}, generation {}, attempts {}, due {}, updated {})",
-                        r.scope.tenant,
-                        r.scope.operation,
-                        r.scope.key.as_str(),
-                        r.owner,
-                        r.generation,
-                        r.attempts,
-                        at(r.next_attempt_at),
-                        at(Some(r.updated_at))
-                    )
-                })
-                .collect();
+            for r in &left {
+                // The probes' side of the record: whether one was taken, what
+                // it said, and when the next is due.
+                let probes = match store.inspect(&r.scope, 0).await {
+                    Ok(Some(i)) => format!(
+                        "probes {}, next probe {}, last answer {:?}",
+                        i.probe_attempts,
+                        at(i.next_probe_at),
+                        i.probe_last_answer.as_deref().unwrap_or("-")
+                    ),
+                    Ok(None) => "gone".to_owned(),
+                    Err(e) => format!("inspect failed: {e}"),
+                };
+                slow.push(format!(
+                    "{} {} {} (owner {}, generation {}, attempts {}, due {}, updated {}, created {}, lease {}; {probes})",
+                    r.scope.tenant,
+                    r.scope.operation,
+                    r.scope.key.as_str(),
+                    r.owner,
+                    r.generation,
+                    r.attempts,
+                    at(r.next_attempt_at),
+                    at(Some(r.updated_at)),
+                    at(Some(r.created_at)),
+                    at(r.lease_expires_at)
+                ));
+            }
+            // What could keep a due record from its probe: transactions left
+            // prepared on a node (their row locks make the take skip it), and
+            // the reconcilers' own complaints.
+            if let Db::Citus(cluster) = &db {
+                for (name, node) in db.node_names().into_iter().zip(cluster.nodes()) {
+                    let prepared = node
+                        .simple_query("soak", "SELECT count(*), min(prepared)::text FROM pg_prepared_xacts")
+                        .map_or_else(|e| e.to_string(), |rows| format!("{rows:?}"));
+                    slow.push(format!("{name}: prepared transactions (count, oldest) {prepared}"));
+                }
+            }
+            let gateways = replicas.iter().map(|g| ("replica", g.lock().unwrap().logs())).chain([("prober", prober.logs())]);
+            for (who, logs) in gateways {
+                let complaints: Vec<&str> = logs
+                    .lines()
+                    .filter(|l| l.contains("reconciler") || l.contains("probe") || l.contains("tenant list"))
+                    .filter(|l| l.contains("WARN") || l.contains("ERROR"))
+                    .collect();
+                slow.push(format!(
+                    "{who}: {} probe warnings, the last: {:?}",
+                    complaints.len(),
+                    complaints.iter().rev().take(3).collect::<Vec<_>>()
+                ));
+            }
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }

@@ -21,6 +21,7 @@ on_both_stores!(
     final_state_changes_write_their_events_and_nothing_else_does,
     a_failed_post_records_its_first_attempts_together,
     small_takes_deliver_every_event_of_many_scopes_once,
+    a_take_that_says_nothing_is_left_leaves_nothing_to_take,
     a_change_and_its_event_commit_or_fail_together,
     relays_hold_each_event_alone_in_order_per_scope,
     a_parked_event_holds_the_later_events_of_its_scope,
@@ -31,6 +32,7 @@ on_pgbouncer!(
     final_state_changes_write_their_events_and_nothing_else_does,
     a_failed_post_records_its_first_attempts_together,
     small_takes_deliver_every_event_of_many_scopes_once,
+    a_take_that_says_nothing_is_left_leaves_nothing_to_take,
     a_change_and_its_event_commit_or_fail_together,
     relays_hold_each_event_alone_in_order_per_scope,
     a_parked_event_holds_the_later_events_of_its_scope,
@@ -41,6 +43,7 @@ on_citus!(
     final_state_changes_write_their_events_and_nothing_else_does,
     a_failed_post_records_its_first_attempts_together,
     small_takes_deliver_every_event_of_many_scopes_once,
+    a_take_that_says_nothing_is_left_leaves_nothing_to_take,
     a_change_and_its_event_commit_or_fail_together,
     relays_hold_each_event_alone_in_order_per_scope,
     a_parked_event_holds_the_later_events_of_its_scope,
@@ -251,6 +254,54 @@ async fn a_failed_post_records_its_first_attempts_together(backend: Backend) {
     assert!(again.iter().all(|e| e.attempts == 1 && e.last_error.as_deref() == Some("answered 503")), "{again:?}");
     let ids: BTreeSet<Uuid> = taken[5..20].iter().map(|e| e.id).collect();
     assert_eq!(again.iter().map(|e| e.id).collect::<BTreeSet<_>>(), ids, "with the same ids");
+}
+
+/// Events of more tenants than a Citus take asks in one round (32), more
+/// than SQLite leases in one take (256): each take is as large as the relay
+/// asks, or the store's bound, and a take that says nothing deliverable is
+/// left behind (`more` false, after which a relay waits a moment) leaves
+/// nothing that the next take finds at once. Every event is delivered once.
+async fn a_take_that_says_nothing_is_left_leaves_nothing_to_take(backend: Backend) {
+    let store = open_with_events(&backend).await;
+    let ops = ["create_order"];
+    let relay = Uuid::new_v4();
+    let (tenants, per_tenant): (u32, u32) = (40, 8);
+    for t in 0..tenants {
+        for i in 0..per_tenant {
+            let s = scope(&format!("bound-{t}"), "p", "create_order", &format!("k-{i}"));
+            let c = claim(&store, &req(&s, 1, LONG, false)).await;
+            store.complete(&c, &response(201, b"x"), Retention::For(LONG)).await.unwrap();
+        }
+    }
+    let most = store.most_per_take();
+    let mut delivered: Vec<i64> = Vec::new();
+    let mut takes = 0;
+    loop {
+        let (taken, more) = store.take_events_more(&ops, 1024, LONG, relay).await.unwrap();
+        takes += 1;
+        assert!(takes <= 50, "a take per round, and rounds end");
+        assert!(taken.len() <= most as usize, "{} taken, the store's bound is {most}", taken.len());
+        let seqs: Vec<i64> = taken.iter().map(|e| e.seq).collect();
+        assert_eq!(store.events_delivered(&seqs, relay).await.unwrap().len(), seqs.len());
+        delivered.extend(seqs);
+        if !more {
+            let (after, _) = store.take_events_more(&ops, 1024, LONG, relay).await.unwrap();
+            assert!(
+                after.is_empty(),
+                "take {takes} said nothing was left, and the next take found {} events ({} delivered before)",
+                after.len(),
+                delivered.len()
+            );
+            break;
+        }
+    }
+    let all = tenants * per_tenant;
+    if most < all {
+        assert!(takes > 1, "a store that leases at most {most} a take took {all} in one");
+    }
+    let unique: BTreeSet<i64> = delivered.iter().copied().collect();
+    assert_eq!((delivered.len(), unique.len()), (all as usize, all as usize), "every event once");
+    assert_eq!(store.event_stats().await.unwrap().pending, 0);
 }
 
 /// Events of many scopes (on PostgreSQL, in every lane of the log) taken a
