@@ -174,9 +174,18 @@ impl Reconcile for PgStore {
         // resolution waits until every entry cached before the hold has run
         // out (see `store::cache`), then resolves in a second transaction.
         let mut held: Option<(Timestamp, Generation)> = None;
+        // On Citus a resolution under a new generation draws it from the
+        // tenant's counter in its own transaction; the counter's floor is
+        // read (once a process) before a connection is held: a statement on
+        // a second connection while the first holds the record waits for a
+        // free one, and resolutions as many as the pool wait for each other.
+        let floor = match self.flavor {
+            Flavor::Citus => Some(self.reach.floor.get(&self.db).await?),
+            Flavor::Postgres => None,
+        };
         for _ in 0..3 {
             let mut conn = self.conn().await?;
-            match self.resolve_round(&mut conn, scope, resolution, note, events, fence, held).await? {
+            match self.resolve_round(&mut conn, scope, resolution, note, events, fence, held, floor).await? {
                 Round::Done(outcome) => {
                     conn.done();
                     return Ok(outcome);
@@ -195,7 +204,9 @@ impl Reconcile for PgStore {
 impl PgStore {
     /// One transaction of `resolve`: the resolution itself, or (for a
     /// completed record not yet held, `held` false or the hold run out) the
-    /// hold that keeps it out of the replay caches.
+    /// hold that keeps it out of the replay caches. Every statement runs on
+    /// `conn` (on Citus, the draw of a new generation too: `floor` is the
+    /// tenant counters' floor).
     #[allow(clippy::too_many_arguments)]
     async fn resolve_round(
         &self,
@@ -206,6 +217,7 @@ impl PgStore {
         events: &EventPolicies,
         fence: Option<ProbeFence>,
         held: Option<(Timestamp, Generation)>,
+        floor: Option<i64>,
     ) -> Result<Round, StoreError> {
         let w = |e| classify(e, true);
         let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
@@ -257,7 +269,7 @@ impl PgStore {
                 // An async operation released: it runs again, under a new generation.
                 let rows = match self.flavor {
                     Flavor::Citus => {
-                        let generation = self.next_generation(&scope.tenant).await?;
+                        let generation = self.draw_generation(&tx, &scope.tenant, floor).await?;
                         let with: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
                             [params[0], params[1], params[2], params[3], &generation];
                         tx.query(self.db.text(&citus_sql::CITUS_RESOLVE_REQUEUE), &with).await.map_err(w)?
@@ -282,7 +294,7 @@ impl PgStore {
                 let mut values: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
                     vec![params[0], params[1], params[2], params[3], &status, &headers, &body, &retention];
                 let generation = match self.flavor {
-                    Flavor::Citus => Some(self.next_generation(&scope.tenant).await?),
+                    Flavor::Citus => Some(self.draw_generation(&tx, &scope.tenant, floor).await?),
                     Flavor::Postgres => None,
                 };
                 if let Some(g) = &generation {
@@ -345,6 +357,21 @@ impl PgStore {
         }
         tx.commit().await.map_err(w)?;
         Ok(Round::Done(ResolveOutcome::Resolved { from: record.state }))
+    }
+}
+
+impl PgStore {
+    /// A new generation of `tenant` (Citus), drawn from its counter in the
+    /// transaction `tx` (`super::citus_sql::CITUS_GENERATIONS`, creating the
+    /// counter at `floor`): on the connection that holds the record, never
+    /// on a second one. A value drawn by a transaction that rolls back was
+    /// never used, and may be drawn again.
+    async fn draw_generation(&self, tx: &deadpool_postgres::Transaction<'_>, tenant: &str, floor: Option<i64>) -> Result<i64, StoreError> {
+        let floor = floor.ok_or_else(|| StoreError::Corrupt("resolve: a generation drawn without the counters' floor".into()))?;
+        let rows = tx.query(self.db.text(citus_sql::CITUS_GENERATIONS), &[&tenant, &1i64, &floor]).await.map_err(|e| classify(e, true))?;
+        rows.first()
+            .and_then(|r| r.try_get::<_, i64>(0).ok())
+            .ok_or_else(|| StoreError::Corrupt("the generation counter returned no value".into()))
     }
 }
 

@@ -11,8 +11,8 @@ use idemgate::store::audit::{Actor, AuditNote};
 use idemgate::store::{Claim, ProbeRoute, Reaped, Resolution, ResolveOutcome, RetryNote, Store, WriteOutcome};
 
 use super::{
-    AT_UPSTREAM, LONG, PAST_SHORT, RELEASE, SHORT, accept_req, all, claim, existing, fp, get, key, key_set, keys_of, note, open, raw_sql,
-    req, response, row, scope, set, take, worker_route,
+    AT_UPSTREAM, LONG, PAST_SHORT, RELEASE, SHORT, accept_req, all, claim, existing, fp, get, key, key_set, keys_of, note, open, open_with,
+    raw_sql, req, response, row, scope, set, take, worker_route,
 };
 use crate::support::{self, Backend};
 
@@ -22,7 +22,8 @@ on_both_stores!(
     racing_reconcilers_take_each_record_once,
     probes_wait_until_the_attempt_cannot_be_at_the_upstream,
     probes_wait_for_the_bound_the_attempt_recorded,
-    a_released_operation_starts_a_fresh_attempt_budget
+    a_released_operation_starts_a_fresh_attempt_budget,
+    resolutions_hold_one_connection_at_a_time
 );
 
 on_pgbouncer!(
@@ -31,7 +32,8 @@ on_pgbouncer!(
     racing_reconcilers_take_each_record_once,
     probes_wait_until_the_attempt_cannot_be_at_the_upstream,
     probes_wait_for_the_bound_the_attempt_recorded,
-    a_released_operation_starts_a_fresh_attempt_budget
+    a_released_operation_starts_a_fresh_attempt_budget,
+    resolutions_hold_one_connection_at_a_time
 );
 
 on_citus!(
@@ -40,7 +42,8 @@ on_citus!(
     racing_reconcilers_take_each_record_once,
     probes_wait_until_the_attempt_cannot_be_at_the_upstream,
     probes_wait_for_the_bound_the_attempt_recorded,
-    a_released_operation_starts_a_fresh_attempt_budget
+    a_released_operation_starts_a_fresh_attempt_budget,
+    resolutions_hold_one_connection_at_a_time
 );
 
 async fn resolve_releases_completes_and_refuses_live_claims(backend: Backend) {
@@ -317,4 +320,50 @@ async fn a_released_operation_starts_a_fresh_attempt_budget(backend: Backend) {
     assert_eq!((queued.state, queued.attempts, queued.maybe_executed, queued.sent_at), (State::Queued, 0, false, None));
     let again = take(&store, &routes, "w").await.expect("runs again");
     assert_eq!(again.record.attempts, 1, "the first attempt of a fresh budget");
+}
+
+/// A resolution needs one connection at a time: on a pool of one, an
+/// `unknown` record completed by a probe (fenced by its mark) or by hand,
+/// and an async operation released to run again (both under a new
+/// generation, which Citus draws from the tenant's counter) are resolved,
+/// not left waiting for a second connection. On Citus a resolution drew the
+/// generation on another connection while its transaction held the record:
+/// eight probes settling at once on a pool of eight waited for each other
+/// until the operation timeout, every time they were taken again.
+async fn resolutions_hold_one_connection_at_a_time(backend: Backend) {
+    let store = open_with(&backend, Duration::from_secs(2), 1).await;
+    let n = note("one connection");
+    let complete = Resolution::Complete { response: response(201, b"found"), retention: Retention::For(LONG), force: false };
+
+    // Completed by a probe, through its mark.
+    let probed = key("one-conn-probed");
+    let c = unknown(&store, &probed).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    let routes = [probe_route("create_order", Duration::ZERO)];
+    let taken = store.take_probes(&routes, LONG, 8).await.unwrap();
+    assert_eq!(keys_of(&taken.iter().map(|p| p.record.clone()).collect::<Vec<_>>()), vec!["one-conn-probed".to_owned()]);
+    let fenced = store.resolve_probed(&probed, &complete, &n, taken[0].fence).await;
+    assert!(matches!(fenced, Ok(ResolveOutcome::Resolved { from: State::Unknown })), "{fenced:?}");
+    let done = row(&store, &probed).await;
+    assert_eq!((done.state, done.generation > c.generation), (State::Completed, true));
+
+    // Completed by hand.
+    let by_hand = key("one-conn-by-hand");
+    unknown(&store, &by_hand).await;
+    let resolved = store.resolve(&by_hand, &complete, &n).await;
+    assert!(matches!(resolved, Ok(ResolveOutcome::Resolved { from: State::Unknown })), "{resolved:?}");
+    assert_eq!(row(&store, &by_hand).await.state, State::Completed);
+
+    // An async operation whose attempt may have run, released to run again.
+    let again = key("one-conn-again");
+    claim(&store, &accept_req(&again, 1)).await;
+    let workers = [worker_route("create_order", LONG)];
+    let t = take(&store, &workers, "w").await.expect("taken");
+    assert_eq!(store.mark_sent(&t.claim, AT_UPSTREAM).await.unwrap(), WriteOutcome::Written);
+    let timed_out = RetryNote { last_status: None, maybe_executed: true };
+    assert_eq!(store.fail(&t.claim, Retention::For(LONG), timed_out).await.unwrap(), WriteOutcome::Written);
+    let released = store.resolve(&again, &RELEASE, &n).await;
+    assert!(matches!(released, Ok(ResolveOutcome::Resolved { from: State::Unknown })), "{released:?}");
+    let queued = row(&store, &again).await;
+    assert_eq!((queued.state, queued.generation > t.claim.generation), (State::Queued, true));
 }
