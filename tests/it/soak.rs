@@ -632,9 +632,10 @@ async fn run(on_citus: bool) {
             // the reconcilers' own complaints.
             if let Db::Citus(cluster) = &db {
                 for (name, node) in db.node_names().into_iter().zip(cluster.nodes()) {
-                    let prepared = node
-                        .simple_query("soak", "SELECT count(*), min(prepared)::text FROM pg_prepared_xacts")
-                        .map_or_else(|e| e.to_string(), |rows| format!("{rows:?}"));
+                    let prepared = tokio::task::block_in_place(|| {
+                        node.simple_query("soak", "SELECT count(*), min(prepared)::text FROM pg_prepared_xacts")
+                    })
+                    .map_or_else(|e| e.to_string(), |rows| format!("{rows:?}"));
                     slow.push(format!("{name}: prepared transactions (count, oldest) {prepared}"));
                 }
             }

@@ -331,7 +331,7 @@ async fn a_released_operation_starts_a_fresh_attempt_budget(backend: Backend) {
 /// eight probes settling at once on a pool of eight waited for each other
 /// until the operation timeout, every time they were taken again.
 async fn resolutions_hold_one_connection_at_a_time(backend: Backend) {
-    let store = open_with(&backend, Duration::from_secs(2), 1).await;
+    let store = open_with(&backend, Duration::from_secs(5), 1).await;
     let n = note("one connection");
     let complete = Resolution::Complete { response: response(201, b"found"), retention: Retention::For(LONG), force: false };
 
