@@ -25,7 +25,10 @@ on_both_stores!(
     never_executed_is_released_and_the_retry_runs_once,
     an_inconclusive_probe_leaves_it_unknown_and_backs_off,
     a_connect_that_hangs_is_never_sent_and_releases_the_key,
+    a_full_batch_of_found_probes_settles_at_once,
 );
+
+on_citus!(a_full_batch_of_found_probes_settles_at_once);
 
 const ORDER: &str = r#"{"item":"book","qty":1}"#;
 
@@ -90,6 +93,32 @@ async fn executed_but_timed_out_is_completed_by_its_probe(backend: Backend) {
     assert_eq!(a.generation, Some(rec.generation));
     assert_eq!(metric(&gw, &probes("found")).await, 1.0);
     assert_eq!(metric(&gw, &probes("absent")).await, 0.0, "series exist from the start");
+}
+
+/// Twelve requests executed upstream whose answers were lost to the timeout,
+/// at once: the reconciler settles up to eight probes at a time, and each
+/// settlement is a resolution that must hold one of the store's connections
+/// (eight here), not two. On Citus a resolution drew its new generation on a
+/// second connection: eight at once waited for each other until the
+/// operation timeout, and, taken again together, never settled.
+async fn a_full_batch_of_found_probes_settles_at_once(backend: Backend) {
+    let up = TestUpstream::start().await;
+    // Room for the twelve at once, and for eight probes beside them.
+    let cfg = GatewayConfig::new(backend.clone(), up.url()).timeout("500ms").upstream("max_in_flight = 32").route(&probed(""));
+    let gw = Gateway::start(cfg);
+    let store = backend.open().await;
+    let keys: Vec<String> = (0..12).map(|i| format!("batch-{i}")).collect();
+    let url = gw.url("/v1/orders");
+    for r in futures_util::future::join_all(keys.iter().map(|k| post(&url, k, ORDER, &[("x-test-sleep-ms", "900")]))).await {
+        assert_eq!((r.status, r.problem().as_str()), (504, "outcome-unknown"), "{r:?}");
+    }
+    for k in &keys {
+        wait_state(&store, k, Some(State::Completed), &gw).await;
+        assert_eq!(up.side_effects(&derived(k)), 1, "{k}");
+    }
+    let trail = store.audit(100).await.unwrap();
+    assert_eq!(trail.iter().filter(|a| a.actor == "reconciler" && a.to_state == "completed").count(), keys.len(), "{trail:?}");
+    assert_eq!(metric(&gw, &probes("found")).await, keys.len() as f64, "each record probed once: none taken again after a failed write");
 }
 
 /// The request was lost on its way (a blackholed connection): the upstream
