@@ -495,16 +495,21 @@ fn done_or<T>(done: T, any: bool, failed: Option<StoreError>) -> Result<T, Store
     }
 }
 
+/// The generation `CITUS_GENERATIONS` returns (autocommitted, or in a
+/// resolution's transaction: `super::reconcile`).
+pub(super) fn drawn(rows: &[Row]) -> Result<i64, StoreError> {
+    rows.first()
+        .and_then(|r| r.try_get::<_, i64>(0).ok())
+        .ok_or_else(|| StoreError::Corrupt("the generation counter returned no value".into()))
+}
+
 impl super::PgStore {
     /// A new generation of `tenant`, drawn from its counter on its shard
     /// (`super::citus_sql::CITUS_GENERATIONS`, autocommitted: a value drawn
     /// is never drawn again, whether or not it is used).
     pub(super) async fn next_generation(&self, tenant: &str) -> Result<i64, StoreError> {
         let floor = self.reach.floor.get(&self.db).await?;
-        let rows = self.query(super::citus_sql::CITUS_GENERATIONS, &[&tenant, &1i64, &floor], true).await?;
-        rows.first()
-            .and_then(|r| r.try_get::<_, i64>(0).ok())
-            .ok_or_else(|| StoreError::Corrupt("the generation counter returned no value".into()))
+        drawn(&self.query(super::citus_sql::CITUS_GENERATIONS, &[&tenant, &1i64, &floor], true).await?)
     }
 
     /// A final state change and its event on Citus: `update` (one of

@@ -368,10 +368,9 @@ impl PgStore {
     /// never used, and may be drawn again.
     async fn draw_generation(&self, tx: &deadpool_postgres::Transaction<'_>, tenant: &str, floor: Option<i64>) -> Result<i64, StoreError> {
         let floor = floor.ok_or_else(|| StoreError::Corrupt("resolve: a generation drawn without the counters' floor".into()))?;
-        let rows = tx.query(self.db.text(citus_sql::CITUS_GENERATIONS), &[&tenant, &1i64, &floor]).await.map_err(|e| classify(e, true))?;
-        rows.first()
-            .and_then(|r| r.try_get::<_, i64>(0).ok())
-            .ok_or_else(|| StoreError::Corrupt("the generation counter returned no value".into()))
+        super::citus::drawn(
+            &tx.query(self.db.text(citus_sql::CITUS_GENERATIONS), &[&tenant, &1i64, &floor]).await.map_err(|e| classify(e, true))?,
+        )
     }
 }
 

@@ -8,7 +8,7 @@ use idemgate::idempotency::key::Scope;
 use idemgate::idempotency::record::Retention;
 use idemgate::idempotency::record::{self, State, TransitionError};
 use idemgate::store::audit::{Actor, AuditNote};
-use idemgate::store::{Claim, ProbeRoute, Reaped, Resolution, ResolveOutcome, RetryNote, Store, WriteOutcome};
+use idemgate::store::{Claim, ProbeRoute, Reaped, Resolution, ResolveOutcome, RetryNote, Store, Taken, WriteOutcome};
 
 use super::{
     AT_UPSTREAM, LONG, PAST_SHORT, RELEASE, SHORT, accept_req, all, claim, existing, fp, get, key, key_set, keys_of, note, open, open_with,
@@ -300,6 +300,17 @@ async fn probes_wait_for_the_bound_the_attempt_recorded(backend: Backend) {
     assert_eq!(idemgate::store::UNRECORDED_AT_UPSTREAM, Duration::from_secs(3600), "the legacy record waits an hour");
 }
 
+/// An async operation whose attempt was sent and timed out on an upstream
+/// that may have run it, its retries used up: `unknown`. Returns the attempt.
+async fn unknown_async(store: &Store, s: &Scope) -> Taken {
+    claim(store, &accept_req(s, 1)).await;
+    let t = take(store, &[worker_route("create_order", LONG)], "w").await.expect("taken");
+    assert_eq!(store.mark_sent(&t.claim, AT_UPSTREAM).await.unwrap(), WriteOutcome::Written);
+    let timed_out = RetryNote { last_status: None, maybe_executed: true };
+    assert_eq!(store.fail(&t.claim, Retention::For(LONG), timed_out).await.unwrap(), WriteOutcome::Written);
+    t
+}
+
 /// An operator (or a probe's "absent") who releases an async operation says
 /// "it did not happen, run it": the operation goes back to the queue with a
 /// fresh attempt budget. Keeping the used-up count failed it at the next take
@@ -307,12 +318,8 @@ async fn probes_wait_for_the_bound_the_attempt_recorded(backend: Backend) {
 async fn a_released_operation_starts_a_fresh_attempt_budget(backend: Backend) {
     let store = open(&backend).await;
     let s = key("released");
-    claim(&store, &accept_req(&s, 1)).await;
     let routes = [worker_route("create_order", LONG)];
-    let t = take(&store, &routes, "w").await.expect("taken");
-    assert_eq!(store.mark_sent(&t.claim, AT_UPSTREAM).await.unwrap(), WriteOutcome::Written);
-    let timed_out = RetryNote { last_status: None, maybe_executed: true };
-    assert_eq!(store.fail(&t.claim, Retention::For(LONG), timed_out).await.unwrap(), WriteOutcome::Written);
+    unknown_async(&store, &s).await;
     assert_eq!((row(&store, &s).await.state, row(&store, &s).await.attempts), (State::Unknown, 1));
     let released = store.resolve(&s, &RELEASE, &note("did not happen, run it again")).await.unwrap();
     assert!(matches!(released, ResolveOutcome::Resolved { .. }), "{released:?}");
@@ -356,12 +363,7 @@ async fn resolutions_hold_one_connection_at_a_time(backend: Backend) {
 
     // An async operation whose attempt may have run, released to run again.
     let again = key("one-conn-again");
-    claim(&store, &accept_req(&again, 1)).await;
-    let workers = [worker_route("create_order", LONG)];
-    let t = take(&store, &workers, "w").await.expect("taken");
-    assert_eq!(store.mark_sent(&t.claim, AT_UPSTREAM).await.unwrap(), WriteOutcome::Written);
-    let timed_out = RetryNote { last_status: None, maybe_executed: true };
-    assert_eq!(store.fail(&t.claim, Retention::For(LONG), timed_out).await.unwrap(), WriteOutcome::Written);
+    let t = unknown_async(&store, &again).await;
     let released = store.resolve(&again, &RELEASE, &n).await;
     assert!(matches!(released, Ok(ResolveOutcome::Resolved { from: State::Unknown })), "{released:?}");
     let queued = row(&store, &again).await;
