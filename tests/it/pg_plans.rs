@@ -420,6 +420,32 @@ async fn the_primary_key_starts_with_the_scope_id() {
     assert!(indexes.is_empty(), "the scope id's own index is gone: {indexes:?}");
 }
 
+/// Both of the store's sequences hand out their values in order across
+/// sessions (`CACHE 1`): generations stay monotonic per scope (migration
+/// 0002), and a batch of the event log reads below its floor only the
+/// transactions that were running when the floor was read (migration 0017),
+/// which holds only if no session hands out a value it cached earlier.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stores_sequences_hand_out_values_in_order() {
+    let url = migrated_database("sequences_in_order").await;
+    let admin = session(&url, &[]).await;
+    let caches: BTreeMap<String, i64> = admin
+        .query(
+            "SELECT c.relname::text, s.seqcache FROM pg_sequence s JOIN pg_class c ON c.oid = s.seqrelid WHERE c.relname LIKE 'idemgate%'",
+            &[],
+        )
+        .await
+        .expect("pg_sequence")
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    for name in ["idemgate_generation", "idemgate_events_seq_seq"] {
+        assert!(caches.contains_key(name), "sequence {name} not found: {caches:?}");
+    }
+    let cached: Vec<_> = caches.iter().filter(|(_, cache)| **cache != 1).collect();
+    assert!(cached.is_empty(), "sequences with a per-session cache: {cached:?}");
+}
+
 /// The database's `idemgate_scope_id` (which every insert stores and the
 /// single-row statements look rows up by) and the gateway's
 /// `Scope::scope_id` (which logs print and batches look rows up by) are the
