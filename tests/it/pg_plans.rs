@@ -542,9 +542,13 @@ fn number(node: &Value, key: &str) -> f64 {
 /// Log rows a plan read (returned or removed by a filter, over all loops):
 /// the scans of the event log's slots.
 fn log_rows_read(plan: &Value) -> f64 {
+    let named = |node: &Value, key: &str| node.get(key).and_then(Value::as_str).is_some_and(|r| r.starts_with("idemgate_event_log"));
     plan_objects(plan)
         .into_iter()
-        .filter(|node| node.get("Relation Name").and_then(Value::as_str).is_some_and(|r| r.starts_with("idemgate_event_log")))
+        // A scan of the log, or a bitmap index scan of one of its indexes
+        // (which names no relation): a bitmap of a whole batch built to
+        // find its first row counts every entry it holds.
+        .filter(|node| named(node, "Relation Name") || (node.get("Relation Name").is_none() && named(node, "Index Name")))
         .map(|node| (number(node, "Actual Rows") + number(node, "Rows Removed by Filter")) * number(node, "Actual Loops").max(1.0))
         .sum()
 }
