@@ -186,7 +186,15 @@ impl Reconciler {
             // meanwhile is not waited for: the record is already taken).
             let slotted: Vec<(Probing, Option<Permit>)> =
                 batch.into_iter().map(|p| (p, turn.take().or_else(|| limit.try_acquire()))).collect();
-            stream::iter(slotted).for_each_concurrent(BATCH as usize, |(p, _slot)| self.settle(probed, p)).await;
+            // The slot moves into the probe's future: the closure returns
+            // before the probe runs, and a permit bound in it alone would be
+            // given back then.
+            stream::iter(slotted)
+                .for_each_concurrent(BATCH as usize, |(p, slot)| async move {
+                    self.settle(probed, p).await;
+                    drop(slot);
+                })
+                .await;
             total += n as u64;
             if n < free as usize || free < BATCH {
                 return Ok(total);

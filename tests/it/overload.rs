@@ -349,6 +349,42 @@ async fn probes_wait_while_the_upstream_is_at_its_limit() {
     assert_eq!(up.probes_of(&derived("lost")), 1);
 }
 
+/// A probe holds its slot while it is at the upstream: with the one slot
+/// taken by a slow probe, a first write is refused before its claim, not
+/// sent beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_holds_its_slot_while_it_is_at_the_upstream() {
+    let _alone = LOAD.lock().await;
+    let up = TestUpstream::start().await;
+    let backend = sqlite_backend();
+    let gw = Gateway::start(
+        GatewayConfig::new(backend.clone(), up.url()).timeout("3s").upstream("max_in_flight = 1\nqueue_timeout = \"0s\"").route(
+            "[routes.reconcile]\nprobe = \"GET /v1/orders/by-key/{derived_key}\"\nfound_as = 201\nsettle = \"300ms\"\ninterval = \"100ms\"",
+        ),
+    );
+    let store = backend.open().await;
+    let url = gw.url("/v1/orders");
+    up.set_probe_delay_ms(2500);
+    unknown_record(&url, "lost").await;
+    assert!(
+        support::eventually(Duration::from_secs(10), || async { up.probes_of(&derived("lost")) == 1 }).await,
+        "no probe was sent:\n{}",
+        gw.logs()
+    );
+    let writes = up.total();
+    let resp = post(&url, "beside-the-probe", r#"{"n":1}"#, &[]).await;
+    assert_eq!(resp.status, 503, "a write went beside the probe: {:?}", resp.body);
+    assert_eq!(resp.problem(), "overloaded");
+    assert_eq!(up.total(), writes, "the upstream ran a write while the probe held its only slot");
+    assert!(record(&store, "beside-the-probe").await.is_none(), "a refused request claimed its key");
+    let settled = support::eventually(Duration::from_secs(10), || async {
+        record(&store, "lost").await.is_some_and(|r| r.state == State::Completed)
+    })
+    .await;
+    assert!(settled, "the probe's answer was not applied:\n{}", gw.logs());
+    assert_eq!(up.probes_of(&derived("lost")), 1);
+}
+
 /// Event deliveries to an upstream's address count against its limit: an
 /// event made while requests hold every slot waits for a free one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

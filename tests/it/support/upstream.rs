@@ -73,6 +73,8 @@ struct State {
     probes: Mutex<Vec<(String, String, std::time::Instant)>>,
     /// Answer lookups with this status instead (0: normally).
     probe_status: std::sync::atomic::AtomicU16,
+    /// Lookups are answered after this many ms (0: at once); counted on arrival.
+    probe_delay_ms: AtomicU64,
     /// Writes on these paths are deduplicated by key (as with `dedupe`).
     dedupe_paths: Mutex<std::collections::HashSet<String>>,
     /// A slow write's order is visible to lookups only once its work is done.
@@ -190,6 +192,11 @@ impl TestUpstream {
         self.state.probe_status.store(status.unwrap_or(0), Ordering::SeqCst);
     }
 
+    /// Answer by-key lookups `ms` after they arrive from now on (0: at once).
+    pub fn set_probe_delay_ms(&self, ms: u64) {
+        self.state.probe_delay_ms.store(ms, Ordering::SeqCst);
+    }
+
     /// By-key lookups of this key so far.
     pub fn probes_of(&self, key: &str) -> usize {
         self.state.probes.lock().unwrap().iter().filter(|(k, _, _)| k == key).count()
@@ -236,7 +243,12 @@ async fn handle(
     let h = &parts.headers;
     let write = matches!(parts.method.as_str().to_ascii_uppercase().as_str(), "POST" | "PUT" | "PATCH" | "DELETE");
     if !write && parts.uri.path().contains("/by-key/") {
-        return Ok(lookup(&state, parts.uri.path()));
+        let answer = lookup(&state, parts.uri.path());
+        let delay = state.probe_delay_ms.load(Ordering::SeqCst);
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+        }
+        return Ok(answer);
     }
     if !write && let Some(n) = parts.uri.path().strip_prefix("/v1/orders/").and_then(|n| n.parse::<u64>().ok()) {
         // The resource a Location points to: refused to revoked credentials.
