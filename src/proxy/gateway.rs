@@ -32,7 +32,7 @@ use crate::proxy::state::{Configured, Shared};
 use crate::request::async_op::{OPERATIONS_PATH, status_document};
 use crate::request::authorize::{Authorization, Authorizer};
 use crate::request::identity::Identity;
-use crate::request::route::method_override::{self, BodyKind};
+use crate::request::route::method_override;
 use crate::request::route::{InFlightPolicy, InvalidRequest, Mode, ReplayMode, Route, RouteMatch, UpstreamId};
 use crate::store::{Claim, ClaimOutcome, ClaimRequest, Store, WriteOutcome};
 use crate::upstream::Upstream;
@@ -176,6 +176,12 @@ impl Gateway {
         if let Cow::Owned(normal) = normal {
             *req.uri_mut() = with_path(req.uri(), &normal)?;
         }
+        // Hop-by-hop headers, and every header the client's `Connection`
+        // names, are never forwarded: they go before anything reads the
+        // headers, so that what is checked (the content type a body is read
+        // by, the forwarding headers written next, an identity) is what the
+        // upstream gets.
+        crate::upstream::headers::strip_hop_by_hop(req.headers_mut());
         // Header names with `_` (and every other spelling of a guarded
         // header) are gone before anything reads the headers.
         self.configured
@@ -580,33 +586,29 @@ impl Gateway {
     /// body names one is refused.
     async fn pass_through(&self, upstream: UpstreamId, req: Request<Incoming>, trace: &mut Trace) -> Result<Response<Body>, GatewayError> {
         let upstream = self.executor.upstream(upstream);
-        let answer = match self.body_may_override(&req) {
-            None => {
-                let bytes_in = self.configured.access_log.then(|| trace.count_bytes_in());
-                passthrough::try_pass_through(upstream, req, self.configured.request_body_timeout, bytes_in).await
+        let answer = if self.body_may_override(&req) {
+            let (parts, body) = req.into_parts();
+            let body = read_body(body, &parts.headers, self.configured.max_request_body, self.configured.request_body_timeout).await?;
+            trace.bytes_in = Some(body.len() as u64);
+            if method_override::in_body(&body) {
+                return Err(GatewayError::InvalidRequest(InvalidRequest::MethodOverride));
             }
-            Some(kind) => {
-                let (parts, body) = req.into_parts();
-                let body = read_body(body, &parts.headers, self.configured.max_request_body, self.configured.request_body_timeout).await?;
-                trace.bytes_in = Some(body.len() as u64);
-                if method_override::in_body(kind, &body) {
-                    return Err(GatewayError::InvalidRequest(InvalidRequest::MethodOverride));
-                }
-                passthrough::try_forward(upstream, parts, Body::full(body)).await
-            }
+            passthrough::try_forward(upstream, parts, Body::full(body)).await
+        } else {
+            let bytes_in = self.configured.access_log.then(|| trace.count_bytes_in());
+            passthrough::try_pass_through(upstream, req, self.configured.request_body_timeout, bytes_in).await
         };
         self.shared.metrics.passed_through(upstream.name(), answer.as_ref().err().map(GatewayError::type_name));
         answer
     }
 
-    /// The kind of body `req` has, if a framework could read `_method` from
-    /// it and its path is one a route protects ([`Router::protects`]).
-    fn body_may_override(&self, req: &Request<Incoming>) -> Option<BodyKind> {
-        if hyper::body::Body::is_end_stream(req.body()) {
-            return None;
-        }
-        let kind = method_override::body_kind(req.headers())?;
-        self.configured.router.protects(req.uri().path(), None).then_some(kind)
+    /// Whether `req` has a body a framework could read `_method` from
+    /// ([`method_override::body_read`]) on a path a route protects
+    /// ([`Router::protects`]).
+    fn body_may_override(&self, req: &Request<Incoming>) -> bool {
+        !hyper::body::Body::is_end_stream(req.body())
+            && method_override::body_read(req.headers())
+            && self.configured.router.protects(req.uri().path(), None)
     }
 }
 
@@ -639,7 +641,7 @@ impl Front for Enforce<'_> {
             Err(e) => return Err((e, Held::Read(parts, Body::empty()))),
         };
         self.trace.bytes_in = Some(body.len() as u64);
-        if method_override::body_kind(&parts.headers).is_some_and(|kind| method_override::in_body(kind, &body)) {
+        if method_override::body_read(&parts.headers) && method_override::in_body(&body) {
             return Err((GatewayError::InvalidRequest(InvalidRequest::MethodOverride), Held::Read(parts, Body::empty())));
         }
         Ok((parts, body))

@@ -11,7 +11,7 @@ use serde_json::json;
 use crate::idempotency::record::Retention;
 use crate::idempotency::record::{Record, State};
 use crate::request::route::Route;
-use crate::upstream::headers::is_hop_by_hop;
+use crate::upstream::headers::{connection_listed, is_hop_by_hop};
 
 /// Where clients poll an operation (on the proxy listener).
 pub const OPERATIONS_PATH: &str = "/_idemgate/operations/";
@@ -51,14 +51,7 @@ impl StoredRequest {
     /// What will be forwarded of this request: hop-by-hop headers are left
     /// out (they are never forwarded anyway).
     pub fn capture(parts: &request::Parts, body: &Bytes) -> StoredRequest {
-        let listed: Vec<HeaderName> = parts
-            .headers
-            .get_all(http::header::CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .filter_map(|t| HeaderName::from_bytes(t.trim().to_ascii_lowercase().as_bytes()).ok())
-            .collect();
+        let listed = connection_listed(&parts.headers);
         let headers = parts
             .headers
             .iter()

@@ -183,7 +183,8 @@ pub fn is_hop_by_hop(name: &HeaderName, connection_listed: &[HeaderName]) -> boo
         || connection_listed.contains(name)
 }
 
-fn connection_listed(headers: &HeaderMap) -> Vec<HeaderName> {
+/// The header names a message's `Connection` header lists.
+pub fn connection_listed(headers: &HeaderMap) -> Vec<HeaderName> {
     headers
         .get_all(header::CONNECTION)
         .iter()

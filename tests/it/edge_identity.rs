@@ -301,6 +301,19 @@ async fn forwarding_headers_name_the_real_peer() {
         let sync = send("POST", &gw.url("/v1/orders"), &request("sync", Some("k-fwd")), ORDER).await.unwrap();
         let pass = send("DELETE", &gw.url("/v1/elsewhere"), &request("pass", None), "").await.unwrap();
         assert_eq!((sync.status, pass.status), (201, 201), "{sync:?} {pass:?}");
+        // A client's `Connection` naming the forwarding headers: they are
+        // hop-by-hop then, gone before the gateway writes its own, which
+        // therefore reach the upstream (before, they were written, then
+        // stripped on the way out, and the upstream saw no client address).
+        let mut listed = request("listed", None);
+        listed.push(("connection", "X-Forwarded-For, Forwarded, X-Real-IP"));
+        let listed = send("DELETE", &gw.url("/v1/elsewhere"), &listed, "").await.unwrap();
+        assert_eq!(listed.status, 201, "{listed:?}");
+        let h = upstream_saw(&up, "listed").await;
+        let all = |name: &str| h.get_all(name).iter().map(|v| v.to_str().unwrap().to_owned()).collect::<Vec<_>>();
+        assert_eq!(all("x-forwarded-for"), ["127.0.0.1"], "trusted: {trusted}");
+        assert_eq!(all("forwarded"), ["for=127.0.0.1"], "trusted: {trusted}");
+        assert_eq!(all("x-real-ip"), ["127.0.0.1"], "trusted: {trusted}");
         for case in ["sync", "pass"] {
             let h = upstream_saw(&up, case).await;
             let all = |name: &str| h.get_all(name).iter().map(|v| v.to_str().unwrap().to_owned()).collect::<Vec<_>>();

@@ -107,6 +107,44 @@ const SIGNALS: &[Signal] = &[
             "--XyZ\r\nContent-Disposition: form-data; name=\"_method\"\r\n\r\nPUT\r\n--XyZ--\r\n",
         )),
     },
+    // Spellings a review found that the gateway did not read as overrides.
+    Signal {
+        name: "Connection names the content type",
+        headers: &[("Connection", "Content-Type")],
+        query: "",
+        body: Some((Some("application/octet-stream"), "_method=DELETE")),
+    },
+    Signal {
+        name: "_method form, type before a comma",
+        headers: &[],
+        query: "",
+        body: Some((Some("application/x-www-form-urlencoded, x"), "_method=DELETE")),
+    },
+    Signal { name: "[_method] form", headers: &[], query: "", body: Some((Some("application/x-www-form-urlencoded"), "[_method]=DELETE")) },
+    Signal {
+        name: "_method multipart/mixed",
+        headers: &[],
+        query: "",
+        body: Some((
+            Some("multipart/mixed; boundary=XyZ"),
+            "--XyZ\r\nContent-Disposition: form-data; name=\"_method\"\r\n\r\nDELETE\r\n--XyZ--\r\n",
+        )),
+    },
+    Signal {
+        name: "_method multipart, folded part header",
+        headers: &[],
+        query: "",
+        body: Some((
+            Some("multipart/form-data; boundary=XyZ"),
+            "--XyZ\r\nContent-Disposition: form-data;\r\n name=\"_method\"\r\n\r\nDELETE\r\n--XyZ--\r\n",
+        )),
+    },
+    Signal {
+        name: "_method multipart Content-ID",
+        headers: &[],
+        query: "",
+        body: Some((Some("multipart/form-data; boundary=XyZ"), "--XyZ\r\nContent-ID: _method\r\n\r\nDELETE\r\n--XyZ--\r\n")),
+    },
 ];
 
 /// Sent with every request: a tenant, a principal, a key and a generation

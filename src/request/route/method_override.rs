@@ -23,70 +23,109 @@ const FIELD: &str = "_method";
 /// An override in the request's head: one of the headers, or `_method` in
 /// the query (its name percent-decoded: `%5Fmethod`).
 pub fn in_head(headers: &HeaderMap, query: Option<&str>) -> bool {
-    headers.keys().any(|n| is_override_header(n.as_str())) || query.is_some_and(|q| names_field(form_urlencoded::parse(q.as_bytes())))
+    headers.keys().any(|n| is_override_header(n.as_str()))
+        || query.is_some_and(|q| names_field(form_urlencoded::parse(q.as_bytes())) || spells_field(q.as_bytes()))
 }
 
 fn names_field<'a>(pairs: impl Iterator<Item = (std::borrow::Cow<'a, str>, std::borrow::Cow<'a, str>)>) -> bool {
     pairs.into_iter().any(|(name, _)| name.trim().eq_ignore_ascii_case(FIELD))
 }
 
-/// How a body could carry `_method`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BodyKind {
-    /// `application/x-www-form-urlencoded`, or no content type at all (Rack
-    /// reads a POST without one as a form).
-    Form,
-    Multipart,
-    Json,
+/// Whether a body with these headers is read and looked at for `_method`:
+/// every body except one whose content type no framework parses for
+/// parameters (binary media: streamed as they come). The type's essence is
+/// taken as frameworks take it, up to the first `;`, `,` or space (Rack
+/// splits on `;` and `,`, PHP also on a space), from the raw bytes (a value
+/// with bytes above ASCII still names a form to Rack); a body without a
+/// content type is read (Rack reads a POST without one as a form).
+pub fn body_read(headers: &HeaderMap) -> bool {
+    let Some(value) = headers.get(http::header::CONTENT_TYPE) else { return true };
+    let bytes = value.as_bytes();
+    let start = bytes.iter().position(|b| !b.is_ascii_whitespace()).unwrap_or(bytes.len());
+    let rest = &bytes[start..];
+    let essence = rest.iter().position(|b| matches!(b, b';' | b',' | b' ' | b'\t')).map_or(rest, |end| &rest[..end]).to_ascii_lowercase();
+    let binary = [&b"image/"[..], b"audio/", b"video/", b"font/"].iter().any(|p| essence.starts_with(p))
+        || [&b"application/octet-stream"[..], b"application/pdf", b"application/zip", b"application/gzip"].contains(&&essence[..]);
+    !binary
 }
 
-/// The kind of body a framework may read `_method` from, by the request's
-/// content type; `None` for other bodies.
-pub fn body_kind(headers: &HeaderMap) -> Option<BodyKind> {
-    let Some(value) = headers.get(http::header::CONTENT_TYPE) else { return Some(BodyKind::Form) };
-    let essence = value.to_str().ok()?.split(';').next().unwrap_or_default().trim().to_ascii_lowercase();
-    match essence.as_str() {
-        "" | "application/x-www-form-urlencoded" => Some(BodyKind::Form),
-        "multipart/form-data" => Some(BodyKind::Multipart),
-        e if e == "application/json" || e.ends_with("+json") => Some(BodyKind::Json),
-        _ => None,
-    }
-}
-
-/// Whether a body of `kind` names `_method`: a form's field, a multipart
-/// part's name (in any of its part headers), a JSON object's top-level
-/// member. A body that does not parse names nothing here (the route's own
-/// checks refuse it where it matters).
-pub fn in_body(kind: BodyKind, body: &[u8]) -> bool {
-    match kind {
-        BodyKind::Form => names_field(form_urlencoded::parse(body)),
-        BodyKind::Multipart => multipart_names_field(body),
-        BodyKind::Json => {
-            // Most bodies never spell it, not even escaped: no parse then.
-            let maybe = memmem(body, b"method") || memmem(body, b"\\u");
-            maybe
-                && serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(body)
-                    .is_ok_and(|object| object.keys().any(|k| k.eq_ignore_ascii_case(FIELD)))
-        }
-    }
-}
-
-/// A multipart body whose part headers mention `_method` (as the name of
-/// a part, quoted or not, or in an RFC 2231 `name*=`): read without the
-/// boundary, so that a body with a misleading boundary parameter cannot hide
-/// a part a lenient parser would find.
-fn multipart_names_field(body: &[u8]) -> bool {
+/// Whether a body names `_method` where some framework would read it. A
+/// JSON object is asked for a top-level member (Laravel's reading), as
+/// parsed. Any other body, and JSON that does not parse here (a number out
+/// of range, nesting deeper than serde's limit: PHP's decoder takes both),
+/// is scanned as bytes for the name as a word in any spelling a framework
+/// reads as `_method` ([`spells_field`]): a form's field, a multipart
+/// part's name in any header (folded or not, `name`, `name*`, `Content-ID`),
+/// Rack's `[_method]`, PHP's `.method` and ` .method`. The scan is
+/// deliberately wide: a body that spells the word `_method` by itself
+/// anywhere, even as a value, is refused on a path a route protects.
+pub fn in_body(body: &[u8]) -> bool {
+    // Most bodies never spell it, not even escaped: nothing more to do.
     let lower = body.to_ascii_lowercase();
-    let mut at = 0;
-    while let Some(found) = lower.get(at..).and_then(|rest| find(rest, b"content-disposition")) {
-        let start = at + found;
-        let end = lower.get(start..).and_then(|rest| find(rest, b"\n")).map_or(lower.len(), |e| start + e);
-        if lower.get(start..end).is_some_and(|line| memmem(line, FIELD.as_bytes())) {
+    if !memmem(&lower, b"method") && !memmem(&lower, b"%") && !memmem(&lower, b"\\u") {
+        return false;
+    }
+    let first = lower.iter().find(|b| !b.is_ascii_whitespace());
+    if matches!(first, Some(b'{' | b'['))
+        && let Ok(value) = serde_json::from_slice::<serde_json::Value>(body)
+    {
+        return value.as_object().is_some_and(|object| object.keys().any(|k| k.trim().eq_ignore_ascii_case(FIELD)));
+    }
+    spells_field(body)
+}
+
+/// Whether `text` spells `_method` as a name, once decoded the ways
+/// frameworks decode names (`%XX`, `+` as a space, JSON's `\uXXXX`) and
+/// letter case ignored: `method` right after `_`, `.` or a space, which
+/// itself starts a word (the text's start, or after a separator such as
+/// `&`, `"`, `[`, `]`, `:`, a space or a line break; not `=`: a value of
+/// another field), and followed by the word's end. PHP turns a leading `.` or space into `_`, and Rack drops brackets
+/// around a name.
+pub(crate) fn spells_field(text: &[u8]) -> bool {
+    let decoded = decode(text);
+    let starts_word = |at: Option<usize>| {
+        at.is_none_or(|i| {
+            matches!(decoded[i], b'&' | b';' | b'"' | b'\'' | b'[' | b']' | b'{' | b',' | b':' | 0 | b'\r' | b'\n' | b'\t' | b' ')
+        })
+    };
+    let ends_word = |at: usize| {
+        decoded.get(at).is_none_or(|b| {
+            matches!(b, b'&' | b';' | b'"' | b'\'' | b'[' | b']' | b'}' | b',' | b':' | b'=' | 0 | b'\r' | b'\n' | b'\t' | b' ')
+        })
+    };
+    let mut from = 0;
+    while let Some(found) = decoded.get(from..).and_then(|rest| find(rest, b"method")) {
+        let at = from + found;
+        if at >= 1 && matches!(decoded[at - 1], b'_' | b'.' | b' ') && starts_word(at.checked_sub(2)) && ends_word(at + 6) {
             return true;
         }
-        at = end;
+        from = at + 1;
     }
     false
+}
+
+/// `text` lower-cased with `%XX`, `+` and `\uXXXX` (below 0x80) decoded,
+/// once.
+fn decode(text: &[u8]) -> Vec<u8> {
+    let hex = |b: Option<&[u8]>| b.and_then(|b| std::str::from_utf8(b).ok()).and_then(|h| u8::from_str_radix(h, 16).ok());
+    let mut out = Vec::with_capacity(text.len());
+    let mut i = 0;
+    while let Some(&b) = text.get(i) {
+        let escaped = text.get(i + 1).is_some_and(|n| *n == b'u' || *n == b'U');
+        let (byte, width) = match b {
+            b'%' => hex(text.get(i + 1..i + 3)).map_or((b, 1), |v| (v, 3)),
+            // `\u00XX`: two hex digits of zeros, then the byte below 0x80.
+            b'\\' if escaped && text.get(i + 2..i + 4) == Some(b"00") => {
+                hex(text.get(i + 4..i + 6)).filter(|v| *v < 0x80).map_or((b, 1), |v| (v, 6))
+            }
+            b'+' => (b' ', 1),
+            _ => (b, 1),
+        };
+        out.push(byte);
+        i += width;
+    }
+    out.make_ascii_lowercase();
+    out
 }
 
 fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
@@ -124,22 +163,66 @@ mod tests {
     }
 
     #[test]
-    fn bodies_signal_an_override_by_their_kind() {
-        assert_eq!(body_kind(&HeaderMap::new()), Some(BodyKind::Form));
-        assert_eq!(body_kind(&headers(&[("content-type", "Application/X-WWW-Form-Urlencoded; charset=utf-8")])), Some(BodyKind::Form));
-        assert_eq!(body_kind(&headers(&[("content-type", "multipart/form-data; boundary=x")])), Some(BodyKind::Multipart));
-        assert_eq!(body_kind(&headers(&[("content-type", "application/merge-patch+json")])), Some(BodyKind::Json));
-        assert_eq!(body_kind(&headers(&[("content-type", "application/octet-stream")])), None);
-        assert!(in_body(BodyKind::Form, b"a=1&_method=DELETE"));
-        assert!(in_body(BodyKind::Form, b"%5Fmethod=DELETE"));
-        assert!(!in_body(BodyKind::Form, b"a=1&method=DELETE"));
-        assert!(in_body(BodyKind::Json, br#"{"a":1,"_method":"DELETE"}"#));
-        assert!(in_body(BodyKind::Json, br#"{"a":1,"\u005fmethod":"DELETE"}"#));
-        assert!(!in_body(BodyKind::Json, br#"{"a":{"_method":"DELETE"}}"#));
-        assert!(!in_body(BodyKind::Json, br#"[{"_method":"DELETE"}]"#));
-        let part = b"--b\r\nContent-Disposition: form-data; name=\"_method\"\r\n\r\nDELETE\r\n--b--\r\n";
-        assert!(in_body(BodyKind::Multipart, part));
-        let other = b"--b\r\nContent-Disposition: form-data; name=\"note\"\r\n\r\n_method\r\n--b--\r\n";
-        assert!(!in_body(BodyKind::Multipart, other));
+    fn bodies_are_read_unless_their_type_is_binary_media() {
+        assert!(body_read(&HeaderMap::new()));
+        for t in [
+            "Application/X-WWW-Form-Urlencoded; charset=utf-8",
+            "application/x-www-form-urlencoded, x",
+            "multipart/mixed; boundary=x",
+            "text/json",
+            "application/x-json",
+            "application/merge-patch+json",
+            "text/plain",
+            " application/octet-stream,application/x-www-form-urlencoded",
+        ] {
+            let binary = t.trim_start().starts_with("application/octet-stream");
+            assert_eq!(body_read(&headers(&[("content-type", t)])), !binary, "{t}");
+        }
+        for t in ["application/octet-stream", "image/png", "video/mp4; codecs=x", "application/PDF"] {
+            assert!(!body_read(&headers(&[("content-type", t)])), "{t}");
+        }
+        let mut h = HeaderMap::new();
+        h.insert(http::header::CONTENT_TYPE, HeaderValue::from_bytes(b"application/x-www-form-urlencoded; x=\xff").unwrap());
+        assert!(body_read(&h), "a value with a byte above ASCII");
+    }
+
+    #[test]
+    fn bodies_signal_an_override_in_every_spelling_a_framework_reads() {
+        let refused: &[&[u8]] = &[
+            b"a=1&_method=DELETE",
+            b"%5Fmethod=DELETE",
+            b"_METHOD=put",
+            b"+_method+=x",
+            b"[_method]=DELETE",
+            b"_method]=DELETE",
+            b".method=DELETE",
+            b"%20.method=DELETE",
+            b"_method%00x=DELETE",
+            br#"{"a":1,"_method":"DELETE"}"#,
+            br#"{"a":1,"\u005fmethod":"DELETE"}"#,
+            br#"{"_method":"DELETE","n":1e400}"#,
+            b"--b\r\nContent-Disposition: form-data; name=\"_method\"\r\n\r\nDELETE\r\n--b--\r\n",
+            b"--b\r\nContent-Disposition: form-data;\r\n name=\"_method\"\r\n\r\nDELETE\r\n--b--\r\n",
+            b"--b\r\nContent-ID: _method\r\n\r\nDELETE\r\n--b--\r\n",
+            b"--b\r\nContent-Disposition: form-data; name*=utf-8''%5Fmethod\r\n\r\nDELETE\r\n--b--\r\n",
+        ];
+        for body in refused {
+            assert!(in_body(body), "{}", String::from_utf8_lossy(body));
+        }
+        let deep = format!("{}{}", "[".repeat(200), "]".repeat(200));
+        let deep_with_field = format!(r#"{{"_method":"DELETE","x":{deep}}}"#);
+        assert!(in_body(deep_with_field.as_bytes()), "JSON nested deeper than the parser goes");
+        let passed: &[&[u8]] = &[
+            b"a=1&method=DELETE",
+            b"tax_method=1&payment.method=card",
+            b"a=_method",
+            br#"{"a":{"_method":"DELETE"}}"#,
+            br#"[{"_method":"DELETE"}]"#,
+            br#"{"shipping method":"post","payment_method":"card"}"#,
+            b"",
+        ];
+        for body in passed {
+            assert!(!in_body(body), "{}", String::from_utf8_lossy(body));
+        }
     }
 }
