@@ -103,6 +103,12 @@ const CASES: &[(&str, &str, Expect)] = &[
     // Not a suffix of a route's path: passed through.
     ("POST", "/v1/ordersx", PassThrough { normal: "/v1/ordersx" }),
     ("POST", "/v1/orders-archive.json", PassThrough { normal: "/v1/orders-archive.json" }),
+    // Behind a PHP front controller (Symfony and Laravel route by PATH_INFO,
+    // the path after the script) these are the protected paths.
+    ("POST", "/index.php/v1/orders", Refused),
+    ("DELETE", "/index.php/v1/orders/42", Refused),
+    ("POST", "/app/index.php/v1/orders.json", Refused),
+    ("POST", "/index.php/v1/ordersx", PassThrough { normal: "/index.php/v1/ordersx" }),
     // HEAD on a protected GET route runs the GET handler in most frameworks.
     ("HEAD", "/v1/reports/7", Refused),
     ("HEAD", "/v1/reports/7.json", Refused),

@@ -491,12 +491,19 @@ impl Router {
 
     /// Whether an upstream could read `path` (normal) as the path of a route
     /// of `method` (of any method when `None`): exactly, or as a lenient
-    /// server reads paths. This is the one predicate for "could this request
-    /// be a protected operation" that routing and the method-override checks
-    /// (headers, query, body) share.
+    /// server reads paths, also behind a PHP front controller (the path
+    /// after a segment naming a `.php` script: PHP's `PATH_INFO`, which
+    /// Symfony and Laravel route by, so `/index.php/v1/orders` runs the
+    /// handler of `/v1/orders`). This is the one predicate for "could this
+    /// request be a protected operation" that routing and the
+    /// method-override checks (headers, query, body) share.
     pub fn protects(&self, path: &str, method: Option<&Method>) -> bool {
         let loose = normal::loose(path);
-        self.by_specificity.iter().any(|r| method.is_none_or(|m| r.method == *m) && r.path.matches_loosely(&loose))
+        let after_script = loose.iter().position(|s| s.ends_with(b".php")).map(|i| &loose[i + 1..]);
+        self.by_specificity.iter().any(|r| {
+            method.is_none_or(|m| r.method == *m)
+                && (r.path.matches_loosely(&loose) || after_script.is_some_and(|rest| r.path.matches_loosely(rest)))
+        })
     }
 
     /// [`Router::normalise`], then [`Router::route_normal`] (without an
@@ -611,6 +618,23 @@ mod tests {
             },
             background: BackgroundPolicy::default(),
         }
+    }
+
+    #[test]
+    fn a_path_behind_a_php_front_controller_is_protected() {
+        let r = Router::new(
+            vec![route("create", Method::POST, "/v1/orders", 0), route("delete", Method::DELETE, "/v1/orders/{id}", 0)],
+            Some(0),
+        );
+        for path in ["/index.php/v1/orders", "/app/Index.PHP/v1/orders.json", "/index.php/v1/orders/42"] {
+            assert!(r.protects(path, None), "{path}");
+        }
+        assert!(r.protects("/index.php/v1/orders", Some(&Method::POST)));
+        assert!(!r.protects("/index.php/v1/orders", Some(&Method::DELETE)));
+        for path in ["/index.php", "/index.php/v1/elsewhere", "/index.phpx/v1/orders"] {
+            assert!(!r.protects(path, None), "{path}");
+        }
+        assert!(matches!(r.route_normal(&Method::POST, "/index.php/v1/orders", false), Err(InvalidRequest::Ambiguous)));
     }
 
     #[test]
