@@ -633,10 +633,6 @@ impl Validator<'_> {
                 self.database_warnings(path, s.url.is_some(), &c);
                 Some(url)
             }
-            Err(e @ (crate::tls::postgres::PgTlsError::Mode { .. } | crate::tls::postgres::PgTlsError::Roots(_))) => {
-                self.issues.push(path, format!("{source}: {e}"));
-                None
-            }
             Err(crate::tls::postgres::PgTlsError::Config(e)) => {
                 // The cause ("unexpected EOF", "invalid value for option `port`", ...)
                 // names no secret, except the offending character, which is cut off.
@@ -649,6 +645,11 @@ impl Validator<'_> {
                          or key=value pairs"
                     ),
                 );
+                None
+            }
+            // The others name no value of the string but sslmode's, sslrootcert's and target_session_attrs' (never a secret).
+            Err(e) => {
+                self.issues.push(path, format!("{source}: {e}"));
                 None
             }
         }

@@ -19,6 +19,18 @@
 //! - `verify-full`: the chain and the host name.
 //!
 //! libpq's `allow` is not supported (it is refused, naming the modes that are).
+//!
+//! `sslrootcert=system` (libpq 16+) verifies against the system's roots and
+//! makes `verify-full` the default; a weaker `sslmode` with it is refused, as
+//! libpq does. With `hostaddr` and no `host`, the address is the TLS name up
+//! to `verify-ca`; `verify-full` then has no name to compare and is refused.
+//! `target_session_attrs` takes libpq's values: `any`, `read-write` and
+//! `primary` (the store always asks for read-write); `standby`, `read-only`
+//! and `prefer-standby` are refused, as the store needs a writable primary.
+//!
+//! The rest of the string goes to tokio-postgres as written: a URL's other
+//! query pairs byte for byte, key=value pairs read with libpq's grammar and
+//! written again (quoted where needed).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -48,6 +60,28 @@ pub enum PgTlsError {
         /// `" (from PGSSLMODE)"` when the environment gave it, else empty.
         origin: &'static str,
     },
+    #[error(
+        "sslmode={mode}{origin} may not be used with sslrootcert=system{root_origin} (as in libpq: anyone can get a \
+         publicly trusted certificate for a name of their own, so only verify-full protects): use sslmode=verify-full, \
+         or name your CA's file in sslrootcert"
+    )]
+    WeakWithSystemRoots {
+        mode: String,
+        origin: &'static str,
+        /// `" (from PGSSLROOTCERT)"` when the environment gave it, else empty.
+        root_origin: &'static str,
+    },
+    #[error(
+        "sslmode=verify-full compares the certificate with the host name, and the connection string has only hostaddr: add host=<the name in the certificate>"
+    )]
+    NoHostName,
+    #[error(
+        "target_session_attrs={0:?}: the store writes, so it needs a writable primary (use read-write, primary or any; \
+         idemgate always asks for read-write)"
+    )]
+    SessionAttrs(String),
+    #[error("not a valid PostgreSQL connection string: {0}")]
+    Syntax(&'static str),
     #[error("sslrootcert: {0}")]
     Roots(LoadError),
     #[error("{0}")]
@@ -68,14 +102,22 @@ pub fn parse(url: &str) -> Result<PgConnect, PgTlsError> {
     parse_with(url, &|name| std::env::var(name).ok())
 }
 
+/// libpq's `sslrootcert=system` (16+): the system's roots, and `verify-full` only.
+const SYSTEM: &str = "system";
+
 /// [`parse`], with the environment looked up through `env`.
 pub fn parse_with(url: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<PgConnect, PgTlsError> {
-    let (rest, mode, root) = take_ssl_params(url);
+    let Taken { rest, mode, root, session_attrs } = take_ssl_params(url)?;
     let from_env = |name: &str| env(name).map(|v| v.trim().to_owned()).filter(|v| !v.is_empty());
     let origin = if mode.is_none() { " (from PGSSLMODE)" } else { "" };
+    let root_origin = if root.is_none() { " (from PGSSLROOTCERT)" } else { "" };
     let mode = mode.or_else(|| from_env("PGSSLMODE"));
-    let root = root.or_else(|| from_env("PGSSLROOTCERT").map(PathBuf::from));
+    let root = root.or_else(|| from_env("PGSSLROOTCERT"));
+    // As libpq 16: the system's roots make verify-full the default and refuse any weaker mode.
+    let system = root.as_deref() == Some(SYSTEM);
+    let written = mode.clone().unwrap_or_default();
     let mode = match mode.as_deref() {
+        None if system => SslMode::VerifyFull,
         None | Some("prefer") => SslMode::Prefer,
         Some("disable") => SslMode::Disable,
         Some("require") if root.is_some() => SslMode::VerifyCa,
@@ -84,7 +126,35 @@ pub fn parse_with(url: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<PgC
         Some("verify-full") => SslMode::VerifyFull,
         Some(other) => return Err(PgTlsError::Mode { mode: other.to_owned(), origin }),
     };
+    if system && mode != SslMode::VerifyFull {
+        return Err(PgTlsError::WeakWithSystemRoots { mode: written, origin, root_origin });
+    }
+    // `system` names no file: `client_config` takes the system's roots where no file is given.
+    let root = root.filter(|_| !system).map(PathBuf::from);
     let mut config: tokio_postgres::Config = rest.parse().map_err(PgTlsError::Config)?;
+    match session_attrs.as_deref() {
+        None => {}
+        Some("any") => {
+            config.target_session_attrs(tokio_postgres::config::TargetSessionAttrs::Any);
+        }
+        Some("read-write" | "primary") => {
+            config.target_session_attrs(tokio_postgres::config::TargetSessionAttrs::ReadWrite);
+        }
+        Some(other) => return Err(PgTlsError::SessionAttrs(other.to_owned())),
+    }
+    // The TLS handshake needs a name; with only `hostaddr`, the address is
+    // the name where nothing compares it with the certificate (as libpq).
+    if config.get_hosts().is_empty() && !config.get_hostaddrs().is_empty() {
+        match mode {
+            SslMode::Disable => {}
+            SslMode::Prefer | SslMode::Require | SslMode::VerifyCa => {
+                for addr in config.get_hostaddrs().to_vec() {
+                    config.host(addr.to_string());
+                }
+            }
+            SslMode::VerifyFull => return Err(PgTlsError::NoHostName),
+        }
+    }
     let tls = match mode {
         SslMode::Disable => {
             config.ssl_mode(tokio_postgres::config::SslMode::Disable);
@@ -92,13 +162,6 @@ pub fn parse_with(url: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<PgC
         }
         SslMode::Prefer => {
             config.ssl_mode(tokio_postgres::config::SslMode::Prefer);
-            // The TLS handshake needs a name; with only `hostaddr`, the
-            // address is the name (nothing checks it in this mode).
-            if config.get_hosts().is_empty() {
-                for addr in config.get_hostaddrs().to_vec() {
-                    config.host(addr.to_string());
-                }
-            }
             Some(client_config(mode, None).map_err(PgTlsError::Roots)?)
         }
         SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => {
@@ -109,6 +172,7 @@ pub fn parse_with(url: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<PgC
     Ok(PgConnect { config, mode, tls })
 }
 
+/// `root`: a CA file; `None`: the system's roots.
 fn client_config(mode: SslMode, root: Option<PathBuf>) -> Result<rustls::ClientConfig, LoadError> {
     let builder = rustls::ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
@@ -132,37 +196,133 @@ fn client_config(mode: SslMode, root: Option<PathBuf>) -> Result<rustls::ClientC
     Ok(config)
 }
 
-/// Removes `sslmode` and `sslrootcert` from a connection string, returning
-/// the rest and their values.
-fn take_ssl_params(url: &str) -> (String, Option<String>, Option<PathBuf>) {
-    let (mut mode, mut root) = (None, None);
+/// What [`take_ssl_params`] takes out of a connection string.
+#[derive(Debug, PartialEq, Eq)]
+struct Taken {
+    /// The string without them, for tokio-postgres's parser.
+    rest: String,
+    mode: Option<String>,
+    root: Option<String>,
+    /// libpq's spellings, which tokio-postgres does not all know.
+    session_attrs: Option<String>,
+}
+
+/// Removes `sslmode`, `sslrootcert` and `target_session_attrs` from a
+/// connection string, returning the rest and their values. Errors name no
+/// value: the string may hold a password.
+fn take_ssl_params(url: &str) -> Result<Taken, PgTlsError> {
+    let mut taken = Taken { rest: String::new(), mode: None, root: None, session_attrs: None };
     let is_url = url.starts_with("postgres://") || url.starts_with("postgresql://");
     if is_url {
-        let Some((base, query)) = url.split_once('?') else { return (url.to_owned(), None, None) };
-        let mut kept = form_urlencoded::Serializer::new(String::new());
-        for (k, v) in form_urlencoded::parse(query.as_bytes()) {
-            match &*k {
-                "sslmode" => mode = Some(v.into_owned()),
-                "sslrootcert" => root = Some(PathBuf::from(v.into_owned())),
-                _ => {
-                    kept.append_pair(&k, &v);
-                }
+        // tokio-postgres percent-decodes keys and values (never `+`): the
+        // pairs it is given are left exactly as written.
+        let Some((base, query)) = url.split_once('?') else {
+            return Ok(Taken { rest: url.to_owned(), ..taken });
+        };
+        let decode = |s: &str| {
+            percent_encoding::percent_decode_str(s)
+                .decode_utf8()
+                .map(|s| s.into_owned())
+                .map_err(|_| PgTlsError::Syntax("a query parameter is not percent-encoded UTF-8"))
+        };
+        let mut kept = Vec::new();
+        for pair in query.split('&') {
+            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+            match &*decode(key).unwrap_or_default() {
+                "sslmode" => taken.mode = Some(decode(value)?),
+                "sslrootcert" => taken.root = Some(decode(value)?),
+                "target_session_attrs" => taken.session_attrs = Some(decode(value)?),
+                _ => kept.push(pair),
             }
         }
-        let kept = kept.finish();
-        let rest = if kept.is_empty() { base.to_owned() } else { format!("{base}?{kept}") };
-        return (rest, mode, root);
+        taken.rest = if kept.is_empty() { base.to_owned() } else { format!("{base}?{}", kept.join("&")) };
+        return Ok(taken);
     }
-    // key=value pairs: values of these two keys hold no spaces or quotes.
     let mut rest = Vec::new();
-    for token in url.split(' ') {
-        match token.split_once('=') {
-            Some(("sslmode", v)) => mode = Some(v.to_owned()),
-            Some(("sslrootcert", v)) => root = Some(PathBuf::from(v)),
-            _ => rest.push(token),
+    for (key, value) in key_value_pairs(url)? {
+        match key {
+            "sslmode" => taken.mode = Some(value),
+            "sslrootcert" => taken.root = Some(value),
+            "target_session_attrs" => taken.session_attrs = Some(value),
+            _ => rest.push(format!("{key}={}", quoted(&value))),
         }
     }
-    (rest.join(" "), mode, root)
+    taken.rest = rest.join(" ");
+    Ok(taken)
+}
+
+/// C's `isspace`, which libpq's parser uses.
+fn is_space(c: char) -> bool {
+    matches!(c, ' ' | '\t' | '\n' | '\x0b' | '\x0c' | '\r')
+}
+
+/// libpq's key=value grammar (`conninfo_parse`): pairs separated by
+/// whitespace, `key [ws] = [ws] value`, the value bare up to whitespace or
+/// in single quotes, a backslash taking the next character as it is in both.
+fn key_value_pairs(s: &str) -> Result<Vec<(&str, String)>, PgTlsError> {
+    let mut pairs = Vec::new();
+    let mut rest = s;
+    loop {
+        rest = rest.trim_start_matches(is_space);
+        if rest.is_empty() {
+            return Ok(pairs);
+        }
+        let end = rest.find(|c: char| c == '=' || is_space(c)).unwrap_or(rest.len());
+        let key = &rest[..end];
+        rest = rest[end..].trim_start_matches(is_space);
+        let Some(after) = rest.strip_prefix('=') else {
+            return Err(PgTlsError::Syntax("a key is not followed by \"=\" (a value with spaces is written in quotes: key='a value')"));
+        };
+        if key.is_empty() {
+            return Err(PgTlsError::Syntax("\"=\" with no key before it"));
+        }
+        rest = after.trim_start_matches(is_space);
+        let mut value = String::new();
+        let mut chars = rest.char_indices();
+        let quoted = rest.starts_with('\'');
+        if quoted {
+            chars.next();
+        }
+        let mut end = rest.len();
+        let mut closed = !quoted;
+        while let Some((i, c)) = chars.next() {
+            match c {
+                '\\' => value.extend(chars.next().map(|(_, c)| c)),
+                '\'' if quoted => {
+                    (end, closed) = (i + 1, true);
+                    break;
+                }
+                c if !quoted && is_space(c) => {
+                    end = i;
+                    break;
+                }
+                c => value.push(c),
+            }
+        }
+        if !closed {
+            return Err(PgTlsError::Syntax("a quoted value has no closing quote"));
+        }
+        rest = &rest[end..];
+        pairs.push((key, value));
+    }
+}
+
+/// A value as tokio-postgres's parser reads it back: bare when it can be,
+/// else in single quotes with `'` and `\` escaped.
+fn quoted(value: &str) -> std::borrow::Cow<'_, str> {
+    if !value.is_empty() && !value.contains(|c: char| c.is_whitespace() || c == '\'' || c == '\\') {
+        return value.into();
+    }
+    let mut out = String::with_capacity(value.len() + 2);
+    out.push('\'');
+    for c in value.chars() {
+        if c == '\'' || c == '\\' {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out.push('\'');
+    out.into()
 }
 
 /// `verify-ca`: the chain is verified, the host name is not.
@@ -292,15 +452,21 @@ mod tests {
 
     #[test]
     fn ssl_parameters_are_taken_out_of_both_forms() {
-        let (rest, mode, root) = take_ssl_params("postgres://u@db:5432/x?sslmode=verify-full&sslrootcert=/ca.pem&application_name=a");
+        let Taken { rest, mode, root, .. } =
+            take_ssl_params("postgres://u@db:5432/x?sslmode=verify-full&sslrootcert=/ca.pem&application_name=a").unwrap();
         assert_eq!(rest, "postgres://u@db:5432/x?application_name=a");
         assert_eq!(mode.as_deref(), Some("verify-full"));
-        assert_eq!(root, Some(PathBuf::from("/ca.pem")));
-        let (rest, mode, root) = take_ssl_params("host=db user=u sslmode=verify-ca sslrootcert=/ca.pem dbname=x");
+        assert_eq!(root.as_deref(), Some("/ca.pem"));
+        let Taken { rest, mode, root, .. } = take_ssl_params("host=db user=u sslmode=verify-ca sslrootcert=/ca.pem dbname=x").unwrap();
         assert_eq!(rest, "host=db user=u dbname=x");
-        assert_eq!((mode.as_deref(), root), (Some("verify-ca"), Some(PathBuf::from("/ca.pem"))));
-        let (rest, mode, _) = take_ssl_params("postgres://u@db/x");
+        assert_eq!((mode.as_deref(), root.as_deref()), (Some("verify-ca"), Some("/ca.pem")));
+        let Taken { rest, mode, .. } = take_ssl_params("postgres://u@db/x").unwrap();
         assert_eq!((rest.as_str(), mode), ("postgres://u@db/x", None));
+        // Every other pair as it was written, a quoted value quoted again.
+        let Taken { rest, .. } = take_ssl_params("postgres://u@db/x?options=a+b%20c&sslmode=require&&x=%2B").unwrap();
+        assert_eq!(rest, "postgres://u@db/x?options=a+b%20c&&x=%2B");
+        let Taken { rest, .. } = take_ssl_params("host = db\tapplication_name='a b' sslmode=require password='it\\'s\\\\'").unwrap();
+        assert_eq!(rest, "host=db application_name='a b' password='it\\'s\\\\'");
     }
 
     #[test]
@@ -390,5 +556,154 @@ MIGHAgEAMBMGByqGSM49AgEGCCqGSM49AwEHBG0wawIBAQQgqpiz7Ej957vPhUjW
             Err(PgTlsError::Roots(e)) => assert!(e.to_string().contains("/nonexistent/ca.pem"), "{e}"),
             other => panic!("{:?}", other.map(|c| c.mode)),
         }
+    }
+
+    /// No environment: what the string says alone.
+    fn no_env(_: &str) -> Option<String> {
+        None
+    }
+
+    /// The error a string must give, as the user reads it.
+    fn refused(r: Result<PgConnect, PgTlsError>) -> String {
+        match r {
+            Ok(c) => panic!("parsed, sslmode {:?}", c.mode),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn key_value_strings_are_read_with_libpq_grammar() {
+        for s in [
+            "host=db sslmode = require user=u",
+            "host=db\nuser=u\nsslmode=require",
+            "host=db\tuser=u\r\n sslmode= require",
+            "host=db user=u sslmode='require'",
+        ] {
+            let c = parse_with(s, &no_env).unwrap_or_else(|e| panic!("{s:?}: {e}"));
+            assert_eq!(c.mode, SslMode::Require, "{s:?}");
+            assert_eq!(c.config.get_user(), Some("u"), "{s:?}");
+        }
+        let c =
+            parse_with(r"host=db sslmode=require application_name='idemgate eu' password='it\'s a \\secret' dbname=a\ b", &no_env).unwrap();
+        assert_eq!(c.config.get_application_name(), Some("idemgate eu"));
+        assert_eq!(c.config.get_password(), Some(&br"it's a \secret"[..]));
+        assert_eq!(c.config.get_dbname(), Some("a b"));
+        let e = refused(parse_with("host=db sslmode=verify-full sslrootcert='/no such dir/ca.pem'", &no_env));
+        assert!(e.contains("/no such dir/ca.pem"), "{e}");
+    }
+
+    #[test]
+    fn malformed_key_value_strings_are_errors_never_panics() {
+        for s in [
+            "host=db sslmode='require",
+            "host=db sslmode",
+            "host=db password=two words",
+            "=x",
+            "host=db '",
+            "host=db \\",
+            "host=db sslmode=",
+            "sslmode = ",
+        ] {
+            let e = refused(parse_with(s, &no_env));
+            assert!(!e.contains("words"), "a value is never repeated: {e}");
+        }
+        for s in ["", " ", "=", "'", "\\", "a\\", "a='\\", "a = 'b' = c", "sslrootcert='", "target_session_attrs"] {
+            let _ = parse_with(s, &no_env);
+        }
+    }
+
+    #[test]
+    fn url_query_pairs_other_than_the_taken_ones_are_kept_as_written() {
+        let c =
+            parse_with("postgres://u@db/x?application_name=idemgate%20eu&sslmode=require&options=a+b&password=p%20w%2Bx", &no_env).unwrap();
+        assert_eq!(c.mode, SslMode::Require);
+        assert_eq!(c.config.get_application_name(), Some("idemgate eu"));
+        assert_eq!(c.config.get_options(), Some("a+b"), "tokio-postgres does not read + as a space");
+        assert_eq!(c.config.get_password(), Some(&b"p w+x"[..]));
+        let e = refused(parse_with("postgres://u@db/x?sslmode=verify%2Dfull&sslrootcert=%2Fno%20such%2Fca.pem", &no_env));
+        assert!(e.contains("/no such/ca.pem"), "{e}");
+        let e = refused(parse_with("postgres://u@db/x?sslmode=verify-full&sslrootcert=/no/a+b.pem", &no_env));
+        assert!(e.contains("/no/a+b.pem"), "+ is not a space: {e}");
+        assert!(parse_with("postgres://u@db/x?sslmode=%FF", &no_env).is_err());
+    }
+
+    /// `sslrootcert=system` either loads the system roots or says there are none; it never reads a file named `system`.
+    fn system_roots_or_none(r: Result<PgConnect, PgTlsError>) -> Option<SslMode> {
+        match r {
+            Ok(c) => Some(c.mode),
+            Err(e) => {
+                assert!(e.to_string().contains("no system root certificates"), "{e}");
+                None
+            }
+        }
+    }
+
+    #[test]
+    fn sslrootcert_system_uses_the_system_roots_and_only_verify_full() {
+        for s in [
+            "postgres://u@db/x?sslrootcert=system",
+            "postgres://u@db/x?sslrootcert=system&sslmode=verify-full",
+            "host=db sslrootcert=system",
+        ] {
+            assert!(matches!(system_roots_or_none(parse_with(s, &no_env)), None | Some(SslMode::VerifyFull)), "{s}");
+        }
+        let env = |mode: Option<&'static str>| {
+            move |name: &str| match name {
+                "PGSSLROOTCERT" => Some("system".to_owned()),
+                "PGSSLMODE" => mode.map(str::to_owned),
+                _ => None,
+            }
+        };
+        assert!(matches!(system_roots_or_none(parse_with("postgres://u@db/x", &env(None))), None | Some(SslMode::VerifyFull)));
+        for mode in ["disable", "prefer", "require", "verify-ca"] {
+            let e = refused(parse_with(&format!("postgres://u@db/x?sslrootcert=system&sslmode={mode}"), &no_env));
+            assert!(e.contains("sslrootcert=system") && e.contains("verify-full"), "{e}");
+            let e = refused(parse_with(&format!("host=db sslmode={mode} sslrootcert=system"), &no_env));
+            assert!(e.contains("sslrootcert=system") && e.contains("verify-full"), "{e}");
+            let e = refused(parse_with("postgres://u@db/x", &env(Some(mode))));
+            assert!(e.contains("sslrootcert=system") && e.contains("PGSSLMODE"), "{e}");
+        }
+    }
+
+    #[test]
+    fn an_address_without_a_host_name_is_the_tls_name_except_for_verify_full() {
+        let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+        let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(file.path(), ca.self_signed(&key).unwrap().pem()).unwrap();
+        let root = file.path().display();
+        for s in [
+            "hostaddr=127.0.0.1 user=u sslmode=require".to_owned(),
+            format!("hostaddr=127.0.0.1 user=u sslmode=verify-ca sslrootcert={root}"),
+        ] {
+            let c = parse_with(&s, &no_env).unwrap();
+            assert_eq!(c.config.get_hosts(), &[tokio_postgres::config::Host::Tcp("127.0.0.1".into())], "{s}");
+        }
+        let e = refused(parse_with(&format!("hostaddr=127.0.0.1 user=u sslmode=verify-full sslrootcert={root}"), &no_env));
+        assert!(e.contains("verify-full") && e.contains("host"), "{e}");
+        let c = parse_with(&format!("host=db.internal hostaddr=127.0.0.1 user=u sslmode=verify-full sslrootcert={root}"), &no_env).unwrap();
+        assert_eq!(c.config.get_hosts(), &[tokio_postgres::config::Host::Tcp("db.internal".into())]);
+    }
+
+    #[test]
+    fn target_session_attrs_takes_libpq_spellings_and_refuses_standbys() {
+        use tokio_postgres::config::TargetSessionAttrs;
+        for (value, attrs) in
+            [("any", TargetSessionAttrs::Any), ("read-write", TargetSessionAttrs::ReadWrite), ("primary", TargetSessionAttrs::ReadWrite)]
+        {
+            for s in [format!("postgres://u@db/x?target_session_attrs={value}"), format!("host=db target_session_attrs = {value}")] {
+                let c = parse_with(&s, &no_env).unwrap_or_else(|e| panic!("{s}: {e}"));
+                assert_eq!(c.config.get_target_session_attrs(), attrs, "{s}");
+            }
+        }
+        for value in ["standby", "read-only", "prefer-standby"] {
+            for s in [format!("postgres://u@db/x?target_session_attrs={value}"), format!("host=db target_session_attrs={value}")] {
+                let e = refused(parse_with(&s, &no_env));
+                assert!(e.contains("writable primary") && e.contains(value), "{e}");
+            }
+        }
+        let e = refused(parse_with("host=db target_session_attrs=sometimes", &no_env));
+        assert!(e.contains("target_session_attrs"), "{e}");
     }
 }
