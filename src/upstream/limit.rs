@@ -9,11 +9,16 @@
 //!
 //! The limit is adaptive by default: a Vegas-style controller (as in
 //! TCP Vegas and Netflix's concurrency-limits) compares each answer's
-//! latency with the lowest latency seen (the upstream without a queue). While
-//! the estimated queue at the upstream (`limit × (1 − min/latency)`) stays
-//! small the limit grows; when it grows past a few requests the limit
-//! shrinks; a timeout, a refused connection or a 429/503 from the upstream
-//! shrinks it by a tenth at once. `max_in_flight` fixes it instead.
+//! latency with the lowest latency of recent requests that met no queue of
+//! ours (the upstream without a queue). While the estimated queue at the
+//! upstream (`limit × (1 − min/latency)`) stays small the limit grows; when
+//! it grows past a few requests the limit shrinks; a timeout, a refused
+//! connection or a 429/503 from the upstream shrinks it by a tenth at once.
+//! The lowest latency is read again every window of samples; when a steady
+//! load left no request that met no queue, the limit is halved for a few
+//! answers to read it (as TCP BBR drains its queue to read its lowest
+//! round trip), so neither one fast answer nor a queued latency stays the
+//! minimum. `max_in_flight` fixes it instead.
 //!
 //! One [`Limit`] is shared by every worker thread of a replica (and by the
 //! async workers and the reconciler's probes); replicas do not share theirs
@@ -35,7 +40,7 @@ use crate::telemetry::metrics::LimitGauges;
 /// arrive (two at 20 each gave 4 unknown records of 354 against an upstream
 /// serving 4 at a time; at 10, none). It grows by several requests per answer
 /// while latency stays at its minimum, and an answer taking half the timeout
-/// cuts it.
+/// and twice the upstream's lowest latency cuts it.
 pub const DEFAULT_INITIAL: u32 = 10;
 /// The adaptive limit's ceiling unless `max_in_flight` sets one.
 pub const DEFAULT_CEILING: u32 = 1000;
@@ -49,8 +54,11 @@ pub const DEFAULT_QUEUE_TIMEOUT: Duration = Duration::from_secs(1);
 pub const RETRY_AFTER: Duration = Duration::from_secs(1);
 /// After this many samples per unit of limit, the lowest latency is read
 /// again from requests that met no queue, so that an upstream that became
-/// slower for good is not taken to be overloaded for ever.
+/// slower for good, or one fast answer (a 4xx among slow writes), does not
+/// set the limit for ever.
 const REREAD_SAMPLES_PER_SLOT: f64 = 30.0;
+/// The most answers a probe reads (fewer when its limit is smaller).
+const PROBE_SAMPLES: u32 = 20;
 
 /// How an upstream's limit is set (`[upstreams.limit]`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -100,9 +108,10 @@ pub enum Sample {
 pub struct Controller {
     limit: f64,
     ceiling: f64,
-    /// The upstream's latency without a queue: the lowest seen.
+    /// The upstream's latency without a queue: the lowest of the requests
+    /// that met no queue of ours in the last window (or lower since).
     min_latency: Option<Duration>,
-    /// An answer this slow counts as a drop.
+    /// An answer this slow, and twice `min_latency`, counts as a drop.
     too_slow: Option<Duration>,
     /// Latency this far above the minimum is not taken for a queue.
     tolerance: Duration,
@@ -111,6 +120,18 @@ pub struct Controller {
     light_min: Option<Duration>,
     samples: u64,
     reread_at: u64,
+    /// While the limit is held at half to read the lowest latency again.
+    probe: Option<Probe>,
+}
+
+/// A window ended without a request that met no queue of ours: the limit is
+/// held below half for a few answers, so that the requests sent then do.
+#[derive(Debug, Clone, PartialEq)]
+struct Probe {
+    /// Answers to requests that met no queue still to read.
+    left: u32,
+    /// Answers after which the probe ends anyway (those sent before it drain first).
+    budget: u64,
 }
 
 impl Controller {
@@ -126,12 +147,15 @@ impl Controller {
             light_min: None,
             samples: 0,
             reread_at: reread_after(limit),
+            probe: None,
         }
     }
 
     /// Judged against an upstream `timeout`: an answer that took half of it
-    /// or longer counts as a sign of overload, as a timeout does (the limit
-    /// shrinks before requests start to wait past the timeout); and latency
+    /// or longer, and twice the upstream's lowest latency or longer, counts
+    /// as a sign of overload, as a timeout does (the limit shrinks before
+    /// requests start to wait past the timeout; an upstream that answers in
+    /// more than half its timeout without a queue is not held at 1); and latency
     /// within a hundredth of it above the minimum is not taken for a queue.
     /// Without that tolerance, an upstream answering in a fraction of a
     /// millisecond had its limit cut to a handful by scheduling jitter alone
@@ -147,36 +171,83 @@ impl Controller {
     pub fn limit(&self) -> u32 {
         // The limit stays within [1, ceiling], which fits a u32.
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-        let limit = self.limit.floor() as u32;
-        limit.max(1)
+        let limit = (self.limit.floor() as u32).max(1);
+        if self.probe.is_some() {
+            // Below half: a request sent now meets no queue of ours.
+            ((limit - 1) / 2).max(1)
+        } else {
+            limit
+        }
+    }
+
+    /// Whether `latency` is a sign of overload, as a timeout is.
+    fn too_slow(&self, latency: Duration) -> bool {
+        // Until a baseline is known, a slow answer is the baseline.
+        self.too_slow.is_some_and(|slow| latency >= slow) && self.min_latency.is_some_and(|min| latency >= min * 2)
+    }
+
+    /// Takes the lowest latency of the requests that met no queue since the
+    /// last re-read for the upstream's latency without a queue, and starts a
+    /// new window.
+    fn reread(&mut self) {
+        self.samples = 0;
+        self.reread_at = reread_after(self.limit);
+        if let Some(light_min) = self.light_min.take() {
+            self.min_latency = Some(light_min);
+        }
     }
 
     /// Learns from one request that held a slot while `in_flight` requests
     /// (itself included) did.
     pub fn learn(&mut self, sample: Sample, in_flight: u32) {
         let latency = match sample {
-            Sample::Answered(latency) if self.too_slow.is_none_or(|slow| latency < slow) => latency.max(Duration::from_micros(1)),
+            Sample::Answered(latency) if !self.too_slow(latency) => latency.max(Duration::from_micros(1)),
             Sample::Answered(_) | Sample::Dropped => {
                 self.limit = (self.limit * 0.9).max(1.0);
                 return;
             }
         };
         // Too few requests in flight to tell whether the limit is the
-        // bottleneck; but such a request met no queue of ours.
+        // bottleneck; but such a request met no queue of ours (nor does one
+        // sent alone).
         let light = f64::from(in_flight) * 2.0 < self.limit;
-        if light {
+        let unqueued = light || in_flight <= 1;
+        if unqueued {
             self.light_min = Some(self.light_min.map_or(latency, |m| m.min(latency)));
+        }
+        if let Some(probe) = self.probe.as_mut() {
+            // The answers of a probe read the lowest latency and nothing
+            // else: those sent before it carry the queue it drains.
+            probe.budget = probe.budget.saturating_sub(1);
+            if unqueued {
+                probe.left = probe.left.saturating_sub(1);
+            }
+            if probe.left == 0 || probe.budget == 0 {
+                self.probe = None;
+                self.reread();
+            }
+            return;
         }
         self.samples += 1;
         if self.samples >= self.reread_at {
-            // An upstream that became slower for good is learned again, but
-            // only from requests that met no queue: under a sustained
-            // overload every latency includes the queue, and taking one of
-            // those for the minimum would let the limit (and the queue) grow.
-            self.samples = 0;
-            self.reread_at = reread_after(self.limit);
-            if let Some(light_min) = self.light_min.take() {
-                self.min_latency = Some(light_min);
+            // The lowest latency is read again every window, so that an
+            // upstream that became slower for good, or one fast answer, does
+            // not set the limit for ever; but only from requests that met no
+            // queue: under a sustained overload every latency includes the
+            // queue, and taking one of those for the minimum would let the
+            // limit (and the queue) grow window after window. A window
+            // without such a request (the limit always full) ends with a
+            // probe, which sends some.
+            if self.light_min.is_some() {
+                self.reread();
+            } else {
+                let probe_limit = ((self.limit() - 1) / 2).max(1);
+                self.probe = Some(Probe {
+                    left: probe_limit.min(PROBE_SAMPLES),
+                    // Those in flight drain, then the probe's own answer.
+                    budget: 2 * u64::from(self.limit()) + u64::from(PROBE_SAMPLES),
+                });
+                return;
             }
         }
         let min = match self.min_latency {
@@ -505,11 +576,15 @@ mod tests {
     #[test]
     fn answers_near_the_timeout_shrink_the_limit_as_timeouts_do() {
         let mut c = Controller::new(40, DEFAULT_CEILING).for_timeout(1000 * MS);
+        // The upstream answers in 100 ms without a queue.
+        c.learn(Sample::Answered(100 * MS), 1);
+        assert_eq!(c.limit(), 40);
         c.learn(Sample::Answered(600 * MS), 40);
         assert_eq!(c.limit(), 36);
-        // Below it, an answer is a latency like any other.
+        // Below it, an answer is a latency like any other: this one reads as
+        // a queue, and the limit shrinks by a step, not by a tenth.
         c.learn(Sample::Answered(499 * MS), 36);
-        assert!(c.limit() >= 36);
+        assert!((33..36).contains(&c.limit()), "limit {}", c.limit());
     }
 
     #[test]
@@ -552,6 +627,54 @@ mod tests {
         let mut c = Controller::new(DEFAULT_INITIAL, DEFAULT_CEILING);
         let highest = run(&mut c, 4, 100 * MS, 50_000, |_| false);
         assert!(c.limit() <= 16 && highest <= 24, "limit {}, highest {highest}", c.limit());
+    }
+
+    #[test]
+    fn one_fast_answer_does_not_pin_the_lowest_latency_under_a_steady_load() {
+        // A 4xx answered in 5 ms, then writes taking 400 ms with the limit
+        // always full (no request ever meets an empty upstream): the 5 ms
+        // must not stay the upstream's latency without a queue, or every
+        // write reads as a queue of three quarters of the limit and holds it
+        // at about 8 whatever the upstream can take.
+        let mut c = Controller::new(DEFAULT_INITIAL, DEFAULT_CEILING).for_timeout(Duration::from_secs(10));
+        c.learn(Sample::Answered(5 * MS), DEFAULT_INITIAL);
+        for _ in 0..5_000 {
+            let n = c.limit();
+            c.learn(Sample::Answered(400 * MS), n);
+        }
+        assert!(c.limit() > 50, "held at {}", c.limit());
+    }
+
+    #[test]
+    fn a_slow_upstream_is_not_taken_for_an_overloaded_one() {
+        // Answers in 6 s with a 10 s timeout, steadily: more than half the
+        // timeout, but no slower than the upstream's own latency.
+        let mut c = Controller::new(DEFAULT_INITIAL, DEFAULT_CEILING).for_timeout(Duration::from_secs(10));
+        for _ in 0..200 {
+            let n = c.limit();
+            c.learn(Sample::Answered(Duration::from_secs(6)), n);
+        }
+        let grown = c.limit();
+        assert!(grown > DEFAULT_INITIAL, "held at {grown}");
+        // Timeouts still cut it.
+        for _ in 0..10 {
+            let n = c.limit();
+            c.learn(Sample::Dropped, n);
+        }
+        assert!(c.limit() * 2 < grown, "from {grown} to {}", c.limit());
+    }
+
+    #[test]
+    fn the_limit_recovers_after_a_flood_of_timeouts() {
+        let mut c = Controller::new(DEFAULT_INITIAL, DEFAULT_CEILING).for_timeout(Duration::from_secs(1));
+        run(&mut c, 32, 10 * MS, 2_000, |_| false);
+        for _ in 0..100 {
+            let n = c.limit();
+            c.learn(Sample::Dropped, n);
+        }
+        assert_eq!(c.limit(), 1);
+        run(&mut c, 32, 10 * MS, 5_000, |_| false);
+        assert!(c.limit() >= 32, "back to {}", c.limit());
     }
 
     #[tokio::test]
