@@ -173,3 +173,74 @@ async fn a_transaction_pooler_behind_pooler_none_is_reported() {
     assert!(out.contains("store.pooler = \"transaction\""), "{out}");
     assert_eq!(up.total(), 0);
 }
+
+/// A Citus store behind PgBouncer in transaction mode leaves nothing on a
+/// server session past a transaction: a tenant's first claim draws its
+/// generations with a statement prepared in the claim's transaction, and a
+/// later claim that PgBouncer gives another server session (the first is
+/// busy with another client's transaction, as PgBouncer hands out the
+/// session used last) must not look for that statement there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_citus_store_behind_a_transaction_pooler_keeps_no_statement_past_a_transaction() {
+    use idemgate::config::{Pooler, Secret, StoreBackend, StoreConfig};
+    use idemgate::idempotency::fingerprint::Fingerprint;
+    use idemgate::idempotency::key::{IdempotencyKey, Scope};
+    use idemgate::store::{Access, ClaimOutcome, ClaimRequest, Store};
+    if support::citus::skip_unless_installed() {
+        return;
+    }
+    let cluster = support::citus::shared();
+    let direct = cluster.create_unique_database("citus_txpool").expect("database");
+    let db = direct.rsplit('/').next().expect("database name").to_owned();
+    let config = |url: &str, pooler: Pooler| StoreConfig {
+        backend: StoreBackend::Citus { url: Secret::new(url.to_owned()), pool_size: 1, pooler },
+        migrate: true,
+        unreachable_at_start: Default::default(),
+        operation_timeout: Duration::from_secs(5),
+        sweep_interval: Duration::from_secs(1),
+        sweep_batch: 100,
+        events_retention: Duration::from_secs(3600),
+    };
+    let migrated = Store::open(&config(&direct, Pooler::None), Access::Migrate).await.expect("open directly");
+    migrated.migrate().await.expect("migrate");
+    drop(migrated);
+    let bouncer = PgBouncer::start(&cluster.coordinator, PoolMode::Transaction).expect("start PgBouncer");
+    let store = Store::open(&config(&bouncer.url(&db), Pooler::Transaction), Access::Migrate).await.expect("open through PgBouncer");
+    let claim = |key: &str| ClaimRequest {
+        scope: Scope {
+            tenant: "acme".into(),
+            principal: "billing".into(),
+            operation: "create_order".into(),
+            key: IdempotencyKey::new(key).unwrap(),
+        },
+        request_hash: Fingerprint([7; 32]),
+        owner: "replica-a".into(),
+        lease: Duration::from_secs(60),
+        upstream_idempotent: false,
+        claim_token: uuid::Uuid::new_v4(),
+        acceptance: None,
+        key_source: "header:idempotency-key".into(),
+        request_head: None,
+    };
+    let first = store.claim(&claim("first")).await.unwrap_or_else(|e| panic!("first claim: {e}\n{}", bouncer.log_tail()));
+    assert!(matches!(first, ClaimOutcome::Claimed(_)), "{first:?}");
+    // Another client takes the server session the claim used, and keeps it.
+    let (pin, connection) = tokio_postgres::connect(&bouncer.url(&db), tokio_postgres::NoTls).await.expect("connect through PgBouncer");
+    tokio::spawn(connection);
+    pin.batch_execute("BEGIN; SELECT 1").await.expect("a transaction left open");
+    for key in ["second", "third"] {
+        let next =
+            store.claim(&claim(key)).await.unwrap_or_else(|e| panic!("claim {key} on another server session: {e}\n{}", bouncer.log_tail()));
+        assert!(matches!(next, ClaimOutcome::Claimed(_)), "{key}: {next:?}");
+    }
+    pin.batch_execute("COMMIT").await.expect("commit");
+    let generations: Vec<i64> = {
+        let mut g = Vec::new();
+        for key in ["first", "second", "third"] {
+            let (record, _) = store.get(&claim(key).scope).await.expect("get").expect("a record");
+            g.push(record.generation.0);
+        }
+        g
+    };
+    assert!(generations.windows(2).all(|w| w[0] < w[1]), "generations drawn in order: {generations:?}");
+}

@@ -463,7 +463,7 @@ impl super::PgStore {
         let w = |e| classify(e, true);
         let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
         let mut conn = self.db.conn().await?;
-        let tx = conn.client_mut().transaction().await.map_err(w)?;
+        let tx = self.db.transaction(&mut conn).await.map_err(w)?;
         let rows = tx.query(self.db.text(&citus_sql::CITUS_REAP_LEASES), &[&left, &ops, &emitting, &tenant]).await.map_err(w)?;
         for row in &rows {
             if !row.try_get::<_, bool>(7).map_err(c)? {

@@ -240,9 +240,19 @@ async fn read_batch(reach: &Reach, tenant: &Arc<str>, scopes: Vec<Scope>) -> Res
 
 /// Draws `n` generations from `tenant`'s counter on `tx`'s shard (creating
 /// it at `floor` for a new tenant): returns the last one drawn; the batch's
-/// are the `n` values up to it.
-pub(super) async fn draw(tx: &deadpool_postgres::Transaction<'_>, tenant: &str, n: i64, floor: i64) -> Result<i64, tokio_postgres::Error> {
-    let update = tx.prepare_cached(&for_tenant(citus_sql::TENANT_GENERATIONS, tenant)).await?;
+/// are the `n` values up to it. The counter's update is prepared once per
+/// connection and kept when `keep`; otherwise (behind a transaction-mode
+/// pooler, where the next transaction may run on another server session)
+/// it is prepared for this draw and closed before the transaction ends.
+pub(super) async fn draw(
+    tx: &deadpool_postgres::Transaction<'_>,
+    tenant: &str,
+    n: i64,
+    floor: i64,
+    keep: bool,
+) -> Result<i64, tokio_postgres::Error> {
+    let sql = for_tenant(citus_sql::TENANT_GENERATIONS, tenant);
+    let update = if keep { tx.prepare_cached(&sql).await? } else { tx.prepare(&sql).await? };
     if let Some(row) = tx.query(&update, &[&n]).await?.first() {
         return row.try_get(0);
     }
@@ -293,7 +303,7 @@ async fn insert_batch(db: &Db, floor: &Floor, tenant: &str, items: Vec<ClaimItem
         conn.client().statement_cache.clear();
     }
     let tx = db.transaction(&mut conn).await.map_err(read)?;
-    let last = draw(&tx, tenant, i64::try_from(n).unwrap_or(i64::MAX), floor).await.map_err(read)?;
+    let last = draw(&tx, tenant, i64::try_from(n).unwrap_or(i64::MAX), floor, !db.sessions.per_transaction()).await.map_err(read)?;
     let generations: Vec<i64> = (0..n as i64).map(|k| last - n as i64 + 1 + k).collect();
     let mut params: Vec<(&(dyn ToSql + Sync), Type)> = Vec::with_capacity(n * 12);
     for (j, i) in items.iter().enumerate() {

@@ -205,6 +205,42 @@ pub(super) struct SessionLook {
 mod tests {
     use super::*;
 
+    /// Behind a transaction-mode pooler nothing may outlive a transaction,
+    /// and every transaction needs the settings: so the store's code
+    /// begins its transactions through `Db::transaction` (which adds the
+    /// `SET LOCAL`s), and keeps a prepared statement (`prepare_cached`) only
+    /// on a path that a transaction-mode pooler never takes. A read of the
+    /// sources, not of behaviour (tests/it/pooler.rs has that): the places
+    /// allowed are counted, so a new one must be looked at and added here.
+    #[test]
+    fn store_transactions_begin_with_their_settings_and_keep_no_statement_behind_a_transaction_pooler() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/store/postgres");
+        let allowed = |file: &str, what: &str| match (file, what) {
+            // `Db::transaction` itself, and migrations (their own settings:
+            // no statement timeout, custom plans).
+            ("mod.rs" | "lifecycle.rs", "client_mut().transaction()") => 1,
+            // `query_text`, after its per-transaction branch returned.
+            ("mod.rs", "prepare_cached(") => 1,
+            // `citus_batch::draw`, when the sessions are not per transaction.
+            ("citus_batch.rs", "prepare_cached(") => 1,
+            _ => 0,
+        };
+        let mut found = Vec::new();
+        for entry in std::fs::read_dir(&dir).expect("src/store/postgres") {
+            let path = entry.expect("entry").path();
+            let file = path.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_owned();
+            let text = std::fs::read_to_string(&path).expect("source");
+            let code = text.split("#[cfg(test)]").next().unwrap_or_default();
+            for what in ["client_mut().transaction()", "prepare_cached("] {
+                let n = code.lines().filter(|l| !l.trim_start().starts_with("//")).map(|l| l.matches(what).count()).sum::<usize>();
+                if n != allowed(&file, what) {
+                    found.push(format!("{file}: {what} {n} times, {} allowed", allowed(&file, what)));
+                }
+            }
+        }
+        assert!(found.is_empty(), "{found:#?}");
+    }
+
     #[test]
     fn settings_are_set_per_session_or_per_transaction() {
         let direct = Sessions::new(Pooler::None, Flavor::Postgres, Duration::from_millis(2500));
