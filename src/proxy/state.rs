@@ -25,7 +25,7 @@ use crate::store::Store;
 use crate::telemetry::metrics::Metrics;
 use crate::upstream::Upstream;
 use crate::upstream::headers::HeaderScreen;
-use crate::upstream::limit::{Limit, LimitPolicy};
+use crate::upstream::limit::{Limit, LimitPolicy, Limits};
 
 /// Observations (claim, then recording) running at once in this process;
 /// beyond it observe mode passes requests on unobserved. Bounds the tasks
@@ -54,6 +54,10 @@ pub struct Shared {
     pub(super) request_ids: Arc<RequestIds>,
     /// Observations running at once, over every configuration (observe mode).
     pub(super) observations: Arc<Semaphore>,
+    /// Each upstream's concurrency limit and each route's cap, by name, over
+    /// every configuration: a reload reconfigures them, and the slots held
+    /// under the earlier configuration still count.
+    pub(super) limits: Limits,
 }
 
 impl Shared {
@@ -76,6 +80,7 @@ impl Shared {
             wake_workers: Arc::new(Notify::new()),
             request_ids: Arc::new(RequestIds::new(config.server.trusted_proxies.clone())),
             observations: Arc::new(Semaphore::new(MAX_OBSERVATIONS)),
+            limits: Limits::default(),
         }
     }
 }
@@ -141,7 +146,15 @@ impl Configured {
             router: Router::new(config.routes.clone(), config.server.default_upstream),
             header_screen: HeaderScreen::new(config.server.headers_with_underscores, guarded.iter().map(String::as_str)),
             identifier,
-            upstreams: config.upstreams.iter().cloned().map(|u| Upstream::new(u).counted_by(shared.metrics.clone())).collect(),
+            upstreams: config
+                .upstreams
+                .iter()
+                .cloned()
+                .map(|u| {
+                    let limit = shared.limits.get(&format!("upstream {}", u.name), u.limit);
+                    Upstream::limited_by(u, limit).counted_by(shared.metrics.clone())
+                })
+                .collect(),
             authorizers: config
                 .routes
                 .iter()
@@ -175,7 +188,8 @@ impl Configured {
                 .filter_map(|r| {
                     let max_in_flight = r.execution.max_in_flight?;
                     let queue_timeout = config.upstreams.get(r.upstream).map_or(Duration::ZERO, |u| u.limit.queue_timeout());
-                    Some((r.operation.clone(), Limit::new(LimitPolicy::Fixed { max_in_flight, queue_timeout })))
+                    let cap = shared.limits.get(&format!("route {}", r.operation), LimitPolicy::Fixed { max_in_flight, queue_timeout });
+                    Some((r.operation.clone(), cap))
                 })
                 .collect(),
         }

@@ -26,7 +26,7 @@
 //! The lock is a std mutex held for a few arithmetic steps, never across an
 //! await.
 
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use tokio::sync::Notify;
@@ -280,20 +280,23 @@ fn reread_after(limit: f64) -> u64 {
 
 #[derive(Debug)]
 struct State {
+    /// How the limit is set: the configuration in force (a reload may change it).
+    policy: LimitPolicy,
     in_flight: u32,
     controller: Option<Controller>,
     refusals: u64,
+    /// Where the limit, the slots held and the refusals are shown.
+    gauges: Option<LimitGauges>,
 }
 
-/// One upstream's (or route's) concurrency limit.
+/// One upstream's (or route's) concurrency limit. It lives as long as the
+/// process (see [`Limits`]): a reload changes its policy, never the slots
+/// held under it.
 #[derive(Debug)]
 pub struct Limit {
-    policy: LimitPolicy,
     state: Mutex<State>,
     /// Wakes a request waiting for a slot when one is freed.
     freed: Notify,
-    /// Where the limit, the slots held and the refusals are shown.
-    gauges: OnceLock<LimitGauges>,
 }
 
 /// Why no slot was given.
@@ -302,50 +305,60 @@ pub struct Overloaded;
 
 impl Limit {
     pub fn new(policy: LimitPolicy) -> Arc<Limit> {
-        let controller = match policy {
-            LimitPolicy::Adaptive { initial, ceiling, timeout, .. } => Some(Controller::new(initial, ceiling).for_timeout(timeout)),
-            LimitPolicy::Unlimited | LimitPolicy::Fixed { .. } => None,
-        };
         Arc::new(Limit {
-            policy,
-            state: Mutex::new(State { in_flight: 0, controller, refusals: 0 }),
+            state: Mutex::new(State { policy, in_flight: 0, controller: controller_for(policy), refusals: 0, gauges: None }),
             freed: Notify::new(),
-            gauges: OnceLock::new(),
         })
     }
 
-    /// Shows this limit in `gauges` from now on (the first call wins).
-    pub fn report_to(&self, gauges: LimitGauges) {
-        let state = self.state();
-        self.show(&gauges, &state);
+    /// Applies a reloaded configuration's `policy`. The slots held stay
+    /// held and counted; an adaptive limit whose settings did not change
+    /// keeps what it learned (other changes start it afresh). Requests
+    /// waiting for a slot look again (the limit may have grown).
+    pub fn reconfigure(&self, policy: LimitPolicy) {
+        let mut state = self.state();
+        if state.policy == policy {
+            return;
+        }
+        state.policy = policy;
+        state.controller = controller_for(policy);
+        Self::changed(&state);
         drop(state);
-        let _ = self.gauges.set(gauges);
+        self.freed.notify_waiters();
     }
 
-    fn show(&self, gauges: &LimitGauges, state: &State) {
+    /// Shows this limit in `gauges` from now on (in place of any earlier).
+    pub fn report_to(&self, gauges: LimitGauges) {
+        let mut state = self.state();
+        Self::show(&gauges, &state);
+        state.gauges = Some(gauges);
+    }
+
+    fn show(gauges: &LimitGauges, state: &State) {
         gauges.in_flight.set(i64::from(state.in_flight));
-        if let (Some(gauge), Some(limit)) = (&gauges.limit, self.limit_of(state)) {
+        if let (Some(gauge), Some(limit)) = (&gauges.limit, Self::limit_of(state)) {
             gauge.set(i64::from(limit));
         }
     }
 
     /// Updates the gauges after a change of `state`.
-    fn changed(&self, state: &State) {
-        if let Some(gauges) = self.gauges.get() {
-            self.show(gauges, state);
+    fn changed(state: &State) {
+        if let Some(gauges) = &state.gauges {
+            Self::show(gauges, state);
         }
     }
 
     /// Counts a refusal (or a deferral of background work).
     pub fn refused(&self) {
-        self.state().refusals += 1;
-        if let Some(gauges) = self.gauges.get() {
+        let mut state = self.state();
+        state.refusals += 1;
+        if let Some(gauges) = &state.gauges {
             gauges.refusals.inc();
         }
     }
 
     pub fn policy(&self) -> LimitPolicy {
-        self.policy
+        self.state().policy
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -357,11 +370,11 @@ impl Limit {
     /// The number of requests that may be in flight now (`None`: no limit).
     pub fn current(&self) -> Option<u32> {
         let state = self.state();
-        self.limit_of(&state)
+        Self::limit_of(&state)
     }
 
-    fn limit_of(&self, state: &State) -> Option<u32> {
-        match (self.policy, &state.controller) {
+    fn limit_of(state: &State) -> Option<u32> {
+        match (state.policy, &state.controller) {
             (LimitPolicy::Fixed { max_in_flight, .. }, _) => Some(max_in_flight),
             (LimitPolicy::Adaptive { .. }, Some(c)) => Some(c.limit()),
             _ => None,
@@ -376,7 +389,7 @@ impl Limit {
     /// Slots free now (`u32::MAX` without a limit).
     pub fn available(&self) -> u32 {
         let state = self.state();
-        self.limit_of(&state).map_or(u32::MAX, |limit| limit.saturating_sub(state.in_flight))
+        Self::limit_of(&state).map_or(u32::MAX, |limit| limit.saturating_sub(state.in_flight))
     }
 
     /// Refusals since start.
@@ -387,10 +400,10 @@ impl Limit {
     /// A slot now, or none.
     pub fn try_acquire(self: &Arc<Self>) -> Option<Permit> {
         let mut state = self.state();
-        let free = self.limit_of(&state).is_none_or(|limit| state.in_flight < limit);
+        let free = Self::limit_of(&state).is_none_or(|limit| state.in_flight < limit);
         free.then(|| {
             state.in_flight += 1;
-            self.changed(&state);
+            Self::changed(&state);
             Permit { limit: self.clone(), in_flight: state.in_flight, sample: None }
         })
     }
@@ -412,7 +425,7 @@ impl Limit {
     /// events waited until the load ended). A wait that ends without a slot
     /// is no refusal: the work waits for its next round.
     pub async fn wait_turn(self: &Arc<Self>) -> Option<Permit> {
-        let deadline = Instant::now() + self.policy.queue_timeout();
+        let deadline = Instant::now() + self.policy().queue_timeout();
         loop {
             // Registered before looking, so a slot freed in between is not missed.
             let freed = self.freed.notified();
@@ -432,9 +445,45 @@ impl Limit {
         if let (Some(sample), Some(controller)) = (sample, state.controller.as_mut()) {
             controller.learn(sample, in_flight);
         }
-        self.changed(&state);
+        Self::changed(&state);
         drop(state);
         self.freed.notify_one();
+    }
+}
+
+/// The adaptive controller a policy needs (none for a fixed or no limit).
+fn controller_for(policy: LimitPolicy) -> Option<Controller> {
+    match policy {
+        LimitPolicy::Adaptive { initial, ceiling, timeout, .. } => Some(Controller::new(initial, ceiling).for_timeout(timeout)),
+        LimitPolicy::Unlimited | LimitPolicy::Fixed { .. } => None,
+    }
+}
+
+/// The process's limits by name (an upstream's, or a route's cap), kept
+/// across reloads: a configuration takes the limit of a name that an
+/// earlier one had, with its new policy, so the requests admitted under the
+/// earlier configuration keep counting against the one limit (a new limit
+/// per reload let twice `max_in_flight` reach the upstream while they ran).
+#[derive(Debug, Default)]
+pub struct Limits {
+    by_name: Mutex<std::collections::HashMap<String, Arc<Limit>>>,
+}
+
+impl Limits {
+    /// The limit named `name`, under `policy` from now on.
+    pub fn get(&self, name: &str, policy: LimitPolicy) -> Arc<Limit> {
+        let mut by_name = self.by_name.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match by_name.get(name) {
+            Some(limit) => {
+                limit.reconfigure(policy);
+                limit.clone()
+            }
+            None => {
+                let limit = Limit::new(policy);
+                by_name.insert(name.to_owned(), limit.clone());
+                limit
+            }
+        }
     }
 }
 
@@ -675,6 +724,37 @@ mod tests {
         assert_eq!(c.limit(), 1);
         run(&mut c, 32, 10 * MS, 5_000, |_| false);
         assert!(c.limit() >= 32, "back to {}", c.limit());
+    }
+
+    #[test]
+    fn a_limit_kept_across_configurations_keeps_its_slots_under_the_new_policy() {
+        let limits = Limits::default();
+        let fixed = |max_in_flight| LimitPolicy::Fixed { max_in_flight, queue_timeout: Duration::ZERO };
+        let first = limits.get("upstream orders", fixed(2));
+        let held = (first.try_acquire().expect("a slot"), first.try_acquire().expect("a second slot"));
+        // The same policy again (a reload of the same file): the same limit.
+        let again = limits.get("upstream orders", fixed(2));
+        assert!(Arc::ptr_eq(&first, &again));
+        assert!(again.try_acquire().is_none(), "both slots are still held");
+        // Lowered to one: both slots stay held, none is free until both go.
+        let lowered = limits.get("upstream orders", fixed(1));
+        assert_eq!((lowered.in_flight(), lowered.available()), (2, 0));
+        drop(held.0);
+        assert_eq!(lowered.available(), 0);
+        drop(held.1);
+        assert_eq!(lowered.available(), 1);
+        // Another name is another limit.
+        assert!(!Arc::ptr_eq(&first, &limits.get("route create_order", fixed(2))));
+        // An adaptive limit whose settings are unchanged keeps what it learned.
+        let adaptive = LimitPolicy::Adaptive { initial: 10, ceiling: 1000, timeout: Duration::from_secs(1), queue_timeout: Duration::ZERO };
+        let a = limits.get("upstream slow", adaptive);
+        for _ in 0..50 {
+            let mut p = a.try_acquire().expect("a slot");
+            p.record(Sample::Dropped);
+        }
+        let learned = a.current();
+        assert!(learned < Some(10), "{learned:?}");
+        assert_eq!(limits.get("upstream slow", adaptive).current(), learned);
     }
 
     #[tokio::test]

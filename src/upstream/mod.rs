@@ -174,6 +174,12 @@ impl Upstream {
         Upstream::with_limit(config, None, limit)
     }
 
+    /// An upstream admitted under `limit` (kept across reloads: see
+    /// [`limit::Limits`]), whose policy is `config.limit`'s.
+    pub fn limited_by(config: UpstreamConfig, limit: std::sync::Arc<limit::Limit>) -> Upstream {
+        Upstream::with_limit(config, None, limit)
+    }
+
     /// A copy with its own connection pools (for another event loop),
     /// counting errors where this one does and sharing its concurrency limit.
     pub fn with_own_pool(&self) -> Upstream {

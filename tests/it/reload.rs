@@ -433,3 +433,43 @@ async fn the_admin_api_and_the_console_follow_a_reload() {
     assert!(headers.contains(&serde_json::json!(["x-client-id", "(masked: 12 bytes)"])), "{headers:?}");
     assert!(!page.body.windows(CLIENT_KEY.len()).any(|w| w == CLIENT_KEY.as_bytes()), "the credential is never in the answer");
 }
+
+/// A reload keeps each upstream's concurrency limit and the slots held
+/// under it: with `max_in_flight = 1` and a slow request in flight, a
+/// reload (the same file) must not hand out a second slot beside it, and a
+/// reload that raises the limit lets one more through at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_keeps_the_slots_held_under_an_upstreams_limit() {
+    let up = TestUpstream::start().await;
+    let config = GatewayConfig::new(sqlite_backend(), up.url()).timeout("10s").upstream("max_in_flight = 1\nqueue_timeout = \"0s\"");
+    let mut gw = Gateway::start(config);
+    let slow = {
+        let url = gw.url("/v1/orders");
+        tokio::spawn(async move {
+            let h = [
+                ("authorization", "Bearer test-key"),
+                ("content-type", "application/json"),
+                ("idempotency-key", "slow"),
+                ("x-test-sleep-ms", "3000"),
+            ];
+            send("POST", &url, &h, ORDER).await.expect("gateway answers")
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while up.total() == 0 {
+        assert!(Instant::now() < deadline, "the slow request never arrived");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let same = gw.config.clone();
+    tokio::task::block_in_place(|| gw.reload(same, Duration::from_secs(10))).expect("the reload is applied");
+    let beside = post_as(&gw, "test-key", "beside").await;
+    assert_eq!(beside.status, 503, "a second request went beside the one in flight after a reload: {:?}", beside.body);
+    assert_eq!(up.total(), 1, "the upstream ran two at once under max_in_flight = 1");
+    // Raised to two: one more goes at once, beside the slow one.
+    let mut raised = gw.config.clone();
+    raised.upstream_extra = "max_in_flight = 2\nqueue_timeout = \"0s\"\n".into();
+    tokio::task::block_in_place(|| gw.reload(raised, Duration::from_secs(10))).expect("the reload is applied");
+    assert_eq!(post_as(&gw, "test-key", "second").await.status, 201);
+    assert_eq!(slow.await.expect("slow").status, 201);
+    assert_eq!(up.total(), 2);
+}
