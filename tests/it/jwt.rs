@@ -103,6 +103,22 @@ async fn time_issuer_audience_and_claims_are_checked() {
     let mut no_exp = ok.clone();
     no_exp.as_object_mut().unwrap().remove("exp");
     assert_eq!(who(&id, &jwt::token(&key, &no_exp)).await, None, "exp is required");
+    // A configured issuer or audience is required, not only compared when
+    // present: a token of the same keys made for another service (no `aud`,
+    // as many providers' access tokens) is not this gateway's.
+    for claim in ["iss", "aud"] {
+        let mut without = ok.clone();
+        without.as_object_mut().unwrap().remove(claim);
+        assert_eq!(who(&id, &jwt::token(&key, &without)).await, None, "{claim} is required once configured");
+    }
+    assert_eq!(who(&id, &with("aud", json!(42))).await, None, "an audience that is not a string");
+    assert_eq!(who(&id, &with("iss", json!({}))).await, None, "an issuer that is not a string");
+    // Without them configured, a token needs neither.
+    let open = identifier(&format!("jwks_file = \"{file}\""), &[]);
+    let mut bare = ok.clone();
+    bare.as_object_mut().unwrap().remove("iss");
+    bare.as_object_mut().unwrap().remove("aud");
+    assert_eq!(who(&open, &jwt::token(&key, &bare)).await, acme_alice(), "neither is required when not configured");
     // Nested claims by JSON Pointer, numbers marked as numbers.
     let nested = identifier(&format!("jwks_file = \"{file}\"\ntenant_claim = \"/org/id\"\nprincipal_claim = \"uid\""), &[]);
     let c = json!({"org": {"id": 42}, "uid": "u-1", "exp": jwt::now() + 60});

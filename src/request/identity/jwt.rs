@@ -266,12 +266,21 @@ impl JwtVerifier {
         v.algorithms = vec![header.alg];
         v.leeway = self.config.leeway.as_secs();
         v.validate_nbf = true;
+        // A configured issuer or audience must be in the token, not only
+        // match when it is there (the crate requires only `exp` by default,
+        // and skips the comparison of a claim that is absent or not a string).
         match &self.config.issuer {
-            Some(iss) => v.set_issuer(iss),
+            Some(iss) => {
+                v.set_issuer(iss);
+                v.required_spec_claims.insert("iss".to_owned());
+            }
             None => v.iss = None,
         }
         match &self.config.audience {
-            Some(aud) => v.set_audience(aud),
+            Some(aud) => {
+                v.set_audience(aud);
+                v.required_spec_claims.insert("aud".to_owned());
+            }
             None => v.validate_aud = false,
         }
         let data = jsonwebtoken::decode::<serde_json::Value>(token, key, &v).map_err(|e| JwtError::Invalid(e.kind_name()))?;
