@@ -400,8 +400,12 @@ pub fn transition(record: &Record, event: Event, now: Timestamp) -> Result<Next,
                 // needs force.
                 State::Completed if !force => return Err(TransitionError::NotAllowed(State::Completed)),
                 // Queued operations belong to the workers; a failed one is
-                // final and its key already free for a new operation.
-                State::Queued | State::FailedRetryable => return Err(TransitionError::NotAllowed(record.state)),
+                // final and its key already free for a new operation. A
+                // processing one whose lease ran out is the lease reaper's to
+                // decide (unknown when it was sent, queued again when it
+                // provably was not): a release would erase the proof that it
+                // was sent, and its next attempt could run it twice.
+                State::Queued | State::FailedRetryable | State::Processing => return Err(TransitionError::NotAllowed(record.state)),
                 _ => {}
             }
             match event {
@@ -708,6 +712,14 @@ mod tests {
             transition(&failed, Event::ResolveRelease { force: true }, NOW),
             Err(TransitionError::NotAllowed(State::FailedRetryable))
         );
+        // Nor a processing one whose lease ran out: the reaper decides it
+        // (a release would erase the proof that it was sent).
+        for sent in [false, true] {
+            let expired = async_op(State::Processing, Some(-1), sent);
+            for event in [Event::ResolveRelease { force: true }, Event::ResolveComplete { force: true }] {
+                assert_eq!(transition(&expired, event, NOW), Err(TransitionError::NotAllowed(State::Processing)), "sent: {sent}");
+            }
+        }
     }
 
     #[test]

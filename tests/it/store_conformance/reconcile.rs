@@ -23,7 +23,8 @@ on_both_stores!(
     probes_wait_until_the_attempt_cannot_be_at_the_upstream,
     probes_wait_for_the_bound_the_attempt_recorded,
     a_released_operation_starts_a_fresh_attempt_budget,
-    resolutions_hold_one_connection_at_a_time
+    resolutions_hold_one_connection_at_a_time,
+    an_expired_processing_operation_is_left_to_the_reaper
 );
 
 on_pgbouncer!(
@@ -33,7 +34,8 @@ on_pgbouncer!(
     probes_wait_until_the_attempt_cannot_be_at_the_upstream,
     probes_wait_for_the_bound_the_attempt_recorded,
     a_released_operation_starts_a_fresh_attempt_budget,
-    resolutions_hold_one_connection_at_a_time
+    resolutions_hold_one_connection_at_a_time,
+    an_expired_processing_operation_is_left_to_the_reaper
 );
 
 on_citus!(
@@ -43,7 +45,8 @@ on_citus!(
     probes_wait_until_the_attempt_cannot_be_at_the_upstream,
     probes_wait_for_the_bound_the_attempt_recorded,
     a_released_operation_starts_a_fresh_attempt_budget,
-    resolutions_hold_one_connection_at_a_time
+    resolutions_hold_one_connection_at_a_time,
+    an_expired_processing_operation_is_left_to_the_reaper
 );
 
 async fn resolve_releases_completes_and_refuses_live_claims(backend: Backend) {
@@ -368,4 +371,29 @@ async fn resolutions_hold_one_connection_at_a_time(backend: Backend) {
     assert!(matches!(released, Ok(ResolveOutcome::Resolved { from: State::Unknown })), "{released:?}");
     let queued = row(&store, &again).await;
     assert_eq!((queued.state, queued.generation > t.claim.generation), (State::Queued, true));
+}
+
+/// A processing operation whose lease ran out is not an operator's to
+/// resolve (only `unknown` records, and expired synchronous claims, are): the
+/// lease reaper decides it from its facts, `unknown` when it was sent. A
+/// release erased `sent_at` and queued it again: its next attempt sent it
+/// a second time.
+async fn an_expired_processing_operation_is_left_to_the_reaper(backend: Backend) {
+    let store = open(&backend).await;
+    let s = key("stalled");
+    claim(&store, &accept_req(&s, 1)).await;
+    let t = take(&store, &[worker_route("create_order", SHORT)], "w").await.expect("taken");
+    assert_eq!(store.mark_sent(&t.claim, AT_UPSTREAM).await.unwrap(), WriteOutcome::Written);
+    tokio::time::sleep(PAST_SHORT).await;
+    let n = note("the gateway is down; run it again");
+    let complete = Resolution::Complete { response: response(200, b"by hand"), retention: Retention::For(LONG), force: true };
+    for resolution in [&RELEASE, &complete] {
+        assert_eq!(
+            store.resolve(&s, resolution, &n).await.unwrap(),
+            ResolveOutcome::Refused(TransitionError::NotAllowed(State::Processing))
+        );
+    }
+    let left = row(&store, &s).await;
+    assert_eq!((left.state, left.sent_at.is_some()), (State::Processing, true), "the record is as the attempt left it");
+    assert_eq!(store.reap_leases(10, &[]).await.unwrap(), Reaped { unknown: 1, requeued: 0 }, "the reaper decides it");
 }
