@@ -13,6 +13,7 @@ use tokio::time::Instant;
 
 use http::{HeaderMap, HeaderName, Method, Request, Uri};
 use serde_json::json;
+use sha2::{Digest, Sha256};
 
 use crate::request::identity::Identity;
 use crate::upstream::body::Body;
@@ -66,7 +67,25 @@ impl Authorizer {
 
     /// Asks whether `identity` may `method path` on `operation`.
     pub async fn check(&self, method: &Method, path: &str, operation: &str, identity: &Identity, headers: &HeaderMap) -> Authorization {
-        let cache_key = format!("{}\u{0}{}\u{0}{operation}\u{0}{method}\u{0}{path}", identity.tenant, identity.principal);
+        // The decision is the authorizer's answer about this request with
+        // the credentials it was sent: two credentials of one principal (a
+        // narrower delegated token) are two questions. They count in the key
+        // by their digest, not in clear.
+        let mut sent = Sha256::new();
+        for name in &self.config.headers {
+            for value in headers.get_all(name) {
+                sent.update(name.as_str().as_bytes());
+                sent.update([0]);
+                sent.update(value.as_bytes());
+                sent.update([0]);
+            }
+        }
+        let cache_key = format!(
+            "{}\u{0}{}\u{0}{operation}\u{0}{method}\u{0}{path}\u{0}{}",
+            identity.tenant,
+            identity.principal,
+            hex::encode(sent.finalize())
+        );
         if !self.config.cache.is_zero() {
             let cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
             if cache.get(&cache_key).is_some_and(|until| *until > Instant::now()) {

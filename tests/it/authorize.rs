@@ -25,6 +25,7 @@ on_both_stores!(
     a_revoked_principal_never_gets_the_stored_answer,
     an_authorizer_that_is_down_or_slow_fails_closed,
     allowed_decisions_may_be_cached_for_a_documented_delay,
+    a_cached_decision_counts_only_for_the_credential_it_was_asked_with,
 );
 
 const ORDER: &str = r#"{"item":"book","qty":1}"#;
@@ -33,6 +34,8 @@ const ORDER: &str = r#"{"item":"book","qty":1}"#;
 #[derive(Default)]
 struct Policy {
     denied: Mutex<HashSet<String>>,
+    /// Credentials (`Authorization` values) denied whoever they name.
+    denied_credentials: Mutex<HashSet<String>>,
     asked: Mutex<Vec<(serde_json::Value, Option<String>)>>,
     calls: AtomicU64,
     down: AtomicBool,
@@ -51,7 +54,8 @@ async fn authorizer(policy: Arc<Policy>) -> SocketAddr {
             if policy.slow.load(Ordering::SeqCst) {
                 tokio::time::sleep(Duration::from_secs(2)).await;
             }
-            let denied = policy.denied.lock().unwrap().contains(body["principal"].as_str().unwrap_or_default());
+            let denied = policy.denied.lock().unwrap().contains(body["principal"].as_str().unwrap_or_default())
+                || auth.as_ref().is_some_and(|a| policy.denied_credentials.lock().unwrap().contains(a));
             policy.asked.lock().unwrap().push((body, auth));
             let status = if policy.down.load(Ordering::SeqCst) {
                 StatusCode::INTERNAL_SERVER_ERROR
@@ -69,12 +73,20 @@ async fn authorizer(policy: Arc<Policy>) -> SocketAddr {
 }
 
 async fn setup(backend: Backend, extra: &str) -> (TestUpstream, Arc<Policy>, Gateway, idemgate::store::Store) {
+    setup_with(backend, extra, |c| c).await
+}
+
+async fn setup_with(
+    backend: Backend,
+    extra: &str,
+    more: impl FnOnce(GatewayConfig) -> GatewayConfig,
+) -> (TestUpstream, Arc<Policy>, Gateway, idemgate::store::Store) {
     let up = TestUpstream::start().await;
     let policy = Arc::new(Policy::default());
     let addr = authorizer(policy.clone()).await;
     let cfg = GatewayConfig::new(backend.clone(), up.url())
         .route(&format!("authorize.url = \"http://{addr}/check\"\nauthorize.timeout = \"500ms\"\n{extra}"));
-    let gw = Gateway::start(cfg);
+    let gw = Gateway::start(more(cfg));
     let store = backend.open().await;
     (up, policy, gw, store)
 }
@@ -152,4 +164,31 @@ async fn allowed_decisions_may_be_cached_for_a_documented_delay(backend: Backend
     assert!(post_as(&gw, "test-key", "k", ORDER).await.replayed(), "within the cache delay the revocation is not seen yet");
     tokio::time::sleep(Duration::from_millis(1700)).await;
     assert_eq!(post_as(&gw, "test-key", "k", ORDER).await.problem(), "forbidden", "after it, it is");
+}
+
+/// A cached allow is for the credential the authorizer was asked with: a
+/// second credential naming the same tenant and principal (a narrower
+/// delegated token, another API key of the same client) is asked about on
+/// its own, not allowed by the first one's decision.
+async fn a_cached_decision_counts_only_for_the_credential_it_was_asked_with(backend: Backend) {
+    use sha2::{Digest, Sha256};
+    let keys: Vec<String> = ["test-key", "narrow-key"]
+        .iter()
+        .map(|k| {
+            format!("{{ sha256 = \"{}\", tenant = \"{TENANT}\", principal = \"{PRINCIPAL}\" }}", hex::encode(Sha256::digest(k.as_bytes())))
+        })
+        .collect();
+    let identity = format!("[[identity.sources]]\nkind = \"api_key\"\nkeys = [ {} ]\n", keys.join(", "));
+    let (up, policy, gw, store) = setup_with(backend, "authorize.cache = \"10s\"", |c| c.identity(&identity)).await;
+    policy.denied_credentials.lock().unwrap().insert("Bearer narrow-key".to_owned());
+    assert_eq!(post_as(&gw, "test-key", "k1", ORDER).await.status, 201);
+    let narrow = post_as(&gw, "narrow-key", "k2", ORDER).await;
+    assert_eq!(narrow.status, 403, "the narrow credential rode on the cached allow: {:?}", narrow.body);
+    assert_eq!(narrow.problem(), "forbidden");
+    assert_eq!(policy.calls.load(Ordering::SeqCst), 2, "the authorizer was asked about the second credential");
+    assert!(settled_record(&store, "k2").await.is_none(), "nothing claimed");
+    assert_eq!(up.total(), 1);
+    // The first credential's own decision is still cached.
+    assert!(post_as(&gw, "test-key", "k1", ORDER).await.replayed());
+    assert_eq!(policy.calls.load(Ordering::SeqCst), 2);
 }
