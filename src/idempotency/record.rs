@@ -268,7 +268,9 @@ pub fn may_take_over(record: &Record, request_hash: &Fingerprint, now: Timestamp
         State::InFlight => {
             upstream_idempotent && record.request_hash == *request_hash && record.lease_expires_at.is_none_or(|lease| lease <= now)
         }
-        State::Unknown => upstream_idempotent && record.request_hash == *request_hash,
+        // An async operation's record stays its operation (its id is what
+        // its client polls): a retry is answered with its acceptance.
+        State::Unknown => upstream_idempotent && record.request_hash == *request_hash && record.operation_id.is_none(),
         // A queued or processing operation belongs to the workers.
         State::Queued | State::Processing => false,
     }
@@ -697,6 +699,9 @@ mod tests {
         // Workers' operations are never taken over by a claim.
         assert!(!may_take_over(&async_op(State::Queued, None, false), &fp(1), NOW, true));
         assert!(!may_take_over(&async_op(State::Processing, Some(-1), false), &fp(1), NOW, true));
+        // Nor an unknown one, even on an upstream that deduplicates: a
+        // retry is answered with its acceptance (the id its client polls).
+        assert!(!may_take_over(&async_op(State::Unknown, None, true), &fp(1), NOW, true));
         // Released ("it did not happen"): an async operation runs again, under a new generation.
         let unknown_op = async_op(State::Unknown, None, true);
         assert_eq!(

@@ -61,7 +61,7 @@ UPDATE idemgate_records r SET
     sent_at = NULL, last_status = NULL, maybe_executed = false, key_source = $12
 WHERE {PK}
   AND ((r.state IN ('completed', 'failed_retryable') AND r.expires_at <= now())
-       OR (r.state = 'unknown' AND $9::bool AND r.request_hash = $5)
+       OR (r.state = 'unknown' AND $9::bool AND r.request_hash = $5 AND r.operation_id IS NULL)
        OR (r.state = 'in_flight' AND $9::bool AND r.request_hash = $5 AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())))
 RETURNING r.generation, r.lease_expires_at, r.updated_at"
     )

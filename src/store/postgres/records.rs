@@ -51,7 +51,7 @@ WITH cur AS (
       AND CASE r.state
             WHEN 'completed' THEN r.expires_at <= now()
             WHEN 'failed_retryable' THEN r.expires_at <= now()
-            WHEN 'unknown' THEN $9::bool AND r.request_hash = $5
+            WHEN 'unknown' THEN $9::bool AND r.request_hash = $5 AND r.operation_id IS NULL
             WHEN 'in_flight' THEN $9::bool AND r.request_hash = $5 AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())
             ELSE false
           END

@@ -424,6 +424,18 @@ async fn take_over_follows_may_take_over(backend: Backend) {
     assert!(!try_take_over(&store, &req(&unknown, 1, LONG, false)).await);
     assert!(!try_take_over(&store, &req(&unknown, 2, LONG, true)).await);
     assert!(try_take_over(&store, &req(&unknown, 1, LONG, true)).await);
+    // An unknown async operation stays its operation whatever the upstream:
+    // a synchronous retry of its key is answered with its acceptance (its
+    // id is what its client polls), never takes it over.
+    let operation = key("unknown-operation");
+    claim(&store, &accept_req(&operation, 1)).await;
+    let t = super::take(&store, &[worker_route("create_order", LONG)], "w").await.expect("taken");
+    assert_eq!(store.mark_sent(&t.claim, super::AT_UPSTREAM).await.unwrap(), WriteOutcome::Written);
+    let timed_out = RetryNote { last_status: None, maybe_executed: true };
+    assert_eq!(store.fail(&t.claim, Retention::For(LONG), timed_out).await.unwrap(), WriteOutcome::Written);
+    assert_eq!(row(&store, &operation).await.state, State::Unknown);
+    assert!(!try_take_over(&store, &req(&operation, 1, LONG, true)).await);
+    assert_eq!(row(&store, &operation).await.operation_id.as_deref(), Some("op_unknown-operation"));
 
     // The three taken over hold generations drawn after every first claim.
     let rows = all(&store).await;
