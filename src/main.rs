@@ -201,6 +201,10 @@ struct ResolveArgs {
     /// retry execute again: say why with --reason.
     #[arg(long)]
     force: bool,
+    /// Resolve only the record at this generation (the one `keys show`
+    /// printed): refused if the record moved on since.
+    #[arg(long)]
+    generation: Option<i64>,
 }
 
 /// `keys list --retention forever`.
@@ -493,7 +497,14 @@ async fn keys(config: &Config, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
                 }
                 ResolveAction::Complete { status, headers, body: Some(body.into()), retention: args.retention }
             };
-            let request = ResolveRequest { action, reason: Some(args.reason), force: args.force, actor: Actor::Cli, fence: None };
+            let request = ResolveRequest {
+                action,
+                reason: Some(args.reason),
+                force: args.force,
+                actor: Actor::Cli,
+                fence: None,
+                generation: args.generation.map(idemgate::idempotency::record::Generation),
+            };
             let retention = idemgate::ops::keys::default_retention(&config.routes, &s.operation);
             match idemgate::store::resolution::resolve(&store, &s, request, retention).await {
                 Ok(from) => say(&format!("resolved (was {from})\n")),

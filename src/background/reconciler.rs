@@ -244,7 +244,14 @@ impl Reconciler {
             }
             return;
         };
-        let request = ResolveRequest { action, reason: Some(reason), force: false, actor: Actor::Reconciler, fence: Some(taken.fence) };
+        let request = ResolveRequest {
+            action,
+            reason: Some(reason),
+            force: false,
+            actor: Actor::Reconciler,
+            fence: Some(taken.fence),
+            generation: None,
+        };
         match resolution::resolve(&self.store, scope, request, probed.route.record.retention).await {
             Ok(_) => tracing::info!(route, scope = %scope.log_id(), outcome = outcome.as_str(), "unknown record reconciled by its probe"),
             Err(ResolveError::Refused(TransitionError::Fenced) | ResolveError::NotFound) => tracing::info!(

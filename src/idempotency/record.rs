@@ -336,7 +336,7 @@ pub enum Next {
 pub enum TransitionError {
     /// The record moved on since this attempt claimed it (another generation,
     /// or no longer in flight): the write is fenced off.
-    #[error("fenced: the record belongs to another attempt")]
+    #[error("fenced: the record belongs to another attempt (it moved on to another generation or state)")]
     Fenced,
     /// The event is not meaningful in the record's state (or, for an
     /// operator's resolution of a completed record, needs force).

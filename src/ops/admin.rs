@@ -502,6 +502,9 @@ struct ResolveBody {
     force: bool,
     /// How long to replay a completion (`"24h"`); default: the route's retention.
     retention: Option<String>,
+    /// The generation the operator looked at: the resolution applies only
+    /// to the record at it (409 once the record moved on).
+    generation: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -553,7 +556,8 @@ fn resolve_request(body: &Bytes) -> Result<ResolveRequest, AdminError> {
         }
         other => return Err(bad(format!("unknown action {other:?}: use \"release\" or \"complete\""))),
     };
-    Ok(ResolveRequest { action, reason, force: b.force, actor: Actor::Admin, fence: None })
+    let generation = b.generation.map(crate::idempotency::record::Generation);
+    Ok(ResolveRequest { action, reason, force: b.force, actor: Actor::Admin, fence: None, generation })
 }
 
 /// Which token an admin API call presented, as its access-log line says.
@@ -698,6 +702,9 @@ fn problem(e: &AdminError) -> Response<Body> {
                 }
                 TransitionError::RequestGone => "The operation completed, and its stored request was dropped then: it cannot run again. \
                      Complete it by hand instead, or have the client submit a new operation."
+                    .to_owned(),
+                TransitionError::Fenced => "The record moved on since it was read (another generation, or resolved meanwhile): \
+                     read it again and decide on what it is now."
                     .to_owned(),
                 other => format!("Only unknown records and expired claims may be resolved ({other})."),
             },

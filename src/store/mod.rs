@@ -40,7 +40,7 @@ pub use startup::{Retry, StartError};
 
 use crate::idempotency::key::{Scope, ScopeId};
 use crate::idempotency::record::Retention;
-use crate::idempotency::record::{Attempt, Record, State, StoredResponse, Timestamp};
+use crate::idempotency::record::{Attempt, Generation, Record, State, StoredResponse, Timestamp};
 use crate::outbox::{Delivery, EventPolicies, OutboxEvent};
 use crate::secret::Secret;
 use crate::store::audit::{AuditEntry, AuditNote};
@@ -611,7 +611,20 @@ impl Store {
     /// A completed record is first held out of every replica's replay cache
     /// (see `cache`), which adds `cache::HOLD_WAIT` to its bound.
     pub async fn resolve(&self, scope: &Scope, resolution: &Resolution, note: &AuditNote) -> Result<ResolveOutcome, StoreError> {
-        let fut = self.backend.resolve(scope, resolution, note, &self.events, None);
+        self.resolve_expecting(scope, resolution, note, None).await
+    }
+
+    /// [`Store::resolve`], applied only to the record at the `expected`
+    /// generation when one is given (the one an operator looked at): a
+    /// record that moved on since is `Refused(Fenced)`.
+    pub async fn resolve_expecting(
+        &self,
+        scope: &Scope,
+        resolution: &Resolution,
+        note: &AuditNote,
+        expected: Option<Generation>,
+    ) -> Result<ResolveOutcome, StoreError> {
+        let fut = self.backend.resolve(scope, resolution, note, &self.events, None, expected);
         let out = self.bounded_by(op::RESOLVE, self.timeout + cache::HOLD_WAIT * 2, fut).await;
         if let Some(cache) = &self.cache {
             cache.forget(scope);
@@ -628,7 +641,7 @@ impl Store {
         note: &AuditNote,
         fence: ProbeFence,
     ) -> Result<ResolveOutcome, StoreError> {
-        self.bounded(op::RESOLVE, self.backend.resolve(scope, resolution, note, &self.events, Some(fence))).await
+        self.bounded(op::RESOLVE, self.backend.resolve(scope, resolution, note, &self.events, Some(fence), None)).await
     }
 
     /// Takes `unknown` records for probing (see `RecordStore::take_probes`),

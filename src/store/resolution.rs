@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use crate::idempotency::key::Scope;
-use crate::idempotency::record::{Retention, State, StoredResponse, TransitionError};
+use crate::idempotency::record::{Generation, Retention, State, StoredResponse, TransitionError};
 use crate::store::audit::{Actor, AuditNote, Caller};
 use crate::store::{ProbeFence, Resolution, ResolveOutcome, Store, StoreError};
 
@@ -26,6 +26,9 @@ pub struct ResolveRequest {
     /// The reconciler: apply only to the record its probe took (still
     /// `unknown` at the generation probed, still marked by the probe).
     pub fence: Option<ProbeFence>,
+    /// An operator: apply only to the record at this generation (the one
+    /// they looked at); a record that moved on since is refused.
+    pub generation: Option<Generation>,
 }
 
 #[derive(Debug, Clone)]
@@ -105,7 +108,7 @@ pub async fn resolve_by(
     let note = AuditNote { actor: req.actor, reason: reason.to_owned(), forced: req.force, caller };
     let outcome = match req.fence {
         Some(fence) => store.resolve_probed(scope, &resolution, &note, fence).await?,
-        None => store.resolve(scope, &resolution, &note).await?,
+        None => store.resolve_expecting(scope, &resolution, &note, req.generation).await?,
     };
     match outcome {
         ResolveOutcome::Resolved { from } => Ok(from),

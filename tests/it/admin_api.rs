@@ -222,12 +222,29 @@ async fn resolutions_conflicts_and_the_audit_trail(backend: Backend) {
     assert_eq!(r.status, 200, "{r:?}");
     assert_eq!(slow.await.unwrap().status, 504);
     assert_eq!(settled_record(&store, "live").await.unwrap().state, State::Unknown);
+    // A resolution names the generation the operator looked at: another one
+    // (the record moved on since) is refused, and nothing changes.
+    let seen = settled_record(&store, "live").await.unwrap().generation.0;
+    let stale = serde_json::json!({ "action": "release", "reason": "checked gen before", "generation": seen - 1 }).to_string();
+    let r = admin(&gw, "POST", &path("live"), &stale).await;
+    assert_eq!((r.status, r.problem().as_str()), (409, "not-resolvable"), "{r:?}");
+    assert!(r.json()["detail"].as_str().unwrap().contains("moved on"), "{r:?}");
+    assert_eq!(settled_record(&store, "live").await.unwrap().state, State::Unknown);
     let r = admin(&gw, "POST", &path("live"), &release("upstream ledger has no such order")).await;
     assert_eq!(r.status, 200, "{r:?}");
     assert!(settled_record(&store, "live").await.is_none());
     assert_eq!(post(&url, "cli", ORDER, &[("x-test-sleep-ms", "2500")]).await.status, 504);
     let scope_args = ["--tenant", TENANT, "--principal", PRINCIPAL, "--operation", "create_order", "--key", "cli"];
-    let (code, _, err) = cli(&gw, &[&["keys", "resolve"][..], &scope_args, &["--release", "--reason", "checked on the CLI"]].concat());
+    let (code, _, err) =
+        cli(&gw, &[&["keys", "resolve"][..], &scope_args, &["--release", "--reason", "an older look", "--generation", "0"]].concat());
+    assert_ne!(code, 0, "a resolution of generation 0 applied to the record: {err}");
+    assert!(err.contains("moved on"), "{err}");
+    assert_eq!(settled_record(&store, "cli").await.unwrap().state, State::Unknown);
+    let seen = settled_record(&store, "cli").await.unwrap().generation.0.to_string();
+    let (code, _, err) = cli(
+        &gw,
+        &[&["keys", "resolve"][..], &scope_args, &["--release", "--reason", "checked on the CLI", "--generation", &seen]].concat(),
+    );
     assert_eq!(code, 0, "{err}");
 
     let doc = admin(&gw, "GET", "/admin/audit?limit=10", "").await.json();

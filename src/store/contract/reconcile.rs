@@ -125,7 +125,9 @@ pub trait Reconcile: Send + Sync + std::fmt::Debug {
     /// transaction. The generation of a completed resolution is drawn anew.
     /// With a `fence` (the reconciler), it applies only to the record the
     /// probe took: `unknown`, same generation, same probe token; else
-    /// `Refused(Fenced)`.
+    /// `Refused(Fenced)`. With an `expected` generation (an operator who
+    /// named the one they looked at), only to the record at that
+    /// generation; else `Refused(Fenced)`.
     async fn resolve(
         &self,
         scope: &Scope,
@@ -133,5 +135,6 @@ pub trait Reconcile: Send + Sync + std::fmt::Debug {
         note: &AuditNote,
         events: &EventPolicies,
         fence: Option<ProbeFence>,
+        expected: Option<Generation>,
     ) -> Result<ResolveOutcome, StoreError>;
 }

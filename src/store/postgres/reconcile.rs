@@ -168,6 +168,7 @@ impl Reconcile for PgStore {
         note: &AuditNote,
         events: &EventPolicies,
         fence: Option<ProbeFence>,
+        expected: Option<Generation>,
     ) -> Result<ResolveOutcome, StoreError> {
         // A completed record may sit in replicas' replay caches: before it
         // changes, it is held out of them (`RESOLVE_HOLD`, committed) and the
@@ -185,7 +186,7 @@ impl Reconcile for PgStore {
         };
         for _ in 0..3 {
             let mut conn = self.conn().await?;
-            match self.resolve_round(&mut conn, scope, resolution, note, events, fence, held, floor).await? {
+            match self.resolve_round(&mut conn, scope, resolution, note, events, (fence, expected), held, floor).await? {
                 Round::Done(outcome) => {
                     conn.done();
                     return Ok(outcome);
@@ -215,7 +216,7 @@ impl PgStore {
         resolution: &Resolution,
         note: &AuditNote,
         events: &EventPolicies,
-        fence: Option<ProbeFence>,
+        (fence, expected): (Option<ProbeFence>, Option<Generation>),
         held: Option<(Timestamp, Generation)>,
         floor: Option<i64>,
     ) -> Result<Round, StoreError> {
@@ -231,6 +232,13 @@ impl PgStore {
         };
         let record = decode(row)?;
         let now: Timestamp = row.try_get(NOW).map_err(c)?;
+        // An operator's resolution of the generation they looked at: a
+        // record that moved on since (released and claimed again, completed
+        // by a probe) is not theirs to decide.
+        if expected.is_some_and(|g| g != record.generation) {
+            tx.rollback().await.map_err(w)?;
+            return Ok(Round::Done(ResolveOutcome::Refused(TransitionError::Fenced)));
+        }
         if let Some(fence) = fence {
             // The row is locked: its probe mark cannot change under us.
             let token: Option<Uuid> = row.try_get(LOCK_PROBE_TOKEN).map_err(c)?;

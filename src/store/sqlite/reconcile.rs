@@ -2,7 +2,7 @@
 
 use super::{NewEvent, PK, RECORD_COLUMNS, SqliteStore, decode, delete, err, get_tx, insert_event, next_generation, pk, write_response};
 use crate::idempotency::key::Scope;
-use crate::idempotency::record::{Next, Record, State, Timestamp, TransitionError, transition};
+use crate::idempotency::record::{Generation, Next, Record, State, Timestamp, TransitionError, transition};
 use crate::outbox::{EventPolicies, EventType};
 use crate::store::UNRECORDED_AT_UPSTREAM;
 use crate::store::audit::AuditNote;
@@ -91,6 +91,7 @@ impl Reconcile for SqliteStore {
         note: &AuditNote,
         events: &EventPolicies,
         fence: Option<ProbeFence>,
+        expected: Option<Generation>,
     ) -> Result<ResolveOutcome, StoreError> {
         let scope = scope.clone();
         let resolution = resolution.clone();
@@ -98,6 +99,10 @@ impl Reconcile for SqliteStore {
         let events = events.clone();
         self.write(move |tx, now| {
             let Some(record) = get_tx(tx, &scope)? else { return Ok(ResolveOutcome::NotFound) };
+            // An operator's resolution of the generation they looked at.
+            if expected.is_some_and(|g| g != record.generation) {
+                return Ok(ResolveOutcome::Refused(TransitionError::Fenced));
+            }
             if let Some(fence) = fence
                 && !probe_holds(tx, &scope, &record, fence)?
             {

@@ -24,7 +24,8 @@ on_both_stores!(
     probes_wait_for_the_bound_the_attempt_recorded,
     a_released_operation_starts_a_fresh_attempt_budget,
     resolutions_hold_one_connection_at_a_time,
-    an_expired_processing_operation_is_left_to_the_reaper
+    an_expired_processing_operation_is_left_to_the_reaper,
+    a_resolution_of_a_generation_that_moved_on_is_refused
 );
 
 on_pgbouncer!(
@@ -35,7 +36,8 @@ on_pgbouncer!(
     probes_wait_for_the_bound_the_attempt_recorded,
     a_released_operation_starts_a_fresh_attempt_budget,
     resolutions_hold_one_connection_at_a_time,
-    an_expired_processing_operation_is_left_to_the_reaper
+    an_expired_processing_operation_is_left_to_the_reaper,
+    a_resolution_of_a_generation_that_moved_on_is_refused
 );
 
 on_citus!(
@@ -46,7 +48,8 @@ on_citus!(
     probes_wait_for_the_bound_the_attempt_recorded,
     a_released_operation_starts_a_fresh_attempt_budget,
     resolutions_hold_one_connection_at_a_time,
-    an_expired_processing_operation_is_left_to_the_reaper
+    an_expired_processing_operation_is_left_to_the_reaper,
+    a_resolution_of_a_generation_that_moved_on_is_refused
 );
 
 async fn resolve_releases_completes_and_refuses_live_claims(backend: Backend) {
@@ -396,4 +399,38 @@ async fn an_expired_processing_operation_is_left_to_the_reaper(backend: Backend)
     let left = row(&store, &s).await;
     assert_eq!((left.state, left.sent_at.is_some()), (State::Processing, true), "the record is as the attempt left it");
     assert_eq!(store.reap_leases(10, &[]).await.unwrap(), Reaped { unknown: 1, requeued: 0 }, "the reaper decides it");
+}
+
+/// An operator resolves the generation they looked at: by the time they
+/// submit, the record may have moved on (a probe released it, the client's
+/// retry claimed it again, and that attempt too ended unknown). A release
+/// meant for the first generation must not free the second, whose attempt
+/// may have executed.
+async fn a_resolution_of_a_generation_that_moved_on_is_refused(backend: Backend) {
+    let store = open(&backend).await;
+    let s = key("moved-on");
+    let n = note("checked the upstream's ledger");
+    let first = claim(&store, &req(&s, 1, LONG, false)).await;
+    store.mark_unknown(&first).await.unwrap();
+    let seen = row(&store, &s).await.generation;
+    assert_eq!(store.resolve_expecting(&s, &RELEASE, &n, Some(seen)).await.unwrap(), ResolveOutcome::Resolved { from: State::Unknown });
+    let second = claim(&store, &req(&s, 1, LONG, false)).await;
+    store.mark_unknown(&second).await.unwrap();
+    let now = row(&store, &s).await;
+    assert_ne!(now.generation, seen);
+    let complete = Resolution::Complete { response: response(201, b"by hand"), retention: Retention::For(LONG), force: true };
+    for resolution in [&RELEASE, &complete] {
+        assert_eq!(
+            store.resolve_expecting(&s, resolution, &n, Some(seen)).await.unwrap(),
+            ResolveOutcome::Refused(TransitionError::Fenced),
+            "a resolution of generation {seen:?} applied to {:?}",
+            now.generation
+        );
+    }
+    assert_eq!(row(&store, &s).await, now, "the record that moved on is untouched");
+    assert_eq!(
+        store.resolve_expecting(&s, &RELEASE, &n, Some(now.generation)).await.unwrap(),
+        ResolveOutcome::Resolved { from: State::Unknown }
+    );
+    assert_eq!(get(&store, &s).await, None);
 }

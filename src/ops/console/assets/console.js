@@ -477,7 +477,7 @@
       let request;
       let consequence;
       if (release.checked) {
-        request = { action: 'release', reason: why };
+        request = { action: 'release', reason: why, generation: r.generation };
         consequence = 'Release: the record is deleted, and the client\'s retry will run the operation again (if the upstream did execute it, it happens twice).';
       } else {
         const code = Number(status.value);
@@ -486,7 +486,7 @@
           out.appendChild(el('p', { class: 'error', role: 'alert' }, parsed.error));
           return;
         }
-        request = { action: 'complete', status: code, headers: parsed.headers, body_base64: toBase64(body.value), reason: why };
+        request = { action: 'complete', status: code, headers: parsed.headers, body_base64: toBase64(body.value), reason: why, generation: r.generation };
         consequence = 'Complete with status ' + code + ': the client\'s retries will get this response replayed, and the operation will not run again.';
       }
       const confirmBox = el('div', { class: 'confirm', id: 'confirm', role: 'alertdialog' },
