@@ -353,6 +353,32 @@ pub enum TransitionError {
     /// completed, so it cannot be queued to run again.
     #[error("the operation's stored request was dropped when it completed: it cannot run again")]
     RequestGone,
+    /// An operator's release of an `unknown` record whose attempt recorded
+    /// that it may still be at the upstream until then (its send plus the
+    /// upstream timeout it was sent with): what the upstream shows now may
+    /// not be what it will have done.
+    #[error("its attempt may still be at the upstream until {0}")]
+    AtUpstream(Timestamp),
+}
+
+/// An operator's release (unforced) of an `unknown` record waits until its
+/// attempt can no longer be at the upstream (`at_upstream_until`, recorded
+/// with its send): a look-up at the upstream before then may miss an
+/// operation that is still running, and releasing would run it again. The
+/// reconciler's probes wait for the same bound. A completion may go at any
+/// time (its new generation fences the attempt off).
+pub fn release_waits_for_upstream(
+    record: &Record,
+    event: Event,
+    at_upstream_until: Option<Timestamp>,
+    now: Timestamp,
+) -> Result<(), TransitionError> {
+    match (event, at_upstream_until) {
+        (Event::ResolveRelease { force: false }, Some(until)) if record.state == State::Unknown && until > now => {
+            Err(TransitionError::AtUpstream(until))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// The write side of the state machine. `now` is the store's clock.
@@ -717,6 +743,15 @@ mod tests {
             transition(&failed, Event::ResolveRelease { force: true }, NOW),
             Err(TransitionError::NotAllowed(State::FailedRetryable))
         );
+        // Released (unforced) only once its attempt can no longer be at the
+        // upstream; completed at any time, and by force before.
+        let until = Some(Timestamp(NOW.0 + 1));
+        let release = Event::ResolveRelease { force: false };
+        assert_eq!(release_waits_for_upstream(&unknown_op, release, until, NOW), Err(TransitionError::AtUpstream(Timestamp(NOW.0 + 1))));
+        assert_eq!(release_waits_for_upstream(&unknown_op, release, until, Timestamp(NOW.0 + 1)), Ok(()));
+        assert_eq!(release_waits_for_upstream(&unknown_op, release, None, NOW), Ok(()));
+        assert_eq!(release_waits_for_upstream(&unknown_op, Event::ResolveRelease { force: true }, until, NOW), Ok(()));
+        assert_eq!(release_waits_for_upstream(&unknown_op, Event::ResolveComplete { force: false }, until, NOW), Ok(()));
         // Nor a processing one whose lease ran out: the reaper decides it
         // (a release would erase the proof that it was sent).
         for sent in [false, true] {

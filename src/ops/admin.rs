@@ -703,6 +703,11 @@ fn problem(e: &AdminError) -> Response<Body> {
                 TransitionError::RequestGone => "The operation completed, and its stored request was dropped then: it cannot run again. \
                      Complete it by hand instead, or have the client submit a new operation."
                     .to_owned(),
+                TransitionError::AtUpstream(until) => format!(
+                    "Its attempt may still be at the upstream until {until} (its send plus the upstream timeout it was sent with): \
+                     a look-up there now may miss an operation still running. Wait until then, complete it if it happened, \
+                     or release it with force."
+                ),
                 TransitionError::Fenced => "The record moved on since it was read (another generation, or resolved meanwhile): \
                      read it again and decide on what it is now."
                     .to_owned(),

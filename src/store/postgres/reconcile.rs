@@ -5,7 +5,7 @@ use super::sql::NOW;
 use super::sql::{EXPIRES_8, PK, RECORD_COLUMNS, prefixed};
 use super::{Conn, PgStore, citus_sql, classify, decode, micros, retention_us};
 use crate::idempotency::key::Scope;
-use crate::idempotency::record::{Generation, Next, State, Timestamp, TransitionError, transition};
+use crate::idempotency::record::{Generation, Next, State, Timestamp, TransitionError, release_waits_for_upstream, transition};
 use crate::outbox::{EventPolicies, EventType};
 use crate::store::UNRECORDED_AT_UPSTREAM;
 use crate::store::audit::AuditNote;
@@ -19,13 +19,15 @@ use std::time::Duration;
 use uuid::Uuid;
 
 /// The resolution's row, locked.
-pub(super) static RESOLVE_LOCK: LazyLock<String> =
-    LazyLock::new(|| format!("SELECT {RECORD_COLUMNS}, now(), probe_token, cache_hold_until FROM idemgate_records WHERE {PK} FOR UPDATE"));
+pub(super) static RESOLVE_LOCK: LazyLock<String> = LazyLock::new(|| {
+    format!("SELECT {RECORD_COLUMNS}, now(), probe_token, cache_hold_until, at_upstream_until FROM idemgate_records WHERE {PK} FOR UPDATE")
+});
 
 /// Where `RESOLVE_LOCK`'s own columns are, after the record's and the clock
 /// ([`NOW`]).
 const LOCK_PROBE_TOKEN: usize = NOW + 1;
 const LOCK_CACHE_HOLD: usize = LOCK_PROBE_TOKEN + 1;
+const LOCK_AT_UPSTREAM: usize = LOCK_CACHE_HOLD + 1;
 
 /// A completed record about to be resolved is first held out of the
 /// replicas' replay caches (see `store::cache`): replicas that read it from
@@ -252,7 +254,10 @@ impl PgStore {
         // resolution's change clears the hold, a new hold replaces it).
         let hold: Option<Timestamp> = row.try_get(LOCK_CACHE_HOLD).map_err(c)?;
         let hold_in_place = hold.is_some_and(|h| h > now && held == Some((h, record.generation)));
-        let (to, generation): (Option<State>, Option<i64>) = match transition(&record, resolution.event(), now) {
+        let at_upstream: Option<Timestamp> = row.try_get(LOCK_AT_UPSTREAM).map_err(c)?;
+        let decided = transition(&record, resolution.event(), now)
+            .and_then(|next| release_waits_for_upstream(&record, resolution.event(), at_upstream, now).map(|()| next));
+        let (to, generation): (Option<State>, Option<i64>) = match decided {
             Err(refused) => {
                 tx.rollback().await.map_err(w)?;
                 return Ok(Round::Done(ResolveOutcome::Refused(refused)));

@@ -2,7 +2,7 @@
 
 use super::{NewEvent, PK, RECORD_COLUMNS, SqliteStore, decode, delete, err, get_tx, insert_event, next_generation, pk, write_response};
 use crate::idempotency::key::Scope;
-use crate::idempotency::record::{Generation, Next, Record, State, Timestamp, TransitionError, transition};
+use crate::idempotency::record::{Generation, Next, Record, State, Timestamp, TransitionError, release_waits_for_upstream, transition};
 use crate::outbox::{EventPolicies, EventType};
 use crate::store::UNRECORDED_AT_UPSTREAM;
 use crate::store::audit::AuditNote;
@@ -108,7 +108,14 @@ impl Reconcile for SqliteStore {
             {
                 return Ok(ResolveOutcome::Refused(TransitionError::Fenced));
             }
-            let (to, generation) = match (transition(&record, resolution.event(), now), &resolution) {
+            let at_upstream: Option<i64> = {
+                let [t, p, o, k] = pk(&scope);
+                tx.query_row(&format!("SELECT at_upstream_until FROM idemgate_records WHERE {PK}"), params![t, p, o, k], |r| r.get(0))
+                    .map_err(err)?
+            };
+            let decided = transition(&record, resolution.event(), now)
+                .and_then(|next| release_waits_for_upstream(&record, resolution.event(), at_upstream.map(Timestamp), now).map(|()| next));
+            let (to, generation) = match (decided, &resolution) {
                 (Err(refused), _) => return Ok(ResolveOutcome::Refused(refused)),
                 (Ok(Next::Deleted), _) => {
                     delete(tx, &scope)?;

@@ -325,8 +325,15 @@ async fn a_released_operation_starts_a_fresh_attempt_budget(backend: Backend) {
     let store = open(&backend).await;
     let s = key("released");
     let routes = [worker_route("create_order", LONG)];
+    let sent = Instant::now();
     unknown_async(&store, &s).await;
     assert_eq!((row(&store, &s).await.state, row(&store, &s).await.attempts), (State::Unknown, 1));
+    // Not while its attempt may still be at the upstream (sent with a
+    // timeout of AT_UPSTREAM): a look-up there may miss it still running.
+    let early = store.resolve(&s, &RELEASE, &note("not in the ledger yet")).await.unwrap();
+    assert!(matches!(early, ResolveOutcome::Refused(TransitionError::AtUpstream(_))), "{early:?}");
+    assert_eq!(row(&store, &s).await.state, State::Unknown, "refused: nothing changed");
+    tokio::time::sleep(AT_UPSTREAM.saturating_sub(sent.elapsed()) + Duration::from_millis(100)).await;
     let released = store.resolve(&s, &RELEASE, &note("did not happen, run it again")).await.unwrap();
     assert!(matches!(released, ResolveOutcome::Resolved { .. }), "{released:?}");
     let queued = row(&store, &s).await;
@@ -370,7 +377,9 @@ async fn resolutions_hold_one_connection_at_a_time(backend: Backend) {
     // An async operation whose attempt may have run, released to run again.
     let again = key("one-conn-again");
     let t = unknown_async(&store, &again).await;
-    let released = store.resolve(&again, &RELEASE, &n).await;
+    // Forced: its attempt may still be at the upstream (this test is about
+    // connections, not that wait).
+    let released = store.resolve(&again, &Resolution::Release { force: true }, &n).await;
     assert!(matches!(released, Ok(ResolveOutcome::Resolved { from: State::Unknown })), "{released:?}");
     let queued = row(&store, &again).await;
     assert_eq!((queued.state, queued.generation > t.claim.generation), (State::Queued, true));
