@@ -182,6 +182,44 @@ async fn unknown_kid_refreshes_once_and_a_failed_refresh_keeps_the_last_good_set
     assert_eq!(who(&id, &jwt::token(&old, &c)).await, None);
 }
 
+/// A key set may publish keys this gateway cannot read (an X25519
+/// encryption key, a curve it does not know) beside its signing keys: those
+/// are skipped, the others still verify. One such key made the whole set
+/// unreadable (a file refused, a URL's set never replaced).
+#[tokio::test]
+async fn a_key_set_with_a_key_it_cannot_read_still_verifies_with_the_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = jwt::es256("k");
+    let mut set = jwt::jwks(&[&key]);
+    set["keys"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"kty": "OKP", "crv": "X25519", "use": "enc", "kid": "enc-1", "x": "hSDwCYkwp1R0i33ctD73Wg2_Og0mOBr066SpjqqbTmo"}));
+    set["keys"].as_array_mut().unwrap().push(json!({"kty": "EC", "crv": "P-521", "alg": "ES512", "kid": "p521", "x": "AA", "y": "AA"}));
+    let path = dir.path().join("jwks.json");
+    std::fs::write(&path, set.to_string()).unwrap();
+    let id = identifier(&format!("jwks_file = \"{}\"", path.display()), &[]);
+    let c = jwt::claims("acme", "alice", ISS, AUD);
+    assert_eq!(who(&id, &jwt::token(&key, &c)).await, acme_alice());
+}
+
+/// Requests that arrive together with a key the source has not fetched yet
+/// (at start, or right after a reload builds the source anew) all wait for
+/// the one fetch their first caller makes, and are then verified: those
+/// that waited for it were refused as "refreshed too recently" before.
+#[tokio::test]
+async fn requests_waiting_for_the_first_fetch_are_verified_with_its_keys() {
+    let key = jwt::es256("k");
+    let server = JwksServer::start(jwt::jwks(&[&key])).await;
+    let id = identifier(&format!("jwks_url = \"{}\"\njwks_refresh = \"1h\"", server.url()), &[]);
+    let c = jwt::claims("acme", "alice", ISS, AUD);
+    let token = jwt::token(&key, &c);
+    let answers = futures_util::future::join_all((0..20).map(|_| who(&id, &token))).await;
+    let refused = answers.iter().filter(|a| a.is_none()).count();
+    assert_eq!(refused, 0, "{refused} of 20 requests refused while the first one fetched the keys");
+    assert_eq!(server.fetches(), 1, "one fetch for all of them");
+}
+
 #[test]
 fn bad_jwt_sources_are_refused_with_their_path() {
     let bad = |source: &str| {

@@ -116,6 +116,26 @@ fn family(alg: Algorithm) -> KeyFamily {
     }
 }
 
+/// A JWKS document: an object whose `keys` is an array. A key this crate
+/// cannot read (an algorithm or curve it does not know, such as an `X25519`
+/// encryption key or `ES512`, published beside the signing keys) is skipped
+/// with a warning, not the whole set: one such key made every token of the
+/// source unverifiable.
+fn parse_jwks(bytes: &[u8]) -> Result<JwkSet, String> {
+    let doc: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+    let Some(entries) = doc.get("keys").and_then(serde_json::Value::as_array) else {
+        return Err("no \"keys\" array".to_owned());
+    };
+    let mut keys = Vec::with_capacity(entries.len());
+    for (i, entry) in entries.iter().enumerate() {
+        match serde_json::from_value::<jsonwebtoken::jwk::Jwk>(entry.clone()) {
+            Ok(jwk) => keys.push(jwk),
+            Err(e) => tracing::warn!(index = i, kid = ?entry.get("kid"), error = %e, "JWKS key skipped: not one this gateway can read"),
+        }
+    }
+    Ok(JwkSet { keys })
+}
+
 impl Keyring {
     fn from_jwks(set: &JwkSet) -> Keyring {
         let mut keys = Vec::new();
@@ -185,7 +205,7 @@ impl JwtVerifier {
         let keyring = match &config.keys {
             JwksSource::File(path) => {
                 let text = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-                let set: JwkSet = serde_json::from_slice(&text).map_err(|e| format!("{} is not a JWKS: {e}", path.display()))?;
+                let set = parse_jwks(&text).map_err(|e| format!("{} is not a JWKS: {e}", path.display()))?;
                 Keyring::from_jwks(&set)
             }
             JwksSource::Url(_) | JwksSource::None => Keyring::default(),
@@ -222,12 +242,13 @@ impl JwtVerifier {
             return Ok(identity);
         }
         let verified = match self.verify_now(token) {
-            Err(JwtError::UnknownKey(kid)) if matches!(self.config.keys, JwksSource::Url(_)) => {
-                if self.forced_refresh().await {
-                    self.verify_now(token)
-                } else {
-                    Err(JwtError::UnknownKey(kid))
-                }
+            Err(JwtError::UnknownKey(_)) if matches!(self.config.keys, JwksSource::Url(_)) => {
+                // Whether this call fetched or another one did (it waited
+                // for that fetch, or one ran lately), the keys in force now
+                // decide: the callers that arrived during a fetch (at start,
+                // right after a reload) were refused as "too recent".
+                self.forced_refresh().await;
+                self.verify_now(token)
             }
             other => other,
         }?;
@@ -364,7 +385,7 @@ impl JwtVerifier {
             .map_err(|_| "timed out".to_owned())?
             .map_err(|e| e.to_string())?
             .to_bytes();
-        serde_json::from_slice(&bytes).map_err(|e| format!("not a JWKS: {e}"))
+        parse_jwks(&bytes).map_err(|e| format!("not a JWKS: {e}"))
     }
 }
 

@@ -133,8 +133,10 @@ async fn stored_requests_are_dropped_once_the_operation_is_final(backend: Backen
     assert_eq!(store.fail(&t.claim, Retention::For(LONG), lost).await.unwrap(), WriteOutcome::Written);
     assert_eq!(row(&store, &unsure).await.state, State::Unknown);
     assert_eq!(stored_request(&backend, &unsure).await, stored, "unknown: kept");
+    // Forced: its attempt may still be at the upstream (until AT_UPSTREAM
+    // after its send), which an unforced release waits for.
     assert_eq!(
-        store.resolve(&unsure, &RELEASE, &note("not in the ledger")).await.unwrap(),
+        store.resolve(&unsure, &Resolution::Release { force: true }, &note("not in the ledger")).await.unwrap(),
         ResolveOutcome::Resolved { from: State::Unknown }
     );
     let again = take(&store, &routes, "w").await.expect("re-queued");
