@@ -15,8 +15,8 @@ use idemgate::store::{Claim, Reaped, Resolution, ResolveOutcome, RetryNote, Work
 use uuid::Uuid;
 
 use super::{
-    AT_UPSTREAM, LONG, PAST_SHORT, RELEASE, SHORT, accept_req, all_events, claim, existing, fp, get, key, note, open, open_with_events,
-    req, response, row, scope, set, take, worker_route,
+    AT_UPSTREAM, LONG, PAST_SHORT, SHORT, accept_req, all_events, claim, existing, fp, get, key, note, open, open_with_events, req,
+    response, row, scope, set, take, worker_route,
 };
 use crate::support::{self, Backend};
 
