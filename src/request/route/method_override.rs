@@ -54,7 +54,7 @@ pub fn body_read(headers: &HeaderMap) -> bool {
 /// parsed. Any other body, and JSON that does not parse here (a number out
 /// of range, nesting deeper than serde's limit: PHP's decoder takes both),
 /// is scanned as bytes for the name as a word in any spelling a framework
-/// reads as `_method` ([`spells_field`]): a form's field, a multipart
+/// reads as `_method` (see `spells_field`): a form's field, a multipart
 /// part's name in any header (folded or not, `name`, `name*`, `Content-ID`),
 /// Rack's `[_method]`, PHP's `.method` and ` .method`. The scan is
 /// deliberately wide: a body that spells the word `_method` by itself
