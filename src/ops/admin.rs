@@ -315,13 +315,32 @@ impl Admin {
             }
         }
         let page = crate::ops::console::filter::list(&self.store(), &filter, &extra).await.map_err(store_error)?;
-        Ok(json_response(StatusCode::OK, &keys::page_json(&page, self.secret())))
+        let mut doc = keys::page_json(&page, self.secret());
+        if let Some(rows) = doc["records"].as_array_mut() {
+            for (row, record) in rows.iter_mut().zip(&page.records) {
+                self.mask_response_headers(row, record);
+            }
+        }
+        Ok(json_response(StatusCode::OK, &doc))
     }
 
     async fn show(&self, scope: &Scope) -> Result<Response<Body>, AdminError> {
         match self.store().get(scope).await.map_err(store_error)? {
-            Some((record, _)) => Ok(json_response(StatusCode::OK, &keys::record_json(&record, false, self.secret()))),
+            Some((record, _)) => {
+                let mut doc = keys::record_json(&record, false, self.secret());
+                self.mask_response_headers(&mut doc, &record);
+                Ok(json_response(StatusCode::OK, &doc))
+            }
             None => Err(AdminError::NoRecord),
+        }
+    }
+
+    /// A record's stored response headers as the API shows them: credentials
+    /// (a token an upstream answered a create with) masked, as the console
+    /// masks them.
+    fn mask_response_headers(&self, doc: &mut serde_json::Value, record: &crate::idempotency::record::Record) {
+        if let Some(resp) = &record.response {
+            doc["response"]["headers"] = crate::ops::console::mask::headers_json(&resp.headers, &self.in_force().credential_headers);
         }
     }
 

@@ -120,6 +120,26 @@ async fn listing_pages_through_every_record_with_a_cursor(backend: Backend) {
 /// Scope segments are percent-encoded: a key with `/` and `%`, a principal
 /// with a space (identity from trusted headers). Resolved through the API,
 /// the client's retry replays what the operator recorded.
+/// A stored response's credential headers (a token an upstream answered a
+/// create with) are masked in the API's record and listing documents, as
+/// the console masks them; other headers are shown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stored_response_credentials_are_masked_in_the_api() {
+    let (_up, gw, store, _dir) = setup(sqlite_backend(), |c| c).await;
+    let answered = post(&gw.url("/v1/orders"), "with-token", ORDER, &[("x-test-answer-header", "x-auth-token=s3cr3t-t0ken")]).await;
+    assert_eq!((answered.status, answered.header("x-auth-token")), (201, Some("s3cr3t-t0ken")), "the client gets it");
+    assert_eq!(settled_record(&store, "with-token").await.unwrap().state, State::Completed);
+    let one = admin(&gw, "GET", &record_path(TENANT, PRINCIPAL, "create_order", "with-token"), "").await;
+    let list = admin(&gw, "GET", "/admin/records?state=completed", "").await;
+    for r in [&one, &list] {
+        assert_eq!(r.status, 200, "{r:?}");
+        let text = String::from_utf8_lossy(&r.body);
+        assert!(!text.contains("s3cr3t-t0ken"), "the token in clear: {text}");
+        assert!(text.contains("x-auth-token") && text.contains("(masked: 12 bytes)"), "{text}");
+        assert!(text.contains("application/json"), "other headers are shown: {text}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_are_addressed_by_percent_encoded_scope_segments() {
     let (up, gw, store, _dir) = setup(sqlite_backend(), |c| c.timeout("500ms").route("lease = \"1s\"")).await;

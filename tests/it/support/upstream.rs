@@ -10,6 +10,7 @@
 //! - `x-test-abort: 1`       after the side effect, close the connection with no answer
 //! - `x-test-no-store: 1`    answer with `Idempotency-Policy: no-store`
 //! - `x-test-body-bytes: N`  answer with an N-byte body
+//! - `x-test-answer-header: name=value`  answer with that header too
 //!
 //! With `dedupe` on, the upstream honours `Idempotency-Key` itself: a key it
 //! has seen is answered again at once (no sleep, no abort) without a new side
@@ -341,6 +342,9 @@ async fn handle(
     rh.insert("x-upstream", "test".parse().unwrap());
     if header(h, "x-test-no-store") == Some("1") {
         rh.insert("idempotency-policy", "no-store".parse().unwrap());
+    }
+    if let Some((name, value)) = header(h, "x-test-answer-header").and_then(|v| v.split_once('=')) {
+        rh.insert(http::HeaderName::from_bytes(name.as_bytes()).unwrap(), value.parse().unwrap());
     }
     Ok(r)
 }
