@@ -367,9 +367,23 @@ impl Gateway {
         refused: GatewayError,
     ) -> Result<(Response<Body>, RequestOutcome), GatewayError> {
         let Admitted { claim, params, parts, body, .. } = admitted;
-        let Ok(Some((record, now))) = self.configured.store.get(&claim.scope).await else { return Err(refused) };
         let request = admission::request_parts(route, params, parts, body);
-        match decide_with_legacy(route, &record, &claim.request_hash, &request, now) {
+        self.answer_from_record(route, claim, parts, &request, refused).await
+    }
+
+    /// [`Gateway::answer_overloaded`] for a request whose parts are read:
+    /// answered from its key's record as its claim would have been, or
+    /// `refused` when the claim would forward.
+    async fn answer_from_record(
+        &self,
+        route: &Route,
+        claim: &ClaimRequest,
+        parts: &request::Parts,
+        request: &RequestParts<'_>,
+        refused: GatewayError,
+    ) -> Result<(Response<Body>, RequestOutcome), GatewayError> {
+        let Ok(Some((record, now))) = self.configured.store.get(&claim.scope).await else { return Err(refused) };
+        match decide_with_legacy(route, &record, &claim.request_hash, request, now) {
             Decision::Replay => {
                 let stored = record.response.as_ref().ok_or(GatewayError::Internal)?;
                 self.answer_from(route, stored, &parts.headers).await.map(|r| (r, RequestOutcome::Replayed))
@@ -389,14 +403,14 @@ impl Gateway {
         &'a self,
         route: &'a Route,
         admitted: Box<Admitted>,
-        slot: Option<Slot>,
+        mut slot: Option<Slot>,
     ) -> (Result<(Response<Body>, RequestOutcome), GatewayError>, Option<ResultWrite<'a>>) {
         let Admitted { claim, params, parts, body, .. } = *admitted;
         // A result this replica answered and is still writing comes first:
         // its client's retry is replayed, not told "in flight".
         self.shared.waiters.settled(&claim.scope, self.configured.store.timeout()).await;
         let request = admission::request_parts(route, &params, &parts, &body);
-        match self.claim_or_answer(route, &claim, &parts, &request).await {
+        match self.claim_or_answer(route, &claim, &parts, &request, &mut slot).await {
             Ok(Claimed::Answered(answer)) => (Ok(answer), None),
             Ok(Claimed::Run(c)) => self.executor.run_sync(route, &c, parts, body, slot).await,
             Err(e) => (Err(e), None),
@@ -404,13 +418,16 @@ impl Gateway {
     }
 
     /// Claims the scope, or answers from the record the claim found.
-    /// `request` is what the claim's fingerprint was computed from.
+    /// `request` is what the claim's fingerprint was computed from; `slot`
+    /// the upstream slot a forward would use (given back while waiting for
+    /// the key's request in flight, taken again before the next claim).
     async fn claim_or_answer(
         &self,
         route: &Route,
         claim: &ClaimRequest,
         parts: &request::Parts,
         request: &RequestParts<'_>,
+        slot: &mut Option<Slot>,
     ) -> Result<Claimed, GatewayError> {
         let request_hash = claim.request_hash;
         let wait_until = match route.record.in_flight {
@@ -485,8 +502,22 @@ impl Gateway {
                     let Some(deadline) = wait_until.filter(|d| tokio::time::Instant::now() < *d) else {
                         return Err(GatewayError::InProgress { retry_after: IN_PROGRESS_RETRY_AFTER });
                     };
+                    // Nothing is forwarded while this waits: its slot goes
+                    // back, so that it does not keep another key's request
+                    // from the upstream. The next claim may forward (the
+                    // request in flight gave its key back): a slot first,
+                    // before that claim, or an answer from the record.
+                    let had_slot = slot.take().is_some();
                     self.shared.waiters.wait(&claim.scope, wait_rounds, deadline).await;
                     wait_rounds += 1;
+                    if had_slot {
+                        match self.admitted_under_load(route, claim).await {
+                            Ok(again) => *slot = again,
+                            Err(refused) => {
+                                return self.answer_from_record(route, claim, parts, request, refused).await.map(Claimed::Answered);
+                            }
+                        }
+                    }
                 }
                 Decision::Expired => {
                     expired_rounds += 1;
