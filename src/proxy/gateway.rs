@@ -21,7 +21,7 @@ use crate::executor::{Executor, ResultWrite, refetch};
 use crate::idempotency::fingerprint::RequestParts;
 use crate::idempotency::outcome::RequestOutcome;
 use crate::idempotency::record::Retention;
-use crate::idempotency::record::{Decision, Record, State, StoredResponse};
+use crate::idempotency::record::{Decision, Record, State, StoredResponse, decide};
 use crate::problem::{self, GatewayError};
 use crate::proxy::access::{self, Pending, REQUEST_ID, RouteLabel, Trace};
 use crate::proxy::admission::{self, Admitted, Front, Held, Stop, decide_with_legacy};
@@ -346,7 +346,20 @@ impl Gateway {
             return Ok(None);
         }
         let upstream = self.executor.upstream(route.upstream).limit();
-        match Slot::acquire(upstream, self.configured.route_limits.get(&route.operation)).await {
+        let cap = self.configured.route_limits.get(&route.operation);
+        if let Some(slot) = Slot::try_now(upstream, cap) {
+            return Ok(Some(slot));
+        }
+        // At the limit: a key whose record answers it (a retry of a completed
+        // key, a duplicate of one in flight) needs no slot, and is answered
+        // from the record at once (`answer_overloaded`), not after waiting
+        // `queue_timeout` for a slot it would not use.
+        if let Ok(Some((record, now))) = self.configured.store.get(&claim.scope).await
+            && !matches!(decide(&record, &claim.request_hash, now), Decision::LeaseExpired | Decision::Expired)
+        {
+            return Err(GatewayError::Overloaded);
+        }
+        match Slot::acquire(upstream, cap).await {
             Ok(slot) => Ok(Some(slot)),
             Err(Overloaded) => {
                 tracing::debug!(route = %route.operation, limit = upstream.current(), "upstream limit reached; refused before the claim");

@@ -529,6 +529,16 @@ impl Slot {
         Ok(Slot { upstream: upstream.acquire().await?, _route: route })
     }
 
+    /// A slot of `route`'s cap (if any) and of `upstream`'s limit if both
+    /// have one free now; nothing is waited for, nothing counted as refused.
+    pub fn try_now(upstream: &Arc<Limit>, route: Option<&Arc<Limit>>) -> Option<Slot> {
+        let route = match route {
+            Some(limit) => Some(limit.try_acquire()?),
+            None => None,
+        };
+        Some(Slot { upstream: upstream.try_acquire()?, _route: route })
+    }
+
     /// What the upstream did with the request (teaches the upstream's limit).
     pub fn record(&mut self, sample: Sample) {
         self.upstream.record(sample);

@@ -619,3 +619,30 @@ async fn a_duplicate_waiting_for_its_key_holds_no_slot() {
     assert_eq!((first.status, duplicate.status, duplicate.replayed()), (201, 201, true));
     assert_eq!(up.side_effects(&derived("k1")), 1);
 }
+
+/// At the limit, a retry of a completed key is answered from its record at
+/// once: it needs no slot, and does not wait `queue_timeout` for one it
+/// would not use (here the slot's holder is still at the upstream when the
+/// replay comes back; before, the replay waited until the holder was done).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_the_limit_a_replay_does_not_wait_for_a_slot() {
+    let _alone = LOAD.lock().await;
+    let up = TestUpstream::start().await;
+    let backend = sqlite_backend();
+    let gw =
+        Gateway::start(GatewayConfig::new(backend.clone(), up.url()).timeout("10s").upstream("max_in_flight = 1\nqueue_timeout = \"4s\""));
+    let store = backend.open().await;
+    let url = gw.url("/v1/orders");
+    assert_eq!(post(&url, "done", r#"{"n":1}"#, &[]).await.status, 201);
+    assert!(record(&store, "done").await.is_some_and(|r| r.state == State::Completed));
+    let holder = {
+        let url = url.clone();
+        tokio::spawn(async move { post(&url, "holder", r#"{"n":1}"#, &[("x-test-sleep-ms", "2500")]).await })
+    };
+    assert!(support::eventually(Duration::from_secs(5), || async { up.total() == 2 }).await, "the holder never arrived");
+    let replay = post(&url, "done", r#"{"n":1}"#, &[]).await;
+    assert_eq!((replay.status, replay.replayed()), (201, true));
+    assert!(!holder.is_finished(), "the replay waited for the holder's slot");
+    assert_eq!(holder.await.expect("holder").status, 201);
+    assert_eq!(up.total(), 2, "nothing forwarded for the replay");
+}
