@@ -350,12 +350,14 @@ impl Gateway {
         if let Some(slot) = Slot::try_now(upstream, cap) {
             return Ok(Some(slot));
         }
-        // At the limit: a key whose record answers it (a retry of a completed
-        // key, a duplicate of one in flight) needs no slot, and is answered
-        // from the record at once (`answer_overloaded`), not after waiting
-        // `queue_timeout` for a slot it would not use.
+        // At the limit: a retry of a completed key (or of an accepted
+        // operation) needs no slot, and is answered from its record at once
+        // (`answer_overloaded`), not after waiting `queue_timeout` for a slot
+        // it would not use. Only those: a duplicate of one in flight may wait
+        // for its result (`in_flight = "wait"`), and an unknown record may be
+        // taken over on an upstream that deduplicates; both go on as before.
         if let Ok(Some((record, now))) = self.configured.store.get(&claim.scope).await
-            && !matches!(decide(&record, &claim.request_hash, now), Decision::LeaseExpired | Decision::Expired)
+            && matches!(decide(&record, &claim.request_hash, now), Decision::Replay | Decision::Accepted)
         {
             return Err(GatewayError::Overloaded);
         }
@@ -416,14 +418,14 @@ impl Gateway {
         &'a self,
         route: &'a Route,
         admitted: Box<Admitted>,
-        mut slot: Option<Slot>,
+        slot: Option<Slot>,
     ) -> (Result<(Response<Body>, RequestOutcome), GatewayError>, Option<ResultWrite<'a>>) {
         let Admitted { claim, params, parts, body, .. } = *admitted;
         // A result this replica answered and is still writing comes first:
         // its client's retry is replayed, not told "in flight".
         self.shared.waiters.settled(&claim.scope, self.configured.store.timeout()).await;
         let request = admission::request_parts(route, &params, &parts, &body);
-        match self.claim_or_answer(route, &claim, &parts, &request, &mut slot).await {
+        match self.claim_or_answer(route, &claim, &parts, &request).await {
             Ok(Claimed::Answered(answer)) => (Ok(answer), None),
             Ok(Claimed::Run(c)) => self.executor.run_sync(route, &c, parts, body, slot).await,
             Err(e) => (Err(e), None),
@@ -431,16 +433,13 @@ impl Gateway {
     }
 
     /// Claims the scope, or answers from the record the claim found.
-    /// `request` is what the claim's fingerprint was computed from; `slot`
-    /// the upstream slot a forward would use (given back while waiting for
-    /// the key's request in flight, taken again before the next claim).
+    /// `request` is what the claim's fingerprint was computed from.
     async fn claim_or_answer(
         &self,
         route: &Route,
         claim: &ClaimRequest,
         parts: &request::Parts,
         request: &RequestParts<'_>,
-        slot: &mut Option<Slot>,
     ) -> Result<Claimed, GatewayError> {
         let request_hash = claim.request_hash;
         let wait_until = match route.record.in_flight {
@@ -515,22 +514,8 @@ impl Gateway {
                     let Some(deadline) = wait_until.filter(|d| tokio::time::Instant::now() < *d) else {
                         return Err(GatewayError::InProgress { retry_after: IN_PROGRESS_RETRY_AFTER });
                     };
-                    // Nothing is forwarded while this waits: its slot goes
-                    // back, so that it does not keep another key's request
-                    // from the upstream. The next claim may forward (the
-                    // request in flight gave its key back): a slot first,
-                    // before that claim, or an answer from the record.
-                    let had_slot = slot.take().is_some();
                     self.shared.waiters.wait(&claim.scope, wait_rounds, deadline).await;
                     wait_rounds += 1;
-                    if had_slot {
-                        match self.admitted_under_load(route, claim).await {
-                            Ok(again) => *slot = again,
-                            Err(refused) => {
-                                return self.answer_from_record(route, claim, parts, request, refused).await.map(Claimed::Answered);
-                            }
-                        }
-                    }
                 }
                 Decision::Expired => {
                     expired_rounds += 1;

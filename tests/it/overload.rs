@@ -585,41 +585,6 @@ async fn a_relay_takes_no_more_events_than_its_upstreams_free_slots_carry() {
     assert_eq!(copies, 0, "events set aside for want of a slot:\n{}", gw.logs());
 }
 
-/// A duplicate that waits for its key's request in flight (`in_flight =
-/// "wait"`) forwards nothing meanwhile, so it holds no upstream slot while
-/// it waits: with two slots, one request in flight and its duplicate
-/// waiting, a new key still goes through; the duplicate then gets the
-/// first one's answer.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_duplicate_waiting_for_its_key_holds_no_slot() {
-    let _alone = LOAD.lock().await;
-    let up = TestUpstream::start().await;
-    let backend = sqlite_backend();
-    let gw = Gateway::start(
-        GatewayConfig::new(backend.clone(), up.url())
-            .timeout("5s")
-            .upstream("max_in_flight = 2\nqueue_timeout = \"0s\"")
-            .route("in_flight = \"wait\"\nin_flight_wait = \"5s\""),
-    );
-    let url = gw.url("/v1/orders");
-    let first = {
-        let url = url.clone();
-        tokio::spawn(async move { post(&url, "k1", r#"{"n":1}"#, &[("x-test-sleep-ms", "2000")]).await })
-    };
-    assert!(support::eventually(Duration::from_secs(5), || async { up.total() == 1 }).await, "the first never arrived");
-    let duplicate = {
-        let url = url.clone();
-        tokio::spawn(async move { post(&url, "k1", r#"{"n":1}"#, &[("x-test-sleep-ms", "2000")]).await })
-    };
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let other = post(&url, "k2", r#"{"n":1}"#, &[]).await;
-    assert_eq!(other.status, 201, "a new key was refused while a duplicate waited: {:?}", other.body);
-    assert_eq!(up.total(), 2, "the first and the new key");
-    let (first, duplicate) = (first.await.expect("first"), duplicate.await.expect("duplicate"));
-    assert_eq!((first.status, duplicate.status, duplicate.replayed()), (201, 201, true));
-    assert_eq!(up.side_effects(&derived("k1")), 1);
-}
-
 /// At the limit, a retry of a completed key is answered from its record at
 /// once: it needs no slot, and does not wait `queue_timeout` for one it
 /// would not use (here the slot's holder is still at the upstream when the
@@ -645,4 +610,29 @@ async fn at_the_limit_a_replay_does_not_wait_for_a_slot() {
     assert!(!holder.is_finished(), "the replay waited for the holder's slot");
     assert_eq!(holder.await.expect("holder").status, 201);
     assert_eq!(up.total(), 2, "nothing forwarded for the replay");
+}
+
+/// At the limit, a duplicate of a key in flight on a route that waits for
+/// its result (`in_flight = "wait"`) still waits: for a slot as before, and
+/// then gets the first request's answer, not an immediate 409.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_the_limit_a_waiting_duplicate_still_gets_the_first_answer() {
+    let _alone = LOAD.lock().await;
+    let up = TestUpstream::start().await;
+    let gw = Gateway::start(
+        GatewayConfig::new(sqlite_backend(), up.url())
+            .timeout("10s")
+            .upstream("max_in_flight = 1\nqueue_timeout = \"4s\"")
+            .route("in_flight = \"wait\"\nin_flight_wait = \"5s\""),
+    );
+    let url = gw.url("/v1/orders");
+    let first = {
+        let url = url.clone();
+        tokio::spawn(async move { post(&url, "k1", r#"{"n":1}"#, &[("x-test-sleep-ms", "1500")]).await })
+    };
+    assert!(support::eventually(Duration::from_secs(5), || async { up.total() == 1 }).await, "the first never arrived");
+    let duplicate = post(&url, "k1", r#"{"n":1}"#, &[("x-test-sleep-ms", "1500")]).await;
+    assert_eq!((duplicate.status, duplicate.replayed()), (201, true), "{:?}", duplicate.body);
+    assert_eq!(first.await.expect("first").status, 201);
+    assert_eq!(up.side_effects(&derived("k1")), 1);
 }

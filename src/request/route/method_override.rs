@@ -76,7 +76,7 @@ pub fn in_body(body: &[u8]) -> bool {
 
 /// Whether `text` spells `_method` as a name, once decoded the ways
 /// frameworks decode names (`%XX`, `+` as a space, JSON's `\uXXXX`) and
-/// letter case ignored: `method` right after `_`, `.` or a space, which
+/// letter case ignored: `method` right after `_` or `.`, which
 /// itself starts a word (the text's start, or after a separator such as
 /// `&`, `"`, `[`, `]`, `:`, a space or a line break; not `=`: a value of
 /// another field), and followed by the word's end. PHP turns a leading `.` or space into `_`, and Rack drops brackets
@@ -96,7 +96,7 @@ pub(crate) fn spells_field(text: &[u8]) -> bool {
     let mut from = 0;
     while let Some(found) = decoded.get(from..).and_then(|rest| find(rest, b"method")) {
         let at = from + found;
-        if at >= 1 && matches!(decoded[at - 1], b'_' | b'.' | b' ') && starts_word(at.checked_sub(2)) && ends_word(at + 6) {
+        if at >= 1 && matches!(decoded[at - 1], b'_' | b'.') && starts_word(at.checked_sub(2)) && ends_word(at + 6) {
             return true;
         }
         from = at + 1;
@@ -219,6 +219,10 @@ mod tests {
             br#"{"a":{"_method":"DELETE"}}"#,
             br#"[{"_method":"DELETE"}]"#,
             br#"{"shipping method":"post","payment_method":"card"}"#,
+            // Words, not names: no framework reads ` method` as `_method`.
+            b"note=Steps:+method+A",
+            b"id, method\nid-1, card",
+            b"def f(self, method):\n    return method",
             b"",
         ];
         for body in passed {
