@@ -361,23 +361,34 @@ pub enum TransitionError {
     AtUpstream(Timestamp),
 }
 
-/// An operator's release (unforced) of an `unknown` record waits until its
-/// attempt can no longer be at the upstream (`at_upstream_until`, recorded
-/// with its send): a look-up at the upstream before then may miss an
-/// operation that is still running, and releasing would run it again. The
-/// reconciler's probes wait for the same bound. A completion may go at any
-/// time (its new generation fences the attempt off).
-pub fn release_waits_for_upstream(
+/// A resolution (`event`: `ResolveComplete` or `ResolveRelease`) of
+/// `record` as read under the store's lock, decided as [`transition`] does,
+/// and further:
+/// - with an `expected` generation (an operator who named the one they
+///   looked at), only while the record is at it (`Fenced` once it moved on:
+///   released and claimed again, completed by a probe);
+/// - an unforced release of an `unknown` record waits until its attempt can
+///   no longer be at the upstream (`at_upstream_until`, recorded with its
+///   send): a look-up at the upstream before then may miss an operation
+///   that is still running, and releasing would run it again. The
+///   reconciler's probes wait for the same bound. A completion may go at
+///   any time (its new generation fences the attempt off).
+pub fn resolution(
     record: &Record,
     event: Event,
+    expected: Option<Generation>,
     at_upstream_until: Option<Timestamp>,
     now: Timestamp,
-) -> Result<(), TransitionError> {
+) -> Result<Next, TransitionError> {
+    if expected.is_some_and(|g| g != record.generation) {
+        return Err(TransitionError::Fenced);
+    }
+    let next = transition(record, event, now)?;
     match (event, at_upstream_until) {
         (Event::ResolveRelease { force: false }, Some(until)) if record.state == State::Unknown && until > now => {
             Err(TransitionError::AtUpstream(until))
         }
-        _ => Ok(()),
+        _ => Ok(next),
     }
 }
 
@@ -747,11 +758,17 @@ mod tests {
         // upstream; completed at any time, and by force before.
         let until = Some(Timestamp(NOW.0 + 1));
         let release = Event::ResolveRelease { force: false };
-        assert_eq!(release_waits_for_upstream(&unknown_op, release, until, NOW), Err(TransitionError::AtUpstream(Timestamp(NOW.0 + 1))));
-        assert_eq!(release_waits_for_upstream(&unknown_op, release, until, Timestamp(NOW.0 + 1)), Ok(()));
-        assert_eq!(release_waits_for_upstream(&unknown_op, release, None, NOW), Ok(()));
-        assert_eq!(release_waits_for_upstream(&unknown_op, Event::ResolveRelease { force: true }, until, NOW), Ok(()));
-        assert_eq!(release_waits_for_upstream(&unknown_op, Event::ResolveComplete { force: false }, until, NOW), Ok(()));
+        let requeued = Ok(Next::State { state: State::Queued, bump: true });
+        let completed = Ok(Next::State { state: State::Completed, bump: true });
+        assert_eq!(resolution(&unknown_op, release, None, until, NOW), Err(TransitionError::AtUpstream(Timestamp(NOW.0 + 1))));
+        assert_eq!(resolution(&unknown_op, release, None, until, Timestamp(NOW.0 + 1)), requeued);
+        assert_eq!(resolution(&unknown_op, release, None, None, NOW), requeued);
+        assert_eq!(resolution(&unknown_op, Event::ResolveRelease { force: true }, None, until, NOW), requeued);
+        assert_eq!(resolution(&unknown_op, Event::ResolveComplete { force: false }, None, until, NOW), completed);
+        // Only at the generation an operator named, when they named one.
+        let at = unknown_op.generation;
+        assert_eq!(resolution(&unknown_op, release, Some(at), None, NOW), requeued);
+        assert_eq!(resolution(&unknown_op, release, Some(Generation(at.0 - 1)), None, NOW), Err(TransitionError::Fenced));
         // Nor a processing one whose lease ran out: the reaper decides it
         // (a release would erase the proof that it was sent).
         for sent in [false, true] {

@@ -70,25 +70,27 @@ impl Authorizer {
         // The decision is the authorizer's answer about this request with
         // the credentials it was sent: two credentials of one principal (a
         // narrower delegated token) are two questions. They count in the key
-        // by their digest, not in clear.
-        let mut sent = Sha256::new();
-        for name in &self.config.headers {
-            for value in headers.get_all(name) {
-                sent.update(name.as_str().as_bytes());
-                sent.update([0]);
-                sent.update(value.as_bytes());
-                sent.update([0]);
+        // by their digest, not in clear; without a cache there is no key.
+        let cache_key = (!self.config.cache.is_zero()).then(|| {
+            let mut sent = Sha256::new();
+            for name in &self.config.headers {
+                for value in headers.get_all(name) {
+                    sent.update(name.as_str().as_bytes());
+                    sent.update([0]);
+                    sent.update(value.as_bytes());
+                    sent.update([0]);
+                }
             }
-        }
-        let cache_key = format!(
-            "{}\u{0}{}\u{0}{operation}\u{0}{method}\u{0}{path}\u{0}{}",
-            identity.tenant,
-            identity.principal,
-            hex::encode(sent.finalize())
-        );
-        if !self.config.cache.is_zero() {
+            format!(
+                "{}\u{0}{}\u{0}{operation}\u{0}{method}\u{0}{path}\u{0}{}",
+                identity.tenant,
+                identity.principal,
+                hex::encode(sent.finalize())
+            )
+        });
+        if let Some(key) = &cache_key {
             let cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
-            if cache.get(&cache_key).is_some_and(|until| *until > Instant::now()) {
+            if cache.get(key).is_some_and(|until| *until > Instant::now()) {
                 return Authorization::Allowed;
             }
         }
@@ -96,7 +98,7 @@ impl Authorizer {
         // request's future as large, authorizer or not (docs/performance-notes.md,
         // issue 32); a cached decision allocates nothing.
         let decision = Box::pin(self.ask(method, path, operation, identity, headers)).await;
-        if decision == Authorization::Allowed && !self.config.cache.is_zero() {
+        if let (Authorization::Allowed, Some(key)) = (decision, cache_key) {
             let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
             if cache.len() >= CACHE_CAP {
                 let now = Instant::now();
@@ -105,7 +107,7 @@ impl Authorizer {
                     cache.clear();
                 }
             }
-            cache.insert(cache_key, Instant::now() + self.config.cache);
+            cache.insert(key, Instant::now() + self.config.cache);
         }
         decision
     }

@@ -182,7 +182,7 @@ async fn a_transaction_pooler_behind_pooler_none_is_reported() {
 /// session used last) must not look for that statement there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_citus_store_behind_a_transaction_pooler_keeps_no_statement_past_a_transaction() {
-    use idemgate::config::{Pooler, Secret, StoreBackend, StoreConfig};
+    use idemgate::config::{Pooler, Secret, StoreBackend};
     use idemgate::idempotency::fingerprint::Fingerprint;
     use idemgate::idempotency::key::{IdempotencyKey, Scope};
     use idemgate::store::{Access, ClaimOutcome, ClaimRequest, Store};
@@ -192,14 +192,8 @@ async fn a_citus_store_behind_a_transaction_pooler_keeps_no_statement_past_a_tra
     let cluster = support::citus::shared();
     let direct = cluster.create_unique_database("citus_txpool").expect("database");
     let db = direct.rsplit('/').next().expect("database name").to_owned();
-    let config = |url: &str, pooler: Pooler| StoreConfig {
-        backend: StoreBackend::Citus { url: Secret::new(url.to_owned()), pool_size: 1, pooler },
-        migrate: true,
-        unreachable_at_start: Default::default(),
-        operation_timeout: Duration::from_secs(5),
-        sweep_interval: Duration::from_secs(1),
-        sweep_batch: 100,
-        events_retention: Duration::from_secs(3600),
+    let config = |url: &str, pooler: Pooler| {
+        support::gateway::store_config(StoreBackend::Citus { url: Secret::new(url.to_owned()), pool_size: 1, pooler })
     };
     let migrated = Store::open(&config(&direct, Pooler::None), Access::Migrate).await.expect("open directly");
     migrated.migrate().await.expect("migrate");

@@ -360,14 +360,15 @@ impl JwtVerifier {
         }
     }
 
-    /// A refresh for an unknown `kid`, at most once per `UNKNOWN_KID_REFRESH`.
-    async fn forced_refresh(&self) -> bool {
+    /// A refresh for an unknown `kid`, at most once per `UNKNOWN_KID_REFRESH`
+    /// (a caller that finds one running waits for it).
+    async fn forced_refresh(&self) {
         let mut last = self.last_forced.lock().await;
         if last.is_some_and(|t| t.elapsed() < UNKNOWN_KID_REFRESH) {
-            return false;
+            return;
         }
         *last = Some(Instant::now());
-        self.refresh().await
+        self.refresh().await;
     }
 
     async fn fetch(&self, url: &Uri) -> Result<JwkSet, String> {

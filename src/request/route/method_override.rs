@@ -21,14 +21,10 @@ use crate::upstream::headers::is_override_header;
 const FIELD: &str = "_method";
 
 /// An override in the request's head: one of the headers, or `_method` in
-/// the query (its name percent-decoded: `%5Fmethod`).
+/// the query, in any spelling [`in_body`]'s scan finds (`%5Fmethod`,
+/// `.method`, ...).
 pub fn in_head(headers: &HeaderMap, query: Option<&str>) -> bool {
-    headers.keys().any(|n| is_override_header(n.as_str()))
-        || query.is_some_and(|q| names_field(form_urlencoded::parse(q.as_bytes())) || spells_field(q.as_bytes()))
-}
-
-fn names_field<'a>(pairs: impl Iterator<Item = (std::borrow::Cow<'a, str>, std::borrow::Cow<'a, str>)>) -> bool {
-    pairs.into_iter().any(|(name, _)| name.trim().eq_ignore_ascii_case(FIELD))
+    headers.keys().any(|n| is_override_header(n.as_str())) || query.is_some_and(|q| spells_field(q.as_bytes()))
 }
 
 /// Whether a body with these headers is read and looked at for `_method`:
@@ -56,17 +52,15 @@ pub fn body_read(headers: &HeaderMap) -> bool {
 /// is scanned as bytes for the name as a word in any spelling a framework
 /// reads as `_method` (see `spells_field`): a form's field, a multipart
 /// part's name in any header (folded or not, `name`, `name*`, `Content-ID`),
-/// Rack's `[_method]`, PHP's `.method` and ` .method`. The scan is
+/// Rack's `[_method]`, PHP's `.method`. The scan is
 /// deliberately wide: a body that spells the word `_method` by itself
 /// anywhere, even as a value, is refused on a path a route protects.
 pub fn in_body(body: &[u8]) -> bool {
-    // Most bodies never spell it, not even escaped: nothing more to do.
-    let lower = body.to_ascii_lowercase();
-    if !memmem(&lower, b"method") && !memmem(&lower, b"%") && !memmem(&lower, b"\\u") {
-        return false;
-    }
-    let first = lower.iter().find(|b| !b.is_ascii_whitespace());
+    let first = body.iter().find(|b| !b.is_ascii_whitespace());
+    // A JSON key names it only spelled out or escaped: most bodies are not
+    // parsed a second time.
     if matches!(first, Some(b'{' | b'['))
+        && (contains_ignoring_case(body, b"method") || contains_ignoring_case(body, b"\\u"))
         && let Ok(value) = serde_json::from_slice::<serde_json::Value>(body)
     {
         return value.as_object().is_some_and(|object| object.keys().any(|k| k.trim().eq_ignore_ascii_case(FIELD)));
@@ -79,9 +73,14 @@ pub fn in_body(body: &[u8]) -> bool {
 /// letter case ignored: `method` right after `_` or `.`, which
 /// itself starts a word (the text's start, or after a separator such as
 /// `&`, `"`, `[`, `]`, `:`, a space or a line break; not `=`: a value of
-/// another field), and followed by the word's end. PHP turns a leading `.` or space into `_`, and Rack drops brackets
+/// another field), and followed by the word's end. PHP reads a `.` in a
+/// name as `_` (after dropping leading spaces), and Rack drops brackets
 /// around a name.
 pub(crate) fn spells_field(text: &[u8]) -> bool {
+    // Most texts never spell it, not even escaped: no copy is made of them.
+    if !contains_ignoring_case(text, b"method") && !text.contains(&b'%') && !contains_ignoring_case(text, b"\\u") {
+        return false;
+    }
     let decoded = decode(text);
     let starts_word = |at: Option<usize>| {
         at.is_none_or(|i| {
@@ -132,8 +131,9 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
     haystack.windows(needle.len()).position(|w| w == needle)
 }
 
-fn memmem(haystack: &[u8], needle: &[u8]) -> bool {
-    find(haystack, needle).is_some()
+/// Whether `haystack` holds `needle` (lower-case ASCII) in any letter case.
+fn contains_ignoring_case(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w.eq_ignore_ascii_case(needle))
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@ use super::sql::NOW;
 use super::sql::{EXPIRES_8, PK, RECORD_COLUMNS, prefixed};
 use super::{Conn, PgStore, citus_sql, classify, decode, micros, retention_us};
 use crate::idempotency::key::Scope;
-use crate::idempotency::record::{Generation, Next, State, Timestamp, TransitionError, release_waits_for_upstream, transition};
+use crate::idempotency::record::{self, Generation, Next, State, Timestamp, TransitionError};
 use crate::outbox::{EventPolicies, EventType};
 use crate::store::UNRECORDED_AT_UPSTREAM;
 use crate::store::audit::AuditNote;
@@ -234,13 +234,6 @@ impl PgStore {
         };
         let record = decode(row)?;
         let now: Timestamp = row.try_get(NOW).map_err(c)?;
-        // An operator's resolution of the generation they looked at: a
-        // record that moved on since (released and claimed again, completed
-        // by a probe) is not theirs to decide.
-        if expected.is_some_and(|g| g != record.generation) {
-            tx.rollback().await.map_err(w)?;
-            return Ok(Round::Done(ResolveOutcome::Refused(TransitionError::Fenced)));
-        }
         if let Some(fence) = fence {
             // The row is locked: its probe mark cannot change under us.
             let token: Option<Uuid> = row.try_get(LOCK_PROBE_TOKEN).map_err(c)?;
@@ -255,71 +248,75 @@ impl PgStore {
         let hold: Option<Timestamp> = row.try_get(LOCK_CACHE_HOLD).map_err(c)?;
         let hold_in_place = hold.is_some_and(|h| h > now && held == Some((h, record.generation)));
         let at_upstream: Option<Timestamp> = row.try_get(LOCK_AT_UPSTREAM).map_err(c)?;
-        let decided = transition(&record, resolution.event(), now)
-            .and_then(|next| release_waits_for_upstream(&record, resolution.event(), at_upstream, now).map(|()| next));
-        let (to, generation): (Option<State>, Option<i64>) = match decided {
-            Err(refused) => {
-                tx.rollback().await.map_err(w)?;
-                return Ok(Round::Done(ResolveOutcome::Refused(refused)));
-            }
-            Ok(_) if record.state == State::Completed && !hold_in_place => {
-                let rows = tx
-                    .query(self.db.text(&RESOLVE_HOLD), &[params[0], params[1], params[2], params[3], &micros(crate::store::cache::HOLD)])
-                    .await
-                    .map_err(w)?;
-                let hold: Timestamp = rows
-                    .first()
-                    .and_then(|r| r.try_get(0).ok())
-                    .ok_or_else(|| StoreError::Corrupt("resolve: the hold was not set".into()))?;
-                tx.commit().await.map_err(w)?;
-                return Ok(Round::Held((hold, record.generation)));
-            }
-            Ok(Next::Deleted) => {
-                tx.execute(self.db.text(&RESOLVE_DELETE), &params).await.map_err(w)?;
-                (None, None)
-            }
-            Ok(Next::State { state: State::Queued, .. }) => {
-                // An async operation released: it runs again, under a new generation.
-                let rows = match self.flavor {
-                    Flavor::Citus => {
-                        let generation = self.draw_generation(&tx, &scope.tenant, floor).await?;
-                        let with: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
-                            [params[0], params[1], params[2], params[3], &generation];
-                        tx.query(self.db.text(&citus_sql::CITUS_RESOLVE_REQUEUE), &with).await.map_err(w)?
-                    }
-                    Flavor::Postgres => tx.query(&*RESOLVE_REQUEUE, &params).await.map_err(w)?,
-                };
-                let Some(row) = rows.first() else {
-                    // The row is locked: only a dropped request stops the update.
+        let (to, generation): (Option<State>, Option<i64>) =
+            match record::resolution(&record, resolution.event(), expected, at_upstream, now) {
+                Err(refused) => {
                     tx.rollback().await.map_err(w)?;
-                    return Ok(Round::Done(ResolveOutcome::Refused(TransitionError::RequestGone)));
-                };
-                let generation: i64 = row.try_get(0).map_err(|_| StoreError::Corrupt("resolve: no generation".into()))?;
-                (Some(State::Queued), Some(generation))
-            }
-            Ok(Next::State { state, .. }) => {
-                let Resolution::Complete { response, retention, .. } = resolution else {
-                    return Err(StoreError::Corrupt("resolve: state machine and resolution disagree".into()));
-                };
-                let headers = encode_headers(&response.headers);
-                let body: Option<&[u8]> = response.body.as_deref();
-                let (status, retention) = (i32::from(response.status), retention_us(*retention));
-                let mut values: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
-                    vec![params[0], params[1], params[2], params[3], &status, &headers, &body, &retention];
-                let generation = match self.flavor {
-                    Flavor::Citus => Some(self.draw_generation(&tx, &scope.tenant, floor).await?),
-                    Flavor::Postgres => None,
-                };
-                if let Some(g) = &generation {
-                    values.push(g);
+                    return Ok(Round::Done(ResolveOutcome::Refused(refused)));
                 }
-                let rows =
-                    tx.query(self.db.text(self.pick(&RESOLVE_COMPLETE, &citus_sql::CITUS_RESOLVE_COMPLETE)), &values).await.map_err(w)?;
-                let generation: i64 =
-                    rows.first().and_then(|r| r.try_get(0).ok()).ok_or_else(|| StoreError::Corrupt("resolve: no generation".into()))?;
-                (Some(state), Some(generation))
-            }
-        };
+                Ok(_) if record.state == State::Completed && !hold_in_place => {
+                    let rows = tx
+                        .query(
+                            self.db.text(&RESOLVE_HOLD),
+                            &[params[0], params[1], params[2], params[3], &micros(crate::store::cache::HOLD)],
+                        )
+                        .await
+                        .map_err(w)?;
+                    let hold: Timestamp = rows
+                        .first()
+                        .and_then(|r| r.try_get(0).ok())
+                        .ok_or_else(|| StoreError::Corrupt("resolve: the hold was not set".into()))?;
+                    tx.commit().await.map_err(w)?;
+                    return Ok(Round::Held((hold, record.generation)));
+                }
+                Ok(Next::Deleted) => {
+                    tx.execute(self.db.text(&RESOLVE_DELETE), &params).await.map_err(w)?;
+                    (None, None)
+                }
+                Ok(Next::State { state: State::Queued, .. }) => {
+                    // An async operation released: it runs again, under a new generation.
+                    let rows = match self.flavor {
+                        Flavor::Citus => {
+                            let generation = self.draw_generation(&tx, &scope.tenant, floor).await?;
+                            let with: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
+                                [params[0], params[1], params[2], params[3], &generation];
+                            tx.query(self.db.text(&citus_sql::CITUS_RESOLVE_REQUEUE), &with).await.map_err(w)?
+                        }
+                        Flavor::Postgres => tx.query(&*RESOLVE_REQUEUE, &params).await.map_err(w)?,
+                    };
+                    let Some(row) = rows.first() else {
+                        // The row is locked: only a dropped request stops the update.
+                        tx.rollback().await.map_err(w)?;
+                        return Ok(Round::Done(ResolveOutcome::Refused(TransitionError::RequestGone)));
+                    };
+                    let generation: i64 = row.try_get(0).map_err(|_| StoreError::Corrupt("resolve: no generation".into()))?;
+                    (Some(State::Queued), Some(generation))
+                }
+                Ok(Next::State { state, .. }) => {
+                    let Resolution::Complete { response, retention, .. } = resolution else {
+                        return Err(StoreError::Corrupt("resolve: state machine and resolution disagree".into()));
+                    };
+                    let headers = encode_headers(&response.headers);
+                    let body: Option<&[u8]> = response.body.as_deref();
+                    let (status, retention) = (i32::from(response.status), retention_us(*retention));
+                    let mut values: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
+                        vec![params[0], params[1], params[2], params[3], &status, &headers, &body, &retention];
+                    let generation = match self.flavor {
+                        Flavor::Citus => Some(self.draw_generation(&tx, &scope.tenant, floor).await?),
+                        Flavor::Postgres => None,
+                    };
+                    if let Some(g) = &generation {
+                        values.push(g);
+                    }
+                    let rows = tx
+                        .query(self.db.text(self.pick(&RESOLVE_COMPLETE, &citus_sql::CITUS_RESOLVE_COMPLETE)), &values)
+                        .await
+                        .map_err(w)?;
+                    let generation: i64 =
+                        rows.first().and_then(|r| r.try_get(0).ok()).ok_or_else(|| StoreError::Corrupt("resolve: no generation".into()))?;
+                    (Some(state), Some(generation))
+                }
+            };
         tx.execute(
             self.db.text(super::trail::AUDIT_INSERT),
             &[

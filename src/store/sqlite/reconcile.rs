@@ -2,7 +2,7 @@
 
 use super::{NewEvent, PK, RECORD_COLUMNS, SqliteStore, decode, delete, err, get_tx, insert_event, next_generation, pk, write_response};
 use crate::idempotency::key::Scope;
-use crate::idempotency::record::{Generation, Next, Record, State, Timestamp, TransitionError, release_waits_for_upstream, transition};
+use crate::idempotency::record::{self, Generation, Next, Record, State, Timestamp, TransitionError};
 use crate::outbox::{EventPolicies, EventType};
 use crate::store::UNRECORDED_AT_UPSTREAM;
 use crate::store::audit::AuditNote;
@@ -99,10 +99,6 @@ impl Reconcile for SqliteStore {
         let events = events.clone();
         self.write(move |tx, now| {
             let Some(record) = get_tx(tx, &scope)? else { return Ok(ResolveOutcome::NotFound) };
-            // An operator's resolution of the generation they looked at.
-            if expected.is_some_and(|g| g != record.generation) {
-                return Ok(ResolveOutcome::Refused(TransitionError::Fenced));
-            }
             if let Some(fence) = fence
                 && !probe_holds(tx, &scope, &record, fence)?
             {
@@ -113,8 +109,7 @@ impl Reconcile for SqliteStore {
                 tx.query_row(&format!("SELECT at_upstream_until FROM idemgate_records WHERE {PK}"), params![t, p, o, k], |r| r.get(0))
                     .map_err(err)?
             };
-            let decided = transition(&record, resolution.event(), now)
-                .and_then(|next| release_waits_for_upstream(&record, resolution.event(), at_upstream.map(Timestamp), now).map(|()| next));
+            let decided = record::resolution(&record, resolution.event(), expected, at_upstream.map(Timestamp), now);
             let (to, generation) = match (decided, &resolution) {
                 (Err(refused), _) => return Ok(ResolveOutcome::Refused(refused)),
                 (Ok(Next::Deleted), _) => {

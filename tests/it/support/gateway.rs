@@ -71,6 +71,8 @@ impl Backend {
     }
 
     /// Opens the same store from the test process, to inspect records.
+    /// (A test that builds a backend of its own opens it with
+    /// [`store_config`].)
     pub async fn open(&self) -> Store {
         let backend = match self {
             Backend::Postgres { url } => {
@@ -84,16 +86,7 @@ impl Backend {
             }
             Backend::Sqlite { path, .. } => StoreBackend::Sqlite { path: path.clone() },
         };
-        let config = StoreConfig {
-            backend,
-            migrate: true,
-            unreachable_at_start: Default::default(),
-            operation_timeout: Duration::from_secs(5),
-            sweep_interval: Duration::from_secs(1),
-            sweep_batch: 100,
-            events_retention: Duration::from_secs(3600),
-        };
-        let store = Store::open(&config, idemgate::store::Access::Migrate).await.expect("open store for inspection");
+        let store = Store::open(&store_config(backend), idemgate::store::Access::Migrate).await.expect("open store for inspection");
         store.migrate().await.expect("migrate");
         store
     }
@@ -558,5 +551,19 @@ impl Drop for ServeProcess {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+}
+
+/// A store configuration as tests open one from their own process: `backend`,
+/// migrated on open, a 5 s operation timeout, a fast sweeper.
+pub fn store_config(backend: StoreBackend) -> StoreConfig {
+    StoreConfig {
+        backend,
+        migrate: true,
+        unreachable_at_start: Default::default(),
+        operation_timeout: Duration::from_secs(5),
+        sweep_interval: Duration::from_secs(1),
+        sweep_batch: 100,
+        events_retention: Duration::from_secs(3600),
     }
 }
