@@ -13,6 +13,7 @@
 pub mod classify;
 pub mod waiters;
 
+use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -366,12 +367,11 @@ impl Executor {
                 recording.store(true, Ordering::Release);
                 // Nothing can be sent: the operation fails (it never executed).
                 tracing::error!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "stored request is unreadable");
-                return self.record_async(
-                    route,
-                    claim,
-                    self.store.fail(claim, route.record.retention, RetryNote::default()).await,
-                    AttemptOutcome::Failed,
-                );
+                return self
+                    .record_async(route, claim, AttemptOutcome::Failed, || {
+                        self.store.fail(claim, route.record.retention, RetryNote::default())
+                    })
+                    .await;
             }
         };
         if !may_forward(&taken.record, route.execution.upstream_idempotent) {
@@ -381,17 +381,14 @@ impl Executor {
             recording.store(true, Ordering::Release);
             tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), generation = %claim.generation,
                 "an earlier attempt may have executed and the route is not upstream_idempotent: not forwarded again; unknown");
-            return self.record_async(route, claim, self.store.mark_unknown(claim).await, AttemptOutcome::Unknown);
+            return self.record_async(route, claim, AttemptOutcome::Unknown, || self.store.mark_unknown(claim)).await;
         }
         if attempts > i32::try_from(route.queueing().retry.max_attempts).unwrap_or(i32::MAX) {
             // Lease expiries re-queued it after the last allowed attempt took it.
             recording.store(true, Ordering::Release);
-            return self.record_async(
-                route,
-                claim,
-                self.store.fail(claim, route.record.retention, RetryNote::default()).await,
-                AttemptOutcome::Failed,
-            );
+            return self
+                .record_async(route, claim, AttemptOutcome::Failed, || self.store.fail(claim, route.record.retention, RetryNote::default()))
+                .await;
         }
         // The exchange's deadline starts before the send is recorded, so
         // that the bound recorded with it (`sent_at` plus the timeout, in
@@ -431,23 +428,15 @@ impl Executor {
                 };
                 let stored =
                     stored_form(route, StoredResponse { status: head.status.as_u16(), headers: headers::storable(&head.headers), body });
-                self.record_async(
-                    route,
-                    claim,
-                    self.store.complete(claim, &stored, route.record.retention).await,
-                    AttemptOutcome::Completed,
-                )
+                self.record_async(route, claim, AttemptOutcome::Completed, || self.store.complete(claim, &stored, route.record.retention))
+                    .await
             }
             // The upstream executed it but asked not to store the answer: the
             // outcome is known (completed), the body is not kept.
             Exchange::Declined { head, no_store: true, .. } => {
                 let stored = StoredResponse { status: head.status.as_u16(), headers: headers::storable(&head.headers), body: None };
-                self.record_async(
-                    route,
-                    claim,
-                    self.store.complete(claim, &stored, route.record.retention).await,
-                    AttemptOutcome::Completed,
-                )
+                self.record_async(route, claim, AttemptOutcome::Completed, || self.store.complete(claim, &stored, route.record.retention))
+                    .await
             }
             Exchange::Declined { head, .. } => {
                 let note = RetryNote { last_status: Some(head.status.as_u16()), maybe_executed: false };
@@ -464,7 +453,7 @@ impl Executor {
             }
             Exchange::MaybeExecuted(e) => {
                 tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "upstream outcome unknown");
-                self.record_async(route, claim, self.store.mark_unknown(claim).await, AttemptOutcome::Unknown)
+                self.record_async(route, claim, AttemptOutcome::Unknown, || self.store.mark_unknown(claim)).await
             }
         }
     }
@@ -474,25 +463,37 @@ impl Executor {
     /// may have executed).
     async fn retry_later(&self, route: &Route, claim: &Claim, attempts: i32, note: RetryNote) -> AttemptOutcome {
         if attempts >= i32::try_from(route.queueing().retry.max_attempts).unwrap_or(i32::MAX) {
-            return self.record_async(route, claim, self.store.fail(claim, route.record.retention, note).await, AttemptOutcome::Failed);
+            return self.record_async(route, claim, AttemptOutcome::Failed, || self.store.fail(claim, route.record.retention, note)).await;
         }
         let delay = route.queueing().retry.delay(attempts);
-        self.record_async(route, claim, self.store.requeue(claim, delay, note).await, AttemptOutcome::Requeued)
+        self.record_async(route, claim, AttemptOutcome::Requeued, || self.store.requeue(claim, delay, note)).await
     }
 
-    fn record_async(
-        &self,
-        route: &Route,
-        claim: &Claim,
-        written: Result<WriteOutcome, crate::store::StoreError>,
-        outcome: AttemptOutcome,
-    ) -> AttemptOutcome {
-        match written {
-            Ok(WriteOutcome::Written) => outcome,
-            Ok(WriteOutcome::Fenced) => AttemptOutcome::LostLease,
+    /// Writes an attempt's `outcome` with `write`, fenced by the attempt.
+    /// A write that fails is tried again until the lease would run out (the
+    /// attempt's heartbeats go on meanwhile and renew it once the store is
+    /// back): what the upstream answered is known and must not be left to
+    /// the lease's expiry, which would call a completed operation unknown.
+    async fn record_async<F, Fut>(&self, route: &Route, claim: &Claim, outcome: AttemptOutcome, write: F) -> AttemptOutcome
+    where
+        F: Fn() -> Fut,
+        Fut: Future<Output = Result<WriteOutcome, crate::store::StoreError>>,
+    {
+        let written = match write().await {
+            Ok(written) => Some(written),
             Err(e) => {
-                tracing::error!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, outcome = outcome.as_str(),
-                    "could not record the attempt; its lease expiry will decide");
+                crate::telemetry::throttle::warn_throttled!(route = %route.operation, scope = %claim.scope.log_id(), error = %e,
+                    outcome = outcome.as_str(), "could not record the attempt; retrying while its lease holds");
+                let deadline = Instant::now() + route.record.lease;
+                retry::while_leased(deadline, true, || async { write().await.ok() }).await
+            }
+        };
+        match written {
+            Some(WriteOutcome::Written) => outcome,
+            Some(WriteOutcome::Fenced) => AttemptOutcome::LostLease,
+            None => {
+                tracing::error!(route = %route.operation, scope = %claim.scope.log_id(), outcome = outcome.as_str(),
+                    "could not record the attempt while its lease held; its expiry will decide");
                 AttemptOutcome::StoreUnavailable
             }
         }

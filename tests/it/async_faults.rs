@@ -445,6 +445,37 @@ async fn a_sent_attempt_of_a_dead_worker_turns_unknown_when_its_lease_runs_out()
     assert_eq!(up.total(), 1, "never sent again");
 }
 
+/// PostgreSQL stops while a worker's request is with the upstream and
+/// comes back within the lease: the completion write is retried until it
+/// lands, and the operation ends completed with its answer, not unknown
+/// (the upstream answered; only the store was away).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_down_during_a_completion_write_is_recorded_when_it_returns() {
+    let mut pg = PgServer::start().expect("start private PostgreSQL");
+    let url = pg.create_database("asynccompletion").expect("database");
+    let backend = Backend::Postgres { url };
+    let up = TestUpstream::start().await;
+    let gw = Gateway::start(
+        GatewayConfig::new(backend.clone(), up.url())
+            .timeout("5s")
+            .route("mode = \"async\"\nlease = \"8s\"\nretry.backoff = \"50ms\"")
+            .tail("[workers]\ncount = 1"),
+    );
+    let mut received = up.subscribe();
+    let accepted = post(&gw.url("/v1/orders"), "k", ORDER, &[("x-test-sleep-ms", "400")]).await;
+    assert_eq!(accepted.status, 202);
+    received.recv().await.unwrap();
+    pg.stop_immediate().expect("stop PostgreSQL");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    pg.start_again().expect("start PostgreSQL again");
+    let store = backend.open().await;
+    let rec = wait_final(&store, "k", Duration::from_secs(20)).await;
+    assert_eq!(rec.state, State::Completed, "{}", gw.logs());
+    assert_eq!(rec.response.as_ref().map(|r| r.status), Some(201));
+    assert_eq!(up.side_effects(&derived("k")), 1);
+    assert_eq!(up.total(), 1, "sent once");
+}
+
 /// An async route with a reconcile probe, as two replicas run it during a
 /// rolling change of the upstream's `timeout`.
 fn probed_async_config(backend: &Backend, upstream: &TestUpstream, timeout: &'static str) -> GatewayConfig {
