@@ -355,37 +355,62 @@ impl super::PgStore {
 
     /// `SWEEP`, tenant by tenant until `batch` records are gone.
     pub(super) async fn sweep_citus(&self, batch: u32) -> Result<u64, StoreError> {
-        let mut swept = 0u64;
-        let mut failed = None;
-        for tenant in self.tenants(citus_sql::CITUS_TENANTS_TO_SWEEP, RECORDS, &[Param::Int(TENANTS_PER_ROUND)]).await? {
-            let left = i64::from(batch) - swept as i64;
-            if left <= 0 {
-                break;
-            }
-            match self.query(&citus_sql::CITUS_SWEEP, &[&left, &tenant], true).await {
-                Ok(rows) => swept += rows.len() as u64,
-                Err(e) => {
-                    failed.get_or_insert(e);
-                }
-            }
-        }
-        done_or(swept, swept > 0, failed)
+        let swept = self
+            .tenant_rounds(citus_sql::CITUS_TENANTS_TO_SWEEP, batch, |left, tenant| async move {
+                self.query(&citus_sql::CITUS_SWEEP, &[&left, &tenant], true).await
+            })
+            .await?;
+        Ok(swept.len() as u64)
     }
 
     /// `REAP_LEASES`, tenant by tenant until `batch` attempts are ended.
     pub(super) async fn reap_rows_citus(&self, batch: u32, ops: &[&str], emitting: &[&str]) -> Result<Vec<Row>, StoreError> {
+        self.tenant_rounds(citus_sql::CITUS_TENANTS_TO_REAP, batch, |left, tenant| async move {
+            self.reap_tenant(left, ops, emitting, &tenant).await
+        })
+        .await
+    }
+
+    /// Runs `each` (with how many rows are still wanted) for the tenants
+    /// `list` names, [`TENANTS_PER_ROUND`] at a time, the longest waiting
+    /// first, until `batch` rows are done. A full round that did something
+    /// is followed by another: the tenants behind it may be due too, and the
+    /// caller's loop would take this call's short count for "nothing left"
+    /// (with 40 tenants due, one call served 32 and the other 8 waited a
+    /// whole `sweep_interval`). A round that did nothing ends the call (a
+    /// tenant whose rows cannot be ended now is listed again). A tenant that
+    /// fails is skipped; the call fails only when nothing was done.
+    async fn tenant_rounds<F, Fut>(&self, list: &str, batch: u32, each: F) -> Result<Vec<Row>, StoreError>
+    where
+        F: Fn(i64, String) -> Fut,
+        Fut: std::future::Future<Output = Result<Vec<Row>, StoreError>>,
+    {
         let mut all = Vec::new();
         let mut failed = None;
-        for tenant in self.tenants(citus_sql::CITUS_TENANTS_TO_REAP, RECORDS, &[Param::Int(TENANTS_PER_ROUND)]).await? {
-            let left = i64::from(batch) - all.len() as i64;
-            if left <= 0 {
-                break;
-            }
-            match self.reap_tenant(left, ops, emitting, &tenant).await {
-                Ok(rows) => all.extend(rows),
+        loop {
+            let tenants = match self.tenants(list, RECORDS, &[Param::Int(TENANTS_PER_ROUND)]).await {
+                Ok(tenants) => tenants,
                 Err(e) => {
                     failed.get_or_insert(e);
+                    break;
                 }
+            };
+            let before = all.len();
+            for tenant in &tenants {
+                let left = i64::from(batch) - all.len() as i64;
+                if left <= 0 {
+                    break;
+                }
+                match each(left, tenant.clone()).await {
+                    Ok(rows) => all.extend(rows),
+                    Err(e) => {
+                        failed.get_or_insert(e);
+                    }
+                }
+            }
+            let full = i64::try_from(tenants.len()).unwrap_or(i64::MAX) >= TENANTS_PER_ROUND;
+            if !full || all.len() == before || all.len() >= batch as usize {
+                break;
             }
         }
         let any = !all.is_empty();

@@ -32,6 +32,7 @@ on_both_stores!(
     expire_lease_only_turns_expired_in_flight_into_unknown,
     sweep_deletes_only_expired_completed_records_in_batches,
     reap_leases_turns_only_expired_in_flight_into_unknown,
+    one_pass_serves_every_tenant_with_work_due,
     list_filters_orders_and_limits,
     claim_resent_with_the_same_token_is_recognised_as_ours,
     abandon_deletes_only_an_in_flight_claim_with_its_token,
@@ -56,6 +57,7 @@ on_pgbouncer!(
     expire_lease_only_turns_expired_in_flight_into_unknown,
     sweep_deletes_only_expired_completed_records_in_batches,
     reap_leases_turns_only_expired_in_flight_into_unknown,
+    one_pass_serves_every_tenant_with_work_due,
     list_filters_orders_and_limits,
     claim_resent_with_the_same_token_is_recognised_as_ours,
     abandon_deletes_only_an_in_flight_claim_with_its_token,
@@ -80,6 +82,7 @@ on_citus!(
     expire_lease_only_turns_expired_in_flight_into_unknown,
     sweep_deletes_only_expired_completed_records_in_batches,
     reap_leases_turns_only_expired_in_flight_into_unknown,
+    one_pass_serves_every_tenant_with_work_due,
     list_filters_orders_and_limits,
     claim_resent_with_the_same_token_is_recognised_as_ours,
     abandon_deletes_only_an_in_flight_claim_with_its_token,
@@ -549,6 +552,26 @@ async fn reap_leases_turns_only_expired_in_flight_into_unknown(backend: Backend)
         assert_eq!(row(&store, &r.scope).await, *r, "only expired in-flight records are reaped");
     }
     assert_eq!(all(&store).await.len(), 6, "reaping deletes nothing");
+}
+
+/// A sweep or a reap with room in its batch ends everything due, however
+/// many tenants it is spread over (Citus serves tenants a round at a time:
+/// with 40 due, a call that served the first round of 32 and stopped left 8
+/// for the next `sweep_interval`).
+async fn one_pass_serves_every_tenant_with_work_due(backend: Backend) {
+    let store = open(&backend).await;
+    const TENANTS: usize = 40;
+    for i in 0..TENANTS {
+        let done = claim(&store, &req(&scope(&format!("t{i}"), "p", "o", "done"), 1, LONG, false)).await;
+        store.complete(&done, &response(201, b"old"), Retention::For(SHORT)).await.unwrap();
+        claim(&store, &req(&scope(&format!("t{i}"), "p", "o", "stale"), 1, SHORT, false)).await;
+    }
+    tokio::time::sleep(PAST_SHORT).await;
+    assert_eq!(store.reap_leases(100, &[]).await.unwrap(), Reaped { unknown: TENANTS as u64, requeued: 0 });
+    assert_eq!(store.sweep(100).await.unwrap(), TENANTS as u64);
+    let left = all(&store).await;
+    assert_eq!(left.len(), TENANTS, "only the reaped records are left");
+    assert!(left.iter().all(|r| r.state == State::Unknown && r.scope.key.as_str() == "stale"), "{left:?}");
 }
 
 async fn list_filters_orders_and_limits(backend: Backend) {
