@@ -212,6 +212,41 @@ pub struct Record {
     /// Where the key came from (`header:<name>` or `body:<JSON Pointer>`, the
     /// route's `key_from`); `None` for records made before it was recorded.
     pub key_source: Option<String>,
+    /// The key this record's request went to the upstream under, when the
+    /// claiming route declared that upstream idempotent: only a claim that
+    /// would send it under the same key may take the record over (see
+    /// [`may_take_over`]). `None`: the claiming route did not deduplicate
+    /// upstream, forwarded no key (observe mode), or the record is older
+    /// than this column (migration 0018).
+    pub reforward_key: Option<ReforwardKey>,
+}
+
+/// Which key an idempotent upstream is sent a record's request under: the
+/// one derived from the scope, or the client's own (`forward_key`). An
+/// upstream that deduplicates by key acts again on the same request sent
+/// under the other one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReforwardKey {
+    Derived,
+    Client,
+}
+
+impl ReforwardKey {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReforwardKey::Derived => "derived",
+            ReforwardKey::Client => "client",
+        }
+    }
+
+    /// The stored spelling back; anything else is no key (never taken over).
+    pub fn parse(s: &str) -> Option<ReforwardKey> {
+        match s {
+            "derived" => Some(ReforwardKey::Derived),
+            "client" => Some(ReforwardKey::Client),
+            _ => None,
+        }
+    }
 }
 
 /// What an existing record means for an incoming request with the same scope.
@@ -262,15 +297,20 @@ pub fn decide(record: &Record, request_hash: &Fingerprint, now: Timestamp) -> De
 /// Whether a new claim may atomically replace `record`. The PostgreSQL claim's
 /// `ON CONFLICT ... DO UPDATE ... WHERE` clause is this function in SQL; the
 /// conformance suite holds the two to the same answers.
-pub fn may_take_over(record: &Record, request_hash: &Fingerprint, now: Timestamp, upstream_idempotent: bool) -> bool {
+///
+/// `reforward`: the key the claim would send the request under, if its
+/// route's upstream deduplicates (`upstream_idempotent`). An attempt that
+/// may have executed is sent again only under the key it went under (the
+/// record's `reforward_key`): an upstream that saw no key (observe mode) or
+/// the other one (`forward_key` changed by a rollout) would act twice.
+pub fn may_take_over(record: &Record, request_hash: &Fingerprint, now: Timestamp, reforward: Option<ReforwardKey>) -> bool {
+    let same_key = reforward.is_some() && record.reforward_key == reforward;
     match record.state {
         State::Completed | State::FailedRetryable => record.expires_at <= now,
-        State::InFlight => {
-            upstream_idempotent && record.request_hash == *request_hash && record.lease_expires_at.is_none_or(|lease| lease <= now)
-        }
+        State::InFlight => same_key && record.request_hash == *request_hash && record.lease_expires_at.is_none_or(|lease| lease <= now),
         // An async operation's record stays its operation (its id is what
         // its client polls): a retry is answered with its acceptance.
-        State::Unknown => upstream_idempotent && record.request_hash == *request_hash && record.operation_id.is_none(),
+        State::Unknown => same_key && record.request_hash == *request_hash && record.operation_id.is_none(),
         // A queued or processing operation belongs to the workers.
         State::Queued | State::Processing => false,
     }
@@ -541,6 +581,7 @@ mod tests {
             last_status: None,
             maybe_executed: false,
             key_source: None,
+            reforward_key: Some(ReforwardKey::Derived),
         }
     }
 
@@ -551,7 +592,7 @@ mod tests {
         for now in [NOW, far_future] {
             assert_eq!(decide(&forever, &fp(1), now), Decision::Replay);
             assert_eq!(decide(&forever, &fp(2), now), Decision::Mismatch);
-            assert!(!may_take_over(&forever, &fp(1), now, true));
+            assert!(!may_take_over(&forever, &fp(1), now, D));
             assert_eq!(transition(&forever, Event::Sweep, now), Err(TransitionError::NotAllowed(State::Completed)));
         }
         assert_eq!(Timestamp(0).plus(Duration::MAX), Timestamp::FOREVER);
@@ -579,18 +620,34 @@ mod tests {
     #[test]
     fn take_over_rules() {
         // Completed records are taken over only past retention.
-        assert!(!may_take_over(&record(State::Completed, None, 1), &fp(1), NOW, true));
-        assert!(may_take_over(&record(State::Completed, None, 0), &fp(2), NOW, false));
+        assert!(!may_take_over(&record(State::Completed, None, 1), &fp(1), NOW, D));
+        assert!(may_take_over(&record(State::Completed, None, 0), &fp(2), NOW, None));
         // In flight: never while the lease runs; after it only for idempotent upstreams and the same request.
-        assert!(!may_take_over(&record(State::InFlight, Some(1), 0), &fp(1), NOW, true));
-        assert!(!may_take_over(&record(State::InFlight, Some(0), 0), &fp(1), NOW, false));
-        assert!(may_take_over(&record(State::InFlight, Some(0), 0), &fp(1), NOW, true));
-        assert!(!may_take_over(&record(State::InFlight, Some(0), 0), &fp(2), NOW, true));
+        assert!(!may_take_over(&record(State::InFlight, Some(1), 0), &fp(1), NOW, D));
+        assert!(!may_take_over(&record(State::InFlight, Some(0), 0), &fp(1), NOW, None));
+        assert!(may_take_over(&record(State::InFlight, Some(0), 0), &fp(1), NOW, D));
+        assert!(!may_take_over(&record(State::InFlight, Some(0), 0), &fp(2), NOW, D));
         // Unknown: only for idempotent upstreams and the same request.
-        assert!(!may_take_over(&record(State::Unknown, None, -5), &fp(1), NOW, false));
-        assert!(may_take_over(&record(State::Unknown, None, -5), &fp(1), NOW, true));
-        assert!(!may_take_over(&record(State::Unknown, None, -5), &fp(2), NOW, true));
+        assert!(!may_take_over(&record(State::Unknown, None, -5), &fp(1), NOW, None));
+        assert!(may_take_over(&record(State::Unknown, None, -5), &fp(1), NOW, D));
+        assert!(!may_take_over(&record(State::Unknown, None, -5), &fp(2), NOW, D));
+        // ...and only under the key the upstream got: none (observe mode, a
+        // route that did not deduplicate, a record older than the column) or
+        // the other one (`forward_key` changed) is never sent again.
+        for state in [State::Unknown, State::InFlight] {
+            let lease = (state == State::InFlight).then_some(0);
+            for (sent_under, now_under) in [(None, D), (Some(ReforwardKey::Client), D), (Some(ReforwardKey::Derived), CLIENT)] {
+                let r = Record { reforward_key: sent_under, ..record(state, lease, -5) };
+                assert!(!may_take_over(&r, &fp(1), NOW, now_under), "{state:?} sent under {sent_under:?}, now {now_under:?}");
+            }
+            let r = Record { reforward_key: Some(ReforwardKey::Client), ..record(state, lease, -5) };
+            assert!(may_take_over(&r, &fp(1), NOW, CLIENT));
+        }
     }
+
+    /// A claim whose route deduplicates upstream under the derived key, or the client's.
+    const D: Option<ReforwardKey> = Some(ReforwardKey::Derived);
+    const CLIENT: Option<ReforwardKey> = Some(ReforwardKey::Client);
 
     #[test]
     fn results_are_fenced_by_generation() {
@@ -724,21 +781,21 @@ mod tests {
             let op = Record { expires_at: Timestamp(NOW.0 + 10), ..async_op(state, Some(5), false) };
             assert_eq!(decide(&op, &fp(1), NOW), Decision::Accepted, "{state}");
             assert_eq!(decide(&op, &fp(2), NOW), Decision::Mismatch, "{state}");
-            assert!(!may_take_over(&op, &fp(1), NOW, false) || state == State::Unknown);
+            assert!(!may_take_over(&op, &fp(1), NOW, None) || state == State::Unknown);
         }
         // Failed: kept for retention like a result, then free; a retry starts a new operation after expiry.
         let failed = Record { expires_at: Timestamp(NOW.0 + 10), ..async_op(State::FailedRetryable, None, false) };
         assert_eq!(decide(&failed, &fp(1), NOW), Decision::Accepted);
         let old = Record { expires_at: NOW, ..failed.clone() };
         assert_eq!(decide(&old, &fp(1), NOW), Decision::Expired);
-        assert!(may_take_over(&old, &fp(2), NOW, false));
+        assert!(may_take_over(&old, &fp(2), NOW, None));
         assert_eq!(transition(&old, Event::Sweep, NOW), Ok(Next::Deleted));
         // Workers' operations are never taken over by a claim.
-        assert!(!may_take_over(&async_op(State::Queued, None, false), &fp(1), NOW, true));
-        assert!(!may_take_over(&async_op(State::Processing, Some(-1), false), &fp(1), NOW, true));
+        assert!(!may_take_over(&async_op(State::Queued, None, false), &fp(1), NOW, D));
+        assert!(!may_take_over(&async_op(State::Processing, Some(-1), false), &fp(1), NOW, D));
         // Nor an unknown one, even on an upstream that deduplicates: a
         // retry is answered with its acceptance (the id its client polls).
-        assert!(!may_take_over(&async_op(State::Unknown, None, true), &fp(1), NOW, true));
+        assert!(!may_take_over(&async_op(State::Unknown, None, true), &fp(1), NOW, D));
         // Released ("it did not happen"): an async operation runs again, under a new generation.
         let unknown_op = async_op(State::Unknown, None, true);
         assert_eq!(

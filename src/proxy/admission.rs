@@ -34,12 +34,12 @@ use uuid::Uuid;
 use crate::idempotency::fingerprint::{self, RequestParts};
 use crate::idempotency::key::Scope;
 use crate::idempotency::outcome::RefusalReason;
-use crate::idempotency::record::{Decision, Record, decide};
+use crate::idempotency::record::{Decision, Record, ReforwardKey, decide};
 use crate::problem::GatewayError;
 use crate::request::async_op::{StoredRequest, new_operation_id, prefers_async, request_head};
 use crate::request::identity::{Identifier, Identity};
 use crate::request::key_source::{FoundKey, FromHeaders, KeySourceError};
-use crate::request::route::{Mode, Route, ScopeMode};
+use crate::request::route::{ForwardKey, Mode, Route, ScopeMode};
 use crate::store::{Acceptance, ClaimRequest};
 use crate::upstream::body::Body;
 
@@ -244,11 +244,24 @@ fn claim_request(
         request_hash,
         owner,
         lease: route.record.lease,
-        upstream_idempotent: route.execution.upstream_idempotent,
+        reforward: reforward(route),
         claim_token: Uuid::new_v4(),
         acceptance,
         key_source: found.source,
         request_head: request_head(route, parts),
+    })
+}
+
+/// The key a claim of `route` may re-forward an earlier attempt under: the
+/// one it sends, when its upstream deduplicates. Never in observe mode,
+/// which forwards no key at all.
+fn reforward(route: &Route) -> Option<ReforwardKey> {
+    if !route.execution.upstream_idempotent || matches!(route.execution.mode, Mode::Observe { .. }) {
+        return None;
+    }
+    Some(match route.key.forward {
+        ForwardKey::Derived => ReforwardKey::Derived,
+        ForwardKey::Client => ReforwardKey::Client,
     })
 }
 

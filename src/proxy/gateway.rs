@@ -704,6 +704,7 @@ fn accepted_record(req: &ClaimRequest, claim: &crate::store::Claim) -> Record {
         last_status: None,
         maybe_executed: false,
         key_source: Some(req.key_source.to_string()),
+        reforward_key: req.reforward,
     }
 }
 

@@ -215,6 +215,7 @@ mod tests {
             last_status: None,
             maybe_executed: false,
             key_source: None,
+            reforward_key: None,
         };
         (r, now)
     }

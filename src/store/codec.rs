@@ -19,7 +19,7 @@ use uuid::Uuid;
 use super::StoreError;
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::{IdempotencyKey, Scope};
-use crate::idempotency::record::{Generation, Record, State, StoredResponse, Timestamp};
+use crate::idempotency::record::{Generation, Record, ReforwardKey, State, StoredResponse, Timestamp};
 
 const VERSION: u8 = 1;
 
@@ -64,7 +64,7 @@ pub fn decode_headers(bytes: &[u8]) -> Result<Vec<(String, Vec<u8>)>, StoreError
 /// returns them first (both backends name them alike).
 pub const RECORD_COLUMNS: &str = "tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner, \
      lease_expires_at, response_status, response_headers, response_body, created_at, updated_at, expires_at, \
-     operation_id, attempts, next_attempt_at, sent_at, last_status, maybe_executed, key_source";
+     operation_id, attempts, next_attempt_at, sent_at, last_status, maybe_executed, key_source, reforward_key";
 
 /// Where each of [`RECORD_COLUMNS`] is in a row, and [`col::END`], where a
 /// statement's own columns after them start.
@@ -92,8 +92,9 @@ pub mod col {
     pub const LAST_STATUS: usize = 20;
     pub const MAYBE_EXECUTED: usize = 21;
     pub const KEY_SOURCE: usize = 22;
+    pub const REFORWARD_KEY: usize = 23;
     /// The first column after the record's.
-    pub const END: usize = 23;
+    pub const END: usize = 24;
 }
 
 /// One record row's values as a backend reads them from its driver (each
@@ -125,6 +126,7 @@ pub struct RecordRow<'a> {
     pub last_status: Option<i64>,
     pub maybe_executed: bool,
     pub key_source: Option<String>,
+    pub reforward_key: Option<&'a str>,
 }
 
 impl RecordRow<'_> {
@@ -162,6 +164,7 @@ impl RecordRow<'_> {
             last_status,
             maybe_executed: self.maybe_executed,
             key_source: self.key_source,
+            reforward_key: self.reforward_key.and_then(ReforwardKey::parse),
         })
     }
 }
@@ -203,6 +206,7 @@ mod tests {
             ("last_status", col::LAST_STATUS),
             ("maybe_executed", col::MAYBE_EXECUTED),
             ("key_source", col::KEY_SOURCE),
+            ("reforward_key", col::REFORWARD_KEY),
         ];
         assert_eq!(positions.len(), col::END);
         for (name, at) in positions {

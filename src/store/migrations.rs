@@ -45,6 +45,7 @@ migrations! {
     15 "0015_event_log",
     16 "0016_event_log_seq",
     17 "0017_event_log_floor",
+    18 "0018_reforward_key",
 }
 
 /// The `idemgate_settings` row holding the derived-key secret.

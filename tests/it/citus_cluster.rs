@@ -503,7 +503,7 @@ mod isolation {
             request_hash: Fingerprint([7; 32]),
             owner: "replica-a".into(),
             lease: LONG,
-            upstream_idempotent: false,
+            reforward: None,
             claim_token: Uuid::new_v4(),
             acceptance: None,
             key_source: "header:idempotency-key".into(),

@@ -25,7 +25,7 @@ use idemgate::config::{Secret, StoreBackend, StoreConfig};
 use idemgate::idempotency::fingerprint::Fingerprint;
 use idemgate::idempotency::key::{IdempotencyKey, Scope};
 use idemgate::idempotency::record::Retention;
-use idemgate::idempotency::record::{Generation, State, StoredResponse};
+use idemgate::idempotency::record::{Generation, ReforwardKey, State, StoredResponse};
 use idemgate::outbox::{EventPolicies, EventType, EventsConfig};
 use idemgate::store::audit::{Actor, AuditNote};
 use idemgate::store::{
@@ -62,7 +62,7 @@ fn req(scope: &Scope, lease: Duration, upstream_idempotent: bool) -> ClaimReques
         request_hash: Fingerprint([7; 32]),
         owner: "replica-a".into(),
         lease,
-        upstream_idempotent,
+        reforward: upstream_idempotent.then_some(ReforwardKey::Derived),
         claim_token: Uuid::new_v4(),
         acceptance: None,
         key_source: "header:idempotency-key".into(),

@@ -88,7 +88,7 @@ async fn seed(store: &idemgate::store::Store, key: &str, content_type: &str, que
             .expect("an earlier fingerprint"),
         owner: "previous-release".into(),
         lease: std::time::Duration::from_secs(60),
-        upstream_idempotent: false,
+        reforward: None,
         claim_token: uuid::Uuid::new_v4(),
         acceptance: None,
         key_source: "header:idempotency-key".into(),

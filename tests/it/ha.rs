@@ -359,7 +359,7 @@ fn claim_request(key: &str) -> ClaimRequest {
         request_hash: Fingerprint([7; 32]),
         owner: "ha-test".into(),
         lease: Duration::from_secs(10),
-        upstream_idempotent: false,
+        reforward: None,
         claim_token: Uuid::new_v4(),
         acceptance: None,
         key_source: "header:idempotency-key".into(),

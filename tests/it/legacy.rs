@@ -26,6 +26,8 @@ on_both_stores!(
     observe_mode_counts_requests_enforcing_would_refuse,
     observe_history_is_valid_when_the_route_switches_to_enforcing,
     observed_request_in_flight_at_the_switch_is_in_flight_then_unknown,
+    an_observed_unknown_is_not_sent_again_to_a_deduplicating_upstream,
+    an_unknown_sent_under_the_client_key_is_not_sent_again_under_the_derived_one,
     sigterm_records_observed_requests_before_exiting,
 );
 
@@ -429,6 +431,51 @@ async fn observed_request_in_flight_at_the_switch_is_in_flight_then_unknown(back
     assert_eq!(up.total(), 1);
 }
 
+/// Observe mode forwards no key. On a route whose upstream deduplicates by
+/// key, a request observed timing out (`unknown`) must not be sent again
+/// once the route enforces: the upstream never saw a key for the first
+/// run, so the derived key would not stop it acting twice.
+async fn an_observed_unknown_is_not_sent_again_to_a_deduplicating_upstream(backend: Backend) {
+    let (up, mut gw, store) = setup(backend, |c| c.route(OBSERVE).route("upstream_idempotent = true").timeout("1s")).await;
+    up.set_dedupe(true);
+    let url = gw.url("/v1/orders");
+    let r = post(&url, "k1", ORDER, &[("x-test-sleep-ms", "1500")]).await;
+    assert_eq!(r.status, 504, "observed: the upstream timed out");
+    let rec = settled(&store, "k1", State::Unknown).await;
+    assert_eq!(rec.reforward_key, None, "observe mode sends no key");
+    gw.config.route_extra = gw.config.route_extra.replace(OBSERVE, "");
+    gw.restart();
+    let r = post(&url, "k1", ORDER, &[]).await;
+    assert_eq!((r.status, r.problem().as_str()), (409, "outcome-unknown"), "{}", gw.logs());
+    assert_eq!(up.total(), 1, "executed once: {:?}", up.ledger());
+}
+
+/// The same across a change of `forward_key`: an attempt sent under the
+/// client's key and lost is not sent again under the derived key (the
+/// upstream would not recognise it), but still under the client's.
+async fn an_unknown_sent_under_the_client_key_is_not_sent_again_under_the_derived_one(backend: Backend) {
+    const CLIENT: &str = "forward_key = \"client\"";
+    let (up, mut gw, store) = setup(backend, |c| c.route(CLIENT).route("upstream_idempotent = true").timeout("1s")).await;
+    up.set_dedupe(true);
+    let url = gw.url("/v1/orders");
+    for k in ["k1", "k2"] {
+        let r = post(&url, k, ORDER, &[("x-test-sleep-ms", "1500")]).await;
+        assert_eq!((r.status, r.problem().as_str()), (504, "outcome-unknown"));
+        let rec = settled(&store, k, State::Unknown).await;
+        assert_eq!(rec.reforward_key, Some(idemgate::idempotency::record::ReforwardKey::Client));
+    }
+    // Still the client's key: the retry is sent again, and the upstream
+    // recognises it.
+    assert_eq!(post(&url, "k2", ORDER, &[]).await.status, 201);
+    assert_eq!(up.side_effects("k2"), 1);
+    gw.config.route_extra = gw.config.route_extra.replace(CLIENT, "");
+    gw.restart();
+    let r = post(&url, "k1", ORDER, &[]).await;
+    assert_eq!((r.status, r.problem().as_str()), (409, "outcome-unknown"), "{}", gw.logs());
+    assert_eq!(up.side_effects("k1"), 1);
+    assert_eq!(up.total(), 2, "each executed once: {:?}", up.ledger());
+}
+
 async fn sigterm_records_observed_requests_before_exiting(backend: Backend) {
     let (up, mut gw, store) = setup(backend, |c| c.route(OBSERVE)).await;
     let url = gw.url("/v1/orders");
@@ -532,7 +579,7 @@ async fn fill(store: &idemgate::store::Store, tag: &str, body: Option<&'static [
                     request_hash: idemgate::idempotency::fingerprint::Fingerprint([(i % 251) as u8; 32]),
                     owner: "gateway-7f9c-1234".into(),
                     lease: Duration::from_secs(60),
-                    upstream_idempotent: false,
+                    reforward: None,
                     claim_token: uuid::Uuid::new_v4(),
                     acceptance: None,
                     key_source: "body:/client_order_id".into(),

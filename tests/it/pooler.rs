@@ -210,7 +210,7 @@ async fn a_citus_store_behind_a_transaction_pooler_keeps_no_statement_past_a_tra
         request_hash: Fingerprint([7; 32]),
         owner: "replica-a".into(),
         lease: Duration::from_secs(60),
-        upstream_idempotent: false,
+        reforward: None,
         claim_token: uuid::Uuid::new_v4(),
         acceptance: None,
         key_source: "header:idempotency-key".into(),

@@ -10,7 +10,7 @@ use uuid::Uuid;
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::{Scope, ScopeId};
 use crate::idempotency::record::Retention;
-use crate::idempotency::record::{Attempt, Generation, Record, State, StoredResponse, Timestamp};
+use crate::idempotency::record::{Attempt, Generation, Record, ReforwardKey, State, StoredResponse, Timestamp};
 use crate::outbox::EventPolicies;
 use crate::store::StoreError;
 use crate::telemetry::stats::{ForeverCount, StateCount};
@@ -23,9 +23,12 @@ pub struct ClaimRequest {
     /// Replica id, for the `owner` column.
     pub owner: Arc<str>,
     pub lease: Duration,
-    /// May an expired in-flight or unknown record with the same fingerprint be
-    /// taken over (the upstream deduplicates by the derived key)?
-    pub upstream_idempotent: bool,
+    /// The key the route sends its requests under when its upstream
+    /// deduplicates (`upstream_idempotent`), `None` otherwise: kept in the
+    /// record, and an expired in-flight or unknown record with the same
+    /// fingerprint is taken over only by a claim that names the key it was
+    /// sent under (`record::may_take_over`).
+    pub reforward: Option<ReforwardKey>,
     /// Identifies this request's claim; read back after an ambiguous commit,
     /// and used to abandon a claim whose fate could not be learned.
     pub claim_token: Uuid,

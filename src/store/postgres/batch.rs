@@ -18,7 +18,7 @@ use super::sql::NOW;
 use super::{Db, decode, micros};
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::Scope;
-use crate::idempotency::record::{Attempt, Generation, Record, Timestamp};
+use crate::idempotency::record::{Attempt, Generation, Record, ReforwardKey, Timestamp};
 use crate::outbox::{EventPolicies, EventType};
 use crate::store::codec::col;
 use crate::store::{Acceptance, ClaimRequest, StoreError};
@@ -160,6 +160,7 @@ pub(super) struct ClaimItem {
     pub(super) lease_us: i64,
     pub(super) acceptance: Option<Acceptance>,
     pub(super) key_source: Arc<str>,
+    pub(super) reforward: Option<ReforwardKey>,
     pub(super) request_head: Option<Bytes>,
 }
 
@@ -174,6 +175,7 @@ impl ClaimItem {
             lease_us: micros(req.lease),
             acceptance: req.acceptance.clone(),
             key_source: req.key_source.clone(),
+            reforward: req.reforward,
             request_head: req.request_head.clone(),
         }
     }
@@ -384,6 +386,7 @@ pub(super) struct ClaimColumns<'a> {
     pub(super) operation_ids: Vec<Option<&'a str>>,
     pub(super) requests: Vec<Option<&'a [u8]>>,
     pub(super) key_sources: Vec<&'a str>,
+    pub(super) reforward_keys: Vec<Option<&'static str>>,
 }
 
 impl<'a> ClaimColumns<'a> {
@@ -396,7 +399,8 @@ impl<'a> ClaimColumns<'a> {
             leases: items.clone().map(|i| i.lease_us).collect(),
             operation_ids: items.clone().map(ClaimItem::operation_id).collect(),
             requests: items.clone().map(ClaimItem::stored_request).collect(),
-            key_sources: items.map(|i| &*i.key_source).collect(),
+            key_sources: items.clone().map(|i| &*i.key_source).collect(),
+            reforward_keys: items.map(|i| i.reforward.map(ReforwardKey::as_str)).collect(),
         }
     }
 
@@ -414,6 +418,7 @@ impl<'a> ClaimColumns<'a> {
             &self.requests,
             &self.key_sources,
             &self.pk.scope_ids,
+            &self.reforward_keys,
         ]
     }
 }

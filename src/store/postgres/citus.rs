@@ -15,7 +15,7 @@ use super::super::{Claim, ClaimRequest, RawClaim, Records, StoreError};
 use super::batch::ClaimItem;
 use super::citus_batch::{Inserted, Seen};
 use super::{citus_sql, classify, micros};
-use crate::idempotency::record::{Generation, may_take_over};
+use crate::idempotency::record::{Generation, ReforwardKey, may_take_over};
 use crate::outbox::EventType;
 
 /// Which server the PostgreSQL backend talks to.
@@ -178,17 +178,18 @@ impl super::PgStore {
                 None => RawClaim::Conflict,
             });
         };
-        if !may_take_over(&record, &req.request_hash, now, req.upstream_idempotent) {
+        if !may_take_over(&record, &req.request_hash, now, req.reforward) {
             return Ok(if cacheable { RawClaim::Cacheable(record, now) } else { RawClaim::Existing(record, now) });
         }
         let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
         let lease = micros(req.lease);
-        let may_take = req.upstream_idempotent && req.acceptance.is_none();
+        let may_take = req.reforward.filter(|_| req.acceptance.is_none()).map(ReforwardKey::as_str);
+        let keeps = req.reforward.map(ReforwardKey::as_str);
         let operation_id = req.acceptance.as_ref().map(|a| a.operation_id.as_str());
         let request = req.acceptance.as_ref().map(|a| &a.request[..]).or(req.request_head.as_deref());
         let generation = self.next_generation(&s.tenant).await?;
         let scope_id = s.scope_id().to_i64();
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 13] = [
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 14] = [
             &scope_id,
             &&*s.principal,
             &&*s.operation,
@@ -202,6 +203,7 @@ impl super::PgStore {
             &request,
             &&*req.key_source,
             &generation,
+            &keeps,
         ];
         let db = self.reach.db(&s.tenant).await;
         let rows = db.query_tenant(&citus_sql::for_tenant(&citus_sql::TENANT_TAKE_OVER, &s.tenant), &params, true).await?;

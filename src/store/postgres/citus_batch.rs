@@ -34,7 +34,7 @@ use super::citus_sql::{self, for_tenant};
 use super::sql::NOW;
 use super::{Conn, Db, classify, decode};
 use crate::idempotency::key::Scope;
-use crate::idempotency::record::{Record, Timestamp};
+use crate::idempotency::record::{Record, ReforwardKey, Timestamp};
 use crate::store::StoreError;
 
 /// Most claims one batched statement carries.
@@ -296,6 +296,7 @@ async fn insert_batch(db: &Db, floor: &Floor, tenant: &str, items: Vec<ClaimItem
     let requests: Vec<Option<&[u8]>> = items.iter().map(|i| i.stored_request()).collect();
     let key_sources: Vec<&str> = items.iter().map(|i| &*i.key_source).collect();
     let ids: Vec<i64> = items.iter().map(|i| i.scope.scope_id().to_i64()).collect();
+    let reforward_keys: Vec<Option<&str>> = items.iter().map(|i| i.reforward.map(ReforwardKey::as_str)).collect();
     let sql = for_tenant(&citus_sql::tenant_claim_insert(n), tenant);
     let read = |e| classify(e, false);
     let mut conn = db.conn().await?;
@@ -305,7 +306,7 @@ async fn insert_batch(db: &Db, floor: &Floor, tenant: &str, items: Vec<ClaimItem
     let tx = db.transaction(&mut conn).await.map_err(read)?;
     let last = draw(&tx, tenant, i64::try_from(n).unwrap_or(i64::MAX), floor, !db.sessions.per_transaction()).await.map_err(read)?;
     let generations: Vec<i64> = (0..n as i64).map(|k| last - n as i64 + 1 + k).collect();
-    let mut params: Vec<(&(dyn ToSql + Sync), Type)> = Vec::with_capacity(n * 12);
+    let mut params: Vec<(&(dyn ToSql + Sync), Type)> = Vec::with_capacity(n * citus_sql::PER_ROW);
     for (j, i) in items.iter().enumerate() {
         params.extend_from_slice(&[
             (&principals[j] as &(dyn ToSql + Sync), Type::TEXT),
@@ -320,6 +321,7 @@ async fn insert_batch(db: &Db, floor: &Floor, tenant: &str, items: Vec<ClaimItem
             (&key_sources[j], Type::TEXT),
             (&ids[j], Type::INT8),
             (&generations[j], Type::INT8),
+            (&reforward_keys[j], Type::TEXT),
         ]);
     }
     let rows = tx.query_typed(&sql, &params).await.map_err(read)?;

@@ -42,7 +42,8 @@ pub(super) static CITUS_CLAIM_READ: LazyLock<String> = LazyLock::new(|| {
     format!("SELECT {RECORD_COLUMNS}, now(), NOT coalesce(cache_hold_until > now(), false) FROM idemgate_records WHERE {PK}")
 });
 
-/// See [`CITUS_CLAIM_READ`]. The new generation is `$13`, drawn before from
+/// See [`CITUS_CLAIM_READ`]. `$9`: the key the claim may re-forward under
+/// (`record::may_take_over`), `$14`: the one it keeps. The new generation is `$13`, drawn before from
 /// the tenant's counter ([`CITUS_GENERATIONS`]; Citus refuses a volatile
 /// function in a distributed `UPDATE`, and a `SELECT` CTE drawing it would
 /// be a subplan whose result Citus may send to every node); it never goes
@@ -58,11 +59,11 @@ UPDATE idemgate_records r SET
     created_at = now(), updated_at = now(), expires_at = now() + $8::int8 * interval '1 microsecond',
     operation_id = $10, request = $11, attempts = 0,
     next_attempt_at = now() + (CASE WHEN $10::text IS NOT NULL THEN 0 END) * interval '1 microsecond',
-    sent_at = NULL, last_status = NULL, maybe_executed = false, key_source = $12
+    sent_at = NULL, last_status = NULL, maybe_executed = false, key_source = $12, reforward_key = $14
 WHERE {PK}
   AND ((r.state IN ('completed', 'failed_retryable') AND r.expires_at <= now())
-       OR (r.state = 'unknown' AND $9::bool AND r.request_hash = $5 AND r.operation_id IS NULL)
-       OR (r.state = 'in_flight' AND $9::bool AND r.request_hash = $5 AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())))
+       OR (r.state = 'unknown' AND r.reforward_key = $9::text AND r.request_hash = $5 AND r.operation_id IS NULL)
+       OR (r.state = 'in_flight' AND r.reforward_key = $9::text AND r.request_hash = $5 AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())))
 RETURNING r.generation, r.lease_expires_at, r.updated_at"
     )
 });
@@ -141,27 +142,31 @@ pub(super) const CITUS_GENERATIONS: &str = "INSERT INTO idemgate_generations AS 
      ON CONFLICT (tenant) DO UPDATE SET generation = g.generation + $2::int8 RETURNING g.generation";
 
 /// The claims' `INSERT` of `n` rows of one tenant ([`for_tenant`]): one
-/// multi-row `INSERT`, which Citus routes to the tenant's shard. Twelve
+/// multi-row `INSERT`, which Citus routes to the tenant's shard. Thirteen
 /// parameters per row: principal, operation, key, request hash, claim
 /// token, owner, lease (us), operation id, request, key source, scope id
 /// (the gateway's, `Scope::scope_id`), generation (drawn before, in the
-/// same transaction, from the tenant's counter). Returns the claim token of
+/// same transaction, from the tenant's counter), the key it may be
+/// re-forwarded under. Returns the claim token of
 /// each row inserted, its generation, lease end and `updated_at`. The
 /// caller sends the rows in primary-key order, so that two batches never
 /// wait on each other in a cycle. Sent unnamed (`query_typed`): Citus
 /// prunes an `INSERT` at each execution, and a prepared one it keeps would
 /// add a plan to its cache at every execution (docs/performance-notes.md).
+/// Parameters per row of [`tenant_claim_insert`].
+pub(super) const PER_ROW: usize = 13;
+
 pub(super) fn tenant_claim_insert(n: usize) -> String {
     let rows: Vec<String> = (0..n)
         .map(|k| {
-            let p = |i: usize| format!("${}", 12 * k + i);
+            let p = |i: usize| format!("${}", PER_ROW * k + i);
             let (op_id, lease) = (p(8), p(7));
             format!(
                 "({TENANT}, {}::text, {}::text, {}::text, {}::bytea, CASE WHEN {op_id}::text IS NULL THEN 'in_flight' ELSE 'queued' END, \
                  {}::int8, {}::uuid, {}::text, \
                  now() + (CASE WHEN {op_id}::text IS NULL THEN {lease}::int8 END) * interval '1 microsecond', now(), now(), \
                  now() + {lease}::int8 * interval '1 microsecond', {op_id}::text, {}::bytea, \
-                 now() + (CASE WHEN {op_id}::text IS NOT NULL THEN 0 END) * interval '1 microsecond', {}::text, {}::int8)",
+                 now() + (CASE WHEN {op_id}::text IS NOT NULL THEN 0 END) * interval '1 microsecond', {}::text, {}::int8, {}::text)",
                 p(1),
                 p(2),
                 p(3),
@@ -172,13 +177,14 @@ pub(super) fn tenant_claim_insert(n: usize) -> String {
                 p(9),
                 p(10),
                 p(11),
+                p(13),
             )
         })
         .collect();
     format!(
         "INSERT INTO idemgate_records
         (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
-         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, key_source, scope_id)
+         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, key_source, scope_id, reforward_key)
      VALUES {}
      ON CONFLICT ON CONSTRAINT idemgate_records_pkey DO NOTHING
      RETURNING claim_token, generation, lease_expires_at, updated_at",

@@ -16,7 +16,7 @@ use super::migrations::{DERIVED_KEY_SECRET, POSTGRES};
 use super::{Claim, ClaimRequest, EventStats, Pooler, RawClaim, StoreError};
 use crate::idempotency::key::{IdempotencyKey, Scope};
 use crate::idempotency::record::Retention;
-use crate::idempotency::record::{Attempt, Generation, Record, StoredResponse, Timestamp};
+use crate::idempotency::record::{Attempt, Generation, Record, ReforwardKey, StoredResponse, Timestamp};
 use crate::outbox::{Delivery, EventType, OutboxEvent};
 use crate::telemetry::logging::ErrorChain;
 use async_trait::async_trait;
@@ -458,10 +458,11 @@ impl PgStore {
                     &token,
                     &&*req.owner,
                     &micros(req.lease),
-                    &(req.upstream_idempotent && req.acceptance.is_none()),
+                    &req.reforward.filter(|_| req.acceptance.is_none()).map(ReforwardKey::as_str),
                     &req.acceptance.as_ref().map(|a| a.operation_id.as_str()),
                     &req.acceptance.as_ref().map(|a| &a.request[..]).or(req.request_head.as_deref()),
                     &&*req.key_source,
+                    &req.reforward.map(ReforwardKey::as_str),
                 ],
                 true,
             )
@@ -613,6 +614,7 @@ fn decode(row: &Row) -> Result<Record, StoreError> {
         last_status: row.try_get::<_, Option<i32>>(col::LAST_STATUS).map_err(c)?.map(i64::from),
         maybe_executed: row.try_get(col::MAYBE_EXECUTED).map_err(c)?,
         key_source: row.try_get(col::KEY_SOURCE).map_err(c)?,
+        reforward_key: row.try_get(col::REFORWARD_KEY).map_err(c)?,
     }
     .into_record()
 }

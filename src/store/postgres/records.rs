@@ -46,24 +46,24 @@ WITH cur AS (
         created_at = now(), updated_at = now(), expires_at = now() + $8::int8 * interval '1 microsecond',
         operation_id = $10, request = $11, attempts = 0,
         next_attempt_at = CASE WHEN $10::text IS NOT NULL THEN now() END, sent_at = NULL, last_status = NULL, maybe_executed = false,
-        key_source = $12
+        key_source = $12, reforward_key = $13
     WHERE {PK}
       AND CASE r.state
             WHEN 'completed' THEN r.expires_at <= now()
             WHEN 'failed_retryable' THEN r.expires_at <= now()
-            WHEN 'unknown' THEN $9::bool AND r.request_hash = $5 AND r.operation_id IS NULL
-            WHEN 'in_flight' THEN $9::bool AND r.request_hash = $5 AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())
+            WHEN 'unknown' THEN r.reforward_key = $9::text AND r.request_hash = $5 AND r.operation_id IS NULL
+            WHEN 'in_flight' THEN r.reforward_key = $9::text AND r.request_hash = $5 AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())
             ELSE false
           END
     RETURNING r.generation, coalesce(r.lease_expires_at, now())
 ), inserted AS (
     INSERT INTO idemgate_records
         (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
-         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, key_source, scope_id)
+         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, key_source, scope_id, reforward_key)
     SELECT $1, $2, $3, $4, $5, CASE WHEN $10::text IS NULL THEN 'in_flight' ELSE 'queued' END, nextval('idemgate_generation'), $6, $7,
            CASE WHEN $10::text IS NULL THEN now() + $8::int8 * interval '1 microsecond' END, now(), now(),
            now() + $8::int8 * interval '1 microsecond', $10, $11, CASE WHEN $10::text IS NOT NULL THEN now() END, $12,
-           idemgate_scope_id($1, $2, $3, $4)
+           idemgate_scope_id($1, $2, $3, $4), $13
     WHERE NOT EXISTS (SELECT 1 FROM cur)
     ON CONFLICT ON CONSTRAINT idemgate_records_pkey DO NOTHING
     RETURNING generation, coalesce(lease_expires_at, now())
@@ -97,19 +97,19 @@ pub(super) const CLAIM_CACHEABLE: usize = CLAIM_TAKEN_LEASE + 1;
 const CLAIM_INPUT: &str = "\
 input AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::uuid[], $7::text[], $8::int8[],
-                         $9::text[], $10::bytea[], $11::text[], $12::int8[])
+                         $9::text[], $10::bytea[], $11::text[], $12::int8[], $13::text[])
         WITH ORDINALITY AS i(tenant, principal, operation, idempotency_key, request_hash, claim_token, owner, lease_us,
-                             operation_id, request, key_source, scope_id, ord)
+                             operation_id, request, key_source, scope_id, reforward_key, ord)
 ), inserted AS (
     INSERT INTO idemgate_records
         (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
-         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, key_source, scope_id)
+         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, key_source, scope_id, reforward_key)
     SELECT i.tenant, i.principal, i.operation, i.idempotency_key, i.request_hash,
            CASE WHEN i.operation_id IS NULL THEN 'in_flight' ELSE 'queued' END, nextval('idemgate_generation'), i.claim_token, i.owner,
            CASE WHEN i.operation_id IS NULL THEN now() + i.lease_us * interval '1 microsecond' END, now(), now(),
            now() + i.lease_us * interval '1 microsecond', i.operation_id, i.request,
            CASE WHEN i.operation_id IS NOT NULL THEN now() END, i.key_source,
-           idemgate_scope_id(i.tenant, i.principal, i.operation, i.idempotency_key)
+           idemgate_scope_id(i.tenant, i.principal, i.operation, i.idempotency_key), i.reforward_key
     FROM input i
     ORDER BY i.scope_id, i.idempotency_key, i.tenant, i.principal, i.operation
     ON CONFLICT ON CONSTRAINT idemgate_records_pkey DO NOTHING
@@ -117,7 +117,7 @@ input AS (
 ), cur AS (
     SELECT i.ord, r.tenant, r.principal, r.operation, r.idempotency_key, r.request_hash, r.state, r.generation, r.claim_token,
            r.owner, r.lease_expires_at, r.response_status, r.response_headers, r.response_body, r.created_at, r.updated_at, r.expires_at,
-           r.operation_id, r.attempts, r.next_attempt_at, r.sent_at, r.last_status, r.maybe_executed, r.key_source, r.cache_hold_until
+           r.operation_id, r.attempts, r.next_attempt_at, r.sent_at, r.last_status, r.maybe_executed, r.key_source, r.reforward_key, r.cache_hold_until
     FROM input i JOIN idemgate_records r
       ON r.scope_id = i.scope_id AND r.idempotency_key = i.idempotency_key
      AND r.tenant = i.tenant AND r.principal = i.principal AND r.operation = i.operation
@@ -205,7 +205,7 @@ pub(super) static COMPLETE_BATCH: LazyLock<String> = LazyLock::new(|| format!("W
 /// writes (`$13`..`$25`): the claims' rows as `CLAIM_BATCH` returns them,
 /// each with the ordinals of the result writes that took effect.
 pub(super) static WRITE_BATCH: LazyLock<String> = LazyLock::new(|| {
-    format!("WITH {CLAIM_INPUT}, {}\n{}, (SELECT array_agg(ord) FROM upd)\n{CLAIM_FROM}", complete_parts(13), *CLAIM_OUTPUT)
+    format!("WITH {CLAIM_INPUT}, {}\n{}, (SELECT array_agg(ord) FROM upd)\n{CLAIM_FROM}", complete_parts(14), *CLAIM_OUTPUT)
 });
 
 /// The single-row result write: used when a batched statement deadlocked.
@@ -471,7 +471,7 @@ impl Records for PgStore {
                 took_over: false,
                 asked_at: tokio::time::Instant::now(),
             })),
-            BatchClaim::Existing(record, now, _) if may_take_over(&record, &req.request_hash, now, req.upstream_idempotent) => {
+            BatchClaim::Existing(record, now, _) if may_take_over(&record, &req.request_hash, now, req.reforward) => {
                 self.claim_one(req, token).await
             }
             BatchClaim::Existing(record, now, true) => Ok(RawClaim::Cacheable(*record, now)),

@@ -527,6 +527,7 @@ fn decode(row: &rusqlite::Row<'_>) -> Result<Record, StoreError> {
         last_status: row.get(col::LAST_STATUS).map_err(c)?,
         maybe_executed: row.get(col::MAYBE_EXECUTED).map_err(c)?,
         key_source: row.get(col::KEY_SOURCE).map_err(c)?,
+        reforward_key: value(col::REFORWARD_KEY)?.as_str_or_null().map_err(bad)?,
     }
     .into_record()
 }

@@ -5,7 +5,9 @@ use super::{
     update_state, write_response,
 };
 use crate::idempotency::key::{IdempotencyKey, Scope, ScopeId};
-use crate::idempotency::record::{Attempt, Event, Next, Record, Retention, State, StoredResponse, Timestamp, may_take_over, transition};
+use crate::idempotency::record::{
+    Attempt, Event, Next, Record, ReforwardKey, Retention, State, StoredResponse, Timestamp, may_take_over, transition,
+};
 use crate::outbox::{EventPolicies, EventType};
 use crate::store::contract::Records;
 use crate::store::{Claim, ClaimRequest, ForeverCount, ListFilter, RawClaim, Reaped, StateCount, StoreError};
@@ -30,8 +32,8 @@ impl Records for SqliteStore {
             let lease = now.plus(req.lease);
             // An async acceptance starts queued (due now, no lease) with its request.
             let (state, lease_col, due, operation_id, request, idempotent) = match &req.acceptance {
-                None => ("in_flight", Some(lease.0), None, None, req.request_head.as_deref(), req.upstream_idempotent),
-                Some(a) => ("queued", None, Some(now.0), Some(a.operation_id.as_str()), Some(&a.request[..]), false),
+                None => ("in_flight", Some(lease.0), None, None, req.request_head.as_deref(), req.reforward),
+                Some(a) => ("queued", None, Some(now.0), Some(a.operation_id.as_str()), Some(&a.request[..]), None),
             };
             let existing = get_tx(tx, &req.scope)?;
             let took_over = match existing {
@@ -45,7 +47,7 @@ impl Records for SqliteStore {
             let generation = next_generation(tx)?;
             let sql = "INSERT INTO idemgate_records (tenant, principal, operation, idempotency_key, request_hash, state, generation, \
                        claim_token, owner, lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, \
-                       key_source, scope_id) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11, ?12, ?13, ?14, ?15, ?16, ?17)";
+                       key_source, scope_id, reforward_key) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18)";
             let [t, p, o, k] = pk(&req.scope);
             tx.prepare_cached(sql)
                 .and_then(|mut st| {
@@ -66,7 +68,8 @@ impl Records for SqliteStore {
                         request,
                         due,
                         &*req.key_source,
-                        req.scope.scope_id().to_i64()
+                        req.scope.scope_id().to_i64(),
+                        req.reforward.map(ReforwardKey::as_str)
                     ])
                 })
                 .map_err(err)?;

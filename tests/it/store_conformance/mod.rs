@@ -36,7 +36,7 @@ use bytes::Bytes;
 use idemgate::config::{Secret, StoreBackend, StoreConfig};
 use idemgate::idempotency::fingerprint::Fingerprint;
 use idemgate::idempotency::key::{IdempotencyKey, Scope};
-use idemgate::idempotency::record::{Record, StoredResponse, Timestamp};
+use idemgate::idempotency::record::{Record, ReforwardKey, StoredResponse, Timestamp};
 use idemgate::outbox::{EventPolicies, EventType, EventsConfig, OutboxEvent};
 use idemgate::store::audit::{Actor, AuditNote};
 use idemgate::store::{Acceptance, Claim, ClaimOutcome, ClaimRequest, ListFilter, Resolution, Store, Taken, WorkerRoute};
@@ -101,7 +101,7 @@ fn req(scope: &Scope, hash: u8, lease: Duration, upstream_idempotent: bool) -> C
         request_hash: fp(hash),
         owner: "replica-a".into(),
         lease,
-        upstream_idempotent,
+        reforward: upstream_idempotent.then_some(ReforwardKey::Derived),
         claim_token: Uuid::new_v4(),
         acceptance: None,
         key_source: "header:idempotency-key".into(),

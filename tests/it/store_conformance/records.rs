@@ -375,7 +375,7 @@ async fn try_take_over(store: &Store, r: &ClaimRequest) -> bool {
         ClaimOutcome::Claimed(c) => {
             let at = claimed_at(&c, r.lease);
             assert!(
-                record::may_take_over(&before, &r.request_hash, at, r.upstream_idempotent),
+                record::may_take_over(&before, &r.request_hash, at, r.reforward),
                 "the store took over {before:?} at {at} although may_take_over says no"
             );
             assert!(c.took_over);
@@ -389,7 +389,7 @@ async fn try_take_over(store: &Store, r: &ClaimRequest) -> bool {
         ClaimOutcome::Existing { record, now } => {
             assert_eq!(record, before, "a refused take-over changes nothing");
             assert!(
-                !record::may_take_over(&record, &r.request_hash, now, r.upstream_idempotent),
+                !record::may_take_over(&record, &r.request_hash, now, r.reforward),
                 "the store refused to take over {record:?} at {now} although may_take_over says yes"
             );
             false
@@ -406,9 +406,19 @@ async fn take_over_follows_may_take_over(backend: Backend) {
     store.complete(&c, &response(201, b"old"), Retention::For(SHORT)).await.unwrap();
     let c = claim(&store, &req(&done_live, 1, LONG, false)).await;
     store.complete(&c, &response(201, b"live"), Retention::For(LONG)).await.unwrap();
-    claim(&store, &req(&flight_old, 1, SHORT, false)).await;
-    claim(&store, &req(&flight_live, 1, LONG, false)).await;
-    let c = claim(&store, &req(&unknown, 1, LONG, false)).await;
+    claim(&store, &req(&flight_old, 1, SHORT, true)).await;
+    claim(&store, &req(&flight_live, 1, LONG, true)).await;
+    let c = claim(&store, &req(&unknown, 1, LONG, true)).await;
+    store.mark_unknown(&c).await.unwrap();
+    // Sent under another key than a take-over would send: the client's
+    // (`forward_key = "client"` before a rollout), or none (observe mode, a
+    // route that did not deduplicate).
+    let under = |scope: &Scope, lease, reforward| ClaimRequest { reforward, ..req(scope, 1, lease, false) };
+    let (flight_client, unknown_client, unknown_observed) = (key("in-flight-client"), key("unknown-client"), key("unknown-observed"));
+    claim(&store, &under(&flight_client, SHORT, Some(record::ReforwardKey::Client))).await;
+    let c = claim(&store, &under(&unknown_client, LONG, Some(record::ReforwardKey::Client))).await;
+    store.mark_unknown(&c).await.unwrap();
+    let c = claim(&store, &under(&unknown_observed, LONG, None)).await;
     store.mark_unknown(&c).await.unwrap();
     tokio::time::sleep(PAST_SHORT).await;
 
@@ -427,6 +437,13 @@ async fn take_over_follows_may_take_over(backend: Backend) {
     assert!(!try_take_over(&store, &req(&unknown, 1, LONG, false)).await);
     assert!(!try_take_over(&store, &req(&unknown, 2, LONG, true)).await);
     assert!(try_take_over(&store, &req(&unknown, 1, LONG, true)).await);
+    // Only under the key the upstream got: an upstream that deduplicates by
+    // key would act again on the same request under another one.
+    assert!(!try_take_over(&store, &req(&flight_client, 1, LONG, true)).await);
+    assert!(!try_take_over(&store, &req(&unknown_client, 1, LONG, true)).await);
+    assert!(!try_take_over(&store, &req(&unknown_observed, 1, LONG, true)).await);
+    assert!(try_take_over(&store, &under(&unknown_client, LONG, Some(record::ReforwardKey::Client))).await);
+    assert_eq!(row(&store, &unknown_client).await.reforward_key, Some(record::ReforwardKey::Client), "a take-over keeps its key");
     // An unknown async operation stays its operation whatever the upstream:
     // a synchronous retry of its key is answered with its acceptance (its
     // id is what its client polls), never takes it over.
@@ -799,7 +816,7 @@ async fn records_kept_forever_are_never_taken_over_swept_or_expired(backend: Bac
         let (found, now) = existing(&store, &req(&kept, hash, LONG, true)).await;
         assert_eq!(found, rec);
         assert_eq!(record::decide(&found, &fp(hash), now), decision);
-        assert!(!record::may_take_over(&found, &fp(hash), now, true));
+        assert!(!record::may_take_over(&found, &fp(hash), now, Some(record::ReforwardKey::Derived)));
     }
     let mut counts: Vec<(String, i64)> = store.forever_counts().await.unwrap().into_iter().map(|c| (c.operation, c.count)).collect();
     counts.sort();

@@ -611,7 +611,7 @@ pub async fn seed_blocked_tenants(store: &Store, operation: &str, hook: &str) ->
                 request_hash: Fingerprint([9; 32]),
                 owner: "seed".into(),
                 lease: Duration::from_millis(100),
-                upstream_idempotent: false,
+                reforward: None,
                 claim_token: uuid::Uuid::new_v4(),
                 acceptance: None,
                 key_source: "header:idempotency-key".into(),

@@ -1,0 +1,16 @@
+-- The key a record's request went to an idempotent upstream under:
+-- 'derived' (from the scope) or 'client' (`forward_key = "client"`). Written
+-- by every claim whose route declares `upstream_idempotent`; NULL otherwise
+-- (and for observe mode, which forwards no key).
+--
+-- A take-over re-sends a request that may have executed (an expired
+-- in-flight record, an `unknown` one) and counts on the upstream to
+-- recognise it by its key. It is allowed from now on only when the claim
+-- would send it under the key the record names: a record an observing
+-- replica made (the upstream saw no key), or one sent under the client's
+-- key before a rollout switched the route to the derived key (or back),
+-- would make the upstream act twice. Records from before this column, and
+-- those written by replicas of an earlier version during a rollout, have
+-- NULL: they are never taken over, and turn `unknown` for an operator or a
+-- probe to settle, as on an upstream that does not deduplicate.
+ALTER TABLE idemgate_records ADD COLUMN reforward_key text;
