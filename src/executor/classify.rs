@@ -47,14 +47,28 @@ impl Class {
 
 /// Classifies an answer by its head, made ready to forward on the way:
 /// hop-by-hop headers and `Idempotency-Policy` are removed (the client never
-/// sees the latter). `Answered` until the body says otherwise: a body that
-/// fails mid-read is [`failure`]'s to classify.
+/// sees the latter), and so are the headers idemgate itself speaks
+/// (`Idempotency-Key`, `X-Idempotency-Generation`, `Idempotent-Replayed`): an
+/// upstream that echoes them would show the client the derived key and the
+/// attempt's generation, or mark a first answer as a replay. A
+/// `Content-Length` sent beside `Transfer-Encoding` is not the body's length
+/// and goes too (RFC 9112, section 6.3): the body is forwarded with the
+/// length it turns out to have. `Answered` until the body says otherwise: a
+/// body that fails mid-read is [`failure`]'s to classify.
 pub fn head(release_on_status: &[StatusCode], head: &mut http::response::Parts) -> Class {
+    if head.headers.contains_key(http::header::TRANSFER_ENCODING) {
+        head.headers.remove(http::header::CONTENT_LENGTH);
+    }
     strip_hop_by_hop(&mut head.headers);
+    // Every line of it: an upstream may send the directive on a second one.
     let no_store = head
         .headers
-        .remove(headers::IDEMPOTENCY_POLICY)
-        .is_some_and(|v| v.to_str().is_ok_and(|s| s.split(',').any(|t| t.trim().eq_ignore_ascii_case("no-store"))));
+        .get_all(headers::IDEMPOTENCY_POLICY)
+        .iter()
+        .any(|v| v.to_str().is_ok_and(|s| s.split(',').any(|t| t.trim().eq_ignore_ascii_case("no-store"))));
+    for ours in [headers::IDEMPOTENCY_POLICY, headers::IDEMPOTENCY_KEY, headers::IDEMPOTENCY_GENERATION, headers::IDEMPOTENT_REPLAYED] {
+        head.headers.remove(ours);
+    }
     if no_store || release_on_status.contains(&head.status) { Class::Declined { no_store } } else { Class::Answered }
 }
 
@@ -103,6 +117,28 @@ mod tests {
             assert_eq!((got, got.sync_write()), (class, write), "{status} {policy:?}");
             assert!(h.headers.get(headers::IDEMPOTENCY_POLICY).is_none() && h.headers.get("connection").is_none(), "{status}");
         }
+        // A second line says no-store; idemgate's own headers never pass; a
+        // length beside a transfer coding goes.
+        let mut h = http::Response::builder()
+            .status(201)
+            .header(headers::IDEMPOTENCY_POLICY, "private")
+            .header(headers::IDEMPOTENCY_POLICY, "no-store")
+            .header(headers::IDEMPOTENCY_KEY, "derived")
+            .header(headers::IDEMPOTENCY_GENERATION, "7")
+            .header(headers::IDEMPOTENT_REPLAYED, "true")
+            .header("transfer-encoding", "chunked")
+            .header("content-length", "100")
+            .header("content-type", "application/json")
+            .body(())
+            .unwrap()
+            .into_parts()
+            .0;
+        assert_eq!(head(&release_on_status, &mut h), Class::Declined { no_store: true });
+        let left: Vec<&str> = h.headers.keys().map(|n| n.as_str()).collect();
+        assert_eq!(left, ["content-type"]);
+        let mut h = http::Response::builder().status(201).header("content-length", "5").body(()).unwrap().into_parts().0;
+        assert_eq!(head(&release_on_status, &mut h), Class::Answered);
+        assert_eq!(h.headers.get("content-length").map(|v| v.as_bytes()), Some(&b"5"[..]), "a length alone is the body's");
         let refused = UpstreamError::Connect { upstream: "u".into(), detail: "refused".into(), kind: UpstreamErrorKind::Other };
         let timed_out = UpstreamError::Timeout { upstream: "u".into(), timeout: Duration::from_secs(1) };
         let broken = UpstreamError::Broken { upstream: "u".into(), detail: "reset".into(), kind: UpstreamErrorKind::Other };

@@ -823,3 +823,46 @@ async fn a_large_streamed_response_is_not_buffered_whole() {
         .expect("VmHWM in /proc/<pid>/status");
     assert!(peak_kib < 48 * 1024, "the gateway's peak RSS was {peak_kib} KiB for a 64 MiB body");
 }
+
+/// An upstream that answers a write with both `Transfer-Encoding` and a
+/// `Content-Length` (a framework's own length beside a chunked body), and
+/// echoes idemgate's headers: the client gets the body with its real
+/// length (the stale one would make it read the next answer on its
+/// connection as the rest of this one), never the echoed derived key or a
+/// replay marker on a first answer; the record keeps the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunked_answer_with_a_stale_length_and_echoed_headers_is_forwarded_clean() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut sock, _) = listener.accept().await.unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        // The head and the 23-byte order body.
+        while !got.windows(4).any(|w| w == b"\r\n\r\n") || !got.ends_with(b"}") {
+            let n = sock.read(&mut buf).await.unwrap();
+            assert!(n > 0, "the request arrives");
+            got.extend_from_slice(&buf[..n]);
+        }
+        let answer = "HTTP/1.1 201 Created\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\ncontent-length: 100\r\n\
+                      idempotency-key: echoed-derived-key\r\nx-idempotency-generation: 7\r\nidempotent-replayed: true\r\n\r\n\
+                      7\r\n{\"id\":1\r\n1\r\n}\r\n0\r\n\r\n";
+        sock.write_all(answer.as_bytes()).await.unwrap();
+        let _ = sock.read(&mut buf).await;
+    });
+    let backend = sqlite_backend();
+    let gw = Gateway::start(GatewayConfig::new(backend.clone(), format!("http://{addr}")));
+    let r = post(&gw.url("/v1/orders"), "k", ORDER, &[]).await;
+    assert_eq!((r.status, &r.body[..]), (201, &b"{\"id\":1}"[..]), "{}", gw.logs());
+    assert_eq!(r.header("content-length"), Some("8"), "the body's own length");
+    for ours in ["idempotency-key", "x-idempotency-generation", "idempotent-replayed"] {
+        assert_eq!(r.header(ours), None, "{ours} reached the client");
+    }
+    let store = backend.open().await;
+    let rec = settled_record(&store, "k").await.expect("record");
+    let stored: Vec<&str> = rec.response.as_ref().unwrap().headers.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(stored, ["content-type"]);
+    let replay = post(&gw.url("/v1/orders"), "k", ORDER, &[]).await;
+    assert_eq!((replay.replayed(), &replay.body[..], replay.header("content-length")), (true, &b"{\"id\":1}"[..], Some("8")));
+}
