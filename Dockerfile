@@ -1,7 +1,10 @@
 # syntax=docker/dockerfile:1
 # Build:  docker build -t idemgate .
-# Run:    docker run -p 8080:8080 -v idemgate-data:/var/lib/idemgate \
+# Run:    docker run --stop-timeout 45 -p 8080:8080 -v idemgate-data:/var/lib/idemgate \
 #           -e IDEMGATE_API_KEY_SHA256=<sha256 of your client's key> idemgate
+# (--stop-timeout: a stop drains for drain_delay plus shutdown_grace, 35 s with
+# the baked configuration; Docker's own default of 10 s would kill requests
+# still in flight, which then wait as `unknown` records for an operator.)
 # The baked configuration (config/docker.toml, at /etc/idemgate/idemgate.toml)
 # listens on 0.0.0.0:8080, keeps the embedded store in /var/lib/idemgate and
 # lists no key: without IDEMGATE_API_KEY_SHA256 (there is no default) the

@@ -318,7 +318,7 @@ fn script(addrs: &Addrs, db_path: &Path, config_path: &Path, api: &Admin<'_>) ->
     let _ = writeln!(s, "#    and resolve it with a reason (its audit row then names the console and the token's label).");
     let _ = writeln!(s, "#    {admin}/console/");
     let _ = writeln!(s);
-    let _ = writeln!(s, "# Metrics: requests by route and outcome (forwarded, replayed, mismatch, unknown, ...):");
+    let _ = writeln!(s, "# Metrics: requests by operation and outcome (forwarded, replayed, mismatch, unknown, ...):");
     let _ = writeln!(s, "curl -s {admin}/metrics");
     let _ = writeln!(s);
     let _ = writeln!(s, "The demo is running. Press Ctrl-C to stop.");

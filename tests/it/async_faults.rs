@@ -446,7 +446,7 @@ async fn a_sent_attempt_of_a_dead_worker_turns_unknown_when_its_lease_runs_out()
 }
 
 /// PostgreSQL stops while a worker's request is with the upstream and
-/// comes back within the lease: the completion write is retried until it
+/// comes back within the lease (after the upstream answered): the completion write is retried until it
 /// lands, and the operation ends completed with its answer, not unknown
 /// (the upstream answered; only the store was away).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -462,11 +462,14 @@ async fn postgres_down_during_a_completion_write_is_recorded_when_it_returns() {
             .tail("[workers]\ncount = 1"),
     );
     let mut received = up.subscribe();
-    let accepted = post(&gw.url("/v1/orders"), "k", ORDER, &[("x-test-sleep-ms", "400")]).await;
+    // The upstream answers 1.5 s after it has the request: PostgreSQL is
+    // down by then (a stop takes a few hundred ms), and stays down a second
+    // more, so the completion's first write fails.
+    let accepted = post(&gw.url("/v1/orders"), "k", ORDER, &[("x-test-sleep-ms", "1500")]).await;
     assert_eq!(accepted.status, 202);
     received.recv().await.unwrap();
     pg.stop_immediate().expect("stop PostgreSQL");
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
     pg.start_again().expect("start PostgreSQL again");
     let store = backend.open().await;
     let rec = wait_final(&store, "k", Duration::from_secs(20)).await;
