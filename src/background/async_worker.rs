@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::executor::Executor;
+use crate::idempotency::record::State;
 use crate::request::route::{Route, UpstreamId};
 use crate::retry::Backoff;
 use crate::store::{Store, Taken, WorkerRoute};
@@ -42,10 +43,17 @@ const ERROR_PAUSE: Duration = Duration::from_secs(1);
 /// What every worker of a replica shares.
 #[derive(Debug)]
 pub struct AsyncWorkers {
+    /// Every route of the configuration: an operation is run under its route.
     routes: Vec<Arc<Route>>,
     /// The routes to take from, by upstream: a take draws no more than the
     /// upstream's limit has slots free, or one with a turn waited for.
     takes: Vec<(UpstreamId, Vec<WorkerRoute>)>,
+    /// The routes that do not run async (any more): taken from too when the
+    /// store holds operations of theirs, accepted under an earlier
+    /// configuration (a reload or a rollout removed `allow_async`), which
+    /// would otherwise stay queued for good. They run with the default
+    /// queueing settings (`Route::queueing`).
+    former: Vec<Arc<Route>>,
     store: Store,
     owner: Arc<str>,
     /// Notified when this replica accepts an operation.
@@ -53,44 +61,91 @@ pub struct AsyncWorkers {
 }
 
 impl AsyncWorkers {
-    /// `routes`: the routes whose operations may be async (`mode = "async"`
-    /// or `allow_async`).
+    /// `routes`: every route of the configuration; those whose operations
+    /// may be async (`mode = "async"` or `allow_async`) are taken from.
     pub fn new(routes: Vec<Arc<Route>>, store: Store, owner: Arc<str>, wake: Arc<Notify>) -> AsyncWorkers {
-        let mut takes: Vec<(UpstreamId, Vec<WorkerRoute>)> = Vec::new();
-        for r in &routes {
-            // `sent_on_take` is set from the upstream's timeout in `spawn`.
-            let take = WorkerRoute {
-                operation: r.operation.clone(),
-                lease: r.record.lease,
-                reforwardable: r.execution.upstream_idempotent,
-                sent_on_take: None,
-            };
-            match takes.iter_mut().find(|(u, _)| *u == r.upstream) {
-                Some((_, list)) => list.push(take),
-                None => takes.push((r.upstream, vec![take])),
-            }
+        let (serving, former): (Vec<Arc<Route>>, Vec<Arc<Route>>) = routes.iter().cloned().partition(|r| r.may_run_async());
+        let mut workers = AsyncWorkers { routes, takes: Vec::new(), former, store, owner, wake };
+        for r in &serving {
+            workers.take_from(r);
         }
-        AsyncWorkers { routes, takes, store, owner, wake }
+        workers
     }
 
-    /// Starts `count` workers on `tracker`; they stop taking work when
-    /// `shutdown` fires and finish the attempts they hold (the drain waits).
-    pub fn spawn(mut self, count: usize, executor: &Executor, tracker: &TaskTracker, shutdown: CancellationToken) {
-        if self.takes.is_empty() || count == 0 {
-            return;
+    /// Takes `route`'s operations too. (`sent_on_take` is set from the
+    /// upstream's timeout in [`AsyncWorkers::sent_on_take`].)
+    fn take_from(&mut self, r: &Route) {
+        let take = WorkerRoute {
+            operation: r.operation.clone(),
+            lease: r.record.lease,
+            reforwardable: r.execution.upstream_idempotent,
+            sent_on_take: None,
+        };
+        match self.takes.iter_mut().find(|(u, _)| *u == r.upstream) {
+            Some((_, list)) => list.push(take),
+            None => self.takes.push((r.upstream, vec![take])),
         }
-        // A route whose upstream deduplicates (by the key forwarded, the same
-        // on every attempt) is sent without a never-sent proof: the take
-        // records the send, bounded by the upstream's timeout (docs/async.md).
+    }
+
+    /// A route whose upstream deduplicates (by the key forwarded, the same
+    /// on every attempt) is sent without a never-sent proof: the take
+    /// records the send, bounded by the upstream's timeout (docs/async.md).
+    fn sent_on_take(&mut self, executor: &Executor) {
         for (upstream, routes) in &mut self.takes {
             let timeout = executor.upstream(*upstream).config.timeout;
             for r in routes.iter_mut().filter(|r| r.reforwardable) {
                 r.sent_on_take = Some(timeout);
             }
         }
+    }
+
+    /// Takes from the [former](AsyncWorkers::former) async routes whose
+    /// operations the store still holds queued or processing (one look at
+    /// the records' counts; a store that cannot answer is asked again at
+    /// the next start or reload).
+    async fn adopt_former(&mut self) {
+        if self.former.is_empty() {
+            return;
+        }
+        let counts = match self.store.stats().await {
+            Ok(counts) => counts,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not look for operations of routes that no longer run async");
+                return;
+            }
+        };
+        let former = std::mem::take(&mut self.former);
+        for r in &former {
+            let left = counts
+                .iter()
+                .filter(|c| *c.operation == *r.operation && matches!(c.state, State::Queued | State::Processing))
+                .map(|c| c.count)
+                .sum::<i64>();
+            if left > 0 {
+                tracing::warn!(route = %r.operation, operations = left,
+                    "operations accepted while the route ran async are still queued or processing; the workers finish them with the default queueing settings");
+                self.take_from(r);
+            }
+        }
+    }
+
+    /// Starts `count` workers on `tracker`; they stop taking work when
+    /// `shutdown` fires and finish the attempts they hold (the drain waits).
+    pub fn spawn(self, count: usize, executor: &Executor, tracker: &TaskTracker, shutdown: CancellationToken) {
+        if count == 0 || (self.takes.is_empty() && self.former.is_empty()) {
+            return;
+        }
         let executor = Arc::new(executor.with_own_pools());
         let attempts = tracker.clone();
-        tracker.spawn(async move { self.run(count, executor, attempts, shutdown).await });
+        tracker.spawn(async move {
+            let mut workers = self;
+            workers.adopt_former().await;
+            if workers.takes.is_empty() {
+                return;
+            }
+            workers.sent_on_take(&executor);
+            workers.run(count, executor, attempts, shutdown).await
+        });
     }
 
     /// The taker: waits for a free worker, takes for every free one (within

@@ -31,7 +31,7 @@ use http::{Request, request};
 use hyper::body::Incoming;
 use uuid::Uuid;
 
-use crate::idempotency::fingerprint::{self, RequestParts};
+use crate::idempotency::fingerprint::{self, FingerprintSpec, RequestParts};
 use crate::idempotency::key::Scope;
 use crate::idempotency::outcome::RefusalReason;
 use crate::idempotency::record::{Decision, Record, ReforwardKey, decide};
@@ -278,16 +278,21 @@ fn invalid_body(detail: String) -> Refusal {
     Refusal { reason: RefusalReason::InvalidBody, error: GatewayError::InvalidBody(detail) }
 }
 
-/// [`decide`], recognising a record written by an earlier fingerprint version
-/// for this request: its hash is compared with the request's version-2, then
-/// version-1 fingerprint, computed only when the current one differs (see
-/// `fingerprint::legacy_fingerprints`).
+/// [`decide`], recognising a record written for this request by an earlier
+/// fingerprint version, or under other fingerprint settings the operation
+/// has had (`earlier`, [`crate::proxy::fingerprints`]): its hash is
+/// compared with the request's version-2, then version-1 fingerprint, then
+/// with its fingerprint under each of `earlier`, computed only when the
+/// current one differs (see `fingerprint::legacy_fingerprints`). A record
+/// recognised so is answered as the request's own (replayed, in progress,
+/// unknown); it is not taken over (the claim compares the current hash).
 pub fn decide_with_legacy(
     route: &Route,
     record: &Record,
     request_hash: &fingerprint::Fingerprint,
     request: &RequestParts<'_>,
     now: crate::idempotency::record::Timestamp,
+    earlier: &[Arc<FingerprintSpec>],
 ) -> Decision {
     match decide(record, request_hash, now) {
         Decision::Mismatch
@@ -295,6 +300,13 @@ pub fn decide_with_legacy(
                 .any(|earlier| earlier.is_ok_and(|earlier| earlier == record.request_hash)) =>
         {
             tracing::debug!(route = %route.operation, scope = %record.scope.log_id(), "the record has this request's fingerprint of an earlier version");
+            decide(record, &record.request_hash, now)
+        }
+        Decision::Mismatch
+            if earlier.iter().any(|spec| fingerprint::fingerprint(spec, request).is_ok_and(|h| h == record.request_hash)) =>
+        {
+            tracing::info!(route = %route.operation, scope = %record.scope.log_id(),
+                "the record has this request's fingerprint under fingerprint settings the operation had before; answered as its request");
             decide(record, &record.request_hash, now)
         }
         decision => decision,

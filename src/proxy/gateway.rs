@@ -18,13 +18,14 @@ use hyper::body::Incoming;
 use tokio::sync::{Notify, oneshot};
 
 use crate::executor::{Executor, ResultWrite, refetch};
-use crate::idempotency::fingerprint::RequestParts;
+use crate::idempotency::fingerprint::{Fingerprint, RequestParts};
 use crate::idempotency::outcome::RequestOutcome;
 use crate::idempotency::record::Retention;
-use crate::idempotency::record::{Decision, Record, State, StoredResponse, decide};
+use crate::idempotency::record::{Decision, Record, State, StoredResponse, Timestamp, decide};
 use crate::problem::{self, GatewayError};
 use crate::proxy::access::{self, Pending, REQUEST_ID, RouteLabel, Trace};
 use crate::proxy::admission::{self, Admitted, Front, Held, Stop, decide_with_legacy};
+use crate::proxy::fingerprints::FingerprintHistory;
 use crate::proxy::observe;
 use crate::proxy::passthrough;
 use crate::proxy::replay::replay;
@@ -105,6 +106,12 @@ impl Gateway {
         &self.executor
     }
 
+    /// The fingerprint settings each operation has had (a configuration
+    /// adds its own: [`crate::server::route_tasks`]).
+    pub fn fingerprint_history(&self) -> Arc<FingerprintHistory> {
+        self.shared.fingerprints.clone()
+    }
+
     /// What async workers are woken with when an operation is accepted.
     pub fn wake_workers(&self) -> Arc<Notify> {
         self.shared.wake_workers.clone()
@@ -112,11 +119,6 @@ impl Gateway {
 
     pub fn routes(&self) -> Vec<Arc<Route>> {
         self.configured.routes().to_vec()
-    }
-
-    /// The routes whose operations may run asynchronously.
-    pub fn async_routes(&self) -> Vec<Arc<Route>> {
-        self.configured.routes().iter().filter(|r| r.may_run_async()).cloned().collect()
     }
 
     /// The operations whose upstream deduplicates by the derived key.
@@ -398,7 +400,7 @@ impl Gateway {
         refused: GatewayError,
     ) -> Result<(Response<Body>, RequestOutcome), GatewayError> {
         let Ok(Some((record, now))) = self.configured.store.get(&claim.scope).await else { return Err(refused) };
-        match decide_with_legacy(route, &record, &claim.request_hash, request, now) {
+        match self.decide_existing(route, &record, &claim.request_hash, request, now).await {
             Decision::Replay => {
                 let stored = record.response.as_ref().ok_or(GatewayError::Internal)?;
                 self.answer_from(route, stored, &parts.headers).await.map(|r| (r, RequestOutcome::Replayed))
@@ -485,7 +487,7 @@ impl Gateway {
                 }
                 ClaimOutcome::Existing { record, now } => (record, now),
             };
-            match decide_with_legacy(route, &record, &request_hash, request, now) {
+            match self.decide_existing(route, &record, &request_hash, request, now).await {
                 Decision::Replay => {
                     let stored = record.response.as_ref().ok_or(GatewayError::Internal)?;
                     return self.answer_from(route, stored, &parts.headers).await.map(|r| Claimed::Answered((r, RequestOutcome::Replayed)));
@@ -525,6 +527,32 @@ impl Gateway {
                 }
             }
         }
+    }
+
+    /// What `record` means for this request ([`decide_with_legacy`]). A
+    /// mismatch is looked at again under the fingerprint settings the
+    /// operation had before ([`FingerprintHistory`], read from the store at
+    /// most every few seconds): a retry of the recorded request, made
+    /// before a rollout changed the settings, is answered as one.
+    async fn decide_existing(
+        &self,
+        route: &Route,
+        record: &Record,
+        request_hash: &Fingerprint,
+        request: &RequestParts<'_>,
+        now: Timestamp,
+    ) -> Decision {
+        let decision = decide_with_legacy(route, record, request_hash, request, now, &[]);
+        if decision != Decision::Mismatch {
+            return decision;
+        }
+        let history = &self.shared.fingerprints;
+        history.reread_if_stale(self.shared.store()).await;
+        let earlier = history.earlier(&route.operation, &route.key.fingerprint);
+        if earlier.is_empty() {
+            return decision;
+        }
+        decide_with_legacy(route, record, request_hash, request, now, &earlier)
     }
 
     /// A claim whose commit could not be confirmed may exist although nothing
@@ -580,6 +608,10 @@ impl Gateway {
         // A refetched result goes to the upstream with the caller's headers.
         let identity = admission::identify(&self.configured.identifier, req, peer).await.ok_or(GatewayError::Unauthenticated)?;
         let record = match self.configured.store.operation(&identity.tenant, id).await {
+            // Past its retention an operation is gone, as a synchronous
+            // record is (`Decision::Expired`), whether or not the sweeper
+            // has come by yet: a retry of its key starts a new one.
+            Ok(Some((record, now))) if record.state.is_retained() && record.expires_at <= now => return Err(GatewayError::NotFound),
             Ok(Some((record, _))) if record.scope.visible_to(&identity) => record,
             Ok(_) => return Err(GatewayError::NotFound),
             Err(e) => {

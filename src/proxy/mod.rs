@@ -8,6 +8,8 @@
 //!   for this request.
 //! - [`observe`]: observe mode, pass-through that works out what enforcing
 //!   would have done.
+//! - [`fingerprints`]: the fingerprint settings each operation has had,
+//!   for a request that fingerprints differently from its record.
 //! - [`passthrough`]: requests without idempotency, streamed both ways.
 //! - [`replay`]: answers out of a record.
 //! - [`state`]: what outlives configurations and what one configuration
@@ -15,6 +17,7 @@
 
 pub mod access;
 pub mod admission;
+pub mod fingerprints;
 pub mod gateway;
 pub mod observe;
 pub mod passthrough;

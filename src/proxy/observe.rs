@@ -172,7 +172,17 @@ pub async fn observe(
         Ok(Ok(Decided::Claimed)) => true,
         Ok(Ok(Decided::Found(found))) => {
             let (record, now) = *found;
-            match would(decide_with_legacy(route, &record, &request_hash, &request, now)) {
+            // A mismatch is looked at under the settings the operation had
+            // before too, as enforcing does (from the list in memory: the
+            // request waits for nothing more).
+            let decision = match decide_with_legacy(route, &record, &request_hash, &request, now, &[]) {
+                Decision::Mismatch => {
+                    let earlier = shared.fingerprints.earlier(&route.operation, &route.key.fingerprint);
+                    decide_with_legacy(route, &record, &request_hash, &request, now, &earlier)
+                }
+                decision => decision,
+            };
+            match would(decision) {
                 Some(would) => {
                     metrics.observe_would(&route.operation, would);
                     tracing::info!(route = %route.operation, scope = %log_id, would = would.as_str(),

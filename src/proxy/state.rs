@@ -16,6 +16,7 @@ use tokio_util::task::TaskTracker;
 use crate::config::Config;
 use crate::executor::waiters::Waiters;
 use crate::proxy::access::{REQUEST_ID, RequestIds, RequestSeries};
+use crate::proxy::fingerprints::FingerprintHistory;
 use crate::request::authorize::Authorizer;
 use crate::request::identity::{Identifier, IdentitySource};
 use crate::request::key_source::KeySource;
@@ -58,6 +59,9 @@ pub struct Shared {
     /// every configuration: a reload reconfigures them, and the slots held
     /// under the earlier configuration still count.
     pub(super) limits: Limits,
+    /// The fingerprint settings each operation has had, over every
+    /// configuration and replica.
+    pub(super) fingerprints: Arc<FingerprintHistory>,
 }
 
 impl Shared {
@@ -81,6 +85,7 @@ impl Shared {
             request_ids: Arc::new(RequestIds::new(config.server.trusted_proxies.clone())),
             observations: Arc::new(Semaphore::new(MAX_OBSERVATIONS)),
             limits: Limits::default(),
+            fingerprints: Arc::new(FingerprintHistory::default()),
         }
     }
 }

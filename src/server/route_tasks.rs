@@ -82,8 +82,11 @@ impl RouteTasks {
         if let Some(reconciler) = Reconciler::new(config, gateway.executor(), store.clone(), self.metrics.clone(), self.secret.clone()) {
             reconciler.spawn(&self.background, stop.clone());
         }
+        let (history, routes, plain) = (gateway.fingerprint_history(), gateway.routes(), store.clone());
+        let until = stop.clone();
+        self.background.spawn(async move { history.add(&plain, &routes, until).await });
         let replica: Arc<str> = config.server.replica_id.as_str().into();
-        AsyncWorkers::new(gateway.async_routes(), store, replica, gateway.wake_workers()).spawn(
+        AsyncWorkers::new(gateway.routes(), store, replica, gateway.wake_workers()).spawn(
             config.workers.count,
             gateway.executor(),
             &self.attempts,

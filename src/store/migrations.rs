@@ -46,6 +46,7 @@ migrations! {
     16 "0016_event_log_seq",
     17 "0017_event_log_floor",
     18 "0018_reforward_key",
+    19 "0019_fingerprint_specs",
 }
 
 /// The `idemgate_settings` row holding the derived-key secret.

@@ -508,6 +508,17 @@ impl Store {
         self.bounded(op::REFRESH_PLANS, self.backend.refresh_plans()).await
     }
 
+    /// Adds `(operation, spec text)` pairs to the fingerprint settings the
+    /// operations have had (`Records::add_fingerprint_specs`).
+    pub async fn add_fingerprint_specs(&self, specs: &[(String, String)]) -> Result<(), StoreError> {
+        self.bounded(op::ADD_FINGERPRINT_SPECS, self.backend.add_fingerprint_specs(specs)).await
+    }
+
+    /// Every `(operation, spec text)` pair added, oldest first.
+    pub async fn fingerprint_specs(&self) -> Result<Vec<(String, String)>, StoreError> {
+        self.bounded(op::FINGERPRINT_SPECS, self.backend.fingerprint_specs()).await
+    }
+
     /// Records not yet `completed`, by operation and state.
     pub async fn stats(&self) -> Result<Vec<StateCount>, StoreError> {
         self.bounded(op::STATS, self.backend.stats()).await

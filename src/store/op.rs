@@ -66,6 +66,9 @@ pub const BY_SCOPE_ID: StoreOp = read("by_scope_id");
 pub const SCOPES_WITHOUT_ID: StoreOp = read("scopes_without_id");
 pub const INSPECT: StoreOp = read("inspect");
 pub const AUDIT: StoreOp = read("audit");
+// The fingerprint settings operations have had.
+pub const ADD_FINGERPRINT_SPECS: StoreOp = write("add_fingerprint_specs");
+pub const FINGERPRINT_SPECS: StoreOp = read("fingerprint_specs");
 
 /// The operations of the request path and the background on every store:
 /// their series exist from the start.

@@ -20,6 +20,7 @@ on_both_stores!(
     refused_and_declined_attempts_back_off_then_fail_retryable,
     timeout_after_send_is_unknown_unless_the_upstream_deduplicates,
     the_acceptance_document_carries_the_time_of_acceptance,
+    an_operation_past_its_retention_is_gone_before_the_sweeper_comes,
 );
 
 /// A front replica shares a PostgreSQL store with replicas that run workers
@@ -228,4 +229,23 @@ async fn the_acceptance_document_carries_the_time_of_acceptance(backend: Backend
     let rec = settled_record(&store, "when").await.expect("record");
     assert_eq!(doc["created_at"].as_str(), Some(rec.created_at.to_string().as_str()), "202 {doc} vs record {rec:?}");
     assert_eq!(doc["updated_at"], doc["created_at"], "{doc}");
+}
+
+/// An operation completed longer ago than its route's retention is gone,
+/// as a synchronous record is, even while the sweeper has not come by (its
+/// interval here is far longer than the retention): its status and its
+/// result answer 404, not the answer kept past its time.
+async fn an_operation_past_its_retention_is_gone_before_the_sweeper_comes(backend: Backend) {
+    let (_up, gw, _store) = setup(backend, |c| c.route("retention = \"1s\"").sweep_interval("1h")).await;
+    let accepted = post(&gw.url("/v1/orders"), "short", ORDER, &[]).await;
+    assert_eq!(accepted.status, 202);
+    let location = accepted.header("location").expect("location").to_owned();
+    let done = wait_final(&gw, &location).await;
+    assert_eq!(done["state"], "completed", "{done}");
+    assert_eq!(get(&gw, &format!("{location}/result"), &auth(&[])).await.status, 201, "within its retention");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    for path in [location.clone(), format!("{location}/result")] {
+        let r = get(&gw, &path, &auth(&[])).await;
+        assert_eq!((r.status, r.problem().as_str()), (404, "not-found"), "{path}");
+    }
 }

@@ -306,6 +306,31 @@ async fn an_async_route_added_by_a_reload_is_run_by_the_workers() {
     assert_eq!(up.side_effects(&derived("async-1")), 1);
 }
 
+/// A reload that removes `allow_async` while an operation it accepted waits
+/// in the queue (its first attempt answered 503, a `release_on_status`):
+/// the workers still run it, with the default queueing settings, instead
+/// of leaving it queued for good with its client polling forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operation_accepted_before_a_reload_removed_allow_async_still_runs() {
+    let backend = sqlite_backend();
+    let up = TestUpstream::start().await;
+    let cfg = |extra: &str| GatewayConfig::new(backend.clone(), up.url()).route(&format!("release_on_status = [503]\n{extra}"));
+    let mut gw = Gateway::start(cfg("allow_async = true\nretry.backoff = \"2s\""));
+    let accepted = post(&gw.url("/v1/orders"), "queued", ORDER, &[("prefer", "respond-async"), ("x-test-status", "503")]).await;
+    assert_eq!(accepted.status, 202);
+    let store = backend.open().await;
+    let requeued = eventually(Duration::from_secs(10), || async {
+        record(&store, "queued").await.is_some_and(|r| r.state == idemgate::idempotency::record::State::Queued && r.attempts == 1)
+    })
+    .await;
+    assert!(requeued, "{:?}\n{}", record(&store, "queued").await, gw.logs());
+    assert_eq!(up.total(), 1);
+    tokio::task::block_in_place(|| gw.reload(cfg(""), Duration::from_secs(10))).expect("the reload is applied");
+    let ran = eventually(Duration::from_secs(15), || async { up.total() >= 2 }).await;
+    assert!(ran, "never run after the reload: {:?}\n{}", record(&store, "queued").await, gw.logs());
+    assert!(record(&store, "queued").await.is_some_and(|r| r.attempts >= 2));
+}
+
 /// `upstream_idempotent` turned off by a reload: from then on, an attempt
 /// whose lease runs out after it was sent is never sent again (it becomes
 /// unknown), even by a replica that started while the route said otherwise.
@@ -471,5 +496,59 @@ async fn a_reload_keeps_the_slots_held_under_an_upstreams_limit() {
     tokio::task::block_in_place(|| gw.reload(raised, Duration::from_secs(10))).expect("the reload is applied");
     assert_eq!(post_as(&gw, "test-key", "second").await.status, 201);
     assert_eq!(slow.await.expect("slow").status, 201);
+    assert_eq!(up.total(), 2);
+}
+
+/// A reload that changes a route's fingerprint settings (here: a field
+/// left out from now on) changes what an identical request fingerprints
+/// as. A retry of a request recorded before it is still recognised (under
+/// the settings it was recorded with) and replayed, not refused as a
+/// changed request with the advice to use a new key; a request that
+/// differs under those settings too is still refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_is_recognised_after_a_reload_changed_the_fingerprint_settings() {
+    for backend in [sqlite_backend(), postgres_backend()] {
+        let up = TestUpstream::start().await;
+        let cfg = |extra: &str| GatewayConfig::new(backend.clone(), up.url()).route(extra);
+        let mut gw = Gateway::start(cfg(""));
+        let url = gw.url("/v1/orders");
+        const TRACED: &str = r#"{"item":"book","qty":1,"trace_id":"t-1"}"#;
+        let first = post(&url, "fp", TRACED, &[]).await;
+        assert_eq!(first.status, 201);
+        let store = backend.open().await;
+        assert!(settled_record(&store, "fp").await.is_some_and(|r| r.state == idemgate::idempotency::record::State::Completed));
+        tokio::task::block_in_place(|| gw.reload(cfg("fingerprint.exclude = [\"/trace_id\"]"), Duration::from_secs(10))).expect("reloaded");
+        let retry = post(&url, "fp", TRACED, &[]).await;
+        assert_eq!((retry.status, retry.replayed(), &retry.body), (201, true, &first.body), "{}", gw.logs());
+        let changed = post(&url, "fp", r#"{"item":"pen","qty":1,"trace_id":"t-1"}"#, &[]).await;
+        assert_eq!((changed.status, changed.problem().as_str()), (409, "idempotency-key-reused"));
+        // A request made under the new settings is one record as before.
+        assert_eq!(post(&url, "fp-new", TRACED, &[]).await.status, 201);
+        assert!(post(&url, "fp-new", r#"{"item":"book","qty":1,"trace_id":"t-2"}"#, &[]).await.replayed());
+        assert_eq!(up.total(), 2);
+    }
+}
+
+/// Two replicas mid-rollout with different fingerprint settings for one
+/// operation (a header entering the fingerprint on one only): a client's
+/// identical retry that lands on the other replica is replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_on_a_replica_with_other_fingerprint_settings_is_replayed() {
+    let backend = postgres_backend();
+    let up = TestUpstream::start().await;
+    let a = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).route("fingerprint.headers = [\"api-version\"]"));
+    let headers = [("api-version", "2026-01-01")];
+    let first = post(&a.url("/v1/orders"), "rolled", ORDER, &headers).await;
+    assert_eq!(first.status, 201);
+    let b = Gateway::start(GatewayConfig::new(backend.clone(), up.url()));
+    let retry = post(&b.url("/v1/orders"), "rolled", ORDER, &headers).await;
+    assert_eq!((retry.status, retry.replayed(), &retry.body), (201, true, &first.body), "{}", b.logs());
+    // And the other way round: recorded by B, retried on A, which learns
+    // of B's settings when it reads the list again (at most every second).
+    let first = post(&b.url("/v1/orders"), "back", ORDER, &headers).await;
+    assert_eq!(first.status, 201);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let retry = post(&a.url("/v1/orders"), "back", ORDER, &headers).await;
+    assert_eq!((retry.status, retry.replayed()), (201, true), "{}", a.logs());
     assert_eq!(up.total(), 2);
 }

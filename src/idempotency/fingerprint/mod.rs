@@ -154,6 +154,42 @@ impl FingerprintSpec {
         }
         Ok(())
     }
+
+    /// The spec as text, for the store's list of the settings an operation
+    /// has had (a JSON object; equal specs give equal texts).
+    pub fn to_text(&self) -> String {
+        let defaults: Vec<Value> = self.defaults.iter().map(|(p, v)| Value::Array(vec![Value::from(p.as_str()), v.clone()])).collect();
+        serde_json::json!({
+            "exclude": self.exclude.iter().map(JsonPointer::as_str).collect::<Vec<_>>(),
+            "defaults": defaults,
+            "headers": self.headers.iter().map(HeaderName::as_str).collect::<Vec<_>>(),
+        })
+        .to_string()
+    }
+
+    /// [`FingerprintSpec::to_text`] read back (from the store: an error
+    /// names what is wrong, never panics).
+    pub fn from_text(text: &str) -> Result<FingerprintSpec, String> {
+        let doc: Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
+        let list = |name: &str| doc.get(name).and_then(Value::as_array).cloned().ok_or_else(|| format!("no list {name:?}"));
+        let string = |v: &Value| v.as_str().map(str::to_owned).ok_or_else(|| format!("not a string: {v}"));
+        let exclude = list("exclude")?
+            .iter()
+            .map(|v| string(v).and_then(|s| JsonPointer::parse(&s).map_err(|e| e.to_string())))
+            .collect::<Result<_, _>>()?;
+        let defaults = list("defaults")?
+            .iter()
+            .map(|pair| match pair.as_array().map(Vec::as_slice) {
+                Some([p, v]) => string(p).and_then(|s| JsonPointer::parse(&s).map_err(|e| e.to_string())).map(|p| (p, v.clone())),
+                _ => Err(format!("not a [pointer, value] pair: {pair}")),
+            })
+            .collect::<Result<_, _>>()?;
+        let headers = list("headers")?
+            .iter()
+            .map(|v| string(v).and_then(|s| HeaderName::from_str(&s).map_err(|e| e.to_string())))
+            .collect::<Result<_, _>>()?;
+        Ok(FingerprintSpec { exclude, defaults, headers })
+    }
 }
 
 /// Container nesting of a value (scalar 0, `[]` 1), without recursion.

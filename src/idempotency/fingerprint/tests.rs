@@ -623,3 +623,30 @@ fn the_legacy_fingerprint_is_version_1s_encoding() {
     let parts = RequestParts { query: plain.query.as_deref(), headers: &plain.headers, body: &plain.body, ..parts };
     assert_ne!(legacy_fingerprint(&none(), &parts).expect("v1"), plain.fp(&none()));
 }
+
+#[test]
+fn a_spec_reads_back_from_its_text() {
+    let specs = [
+        FingerprintSpec::default(),
+        spec(
+            &["/trace_id", "/items/0/~1x"],
+            &[("/currency", serde_json::json!("USD")), ("/opts", serde_json::json!({"a": [1, null]}))],
+            &["api-version", "x-tenant"],
+        ),
+    ];
+    for s in specs {
+        let text = s.to_text();
+        assert_eq!(FingerprintSpec::from_text(&text), Ok(s.clone()), "{text}");
+        assert_eq!(FingerprintSpec::from_text(&text).unwrap().to_text(), text, "equal specs give equal texts");
+    }
+    for bad in [
+        "",
+        "[]",
+        r#"{"exclude":[1],"defaults":[],"headers":[]}"#,
+        r#"{"exclude":[],"defaults":[["/a"]],"headers":[]}"#,
+        r#"{"exclude":["x"],"defaults":[],"headers":[]}"#,
+        r#"{"exclude":[],"defaults":[],"headers":["bad header"]}"#,
+    ] {
+        assert!(FingerprintSpec::from_text(bad).is_err(), "{bad}");
+    }
+}

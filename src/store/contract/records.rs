@@ -232,4 +232,12 @@ pub trait Records: Send + Sync + std::fmt::Debug {
     /// before migration 0005), in primary-key order after `after`. On
     /// PostgreSQL there are none after migration 0011, which computes them.
     async fn scopes_without_id(&self, after: Option<&Scope>, limit: u32) -> Result<Vec<Scope>, StoreError>;
+
+    /// Adds `(operation, spec)` pairs (the text of a route's fingerprint
+    /// settings) to the settings the operations have had; a pair already
+    /// there is left as it is.
+    async fn add_fingerprint_specs(&self, specs: &[(String, String)]) -> Result<(), StoreError>;
+
+    /// Every `(operation, spec)` pair added, oldest first.
+    async fn fingerprint_specs(&self) -> Result<Vec<(String, String)>, StoreError>;
 }

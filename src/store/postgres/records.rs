@@ -678,4 +678,23 @@ impl Records for PgStore {
     async fn scopes_without_id(&self, _after: Option<&Scope>, _limit: u32) -> Result<Vec<Scope>, StoreError> {
         Ok(Vec::new())
     }
+
+    async fn add_fingerprint_specs(&self, specs: &[(String, String)]) -> Result<(), StoreError> {
+        let (operations, texts): (Vec<&str>, Vec<&str>) = specs.iter().map(|(o, s)| (o.as_str(), s.as_str())).unzip();
+        self.query(ADD_FINGERPRINT_SPECS, &[&operations, &texts], true).await.map(drop)
+    }
+
+    async fn fingerprint_specs(&self) -> Result<Vec<(String, String)>, StoreError> {
+        let rows = self.query(FINGERPRINT_SPECS, &[], false).await?;
+        let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
+        rows.iter().map(|row| Ok((row.try_get(0).map_err(c)?, row.try_get(1).map_err(c)?))).collect()
+    }
 }
+
+/// The fingerprint settings of a configuration's routes (migration 0019),
+/// each pair once.
+const ADD_FINGERPRINT_SPECS: &str = "INSERT INTO idemgate_fingerprint_specs (operation, spec) \
+     SELECT * FROM unnest($1::text[], $2::text[]) ON CONFLICT DO NOTHING";
+
+/// Every operation's fingerprint settings, oldest first.
+const FINGERPRINT_SPECS: &str = "SELECT operation, spec FROM idemgate_fingerprint_specs ORDER BY registered_at, operation, spec";

@@ -362,6 +362,38 @@ impl Records for SqliteStore {
         })
         .await
     }
+
+    async fn add_fingerprint_specs(&self, specs: &[(String, String)]) -> Result<(), StoreError> {
+        let specs = specs.to_vec();
+        self.write(move |tx, now| {
+            let mut st = tx
+                .prepare_cached(
+                    "INSERT INTO idemgate_fingerprint_specs (operation, spec, registered_at) VALUES (?1, ?2, ?3) ON CONFLICT DO NOTHING",
+                )
+                .map_err(err)?;
+            for (operation, spec) in &specs {
+                st.execute(params![operation, spec, now.0]).map_err(err)?;
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    async fn fingerprint_specs(&self) -> Result<Vec<(String, String)>, StoreError> {
+        self.write(move |conn, _| {
+            let mut st = conn
+                .prepare_cached("SELECT operation, spec FROM idemgate_fingerprint_specs ORDER BY registered_at, operation, spec")
+                .map_err(err)?;
+            let mut rows = st.query([]).map_err(err)?;
+            let mut out = Vec::new();
+            while let Some(row) = rows.next().map_err(err)? {
+                let c = |e: rusqlite::Error| StoreError::Corrupt(e.to_string());
+                out.push((row.get(0).map_err(c)?, row.get(1).map_err(c)?));
+            }
+            Ok(out)
+        })
+        .await
+    }
 }
 
 /// Attempts whose lease ran out (or, in flight, that have none), oldest

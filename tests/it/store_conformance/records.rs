@@ -33,6 +33,7 @@ on_both_stores!(
     sweep_deletes_only_expired_completed_records_in_batches,
     reap_leases_turns_only_expired_in_flight_into_unknown,
     one_pass_serves_every_tenant_with_work_due,
+    fingerprint_specs_are_kept_once_each,
     list_filters_orders_and_limits,
     claim_resent_with_the_same_token_is_recognised_as_ours,
     abandon_deletes_only_an_in_flight_claim_with_its_token,
@@ -58,6 +59,7 @@ on_pgbouncer!(
     sweep_deletes_only_expired_completed_records_in_batches,
     reap_leases_turns_only_expired_in_flight_into_unknown,
     one_pass_serves_every_tenant_with_work_due,
+    fingerprint_specs_are_kept_once_each,
     list_filters_orders_and_limits,
     claim_resent_with_the_same_token_is_recognised_as_ours,
     abandon_deletes_only_an_in_flight_claim_with_its_token,
@@ -83,6 +85,7 @@ on_citus!(
     sweep_deletes_only_expired_completed_records_in_batches,
     reap_leases_turns_only_expired_in_flight_into_unknown,
     one_pass_serves_every_tenant_with_work_due,
+    fingerprint_specs_are_kept_once_each,
     list_filters_orders_and_limits,
     claim_resent_with_the_same_token_is_recognised_as_ours,
     abandon_deletes_only_an_in_flight_claim_with_its_token,
@@ -589,6 +592,23 @@ async fn one_pass_serves_every_tenant_with_work_due(backend: Backend) {
     let left = all(&store).await;
     assert_eq!(left.len(), TENANTS, "only the reaped records are left");
     assert!(left.iter().all(|r| r.state == State::Unknown && r.scope.key.as_str() == "stale"), "{left:?}");
+}
+
+/// The fingerprint settings operations have had: each pair kept once,
+/// listed oldest first, whatever the text holds.
+async fn fingerprint_specs_are_kept_once_each(backend: Backend) {
+    let store = open(&backend).await;
+    assert_eq!(store.fingerprint_specs().await.unwrap(), Vec::<(String, String)>::new());
+    let pair = |o: &str, s: &str| (o.to_owned(), s.to_owned());
+    let first = [pair("create_order", r#"{"exclude":[]}"#), pair("refund", "x 'quoted' \\ text")];
+    store.add_fingerprint_specs(&first).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    store.add_fingerprint_specs(&[pair("create_order", r#"{"exclude":["/t"]}"#), first[0].clone()]).await.unwrap();
+    store.add_fingerprint_specs(&[]).await.unwrap();
+    let listed = store.fingerprint_specs().await.unwrap();
+    assert_eq!(listed.len(), 3, "{listed:?}");
+    assert_eq!(listed.last(), Some(&pair("create_order", r#"{"exclude":["/t"]}"#)), "oldest first: {listed:?}");
+    assert!(first.iter().all(|p| listed.contains(p)), "{listed:?}");
 }
 
 async fn list_filters_orders_and_limits(backend: Backend) {
