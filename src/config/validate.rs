@@ -774,7 +774,7 @@ impl Validator<'_> {
                 let timeout = self.duration(&format!("{p}.timeout"), u.timeout.as_deref(), "10s");
                 let timeout = self.at_least(&format!("{p}.timeout"), timeout, Duration::from_millis(1));
                 let connect_timeout = self.connect_timeout(&p, u.connect_timeout.as_deref(), timeout);
-                let pool_idle_timeout = self.duration(&format!("{p}.pool_idle_timeout"), u.pool_idle_timeout.as_deref(), "90s");
+                let pool_idle_timeout = self.duration(&format!("{p}.pool_idle_timeout"), u.pool_idle_timeout.as_deref(), "1s");
                 let pool_max_idle = match u.pool_max_idle.unwrap_or(256) {
                     n @ 0..=65_536 => Some(n as usize),
                     n => {

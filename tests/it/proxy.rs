@@ -866,3 +866,57 @@ async fn a_chunked_answer_with_a_stale_length_and_echoed_headers_is_forwarded_cl
     let replay = post(&gw.url("/v1/orders"), "k", ORDER, &[]).await;
     assert_eq!((replay.replayed(), &replay.body[..], replay.header("content-length")), (true, &b"{\"id\":1}"[..], Some("8")));
 }
+
+/// An upstream that closes a keep-alive connection once it has been idle
+/// for 1.5 s (gunicorn's default is 2 s, Node's 5 s): here it notices only
+/// when the next request arrives and closes without answering, which is
+/// what a close that crosses a reused connection's request looks like (the
+/// request written, the connection gone: the outcome would be `unknown`).
+/// The gateway's pool, by default, does not reuse a connection idle for
+/// longer than a second, so a request after a pause goes on a fresh
+/// connection and is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_idle_past_the_default_pool_timeout_is_not_reused() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let executed = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let count = executed.clone();
+    tokio::spawn(async move {
+        loop {
+            let (mut sock, _) = listener.accept().await.unwrap();
+            let count = count.clone();
+            tokio::spawn(async move {
+                let mut idle_since = tokio::time::Instant::now();
+                loop {
+                    let mut got = Vec::new();
+                    let mut buf = [0u8; 4096];
+                    while !got.windows(4).any(|w| w == b"\r\n\r\n") || !got.ends_with(b"}") {
+                        match sock.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => got.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    if idle_since.elapsed() >= Duration::from_millis(1500) {
+                        return;
+                    }
+                    count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let answer = "HTTP/1.1 201 Created\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+                    if sock.write_all(answer.as_bytes()).await.is_err() {
+                        return;
+                    }
+                    idle_since = tokio::time::Instant::now();
+                }
+            });
+        }
+    });
+    let backend = sqlite_backend();
+    let gw = Gateway::start(GatewayConfig::new(backend.clone(), format!("http://{addr}")).server("workers = 1"));
+    assert_eq!(post(&gw.url("/v1/orders"), "before", ORDER, &[]).await.status, 201);
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    let after = post(&gw.url("/v1/orders"), "after-pause", ORDER, &[]).await;
+    assert_eq!(after.status, 201, "{:?}\n{}", after.body, gw.logs());
+    let store = backend.open().await;
+    assert_eq!(settled_record(&store, "after-pause").await.map(|r| r.state), Some(State::Completed));
+    assert_eq!(executed.load(std::sync::atomic::Ordering::SeqCst), 2);
+}
