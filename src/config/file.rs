@@ -165,23 +165,58 @@ fn entries<T: DeserializeOwned>(text: &str, path: &str, value: Spanned<DeValue<'
 }
 
 /// Deserializes one part, recording a failure with its full TOML path and position.
+/// A part that fails is deserialized again field by field (each alone, with the
+/// part's `kind`), so that every field in error is reported in one run, not only
+/// the first the whole part stopped at.
 fn part<T: DeserializeOwned>(text: &str, path: &str, value: Spanned<DeValue<'_>>, issues: &mut Found) -> Part<T> {
     let key = |k: &str| value.get_ref().get(k).and_then(|v| v.get_ref().as_str()).map(str::to_owned);
     let keys = Keys { name: key("name"), operation: key("operation"), method: key("method"), path: key("path"), listen: key("listen") };
     let whole = value.span();
-    match serde_path_to_error::deserialize(ValueDeserializer::from(value)) {
-        Ok(t) => Part::Ok(t),
-        Err(e) => {
-            let inner = e.path().to_string();
-            let full = match inner.as_str() {
-                "." => path.to_owned(),
-                _ if inner.starts_with('[') => format!("{path}{inner}"),
-                _ => format!("{path}.{inner}"),
-            };
-            issues.push(text, e.inner().span().unwrap_or(whole), full, e.inner().message().trim());
-            Part::Broken(keys)
+    let fields = match value.get_ref() {
+        DeValue::Table(table) => Some(table.clone()),
+        _ => None,
+    };
+    let first = match serde_path_to_error::deserialize(ValueDeserializer::from(value)) {
+        Ok(t) => return Part::Ok(t),
+        Err(e) => error_at(path, &e, whole.clone()),
+    };
+    let mut reported = vec![(first.1.clone(), first.2.clone())];
+    issues.push(text, first.0, first.1, first.2);
+    let kind = fields.as_ref().and_then(|t| t.iter().find(|(k, _)| k.get_ref().as_ref() == "kind").map(|(k, v)| (k.clone(), v.clone())));
+    for (name, field) in fields.into_iter().flatten() {
+        if name.get_ref().as_ref() == "kind" {
+            continue;
         }
+        let mut alone = DeTable::new();
+        if let Some((k, v)) = &kind {
+            alone.insert(k.clone(), v.clone());
+        }
+        alone.insert(name, field);
+        let Err(e) = serde_path_to_error::deserialize::<_, T>(ValueDeserializer::from(Spanned::new(whole.clone(), DeValue::Table(alone))))
+        else {
+            continue;
+        };
+        let (span, full, message) = error_at(path, &e, whole.clone());
+        // A field alone misses the others: that is not its problem.
+        if message.starts_with("missing field") || reported.contains(&(full.clone(), message.clone())) {
+            continue;
+        }
+        reported.push((full.clone(), message.clone()));
+        issues.push(text, span, full, message);
     }
+    Part::Broken(keys)
+}
+
+/// Where a part's deserialization failed: the span, the full TOML path and
+/// the message.
+fn error_at(path: &str, e: &serde_path_to_error::Error<toml::de::Error>, whole: Range<usize>) -> (Range<usize>, String, String) {
+    let inner = e.path().to_string();
+    let full = match inner.as_str() {
+        "." => path.to_owned(),
+        _ if inner.starts_with('[') => format!("{path}{inner}"),
+        _ => format!("{path}.{inner}"),
+    };
+    (e.inner().span().unwrap_or(whole), full, e.inner().message().trim().to_owned())
 }
 
 /// ` (line L, column C)` of a byte offset, for messages.

@@ -777,3 +777,26 @@ fn event_batches_default_to_one_and_are_bounded() {
         assert!(issue(&e, "routes[0].events.batch").contains("1-1000"), "{e}");
     }
 }
+
+/// Every field in error within one entry is reported in one run (the whole
+/// entry stops at its first error; each field is then tried alone), each at
+/// its own path, and a field alone never reports the fields it lacks.
+#[test]
+fn every_field_in_error_of_one_entry_is_reported() {
+    let e = parse(&minimal("release_on_status = [\"429\"]\nretention = 5\nkey_required = \"yes\"\nnot_a_key = 1")).unwrap_err();
+    for path in ["routes[0].release_on_status[0]", "routes[0].retention", "routes[0].key_required", "routes[0].not_a_key"] {
+        assert!(e.issues.iter().any(|i| i.path == path), "{path} not reported: {e}");
+    }
+    assert!(!e.issues.iter().any(|i| i.message.starts_with("missing field")), "{e}");
+    let paths: Vec<&str> = e.issues.iter().map(|i| i.path.as_str()).collect();
+    let mut unique = paths.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    assert_eq!(unique.len(), paths.len(), "each once: {e}");
+    // A tagged entry (an identity source) is tried field by field with its kind.
+    let text = minimal("").replace("kind = \"api_key\"", "kind = \"api_key\"\nheader = 7\nbogus = true");
+    let e = parse(&text).unwrap_err();
+    for path in ["identity.sources[0].header", "identity.sources[0].bogus"] {
+        assert!(e.issues.iter().any(|i| i.path == path), "{path} not reported: {e}");
+    }
+}

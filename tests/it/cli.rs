@@ -55,6 +55,26 @@ fn sqlite_store(dir: &Path) -> String {
     format!("[store]\nkind = \"sqlite\"\npath = \"{}\"\n", dir.join("data").join("idemgate.db").display())
 }
 
+/// Several fields of the wrong type (or unknown) in one entry: each is
+/// printed in the same run, not only the first the entry stopped at.
+#[test]
+fn every_field_of_the_wrong_type_in_one_entry_is_printed() {
+    let dir = tempfile::tempdir().unwrap();
+    let body = config("", &[("orders", "http://127.0.0.1:9000".into())]).replace(
+        "upstream = \"orders\"",
+        "upstream = \"orders\"\nrelease_on_status = [\"429\"]\nretention = 5\nkey_required = \"yes\"\ncolour = 1",
+    );
+    let file = write(dir.path(), "bad.toml", &body);
+    let out = check_config(&file, false);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    let name = file.display().to_string();
+    for path in ["routes[0].release_on_status[0]", "routes[0].retention", "routes[0].key_required", "routes[0].colour"] {
+        assert!(err.lines().any(|l| l.starts_with(&format!("{name}: {path}: ")) && l.contains("(line ")), "missing {path} in:\n{err}");
+    }
+    assert!(err.contains("4 error(s)"), "{err}");
+}
+
 #[test]
 fn every_error_in_three_sections_is_printed_with_its_path_and_exit_is_1() {
     let dir = tempfile::tempdir().unwrap();
