@@ -1,7 +1,10 @@
 -- The key a record's request went to an idempotent upstream under:
--- 'derived' (from the scope) or 'client' (`forward_key = "client"`). Written
--- by every claim whose route declares `upstream_idempotent`; NULL otherwise
--- (and for observe mode, which forwards no key).
+-- 'derived' (from the scope) or 'client' (`forward_key = "client"`), stored
+-- as `<key>:<claim token>`. Written by every claim whose route declares
+-- `upstream_idempotent`; NULL otherwise (and for observe mode, which
+-- forwards no key). It counts only while its claim token is the record's:
+-- a replica of an earlier version that takes the record over writes a new
+-- token and leaves this column as it was.
 --
 -- A take-over re-sends a request that may have executed (an expired
 -- in-flight record, an `unknown` one) and counts on the upstream to

@@ -1453,6 +1453,7 @@ impl Validator<'_> {
                     }
                 },
                 forward: forward_key?,
+                fingerprint_digest: fingerprint.as_ref().map(|f| f.digest().into())?,
                 fingerprint: fingerprint?,
                 mismatch_status: mismatch_status?,
             },

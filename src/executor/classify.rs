@@ -51,14 +51,10 @@ impl Class {
 /// (`Idempotency-Key`, `X-Idempotency-Generation`, `Idempotent-Replayed`): an
 /// upstream that echoes them would show the client the derived key and the
 /// attempt's generation, or mark a first answer as a replay. A
-/// `Content-Length` sent beside `Transfer-Encoding` is not the body's length
-/// and goes too (RFC 9112, section 6.3): the body is forwarded with the
-/// length it turns out to have. `Answered` until the body says otherwise: a
+/// `Content-Length` sent beside `Transfer-Encoding` goes too
+/// ([`strip_hop_by_hop`]). `Answered` until the body says otherwise: a
 /// body that fails mid-read is [`failure`]'s to classify.
 pub fn head(release_on_status: &[StatusCode], head: &mut http::response::Parts) -> Class {
-    if head.headers.contains_key(http::header::TRANSFER_ENCODING) {
-        head.headers.remove(http::header::CONTENT_LENGTH);
-    }
     strip_hop_by_hop(&mut head.headers);
     // Every line of it: an upstream may send the directive on a second one.
     let no_store = head
@@ -66,9 +62,7 @@ pub fn head(release_on_status: &[StatusCode], head: &mut http::response::Parts) 
         .get_all(headers::IDEMPOTENCY_POLICY)
         .iter()
         .any(|v| v.to_str().is_ok_and(|s| s.split(',').any(|t| t.trim().eq_ignore_ascii_case("no-store"))));
-    for ours in [headers::IDEMPOTENCY_POLICY, headers::IDEMPOTENCY_KEY, headers::IDEMPOTENCY_GENERATION, headers::IDEMPOTENT_REPLAYED] {
-        head.headers.remove(ours);
-    }
+    headers::strip_ours(&mut head.headers);
     if no_store || release_on_status.contains(&head.status) { Class::Declined { no_store } } else { Class::Answered }
 }
 

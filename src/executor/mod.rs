@@ -657,7 +657,7 @@ pub async fn refetch(upstream: &Upstream, stored: &StoredResponse, caller: &http
     };
     let (mut head, body) = resp.into_parts();
     strip_hop_by_hop(&mut head.headers);
-    head.headers.remove(headers::IDEMPOTENCY_POLICY);
+    headers::strip_ours(&mut head.headers);
     if head.status.is_success() {
         head.status = http::StatusCode::from_u16(stored.status).map_err(|_| GatewayError::Internal)?;
         head.headers.insert(headers::IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));

@@ -219,16 +219,25 @@ pub struct Record {
     /// upstream, forwarded no key (observe mode), or the record is older
     /// than this column (migration 0018).
     pub reforward_key: Option<ReforwardKey>,
+    /// The digest of the fingerprint settings the record's hash was
+    /// computed under (`FingerprintSpec::digest`); `None` for records older
+    /// than this column (migration 0019) or rewritten by a replica of an
+    /// earlier version.
+    pub fingerprint_spec: Option<String>,
 }
 
 /// Which key an idempotent upstream is sent a record's request under: the
-/// one derived from the scope, or the client's own (`forward_key`). An
-/// upstream that deduplicates by key acts again on the same request sent
-/// under the other one.
+/// one derived from the scope, the client's own (`forward_key`), or none at
+/// all (observe mode passes requests through as they are). An upstream that
+/// deduplicates by key acts again on the same request sent under another
+/// one: a record is taken over only by a claim that sends under its key (an
+/// observing claim, which forwards whatever the record says, takes over an
+/// observed one; an enforcing claim never does).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ReforwardKey {
     Derived,
     Client,
+    NoKey,
 }
 
 impl ReforwardKey {
@@ -236,6 +245,7 @@ impl ReforwardKey {
         match self {
             ReforwardKey::Derived => "derived",
             ReforwardKey::Client => "client",
+            ReforwardKey::NoKey => "none",
         }
     }
 
@@ -244,6 +254,7 @@ impl ReforwardKey {
         match s {
             "derived" => Some(ReforwardKey::Derived),
             "client" => Some(ReforwardKey::Client),
+            "none" => Some(ReforwardKey::NoKey),
             _ => None,
         }
     }
@@ -582,6 +593,7 @@ mod tests {
             maybe_executed: false,
             key_source: None,
             reforward_key: Some(ReforwardKey::Derived),
+            fingerprint_spec: None,
         }
     }
 
@@ -642,6 +654,10 @@ mod tests {
             }
             let r = Record { reforward_key: Some(ReforwardKey::Client), ..record(state, lease, -5) };
             assert!(may_take_over(&r, &fp(1), NOW, CLIENT));
+            // An observed record: never by an enforcing claim, by an observing one.
+            let observed = Record { reforward_key: Some(ReforwardKey::NoKey), ..record(state, lease, -5) };
+            assert!(!may_take_over(&observed, &fp(1), NOW, D) && !may_take_over(&observed, &fp(1), NOW, CLIENT));
+            assert!(may_take_over(&observed, &fp(1), NOW, Some(ReforwardKey::NoKey)));
         }
     }
 

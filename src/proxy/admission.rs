@@ -245,6 +245,7 @@ fn claim_request(
         owner,
         lease: route.record.lease,
         reforward: reforward(route),
+        fingerprint_spec: route.key.fingerprint_digest.clone(),
         claim_token: Uuid::new_v4(),
         acceptance,
         key_source: found.source,
@@ -253,15 +254,17 @@ fn claim_request(
 }
 
 /// The key a claim of `route` may re-forward an earlier attempt under: the
-/// one it sends, when its upstream deduplicates. Never in observe mode,
-/// which forwards no key at all.
+/// one it sends, when its upstream deduplicates. Observe mode sends none (it
+/// passes every request through as it is, and takes over only what it
+/// observed itself).
 fn reforward(route: &Route) -> Option<ReforwardKey> {
-    if !route.execution.upstream_idempotent || matches!(route.execution.mode, Mode::Observe { .. }) {
+    if !route.execution.upstream_idempotent {
         return None;
     }
-    Some(match route.key.forward {
-        ForwardKey::Derived => ReforwardKey::Derived,
-        ForwardKey::Client => ReforwardKey::Client,
+    Some(match (&route.execution.mode, route.key.forward) {
+        (Mode::Observe { .. }, _) => ReforwardKey::NoKey,
+        (_, ForwardKey::Derived) => ReforwardKey::Derived,
+        (_, ForwardKey::Client) => ReforwardKey::Client,
     })
 }
 
@@ -279,20 +282,20 @@ fn invalid_body(detail: String) -> Refusal {
 }
 
 /// [`decide`], recognising a record written for this request by an earlier
-/// fingerprint version, or under other fingerprint settings the operation
-/// has had (`earlier`, [`crate::proxy::fingerprints`]): its hash is
-/// compared with the request's version-2, then version-1 fingerprint, then
-/// with its fingerprint under each of `earlier`, computed only when the
-/// current one differs (see `fingerprint::legacy_fingerprints`). A record
-/// recognised so is answered as the request's own (replayed, in progress,
-/// unknown); it is not taken over (the claim compares the current hash).
+/// fingerprint version, or under other fingerprint settings (`recorded`:
+/// the record's own, [`crate::proxy::fingerprints`]): its hash is compared
+/// with the request's version-2, then version-1 fingerprint, then with its
+/// fingerprint under `recorded`, computed only when the current one differs
+/// (see `fingerprint::legacy_fingerprints`). A record recognised so is
+/// answered as the request's own (replayed, in progress, unknown); it is not
+/// taken over (the claim compares the current hash).
 pub fn decide_with_legacy(
     route: &Route,
     record: &Record,
     request_hash: &fingerprint::Fingerprint,
     request: &RequestParts<'_>,
     now: crate::idempotency::record::Timestamp,
-    earlier: &[Arc<FingerprintSpec>],
+    recorded: Option<&FingerprintSpec>,
 ) -> Decision {
     match decide(record, request_hash, now) {
         Decision::Mismatch
@@ -303,10 +306,10 @@ pub fn decide_with_legacy(
             decide(record, &record.request_hash, now)
         }
         Decision::Mismatch
-            if earlier.iter().any(|spec| fingerprint::fingerprint(spec, request).is_ok_and(|h| h == record.request_hash)) =>
+            if recorded.is_some_and(|spec| fingerprint::fingerprint(spec, request).is_ok_and(|h| h == record.request_hash)) =>
         {
             tracing::info!(route = %route.operation, scope = %record.scope.log_id(),
-                "the record has this request's fingerprint under fingerprint settings the operation had before; answered as its request");
+                "the record has this request's fingerprint under the fingerprint settings it was written under; answered as its request");
             decide(record, &record.request_hash, now)
         }
         decision => decision,

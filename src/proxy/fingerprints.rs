@@ -1,22 +1,24 @@
 //! The fingerprint settings each operation has had, as the store lists them
 //! (migration 0019). A rollout or a reload that changes a route's
 //! `fingerprint.*` settings changes what an identical request fingerprints
-//! as: a request whose fingerprint differs from its record's is also
-//! fingerprinted under each of the operation's other settings
-//! ([`crate::proxy::admission::decide_with_legacy`]), so that a retry of the
-//! recorded request is answered as one, not refused as a changed request.
+//! as. A record keeps the digest of the settings its hash was computed under
+//! (`Record::fingerprint_spec`); a request whose fingerprint differs from
+//! its record's, and whose route's settings are not the record's, is also
+//! fingerprinted under the record's own settings, looked up here by digest
+//! ([`crate::proxy::admission::decide_with_legacy`]), so that a retry of
+//! the recorded request is answered as one, not refused as a changed one.
 //!
 //! Every replica adds its routes' settings when a configuration is applied
-//! and keeps the list in memory; a mismatch reads it again when it is older
-//! than [`REREAD`] (another replica may have added settings since). Nothing
-//! on the path of a first write or a replay reads it.
+//! and keeps the list in memory; a mismatch whose record names settings not
+//! in the list reads it again, at most once a second (another replica may
+//! have added them since). Nothing on the path of a first write or a replay
+//! reads it.
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use tokio::time::Instant;
-
 use tokio_util::sync::CancellationToken;
 
 use crate::idempotency::fingerprint::FingerprintSpec;
@@ -24,12 +26,8 @@ use crate::request::route::Route;
 use crate::retry::Backoff;
 use crate::store::{Store, StoreError};
 
-/// How old the list may be when a mismatch reads it.
+/// How often, at most, a mismatch reads the list again.
 const REREAD: Duration = Duration::from_secs(1);
-
-/// The most settings of one operation a mismatch is compared under (the
-/// latest ones): each costs a fingerprint of the request.
-const MOST: usize = 16;
 
 /// Between tries to add a configuration's settings while the store is away.
 const RETRY: Backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
@@ -41,8 +39,9 @@ pub struct FingerprintHistory {
 
 #[derive(Debug, Default)]
 struct Known {
-    by_operation: HashMap<String, Vec<Arc<FingerprintSpec>>>,
-    read_at: Option<Instant>,
+    by_digest: HashMap<String, Arc<FingerprintSpec>>,
+    /// When the list was last asked for (read or not).
+    asked_at: Option<Instant>,
 }
 
 impl FingerprintHistory {
@@ -66,33 +65,44 @@ impl FingerprintHistory {
         }
     }
 
-    /// Reads the list again if it was read longer ago than [`REREAD`] (or
-    /// never). A store that cannot answer leaves the list as it was.
-    pub async fn reread_if_stale(&self, store: &Store) {
-        let fresh = self.known.read().is_ok_and(|k| k.read_at.is_some_and(|at| at.elapsed() < REREAD));
-        if !fresh && let Err(e) = self.read(store).await {
+    /// The settings whose digest is `digest`, read from the store again if
+    /// they are not known and the list was last asked for longer ago than
+    /// a second. A store that cannot answer leaves the list as it was.
+    pub async fn find(&self, store: &Store, digest: &str) -> Option<Arc<FingerprintSpec>> {
+        if let Some(spec) = self.known(digest) {
+            return Some(spec);
+        }
+        {
+            let Ok(mut known) = self.known.write() else { return None };
+            if known.asked_at.is_some_and(|at| at.elapsed() < REREAD) {
+                return None;
+            }
+            known.asked_at = Some(Instant::now());
+        }
+        if let Err(e) = self.read(store).await {
             tracing::debug!(error = %e, "could not read the fingerprint settings the operations have had");
         }
+        self.known(digest)
     }
 
-    /// The settings `operation` has had other than `current`, the latest
-    /// [`MOST`] of them.
-    pub fn earlier(&self, operation: &str, current: &FingerprintSpec) -> Vec<Arc<FingerprintSpec>> {
-        let Ok(known) = self.known.read() else { return Vec::new() };
-        let Some(specs) = known.by_operation.get(operation) else { return Vec::new() };
-        specs.iter().rev().filter(|s| ***s != *current).take(MOST).cloned().collect()
+    /// The settings whose digest is `digest`, if this replica knows them
+    /// (no store read).
+    pub fn known(&self, digest: &str) -> Option<Arc<FingerprintSpec>> {
+        self.known.read().ok()?.by_digest.get(digest).cloned()
     }
 
     async fn read(&self, store: &Store) -> Result<(), StoreError> {
-        let mut by_operation: HashMap<String, Vec<Arc<FingerprintSpec>>> = HashMap::new();
+        let mut by_digest = HashMap::new();
         for (operation, text) in store.fingerprint_specs().await? {
             match FingerprintSpec::from_text(&text) {
-                Ok(spec) => by_operation.entry(operation).or_default().push(Arc::new(spec)),
+                Ok(spec) => {
+                    by_digest.insert(spec.digest(), Arc::new(spec));
+                }
                 Err(e) => tracing::warn!(%operation, error = %e, "unreadable fingerprint settings in the store's list; skipped"),
             }
         }
         if let Ok(mut known) = self.known.write() {
-            *known = Known { by_operation, read_at: Some(Instant::now()) };
+            known.by_digest = by_digest;
         }
         Ok(())
     }

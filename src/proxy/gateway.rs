@@ -530,10 +530,10 @@ impl Gateway {
     }
 
     /// What `record` means for this request ([`decide_with_legacy`]). A
-    /// mismatch is looked at again under the fingerprint settings the
-    /// operation had before ([`FingerprintHistory`], read from the store at
-    /// most every few seconds): a retry of the recorded request, made
-    /// before a rollout changed the settings, is answered as one.
+    /// mismatch with a record written under other fingerprint settings is
+    /// looked at again under those ([`FingerprintHistory`]): a retry of the
+    /// recorded request, made before a rollout changed the settings, is
+    /// answered as one.
     async fn decide_existing(
         &self,
         route: &Route,
@@ -542,17 +542,13 @@ impl Gateway {
         request: &RequestParts<'_>,
         now: Timestamp,
     ) -> Decision {
-        let decision = decide_with_legacy(route, record, request_hash, request, now, &[]);
+        let decision = decide_with_legacy(route, record, request_hash, request, now, None);
         if decision != Decision::Mismatch {
             return decision;
         }
-        let history = &self.shared.fingerprints;
-        history.reread_if_stale(self.shared.store()).await;
-        let earlier = history.earlier(&route.operation, &route.key.fingerprint);
-        if earlier.is_empty() {
-            return decision;
-        }
-        decide_with_legacy(route, record, request_hash, request, now, &earlier)
+        let Some(digest) = record.fingerprint_spec.as_deref().filter(|d| **d != *route.key.fingerprint_digest) else { return decision };
+        let Some(spec) = self.shared.fingerprints.find(self.shared.store(), digest).await else { return decision };
+        decide_with_legacy(route, record, request_hash, request, now, Some(&spec))
     }
 
     /// A claim whose commit could not be confirmed may exist although nothing
@@ -737,6 +733,7 @@ fn accepted_record(req: &ClaimRequest, claim: &crate::store::Claim) -> Record {
         maybe_executed: false,
         key_source: Some(req.key_source.to_string()),
         reforward_key: req.reforward,
+        fingerprint_spec: Some(req.fingerprint_spec.to_string()),
     }
 }
 

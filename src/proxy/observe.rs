@@ -172,13 +172,13 @@ pub async fn observe(
         Ok(Ok(Decided::Claimed)) => true,
         Ok(Ok(Decided::Found(found))) => {
             let (record, now) = *found;
-            // A mismatch is looked at under the settings the operation had
-            // before too, as enforcing does (from the list in memory: the
-            // request waits for nothing more).
-            let decision = match decide_with_legacy(route, &record, &request_hash, &request, now, &[]) {
+            // A mismatch is looked at under the settings the record was
+            // written under too, as enforcing does (from the list in memory:
+            // the request waits for nothing more).
+            let decision = match decide_with_legacy(route, &record, &request_hash, &request, now, None) {
                 Decision::Mismatch => {
-                    let earlier = shared.fingerprints.earlier(&route.operation, &route.key.fingerprint);
-                    decide_with_legacy(route, &record, &request_hash, &request, now, &earlier)
+                    let spec = record.fingerprint_spec.as_deref().and_then(|d| shared.fingerprints.known(d));
+                    decide_with_legacy(route, &record, &request_hash, &request, now, spec.as_deref())
                 }
                 decision => decision,
             };

@@ -64,7 +64,7 @@ pub fn decode_headers(bytes: &[u8]) -> Result<Vec<(String, Vec<u8>)>, StoreError
 /// returns them first (both backends name them alike).
 pub const RECORD_COLUMNS: &str = "tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner, \
      lease_expires_at, response_status, response_headers, response_body, created_at, updated_at, expires_at, \
-     operation_id, attempts, next_attempt_at, sent_at, last_status, maybe_executed, key_source, reforward_key";
+     operation_id, attempts, next_attempt_at, sent_at, last_status, maybe_executed, key_source, reforward_key, fingerprint_spec";
 
 /// Where each of [`RECORD_COLUMNS`] is in a row, and [`col::END`], where a
 /// statement's own columns after them start.
@@ -93,8 +93,9 @@ pub mod col {
     pub const MAYBE_EXECUTED: usize = 21;
     pub const KEY_SOURCE: usize = 22;
     pub const REFORWARD_KEY: usize = 23;
+    pub const FINGERPRINT_SPEC: usize = 24;
     /// The first column after the record's.
-    pub const END: usize = 24;
+    pub const END: usize = 25;
 }
 
 /// One record row's values as a backend reads them from its driver (each
@@ -126,7 +127,10 @@ pub struct RecordRow<'a> {
     pub last_status: Option<i64>,
     pub maybe_executed: bool,
     pub key_source: Option<String>,
+    /// `<kind>:<claim token>` (see [`this_life`]).
     pub reforward_key: Option<&'a str>,
+    /// `<digest>:<claim token>`.
+    pub fingerprint_spec: Option<&'a str>,
 }
 
 impl RecordRow<'_> {
@@ -164,9 +168,28 @@ impl RecordRow<'_> {
             last_status,
             maybe_executed: self.maybe_executed,
             key_source: self.key_source,
-            reforward_key: self.reforward_key.and_then(ReforwardKey::parse),
+            reforward_key: of_this_life(self.reforward_key, self.claim_token).and_then(ReforwardKey::parse),
+            fingerprint_spec: of_this_life(self.fingerprint_spec, self.claim_token).map(str::to_owned),
         })
     }
+}
+
+/// A fact a claim wrote about the record's current life (`reforward_key`,
+/// `fingerprint_spec`): stored as `<value>:<claim token>`, and the value
+/// only while the token is still the record's. A replica of an earlier
+/// version that takes the record over writes a new token and leaves the
+/// column as it was: the fact then belongs to an earlier life, and is none.
+fn of_this_life(stored: Option<&str>, claim_token: Uuid) -> Option<&str> {
+    let (value, token) = stored?.rsplit_once(':')?;
+    (Uuid::parse_str(token).ok()? == claim_token).then_some(value)
+}
+
+/// `value` for this life of a record claimed with `claim_token`: what a claim
+/// writes about the record's current life, which counts only while the
+/// record keeps that token (a take-over by a replica of an earlier version
+/// writes a new one and leaves the column).
+pub fn this_life(value: &str, claim_token: Uuid) -> String {
+    format!("{value}:{claim_token}")
 }
 
 fn take(b: &[u8], n: usize) -> Option<(&[u8], &[u8])> {
@@ -207,6 +230,7 @@ mod tests {
             ("maybe_executed", col::MAYBE_EXECUTED),
             ("key_source", col::KEY_SOURCE),
             ("reforward_key", col::REFORWARD_KEY),
+            ("fingerprint_spec", col::FINGERPRINT_SPEC),
         ];
         assert_eq!(positions.len(), col::END);
         for (name, at) in positions {

@@ -202,10 +202,27 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     if !headers.keys().any(|n| is_hop_by_hop(n, &[])) {
         return;
     }
+    // A length sent beside a transfer coding is not the message's length
+    // (RFC 9112, section 6.3): gone with the coding, so that the message goes
+    // on with the length it turns out to have.
+    if headers.contains_key(header::TRANSFER_ENCODING) {
+        headers.remove(header::CONTENT_LENGTH);
+    }
     let listed = connection_listed(headers);
     let doomed: Vec<HeaderName> = headers.keys().filter(|n| is_hop_by_hop(n, &listed)).cloned().collect();
     for name in doomed {
         headers.remove(&name);
+    }
+}
+
+/// The headers idemgate itself speaks, removed from an upstream's answer
+/// before anything forwards or stores it: an upstream that echoes them would
+/// show the client the derived key and the attempt's generation, or mark a
+/// first answer as a replay (`Idempotency-Policy` is read first, by
+/// `executor::classify::head`).
+pub fn strip_ours(headers: &mut HeaderMap) {
+    for ours in [IDEMPOTENCY_POLICY, IDEMPOTENCY_KEY, IDEMPOTENCY_GENERATION, IDEMPOTENT_REPLAYED] {
+        headers.remove(ours);
     }
 }
 

@@ -504,6 +504,7 @@ mod isolation {
             owner: "replica-a".into(),
             lease: LONG,
             reforward: None,
+            fingerprint_spec: "test-settings".into(),
             claim_token: Uuid::new_v4(),
             acceptance: None,
             key_source: "header:idempotency-key".into(),

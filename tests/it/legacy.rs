@@ -442,12 +442,24 @@ async fn an_observed_unknown_is_not_sent_again_to_a_deduplicating_upstream(backe
     let r = post(&url, "k1", ORDER, &[("x-test-sleep-ms", "1500")]).await;
     assert_eq!(r.status, 504, "observed: the upstream timed out");
     let rec = settled(&store, "k1", State::Unknown).await;
-    assert_eq!(rec.reforward_key, None, "observe mode sends no key");
+    assert_eq!(rec.reforward_key, Some(idemgate::idempotency::record::ReforwardKey::NoKey), "observe mode sends no key");
+    // Observed again: the request passes through (the upstream, seeing no
+    // key, runs it), and the observation takes the record over to record
+    // what it answered, as before this route was told apart.
+    let again = post(&url, "k1", ORDER, &[]).await;
+    assert_eq!(again.status, 201);
+    let rec = settled(&store, "k1", State::Completed).await;
+    assert_eq!(rec.reforward_key, Some(idemgate::idempotency::record::ReforwardKey::NoKey));
+    assert_eq!(up.total(), 2);
+    let r = post(&url, "k2", ORDER, &[("x-test-sleep-ms", "1500")]).await;
+    assert_eq!(r.status, 504);
+    settled(&store, "k2", State::Unknown).await;
     gw.config.route_extra = gw.config.route_extra.replace(OBSERVE, "");
     gw.restart();
-    let r = post(&url, "k1", ORDER, &[]).await;
+    assert!(post(&url, "k1", ORDER, &[]).await.replayed(), "the answer observe mode recorded");
+    let r = post(&url, "k2", ORDER, &[]).await;
     assert_eq!((r.status, r.problem().as_str()), (409, "outcome-unknown"), "{}", gw.logs());
-    assert_eq!(up.total(), 1, "executed once: {:?}", up.ledger());
+    assert_eq!(up.total(), 3, "k2 executed once: {:?}", up.ledger());
 }
 
 /// The same across a change of `forward_key`: an attempt sent under the
@@ -580,6 +592,7 @@ async fn fill(store: &idemgate::store::Store, tag: &str, body: Option<&'static [
                     owner: "gateway-7f9c-1234".into(),
                     lease: Duration::from_secs(60),
                     reforward: None,
+                    fingerprint_spec: "test-settings".into(),
                     claim_token: uuid::Uuid::new_v4(),
                     acceptance: None,
                     key_source: "body:/client_order_id".into(),

@@ -920,3 +920,31 @@ async fn a_connection_idle_past_the_default_pool_timeout_is_not_reused() {
     assert_eq!(settled_record(&store, "after-pause").await.map(|r| r.state), Some(State::Completed));
     assert_eq!(executed.load(std::sync::atomic::Ordering::SeqCst), 2);
 }
+
+/// The same answer (chunked, with a stale `Content-Length`) to a request
+/// passed through without idempotency: the client gets the body with its
+/// own length there too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunked_answer_with_a_stale_length_is_passed_through_clean() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut sock, _) = listener.accept().await.unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = sock.read(&mut buf).await.unwrap();
+            assert!(n > 0, "the request arrives");
+            got.extend_from_slice(&buf[..n]);
+        }
+        let answer = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\ncontent-length: 100\r\n\r\n\
+                      8\r\n{\"id\":1}\r\n0\r\n\r\n";
+        sock.write_all(answer.as_bytes()).await.unwrap();
+        let _ = sock.read(&mut buf).await;
+    });
+    let gw = Gateway::start(GatewayConfig::new(sqlite_backend(), format!("http://{addr}")));
+    let r = send("GET", &gw.url("/v1/orders"), &[], "").await.expect("answered");
+    assert_eq!((r.status, &r.body[..]), (200, &b"{\"id\":1}"[..]), "{}", gw.logs());
+    assert_ne!(r.header("content-length"), Some("100"), "the stale length reached the client");
+}

@@ -552,3 +552,24 @@ async fn a_retry_on_a_replica_with_other_fingerprint_settings_is_replayed() {
     assert_eq!((retry.status, retry.replayed()), (201, true), "{}", a.logs());
     assert_eq!(up.total(), 2);
 }
+
+/// Only the settings a record was written under count: a route that once
+/// left `/coupon` out and no longer does refuses a request that differs
+/// from a record made since by a coupon (it would be answered as that
+/// record's request under the old settings), while a record made under the
+/// old settings still recognises its retry whatever its coupon says.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_settings_a_record_was_written_under_recognise_a_retry() {
+    let backend = sqlite_backend();
+    let up = TestUpstream::start().await;
+    let cfg = |extra: &str| GatewayConfig::new(backend.clone(), up.url()).route(extra);
+    let mut gw = Gateway::start(cfg("fingerprint.exclude = [\"/coupon\"]"));
+    let url = gw.url("/v1/orders");
+    assert_eq!(post(&url, "old", r#"{"item":"book","coupon":"A"}"#, &[]).await.status, 201);
+    tokio::task::block_in_place(|| gw.reload(cfg(""), Duration::from_secs(10))).expect("reloaded");
+    assert!(post(&url, "old", r#"{"item":"book","coupon":"B"}"#, &[]).await.replayed(), "recorded with the coupon left out");
+    assert_eq!(post(&url, "new", r#"{"item":"book"}"#, &[]).await.status, 201);
+    let other = post(&url, "new", r#"{"item":"book","coupon":"X"}"#, &[]).await;
+    assert_eq!((other.status, other.problem().as_str()), (409, "idempotency-key-reused"), "{}", gw.logs());
+    assert_eq!(up.total(), 2);
+}

@@ -167,6 +167,14 @@ impl FingerprintSpec {
         .to_string()
     }
 
+    /// A short name of the spec (hex of the first 16 bytes of the SHA-256 of
+    /// [`FingerprintSpec::to_text`]): what a record keeps of the settings its
+    /// hash was computed under.
+    pub fn digest(&self) -> String {
+        use sha2::{Digest, Sha256};
+        Sha256::digest(self.to_text().as_bytes())[..16].iter().map(|b| format!("{b:02x}")).collect()
+    }
+
     /// [`FingerprintSpec::to_text`] read back (from the store: an error
     /// names what is wrong, never panics).
     pub fn from_text(text: &str) -> Result<FingerprintSpec, String> {

@@ -294,6 +294,9 @@ pub struct KeyPolicy {
     pub forward: ForwardKey,
     /// What of a request its fingerprint reads.
     pub fingerprint: FingerprintSpec,
+    /// [`FingerprintSpec::digest`] of `fingerprint`, kept in the records
+    /// claimed under it.
+    pub fingerprint_digest: Arc<str>,
     /// Status for "same key, different request": 409 (default) or 422.
     pub mismatch_status: StatusCode,
 }
@@ -600,6 +603,7 @@ mod tests {
                 scope: ScopeMode::Principal,
                 forward: ForwardKey::Derived,
                 fingerprint: FingerprintSpec::default(),
+                fingerprint_digest: FingerprintSpec::default().digest().into(),
                 mismatch_status: StatusCode::CONFLICT,
             },
             record: RecordPolicy {

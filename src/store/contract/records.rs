@@ -29,6 +29,9 @@ pub struct ClaimRequest {
     /// fingerprint is taken over only by a claim that names the key it was
     /// sent under (`record::may_take_over`).
     pub reforward: Option<ReforwardKey>,
+    /// The digest of the fingerprint settings `request_hash` was computed
+    /// under (`FingerprintSpec::digest`), kept in the record.
+    pub fingerprint_spec: Arc<str>,
     /// Identifies this request's claim; read back after an ambiguous commit,
     /// and used to abandon a claim whose fate could not be learned.
     pub claim_token: Uuid,

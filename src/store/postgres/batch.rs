@@ -161,6 +161,7 @@ pub(super) struct ClaimItem {
     pub(super) acceptance: Option<Acceptance>,
     pub(super) key_source: Arc<str>,
     pub(super) reforward: Option<ReforwardKey>,
+    pub(super) fingerprint_spec: Arc<str>,
     pub(super) request_head: Option<Bytes>,
 }
 
@@ -176,6 +177,7 @@ impl ClaimItem {
             acceptance: req.acceptance.clone(),
             key_source: req.key_source.clone(),
             reforward: req.reforward,
+            fingerprint_spec: req.fingerprint_spec.clone(),
             request_head: req.request_head.clone(),
         }
     }
@@ -387,6 +389,7 @@ pub(super) struct ClaimColumns<'a> {
     pub(super) requests: Vec<Option<&'a [u8]>>,
     pub(super) key_sources: Vec<&'a str>,
     pub(super) reforward_keys: Vec<Option<&'static str>>,
+    pub(super) fingerprint_specs: Vec<&'a str>,
 }
 
 impl<'a> ClaimColumns<'a> {
@@ -400,7 +403,8 @@ impl<'a> ClaimColumns<'a> {
             operation_ids: items.clone().map(ClaimItem::operation_id).collect(),
             requests: items.clone().map(ClaimItem::stored_request).collect(),
             key_sources: items.clone().map(|i| &*i.key_source).collect(),
-            reforward_keys: items.map(|i| i.reforward.map(ReforwardKey::as_str)).collect(),
+            reforward_keys: items.clone().map(|i| i.reforward.map(ReforwardKey::as_str)).collect(),
+            fingerprint_specs: items.map(|i| &*i.fingerprint_spec).collect(),
         }
     }
 
@@ -419,6 +423,7 @@ impl<'a> ClaimColumns<'a> {
             &self.key_sources,
             &self.pk.scope_ids,
             &self.reforward_keys,
+            &self.fingerprint_specs,
         ]
     }
 }

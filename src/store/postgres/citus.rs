@@ -189,7 +189,7 @@ impl super::PgStore {
         let request = req.acceptance.as_ref().map(|a| &a.request[..]).or(req.request_head.as_deref());
         let generation = self.next_generation(&s.tenant).await?;
         let scope_id = s.scope_id().to_i64();
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 14] = [
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 15] = [
             &scope_id,
             &&*s.principal,
             &&*s.operation,
@@ -204,6 +204,7 @@ impl super::PgStore {
             &&*req.key_source,
             &generation,
             &keeps,
+            &&*req.fingerprint_spec,
         ];
         let db = self.reach.db(&s.tenant).await;
         let rows = db.query_tenant(&citus_sql::for_tenant(&citus_sql::TENANT_TAKE_OVER, &s.tenant), &params, true).await?;

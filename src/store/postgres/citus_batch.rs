@@ -297,6 +297,7 @@ async fn insert_batch(db: &Db, floor: &Floor, tenant: &str, items: Vec<ClaimItem
     let key_sources: Vec<&str> = items.iter().map(|i| &*i.key_source).collect();
     let ids: Vec<i64> = items.iter().map(|i| i.scope.scope_id().to_i64()).collect();
     let reforward_keys: Vec<Option<&str>> = items.iter().map(|i| i.reforward.map(ReforwardKey::as_str)).collect();
+    let fingerprint_specs: Vec<&str> = items.iter().map(|i| &*i.fingerprint_spec).collect();
     let sql = for_tenant(&citus_sql::tenant_claim_insert(n), tenant);
     let read = |e| classify(e, false);
     let mut conn = db.conn().await?;
@@ -322,6 +323,7 @@ async fn insert_batch(db: &Db, floor: &Floor, tenant: &str, items: Vec<ClaimItem
             (&ids[j], Type::INT8),
             (&generations[j], Type::INT8),
             (&reforward_keys[j], Type::TEXT),
+            (&fingerprint_specs[j], Type::TEXT),
         ]);
     }
     let rows = tx.query_typed(&sql, &params).await.map_err(read)?;

@@ -43,7 +43,8 @@ pub(super) static CITUS_CLAIM_READ: LazyLock<String> = LazyLock::new(|| {
 });
 
 /// See [`CITUS_CLAIM_READ`]. `$9`: the key the claim may re-forward under
-/// (`record::may_take_over`), `$14`: the one it keeps. The new generation is `$13`, drawn before from
+/// (`record::may_take_over`), `$14`: the one it keeps, `$15` the digest of
+/// its fingerprint settings. The new generation is `$13`, drawn before from
 /// the tenant's counter ([`CITUS_GENERATIONS`]; Citus refuses a volatile
 /// function in a distributed `UPDATE`, and a `SELECT` CTE drawing it would
 /// be a subplan whose result Citus may send to every node); it never goes
@@ -59,11 +60,12 @@ UPDATE idemgate_records r SET
     created_at = now(), updated_at = now(), expires_at = now() + $8::int8 * interval '1 microsecond',
     operation_id = $10, request = $11, attempts = 0,
     next_attempt_at = now() + (CASE WHEN $10::text IS NOT NULL THEN 0 END) * interval '1 microsecond',
-    sent_at = NULL, last_status = NULL, maybe_executed = false, key_source = $12, reforward_key = $14
+    sent_at = NULL, last_status = NULL, maybe_executed = false, key_source = $12,
+    reforward_key = $14::text || ':' || $6::uuid::text, fingerprint_spec = $15::text || ':' || $6::uuid::text
 WHERE {PK}
   AND ((r.state IN ('completed', 'failed_retryable') AND r.expires_at <= now())
-       OR (r.state = 'unknown' AND r.reforward_key = $9::text AND r.request_hash = $5 AND r.operation_id IS NULL)
-       OR (r.state = 'in_flight' AND r.reforward_key = $9::text AND r.request_hash = $5 AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())))
+       OR (r.state = 'unknown' AND r.reforward_key = $9::text || ':' || r.claim_token::text AND r.request_hash = $5 AND r.operation_id IS NULL)
+       OR (r.state = 'in_flight' AND r.reforward_key = $9::text || ':' || r.claim_token::text AND r.request_hash = $5 AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())))
 RETURNING r.generation, r.lease_expires_at, r.updated_at"
     )
 });
@@ -141,32 +143,33 @@ pub(super) const TENANT_GENERATIONS_START: &str =
 pub(super) const CITUS_GENERATIONS: &str = "INSERT INTO idemgate_generations AS g (tenant, generation) VALUES ($1::text, $3::int8 + $2::int8) \
      ON CONFLICT (tenant) DO UPDATE SET generation = g.generation + $2::int8 RETURNING g.generation";
 
+/// Parameters per row of [`tenant_claim_insert`].
+pub(super) const PER_ROW: usize = 14;
+
 /// The claims' `INSERT` of `n` rows of one tenant ([`for_tenant`]): one
-/// multi-row `INSERT`, which Citus routes to the tenant's shard. Thirteen
+/// multi-row `INSERT`, which Citus routes to the tenant's shard. Fourteen
 /// parameters per row: principal, operation, key, request hash, claim
 /// token, owner, lease (us), operation id, request, key source, scope id
 /// (the gateway's, `Scope::scope_id`), generation (drawn before, in the
 /// same transaction, from the tenant's counter), the key it may be
-/// re-forwarded under. Returns the claim token of
+/// re-forwarded under, the digest of its fingerprint settings. Returns the claim token of
 /// each row inserted, its generation, lease end and `updated_at`. The
 /// caller sends the rows in primary-key order, so that two batches never
 /// wait on each other in a cycle. Sent unnamed (`query_typed`): Citus
 /// prunes an `INSERT` at each execution, and a prepared one it keeps would
 /// add a plan to its cache at every execution (docs/performance-notes.md).
-/// Parameters per row of [`tenant_claim_insert`].
-pub(super) const PER_ROW: usize = 13;
-
 pub(super) fn tenant_claim_insert(n: usize) -> String {
     let rows: Vec<String> = (0..n)
         .map(|k| {
             let p = |i: usize| format!("${}", PER_ROW * k + i);
-            let (op_id, lease) = (p(8), p(7));
+            let (op_id, lease, tok) = (p(8), p(7), p(5));
             format!(
                 "({TENANT}, {}::text, {}::text, {}::text, {}::bytea, CASE WHEN {op_id}::text IS NULL THEN 'in_flight' ELSE 'queued' END, \
                  {}::int8, {}::uuid, {}::text, \
                  now() + (CASE WHEN {op_id}::text IS NULL THEN {lease}::int8 END) * interval '1 microsecond', now(), now(), \
                  now() + {lease}::int8 * interval '1 microsecond', {op_id}::text, {}::bytea, \
-                 now() + (CASE WHEN {op_id}::text IS NOT NULL THEN 0 END) * interval '1 microsecond', {}::text, {}::int8, {}::text)",
+                 now() + (CASE WHEN {op_id}::text IS NOT NULL THEN 0 END) * interval '1 microsecond', {}::text, {}::int8, \
+                 {}::text || ':' || {tok}::uuid::text, {}::text || ':' || {tok}::uuid::text)",
                 p(1),
                 p(2),
                 p(3),
@@ -178,13 +181,14 @@ pub(super) fn tenant_claim_insert(n: usize) -> String {
                 p(10),
                 p(11),
                 p(13),
+                p(14),
             )
         })
         .collect();
     format!(
         "INSERT INTO idemgate_records
         (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
-         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, key_source, scope_id, reforward_key)
+         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, key_source, scope_id, reforward_key, fingerprint_spec)
      VALUES {}
      ON CONFLICT ON CONSTRAINT idemgate_records_pkey DO NOTHING
      RETURNING claim_token, generation, lease_expires_at, updated_at",

@@ -463,6 +463,7 @@ impl PgStore {
                     &req.acceptance.as_ref().map(|a| &a.request[..]).or(req.request_head.as_deref()),
                     &&*req.key_source,
                     &req.reforward.map(ReforwardKey::as_str),
+                    &&*req.fingerprint_spec,
                 ],
                 true,
             )
@@ -615,6 +616,7 @@ fn decode(row: &Row) -> Result<Record, StoreError> {
         maybe_executed: row.try_get(col::MAYBE_EXECUTED).map_err(c)?,
         key_source: row.try_get(col::KEY_SOURCE).map_err(c)?,
         reforward_key: row.try_get(col::REFORWARD_KEY).map_err(c)?,
+        fingerprint_spec: row.try_get(col::FINGERPRINT_SPEC).map_err(c)?,
     }
     .into_record()
 }

@@ -46,24 +46,24 @@ WITH cur AS (
         created_at = now(), updated_at = now(), expires_at = now() + $8::int8 * interval '1 microsecond',
         operation_id = $10, request = $11, attempts = 0,
         next_attempt_at = CASE WHEN $10::text IS NOT NULL THEN now() END, sent_at = NULL, last_status = NULL, maybe_executed = false,
-        key_source = $12, reforward_key = $13
+        key_source = $12, reforward_key = $13::text || ':' || $6::uuid::text, fingerprint_spec = $14::text || ':' || $6::uuid::text
     WHERE {PK}
       AND CASE r.state
             WHEN 'completed' THEN r.expires_at <= now()
             WHEN 'failed_retryable' THEN r.expires_at <= now()
-            WHEN 'unknown' THEN r.reforward_key = $9::text AND r.request_hash = $5 AND r.operation_id IS NULL
-            WHEN 'in_flight' THEN r.reforward_key = $9::text AND r.request_hash = $5 AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())
+            WHEN 'unknown' THEN r.reforward_key = $9::text || ':' || r.claim_token::text AND r.request_hash = $5 AND r.operation_id IS NULL
+            WHEN 'in_flight' THEN r.reforward_key = $9::text || ':' || r.claim_token::text AND r.request_hash = $5 AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= now())
             ELSE false
           END
     RETURNING r.generation, coalesce(r.lease_expires_at, now())
 ), inserted AS (
     INSERT INTO idemgate_records
         (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
-         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, key_source, scope_id, reforward_key)
+         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, key_source, scope_id, reforward_key, fingerprint_spec)
     SELECT $1, $2, $3, $4, $5, CASE WHEN $10::text IS NULL THEN 'in_flight' ELSE 'queued' END, nextval('idemgate_generation'), $6, $7,
            CASE WHEN $10::text IS NULL THEN now() + $8::int8 * interval '1 microsecond' END, now(), now(),
            now() + $8::int8 * interval '1 microsecond', $10, $11, CASE WHEN $10::text IS NOT NULL THEN now() END, $12,
-           idemgate_scope_id($1, $2, $3, $4), $13
+           idemgate_scope_id($1, $2, $3, $4), $13::text || ':' || $6::uuid::text, $14::text || ':' || $6::uuid::text
     WHERE NOT EXISTS (SELECT 1 FROM cur)
     ON CONFLICT ON CONSTRAINT idemgate_records_pkey DO NOTHING
     RETURNING generation, coalesce(lease_expires_at, now())
@@ -85,7 +85,7 @@ pub(super) const CLAIM_TAKEN_GENERATION: usize = CLAIM_INSERTED_LEASE + 1;
 pub(super) const CLAIM_TAKEN_LEASE: usize = CLAIM_TAKEN_GENERATION + 1;
 pub(super) const CLAIM_CACHEABLE: usize = CLAIM_TAKEN_LEASE + 1;
 
-/// The claims of a batch as rows (`$1`..`$12`, one array per column),
+/// The claims of a batch as rows (`$1`..`$14`, one array per column),
 /// inserted first: a new scope costs the insert's own primary-key descents
 /// only, and only the claims that were not inserted read the row they met
 /// (the statement's snapshot, so a row committed by another batch since is
@@ -97,19 +97,20 @@ pub(super) const CLAIM_CACHEABLE: usize = CLAIM_TAKEN_LEASE + 1;
 const CLAIM_INPUT: &str = "\
 input AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::uuid[], $7::text[], $8::int8[],
-                         $9::text[], $10::bytea[], $11::text[], $12::int8[], $13::text[])
+                         $9::text[], $10::bytea[], $11::text[], $12::int8[], $13::text[], $14::text[])
         WITH ORDINALITY AS i(tenant, principal, operation, idempotency_key, request_hash, claim_token, owner, lease_us,
-                             operation_id, request, key_source, scope_id, reforward_key, ord)
+                             operation_id, request, key_source, scope_id, reforward_key, fingerprint_spec, ord)
 ), inserted AS (
     INSERT INTO idemgate_records
         (tenant, principal, operation, idempotency_key, request_hash, state, generation, claim_token, owner,
-         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, key_source, scope_id, reforward_key)
+         lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, key_source, scope_id, reforward_key, fingerprint_spec)
     SELECT i.tenant, i.principal, i.operation, i.idempotency_key, i.request_hash,
            CASE WHEN i.operation_id IS NULL THEN 'in_flight' ELSE 'queued' END, nextval('idemgate_generation'), i.claim_token, i.owner,
            CASE WHEN i.operation_id IS NULL THEN now() + i.lease_us * interval '1 microsecond' END, now(), now(),
            now() + i.lease_us * interval '1 microsecond', i.operation_id, i.request,
            CASE WHEN i.operation_id IS NOT NULL THEN now() END, i.key_source,
-           idemgate_scope_id(i.tenant, i.principal, i.operation, i.idempotency_key), i.reforward_key
+           idemgate_scope_id(i.tenant, i.principal, i.operation, i.idempotency_key),
+           i.reforward_key || ':' || i.claim_token::text, i.fingerprint_spec || ':' || i.claim_token::text
     FROM input i
     ORDER BY i.scope_id, i.idempotency_key, i.tenant, i.principal, i.operation
     ON CONFLICT ON CONSTRAINT idemgate_records_pkey DO NOTHING
@@ -117,7 +118,7 @@ input AS (
 ), cur AS (
     SELECT i.ord, r.tenant, r.principal, r.operation, r.idempotency_key, r.request_hash, r.state, r.generation, r.claim_token,
            r.owner, r.lease_expires_at, r.response_status, r.response_headers, r.response_body, r.created_at, r.updated_at, r.expires_at,
-           r.operation_id, r.attempts, r.next_attempt_at, r.sent_at, r.last_status, r.maybe_executed, r.key_source, r.reforward_key, r.cache_hold_until
+           r.operation_id, r.attempts, r.next_attempt_at, r.sent_at, r.last_status, r.maybe_executed, r.key_source, r.reforward_key, r.fingerprint_spec, r.cache_hold_until
     FROM input i JOIN idemgate_records r
       ON r.scope_id = i.scope_id AND r.idempotency_key = i.idempotency_key
      AND r.tenant = i.tenant AND r.principal = i.principal AND r.operation = i.operation
@@ -201,11 +202,11 @@ pub(super) static CLAIM_BATCH: LazyLock<String> = LazyLock::new(|| format!("WITH
 /// The batched result write (`$1`..`$13`), each row fenced by its own attempt.
 pub(super) static COMPLETE_BATCH: LazyLock<String> = LazyLock::new(|| format!("WITH {}\nSELECT ord FROM upd", complete_parts(1)));
 
-/// One commit for a batch of claims (`$1`..`$12`) and a batch of result
-/// writes (`$13`..`$25`): the claims' rows as `CLAIM_BATCH` returns them,
+/// One commit for a batch of claims (`$1`..`$14`) and a batch of result
+/// writes (`$15`..`$27`): the claims' rows as `CLAIM_BATCH` returns them,
 /// each with the ordinals of the result writes that took effect.
 pub(super) static WRITE_BATCH: LazyLock<String> = LazyLock::new(|| {
-    format!("WITH {CLAIM_INPUT}, {}\n{}, (SELECT array_agg(ord) FROM upd)\n{CLAIM_FROM}", complete_parts(14), *CLAIM_OUTPUT)
+    format!("WITH {CLAIM_INPUT}, {}\n{}, (SELECT array_agg(ord) FROM upd)\n{CLAIM_FROM}", complete_parts(15), *CLAIM_OUTPUT)
 });
 
 /// The single-row result write: used when a batched statement deadlocked.

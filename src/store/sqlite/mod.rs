@@ -528,6 +528,7 @@ fn decode(row: &rusqlite::Row<'_>) -> Result<Record, StoreError> {
         maybe_executed: row.get(col::MAYBE_EXECUTED).map_err(c)?,
         key_source: row.get(col::KEY_SOURCE).map_err(c)?,
         reforward_key: value(col::REFORWARD_KEY)?.as_str_or_null().map_err(bad)?,
+        fingerprint_spec: value(col::FINGERPRINT_SPEC)?.as_str_or_null().map_err(bad)?,
     }
     .into_record()
 }

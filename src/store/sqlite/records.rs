@@ -5,10 +5,9 @@ use super::{
     update_state, write_response,
 };
 use crate::idempotency::key::{IdempotencyKey, Scope, ScopeId};
-use crate::idempotency::record::{
-    Attempt, Event, Next, Record, ReforwardKey, Retention, State, StoredResponse, Timestamp, may_take_over, transition,
-};
+use crate::idempotency::record::{Attempt, Event, Next, Record, Retention, State, StoredResponse, Timestamp, may_take_over, transition};
 use crate::outbox::{EventPolicies, EventType};
+use crate::store::codec::this_life;
 use crate::store::contract::Records;
 use crate::store::{Claim, ClaimRequest, ForeverCount, ListFilter, RawClaim, Reaped, StateCount, StoreError};
 use async_trait::async_trait;
@@ -47,7 +46,7 @@ impl Records for SqliteStore {
             let generation = next_generation(tx)?;
             let sql = "INSERT INTO idemgate_records (tenant, principal, operation, idempotency_key, request_hash, state, generation, \
                        claim_token, owner, lease_expires_at, created_at, updated_at, expires_at, operation_id, request, next_attempt_at, \
-                       key_source, scope_id, reforward_key) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18)";
+                       key_source, scope_id, reforward_key, fingerprint_spec) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19)";
             let [t, p, o, k] = pk(&req.scope);
             tx.prepare_cached(sql)
                 .and_then(|mut st| {
@@ -69,7 +68,8 @@ impl Records for SqliteStore {
                         due,
                         &*req.key_source,
                         req.scope.scope_id().to_i64(),
-                        req.reforward.map(ReforwardKey::as_str)
+                        req.reforward.map(|k| this_life(k.as_str(), token)),
+                        this_life(&req.fingerprint_spec, token)
                     ])
                 })
                 .map_err(err)?;

@@ -34,6 +34,7 @@ on_both_stores!(
     reap_leases_turns_only_expired_in_flight_into_unknown,
     one_pass_serves_every_tenant_with_work_due,
     fingerprint_specs_are_kept_once_each,
+    facts_of_an_earlier_life_do_not_count,
     list_filters_orders_and_limits,
     claim_resent_with_the_same_token_is_recognised_as_ours,
     abandon_deletes_only_an_in_flight_claim_with_its_token,
@@ -609,6 +610,31 @@ async fn fingerprint_specs_are_kept_once_each(backend: Backend) {
     assert_eq!(listed.len(), 3, "{listed:?}");
     assert_eq!(listed.last(), Some(&pair("create_order", r#"{"exclude":["/t"]}"#)), "oldest first: {listed:?}");
     assert!(first.iter().all(|p| listed.contains(p)), "{listed:?}");
+}
+
+/// What a claim wrote about a record's life (the key it was sent under,
+/// its fingerprint settings) counts only while its claim token is the
+/// record's: a replica of an earlier version that takes the record over
+/// writes a new token and leaves those columns as they were, and the
+/// record then says nothing of them (never taken over by a key it names).
+async fn facts_of_an_earlier_life_do_not_count(backend: Backend) {
+    let store = open(&backend).await;
+    let s = key("relived");
+    claim(&store, &req(&s, 1, SHORT, true)).await;
+    let before = row(&store, &s).await;
+    assert_eq!(before.reforward_key, Some(record::ReforwardKey::Derived));
+    assert_eq!(before.fingerprint_spec.as_deref(), Some("test-settings"));
+    // An earlier version's take-over: a new claim token, the columns untouched.
+    let token = match &backend {
+        Backend::Sqlite { .. } => "randomblob(16)",
+        _ => "gen_random_uuid()",
+    };
+    super::raw_sql(&backend, &format!("UPDATE idemgate_records SET claim_token = {token} WHERE idempotency_key = 'relived'")).await;
+    let after = row(&store, &s).await;
+    assert_ne!(after.claim_token, before.claim_token);
+    assert_eq!((after.reforward_key, after.fingerprint_spec), (None, None));
+    tokio::time::sleep(PAST_SHORT).await;
+    assert!(!try_take_over(&store, &req(&s, 1, LONG, true)).await, "sent under a key this version cannot know");
 }
 
 async fn list_filters_orders_and_limits(backend: Backend) {
