@@ -101,17 +101,26 @@ impl AsyncWorkers {
 
     /// Takes from the [former](AsyncWorkers::former) async routes whose
     /// operations the store still holds queued or processing (one look at
-    /// the records' counts; a store that cannot answer is asked again at
-    /// the next start or reload).
-    async fn adopt_former(&mut self) {
+    /// the records' counts, tried a few times a second apart; a store that
+    /// still cannot answer is asked again at the next start or reload).
+    async fn adopt_former(&mut self, shutdown: &CancellationToken) {
+        const TRIES: u32 = 5;
         if self.former.is_empty() {
             return;
         }
-        let counts = match self.store.stats().await {
-            Ok(counts) => counts,
-            Err(e) => {
-                tracing::warn!(error = %e, "could not look for operations of routes that no longer run async");
-                return;
+        let mut tried = 0;
+        let counts = loop {
+            tried += 1;
+            match self.store.stats().await {
+                Ok(counts) => break counts,
+                Err(e) if tried >= TRIES => {
+                    tracing::warn!(error = %e, "could not look for operations of routes that no longer run async; looked again at the next start or reload");
+                    return;
+                }
+                Err(_) => tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(ERROR_PAUSE) => {}
+                },
             }
         };
         let former = std::mem::take(&mut self.former);
@@ -139,7 +148,7 @@ impl AsyncWorkers {
         let attempts = tracker.clone();
         tracker.spawn(async move {
             let mut workers = self;
-            workers.adopt_former().await;
+            workers.adopt_former(&shutdown).await;
             if workers.takes.is_empty() {
                 return;
             }

@@ -365,6 +365,9 @@ impl Executor {
             Ok(r) => r,
             Err(e) => {
                 recording.store(true, Ordering::Release);
+                // Nothing is sent: the worker and the slot go back before the write (which
+                // may be retried for as long as the lease holds).
+                drop((worker, slot));
                 // Nothing can be sent: the operation fails (it never executed).
                 tracing::error!(route = %route.operation, scope = %claim.scope.log_id(), error = %e, "stored request is unreadable");
                 return self
@@ -379,6 +382,9 @@ impl Executor {
             // longer deduplicates upstream (a reload turned
             // `upstream_idempotent` off): never sent again, unknown.
             recording.store(true, Ordering::Release);
+            // Nothing is sent: the worker and the slot go back before the write (which
+            // may be retried for as long as the lease holds).
+            drop((worker, slot));
             tracing::warn!(route = %route.operation, scope = %claim.scope.log_id(), generation = %claim.generation,
                 "an earlier attempt may have executed and the route is not upstream_idempotent: not forwarded again; unknown");
             return self.record_async(route, claim, AttemptOutcome::Unknown, || self.store.mark_unknown(claim)).await;
@@ -386,6 +392,9 @@ impl Executor {
         if attempts > i32::try_from(route.queueing().retry.max_attempts).unwrap_or(i32::MAX) {
             // Lease expiries re-queued it after the last allowed attempt took it.
             recording.store(true, Ordering::Release);
+            // Nothing is sent: the worker and the slot go back before the write (which
+            // may be retried for as long as the lease holds).
+            drop((worker, slot));
             return self
                 .record_async(route, claim, AttemptOutcome::Failed, || self.store.fail(claim, route.record.retention, RetryNote::default()))
                 .await;

@@ -216,6 +216,9 @@ async fn relays_hold_each_event_alone_in_order_per_scope(backend: Backend) {
 /// the error, or parked; only the relay holding them records them; the
 /// round's delivered events are not touched.
 async fn a_failed_post_records_its_first_attempts_together(backend: Backend) {
+    // Long enough that the steps between the failure and the take below
+    // stay inside it on a loaded Citus cluster (200 ms did not, once).
+    const BACKOFF: Duration = Duration::from_secs(1);
     let store = open_with_events(&backend).await;
     let ops = ["create_order"];
     let (relay, other) = (Uuid::new_v4(), Uuid::new_v4());
@@ -229,11 +232,11 @@ async fn a_failed_post_records_its_first_attempts_together(backend: Backend) {
     let seqs: Vec<i64> = taken.iter().map(|e| e.seq).collect();
     let (sent, failed, parked) = (&seqs[..5], &seqs[5..20], &seqs[20..]);
     assert_eq!(store.events_delivered(sent, relay).await.unwrap().len(), 5);
-    let not_held = store.first_attempts_failed(failed, other, "answered 503", Duration::from_millis(200), false).await.unwrap();
+    let not_held = store.first_attempts_failed(failed, other, "answered 503", BACKOFF, false).await.unwrap();
     assert!(not_held.is_empty(), "only the relay holding them records them: {not_held:?}");
     let mut asked = failed.to_vec();
     asked.push(i64::MAX);
-    let mut recorded = store.first_attempts_failed(&asked, relay, "answered 503", Duration::from_millis(200), false).await.unwrap();
+    let mut recorded = store.first_attempts_failed(&asked, relay, "answered 503", BACKOFF, false).await.unwrap();
     recorded.sort_unstable();
     let mut expected = failed.to_vec();
     expected.sort_unstable();
@@ -246,7 +249,7 @@ async fn a_failed_post_records_its_first_attempts_together(backend: Backend) {
     assert_eq!((stats.pending, stats.parked), (15, 3));
     let listed = store.events(Some(Delivery::Parked), 10).await.unwrap();
     assert!(listed.iter().all(|e| e.attempts == 1 && e.last_error.as_deref() == Some("answered 410")), "{listed:?}");
-    tokio::time::sleep(PAST_SHORT).await;
+    tokio::time::sleep(BACKOFF + Duration::from_millis(100)).await;
     let again = store.take_events(&ops, 50, LONG, relay).await.unwrap();
     let mut again_seqs: Vec<i64> = again.iter().map(|e| e.seq).collect();
     again_seqs.sort_unstable();
