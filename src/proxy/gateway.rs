@@ -420,14 +420,14 @@ impl Gateway {
         &'a self,
         route: &'a Route,
         admitted: Box<Admitted>,
-        slot: Option<Slot>,
+        mut slot: Option<Slot>,
     ) -> (Result<(Response<Body>, RequestOutcome), GatewayError>, Option<ResultWrite<'a>>) {
         let Admitted { claim, params, parts, body, .. } = *admitted;
         // A result this replica answered and is still writing comes first:
         // its client's retry is replayed, not told "in flight".
         self.shared.waiters.settled(&claim.scope, self.configured.store.timeout()).await;
         let request = admission::request_parts(route, &params, &parts, &body);
-        match self.claim_or_answer(route, &claim, &parts, &request).await {
+        match self.claim_or_answer(route, &claim, &parts, &request, &mut slot).await {
             Ok(Claimed::Answered(answer)) => (Ok(answer), None),
             Ok(Claimed::Run(c)) => self.executor.run_sync(route, &c, parts, body, slot).await,
             Err(e) => (Err(e), None),
@@ -435,13 +435,17 @@ impl Gateway {
     }
 
     /// Claims the scope, or answers from the record the claim found.
-    /// `request` is what the claim's fingerprint was computed from.
+    /// `request` is what the claim's fingerprint was computed from; `slot`,
+    /// the upstream slot the request was admitted with (given back while it
+    /// waits for a duplicate's result, taken again before a claim that may
+    /// forward).
     async fn claim_or_answer(
         &self,
         route: &Route,
         claim: &ClaimRequest,
         parts: &request::Parts,
         request: &RequestParts<'_>,
+        slot: &mut Option<Slot>,
     ) -> Result<Claimed, GatewayError> {
         let request_hash = claim.request_hash;
         let wait_until = match route.record.in_flight {
@@ -516,8 +520,21 @@ impl Gateway {
                     let Some(deadline) = wait_until.filter(|d| tokio::time::Instant::now() < *d) else {
                         return Err(GatewayError::InProgress { retry_after: IN_PROGRESS_RETRY_AFTER });
                     };
+                    // The wait holds no upstream slot: it sends nothing, and
+                    // held, it would keep new keys out of a busy upstream.
+                    let held = slot.take().is_some();
                     self.shared.waiters.wait(&claim.scope, wait_rounds, deadline).await;
                     wait_rounds += 1;
+                    if held {
+                        match self.slot_after_wait(route, claim, request, deadline, &mut wait_rounds).await {
+                            Ok(again) => *slot = again,
+                            Err(GatewayError::Overloaded) => {
+                                let refused = GatewayError::Overloaded;
+                                return self.answer_from_record(route, claim, parts, request, refused).await.map(Claimed::Answered);
+                            }
+                            Err(e) => return Err(e),
+                        }
+                    }
                 }
                 Decision::Expired => {
                     expired_rounds += 1;
@@ -549,6 +566,38 @@ impl Gateway {
         let Some(digest) = record.fingerprint_spec.as_deref().filter(|d| **d != *route.key.fingerprint_digest) else { return decision };
         let Some(spec) = self.shared.fingerprints.find(self.shared.store(), digest).await else { return decision };
         decide_with_legacy(route, record, request_hash, request, now, Some(&spec))
+    }
+
+    /// After a wait for a duplicate's result, the slot a claim that may
+    /// forward needs. While the key is still in flight (and the wait has
+    /// time left) it waits on, without one; a record a claim would answer
+    /// from (a replay, a mismatch, an acceptance) needs none; anything else
+    /// (no record, an expired lease, a record that may be taken over) takes
+    /// one as admission does, or is refused before the claim (`Overloaded`).
+    async fn slot_after_wait(
+        &self,
+        route: &Route,
+        claim: &ClaimRequest,
+        request: &RequestParts<'_>,
+        deadline: tokio::time::Instant,
+        wait_rounds: &mut usize,
+    ) -> Result<Option<Slot>, GatewayError> {
+        loop {
+            let decision = match self.configured.store.get(&claim.scope).await {
+                Ok(Some((record, now))) => Some(self.decide_existing(route, &record, &claim.request_hash, request, now).await),
+                Ok(None) => None,
+                // The claim finds out.
+                Err(_) => return Ok(None),
+            };
+            match decision {
+                Some(Decision::InProgress { .. }) if tokio::time::Instant::now() < deadline => {
+                    self.shared.waiters.wait(&claim.scope, *wait_rounds, deadline).await;
+                    *wait_rounds += 1;
+                }
+                Some(Decision::InProgress { .. } | Decision::Replay | Decision::Mismatch | Decision::Accepted) => return Ok(None),
+                _ => return self.admitted_under_load(route, claim).await,
+            }
+        }
     }
 
     /// A claim whose commit could not be confirmed may exist although nothing

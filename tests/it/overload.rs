@@ -612,6 +612,38 @@ async fn at_the_limit_a_replay_does_not_wait_for_a_slot() {
     assert_eq!(up.total(), 2, "nothing forwarded for the replay");
 }
 
+/// A duplicate waiting for its key's result (`in_flight = "wait"`) gives
+/// its upstream slot back while it waits: with two slots, a slow first
+/// request holding one and its duplicate waiting, a request for a new key
+/// is forwarded, not refused `overloaded`; the duplicate still gets the
+/// first's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_duplicate_leaves_its_slot_to_a_new_key() {
+    let _alone = LOAD.lock().await;
+    let up = TestUpstream::start().await;
+    let gw = Gateway::start(
+        GatewayConfig::new(sqlite_backend(), up.url())
+            .timeout("10s")
+            .upstream("max_in_flight = 2\nqueue_timeout = \"200ms\"")
+            .route("in_flight = \"wait\"\nin_flight_wait = \"5s\""),
+    );
+    let url = gw.url("/v1/orders");
+    let spawn = |key: &'static str, sleep: &'static str| {
+        let url = url.clone();
+        tokio::spawn(async move { post(&url, key, r#"{"n":1}"#, &[("x-test-sleep-ms", sleep)]).await })
+    };
+    let first = spawn("slow", "2000");
+    assert!(support::eventually(Duration::from_secs(5), || async { up.total() == 1 }).await, "the first never arrived");
+    let duplicate = spawn("slow", "2000");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let other = post(&url, "other", r#"{"n":1}"#, &[]).await;
+    assert_eq!(other.status, 201, "a new key beside a waiting duplicate: {:?}\n{}", other.body, gw.logs());
+    let duplicate = duplicate.await.expect("duplicate");
+    assert_eq!((duplicate.status, duplicate.replayed()), (201, true), "{:?}", duplicate.body);
+    assert_eq!(first.await.expect("first").status, 201);
+    assert_eq!((up.side_effects(&derived("slow")), up.side_effects(&derived("other"))), (1, 1));
+}
+
 /// At the limit, a duplicate of a key in flight on a route that waits for
 /// its result (`in_flight = "wait"`) still waits: for a slot as before, and
 /// then gets the first request's answer, not an immediate 409.
