@@ -453,6 +453,9 @@ impl Gateway {
             InFlightPolicy::Reject => None,
         };
         let (mut expired_rounds, mut wait_rounds) = (0, 0);
+        // Whether the request was admitted with a slot: one given back for a
+        // wait must be held again by any claim that forwards.
+        let admitted_with_slot = slot.is_some();
         loop {
             let claim_started = Instant::now();
             let outcome = match self.configured.store.claim(claim).await {
@@ -486,6 +489,20 @@ impl Gateway {
                         tracing::warn!(route = %route.operation, scope = %c.scope.log_id(), "claim took too long to leave room for the upstream; released, nothing forwarded");
                         self.executor.release(route, &c).await;
                         return Err(GatewayError::StoreUnavailable);
+                    }
+                    // The slot given back for a wait was not taken again
+                    // (the record said the claim would answer, or could not
+                    // be read, and then moved on): a free slot now, or the
+                    // key goes back and nothing is forwarded.
+                    if admitted_with_slot && slot.is_none() {
+                        let upstream = self.executor.upstream(route.upstream).limit();
+                        match Slot::try_now(upstream, self.configured.route_limits.get(&route.operation)) {
+                            Some(again) => *slot = Some(again),
+                            None => {
+                                self.executor.release(route, &c).await;
+                                return Err(GatewayError::Overloaded);
+                            }
+                        }
                     }
                     return Ok(Claimed::Run(c));
                 }

@@ -832,25 +832,12 @@ async fn a_large_streamed_response_is_not_buffered_whole() {
 /// replay marker on a first answer; the record keeps the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chunked_answer_with_a_stale_length_and_echoed_headers_is_forwarded_clean() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        let (mut sock, _) = listener.accept().await.unwrap();
-        let mut got = Vec::new();
-        let mut buf = [0u8; 4096];
-        // The head and the 23-byte order body.
-        while !got.windows(4).any(|w| w == b"\r\n\r\n") || !got.ends_with(b"}") {
-            let n = sock.read(&mut buf).await.unwrap();
-            assert!(n > 0, "the request arrives");
-            got.extend_from_slice(&buf[..n]);
-        }
-        let answer = "HTTP/1.1 201 Created\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\ncontent-length: 100\r\n\
-                      idempotency-key: echoed-derived-key\r\nx-idempotency-generation: 7\r\nidempotent-replayed: true\r\n\r\n\
-                      7\r\n{\"id\":1\r\n1\r\n}\r\n0\r\n\r\n";
-        sock.write_all(answer.as_bytes()).await.unwrap();
-        let _ = sock.read(&mut buf).await;
-    });
+    let addr = answering_once(
+        "HTTP/1.1 201 Created\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\ncontent-length: 100\r\n\
+         idempotency-key: echoed-derived-key\r\nx-idempotency-generation: 7\r\nidempotent-replayed: true\r\n\r\n\
+         7\r\n{\"id\":1\r\n1\r\n}\r\n0\r\n\r\n",
+    )
+    .await;
     let backend = sqlite_backend();
     let gw = Gateway::start(GatewayConfig::new(backend.clone(), format!("http://{addr}")));
     let r = post(&gw.url("/v1/orders"), "k", ORDER, &[]).await;
@@ -926,6 +913,21 @@ async fn a_connection_idle_past_the_default_pool_timeout_is_not_reused() {
 /// own length there too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chunked_answer_with_a_stale_length_is_passed_through_clean() {
+    let addr = answering_once(
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\ncontent-length: 100\r\n\r\n\
+         8\r\n{\"id\":1}\r\n0\r\n\r\n",
+    )
+    .await;
+    let gw = Gateway::start(GatewayConfig::new(sqlite_backend(), format!("http://{addr}")));
+    let r = send("GET", &gw.url("/v1/orders"), &[], "").await.expect("answered");
+    assert_eq!((r.status, &r.body[..]), (200, &b"{\"id\":1}"[..]), "{}", gw.logs());
+    assert_ne!(r.header("content-length"), Some("100"), "the stale length reached the client");
+}
+
+/// A raw upstream that accepts one connection, reads one request (its head,
+/// and its body up to a closing `}` when it has one), writes `answer` byte
+/// for byte, and keeps the connection open until the gateway closes it.
+async fn answering_once(answer: &'static str) -> std::net::SocketAddr {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -933,18 +935,19 @@ async fn a_chunked_answer_with_a_stale_length_is_passed_through_clean() {
         let (mut sock, _) = listener.accept().await.unwrap();
         let mut got = Vec::new();
         let mut buf = [0u8; 4096];
-        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+        loop {
+            if let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+                if !head.contains("content-length") || got.ends_with(b"}") {
+                    break;
+                }
+            }
             let n = sock.read(&mut buf).await.unwrap();
             assert!(n > 0, "the request arrives");
             got.extend_from_slice(&buf[..n]);
         }
-        let answer = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\ncontent-length: 100\r\n\r\n\
-                      8\r\n{\"id\":1}\r\n0\r\n\r\n";
         sock.write_all(answer.as_bytes()).await.unwrap();
         let _ = sock.read(&mut buf).await;
     });
-    let gw = Gateway::start(GatewayConfig::new(sqlite_backend(), format!("http://{addr}")));
-    let r = send("GET", &gw.url("/v1/orders"), &[], "").await.expect("answered");
-    assert_eq!((r.status, &r.body[..]), (200, &b"{\"id\":1}"[..]), "{}", gw.logs());
-    assert_ne!(r.header("content-length"), Some("100"), "the stale length reached the client");
+    addr
 }
