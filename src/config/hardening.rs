@@ -11,6 +11,10 @@ use ipnet::IpNet;
 /// Secrets shorter than this many bytes are worth a warning.
 pub const MIN_SECRET_BYTES: usize = 32;
 
+/// API keys printed in this repository (the example configuration, the
+/// demo): anyone who read it can present them.
+const PUBLISHED_KEYS: [&str; 2] = ["example-key-change-me", "demo-key"];
+
 /// A JWT leeway longer than this keeps expired tokens alive too long.
 pub const MAX_JWT_LEEWAY: std::time::Duration = std::time::Duration::from_secs(300);
 
@@ -89,6 +93,22 @@ impl Warnings {
                     format!("{net} is a very wide range: any host in it may assert any tenant and principal in {headers}"),
                 );
             }
+        }
+    }
+
+    /// An API key whose SHA-256 is `digest` and that this repository
+    /// publishes ([`PUBLISHED_KEYS`]).
+    pub(crate) fn published_key(&mut self, path: &str, digest: &[u8; 32]) {
+        use sha2::{Digest, Sha256};
+        if let Some(key) = PUBLISHED_KEYS.iter().find(|k| Sha256::digest(k.as_bytes()).as_slice() == digest) {
+            self.push(
+                path,
+                Hardening::Secrets,
+                format!(
+                    "this is the SHA-256 of `{key}`, a key printed in idemgate's own examples: anyone who read them can act as this \
+                     tenant and principal; use a key of {MIN_SECRET_BYTES} random bytes or more"
+                ),
+            );
         }
     }
 

@@ -1000,6 +1000,9 @@ impl Validator<'_> {
                             }
                         }
                     });
+                    if let Some(d) = &digest {
+                        self.warnings.published_key(&hex_path, d);
+                    }
                     let tenant = self.scope_part(&format!("{kp}.tenant"), entry.tenant.as_deref());
                     let principal = self.scope_part(&format!("{kp}.principal"), entry.principal.as_deref());
                     if let (Some(d), Some(t), Some(pr)) = (digest, tenant, principal)

@@ -137,6 +137,10 @@ tenant_from = "san_dns"
 tenant_regex = "acme-(\\w+)"
 principal_from = "subject_cn"
 
+[[identity.sources]]
+kind = "api_key"
+keys = [ {{ sha256 = "22a60ff8c666ee7f81ede927b1adfb38922412b0bbd7162b99525a22607f603b", tenant = "acme", principal = "billing" }} ]
+
 [[routes]]
 operation = "create_order"
 method = "POST"
@@ -153,7 +157,7 @@ forward_key = "client"
 }
 
 /// (TOML path, a word of the risk) for each warning `insecure` must give.
-const EXPECTED: [(&str, &str); 16] = [
+const EXPECTED: [(&str, &str); 17] = [
     ("store.url", "sslmode=disable"),
     ("store.url", "written in the configuration file"),
     ("admin.token_file", "1 byte"),
@@ -170,6 +174,8 @@ const EXPECTED: [(&str, &str); 16] = [
     ("identity.sources[1].issuer", "issuer"),
     ("identity.sources[1].audience", "audience"),
     ("identity.sources[2].jwks_url", "http://"),
+    // config/idemgate.toml's key, `example-key-change-me`.
+    ("identity.sources[5].keys[0].sha256", "example-key-change-me"),
 ];
 
 /// The "Hardening" items of docs/operations.md (its `###` headings).
@@ -224,7 +230,8 @@ fn the_same_file_hardened_has_no_warnings() {
         .replace("url = \"postgres://idemgate:hunter2@db.internal:5432/idemgate?sslmode=disable\"", "url_env = \"DB_URL\"")
         .replace(", \"0.0.0.0/0\", \"::/0\"", "")
         .replace("secret_env = \"HS_SECRET\"", "secret_env = \"HS_SECRET\"\nissuer = \"https://idp.example\"\naudience = \"orders-api\"")
-        .replace("http://idp.internal", "https://idp.internal");
+        .replace("http://idp.internal", "https://idp.internal")
+        .replace("22a60ff8c666ee7f81ede927b1adfb38922412b0bbd7162b99525a22607f603b", &"5".repeat(64));
     let fixed = fixed
         .replace("listen = \"0.0.0.0:9090\"", "listen = \"127.0.0.1:9090\"")
         .replace("leeway = \"1d\"", "leeway = \"30s\"")
