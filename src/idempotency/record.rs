@@ -236,7 +236,11 @@ pub struct Record {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ReforwardKey {
     Derived,
+    /// The client's key, as a bare value.
     Client,
+    /// The client's key, quoted as an sf-string (`"k"`): the same key to
+    /// idemgate, another one to an upstream that compares the header's bytes.
+    ClientQuoted,
     NoKey,
 }
 
@@ -245,6 +249,7 @@ impl ReforwardKey {
         match self {
             ReforwardKey::Derived => "derived",
             ReforwardKey::Client => "client",
+            ReforwardKey::ClientQuoted => "client-quoted",
             ReforwardKey::NoKey => "none",
         }
     }
@@ -254,6 +259,7 @@ impl ReforwardKey {
         match s {
             "derived" => Some(ReforwardKey::Derived),
             "client" => Some(ReforwardKey::Client),
+            "client-quoted" => Some(ReforwardKey::ClientQuoted),
             "none" => Some(ReforwardKey::NoKey),
             _ => None,
         }

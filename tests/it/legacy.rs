@@ -28,6 +28,7 @@ on_both_stores!(
     observed_request_in_flight_at_the_switch_is_in_flight_then_unknown,
     an_observed_unknown_is_not_sent_again_to_a_deduplicating_upstream,
     an_unknown_sent_under_the_client_key_is_not_sent_again_under_the_derived_one,
+    an_unknown_sent_under_a_quoted_key_is_not_sent_again_under_its_bare_spelling,
     sigterm_records_observed_requests_before_exiting,
 );
 
@@ -486,6 +487,27 @@ async fn an_unknown_sent_under_the_client_key_is_not_sent_again_under_the_derive
     assert_eq!((r.status, r.problem().as_str()), (409, "outcome-unknown"), "{}", gw.logs());
     assert_eq!(up.side_effects("k1"), 1);
     assert_eq!(up.total(), 2, "each executed once: {:?}", up.ledger());
+}
+
+/// `"k3"` and `k3` are one key to idemgate (an sf-string is unquoted), but
+/// two to an upstream that compares the header it is sent: an attempt sent
+/// under one spelling and lost is sent again only under the same spelling.
+async fn an_unknown_sent_under_a_quoted_key_is_not_sent_again_under_its_bare_spelling(backend: Backend) {
+    use idemgate::idempotency::record::ReforwardKey;
+    let (up, gw, store) = setup(backend, |c| c.route("forward_key = \"client\"").route("upstream_idempotent = true").timeout("1s")).await;
+    up.set_dedupe(true);
+    let url = gw.url("/v1/orders");
+    let r = post(&url, "\"k3\"", ORDER, &[("x-test-sleep-ms", "1500")]).await;
+    assert_eq!((r.status, r.problem().as_str()), (504, "outcome-unknown"));
+    settled(&store, "k3", State::Unknown).await;
+    let r = post(&url, "k3", ORDER, &[]).await;
+    assert_eq!(up.total(), 1, "not sent again under another spelling: {:?}", up.ledger());
+    assert_eq!((r.status, r.problem().as_str()), (409, "outcome-unknown"), "{}", gw.logs());
+    assert_eq!(record(&store, "k3").await.and_then(|r| r.reforward_key), Some(ReforwardKey::ClientQuoted));
+    // The spelling it was sent under: sent again, and the upstream knows it.
+    assert_eq!(post(&url, "\"k3\"", ORDER, &[]).await.status, 201);
+    assert_eq!(settled(&store, "k3", State::Completed).await.reforward_key, Some(ReforwardKey::ClientQuoted));
+    assert_eq!(up.total(), 1, "executed once: {:?}", up.ledger());
 }
 
 async fn sigterm_records_observed_requests_before_exiting(backend: Backend) {
