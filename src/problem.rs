@@ -35,6 +35,14 @@ pub enum GatewayError {
     BodyRead,
     #[error("invalid request body: {0}")]
     InvalidBody(String),
+    /// A body with a `Content-Encoding`: idemgate would compare and inspect
+    /// the encoded bytes, not what the upstream decodes (RFC 7694: 415).
+    #[error("request body with a content coding")]
+    ContentEncoded,
+    /// A transfer coding besides `chunked`: its bytes would reach the
+    /// upstream undecoded and unlabelled (RFC 9112, section 6.1: 501).
+    #[error("request with a transfer coding other than chunked")]
+    TransferCoded,
     #[error("store unavailable")]
     StoreUnavailable,
     /// The upstream was not reached; the key was released.
@@ -99,6 +107,10 @@ impl GatewayError {
             E::BodyTimeout(_) => k("request-timeout", "Request body not received in time", StatusCode::REQUEST_TIMEOUT, true),
             E::BodyRead => k("invalid-body", "Request body could not be read", StatusCode::BAD_REQUEST, false),
             E::InvalidBody(_) => k("invalid-body", "Invalid request body", StatusCode::BAD_REQUEST, false),
+            E::ContentEncoded => {
+                k("unsupported-content-encoding", "Content encoding not accepted", StatusCode::UNSUPPORTED_MEDIA_TYPE, false)
+            }
+            E::TransferCoded => k("unsupported-transfer-coding", "Transfer coding not implemented", StatusCode::NOT_IMPLEMENTED, false),
             E::StoreUnavailable => k("store-unavailable", "Idempotency store unavailable", StatusCode::SERVICE_UNAVAILABLE, true),
             E::UpstreamUnavailable => k("upstream-unavailable", "Upstream unavailable", StatusCode::SERVICE_UNAVAILABLE, true),
             E::OutcomeUnknown => k("outcome-unknown", "Outcome unknown", StatusCode::GATEWAY_TIMEOUT, false),
@@ -132,6 +144,8 @@ impl GatewayError {
             E::BodyTimeout(d) => format!("The request body was not received within {}; the key was not used.", humantime::format_duration(*d)),
             E::BodyRead => "The request body could not be read; the key was not used.".into(),
             E::InvalidBody(why) => format!("{why}; the key was not used."),
+            E::ContentEncoded => "The request body has a Content-Encoding. This gateway compares and inspects request bodies as they are sent, so it accepts them here only unencoded; send the body without Content-Encoding. The key was not used.".into(),
+            E::TransferCoded => "The request has a Transfer-Encoding other than chunked, which this gateway does not decode. Send the body with chunked or with a Content-Length.".into(),
             E::StoreUnavailable => "The idempotency store could not be reached, so the request was not forwarded. Retry with the same key.".into(),
             E::UpstreamUnavailable => "The upstream could not be reached and did not receive the request. The key was released; retry with the same key.".into(),
             E::OutcomeUnknown => "The request was sent to the upstream but no complete response arrived in time. It may have been executed; the key is held as unknown until an operator reconciles it.".into(),
@@ -179,6 +193,8 @@ impl GatewayError {
             | E::BodyTimeout(_)
             | E::BodyRead
             | E::InvalidBody(_)
+            | E::ContentEncoded
+            | E::TransferCoded
             | E::NotFound
             | E::Forbidden
             | E::AuthorizerUnavailable
@@ -226,6 +242,10 @@ pub fn response_with_instance(err: &GatewayError, instance: Option<&str>) -> Res
     let mut resp = problem.response();
     if matches!(err, GatewayError::ResponseNotStored { .. }) {
         resp.headers_mut().insert(crate::upstream::headers::IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    }
+    if matches!(err, GatewayError::ContentEncoded) {
+        // RFC 7694, section 3: the codings a request may use.
+        resp.headers_mut().insert(header::ACCEPT_ENCODING, HeaderValue::from_static("identity"));
     }
     resp
 }

@@ -212,6 +212,11 @@ fn claim_request(
     parts: &request::Parts,
     body: &Bytes,
 ) -> Result<ClaimRequest, NotAdmitted> {
+    // An encoded body is not what the upstream reads once it decodes it:
+    // its fingerprint and its key would be the encoding's.
+    if !body.is_empty() && crate::upstream::headers::content_coded(&parts.headers) {
+        return Err(Refusal { reason: RefusalReason::InvalidBody, error: GatewayError::ContentEncoded }.into());
+    }
     let found = match early {
         Some(found) => found,
         None => match route.key.from.from_request(&parts.headers, body) {

@@ -183,6 +183,9 @@ impl Gateway {
         // headers, so that what is checked (the content type a body is read
         // by, the forwarding headers written next, an identity) is what the
         // upstream gets.
+        if crate::upstream::headers::transfer_coded(req.headers()) {
+            return Err(GatewayError::TransferCoded);
+        }
         crate::upstream::headers::strip_hop_by_hop(req.headers_mut());
         // Header names with `_` (and every other spelling of a guarded
         // header) are gone before anything reads the headers.
@@ -713,6 +716,11 @@ impl Gateway {
             let (parts, body) = req.into_parts();
             let body = read_body(body, &parts.headers, self.configured.max_request_body, self.configured.request_body_timeout).await?;
             trace.bytes_in = Some(body.len() as u64);
+            // Encoded, `_method` could hide from the scan and reach a
+            // framework that decodes the body.
+            if !body.is_empty() && crate::upstream::headers::content_coded(&parts.headers) {
+                return Err(GatewayError::ContentEncoded);
+            }
             if method_override::in_body(&body) {
                 return Err(GatewayError::InvalidRequest(InvalidRequest::MethodOverride));
             }

@@ -183,6 +183,28 @@ pub fn is_hop_by_hop(name: &HeaderName, connection_listed: &[HeaderName]) -> boo
         || connection_listed.contains(name)
 }
 
+/// Whether a request's body is sent with a content coding other than
+/// `identity` (`Content-Encoding: gzip`): its bytes are not what the upstream
+/// reads once it decodes them (Express's body parsers inflate by default).
+pub fn content_coded(headers: &HeaderMap) -> bool {
+    headers.get_all(header::CONTENT_ENCODING).iter().any(|v| {
+        v.as_bytes().split(|b| *b == b',').any(|c| {
+            let c = c.trim_ascii();
+            !c.is_empty() && !c.eq_ignore_ascii_case(b"identity")
+        })
+    })
+}
+
+/// Whether a request names a transfer coding other than `chunked` (hyper
+/// decodes only the chunking: a `gzip, chunked` body would reach the
+/// upstream compressed and unlabelled).
+pub fn transfer_coded(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(header::TRANSFER_ENCODING)
+        .iter()
+        .any(|v| v.as_bytes().split(|b| *b == b',').any(|c| !c.trim_ascii().eq_ignore_ascii_case(b"chunked")))
+}
+
 /// The header names a message's `Connection` header lists.
 pub fn connection_listed(headers: &HeaderMap) -> Vec<HeaderName> {
     headers

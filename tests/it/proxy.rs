@@ -147,9 +147,28 @@ async fn bad_keys_and_bodies_claim_nothing(backend: Backend) {
     let r = post(&url, "broken", "{not json", &[]).await;
     assert_eq!((r.status, r.problem().as_str()), (400, "invalid-body"));
 
-    assert_eq!(up.total(), 1, "only the valid request reached the upstream");
+    // An encoded body: the gateway would compare (and scan) the encoding's
+    // bytes, not what the upstream decodes. `identity` is no coding.
+    for coding in ["gzip", "deflate, identity", "br"] {
+        let r = post(&url, "coded", ORDER, &[("content-encoding", coding)]).await;
+        assert_eq!((r.status, r.problem().as_str()), (415, "unsupported-content-encoding"), "{coding}");
+        assert_eq!(r.header("accept-encoding"), Some("identity"));
+    }
+    assert_eq!(post(&url, "identity", ORDER, &[("content-encoding", "identity")]).await.status, 201);
+    // A transfer coding besides chunked: hyper undoes only the chunking.
+    let mut raw = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let head = "POST /v1/orders HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer test-key\r\nIdempotency-Key: te\r\n\
+                Content-Type: application/json\r\nTransfer-Encoding: gzip, chunked\r\nConnection: close\r\n\r\n5\r\nhello\r\n0\r\n\r\n";
+    tokio::io::AsyncWriteExt::write_all(&mut raw, head.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::io::AsyncReadExt::read_to_end(&mut raw, &mut answer).await.unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 501"), "{answer}");
+    assert!(answer.contains("unsupported-transfer-coding"), "{answer}");
+
+    assert_eq!(up.total(), 2, "only the valid requests reached the upstream");
     let all = store.list(&idemgate::store::ListFilter { limit: 100, ..Default::default() }).await.unwrap();
-    assert_eq!(all.len(), 1, "nothing else was claimed: {all:?}");
+    assert_eq!(all.len(), 2, "nothing else was claimed: {all:?}");
 }
 
 async fn changed_request_under_same_key_is_409_and_original_still_replays(backend: Backend) {

@@ -87,7 +87,7 @@ fn latency_histogram() -> Histogram {
 /// The problem types of requests refused before any claim (the errors whose
 /// outcome is `rejected`): the `reason` label of `idemgate_rejections_total`,
 /// every one present from the start.
-pub const REJECTION_REASONS: [&str; 11] = [
+pub const REJECTION_REASONS: [&str; 13] = [
     "invalid-request",
     "unauthenticated",
     "forbidden",
@@ -97,6 +97,8 @@ pub const REJECTION_REASONS: [&str; 11] = [
     "request-too-large",
     "request-timeout",
     "invalid-body",
+    "unsupported-content-encoding",
+    "unsupported-transfer-coding",
     "not-found",
     "operation-not-completed",
 ];
