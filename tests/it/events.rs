@@ -184,6 +184,23 @@ async fn parked_events_are_kept_listed_and_redelivered(backend: Backend) {
     let again = eventually(Duration::from_secs(10), || async { hook.deliveries().iter().filter(|d| d.id == id).count() == 4 }).await;
     assert!(again, "{:?}", hook.counts());
     assert_eq!(admin("POST", "/admin/events/00000000-0000-0000-0000-000000000000/redeliver").await.status, 404);
+    // An event delivered on its first attempt (on PostgreSQL, read from the
+    // log and never copied anywhere) is redelivered too, with its id.
+    assert_eq!(post(&gw.url("/v1/orders"), "k2", ORDER, &[]).await.status, 201);
+    let delivered = eventually(Duration::from_secs(10), || async { hook.distinct().len() == 2 }).await;
+    assert!(delivered, "{:?}", hook.counts());
+    let marked = eventually(Duration::from_secs(10), || async { store.event_stats().await.unwrap() == Default::default() }).await;
+    assert!(marked, "{}", gw.logs());
+    let id2 = hook.deliveries().last().unwrap().id.clone();
+    assert_ne!(id2, id);
+    let (code, _, err) = cli(&gw, &["events", "redeliver", &id2]);
+    assert_eq!(code, 0, "{err}");
+    let again = eventually(Duration::from_secs(10), || async { hook.deliveries().iter().filter(|d| d.id == id2).count() == 2 }).await;
+    assert!(again, "{:?}", hook.counts());
+    // An id of the log's form that no event has: no event, not a store error.
+    let (code, _, err) = cli(&gw, &["events", "redeliver", "00000000-0000-8000-8000-000000000999"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("no event"), "{err}");
 }
 
 /// Two replicas relaying one store: every event is delivered, none by two

@@ -267,7 +267,10 @@ impl Events for PgStore {
             return Ok(true);
         }
         match log_xid(event_id) {
-            Some(xid) if self.flavor != Flavor::Citus => Ok(!self.query(&LOG_REDELIVER, &[&event_id, &xid], true).await?.is_empty()),
+            Some(xid) if self.flavor != Flavor::Citus => {
+                // `$2::text::xid8`: the statement takes the id as text.
+                Ok(!self.query(&LOG_REDELIVER, &[&event_id, &xid.to_string()], true).await?.is_empty())
+            }
             _ => Ok(false),
         }
     }

@@ -199,6 +199,16 @@ async fn relays_hold_each_event_alone_in_order_per_scope(backend: Backend) {
     assert_eq!(store.events_delivered(&[held[0].seq], r2).await.unwrap(), vec![held[0].seq]);
     let stats = store.event_stats().await.unwrap();
     assert_eq!((stats.pending, stats.parked, stats.oldest_pending_at), (0, 0, None));
+    // An operator redelivers an event delivered on its first attempt (on
+    // PostgreSQL, one of the log's): pending again, with its id.
+    assert!(store.redeliver(first[1].id).await.unwrap(), "a delivered event can be redelivered");
+    let again = store.take_events(&ops, 10, LONG, r1).await.unwrap();
+    assert_eq!(again.iter().map(|e| (e.id, e.event_type.as_str())).collect::<Vec<_>>(), vec![(first[1].id, "completed")]);
+    assert_eq!(store.events_delivered(&[again[0].seq], r1).await.unwrap(), vec![again[0].seq]);
+    // An id no event has is no event, not an error (the log's form of id too).
+    let unknown: Uuid = "00000000-0560-8000-8000-000000000001".parse().unwrap();
+    assert!(!store.redeliver(unknown).await.unwrap());
+    assert!(!store.redeliver(Uuid::new_v4()).await.unwrap());
     // Delivered events are swept after their retention.
     tokio::time::sleep(PAST_SHORT).await;
     let swept = store.sweep_events(10, SHORT).await.unwrap();
