@@ -64,7 +64,7 @@ async fn seed_v1(store: &idemgate::store::Store, key: &str, content_type: &str, 
     seed(store, key, content_type, query, body, n, 1).await
 }
 
-/// The same, with the hash of fingerprint `version` (1 or 2).
+/// The same, with the hash of fingerprint `version` (1, 2 or 3).
 async fn seed(store: &idemgate::store::Store, key: &str, content_type: &str, query: &str, body: &[u8], n: u32, version: usize) {
     use idemgate::idempotency::fingerprint::{FingerprintSpec, RequestParts, legacy_fingerprints};
     use idemgate::idempotency::record::Retention;
@@ -83,7 +83,7 @@ async fn seed(store: &idemgate::store::Store, key: &str, content_type: &str, que
     let req = ClaimRequest {
         scope: scope(key),
         request_hash: legacy_fingerprints(&FingerprintSpec::default(), &parts)
-            .nth(2 - version)
+            .nth(3 - version)
             .expect("a version")
             .expect("an earlier fingerprint"),
         owner: "previous-release".into(),
@@ -159,6 +159,30 @@ async fn the_same_bytes_as_another_media_type_are_another_request() {
     assert_eq!(settled_record(&store, "m").await.expect("record").state, idemgate::idempotency::record::State::Completed);
 }
 
+/// Records written by fingerprint version 3 (numbers with a fraction compared
+/// as doubles) replay their own retries after the upgrade to version 4. For
+/// those records an amount that is the same double is still replayed; a new
+/// record tells the two apart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_of_fingerprint_version_3_still_replay_their_own_retries() {
+    let backend = sqlite_backend();
+    let up = TestUpstream::start().await;
+    let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()));
+    let store = backend.open().await;
+    let exact = r#"{"amount":1.000000000000000001}"#;
+    seed(&store, "v3", "application/json", "", exact.as_bytes(), 3, 3).await;
+    let retry = send_ok("POST", &gw.url("/v1/orders"), &json_headers("v3"), exact).await;
+    assert_eq!((retry.status, retry.replayed(), retry.json()["seeded"].as_u64()), (201, true, Some(3)), "{:?}", retry.body);
+    let same_double = send_ok("POST", &gw.url("/v1/orders"), &json_headers("v3"), r#"{"amount":1}"#).await;
+    assert_eq!((same_double.status, same_double.replayed()), (201, true), "version 3 compared doubles: {:?}", same_double.body);
+    assert_eq!(up.total(), 0, "nothing was executed again");
+    // Written now: the two amounts are two requests.
+    assert_eq!(send_ok("POST", &gw.url("/v1/orders"), &json_headers("v4"), exact).await.status, 201);
+    let other = send_ok("POST", &gw.url("/v1/orders"), &json_headers("v4"), r#"{"amount":1}"#).await;
+    assert_eq!((other.status, other.problem().as_str()), (409, "idempotency-key-reused"), "{:?}", other.body);
+    assert_eq!(up.total(), 1);
+}
+
 /// Records written by fingerprint version 2 (no media type) replay their own
 /// retries after the upgrade to version 3. Version 2 could not tell media
 /// types apart, so for those records a retry as another media type is still
@@ -179,4 +203,38 @@ async fn records_of_fingerprint_version_2_still_replay_their_own_retries() {
     let reordered = send_ok("POST", &gw.url("/v1/orders?tag=a&tag=b"), &json_headers("v2"), ORDER).await;
     assert_eq!((reordered.status, reordered.problem().as_str()), (409, "idempotency-key-reused"));
     assert_eq!(up.total(), 0, "nothing was executed again");
+}
+
+/// What clients send at their defaults: a multipart upload with a new
+/// boundary on every call (curl `-F`, Python requests' `files=`), and JSON
+/// under the form type (curl `-d` without a type). An identical retry of the
+/// upload is replayed; two JSON bodies a form decoding would equate (`+`
+/// and a space) are two requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uploads_and_form_typed_json_are_compared_as_sent() {
+    let backend = sqlite_backend();
+    let up = TestUpstream::start().await;
+    let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()));
+    let upload = |boundary: &'static str| {
+        let ct = format!("multipart/form-data; boundary={boundary}");
+        let body =
+            format!("--{boundary}\r\nContent-Disposition: form-data; name=\"doc\"; filename=\"a.txt\"\r\n\r\nhello\r\n--{boundary}--\r\n");
+        (ct, body)
+    };
+    let (ct, body) = upload("------------------------d74496d66958873e");
+    let h = [("authorization", "Bearer test-key"), ("content-type", ct.as_str()), ("idempotency-key", "up")];
+    assert_eq!(send_ok("POST", &gw.url("/v1/orders"), &h, &body).await.status, 201);
+    let (ct, body) = upload("------------------------0b1c2e6a5f4d3c2b");
+    let h = [("authorization", "Bearer test-key"), ("content-type", ct.as_str()), ("idempotency-key", "up")];
+    let retry = send_ok("POST", &gw.url("/v1/orders"), &h, &body).await;
+    assert_eq!((retry.status, retry.replayed()), (201, true), "the same upload under another boundary: {:?}", retry.body);
+    assert_eq!(up.side_effects(&derived("up")), 1);
+
+    let first = send_ok("POST", &gw.url("/v1/orders"), &form_headers("fj"), r#"{"memo":"pay 100+tip"}"#).await;
+    assert_eq!(first.status, 201);
+    let other = send_ok("POST", &gw.url("/v1/orders"), &form_headers("fj"), r#"{"memo":"pay 100 tip"}"#).await;
+    assert_eq!((other.status, other.problem().as_str()), (409, "idempotency-key-reused"), "{:?}", other.body);
+    let same = send_ok("POST", &gw.url("/v1/orders"), &form_headers("fj"), r#"{"memo":"pay 100+tip"}"#).await;
+    assert_eq!((same.status, same.replayed()), (201, true));
+    assert_eq!(up.total(), 2);
 }

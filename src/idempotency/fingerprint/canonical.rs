@@ -160,6 +160,73 @@ pub(crate) fn write_f64(out: &mut impl Sink, f: f64) {
     out.put(buf.format(f).as_bytes());
 }
 
+/// How numbers are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Numbers {
+    /// Version 3 and before: JCS, a number with a fraction or an exponent as
+    /// the double nearest to it (`0.1` and `0.10000000000000000001` alike).
+    Doubles,
+    /// Version 4: every number as its exact decimal value ([`write_exact`]).
+    Exact,
+}
+
+/// A double as [`Numbers`] says: its ECMAScript text, or the exact value of
+/// that text (the shortest that reads back as the double: what a client
+/// holding the double sends).
+fn write_double(out: &mut impl Sink, f: f64, numbers: Numbers) {
+    match numbers {
+        Numbers::Doubles => write_f64(out, f),
+        Numbers::Exact => write_exact(out, ryu_js::Buffer::new().format(f)),
+    }
+}
+
+/// Writes a JSON number literal (`-12.50e3`) as its exact decimal value, one
+/// text per value: the significant digits (no leading or trailing zeros),
+/// then `e` and the power of ten when it is not 0, a `-` before a negative
+/// value. `1`, `1.0`, `1e0` and `10e-1` are all `1`; `1000` and `1e3` are
+/// `1e3`; `1.5` is `15e-1`; `-0.0` is `0`. Never longer than the literal
+/// and a few bytes: `1e308` is not written out as 309 digits.
+pub(crate) fn write_exact(out: &mut impl Sink, literal: &str) {
+    let (negative, rest) = match literal.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, literal),
+    };
+    let (mantissa, exponent) = match rest.find(['e', 'E']) {
+        Some(i) => (&rest[..i], &rest[i + 1..]),
+        None => (rest, ""),
+    };
+    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let mut power: i64 = 0;
+    if !exponent.is_empty() {
+        let (sign, digits) = match exponent.as_bytes().first() {
+            Some(b'-') => (-1i64, &exponent[1..]),
+            Some(b'+') => (1, &exponent[1..]),
+            _ => (1, exponent),
+        };
+        // Saturating: a parser that took the literal bounds its exponent; a
+        // saturated one is still one text for one literal.
+        let magnitude = digits.bytes().fold(0i64, |n, d| n.saturating_mul(10).saturating_add(i64::from(d.wrapping_sub(b'0'))));
+        power = sign * magnitude;
+    }
+    power = power.saturating_sub(i64::try_from(frac.len()).unwrap_or(i64::MAX));
+    let all = int.bytes().chain(frac.bytes());
+    let digits: Vec<u8> = all.skip_while(|d| *d == b'0').collect();
+    let end = digits.iter().rposition(|d| *d != b'0').map_or(0, |i| i + 1);
+    if end == 0 {
+        out.put(b"0");
+        return;
+    }
+    power = power.saturating_add(i64::try_from(digits.len() - end).unwrap_or(i64::MAX));
+    if negative {
+        out.put(b"-");
+    }
+    out.put(&digits[..end]);
+    if power != 0 {
+        out.put(b"e");
+        out.put(power.to_string().as_bytes());
+    }
+}
+
 fn enter(depth: usize) -> Result<usize, FingerprintError> {
     let inner = depth + 1;
     if inner > MAX_DEPTH {
@@ -172,15 +239,20 @@ fn enter(depth: usize) -> Result<usize, FingerprintError> {
 /// root). Object members are sorted in place here (the parser keeps insertion order);
 /// `Excluded` tombstones are skipped. Depth is re-checked because defaults may graft
 /// values into the tree after parsing.
-pub(crate) fn write_node(out: &mut impl Sink, node: &mut Node<'_>, depth: usize) -> Result<(), FingerprintError> {
+pub(crate) fn write_node(out: &mut impl Sink, node: &mut Node<'_>, depth: usize, numbers: Numbers) -> Result<(), FingerprintError> {
     match node {
         Node::Null => out.put(b"null"),
         Node::Bool(true) => out.put(b"true"),
         Node::Bool(false) => out.put(b"false"),
+        Node::U64(n) if numbers == Numbers::Exact => write_exact(out, &n.to_string()),
+        Node::I64(n) if numbers == Numbers::Exact => write_exact(out, &n.to_string()),
+        Node::BigInt(digits) if numbers == Numbers::Exact => write_exact(out, digits),
         Node::U64(n) => write_u64(out, *n),
         Node::I64(n) => write_i64(out, *n),
         Node::BigInt(digits) => out.put(digits.as_bytes()),
-        Node::F64(f) => write_f64(out, *f),
+        Node::F64(f) => write_double(out, *f, numbers),
+        Node::Decimal(_, literal) if numbers == Numbers::Exact => write_exact(out, literal),
+        Node::Decimal(f, _) => write_f64(out, *f),
         Node::Str(s) => write_str(out, s),
         Node::Array(items) => {
             let inner = enter(depth)?;
@@ -194,7 +266,7 @@ pub(crate) fn write_node(out: &mut impl Sink, node: &mut Node<'_>, depth: usize)
                     out.put(b",");
                 }
                 first = false;
-                write_node(out, item, inner)?;
+                write_node(out, item, inner, numbers)?;
             }
             out.put(b"]");
         }
@@ -213,11 +285,11 @@ pub(crate) fn write_node(out: &mut impl Sink, node: &mut Node<'_>, depth: usize)
                 first = false;
                 write_str(out, name);
                 out.put(b":");
-                write_node(out, value, inner)?;
+                write_node(out, value, inner, numbers)?;
             }
             out.put(b"}");
         }
-        Node::Borrowed(value) => write_value(out, value, depth)?,
+        Node::Borrowed(value) => write_value(out, value, depth, numbers)?,
         // Only reachable as a member or element, where the containers skip it.
         Node::Excluded => {}
     }
@@ -225,18 +297,18 @@ pub(crate) fn write_node(out: &mut impl Sink, node: &mut Node<'_>, depth: usize)
 }
 
 /// Writes a `serde_json::Value` (a configured default) canonically.
-pub(crate) fn write_value(out: &mut impl Sink, value: &Value, depth: usize) -> Result<(), FingerprintError> {
+pub(crate) fn write_value(out: &mut impl Sink, value: &Value, depth: usize, numbers: Numbers) -> Result<(), FingerprintError> {
     match value {
         Value::Null => out.put(b"null"),
         Value::Bool(true) => out.put(b"true"),
         Value::Bool(false) => out.put(b"false"),
         Value::Number(n) => {
             if let Some(u) = n.as_u64() {
-                write_u64(out, u);
+                write_node(out, &mut Node::U64(u), depth, numbers)?;
             } else if let Some(i) = n.as_i64() {
-                write_i64(out, i);
+                write_node(out, &mut Node::I64(i), depth, numbers)?;
             } else if let Some(f) = n.as_f64() {
-                write_f64(out, f);
+                write_double(out, f, numbers);
             }
         }
         Value::String(s) => write_str(out, s),
@@ -247,7 +319,7 @@ pub(crate) fn write_value(out: &mut impl Sink, value: &Value, depth: usize) -> R
                 if i > 0 {
                     out.put(b",");
                 }
-                write_value(out, item, inner)?;
+                write_value(out, item, inner, numbers)?;
             }
             out.put(b"]");
         }
@@ -264,7 +336,7 @@ pub(crate) fn write_value(out: &mut impl Sink, value: &Value, depth: usize) -> R
                 }
                 write_str(out, name);
                 out.put(b":");
-                write_value(out, item, inner)?;
+                write_value(out, item, inner, numbers)?;
             }
             out.put(b"}");
         }
@@ -375,11 +447,11 @@ mod tests {
     fn value_objects_are_sorted_and_depth_checked() {
         let v = serde_json::json!({"b": [1, 2.5, -3], "a": {"\u{e000}": null, "\u{10000}": true}});
         let mut out = Vec::new();
-        let r = write_value(&mut out, &v, 0);
+        let r = write_value(&mut out, &v, 0, Numbers::Doubles);
         assert!(r.is_ok());
         assert_eq!(String::from_utf8_lossy(&out), "{\"a\":{\"\u{10000}\":true,\"\u{e000}\":null},\"b\":[1,2.5,-3]}");
         let mut out = Vec::new();
-        let r = write_value(&mut out, &serde_json::json!([[1]]), MAX_DEPTH - 1);
+        let r = write_value(&mut out, &serde_json::json!([[1]]), MAX_DEPTH - 1, Numbers::Doubles);
         assert!(matches!(r, Err(FingerprintError::TooDeep { limit: MAX_DEPTH })));
     }
 }

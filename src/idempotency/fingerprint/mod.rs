@@ -7,7 +7,7 @@
 //! written as an 8-byte big-endian length followed by its bytes, every list as an 8-byte
 //! count followed by its items. In order:
 //!
-//! 1. the version tag `idemgate-fp-v3`;
+//! 1. the version tag `idemgate-fp-v4`;
 //! 2. the method (`POST`);
 //! 3. the operation (`create_order`);
 //! 4. the path parameters, in template order: count, then name and value of each;
@@ -24,12 +24,20 @@
 //!    `application/json`), empty when the header is absent or the body is empty. The
 //!    same bytes sent as `application/json` and as `application/merge-patch+json` are
 //!    two requests: an upstream may read them differently;
-//! 8. a body-kind tag (`raw`, `json` or `form`) and the body:
+//! 8. a body-kind tag (`raw`, `json`, `form` or `multipart`) and the body:
 //!    - `json` (`application/json` or any `*/*+json`, parameters ignored): the
-//!      RFC 8785 canonical form after `defaults` and `exclude` are applied, streamed
-//!      into the hasher. It is the last field, so it needs no length prefix;
+//!      RFC 8785 canonical form after `defaults` and `exclude` are applied, except
+//!      that every number is written as its exact decimal value (see
+//!      [`canonical_json`]), streamed into the hasher. It is the last field, so it
+//!      needs no length prefix;
 //!    - `form` (`application/x-www-form-urlencoded`): pairs as for the query (one
-//!      name's values in request order);
+//!      name's values in request order). A body of that type that starts with `{`
+//!      or `[` is JSON sent under the form type (curl's `-d`, Ruby's `Net::HTTP`
+//!      by default), which an upstream that ignores the type reads as JSON: it is
+//!      `raw`, since decoding it as a form would take `+` for a space;
+//!    - `multipart` (`multipart/*` with a `boundary`): the parts between the
+//!      delimiters, each length-prefixed, after a count: the same parts under
+//!      another boundary (clients draw a new one for every request) are the same;
 //!    - `raw` (any other or no content type): the bytes, length-prefixed.
 //!
 //!    An empty body is `raw` with no bytes whatever the content type, so a bodiless
@@ -37,11 +45,14 @@
 //!
 //! # Versions
 //!
-//! Version 2 (`idemgate-fp-v2`) was version 3 without the media type (field 7). Version
+//! Version 3 (`idemgate-fp-v3`) was version 4 with numbers that have a fraction
+//! or an exponent compared as the doubles nearest to them (so `1.000000000000000001`
+//! and `1` were one amount), form-typed JSON decoded as a form, and multipart bodies
+//! as raw bytes (their boundary included). Version 2 (`idemgate-fp-v2`) was version 3 without the media type (field 7). Version
 //! 1 (`idemgate-fp-v1`) was version 2 but for the order of query and form pairs, sorted
 //! by (name, value), which took one name's values in another order for the same
 //! request. A record keeps only its hash, not the version that made it, so
-//! [`legacy_fingerprints`] computes what versions 2 and 1 gave a request: the gateway
+//! [`legacy_fingerprints`] computes what versions 3, 2 and 1 gave a request: the gateway
 //! asks for them only when a record's hash differs from the request's, and a record
 //! that matches one was written by that version for this request (up to what that
 //! version did not tell apart: the media type, and for version 1 the order of one
@@ -80,7 +91,10 @@ pub const MAX_DEPTH: usize = 64;
 
 /// Tag that starts every hash input; bump it whenever the encoding changes (and keep
 /// the previous encodings in [`legacy_fingerprints`] while records they wrote may exist).
-const VERSION_TAG: &[u8] = b"idemgate-fp-v3";
+const VERSION_TAG: &[u8] = b"idemgate-fp-v4";
+
+/// Version 3's tag: numbers as doubles, form-typed JSON as a form, multipart as raw.
+const V3_TAG: &[u8] = b"idemgate-fp-v3";
 
 /// Version 2's tag: no media type.
 const V2_TAG: &[u8] = b"idemgate-fp-v2";
@@ -94,6 +108,7 @@ enum Version {
     V1,
     V2,
     V3,
+    V4,
 }
 
 impl Version {
@@ -101,19 +116,32 @@ impl Version {
         match self {
             Version::V1 => V1_TAG,
             Version::V2 => V2_TAG,
-            Version::V3 => VERSION_TAG,
+            Version::V3 => V3_TAG,
+            Version::V4 => VERSION_TAG,
         }
     }
 
     fn pair_order(self) -> form::PairOrder {
         match self {
             Version::V1 => form::PairOrder::NameThenValue,
-            Version::V2 | Version::V3 => form::PairOrder::Name,
+            Version::V2 | Version::V3 | Version::V4 => form::PairOrder::Name,
         }
     }
 
     fn hashes_media_type(self) -> bool {
-        self == Version::V3
+        matches!(self, Version::V3 | Version::V4)
+    }
+
+    fn numbers(self) -> canonical::Numbers {
+        match self {
+            Version::V4 => canonical::Numbers::Exact,
+            _ => canonical::Numbers::Doubles,
+        }
+    }
+
+    /// Version 4 reads form-typed JSON as bytes and multipart bodies by part.
+    fn reads_bodies_as_sent(self) -> bool {
+        self == Version::V4
     }
 }
 
@@ -318,17 +346,18 @@ pub fn body_kind(headers: &HeaderMap) -> BodyKind {
 ///
 /// The body is validated before anything is hashed, so an invalid body costs no hashing.
 pub fn fingerprint(spec: &FingerprintSpec, parts: &RequestParts<'_>) -> Result<Fingerprint, FingerprintError> {
-    fingerprint_as(Version::V3, spec, parts)
+    fingerprint_as(Version::V4, spec, parts)
 }
 
-/// The fingerprints earlier versions gave this request, newest first (version 2:
-/// no media type; version 1: nor pairs in request order), computed one at a time
+/// The fingerprints earlier versions gave this request, newest first (version 3:
+/// numbers as doubles; version 2: nor the media type; version 1: nor pairs in
+/// request order), computed one at a time
 /// as the iterator is read: for recognising records written by them, nothing else.
 pub fn legacy_fingerprints<'a>(
     spec: &'a FingerprintSpec,
     parts: &'a RequestParts<'a>,
 ) -> impl Iterator<Item = Result<Fingerprint, FingerprintError>> + 'a {
-    [Version::V2, Version::V1].into_iter().map(move |version| fingerprint_as(version, spec, parts))
+    [Version::V3, Version::V2, Version::V1].into_iter().map(move |version| fingerprint_as(version, spec, parts))
 }
 
 /// The fingerprint version 1 gave this request (query and form pairs sorted by
@@ -376,9 +405,16 @@ fn fingerprint_as(version: Version, spec: &FingerprintSpec, parts: &RequestParts
             put_field(&mut out, b"form");
             form::write_pairs(&mut out, pairs);
         }
+        Body::Parts(parts) => {
+            put_field(&mut out, b"multipart");
+            put_len(&mut out, parts.len());
+            for part in parts {
+                put_field(&mut out, part);
+            }
+        }
         Body::Json(root) => {
             put_field(&mut out, b"json");
-            canonical::write_node(&mut out, root, 0)?;
+            canonical::write_node(&mut out, root, 0, version.numbers())?;
         }
     }
     Ok(Fingerprint(out.finish()))
@@ -390,14 +426,16 @@ fn fingerprint_as(version: Version, spec: &FingerprintSpec, parts: &RequestParts
 /// - members sorted by name as UTF-16 code units; no insignificant whitespace;
 /// - strings with only `\" \\ \b \f \n \r \t` and `\u00xx` (controls) escaped, so
 ///   `"\u0041"` and `"A"` are equal;
-/// - floats as ECMAScript `Number.prototype.toString` (`1.0`, `1e0`, `10e-1` -> `1`;
-///   `-0` -> `0`; `1E+2` -> `100`; `1e30` -> `1e+30`);
-/// - integer literals (no fraction, no exponent) of any size as their exact decimal
-///   value, `-0` as `0`. This equals JCS up to 2^53; beyond it JCS would round through
-///   a double and make distinct ids such as `9007199254740993` and `9007199254740992`
-///   (or amounts such as `18446744073709551616` and `18446744073709551617`) collide, so
-///   we deliberately keep them apart. Literals beyond the range of a double (over 309
-///   digits) are refused as invalid JSON by the parser.
+/// - every number as its exact decimal value: significant digits, then `e` and
+///   the power of ten unless it is 0 (`1`, `1.0`, `1e0`, `10e-1` -> `1`; `1000`,
+///   `1e3` -> `1e3`; `1.5` -> `15e-1`; `-0` -> `0`). JCS writes numbers as the
+///   doubles nearest to them, which makes distinct ids such as `9007199254740993` and
+///   `9007199254740992`, and distinct amounts such as `0.1` and
+///   `0.10000000000000000001`, collide; we deliberately keep them apart. Two
+///   spellings of one double compare equal when both are exact decimals of the
+///   same value, which the shortest spellings that JavaScript, Python and Go write
+///   are. Literals beyond the range of a double are refused as invalid JSON by
+///   the parser.
 ///
 /// An empty body yields empty bytes (no error); anything else must be one JSON value.
 pub fn canonical_json(body: &[u8], spec: &FingerprintSpec) -> Result<Vec<u8>, FingerprintError> {
@@ -406,7 +444,7 @@ pub fn canonical_json(body: &[u8], spec: &FingerprintSpec) -> Result<Vec<u8>, Fi
     }
     let mut root = json_tree(body, spec)?;
     let mut out = Vec::with_capacity(body.len());
-    canonical::write_node(&mut out, &mut root, 0)?;
+    canonical::write_node(&mut out, &mut root, 0, Version::V4.numbers())?;
     Ok(out)
 }
 
@@ -443,6 +481,8 @@ pub fn json_value_at(body: &[u8], pointer: &JsonPointer) -> Result<Option<JsonSc
 enum Body<'a> {
     Raw(&'a [u8]),
     Form(Vec<form::Pair<'a>>),
+    /// A multipart body's parts, without its delimiters.
+    Parts(Vec<&'a [u8]>),
     Json(tree::Node<'a>),
 }
 
@@ -456,10 +496,46 @@ fn prepare_body<'a>(
         return Ok(Body::Raw(body));
     }
     Ok(match body_kind(headers) {
+        BodyKind::Raw if version.reads_bodies_as_sent() => match multipart_boundary(headers) {
+            Some(boundary) => Body::Parts(multipart_parts(body, boundary.as_bytes())),
+            None => Body::Raw(body),
+        },
         BodyKind::Raw => Body::Raw(body),
+        BodyKind::Form if version.reads_bodies_as_sent() && matches!(body.first(), Some(b'{' | b'[')) => Body::Raw(body),
         BodyKind::Form => Body::Form(form::sorted_pairs(body, version.pair_order())),
         BodyKind::Json => Body::Json(json_tree(body, spec)?),
     })
+}
+
+/// The `boundary` parameter of a `multipart/*` content type (unquoted).
+fn multipart_boundary(headers: &HeaderMap) -> Option<String> {
+    let value = headers.get(CONTENT_TYPE)?.to_str().ok()?;
+    let mut params = value.split(';');
+    let media = params.next()?.trim();
+    if !media.get(..10).is_some_and(|m| m.eq_ignore_ascii_case("multipart/")) {
+        return None;
+    }
+    params
+        .find_map(|p| {
+            let (name, v) = p.split_once('=')?;
+            name.trim().eq_ignore_ascii_case("boundary").then(|| v.trim().trim_matches('"').to_owned())
+        })
+        .filter(|b| !b.is_empty())
+}
+
+/// A multipart body split at every `--boundary`: what comes before the first
+/// delimiter, each part (with its headers), and what follows the last.
+fn multipart_parts<'a>(body: &'a [u8], boundary: &[u8]) -> Vec<&'a [u8]> {
+    let mut delimiter = b"--".to_vec();
+    delimiter.extend_from_slice(boundary);
+    let mut parts = Vec::new();
+    let mut rest = body;
+    while let Some(at) = rest.windows(delimiter.len()).position(|w| w == delimiter.as_slice()) {
+        parts.push(&rest[..at]);
+        rest = &rest[at + delimiter.len()..];
+    }
+    parts.push(rest);
+    parts
 }
 
 /// Parses a JSON body and applies defaults, then exclusions.

@@ -39,8 +39,13 @@ pub(crate) enum Node<'a> {
     /// decimal digits with an optional `-`. Never zero (that is `U64(0)`), never with
     /// leading zeros (JSON has none).
     BigInt(Cow<'a, str>),
-    /// Any other number: one with a fraction or an exponent.
+    /// A number with a fraction or an exponent that did not come from a
+    /// body's literal: the double.
     F64(f64),
+    /// A number literal of a body with a fraction or an exponent: the double
+    /// nearest to it (version 3 and before compare that) and the literal as
+    /// written (version 4 compares its exact value).
+    Decimal(f64, Cow<'a, str>),
     Str(Cow<'a, str>),
     Array(Vec<Node<'a>>),
     /// Members in document order; names are unique (the parser guarantees it).
@@ -298,7 +303,7 @@ impl<'de> Visitor<'de> for NodeSeed<'_, 'de> {
 fn number_node(literal: &str, exact: f64) -> Node<'_> {
     let digits = literal.strip_prefix('-').unwrap_or(literal);
     if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return Node::F64(exact);
+        return Node::Decimal(exact, Cow::Borrowed(literal));
     }
     // JSON allows no leading zeros, so the only zero integer literals are `0` and `-0`
     // (serde_json delivers `-0` as a double); both are 0.
@@ -457,20 +462,26 @@ mod tests {
             Node::Array(vec![
                 Node::U64(1),
                 Node::I64(-1),
-                Node::F64(1.0),
+                Node::Decimal(1.0, Cow::Borrowed("1.0")),
                 Node::U64(0),
                 Node::U64(u64::MAX),
                 Node::BigInt(Cow::Borrowed("18446744073709551616")),
                 Node::BigInt(Cow::Borrowed("-9223372036854775809")),
-                Node::F64(1e19),
-                Node::F64(-0.0),
+                Node::Decimal(1e19, Cow::Borrowed("1e19")),
+                Node::Decimal(-0.0, Cow::Borrowed("-0.0")),
             ])
         );
     }
 
     fn floats(body: &str) -> Vec<u64> {
         match ok(body) {
-            Node::Array(items) => items.iter().filter_map(|n| if let Node::F64(f) = n { Some(f.to_bits()) } else { None }).collect(),
+            Node::Array(items) => items
+                .iter()
+                .filter_map(|n| match n {
+                    Node::F64(f) | Node::Decimal(f, _) => Some(f.to_bits()),
+                    _ => None,
+                })
+                .collect(),
             other => panic!("not an array: {other:?}"),
         }
     }
@@ -615,7 +626,7 @@ mod tests {
 
     fn render(node: &mut Node<'_>) -> String {
         let mut out = Vec::new();
-        assert!(super::super::canonical::write_node(&mut out, node, 0).is_ok());
+        assert!(super::super::canonical::write_node(&mut out, node, 0, super::super::canonical::Numbers::Doubles).is_ok());
         String::from_utf8_lossy(&out).into_owned()
     }
 
