@@ -171,6 +171,24 @@ async fn records_of_fingerprint_version_3_still_replay_their_own_retries() {
     let store = backend.open().await;
     let exact = r#"{"amount":1.000000000000000001}"#;
     seed(&store, "v3", "application/json", "", exact.as_bytes(), 3, 3).await;
+    // The hash the previous release wrote, by version 3's documented layout
+    // (its canonical JSON has the double `1`), not by the code under test.
+    let v3 = {
+        use sha2::{Digest, Sha256};
+        let mut s = Vec::new();
+        for field in [&b"idemgate-fp-v3"[..], b"POST", b"create_order"] {
+            s.extend_from_slice(&(field.len() as u64).to_be_bytes());
+            s.extend_from_slice(field);
+        }
+        s.extend_from_slice(&[0u8; 24]);
+        for field in [&b"application/json"[..], b"json"] {
+            s.extend_from_slice(&(field.len() as u64).to_be_bytes());
+            s.extend_from_slice(field);
+        }
+        s.extend_from_slice(br#"{"amount":1}"#);
+        <[u8; 32]>::from(Sha256::digest(&s))
+    };
+    assert_eq!(record(&store, "v3").await.expect("seeded").request_hash.0, v3, "the seed is version 3's hash");
     let retry = send_ok("POST", &gw.url("/v1/orders"), &json_headers("v3"), exact).await;
     assert_eq!((retry.status, retry.replayed(), retry.json()["seeded"].as_u64()), (201, true, Some(3)), "{:?}", retry.body);
     let same_double = send_ok("POST", &gw.url("/v1/orders"), &json_headers("v3"), r#"{"amount":1}"#).await;
