@@ -103,6 +103,11 @@ pub struct EventsConfig {
     /// `Idemgate-Event-Id`); more POSTs `{"events": [...]}` with up to this
     /// many, every time (see [`batch_payload`]).
     pub batch: usize,
+    /// POSTs in flight to this receiver at once, at most (the smallest of
+    /// the routes sharing it): a receiver at its defaults serves a few at a
+    /// time (gunicorn: one), and the rest would wait out their timeout in
+    /// its queue, then be sent again.
+    pub concurrency: usize,
 }
 
 impl EventsConfig {
@@ -413,6 +418,7 @@ mod tests {
             include_key: false,
             include_body: true,
             batch: 1,
+            concurrency: 4,
         };
         let op: Arc<str> = "create_order".into();
         let p = EventPolicies::new([(&op, &cfg)]);

@@ -25,6 +25,7 @@ use crate::upstream::Upstream;
 use crate::upstream::body::Body;
 use crate::upstream::limit::{Limit, Permit};
 use crate::upstream::side_client::{self, SideClient};
+use tokio::sync::Semaphore;
 
 /// POSTs per round at most (they go out at once): a round takes this many
 /// POSTs' worth of events, `batch` events each for the route with the
@@ -51,8 +52,11 @@ pub struct Relay {
     /// Routes that emit events, by operation.
     routes: HashMap<Arc<str>, Arc<EventsConfig>>,
     client: SideClient,
-    /// Destinations that failed lately: not tried before the instant.
-    backoff: HashMap<Uri, (tokio::time::Instant, u32)>,
+    /// Destinations that failed lately.
+    backoff: Backoffs,
+    /// Per receiver, its POSTs in flight ([`EventsConfig::concurrency`], the
+    /// smallest of the routes posting there).
+    receivers: HashMap<Uri, Arc<Semaphore>>,
     /// Routes whose destination is one of the upstreams (same scheme, host
     /// and port): deliveries there count against that upstream's
     /// concurrency limit, so events never add to its overload.
@@ -80,7 +84,13 @@ impl Relay {
         let client = side_client::build(Duration::from_secs(5));
         let per_post = routes.values().map(|e| e.batch).min().unwrap_or(1).max(1);
         let batch = u32::try_from(per_post).unwrap_or(u32::MAX).saturating_mul(POSTS).min(MOST);
-        Some(Relay { store, metrics, routes, client, backoff: HashMap::new(), limits, batch })
+        let mut concurrency: HashMap<Uri, usize> = HashMap::new();
+        for e in routes.values() {
+            let n = concurrency.entry(e.url.clone()).or_insert(e.concurrency);
+            *n = (*n).min(e.concurrency);
+        }
+        let receivers = concurrency.into_iter().map(|(url, n)| (url, Arc::new(Semaphore::new(n.max(1))))).collect();
+        Some(Relay { store, metrics, routes, client, backoff: Backoffs::default(), receivers, limits, batch })
     }
 
     /// Takes this round's events in one take: up to a batch, of the routes
@@ -193,8 +203,7 @@ impl Relay {
         let mut idle_rounds = 1;
         while !shutdown.is_cancelled() {
             let now = tokio::time::Instant::now();
-            self.backoff.retain(|_, (until, _)| *until > now);
-            let ready: Vec<&str> = self.routes.iter().filter(|(_, e)| !self.backoff.contains_key(&e.url)).map(|(op, _)| &**op).collect();
+            let ready: Vec<&str> = self.routes.iter().filter(|(_, e)| !self.backoff.waiting(&e.url, now)).map(|(op, _)| &**op).collect();
             let mut slots = Vec::new();
             let taken = if ready.is_empty() { Ok(Default::default()) } else { self.take(&ready, lease, token, &mut slots).await };
             match taken {
@@ -210,17 +219,27 @@ impl Relay {
                     // different scopes share one) without reordering a scope.
                     let deliveries = group(&self.routes, &events);
                     let outcomes = join_all(deliveries.iter().map(|d| self.deliver(d))).await;
-                    // The delivered ones are marked first, in one statement (one
-                    // commit per round, not one per event); then the failures,
-                    // a POST's first attempts in one statement and retried
-                    // events one by one; each failing destination is backed
-                    // off once a round.
+                    // A round is recorded in three steps: the first attempts
+                    // that failed (one statement for each POST's), then every
+                    // delivered event (one statement: one commit per round, not
+                    // one per event), then the retried events that failed, one
+                    // by one. On PostgreSQL's log a lane goes on only over
+                    // events delivered or copied to be retried, in the statement
+                    // that says so: delivered events marked before an earlier
+                    // failure of their lane was copied would be read again and
+                    // sent twice. Retried events are in no lane, so they come
+                    // last, when the round's lanes are let go. Each failing
+                    // destination is backed off once a round.
                     let mut delivered = Vec::new();
                     let mut failures = Vec::new();
                     let mut failing: Vec<Uri> = Vec::new();
+                    let mut answering: Vec<Uri> = Vec::new();
                     for (d, outcome) in deliveries.iter().zip(outcomes) {
                         match outcome {
-                            Ok(()) => delivered.extend(d.events.iter().copied()),
+                            Ok(()) => {
+                                delivered.extend(d.events.iter().copied());
+                                answering.push(d.dest.url.clone());
+                            }
                             Err(why) => {
                                 if !failing.contains(&d.dest.url) {
                                     failing.push(d.dest.url.clone());
@@ -230,16 +249,22 @@ impl Relay {
                         }
                     }
                     drop(slots);
+                    let mut retried = Vec::new();
+                    for (d, why) in &failures {
+                        let (first, again): (Vec<&OutboxEvent>, Vec<&OutboxEvent>) = d.events.iter().partition(|e| e.attempts == 0);
+                        self.first_attempts_failed(&first, why, token).await;
+                        retried.extend(again.into_iter().map(|e| (e, why)));
+                    }
                     self.mark_delivered(&delivered, token).await;
-                    for (d, why) in failures {
-                        let (first, retried): (Vec<&OutboxEvent>, Vec<&OutboxEvent>) = d.events.iter().partition(|e| e.attempts == 0);
-                        self.first_attempts_failed(&first, &why, token).await;
-                        for event in retried {
-                            self.failed(event, &why, token).await;
-                        }
+                    for (event, why) in retried {
+                        self.failed(event, why, token).await;
+                    }
+                    let now = tokio::time::Instant::now();
+                    for url in answering.into_iter().filter(|u| !failing.contains(u)) {
+                        self.backoff.delivered(&url);
                     }
                     for url in failing {
-                        self.back_off(url);
+                        self.backoff.failed(url, now);
                     }
                     if caught_up {
                         tokio::select! {
@@ -266,9 +291,14 @@ impl Relay {
         tracing::debug!("outbox relay stopped");
     }
 
-    /// One delivery (one POST): `Ok(())` on a 2xx, else why not.
+    /// One delivery (one POST): `Ok(())` on a 2xx, else why not. It waits
+    /// for one of its receiver's turns first; its timeout runs from the POST.
     async fn deliver(&self, d: &Delivery<'_>) -> Result<(), String> {
         let dest = &d.dest;
+        let _turn = match self.receivers.get(&dest.url) {
+            Some(turns) => Some(turns.clone().acquire_owned().await.map_err(|_| "the relay is stopping".to_owned())?),
+            None => None,
+        };
         let single = match d.events[..] {
             [event] if dest.batch == 1 => Some(event),
             _ => None,
@@ -386,12 +416,29 @@ impl Relay {
         tracing::warn!(event = %event.id, scope = %event.scope.log_id(), error = %why, attempts, park, "event delivery failed");
         self.metrics.event_delivery(if park { "parked" } else { "failed" });
     }
+}
 
-    /// A destination that failed in a round is not tried again for a while,
-    /// longer after each failing round.
-    fn back_off(&mut self, url: Uri) {
-        let failures = self.backoff.get(&url).map_or(0, |(_, n)| *n) + 1;
-        self.backoff.insert(url, (tokio::time::Instant::now() + RETRY.jittered(failures), failures));
+/// Destinations that failed lately: one that failed in a round is not tried
+/// again for a while, longer after each failing round in a row ([`RETRY`]:
+/// from 200 ms, doubling, up to a minute), until a delivery there succeeds.
+#[derive(Debug, Default)]
+struct Backoffs(HashMap<Uri, (tokio::time::Instant, u32)>);
+
+impl Backoffs {
+    /// Whether `url` is not to be tried at `now`.
+    fn waiting(&self, url: &Uri, now: tokio::time::Instant) -> bool {
+        self.0.get(url).is_some_and(|(until, _)| *until > now)
+    }
+
+    /// A round's delivery to `url` failed.
+    fn failed(&mut self, url: Uri, now: tokio::time::Instant) {
+        let failures = self.0.get(&url).map_or(0, |(_, n)| *n) + 1;
+        self.0.insert(url, (now + RETRY.jittered(failures), failures));
+    }
+
+    /// A delivery to `url` succeeded (and none failed in its round).
+    fn delivered(&mut self, url: &Uri) {
+        self.0.remove(url);
     }
 }
 
@@ -447,6 +494,7 @@ mod tests {
             include_key: false,
             include_body: false,
             batch,
+            concurrency: 4,
         })
     }
 
@@ -521,5 +569,33 @@ mod tests {
         ]);
         let events = vec![event(1, "a"), event(2, "b"), event(3, "c"), event(4, "d"), event(5, "a")];
         assert_eq!(shape(&group(&routes, &events)), vec![vec![1, 5], vec![2], vec![3], vec![4]]);
+    }
+
+    /// A receiver that keeps failing waits longer after each failing round,
+    /// also once its wait has run out (the count used to go with the wait,
+    /// so every wait was the first one's), until a delivery succeeds.
+    #[test]
+    fn a_failing_receivers_wait_grows_until_it_answers() {
+        let url: Uri = "http://h/hook".parse().unwrap();
+        let mut b = Backoffs::default();
+        let mut now = tokio::time::Instant::now();
+        let mut waits = Vec::new();
+        for _ in 0..6 {
+            assert!(!b.waiting(&url, now));
+            b.failed(url.clone(), now);
+            let until = b.0[&url].0;
+            waits.push(until - now);
+            assert!(b.waiting(&url, now));
+            now = until;
+        }
+        // Jittered into the upper half of 200 ms, 400 ms, ... 6.4 s.
+        for (i, w) in waits.iter().enumerate() {
+            let full = RETRY.after(u32::try_from(i).unwrap() + 1);
+            assert!(*w >= full / 2 && *w <= full, "wait {i}: {w:?} against {full:?}");
+        }
+        assert!(waits[5] > Duration::from_secs(3), "{waits:?}");
+        b.delivered(&url);
+        b.failed(url.clone(), now);
+        assert!(b.0[&url].0 - now <= RETRY.after(1), "a success starts the count again");
     }
 }

@@ -493,6 +493,7 @@ pub struct EventsSection {
     pub include_key: Option<bool>,
     pub include_body: Option<bool>,
     pub batch: Option<i64>,
+    pub concurrency: Option<i64>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -563,6 +563,13 @@ impl Validator<'_> {
     /// `[routes.events]`: where and how completion events are delivered.
     fn events(&mut self, p: &str, e: &EventsSection) -> Option<EventsConfig> {
         let url = self.required(&format!("{p}.url"), e.url.as_deref()).and_then(|u| match u.parse::<http::Uri>() {
+            Ok(uri) if uri.authority().is_some_and(|a| a.as_str().contains('@')) => {
+                self.issues.push(
+                    format!("{p}.url"),
+                    "a user or password in the URL is not sent; receivers verify events by their signature (secret_env or secret_file)",
+                );
+                None
+            }
             Ok(uri) if uri.scheme_str() == Some("http") && uri.authority().is_some() => Some(uri),
             Ok(uri) if uri.scheme_str() == Some("https") && uri.authority().is_some() => self.system_roots(&format!("{p}.url"), uri),
             _ => {
@@ -584,6 +591,13 @@ impl Validator<'_> {
             n @ 1..=1000 => Some(n as usize),
             n => {
                 self.issues.push(format!("{p}.batch"), format!("must be 1-1000 events per delivery, not {n}"));
+                None
+            }
+        };
+        let concurrency = match e.concurrency.unwrap_or(4) {
+            n @ 1..=256 => Some(n as usize),
+            n => {
+                self.issues.push(format!("{p}.concurrency"), format!("must be 1-256 POSTs in flight, not {n}"));
                 None
             }
         };
@@ -612,6 +626,7 @@ impl Validator<'_> {
             include_key: e.include_key.unwrap_or(false),
             include_body: e.include_body.unwrap_or(false),
             batch: batch?,
+            concurrency: concurrency?,
         })
     }
 

@@ -560,6 +560,7 @@ async fn store_with_events(url: &str) -> Store {
         include_key: false,
         include_body: false,
         batch: 1,
+        concurrency: 4,
     };
     let op: Arc<str> = "create_order".into();
     store(url).await.with_events(EventPolicies::new([(&op, &config)]))

@@ -22,6 +22,7 @@ on_both_stores!(
     a_relay_killed_before_marking_redelivers_the_same_id,
     parked_events_are_kept_listed_and_redelivered,
     batched_deliveries_carry_several_events_in_order_per_scope,
+    a_failing_receiver_does_not_make_another_receivers_events_go_twice,
 );
 
 const ORDER: &str = r#"{"item":"book","qty":1}"#;
@@ -269,4 +270,123 @@ async fn batched_deliveries_carry_several_events_in_order_per_scope(backend: Bac
     let m = send("GET", &gw.admin_url("/metrics"), &[], "").await.unwrap();
     let text = String::from_utf8_lossy(&m.body).into_owned();
     assert!(text.contains("idemgate_event_deliveries_total{outcome=\"delivered\"} 14"), "{text}");
+}
+
+/// Two routes, two receivers: one answers 200, the other is failing. Their
+/// events share the log's lanes (the same keys), so a round holds both; the
+/// failures are recorded, and the lane goes on past the delivered events
+/// too: each of the healthy receiver's events arrives once (before, a lane
+/// stopped at a failed event marked after the delivered ones, and the
+/// delivered ones behind it were taken and sent again).
+async fn a_failing_receiver_does_not_make_another_receivers_events_go_twice(backend: Backend) {
+    let up = TestUpstream::start().await;
+    let (healthy, failing) = (Webhook::start().await, Webhook::start().await);
+    failing.answer(500);
+    let cfg = with_events(GatewayConfig::new(backend.clone(), up.url()), &healthy, "").tail(&format!(
+        "[[routes]]\noperation = \"cancel_order\"\nmethod = \"POST\"\npath = \"/v1/cancels\"\nupstream = \"orders\"\n\
+         events.url = \"{}\"\nevents.timeout = \"300ms\"\nevents.max_attempts = 100\n",
+        failing.url()
+    ));
+    let gw = Gateway::start(cfg);
+    const N: usize = 60;
+    for round in 0..N / 10 {
+        let posts = (0..10).map(|i| {
+            let k = format!("k{}", round * 10 + i);
+            let (orders, cancels) = (gw.url("/v1/orders"), gw.url("/v1/cancels"));
+            async move {
+                assert_eq!(post(&orders, &k, ORDER, &[]).await.status, 201);
+                assert_eq!(post(&cancels, &k, ORDER, &[]).await.status, 201);
+            }
+        });
+        futures_util::future::join_all(posts).await;
+    }
+    assert!(delivered(&healthy, N).await, "{}", gw.logs());
+    // Rounds go on while the failing receiver's events are retried.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let twice: Vec<(String, usize)> = healthy.counts().into_iter().filter(|(_, n)| *n > 1).collect();
+    assert!(twice.is_empty(), "delivered more than once (no crash, no lost mark): {twice:?}");
+    assert!(failing.deliveries().len() >= N, "the failing receiver was tried: {}", failing.deliveries().len());
+}
+
+/// gunicorn at its defaults, serving one request at a time, as an event
+/// receiver: the relay sends it no more POSTs at once than
+/// `events.concurrency` (4), so none waits out its timeout in gunicorn's
+/// queue to be sent again. Before, a round's POSTs all went at once: behind
+/// a burst, most timed out while the receiver still worked through them,
+/// and were sent again, and again, until parked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receiver_serving_one_request_at_a_time_gets_each_event_once() {
+    let Some(receiver) = Gunicorn::start() else { return };
+    let up = TestUpstream::start().await;
+    let cfg =
+        GatewayConfig::new(sqlite_backend(), up.url()).route(&format!("events.url = \"{}/hook\"\nevents.timeout = \"1s\"", receiver.url()));
+    let gw = Gateway::start(cfg);
+    const N: usize = 80;
+    let posts = (0..N).map(|i| {
+        let url = gw.url("/v1/orders");
+        async move { assert_eq!(post(&url, &format!("g{i}"), ORDER, &[]).await.status, 201) }
+    });
+    futures_util::future::join_all(posts).await;
+    let all = eventually(Duration::from_secs(60), || async {
+        receiver.received().await.iter().collect::<std::collections::HashSet<_>>().len() >= N
+    })
+    .await;
+    let received = receiver.received().await;
+    assert!(all, "{} of {N} events arrived: {}", received.len(), gw.logs());
+    assert_eq!(received.len(), N, "each event once, none sent again after a timeout: {}", gw.logs());
+}
+
+/// `python3 -m gunicorn` serving tests/frameworks/gunicorn_receiver.py at its
+/// defaults; killed when dropped.
+struct Gunicorn {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl Drop for Gunicorn {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Gunicorn {
+    /// `None` when gunicorn is missing and not required (scripts/test installs it).
+    fn start() -> Option<Gunicorn> {
+        use std::process::{Command, Stdio};
+        let installed = Command::new("python3").args(["-c", "import gunicorn"]).stderr(Stdio::null()).status().is_ok_and(|s| s.success());
+        if !installed {
+            let required = std::env::var("IDEMGATE_TEST_FRAMEWORKS").is_ok_and(|v| v == "required")
+                || std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "false");
+            assert!(!required, "gunicorn is not installed; scripts/test installs it");
+            eprintln!("gunicorn is not installed: skipped (scripts/test installs it)");
+            return None;
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let child = Command::new("python3")
+            .args(["-m", "gunicorn", "--bind", &format!("127.0.0.1:{port}"), "gunicorn_receiver:app"])
+            .current_dir(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/frameworks"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("python3 -m gunicorn");
+        let g = Gunicorn { child, port };
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(std::time::Instant::now() < deadline, "gunicorn did not listen on {port}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Some(g)
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Every event id the receiver got, in order.
+    async fn received(&self) -> Vec<String> {
+        let r = send("GET", &format!("{}/received", self.url()), &[], "").await.expect("GET /received");
+        serde_json::from_slice(&r.body).expect("a JSON list")
+    }
 }

@@ -193,6 +193,7 @@ fn events_config(include_body: bool) -> EventsConfig {
         include_key: false,
         include_body,
         batch: 1,
+        concurrency: 4,
     }
 }
 

@@ -593,6 +593,7 @@ pub async fn seed_blocked_tenants(store: &Store, operation: &str, hook: &str) ->
         include_key: false,
         include_body: false,
         batch: 1,
+        concurrency: 4,
     };
     let op: Arc<str> = operation.into();
     let store = store.clone().with_events(EventPolicies::new([(&op, &config)]));
