@@ -186,6 +186,7 @@ impl Gateway {
         if crate::upstream::headers::transfer_coded(req.headers()) {
             return Err(GatewayError::TransferCoded);
         }
+        crate::upstream::headers::host_from_authority(&mut req);
         crate::upstream::headers::strip_hop_by_hop(req.headers_mut());
         // Header names with `_` (and every other spelling of a guarded
         // header) are gone before anything reads the headers.

@@ -205,6 +205,21 @@ pub fn transfer_coded(headers: &HeaderMap) -> bool {
         .any(|v| v.as_bytes().split(|b| *b == b',').any(|c| !c.trim_ascii().eq_ignore_ascii_case(b"chunked")))
 }
 
+/// Gives an HTTP/2 request the `Host` it names in `:authority` (the URI's
+/// authority; RFC 9113, section 8.3.1: forwarded over HTTP/1.1 it must be
+/// `Host`), so that the upstream, the fingerprint and a stored request see the
+/// client's host as from an HTTP/1.1 client, not the upstream's own address.
+pub fn host_from_authority<B>(req: &mut http::Request<B>) {
+    if req.headers().contains_key(header::HOST) {
+        return;
+    }
+    let Some(authority) = req.uri().authority() else { return };
+    let host = authority.as_str().rsplit('@').next().unwrap_or_default();
+    if let Ok(value) = header::HeaderValue::from_str(host) {
+        req.headers_mut().insert(header::HOST, value);
+    }
+}
+
 /// The header names a message's `Connection` header lists.
 pub fn connection_listed(headers: &HeaderMap) -> Vec<HeaderName> {
     headers

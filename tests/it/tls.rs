@@ -68,6 +68,11 @@ async fn h2_streams_of_one_key_over_one_connection_execute_once(backend: Backend
     }
     assert_eq!(forwarded, 1, "exactly one stream was forwarded");
     assert_eq!(up.total(), 1, "exactly one side effect");
+    // HTTP/2 names the host in `:authority`: over HTTP/1.1 the upstream gets
+    // it as `Host`, as an HTTP/1.1 client's own (not the upstream's address).
+    let hosts: Vec<String> =
+        up.requests().iter().map(|r| r.headers.get("host").and_then(|h| h.to_str().ok()).unwrap_or_default().to_owned()).collect();
+    assert_eq!(hosts, vec![format!("localhost:{}", gw.addr.port())]);
     assert_eq!(up.side_effects(&derived("k-h2")), 1);
     let rec = settled_record(&store, "k-h2").await.expect("record");
     assert_eq!(rec.state, State::Completed);
