@@ -259,17 +259,24 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     // Only the admin address: a health check runs where the gateway's
     // secrets are not set, and a configuration problem is not "not ready".
     if let Command::Healthcheck { live, addr, timeout } = cli.command {
-        let addr = match addr {
-            Some(addr) => addr,
-            None => match Config::admin_listen(&cli.config) {
-                Ok(listen) => idemgate::ops::healthcheck::local_target(listen),
-                Err(e) => {
-                    logging::stderr_best_effort(&format!("{e}\n"));
-                    return Ok(ExitCode::from(HEALTHCHECK_BAD_CONFIG));
-                }
-            },
+        let (addr, cert_file) = match (addr, Config::admin_probe(&cli.config)) {
+            (Some(addr), probe) => (addr, probe.ok().and_then(|(_, cert)| cert)),
+            (None, Ok((listen, cert))) => (idemgate::ops::healthcheck::local_target(listen), cert),
+            (None, Err(e)) => {
+                logging::stderr_best_effort(&format!("{e}\n"));
+                return Ok(ExitCode::from(HEALTHCHECK_BAD_CONFIG));
+            }
         };
-        return Ok(healthcheck(addr, live, timeout).await);
+        // With [admin.tls], over TLS, trusting exactly the listener's certificate.
+        let tls = match cert_file.map(|f| idemgate::tls::client::pinned(&f)) {
+            None => None,
+            Some(Ok(config)) => Some(config),
+            Some(Err(e)) => {
+                logging::stderr_best_effort(&format!("{}: admin.tls.cert_file: {e}\n", cli.config.display()));
+                return Ok(ExitCode::from(HEALTHCHECK_BAD_CONFIG));
+            }
+        };
+        return Ok(healthcheck(addr, live, timeout, tls).await);
     }
     let config = match Config::load(&cli.config) {
         Ok(c) => c,
@@ -351,9 +358,14 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
 const HEALTHCHECK_BAD_CONFIG: u8 = 3;
 
 /// `idemgate healthcheck`: one line, and 0 only for a 200.
-async fn healthcheck(addr: std::net::SocketAddr, live: bool, timeout: Duration) -> ExitCode {
+async fn healthcheck(
+    addr: std::net::SocketAddr,
+    live: bool,
+    timeout: Duration,
+    tls: Option<std::sync::Arc<rustls::ClientConfig>>,
+) -> ExitCode {
     let path = if live { "/healthz" } else { "/readyz" };
-    match idemgate::ops::healthcheck::probe(addr, path, timeout).await {
+    match idemgate::ops::healthcheck::probe(addr, path, timeout, tls).await {
         Ok((200, body)) => {
             say(&format!("{path} on {addr}: 200 {body}\n"));
             ExitCode::SUCCESS

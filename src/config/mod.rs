@@ -144,14 +144,22 @@ impl Config {
     /// (a container's HEALTHCHECK, an orchestrator's probe). Errors are the
     /// file's (unreadable, not TOML, `[admin]` malformed or absent).
     pub fn admin_listen(path: &Path) -> Result<SocketAddr, ConfigError> {
+        Config::admin_probe(path).map(|(listen, _)| listen)
+    }
+
+    /// [`Config::admin_listen`], and the certificate file of `[admin.tls]`
+    /// when the listener speaks TLS (public: no key or secret is read).
+    pub fn admin_probe(path: &Path) -> Result<(SocketAddr, Option<std::path::PathBuf>), ConfigError> {
         let origin = path.display().to_string();
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError::single(&origin, "", format!("cannot read the file: {e}")))?;
         let mut issues = error::Issues::default();
         let raw = file::parse(&text, &origin, &mut issues)?;
         let broken = |issues: error::Issues| ConfigError { file: origin.clone(), issues: issues.list };
-        let listen = match &raw.admin {
-            file::Part::Ok(Some(admin)) => admin.listen.clone(),
-            file::Part::Ok(None) => None,
+        let (listen, cert_file) = match &raw.admin {
+            file::Part::Ok(Some(admin)) => {
+                (admin.listen.clone(), admin.tls.as_ref().and_then(|t| t.cert_file.as_ref()).map(std::path::PathBuf::from))
+            }
+            file::Part::Ok(None) => (None, None),
             file::Part::Broken(_) => {
                 issues.list.retain(|i| i.path == "admin" || i.path.starts_with("admin."));
                 if issues.list.is_empty() {
@@ -163,9 +171,10 @@ impl Config {
         let Some(listen) = listen else {
             return Err(ConfigError::single(&origin, "admin.listen", "no [admin] listener is configured (set admin.listen)"));
         };
-        listen.parse().map_err(|e| {
+        let listen = listen.parse().map_err(|e| {
             ConfigError::single(&origin, "admin.listen", format!("invalid address {listen:?}: {e} (write e.g. \"127.0.0.1:9090\")"))
-        })
+        })?;
+        Ok((listen, cert_file))
     }
 
     pub fn upstream(&self, id: UpstreamId) -> &UpstreamConfig {

@@ -1,7 +1,8 @@
 //! `idemgate healthcheck`: asks a running gateway's admin listener whether it
 //! is ready (`/readyz`) or alive (`/healthz`), for container health checks
-//! that have no curl. One HTTP/1.1 request on a fresh connection, bounded by a
-//! timeout; the verdict is the exit code.
+//! that have no curl. One HTTP/1.1 request on a fresh connection (over TLS
+//! when the listener has `[admin.tls]`, trusting exactly its certificate),
+//! bounded by a timeout; the verdict is the exit code.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::time::Duration;
@@ -20,6 +21,8 @@ pub enum CheckError {
     NotHttp { addr: SocketAddr, line: String },
     #[error("reading from {addr}: {source}")]
     Io { addr: SocketAddr, source: std::io::Error },
+    #[error("TLS with {addr}: {source}")]
+    Tls { addr: SocketAddr, source: std::io::Error },
 }
 
 /// Where to connect to reach a listener bound to `listen`: a wildcard
@@ -34,21 +37,48 @@ pub fn local_target(listen: SocketAddr) -> SocketAddr {
 }
 
 /// `GET path` on `addr`; the status code and the first line of the body.
-pub async fn probe(addr: SocketAddr, path: &str, timeout: Duration) -> Result<(u16, String), CheckError> {
-    match tokio::time::timeout(timeout, exchange(addr, path)).await {
+/// `tls`: the listener's TLS client configuration (see
+/// [`crate::tls::client::pinned`]), `None` for plain HTTP.
+pub async fn probe(
+    addr: SocketAddr,
+    path: &str,
+    timeout: Duration,
+    tls: Option<std::sync::Arc<rustls::ClientConfig>>,
+) -> Result<(u16, String), CheckError> {
+    let exchanged = async {
+        let tcp = TcpStream::connect(addr).await.map_err(|source| CheckError::Connect { addr, source })?;
+        match tls {
+            None => exchange(addr, path, tcp).await,
+            Some(config) => {
+                let name = rustls::pki_types::ServerName::IpAddress(addr.ip().into());
+                let stream =
+                    tokio_rustls::TlsConnector::from(config).connect(name, tcp).await.map_err(|source| CheckError::Tls { addr, source })?;
+                exchange(addr, path, stream).await
+            }
+        }
+    };
+    match tokio::time::timeout(timeout, exchanged).await {
         Ok(r) => r,
         Err(_) => Err(CheckError::Timeout { addr, timeout }),
     }
 }
 
-async fn exchange(addr: SocketAddr, path: &str) -> Result<(u16, String), CheckError> {
-    let mut stream = TcpStream::connect(addr).await.map_err(|source| CheckError::Connect { addr, source })?;
+async fn exchange(
+    addr: SocketAddr,
+    path: &str,
+    mut stream: impl tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+) -> Result<(u16, String), CheckError> {
     let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nUser-Agent: idemgate-healthcheck\r\nConnection: close\r\n\r\n");
     stream.write_all(request.as_bytes()).await.map_err(|source| CheckError::Io { addr, source })?;
     // Health answers are a few bytes; read at most 8 KiB until the peer closes.
     let mut buf = Vec::with_capacity(512);
     let mut limited = stream.take(8 * 1024);
-    limited.read_to_end(&mut buf).await.map_err(|source| CheckError::Io { addr, source })?;
+    // A TLS peer that closes without close_notify still said what it had to.
+    match limited.read_to_end(&mut buf).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !buf.is_empty() => {}
+        Err(source) => return Err(CheckError::Io { addr, source }),
+    }
     let text = String::from_utf8_lossy(&buf);
     let status_line = text.lines().next().unwrap_or_default();
     let status = status_line
@@ -81,7 +111,7 @@ mod tests {
             let _ = s.read(&mut buf).await.unwrap();
             s.write_all(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 9\r\n\r\ndraining\n").await.unwrap();
         });
-        assert_eq!(probe(addr, "/readyz", Duration::from_secs(2)).await.unwrap(), (503, "draining".to_owned()));
+        assert_eq!(probe(addr, "/readyz", Duration::from_secs(2), None).await.unwrap(), (503, "draining".to_owned()));
     }
 
     #[tokio::test]
@@ -89,6 +119,6 @@ mod tests {
         let reserved = tokio::net::TcpSocket::new_v4().unwrap();
         reserved.bind("127.0.0.1:0".parse().unwrap()).unwrap();
         let addr = reserved.local_addr().unwrap();
-        assert!(matches!(probe(addr, "/readyz", Duration::from_secs(2)).await, Err(CheckError::Connect { .. })));
+        assert!(matches!(probe(addr, "/readyz", Duration::from_secs(2), None).await, Err(CheckError::Connect { .. })));
     }
 }

@@ -83,3 +83,67 @@ pub fn connector(mut http: HttpConnector, config: Option<Arc<rustls::ClientConfi
     let config = config.unwrap_or_else(trusts_nothing);
     HttpsConnectorBuilder::new().with_tls_config((*config).clone()).https_or_http().enable_http1().enable_http2().wrap_connector(http)
 }
+
+/// A client configuration that trusts exactly one certificate, the leaf of
+/// `cert_file`, whatever name it is reached by: for `idemgate healthcheck`,
+/// which reaches its own admin listener on a loopback address its
+/// certificate does not name. The certificate file is public (no key is
+/// read); the handshake's signatures are still checked against that leaf.
+pub fn pinned(cert_file: &std::path::Path) -> Result<Arc<rustls::ClientConfig>, super::TlsError> {
+    let leaf = certificates(cert_file)?.into_iter().next().ok_or_else(|| super::TlsError::NoCertificate { file: cert_file.to_owned() })?;
+    let provider = provider();
+    let verifier = Arc::new(Pinned { leaf, algorithms: provider.signature_verification_algorithms });
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| super::TlsError::Invalid { file: cert_file.to_owned(), detail: e.to_string() })?
+        .dangerous()
+        .with_custom_certificate_verifier(verifier)
+        .with_no_client_auth();
+    Ok(Arc::new(config))
+}
+
+/// [`pinned`]'s verifier: the server's certificate must be the pinned leaf.
+#[derive(Debug)]
+struct Pinned {
+    leaf: rustls::pki_types::CertificateDer<'static>,
+    algorithms: rustls::crypto::WebPkiSupportedAlgorithms,
+}
+
+impl rustls::client::danger::ServerCertVerifier for Pinned {
+    fn verify_server_cert(
+        &self,
+        end_entity: &rustls::pki_types::CertificateDer<'_>,
+        _intermediates: &[rustls::pki_types::CertificateDer<'_>],
+        _server_name: &rustls::pki_types::ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        if end_entity.as_ref() == self.leaf.as_ref() {
+            Ok(rustls::client::danger::ServerCertVerified::assertion())
+        } else {
+            Err(rustls::Error::InvalidCertificate(rustls::CertificateError::ApplicationVerificationFailure))
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.algorithms)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.algorithms.supported_schemes()
+    }
+}

@@ -716,6 +716,42 @@ fn healthcheck_needs_no_secrets_and_separates_not_ready_from_bad_config() {
     assert!(row.contains("exit 0") && row.contains(" 1 ") && row.contains(" 3 "), "{row}");
 }
 
+/// With `[admin.tls]`, the check speaks TLS to the admin listener, trusting
+/// exactly the certificate of `admin.tls.cert_file` (it reaches the listener
+/// on a loopback address the certificate need not name); a listener showing
+/// another certificate is not ready. Before, it spoke plain HTTP to a TLS
+/// listener and a gateway with admin TLS was never healthy.
+#[test]
+fn healthcheck_speaks_tls_to_an_admin_listener_with_tls() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = support::tls::Pki::new("admin CA");
+    let cert = pki.server(support::tls::Alg::EcdsaP256);
+    let up = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let gw = support::Gateway::start(
+        support::GatewayConfig::new(support::sqlite_backend(), format!("http://{}", up.local_addr().unwrap())).tail(&format!(
+            "[admin.tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\n",
+            cert.cert_file.display(),
+            cert.key_file.display()
+        )),
+    );
+    let config = dir.path().join("running.toml");
+    let text = std::fs::read_to_string(gw.config_path()).unwrap();
+    let admin = gw.admin.unwrap();
+    std::fs::write(&config, text.replace("[admin]\nlisten = \"127.0.0.1:0\"", &format!("[admin]\nlisten = \"{admin}\""))).unwrap();
+    let (code, out) = healthcheck(&config, &[]);
+    assert_eq!(code, 0, "ready, over TLS: {out}");
+    assert!(out.contains("/readyz") && out.contains("200"), "{out}");
+
+    // The file names another certificate than the listener shows: not ready.
+    let another = support::tls::Pki::new("another CA");
+    let other = another.server(support::tls::Alg::EcdsaP256);
+    let impostor = dir.path().join("impostor.toml");
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&impostor, text.replace(&cert.cert_file.display().to_string(), &other.cert_file.display().to_string())).unwrap();
+    let (code, out) = healthcheck(&impostor, &[]);
+    assert_eq!(code, 1, "another certificate: {out}");
+}
+
 // --- References between the shipped files and the docs ---------------------
 
 /// GitHub's anchor for a heading.
