@@ -138,8 +138,29 @@ pub fn signal_reload(pid_file: &Path) -> Result<u32, ReloadError> {
     // Only a single positive pid: 0 or a negative number would signal a group.
     let pid: i32 = text.trim().parse().ok().filter(|p| *p > 0).ok_or_else(bad)?;
     let target = rustix::process::Pid::from_raw(pid).ok_or_else(bad)?;
+    // A pid file left by a gateway that was killed (SIGKILL, out of memory)
+    // names whatever process has that pid now: signalled, most die.
+    if let Some(name) = process_name(pid).filter(|name| !is_this_program(name)) {
+        return Err(ReloadError::NotIdemgate { path: pid_file.to_owned(), pid, name });
+    }
     rustix::process::kill_process(target, rustix::process::Signal::HUP).map_err(|e| ReloadError::Signal { pid, source: e.into() })?;
     Ok(pid as u32)
+}
+
+/// The name the kernel knows process `pid` by (`/proc/<pid>/comm`, the
+/// executable's name cut to 15 bytes); `None` where there is no `/proc`.
+/// A process that is gone is named by no one: `""`.
+fn process_name(pid: i32) -> Option<String> {
+    if !Path::new("/proc/self/comm").exists() {
+        return None;
+    }
+    Some(std::fs::read_to_string(format!("/proc/{pid}/comm")).map(|n| n.trim_end().to_owned()).unwrap_or_default())
+}
+
+/// Whether a process named `name` runs this program (under its file name).
+fn is_this_program(name: &str) -> bool {
+    let ours = process_name(std::process::id().cast_signed()).unwrap_or_default();
+    !name.is_empty() && name == ours
 }
 
 /// Writes this process's pid for `idemgate reload`; removed on drop.
@@ -236,4 +257,10 @@ pub enum ReloadError {
     BadPid { path: PathBuf, text: String },
     #[error("cannot send SIGHUP to process {pid}: {source}")]
     Signal { pid: i32, source: std::io::Error },
+    #[error(
+        "pid file {}: process {pid} is {}, not this program: the file is stale (the gateway is not running, or was killed); nothing was signalled",
+        path.display(),
+        if name.is_empty() { "gone".to_owned() } else { format!("{name:?}") }
+    )]
+    NotIdemgate { path: PathBuf, pid: i32, name: String },
 }

@@ -249,6 +249,25 @@ async fn serve_writes_its_pid_file_and_removes_it_on_exit() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("is not a process id"));
+
+    // A stale pid file (the gateway was killed) naming another program's
+    // process: refused, and that process lives on.
+    let mut bystander = Command::new("sleep").arg("30").spawn().unwrap();
+    std::fs::write(&pid_file, format!("{}\n", bystander.id())).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .args(["reload", "--config"])
+        .arg(&config)
+        .arg("--pid-file")
+        .arg(&pid_file)
+        .env(support::gateway::TEST_SECRET_ENV, TEST_SECRET)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("stale") && stderr.contains("\"sleep\""), "{stderr}");
+    assert!(bystander.try_wait().unwrap().is_none(), "the other process was not signalled");
+    bystander.kill().unwrap();
+    bystander.wait().unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
