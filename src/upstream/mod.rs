@@ -271,6 +271,9 @@ impl Upstream {
         parts.uri = self.uri_for(parts.uri.path_and_query())?;
         parts.version = Version::HTTP_11;
         strip_hop_by_hop(&mut parts.headers);
+        // The client's `Expect: 100-continue` was answered here, as its body
+        // was read: the upstream gets the body at once, and is not asked.
+        parts.headers.remove(http::header::EXPECT);
         match stamp {
             Some((key, generation)) => {
                 parts.headers.insert(headers::IDEMPOTENCY_KEY, key);
