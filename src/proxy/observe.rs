@@ -174,10 +174,17 @@ pub async fn observe(
             let (record, now) = *found;
             // A mismatch is looked at under the settings the record was
             // written under too, as enforcing does (from the list in memory:
-            // the request waits for nothing more).
+            // the request waits for nothing more). Settings not in memory
+            // (another replica's, added since) are read in the background, at
+            // most once a second, for the observations after this one.
             let decision = match decide_with_legacy(route, &record, &request_hash, &request, now, None) {
                 Decision::Mismatch => {
-                    let spec = record.fingerprint_spec.as_deref().and_then(|d| shared.fingerprints.known(d));
+                    let digest = record.fingerprint_spec.as_deref();
+                    let spec = digest.and_then(|d| shared.fingerprints.known(d));
+                    if let (None, Some(digest)) = (&spec, digest) {
+                        let (history, store, digest) = (shared.fingerprints.clone(), configured.store.clone(), digest.to_owned());
+                        shared.tracker.spawn(async move { history.find(&store, &digest).await });
+                    }
                     decide_with_legacy(route, &record, &request_hash, &request, now, spec.as_deref())
                 }
                 decision => decision,

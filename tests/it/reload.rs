@@ -572,6 +572,38 @@ async fn a_retry_on_a_replica_with_other_fingerprint_settings_is_replayed() {
     assert_eq!(up.total(), 2);
 }
 
+/// An observing replica started before another replica's fingerprint
+/// settings existed learns them in the background: its first look at a
+/// retry of a record written under them counts a conflict (the request waits
+/// for no store read), the looks after it count the replay enforcing would
+/// answer. Before, it never read the list again and counted conflicts until
+/// restarted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_observing_replica_learns_fingerprint_settings_added_after_it_started() {
+    let backend = postgres_backend();
+    let up = TestUpstream::start().await;
+    let observer = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).route("mode = \"observe\""));
+    let a = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).route("fingerprint.headers = [\"api-version\"]"));
+    let headers = [("api-version", "2026-01-01")];
+    assert_eq!(post(&a.url("/v1/orders"), "rolled", ORDER, &headers).await.status, 201);
+    let would = |what: &'static str| {
+        let url = observer.admin_url("/metrics");
+        async move {
+            let m = send("GET", &url, &[], "").await.expect("metrics");
+            let series = format!("idemgate_observe_would_total{{operation=\"create_order\",would=\"{what}\"}} ");
+            String::from_utf8_lossy(&m.body).lines().find_map(|l| l.strip_prefix(series.as_str())?.parse::<f64>().ok()).unwrap_or(0.0)
+        }
+    };
+    let mut looks = 0;
+    while would("replay").await == 0.0 {
+        looks += 1;
+        assert!(looks <= 10, "never counted as a replay: {} conflicts; {}", would("conflict").await, observer.logs());
+        assert_eq!(post(&observer.url("/v1/orders"), "rolled", ORDER, &headers).await.status, 201, "observe mode passes it through");
+        tokio::time::sleep(Duration::from_millis(600)).await;
+    }
+    assert!(would("conflict").await <= 2.0, "{}", would("conflict").await);
+}
+
 /// Only the settings a record was written under count: a route that once
 /// left `/coupon` out and no longer does refuses a request that differs
 /// from a record made since by a coupon (it would be answered as that
