@@ -213,34 +213,38 @@ impl Relay {
                     // PostgreSQL a take that stopped in a lane's batch, or set
                     // events aside, e.g. a backed-off route's, did).
                     let caught_up = !more && events.len() + later.len() < self.batch as usize / 2;
-                    self.defer(&later, token).await;
+                    self.defer(later.iter().map(|e| e.seq).collect(), token).await;
                     // At most one event per scope is deliverable at a time, so the
                     // deliveries can go out concurrently (and several events of
                     // different scopes share one) without reordering a scope.
                     let deliveries = group(&self.routes, &events);
                     let outcomes = join_all(deliveries.iter().map(|d| self.deliver(d))).await;
-                    // A round is recorded in three steps: the first attempts
-                    // that failed (one statement for each POST's), then every
-                    // delivered event (one statement: one commit per round, not
-                    // one per event), then the retried events that failed, one
-                    // by one. On PostgreSQL's log a lane goes on only over
-                    // events delivered or copied to be retried, in the statement
-                    // that says so: delivered events marked before an earlier
-                    // failure of their lane was copied would be read again and
-                    // sent twice. Retried events are in no lane, so they come
-                    // last, when the round's lanes are let go. Each failing
-                    // destination is backed off once a round.
+                    // A round is recorded in four steps: the first attempts
+                    // that failed (one statement for each POST's), the events
+                    // of POSTs that found no turn of their receiver (deferred,
+                    // no attempt), then every delivered event (one statement:
+                    // one commit per round, not one per event), then the
+                    // retried events that failed, one by one. On PostgreSQL's
+                    // log a lane goes on only over events delivered or copied
+                    // to be retried, in the statement that says so: delivered
+                    // events marked before an earlier failure of their lane
+                    // was copied would be read again and sent twice. Retried
+                    // events are in no lane, so they come last, when the
+                    // round's lanes are let go. Each failing destination is
+                    // backed off once a round.
                     let mut delivered = Vec::new();
                     let mut failures = Vec::new();
                     let mut failing: Vec<Uri> = Vec::new();
                     let mut answering: Vec<Uri> = Vec::new();
+                    let mut unsent = Vec::new();
                     for (d, outcome) in deliveries.iter().zip(outcomes) {
                         match outcome {
-                            Ok(()) => {
+                            Sent::Delivered => {
                                 delivered.extend(d.events.iter().copied());
                                 answering.push(d.dest.url.clone());
                             }
-                            Err(why) => {
+                            Sent::NoTurn => unsent.extend(d.events.iter().map(|e| e.seq)),
+                            Sent::Failed(why) => {
                                 if !failing.contains(&d.dest.url) {
                                     failing.push(d.dest.url.clone());
                                 }
@@ -255,6 +259,7 @@ impl Relay {
                         self.first_attempts_failed(&first, why, token).await;
                         retried.extend(again.into_iter().map(|e| (e, why)));
                     }
+                    self.defer(unsent, token).await;
                     self.mark_delivered(&delivered, token).await;
                     for (event, why) in retried {
                         self.failed(event, why, token).await;
@@ -291,14 +296,27 @@ impl Relay {
         tracing::debug!("outbox relay stopped");
     }
 
-    /// One delivery (one POST): `Ok(())` on a 2xx, else why not. It waits
-    /// for one of its receiver's turns first; its timeout runs from the POST.
-    async fn deliver(&self, d: &Delivery<'_>) -> Result<(), String> {
-        let dest = &d.dest;
-        let _turn = match self.receivers.get(&dest.url) {
-            Some(turns) => Some(turns.clone().acquire_owned().await.map_err(|_| "the relay is stopping".to_owned())?),
+    /// One delivery (one POST). It waits for one of its receiver's turns
+    /// first, at most half its timeout (so that a round ends within its
+    /// events' lease: the wait, then the POST's own timeout); a delivery
+    /// that gets none is not sent, and its events wait for a later round.
+    async fn deliver(&self, d: &Delivery<'_>) -> Sent {
+        let _turn = match self.receivers.get(&d.dest.url) {
+            Some(turns) => match tokio::time::timeout(d.dest.timeout / 2, turns.clone().acquire_owned()).await {
+                Ok(Ok(turn)) => Some(turn),
+                Ok(Err(_)) | Err(_) => return Sent::NoTurn,
+            },
             None => None,
         };
+        match self.post(d).await {
+            Ok(()) => Sent::Delivered,
+            Err(why) => Sent::Failed(why),
+        }
+    }
+
+    /// The POST of a delivery: `Ok(())` on a 2xx, else why not.
+    async fn post(&self, d: &Delivery<'_>) -> Result<(), String> {
+        let dest = &d.dest;
         let single = match d.events[..] {
             [event] if dest.batch == 1 => Some(event),
             _ => None,
@@ -354,12 +372,12 @@ impl Relay {
         }
     }
 
-    /// Events taken that wait for a slot of their upstream: due again shortly.
-    async fn defer(&self, later: &[OutboxEvent], token: Uuid) {
-        if later.is_empty() {
+    /// Events taken that wait for a slot of their upstream, or for a turn of
+    /// their receiver: due again shortly, no attempt counted.
+    async fn defer(&self, seqs: Vec<i64>, token: Uuid) {
+        if seqs.is_empty() {
             return;
         }
-        let seqs: Vec<i64> = later.iter().map(|e| e.seq).collect();
         if let Err(e) = self.store.events_deferred(&seqs, token, RETRY.first).await {
             tracing::warn!(events = seqs.len(), error = %e, "could not defer events; their lease runs out");
         }
@@ -452,6 +470,17 @@ fn same_origin(a: &Uri, b: &Uri) -> bool {
         })
     };
     a.scheme() == b.scheme() && a.host().map(str::to_ascii_lowercase) == b.host().map(str::to_ascii_lowercase) && port(a) == port(b)
+}
+
+/// How one delivery went.
+#[derive(Debug)]
+enum Sent {
+    /// Answered 2xx.
+    Delivered,
+    /// Not sent: no turn of its receiver came in time.
+    NoTurn,
+    /// Sent, and not answered 2xx: why.
+    Failed(String),
 }
 
 /// One POST: events for one destination (one event, or up to its `batch`).

@@ -294,7 +294,7 @@ fn invalid_body(detail: String) -> Refusal {
 /// [`decide`], recognising a record written for this request by an earlier
 /// fingerprint version, or under other fingerprint settings (`recorded`:
 /// the record's own, [`crate::proxy::fingerprints`]): its hash is compared
-/// with the request's version-2, then version-1 fingerprint, then with its
+/// with the request's version-3, version-2, then version-1 fingerprint, then with its
 /// fingerprint under `recorded`, computed only when the current one differs
 /// (see `fingerprint::legacy_fingerprints`). A record recognised so is
 /// answered as the request's own (replayed, in progress, unknown); it is not

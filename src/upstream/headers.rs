@@ -202,7 +202,7 @@ pub fn transfer_coded(headers: &HeaderMap) -> bool {
     headers
         .get_all(header::TRANSFER_ENCODING)
         .iter()
-        .any(|v| v.as_bytes().split(|b| *b == b',').any(|c| !c.trim_ascii().eq_ignore_ascii_case(b"chunked")))
+        .any(|v| v.as_bytes().split(|b| *b == b',').map(<[u8]>::trim_ascii).any(|c| !c.is_empty() && !c.eq_ignore_ascii_case(b"chunked")))
 }
 
 /// Gives an HTTP/2 request the `Host` it names in `:authority` (the URI's
@@ -379,5 +379,24 @@ mod tests {
                 ("x-multi".to_owned(), b"b".to_vec()),
             ]
         );
+    }
+
+    #[test]
+    fn codings_idemgate_cannot_see_through() {
+        let h = |name: &'static str, values: &[&'static str]| {
+            let mut m = HeaderMap::new();
+            for v in values {
+                m.append(name, HeaderValue::from_static(v));
+            }
+            m
+        };
+        assert!(!transfer_coded(&h("transfer-encoding", &["chunked"])));
+        assert!(!transfer_coded(&h("transfer-encoding", &[", chunked", "Chunked"])), "empty list elements are nothing");
+        assert!(transfer_coded(&h("transfer-encoding", &["gzip, chunked"])));
+        assert!(transfer_coded(&h("transfer-encoding", &["chunked", "gzip"])));
+        assert!(!content_coded(&h("content-encoding", &["identity"])));
+        assert!(!content_coded(&HeaderMap::new()));
+        assert!(content_coded(&h("content-encoding", &["identity", "br"])));
+        assert!(content_coded(&h("content-encoding", &[" GZIP "])));
     }
 }

@@ -390,3 +390,42 @@ impl Gunicorn {
         serde_json::from_slice(&r.body).expect("a JSON list")
     }
 }
+
+/// Two replicas; a receiver that answers each POST after 400 ms and takes
+/// one at a time (`concurrency = 1`), and a fast one. A round waits for a
+/// turn of the slow receiver at most half its timeout, so it ends within
+/// its events' lease, and the other replica never takes a lane of that round
+/// over to send its events again. Before, a round waited for every POST of
+/// the slow receiver in turn (a second and a half for four) and outlived
+/// the leases of the events it held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_receiver_does_not_hold_a_round_past_its_leases() {
+    let backend = postgres_backend();
+    let up = TestUpstream::start().await;
+    let (fast, slow) = (Webhook::start().await, Webhook::start().await);
+    slow.hold(Duration::from_millis(400));
+    let cfg = || {
+        GatewayConfig::new(backend.clone(), up.url()).route(&format!("events.url = \"{}\"\nevents.timeout = \"500ms\"", fast.url())).tail(
+            &format!(
+                "[[routes]]\noperation = \"cancel_order\"\nmethod = \"POST\"\npath = \"/v1/cancels\"\nupstream = \"orders\"\n\
+                 events.url = \"{}\"\nevents.timeout = \"500ms\"\nevents.concurrency = 1\nevents.max_attempts = 1000\n",
+                slow.url()
+            ),
+        )
+    };
+    let (a, b) = (Gateway::start(cfg()), Gateway::start(cfg()));
+    const N: usize = 12;
+    let posts = (0..N).flat_map(|i| {
+        let gw = if i % 2 == 0 { &a } else { &b };
+        [(gw.url("/v1/cancels"), format!("s{i}")), (gw.url("/v1/orders"), format!("f{i}"))]
+    });
+    let sent = posts.map(|(url, key)| async move { assert_eq!(post(&url, &key, ORDER, &[]).await.status, 201) });
+    futures_util::future::join_all(sent).await;
+    let all = eventually(Duration::from_secs(60), || async { fast.distinct().len() >= N && slow.distinct().len() >= N }).await;
+    assert!(all, "fast {} slow {}: {}", fast.distinct().len(), slow.distinct().len(), a.logs());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for (name, hook) in [("fast", &fast), ("slow", &slow)] {
+        let twice: Vec<(String, usize)> = hook.counts().into_iter().filter(|(_, n)| *n > 1).collect();
+        assert!(twice.is_empty(), "{name}: delivered again after a lease ran out mid-round: {twice:?}");
+    }
+}

@@ -55,7 +55,7 @@ async fn a_repeated_field_in_another_order_is_another_request() {
     assert!(same.replayed());
     assert_eq!(up.side_effects(&derived("f")), 1);
     assert_eq!(record(&store, "f").await.expect("record").request_hash, hash);
-    assert_eq!(up.total(), 2);
+    assert_eq!(up.total(), 3);
 }
 
 /// A completed record with the hash fingerprint version 1 gave `query` and
@@ -247,6 +247,20 @@ async fn uploads_and_form_typed_json_are_compared_as_sent() {
     let retry = send_ok("POST", &gw.url("/v1/orders"), &h, &body).await;
     assert_eq!((retry.status, retry.replayed()), (201, true), "the same upload under another boundary: {:?}", retry.body);
     assert_eq!(up.side_effects(&derived("up")), 1);
+    // The boundary inside a line is content: `pay--Xnow` and `pay--Ynow` are two memos.
+    let memo = |b: &'static str| {
+        (
+            format!("multipart/form-data; boundary={b}"),
+            format!("--{b}\r\nContent-Disposition: form-data; name=\"memo\"\r\n\r\npay--{b}now\r\n--{b}--\r\n"),
+        )
+    };
+    let (ct, body) = memo("X");
+    let h = [("authorization", "Bearer test-key"), ("content-type", ct.as_str()), ("idempotency-key", "memo")];
+    assert_eq!(send_ok("POST", &gw.url("/v1/orders"), &h, &body).await.status, 201);
+    let (ct, body) = memo("Y");
+    let h = [("authorization", "Bearer test-key"), ("content-type", ct.as_str()), ("idempotency-key", "memo")];
+    let other = send_ok("POST", &gw.url("/v1/orders"), &h, &body).await;
+    assert_eq!((other.status, other.problem().as_str()), (409, "idempotency-key-reused"), "{:?}", other.body);
 
     let first = send_ok("POST", &gw.url("/v1/orders"), &form_headers("fj"), r#"{"memo":"pay 100+tip"}"#).await;
     assert_eq!(first.status, 201);
@@ -254,5 +268,5 @@ async fn uploads_and_form_typed_json_are_compared_as_sent() {
     assert_eq!((other.status, other.problem().as_str()), (409, "idempotency-key-reused"), "{:?}", other.body);
     let same = send_ok("POST", &gw.url("/v1/orders"), &form_headers("fj"), r#"{"memo":"pay 100+tip"}"#).await;
     assert_eq!((same.status, same.replayed()), (201, true));
-    assert_eq!(up.total(), 2);
+    assert_eq!(up.total(), 3);
 }

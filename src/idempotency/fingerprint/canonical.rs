@@ -130,8 +130,12 @@ pub(crate) fn write_str(out: &mut impl Sink, s: &str) {
 }
 
 /// Writes an unsigned integer as exact decimal.
-pub(crate) fn write_u64(out: &mut impl Sink, mut n: u64) {
-    let mut buf = [0u8; 20];
+pub(crate) fn write_u64(out: &mut impl Sink, n: u64) {
+    out.put(decimal(n, &mut [0; 20]));
+}
+
+/// The decimal digits of `n`, written into `buf`.
+fn decimal(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
     let mut i = buf.len();
     loop {
         i -= 1;
@@ -142,7 +146,25 @@ pub(crate) fn write_u64(out: &mut impl Sink, mut n: u64) {
             break;
         }
     }
-    out.put(buf.get(i..).unwrap_or_default());
+    buf.get(i..).unwrap_or_default()
+}
+
+/// An integer's digits (no sign, no leading zeros) in [`write_exact`]'s
+/// form: trailing zeros become the power of ten (`1000` is `1e3`).
+fn write_exact_integer(out: &mut impl Sink, negative: bool, digits: &[u8]) {
+    let end = digits.iter().rposition(|d| *d != b'0').map_or(0, |i| i + 1);
+    if end == 0 {
+        out.put(b"0");
+        return;
+    }
+    if negative {
+        out.put(b"-");
+    }
+    out.put(&digits[..end]);
+    if end < digits.len() {
+        out.put(b"e");
+        out.put(decimal((digits.len() - end) as u64, &mut [0; 20]));
+    }
 }
 
 /// Writes a signed integer as exact decimal (serde_json never yields `-0` as an integer).
@@ -185,8 +207,20 @@ fn write_double(out: &mut impl Sink, f: f64, numbers: Numbers) {
 /// then `e` and the power of ten when it is not 0, a `-` before a negative
 /// value. `1`, `1.0`, `1e0` and `10e-1` are all `1`; `1000` and `1e3` are
 /// `1e3`; `1.5` is `15e-1`; `-0.0` is `0`. Never longer than the literal
-/// and a few bytes: `1e308` is not written out as 309 digits.
+/// and a few bytes: `1e308` is not written out as 309 digits. A literal whose
+/// power of ten does not fit 64 bits (`1e-99999999999999999999`, which a
+/// parser reads as 0) is written as it is, after a `~` no other text has:
+/// one text per literal, never equal to another value's.
 pub(crate) fn write_exact(out: &mut impl Sink, literal: &str) {
+    if !write_exact_in_range(out, literal) {
+        out.put(b"~");
+        out.put(literal.as_bytes());
+    }
+}
+
+/// [`write_exact`] for a literal whose power of ten fits 64 bits; `false`
+/// (nothing written) for one whose power does not.
+fn write_exact_in_range(out: &mut impl Sink, literal: &str) -> bool {
     let (negative, rest) = match literal.strip_prefix('-') {
         Some(rest) => (true, rest),
         None => (false, literal),
@@ -196,35 +230,45 @@ pub(crate) fn write_exact(out: &mut impl Sink, literal: &str) {
         None => (rest, ""),
     };
     let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
-    let mut power: i64 = 0;
-    if !exponent.is_empty() {
-        let (sign, digits) = match exponent.as_bytes().first() {
-            Some(b'-') => (-1i64, &exponent[1..]),
-            Some(b'+') => (1, &exponent[1..]),
-            _ => (1, exponent),
-        };
-        // Saturating: a parser that took the literal bounds its exponent; a
-        // saturated one is still one text for one literal.
-        let magnitude = digits.bytes().fold(0i64, |n, d| n.saturating_mul(10).saturating_add(i64::from(d.wrapping_sub(b'0'))));
-        power = sign * magnitude;
-    }
-    power = power.saturating_sub(i64::try_from(frac.len()).unwrap_or(i64::MAX));
-    let all = int.bytes().chain(frac.bytes());
-    let digits: Vec<u8> = all.skip_while(|d| *d == b'0').collect();
-    let end = digits.iter().rposition(|d| *d != b'0').map_or(0, |i| i + 1);
-    if end == 0 {
+    let (int, frac) = (int.as_bytes(), frac.as_bytes());
+    // The significant digits run from the first to the last digit that is
+    // not 0, across the point: `int[first..]` then `frac[..=last]`.
+    let digit = |i: usize| if i < int.len() { int[i] } else { frac[i - int.len()] };
+    let total = int.len() + frac.len();
+    let Some(first) = (0..total).find(|&i| digit(i) != b'0') else {
+        // Zero, whatever its sign and power.
         out.put(b"0");
-        return;
-    }
-    power = power.saturating_add(i64::try_from(digits.len() - end).unwrap_or(i64::MAX));
+        return true;
+    };
+    let last = (first..total).rfind(|&i| digit(i) != b'0').unwrap_or(first);
+    let (sign, magnitude) = match exponent.as_bytes().first() {
+        Some(b'-') => (-1i64, &exponent[1..]),
+        Some(b'+') => (1, &exponent[1..]),
+        _ => (1, exponent),
+    };
+    let magnitude = magnitude.bytes().try_fold(0i64, |n, d| n.checked_mul(10)?.checked_add(i64::from(d.wrapping_sub(b'0'))));
+    let power = magnitude
+        .map(|m| sign * m)
+        .and_then(|p| p.checked_sub(i64::try_from(frac.len()).ok()?))
+        .and_then(|p| p.checked_add(i64::try_from(total - 1 - last).ok()?));
+    let Some(power) = power else { return false };
     if negative {
         out.put(b"-");
     }
-    out.put(&digits[..end]);
+    if first < int.len() {
+        out.put(&int[first..int.len().min(last + 1)]);
+    }
+    if last >= int.len() {
+        out.put(&frac[first.max(int.len()) - int.len()..=last - int.len()]);
+    }
     if power != 0 {
         out.put(b"e");
-        out.put(power.to_string().as_bytes());
+        if power < 0 {
+            out.put(b"-");
+        }
+        out.put(decimal(power.unsigned_abs(), &mut [0; 20]));
     }
+    true
 }
 
 fn enter(depth: usize) -> Result<usize, FingerprintError> {
@@ -244,9 +288,12 @@ pub(crate) fn write_node(out: &mut impl Sink, node: &mut Node<'_>, depth: usize,
         Node::Null => out.put(b"null"),
         Node::Bool(true) => out.put(b"true"),
         Node::Bool(false) => out.put(b"false"),
-        Node::U64(n) if numbers == Numbers::Exact => write_exact(out, &n.to_string()),
-        Node::I64(n) if numbers == Numbers::Exact => write_exact(out, &n.to_string()),
-        Node::BigInt(digits) if numbers == Numbers::Exact => write_exact(out, digits),
+        Node::U64(n) if numbers == Numbers::Exact => write_exact_integer(out, false, decimal(*n, &mut [0; 20])),
+        Node::I64(n) if numbers == Numbers::Exact => write_exact_integer(out, *n < 0, decimal(n.unsigned_abs(), &mut [0; 20])),
+        Node::BigInt(digits) if numbers == Numbers::Exact => {
+            let (negative, digits) = digits.strip_prefix('-').map_or((false, &**digits), |d| (true, d));
+            write_exact_integer(out, negative, digits.as_bytes());
+        }
         Node::U64(n) => write_u64(out, *n),
         Node::I64(n) => write_i64(out, *n),
         Node::BigInt(digits) => out.put(digits.as_bytes()),

@@ -31,7 +31,8 @@
 //!      [`canonical_json`]), streamed into the hasher. It is the last field, so it
 //!      needs no length prefix;
 //!    - `form` (`application/x-www-form-urlencoded`): pairs as for the query (one
-//!      name's values in request order). A body of that type that starts with `{`
+//!      name's values in request order), after `defaults` and `exclude` are applied
+//!      to fields named by one-token pointers. A body of that type that starts with `{`
 //!      or `[` is JSON sent under the form type (curl's `-d`, Ruby's `Net::HTTP`
 //!      by default), which an upstream that ignores the type reads as JSON: it is
 //!      `raw`, since decoding it as a form would take `+` for a space;
@@ -47,7 +48,8 @@
 //!
 //! Version 3 (`idemgate-fp-v3`) was version 4 with numbers that have a fraction
 //! or an exponent compared as the doubles nearest to them (so `1.000000000000000001`
-//! and `1` were one amount), form-typed JSON decoded as a form, and multipart bodies
+//! and `1` were one amount), form-typed JSON decoded as a form, form fields without
+//! `exclude` and `defaults`, and multipart bodies
 //! as raw bytes (their boundary included). Version 2 (`idemgate-fp-v2`) was version 3 without the media type (field 7). Version
 //! 1 (`idemgate-fp-v1`) was version 2 but for the order of query and form pairs, sorted
 //! by (name, value), which took one name's values in another order for the same
@@ -501,10 +503,48 @@ fn prepare_body<'a>(
             None => Body::Raw(body),
         },
         BodyKind::Raw => Body::Raw(body),
-        BodyKind::Form if version.reads_bodies_as_sent() && matches!(body.first(), Some(b'{' | b'[')) => Body::Raw(body),
+        BodyKind::Form if version.reads_bodies_as_sent() && matches!(body.trim_ascii_start().first(), Some(b'{' | b'[')) => Body::Raw(body),
+        BodyKind::Form if version.reads_bodies_as_sent() => Body::Form(form_fields(body, spec)),
         BodyKind::Form => Body::Form(form::sorted_pairs(body, version.pair_order())),
         BodyKind::Json => Body::Json(json_tree(body, spec)?),
     })
+}
+
+/// A form body's pairs after `spec.defaults` and then `spec.exclude`, as for a
+/// JSON object: a pointer of one token names a field (`/authenticity_token`);
+/// a default is a string, number or boolean (written as its text), added when
+/// no pair has the name; an exclusion removes every pair of the name. Other
+/// pointers and values do not apply to a form.
+fn form_fields<'a>(body: &'a [u8], spec: &'a FingerprintSpec) -> Vec<form::Pair<'a>> {
+    use std::borrow::Cow;
+    let mut pairs = form::sorted_pairs(body, form::PairOrder::Name);
+    let field = |pointer: &'a JsonPointer| match pointer.tokens() {
+        [name] => Some(name.as_bytes()),
+        _ => None,
+    };
+    let mut added = false;
+    for (pointer, value) in &spec.defaults {
+        let text = match value {
+            Value::String(s) => Cow::Borrowed(s.as_bytes()),
+            Value::Number(n) => Cow::Owned(n.to_string().into_bytes()),
+            Value::Bool(b) => Cow::Borrowed(if *b { &b"true"[..] } else { &b"false"[..] }),
+            _ => continue,
+        };
+        if let Some(name) = field(pointer)
+            && !pairs.iter().any(|(n, _)| **n == *name)
+        {
+            pairs.push((Cow::Borrowed(name), text));
+            added = true;
+        }
+    }
+    if added {
+        pairs.sort_by(|a, b| a.0.cmp(&b.0));
+    }
+    let excluded: Vec<&[u8]> = spec.exclude.iter().filter_map(field).collect();
+    if !excluded.is_empty() {
+        pairs.retain(|(name, _)| !excluded.contains(&&**name));
+    }
+    pairs
 }
 
 /// The `boundary` parameter of a `multipart/*` content type (unquoted).
@@ -523,18 +563,34 @@ fn multipart_boundary(headers: &HeaderMap) -> Option<String> {
         .filter(|b| !b.is_empty())
 }
 
-/// A multipart body split at every `--boundary`: what comes before the first
-/// delimiter, each part (with its headers), and what follows the last.
+/// A multipart body split at its delimiters (RFC 2046, section 5.1.1):
+/// `--boundary` at the start of the body or of a line, followed by the end
+/// of the line (white space allowed), by `--` (the last one), or by the end
+/// of the body. What comes before the first, each part (with its headers),
+/// and what follows the last. `--boundary` anywhere else is content: a
+/// part's text `pay--Xnow` under boundary `X` is not a delimiter.
 fn multipart_parts<'a>(body: &'a [u8], boundary: &[u8]) -> Vec<&'a [u8]> {
     let mut delimiter = b"--".to_vec();
     delimiter.extend_from_slice(boundary);
+    let is_delimiter = |at: usize| {
+        let line_start = at == 0 || body.get(at - 1) == Some(&b'\n');
+        let after = body.get(at + delimiter.len()..).unwrap_or_default();
+        let line_end = after.is_empty()
+            || after.starts_with(b"--")
+            || after.iter().position(|b| !matches!(b, b' ' | b'\t')).is_none_or(|i| matches!(after[i], b'\r' | b'\n'));
+        line_start && line_end
+    };
     let mut parts = Vec::new();
-    let mut rest = body;
-    while let Some(at) = rest.windows(delimiter.len()).position(|w| w == delimiter.as_slice()) {
-        parts.push(&rest[..at]);
-        rest = &rest[at + delimiter.len()..];
+    let (mut from, mut at) = (0, 0);
+    while let Some(found) = body.get(at..).and_then(|rest| rest.windows(delimiter.len()).position(|w| w == delimiter.as_slice())) {
+        let pos = at + found;
+        if is_delimiter(pos) {
+            parts.push(&body[from..pos]);
+            from = pos + delimiter.len();
+        }
+        at = pos + 1;
     }
-    parts.push(rest);
+    parts.push(&body[from..]);
     parts
 }
 

@@ -146,9 +146,30 @@ fn multipart_bodies_are_compared_by_their_parts() {
     assert_eq!(fp("XyZ1", "hello", false), fp("----WebKitFormBoundary7MA4YWxk", "hello", false));
     assert_eq!(fp("XyZ1", "hello", false), fp("q", "hello", true));
     assert_ne!(fp("XyZ1", "hello", false), fp("XyZ2", "hellp", false));
+    // `--boundary` inside a line is content, not a delimiter.
+    let inline = |b: &str| {
+        let body = format!("--{b}\r\nContent-Disposition: form-data; name=\"memo\"\r\n\r\npay--{b}now\r\n--{b}--\r\n");
+        Req::new(Some(&format!("multipart/form-data; boundary={b}")), body.as_bytes()).fp(&none())
+    };
+    assert_ne!(inline("X"), inline("Y"), "pay--Xnow and pay--Ynow are two memos");
     // Without a boundary the bytes are compared as they are.
     let raw = |b: &str| Req::new(Some("multipart/form-data"), body(b, "hello").as_bytes()).fp(&none());
     assert_ne!(raw("XyZ1"), raw("XyZ2"));
+}
+
+/// A form's fields take `exclude` and `defaults` as a JSON object's members
+/// do (a Rails form's `authenticity_token` differs on every render).
+#[test]
+fn form_fields_take_exclusions_and_defaults() {
+    let spec = spec(&["/authenticity_token", "/a/b"], &[("/currency", serde_json::json!("USD")), ("/qty", serde_json::json!(1))], &[]);
+    let form = |body: &str| Req::new(Some(FORM), body.as_bytes()).fp(&spec);
+    assert_eq!(form("item=book&authenticity_token=x1"), form("item=book&authenticity_token=y2"));
+    assert_eq!(form("item=book&authenticity_token=x1"), form("item=book&currency=USD&qty=1"));
+    assert_ne!(form("item=book&currency=EUR"), form("item=book"));
+    assert_ne!(form("item=book&qty=2"), form("item=book"));
+    // Without the settings the token counts.
+    let plain = |body: &str| Req::new(Some(FORM), body.as_bytes()).fp(&none());
+    assert_ne!(plain("item=book&authenticity_token=x1"), plain("item=book&authenticity_token=y2"));
 }
 
 /// JSON sent under the form type (curl's `-d` without a type): its bytes,
@@ -160,6 +181,7 @@ fn json_sent_as_a_form_is_compared_as_bytes() {
     assert_ne!(form(r#"{"memo":"pay 100+tip"}"#), form(r#"{"memo":"pay 100 tip"}"#));
     assert_ne!(form(r#"{"to":"%61lice"}"#), form(r#"{"to":"alice"}"#));
     assert_ne!(form(r#"[1,"a+b"]"#), form(r#"[1,"a b"]"#));
+    assert_ne!(form(" \n{\"m\":\"a+b\"}"), form(" \n{\"m\":\"a b\"}"), "after white space too");
     assert_eq!(form(r#"{"memo":"pay"}"#), form(r#"{"memo":"pay"}"#));
     assert_eq!(form("memo=pay+100&to=%61lice"), form("memo=pay%20100&to=alice"));
 }
@@ -182,6 +204,10 @@ fn decimals_are_compared_exactly_not_as_doubles() {
     for (a, b) in [("9007199254740993", "9007199254740993.0"), ("12.50", "12.5"), ("1250e-2", "12.5"), ("-0.0", "0")] {
         assert_eq!(fp(a), fp(b), "{a} and {b}");
     }
+    // A power of ten beyond 64 bits: the literal itself, never another value.
+    assert_ne!(fp("1e-99999999999999999999"), fp("1e-9223372036854775808"));
+    assert_eq!(fp("0.0e999999999999999999999"), fp("0"));
+    assert_eq!(fp("-0e-0"), fp("0"));
     // A record written by version 3 is still recognised (its doubles).
     let v3 = |n: &str| {
         let req = Req::json(&format!(r#"{{"client_order_id":7,"amount":{n}}}"#));
@@ -443,9 +469,9 @@ fn form_bodies_are_decoded_and_sorted() {
     // The same bytes as raw keep their order.
     let raw = |body: &str| Req::new(Some("text/plain"), body.as_bytes()).fp(&none());
     assert_ne!(raw("b=2&a=1"), raw("a=1&b=2"));
-    // Exclusions and defaults are JSON-only.
+    // Exclusions name fields (see form_fields_take_exclusions_and_defaults).
     let s = spec(&["/a"], &[], &[]);
-    assert_ne!(Req::new(Some(FORM), b"a=1").fp(&s), Req::new(Some(FORM), b"a=2").fp(&s));
+    assert_eq!(Req::new(Some(FORM), b"a=1").fp(&s), Req::new(Some(FORM), b"a=2").fp(&s));
 }
 
 #[test]
