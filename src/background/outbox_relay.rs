@@ -55,7 +55,8 @@ pub struct Relay {
     /// Destinations that failed lately.
     backoff: Backoffs,
     /// Per receiver, its POSTs in flight ([`EventsConfig::concurrency`], the
-    /// smallest of the routes posting there).
+    /// smallest of the routes posting there); none for a receiver that is
+    /// one of the upstreams (its limit paces it).
     receivers: HashMap<Uri, Arc<Semaphore>>,
     /// Routes whose destination is one of the upstreams (same scheme, host
     /// and port): deliveries there count against that upstream's
@@ -74,7 +75,7 @@ impl Relay {
         if routes.is_empty() {
             return None;
         }
-        let limits = routes
+        let limits: HashMap<Arc<str>, Arc<Limit>> = routes
             .iter()
             .filter_map(|(op, e)| {
                 let upstream = upstreams.iter().find(|u| same_origin(&u.config.url, &e.url))?;
@@ -84,8 +85,12 @@ impl Relay {
         let client = side_client::build(Duration::from_secs(5));
         let per_post = routes.values().map(|e| e.batch).min().unwrap_or(1).max(1);
         let batch = u32::try_from(per_post).unwrap_or(u32::MAX).saturating_mul(POSTS).min(MOST);
+        // A receiver that is one of the upstreams is paced by that upstream's
+        // limit: a POST there holds one of its slots from the take on, and a
+        // turn waited for beside it would hold the slot idle, away from the
+        // requests the upstream serves.
         let mut concurrency: HashMap<Uri, usize> = HashMap::new();
-        for e in routes.values() {
+        for (_, e) in routes.iter().filter(|(op, _)| !limits.contains_key(*op)) {
             let n = concurrency.entry(e.url.clone()).or_insert(e.concurrency);
             *n = (*n).min(e.concurrency);
         }

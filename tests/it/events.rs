@@ -356,9 +356,7 @@ impl Gunicorn {
         use std::process::{Command, Stdio};
         let installed = Command::new("python3").args(["-c", "import gunicorn"]).stderr(Stdio::null()).status().is_ok_and(|s| s.success());
         if !installed {
-            let required = std::env::var("IDEMGATE_TEST_FRAMEWORKS").is_ok_and(|v| v == "required")
-                || std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "false");
-            assert!(!required, "gunicorn is not installed; scripts/test installs it");
+            assert!(!support::real_components_required(), "gunicorn is not installed; scripts/test installs it");
             eprintln!("gunicorn is not installed: skipped (scripts/test installs it)");
             return None;
         }

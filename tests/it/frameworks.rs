@@ -245,9 +245,10 @@ impl Upstream {
         let mut command = match framework.command() {
             Ok(c) => c,
             Err(why) => {
-                let required = std::env::var("IDEMGATE_TEST_FRAMEWORKS").is_ok_and(|v| v == "required")
-                    || std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "false");
-                assert!(!required, "{why}; scripts/test installs the frameworks (IDEMGATE_TEST_FRAMEWORKS=required or CI is set)");
+                assert!(
+                    !support::real_components_required(),
+                    "{why}; scripts/test installs the frameworks (IDEMGATE_TEST_FRAMEWORKS=required or CI is set)"
+                );
                 eprintln!("SKIPPED: {why}; scripts/test installs it");
                 return None;
             }

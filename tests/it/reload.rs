@@ -238,15 +238,18 @@ async fn serve_writes_its_pid_file_and_removes_it_on_exit() {
     assert!(!pid_file.exists(), "removed on exit");
 
     // A pid file that does not hold a pid is refused without signalling anything.
+    let reload = || {
+        Command::new(env!("CARGO_BIN_EXE_idemgate"))
+            .args(["reload", "--config"])
+            .arg(&config)
+            .arg("--pid-file")
+            .arg(&pid_file)
+            .env(support::gateway::TEST_SECRET_ENV, TEST_SECRET)
+            .output()
+            .unwrap()
+    };
     std::fs::write(&pid_file, "-1\n").unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_idemgate"))
-        .args(["reload", "--config"])
-        .arg(&config)
-        .arg("--pid-file")
-        .arg(&pid_file)
-        .env(support::gateway::TEST_SECRET_ENV, TEST_SECRET)
-        .output()
-        .unwrap();
+    let out = reload();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("is not a process id"));
 
@@ -254,14 +257,7 @@ async fn serve_writes_its_pid_file_and_removes_it_on_exit() {
     // process: refused, and that process lives on.
     let mut bystander = Command::new("sleep").arg("30").spawn().unwrap();
     std::fs::write(&pid_file, format!("{}\n", bystander.id())).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_idemgate"))
-        .args(["reload", "--config"])
-        .arg(&config)
-        .arg("--pid-file")
-        .arg(&pid_file)
-        .env(support::gateway::TEST_SECRET_ENV, TEST_SECRET)
-        .output()
-        .unwrap();
+    let out = reload();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("stale") && stderr.contains("\"sleep\""), "{stderr}");

@@ -96,6 +96,14 @@ pub use gateway::{Backend, Gateway, GatewayConfig, PRINCIPAL, TENANT, TEST_SECRE
 pub use upstream::TestUpstream;
 
 /// A fresh database on this test binary's private PostgreSQL cluster.
+/// Whether a missing real component (a framework, gunicorn) fails its test
+/// instead of skipping it: `IDEMGATE_TEST_FRAMEWORKS=required`, or in CI
+/// (`CI` set), where scripts/test has installed them.
+pub fn real_components_required() -> bool {
+    std::env::var("IDEMGATE_TEST_FRAMEWORKS").is_ok_and(|v| v == "required")
+        || std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "false")
+}
+
 pub fn postgres_backend() -> Backend {
     static N: AtomicU64 = AtomicU64::new(0);
     let name = format!("t{}_{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst));
