@@ -974,3 +974,50 @@ async fn answering_once(answer: &'static str) -> std::net::SocketAddr {
     });
     addr
 }
+
+/// A transfer coding besides `chunked` is refused on every path, also where
+/// the request would be passed through without a claim: hyper undoes only
+/// the chunking, so the upstream would get the coded bytes under no
+/// `Transfer-Encoding` at all. A plain chunked body still passes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_coding_besides_chunked_is_refused_on_a_pass_through_path() {
+    let backend = sqlite_backend();
+    let (up, gw, _store) = setup(backend, |c| c.server("default_upstream = \"orders\"")).await;
+    let send = |head: String| {
+        let addr = gw.addr;
+        async move {
+            let mut raw = tokio::net::TcpStream::connect(addr).await.unwrap();
+            tokio::io::AsyncWriteExt::write_all(&mut raw, head.as_bytes()).await.unwrap();
+            let mut answer = Vec::new();
+            tokio::io::AsyncReadExt::read_to_end(&mut raw, &mut answer).await.unwrap();
+            String::from_utf8_lossy(&answer).into_owned()
+        }
+    };
+    for (method, coding) in [("POST", "gzip, chunked"), ("PUT", "br, chunked"), ("GET", "deflate, chunked")] {
+        let answer = send(format!(
+            "{method} /v1/elsewhere HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: {coding}\r\n\
+             Connection: close\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+        ))
+        .await;
+        assert!(answer.starts_with("HTTP/1.1 501"), "{method} {coding}: {answer}");
+        assert!(answer.contains("unsupported-transfer-coding"), "{method} {coding}: {answer}");
+    }
+    // Chunked not last: the body's length is unknown; hyper answers 400 itself.
+    let answer = send(
+        "POST /v1/elsewhere HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked, gzip\r\nConnection: close\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+            .to_owned(),
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert_eq!(up.total(), 0, "nothing coded reached the upstream");
+    let answer = send(
+        "POST /v1/elsewhere HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\
+         Connection: close\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+            .to_owned(),
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
+    assert_eq!(up.total(), 1, "a chunked body passes through");
+    let passed = up.requests();
+    assert_eq!((passed[0].path.as_str(), &passed[0].body[..]), ("/v1/elsewhere", &b"hello"[..]));
+}
