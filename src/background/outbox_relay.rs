@@ -46,6 +46,23 @@ const IDLE: Backoff = Backoff::new(Duration::from_millis(50), Duration::from_sec
 /// relays of several replicas do not return to a receiver in step.
 const RETRY: Backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(60));
 
+/// The longest wait a receiver's `Retry-After` is followed for: a longer
+/// one (a date far ahead, a mistyped number) is cut to it.
+const RETRY_AFTER_MOST: Duration = Duration::from_secs(15 * 60);
+
+/// How long a receiver's answer asks to be left alone (`Retry-After`,
+/// RFC 9110: seconds, or an HTTP date, from `now`), at most
+/// [`RETRY_AFTER_MOST`]; `None` without one, or with one not understood.
+fn retry_after(headers: &http::HeaderMap, now: SystemTime) -> Option<Duration> {
+    let value = headers.get(http::header::RETRY_AFTER)?.to_str().ok()?.trim();
+    let wait = if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
+        Duration::from_secs(value.parse::<u64>().unwrap_or(u64::MAX))
+    } else {
+        httpdate::parse_http_date(value).ok()?.duration_since(now).unwrap_or_default()
+    };
+    Some(wait.min(RETRY_AFTER_MOST))
+}
+
 pub struct Relay {
     store: Store,
     metrics: Arc<Metrics>,
@@ -239,7 +256,9 @@ impl Relay {
                     // backed off once a round.
                     let mut delivered = Vec::new();
                     let mut failures = Vec::new();
-                    let mut failing: Vec<Uri> = Vec::new();
+                    // Each failing destination, and the longest wait its
+                    // answers asked for (`Retry-After`).
+                    let mut failing: Vec<(Uri, Option<Duration>)> = Vec::new();
                     let mut answering: Vec<Uri> = Vec::new();
                     let mut unsent = Vec::new();
                     for (d, outcome) in deliveries.iter().zip(outcomes) {
@@ -249,32 +268,33 @@ impl Relay {
                                 answering.push(d.dest.url.clone());
                             }
                             Sent::NoTurn => unsent.extend(d.events.iter().map(|e| e.seq)),
-                            Sent::Failed(why) => {
-                                if !failing.contains(&d.dest.url) {
-                                    failing.push(d.dest.url.clone());
+                            Sent::Failed(why, wait) => {
+                                match failing.iter_mut().find(|(u, _)| *u == d.dest.url) {
+                                    Some((_, longest)) => *longest = (*longest).max(wait),
+                                    None => failing.push((d.dest.url.clone(), wait)),
                                 }
-                                failures.push((d, why));
+                                failures.push((d, why, wait));
                             }
                         }
                     }
                     drop(slots);
                     let mut retried = Vec::new();
-                    for (d, why) in &failures {
+                    for (d, why, wait) in &failures {
                         let (first, again): (Vec<&OutboxEvent>, Vec<&OutboxEvent>) = d.events.iter().partition(|e| e.attempts == 0);
-                        self.first_attempts_failed(&first, why, token).await;
-                        retried.extend(again.into_iter().map(|e| (e, why)));
+                        self.first_attempts_failed(&first, why, token, *wait).await;
+                        retried.extend(again.into_iter().map(|e| (e, why, *wait)));
                     }
                     self.defer(unsent, token).await;
                     self.mark_delivered(&delivered, token).await;
-                    for (event, why) in retried {
-                        self.failed(event, why, token).await;
+                    for (event, why, wait) in retried {
+                        self.failed(event, why, token, wait).await;
                     }
                     let now = tokio::time::Instant::now();
-                    for url in answering.into_iter().filter(|u| !failing.contains(u)) {
+                    for url in answering.into_iter().filter(|u| !failing.iter().any(|(f, _)| f == u)) {
                         self.backoff.delivered(&url);
                     }
-                    for url in failing {
-                        self.backoff.failed(url, now);
+                    for (url, wait) in failing {
+                        self.backoff.failed(url, now, wait);
                     }
                     if caught_up {
                         tokio::select! {
@@ -315,12 +335,13 @@ impl Relay {
         };
         match self.post(d).await {
             Ok(()) => Sent::Delivered,
-            Err(why) => Sent::Failed(why),
+            Err((why, wait)) => Sent::Failed(why, wait),
         }
     }
 
-    /// The POST of a delivery: `Ok(())` on a 2xx, else why not.
-    async fn post(&self, d: &Delivery<'_>) -> Result<(), String> {
+    /// The POST of a delivery: `Ok(())` on a 2xx, else why not, and how
+    /// long the receiver asked to be left alone (`Retry-After`).
+    async fn post(&self, d: &Delivery<'_>) -> Result<(), (String, Option<Duration>)> {
         let dest = &d.dest;
         let single = match d.events[..] {
             [event] if dest.batch == 1 => Some(event),
@@ -330,7 +351,7 @@ impl Relay {
             Some(event) => serde_json::to_vec(&payload(event, dest.include_key)),
             None => serde_json::to_vec(&batch_payload(&d.events, dest.include_key)),
         }
-        .map_err(|e| format!("could not write the event as JSON: {e}"))?;
+        .map_err(|e| (format!("could not write the event as JSON: {e}"), None))?;
         let mut req = Request::builder()
             .method(Method::POST)
             .uri(dest.url.clone())
@@ -347,12 +368,12 @@ impl Relay {
                 req = req.header("idemgate-signature", v);
             }
         }
-        let req = req.body(Body::full(body)).map_err(|e| format!("invalid request: {e}"))?;
+        let req = req.body(Body::full(body)).map_err(|e| (format!("invalid request: {e}"), None))?;
         match tokio::time::timeout(dest.timeout, self.client.request(req)).await {
-            Err(_) => Err(format!("no answer within {}", humantime::format_duration(dest.timeout))),
-            Ok(Err(e)) => Err(crate::upstream::error_chain(&e)),
+            Err(_) => Err((format!("no answer within {}", humantime::format_duration(dest.timeout)), None)),
+            Ok(Err(e)) => Err((crate::upstream::error_chain(&e), None)),
             Ok(Ok(resp)) if resp.status().is_success() => Ok(()),
-            Ok(Ok(resp)) => Err(format!("answered {}", resp.status().as_u16())),
+            Ok(Ok(resp)) => Err((format!("answered {}", resp.status().as_u16()), retry_after(resp.headers(), SystemTime::now()))),
         }
     }
 
@@ -390,11 +411,11 @@ impl Relay {
 
     /// Records a failed delivery of `event`: backed off, or parked after its
     /// route's `max_attempts`.
-    async fn failed(&self, event: &OutboxEvent, why: &str, token: Uuid) {
+    async fn failed(&self, event: &OutboxEvent, why: &str, token: Uuid, wait: Option<Duration>) {
         let Some(dest) = self.routes.get(&event.scope.operation) else { return };
         let attempts = u32::try_from(event.attempts).unwrap_or(0) + 1;
         let park = attempts >= dest.max_attempts;
-        let retry_after = RETRY.jittered(attempts);
+        let retry_after = RETRY.jittered(attempts).max(wait.unwrap_or_default());
         self.count_failure(event, why, attempts, park);
         match self.store.event_failed(event.seq, token, why, retry_after, park).await {
             Ok(true) => {}
@@ -408,8 +429,8 @@ impl Relay {
     /// the store can.
     /// (Routes sharing a destination may park after different numbers of
     /// attempts: those parked now and those due again go apart.)
-    async fn first_attempts_failed(&self, events: &[&OutboxEvent], why: &str, token: Uuid) {
-        let retry_after = RETRY.jittered(1);
+    async fn first_attempts_failed(&self, events: &[&OutboxEvent], why: &str, token: Uuid, wait: Option<Duration>) {
+        let retry_after = RETRY.jittered(1).max(wait.unwrap_or_default());
         for park in [false, true] {
             let these: Vec<&OutboxEvent> = events
                 .iter()
@@ -454,9 +475,11 @@ impl Backoffs {
     }
 
     /// A round's delivery to `url` failed.
-    fn failed(&mut self, url: Uri, now: tokio::time::Instant) {
+    /// A round's delivery to `url` failed; its receiver asked for `wait`
+    /// (`Retry-After`), if it did.
+    fn failed(&mut self, url: Uri, now: tokio::time::Instant, wait: Option<Duration>) {
         let failures = self.0.get(&url).map_or(0, |(_, n)| *n) + 1;
-        self.0.insert(url, (now + RETRY.jittered(failures), failures));
+        self.0.insert(url, (now + RETRY.jittered(failures).max(wait.unwrap_or_default()), failures));
     }
 
     /// A delivery to `url` succeeded (and none failed in its round).
@@ -484,8 +507,9 @@ enum Sent {
     Delivered,
     /// Not sent: no turn of its receiver came in time.
     NoTurn,
-    /// Sent, and not answered 2xx: why.
-    Failed(String),
+    /// Sent, and not answered 2xx: why, and how long the receiver asked to
+    /// be left alone (`Retry-After`).
+    Failed(String, Option<Duration>),
 }
 
 /// One POST: events for one destination (one event, or up to its `batch`).
@@ -517,6 +541,29 @@ mod tests {
     use crate::idempotency::key::{IdempotencyKey, Scope};
     use crate::idempotency::record::Timestamp;
     use crate::outbox::{Delivery as State, EventType};
+
+    #[test]
+    fn a_receivers_retry_after_is_read_in_seconds_or_as_a_date_and_capped() {
+        let now = UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+        let with = |v: &str| {
+            let mut h = http::HeaderMap::new();
+            h.insert(http::header::RETRY_AFTER, HeaderValue::from_str(v).unwrap());
+            retry_after(&h, now)
+        };
+        assert_eq!(retry_after(&http::HeaderMap::new(), now), None);
+        assert_eq!(with("120"), Some(Duration::from_secs(120)));
+        assert_eq!(with(" 7 "), Some(Duration::from_secs(7)));
+        assert_eq!(with("0"), Some(Duration::ZERO));
+        assert_eq!(with("99999999999999999999999"), Some(RETRY_AFTER_MOST), "beyond u64, cut");
+        assert_eq!(with("86400"), Some(RETRY_AFTER_MOST), "a day, cut to the most");
+        let in_90s = httpdate::fmt_http_date(now + Duration::from_secs(90));
+        assert_eq!(with(&in_90s), Some(Duration::from_secs(90)));
+        let past = httpdate::fmt_http_date(now - Duration::from_secs(90));
+        assert_eq!(with(&past), Some(Duration::ZERO), "a date gone by: no wait");
+        assert_eq!(with("soon"), None);
+        assert_eq!(with("-5"), None);
+        assert_eq!(with("1.5"), None);
+    }
 
     fn dest(url: &str, batch: usize) -> Arc<EventsConfig> {
         Arc::new(EventsConfig {
@@ -616,7 +663,7 @@ mod tests {
         let mut waits = Vec::new();
         for _ in 0..6 {
             assert!(!b.waiting(&url, now));
-            b.failed(url.clone(), now);
+            b.failed(url.clone(), now, None);
             let until = b.0[&url].0;
             waits.push(until - now);
             assert!(b.waiting(&url, now));
@@ -629,7 +676,7 @@ mod tests {
         }
         assert!(waits[5] > Duration::from_secs(3), "{waits:?}");
         b.delivered(&url);
-        b.failed(url.clone(), now);
+        b.failed(url.clone(), now, None);
         assert!(b.0[&url].0 - now <= RETRY.after(1), "a success starts the count again");
     }
 }

@@ -23,6 +23,7 @@ on_both_stores!(
     parked_events_are_kept_listed_and_redelivered,
     batched_deliveries_carry_several_events_in_order_per_scope,
     a_failing_receiver_does_not_make_another_receivers_events_go_twice,
+    a_receiver_that_asks_to_wait_is_left_alone_that_long,
 );
 
 const ORDER: &str = r#"{"item":"book","qty":1}"#;
@@ -122,6 +123,27 @@ async fn a_receiver_that_is_down_gets_everything_later_in_order(backend: Backend
         .unwrap();
     let first_release = all.iter().position(|d| d.json()["type"] == "idemgate.record.released").unwrap();
     assert!(last_unknown < first_release, "in order per scope");
+}
+
+/// A receiver that answers 503 with `Retry-After: 2` is not tried again for
+/// two seconds (the relay's own backoff would try after about 200 ms), and
+/// then gets the event, the same one.
+async fn a_receiver_that_asks_to_wait_is_left_alone_that_long(backend: Backend) {
+    let (_up, hook, gw, store) = setup(backend, "").await;
+    hook.answer(503);
+    hook.retry_after(Some("2"));
+    assert_eq!(post(&gw.url("/v1/orders"), "wait", ORDER, &[]).await.status, 201);
+    assert!(eventually(Duration::from_secs(10), || async { !hook.deliveries().is_empty() }).await, "{}", gw.logs());
+    // The first delivery has its answer by now.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    hook.answer(200);
+    let sent = eventually(Duration::from_secs(20), || async { store.event_stats().await.unwrap().pending == 0 }).await;
+    assert!(sent, "{}", gw.logs());
+    let all = hook.deliveries();
+    assert_eq!(all.len(), 2, "refused once, then delivered: {all:?}");
+    assert_eq!(all[0].id, all[1].id);
+    let gap = all[1].at - all[0].at;
+    assert!(gap >= Duration::from_millis(1900), "tried again {gap:?} after a Retry-After of 2 s");
 }
 
 async fn a_relay_killed_before_marking_redelivers_the_same_id(backend: Backend) {

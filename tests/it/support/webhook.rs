@@ -27,6 +27,8 @@ pub struct Delivery {
     /// `Idemgate-Event-Count` (batched deliveries only).
     pub count: Option<String>,
     pub body: Bytes,
+    /// When it arrived.
+    pub at: std::time::Instant,
 }
 
 impl Delivery {
@@ -49,6 +51,8 @@ struct State {
     status: AtomicU16,
     /// Hold each delivery this long before answering.
     hold_ms: AtomicU64,
+    /// `Retry-After` on answers other than 200.
+    retry_after: Mutex<Option<String>>,
 }
 
 pub struct Webhook {
@@ -83,6 +87,11 @@ impl Webhook {
     /// Answer every delivery with this status from now on (200 to heal).
     pub fn answer(&self, status: u16) {
         self.state.status.store(if status == 200 { 0 } else { status }, Ordering::SeqCst);
+    }
+
+    /// Send this `Retry-After` with every answer other than 200 (`None`: none).
+    pub fn retry_after(&self, value: Option<&str>) {
+        *self.state.retry_after.lock().unwrap() = value.map(str::to_owned);
     }
 
     pub fn hold(&self, d: Duration) {
@@ -131,6 +140,7 @@ async fn handle(
         signature: header("idemgate-signature"),
         count: header("idemgate-event-count"),
         body,
+        at: std::time::Instant::now(),
     };
     if !d.id.is_empty() && !state.in_flight.lock().unwrap().insert(d.id.clone()) {
         state.overlaps.fetch_add(1, Ordering::SeqCst);
@@ -148,5 +158,8 @@ async fn handle(
     };
     let mut r = Response::new(Full::new(Bytes::from_static(b"ok")));
     *r.status_mut() = status;
+    if let (false, Some(wait)) = (status == StatusCode::OK, state.retry_after.lock().unwrap().clone()) {
+        r.headers_mut().insert(http::header::RETRY_AFTER, http::HeaderValue::from_str(&wait).expect("a Retry-After value"));
+    }
     Ok(r)
 }
