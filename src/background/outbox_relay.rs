@@ -474,7 +474,6 @@ impl Backoffs {
         self.0.get(url).is_some_and(|(until, _)| *until > now)
     }
 
-    /// A round's delivery to `url` failed.
     /// A round's delivery to `url` failed; its receiver asked for `wait`
     /// (`Retry-After`), if it did.
     fn failed(&mut self, url: Uri, now: tokio::time::Instant, wait: Option<Duration>) {

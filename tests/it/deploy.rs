@@ -651,6 +651,16 @@ fn healthcheck(config: &Path, env: &[(&str, &str)]) -> (i32, String) {
     (out.status.code().unwrap_or(-1), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
 }
 
+/// A running gateway's configuration file, written into `dir` with the admin
+/// port it got (the harness asks for port 0), as an operator's would name it.
+fn running_config(dir: &Path, gw: &support::Gateway) -> std::path::PathBuf {
+    let config = dir.join("running.toml");
+    let text = std::fs::read_to_string(gw.config_path()).unwrap();
+    let admin = gw.admin.expect("an admin listener");
+    std::fs::write(&config, text.replace("[admin]\nlisten = \"127.0.0.1:0\"", &format!("[admin]\nlisten = \"{admin}\""))).unwrap();
+    config
+}
+
 /// `idemgate healthcheck` needs only the admin address: it works from a
 /// configuration whose secrets are not in its environment (a HEALTHCHECK
 /// or probe does not get them), exits 1 when the gateway is not ready or not
@@ -666,11 +676,7 @@ fn healthcheck_needs_no_secrets_and_separates_not_ready_from_bad_config() {
         support::GatewayConfig::new(support::sqlite_backend(), format!("http://{}", up.local_addr().unwrap()))
             .admin(&format!("token_file = \"{}\"", token.display())),
     );
-    // Its file, with the admin port it got (the harness asks for port 0).
-    let config = dir.path().join("running.toml");
-    let text = std::fs::read_to_string(gw.config_path()).unwrap();
-    let admin = gw.admin.unwrap();
-    std::fs::write(&config, text.replace("[admin]\nlisten = \"127.0.0.1:0\"", &format!("[admin]\nlisten = \"{admin}\""))).unwrap();
+    let config = running_config(dir.path(), &gw);
     let (code, out) = healthcheck(&config, &[]);
     assert_eq!(code, 0, "ready, without the derived-key secret in the environment: {out}");
     assert!(out.contains("/readyz") && out.contains("200"), "{out}");
@@ -734,10 +740,7 @@ fn healthcheck_speaks_tls_to_an_admin_listener_with_tls() {
             cert.key_file.display()
         )),
     );
-    let config = dir.path().join("running.toml");
-    let text = std::fs::read_to_string(gw.config_path()).unwrap();
-    let admin = gw.admin.unwrap();
-    std::fs::write(&config, text.replace("[admin]\nlisten = \"127.0.0.1:0\"", &format!("[admin]\nlisten = \"{admin}\""))).unwrap();
+    let config = running_config(dir.path(), &gw);
     let (code, out) = healthcheck(&config, &[]);
     assert_eq!(code, 0, "ready, over TLS: {out}");
     assert!(out.contains("/readyz") && out.contains("200"), "{out}");
