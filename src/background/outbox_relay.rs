@@ -8,7 +8,8 @@
 //! that is one of the upstreams shares that upstream's concurrency limit.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures_util::future::join_all;
@@ -81,6 +82,8 @@ pub struct Relay {
     limits: HashMap<Arc<str>, Arc<Limit>>,
     /// Events taken per round: [`POSTS`] POSTs' worth, at most [`MOST`].
     batch: u32,
+    /// Receivers that refused a POST as too large.
+    caps: Caps,
 }
 
 impl Relay {
@@ -112,7 +115,23 @@ impl Relay {
             *n = (*n).min(e.concurrency);
         }
         let receivers = concurrency.into_iter().map(|(url, n)| (url, Arc::new(Semaphore::new(n.max(1))))).collect();
-        Some(Relay { store, metrics, routes, client, backoff: Backoffs::default(), receivers, limits, batch })
+        Some(Relay { store, metrics, routes, client, backoff: Backoffs::default(), receivers, limits, batch, caps: Caps::default() })
+    }
+
+    /// The most events one POST to `dest` carries ([`Caps::per_post`]).
+    fn per_post(&self, dest: &EventsConfig) -> usize {
+        self.caps.per_post(dest)
+    }
+
+    /// `dest`'s receiver refused `n` events in one POST as too large.
+    fn refused_as_too_large(&self, dest: &EventsConfig, n: usize) {
+        if let Some(cap) = self.caps.refused(dest, n) {
+            tracing::warn!(
+                url = %dest.url, refused = n, per_post = cap,
+                "the event receiver refused a POST as too large (413): POSTs to it carry at most {cap} events until a restart \
+                 or reload; set [routes.events] batch to at most that"
+            );
+        }
     }
 
     /// Takes this round's events in one take: up to a batch, of the routes
@@ -138,7 +157,7 @@ impl Relay {
         let mut limited: Vec<(&Arc<Limit>, usize, Option<Permit>, bool)> = Vec::new();
         for op in ready {
             let Some(limit) = self.limits.get(*op) else { continue };
-            let batch = self.routes.get(*op).map_or(1, |e| e.batch).max(1);
+            let batch = self.routes.get(*op).map_or(1, |e| self.per_post(e));
             match limited.iter_mut().find(|(l, ..)| Arc::ptr_eq(l, limit)) {
                 Some((_, per_post, ..)) => *per_post = (*per_post).min(batch),
                 None => limited.push((limit, batch, None, true)),
@@ -239,7 +258,7 @@ impl Relay {
                     // At most one event per scope is deliverable at a time, so the
                     // deliveries can go out concurrently (and several events of
                     // different scopes share one) without reordering a scope.
-                    let deliveries = group(&self.routes, &events);
+                    let deliveries = group(&self.routes, &events, |dest| self.per_post(dest));
                     let outcomes = join_all(deliveries.iter().map(|d| self.deliver(d))).await;
                     // A round is recorded in four steps: the first attempts
                     // that failed (one statement for each POST's), the events
@@ -261,26 +280,29 @@ impl Relay {
                     let mut failing: Vec<(Uri, Option<Duration>)> = Vec::new();
                     let mut answering: Vec<Uri> = Vec::new();
                     let mut unsent = Vec::new();
-                    for (d, outcome) in deliveries.iter().zip(outcomes) {
-                        match outcome {
-                            Sent::Delivered => {
-                                delivered.extend(d.events.iter().copied());
-                                answering.push(d.dest.url.clone());
-                            }
-                            Sent::NoTurn => unsent.extend(d.events.iter().map(|e| e.seq)),
-                            Sent::Failed(why, wait) => {
-                                match failing.iter_mut().find(|(u, _)| *u == d.dest.url) {
-                                    Some((_, longest)) => *longest = (*longest).max(wait),
-                                    None => failing.push((d.dest.url.clone(), wait)),
+                    for (d, parts) in deliveries.iter().zip(outcomes) {
+                        for (part, outcome) in parts {
+                            let events = &d.events[part];
+                            match outcome {
+                                Sent::Delivered => {
+                                    delivered.extend(events.iter().copied());
+                                    answering.push(d.dest.url.clone());
                                 }
-                                failures.push((d, why, wait));
+                                Sent::NoTurn => unsent.extend(events.iter().map(|e| e.seq)),
+                                Sent::Failed(why, wait) => {
+                                    match failing.iter_mut().find(|(u, _)| *u == d.dest.url) {
+                                        Some((_, longest)) => *longest = (*longest).max(wait),
+                                        None => failing.push((d.dest.url.clone(), wait)),
+                                    }
+                                    failures.push((events, why, wait));
+                                }
                             }
                         }
                     }
                     drop(slots);
                     let mut retried = Vec::new();
-                    for (d, why, wait) in &failures {
-                        let (first, again): (Vec<&OutboxEvent>, Vec<&OutboxEvent>) = d.events.iter().partition(|e| e.attempts == 0);
+                    for (events, why, wait) in &failures {
+                        let (first, again): (Vec<&OutboxEvent>, Vec<&OutboxEvent>) = events.iter().partition(|e| e.attempts == 0);
                         self.first_attempts_failed(&first, why, token, *wait).await;
                         retried.extend(again.into_iter().map(|e| (e, why, *wait)));
                     }
@@ -321,37 +343,62 @@ impl Relay {
         tracing::debug!("outbox relay stopped");
     }
 
-    /// One delivery (one POST). It waits for one of its receiver's turns
-    /// first, at most half its timeout (so that a round ends within its
-    /// events' lease: the wait, then the POST's own timeout); a delivery
-    /// that gets none is not sent, and its events wait for a later round.
-    async fn deliver(&self, d: &Delivery<'_>) -> Sent {
+    /// One delivery: a POST of its events, and how each part of them went.
+    /// It waits for one of its receiver's turns first, at most half its
+    /// timeout (so that a round ends within its events' lease: the wait,
+    /// then the POST's own timeout); a delivery that gets none is not sent,
+    /// and its events wait for a later round. A POST of several events that
+    /// the receiver refuses as too large (413) is sent again as two halves,
+    /// in order and in the same turn, down to one event a POST: each part's
+    /// answer is its events' (a single event refused so is a failure). The
+    /// halves share the POST's `timeout`; parts not sent within it wait for
+    /// a later round, as without a turn.
+    async fn deliver(&self, d: &Delivery<'_>) -> Vec<(Range<usize>, Sent)> {
+        let whole = 0..d.events.len();
         let _turn = match self.receivers.get(&d.dest.url) {
             Some(turns) => match tokio::time::timeout(d.dest.timeout / 2, turns.clone().acquire_owned()).await {
                 Ok(Ok(turn)) => Some(turn),
-                Ok(Err(_)) | Err(_) => return Sent::NoTurn,
+                Ok(Err(_)) | Err(_) => return vec![(whole, Sent::NoTurn)],
             },
             None => None,
         };
-        match self.post(d).await {
-            Ok(()) => Sent::Delivered,
-            Err((why, wait)) => Sent::Failed(why, wait),
+        let deadline = tokio::time::Instant::now() + d.dest.timeout;
+        let mut outcomes = Vec::new();
+        // Parts still to send, the next one last.
+        let mut parts = vec![whole];
+        while let Some(part) = parts.pop() {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                outcomes.push((part, Sent::NoTurn));
+                continue;
+            }
+            match self.post(&d.dest, &d.events[part.clone()], left).await {
+                Ok(()) => outcomes.push((part, Sent::Delivered)),
+                Err(failure) if failure.too_large && part.len() > 1 => {
+                    self.refused_as_too_large(&d.dest, part.len());
+                    let middle = part.start + part.len().div_ceil(2);
+                    parts.push(middle..part.end);
+                    parts.push(part.start..middle);
+                }
+                Err(failure) => outcomes.push((part, Sent::Failed(failure.why, failure.wait))),
+            }
         }
+        outcomes
     }
 
-    /// The POST of a delivery: `Ok(())` on a 2xx, else why not, and how
-    /// long the receiver asked to be left alone (`Retry-After`).
-    async fn post(&self, d: &Delivery<'_>) -> Result<(), (String, Option<Duration>)> {
-        let dest = &d.dest;
-        let single = match d.events[..] {
-            [event] if dest.batch == 1 => Some(event),
+    /// One POST of `events` to `dest`, answered within `timeout`: `Ok(())`
+    /// on a 2xx, else why not.
+    async fn post(&self, dest: &EventsConfig, events: &[&OutboxEvent], timeout: Duration) -> Result<(), Refused> {
+        let refused = |why: String| Refused { why, wait: None, too_large: false };
+        let single = match events {
+            [event] if dest.batch == 1 => Some(*event),
             _ => None,
         };
         let body = match single {
             Some(event) => serde_json::to_vec(&payload(event, dest.include_key)),
-            None => serde_json::to_vec(&batch_payload(&d.events, dest.include_key)),
+            None => serde_json::to_vec(&batch_payload(events, dest.include_key)),
         }
-        .map_err(|e| (format!("could not write the event as JSON: {e}"), None))?;
+        .map_err(|e| refused(format!("could not write the event as JSON: {e}")))?;
         let mut req = Request::builder()
             .method(Method::POST)
             .uri(dest.url.clone())
@@ -359,7 +406,7 @@ impl Relay {
             .header(http::header::USER_AGENT, concat!("idemgate/", env!("CARGO_PKG_VERSION")));
         req = match single {
             Some(event) => req.header("idemgate-event-id", event.id.to_string()),
-            None => req.header("idemgate-event-count", d.events.len()),
+            None => req.header("idemgate-event-count", events.len()),
         };
         if let Some(secret) = &dest.secret {
             let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
@@ -368,12 +415,16 @@ impl Relay {
                 req = req.header("idemgate-signature", v);
             }
         }
-        let req = req.body(Body::full(body)).map_err(|e| (format!("invalid request: {e}"), None))?;
-        match tokio::time::timeout(dest.timeout, self.client.request(req)).await {
-            Err(_) => Err((format!("no answer within {}", humantime::format_duration(dest.timeout)), None)),
-            Ok(Err(e)) => Err((crate::upstream::error_chain(&e), None)),
+        let req = req.body(Body::full(body)).map_err(|e| refused(format!("invalid request: {e}")))?;
+        match tokio::time::timeout(timeout, self.client.request(req)).await {
+            Err(_) => Err(refused(format!("no answer within {}", humantime::format_duration(timeout)))),
+            Ok(Err(e)) => Err(refused(crate::upstream::error_chain(&e))),
             Ok(Ok(resp)) if resp.status().is_success() => Ok(()),
-            Ok(Ok(resp)) => Err((format!("answered {}", resp.status().as_u16()), retry_after(resp.headers(), SystemTime::now()))),
+            Ok(Ok(resp)) => Err(Refused {
+                why: format!("answered {}", resp.status().as_u16()),
+                wait: retry_after(resp.headers(), SystemTime::now()),
+                too_large: resp.status() == http::StatusCode::PAYLOAD_TOO_LARGE,
+            }),
         }
     }
 
@@ -487,6 +538,34 @@ impl Backoffs {
     }
 }
 
+/// Receivers that refused a POST as too large (413): the most events a POST
+/// to each carries from then on, until the relay is replaced (a restart or a
+/// reload).
+#[derive(Debug, Default)]
+struct Caps(Mutex<HashMap<Uri, usize>>);
+
+impl Caps {
+    /// The most events one POST to `dest` carries: its `batch`, or fewer
+    /// once its receiver refused a POST as too large.
+    fn per_post(&self, dest: &EventsConfig) -> usize {
+        let cap = self.0.lock().ok().and_then(|caps| caps.get(&dest.url).copied());
+        dest.batch.min(cap.unwrap_or(usize::MAX)).max(1)
+    }
+
+    /// `dest`'s receiver refused `n` events in one POST as too large: POSTs
+    /// there carry at most half as many (rounded up) from now on. Returns
+    /// the new cap when it is lower than before.
+    fn refused(&self, dest: &EventsConfig, n: usize) -> Option<usize> {
+        let cap = n.div_ceil(2).max(1);
+        let mut caps = self.0.lock().ok()?;
+        let now = caps.entry(dest.url.clone()).or_insert(usize::MAX);
+        (cap < *now).then(|| {
+            *now = cap;
+            cap
+        })
+    }
+}
+
 /// Whether two URLs name the same server (scheme, host and port).
 fn same_origin(a: &Uri, b: &Uri) -> bool {
     let port = |u: &Uri| {
@@ -511,6 +590,16 @@ enum Sent {
     Failed(String, Option<Duration>),
 }
 
+/// A POST not answered 2xx.
+#[derive(Debug)]
+struct Refused {
+    why: String,
+    /// How long the receiver asked to be left alone (`Retry-After`).
+    wait: Option<Duration>,
+    /// It answered 413: the body was too large for it.
+    too_large: bool,
+}
+
 /// One POST: events for one destination (one event, or up to its `batch`).
 struct Delivery<'a> {
     dest: Arc<EventsConfig>,
@@ -518,14 +607,19 @@ struct Delivery<'a> {
 }
 
 /// A round's events as deliveries: those whose routes share a destination
-/// ([`EventsConfig::same_destination`]) go together, up to its `batch` per
-/// POST, in the order taken. Events of a route that no longer emits are left
-/// to their lease.
-fn group<'a>(routes: &HashMap<Arc<str>, Arc<EventsConfig>>, events: &'a [OutboxEvent]) -> Vec<Delivery<'a>> {
+/// ([`EventsConfig::same_destination`]) go together, up to `per_post` of it
+/// (its `batch`, or fewer: [`Relay::per_post`]) per POST, in the order
+/// taken. Events of a route that no longer emits are left to their lease.
+fn group<'a>(
+    routes: &HashMap<Arc<str>, Arc<EventsConfig>>,
+    events: &'a [OutboxEvent],
+    per_post: impl Fn(&EventsConfig) -> usize,
+) -> Vec<Delivery<'a>> {
     let mut deliveries: Vec<Delivery<'a>> = Vec::new();
     for event in events {
         let Some(dest) = routes.get(&event.scope.operation) else { continue };
-        let open = deliveries.iter_mut().rev().find(|d| d.dest.same_destination(dest) && d.events.len() < dest.batch);
+        let most = per_post(dest);
+        let open = deliveries.iter_mut().rev().find(|d| d.dest.same_destination(dest) && d.events.len() < most);
         match open {
             Some(d) => d.events.push(event),
             None => deliveries.push(Delivery { dest: dest.clone(), events: vec![event] }),
@@ -620,7 +714,7 @@ mod tests {
     fn one_event_per_post_unless_the_route_batches() {
         let routes = HashMap::from([(Arc::from("a"), dest("http://h/a", 1))]);
         let events: Vec<OutboxEvent> = (1..=3).map(|s| event(s, "a")).collect();
-        assert_eq!(shape(&group(&routes, &events)), vec![vec![1], vec![2], vec![3]]);
+        assert_eq!(shape(&group(&routes, &events, |d| d.batch)), vec![vec![1], vec![2], vec![3]]);
     }
 
     #[test]
@@ -632,7 +726,25 @@ mod tests {
         ]);
         let events = vec![event(1, "a"), event(2, "c"), event(3, "b"), event(4, "a"), event(5, "c"), event(6, "gone")];
         // 6's route emits no more: left to its lease.
-        assert_eq!(shape(&group(&routes, &events)), vec![vec![1, 3], vec![2, 5], vec![4]]);
+        assert_eq!(shape(&group(&routes, &events, |d| d.batch)), vec![vec![1, 3], vec![2, 5], vec![4]]);
+    }
+
+    #[test]
+    fn a_receiver_that_refused_a_post_as_too_large_gets_fewer_events_a_post() {
+        let routes = HashMap::from([(Arc::from("a"), dest("http://h/a", 50))]);
+        let events: Vec<OutboxEvent> = (1..=5).map(|s| event(s, "a")).collect();
+        assert_eq!(shape(&group(&routes, &events, |d| d.batch)), vec![vec![1, 2, 3, 4, 5]]);
+        assert_eq!(shape(&group(&routes, &events, |_| 2)), vec![vec![1, 2], vec![3, 4], vec![5]]);
+        let caps = Caps::default();
+        let (hook, other) = (dest("http://h/a", 50), dest("http://h/b", 50));
+        assert_eq!(caps.per_post(&hook), 50);
+        assert_eq!(caps.refused(&hook, 5), Some(3), "half of the refused count, rounded up");
+        assert_eq!(caps.per_post(&hook), 3);
+        assert_eq!(caps.refused(&hook, 9), None, "a larger count refused lowers nothing");
+        assert_eq!(caps.refused(&hook, 2), Some(1));
+        assert_eq!(caps.refused(&hook, 1), None);
+        assert_eq!((caps.per_post(&hook), caps.per_post(&other)), (1, 50), "per receiver");
+        assert_eq!(shape(&group(&routes, &events, |d| caps.per_post(d))), vec![vec![1], vec![2], vec![3], vec![4], vec![5]]);
     }
 
     #[test]
@@ -648,7 +760,7 @@ mod tests {
             (Arc::from("d"), dest("http://h/hook", 4)),
         ]);
         let events = vec![event(1, "a"), event(2, "b"), event(3, "c"), event(4, "d"), event(5, "a")];
-        assert_eq!(shape(&group(&routes, &events)), vec![vec![1, 5], vec![2], vec![3], vec![4]]);
+        assert_eq!(shape(&group(&routes, &events, |d| d.batch)), vec![vec![1, 5], vec![2], vec![3], vec![4]]);
     }
 
     /// A receiver that keeps failing waits longer after each failing round,

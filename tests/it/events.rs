@@ -411,6 +411,122 @@ impl Gunicorn {
     }
 }
 
+/// A receiver at Express's defaults (`express.json()`: bodies up to 100 kB,
+/// 413 above) and batches larger than that: events with their 45 kB stored
+/// bodies, written while the receiver is not up yet, so that they go out
+/// together once it is. A POST refused as too large is sent again in halves
+/// down to what the receiver takes, and later POSTs carry no more than that
+/// (a second lot, written while the receiver is restarted, is never refused):
+/// every event arrives once and none is parked. Before, the relay sent the
+/// same refused batch again and again, and parked it after `max_attempts`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_refused_as_too_large_is_sent_again_in_halves() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let (backend, up) = (postgres_backend(), TestUpstream::start().await);
+    let cfg = GatewayConfig::new(backend.clone(), up.url()).route(&format!(
+        "events.url = \"http://127.0.0.1:{port}/hook\"\nevents.timeout = \"2s\"\nevents.batch = 20\n\
+         events.include_body = true\nevents.max_attempts = 1000"
+    ));
+    let gw = Gateway::start(cfg);
+    const N: usize = 10;
+    // Each lot's events are written while nothing listens: their first POSTs
+    // fail, and they wait together for the receiver.
+    let write = |lot: &'static str| {
+        let posts = (0..N).map(|i| {
+            let url = gw.url("/v1/orders");
+            async move { assert_eq!(post(&url, &format!("{lot}{i}"), ORDER, &[("x-test-body-bytes", "34000")]).await.status, 201) }
+        });
+        futures_util::future::join_all(posts)
+    };
+    write("first").await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let Some(receiver) = Express::start(port) else { return };
+    let (ids, answers) = receiver.all(N, &gw).await;
+    assert_eq!(ids.iter().collect::<std::collections::HashSet<_>>().len(), N, "{ids:?}");
+    assert_eq!(ids.len(), N, "each event once: {ids:?}");
+    let refused: Vec<&(u16, u64)> = answers.iter().filter(|(status, _)| *status == 413).collect();
+    assert!(!refused.is_empty(), "a batch above the receiver's 100 kB reached it: {answers:?}");
+    assert!(refused.iter().all(|(_, bytes)| *bytes > 100 * 1024), "{answers:?}");
+    assert!(gw.logs().contains("refused a POST as too large"), "{}", gw.logs());
+    drop(receiver);
+    write("second").await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let Some(receiver) = Express::start(port) else { return };
+    let (ids, answers) = receiver.all(N, &gw).await;
+    assert_eq!(ids.iter().collect::<std::collections::HashSet<_>>().len(), N, "{ids:?}");
+    assert!(answers.iter().all(|(status, _)| *status == 200), "POSTs carry what the receiver took before: {answers:?}");
+    let store = backend.open().await;
+    let stats = store.event_stats().await.unwrap();
+    assert_eq!((stats.pending, stats.parked), (0, 0), "{stats:?}");
+    assert_eq!(up.total(), 2 * N as u64);
+}
+
+/// `node receiver.js <port>` (tests/frameworks/express): an event receiver at
+/// Express's defaults; killed when dropped.
+struct Express {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl Drop for Express {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Express {
+    /// `None` when Express is missing and not required (scripts/test installs it).
+    fn start(port: u16) -> Option<Express> {
+        use std::process::{Command, Stdio};
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/frameworks/express");
+        let installed = Command::new("node")
+            .args(["-e", "require('express')"])
+            .current_dir(&dir)
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !installed {
+            assert!(!support::real_components_required(), "Express is not installed; scripts/test installs it");
+            eprintln!("Express is not installed: skipped (scripts/test installs it)");
+            return None;
+        }
+        let child = Command::new("node")
+            .args(["receiver.js", &port.to_string()])
+            .current_dir(dir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("node receiver.js");
+        let e = Express { child, port };
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(std::time::Instant::now() < deadline, "the Express receiver did not listen on {port}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Some(e)
+    }
+
+    /// [`Self::received`] once `n` events arrived (within a minute).
+    async fn all(&self, n: usize, gw: &Gateway) -> (Vec<String>, Vec<(u16, u64)>) {
+        let all = eventually(Duration::from_secs(60), || async { self.received().await.0.len() >= n }).await;
+        let (ids, answers) = self.received().await;
+        assert!(all, "{} of {n} events arrived; POSTs (status, bytes): {answers:?}\n{}", ids.len(), gw.logs());
+        (ids, answers)
+    }
+
+    /// The event ids it parsed, in order, and every POST's status and size.
+    async fn received(&self) -> (Vec<String>, Vec<(u16, u64)>) {
+        let r = send("GET", &format!("http://127.0.0.1:{}/received", self.port), &[], "").await.expect("GET /received");
+        let v: serde_json::Value = serde_json::from_slice(&r.body).expect("JSON");
+        let ids = v["ids"].as_array().expect("ids").iter().map(|i| i.as_str().unwrap_or_default().to_owned()).collect();
+        let posts =
+            v["posts"].as_array().expect("posts").iter().map(|p| (p[0].as_u64().unwrap_or(0) as u16, p[1].as_u64().unwrap_or(0))).collect();
+        (ids, posts)
+    }
+}
+
 /// Two replicas; a receiver that answers each POST after 400 ms and takes
 /// one at a time (`concurrency = 1`), and a fast one. A round waits for a
 /// turn of the slow receiver at most half its timeout, so it ends within
