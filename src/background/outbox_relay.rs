@@ -80,8 +80,6 @@ pub struct Relay {
     /// and port): deliveries there count against that upstream's
     /// concurrency limit, so events never add to its overload.
     limits: HashMap<Arc<str>, Arc<Limit>>,
-    /// Events taken per round: [`POSTS`] POSTs' worth, at most [`MOST`].
-    batch: u32,
     /// Receivers that refused a POST as too large.
     caps: Caps,
 }
@@ -103,8 +101,6 @@ impl Relay {
             })
             .collect();
         let client = side_client::build(Duration::from_secs(5));
-        let per_post = routes.values().map(|e| e.batch).min().unwrap_or(1).max(1);
-        let batch = u32::try_from(per_post).unwrap_or(u32::MAX).saturating_mul(POSTS).min(MOST);
         // A receiver that is one of the upstreams is paced by that upstream's
         // limit: a POST there holds one of its slots from the take on, and a
         // turn waited for beside it would hold the slot idle, away from the
@@ -115,7 +111,14 @@ impl Relay {
             *n = (*n).min(e.concurrency);
         }
         let receivers = concurrency.into_iter().map(|(url, n)| (url, Arc::new(Semaphore::new(n.max(1))))).collect();
-        Some(Relay { store, metrics, routes, client, backoff: Backoffs::default(), receivers, limits, batch, caps: Caps::default() })
+        Some(Relay { store, metrics, routes, client, backoff: Backoffs::default(), receivers, limits, caps: Caps::default() })
+    }
+
+    /// Events taken per round: [`POSTS`] POSTs' worth for the route whose
+    /// POSTs carry the fewest ([`Self::per_post`]), at most [`MOST`].
+    fn round(&self) -> u32 {
+        let per_post = self.routes.values().map(|e| self.per_post(e)).min().unwrap_or(1);
+        u32::try_from(per_post).unwrap_or(u32::MAX).saturating_mul(POSTS).min(MOST)
     }
 
     /// The most events one POST to `dest` carries ([`Caps::per_post`]).
@@ -123,9 +126,10 @@ impl Relay {
         self.caps.per_post(dest)
     }
 
-    /// `dest`'s receiver refused `n` events in one POST as too large.
-    fn refused_as_too_large(&self, dest: &EventsConfig, n: usize) {
-        if let Some(cap) = self.caps.refused(dest, n) {
+    /// `dest`'s receiver refused `n` events in one POST as too large, and
+    /// took `taken` at most in one of the parts sent after.
+    fn refused_as_too_large(&self, dest: &EventsConfig, n: usize, taken: usize) {
+        if let Some(cap) = self.caps.refused(dest, n, taken) {
             tracing::warn!(
                 url = %dest.url, refused = n, per_post = cap,
                 "the event receiver refused a POST as too large (413): POSTs to it carry at most {cap} events until a restart \
@@ -197,9 +201,9 @@ impl Relay {
                     (u64::from(limit.available()) + u64::from(turn.is_some())).saturating_mul(u64::try_from(*per_post).unwrap_or(u64::MAX))
                 })
                 .fold(0, u64::saturating_add);
-            u32::try_from(room).unwrap_or(u32::MAX).clamp(1, self.batch)
+            u32::try_from(room).unwrap_or(u32::MAX).clamp(1, self.round())
         } else {
-            self.batch
+            self.round()
         };
         let (taken, more) = self.store.take_events_more(&ops, want, lease, token).await?;
         // Events per upstream in the take's order, and room for them: one
@@ -253,7 +257,7 @@ impl Relay {
                     // Caught up: a small take that left nothing behind (on
                     // PostgreSQL a take that stopped in a lane's batch, or set
                     // events aside, e.g. a backed-off route's, did).
-                    let caught_up = !more && events.len() + later.len() < self.batch as usize / 2;
+                    let caught_up = !more && events.len() + later.len() < self.round() as usize / 2;
                     self.defer(later.iter().map(|e| e.seq).collect(), token).await;
                     // At most one event per scope is deliverable at a time, so the
                     // deliveries can go out concurrently (and several events of
@@ -351,8 +355,12 @@ impl Relay {
     /// the receiver refuses as too large (413) is sent again as two halves,
     /// in order and in the same turn, down to one event a POST: each part's
     /// answer is its events' (a single event refused so is a failure). The
-    /// halves share the POST's `timeout`; parts not sent within it wait for
-    /// a later round, as without a turn.
+    /// halves share the POST's `timeout`: a part is sent only while half of
+    /// it is left, and none after a part failed for another reason than its
+    /// size (the receiver may be down, or have asked for a wait); the parts not sent wait for a
+    /// later round, as without a turn, no attempt counted. Then the
+    /// receiver's POSTs carry at most as many events as the largest part it
+    /// took ([`Caps::refused`]).
     async fn deliver(&self, d: &Delivery<'_>) -> Vec<(Range<usize>, Sent)> {
         let whole = 0..d.events.len();
         let _turn = match self.receivers.get(&d.dest.url) {
@@ -366,22 +374,36 @@ impl Relay {
         let mut outcomes = Vec::new();
         // Parts still to send, the next one last.
         let mut parts = vec![whole];
+        // The first part refused as too large, and the largest one taken.
+        let (mut refused, mut taken) = (None, 0);
+        let mut stop = false;
         while let Some(part) = parts.pop() {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            if left.is_zero() {
+            if stop || (refused.is_some() && left < d.dest.timeout / 2) {
                 outcomes.push((part, Sent::NoTurn));
                 continue;
             }
             match self.post(&d.dest, &d.events[part.clone()], left).await {
-                Ok(()) => outcomes.push((part, Sent::Delivered)),
+                Ok(()) => {
+                    taken = taken.max(part.len());
+                    outcomes.push((part, Sent::Delivered));
+                }
                 Err(failure) if failure.too_large && part.len() > 1 => {
-                    self.refused_as_too_large(&d.dest, part.len());
+                    refused.get_or_insert(part.len());
                     let middle = part.start + part.len().div_ceil(2);
                     parts.push(middle..part.end);
                     parts.push(part.start..middle);
                 }
-                Err(failure) => outcomes.push((part, Sent::Failed(failure.why, failure.wait))),
+                Err(failure) => {
+                    // One event too large for the receiver says nothing of
+                    // the others.
+                    stop = !failure.too_large;
+                    outcomes.push((part, Sent::Failed(failure.why, failure.wait)));
+                }
             }
+        }
+        if let Some(refused) = refused {
+            self.refused_as_too_large(&d.dest, refused, taken);
         }
         outcomes
     }
@@ -552,11 +574,15 @@ impl Caps {
         dest.batch.min(cap.unwrap_or(usize::MAX)).max(1)
     }
 
-    /// `dest`'s receiver refused `n` events in one POST as too large: POSTs
-    /// there carry at most half as many (rounded up) from now on. Returns
-    /// the new cap when it is lower than before.
-    fn refused(&self, dest: &EventsConfig, n: usize) -> Option<usize> {
-        let cap = n.div_ceil(2).max(1);
+    /// `dest`'s receiver refused `n` events in one POST as too large, and
+    /// took at most `taken` in one of the parts sent after: POSTs there carry
+    /// at most `taken` events from now on, or, when it took no part of
+    /// several, half of `n` (rounded up). Not the smallest part refused: one
+    /// event too large for the receiver makes every part it is in refused,
+    /// down to two events, whatever the others. Returns the new cap when it
+    /// is lower than before.
+    fn refused(&self, dest: &EventsConfig, n: usize, taken: usize) -> Option<usize> {
+        let cap = if taken > 1 { taken } else { n.div_ceil(2) }.max(1);
         let mut caps = self.0.lock().ok()?;
         let now = caps.entry(dest.url.clone()).or_insert(usize::MAX);
         (cap < *now).then(|| {
@@ -738,11 +764,12 @@ mod tests {
         let caps = Caps::default();
         let (hook, other) = (dest("http://h/a", 50), dest("http://h/b", 50));
         assert_eq!(caps.per_post(&hook), 50);
-        assert_eq!(caps.refused(&hook, 5), Some(3), "half of the refused count, rounded up");
+        assert_eq!(caps.refused(&hook, 20, 10), Some(10), "the largest part taken");
+        assert_eq!(caps.refused(&hook, 5, 1), Some(3), "without a part of several taken: half the refused count, rounded up");
         assert_eq!(caps.per_post(&hook), 3);
-        assert_eq!(caps.refused(&hook, 9), None, "a larger count refused lowers nothing");
-        assert_eq!(caps.refused(&hook, 2), Some(1));
-        assert_eq!(caps.refused(&hook, 1), None);
+        assert_eq!(caps.refused(&hook, 9, 0), None, "a larger count refused lowers nothing");
+        assert_eq!(caps.refused(&hook, 2, 0), Some(1));
+        assert_eq!(caps.refused(&hook, 1, 0), None);
         assert_eq!((caps.per_post(&hook), caps.per_post(&other)), (1, 50), "per receiver");
         assert_eq!(shape(&group(&routes, &events, |d| caps.per_post(d))), vec![vec![1], vec![2], vec![3], vec![4], vec![5]]);
     }

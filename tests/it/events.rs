@@ -413,55 +413,66 @@ impl Gunicorn {
 
 /// A receiver at Express's defaults (`express.json()`: bodies up to 100 kB,
 /// 413 above) and batches larger than that: events with their 45 kB stored
-/// bodies, written while the receiver is not up yet, so that they go out
-/// together once it is. A POST refused as too large is sent again in halves
-/// down to what the receiver takes, and later POSTs carry no more than that
-/// (a second lot, written while the receiver is restarted, is never refused):
-/// every event arrives once and none is parked. Before, the relay sent the
-/// same refused batch again and again, and parked it after `max_attempts`.
+/// bodies (two fit in 100 kB, three do not), written while the receiver
+/// answers 503 with `Retry-After: 2`, so that they go out together once it
+/// is open. A POST refused as too large is sent again in halves down to what
+/// the receiver takes, and later POSTs carry no more than the largest part it
+/// took (a second lot is never refused): every event arrives once and none
+/// is parked. Before, the relay sent the same refused batch again and again,
+/// and parked it after `max_attempts`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_refused_as_too_large_is_sent_again_in_halves() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let Some(receiver) = Express::start() else { return };
     let (backend, up) = (postgres_backend(), TestUpstream::start().await);
     let cfg = GatewayConfig::new(backend.clone(), up.url()).route(&format!(
-        "events.url = \"http://127.0.0.1:{port}/hook\"\nevents.timeout = \"2s\"\nevents.batch = 20\n\
-         events.include_body = true\nevents.max_attempts = 1000"
+        "events.url = \"{}/hook\"\nevents.timeout = \"2s\"\nevents.batch = 20\n\
+         events.include_body = true\nevents.max_attempts = 1000",
+        receiver.url()
     ));
     let gw = Gateway::start(cfg);
     const N: usize = 10;
-    // Each lot's events are written while nothing listens: their first POSTs
-    // fail, and they wait together for the receiver.
-    let write = |lot: &'static str| {
-        let posts = (0..N).map(|i| {
-            let url = gw.url("/v1/orders");
-            async move { assert_eq!(post(&url, &format!("{lot}{i}"), ORDER, &[("x-test-body-bytes", "34000")]).await.status, 201) }
-        });
-        futures_util::future::join_all(posts)
+    // One lot: written while the receiver is closed (its first POST is
+    // refused with a wait that holds the rest back), then let in at once.
+    let lot = |name: &'static str| {
+        let (gw, receiver) = (&gw, &receiver);
+        async move {
+            receiver.switch("__close").await;
+            let before = receiver.received().await.1.len();
+            let posts = (0..N).map(|i| {
+                let url = gw.url("/v1/orders");
+                async move { assert_eq!(post(&url, &format!("{name}{i}"), ORDER, &[("x-test-body-bytes", "34000")]).await.status, 201) }
+            });
+            futures_util::future::join_all(posts).await;
+            let refused = eventually(Duration::from_secs(10), || async { receiver.received().await.1.len() > before }).await;
+            assert!(refused, "a POST reached the closed receiver: {}", gw.logs());
+            let opened = receiver.received().await.1.len();
+            receiver.switch("__open").await;
+            opened
+        }
     };
-    write("first").await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let Some(receiver) = Express::start(port) else { return };
+    let opened = lot("first").await;
     let (ids, answers) = receiver.all(N, &gw).await;
     assert_eq!(ids.iter().collect::<std::collections::HashSet<_>>().len(), N, "{ids:?}");
     assert_eq!(ids.len(), N, "each event once: {ids:?}");
-    let refused: Vec<&(u16, u64)> = answers.iter().filter(|(status, _)| *status == 413).collect();
+    let refused: Vec<&(u16, u64)> = answers[opened..].iter().filter(|(status, _)| *status == 413).collect();
     assert!(!refused.is_empty(), "a batch above the receiver's 100 kB reached it: {answers:?}");
     assert!(refused.iter().all(|(_, bytes)| *bytes > 100 * 1024), "{answers:?}");
     assert!(gw.logs().contains("refused a POST as too large"), "{}", gw.logs());
-    drop(receiver);
-    write("second").await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let Some(receiver) = Express::start(port) else { return };
-    let (ids, answers) = receiver.all(N, &gw).await;
-    assert_eq!(ids.iter().collect::<std::collections::HashSet<_>>().len(), N, "{ids:?}");
-    assert!(answers.iter().all(|(status, _)| *status == 200), "POSTs carry what the receiver took before: {answers:?}");
+    let opened = lot("second").await;
+    let (ids, answers) = receiver.all(2 * N, &gw).await;
+    assert_eq!(ids.iter().collect::<std::collections::HashSet<_>>().len(), 2 * N, "{ids:?}");
+    assert!(!answers[opened..].iter().any(|(status, _)| *status == 413), "POSTs carry what the receiver took before: {answers:?}");
     let store = backend.open().await;
-    let stats = store.event_stats().await.unwrap();
-    assert_eq!((stats.pending, stats.parked), (0, 0), "{stats:?}");
+    let settled = eventually(Duration::from_secs(10), || async {
+        let stats = store.event_stats().await.unwrap();
+        (stats.pending, stats.parked) == (0, 0)
+    })
+    .await;
+    assert!(settled, "{:?}", store.event_stats().await.unwrap());
     assert_eq!(up.total(), 2 * N as u64);
 }
 
-/// `node receiver.js <port>` (tests/frameworks/express): an event receiver at
+/// `node receiver.js` (tests/frameworks/express): an event receiver at
 /// Express's defaults; killed when dropped.
 struct Express {
     child: std::process::Child,
@@ -477,7 +488,8 @@ impl Drop for Express {
 
 impl Express {
     /// `None` when Express is missing and not required (scripts/test installs it).
-    fn start(port: u16) -> Option<Express> {
+    fn start() -> Option<Express> {
+        use std::io::BufRead;
         use std::process::{Command, Stdio};
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/frameworks/express");
         let installed = Command::new("node")
@@ -491,21 +503,29 @@ impl Express {
             eprintln!("Express is not installed: skipped (scripts/test installs it)");
             return None;
         }
-        let child = Command::new("node")
-            .args(["receiver.js", &port.to_string()])
+        let mut child = Command::new("node")
+            .arg("receiver.js")
             .current_dir(dir)
             .stdin(Stdio::null())
-            .stdout(Stdio::null())
+            .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
             .expect("node receiver.js");
-        let e = Express { child, port };
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(std::time::Instant::now() < deadline, "the Express receiver did not listen on {port}");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Some(e)
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("the receiver's first line");
+        let port = line.trim().strip_prefix("listening ").and_then(|p| p.parse().ok());
+        let port = port.unwrap_or_else(|| panic!("the Express receiver did not start: {line:?}"));
+        Some(Express { child, port })
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// `POST /__close` or `/__open`.
+    async fn switch(&self, to: &str) {
+        let r = send("POST", &format!("{}/{to}", self.url()), &[], "").await.expect("the receiver's switch");
+        assert_eq!(r.status, 200);
     }
 
     /// [`Self::received`] once `n` events arrived (within a minute).
@@ -518,7 +538,7 @@ impl Express {
 
     /// The event ids it parsed, in order, and every POST's status and size.
     async fn received(&self) -> (Vec<String>, Vec<(u16, u64)>) {
-        let r = send("GET", &format!("http://127.0.0.1:{}/received", self.port), &[], "").await.expect("GET /received");
+        let r = send("GET", &format!("{}/received", self.url()), &[], "").await.expect("GET /received");
         let v: serde_json::Value = serde_json::from_slice(&r.body).expect("JSON");
         let ids = v["ids"].as_array().expect("ids").iter().map(|i| i.as_str().unwrap_or_default().to_owned()).collect();
         let posts =
