@@ -358,17 +358,33 @@ async fn a_receiver_serving_one_request_at_a_time_gets_each_event_once() {
     assert_eq!(received.len(), N, "each event once, none sent again after a timeout: {}", gw.logs());
 }
 
+/// Whether `probe` (a command that loads the component) succeeds. A component
+/// that is missing fails the test where real components are required
+/// (scripts/test installs them); elsewhere the test says so and steps aside.
+fn installed(mut probe: std::process::Command, what: &str) -> bool {
+    use std::process::Stdio;
+    let ok = probe.stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success());
+    if !ok {
+        assert!(!support::real_components_required(), "{what} is not installed; scripts/test installs it");
+        eprintln!("{what} is not installed: skipped (scripts/test installs it)");
+    }
+    ok
+}
+
 /// `python3 -m gunicorn` serving tests/frameworks/gunicorn_receiver.py at its
 /// defaults; killed when dropped.
 struct Gunicorn {
-    child: std::process::Child,
+    _child: Killed,
     port: u16,
 }
 
-impl Drop for Gunicorn {
+/// A receiver's process, killed when dropped.
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }
 
@@ -376,10 +392,9 @@ impl Gunicorn {
     /// `None` when gunicorn is missing and not required (scripts/test installs it).
     fn start() -> Option<Gunicorn> {
         use std::process::{Command, Stdio};
-        let installed = Command::new("python3").args(["-c", "import gunicorn"]).stderr(Stdio::null()).status().is_ok_and(|s| s.success());
-        if !installed {
-            assert!(!support::real_components_required(), "gunicorn is not installed; scripts/test installs it");
-            eprintln!("gunicorn is not installed: skipped (scripts/test installs it)");
+        let mut probe = Command::new("python3");
+        probe.args(["-c", "import gunicorn"]);
+        if !installed(probe, "gunicorn") {
             return None;
         }
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
@@ -391,7 +406,7 @@ impl Gunicorn {
             .stderr(Stdio::null())
             .spawn()
             .expect("python3 -m gunicorn");
-        let g = Gunicorn { child, port };
+        let g = Gunicorn { _child: Killed(child), port };
         let deadline = std::time::Instant::now() + Duration::from_secs(20);
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
             assert!(std::time::Instant::now() < deadline, "gunicorn did not listen on {port}");
@@ -475,15 +490,8 @@ async fn a_batch_refused_as_too_large_is_sent_again_in_halves() {
 /// `node receiver.js` (tests/frameworks/express): an event receiver at
 /// Express's defaults; killed when dropped.
 struct Express {
-    child: std::process::Child,
+    _child: Killed,
     port: u16,
-}
-
-impl Drop for Express {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 impl Express {
@@ -492,15 +500,9 @@ impl Express {
         use std::io::BufRead;
         use std::process::{Command, Stdio};
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/frameworks/express");
-        let installed = Command::new("node")
-            .args(["-e", "require('express')"])
-            .current_dir(&dir)
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
-        if !installed {
-            assert!(!support::real_components_required(), "Express is not installed; scripts/test installs it");
-            eprintln!("Express is not installed: skipped (scripts/test installs it)");
+        let mut probe = Command::new("node");
+        probe.args(["-e", "require('express')"]).current_dir(&dir);
+        if !installed(probe, "Express") {
             return None;
         }
         let mut child = Command::new("node")
@@ -515,7 +517,7 @@ impl Express {
         std::io::BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("the receiver's first line");
         let port = line.trim().strip_prefix("listening ").and_then(|p| p.parse().ok());
         let port = port.unwrap_or_else(|| panic!("the Express receiver did not start: {line:?}"));
-        Some(Express { child, port })
+        Some(Express { _child: Killed(child), port })
     }
 
     fn url(&self) -> String {
