@@ -487,6 +487,114 @@ async fn a_batch_refused_as_too_large_is_sent_again_in_halves() {
     assert_eq!(up.total(), 2 * N as u64);
 }
 
+/// A receiver behind nginx at its defaults (`client_max_body_size 1m`,
+/// refused with 413 before the body reaches the receiver): events with
+/// 300 kB stored bodies (400 kB in base64: two fit in 1 MB, three do not)
+/// written while the receiver answers 503 with `Retry-After: 2`. nginx's 413
+/// reaches the relay as an answer (not a reset while the body is still being
+/// written), the batch goes again in halves, and every event arrives once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_too_large_for_nginx_in_front_of_the_receiver_is_sent_again_in_halves() {
+    let hook = Webhook::start().await;
+    let Some(nginx) = Nginx::start(hook.addr.port()) else { return };
+    let (backend, up) = (postgres_backend(), TestUpstream::start().await);
+    let cfg = GatewayConfig::new(backend.clone(), up.url()).route(&format!(
+        "events.url = \"http://127.0.0.1:{}/hook\"\nevents.timeout = \"3s\"\nevents.batch = 20\n\
+         events.include_body = true\nevents.max_attempts = 1000",
+        nginx.port
+    ));
+    let gw = Gateway::start(cfg);
+    const N: usize = 6;
+    hook.answer(503);
+    hook.retry_after(Some("2"));
+    let posts = (0..N).map(|i| {
+        let url = gw.url("/v1/orders");
+        async move { assert_eq!(post(&url, &format!("n{i}"), ORDER, &[("x-test-body-bytes", "300000")]).await.status, 201) }
+    });
+    futures_util::future::join_all(posts).await;
+    let refused = eventually(Duration::from_secs(10), || async { !hook.deliveries().is_empty() }).await;
+    assert!(refused, "a POST reached the receiver: {}", gw.logs());
+    hook.answer(200);
+    let store = backend.open().await;
+    let settled = eventually(Duration::from_secs(60), || async {
+        let stats = store.event_stats().await.unwrap();
+        (stats.pending, stats.parked) == (0, 0)
+    })
+    .await;
+    assert!(settled, "{:?}\n{}", store.event_stats().await.unwrap(), gw.logs());
+    assert!(gw.logs().contains("refused a POST as too large"), "nginx answered 413 to a batch: {}", gw.logs());
+    let mut delivered: Vec<String> = Vec::new();
+    for d in hook.deliveries() {
+        delivered.extend(d.events().iter().map(|e| e["id"].as_str().unwrap_or_default().to_owned()));
+    }
+    assert!(hook.deliveries().iter().all(|d| d.body.len() <= 1024 * 1024), "nothing above nginx's limit got through");
+    let distinct: std::collections::HashSet<&String> = delivered.iter().collect();
+    assert_eq!(distinct.len(), N, "{delivered:?}");
+    assert_eq!(up.total(), N as u64);
+}
+
+/// nginx at its defaults, proxying to a local port (its own configuration:
+/// paths in a temporary directory, nothing else set); stopped when dropped
+/// (`nginx -s stop`: its workers outlive a killed master).
+struct Nginx {
+    child: std::process::Child,
+    program: &'static str,
+    port: u16,
+    dir: tempfile::TempDir,
+}
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        let d = self.dir.path().display().to_string();
+        let stopped = std::process::Command::new(self.program)
+            .args(["-p", &d, "-c", &format!("{d}/nginx.conf"), "-s", "stop"])
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !stopped {
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
+    }
+}
+
+impl Nginx {
+    /// `None` when nginx is missing and not required (scripts/test installs it).
+    fn start(to: u16) -> Option<Nginx> {
+        use std::process::{Command, Stdio};
+        let program = if std::path::Path::new("/usr/sbin/nginx").exists() { "/usr/sbin/nginx" } else { "nginx" };
+        let mut probe = Command::new(program);
+        probe.arg("-v");
+        if !installed(probe, "nginx") {
+            return None;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let d = dir.path().display();
+        let conf = format!(
+            "daemon off;\nworker_processes 1;\npid {d}/nginx.pid;\nerror_log {d}/error.log;\nevents {{}}\n\
+             http {{\n  access_log off;\n  client_body_temp_path {d}/body;\n  proxy_temp_path {d}/proxy;\n  fastcgi_temp_path {d}/fastcgi;\n\
+               uwsgi_temp_path {d}/uwsgi;\n  scgi_temp_path {d}/scgi;\n\
+               server {{\n    listen 127.0.0.1:{port};\n    location / {{ proxy_pass http://127.0.0.1:{to}; }}\n  }}\n}}\n"
+        );
+        std::fs::write(dir.path().join("nginx.conf"), conf).unwrap();
+        let child = Command::new(program)
+            .args(["-p", &d.to_string(), "-c", &format!("{d}/nginx.conf")])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("nginx");
+        let n = Nginx { child, program, port, dir };
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(std::time::Instant::now() < deadline, "nginx did not listen on {port}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Some(n)
+    }
+}
+
 /// `node receiver.js` (tests/frameworks/express): an event receiver at
 /// Express's defaults; killed when dropped.
 struct Express {
