@@ -358,19 +358,6 @@ async fn a_receiver_serving_one_request_at_a_time_gets_each_event_once() {
     assert_eq!(received.len(), N, "each event once, none sent again after a timeout: {}", gw.logs());
 }
 
-/// Whether `probe` (a command that loads the component) succeeds. A component
-/// that is missing fails the test where real components are required
-/// (scripts/test installs them); elsewhere the test says so and steps aside.
-fn installed(mut probe: std::process::Command, what: &str) -> bool {
-    use std::process::Stdio;
-    let ok = probe.stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success());
-    if !ok {
-        assert!(!support::real_components_required(), "{what} is not installed; scripts/test installs it");
-        eprintln!("{what} is not installed: skipped (scripts/test installs it)");
-    }
-    ok
-}
-
 /// `python3 -m gunicorn` serving tests/frameworks/gunicorn_receiver.py at its
 /// defaults; killed when dropped.
 struct Gunicorn {
@@ -394,7 +381,7 @@ impl Gunicorn {
         use std::process::{Command, Stdio};
         let mut probe = Command::new("python3");
         probe.args(["-c", "import gunicorn"]);
-        if !installed(probe, "gunicorn") {
+        if !support::installed(probe, "gunicorn") {
             return None;
         }
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
@@ -496,7 +483,7 @@ async fn a_batch_refused_as_too_large_is_sent_again_in_halves() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_too_large_for_nginx_in_front_of_the_receiver_is_sent_again_in_halves() {
     let hook = Webhook::start().await;
-    let Some(nginx) = Nginx::start(hook.addr.port()) else { return };
+    let Some(nginx) = support::nginx::Nginx::start(hook.addr.port()) else { return };
     let (backend, up) = (postgres_backend(), TestUpstream::start().await);
     let cfg = GatewayConfig::new(backend.clone(), up.url()).route(&format!(
         "events.url = \"http://127.0.0.1:{}/hook\"\nevents.timeout = \"3s\"\nevents.batch = 20\n\
@@ -533,68 +520,6 @@ async fn a_batch_too_large_for_nginx_in_front_of_the_receiver_is_sent_again_in_h
     assert_eq!(up.total(), N as u64);
 }
 
-/// nginx at its defaults, proxying to a local port (its own configuration:
-/// paths in a temporary directory, nothing else set); stopped when dropped
-/// (`nginx -s stop`: its workers outlive a killed master).
-struct Nginx {
-    child: std::process::Child,
-    program: &'static str,
-    port: u16,
-    dir: tempfile::TempDir,
-}
-
-impl Drop for Nginx {
-    fn drop(&mut self) {
-        let d = self.dir.path().display().to_string();
-        let stopped = std::process::Command::new(self.program)
-            .args(["-p", &d, "-c", &format!("{d}/nginx.conf"), "-s", "stop"])
-            .stderr(std::process::Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
-        if !stopped {
-            let _ = self.child.kill();
-        }
-        let _ = self.child.wait();
-    }
-}
-
-impl Nginx {
-    /// `None` when nginx is missing and not required (scripts/test installs it).
-    fn start(to: u16) -> Option<Nginx> {
-        use std::process::{Command, Stdio};
-        let program = if std::path::Path::new("/usr/sbin/nginx").exists() { "/usr/sbin/nginx" } else { "nginx" };
-        let mut probe = Command::new(program);
-        probe.arg("-v");
-        if !installed(probe, "nginx") {
-            return None;
-        }
-        let dir = tempfile::tempdir().unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let d = dir.path().display();
-        let conf = format!(
-            "daemon off;\nworker_processes 1;\npid {d}/nginx.pid;\nerror_log {d}/error.log;\nevents {{}}\n\
-             http {{\n  access_log off;\n  client_body_temp_path {d}/body;\n  proxy_temp_path {d}/proxy;\n  fastcgi_temp_path {d}/fastcgi;\n\
-               uwsgi_temp_path {d}/uwsgi;\n  scgi_temp_path {d}/scgi;\n\
-               server {{\n    listen 127.0.0.1:{port};\n    location / {{ proxy_pass http://127.0.0.1:{to}; }}\n  }}\n}}\n"
-        );
-        std::fs::write(dir.path().join("nginx.conf"), conf).unwrap();
-        let child = Command::new(program)
-            .args(["-p", &d.to_string(), "-c", &format!("{d}/nginx.conf")])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("nginx");
-        let n = Nginx { child, program, port, dir };
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(std::time::Instant::now() < deadline, "nginx did not listen on {port}");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Some(n)
-    }
-}
-
 /// `node receiver.js` (tests/frameworks/express): an event receiver at
 /// Express's defaults; killed when dropped.
 struct Express {
@@ -610,7 +535,7 @@ impl Express {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/frameworks/express");
         let mut probe = Command::new("node");
         probe.args(["-e", "require('express')"]).current_dir(&dir);
-        if !installed(probe, "Express") {
+        if !support::installed(probe, "Express") {
             return None;
         }
         let mut child = Command::new("node")

@@ -1021,3 +1021,61 @@ async fn a_transfer_coding_besides_chunked_is_refused_on_a_pass_through_path() {
     let passed = up.requests();
     assert_eq!((passed[0].path.as_str(), &passed[0].body[..]), ("/v1/elsewhere", &b"hello"[..]));
 }
+
+/// idemgate behind nginx at its defaults, as a first deployment puts it:
+/// nginx talks HTTP/1.0 to it (`proxy_http_version 1.0`, `Connection:
+/// close`), sets `Host` to the address it proxies to, and closes its
+/// connection to idemgate when its client goes away (`proxy_ignore_client_abort
+/// off`). Through it: a first write and its replay, a changed request (409),
+/// a duplicate of one in flight (409 with `Retry-After`), and a client that
+/// leaves mid-request, whose record still completes and whose retry replays.
+/// Each key's side effect happens once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_nginx_at_its_defaults_every_answer_and_record_is_kept() {
+    use tokio::io::AsyncWriteExt;
+    let (up, gw, store) = setup(postgres_backend(), |c| c).await;
+    let Some(nginx) = support::nginx::Nginx::start(gw.addr.port()) else { return };
+    let url = format!("http://127.0.0.1:{}/v1/orders", nginx.port);
+    let first = post(&url, "n1", ORDER, &[]).await;
+    assert_eq!(first.status, 201, "{}", gw.logs());
+    let again = post(&url, "n1", ORDER, &[]).await;
+    assert_eq!((again.status, again.replayed()), (201, true));
+    assert_eq!(again.body, first.body);
+    let changed = post(&url, "n1", r#"{"item":"book","qty":2}"#, &[]).await;
+    assert_eq!(changed.status, 409);
+    assert_eq!(changed.header("content-type"), Some("application/problem+json"));
+    assert_eq!(up.side_effects(&derived("n1")), 1);
+
+    let slow = tokio::spawn({
+        let url = url.clone();
+        async move { post(&url, "n2", ORDER, &[("x-test-sleep-ms", "1500")]).await }
+    });
+    let in_flight = eventually(Duration::from_secs(5), || async { up.total() >= 2 }).await;
+    assert!(in_flight, "{}", gw.logs());
+    let duplicate = post(&url, "n2", ORDER, &[]).await;
+    assert_eq!(duplicate.status, 409);
+    assert!(duplicate.header("retry-after").is_some(), "Retry-After passes through nginx");
+    assert_eq!(slow.await.unwrap().status, 201);
+    assert_eq!(up.side_effects(&derived("n2")), 1);
+
+    let mut received = up.subscribe();
+    let mut sock = tokio::net::TcpStream::connect(("127.0.0.1", nginx.port)).await.unwrap();
+    let req = format!(
+        "POST /v1/orders HTTP/1.1\r\nhost: x\r\nauthorization: Bearer test-key\r\nidempotency-key: n3\r\n\
+         content-type: application/json\r\nx-test-sleep-ms: 600\r\ncontent-length: {}\r\n\r\n{ORDER}",
+        ORDER.len()
+    );
+    sock.write_all(req.as_bytes()).await.unwrap();
+    received.recv().await.unwrap();
+    drop(sock); // nginx closes its connection to idemgate too
+    let done = eventually(Duration::from_secs(5), || {
+        let store = store.clone();
+        async move { settled_record(&store, "n3").await.is_some_and(|r| r.state == State::Completed) }
+    })
+    .await;
+    assert!(done, "the record completed after the client and nginx left: {}", gw.logs());
+    let retry = post(&url, "n3", ORDER, &[]).await;
+    assert_eq!((retry.status, retry.replayed()), (201, true));
+    assert_eq!(up.side_effects(&derived("n3")), 1);
+    assert_eq!(up.total(), 3);
+}

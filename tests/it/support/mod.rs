@@ -74,6 +74,7 @@ pub mod client;
 pub mod faultproxy;
 pub mod gateway;
 pub mod jwt;
+pub mod nginx;
 pub mod overloaded;
 pub mod pgbouncer;
 pub mod postgres;
@@ -95,7 +96,6 @@ pub use client::{Resp, post, send, try_post};
 pub use gateway::{Backend, Gateway, GatewayConfig, PRINCIPAL, TENANT, TEST_SECRET};
 pub use upstream::TestUpstream;
 
-/// A fresh database on this test binary's private PostgreSQL cluster.
 /// Whether a missing real component (a framework, gunicorn) fails its test
 /// instead of skipping it: `IDEMGATE_TEST_FRAMEWORKS=required`, or in CI
 /// (`CI` set), where scripts/test has installed them.
@@ -104,6 +104,20 @@ pub fn real_components_required() -> bool {
         || std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "false")
 }
 
+/// Whether `probe` (a command that loads the component) succeeds. A component
+/// that is missing fails the test where real components are required
+/// (scripts/test installs them); elsewhere the test says so and steps aside.
+pub fn installed(mut probe: std::process::Command, what: &str) -> bool {
+    use std::process::Stdio;
+    let ok = probe.stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success());
+    if !ok {
+        assert!(!real_components_required(), "{what} is not installed; scripts/test installs it");
+        eprintln!("{what} is not installed: skipped (scripts/test installs it)");
+    }
+    ok
+}
+
+/// A fresh database on this test binary's private PostgreSQL cluster.
 pub fn postgres_backend() -> Backend {
     static N: AtomicU64 = AtomicU64::new(0);
     let name = format!("t{}_{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst));
