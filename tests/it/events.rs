@@ -24,6 +24,7 @@ on_both_stores!(
     batched_deliveries_carry_several_events_in_order_per_scope,
     a_failing_receiver_does_not_make_another_receivers_events_go_twice,
     a_receiver_that_asks_to_wait_is_left_alone_that_long,
+    a_batch_refused_as_too_large_is_sent_again_in_halves,
 );
 
 const ORDER: &str = r#"{"item":"book","qty":1}"#;
@@ -422,10 +423,9 @@ impl Gunicorn {
 /// took (a second lot is never refused): every event arrives once and none
 /// is parked. Before, the relay sent the same refused batch again and again,
 /// and parked it after `max_attempts`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_batch_refused_as_too_large_is_sent_again_in_halves() {
+async fn a_batch_refused_as_too_large_is_sent_again_in_halves(backend: Backend) {
     let Some(receiver) = Express::start() else { return };
-    let (backend, up) = (postgres_backend(), TestUpstream::start().await);
+    let up = TestUpstream::start().await;
     let cfg = GatewayConfig::new(backend.clone(), up.url()).route(&format!(
         "events.url = \"{}/hook\"\nevents.timeout = \"2s\"\nevents.batch = 20\n\
          events.include_body = true\nevents.max_attempts = 1000",
