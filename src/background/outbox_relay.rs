@@ -51,6 +51,24 @@ const RETRY: Backoff = Backoff::new(Duration::from_millis(200), Duration::from_s
 /// one (a date far ahead, a mistyped number) is cut to it.
 const RETRY_AFTER_MOST: Duration = Duration::from_secs(15 * 60);
 
+/// The most of a redirect's `Location` a delivery's error quotes.
+const LOCATION_MOST: usize = 200;
+
+/// Why a receiver's answer other than 2xx failed a delivery: its status,
+/// and for a redirect where it points (redirects are not followed: a
+/// framework that redirects `/hook` to `/hook/`, or http to https, would
+/// otherwise fail every delivery with a bare "answered 308").
+fn answered(status: http::StatusCode, headers: &http::HeaderMap) -> String {
+    let location = headers.get(http::header::LOCATION).and_then(|v| v.to_str().ok()).filter(|_| status.is_redirection());
+    match location {
+        Some(to) => {
+            let to: String = to.chars().take(LOCATION_MOST).collect();
+            format!("answered {}, a redirect to {to} (not followed: set [routes.events] url to where it points)", status.as_u16())
+        }
+        None => format!("answered {}", status.as_u16()),
+    }
+}
+
 /// How long a receiver's answer asks to be left alone (`Retry-After`,
 /// RFC 9110: seconds, or an HTTP date, from `now`), at most
 /// [`RETRY_AFTER_MOST`]; `None` without one, or with one not understood.
@@ -443,7 +461,7 @@ impl Relay {
             Ok(Err(e)) => Err(refused(crate::upstream::error_chain(&e))),
             Ok(Ok(resp)) if resp.status().is_success() => Ok(()),
             Ok(Ok(resp)) => Err(Refused {
-                why: format!("answered {}", resp.status().as_u16()),
+                why: answered(resp.status(), resp.headers()),
                 wait: retry_after(resp.headers(), SystemTime::now()),
                 too_large: resp.status() == http::StatusCode::PAYLOAD_TOO_LARGE,
             }),
@@ -725,6 +743,21 @@ mod tests {
 
     fn shape(deliveries: &[Delivery<'_>]) -> Vec<Vec<i64>> {
         deliveries.iter().map(|d| d.events.iter().map(|e| e.seq).collect()).collect()
+    }
+
+    #[test]
+    fn a_redirect_says_where_it_points() {
+        let mut h = http::HeaderMap::new();
+        assert_eq!(answered(http::StatusCode::BAD_GATEWAY, &h), "answered 502");
+        h.insert(http::header::LOCATION, HeaderValue::from_static("http://h/hook/"));
+        assert_eq!(answered(http::StatusCode::INTERNAL_SERVER_ERROR, &h), "answered 500", "only a redirect's Location counts");
+        assert_eq!(
+            answered(http::StatusCode::PERMANENT_REDIRECT, &h),
+            "answered 308, a redirect to http://h/hook/ (not followed: set [routes.events] url to where it points)"
+        );
+        let long = format!("http://h/{}", "a".repeat(500));
+        h.insert(http::header::LOCATION, HeaderValue::from_str(&long).unwrap());
+        assert!(answered(http::StatusCode::FOUND, &h).len() < LOCATION_MOST + 100);
     }
 
     #[test]

@@ -25,6 +25,7 @@ on_both_stores!(
     a_failing_receiver_does_not_make_another_receivers_events_go_twice,
     a_receiver_that_asks_to_wait_is_left_alone_that_long,
     a_batch_refused_as_too_large_is_sent_again_in_halves,
+    a_redirecting_receiver_is_named_in_the_events_error,
 );
 
 const ORDER: &str = r#"{"item":"book","qty":1}"#;
@@ -414,6 +415,38 @@ impl Gunicorn {
     }
 }
 
+/// A receiver on Flask as its documentation writes a route (`/hook/`, with a
+/// trailing slash) and a `url` without it: Flask answers 308 to `/hook/`.
+/// Redirects are not followed (an event is not sent where the configuration
+/// did not say), and the parked event's error says where the redirect
+/// points. Before, it said only "answered 308".
+async fn a_redirecting_receiver_is_named_in_the_events_error(backend: Backend) {
+    use std::process::Command;
+    let mut probe = Command::new("python3");
+    probe.args(["-c", "import flask"]);
+    if !support::installed(probe, "Flask") {
+        return;
+    }
+    let mut receiver = Command::new("python3");
+    receiver.arg("flask_receiver.py").current_dir(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/frameworks"));
+    let (_receiver, port) = listening(receiver);
+    let up = TestUpstream::start().await;
+    let hook = format!("http://127.0.0.1:{port}/hook");
+    let cfg = GatewayConfig::new(backend.clone(), up.url()).route(&format!("events.url = \"{hook}\"\nevents.max_attempts = 1"));
+    let gw = Gateway::start(cfg);
+    let store = backend.open().await;
+    assert_eq!(post(&gw.url("/v1/orders"), "r", ORDER, &[]).await.status, 201);
+    let parked = eventually(Duration::from_secs(15), || async { store.event_stats().await.unwrap().parked == 1 }).await;
+    assert!(parked, "{}", gw.logs());
+    let (code, out, err) = cli(&gw, &["events", "list", "--parked", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let list: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let error = list[0]["last_error"].as_str().unwrap_or_default();
+    assert!(error.starts_with("answered 308, a redirect to ") && error.contains(&format!("{hook}/")), "{error}");
+    let received = send("GET", &format!("http://127.0.0.1:{port}/received"), &[], "").await.unwrap();
+    assert_eq!(received.json(), serde_json::json!([]), "the redirect was not followed");
+}
+
 /// A receiver at Express's defaults (`express.json()`: bodies up to 100 kB,
 /// 413 above) and batches larger than that: events with their 45 kB stored
 /// bodies (two fit in 100 kB, three do not), written while the receiver
@@ -527,30 +560,33 @@ struct Express {
     port: u16,
 }
 
+/// Starts a receiver that prints "listening <port>" once it serves: the
+/// process and its port.
+fn listening(mut command: std::process::Command) -> (Killed, u16) {
+    use std::io::BufRead;
+    use std::process::Stdio;
+    let mut child = command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().expect("start the receiver");
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("the receiver's first line");
+    let port = line.trim().strip_prefix("listening ").and_then(|p| p.parse().ok());
+    let port = port.unwrap_or_else(|| panic!("the receiver {command:?} did not start: {line:?}"));
+    (Killed(child), port)
+}
+
 impl Express {
     /// `None` when Express is missing and not required (scripts/test installs it).
     fn start() -> Option<Express> {
-        use std::io::BufRead;
-        use std::process::{Command, Stdio};
+        use std::process::Command;
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/frameworks/express");
         let mut probe = Command::new("node");
         probe.args(["-e", "require('express')"]).current_dir(&dir);
         if !support::installed(probe, "Express") {
             return None;
         }
-        let mut child = Command::new("node")
-            .arg("receiver.js")
-            .current_dir(dir)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("node receiver.js");
-        let mut line = String::new();
-        std::io::BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("the receiver's first line");
-        let port = line.trim().strip_prefix("listening ").and_then(|p| p.parse().ok());
-        let port = port.unwrap_or_else(|| panic!("the Express receiver did not start: {line:?}"));
-        Some(Express { _child: Killed(child), port })
+        let mut receiver = Command::new("node");
+        receiver.arg("receiver.js").current_dir(dir);
+        let (child, port) = listening(receiver);
+        Some(Express { _child: child, port })
     }
 
     fn url(&self) -> String {
