@@ -311,6 +311,11 @@ impl Relay {
                                     answering.push(d.dest.url.clone());
                                 }
                                 Sent::NoTurn => unsent.extend(events.iter().map(|e| e.seq)),
+                                // The receiver answers; this event is too large for it.
+                                Sent::TooLarge(why) => {
+                                    answering.push(d.dest.url.clone());
+                                    failures.push((events, why, None));
+                                }
                                 Sent::Failed(why, wait) => {
                                     match failing.iter_mut().find(|(u, _)| *u == d.dest.url) {
                                         Some((_, longest)) => *longest = (*longest).max(wait),
@@ -377,8 +382,9 @@ impl Relay {
     /// it is left, and none after a part failed for another reason than its
     /// size (the receiver may be down, or have asked for a wait); the parts not sent wait for a
     /// later round, as without a turn, no attempt counted. Then the
-    /// receiver's POSTs carry at most as many events as the largest part it
-    /// took ([`Caps::refused`]).
+    /// receiver's POSTs carry fewer events ([`Caps::refused`]), unless each
+    /// refused part held an event refused alone (one event too large for the
+    /// receiver says nothing of how many others it takes).
     async fn deliver(&self, d: &Delivery<'_>) -> Vec<(Range<usize>, Sent)> {
         let whole = 0..d.events.len();
         let _turn = match self.receivers.get(&d.dest.url) {
@@ -392,12 +398,13 @@ impl Relay {
         let mut outcomes = Vec::new();
         // Parts still to send, the next one last.
         let mut parts = vec![whole];
-        // The first part refused as too large, and the largest one taken.
-        let (mut refused, mut taken) = (None, 0);
+        // The parts of several events refused as too large, the events
+        // refused alone, and the largest part taken.
+        let (mut refused, mut alone, mut taken) = (Vec::new(), Vec::new(), 0);
         let mut stop = false;
         while let Some(part) = parts.pop() {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            if stop || (refused.is_some() && left < d.dest.timeout / 2) {
+            if stop || (!refused.is_empty() && left < d.dest.timeout / 2) {
                 outcomes.push((part, Sent::NoTurn));
                 continue;
             }
@@ -407,20 +414,26 @@ impl Relay {
                     outcomes.push((part, Sent::Delivered));
                 }
                 Err(failure) if failure.too_large && part.len() > 1 => {
-                    refused.get_or_insert(part.len());
+                    refused.push(part.clone());
                     let middle = part.start + part.len().div_ceil(2);
                     parts.push(middle..part.end);
                     parts.push(part.start..middle);
                 }
-                Err(failure) => {
+                Err(failure) if failure.too_large => {
                     // One event too large for the receiver says nothing of
-                    // the others.
-                    stop = !failure.too_large;
+                    // the others, nor of the receiver.
+                    alone.push(part.start);
+                    outcomes.push((part, Sent::TooLarge(failure.why)));
+                }
+                Err(failure) => {
+                    stop = true;
                     outcomes.push((part, Sent::Failed(failure.why, failure.wait)));
                 }
             }
         }
-        if let Some(refused) = refused {
+        // The smallest part refused for its count, not for one of its events.
+        let counted = refused.iter().filter(|part| !alone.iter().any(|i| part.contains(i))).map(|part| part.len()).min();
+        if let Some(refused) = counted {
             self.refused_as_too_large(&d.dest, refused, taken);
         }
         outcomes
@@ -457,7 +470,10 @@ impl Relay {
         }
         let req = req.body(Body::full(body)).map_err(|e| refused(format!("invalid request: {e}")))?;
         match tokio::time::timeout(timeout, self.client.request(req)).await {
-            Err(_) => Err(refused(format!("no answer within {}", humantime::format_duration(timeout)))),
+            Err(_) => Err(refused(format!(
+                "no answer within {}",
+                humantime::format_duration(Duration::from_millis(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX)))
+            ))),
             Ok(Err(e)) => Err(refused(crate::upstream::error_chain(&e))),
             Ok(Ok(resp)) if resp.status().is_success() => Ok(()),
             Ok(Ok(resp)) => Err(Refused {
@@ -592,15 +608,13 @@ impl Caps {
         dest.batch.min(cap.unwrap_or(usize::MAX)).max(1)
     }
 
-    /// `dest`'s receiver refused `n` events in one POST as too large, and
-    /// took at most `taken` in one of the parts sent after: POSTs there carry
-    /// at most `taken` events from now on, or, when it took no part of
-    /// several, half of `n` (rounded up). Not the smallest part refused: one
-    /// event too large for the receiver makes every part it is in refused,
-    /// down to two events, whatever the others. Returns the new cap when it
-    /// is lower than before.
+    /// `dest`'s receiver refused `n` events in one POST as too large (the
+    /// smallest such part of a delivery), and took at most `taken` in one of
+    /// its parts: POSTs there carry at most `taken` events from now on (fewer
+    /// than `n`), or, when it took no part of several, half of `n` (rounded
+    /// up). Returns the new cap when it is lower than before.
     fn refused(&self, dest: &EventsConfig, n: usize, taken: usize) -> Option<usize> {
-        let cap = if taken > 1 { taken } else { n.div_ceil(2) }.max(1);
+        let cap = if taken > 1 { taken.min(n.saturating_sub(1)) } else { n.div_ceil(2) }.max(1);
         let mut caps = self.0.lock().ok()?;
         let now = caps.entry(dest.url.clone()).or_insert(usize::MAX);
         (cap < *now).then(|| {
@@ -632,6 +646,9 @@ enum Sent {
     /// Sent, and not answered 2xx: why, and how long the receiver asked to
     /// be left alone (`Retry-After`).
     Failed(String, Option<Duration>),
+    /// One event, refused as too large (413): a failed delivery of that
+    /// event, not of its receiver (which is not backed off for it).
+    TooLarge(String),
 }
 
 /// A POST not answered 2xx.
@@ -798,7 +815,8 @@ mod tests {
         let (hook, other) = (dest("http://h/a", 50), dest("http://h/b", 50));
         assert_eq!(caps.per_post(&hook), 50);
         assert_eq!(caps.refused(&hook, 20, 10), Some(10), "the largest part taken");
-        assert_eq!(caps.refused(&hook, 5, 1), Some(3), "without a part of several taken: half the refused count, rounded up");
+        assert_eq!(caps.refused(&hook, 9, 1), Some(5), "without a part of several taken: half the refused count, rounded up");
+        assert_eq!(caps.refused(&hook, 4, 6), Some(3), "fewer than were refused, whatever was taken");
         assert_eq!(caps.per_post(&hook), 3);
         assert_eq!(caps.refused(&hook, 9, 0), None, "a larger count refused lowers nothing");
         assert_eq!(caps.refused(&hook, 2, 0), Some(1));

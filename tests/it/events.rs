@@ -448,19 +448,21 @@ async fn a_redirecting_receiver_is_named_in_the_events_error(backend: Backend) {
 }
 
 /// A receiver at Express's defaults (`express.json()`: bodies up to 100 kB,
-/// 413 above) and batches larger than that: events with their 45 kB stored
-/// bodies (two fit in 100 kB, three do not), written while the receiver
+/// 413 above) and batches larger than that: events with their 34 kB stored
+/// bodies (45 kB in base64: two fit in 100 kB, three do not), written while the receiver
 /// answers 503 with `Retry-After: 2`, so that they go out together once it
 /// is open. A POST refused as too large is sent again in halves down to what
 /// the receiver takes, and later POSTs carry no more than the largest part it
 /// took (a second lot is never refused): every event arrives once and none
-/// is parked. Before, the relay sent the same refused batch again and again,
+/// is parked. A third lot has one event too large on its own: it alone
+/// fails (its receiver is not backed off for it), and a fourth lot still goes
+/// out two events a POST. Before, the relay sent the same refused batch again and again,
 /// and parked it after `max_attempts`.
 async fn a_batch_refused_as_too_large_is_sent_again_in_halves(backend: Backend) {
     let Some(receiver) = Express::start() else { return };
     let up = TestUpstream::start().await;
     let cfg = GatewayConfig::new(backend.clone(), up.url()).route(&format!(
-        "events.url = \"{}/hook\"\nevents.timeout = \"2s\"\nevents.batch = 20\n\
+        "events.url = \"{}/hook\"\nevents.timeout = \"5s\"\nevents.batch = 20\n\
          events.include_body = true\nevents.max_attempts = 1000",
         receiver.url()
     ));
@@ -468,14 +470,17 @@ async fn a_batch_refused_as_too_large_is_sent_again_in_halves(backend: Backend) 
     const N: usize = 10;
     // One lot: written while the receiver is closed (its first POST is
     // refused with a wait that holds the rest back), then let in at once.
-    let lot = |name: &'static str| {
+    // `big`: the lot's first event is too large for the receiver on its own
+    // (80 kB stored, 107 kB in base64).
+    let lot = |name: &'static str, big: bool| {
         let (gw, receiver) = (&gw, &receiver);
         async move {
             receiver.switch("__close").await;
             let before = receiver.received().await.1.len();
             let posts = (0..N).map(|i| {
                 let url = gw.url("/v1/orders");
-                async move { assert_eq!(post(&url, &format!("{name}{i}"), ORDER, &[("x-test-body-bytes", "34000")]).await.status, 201) }
+                let bytes = if big && i == 0 { "80000" } else { "34000" };
+                async move { assert_eq!(post(&url, &format!("{name}{i}"), ORDER, &[("x-test-body-bytes", bytes)]).await.status, 201) }
             });
             futures_util::future::join_all(posts).await;
             let refused = eventually(Duration::from_secs(10), || async { receiver.received().await.1.len() > before }).await;
@@ -485,7 +490,7 @@ async fn a_batch_refused_as_too_large_is_sent_again_in_halves(backend: Backend) 
             opened
         }
     };
-    let opened = lot("first").await;
+    let opened = lot("first", false).await;
     let (ids, answers) = receiver.all(N, &gw).await;
     assert_eq!(ids.iter().collect::<std::collections::HashSet<_>>().len(), N, "{ids:?}");
     assert_eq!(ids.len(), N, "each event once: {ids:?}");
@@ -493,18 +498,29 @@ async fn a_batch_refused_as_too_large_is_sent_again_in_halves(backend: Backend) 
     assert!(!refused.is_empty(), "a batch above the receiver's 100 kB reached it: {answers:?}");
     assert!(refused.iter().all(|(_, bytes)| *bytes > 100 * 1024), "{answers:?}");
     assert!(gw.logs().contains("refused a POST as too large"), "{}", gw.logs());
-    let opened = lot("second").await;
+    let opened = lot("second", false).await;
     let (ids, answers) = receiver.all(2 * N, &gw).await;
     assert_eq!(ids.iter().collect::<std::collections::HashSet<_>>().len(), 2 * N, "{ids:?}");
     assert!(!answers[opened..].iter().any(|(status, _)| *status == 413), "POSTs carry what the receiver took before: {answers:?}");
+    // One event too large on its own: it fails (and stays pending), the
+    // others go on, and how many a POST carries is not lowered for it.
+    lot("third", true).await;
+    receiver.all(3 * N - 1, &gw).await;
+    let opened = lot("fourth", false).await;
+    let (ids, answers) = receiver.all(4 * N - 1, &gw).await;
+    assert_eq!(ids.iter().collect::<std::collections::HashSet<_>>().len(), 4 * N - 1, "{ids:?}");
+    assert!(
+        answers[opened..].iter().any(|(status, bytes)| *status == 200 && *bytes > 60_000),
+        "POSTs of two events go on after one event was refused alone: {answers:?}"
+    );
     let store = backend.open().await;
     let settled = eventually(Duration::from_secs(10), || async {
         let stats = store.event_stats().await.unwrap();
-        (stats.pending, stats.parked) == (0, 0)
+        (stats.pending, stats.parked) == (1, 0)
     })
     .await;
-    assert!(settled, "{:?}", store.event_stats().await.unwrap());
-    assert_eq!(up.total(), 2 * N as u64);
+    assert!(settled, "only the event too large for the receiver is left: {:?}", store.event_stats().await.unwrap());
+    assert_eq!(up.total(), 4 * N as u64);
 }
 
 /// A receiver behind nginx at its defaults (`client_max_body_size 1m`,
@@ -512,7 +528,7 @@ async fn a_batch_refused_as_too_large_is_sent_again_in_halves(backend: Backend) 
 /// 300 kB stored bodies (400 kB in base64: two fit in 1 MB, three do not)
 /// written while the receiver answers 503 with `Retry-After: 2`. nginx's 413
 /// reaches the relay as an answer (not a reset while the body is still being
-/// written), the batch goes again in halves, and every event arrives once.
+/// written), the batch goes again in halves, and every event is taken once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_too_large_for_nginx_in_front_of_the_receiver_is_sent_again_in_halves() {
     let hook = Webhook::start().await;
@@ -534,6 +550,8 @@ async fn a_batch_too_large_for_nginx_in_front_of_the_receiver_is_sent_again_in_h
     futures_util::future::join_all(posts).await;
     let refused = eventually(Duration::from_secs(10), || async { !hook.deliveries().is_empty() }).await;
     assert!(refused, "a POST reached the receiver: {}", gw.logs());
+    // What arrives from now on is answered 200.
+    let opened = hook.deliveries().len();
     hook.answer(200);
     let store = backend.open().await;
     let settled = eventually(Duration::from_secs(60), || async {
@@ -543,13 +561,12 @@ async fn a_batch_too_large_for_nginx_in_front_of_the_receiver_is_sent_again_in_h
     .await;
     assert!(settled, "{:?}\n{}", store.event_stats().await.unwrap(), gw.logs());
     assert!(gw.logs().contains("refused a POST as too large"), "nginx answered 413 to a batch: {}", gw.logs());
-    let mut delivered: Vec<String> = Vec::new();
-    for d in hook.deliveries() {
-        delivered.extend(d.events().iter().map(|e| e["id"].as_str().unwrap_or_default().to_owned()));
+    let mut taken: Vec<String> = Vec::new();
+    for d in &hook.deliveries()[opened..] {
+        taken.extend(d.events().iter().map(|e| e["id"].as_str().unwrap_or_default().to_owned()));
     }
-    assert!(hook.deliveries().iter().all(|d| d.body.len() <= 1024 * 1024), "nothing above nginx's limit got through");
-    let distinct: std::collections::HashSet<&String> = delivered.iter().collect();
-    assert_eq!(distinct.len(), N, "{delivered:?}");
+    let distinct: std::collections::HashSet<&String> = taken.iter().collect();
+    assert_eq!((distinct.len(), taken.len()), (N, N), "each event taken once: {taken:?}");
     assert_eq!(up.total(), N as u64);
 }
 
@@ -565,12 +582,19 @@ struct Express {
 fn listening(mut command: std::process::Command) -> (Killed, u16) {
     use std::io::BufRead;
     use std::process::Stdio;
-    let mut child = command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().expect("start the receiver");
-    let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("the receiver's first line");
+    // Killed if it does not start as expected too (the panic drops it).
+    let mut child = Killed(command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().expect("start the receiver"));
+    let stdout = child.0.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = std::io::BufReader::new(stdout).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    let line = rx.recv_timeout(Duration::from_secs(30)).unwrap_or_default();
     let port = line.trim().strip_prefix("listening ").and_then(|p| p.parse().ok());
-    let port = port.unwrap_or_else(|| panic!("the receiver {command:?} did not start: {line:?}"));
-    (Killed(child), port)
+    let port = port.unwrap_or_else(|| panic!("the receiver {command:?} did not start within 30 s: {line:?}"));
+    (child, port)
 }
 
 impl Express {

@@ -57,10 +57,14 @@ impl Nginx {
             .stderr(Stdio::null())
             .spawn()
             .expect("nginx");
-        let n = Nginx { child, program, port, dir };
+        let mut n = Nginx { child, program, port, dir };
         let deadline = std::time::Instant::now() + Duration::from_secs(20);
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(std::time::Instant::now() < deadline, "nginx did not listen on {port}");
+            let exited = n.child.try_wait().ok().flatten();
+            if exited.is_some() || std::time::Instant::now() >= deadline {
+                let log = std::fs::read_to_string(n.dir.path().join("error.log")).unwrap_or_default();
+                panic!("nginx did not listen on {port} ({exited:?}): {log}");
+            }
             std::thread::sleep(Duration::from_millis(50));
         }
         Some(n)
