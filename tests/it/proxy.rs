@@ -293,17 +293,22 @@ async fn twenty_concurrent_duplicates_execute_once(backend: Backend) {
     assert_eq!(settled_record(&store, "same").await.unwrap().state, State::Completed);
 }
 
+/// A raw HTTP/1.1 order under idempotency key `key` that the test upstream
+/// works on for `sleep_ms` before answering (for a client that leaves).
+fn slow_order(key: &str, sleep_ms: u64) -> String {
+    format!(
+        "POST /v1/orders HTTP/1.1\r\nhost: x\r\nauthorization: Bearer test-key\r\nidempotency-key: {key}\r\n\
+         content-type: application/json\r\nx-test-sleep-ms: {sleep_ms}\r\ncontent-length: {}\r\n\r\n{ORDER}",
+        ORDER.len()
+    )
+}
+
 async fn client_disconnect_does_not_cancel_forward_or_record(backend: Backend) {
     use tokio::io::AsyncWriteExt;
     let (up, gw, store) = setup(backend, |c| c).await;
     let mut received = up.subscribe();
     let mut sock = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
-    let req = format!(
-        "POST /v1/orders HTTP/1.1\r\nhost: x\r\nauthorization: Bearer test-key\r\nidempotency-key: gone\r\n\
-         content-type: application/json\r\nx-test-sleep-ms: 400\r\ncontent-length: {}\r\n\r\n{ORDER}",
-        ORDER.len()
-    );
-    sock.write_all(req.as_bytes()).await.unwrap();
+    sock.write_all(slow_order("gone", 400).as_bytes()).await.unwrap();
     received.recv().await.unwrap();
     drop(sock); // the client gives up while the upstream is working
     let done = eventually(Duration::from_secs(5), || {
@@ -1060,12 +1065,7 @@ async fn behind_nginx_at_its_defaults_every_answer_and_record_is_kept() {
 
     let mut received = up.subscribe();
     let mut sock = tokio::net::TcpStream::connect(("127.0.0.1", nginx.port)).await.unwrap();
-    let req = format!(
-        "POST /v1/orders HTTP/1.1\r\nhost: x\r\nauthorization: Bearer test-key\r\nidempotency-key: n3\r\n\
-         content-type: application/json\r\nx-test-sleep-ms: 600\r\ncontent-length: {}\r\n\r\n{ORDER}",
-        ORDER.len()
-    );
-    sock.write_all(req.as_bytes()).await.unwrap();
+    sock.write_all(slow_order("n3", 600).as_bytes()).await.unwrap();
     received.recv().await.unwrap();
     drop(sock); // nginx closes its connection to idemgate too
     let done = eventually(Duration::from_secs(5), || {
