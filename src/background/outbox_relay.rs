@@ -133,15 +133,10 @@ impl Relay {
     }
 
     /// Events taken per round: [`POSTS`] POSTs' worth for the route whose
-    /// POSTs carry the fewest ([`Self::per_post`]), at most [`MOST`].
+    /// POSTs carry the fewest ([`Caps::per_post`]), at most [`MOST`].
     fn round(&self) -> u32 {
-        let per_post = self.routes.values().map(|e| self.per_post(e)).min().unwrap_or(1);
+        let per_post = self.routes.values().map(|e| self.caps.per_post(e)).min().unwrap_or(1);
         u32::try_from(per_post).unwrap_or(u32::MAX).saturating_mul(POSTS).min(MOST)
-    }
-
-    /// The most events one POST to `dest` carries ([`Caps::per_post`]).
-    fn per_post(&self, dest: &EventsConfig) -> usize {
-        self.caps.per_post(dest)
     }
 
     /// `dest`'s receiver refused `n` events in one POST as too large, and
@@ -179,7 +174,7 @@ impl Relay {
         let mut limited: Vec<(&Arc<Limit>, usize, Option<Permit>, bool)> = Vec::new();
         for op in ready {
             let Some(limit) = self.limits.get(*op) else { continue };
-            let batch = self.routes.get(*op).map_or(1, |e| self.per_post(e));
+            let batch = self.routes.get(*op).map_or(1, |e| self.caps.per_post(e));
             match limited.iter_mut().find(|(l, ..)| Arc::ptr_eq(l, limit)) {
                 Some((_, per_post, ..)) => *per_post = (*per_post).min(batch),
                 None => limited.push((limit, batch, None, true)),
@@ -280,7 +275,7 @@ impl Relay {
                     // At most one event per scope is deliverable at a time, so the
                     // deliveries can go out concurrently (and several events of
                     // different scopes share one) without reordering a scope.
-                    let deliveries = group(&self.routes, &events, |dest| self.per_post(dest));
+                    let deliveries = group(&self.routes, &events, |dest| self.caps.per_post(dest));
                     let outcomes = join_all(deliveries.iter().map(|d| self.deliver(d))).await;
                     // A round is recorded in four steps: the first attempts
                     // that failed (one statement for each POST's), the events
@@ -374,13 +369,15 @@ impl Relay {
     /// It waits for one of its receiver's turns first, at most half its
     /// timeout (so that a round ends within its events' lease: the wait,
     /// then the POST's own timeout); a delivery that gets none is not sent,
-    /// and its events wait for a later round. A POST of several events that
-    /// the receiver refuses as too large (413) is sent again as two halves,
-    /// in order and in the same turn, down to one event a POST: each part's
-    /// answer is its events' (a single event refused so is a failure). The
-    /// halves share the POST's `timeout`: a part is sent only while half of
-    /// it is left, and none after a part failed for another reason than its
-    /// size (the receiver may be down, or have asked for a wait); the parts not sent wait for a
+    /// and its events wait for a later round.
+    ///
+    /// A POST of several events that the receiver refuses as too large (413)
+    /// is sent again as two halves, in order and in the same turn, down to
+    /// one event a POST: each part's answer is its events' (a single event
+    /// refused so fails, [`Sent::TooLarge`]). The halves share the POST's
+    /// `timeout`: a part is sent only while half of it is left, and none
+    /// after a part failed for another reason than its size (the receiver may
+    /// be down, or have asked for a wait); the parts not sent wait for a
     /// later round, as without a turn, no attempt counted. Then the
     /// receiver's POSTs carry fewer events ([`Caps::refused`]), unless each
     /// refused part held an event refused alone (one event too large for the
@@ -669,7 +666,7 @@ struct Delivery<'a> {
 
 /// A round's events as deliveries: those whose routes share a destination
 /// ([`EventsConfig::same_destination`]) go together, up to `per_post` of it
-/// (its `batch`, or fewer: [`Relay::per_post`]) per POST, in the order
+/// (its `batch`, or fewer: [`Caps::per_post`]) per POST, in the order
 /// taken. Events of a route that no longer emits are left to their lease.
 fn group<'a>(
     routes: &HashMap<Arc<str>, Arc<EventsConfig>>,
