@@ -35,7 +35,13 @@
 --   log makes no dead tuples.
 DO $migration$
 BEGIN
-IF EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus') THEN
+-- Nothing on a Citus store: `idemgate migrate` says which kind it migrates
+-- for (`idemgate.store_kind`). A PostgreSQL store on a database that merely
+-- has the extension (Citus's Docker image creates it in its default
+-- database) gets the log. Without the setting (the file applied by hand), the extension decides.
+IF coalesce(current_setting('idemgate.store_kind', true), '') = 'citus'
+   OR (coalesce(current_setting('idemgate.store_kind', true), '') = ''
+       AND EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')) THEN
     RETURN;
 END IF;
 

@@ -39,7 +39,13 @@
 -- started has ended.
 DO $migration$
 BEGIN
-IF EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus') THEN
+-- Nothing on a Citus store: `idemgate migrate` says which kind it migrates
+-- for (`idemgate.store_kind`). A PostgreSQL store on a database that merely
+-- has the extension (Citus's Docker image creates it in its default
+-- database) gets the log. Without the setting (the file applied by hand), the extension decides.
+IF coalesce(current_setting('idemgate.store_kind', true), '') = 'citus'
+   OR (coalesce(current_setting('idemgate.store_kind', true), '') = ''
+       AND EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')) THEN
     RETURN;
 END IF;
 ALTER TABLE idemgate_event_lanes ADD COLUMN upto_floor bigint, ADD COLUMN upto_xid xid8, ADD COLUMN upto_pair_of text,

@@ -411,6 +411,44 @@ async fn a_store_kind_that_does_not_match_the_server_is_refused_at_start() {
     assert!(e.to_string().contains("holds an idemgate schema that is not distributed"), "{e}");
 }
 
+/// A PostgreSQL store (kind = "postgres") on a database that has the Citus
+/// extension but whose schema is not distributed: what Citus's Docker image
+/// gives in its default database. Every final state is written and its
+/// event delivered, as on plain PostgreSQL, on a database migrated afresh,
+/// and on one that an earlier version migrated (it recorded the event log's
+/// migrations and created nothing, so every result write failed): the next
+/// `migrate` applies them again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_store_on_a_database_with_the_citus_extension_writes_and_delivers() {
+    if citus::skip_unless_installed() {
+        return;
+    }
+    let cluster = citus::shared();
+    let fresh = cluster.create_unique_database("pg_on_citus").expect("database");
+    let db = client(&fresh).await;
+    let extension: bool = db.query_one("SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')", &[]).await.unwrap().get(0);
+    assert!(extension, "the test database has the extension");
+    crate::events::final_state_changes_are_delivered_signed_once_each(support::Backend::Postgres { url: fresh.clone() }).await;
+
+    let earlier = cluster.create_unique_database("pg_on_citus_earlier").expect("database");
+    migrate(&postgres_store(&earlier)).await.expect("migrate");
+    // What an earlier version left: the log's migrations recorded, no log.
+    let db = client(&earlier).await;
+    db.batch_execute(
+        "DROP TABLE idemgate_event_log, idemgate_event_lanes, idemgate_event_rotation; \
+         DROP FUNCTION idemgate_event_slot(), idemgate_log_event_id(), idemgate_log_event_id(bigint), idemgate_rotate_event_log(bigint)",
+    )
+    .await
+    .expect("drop the log");
+    let recorded: i64 =
+        db.query_one("SELECT count(*) FROM idemgate_schema_migrations WHERE version IN (15, 16, 17)", &[]).await.unwrap().get(0);
+    assert_eq!(recorded, 3);
+    let applied = migrate(&postgres_store(&earlier)).await.expect("migrate again");
+    assert_eq!(applied, ["0015_event_log", "0016_event_log_seq", "0017_event_log_floor"]);
+    assert_eq!(migrate(&postgres_store(&earlier)).await.expect("up to date"), Vec::<String>::new());
+    crate::events::final_state_changes_are_delivered_signed_once_each(support::Backend::Postgres { url: earlier }).await;
+}
+
 /// `check-config --connect` on kind = "citus" reports the cluster: the
 /// active workers and whether the schema is distributed (before and after
 /// `migrate`), and the start-up error on a server without the extension.

@@ -60,7 +60,7 @@ fn verify_signature(d: &support::webhook::Delivery) {
     assert_eq!(v1.strip_prefix("v1=").expect("v1="), hex::encode(mac.finalize().into_bytes()), "the HMAC of t.body");
 }
 
-async fn final_state_changes_are_delivered_signed_once_each(backend: Backend) {
+pub(crate) async fn final_state_changes_are_delivered_signed_once_each(backend: Backend) {
     let (up, hook, gw, store) = setup(backend, "").await;
     let url = gw.url("/v1/orders");
     assert_eq!(post(&url, "k1", ORDER, &[]).await.status, 201);

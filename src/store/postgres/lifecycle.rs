@@ -18,6 +18,22 @@ pub(super) const PROBE_WRITE: &str = "SELECT txid_current(), \
      AND has_table_privilege('idemgate_records', 'UPDATE') \
      AND has_table_privilege('idemgate_records', 'DELETE')";
 
+/// The migrations that create the event log (PostgreSQL only).
+pub(super) const EVENT_LOG: [i64; 3] = [15, 16, 17];
+
+/// Whether the event log's migrations are recorded as applied but the log
+/// is missing: what versions before the `idemgate.store_kind` setting left
+/// on a PostgreSQL store whose database has the Citus extension (they
+/// skipped the log wherever the extension existed). Those three migrations
+/// create only the log, so applying them again makes it.
+pub(super) async fn log_skipped(client: &impl deadpool_postgres::GenericClient, done: &[i64]) -> Result<bool, tokio_postgres::Error> {
+    if !EVENT_LOG.iter().all(|v| done.contains(v)) {
+        return Ok(false);
+    }
+    let row = client.query_one("SELECT to_regclass('idemgate_event_rotation') IS NULL", &[]).await?;
+    row.try_get(0)
+}
+
 #[async_trait]
 impl Lifecycle for PgStore {
     fn kind(&self) -> &'static str {
@@ -65,6 +81,9 @@ impl Lifecycle for PgStore {
             // hold the tables' locks that many times longer.
             tx.batch_execute("SET LOCAL citus.max_adaptive_executor_pool_size TO DEFAULT").await.map_err(m)?;
         }
+        // The migrations that differ by kind read it (the event log, on
+        // PostgreSQL only, also where the Citus extension merely exists).
+        tx.batch_execute(&format!("SET LOCAL idemgate.store_kind = '{}'", self.flavor.kind())).await.map_err(m)?;
         tx.execute("SELECT pg_advisory_xact_lock($1)", &[&PG_LOCK_KEY]).await.map_err(m)?;
         tx.batch_execute(
             "CREATE TABLE IF NOT EXISTS idemgate_schema_migrations (
@@ -74,12 +93,23 @@ impl Lifecycle for PgStore {
         .map_err(m)?;
         let done: Vec<i64> =
             tx.query("SELECT version FROM idemgate_schema_migrations", &[]).await.map_err(m)?.iter().map(|r| r.get(0)).collect();
+        // The log's migrations are applied again where an earlier version
+        // recorded them but created nothing (see `log_skipped`).
+        let redo = self.flavor == Flavor::Postgres && log_skipped(&tx, &done).await.map_err(m)?;
+        if redo {
+            tracing::warn!(
+                "the event log's migrations were recorded without creating it (an earlier version, on a database with the Citus extension): applying them now"
+            );
+        }
         let mut applied = Vec::new();
-        for mig in POSTGRES.iter().filter(|mig| !done.contains(&mig.version)) {
+        for mig in POSTGRES.iter().filter(|mig| !done.contains(&mig.version) || (redo && EVENT_LOG.contains(&mig.version))) {
             tx.batch_execute(mig.sql).await.map_err(|e| migration_error(mig.name, &e))?;
-            tx.execute("INSERT INTO idemgate_schema_migrations (version, name) VALUES ($1, $2)", &[&mig.version, &mig.name])
-                .await
-                .map_err(m)?;
+            tx.execute(
+                "INSERT INTO idemgate_schema_migrations (version, name) VALUES ($1, $2) ON CONFLICT (version) DO NOTHING",
+                &[&mig.version, &mig.name],
+            )
+            .await
+            .map_err(m)?;
             applied.push(mig.name.to_owned());
         }
         if self.flavor == Flavor::Citus {

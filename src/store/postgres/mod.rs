@@ -563,6 +563,9 @@ async fn up_to_date(conn: &Conn, flavor: Flavor) -> Result<bool, StoreError> {
     if flavor == Flavor::Citus && citus::CITUS.iter().any(|mig| !done.contains(&mig.version)) {
         return Ok(false);
     }
+    if flavor == Flavor::Postgres && lifecycle::log_skipped(client, &done).await.map_err(m)? {
+        return Ok(false);
+    }
     let secret = client.query("SELECT 1 FROM idemgate_settings WHERE name = $1", &[&DERIVED_KEY_SECRET]).await.map_err(m)?;
     Ok(!secret.is_empty())
 }
