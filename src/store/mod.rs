@@ -328,8 +328,20 @@ impl Store {
 
     /// Claims the scope with one atomic statement, committed before this
     /// returns. After an ambiguous failure the row is read back: our token
-    /// means the claim happened.
+    /// means the claim happened. Once an attempt was ambiguous, the claim
+    /// fails as ambiguous whatever fails later (that attempt may still
+    /// commit), so the caller deletes it by its token if it ever lands.
     pub async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        let mut ambiguous: Option<StoreError> = None;
+        self.claim_attempts(req, &mut ambiguous).await.map_err(|e| match ambiguous {
+            Some(earlier) if !e.is_ambiguous() => StoreError::Ambiguous(format!("{earlier}; then: {e}")),
+            _ => e,
+        })
+    }
+
+    /// [`Store::claim`]'s attempts; `ambiguous` keeps the first ambiguous
+    /// failure.
+    async fn claim_attempts(&self, req: &ClaimRequest, ambiguous: &mut Option<StoreError>) -> Result<ClaimOutcome, StoreError> {
         if let Some((record, now)) = self.cache.as_ref().and_then(|c| c.get(&req.scope, &req.request_hash)) {
             return Ok(ClaimOutcome::Existing { record, now });
         }
@@ -375,6 +387,9 @@ impl Store {
                 }
                 Err(e) if e.is_ambiguous() => {
                     crate::telemetry::throttle::warn_throttled!(scope = %req.scope.log_id(), error = %e, "claim outcome ambiguous; reading the row back");
+                    if ambiguous.is_none() {
+                        *ambiguous = Some(StoreError::Ambiguous(e.to_string()));
+                    }
                     match self.get(&req.scope).await {
                         Ok(Some((record, _))) if own_claim(&record, token) => {
                             return Ok(ClaimOutcome::Claimed(claim_of(req, record, asked_at)));

@@ -151,6 +151,46 @@ async fn pg_hung_store_fails_the_claim_within_its_timeout_and_writes_nothing() {
     assert_eq!(key_set(&all(&store).await), set(&["hung"]));
 }
 
+/// A claim whose first attempt may still commit stays ambiguous when a
+/// later attempt fails for a definite reason. Here the first attempt's
+/// commit waits for a synchronous standby that is not there
+/// (`synchronous_standby_names`), so its read-back finds no row, and the
+/// retry waits on the first attempt's insert until the database's
+/// `lock_timeout` refuses it (55P03, a definite failure of that attempt).
+/// The first commit lands once the standby requirement is lifted: the
+/// caller must be told the claim may exist, so that it deletes it by its
+/// token (`abandon`) rather than leave a record nothing was sent for to turn
+/// `unknown`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_a_claim_that_may_still_commit_stays_ambiguous_after_a_definite_failure() {
+    let server = tokio::task::spawn_blocking(PgServer::start).await.unwrap().expect("start private cluster");
+    let url = server.create_database("conformance").expect("create database");
+    server.simple_query("conformance", "ALTER DATABASE conformance SET lock_timeout = '300ms'").expect("lock_timeout");
+    let store = open_with(&Backend::Postgres { url }, FAULT_TIMEOUT, 2).await;
+    claim(&store, &req(&key("warm-up"), 1, LONG, false)).await;
+
+    server.set_and_reload("synchronous_standby_names", "nobody").expect("commits wait for a standby");
+    let s = key("may-commit");
+    let r = req(&s, 1, LONG, false);
+    let out = store.claim(&r).await;
+    assert!(matches!(out, Err(StoreError::Ambiguous(_))), "the first attempt may still commit: {out:?}");
+    if let Err(e) = &out {
+        assert!(e.to_string().contains("lock"), "the later failure is named too: {e}");
+    }
+
+    server.set_and_reload("synchronous_standby_names", "").expect("commits go on");
+    let landed = crate::support::eventually(Duration::from_secs(10), || async {
+        matches!(store.get(&s).await, Ok(Some((rec, _))) if rec.claim_token == r.claim_token)
+    })
+    .await;
+    assert!(landed, "the first attempt's commit landed late");
+    assert_eq!(row(&store, &s).await.state, State::InFlight);
+    assert!(store.abandon(&s, r.claim_token).await.expect("abandon"), "the caller deletes it by its token");
+    assert_eq!(get(&store, &s).await, None);
+    let c = claim(&store, &req(&s, 1, LONG, false)).await;
+    assert!(!c.took_over, "the key is free again");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pg_restart_is_survived_by_the_same_store() {
     let mut server = tokio::task::spawn_blocking(PgServer::start).await.unwrap().expect("start private cluster");
