@@ -10,9 +10,12 @@
 //!
 //! Every replica adds its routes' settings when a configuration is applied
 //! and keeps the list in memory; a mismatch whose record names settings not
-//! in the list reads it again, at most once a second (another replica may
-//! have added them since). Nothing on the path of a first write or a replay
-//! reads it.
+//! in the list reads it again (another replica may have added them since),
+//! at most once a second: a mismatch within a second of the last read waits
+//! for the next one rather than be answered from a list read before another
+//! replica's settings were added (that replica serves from the moment its
+//! configuration applies, and adds its settings just after). Nothing on the
+//! path of a first write or a replay reads it.
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
@@ -34,14 +37,10 @@ const RETRY: Backoff = Backoff::new(Duration::from_millis(500), Duration::from_s
 
 #[derive(Debug, Default)]
 pub struct FingerprintHistory {
-    known: RwLock<Known>,
-}
-
-#[derive(Debug, Default)]
-struct Known {
-    by_digest: HashMap<String, Arc<FingerprintSpec>>,
-    /// When the list was last asked for (read or not).
-    asked_at: Option<Instant>,
+    by_digest: RwLock<HashMap<String, Arc<FingerprintSpec>>>,
+    /// When a mismatch last asked for the list (read or not); held by the
+    /// mismatch reading it, so that the others wait for that read.
+    asked_at: tokio::sync::Mutex<Option<Instant>>,
 }
 
 impl FingerprintHistory {
@@ -66,19 +65,23 @@ impl FingerprintHistory {
     }
 
     /// The settings whose digest is `digest`, read from the store again if
-    /// they are not known and the list was last asked for longer ago than
-    /// a second. A store that cannot answer leaves the list as it was.
+    /// they are not known: at once if the list was last asked for longer
+    /// ago than a second, else once that second is over, unless another
+    /// mismatch asked for it after this one arrived. A store that cannot
+    /// answer leaves the list as it was.
     pub async fn find(&self, store: &Store, digest: &str) -> Option<Arc<FingerprintSpec>> {
         if let Some(spec) = self.known(digest) {
             return Some(spec);
         }
-        {
-            let Ok(mut known) = self.known.write() else { return None };
-            if known.asked_at.is_some_and(|at| at.elapsed() < REREAD) {
-                return None;
-            }
-            known.asked_at = Some(Instant::now());
+        let arrived = Instant::now();
+        let mut asked_at = self.asked_at.lock().await;
+        if asked_at.is_some_and(|at| at >= arrived) {
+            return self.known(digest);
         }
+        if let Some(at) = *asked_at {
+            tokio::time::sleep_until(at + REREAD).await;
+        }
+        *asked_at = Some(Instant::now());
         if let Err(e) = self.read(store).await {
             tracing::debug!(error = %e, "could not read the fingerprint settings the operations have had");
         }
@@ -88,7 +91,7 @@ impl FingerprintHistory {
     /// The settings whose digest is `digest`, if this replica knows them
     /// (no store read).
     pub fn known(&self, digest: &str) -> Option<Arc<FingerprintSpec>> {
-        self.known.read().ok()?.by_digest.get(digest).cloned()
+        self.by_digest.read().ok()?.get(digest).cloned()
     }
 
     async fn read(&self, store: &Store) -> Result<(), StoreError> {
@@ -101,8 +104,8 @@ impl FingerprintHistory {
                 Err(e) => tracing::warn!(%operation, error = %e, "unreadable fingerprint settings in the store's list; skipped"),
             }
         }
-        if let Ok(mut known) = self.known.write() {
-            known.by_digest = by_digest;
+        if let Ok(mut known) = self.by_digest.write() {
+            *known = by_digest;
         }
         Ok(())
     }

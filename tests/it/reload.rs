@@ -568,6 +568,43 @@ async fn a_retry_on_a_replica_with_other_fingerprint_settings_is_replayed() {
     assert_eq!(up.total(), 2);
 }
 
+/// A replica serves under a new configuration as soon as it applies, and
+/// adds its fingerprint settings to the store's list just after. A retry
+/// landing on another replica in between misses the list and is refused
+/// (the settings are not there). Another retry within the second after that
+/// read waits for the next read and is replayed once the settings are
+/// there; it used to be refused for that whole second. Here the settings'
+/// row is taken out and put back to stand for the add that commits late.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_within_a_second_of_a_miss_waits_for_the_next_read_of_the_settings() {
+    let backend = postgres_backend();
+    let up = TestUpstream::start().await;
+    let b = Gateway::start(GatewayConfig::new(backend.clone(), up.url()));
+    let a = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).route("fingerprint.headers = [\"api-version\"]"));
+    let Backend::Postgres { url } = &backend else { unreachable!() };
+    let (db, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.expect("connect");
+    tokio::spawn(conn);
+    let listed = || async {
+        let n: i64 =
+            db.query_one("SELECT count(*) FROM idemgate_fingerprint_specs WHERE spec LIKE '%api-version%'", &[]).await.unwrap().get(0);
+        n == 1
+    };
+    assert!(eventually(Duration::from_secs(10), listed).await, "A adds its settings once it serves");
+    let rows =
+        db.query("DELETE FROM idemgate_fingerprint_specs WHERE spec LIKE '%api-version%' RETURNING operation, spec", &[]).await.unwrap();
+    assert_eq!(rows.len(), 1, "A's settings are listed once");
+    let (operation, spec): (String, String) = (rows[0].get(0), rows[0].get(1));
+    let headers = [("api-version", "2026-01-01")];
+    let first = post(&a.url("/v1/orders"), "early", ORDER, &headers).await;
+    assert_eq!(first.status, 201);
+    let missed = post(&b.url("/v1/orders"), "early", ORDER, &headers).await;
+    assert_eq!(missed.status, 409, "A's settings are not listed yet: {}", b.logs());
+    db.execute("INSERT INTO idemgate_fingerprint_specs (operation, spec) VALUES ($1, $2)", &[&operation, &spec]).await.unwrap();
+    let retry = post(&b.url("/v1/orders"), "early", ORDER, &headers).await;
+    assert_eq!((retry.status, retry.replayed(), &retry.body), (201, true, &first.body), "{}", b.logs());
+    assert_eq!(up.total(), 1);
+}
+
 /// An observing replica started before another replica's fingerprint
 /// settings existed learns them in the background: its first look at a
 /// retry of a record written under them counts a conflict (the request waits
