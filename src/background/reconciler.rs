@@ -47,8 +47,8 @@ use tokio_util::task::TaskTracker;
 use crate::config::Config;
 use crate::executor::{Executor, stored_form};
 use crate::idempotency::outcome::ProbeOutcome;
-use crate::idempotency::record::StoredResponse;
 use crate::idempotency::record::TransitionError;
+use crate::idempotency::record::{ReforwardKey, StoredResponse};
 use crate::request::async_op::StoredRequest;
 use crate::request::route::Route;
 use crate::secret::DerivedKeySecret;
@@ -274,6 +274,19 @@ impl Reconciler {
     async fn exchange(&self, probed: &Probed, taken: &Probing) -> Result<Answer, ProbeError> {
         let probe = &probed.probe;
         let scope = &taken.record.scope;
+        if probe.target.uses_derived_key() {
+            let sent = taken.record.sent_key;
+            match sent {
+                Some(ReforwardKey::Client | ReforwardKey::ClientQuoted) => {
+                    return Err(ProbeError::NotSentUnderDerivedKey("under the client's own key (forward_key = \"client\")"));
+                }
+                Some(ReforwardKey::NoKey) => {
+                    return Err(ProbeError::NotSentUnderDerivedKey("as the client sent it (observe mode)"));
+                }
+                // Sent under it, or claimed by a version that did not say.
+                Some(ReforwardKey::Derived) | None => {}
+            }
+        }
         let params = if probe.target.uses_params() { path_params(&probed.route, taken.request.as_deref())? } else { Vec::new() };
         let secret = self.secret.get().ok_or_else(|| ProbeError::Target("the derived-key secret is not known yet".into()))?;
         let derived_key = scope.derived_key(Some(secret));

@@ -219,6 +219,11 @@ pub struct Record {
     /// upstream, forwarded no key (observe mode), or the record is older
     /// than this column (migration 0018).
     pub reforward_key: Option<ReforwardKey>,
+    /// The key this life's request went to the upstream under, whatever the
+    /// claiming route's idempotence (a probe that asks about the derived key
+    /// is made only for a request sent under it). `None`: claimed by a
+    /// version that recorded it only for idempotent upstreams.
+    pub sent_key: Option<ReforwardKey>,
     /// The digest of the fingerprint settings the record's hash was
     /// computed under (`FingerprintSpec::digest`); `None` for records older
     /// than this column (migration 0019) or rewritten by a replica of an
@@ -252,6 +257,24 @@ impl ReforwardKey {
             ReforwardKey::ClientQuoted => "client-quoted",
             ReforwardKey::NoKey => "none",
         }
+    }
+
+    /// How a claim whose upstream does not deduplicate records the key it
+    /// sends under: never equal to a spelling [`ReforwardKey::parse`] reads,
+    /// so such a record is never taken over, and read back by
+    /// [`ReforwardKey::parse_sent`].
+    pub fn sent_only(self) -> &'static str {
+        match self {
+            ReforwardKey::Derived => "sent-derived",
+            ReforwardKey::Client => "sent-client",
+            ReforwardKey::ClientQuoted => "sent-client-quoted",
+            ReforwardKey::NoKey => "sent-none",
+        }
+    }
+
+    /// The key a record's request was sent under, from either spelling.
+    pub fn parse_sent(s: &str) -> Option<ReforwardKey> {
+        ReforwardKey::parse(s.strip_prefix("sent-").unwrap_or(s))
     }
 
     /// The stored spelling back; anything else is no key (never taken over).
@@ -599,6 +622,7 @@ mod tests {
             maybe_executed: false,
             key_source: None,
             reforward_key: Some(ReforwardKey::Derived),
+            sent_key: Some(ReforwardKey::Derived),
             fingerprint_spec: None,
         }
     }
@@ -855,6 +879,15 @@ mod tests {
             for event in [Event::ResolveRelease { force: true }, Event::ResolveComplete { force: true }] {
                 assert_eq!(transition(&expired, event, NOW), Err(TransitionError::NotAllowed(State::Processing)), "sent: {sent}");
             }
+        }
+    }
+
+    #[test]
+    fn a_key_sent_to_an_upstream_that_does_not_deduplicate_never_takes_a_record_over() {
+        for k in [ReforwardKey::Derived, ReforwardKey::Client, ReforwardKey::ClientQuoted, ReforwardKey::NoKey] {
+            assert_eq!(ReforwardKey::parse(k.sent_only()), None, "{k:?}");
+            assert_eq!(ReforwardKey::parse_sent(k.sent_only()), Some(k));
+            assert_eq!(ReforwardKey::parse_sent(k.as_str()), Some(k));
         }
     }
 

@@ -244,12 +244,14 @@ fn claim_request(
     };
     let acceptance =
         is_async.then(|| Acceptance { operation_id: new_operation_id(), request: StoredRequest::capture(parts, body).encode().into() });
+    let sent = sent_key(route, &parts.headers);
     Ok(ClaimRequest {
         scope,
         request_hash,
         owner,
         lease: route.record.lease,
-        reforward: reforward(route, &parts.headers),
+        reforward: route.execution.upstream_idempotent.then_some(sent),
+        sent,
         fingerprint_spec: route.key.fingerprint_digest.clone(),
         claim_token: Uuid::new_v4(),
         acceptance,
@@ -258,24 +260,22 @@ fn claim_request(
     })
 }
 
-/// The key a claim of `route` may re-forward an earlier attempt under: the
-/// one it sends, when its upstream deduplicates. Observe mode sends none (it
-/// passes every request through as it is, and takes over only what it
-/// observed itself). The client's key is forwarded as its header spells it:
-/// a quoted and a bare spelling are one key to idemgate, two to an upstream
-/// that compares the header, so each takes over only its own.
-fn reforward(route: &Route, headers: &http::HeaderMap) -> Option<ReforwardKey> {
-    if !route.execution.upstream_idempotent {
-        return None;
-    }
-    Some(match (&route.execution.mode, route.key.forward) {
+/// The key a claim of `route` sends its request to the upstream under; the
+/// one it may re-forward an earlier attempt under, when its upstream
+/// deduplicates. Observe mode sends none of idemgate's (it passes every
+/// request through as it is, and takes over only what it observed itself).
+/// The client's key is forwarded as its header spells it: a quoted and a
+/// bare spelling are one key to idemgate, two to an upstream that compares
+/// the header, so each takes over only its own.
+fn sent_key(route: &Route, headers: &http::HeaderMap) -> ReforwardKey {
+    match (&route.execution.mode, route.key.forward) {
         (Mode::Observe { .. }, _) => ReforwardKey::NoKey,
         (_, ForwardKey::Derived) => ReforwardKey::Derived,
         (_, ForwardKey::Client) if headers.get(&route.key.header).is_some_and(|v| v.as_bytes().starts_with(b"\"")) => {
             ReforwardKey::ClientQuoted
         }
         (_, ForwardKey::Client) => ReforwardKey::Client,
-    })
+    }
 }
 
 /// No key: refused if the route requires one, else no idempotency applies.

@@ -808,6 +808,7 @@ fn accepted_record(req: &ClaimRequest, claim: &crate::store::Claim) -> Record {
         maybe_executed: false,
         key_source: Some(req.key_source.to_string()),
         reforward_key: req.reforward,
+        sent_key: Some(req.sent),
         fingerprint_spec: Some(req.fingerprint_spec.to_string()),
     }
 }

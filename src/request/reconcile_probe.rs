@@ -216,6 +216,11 @@ pub enum ProbeError {
     Upstream(#[from] crate::upstream::UpstreamError),
     #[error("the probe's response body could not be read in time or in size: {0}")]
     Body(String),
+    /// The probe asks about `{derived_key}`, but the record's request went
+    /// to the upstream under another key: its answer would say nothing
+    /// about this record (an "absent" would release a request that ran).
+    #[error("not probed: the probe asks about {{derived_key}}, but this request was sent {0}; settle it by hand")]
+    NotSentUnderDerivedKey(&'static str),
 }
 
 #[cfg(test)]

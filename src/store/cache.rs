@@ -216,6 +216,7 @@ mod tests {
             maybe_executed: false,
             key_source: None,
             reforward_key: None,
+            sent_key: None,
             fingerprint_spec: None,
         };
         (r, now)

@@ -169,6 +169,7 @@ impl RecordRow<'_> {
             maybe_executed: self.maybe_executed,
             key_source: self.key_source,
             reforward_key: of_this_life(self.reforward_key, self.claim_token).and_then(ReforwardKey::parse),
+            sent_key: of_this_life(self.reforward_key, self.claim_token).and_then(ReforwardKey::parse_sent),
             fingerprint_spec: of_this_life(self.fingerprint_spec, self.claim_token).map(str::to_owned),
         })
     }

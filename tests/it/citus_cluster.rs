@@ -542,6 +542,7 @@ mod isolation {
             owner: "replica-a".into(),
             lease: LONG,
             reforward: None,
+            sent: idemgate::idempotency::record::ReforwardKey::Derived,
             fingerprint_spec: "test-settings".into(),
             claim_token: Uuid::new_v4(),
             acceptance: None,

@@ -89,6 +89,7 @@ async fn seed(store: &idemgate::store::Store, key: &str, content_type: &str, que
         owner: "previous-release".into(),
         lease: std::time::Duration::from_secs(60),
         reforward: None,
+        sent: idemgate::idempotency::record::ReforwardKey::Derived,
         fingerprint_spec: "test-settings".into(),
         claim_token: uuid::Uuid::new_v4(),
         acceptance: None,

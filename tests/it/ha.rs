@@ -360,6 +360,7 @@ fn claim_request(key: &str) -> ClaimRequest {
         owner: "ha-test".into(),
         lease: Duration::from_secs(10),
         reforward: None,
+        sent: idemgate::idempotency::record::ReforwardKey::Derived,
         fingerprint_spec: "test-settings".into(),
         claim_token: Uuid::new_v4(),
         acceptance: None,

@@ -614,6 +614,7 @@ async fn fill(store: &idemgate::store::Store, tag: &str, body: Option<&'static [
                     owner: "gateway-7f9c-1234".into(),
                     lease: Duration::from_secs(60),
                     reforward: None,
+                    sent: idemgate::idempotency::record::ReforwardKey::Derived,
                     fingerprint_spec: "test-settings".into(),
                     claim_token: uuid::Uuid::new_v4(),
                     acceptance: None,

@@ -211,6 +211,7 @@ async fn a_citus_store_behind_a_transaction_pooler_keeps_no_statement_past_a_tra
         owner: "replica-a".into(),
         lease: Duration::from_secs(60),
         reforward: None,
+        sent: idemgate::idempotency::record::ReforwardKey::Derived,
         fingerprint_spec: "test-settings".into(),
         claim_token: uuid::Uuid::new_v4(),
         acceptance: None,

@@ -26,6 +26,7 @@ on_both_stores!(
     an_inconclusive_probe_leaves_it_unknown_and_backs_off,
     a_connect_that_hangs_is_never_sent_and_releases_the_key,
     a_full_batch_of_found_probes_settles_at_once,
+    an_observed_record_is_not_probed_under_the_derived_key,
 );
 
 on_citus!(a_full_batch_of_found_probes_settles_at_once);
@@ -93,6 +94,33 @@ async fn executed_but_timed_out_is_completed_by_its_probe(backend: Backend) {
     assert_eq!(a.generation, Some(rec.generation));
     assert_eq!(metric(&gw, &probes("found")).await, 1.0);
     assert_eq!(metric(&gw, &probes("absent")).await, 0.0, "series exist from the start");
+}
+
+/// A record observed (`mode = "observe"`) whose answer was lost, then the
+/// route enforced with a probe that asks about `{derived_key}`. Observe mode
+/// passed the client's request through as it was, so the upstream never saw
+/// that key, and its "absent" would release a request that ran: the record
+/// is not probed, stays `unknown` for an operator, and a retry is refused,
+/// not run a second time.
+async fn an_observed_record_is_not_probed_under_the_derived_key(backend: Backend) {
+    let up = TestUpstream::start().await;
+    let observer = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).timeout("500ms").route("mode = \"observe\""));
+    let store = backend.open().await;
+    post(&observer.url("/v1/orders"), "observed", ORDER, &[("x-test-sleep-ms", "900")]).await;
+    wait_state(&store, "observed", Some(State::Unknown), &observer).await;
+    drop(observer);
+    assert!(eventually(Duration::from_secs(5), || async { up.total() == 1 }).await, "the upstream ran it once");
+
+    let gw = Gateway::start(GatewayConfig::new(backend.clone(), up.url()).timeout("500ms").route(&probed("")));
+    let refused = eventually(Duration::from_secs(10), || async { metric(&gw, &probes("error")).await >= 1.0 }).await;
+    assert!(refused, "the probe is refused as an error:\n{}", gw.logs());
+    assert!(gw.log_count("not probed: the probe asks about {derived_key}") >= 1, "{}", gw.logs());
+    assert_eq!(up.probes_of(&derived("observed")), 0, "no lookup was sent");
+    assert_eq!(state(&store, "observed").await, Some(State::Unknown));
+    let retry = post(&gw.url("/v1/orders"), "observed", ORDER, &[]).await;
+    assert_eq!((retry.status, retry.problem().as_str()), (409, "outcome-unknown"), "{retry:?}");
+    assert_eq!(up.total(), 1, "the retry did not run it again");
+    assert!(store.audit(10).await.unwrap().is_empty(), "nothing was resolved");
 }
 
 /// Twelve requests executed upstream whose answers were lost to the timeout,

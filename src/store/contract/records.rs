@@ -29,6 +29,9 @@ pub struct ClaimRequest {
     /// fingerprint is taken over only by a claim that names the key it was
     /// sent under (`record::may_take_over`).
     pub reforward: Option<ReforwardKey>,
+    /// The key the request is sent to the upstream under, whatever the
+    /// route's idempotence (equal to `reforward` when that is set).
+    pub sent: ReforwardKey,
     /// The digest of the fingerprint settings `request_hash` was computed
     /// under (`FingerprintSpec::digest`), kept in the record.
     pub fingerprint_spec: Arc<str>,
@@ -47,6 +50,18 @@ pub struct ClaimRequest {
     /// reconciler can rebuild the probe. (An acceptance stores the whole
     /// request there instead.)
     pub request_head: Option<Bytes>,
+}
+
+impl ClaimRequest {
+    /// What the record's `reforward_key` column keeps for this claim: the
+    /// key it is sent under, spelled so that only a claim to an upstream
+    /// that deduplicates may take the record over (`ReforwardKey::sent_only`).
+    pub fn recorded_key(&self) -> &'static str {
+        match self.reforward {
+            Some(key) => key.as_str(),
+            None => self.sent.sent_only(),
+        }
+    }
 }
 
 /// What an async acceptance stores besides the claim.

@@ -18,7 +18,7 @@ use super::sql::NOW;
 use super::{Db, decode, micros};
 use crate::idempotency::fingerprint::Fingerprint;
 use crate::idempotency::key::Scope;
-use crate::idempotency::record::{Attempt, Generation, Record, ReforwardKey, Timestamp};
+use crate::idempotency::record::{Attempt, Generation, Record, Timestamp};
 use crate::outbox::{EventPolicies, EventType};
 use crate::store::codec::col;
 use crate::store::{Acceptance, ClaimRequest, StoreError};
@@ -160,7 +160,8 @@ pub(super) struct ClaimItem {
     pub(super) lease_us: i64,
     pub(super) acceptance: Option<Acceptance>,
     pub(super) key_source: Arc<str>,
-    pub(super) reforward: Option<ReforwardKey>,
+    /// [`ClaimRequest::recorded_key`].
+    pub(super) recorded_key: &'static str,
     pub(super) fingerprint_spec: Arc<str>,
     pub(super) request_head: Option<Bytes>,
 }
@@ -176,7 +177,7 @@ impl ClaimItem {
             lease_us: micros(req.lease),
             acceptance: req.acceptance.clone(),
             key_source: req.key_source.clone(),
-            reforward: req.reforward,
+            recorded_key: req.recorded_key(),
             fingerprint_spec: req.fingerprint_spec.clone(),
             request_head: req.request_head.clone(),
         }
@@ -403,7 +404,7 @@ impl<'a> ClaimColumns<'a> {
             operation_ids: items.clone().map(ClaimItem::operation_id).collect(),
             requests: items.clone().map(ClaimItem::stored_request).collect(),
             key_sources: items.clone().map(|i| &*i.key_source).collect(),
-            reforward_keys: items.clone().map(|i| i.reforward.map(ReforwardKey::as_str)).collect(),
+            reforward_keys: items.clone().map(|i| Some(i.recorded_key)).collect(),
             fingerprint_specs: items.map(|i| &*i.fingerprint_spec).collect(),
         }
     }

@@ -184,7 +184,7 @@ impl super::PgStore {
         let c = |e: tokio_postgres::Error| StoreError::Corrupt(e.to_string());
         let lease = micros(req.lease);
         let may_take = req.reforward.filter(|_| req.acceptance.is_none()).map(ReforwardKey::as_str);
-        let keeps = req.reforward.map(ReforwardKey::as_str);
+        let keeps = Some(req.recorded_key());
         let operation_id = req.acceptance.as_ref().map(|a| a.operation_id.as_str());
         let request = req.acceptance.as_ref().map(|a| &a.request[..]).or(req.request_head.as_deref());
         let generation = self.next_generation(&s.tenant).await?;

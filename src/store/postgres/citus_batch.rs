@@ -34,7 +34,7 @@ use super::citus_sql::{self, for_tenant};
 use super::sql::NOW;
 use super::{Conn, Db, classify, decode};
 use crate::idempotency::key::Scope;
-use crate::idempotency::record::{Record, ReforwardKey, Timestamp};
+use crate::idempotency::record::{Record, Timestamp};
 use crate::store::StoreError;
 
 /// Most claims one batched statement carries.
@@ -296,7 +296,7 @@ async fn insert_batch(db: &Db, floor: &Floor, tenant: &str, items: Vec<ClaimItem
     let requests: Vec<Option<&[u8]>> = items.iter().map(|i| i.stored_request()).collect();
     let key_sources: Vec<&str> = items.iter().map(|i| &*i.key_source).collect();
     let ids: Vec<i64> = items.iter().map(|i| i.scope.scope_id().to_i64()).collect();
-    let reforward_keys: Vec<Option<&str>> = items.iter().map(|i| i.reforward.map(ReforwardKey::as_str)).collect();
+    let reforward_keys: Vec<Option<&str>> = items.iter().map(|i| Some(i.recorded_key)).collect();
     let fingerprint_specs: Vec<&str> = items.iter().map(|i| &*i.fingerprint_spec).collect();
     let sql = for_tenant(&citus_sql::tenant_claim_insert(n), tenant);
     let read = |e| classify(e, false);

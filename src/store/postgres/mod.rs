@@ -462,7 +462,7 @@ impl PgStore {
                     &req.acceptance.as_ref().map(|a| a.operation_id.as_str()),
                     &req.acceptance.as_ref().map(|a| &a.request[..]).or(req.request_head.as_deref()),
                     &&*req.key_source,
-                    &req.reforward.map(ReforwardKey::as_str),
+                    &Some(req.recorded_key()),
                     &&*req.fingerprint_spec,
                 ],
                 true,

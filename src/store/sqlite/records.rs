@@ -68,7 +68,7 @@ impl Records for SqliteStore {
                         due,
                         &*req.key_source,
                         req.scope.scope_id().to_i64(),
-                        req.reforward.map(|k| this_life(k.as_str(), token)),
+                        this_life(req.recorded_key(), token),
                         this_life(&req.fingerprint_spec, token)
                     ])
                 })

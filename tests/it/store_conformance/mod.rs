@@ -102,6 +102,7 @@ fn req(scope: &Scope, hash: u8, lease: Duration, upstream_idempotent: bool) -> C
         owner: "replica-a".into(),
         lease,
         reforward: upstream_idempotent.then_some(ReforwardKey::Derived),
+        sent: idemgate::idempotency::record::ReforwardKey::Derived,
         fingerprint_spec: "test-settings".into(),
         claim_token: Uuid::new_v4(),
         acceptance: None,

@@ -613,6 +613,7 @@ pub async fn seed_blocked_tenants(store: &Store, operation: &str, hook: &str) ->
                 owner: "seed".into(),
                 lease: Duration::from_millis(100),
                 reforward: None,
+                sent: idemgate::idempotency::record::ReforwardKey::Derived,
                 fingerprint_spec: "test-settings".into(),
                 claim_token: uuid::Uuid::new_v4(),
                 acceptance: None,
