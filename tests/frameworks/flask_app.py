@@ -54,6 +54,11 @@ def create_order():
     return record("create_order")
 
 
+@app.route("/v1/orders/all", methods=["PUT"])
+def replace_all():
+    return record("replace_all")
+
+
 @app.route("/v1/orders/<order>", methods=["PUT"])
 def replace_order(order):
     return record("replace_order")
@@ -67,6 +72,11 @@ def delete_order(order):
 @app.route("/v1/orders/<order>", methods=["GET", "PATCH"])
 def other_order(order):
     return record("other_order")
+
+
+@app.route("/v1/orders/all/cancel", methods=["POST"])
+def cancel_all():
+    return record("cancel_all")
 
 
 @app.route("/v1/orders/<order>/cancel", methods=["POST"])

@@ -3,7 +3,9 @@
 # HTTP_X_TENANT_ID), behind Rack::MethodOverride (on in every Rails app:
 # `_method` in a form body, or X-HTTP-Method-Override, on a POST). Its router
 # reads paths as Rails does: an optional format suffix (`(.:format)`),
-# parameters without dots, a trailing slash ignored, HEAD as GET. Every
+# parameters without dots, a trailing slash ignored, HEAD as GET, a literal
+# route before the parameter route beside it (Rails runs the first that
+# matches). Every
 # route records what it dispatched; GET /__dispatched lists the records.
 # Prints "listening <port>" once it serves.
 require 'json'
@@ -16,10 +18,12 @@ FORMAT = '(?:\.[^/.]+)?'
 PARAM = '[^/.]+'
 ROUTES = [
   ['POST', %r{\A/v1/orders#{FORMAT}\z}, 'create_order'],
+  ['PUT', %r{\A/v1/orders/all#{FORMAT}\z}, 'replace_all'],
   ['PUT', %r{\A/v1/orders/#{PARAM}#{FORMAT}\z}, 'replace_order'],
   ['DELETE', %r{\A/v1/orders/#{PARAM}#{FORMAT}\z}, 'delete_order'],
   ['GET', %r{\A/v1/orders/#{PARAM}#{FORMAT}\z}, 'other_order'],
   ['PATCH', %r{\A/v1/orders/#{PARAM}#{FORMAT}\z}, 'other_order'],
+  ['POST', %r{\A/v1/orders/all/cancel#{FORMAT}\z}, 'cancel_all'],
   ['POST', %r{\A/v1/orders/#{PARAM}/cancel#{FORMAT}\z}, 'cancel_order'],
   ['GET', %r{\A/v1/reports/#{PARAM}#{FORMAT}\z}, 'read_report'],
   [nil, %r{\A/v1/elsewhere#{FORMAT}\z}, 'elsewhere'],

@@ -109,6 +109,21 @@ const CASES: &[(&str, &str, Expect)] = &[
     ("DELETE", "/index.php/v1/orders/42", Refused),
     ("POST", "/app/index.php/v1/orders.json", Refused),
     ("POST", "/index.php/v1/ordersx", PassThrough { normal: "/index.php/v1/ordersx" }),
+    // `{id}` matches these exactly, but a framework that ignores letter case
+    // (Express, ASP.NET Core), reads a format suffix (Rails: `:id` takes no
+    // dots) or cuts `;` parameters runs the literal route next to it.
+    ("POST", "/v1/orders/all/cancel", Routed { normal: "/v1/orders/all/cancel", operation: "cancel_all" }),
+    ("POST", "/v1/orders/7/cancel", Routed { normal: "/v1/orders/7/cancel", operation: "cancel_order" }),
+    ("POST", "/v1/orders/alligator/cancel", Routed { normal: "/v1/orders/alligator/cancel", operation: "cancel_order" }),
+    ("POST", "/v1/orders/ALL/cancel", Refused),
+    ("POST", "/v1/orders/all;x/cancel", Refused),
+    ("POST", "/v1/orders/all%3Bx/cancel", Refused),
+    ("POST", "/v1/orders/all%20/cancel", Refused),
+    ("PUT", "/v1/orders/all", Routed { normal: "/v1/orders/all", operation: "replace_all" }),
+    ("PUT", "/v1/orders/all.json", Refused),
+    ("PUT", "/v1/orders/All", Refused),
+    // Only a less specific route (`{id}` of DELETE has no literal next to it).
+    ("DELETE", "/v1/orders/ALL", Routed { normal: "/v1/orders/ALL", operation: "delete_order" }),
     // HEAD on a protected GET route runs the GET handler in most frameworks.
     ("HEAD", "/v1/reports/7", Refused),
     ("HEAD", "/v1/reports/7.json", Refused),
@@ -208,6 +223,8 @@ fn config(up: &TestUpstream, cert: &Issued) -> GatewayConfig {
         .tail(&route("replace_order", "PUT", "/v1/orders/{id}"))
         .tail(&route("delete_order", "DELETE", "/v1/orders/{id}"))
         .tail(&route("cancel_order", "POST", "/v1/orders/{id}/cancel"))
+        .tail(&route("cancel_all", "POST", "/v1/orders/all/cancel"))
+        .tail(&route("replace_all", "PUT", "/v1/orders/all"))
         .tail(&route("read_report", "GET", "/v1/reports/{id}"))
         .tail(&tls_section(cert))
 }

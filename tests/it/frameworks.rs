@@ -37,16 +37,21 @@ use support::gateway::API_KEY;
 use support::*;
 
 /// The gateway's routes: (operation, method, path template).
-const ROUTES: [(&str, &str, &str); 5] = [
+/// Each literal route has a `{param}` route of its method beside it, as the
+/// frameworks' routers are usually written (the literal first, or chosen by
+/// specificity).
+const ROUTES: [(&str, &str, &str); 7] = [
     ("create_order", "POST", "/v1/orders"),
     ("replace_order", "PUT", "/v1/orders/{id}"),
     ("delete_order", "DELETE", "/v1/orders/{id}"),
     ("cancel_order", "POST", "/v1/orders/{id}/cancel"),
     ("read_report", "GET", "/v1/reports/{id}"),
+    ("cancel_all", "POST", "/v1/orders/all/cancel"),
+    ("replace_all", "PUT", "/v1/orders/all"),
 ];
 
 /// Paths as clients may spell them.
-const PATHS: [&str; 17] = [
+const PATHS: [&str; 24] = [
     "/v1/orders",
     "/v1/orders/42",
     "/v1/orders/42/cancel",
@@ -64,6 +69,15 @@ const PATHS: [&str; 17] = [
     "/v1/orders/42/cancel%20",
     "/v1/elsewhere",
     "/v1/elsewhere.json",
+    // A parameter's value that a framework reads as the literal beside it
+    // (letter case, a format suffix, `;` parameters).
+    "/v1/orders/all/cancel",
+    "/v1/orders/ALL/cancel",
+    "/v1/orders/all;x/cancel",
+    "/v1/orders/all%3Bx/cancel",
+    "/v1/orders/all",
+    "/v1/orders/ALL",
+    "/v1/orders/all.json",
 ];
 
 const METHODS: [&str; 6] = ["POST", "PUT", "DELETE", "PATCH", "GET", "HEAD"];

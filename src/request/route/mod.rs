@@ -473,6 +473,11 @@ impl Router {
     /// - a path that is not an operation of `method` but that a lenient
     ///   server would read as the path of one of its routes
     ///   (`normal::loose`, `normal::names_loosely`);
+    /// - a path that is an operation of `method`, but that a lenient server
+    ///   would read as the path of a route of `method` more specific than
+    ///   the one matched ([`Router::shadows`]): `/v1/orders/ALL/cancel` is
+    ///   `/v1/orders/{id}/cancel`'s exactly, and Express runs
+    ///   `/v1/orders/all/cancel` for it;
     /// - HEAD where a GET route protects the path (frameworks run the GET
     ///   handler for HEAD).
     pub fn route_normal(&self, method: &Method, path: &str, overridden: bool) -> Result<RouteMatch<'_>, InvalidRequest> {
@@ -480,7 +485,10 @@ impl Router {
             return Err(InvalidRequest::MethodOverride);
         }
         let found = self.route(method, path);
-        if matches!(found, RouteMatch::Operation { .. }) {
+        if let RouteMatch::Operation { route, .. } = &found {
+            if self.shadows(path, route) {
+                return Err(InvalidRequest::Ambiguous);
+            }
             return Ok(found);
         }
         if self.methods.contains(method) && self.protects(path, Some(method)) {
@@ -507,6 +515,23 @@ impl Router {
             method.is_none_or(|m| r.method == *m)
                 && (r.path.matches_loosely(&loose) || after_script.is_some_and(|rest| r.path.matches_loosely(rest)))
         })
+    }
+
+    /// Whether a route of `matched`'s method, strictly more specific than
+    /// `matched` ([`PathTemplate::cmp_specificity`]), names `path` as a
+    /// lenient server reads it, though `matched` is the exact match: a
+    /// framework that ignores letter case, cuts `;` parameters or takes a
+    /// format suffix (Rails' `:id` takes no dots, so `/v1/orders/purge.json`
+    /// is `/v1/orders/purge`) would run that route instead. Less specific or
+    /// equally specific routes that name it do not count: of them, every
+    /// router picks `matched` too. (The path after a PHP script is not
+    /// looked at here: a route may name that script itself.)
+    fn shadows(&self, path: &str, matched: &Route) -> bool {
+        let loose = normal::loose(path);
+        self.by_specificity
+            .iter()
+            .take_while(|r| r.path.cmp_specificity(&matched.path).is_lt())
+            .any(|r| r.method == matched.method && r.path.matches_loosely(&loose))
     }
 
     /// [`Router::normalise`], then [`Router::route_normal`] (without an
@@ -704,6 +729,60 @@ mod tests {
             assert_eq!(operation(&r, Method::POST, "/b/y").as_deref(), Some("params"));
             // `routes()` keeps the file order.
             assert_eq!(r.routes().len(), 5);
+        }
+    }
+
+    #[test]
+    fn an_exact_match_is_refused_when_a_more_specific_route_names_the_path_loosely() {
+        // A review: `/v1/orders/ALL/cancel` matched `{other}` exactly and was claimed as
+        // `cancel_any`, while Express and ASP.NET Core (letter case ignored) run the literal
+        // route; Rails reads `purge.json` as `purge` with a format (`:id` takes no dots).
+        let routes = vec![
+            route("cancel_any", Method::POST, "/v1/orders/{other}/cancel", 0),
+            route("cancel_all", Method::POST, "/v1/orders/all/cancel", 1),
+            route("create_by_id", Method::POST, "/v1/orders/{id}", 2),
+            route("purge", Method::POST, "/v1/orders/purge", 3),
+            route("any_kind", Method::POST, "/v1/{kind}/{id}", 4),
+            route("get_any", Method::GET, "/v1/things/{id}", 5),
+        ];
+        for order in [routes.clone(), routes.iter().rev().cloned().collect()] {
+            let r = Router::new(order, None);
+            let routed = |method: Method, path: &str| match r.route_normal(&method, path, false) {
+                Ok(RouteMatch::Operation { route, .. }) => Ok(route.operation.to_string()),
+                Ok(other) => panic!("{method} {path}: {other:?}"),
+                Err(e) => Err(e),
+            };
+            for path in [
+                "/v1/orders/ALL/cancel",
+                "/v1/orders/All/cancel",
+                "/v1/orders/all%3Bx/cancel",
+                "/v1/orders/all%20/cancel",
+                "/v1/orders/all./cancel",
+                "/v1/orders/purge.json",
+                "/v1/orders/PURGE",
+                "/v1/orders/purge%09",
+                "/v1/orders/purge%3Bx",
+                // `/v1/orders/{id}` is more specific than `/v1/{kind}/{id}`.
+                "/v1/ORDERS/5",
+            ] {
+                assert_eq!(routed(Method::POST, path), Err(InvalidRequest::Ambiguous), "{path}");
+            }
+            // Only a less specific route (`{kind}`) names these too: routed as before.
+            for (path, op) in [
+                ("/v1/orders/all/cancel", "cancel_all"),
+                ("/v1/orders/7/cancel", "cancel_any"),
+                ("/v1/orders/alligator/cancel", "cancel_any"),
+                ("/v1/orders/purge", "purge"),
+                ("/v1/orders/5", "create_by_id"),
+                ("/v1/orders/purged", "create_by_id"),
+                ("/v1/orders/7.json", "create_by_id"),
+                ("/v1/invoices/5", "any_kind"),
+                ("/v1/things/5", "any_kind"),
+            ] {
+                assert_eq!(routed(Method::POST, path).as_deref(), Ok(op), "{path}");
+            }
+            // Another method's more specific route shadows nothing.
+            assert_eq!(routed(Method::GET, "/v1/things/5").as_deref(), Ok("get_any"));
         }
     }
 

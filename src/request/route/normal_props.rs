@@ -5,7 +5,9 @@
 //! names an idempotent route. The invariant: a request is refused, or routed
 //! exactly as its normal form; and when a lenient reading of it names a route
 //! of its method (of GET, for HEAD), it is refused or routed as an operation
-//! (identity, claim), never passed through or answered 404.
+//! (identity, claim), never passed through or answered 404; and when it is
+//! routed as an operation, no route of its method more specific than the one
+//! chosen is named by the lenient reading (a framework would run that one).
 
 use std::borrow::Cow;
 
@@ -178,16 +180,25 @@ fn lenient(path: &str) -> Vec<Vec<u8>> {
     segments
 }
 
+/// Whether the lenient reading `segs` of a path names route `r`'s path.
+fn names(r: &Route, segs: &[Vec<u8>]) -> bool {
+    let tmpl: Vec<&str> = r.path.as_str().trim_start_matches('/').split('/').filter(|s| !s.is_empty()).collect();
+    tmpl.len() == segs.len() && tmpl.iter().zip(segs).all(|(t, s)| t.starts_with('{') || t.to_ascii_lowercase().as_bytes() == s.as_slice())
+}
+
 /// The route of `method` that a lenient reading of `path` names, if any.
 fn lenient_route<'a>(routes: &'a [Route], method: &str, path: &str) -> Option<&'a Route> {
     let segs = lenient(path);
     let upper = method.to_ascii_uppercase();
-    routes.iter().find(|r| {
-        let tmpl: Vec<&str> = r.path.as_str().trim_start_matches('/').split('/').filter(|s| !s.is_empty()).collect();
-        (r.method.as_str() == upper || (upper == "HEAD" && r.method == Method::GET))
-            && tmpl.len() == segs.len()
-            && tmpl.iter().zip(&segs).all(|(t, s)| t.starts_with('{') || t.to_ascii_lowercase().as_bytes() == s.as_slice())
-    })
+    routes.iter().find(|r| (r.method.as_str() == upper || (upper == "HEAD" && r.method == Method::GET)) && names(r, &segs))
+}
+
+/// A route of `chosen`'s method, strictly more specific than it, that a
+/// lenient reading of `path` names: a framework that tries routes from the
+/// most specific (or in the order they are usually written) would run it.
+fn shadowing<'a>(routes: &'a [Route], chosen: &Route, path: &str) -> Option<&'a Route> {
+    let segs = lenient(path);
+    routes.iter().find(|r| r.method == chosen.method && r.path.cmp_specificity(&chosen.path) == std::cmp::Ordering::Less && names(r, &segs))
 }
 
 /// A normal path has no `//`, no dot segment, no escape of an unreserved
@@ -237,6 +248,13 @@ fn random_spellings_are_refused_or_routed_as_their_normal_form() {
                     RouteMatch::Operation { route, .. } => {
                         operations += 1;
                         assert_eq!(route.method, method, "{what}");
+                        let shadow = shadowing(&routes, route, &path);
+                        assert!(
+                            shadow.is_none(),
+                            "{what}: routed as {} though {:?} names it",
+                            route.operation,
+                            shadow.map(|r| &r.operation)
+                        );
                     }
                     other => {
                         passed += 1;
@@ -282,6 +300,9 @@ fn normal_spellings_of_routes_are_never_refused() {
     assert_eq!(router.resolve(&post, "/v1/orders.json").err(), Some(InvalidRequest::Ambiguous));
     assert_eq!(router.resolve(&post, "/v1/orders%09").err(), Some(InvalidRequest::Ambiguous));
     assert_eq!(router.resolve(&post, "/v1/orders/7/cancel.xml").err(), Some(InvalidRequest::Ambiguous));
+    // `{id}` matches these exactly, but a framework reads them as the literal `all`.
+    assert_eq!(router.resolve(&post, "/v1/orders/ALL/cancel").err(), Some(InvalidRequest::Ambiguous));
+    assert_eq!(router.resolve(&post, "/v1/orders/all%3Bx/cancel").err(), Some(InvalidRequest::Ambiguous));
     assert_eq!(router.resolve(&Method::HEAD, "/v1/reports/1").err(), Some(InvalidRequest::HeadOfGet));
     assert!(matches!(router.resolve(&Method::HEAD, "/v1/orders"), Ok((_, RouteMatch::PassThrough { upstream: 0 }))));
     assert!(matches!(router.resolve(&post, "/v1/ordersx"), Ok((_, RouteMatch::NotFound))));

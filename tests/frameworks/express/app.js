@@ -41,10 +41,14 @@ function record(handler) {
 }
 
 app.post('/v1/orders', record('create_order'));
+// Literal routes before the parameters beside them: Express runs the first
+// that matches, letter case ignored.
+app.put('/v1/orders/all', record('replace_all'));
 app.put('/v1/orders/:order', record('replace_order'));
 app.delete('/v1/orders/:order', record('delete_order'));
 app.get('/v1/orders/:order', record('other_order'));
 app.patch('/v1/orders/:order', record('other_order'));
+app.post('/v1/orders/all/cancel', record('cancel_all'));
 app.post('/v1/orders/:order/cancel', record('cancel_order'));
 app.get('/v1/reports/:report', record('read_report'));
 app.all('/v1/elsewhere', record('elsewhere'));
