@@ -722,7 +722,7 @@ impl Gateway {
             if !body.is_empty() && crate::upstream::headers::content_coded(&parts.headers) {
                 return Err(GatewayError::ContentEncoded);
             }
-            if method_override::in_body(&body) {
+            if method_override::in_body(&parts.headers, &body) {
                 return Err(GatewayError::InvalidRequest(InvalidRequest::MethodOverride));
             }
             passthrough::try_forward(upstream, parts, Body::full(body)).await
@@ -773,7 +773,7 @@ impl Front for Enforce<'_> {
             Err(e) => return Err((e, Held::Read(parts, Body::empty()))),
         };
         self.trace.bytes_in = Some(body.len() as u64);
-        if method_override::body_read(&parts.headers) && method_override::in_body(&body) {
+        if method_override::body_read(&parts.headers) && method_override::in_body(&parts.headers, &body) {
             return Err((GatewayError::InvalidRequest(InvalidRequest::MethodOverride), Held::Read(parts, Body::empty())));
         }
         Ok((parts, body))

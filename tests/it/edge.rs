@@ -155,6 +155,14 @@ const MULTIPART_CONTENT_ID: Body = Some(("multipart/form-data; boundary=XyZ", "-
 const JSON_OUT_OF_RANGE: Body = Some(("application/json", r#"{"_method":"DELETE","n":1e400}"#));
 const TEXT_JSON: Body = Some(("text/json", r#"{"_method":"DELETE"}"#));
 const OCTET_FORM: Body = Some(("application/octet-stream", "_method=DELETE"));
+// A second review: a form that looks like JSON (Rack and PHP read its
+// fields), a part named without quotes, Laravel's JSON marker anywhere in
+// the type, and ASP.NET MVC 5's override field.
+const FORM_LOOKS_JSON: Body = Some(("application/x-www-form-urlencoded", r#"{"a":"&_method=DELETE&"}"#));
+const MULTIPART_UNQUOTED: Body =
+    Some(("multipart/form-data; boundary=XyZ", "--XyZ\r\nContent-Disposition: form-data; name=_method\r\n\r\nDELETE\r\n--XyZ--\r\n"));
+const OCTET_JSON_MARKER: Body = Some(("application/octet-stream; x=/json", r#"{"_method":"DELETE"}"#));
+const FORM_MVC: Body = Some(("application/x-www-form-urlencoded", "item=book&X-HTTP-Method-Override=DELETE"));
 const FORM_NOT_ASCII: Body = Some(("application/x-www-form-urlencoded; x=\u{ff}", "_method=DELETE"));
 
 /// One case: method, target, extra headers, body, expectation.
@@ -182,6 +190,12 @@ const OVERRIDES: &[Case] = &[
     ("POST", "/v1/orders/42", &[], MULTIPART_CONTENT_ID, Refused),
     ("POST", "/v1/orders/42", &[], JSON_OUT_OF_RANGE, Refused),
     ("POST", "/v1/orders/42", &[], TEXT_JSON, Refused),
+    ("POST", "/v1/orders/42", &[], FORM_LOOKS_JSON, Refused),
+    ("POST", "/v1/orders/42", &[], MULTIPART_UNQUOTED, Refused),
+    ("POST", "/v1/orders/42", &[], OCTET_JSON_MARKER, Refused),
+    ("POST", "/v1/orders/42", &[], FORM_MVC, Refused),
+    ("POST", "/v1/orders/42?X-HTTP-Method-Override=DELETE", &[], None, Refused),
+    ("POST", "/v1/orders", &[], FORM_LOOKS_JSON, RefusedAfterIdentity),
     // PHP reads a leading `.` or space, and stops at a NUL, as `_method`.
     ("POST", "/v1/orders/42?.method=DELETE", &[], None, Refused),
     ("POST", "/v1/orders/42?%20.method=DELETE", &[], None, Refused),

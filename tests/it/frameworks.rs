@@ -161,6 +161,23 @@ const SIGNALS: &[Signal] = &[
         query: "",
         body: Some((Some("application/x-www-form-urlencoded"), "item=book&_method=DELETE")),
     },
+    // A form that looks like JSON is still a form to Rack and Express
+    // (`{"a":"` is one field's name), and Rack takes a part's name unquoted.
+    Signal {
+        name: "_method form that looks like JSON",
+        headers: &[],
+        query: "",
+        body: Some((Some("application/x-www-form-urlencoded"), r#"{"a":"&_method=DELETE&"}"#)),
+    },
+    Signal {
+        name: "_method multipart, unquoted name",
+        headers: &[],
+        query: "",
+        body: Some((
+            Some("multipart/form-data; boundary=XyZ"),
+            "--XyZ\r\nContent-Disposition: form-data; name=_method\r\n\r\nDELETE\r\n--XyZ--\r\n",
+        )),
+    },
     Signal {
         name: "_method multipart Content-ID",
         headers: &[],
