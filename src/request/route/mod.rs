@@ -523,9 +523,10 @@ impl Router {
     /// framework that ignores letter case, cuts `;` parameters or takes a
     /// format suffix (Rails' `:id` takes no dots, so `/v1/orders/purge.json`
     /// is `/v1/orders/purge`) would run that route instead. Less specific or
-    /// equally specific routes that name it do not count: of them, every
-    /// router picks `matched` too. (The path after a PHP script is not
-    /// looked at here: a route may name that script itself.)
+    /// equally specific routes that name it do not count: a router that
+    /// prefers the more specific route (or has the literal first, as they
+    /// are usually written) picks `matched` over them. (The path after a PHP
+    /// script is not looked at here: a route may name that script itself.)
     fn shadows(&self, path: &str, matched: &Route) -> bool {
         let loose = normal::loose(path);
         self.by_specificity
