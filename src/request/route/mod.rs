@@ -528,11 +528,18 @@ impl Router {
     /// are usually written) picks `matched` over them. (The path after a PHP
     /// script is not looked at here: a route may name that script itself.)
     fn shadows(&self, path: &str, matched: &Route) -> bool {
-        let loose = normal::loose(path);
-        self.by_specificity
+        let mut stricter = self
+            .by_specificity
             .iter()
             .take_while(|r| r.path.cmp_specificity(&matched.path).is_lt())
-            .any(|r| r.method == matched.method && r.path.matches_loosely(&loose))
+            .filter(|r| r.method == matched.method)
+            .peekable();
+        // Most routes have none: the path is not taken apart for them.
+        if stricter.peek().is_none() {
+            return false;
+        }
+        let loose = normal::loose(path);
+        stricter.any(|r| r.path.matches_loosely(&loose))
     }
 
     /// [`Router::normalise`], then [`Router::route_normal`] (without an
