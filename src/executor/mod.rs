@@ -542,7 +542,8 @@ impl Executor {
         let started = Instant::now();
         if tokio::time::Instant::now() >= deadline {
             let detail = "the attempt's deadline passed before its request could leave".to_owned();
-            return Exchange::NotSent(UpstreamError::NotSent { upstream: upstream.name().to_owned(), detail });
+            let kind = crate::telemetry::metrics::UpstreamErrorKind::Reset;
+            return Exchange::NotSent(UpstreamError::NotSent { upstream: upstream.name().to_owned(), detail, kind });
         }
         let key_value = match route.key.forward {
             ForwardKey::Derived => {

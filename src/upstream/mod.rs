@@ -60,8 +60,9 @@ pub struct UpstreamConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Executed {
     /// The request never left idemgate (connection refused, DNS, connect
-    /// timeout, a connection that closed before taking the request):
-    /// releasing the key is safe.
+    /// timeout, a connection that closed before taking the request), or the
+    /// upstream said it did not process it (an HTTP/2 refusal or GOAWAY, a
+    /// refused client certificate): releasing the key is safe.
     No,
     /// The request was handed to a connection: the upstream may have acted.
     Maybe,
@@ -71,9 +72,12 @@ pub enum Executed {
 pub enum UpstreamError {
     #[error("cannot connect to upstream {upstream}: {detail}")]
     Connect { upstream: String, detail: String, kind: UpstreamErrorKind },
-    /// A connection closed before it took the request: nothing was written.
-    #[error("upstream {upstream} closed the connection before the request was sent: {detail}")]
-    NotSent { upstream: String, detail: String },
+    /// The request was handed over but provably not processed: a connection
+    /// that closed before it took the request (nothing was written), an
+    /// HTTP/2 stream the upstream refused or left past its GOAWAY, or a
+    /// client certificate the upstream refused (see [`unprocessed`]).
+    #[error("upstream {upstream} did not process the request: {detail}")]
+    NotSent { upstream: String, detail: String, kind: UpstreamErrorKind },
     #[error("upstream {upstream} did not answer within {timeout:?}")]
     Timeout { upstream: String, timeout: Duration },
     #[error("exchange with upstream {upstream} failed: {detail}")]
@@ -86,8 +90,7 @@ impl UpstreamError {
     /// What kind of failure it was (`idemgate_upstream_errors_total{kind}`).
     pub fn kind(&self) -> UpstreamErrorKind {
         match self {
-            UpstreamError::Connect { kind, .. } | UpstreamError::Broken { kind, .. } => *kind,
-            UpstreamError::NotSent { .. } => UpstreamErrorKind::Reset,
+            UpstreamError::Connect { kind, .. } | UpstreamError::Broken { kind, .. } | UpstreamError::NotSent { kind, .. } => *kind,
             UpstreamError::Timeout { .. } => UpstreamErrorKind::Timeout,
             UpstreamError::InvalidRequest(_) => UpstreamErrorKind::Other,
         }
@@ -151,6 +154,73 @@ pub fn kind_of(e: &(dyn std::error::Error + 'static)) -> UpstreamErrorKind {
         next = e.source();
     }
     UpstreamErrorKind::Other
+}
+
+/// Whether an exchange's error proves that the upstream did not process the
+/// request, from typed facts along its chain (never from its text):
+/// - hyper handed the request back unwritten (`is_canceled`: the connection
+///   closed or was not ready before it took the request);
+/// - HTTP/2: a GOAWAY from the upstream whose last stream id is below the
+///   request's stream (h2 gives that error to those streams only, and to
+///   requests that had no stream yet), or the upstream reset the stream with
+///   `REFUSED_STREAM`: either means "not processed" (RFC 9113, sections 6.8
+///   and 8.7);
+/// - the upstream refused idemgate's client certificate: a TLS alert about
+///   the certificate. In TLS 1.3 it arrives after the client considers the
+///   handshake done, where the response would; but the upstream's TLS stack
+///   refused the handshake, so nothing sent after it reached the service.
+///
+/// Anything else after the hand-over may have executed.
+pub fn unprocessed(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(e);
+    while let Some(e) = next {
+        if e.downcast_ref::<hyper::Error>().is_some_and(hyper::Error::is_canceled) {
+            return true;
+        }
+        if let Some(h2) = e.downcast_ref::<h2::Error>() {
+            let refused = h2.is_reset() && h2.reason() == Some(h2::Reason::REFUSED_STREAM);
+            if h2.is_remote() && (h2.is_go_away() || refused) {
+                return true;
+            }
+            // An I/O error under h2 is not its `source()`.
+            if h2.get_io().is_some_and(refused_certificate) {
+                return true;
+            }
+        }
+        if let Some(io) = e.downcast_ref::<std::io::Error>()
+            && refused_certificate(io)
+        {
+            return true;
+        }
+        if e.downcast_ref::<rustls::Error>().is_some_and(certificate_alert) {
+            return true;
+        }
+        next = e.source();
+    }
+    false
+}
+
+/// An I/O error that carries (hidden from `source()`) a TLS alert refusing
+/// our certificate.
+fn refused_certificate(io: &std::io::Error) -> bool {
+    io.get_ref().and_then(|inner| inner.downcast_ref::<rustls::Error>()).is_some_and(certificate_alert)
+}
+
+/// A fatal alert from the peer saying it refused the certificate we presented.
+fn certificate_alert(e: &rustls::Error) -> bool {
+    use rustls::AlertDescription as A;
+    matches!(
+        e,
+        rustls::Error::AlertReceived(
+            A::CertificateRequired
+                | A::BadCertificate
+                | A::UnsupportedCertificate
+                | A::CertificateRevoked
+                | A::CertificateExpired
+                | A::CertificateUnknown
+                | A::UnknownCA
+        )
+    )
 }
 
 /// One configured upstream and its connection pool.
@@ -310,7 +380,19 @@ impl Upstream {
     }
 
     /// Through hyper-util's client: https upstreams, CONNECT.
-    async fn legacy(&self, req: Request<Body>) -> Result<Response<ResponseBody>, UpstreamError> {
+    ///
+    /// An https upstream is named by its own authority, not the client's
+    /// `Host`: over HTTP/2 the authority is `:authority` (the URI's), and a
+    /// `Host` beside it is malformed when it differs (RFC 9113, section
+    /// 8.3.1) and refused by nginx 1.22 even when equal ("client sent
+    /// duplicate host header", 400, recorded as the write's answer); over
+    /// HTTP/1.1 hyper-util then writes `Host` from the URI, the name the
+    /// TLS handshake (SNI) used. Which protocol a request gets is only known
+    /// once hyper-util picked its connection, so both drop the client's.
+    async fn legacy(&self, mut req: Request<Body>) -> Result<Response<ResponseBody>, UpstreamError> {
+        if req.method() != Method::CONNECT && self.config.url.scheme() == Some(&http::uri::Scheme::HTTPS) {
+            req.headers_mut().remove(http::header::HOST);
+        }
         match self.client.request(req).await {
             Ok(mut resp) => {
                 if let Some(addr) = resp.extensions().get::<hyper_util::client::legacy::connect::HttpInfo>().map(|i| i.remote_addr()) {
@@ -320,6 +402,9 @@ impl Upstream {
             }
             Err(e) if e.is_connect() => {
                 Err(UpstreamError::Connect { upstream: self.config.name.clone(), detail: error_chain(&e), kind: kind_of(&e) })
+            }
+            Err(e) if unprocessed(&e) => {
+                Err(UpstreamError::NotSent { upstream: self.config.name.clone(), detail: error_chain(&e), kind: kind_of(&e) })
             }
             Err(e) => Err(UpstreamError::Broken { upstream: self.config.name.clone(), detail: error_chain(&e), kind: kind_of(&e) }),
         }
@@ -406,6 +491,22 @@ mod tests {
         assert_eq!(u.uri_for(Some(&pq)).unwrap().to_string(), "http://127.0.0.1:9000/api/v1/orders?x=1");
         let bare = upstream("http://127.0.0.1:9000");
         assert_eq!(bare.uri_for(Some(&pq)).unwrap().to_string(), "http://127.0.0.1:9000/v1/orders?x=1");
+    }
+
+    /// Only an alert that refuses our certificate, a refusal from the HTTP/2
+    /// peer or a request handed back proves "not processed".
+    #[test]
+    fn only_typed_refusals_prove_a_request_unprocessed() {
+        use rustls::AlertDescription as A;
+        let alert = |a| std::io::Error::other(rustls::Error::AlertReceived(a));
+        for refused in [A::UnknownCA, A::CertificateRequired, A::BadCertificate, A::CertificateExpired] {
+            assert!(unprocessed(&alert(refused)), "{refused:?}");
+        }
+        assert!(!unprocessed(&alert(A::DecryptError)));
+        assert!(!unprocessed(&alert(A::CloseNotify)));
+        assert!(!unprocessed(&std::io::Error::from(std::io::ErrorKind::ConnectionReset)));
+        // A reason h2 made up itself, not the upstream's RST_STREAM or GOAWAY.
+        assert!(!unprocessed(&h2::Error::from(h2::Reason::REFUSED_STREAM)));
     }
 
     #[tokio::test]

@@ -229,7 +229,13 @@ impl Http1Pool {
                     retries += 1;
                     req = *unsent;
                 }
-                Err(Failed::Unsent(_, e)) => return Err(UpstreamError::NotSent { upstream: upstream.to_owned(), detail: error_chain(&e) }),
+                Err(Failed::Unsent(_, e)) => {
+                    return Err(UpstreamError::NotSent {
+                        upstream: upstream.to_owned(),
+                        detail: error_chain(&e),
+                        kind: super::kind_of(&e),
+                    });
+                }
                 Err(Failed::Broken(e)) => {
                     return Err(UpstreamError::Broken { upstream: upstream.to_owned(), detail: error_chain(&e), kind: super::kind_of(&e) });
                 }

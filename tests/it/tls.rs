@@ -826,3 +826,154 @@ async fn a_silent_tls_connection_to_the_admin_listener_is_closed() {
     let r = h1_send(admin, pki.client_config(None, &[b"http/1.1"]), "GET", "/healthz", &[], "").await.unwrap();
     assert_eq!(r.status, 200);
 }
+
+/// Sends `writes` first requests with distinct keys (`{prefix}{n}`) through
+/// `url`, `concurrency` at a time; every answer with its key.
+async fn distinct_writes(url: &str, prefix: &str, writes: usize, concurrency: usize) -> Vec<(String, support::Resp)> {
+    let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let clients: Vec<_> = (0..concurrency)
+        .map(|_| {
+            let (next, url, prefix) = (next.clone(), url.to_owned(), prefix.to_owned());
+            tokio::spawn(async move {
+                let mut answers = Vec::new();
+                loop {
+                    let n = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if n >= writes {
+                        return answers;
+                    }
+                    let key = format!("{prefix}{n}");
+                    let r = post(&url, &key, ORDER, &[]).await;
+                    answers.push((key, r));
+                }
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for c in clients {
+        all.extend(c.await.unwrap());
+    }
+    all
+}
+
+/// An https upstream behind nginx with HTTP/2 on, everything else at its
+/// defaults: nginx ends each connection after `keepalive_requests` (1000)
+/// requests with a GOAWAY, and streams idemgate opened past its last stream
+/// id (or that nginx refused) never reached the upstream. Across several
+/// such connections, every answer is a 2xx or a 5xx whose key was released;
+/// no record is `unknown`, and the upstream ran exactly the completed ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_h2_upstream_behind_nginx_going_away_after_1000_requests_leaves_nothing_unknown() {
+    let pki = Pki::new("upstream CA");
+    let cert = pki.server(Alg::EcdsaP256);
+    let up = TestUpstream::start().await;
+    let Some(nginx) = support::nginx::Nginx::start_https(up.addr.port(), &cert, None) else { return };
+    let backend = postgres_backend();
+    let gw = Gateway::start(
+        GatewayConfig::new(backend.clone(), format!("https://localhost:{}", nginx.port))
+            .timeout("10s")
+            .upstream(&format!("ca_file = \"{}\"", pki.ca_file.display())),
+    );
+    let store = backend.open().await;
+    let answers = distinct_writes(&gw.url("/v1/orders"), "ga", 2600, 32).await;
+    let mut statuses = std::collections::BTreeMap::<u16, usize>::new();
+    let mut kept = Vec::new();
+    for (key, r) in &answers {
+        *statuses.entry(r.status).or_default() += 1;
+        if (200..300).contains(&r.status) {
+            continue;
+        }
+        assert!(r.status >= 500, "{key}: {r:?}\n{}", nginx.error_log());
+        if let Some(rec) = settled_record(&store, key).await {
+            kept.push(format!("{key}: {} {}, record {:?}", r.status, r.problem(), rec.state));
+        }
+    }
+    let why: Vec<String> = gw.logs().lines().filter(|l| l.contains("exchange with upstream")).take(3).map(str::to_owned).collect();
+    assert!(kept.is_empty(), "answers {statuses:?}; failed writes whose key was kept: {kept:?}\n{why:#?}");
+    let all = store.list(&idemgate::store::ListFilter { limit: 10_000, ..Default::default() }).await.expect("list");
+    let count = |state: State| all.iter().filter(|r| r.state == state).count();
+    let metrics = send("GET", &gw.admin_url("/metrics"), &[], "").await.unwrap();
+    let errors: Vec<String> = String::from_utf8_lossy(&metrics.body)
+        .lines()
+        .filter(|l| l.starts_with("idemgate_upstream_errors_total") || l.contains(r#"outcome="unknown""#))
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(count(State::Unknown), 0, "answers {statuses:?}; {errors:?}");
+    assert_eq!(up.total() as usize, count(State::Completed), "answers {statuses:?}; {errors:?}");
+    assert_eq!(all.len(), count(State::Completed), "every record is completed");
+    assert!(up.ledger().values().all(|&n| n == 1), "no write ran twice");
+    eprintln!("answers {statuses:?}; {errors:?}");
+}
+
+/// A rustls upstream that requires client certificates issued by
+/// `client_ca`, offering `alpn`; counts the connections whose handshake it
+/// accepted (no request can reach it over any other).
+async fn client_certificate_upstream(
+    cert: Issued,
+    client_ca: &std::path::Path,
+    alpn: Vec<&'static [u8]>,
+) -> (std::net::SocketAddr, std::sync::Arc<std::sync::atomic::AtomicUsize>, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let settings = idemgate::tls::server::ListenerTls {
+        cert_file: cert.cert_file.clone(),
+        key_file: cert.key_file.clone(),
+        client_ca_file: Some(client_ca.to_owned()),
+        client_auth: idemgate::tls::server::ClientAuth::Required,
+        handshake_timeout: Duration::from_secs(5),
+    };
+    let tls = std::sync::Arc::new(idemgate::tls::server::TlsListener::new("test", settings, alpn).unwrap());
+    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = accepted.clone();
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((sock, _)) = listener.accept().await else { return };
+            let (tls, counted) = (tls.clone(), counted.clone());
+            tokio::spawn(async move {
+                if let Ok(conn) = tls.handshake(sock).await {
+                    counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                    drop(conn);
+                }
+            });
+        }
+    });
+    (addr, accepted, task)
+}
+
+/// An https upstream that refuses idemgate's client certificate (issued by a
+/// CA it does not trust). In TLS 1.3 the client's handshake is over once it
+/// sent its certificate and Finished, so the refusal (a TLS alert) arrives
+/// where the response would: the request went nowhere but into a handshake
+/// the upstream refused. Over HTTP/1.1 and HTTP/2 alike: 503
+/// `upstream-unavailable`, the key released, nothing reached the upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_refusing_the_client_certificate_releases_the_key() {
+    let pki = Pki::new("upstream CA");
+    let trusted_clients = Pki::new("clients the upstream trusts");
+    let stranger = Pki::new("another CA");
+    let ours = stranger.client("idemgate", None, None);
+    for alpn in [vec![&b"http/1.1"[..]], vec![&b"h2"[..], &b"http/1.1"[..]]] {
+        let label: Vec<_> = alpn.iter().map(|p| String::from_utf8_lossy(p).into_owned()).collect();
+        let (addr, accepted, task) = client_certificate_upstream(pki.server(Alg::EcdsaP256), &trusted_clients.ca_file, alpn).await;
+        let backend = sqlite_backend();
+        let gw = Gateway::start(GatewayConfig::new(backend.clone(), format!("https://localhost:{}", addr.port())).upstream(&format!(
+            "ca_file = \"{}\"\nclient_cert_file = \"{}\"\nclient_key_file = \"{}\"",
+            pki.ca_file.display(),
+            ours.cert_file.display(),
+            ours.key_file.display()
+        )));
+        let r = post(&gw.url("/v1/orders"), "k-cert", ORDER, &[]).await;
+        let store = backend.open().await;
+        let rec = settled_record(&store, "k-cert").await;
+        let why: Vec<String> = gw.logs().lines().filter(|l| l.contains("upstream")).take(3).map(str::to_owned).collect();
+        assert_eq!(
+            (r.status, r.problem().as_str()),
+            (503, "upstream-unavailable"),
+            "{label:?}: {r:?}, record {:?}\n{why:#?}",
+            rec.map(|r| r.state)
+        );
+        assert!(rec.is_none(), "{label:?}: the key was released");
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 0, "{label:?}: no handshake was accepted");
+        task.abort();
+    }
+}
