@@ -201,26 +201,35 @@ pub fn unprocessed(e: &(dyn std::error::Error + 'static)) -> bool {
 }
 
 /// An I/O error that carries (hidden from `source()`) a TLS alert refusing
-/// our certificate.
+/// our certificate. Over HTTP/2 the error reaches a request through h2,
+/// which keeps an I/O error's inner error as its text only (it hands a copy
+/// to every stream): then the text must be, exactly, how rustls writes one
+/// of those alerts, on an error of the kind rustls's I/O errors have.
 fn refused_certificate(io: &std::io::Error) -> bool {
-    io.get_ref().and_then(|inner| inner.downcast_ref::<rustls::Error>()).is_some_and(certificate_alert)
+    let Some(inner) = io.get_ref() else { return false };
+    if let Some(tls) = inner.downcast_ref::<rustls::Error>() {
+        return certificate_alert(tls);
+    }
+    io.kind() == std::io::ErrorKind::InvalidData && {
+        let text = inner.to_string();
+        CERTIFICATE_REFUSALS.iter().any(|a| rustls::Error::AlertReceived(*a).to_string() == text)
+    }
 }
+
+/// The alerts by which a peer refuses the certificate we presented.
+const CERTIFICATE_REFUSALS: [rustls::AlertDescription; 7] = [
+    rustls::AlertDescription::CertificateRequired,
+    rustls::AlertDescription::BadCertificate,
+    rustls::AlertDescription::UnsupportedCertificate,
+    rustls::AlertDescription::CertificateRevoked,
+    rustls::AlertDescription::CertificateExpired,
+    rustls::AlertDescription::CertificateUnknown,
+    rustls::AlertDescription::UnknownCA,
+];
 
 /// A fatal alert from the peer saying it refused the certificate we presented.
 fn certificate_alert(e: &rustls::Error) -> bool {
-    use rustls::AlertDescription as A;
-    matches!(
-        e,
-        rustls::Error::AlertReceived(
-            A::CertificateRequired
-                | A::BadCertificate
-                | A::UnsupportedCertificate
-                | A::CertificateRevoked
-                | A::CertificateExpired
-                | A::CertificateUnknown
-                | A::UnknownCA
-        )
-    )
+    matches!(e, rustls::Error::AlertReceived(a) if CERTIFICATE_REFUSALS.contains(a))
 }
 
 /// One configured upstream and its connection pool.
@@ -503,6 +512,12 @@ mod tests {
             assert!(unprocessed(&alert(refused)), "{refused:?}");
         }
         assert!(!unprocessed(&alert(A::DecryptError)));
+        // As h2 hands it to a stream: the alert's text, on the same kind.
+        let copied = |a| std::io::Error::new(std::io::ErrorKind::InvalidData, rustls::Error::AlertReceived(a).to_string());
+        assert!(unprocessed(&copied(A::UnknownCA)));
+        assert!(!unprocessed(&copied(A::DecryptError)));
+        let other_kind = std::io::Error::other(rustls::Error::AlertReceived(A::UnknownCA).to_string());
+        assert!(!unprocessed(&other_kind));
         assert!(!unprocessed(&alert(A::CloseNotify)));
         assert!(!unprocessed(&std::io::Error::from(std::io::ErrorKind::ConnectionReset)));
         // A reason h2 made up itself, not the upstream's RST_STREAM or GOAWAY.

@@ -889,7 +889,11 @@ async fn an_h2_upstream_behind_nginx_going_away_after_1000_requests_leaves_nothi
     }
     let why: Vec<String> = gw.logs().lines().filter(|l| l.contains("exchange with upstream")).take(3).map(str::to_owned).collect();
     assert!(kept.is_empty(), "answers {statuses:?}; failed writes whose key was kept: {kept:?}\n{why:#?}");
-    let all = store.list(&idemgate::store::ListFilter { limit: 10_000, ..Default::default() }).await.expect("list");
+    // Result writes may still be landing after the last answer went out.
+    let list = || async { store.list(&idemgate::store::ListFilter { limit: 10_000, ..Default::default() }).await.expect("list") };
+    let settled = || async { list().await.iter().all(|r| r.state != State::InFlight) };
+    assert!(eventually(Duration::from_secs(20), settled).await, "every record settles");
+    let all = list().await;
     let count = |state: State| all.iter().filter(|r| r.state == state).count();
     let metrics = send("GET", &gw.admin_url("/metrics"), &[], "").await.unwrap();
     let errors: Vec<String> = String::from_utf8_lossy(&metrics.body)
@@ -944,8 +948,12 @@ async fn client_certificate_upstream(
 /// CA it does not trust). In TLS 1.3 the client's handshake is over once it
 /// sent its certificate and Finished, so the refusal (a TLS alert) arrives
 /// where the response would: the request went nowhere but into a handshake
-/// the upstream refused. Over HTTP/1.1 and HTTP/2 alike: 503
-/// `upstream-unavailable`, the key released, nothing reached the upstream.
+/// the upstream refused. Over HTTP/1.1: 503 `upstream-unavailable`, the key
+/// released, nothing reached the upstream. Over HTTP/2 the alert reaches the
+/// request only when h2 hands the connection's error to its stream; when the
+/// stream learns of the closed connection first, all it gets is a broken
+/// pipe, which proves nothing, and the record stays `unknown` (seen in about
+/// one run in four here). Either way nothing reached the upstream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_refusing_the_client_certificate_releases_the_key() {
     let pki = Pki::new("upstream CA");
@@ -966,13 +974,10 @@ async fn an_upstream_refusing_the_client_certificate_releases_the_key() {
         let store = backend.open().await;
         let rec = settled_record(&store, "k-cert").await;
         let why: Vec<String> = gw.logs().lines().filter(|l| l.contains("upstream")).take(3).map(str::to_owned).collect();
-        assert_eq!(
-            (r.status, r.problem().as_str()),
-            (503, "upstream-unavailable"),
-            "{label:?}: {r:?}, record {:?}\n{why:#?}",
-            rec.map(|r| r.state)
-        );
-        assert!(rec.is_none(), "{label:?}: the key was released");
+        let h2 = label.len() > 1;
+        let released = (r.status, r.problem().as_str()) == (503, "upstream-unavailable") && rec.is_none();
+        let unknown = (r.status, r.problem().as_str()) == (504, "outcome-unknown") && rec.as_ref().map(|r| r.state) == Some(State::Unknown);
+        assert!(released || (h2 && unknown), "{label:?}: {r:?}, record {:?}\n{why:#?}", rec.map(|r| r.state));
         assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 0, "{label:?}: no handshake was accepted");
         task.abort();
     }
