@@ -475,7 +475,7 @@ impl Router {
     ///   (`normal::loose`, `normal::names_loosely`);
     /// - a path that is an operation of `method`, but that a lenient server
     ///   would read as the path of a route of `method` more specific than
-    ///   the one matched ([`Router::shadows`]): `/v1/orders/ALL/cancel` is
+    ///   the one matched (`Router::shadows`): `/v1/orders/ALL/cancel` is
     ///   `/v1/orders/{id}/cancel`'s exactly, and Express runs
     ///   `/v1/orders/all/cancel` for it;
     /// - HEAD where a GET route protects the path (frameworks run the GET
