@@ -117,7 +117,7 @@ async fn check_postgres(url: &Secret, backend: &StoreBackend, bound: Duration) -
         // closed on the server session that prepared it, behind a pooler in
         // transaction mode too.
         client.batch_execute("BEGIN READ ONLY").await.map_err(|e| error_chain(&e))?;
-        let mut found = PgFindings::read(&client).await;
+        let mut found = PgFindings::read(&client, matches!(backend, StoreBackend::Citus { .. })).await;
         if let (Ok(found), StoreBackend::Citus { .. }) = (&mut found, backend) {
             found.cluster = Some(citus_cluster(&client).await);
         }
@@ -229,7 +229,7 @@ const TABLE_PRIVILEGES: [&str; 4] = ["SELECT", "INSERT", "UPDATE", "DELETE"];
 
 impl PgFindings {
     /// Reads only: catalog queries and the applied migrations.
-    async fn read(client: &tokio_postgres::Client) -> Result<PgFindings, String> {
+    async fn read(client: &tokio_postgres::Client, citus: bool) -> Result<PgFindings, String> {
         let e = |e: tokio_postgres::Error| error_chain(&e);
         let row = client
             .query_one(
@@ -261,6 +261,15 @@ impl PgFindings {
             Vec::new()
         };
         found.pending = crate::store::migrations::POSTGRES.iter().filter(|m| !applied.contains(&m.version)).map(|m| m.name).collect();
+        // Recorded without the log (an earlier version on a database with
+        // the Citus extension): `migrate` applies them again.
+        let log = crate::store::migrations::EVENT_LOG;
+        if !citus && log.iter().all(|v| applied.contains(v)) {
+            let missing: bool = client.query_one("SELECT to_regclass('idemgate_event_rotation') IS NULL", &[]).await.map_err(e)?.get(0);
+            if missing {
+                found.pending.extend(crate::store::migrations::POSTGRES.iter().filter(|m| log.contains(&m.version)).map(|m| m.name));
+            }
+        }
 
         let objects = client
             .query(

@@ -75,8 +75,13 @@ impl FingerprintHistory {
         }
         let arrived = Instant::now();
         let mut asked_at = self.asked_at.lock().await;
+        // Read meanwhile (by a mismatch that held the lock), or since this
+        // request arrived: nothing newer to wait for.
+        if let Some(spec) = self.known(digest) {
+            return Some(spec);
+        }
         if asked_at.is_some_and(|at| at >= arrived) {
-            return self.known(digest);
+            return None;
         }
         if let Some(at) = *asked_at {
             tokio::time::sleep_until(at + REREAD).await;

@@ -49,6 +49,10 @@ migrations! {
     19 "0019_fingerprint_specs",
 }
 
+/// The PostgreSQL migrations that create the event log (nothing on a Citus
+/// store; see `0015_event_log.sql`).
+pub const EVENT_LOG: [i64; 3] = [15, 16, 17];
+
 /// The `idemgate_settings` row holding the derived-key secret.
 pub const DERIVED_KEY_SECRET: &str = "derived_key_secret";
 

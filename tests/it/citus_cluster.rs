@@ -443,10 +443,43 @@ async fn a_postgres_store_on_a_database_with_the_citus_extension_writes_and_deli
     let recorded: i64 =
         db.query_one("SELECT count(*) FROM idemgate_schema_migrations WHERE version IN (15, 16, 17)", &[]).await.unwrap().get(0);
     assert_eq!(recorded, 3);
+    let checked = check_config("postgres", &earlier);
+    let line = checked.lines().find(|l| l.starts_with("store schema: ")).unwrap_or_else(|| panic!("{checked}"));
+    assert!(
+        line.contains("3 migration(s) not applied") && line.contains("0015_event_log, 0016_event_log_seq, 0017_event_log_floor"),
+        "{line}"
+    );
     let applied = migrate(&postgres_store(&earlier)).await.expect("migrate again");
     assert_eq!(applied, ["0015_event_log", "0016_event_log_seq", "0017_event_log_floor"]);
     assert_eq!(migrate(&postgres_store(&earlier)).await.expect("up to date"), Vec::<String>::new());
+    let checked = check_config("postgres", &earlier);
+    assert!(checked.contains("store schema: ok (all 19 migrations applied)"), "{checked}");
     crate::events::final_state_changes_are_delivered_signed_once_each(support::Backend::Postgres { url: earlier }).await;
+}
+
+/// What `idemgate check-config --connect` prints for a store of `kind` at
+/// `url` (one route, its upstream a bound port nothing answers on).
+fn check_config(kind: &str, url: &str) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let config = format!(
+        "[store]\nkind = \"{kind}\"\nurl = \"{url}\"\n\
+         [[identity.sources]]\nkind = \"api_key\"\nkeys = [ {{ sha256 = \"{}\", tenant = \"t\", principal = \"p\" }} ]\n\
+         [[upstreams]]\nname = \"u\"\nurl = \"http://{}\"\n\
+         [[routes]]\noperation = \"op\"\nmethod = \"POST\"\npath = \"/op\"\nupstream = \"u\"\n",
+        "0".repeat(64),
+        upstream.local_addr().unwrap()
+    );
+    let path = dir.path().join("c.toml");
+    std::fs::write(&path, config).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .args(["check-config", "--connect", "--config"])
+        .arg(&path)
+        .env_remove("IDEMGATE_CONFIG")
+        .env("IDEMGATE_LOG", "warn")
+        .output()
+        .expect("run idemgate");
+    String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
 }
 
 /// `check-config --connect` on kind = "citus" reports the cluster: the
@@ -459,28 +492,7 @@ async fn check_config_connect_reports_the_nodes_and_the_distributed_schema() {
     }
     let cluster = citus::shared();
     let url = cluster.create_unique_database("check").expect("database");
-    let dir = tempfile::tempdir().unwrap();
-    let upstream = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let check = |url: &str| {
-        let config = format!(
-            "[store]\nkind = \"citus\"\nurl = \"{url}\"\n\
-             [[identity.sources]]\nkind = \"api_key\"\nkeys = [ {{ sha256 = \"{}\", tenant = \"t\", principal = \"p\" }} ]\n\
-             [[upstreams]]\nname = \"u\"\nurl = \"http://{}\"\n\
-             [[routes]]\noperation = \"op\"\nmethod = \"POST\"\npath = \"/op\"\nupstream = \"u\"\n",
-            "0".repeat(64),
-            upstream.local_addr().unwrap()
-        );
-        let path = dir.path().join("c.toml");
-        std::fs::write(&path, config).unwrap();
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
-            .args(["check-config", "--connect", "--config"])
-            .arg(&path)
-            .env_remove("IDEMGATE_CONFIG")
-            .env("IDEMGATE_LOG", "warn")
-            .output()
-            .expect("run idemgate");
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
-    };
+    let check = |url: &str| check_config("citus", url);
     let before = check(&url);
     assert!(before.contains("store cluster: ok (a coordinator and 2 active worker node(s); no idemgate schema yet"), "{before}");
     migrate(&citus_store(&url)).await.expect("migrate");

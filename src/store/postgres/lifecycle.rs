@@ -5,7 +5,7 @@ use super::{Conn, PING_BOUND, PgStore, citus, migration_error, replan, up_to_dat
 use crate::idempotency::record::Timestamp;
 use crate::store::StoreError;
 use crate::store::contract::Lifecycle;
-use crate::store::migrations::{DERIVED_KEY_SECRET, PG_LOCK_KEY, POSTGRES, fresh_secret};
+use crate::store::migrations::{DERIVED_KEY_SECRET, EVENT_LOG, PG_LOCK_KEY, POSTGRES, fresh_secret};
 use async_trait::async_trait;
 
 pub(super) const SETTING: &str = "SELECT value FROM idemgate_settings WHERE name = $1";
@@ -17,9 +17,6 @@ pub(super) const PROBE_WRITE: &str = "SELECT txid_current(), \
      has_table_privilege('idemgate_records', 'INSERT') \
      AND has_table_privilege('idemgate_records', 'UPDATE') \
      AND has_table_privilege('idemgate_records', 'DELETE')";
-
-/// The migrations that create the event log (PostgreSQL only).
-pub(super) const EVENT_LOG: [i64; 3] = [15, 16, 17];
 
 /// Whether the event log's migrations are recorded as applied but the log
 /// is missing: what versions before the `idemgate.store_kind` setting left
