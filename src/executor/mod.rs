@@ -573,7 +573,7 @@ impl Executor {
             self.metrics.observe_upstream(upstream.name(), started.elapsed());
             return Exchange::Declined { head, body, no_store };
         }
-        let read = read_upstream_body(body, route.record.max_stored_response, deadline).await;
+        let read = read_upstream_body(body, route.record.max_stored_response, deadline, declared_length(&head)).await;
         self.metrics.observe_upstream(upstream.name(), started.elapsed());
         match read {
             Ok(body) => Exchange::Answered { head, body },
@@ -683,15 +683,42 @@ fn failed(e: UpstreamError) -> Exchange {
     }
 }
 
+/// The length a response's head declares for its body (`Content-Length`),
+/// where it has one (not a 204 or 304).
+fn declared_length(head: &http::response::Parts) -> Option<u64> {
+    if matches!(head.status, http::StatusCode::NO_CONTENT | http::StatusCode::NOT_MODIFIED) {
+        return None;
+    }
+    head.headers.get(http::header::CONTENT_LENGTH)?.to_str().ok()?.trim().parse().ok()
+}
+
 /// Reads an upstream response body up to `limit` bytes, within `deadline`.
-/// A failure mid-body means the upstream acted but the answer is lost.
-async fn read_upstream_body(mut body: ResponseBody, limit: u64, deadline: tokio::time::Instant) -> Result<UpstreamBody, UpstreamError> {
+/// A failure mid-body means the upstream acted but the answer is lost. So
+/// does a body that ends short of the length its head declared: hyper ends
+/// an HTTP/2 body reset with `NO_ERROR` as complete (RFC 9113 lets a server
+/// stop a request's upload that way after a full response), and a front
+/// whose own backend died mid-answer does just that.
+async fn read_upstream_body(
+    mut body: ResponseBody,
+    limit: u64,
+    deadline: tokio::time::Instant,
+    declared: Option<u64>,
+) -> Result<UpstreamBody, UpstreamError> {
     use http_body_util::BodyExt;
     let mut buf = bytes::BytesMut::new();
     loop {
         let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
             Err(_) => return Err(UpstreamError::Timeout { upstream: "response body".into(), timeout: Duration::ZERO }),
-            Ok(None) => return Ok(UpstreamBody::Complete(buf.freeze())),
+            Ok(None) => match declared {
+                Some(n) if n != buf.len() as u64 => {
+                    return Err(UpstreamError::Broken {
+                        upstream: "response body".into(),
+                        detail: format!("the body ended after {} of the {n} bytes its Content-Length declared", buf.len()),
+                        kind: crate::telemetry::metrics::UpstreamErrorKind::Reset,
+                    });
+                }
+                _ => return Ok(UpstreamBody::Complete(buf.freeze())),
+            },
             Ok(Some(Err(e))) => {
                 return Err(UpstreamError::Broken {
                     upstream: "response body".into(),

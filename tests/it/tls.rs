@@ -982,3 +982,78 @@ async fn an_upstream_refusing_the_client_certificate_releases_the_key() {
         task.abort();
     }
 }
+
+/// An https upstream speaking HTTP/2 that answers 201 with a
+/// `Content-Length` of 100, sends the first 9 bytes of the body, then resets
+/// the stream with `NO_ERROR` 300 ms later (what an HTTP/2 front does when
+/// its own backend dies mid-answer). Counts the requests it received.
+async fn truncating_h2_upstream(
+    cert: Issued,
+) -> (std::net::SocketAddr, std::sync::Arc<std::sync::atomic::AtomicUsize>, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let settings = idemgate::tls::server::ListenerTls {
+        cert_file: cert.cert_file.clone(),
+        key_file: cert.key_file.clone(),
+        client_ca_file: None,
+        client_auth: idemgate::tls::server::ClientAuth::Off,
+        handshake_timeout: Duration::from_secs(5),
+    };
+    let tls = std::sync::Arc::new(idemgate::tls::server::TlsListener::new("test", settings, vec![&b"h2"[..]]).unwrap());
+    let received = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = received.clone();
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((sock, _)) = listener.accept().await else { return };
+            let (tls, counted) = (tls.clone(), counted.clone());
+            tokio::spawn(async move {
+                let Ok(accepted) = tls.handshake(sock).await else { return };
+                let Ok(mut conn) = h2::server::handshake(accepted.stream).await else { return };
+                while let Some(Ok((_req, mut respond))) = conn.accept().await {
+                    counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let head = http::Response::builder()
+                        .status(201)
+                        .header("content-type", "application/json")
+                        .header("content-length", "100")
+                        .body(())
+                        .unwrap();
+                    // On its own task: the accept loop drives the connection
+                    // meanwhile, so the head and the part go out first.
+                    tokio::spawn(async move {
+                        let Ok(mut send) = respond.send_response(head, false) else { return };
+                        let _ = send.send_data(bytes::Bytes::from_static(b"{\"order\":"), false);
+                        tokio::time::sleep(Duration::from_millis(300)).await;
+                        send.send_reset(h2::Reason::NO_ERROR);
+                    });
+                }
+            });
+        }
+    });
+    (addr, received, task)
+}
+
+/// hyper ends an HTTP/2 response body reset with `NO_ERROR` as if it were
+/// complete (RFC 9113 lets a server stop a request's upload that way after a
+/// complete response). A response whose body falls short of its
+/// `Content-Length` is not complete: the upstream acted and its answer is
+/// lost, so the record is `unknown` and a retry is refused, never answered
+/// with the 9 bytes that arrived.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_h2_answer_cut_short_by_a_no_error_reset_is_not_recorded_as_complete() {
+    let pki = Pki::new("upstream CA");
+    let (addr, received, task) = truncating_h2_upstream(pki.server(Alg::EcdsaP256)).await;
+    let backend = sqlite_backend();
+    let gw = Gateway::start(
+        GatewayConfig::new(backend.clone(), format!("https://localhost:{}", addr.port()))
+            .upstream(&format!("ca_file = \"{}\"", pki.ca_file.display())),
+    );
+    let r = post(&gw.url("/v1/orders"), "cut", ORDER, &[]).await;
+    assert_eq!((r.status, r.problem().as_str()), (504, "outcome-unknown"), "{r:?}\n{}", gw.logs());
+    let store = backend.open().await;
+    let rec = settled_record(&store, "cut").await.expect("a record");
+    assert_eq!(rec.state, State::Unknown, "{:?}", rec.response);
+    let retry = post(&gw.url("/v1/orders"), "cut", ORDER, &[]).await;
+    assert_eq!((retry.status, retry.problem().as_str()), (409, "outcome-unknown"), "{retry:?}");
+    assert_eq!(received.load(std::sync::atomic::Ordering::SeqCst), 1, "the retry was not sent");
+    task.abort();
+}
