@@ -685,7 +685,7 @@ fn failed(e: UpstreamError) -> Exchange {
 
 /// The length a response's head declares for its body (`Content-Length`),
 /// where it has one (not a 204 or 304).
-fn declared_length(head: &http::response::Parts) -> Option<u64> {
+pub(crate) fn declared_length(head: &http::response::Parts) -> Option<u64> {
     if matches!(head.status, http::StatusCode::NO_CONTENT | http::StatusCode::NOT_MODIFIED) {
         return None;
     }

@@ -384,6 +384,8 @@ async fn forward(route: &Route, upstream: &Upstream, parts: request::Parts, body
             buf: BytesMut::new(),
             limit: route.record.max_stored_response,
             over_limit: false,
+            declared: crate::executor::declared_length(&head),
+            seen: 0,
         }),
     };
     Response::from_parts(head, body)
@@ -427,6 +429,11 @@ struct Tee {
     buf: BytesMut,
     limit: u64,
     over_limit: bool,
+    /// The body's length as its head declares it, and how much came: a
+    /// body that ends short of it is an answer lost (see the executor's
+    /// `read_upstream_body`).
+    declared: Option<u64>,
+    seen: u64,
 }
 
 impl Tee {
@@ -446,6 +453,7 @@ impl hyper::body::Body for Tee {
         let this = self.get_mut();
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
+                this.seen += frame.data_ref().map_or(0, |d| d.len() as u64);
                 if let Some(data) = frame.data_ref()
                     && !this.over_limit
                 {
@@ -465,6 +473,12 @@ impl hyper::body::Body for Tee {
                     c.finish(Captured::MaybeExecuted);
                 }
                 Poll::Ready(Some(Err(e)))
+            }
+            Poll::Ready(None) if this.declared.is_some_and(|n| n != this.seen) => {
+                if let Some(c) = this.capture.take() {
+                    c.finish(Captured::MaybeExecuted);
+                }
+                Poll::Ready(None)
             }
             Poll::Ready(None) => {
                 this.finish(true);
@@ -566,6 +580,8 @@ mod tests {
                 buf: BytesMut::new(),
                 limit,
                 over_limit: false,
+                declared: None,
+                seen: 0,
             };
             (tee, rx)
         };

@@ -1057,3 +1057,30 @@ async fn an_h2_answer_cut_short_by_a_no_error_reset_is_not_recorded_as_complete(
     assert_eq!(received.load(std::sync::atomic::Ordering::SeqCst), 1, "the retry was not sent");
     task.abort();
 }
+
+/// The same cut-short answer through a route in observe mode: the client
+/// gets what came (its connection then breaks, as the body is short of its
+/// `Content-Length`), and the observed record is `unknown`, not a completed
+/// record of 9 bytes that enforcing would replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_observed_h2_answer_cut_short_is_recorded_unknown() {
+    let pki = Pki::new("upstream CA");
+    let (addr, received, task) = truncating_h2_upstream(pki.server(Alg::EcdsaP256)).await;
+    let backend = sqlite_backend();
+    let gw = Gateway::start(
+        GatewayConfig::new(backend.clone(), format!("https://localhost:{}", addr.port()))
+            .upstream(&format!("ca_file = \"{}\"", pki.ca_file.display()))
+            .route("mode = \"observe\""),
+    );
+    let first = try_post(&gw.url("/v1/orders"), "cut", ORDER, &[]).await;
+    assert!(first.is_err(), "the client's answer breaks off: {first:?}");
+    let store = backend.open().await;
+    let settled =
+        eventually(Duration::from_secs(10), || async { settled_record(&store, "cut").await.is_some_and(|r| r.state != State::InFlight) })
+            .await;
+    let rec = settled_record(&store, "cut").await;
+    assert!(settled, "{rec:?}\n{}", gw.logs());
+    assert_eq!(rec.map(|r| (r.state, r.response)), Some((State::Unknown, None)));
+    assert_eq!(received.load(std::sync::atomic::Ordering::SeqCst), 1);
+    task.abort();
+}
