@@ -285,19 +285,32 @@ fn tls_configuration_errors_name_the_file_and_the_toml_path() {
     assert!(out.contains("server.tls.ciphers"), "{out}");
 }
 
-/// A TLS server that completes no handshake: `stall` accepts and never
-/// answers; otherwise it presents `cert` (a CA the gateway does not trust).
-async fn broken_tls_upstream(stall: bool, cert: Issued) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
+/// A listener on a free port and the TLS that a test upstream speaks on it:
+/// `cert`, client certificates required from `client_ca` when given, ALPN
+/// `alpn`.
+async fn tls_upstream_listener(
+    cert: &Issued,
+    client_ca: Option<&std::path::Path>,
+    alpn: Vec<&'static [u8]>,
+) -> (tokio::net::TcpListener, std::net::SocketAddr, std::sync::Arc<idemgate::tls::server::TlsListener>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
+    let client_auth =
+        if client_ca.is_some() { idemgate::tls::server::ClientAuth::Required } else { idemgate::tls::server::ClientAuth::Off };
     let settings = idemgate::tls::server::ListenerTls {
         cert_file: cert.cert_file.clone(),
         key_file: cert.key_file.clone(),
-        client_ca_file: None,
-        client_auth: idemgate::tls::server::ClientAuth::Off,
+        client_ca_file: client_ca.map(std::path::Path::to_owned),
+        client_auth,
         handshake_timeout: Duration::from_secs(5),
     };
-    let tls = std::sync::Arc::new(idemgate::tls::server::TlsListener::new("test", settings, vec![b"http/1.1"]).unwrap());
+    (listener, addr, std::sync::Arc::new(idemgate::tls::server::TlsListener::new("test", settings, alpn).unwrap()))
+}
+
+/// A TLS server that completes no handshake: `stall` accepts and never
+/// answers; otherwise it presents `cert` (a CA the gateway does not trust).
+async fn broken_tls_upstream(stall: bool, cert: Issued) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
+    let (listener, addr, tls) = tls_upstream_listener(&cert, None, vec![b"http/1.1"]).await;
     let task = tokio::spawn(async move {
         let mut held = Vec::new();
         loop {
@@ -916,16 +929,7 @@ async fn client_certificate_upstream(
     client_ca: &std::path::Path,
     alpn: Vec<&'static [u8]>,
 ) -> (std::net::SocketAddr, std::sync::Arc<std::sync::atomic::AtomicUsize>, tokio::task::JoinHandle<()>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let settings = idemgate::tls::server::ListenerTls {
-        cert_file: cert.cert_file.clone(),
-        key_file: cert.key_file.clone(),
-        client_ca_file: Some(client_ca.to_owned()),
-        client_auth: idemgate::tls::server::ClientAuth::Required,
-        handshake_timeout: Duration::from_secs(5),
-    };
-    let tls = std::sync::Arc::new(idemgate::tls::server::TlsListener::new("test", settings, alpn).unwrap());
+    let (listener, addr, tls) = tls_upstream_listener(&cert, Some(client_ca), alpn).await;
     let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let counted = accepted.clone();
     let task = tokio::spawn(async move {
@@ -990,16 +994,7 @@ async fn an_upstream_refusing_the_client_certificate_releases_the_key() {
 async fn truncating_h2_upstream(
     cert: Issued,
 ) -> (std::net::SocketAddr, std::sync::Arc<std::sync::atomic::AtomicUsize>, tokio::task::JoinHandle<()>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let settings = idemgate::tls::server::ListenerTls {
-        cert_file: cert.cert_file.clone(),
-        key_file: cert.key_file.clone(),
-        client_ca_file: None,
-        client_auth: idemgate::tls::server::ClientAuth::Off,
-        handshake_timeout: Duration::from_secs(5),
-    };
-    let tls = std::sync::Arc::new(idemgate::tls::server::TlsListener::new("test", settings, vec![&b"h2"[..]]).unwrap());
+    let (listener, addr, tls) = tls_upstream_listener(&cert, None, vec![&b"h2"[..]]).await;
     let received = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let counted = received.clone();
     let task = tokio::spawn(async move {
