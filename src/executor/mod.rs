@@ -684,9 +684,12 @@ fn failed(e: UpstreamError) -> Exchange {
 }
 
 /// The length a response's head declares for its body (`Content-Length`),
-/// where it has one (not a 204 or 304).
+/// where it has one (not a 204 or 304, and not beside a `Transfer-Encoding`,
+/// which frames the body instead).
 pub(crate) fn declared_length(head: &http::response::Parts) -> Option<u64> {
-    if matches!(head.status, http::StatusCode::NO_CONTENT | http::StatusCode::NOT_MODIFIED) {
+    if matches!(head.status, http::StatusCode::NO_CONTENT | http::StatusCode::NOT_MODIFIED)
+        || head.headers.contains_key(http::header::TRANSFER_ENCODING)
+    {
         return None;
     }
     head.headers.get(http::header::CONTENT_LENGTH)?.to_str().ok()?.trim().parse().ok()
@@ -734,5 +737,28 @@ async fn read_upstream_body(
                 return Ok(UpstreamBody::TooLarge { prefix: buf.freeze(), rest: body });
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::declared_length;
+
+    fn head(status: u16, headers: &[(&str, &str)]) -> http::response::Parts {
+        let mut b = http::Response::builder().status(status);
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        b.body(()).unwrap().into_parts().0
+    }
+
+    #[test]
+    fn only_a_content_length_that_frames_the_body_is_declared() {
+        assert_eq!(declared_length(&head(201, &[("content-length", "100")])), Some(100));
+        assert_eq!(declared_length(&head(201, &[])), None);
+        assert_eq!(declared_length(&head(201, &[("content-length", "x")])), None);
+        assert_eq!(declared_length(&head(204, &[("content-length", "100")])), None);
+        assert_eq!(declared_length(&head(304, &[("content-length", "100")])), None);
+        assert_eq!(declared_length(&head(200, &[("content-length", "100"), ("transfer-encoding", "chunked")])), None);
     }
 }
