@@ -70,7 +70,14 @@ impl Lifecycle for PgStore {
         // Migrations may take longer than one protocol statement.
         // Custom plans, whichever pool the connection is from (a Citus node's
         // pool keeps generic plans, which Citus refuses for some statements).
-        tx.batch_execute("SET LOCAL statement_timeout = 0; SET LOCAL plan_cache_mode = force_custom_plan").await.map_err(m)?;
+        // READ COMMITTED whatever the default: the versions applied are read
+        // after the advisory lock, and must include what a migrator that
+        // held it before committed.
+        tx.batch_execute(
+            "SET LOCAL transaction_isolation = 'read committed'; SET LOCAL statement_timeout = 0; SET LOCAL plan_cache_mode = force_custom_plan",
+        )
+        .await
+        .map_err(m)?;
         if self.flavor == Flavor::Citus {
             // Schema changes on every shard with Citus's own parallelism, not
             // the one connection per node the store's sessions keep

@@ -63,6 +63,15 @@ impl Sessions {
     /// Sessions with these settings (and `statement_timeout`).
     pub(super) fn with(pooler: Pooler, settings: Vec<(&'static str, &'static str)>, timeout: Duration) -> Sessions {
         let mut settings: Vec<(&'static str, String)> = settings.into_iter().map(|(name, value)| (name, value.to_owned())).collect();
+        // READ COMMITTED, whatever the role's or database's default: a
+        // claim's `INSERT ... ON CONFLICT` that meets a key another
+        // transaction committed after the statement began takes that row
+        // as the one it met, and the takes' `SKIP LOCKED` reads move on;
+        // under REPEATABLE READ both fail with 40001 (a spurious 503 for
+        // the claim). In transaction mode the `SET LOCAL` comes right after
+        // `BEGIN`, before any snapshot, where it sets that transaction's.
+        let isolation = if pooler == Pooler::Transaction { "transaction_isolation" } else { "default_transaction_isolation" };
+        settings.push((isolation, "read committed".to_owned()));
         // statement_timeout: a statement the gateway gave up on (its operation
         // timed out, so it answered and may have abandoned a claim) must not
         // go on and commit later; the server cancels it at the same bound.
@@ -256,6 +265,8 @@ mod tests {
             pooled.begin
         );
         assert!(pooled.local().is_some_and(|l| l.ends_with("SET LOCAL statement_timeout = '5000'")));
+        assert!(direct.set.contains("SET default_transaction_isolation = 'read committed'"), "{}", direct.set);
+        assert!(pooled.begin.contains("SET LOCAL transaction_isolation = 'read committed'"), "{}", pooled.begin);
         assert!(pooled.describe().contains("statement_timeout=5000ms in force per transaction"), "{}", pooled.describe());
     }
 }

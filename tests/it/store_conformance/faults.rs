@@ -191,6 +191,54 @@ async fn pg_a_claim_that_may_still_commit_stays_ambiguous_after_a_definite_failu
     assert!(!c.took_over, "the key is free again");
 }
 
+/// A database whose default isolation is REPEATABLE READ (a role's or a
+/// database's setting). A claim that meets a key another transaction
+/// inserted and commits while the claim waits on it must find that record,
+/// as READ COMMITTED does; under REPEATABLE READ the statement fails with
+/// 40001 and the request gets a spurious 503. The store pins its sessions
+/// to READ COMMITTED: per session directly, per transaction behind
+/// PgBouncer in transaction mode (where it must be set before the
+/// transaction's first snapshot).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_a_claim_meeting_a_concurrent_insert_under_a_repeatable_read_default_finds_it() {
+    let direct = pg::shared().create_unique_database("isolation").expect("create database");
+    claim_under_repeatable_read(Backend::Postgres { url: direct.clone() }, &direct, "default_transaction_isolation").await;
+    let pooled = crate::support::pgbouncer_backend();
+    let Backend::Pooled { direct, .. } = &pooled else { unreachable!() };
+    let direct = direct.clone();
+    claim_under_repeatable_read(pooled, &direct, "transaction_isolation").await;
+}
+
+async fn claim_under_repeatable_read(backend: Backend, url: &str, setting: &str) {
+    let server = pg::shared();
+    let name = url.rsplit('/').next().expect("a database name").split('?').next().unwrap_or_default().to_owned();
+    server.simple_query(&name, &format!("ALTER DATABASE {name} SET default_transaction_isolation = 'repeatable read'")).expect("alter");
+    let store = open_with(&backend, Duration::from_secs(10), 2).await;
+    let url = url.to_owned();
+    claim(&store, &req(&key("first"), 1, LONG, false)).await;
+    let (raw, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.expect("connect");
+    tokio::spawn(conn);
+    // Another claimer's row for `second`, held uncommitted.
+    raw.batch_execute(
+        "BEGIN; INSERT INTO idemgate_records SELECT (jsonb_populate_record(NULL::idemgate_records, to_jsonb(r) || jsonb_build_object(\
+             'idempotency_key', 'second', 'scope_id', idemgate_scope_id(r.tenant, r.principal, r.operation, 'second'), \
+             'claim_token', gen_random_uuid()))).* FROM idemgate_records r WHERE r.idempotency_key = 'first'",
+    )
+    .await
+    .expect("insert, uncommitted");
+    let claiming = {
+        let store = store.clone();
+        tokio::spawn(async move { store.claim(&req(&key("second"), 1, LONG, false)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    raw.batch_execute("COMMIT").await.expect("commit");
+    let out = claiming.await.unwrap();
+    assert!(matches!(out, Ok(ClaimOutcome::Existing { .. })), "the other claimer's record is found: {out:?}");
+    let report = store.check_sessions().await.expect("sessions");
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    assert!(report.note.contains(&format!("{setting}=read committed")), "{}", report.note);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pg_restart_is_survived_by_the_same_store() {
     let mut server = tokio::task::spawn_blocking(PgServer::start).await.unwrap().expect("start private cluster");
