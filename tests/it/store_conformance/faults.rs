@@ -170,6 +170,15 @@ async fn pg_a_claim_that_may_still_commit_stays_ambiguous_after_a_definite_failu
     claim(&store, &req(&key("warm-up"), 1, LONG, false)).await;
 
     server.set_and_reload("synchronous_standby_names", "nobody").expect("commits wait for a standby");
+    // The reload reaches the pooled session asynchronously (the postmaster
+    // passes the signal on): wait until a new session sees it, then a
+    // little longer for the idle ones.
+    let seen = crate::support::eventually(Duration::from_secs(10), || async {
+        server.simple_query("conformance", "SHOW synchronous_standby_names").is_ok_and(|rows| rows[0][0].as_deref() == Some("nobody"))
+    })
+    .await;
+    assert!(seen, "the setting reached new sessions");
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let s = key("may-commit");
     let r = req(&s, 1, LONG, false);
     let out = store.claim(&r).await;
